@@ -1,0 +1,57 @@
+"""tenexd: the conversation brain of a team of AI agents living on Nostr.
+
+The stable public API (ARCHITECTURE.md)::
+
+    from tenex_daemon import NostrEvent, Agent, Phase, ConversationManager, MemoryStore
+"""
+
+from __future__ import annotations
+
+from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.core.agents import Agent, AgentDirectory
+from tenex_daemon.core.context import AgentContext, ChatMessage
+from tenex_daemon.core.conversation import AgentState, Conversation, ConversationMetadata
+from tenex_daemon.core.errors import (
+    ConversationArchivedError,
+    ConversationNotFoundError,
+    InvalidEventError,
+    PhaseTransitionError,
+    TenexError,
+    UnknownAgentError,
+)
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.execution_time import ExecutionTime
+from tenex_daemon.core.phases import Phase, PhaseRules, PhaseTransition
+from tenex_daemon.core.search import ConversationSummary, SearchQuery
+from tenex_daemon.core.turns import Completion, OrchestratorTurn
+from tenex_daemon.services.conversation_manager import ConversationManager
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Agent",
+    "AgentContext",
+    "AgentDirectory",
+    "AgentState",
+    "ChatMessage",
+    "Completion",
+    "Conversation",
+    "ConversationArchivedError",
+    "ConversationManager",
+    "ConversationMetadata",
+    "ConversationNotFoundError",
+    "ConversationSummary",
+    "ExecutionTime",
+    "InvalidEventError",
+    "MemoryStore",
+    "NostrEvent",
+    "OrchestratorTurn",
+    "Phase",
+    "PhaseRules",
+    "PhaseTransition",
+    "PhaseTransitionError",
+    "SearchQuery",
+    "TenexError",
+    "UnknownAgentError",
+    "__version__",
+]

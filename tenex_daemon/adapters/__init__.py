@@ -1,0 +1,1 @@
+"""Adapters: concrete Nostr, storage and LLM implementations of the core ports."""

@@ -1,0 +1,1 @@
+"""Nostr adapters: codec, relay pool, publisher, signers."""

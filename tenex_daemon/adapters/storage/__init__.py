@@ -1,0 +1,1 @@
+"""Conversation stores: memory, filesystem, PostgreSQL."""

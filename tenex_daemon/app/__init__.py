@@ -1,0 +1,1 @@
+"""The application: settings, wiring, daemon lifecycle, control API, logging, metrics."""

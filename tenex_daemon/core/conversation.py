@@ -1,0 +1,138 @@
+"""The conversation aggregate: history, per-agent views, phase, turns, execution time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, PrivateAttr
+
+from tenex_daemon.core.agents import claims_agent
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.execution_time import ExecutionTime
+from tenex_daemon.core.phases import Phase, PhaseTransition
+from tenex_daemon.core.references import find_event_references
+from tenex_daemon.core.turns import OrchestratorTurn
+
+UNTITLED = "Untitled Conversation"
+
+
+class AgentState(BaseModel):
+    """One agent's view of one conversation."""
+
+    last_processed_index: int = 0
+    """How much of history the agent has been shown (the LPI of CONTEXT.md)."""
+    session_id: str | None = None
+    """The backend session to resume (the ``claude-session`` tag), if any."""
+
+
+class ReferencedArticle(BaseModel):
+    """A long-form article (kind 30023) the conversation root points at."""
+
+    title: str
+    content: str
+    identifier: str
+    author: str
+
+
+class ConversationMetadata(BaseModel):
+    """Facts about a conversation kept beside its history."""
+
+    summary: str | None = None
+    requirements: str | None = None
+    plan: str | None = None
+    read_files: list[str] = Field(default_factory=list)
+    last_user_message: str | None = None
+    referenced_article: ReferencedArticle | None = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class Conversation(BaseModel):
+    """A conversation: every accepted event in append order and the state derived around it.
+
+    ``history`` is append-only: an event is never reordered or removed, so stored
+    indices (agent states, transitions) stay valid.
+    """
+
+    id: str
+    title: str = UNTITLED
+    root_kind: int = 11
+    phase: Phase = Phase.CHAT
+    phase_started_at: int = 0
+    created_at: int = 0
+    """Milliseconds since the epoch when tenexd created the conversation."""
+    updated_at: int = 0
+    history: list[NostrEvent] = Field(default_factory=list)
+    agent_states: dict[str, AgentState] = Field(default_factory=dict)
+    metadata: ConversationMetadata = Field(default_factory=ConversationMetadata)
+    phase_transitions: list[PhaseTransition] = Field(default_factory=list)
+    orchestrator_turns: list[OrchestratorTurn] = Field(default_factory=list)
+    execution_time: ExecutionTime = Field(default_factory=ExecutionTime)
+    archived: bool = False
+
+    _event_ids: set[str] = PrivateAttr(default_factory=set)
+    _agent_claimants: set[str] = PrivateAttr(default_factory=set)
+    _references: dict[str, None] = PrivateAttr(default_factory=dict)
+
+    def model_post_init(self, context: Any, /) -> None:
+        history, self.history = self.history, []
+        for event in history:
+            self.append(event)
+
+    @property
+    def root(self) -> NostrEvent | None:
+        """The conversation's first event."""
+        return self.history[0] if self.history else None
+
+    def contains_event(self, event_id: str) -> bool:
+        """Return whether an event with this id is in history."""
+        return event_id in self._event_ids
+
+    def append(self, event: NostrEvent) -> bool:
+        """Append ``event`` to history; return False (and change nothing) for a duplicate id."""
+        if event.id in self._event_ids:
+            return False
+        self.history.append(event)
+        self._event_ids.add(event.id)
+        if claims_agent(event.tags):
+            self._agent_claimants.add(event.pubkey)
+        if "nostr:" in event.content:
+            for uri in find_event_references(event.content):
+                self._references[uri] = None
+        return True
+
+    def event_references(self) -> list[str]:
+        """Return the ``nostr:`` event references found in history, in first-seen order."""
+        return list(self._references)
+
+    def claims_agent(self, pubkey: str) -> bool:
+        """Return whether this author wrote agent-only tags in this conversation."""
+        return pubkey in self._agent_claimants
+
+    def agent_state(self, slug: str) -> AgentState:
+        """Return the agent's state, creating it at index 0 on first use."""
+        state = self.agent_states.get(slug)
+        if state is None:
+            state = self.agent_states[slug] = AgentState()
+        return state
+
+    def open_turn(self) -> OrchestratorTurn | None:
+        """Return the newest turn if it is still open."""
+        if self.orchestrator_turns and not self.orchestrator_turns[-1].is_completed:
+            return self.orchestrator_turns[-1]
+        return None
+
+    def participants(self) -> set[str]:
+        """Return the public keys of every author in history."""
+        return {event.pubkey for event in self.history}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return everything but history as JSON-ready data (what a snapshot stores)."""
+        return self.model_dump(mode="json", exclude={"history"})
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], history: list[NostrEvent]) -> Conversation:
+        """Rebuild a conversation from a snapshot and its event log."""
+        conversation = cls.model_validate({**state, "history": []})
+        for event in history:
+            conversation.append(event)
+        return conversation

@@ -1,0 +1,63 @@
+"""Domain errors. Each says what went wrong in words a user can act on."""
+
+from __future__ import annotations
+
+
+class TenexError(Exception):
+    """Base class of every error tenexd raises on purpose."""
+
+
+class InvalidEventError(TenexError, ValueError):
+    """An event does not have the NIP-01 shape or its id does not match its content."""
+
+
+class ConversationNotFoundError(TenexError, LookupError):
+    """No conversation with the given id is stored."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"conversation {conversation_id} not found")
+        self.conversation_id = conversation_id
+
+
+class ConversationExistsError(TenexError):
+    """A conversation with the given id is already stored."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"conversation {conversation_id} already exists")
+        self.conversation_id = conversation_id
+
+
+class ConversationArchivedError(TenexError):
+    """The conversation is archived and read-only until it is restored."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(
+            f"conversation {conversation_id} is archived and read-only; restore it first"
+        )
+        self.conversation_id = conversation_id
+
+
+class UnknownAgentError(TenexError, LookupError):
+    """No agent with the given slug is configured."""
+
+    def __init__(self, slug: str) -> None:
+        super().__init__(f"unknown agent {slug!r}")
+        self.slug = slug
+
+
+class PhaseTransitionError(TenexError, ValueError):
+    """The phase rules forbid the requested transition."""
+
+    def __init__(self, from_phase: str, to_phase: str, allowed: list[str]) -> None:
+        allowed_text = ", ".join(allowed) if allowed else "none"
+        super().__init__(
+            f"phase transition {from_phase} -> {to_phase} is not allowed "
+            f"(allowed from {from_phase}: {allowed_text})"
+        )
+        self.from_phase = from_phase
+        self.to_phase = to_phase
+        self.allowed = allowed
+
+
+class TurnNotFoundError(TenexError, LookupError):
+    """The conversation has no orchestrator turn with the given id."""

@@ -1,0 +1,95 @@
+"""The ports the services depend on. Adapters implement them; the wiring picks which."""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol, runtime_checkable
+
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.nip19 import Entity
+from tenex_daemon.core.search import ConversationSummary, SearchQuery
+
+
+@runtime_checkable
+class ConversationStore(Protocol):
+    """Durable conversations (ARCHITECTURE.md's durability contract).
+
+    The manager serializes writers per conversation; a store may assume that no two
+    calls change the same conversation at once. Every method that changes data has
+    made the change durable (as its fsync policy says) when it returns.
+    """
+
+    async def open(self) -> None:
+        """Prepare the store (create folders or tables, recover from a crash)."""
+
+    async def close(self) -> None:
+        """Flush pending writes and release resources. Safe to call twice."""
+
+    async def create(self, conversation: Conversation) -> None:
+        """Store a new conversation with its history and state.
+
+        Raises :class:`~tenex_daemon.core.errors.ConversationExistsError` if the id is taken.
+        """
+
+    async def load(self, conversation_id: str) -> Conversation | None:
+        """Return the conversation, or None when it is not stored (or unreadable)."""
+
+    async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
+        """Append one event to a stored conversation's history; O(size of the event).
+
+        The event is accepted (and counted as processed) once this returns.
+        """
+
+    async def save_state(self, conversation: Conversation) -> None:
+        """Replace everything but history (agent states, phase, turns, metadata, timing)."""
+
+    async def set_archived(self, conversation_id: str, archived: bool) -> None:
+        """Archive or restore a conversation."""
+
+    async def delete(self, conversation_id: str) -> bool:
+        """Remove a conversation; return whether it existed. Its event ids stay processed."""
+
+    async def search(self, query: SearchQuery) -> list[ConversationSummary]:
+        """Return index rows matching ``query``, newest update first."""
+
+    async def is_processed(self, event_id: str) -> bool:
+        """Return whether this event id was ever accepted or marked processed."""
+
+    async def mark_processed(self, event_id: str) -> None:
+        """Remember an event id that was handled without joining a conversation."""
+
+    async def find_event(self, event_id: str) -> tuple[str, NostrEvent] | None:
+        """Return (conversation id, event) for a stored event id, if any."""
+
+    async def get_meta(self, key: str) -> str | None:
+        """Return a small value the daemon keeps beside conversations (relay cursors...)."""
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Durably store a small value under ``key``."""
+
+    def lease(self, conversation_id: str) -> AbstractAsyncContextManager[None]:
+        """Hold the right to work on a conversation (exclusive across processes sharing the store)."""
+
+
+class EventResolver(Protocol):
+    """Finds the event a NIP-19 reference points at (store first, then relays)."""
+
+    async def resolve(self, entity: Entity) -> NostrEvent | None:
+        """Return the referenced event, or None when it cannot be found."""
+
+
+class Clock(Protocol):
+    """Wall-clock time in milliseconds since the epoch."""
+
+    def now_ms(self) -> int:
+        """Return the current time in milliseconds."""
+
+
+class SystemClock:
+    """The real clock."""
+
+    def now_ms(self) -> int:
+        """Return ``time.time()`` in milliseconds."""
+        return time.time_ns() // 1_000_000

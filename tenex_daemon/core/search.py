@@ -1,0 +1,102 @@
+"""Conversation search: the query, the summary row every store returns, and matching rules."""
+
+from __future__ import annotations
+
+import difflib
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.phases import Phase
+
+FUZZY_THRESHOLD = 0.6
+"""Similarity (difflib ratio, 0..1) above which a title matches a query it does not contain."""
+
+
+class SearchQuery(BaseModel):
+    """Filters for :meth:`ConversationStore.search`. Unset filters match everything."""
+
+    model_config = ConfigDict(frozen=True)
+
+    title: str | None = None
+    phase: Phase | None = None
+    date_from: datetime | None = None
+    date_to: datetime | None = None
+    archived: bool | None = None
+    participant: str | None = None
+    """A hex public key that authored at least one event."""
+    limit: int | None = None
+
+
+class ConversationSummary(BaseModel):
+    """An index row: what listing and search return without loading history."""
+
+    id: str
+    title: str
+    phase: Phase
+    created_at: int
+    """Milliseconds since the epoch."""
+    updated_at: int
+    event_count: int
+    agent_count: int
+    archived: bool = False
+    participants: list[str] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, conversation: Conversation) -> ConversationSummary:
+        """Return the summary row of a loaded conversation."""
+        return cls(
+            id=conversation.id,
+            title=conversation.title,
+            phase=conversation.phase,
+            created_at=conversation.created_at,
+            updated_at=conversation.updated_at,
+            event_count=len(conversation.history),
+            agent_count=len(conversation.agent_states),
+            archived=conversation.archived,
+            participants=sorted(conversation.participants()),
+        )
+
+
+def title_matches(title: str, query: str) -> bool:
+    """Case-insensitive substring match, else a fuzzy match against the title or any word run."""
+    t = title.casefold()
+    q = query.casefold().strip()
+    if not q or q in t:
+        return True
+    if difflib.SequenceMatcher(None, q, t).ratio() >= FUZZY_THRESHOLD:
+        return True
+    words = t.split()
+    width = max(1, len(q.split()))
+    for i in range(len(words)):
+        window = " ".join(words[i : i + width])
+        if difflib.SequenceMatcher(None, q, window).ratio() >= FUZZY_THRESHOLD:
+            return True
+    return False
+
+
+def _ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+def summary_matches(summary: ConversationSummary, query: SearchQuery) -> bool:
+    """Return whether an index row passes every filter of ``query``."""
+    if query.archived is not None and summary.archived != query.archived:
+        return False
+    if query.phase is not None and summary.phase != query.phase:
+        return False
+    if query.date_from is not None and summary.created_at < _ms(query.date_from):
+        return False
+    if query.date_to is not None and summary.created_at > _ms(query.date_to):
+        return False
+    if query.participant is not None and query.participant not in summary.participants:
+        return False
+    return query.title is None or title_matches(summary.title, query.title)
+
+
+def apply_query(rows: list[ConversationSummary], query: SearchQuery) -> list[ConversationSummary]:
+    """Filter rows by ``query``, newest update first, cut at ``query.limit``."""
+    found = [row for row in rows if summary_matches(row, query)]
+    found.sort(key=lambda row: (row.updated_at, row.id), reverse=True)
+    return found if query.limit is None else found[: query.limit]

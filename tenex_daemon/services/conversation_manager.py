@@ -1,0 +1,458 @@
+"""ConversationManager: the one place that changes conversations.
+
+Every change runs under the conversation's lock as load -> change -> save, so
+concurrent handlers never interleave on one conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Any
+
+import structlog
+
+from tenex_daemon.core import nip19
+from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole
+from tenex_daemon.core.context import (
+    AgentContext,
+    build_agent_messages,
+    build_routing_context,
+    conversation_event_references,
+)
+from tenex_daemon.core.conversation import UNTITLED, Conversation, ReferencedArticle
+from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.phases import Phase, PhaseRules, PhaseTransition
+from tenex_daemon.core.ports import Clock, ConversationStore, EventResolver, SystemClock
+from tenex_daemon.core.search import ConversationSummary, SearchQuery
+from tenex_daemon.core.turns import OrchestratorTurn
+from tenex_daemon.core.vocabulary import (
+    KIND_ARTICLE,
+    TAG_ADDRESS,
+    TAG_TITLE,
+    TAG_TOOL,
+    TOOL_COMPLETE,
+)
+from tenex_daemon.services.locks import KeyedLock
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_RESOLVE_TIMEOUT_S = 2.0
+RESOLVED_CACHE_SIZE = 1024
+
+
+class ConversationManager:
+    """Creates conversations, accepts events, builds each agent's view and tracks phases and turns.
+
+    ``store`` is any :class:`~tenex_daemon.core.ports.ConversationStore`; ``agents`` the
+    project's agents (an iterable of :class:`Agent` or an :class:`AgentDirectory`).
+    ``resolver`` finds events referenced by ``nostr:`` URIs and articles (none: references
+    are left as written). Resolution never takes longer than ``resolve_timeout`` seconds.
+    """
+
+    def __init__(
+        self,
+        store: ConversationStore,
+        agents: Iterable[Agent] | AgentDirectory,
+        project_pubkey: str | None = None,
+        *,
+        resolver: EventResolver | None = None,
+        phase_rules: PhaseRules | None = None,
+        clock: Clock | None = None,
+        resolve_timeout: float = DEFAULT_RESOLVE_TIMEOUT_S,
+    ) -> None:
+        self._store = store
+        if isinstance(agents, AgentDirectory):
+            self.agents = agents
+            if project_pubkey is not None:
+                self.agents.project_pubkey = project_pubkey
+        else:
+            self.agents = AgentDirectory(agents, project_pubkey)
+        self._resolver = resolver
+        self.phase_rules = phase_rules or PhaseRules()
+        self._clock: Clock = clock or SystemClock()
+        self._resolve_timeout = resolve_timeout
+        self._locks = KeyedLock()
+        self._resolved: OrderedDict[str, str] = OrderedDict()
+
+    @property
+    def store(self) -> ConversationStore:
+        """The store this manager persists through."""
+        return self._store
+
+    # --- loading --------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _locked(self, conversation_id: str) -> AsyncIterator[Conversation]:
+        """Hold the conversation's lock (and the store's lease) and yield it loaded."""
+        async with self._locks.hold(conversation_id), self._store.lease(conversation_id):
+            yield await self._load_required(conversation_id)
+
+    async def _load_required(self, conversation_id: str) -> Conversation:
+        conversation = await self._load(conversation_id)
+        if conversation is None:
+            raise ConversationNotFoundError(conversation_id)
+        return conversation
+
+    async def _load(self, conversation_id: str) -> Conversation | None:
+        """Load (caller holds the lock); an execution session orphaned by a crash is reset."""
+        conversation = await self._store.load(conversation_id)
+        if conversation is not None and conversation.execution_time.reset_if_stale(self._clock.now_ms()):
+            log.warning("execution_session_reset", conversation_id=conversation_id, reason="stale")
+            await self._store.save_state(conversation)
+        return conversation
+
+    async def get_conversation(self, conversation_id: str) -> Conversation | None:
+        """Return the conversation, or None when it is not stored."""
+        async with self._locks.hold(conversation_id):
+            return await self._load(conversation_id)
+
+    async def _save(self, conversation: Conversation) -> None:
+        conversation.updated_at = self._clock.now_ms()
+        await self._store.save_state(conversation)
+
+    # --- events ---------------------------------------------------------------------------
+
+    async def create_conversation(self, event: NostrEvent) -> Conversation:
+        """Create a conversation whose root (and id) is ``event``; idempotent by id.
+
+        Title: the ``title`` tag, else "Untitled Conversation". Summary: the content.
+        An ``a`` tag ``30023:<pubkey>:<d>`` makes the article the referenced article.
+        """
+        event.require_valid_id()
+        async with self._locks.hold(event.id):
+            existing = await self._load(event.id)
+            if existing is not None:
+                return existing
+            now = self._clock.now_ms()
+            conversation = Conversation(
+                id=event.id,
+                title=event.tag_value(TAG_TITLE) or UNTITLED,
+                root_kind=event.kind,
+                phase=Phase.CHAT,
+                phase_started_at=now,
+                created_at=now,
+                updated_at=now,
+            )
+            conversation.append(event)
+            conversation.metadata.summary = event.content
+            self._note_user_message(conversation, event)
+            conversation.metadata.referenced_article = await self._referenced_article(event)
+            await self._store.create(conversation)
+            log.info("conversation_created", conversation_id=event.id, title=conversation.title)
+            return conversation
+
+    async def add_event(self, conversation_id: str, event: NostrEvent) -> bool:
+        """Append ``event`` to the conversation; return False for a duplicate id.
+
+        The event is accepted (durable) when this returns True. An agent event tagged
+        ``["tool", "complete"]`` also counts as that agent's completion of the open turn.
+        """
+        event.require_valid_id()
+        async with self._locked(conversation_id) as conversation:
+            if conversation.archived:
+                raise ConversationArchivedError(conversation_id)
+            if conversation.contains_event(event.id) or await self._store.is_processed(event.id):
+                return False
+            await self._store.append_event(conversation_id, event)
+            conversation.append(event)
+            state_changed = self._note_user_message(conversation, event)
+            agent = self.agents.by_pubkey(event.pubkey)
+            turn = conversation.open_turn()
+            if agent is not None and turn is not None and event.has_tag(TAG_TOOL, TOOL_COMPLETE):
+                state_changed |= turn.add_completion(agent.slug, event.content, self._clock.now_ms())
+            if state_changed:
+                await self._save(conversation)
+            return True
+
+    def _note_user_message(self, conversation: Conversation, event: NostrEvent) -> bool:
+        claims = conversation.claims_agent(event.pubkey)
+        if self.agents.role_of(event.pubkey, claims) is AuthorRole.USER and event.content:
+            conversation.metadata.last_user_message = event.content
+            return True
+        return False
+
+    # --- what an agent sees -------------------------------------------------------------
+
+    async def build_agent_messages(
+        self, conversation_id: str, agent_slug: str, trigger: NostrEvent
+    ) -> AgentContext:
+        """Return the messages ``agent_slug`` is sent to respond to ``trigger`` (CONTEXT.md).
+
+        The agent's last processed index and session id are persisted before this returns.
+        """
+        agent = self.agents.get(agent_slug)
+        async with self._locks.hold(conversation_id):
+            references = conversation_event_references(await self._load_required(conversation_id), trigger)
+        resolved = await self._resolve_references(references)
+        async with self._locked(conversation_id) as conversation:
+            context = build_agent_messages(conversation, agent, trigger, self.agents, resolved)
+            state = conversation.agent_state(agent.slug)
+            state.last_processed_index = context.last_processed_index
+            state.session_id = context.session_id
+            await self._save(conversation)
+            return context
+
+    async def update_agent_state(
+        self,
+        conversation_id: str,
+        agent_slug: str,
+        *,
+        last_processed_index: int | None = None,
+        session_id: str | None = None,
+    ) -> None:
+        """Set an agent's last processed index and/or session id (None leaves a field as is)."""
+        agent = self.agents.get(agent_slug)
+        async with self._locked(conversation_id) as conversation:
+            state = conversation.agent_state(agent.slug)
+            if last_processed_index is not None:
+                if not 0 <= last_processed_index <= len(conversation.history):
+                    raise ValueError(
+                        f"last_processed_index {last_processed_index} is outside history "
+                        f"(0..{len(conversation.history)})"
+                    )
+                state.last_processed_index = last_processed_index
+            if session_id is not None:
+                state.session_id = session_id
+            await self._save(conversation)
+
+    async def _resolve_references(self, uris: Sequence[str]) -> dict[str, str]:
+        """Resolve ``nostr:`` URIs (cached); anything slower than the timeout stays unresolved."""
+        if not uris:
+            return {}
+        resolved = {uri: self._resolved[uri] for uri in uris if uri in self._resolved}
+        pending = [uri for uri in uris if uri not in resolved]
+        if not pending or self._resolver is None:
+            return resolved
+        results = await asyncio.gather(*(self._resolve_one(uri) for uri in pending))
+        for uri, content in zip(pending, results, strict=True):
+            if content is not None:
+                resolved[uri] = content
+                self._resolved[uri] = content
+                self._resolved.move_to_end(uri)
+        while len(self._resolved) > RESOLVED_CACHE_SIZE:
+            self._resolved.popitem(last=False)
+        return resolved
+
+    async def _resolve_one(self, uri: str) -> str | None:
+        event = await self._resolve_entity(nip19.decode(uri))
+        return None if event is None else event.content
+
+    async def _resolve_entity(self, entity: nip19.Entity) -> NostrEvent | None:
+        if self._resolver is None:
+            return None
+        try:
+            async with asyncio.timeout(self._resolve_timeout):
+                event = await self._resolver.resolve(entity)
+        except TimeoutError:
+            log.warning("reference_unresolved", entity=entity.kind_name, reason="timeout")
+            return None
+        except Exception:
+            log.exception("reference_unresolved", entity=entity.kind_name, reason="resolver_error")
+            return None
+        if event is not None and not event.has_valid_id():
+            log.warning("reference_unresolved", entity=entity.kind_name, reason="bad_id")
+            return None
+        return event
+
+    async def _referenced_article(self, event: NostrEvent) -> ReferencedArticle | None:
+        for value in event.tag_values(TAG_ADDRESS):
+            kind, _, rest = value.partition(":")
+            author, _, identifier = rest.partition(":")
+            if kind != str(KIND_ARTICLE) or not identifier:
+                continue
+            entity = nip19.Entity("naddr", identifier, (), author, KIND_ARTICLE)
+            article = await self._resolve_entity(entity)
+            if article is None:
+                log.info("article_unresolved", identifier=identifier)
+                return None
+            return ReferencedArticle(
+                title=article.tag_value(TAG_TITLE) or f"Context: {identifier}",
+                content=article.content,
+                identifier=identifier,
+                author=author,
+            )
+        return None
+
+    # --- phases ---------------------------------------------------------------------------
+
+    async def update_phase(
+        self,
+        conversation_id: str,
+        phase: Phase | str,
+        message: str,
+        agent_slug: str,
+        reason: str | None = None,
+        summary: str | None = None,
+    ) -> PhaseTransition:
+        """Move the conversation to ``phase`` (a same-phase handoff is recorded too).
+
+        Raises :class:`~tenex_daemon.core.errors.PhaseTransitionError` when the phase
+        rules forbid it. Leaving reflection for chat clears the read-files set.
+        """
+        target = Phase(phase)
+        agent = self.agents.get(agent_slug)
+        async with self._locked(conversation_id) as conversation:
+            if conversation.archived:
+                raise ConversationArchivedError(conversation_id)
+            self.phase_rules.check(conversation.phase, target)
+            now = self._clock.now_ms()
+            transition = PhaseTransition(
+                from_phase=conversation.phase,
+                to_phase=target,
+                message=message,
+                timestamp=now,
+                agent_slug=agent.slug,
+                agent_pubkey=agent.pubkey,
+                agent_name=agent.name,
+                reason=reason,
+                summary=summary,
+                history_index=len(conversation.history),
+            )
+            conversation.phase_transitions.append(transition)
+            if conversation.phase is Phase.REFLECTION and target is Phase.CHAT:
+                conversation.metadata.read_files.clear()
+            if target != conversation.phase:
+                conversation.phase = target
+                conversation.phase_started_at = now
+            await self._save(conversation)
+            log.info(
+                "phase_changed",
+                conversation_id=conversation_id,
+                from_phase=transition.from_phase.value,
+                to_phase=target.value,
+                agent=agent.slug,
+            )
+            return transition
+
+    async def update_metadata(self, conversation_id: str, **fields: Any) -> None:
+        """Set metadata fields (summary, requirements, plan, read_files, ...)."""
+        async with self._locked(conversation_id) as conversation:
+            for name, value in fields.items():
+                if name not in type(conversation.metadata).model_fields:
+                    raise ValueError(f"unknown metadata field {name!r}")
+                setattr(conversation.metadata, name, value)
+            await self._save(conversation)
+
+    # --- orchestrator turns ---------------------------------------------------------------
+
+    async def start_orchestrator_turn(
+        self,
+        conversation_id: str,
+        phase: Phase | str,
+        agents: Sequence[str],
+        reason: str | None = None,
+    ) -> str:
+        """Record a routing decision and return its turn id.
+
+        A turn still open is closed first (superseded) so its partial completions stay
+        visible in the routing history.
+        """
+        if not agents:
+            raise ValueError("a turn routes to at least one agent")
+        for slug in agents:
+            self.agents.get(slug)
+        async with self._locked(conversation_id) as conversation:
+            previous = conversation.open_turn()
+            if previous is not None:
+                previous.is_completed = True
+            turn = OrchestratorTurn(
+                turn_id=uuid.uuid4().hex,
+                timestamp=self._clock.now_ms(),
+                phase=Phase(phase),
+                agents=list(agents),
+                reason=reason,
+            )
+            conversation.orchestrator_turns.append(turn)
+            await self._save(conversation)
+            return turn.turn_id
+
+    async def add_completion_to_turn(self, conversation_id: str, agent_slug: str, message: str) -> bool:
+        """Record ``agent_slug``'s completion of the open turn; False if none is open or it already did."""
+        async with self._locked(conversation_id) as conversation:
+            turn = conversation.open_turn()
+            if turn is None or not turn.add_completion(agent_slug, message, self._clock.now_ms()):
+                return False
+            await self._save(conversation)
+            return True
+
+    async def build_orchestrator_routing_context(
+        self, conversation_id: str, trigger: NostrEvent | None = None
+    ) -> dict[str, Any]:
+        """Return the orchestrator's routing context JSON object (CONTEXT.md).
+
+        A ``trigger`` that is a completion not yet recorded shows in ``current_routing``.
+        """
+        async with self._locks.hold(conversation_id):
+            conversation = await self._load_required(conversation_id)
+        preview: tuple[str, str, int] | None = None
+        if trigger is not None and trigger.has_tag(TAG_TOOL, TOOL_COMPLETE):
+            agent = self.agents.by_pubkey(trigger.pubkey)
+            if agent is not None:
+                preview = (agent.slug, trigger.content, trigger.created_at * 1000)
+        return build_routing_context(conversation, preview)
+
+    # --- execution time -------------------------------------------------------------------
+
+    async def start_execution(self, conversation_id: str) -> None:
+        """Start timing work on the conversation (a no-op when already timing)."""
+        async with self._locked(conversation_id) as conversation:
+            conversation.execution_time.start(self._clock.now_ms())
+            await self._save(conversation)
+
+    async def stop_execution(self, conversation_id: str) -> int:
+        """Stop timing and return the seconds added (0 when not timing)."""
+        async with self._locked(conversation_id) as conversation:
+            added = conversation.execution_time.stop(self._clock.now_ms())
+            await self._save(conversation)
+            return added
+
+    async def execution_seconds(self, conversation_id: str) -> int:
+        """Return total execution seconds, including a live session."""
+        async with self._locks.hold(conversation_id):
+            conversation = await self._load_required(conversation_id)
+        return conversation.execution_time.total(self._clock.now_ms())
+
+    # --- lifecycle and search -------------------------------------------------------------
+
+    async def archive_conversation(self, conversation_id: str) -> None:
+        """Archive the conversation: it stays readable and becomes read-only."""
+        async with self._locked(conversation_id) as conversation:
+            await self._store.set_archived(conversation_id, True)
+            conversation.archived = True
+            log.info("conversation_archived", conversation_id=conversation_id)
+
+    async def restore_conversation(self, conversation_id: str) -> None:
+        """Restore an archived conversation so it accepts events again."""
+        async with self._locked(conversation_id) as conversation:
+            await self._store.set_archived(conversation_id, False)
+            conversation.archived = False
+            log.info("conversation_restored", conversation_id=conversation_id)
+
+    async def search_conversations(
+        self,
+        title: str | None = None,
+        phase: Phase | str | None = None,
+        date_from: datetime | None = None,
+        date_to: datetime | None = None,
+        archived: bool | None = None,
+        participant: str | None = None,
+        limit: int | None = None,
+    ) -> list[ConversationSummary]:
+        """Return summary rows matching every given filter, newest update first."""
+        query = SearchQuery(
+            title=title,
+            phase=Phase(phase) if phase is not None else None,
+            date_from=date_from,
+            date_to=date_to,
+            archived=archived,
+            participant=participant,
+            limit=limit,
+        )
+        return await self._store.search(query)
+
