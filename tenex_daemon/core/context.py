@@ -17,8 +17,7 @@ from tenex_daemon.core.vocabulary import TAG_SESSION
 
 WHILE_AWAY_HEADER: Final = "=== MESSAGES WHILE YOU WERE AWAY ===\n\n"
 WHILE_AWAY_FOOTER: Final = (
-    "=== END OF HISTORY ===\n"
-    "Respond to the most recent user message above, considering the context.\n\n"
+    "=== END OF HISTORY ===\nRespond to the most recent user message above, considering the context.\n\n"
 )
 NEW_INTERACTION: Final = "=== NEW INTERACTION ==="
 USER_LABEL: Final = "🟢 USER"
@@ -44,6 +43,8 @@ class AgentContext:
     session_id: str | None
     last_processed_index: int
     """The agent's LPI after this build (history length at the start of the call)."""
+    transitions_seen: int = 0
+    """Phase transitions the agent has now been told about."""
 
 
 def previous_context_line(summary: str) -> str:
@@ -74,9 +75,7 @@ class _Sender(NamedTuple):
     label: str
 
 
-def _sender_for(
-    pubkey: str, conversation: Conversation, agent: Agent, directory: AgentDirectory
-) -> _Sender:
+def _sender_for(pubkey: str, conversation: Conversation, agent: Agent, directory: AgentDirectory) -> _Sender:
     if pubkey == agent.pubkey:
         return _Sender("assistant", None, AGENT_LABEL_PREFIX + agent.name)
     role = directory.role_of(pubkey, conversation.claims_agent(pubkey))
@@ -147,7 +146,8 @@ def build_agent_messages(
             continue
         away_parts.append(f"{sender(event).label}:\n{text(event.content)}\n\n")
     if away_parts:
-        summary = _handoff_summary_since(conversation, last_processed)
+        seen = state.transitions_seen if state is not None else 0
+        summary = _handoff_summary_since(conversation, seen)
         block = WHILE_AWAY_HEADER
         if summary:
             block += previous_context_line(summary)
@@ -166,13 +166,14 @@ def build_agent_messages(
     # 5. The state to persist.
     session_tag = trigger.tag_value(TAG_SESSION)
     session_id = session_tag if session_tag else (state.session_id if state is not None else None)
-    return AgentContext(messages, session_id, max(history_length, last_processed))
+    return AgentContext(
+        messages, session_id, max(history_length, last_processed), len(conversation.phase_transitions)
+    )
 
 
-def _handoff_summary_since(conversation: Conversation, last_processed: int) -> str | None:
-    for transition in reversed(conversation.phase_transitions):
-        if transition.history_index < last_processed:
-            break
+def _handoff_summary_since(conversation: Conversation, transitions_seen: int) -> str | None:
+    """Return the newest handoff summary among transitions the agent has not been told about."""
+    for transition in reversed(conversation.phase_transitions[transitions_seen:]):
         if transition.summary:
             return transition.summary
     return None
@@ -198,9 +199,7 @@ def build_routing_context(
         if completion_preview is not None:
             slug, message, timestamp = completion_preview
             if slug in open_turn.agents and not open_turn.has_completed(slug):
-                current["completions"].append(
-                    {"agent": slug, "message": message, "timestamp": timestamp}
-                )
+                current["completions"].append({"agent": slug, "message": message, "timestamp": timestamp})
     return {
         "user_request": root.content if root is not None else "",
         "routing_history": history_entries,

@@ -23,6 +23,8 @@ class AgentState(BaseModel):
     """How much of history the agent has been shown (the LPI of CONTEXT.md)."""
     session_id: str | None = None
     """The backend session to resume (the ``claude-session`` tag), if any."""
+    transitions_seen: int = 0
+    """How many phase transitions existed when the agent was last built for (handoff summaries)."""
 
 
 class ReferencedArticle(BaseModel):

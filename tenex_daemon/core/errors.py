@@ -31,9 +31,7 @@ class ConversationArchivedError(TenexError):
     """The conversation is archived and read-only until it is restored."""
 
     def __init__(self, conversation_id: str) -> None:
-        super().__init__(
-            f"conversation {conversation_id} is archived and read-only; restore it first"
-        )
+        super().__init__(f"conversation {conversation_id} is archived and read-only; restore it first")
         self.conversation_id = conversation_id
 
 

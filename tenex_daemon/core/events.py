@@ -15,9 +15,7 @@ Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Hex128 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
 
 
-def serialize_for_id(
-    pubkey: str, created_at: int, kind: int, tags: list[list[str]], content: str
-) -> bytes:
+def serialize_for_id(pubkey: str, created_at: int, kind: int, tags: list[list[str]], content: str) -> bytes:
     """Return the NIP-01 serialization whose sha256 is the event id.
 
     ``json.dumps`` with ``ensure_ascii=False`` and no spaces escapes exactly what
@@ -29,9 +27,7 @@ def serialize_for_id(
     ).encode("utf-8")
 
 
-def compute_event_id(
-    pubkey: str, created_at: int, kind: int, tags: list[list[str]], content: str
-) -> str:
+def compute_event_id(pubkey: str, created_at: int, kind: int, tags: list[list[str]], content: str) -> str:
     """Return the NIP-01 id (sha256 hex) of an event with these fields."""
     return hashlib.sha256(serialize_for_id(pubkey, created_at, kind, tags, content)).hexdigest()
 

@@ -195,6 +195,7 @@ class ConversationManager:
             state = conversation.agent_state(agent.slug)
             state.last_processed_index = context.last_processed_index
             state.session_id = context.session_id
+            state.transitions_seen = context.transitions_seen
             await self._save(conversation)
             return context
 
@@ -455,4 +456,3 @@ class ConversationManager:
             limit=limit,
         )
         return await self._store.search(query)
-

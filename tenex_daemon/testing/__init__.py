@@ -57,7 +57,12 @@ def sign_event(
     event_id = compute_event_id(keys.pubkey, ts, kind, tag_list, content)
     sig = PrivateKey(bytes.fromhex(keys.secret)).sign_schnorr(bytes.fromhex(event_id), os.urandom(32))
     return NostrEvent(
-        id=event_id, pubkey=keys.pubkey, created_at=ts, kind=kind, tags=tag_list, content=content,
+        id=event_id,
+        pubkey=keys.pubkey,
+        created_at=ts,
+        kind=kind,
+        tags=tag_list,
+        content=content,
         sig=sig.hex(),
     )
 
