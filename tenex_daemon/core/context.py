@@ -5,8 +5,8 @@ The exact strings here are part of the contract; clients and prompts depend on t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
 from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole
@@ -47,14 +47,24 @@ class AgentContext:
     """Phase transitions the agent has now been told about."""
 
 
+@dataclass
+class HistoryView:
+    """A memo of the history messages already built for one agent in one conversation.
+
+    History is append-only and events are immutable, so the messages for
+    ``history[:upto]`` stay valid while the inputs that shape them (resolved
+    references, who claims to be an agent, the directory) are unchanged; the
+    ``fingerprint`` records those inputs and a mismatch rebuilds the memo.
+    """
+
+    messages: list[ChatMessage] = field(default_factory=list)
+    upto: int = 0
+    fingerprint: tuple[object, ...] = ()
+
+
 def previous_context_line(summary: str) -> str:
     """Return the handoff-summary line of the while-away block."""
     return f"**Previous context**: {summary}\n\n"
-
-
-def attributed(name: str, content: str) -> str:
-    """Return another agent's content as the system message shows it."""
-    return f"[{name}]: {content}"
 
 
 def conversation_event_references(conversation: Conversation, trigger: NostrEvent) -> list[str]:
@@ -70,9 +80,10 @@ def conversation_event_references(conversation: Conversation, trigger: NostrEven
 
 class _Sender(NamedTuple):
     role: Role
-    name: str | None
-    """Display name for system attribution; None for the agent itself and for users."""
+    prefix: str | None
+    """``"[Name]: "`` for system attribution; None for the agent itself and for users."""
     label: str
+    """The sender label of the while-away block."""
 
 
 def _sender_for(pubkey: str, conversation: Conversation, agent: Agent, directory: AgentDirectory) -> _Sender:
@@ -88,7 +99,7 @@ def _sender_for(pubkey: str, conversation: Conversation, agent: Agent, directory
         name = PROJECT_NAME
     else:
         name = UNKNOWN_AGENT_NAME
-    return _Sender("system", name, AGENT_LABEL_PREFIX + name)
+    return _Sender("system", f"[{name}]: ", AGENT_LABEL_PREFIX + name)
 
 
 def build_agent_messages(
@@ -97,11 +108,15 @@ def build_agent_messages(
     trigger: NostrEvent,
     directory: AgentDirectory,
     resolved_entities: Mapping[str, str] | None = None,
+    view: HistoryView | None = None,
 ) -> AgentContext:
     """Build the chat messages ``agent`` is sent to respond to ``trigger`` (CONTEXT.md).
 
-    Pure: the conversation is not changed. The caller persists the returned
-    ``last_processed_index`` and ``session_id`` before using the messages.
+    Pure with respect to the conversation: it is not changed. The caller persists the
+    returned ``last_processed_index``, ``session_id`` and ``transitions_seen`` before
+    using the messages. Senders are classified once per author. A ``view`` (kept by the
+    caller per conversation and agent) lets history already built be reused, so a
+    build costs O(new events) plus a list copy instead of O(history) string work.
     """
     resolved = resolved_entities or {}
     history = conversation.history
@@ -110,58 +125,65 @@ def build_agent_messages(
     last_processed = state.last_processed_index if state is not None else 0
     own_key = agent.pubkey
     trigger_id = trigger.id
-
-    # Senders are resolved once per author, not once per event.
+    trigger_index = conversation.index_of(trigger_id)
     senders: dict[str, _Sender] = {}
 
-    def sender(event: NostrEvent) -> _Sender:
-        found = senders.get(event.pubkey)
+    def sender(pubkey: str) -> _Sender:
+        found = senders.get(pubkey)
         if found is None:
-            found = senders[event.pubkey] = _sender_for(event.pubkey, conversation, agent, directory)
+            found = senders[pubkey] = _sender_for(pubkey, conversation, agent, directory)
         return found
 
     def text(content: str) -> str:
         return inline_entities(content, resolved) if resolved else content
 
-    messages: list[ChatMessage] = []
+    # 1. History up to (not including) the trigger; all of it when the trigger is not stored.
+    stop = history_length if trigger_index is None else trigger_index
+    fingerprint = (
+        id(directory),
+        agent.pubkey,
+        conversation.claimant_count(),
+        tuple(sorted(resolved.items())),
+    )
+    if view is None or stop < view.upto:
+        messages = _history_messages(history[:stop], sender, text if resolved else None)
+    else:
+        if view.fingerprint != fingerprint:
+            view.messages, view.upto, view.fingerprint = [], 0, fingerprint
+        view.messages.extend(_history_messages(history[view.upto : stop], sender, text if resolved else None))
+        view.upto = stop
+        messages = view.messages.copy()
     append = messages.append
 
-    # 1. History up to (not including) the trigger.
-    for event in history:
-        if event.id == trigger_id:
-            break
+    # 2. The while-away block: what others said since the agent was last built for.
+    labels: dict[str, str] = {}
+    away_parts: list[str] = []
+    extend = away_parts.extend
+    for event in history[last_processed:]:
         content = event.content
         if not content:
             continue
-        who = sender(event)
-        if who.name is None:
-            append(ChatMessage(who.role, text(content)))
-        else:
-            append(ChatMessage("system", attributed(who.name, text(content))))
-
-    # 2. The while-away block: what others said since the agent was last built for.
-    away_parts: list[str] = []
-    for event in history[last_processed:]:
-        if event.id == trigger_id or event.pubkey == own_key or not event.content:
+        pubkey = event.pubkey
+        if pubkey == own_key or event.id == trigger_id:
             continue
-        away_parts.append(f"{sender(event).label}:\n{text(event.content)}\n\n")
+        label = labels.get(pubkey)
+        if label is None:
+            label = labels[pubkey] = sender(pubkey).label + ":\n"
+        extend((label, text(content) if resolved else content, "\n\n"))
     if away_parts:
         seen = state.transitions_seen if state is not None else 0
         summary = _handoff_summary_since(conversation, seen)
-        block = WHILE_AWAY_HEADER
-        if summary:
-            block += previous_context_line(summary)
-        block += "".join(away_parts) + WHILE_AWAY_FOOTER
-        append(ChatMessage("system", block))
+        head = WHILE_AWAY_HEADER + previous_context_line(summary) if summary else WHILE_AWAY_HEADER
+        append(ChatMessage("system", head + "".join(away_parts) + WHILE_AWAY_FOOTER))
         # 3. The marker, if and only if there is a block.
         append(ChatMessage("system", NEW_INTERACTION))
 
     # 4. The trigger, exactly once.
-    who = sender(trigger)
-    if who.name is None:
+    who = sender(trigger.pubkey)
+    if who.prefix is None:
         append(ChatMessage(who.role, text(trigger.content)))
     else:
-        append(ChatMessage("system", attributed(who.name, text(trigger.content))))
+        append(ChatMessage("system", who.prefix + text(trigger.content)))
 
     # 5. The state to persist.
     session_tag = trigger.tag_value(TAG_SESSION)
@@ -169,6 +191,32 @@ def build_agent_messages(
     return AgentContext(
         messages, session_id, max(history_length, last_processed), len(conversation.phase_transitions)
     )
+
+
+def _history_messages(
+    events: list[NostrEvent],
+    sender: Callable[[str], _Sender],
+    text: Callable[[str], str] | None,
+) -> list[ChatMessage]:
+    """Map history events to messages (step 1 of CONTEXT.md); empty events are skipped."""
+    new_message = tuple.__new__  # ChatMessage(role, content) without an extra Python frame
+    messages: list[ChatMessage] = []
+    append = messages.append
+    senders: dict[str, _Sender] = {}
+    for event in events:
+        content = event.content
+        if not content:
+            continue
+        who = senders.get(event.pubkey)
+        if who is None:
+            who = senders[event.pubkey] = sender(event.pubkey)
+        if text is not None:
+            content = text(content)
+        if who.prefix is None:
+            append(new_message(ChatMessage, (who.role, content)))
+        else:
+            append(new_message(ChatMessage, ("system", who.prefix + content)))
+    return messages
 
 
 def _handoff_summary_since(conversation: Conversation, transitions_seen: int) -> str | None:

@@ -71,7 +71,7 @@ class Conversation(BaseModel):
     execution_time: ExecutionTime = Field(default_factory=ExecutionTime)
     archived: bool = False
 
-    _event_ids: set[str] = PrivateAttr(default_factory=set)
+    _event_index: dict[str, int] = PrivateAttr(default_factory=dict)
     _agent_claimants: set[str] = PrivateAttr(default_factory=set)
     _references: dict[str, None] = PrivateAttr(default_factory=dict)
 
@@ -87,14 +87,18 @@ class Conversation(BaseModel):
 
     def contains_event(self, event_id: str) -> bool:
         """Return whether an event with this id is in history."""
-        return event_id in self._event_ids
+        return event_id in self._event_index
+
+    def index_of(self, event_id: str) -> int | None:
+        """Return the event's position in history, or None."""
+        return self._event_index.get(event_id)
 
     def append(self, event: NostrEvent) -> bool:
         """Append ``event`` to history; return False (and change nothing) for a duplicate id."""
-        if event.id in self._event_ids:
+        if event.id in self._event_index:
             return False
+        self._event_index[event.id] = len(self.history)
         self.history.append(event)
-        self._event_ids.add(event.id)
         if claims_agent(event.tags):
             self._agent_claimants.add(event.pubkey)
         if "nostr:" in event.content:
@@ -105,6 +109,10 @@ class Conversation(BaseModel):
     def event_references(self) -> list[str]:
         """Return the ``nostr:`` event references found in history, in first-seen order."""
         return list(self._references)
+
+    def claimant_count(self) -> int:
+        """Return how many unknown authors wrote agent-only tags (it only grows)."""
+        return len(self._agent_claimants)
 
     def claims_agent(self, pubkey: str) -> bool:
         """Return whether this author wrote agent-only tags in this conversation."""

@@ -20,6 +20,7 @@ from tenex_daemon.core import nip19
 from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole
 from tenex_daemon.core.context import (
     AgentContext,
+    HistoryView,
     build_agent_messages,
     build_routing_context,
     conversation_event_references,
@@ -44,6 +45,7 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_RESOLVE_TIMEOUT_S = 2.0
 RESOLVED_CACHE_SIZE = 1024
+HISTORY_VIEW_CACHE_SIZE = 256
 
 
 class ConversationManager:
@@ -79,6 +81,7 @@ class ConversationManager:
         self._resolve_timeout = resolve_timeout
         self._locks = KeyedLock()
         self._resolved: OrderedDict[str, str] = OrderedDict()
+        self._views: OrderedDict[tuple[str, str], HistoryView] = OrderedDict()
 
     @property
     def store(self) -> ConversationStore:
@@ -191,13 +194,26 @@ class ConversationManager:
             references = conversation_event_references(await self._load_required(conversation_id), trigger)
         resolved = await self._resolve_references(references)
         async with self._locked(conversation_id) as conversation:
-            context = build_agent_messages(conversation, agent, trigger, self.agents, resolved)
+            view = self._history_view(conversation_id, agent.slug)
+            context = build_agent_messages(conversation, agent, trigger, self.agents, resolved, view)
             state = conversation.agent_state(agent.slug)
             state.last_processed_index = context.last_processed_index
             state.session_id = context.session_id
             state.transitions_seen = context.transitions_seen
             await self._save(conversation)
             return context
+
+    def _history_view(self, conversation_id: str, agent_slug: str) -> HistoryView:
+        """Return the memo of this agent's history messages (bounded LRU)."""
+        key = (conversation_id, agent_slug)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = HistoryView()
+            while len(self._views) > HISTORY_VIEW_CACHE_SIZE:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(key)
+        return view
 
     async def update_agent_state(
         self,

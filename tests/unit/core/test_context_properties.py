@@ -8,7 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tenex_daemon.core.agents import Agent, AgentDirectory
-from tenex_daemon.core.context import NEW_INTERACTION, WHILE_AWAY_HEADER, build_agent_messages
+from tenex_daemon.core.context import (
+    NEW_INTERACTION,
+    WHILE_AWAY_HEADER,
+    HistoryView,
+    build_agent_messages,
+)
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent, compute_event_id
 
@@ -95,3 +100,29 @@ def test_context_invariants(script: list[Step]) -> None:
         state = conversation.agent_state(agent.slug)
         state.last_processed_index = context.last_processed_index
         state.session_id = context.session_id
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps, st.lists(st.integers(0, 30), max_size=5))
+def test_memoized_view_builds_exactly_what_a_fresh_build_does(script: list[Step], early: list[int]) -> None:
+    """Reusing a HistoryView gives the same messages as building from scratch, for any trigger order."""
+    conversation = Conversation(id="c" * 64)
+    views = {agent.slug: HistoryView() for agent in AGENTS}
+    for n, step in enumerate(script):
+        author = "dave" if step.author == "user" and n % 5 == 4 else step.author
+        pubkey = KEYS.get(author, "f" * 64)
+        tags = [["llm-model", "m"]] if author == "dave" and n % 2 else []
+        content = f"{step.content}#{n}" if step.content else ""
+        event_id = compute_event_id(pubkey, n, 1111, tags, content)
+        event = NostrEvent(
+            id=event_id, pubkey=pubkey, created_at=n, kind=1111, tags=tags, content=content, sig="0" * 128
+        )
+        conversation.append(event)
+        if step.build_for is None:
+            continue
+        agent = DIRECTORY.get(step.build_for)
+        triggers = [event] + [conversation.history[i] for i in early if i < len(conversation.history)]
+        for trigger in triggers:
+            memo = build_agent_messages(conversation, agent, trigger, DIRECTORY, view=views[agent.slug])
+            fresh = build_agent_messages(conversation, agent, trigger, DIRECTORY)
+            assert memo == fresh
