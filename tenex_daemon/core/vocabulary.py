@@ -30,3 +30,21 @@ TAG_PHASE: Final = "phase"
 TAG_PUBKEY: Final = "p"
 TAG_EVENT: Final = "e"
 TAG_IDENTIFIER: Final = "d"
+
+# NIP-22 threading: upper case names the root, lower case the parent.
+TAG_ROOT_EVENT: Final = "E"
+TAG_ROOT_KIND: Final = "K"
+TAG_ROOT_AUTHOR: Final = "P"
+TAG_PARENT_KIND: Final = "k"
+
+# Tags on an agent reply (PROTOCOL.md, "Tags tenexd writes on an agent reply").
+TAG_NET_TIME: Final = "net-time"
+TAG_LLM_MODEL: Final = "llm-model"
+TAG_LLM_PROMPT_TOKENS: Final = "llm-prompt-tokens"
+TAG_LLM_COMPLETION_TOKENS: Final = "llm-completion-tokens"
+TAG_ERROR: Final = "error"
+ERROR_SYSTEM: Final = "system"
+
+# NIP-42 relay authentication (kind 22242).
+TAG_RELAY: Final = "relay"
+TAG_CHALLENGE: Final = "challenge"
