@@ -1,0 +1,312 @@
+"""One typed Settings object: loaded once from the home's config.toml with TENEX_* overrides.
+
+Errors name the key and the file. Settings are passed through constructors, never read
+from globals.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tenex_daemon.core.errors import TenexError
+
+CONFIG_FILE = "config.toml"
+ENV_PREFIX = "TENEX_"
+DEFAULT_HOME = ".tenex"
+
+
+class SettingsError(TenexError):
+    """The configuration is missing or invalid; the message names the key and the file."""
+
+
+class StorageKind(StrEnum):
+    """Which conversation store the daemon uses."""
+
+    FILESYSTEM = "filesystem"
+    MEMORY = "memory"
+    POSTGRES = "postgres"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BackendSettings(_Section):
+    """How an agent thinks: which LLM backend and its options."""
+
+    kind: str = "offline"
+    """offline | openai | anthropic | claude-code | local."""
+    model: str | None = None
+    base_url: str | None = None
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    temperature: float | None = None
+    context_window: int | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class AgentSettings(_Section):
+    """One agent of the project. Its secret key lives in ``keys/<slug>.key`` (mode 0600)."""
+
+    slug: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")
+    name: str
+    instructions: str = ""
+    orchestrator: bool = False
+    backend: BackendSettings = Field(default_factory=BackendSettings)
+
+
+class ProjectSettings(_Section):
+    """The project: its name and the ``d`` identifier of its kind-31933 definition."""
+
+    name: str = "tenex"
+    identifier: str | None = None
+    """The project's ``d`` tag; defaults to the name."""
+
+    @property
+    def d_tag(self) -> str:
+        """The identifier used in ``31933:<owner>:<d>`` addresses."""
+        return self.identifier or self.name
+
+
+class StorageSettings(_Section):
+    """Where conversations are kept."""
+
+    kind: StorageKind = StorageKind.FILESYSTEM
+    path: str | None = None
+    """Folder of the filesystem store; default ``<home>/conversations``."""
+    fsync: Literal["always", "batch"] = "always"
+    dsn: str | None = None
+    """PostgreSQL DSN when kind = postgres."""
+    cache_size: int = Field(default=256, ge=1)
+
+
+class RelaySettings(_Section):
+    """Relays to connect to, and the embedded relay."""
+
+    urls: list[str] = Field(default_factory=list)
+    embedded: bool = False
+    embedded_host: str = "127.0.0.1"
+    embedded_port: int = Field(default=7777, ge=0, le=65535)
+    since_window_s: int = Field(default=300, ge=0)
+
+    @field_validator("urls")
+    @classmethod
+    def _ws_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("ws://", "wss://")):
+                raise ValueError(f"relay URL {url!r} must start with ws:// or wss://")
+        return urls
+
+
+class ControlSettings(_Section):
+    """The local HTTP control API."""
+
+    socket: str | None = None
+    """Unix socket path; default ``<home>/run/control.sock``."""
+    tcp_port: int | None = Field(default=None, ge=1, le=65535)
+    """Optional loopback TCP port (127.0.0.1 only)."""
+
+
+class DaemonSettings(_Section):
+    """Daemon behaviour: limits, intervals, grace periods."""
+
+    hop_limit: int = Field(default=6, ge=0)
+    """Agent-to-agent replies in a row before agents stop answering agents."""
+    max_concurrent_runs: int = Field(default=8, ge=1)
+    grace_period_s: float = Field(default=20.0, ge=0)
+    """In-flight runs get this long to finish on shutdown (shorter than systemd's stop timeout)."""
+    status_interval_s: float = Field(default=2.0, gt=0)
+    heartbeat_interval_s: float = Field(default=15.0, gt=0)
+    typing_min_interval_s: float = Field(default=5.0, ge=0)
+    stale_after_s: float = Field(default=30.0, gt=0)
+    """`tenexd status` calls a status file older than this stale."""
+    max_content_bytes: int = Field(default=256 * 1024, ge=1)
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: str = "info"
+
+
+class Settings(_Section):
+    """Everything the daemon is configured with."""
+
+    home: Path
+    owner: str | None = None
+    """Hex public key of the person who owns the project (allowed to trigger agents)."""
+    whitelist: list[str] = Field(default_factory=list)
+    """Other hex public keys allowed to trigger agents."""
+    default_agent: str | None = None
+    """Where the orchestrator routes when nothing names an agent; default the first non-orchestrator."""
+    project: ProjectSettings = Field(default_factory=ProjectSettings)
+    agents: list[AgentSettings] = Field(default_factory=list)
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    relays: RelaySettings = Field(default_factory=RelaySettings)
+    control: ControlSettings = Field(default_factory=ControlSettings)
+    daemon: DaemonSettings = Field(default_factory=DaemonSettings)
+
+    @field_validator("owner")
+    @classmethod
+    def _hex_owner(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_hex_key(value)
+        return value
+
+    @field_validator("whitelist")
+    @classmethod
+    def _hex_whitelist(cls, values: list[str]) -> list[str]:
+        for value in values:
+            _check_hex_key(value)
+        return values
+
+    @model_validator(mode="after")
+    def _agents_consistent(self) -> Settings:
+        slugs = [a.slug for a in self.agents]
+        duplicates = sorted({s for s in slugs if slugs.count(s) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate agent slugs: {', '.join(duplicates)}")
+        if sum(a.orchestrator for a in self.agents) > 1:
+            raise ValueError("at most one agent may be the orchestrator")
+        if self.default_agent is not None and self.default_agent not in slugs:
+            raise ValueError(f"default_agent {self.default_agent!r} is not one of the agents")
+        return self
+
+    # --- derived paths ------------------------------------------------------------------
+
+    @property
+    def config_path(self) -> Path:
+        """The config file."""
+        return self.home / CONFIG_FILE
+
+    @property
+    def keys_dir(self) -> Path:
+        """Secret key files (0600), one per agent plus ``project.key`` and maybe ``owner.key``."""
+        return self.home / "keys"
+
+    def agent_key_path(self, slug: str) -> Path:
+        """The secret key file of an agent."""
+        return self.keys_dir / f"{slug}.key"
+
+    @property
+    def project_key_path(self) -> Path:
+        """The project's secret key file."""
+        return self.keys_dir / "project.key"
+
+    @property
+    def owner_key_path(self) -> Path:
+        """The owner's secret key, present only when ``tenexd init`` generated it."""
+        return self.keys_dir / "owner.key"
+
+    @property
+    def run_dir(self) -> Path:
+        """Runtime files: status, control socket, lock."""
+        return self.home / "run"
+
+    @property
+    def status_path(self) -> Path:
+        """The status file the daemon rewrites every few seconds."""
+        return self.run_dir / "status.json"
+
+    @property
+    def control_socket_path(self) -> Path:
+        """The control API's Unix socket."""
+        return Path(self.control.socket) if self.control.socket else self.run_dir / "control.sock"
+
+    @property
+    def conversations_path(self) -> Path:
+        """The filesystem store's folder."""
+        return Path(self.storage.path) if self.storage.path else self.home / "conversations"
+
+    @property
+    def embedded_relay_path(self) -> Path:
+        """LMDB folder of the embedded relay."""
+        return self.home / "relay"
+
+    @property
+    def default_agent_slug(self) -> str | None:
+        """The configured default agent, else the first agent that is not the orchestrator."""
+        if self.default_agent is not None:
+            return self.default_agent
+        return next((a.slug for a in self.agents if not a.orchestrator), None)
+
+
+def _check_hex_key(value: str) -> None:
+    if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise ValueError(f"{value!r} is not a 64-character lowercase hex public key")
+
+
+def resolve_home(home: str | Path | None, env: Mapping[str, str] | None = None) -> Path:
+    """Return the home: the argument, else ``$TENEX_HOME``, else ``./.tenex``."""
+    environment = os.environ if env is None else env
+    if home is not None:
+        return Path(home).expanduser().resolve()
+    if environment.get("TENEX_HOME"):
+        return Path(environment["TENEX_HOME"]).expanduser().resolve()
+    return Path(DEFAULT_HOME).resolve()
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """Turn ``TENEX_SECTION__KEY=value`` variables into nested settings (``__`` separates levels).
+
+    Values are parsed as TOML values when they can be (numbers, booleans, arrays), else
+    taken as strings. ``TENEX_HOME`` is not an override (it picks the home).
+    """
+    result: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == "TENEX_HOME":
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__") if part]
+        if not path:
+            continue
+        try:
+            value: Any = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        target = result
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                break
+        else:
+            target[path[-1]] = value
+    return result
+
+
+def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_settings(home: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Load ``<home>/config.toml`` and apply ``TENEX_*`` environment overrides.
+
+    Raises :class:`SettingsError` naming the file and the key when something is wrong.
+    """
+    environment = os.environ if env is None else env
+    root = resolve_home(home, environment)
+    path = root / CONFIG_FILE
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SettingsError(f"{path}: not found (run `tenexd init --home {root}` first)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: invalid TOML: {exc}") from None
+    data = _merge(data, _env_overrides(environment))
+    data["home"] = root
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc']) or '(top level)'}: {error['msg']}"
+            for error in exc.errors()
+        )
+        raise SettingsError(f"{path}: {problems}") from None
