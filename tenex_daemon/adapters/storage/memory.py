@@ -6,7 +6,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from tenex_daemon.core.conversation import Conversation
-from tenex_daemon.core.errors import ConversationExistsError, ConversationNotFoundError
+from tenex_daemon.core.errors import (
+    ConversationArchivedError,
+    ConversationExistsError,
+    ConversationNotFoundError,
+)
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.search import ConversationSummary, SearchQuery, apply_query
 
@@ -45,10 +49,12 @@ class MemoryStore:
         return self._conversations.get(conversation_id)
 
     async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
-        """Append an event to history."""
+        """Append an event to history; an archived conversation is read-only."""
         conversation = self._conversations.get(conversation_id)
         if conversation is None:
             raise ConversationNotFoundError(conversation_id)
+        if conversation.archived:
+            raise ConversationArchivedError(conversation_id)
         conversation.append(event)
         self._event_index[event.id] = conversation_id
         self._processed.add(event.id)

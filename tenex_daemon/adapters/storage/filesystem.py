@@ -1,0 +1,1294 @@
+"""FileSystemStore: the default durable store, plain files under the home's ``conversations/``.
+
+Layout (``home/conversations/``)::
+
+    .lock                     exclusive lock of the home, holds the owner's pid
+    <id>/events.log           append-only event log, one checksummed JSON line per event
+    <id>/state.json           everything but history, replaced atomically
+    archive/<id>/             archived conversations (read-only until restored)
+    corrupt/                  unreadable files moved aside (never deleted)
+    .index/snapshot.json      the index of conversations, rewritten only on compaction
+    .index/log.<gen>          index changes since that snapshot, appended incrementally
+    .events/<xyz>             event id -> conversation id (the processed set), 4,096 buckets
+    .meta/<hash>.json         small values kept beside conversations
+
+Durability: an event line is written and fsynced before ``append_event`` returns (``always``)
+or before its group commit resolves (``batch``: several appends share one fsync, nothing is
+acknowledged before it). The index and the event-id buckets are derived data written after
+the event is durable; on open each indexed log is checked by size with ``stat`` (no log is
+read), and a log whose size disagrees is rescanned, its torn tail cut, its entry repaired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+from pydantic import ValidationError
+
+from tenex_daemon.core.conversation import UNTITLED, Conversation
+from tenex_daemon.core.errors import (
+    ConversationArchivedError,
+    ConversationExistsError,
+    ConversationNotFoundError,
+    TenexError,
+)
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.search import ConversationSummary, SearchQuery, apply_query
+from tenex_daemon.core.vocabulary import TAG_TITLE
+
+log = structlog.get_logger(__name__)
+
+FsyncPolicy = Literal["always", "batch"]
+
+LOG_NAME = "events.log"
+STATE_NAME = "state.json"
+ARCHIVE_DIR = "archive"
+CORRUPT_DIR = "corrupt"
+INDEX_DIR = ".index"
+EVENTS_DIR = ".events"
+META_DIR = ".meta"
+LOCK_NAME = ".lock"
+STATE_FORMAT = 1
+INDEX_FORMAT = 1
+BUCKET_CHARS = 3
+DEFAULT_CACHE_SIZE = 256
+DEFAULT_BATCH_DELAY = 0.002
+DEFAULT_BUCKET_CACHE = 512
+COMPACT_MIN_RECORDS = 20_000
+
+_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}$")
+_RESERVED = frozenset({ARCHIVE_DIR, CORRUPT_DIR})
+_HEX = frozenset("0123456789abcdef")
+
+
+class StoreLockedError(TenexError):
+    """Another process holds the home's lock (one writer per home)."""
+
+    def __init__(self, path: Path, pid: int | None) -> None:
+        holder = f"process {pid}" if pid is not None else "another process"
+        super().__init__(
+            f"the conversation store at {path} is in use by {holder}; "
+            "stop that daemon or use another home"
+        )
+        self.path = path
+        self.pid = pid
+
+
+@dataclass(frozen=True)
+class RecoveryAction:
+    """One thing the store repaired on its own (logged, and kept in :attr:`FileSystemStore.recovery`)."""
+
+    kind: str
+    """``torn_tail_cut``, ``log_salvaged``, ``state_rebuilt``, ``index_rebuilt``,
+    ``index_entry_repaired``, ``index_entry_added``, ``index_entry_removed``, ``moved_to_corrupt``."""
+    conversation_id: str | None
+    detail: str
+
+
+# --- encoding ------------------------------------------------------------------------------------
+
+
+def encode_line(payload: bytes) -> bytes:
+    """Return a log line: crc32 of the payload (8 hex digits), a space, the payload, a newline."""
+    return b"%08x " % zlib.crc32(payload) + payload + b"\n"
+
+
+def encode_event(event: NostrEvent) -> bytes:
+    """Return the log line of one event."""
+    return encode_line(event.model_dump_json().encode("utf-8"))
+
+
+def _check_line(line: bytes) -> bytes | None:
+    """Return the payload of a complete line (without newline) if its checksum holds."""
+    if len(line) < 10 or line[8:9] != b" ":
+        return None
+    try:
+        crc = int(line[:8], 16)
+    except ValueError:
+        return None
+    payload = line[9:]
+    return payload if zlib.crc32(payload) == crc else None
+
+
+@dataclass
+class LogScan:
+    """What reading a checksummed log found."""
+
+    payloads: list[bytes]
+    good_end: int
+    """Offset just after the last good line: everything after it is a torn tail."""
+    size: int
+    bad_lines: int
+    """Bad lines before ``good_end`` (corruption, not a torn tail)."""
+
+    @property
+    def torn(self) -> bool:
+        """Whether bytes follow the last good line."""
+        return self.good_end < self.size
+
+
+def scan_log(data: bytes, start: int = 0) -> LogScan:
+    """Split ``data`` (from ``start``) into good payloads, a torn tail and corrupt lines."""
+    payloads: list[bytes] = []
+    good_end = start
+    bad_since_good = 0
+    bad_lines = 0
+    pos = start
+    size = len(data)
+    while pos < size:
+        end = data.find(b"\n", pos)
+        if end < 0:
+            break
+        payload = _check_line(data[pos:end])
+        if payload is None:
+            bad_since_good += 1
+        else:
+            payloads.append(payload)
+            bad_lines += bad_since_good
+            bad_since_good = 0
+            good_end = end + 1
+        pos = end + 1
+    return LogScan(payloads, good_end, size, bad_lines)
+
+
+def _bucket_of(event_id: str) -> str:
+    head = event_id[:BUCKET_CHARS]
+    if len(head) == BUCKET_CHARS and set(head) <= _HEX:
+        return head
+    return hashlib.sha256(event_id.encode("utf-8")).hexdigest()[:BUCKET_CHARS]
+
+
+def _check_id(conversation_id: str) -> None:
+    if not _ID_PATTERN.match(conversation_id) or conversation_id in _RESERVED:
+        raise ValueError(f"conversation id {conversation_id!r} cannot name a file")
+
+
+def _check_event_id(event_id: str) -> None:
+    if not event_id or any(c.isspace() for c in event_id):
+        raise ValueError(f"event id {event_id!r} is empty or contains whitespace")
+
+
+# --- the index -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class IndexEntry:
+    """One conversation in the index: its summary fields and what its files looked like."""
+
+    id: str
+    title: str = UNTITLED
+    phase: str = Phase.CHAT.value
+    created_at: int = 0
+    updated_at: int = 0
+    event_count: int = 0
+    agent_count: int = 0
+    archived: bool = False
+    participants: set[str] = field(default_factory=set)
+    log_size: int = 0
+    state_sig: tuple[int, int] = (0, 0)
+    """(size, mtime_ns) of state.json when the entry was last made to agree with it."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the entry as a compact JSON object."""
+        return {
+            "id": self.id, "t": self.title, "ph": self.phase, "ca": self.created_at,
+            "ua": self.updated_at, "n": self.event_count, "ac": self.agent_count,
+            "ar": self.archived, "p": sorted(self.participants), "s": self.log_size,
+            "ss": list(self.state_sig),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> IndexEntry:
+        """Rebuild an entry from :meth:`to_json` output."""
+        size, mtime = data.get("ss", (0, 0))
+        return cls(
+            id=str(data["id"]), title=str(data["t"]), phase=str(data["ph"]),
+            created_at=int(data["ca"]), updated_at=int(data["ua"]), event_count=int(data["n"]),
+            agent_count=int(data["ac"]), archived=bool(data["ar"]), participants=set(data["p"]),
+            log_size=int(data["s"]), state_sig=(int(size), int(mtime)),
+        )
+
+    def apply_state(self, state: dict[str, Any], archived: bool) -> None:
+        """Copy the summary fields of a state snapshot."""
+        self.title = str(state.get("title", UNTITLED))
+        self.phase = str(state.get("phase", Phase.CHAT.value))
+        self.created_at = int(state.get("created_at", 0))
+        self.updated_at = int(state.get("updated_at", 0))
+        self.agent_count = len(state.get("agent_states") or {})
+        self.archived = archived
+
+    def summary(self) -> ConversationSummary:
+        """Return the search row."""
+        return ConversationSummary(
+            id=self.id, title=self.title, phase=Phase(self.phase), created_at=self.created_at,
+            updated_at=self.updated_at, event_count=self.event_count, agent_count=self.agent_count,
+            archived=self.archived, participants=sorted(self.participants),
+        )
+
+
+# --- blocking file work (always called in a worker thread) ------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _replace_file(path: Path, data: bytes, *, sync_dir: bool = True) -> tuple[int, int]:
+    """Write ``data`` to a temp file, fsync it, rename over ``path``, fsync the folder."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if sync_dir:
+        _fsync_dir(path.parent)
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+@dataclass
+class _Op:
+    """One durable write: an append to a file or an atomic replacement of one."""
+
+    kind: Literal["append", "replace"]
+    path: Path
+    data: bytes
+    create: bool = False
+    result: tuple[int, int] | None = None
+    error: BaseException | None = None
+
+
+def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
+    """Make every op durable with as few fsyncs as possible, then write derived lines.
+
+    Appends to one file are written in order as one write and fsynced once; a failed
+    append is cut back to the file's previous size so no partial line stays behind.
+    Replacements write and fsync temp files, rename them, then fsync each folder once.
+    ``aux`` lines (index, event-id buckets) are written last and not fsynced.
+    """
+    appends: dict[Path, list[_Op]] = {}
+    replaces: dict[Path, list[_Op]] = {}
+    for op in ops:
+        (appends if op.kind == "append" else replaces).setdefault(op.path, []).append(op)
+    for path, group in appends.items():
+        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if any(o.create for o in group) else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            for op in group:
+                op.error = exc
+            continue
+        try:
+            before = os.fstat(fd).st_size
+            try:
+                _write_all(fd, b"".join(op.data for op in group))
+                os.fsync(fd)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, before)
+                for op in group:
+                    op.error = exc
+        finally:
+            os.close(fd)
+    folders: set[Path] = set()
+    renamed: list[tuple[Path, list[_Op]]] = []
+    for path, group in replaces.items():
+        last = group[-1]
+        try:
+            tmp = path.with_name(path.name + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _write_all(fd, last.data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            folders.add(path.parent)
+            renamed.append((path, group))
+        except OSError as exc:
+            for op in group:
+                op.error = exc
+    for folder in folders:
+        try:
+            _fsync_dir(folder)
+        except OSError as exc:
+            for path, group in renamed:
+                if path.parent == folder:
+                    for op in group:
+                        op.error = exc
+    for path, group in renamed:
+        if group[-1].error is None:
+            st = os.stat(path)
+            for op in group:
+                op.result = (st.st_size, st.st_mtime_ns)
+    _write_aux(aux)
+
+
+def _write_aux(aux: dict[Path, list[bytes]]) -> None:
+    for path, lines in aux.items():
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                _write_all(fd, b"".join(lines))
+            finally:
+                os.close(fd)
+        except OSError:
+            log.exception("derived_write_failed", path=str(path))
+
+
+def _move_to_corrupt(corrupt_dir: Path, source: Path, label: str) -> Path:
+    """Move ``source`` into ``corrupt/`` under a unique name; never delete it."""
+    corrupt_dir.mkdir(parents=True, exist_ok=True)
+    target = corrupt_dir / f"{label}.{time.time_ns()}"
+    os.replace(source, target)
+    _fsync_dir(corrupt_dir)
+    _fsync_dir(source.parent)
+    return target
+
+
+def _copy_to_corrupt(corrupt_dir: Path, source: Path, label: str) -> Path:
+    corrupt_dir.mkdir(parents=True, exist_ok=True)
+    target = corrupt_dir / f"{label}.{time.time_ns()}"
+    shutil.copy2(source, target)
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_dir(corrupt_dir)
+    return target
+
+
+@dataclass
+class _Scanned:
+    """A conversation folder read from disk by a worker thread."""
+
+    state: dict[str, Any] | None
+    events: list[NostrEvent]
+    log_size: int
+    event_ids: list[str]
+    participants: set[str]
+    state_sig: tuple[int, int]
+    actions: list[RecoveryAction]
+
+
+def _parse_event(payload: bytes) -> NostrEvent | None:
+    try:
+        return NostrEvent.model_validate_json(payload)
+    except ValidationError:
+        return None
+
+
+def _default_state(conversation_id: str, events: list[NostrEvent]) -> dict[str, Any]:
+    """State for a conversation whose snapshot was lost: derived from its events."""
+    root = events[0] if events else None
+    created = root.created_at * 1000 if root else 0
+    updated = events[-1].created_at * 1000 if events else 0
+    conversation = Conversation(
+        id=conversation_id,
+        title=(root.tag_value(TAG_TITLE) if root else None) or UNTITLED,
+        root_kind=root.kind if root else 11,
+        created_at=created,
+        updated_at=updated,
+        phase_started_at=created,
+    )
+    if root is not None:
+        conversation.metadata.summary = root.content
+    return conversation.state_dict()
+
+
+def _read_state(path: Path) -> tuple[dict[str, Any] | None, tuple[int, int]]:
+    """Return (state, (size, mtime_ns)); state None when missing or unreadable."""
+    try:
+        data = path.read_bytes()
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None, (0, 0)
+    try:
+        wrapper = json.loads(data)
+        state = wrapper["state"]
+        if wrapper.get("format") != STATE_FORMAT or not isinstance(state, dict):
+            raise ValueError("not a state snapshot")
+        Conversation.model_validate({**state, "history": []})
+    except (ValueError, KeyError, TypeError, ValidationError):
+        return None, (st.st_size, st.st_mtime_ns)
+    return state, (st.st_size, st.st_mtime_ns)
+
+
+def _scan_folder(
+    folder: Path, conversation_id: str, corrupt_dir: Path, *, parse_events: bool, start: int = 0
+) -> _Scanned:
+    """Read a conversation folder, repairing it: cut a torn tail, salvage a corrupt log,
+    move an unreadable snapshot aside and rebuild it from the events.
+
+    With ``start`` > 0 only the part of the log after that (line-aligned) offset is scanned
+    for event ids; counts then cover that part only.
+    """
+    actions: list[RecoveryAction] = []
+    log_path = folder / LOG_NAME
+    try:
+        data = log_path.read_bytes()
+    except FileNotFoundError:
+        data = b""
+        log_path.touch()
+    scan = scan_log(data, start)
+    if scan.bad_lines:
+        saved = _copy_to_corrupt(corrupt_dir, log_path, f"{conversation_id}.events.log")
+        good = b"".join(encode_line(p) for p in scan_log(data).payloads)
+        _replace_file(log_path, good)
+        detail = f"{scan.bad_lines} corrupt line(s); original kept at {saved.name}"
+        actions.append(RecoveryAction("log_salvaged", conversation_id, detail))
+        log.error("event_log_salvaged", conversation_id=conversation_id, detail=detail)
+        scan = scan_log(good)
+        start = 0
+    elif scan.torn:
+        fd = os.open(log_path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, scan.good_end)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        detail = f"cut {scan.size - scan.good_end} byte(s) after offset {scan.good_end}"
+        actions.append(RecoveryAction("torn_tail_cut", conversation_id, detail))
+        log.warning("torn_tail_cut", conversation_id=conversation_id, detail=detail)
+    events: list[NostrEvent] = []
+    event_ids: list[str] = []
+    participants: set[str] = set()
+    for payload in scan.payloads:
+        if parse_events:
+            event = _parse_event(payload)
+            if event is None:
+                continue
+            events.append(event)
+            event_ids.append(event.id)
+            participants.add(event.pubkey)
+        else:
+            raw = json.loads(payload)
+            event_ids.append(raw["id"])
+            participants.add(raw["pubkey"])
+    state_path = folder / STATE_NAME
+    state, sig = _read_state(state_path)
+    if state is None:
+        if state_path.exists():
+            moved = _move_to_corrupt(corrupt_dir, state_path, f"{conversation_id}.state.json")
+            detail = f"unreadable snapshot moved to {moved.name}; state rebuilt from the event log"
+            actions.append(RecoveryAction("moved_to_corrupt", conversation_id, detail))
+        else:
+            detail = "snapshot missing; state rebuilt from the event log"
+        every = scan.payloads if start == 0 else scan_log(data).payloads
+        history = events or [e for e in (_parse_event(p) for p in every[:1] + every[-1:]) if e]
+        state = _default_state(conversation_id, history)
+        sig = _replace_file(state_path, json.dumps({"format": STATE_FORMAT, "state": state}).encode())
+        actions.append(RecoveryAction("state_rebuilt", conversation_id, detail))
+        log.error("state_rebuilt", conversation_id=conversation_id, detail=detail)
+    return _Scanned(state, events, scan.good_end, event_ids, participants, sig, actions)
+
+
+@dataclass
+class _OpenResult:
+    entries: dict[str, IndexEntry]
+    generation: int
+    replayed: int
+    actions: list[RecoveryAction]
+    rebuilt_ids: dict[str, list[str]]
+
+
+# --- the store -----------------------------------------------------------------------------------
+
+
+class FileSystemStore:
+    """A :class:`~tenex_daemon.core.ports.ConversationStore` on plain files (see the module doc).
+
+    ``path`` is the home folder; data lives in ``path/conversations``. ``fsync`` is ``"always"``
+    (each append fsynced before it returns) or ``"batch"`` (group commit: appends wait at most
+    ``batch_delay`` seconds to share an fsync). ``cache_size`` bounds the conversations kept
+    loaded in memory.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fsync: FsyncPolicy = "always",
+        batch_delay: float = DEFAULT_BATCH_DELAY,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        bucket_cache_size: int = DEFAULT_BUCKET_CACHE,
+    ) -> None:
+        if fsync not in ("always", "batch"):
+            raise ValueError(f"fsync policy must be 'always' or 'batch', not {fsync!r}")
+        if cache_size < 1:
+            raise ValueError("cache_size must be at least 1")
+        self.home = Path(path)
+        self.root = self.home / "conversations"
+        self.fsync: FsyncPolicy = fsync
+        self.batch_delay = batch_delay
+        self.cache_size = cache_size
+        self.bucket_cache_size = bucket_cache_size
+        self.recovery: list[RecoveryAction] = []
+        """What the last :meth:`open` (and later loads) repaired on their own."""
+        self._entries: dict[str, IndexEntry] = {}
+        self._cache: OrderedDict[str, Conversation] = OrderedDict()
+        self._buckets: OrderedDict[str, dict[str, str]] = OrderedDict()
+        self._aux: dict[Path, list[bytes]] = {}
+        self._aux_lock = asyncio.Lock()
+        self._aux_task: asyncio.Task[None] | None = None
+        self._aux_inflight: set[Path] = set()
+        self._loading: dict[str, tuple[asyncio.Future[dict[str, str]], dict[str, str]]] = {}
+        self._index_records = 0
+        self._generation = 0
+        self._compacting: asyncio.Task[None] | None = None
+        self._queue: list[tuple[_Op, asyncio.Future[None]]] = []
+        self._wakeup: asyncio.Event | None = None
+        self._committer: asyncio.Task[None] | None = None
+        self._lock_fd: int | None = None
+        self._closing = False
+        self._opened = False
+
+    # --- paths ---------------------------------------------------------------------------------
+
+    @property
+    def corrupt_dir(self) -> Path:
+        """Where unreadable files are moved (never deleted)."""
+        return self.root / CORRUPT_DIR
+
+    def _folder(self, conversation_id: str, archived: bool) -> Path:
+        return (self.root / ARCHIVE_DIR / conversation_id) if archived else (self.root / conversation_id)
+
+    def _index_log(self, generation: int) -> Path:
+        return self.root / INDEX_DIR / f"log.{generation}"
+
+    # --- open / close --------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Take the home's lock, read the index (never the logs), check it and repair it."""
+        if self._opened:
+            return
+        await asyncio.to_thread(self._lock_home)
+        try:
+            result = await asyncio.to_thread(self._open_sync)
+        except BaseException:
+            await asyncio.to_thread(self._unlock_home)
+            raise
+        self._entries = result.entries
+        self._generation = result.generation
+        self._index_records = result.replayed
+        self.recovery = result.actions
+        for conversation_id, ids in result.rebuilt_ids.items():
+            for event_id in ids:
+                self._queue_processed(event_id, conversation_id)
+        self._closing = False
+        self._opened = True
+        self._wakeup = asyncio.Event()
+        if self.fsync == "batch":
+            self._committer = asyncio.create_task(self._run_committer(), name="fs-store-commit")
+        if result.actions or result.replayed > COMPACT_MIN_RECORDS:
+            await self._compact()
+        log.info(
+            "store_opened", path=str(self.root), conversations=len(self._entries),
+            repairs=len(result.actions),
+        )
+
+    def _lock_home(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            raw = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StoreLockedError(self.root, int(raw) if raw.isdigit() else None) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _unlock_home(self) -> None:
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lock_fd, 0)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _open_sync(self) -> _OpenResult:
+        for name in (ARCHIVE_DIR, INDEX_DIR, EVENTS_DIR, META_DIR):
+            (self.root / name).mkdir(exist_ok=True)
+        actions: list[RecoveryAction] = []
+        self._sweep_leftovers(actions)
+        entries, generation, replayed, index_ok = self._read_index(actions)
+        on_disk = self._list_folders()
+        rebuilt: dict[str, list[str]] = {}
+        if not index_ok and not on_disk and not actions:
+            index_ok = True  # a new, empty home
+        elif not index_ok:
+            entries = {}
+            actions.append(RecoveryAction("index_rebuilt", None, "index missing or unreadable"))
+            log.warning("index_rebuilding", path=str(self.root), conversations=len(on_disk))
+        for conversation_id in [cid for cid in entries if cid not in on_disk]:
+            del entries[conversation_id]
+            actions.append(RecoveryAction(
+                "index_entry_removed", conversation_id, "indexed conversation has no files"
+            ))
+            log.warning("index_entry_removed", conversation_id=conversation_id)
+        for conversation_id, archived in on_disk.items():
+            entry = entries.get(conversation_id)
+            folder = self._folder(conversation_id, archived)
+            if entry is None:
+                scanned = _scan_folder(folder, conversation_id, self.corrupt_dir, parse_events=False)
+                entry = IndexEntry(id=conversation_id)
+                self._fill_entry(entry, scanned, archived, full=True)
+                entries[conversation_id] = entry
+                rebuilt[conversation_id] = scanned.event_ids
+                actions.extend(scanned.actions)
+                if index_ok:
+                    actions.append(RecoveryAction(
+                        "index_entry_added", conversation_id, "conversation missing from the index"
+                    ))
+                    log.warning("index_entry_added", conversation_id=conversation_id)
+                continue
+            try:
+                log_size = os.stat(folder / LOG_NAME).st_size
+            except FileNotFoundError:
+                log_size = -1
+            try:
+                st = os.stat(folder / STATE_NAME)
+                state_sig = (st.st_size, st.st_mtime_ns)
+            except FileNotFoundError:
+                state_sig = (-1, -1)
+            if log_size == entry.log_size and state_sig == entry.state_sig and entry.archived == archived:
+                continue
+            partial = 0 < entry.log_size < log_size and self._line_aligned(folder / LOG_NAME, entry.log_size)
+            start = entry.log_size if partial else 0
+            scanned = _scan_folder(
+                folder, conversation_id, self.corrupt_dir, parse_events=False, start=start
+            )
+            self._fill_entry(entry, scanned, archived, full=not partial)
+            rebuilt[conversation_id] = scanned.event_ids
+            actions.extend(scanned.actions)
+            detail = f"log {log_size} bytes (indexed {entry.log_size}), state {state_sig}"
+            actions.append(RecoveryAction("index_entry_repaired", conversation_id, detail))
+            log.info("index_entry_repaired", conversation_id=conversation_id, detail=detail)
+        return _OpenResult(entries, generation, replayed, actions, rebuilt)
+
+    @staticmethod
+    def _line_aligned(path: Path, offset: int) -> bool:
+        with open(path, "rb") as handle:
+            handle.seek(offset - 1)
+            return handle.read(1) == b"\n"
+
+    @staticmethod
+    def _fill_entry(entry: IndexEntry, scanned: _Scanned, archived: bool, *, full: bool) -> None:
+        assert scanned.state is not None
+        entry.apply_state(scanned.state, archived)
+        if full:
+            entry.event_count = len(scanned.event_ids)
+            entry.participants = set(scanned.participants)
+        else:
+            entry.event_count += len(scanned.event_ids)
+            entry.participants |= scanned.participants
+        entry.log_size = scanned.log_size
+        entry.state_sig = scanned.state_sig
+
+    def _sweep_leftovers(self, actions: list[RecoveryAction]) -> None:
+        """Half-made creations go to corrupt/; half-finished deletions are finished."""
+        for parent in (self.root, self.root / ARCHIVE_DIR):
+            for item in os.scandir(parent):
+                if item.name.startswith(".tmp-"):
+                    moved = _move_to_corrupt(self.corrupt_dir, Path(item.path), item.name.lstrip("."))
+                    actions.append(RecoveryAction(
+                        "moved_to_corrupt", None, f"unfinished creation moved to {moved.name}"
+                    ))
+                elif item.name.startswith(".deleted-"):
+                    shutil.rmtree(item.path, ignore_errors=True)
+
+    def _list_folders(self) -> dict[str, bool]:
+        """Return every conversation folder: id -> archived."""
+        found: dict[str, bool] = {}
+        for archived, parent in ((True, self.root / ARCHIVE_DIR), (False, self.root)):
+            for item in os.scandir(parent):
+                if item.is_dir(follow_symlinks=False) and _ID_PATTERN.match(item.name) and (
+                    item.name not in _RESERVED
+                ):
+                    found[item.name] = archived
+        return found
+
+    def _read_index(
+        self, actions: list[RecoveryAction]
+    ) -> tuple[dict[str, IndexEntry], int, int, bool]:
+        """Return (entries, generation, records replayed, readable)."""
+        index_dir = self.root / INDEX_DIR
+        snapshot_path = index_dir / "snapshot.json"
+        logs = sorted(
+            (int(p.name.split(".", 1)[1]), p) for p in index_dir.glob("log.*")
+            if p.name.split(".", 1)[1].isdigit()
+        )
+        entries: dict[str, IndexEntry] = {}
+        generation = 0
+        if snapshot_path.exists():
+            try:
+                snapshot = json.loads(snapshot_path.read_bytes())
+                if snapshot.get("format") != INDEX_FORMAT:
+                    raise ValueError("unknown index format")
+                generation = int(snapshot["generation"])
+                for row in snapshot["entries"]:
+                    entry = IndexEntry.from_json(row)
+                    entries[entry.id] = entry
+            except (ValueError, KeyError, TypeError):
+                moved = _move_to_corrupt(self.corrupt_dir, snapshot_path, "index.snapshot.json")
+                actions.append(RecoveryAction("moved_to_corrupt", None, f"index snapshot -> {moved.name}"))
+                return {}, max((g for g, _ in logs), default=0) + 1, 0, False
+        elif not logs:
+            return {}, 0, 0, False
+        replayed = 0
+        for gen, path in logs:
+            if gen < generation:
+                path.unlink(missing_ok=True)
+                continue
+            data = path.read_bytes()
+            scan = scan_log(data)
+            if scan.torn or scan.bad_lines:
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.ftruncate(fd, scan.good_end)
+                finally:
+                    os.close(fd)
+            for payload in scan.payloads:
+                self._apply_record(entries, json.loads(payload))
+                replayed += 1
+            generation = max(generation, gen)
+        return entries, generation, replayed, True
+
+    @staticmethod
+    def _apply_record(entries: dict[str, IndexEntry], record: dict[str, Any]) -> None:
+        op = record.get("op")
+        if op == "put":
+            entry = IndexEntry.from_json(record["e"])
+            entries[entry.id] = entry
+        elif op == "ev":
+            found = entries.get(record["id"])
+            if found is not None:
+                found.event_count = int(record["n"])
+                found.log_size = int(record["s"])
+                found.participants.update(record.get("p", ()))
+        elif op == "del":
+            entries.pop(record["id"], None)
+
+    async def close(self) -> None:
+        """Finish pending commits, write the index snapshot, release the lock. Safe to call twice."""
+        if not self._opened:
+            return
+        self._closing = True
+        if self._committer is not None:
+            assert self._wakeup is not None
+            self._wakeup.set()
+            await self._committer
+            self._committer = None
+        if self._compacting is not None:
+            await self._compacting
+        await self._compact()
+        if self._aux_task is not None:
+            await self._aux_task
+        await asyncio.to_thread(self._unlock_home)
+        self._cache.clear()
+        self._buckets.clear()
+        self._opened = False
+        log.info("store_closed", path=str(self.root))
+
+    # --- commits -------------------------------------------------------------------------------
+
+    async def _commit(self, ops: list[_Op]) -> None:
+        """Make ``ops`` durable per the fsync policy; raise the first op's error."""
+        if self.fsync == "batch" and not self._closing:
+            loop = asyncio.get_running_loop()
+            futures = []
+            for op in ops:
+                future: asyncio.Future[None] = loop.create_future()
+                self._queue.append((op, future))
+                futures.append(future)
+            assert self._wakeup is not None
+            self._wakeup.set()
+            await asyncio.gather(*futures)
+            return
+        await asyncio.to_thread(_apply_ops, ops, {})
+        for op in ops:
+            if op.error is not None:
+                raise op.error
+
+    async def _run_committer(self) -> None:
+        """Group commit: gather appends for at most ``batch_delay``, one fsync per file per batch."""
+        assert self._wakeup is not None
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._queue:
+                if self._closing:
+                    return
+                continue
+            if self.batch_delay > 0 and not self._closing:
+                await asyncio.sleep(self.batch_delay)
+            batch, self._queue = self._queue, []
+            ops = [op for op, _ in batch]
+            try:
+                await asyncio.to_thread(_apply_ops, ops, {})
+            except BaseException as exc:  # a bug in _apply_ops: fail every waiter, keep committing
+                log.exception("group_commit_failed")
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for op, future in batch:
+                if future.done():
+                    continue
+                if op.error is not None:
+                    future.set_exception(op.error)
+                else:
+                    future.set_result(None)
+            if self._queue:
+                self._wakeup.set()
+
+    def _queue_aux(self, path: Path, line: bytes) -> None:
+        self._aux.setdefault(path, []).append(line)
+        if self._aux_task is None or self._aux_task.done():
+            self._aux_task = asyncio.create_task(self._flush_aux_loop(), name="fs-store-derived")
+
+    async def _flush_aux_loop(self) -> None:
+        while self._aux:
+            async with self._aux_lock:
+                await self._flush_aux_locked()
+
+    async def _flush_aux_locked(self) -> None:
+        if not self._aux:
+            return
+        pending, self._aux = self._aux, {}
+        self._aux_inflight = set(pending)
+        try:
+            await asyncio.to_thread(_write_aux, pending)
+        finally:
+            self._aux_inflight = set()
+
+    def _index_record(self, record: dict[str, Any]) -> None:
+        payload = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        self._queue_aux(self._index_log(self._generation), encode_line(payload))
+        self._index_records += 1
+        threshold = max(COMPACT_MIN_RECORDS, 2 * len(self._entries))
+        if self._index_records > threshold and (self._compacting is None or self._compacting.done()):
+            self._compacting = asyncio.create_task(self._compact(), name="fs-store-compact")
+
+    def _index_put(self, entry: IndexEntry) -> None:
+        self._index_record({"op": "put", "e": entry.to_json()})
+
+    async def _compact(self) -> None:
+        """Write the whole index as a new snapshot and start a new index log (amortized O(1))."""
+        async with self._aux_lock:
+            await self._flush_aux_locked()
+            generation = self._generation + 1
+            rows = [entry.to_json() for entry in self._entries.values()]
+            data = json.dumps(
+                {"format": INDEX_FORMAT, "generation": generation, "entries": rows},
+                separators=(",", ":"), ensure_ascii=False,
+            ).encode("utf-8")
+            old = self._index_log(self._generation)
+            self._generation = generation
+            self._index_records = 0
+            await asyncio.to_thread(self._write_snapshot, data, old)
+
+    def _write_snapshot(self, data: bytes, old_log: Path) -> None:
+        _replace_file(self.root / INDEX_DIR / "snapshot.json", data)
+        old_log.unlink(missing_ok=True)
+
+    # --- the processed set ---------------------------------------------------------------------
+
+    def _bucket_path(self, bucket: str) -> Path:
+        return self.root / EVENTS_DIR / bucket
+
+    def _queue_processed(self, event_id: str, conversation_id: str) -> None:
+        bucket = _bucket_of(event_id)
+        loaded = self._buckets.get(bucket)
+        if loaded is not None:
+            loaded[event_id] = conversation_id
+        loading = self._loading.get(bucket)
+        if loading is not None:
+            loading[1][event_id] = conversation_id
+        self._queue_aux(self._bucket_path(bucket), f"\n{event_id} {conversation_id or '-'}".encode())
+
+    async def _bucket(self, event_id: str) -> dict[str, str]:
+        """Return the loaded bucket holding ``event_id`` (reading it once, off the loop).
+
+        Lines for the bucket still queued or being written are flushed first; ids added
+        while the file is read are caught in a side table and merged.
+        """
+        bucket = _bucket_of(event_id)
+        loaded = self._buckets.get(bucket)
+        if loaded is not None:
+            self._buckets.move_to_end(bucket)
+            return loaded
+        loading = self._loading.get(bucket)
+        if loading is not None:
+            return await asyncio.shield(loading[0])
+        future: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
+        added: dict[str, str] = {}
+        self._loading[bucket] = (future, added)
+        path = self._bucket_path(bucket)
+        try:
+            while path in self._aux or path in self._aux_inflight:
+                async with self._aux_lock:
+                    await self._flush_aux_locked()
+            loaded = await asyncio.to_thread(self._read_bucket, path)
+        except BaseException as exc:
+            del self._loading[bucket]
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters (if any) get it through shield
+            raise
+        del self._loading[bucket]
+        loaded.update(added)
+        self._buckets[bucket] = loaded
+        while len(self._buckets) > self.bucket_cache_size:
+            self._buckets.popitem(last=False)
+        future.set_result(loaded)
+        return loaded
+
+    @staticmethod
+    def _read_bucket(path: Path) -> dict[str, str]:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        found: dict[str, str] = {}
+        for line in data.split(b"\n"):
+            parts = line.split(b" ")
+            if len(parts) != 2 or not parts[0] or not parts[1]:
+                continue  # a torn line: the next write starts with a newline, so it stays alone
+            conversation_id = parts[1].decode("utf-8", "replace")
+            found[parts[0].decode("utf-8", "replace")] = "" if conversation_id == "-" else conversation_id
+        return found
+
+    async def is_processed(self, event_id: str) -> bool:
+        """Return whether this event id was ever accepted or marked processed."""
+        return event_id in await self._bucket(event_id)
+
+    async def mark_processed(self, event_id: str) -> None:
+        """Durably remember an event id handled without joining a conversation."""
+        _check_event_id(event_id)
+        bucket = await self._bucket(event_id)
+        if event_id in bucket:
+            return
+        path = self._bucket_path(_bucket_of(event_id))
+        await self._commit([_Op("append", path, f"\n{event_id} -".encode(), create=True)])
+        bucket[event_id] = ""
+
+    # --- conversations -------------------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if not self._opened:
+            raise RuntimeError("FileSystemStore is not open; call open() first")
+
+    def _cache_put(self, conversation: Conversation) -> None:
+        self._cache[conversation.id] = conversation
+        self._cache.move_to_end(conversation.id)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    @staticmethod
+    def _state_bytes(conversation: Conversation, archived: bool) -> bytes:
+        state = conversation.state_dict()
+        state["archived"] = archived
+        return json.dumps(
+            {"format": STATE_FORMAT, "state": state}, separators=(",", ":"), ensure_ascii=False
+        ).encode("utf-8")
+
+    async def create(self, conversation: Conversation) -> None:
+        """Store a new conversation: both files are written in a temp folder renamed into place."""
+        self._require_open()
+        _check_id(conversation.id)
+        if conversation.id in self._entries:
+            raise ConversationExistsError(conversation.id)
+        log_data = b"".join(encode_event(event) for event in conversation.history)
+        state_data = self._state_bytes(conversation, conversation.archived)
+        sig = await asyncio.to_thread(
+            self._create_sync, conversation.id, conversation.archived, log_data, state_data
+        )
+        entry = IndexEntry(id=conversation.id)
+        entry.apply_state(conversation.state_dict(), conversation.archived)
+        entry.event_count = len(conversation.history)
+        entry.participants = conversation.participants()
+        entry.log_size = len(log_data)
+        entry.state_sig = sig
+        self._entries[conversation.id] = entry
+        self._index_put(entry)
+        for event in conversation.history:
+            self._queue_processed(event.id, conversation.id)
+        self._cache_put(conversation)
+
+    def _create_sync(
+        self, conversation_id: str, archived: bool, log_data: bytes, state_data: bytes
+    ) -> tuple[int, int]:
+        final = self._folder(conversation_id, archived)
+        if final.exists() or self._folder(conversation_id, not archived).exists():
+            raise ConversationExistsError(conversation_id)
+        tmp = final.parent / f".tmp-{conversation_id}-{os.getpid()}-{time.time_ns()}"
+        tmp.mkdir()
+        for name, data in ((LOG_NAME, log_data), (STATE_NAME, state_data)):
+            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+        st = os.stat(final / STATE_NAME)
+        return st.st_size, st.st_mtime_ns
+
+    async def load(self, conversation_id: str) -> Conversation | None:
+        """Return the conversation (the cached live object when loaded), or None.
+
+        A first load reads the snapshot and the log, cutting a torn tail and moving
+        unreadable files to ``corrupt/``.
+        """
+        self._require_open()
+        cached = self._cache.get(conversation_id)
+        if cached is not None:
+            self._cache.move_to_end(conversation_id)
+            return cached
+        entry = self._entries.get(conversation_id)
+        if entry is None:
+            return None
+        folder = self._folder(conversation_id, entry.archived)
+        try:
+            scanned = await asyncio.to_thread(
+                _scan_folder, folder, conversation_id, self.corrupt_dir, parse_events=True
+            )
+        except FileNotFoundError:
+            log.error("conversation_files_missing", conversation_id=conversation_id)
+            return None
+        # a racing load may have filled the cache while this one read the disk
+        cached = self._cache.get(conversation_id)
+        if cached is not None:
+            return cached
+        assert scanned.state is not None
+        self.recovery.extend(scanned.actions)
+        conversation = Conversation.from_state(scanned.state, scanned.events)
+        conversation.archived = entry.archived
+        if scanned.actions:
+            self._fill_entry(entry, scanned, entry.archived, full=True)
+            self._index_put(entry)
+            for event in scanned.events:
+                self._queue_processed(event.id, conversation_id)
+        self._cache_put(conversation)
+        return conversation
+
+    def _entry_required(self, conversation_id: str) -> IndexEntry:
+        self._require_open()
+        entry = self._entries.get(conversation_id)
+        if entry is None:
+            raise ConversationNotFoundError(conversation_id)
+        return entry
+
+    async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
+        """Append one event line to the conversation's log; durable when this returns.
+
+        A duplicate event id changes nothing. An archived conversation is read-only.
+        """
+        entry = self._entry_required(conversation_id)
+        if entry.archived:
+            raise ConversationArchivedError(conversation_id)
+        if await self.is_processed(event.id):
+            return
+        line = encode_event(event)
+        path = self._folder(conversation_id, False) / LOG_NAME
+        await self._commit([_Op("append", path, line)])
+        entry.event_count += 1
+        entry.log_size += len(line)
+        new_participant = event.pubkey not in entry.participants
+        entry.participants.add(event.pubkey)
+        self._queue_processed(event.id, conversation_id)
+        record: dict[str, Any] = {
+            "op": "ev", "id": conversation_id, "n": entry.event_count, "s": entry.log_size
+        }
+        if new_participant:
+            record["p"] = [event.pubkey]
+        self._index_record(record)
+        cached = self._cache.get(conversation_id)
+        if cached is not None:
+            cached.append(event)
+
+    async def append_events(self, conversation_id: str, events: Iterable[NostrEvent]) -> None:
+        """Append several events with one durable write (imports, bulk loads)."""
+        entry = self._entry_required(conversation_id)
+        if entry.archived:
+            raise ConversationArchivedError(conversation_id)
+        fresh: list[NostrEvent] = []
+        seen: set[str] = set()
+        for event in events:
+            if event.id not in seen and not await self.is_processed(event.id):
+                fresh.append(event)
+                seen.add(event.id)
+        if not fresh:
+            return
+        data = b"".join(encode_event(event) for event in fresh)
+        await self._commit([_Op("append", self._folder(conversation_id, False) / LOG_NAME, data)])
+        entry.event_count += len(fresh)
+        entry.log_size += len(data)
+        added = {e.pubkey for e in fresh} - entry.participants
+        entry.participants |= added
+        cached = self._cache.get(conversation_id)
+        for event in fresh:
+            self._queue_processed(event.id, conversation_id)
+            if cached is not None:
+                cached.append(event)
+        self._index_record({
+            "op": "ev", "id": conversation_id, "n": entry.event_count, "s": entry.log_size,
+            "p": sorted(added),
+        })
+
+    async def save_state(self, conversation: Conversation) -> None:
+        """Atomically replace the conversation's snapshot (temp file, fsync, rename, fsync folder)."""
+        entry = self._entry_required(conversation.id)
+        data = self._state_bytes(conversation, entry.archived)
+        op = _Op("replace", self._folder(conversation.id, entry.archived) / STATE_NAME, data)
+        try:
+            await self._commit([op])
+        except BaseException:
+            self._cache.pop(conversation.id, None)
+            raise
+        entry.apply_state(conversation.state_dict(), entry.archived)
+        assert op.result is not None
+        entry.state_sig = op.result
+        self._index_put(entry)
+        conversation.archived = entry.archived
+        self._cache_put(conversation)
+
+    async def set_archived(self, conversation_id: str, archived: bool) -> None:
+        """Move the conversation's folder into ``archive/`` (or back); rename is atomic."""
+        entry = self._entry_required(conversation_id)
+        if entry.archived != archived:
+            source = self._folder(conversation_id, entry.archived)
+            target = self._folder(conversation_id, archived)
+            await asyncio.to_thread(self._move_folder, source, target)
+            entry.archived = archived
+            self._index_put(entry)
+        cached = self._cache.get(conversation_id)
+        if cached is not None:
+            cached.archived = archived
+
+    @staticmethod
+    def _move_folder(source: Path, target: Path) -> None:
+        os.rename(source, target)
+        _fsync_dir(target.parent)
+        _fsync_dir(source.parent)
+
+    async def delete(self, conversation_id: str) -> bool:
+        """Remove a conversation's files; its event ids stay processed."""
+        self._require_open()
+        entry = self._entries.get(conversation_id)
+        if entry is None:
+            return False
+        folder = self._folder(conversation_id, entry.archived)
+        await asyncio.to_thread(self._delete_sync, folder)
+        del self._entries[conversation_id]
+        self._cache.pop(conversation_id, None)
+        self._index_record({"op": "del", "id": conversation_id})
+        return True
+
+    @staticmethod
+    def _delete_sync(folder: Path) -> None:
+        doomed = folder.parent / f".deleted-{folder.name}-{time.time_ns()}"
+        os.rename(folder, doomed)
+        _fsync_dir(folder.parent)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    async def search(self, query: SearchQuery) -> list[ConversationSummary]:
+        """Filter the in-memory index (no log is read), newest update first."""
+        self._require_open()
+        rows = []
+        for entry in self._entries.values():
+            if query.archived is not None and entry.archived != query.archived:
+                continue
+            if query.phase is not None and entry.phase != query.phase.value:
+                continue
+            if query.participant is not None and query.participant not in entry.participants:
+                continue
+            rows.append(entry.summary())
+        return apply_query(rows, query)
+
+    async def find_event(self, event_id: str) -> tuple[str, NostrEvent] | None:
+        """Return (conversation id, event) for a stored event id."""
+        self._require_open()
+        conversation_id = (await self._bucket(event_id)).get(event_id)
+        if not conversation_id:
+            return None
+        conversation = await self.load(conversation_id)
+        if conversation is None:
+            return None
+        for event in conversation.history:
+            if event.id == event_id:
+                return conversation_id, event
+        return None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # --- small values --------------------------------------------------------------------------
+
+    def _meta_path(self, key: str) -> Path:
+        return self.root / META_DIR / (hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".json")
+
+    async def get_meta(self, key: str) -> str | None:
+        """Return the value stored under ``key``, if any."""
+        self._require_open()
+        path = self._meta_path(key)
+        try:
+            data = await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            return None
+        try:
+            record = json.loads(data)
+        except ValueError:
+            await asyncio.to_thread(_move_to_corrupt, self.corrupt_dir, path, f"meta.{path.name}")
+            self.recovery.append(RecoveryAction("moved_to_corrupt", None, f"meta value {key!r}"))
+            return None
+        return str(record["value"]) if record.get("key") == key else None
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Durably store ``value`` under ``key`` (one small file, replaced atomically)."""
+        self._require_open()
+        data = json.dumps({"key": key, "value": value}, ensure_ascii=False).encode("utf-8")
+        await self._commit([_Op("replace", self._meta_path(key), data)])
+
+    @asynccontextmanager
+    async def lease(self, conversation_id: str) -> AsyncIterator[None]:
+        """One process owns a home (its lock), so the lease is always granted."""
+        yield

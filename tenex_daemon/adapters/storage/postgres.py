@@ -1,0 +1,334 @@
+"""PostgresStore: conversations in PostgreSQL, shared safely by several daemons.
+
+Events are JSONB rows with the event id as primary key (an event is accepted exactly once,
+whichever daemon sees it first); the state snapshot is JSONB beside the index columns that
+search filters in SQL. ``lease`` takes a session-level advisory lock on a dedicated
+connection, so two daemons never work on one conversation at once. Numbered migrations
+are applied on :meth:`PostgresStore.open` under an advisory lock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import asyncpg
+import structlog
+
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import (
+    ConversationArchivedError,
+    ConversationExistsError,
+    ConversationNotFoundError,
+)
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.search import ConversationSummary, SearchQuery, apply_query, title_matches
+
+log = structlog.get_logger(__name__)
+
+MIGRATIONS: tuple[tuple[int, str, str], ...] = (
+    (
+        1,
+        "conversations, events, processed ids, meta",
+        """
+        CREATE TABLE conversations (
+            id           text PRIMARY KEY,
+            title        text NOT NULL,
+            phase        text NOT NULL,
+            created_at   bigint NOT NULL,
+            updated_at   bigint NOT NULL,
+            event_count  integer NOT NULL DEFAULT 0,
+            agent_count  integer NOT NULL DEFAULT 0,
+            archived     boolean NOT NULL DEFAULT false,
+            participants text[] NOT NULL DEFAULT '{}',
+            state        jsonb NOT NULL
+        );
+        CREATE INDEX conversations_updated ON conversations (updated_at DESC, id DESC);
+        CREATE INDEX conversations_created ON conversations (created_at);
+        CREATE INDEX conversations_participants ON conversations USING gin (participants);
+        CREATE TABLE events (
+            event_id        text PRIMARY KEY,
+            conversation_id text NOT NULL REFERENCES conversations (id) ON DELETE CASCADE,
+            seq             integer NOT NULL,
+            body            jsonb NOT NULL,
+            UNIQUE (conversation_id, seq)
+        );
+        CREATE TABLE processed_events (
+            event_id text PRIMARY KEY
+        );
+        CREATE TABLE meta (
+            key   text PRIMARY KEY,
+            value text NOT NULL
+        );
+        """,
+    ),
+)
+"""(version, description, SQL) in order; a released migration is never edited, only added to."""
+
+_MIGRATION_LOCK = 0x7465_6E65_7864  # "tenexd": serializes migrations across daemons
+_LEASE_SQL = "SELECT pg_advisory_lock(hashtextextended($1, 0))"
+_UNLEASE_SQL = "SELECT pg_advisory_unlock(hashtextextended($1, 0))"
+
+
+def _event_json(event: NostrEvent) -> str:
+    return event.model_dump_json()
+
+
+class PostgresStore:
+    """A :class:`~tenex_daemon.core.ports.ConversationStore` in PostgreSQL (asyncpg).
+
+    ``dsn`` is a libpq connection string or URL. ``pool_size`` bounds the connections used
+    for queries; leases use their own pool (``lease_pool_size``) so a held lease never
+    starves the queries made under it.
+    """
+
+    def __init__(self, dsn: str, *, pool_size: int = 10, lease_pool_size: int = 20) -> None:
+        self.dsn = dsn
+        self.pool_size = pool_size
+        self.lease_pool_size = lease_pool_size
+        self._pool: asyncpg.Pool | None = None
+        self._lease_pool: asyncpg.Pool | None = None
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        """The query pool (open first)."""
+        if self._pool is None:
+            raise RuntimeError("PostgresStore is not open; call open() first")
+        return self._pool
+
+    async def open(self) -> None:
+        """Connect and apply pending migrations."""
+        if self._pool is not None:
+            return
+        self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.pool_size)
+        self._lease_pool = await asyncpg.create_pool(self.dsn, min_size=0, max_size=self.lease_pool_size)
+        applied = await self.migrate()
+        log.info("postgres_store_opened", migrations_applied=applied)
+
+    async def migrate(self) -> list[int]:
+        """Apply every migration not yet in ``schema_migrations``; return the versions applied."""
+        applied: list[int] = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            await conn.execute(
+                """CREATE TABLE IF NOT EXISTS schema_migrations (
+                       version integer PRIMARY KEY,
+                       description text NOT NULL,
+                       applied_at timestamptz NOT NULL DEFAULT now())"""
+            )
+            done = {row["version"] for row in await conn.fetch("SELECT version FROM schema_migrations")}
+            for version, description, sql in MIGRATIONS:
+                if version in done:
+                    continue
+                await conn.execute(sql)
+                await conn.execute(
+                    "INSERT INTO schema_migrations (version, description) VALUES ($1, $2)",
+                    version, description,
+                )
+                applied.append(version)
+        return applied
+
+    async def close(self) -> None:
+        """Close both pools. Safe to call twice."""
+        for pool in (self._pool, self._lease_pool):
+            if pool is not None:
+                await pool.close()
+        self._pool = self._lease_pool = None
+
+    async def create(self, conversation: Conversation) -> None:
+        """Insert the conversation row and its history in one transaction."""
+        summary = ConversationSummary.of(conversation)
+        async with self.pool.acquire() as conn, conn.transaction():
+            try:
+                await conn.execute(
+                    """INSERT INTO conversations (id, title, phase, created_at, updated_at, event_count,
+                           agent_count, archived, participants, state)
+                       VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb)""",
+                    conversation.id, summary.title, summary.phase.value, summary.created_at,
+                    summary.updated_at, summary.event_count, summary.agent_count, summary.archived,
+                    summary.participants, json.dumps(conversation.state_dict()),
+                )
+            except asyncpg.UniqueViolationError:
+                raise ConversationExistsError(conversation.id) from None
+            if conversation.history:
+                await conn.executemany(
+                    """INSERT INTO events (event_id, conversation_id, seq, body)
+                       VALUES ($1, $2, $3, $4::jsonb)""",
+                    [(e.id, conversation.id, i, _event_json(e)) for i, e in enumerate(conversation.history)],
+                )
+                await conn.executemany(
+                    "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING",
+                    [(e.id,) for e in conversation.history],
+                )
+
+    async def load(self, conversation_id: str) -> Conversation | None:
+        """Read the state row and the events in order."""
+        async with self.pool.acquire() as conn:
+            row = await conn.fetchrow(
+                "SELECT state::text AS state, archived FROM conversations WHERE id = $1", conversation_id
+            )
+            if row is None:
+                return None
+            bodies = await conn.fetch(
+                "SELECT body::text AS body FROM events WHERE conversation_id = $1 ORDER BY seq",
+                conversation_id,
+            )
+        history = [NostrEvent.model_validate_json(r["body"]) for r in bodies]
+        conversation = Conversation.from_state(json.loads(row["state"]), history)
+        conversation.archived = row["archived"]
+        return conversation
+
+    async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
+        """Insert the event (committed, so durable, when this returns); a known id changes nothing."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            fresh = await conn.fetchval(
+                "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING true",
+                event.id,
+            )
+            row = await conn.fetchrow(
+                """UPDATE conversations
+                      SET event_count = event_count + CASE WHEN $2 THEN 1 ELSE 0 END,
+                          participants = CASE WHEN $2 AND NOT ($3 = ANY(participants))
+                                              THEN participants || $3 ELSE participants END
+                    WHERE id = $1
+                RETURNING event_count, archived""",
+                conversation_id, bool(fresh), event.pubkey,
+            )
+            if row is None:
+                raise ConversationNotFoundError(conversation_id)
+            if row["archived"]:
+                raise ConversationArchivedError(conversation_id)
+            if not fresh:
+                return
+            await conn.execute(
+                "INSERT INTO events (event_id, conversation_id, seq, body) VALUES ($1, $2, $3, $4::jsonb)",
+                event.id, conversation_id, row["event_count"] - 1, _event_json(event),
+            )
+
+    async def save_state(self, conversation: Conversation) -> None:
+        """Replace the state JSONB and the index columns derived from it."""
+        summary = ConversationSummary.of(conversation)
+        async with self.pool.acquire() as conn:
+            status = await conn.execute(
+                """UPDATE conversations SET title = $2, phase = $3, created_at = $4, updated_at = $5,
+                          agent_count = $6, state = $7::jsonb
+                    WHERE id = $1""",
+                conversation.id, summary.title, summary.phase.value, summary.created_at,
+                summary.updated_at, summary.agent_count, json.dumps(conversation.state_dict()),
+            )
+        if status.endswith(" 0"):
+            raise ConversationNotFoundError(conversation.id)
+
+    async def set_archived(self, conversation_id: str, archived: bool) -> None:
+        """Set the archived flag."""
+        async with self.pool.acquire() as conn:
+            status = await conn.execute(
+                "UPDATE conversations SET archived = $2 WHERE id = $1", conversation_id, archived
+            )
+        if status.endswith(" 0"):
+            raise ConversationNotFoundError(conversation_id)
+
+    async def delete(self, conversation_id: str) -> bool:
+        """Delete the conversation and its events; the ids stay in ``processed_events``."""
+        async with self.pool.acquire() as conn:
+            status = await conn.execute("DELETE FROM conversations WHERE id = $1", conversation_id)
+        return not status.endswith(" 0")
+
+    async def search(self, query: SearchQuery) -> list[ConversationSummary]:
+        """Filter in SQL; the fuzzy title rule (core's ``title_matches``) runs on the rows found."""
+        clauses: list[str] = []
+        args: list[Any] = []
+
+        def arg(value: Any) -> str:
+            args.append(value)
+            return f"${len(args)}"
+
+        if query.archived is not None:
+            clauses.append(f"archived = {arg(query.archived)}")
+        if query.phase is not None:
+            clauses.append(f"phase = {arg(query.phase.value)}")
+        if query.date_from is not None:
+            clauses.append(f"created_at >= {arg(int(query.date_from.timestamp() * 1000))}")
+        if query.date_to is not None:
+            clauses.append(f"created_at <= {arg(int(query.date_to.timestamp() * 1000))}")
+        if query.participant is not None:
+            clauses.append(f"participants @> ARRAY[{arg(query.participant)}]::text[]")
+        sql = (
+            "SELECT id, title, phase, created_at, updated_at, event_count, agent_count, archived, "
+            "participants FROM conversations"
+        )
+        if clauses:
+            sql += " WHERE " + " AND ".join(clauses)
+        sql += " ORDER BY updated_at DESC, id DESC"
+        if query.limit is not None and query.title is None:
+            sql += f" LIMIT {arg(query.limit)}"
+        async with self.pool.acquire() as conn:
+            rows = await conn.fetch(sql, *args)
+        found = [
+            ConversationSummary(
+                id=r["id"], title=r["title"], phase=Phase(r["phase"]), created_at=r["created_at"],
+                updated_at=r["updated_at"], event_count=r["event_count"], agent_count=r["agent_count"],
+                archived=r["archived"], participants=sorted(r["participants"]),
+            )
+            for r in rows
+            if query.title is None or title_matches(r["title"], query.title)
+        ]
+        return apply_query(found, query)
+
+    async def is_processed(self, event_id: str) -> bool:
+        """Whether the id is in ``processed_events``."""
+        async with self.pool.acquire() as conn:
+            found = await conn.fetchval("SELECT 1 FROM processed_events WHERE event_id = $1", event_id)
+        return found is not None
+
+    async def mark_processed(self, event_id: str) -> None:
+        """Insert the id into ``processed_events``."""
+        async with self.pool.acquire() as conn:
+            await conn.execute(
+                "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING", event_id
+            )
+
+    async def find_event(self, event_id: str) -> tuple[str, NostrEvent] | None:
+        """Look the event up by its primary key."""
+        async with self.pool.acquire() as conn:
+            row = await conn.fetchrow(
+                "SELECT conversation_id, body::text AS body FROM events WHERE event_id = $1", event_id
+            )
+        if row is None:
+            return None
+        return row["conversation_id"], NostrEvent.model_validate_json(row["body"])
+
+    async def get_meta(self, key: str) -> str | None:
+        """Return the stored value, if any."""
+        async with self.pool.acquire() as conn:
+            value = await conn.fetchval("SELECT value FROM meta WHERE key = $1", key)
+        return None if value is None else str(value)
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Upsert the value."""
+        async with self.pool.acquire() as conn:
+            await conn.execute(
+                """INSERT INTO meta (key, value) VALUES ($1, $2)
+                   ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value""",
+                key, value,
+            )
+
+    @asynccontextmanager
+    async def lease(self, conversation_id: str) -> AsyncIterator[None]:
+        """Hold the conversation's advisory lock on a dedicated connection while the block runs.
+
+        Another PostgresStore (another daemon) asking for the same conversation waits until
+        this block ends. If the connection breaks, PostgreSQL drops the lock with it.
+        """
+        if self._lease_pool is None:
+            raise RuntimeError("PostgresStore is not open; call open() first")
+        async with self._lease_pool.acquire() as conn:
+            await conn.execute(_LEASE_SQL, conversation_id)
+            try:
+                yield
+            finally:
+                if not conn.is_closed():
+                    await conn.execute(_UNLEASE_SQL, conversation_id)

@@ -1,0 +1,271 @@
+"""The ConversationStore contract: every store (memory, filesystem both fsync policies, PostgreSQL)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+
+from tenex_daemon.core.conversation import AgentState, Conversation
+from tenex_daemon.core.errors import (
+    ConversationArchivedError,
+    ConversationExistsError,
+    ConversationNotFoundError,
+)
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.phases import Phase, PhaseTransition
+from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.search import SearchQuery
+from tenex_daemon.core.turns import OrchestratorTurn
+from tests.conftest import Cast
+from tests.contract.conftest import StoreHarness
+
+pytestmark = pytest.mark.integration
+
+T0 = 1_700_000_000_000
+
+
+def new_conversation(cast: Cast, title: str, *, created_at: int = T0, phase: Phase = Phase.CHAT) -> Conversation:
+    """A conversation rooted at a fresh user event."""
+    root = cast.user_says(f"start: {title}", kind=11, tags=[["title", title]])
+    conversation = Conversation(
+        id=root.id, title=title, phase=phase, created_at=created_at, updated_at=created_at,
+        phase_started_at=created_at,
+    )
+    conversation.append(root)
+    return conversation
+
+
+async def stored(
+    store: ConversationStore, cast: Cast, title: str = "Build a relay", *, created_at: int = T0
+) -> Conversation:
+    """Create and return a conversation in ``store``."""
+    conversation = new_conversation(cast, title, created_at=created_at)
+    await store.create(conversation)
+    return conversation
+
+
+def ids(conversation: Conversation | None) -> list[str]:
+    """The event ids of a conversation's history, in order."""
+    assert conversation is not None
+    return [event.id for event in conversation.history]
+
+
+async def test_create_then_load_returns_history_and_state(store: ConversationStore, cast: Cast) -> None:
+    """A created conversation loads with the same history and state."""
+    conversation = await stored(store, cast)
+    loaded = await store.load(conversation.id)
+    assert loaded is not None
+    assert ids(loaded) == ids(conversation)
+    assert loaded.state_dict() == conversation.state_dict()
+
+
+async def test_create_twice_raises_exists(store: ConversationStore, cast: Cast) -> None:
+    """Creating a conversation whose id is taken raises ConversationExistsError."""
+    conversation = await stored(store, cast)
+    with pytest.raises(ConversationExistsError):
+        await store.create(conversation.model_copy(deep=True))
+
+
+async def test_load_unknown_returns_none(store: ConversationStore) -> None:
+    """Loading an id that was never stored returns None."""
+    assert await store.load("f" * 64) is None
+
+
+async def test_append_keeps_order_across_reopen(harness: StoreHarness, cast: Cast) -> None:
+    """Appended events come back in append order, also from a reopened durable store."""
+    store = await harness.open()
+    conversation = await stored(store, cast)
+    events = [cast.alice_says(f"reply {i}") for i in range(25)]
+    for event in events:
+        await store.append_event(conversation.id, event)
+    expected = [conversation.id, *(e.id for e in events)]
+    assert ids(await store.load(conversation.id)) == expected
+    reopened = await harness.reopen(store)
+    assert ids(await reopened.load(conversation.id)) == expected
+    rows = await reopened.search(SearchQuery())
+    assert [(r.id, r.event_count) for r in rows] == [(conversation.id, 26)]
+
+
+async def test_append_same_event_twice_stores_it_once(store: ConversationStore, cast: Cast) -> None:
+    """Appending an already accepted event id changes nothing."""
+    conversation = await stored(store, cast)
+    event = cast.bob_says("only once")
+    await store.append_event(conversation.id, event)
+    await store.append_event(conversation.id, event)
+    assert ids(await store.load(conversation.id)).count(event.id) == 1
+
+
+async def test_append_to_unknown_conversation_raises(store: ConversationStore, cast: Cast) -> None:
+    """Appending to a conversation that is not stored raises ConversationNotFoundError."""
+    with pytest.raises(ConversationNotFoundError):
+        await store.append_event("e" * 64, cast.user_says("lost?"))
+
+
+async def test_save_state_round_trips_after_reopen(harness: StoreHarness, cast: Cast) -> None:
+    """Agent states, phase, transitions, turns, metadata and execution time survive a reopen."""
+    store = await harness.open()
+    conversation = await stored(store, cast)
+    live = await store.load(conversation.id)
+    assert live is not None
+    live.agent_states["alice"] = AgentState(last_processed_index=1, session_id="sess-1")
+    live.phase = Phase.PLAN
+    live.phase_transitions.append(PhaseTransition(
+        from_phase=Phase.CHAT, to_phase=Phase.PLAN, message="plan it", timestamp=T0 + 5,
+        agent_slug="alice", agent_pubkey=cast.alice.pubkey, agent_name="Alice", history_index=1,
+    ))
+    live.orchestrator_turns.append(
+        OrchestratorTurn(turn_id="t1", timestamp=T0 + 6, phase=Phase.PLAN, agents=["alice"])
+    )
+    live.metadata.read_files.append("src/main.py")
+    live.metadata.extra["cursor"] = 7
+    live.execution_time.start(T0 + 7)
+    live.updated_at = T0 + 8
+    await store.save_state(live)
+    expected = live.state_dict()
+    reopened = await harness.reopen(store)
+    loaded = await reopened.load(conversation.id)
+    assert loaded is not None
+    assert loaded.state_dict() == expected
+    [row] = await reopened.search(SearchQuery(phase=Phase.PLAN))
+    assert (row.agent_count, row.updated_at) == (1, T0 + 8)
+
+
+async def test_save_state_of_unknown_conversation_raises(store: ConversationStore, cast: Cast) -> None:
+    """Saving the state of a conversation that was never created raises ConversationNotFoundError."""
+    with pytest.raises(ConversationNotFoundError):
+        await store.save_state(new_conversation(cast, "ghost"))
+
+
+async def test_archive_is_read_only_until_restored(harness: StoreHarness, cast: Cast) -> None:
+    """An archived conversation loads, shows as archived, refuses appends, and accepts them once restored."""
+    store = await harness.open()
+    conversation = await stored(store, cast)
+    await store.set_archived(conversation.id, True)
+    store = await harness.reopen(store)
+    loaded = await store.load(conversation.id)
+    assert loaded is not None and loaded.archived
+    assert [r.id for r in await store.search(SearchQuery(archived=True))] == [conversation.id]
+    assert await store.search(SearchQuery(archived=False)) == []
+    with pytest.raises(ConversationArchivedError):
+        await store.append_event(conversation.id, cast.user_says("too late"))
+    await store.set_archived(conversation.id, False)
+    event = cast.user_says("back again")
+    await store.append_event(conversation.id, event)
+    store = await harness.reopen(store)
+    restored = await store.load(conversation.id)
+    assert restored is not None and not restored.archived
+    assert ids(restored)[-1] == event.id
+
+
+async def test_delete_forgets_conversation_but_keeps_ids_processed(
+    harness: StoreHarness, cast: Cast
+) -> None:
+    """Deleting removes the conversation (True once, then False) while its event ids stay processed."""
+    store = await harness.open()
+    conversation = await stored(store, cast)
+    event = cast.alice_says("answer")
+    await store.append_event(conversation.id, event)
+    assert await store.delete(conversation.id) is True
+    assert await store.delete(conversation.id) is False
+    assert await store.load(conversation.id) is None
+    assert await store.find_event(event.id) is None
+    store = await harness.reopen(store)
+    assert await store.load(conversation.id) is None
+    assert await store.is_processed(event.id)
+    assert await store.is_processed(conversation.id)
+    assert await store.search(SearchQuery()) == []
+
+
+async def test_search_filters(store: ConversationStore, cast: Cast) -> None:
+    """Search filters by title (substring and fuzzy), phase, dates, archived and participant, newest first."""
+    relay = await stored(store, cast, "Build a Nostr relay", created_at=T0)
+    plan = await stored(store, cast, "Plan the database migration", created_at=T0 + 86_400_000)
+    chat = await stored(store, cast, "Weekly chat", created_at=T0 + 2 * 86_400_000)
+    live = await store.load(plan.id)
+    assert live is not None
+    live.phase = Phase.PLAN
+    live.updated_at = T0 + 3 * 86_400_000
+    await store.save_state(live)
+    await store.append_event(relay.id, cast.bob_says("on it"))
+    await store.set_archived(chat.id, True)
+
+    async def found(**filters: object) -> list[str]:
+        return [row.id for row in await store.search(SearchQuery.model_validate(filters))]
+
+    assert await found() == [plan.id, chat.id, relay.id]
+    assert await found(title="nostr RELAY") == [relay.id]
+    assert await found(title="databse migraton") == [plan.id]
+    assert await found(title="zzzz qqqq") == []
+    assert await found(phase=Phase.PLAN) == [plan.id]
+    assert await found(archived=True) == [chat.id]
+    assert await found(archived=False) == [plan.id, relay.id]
+    assert await found(participant=cast.bob.pubkey) == [relay.id]
+    assert await found(participant=cast.user.pubkey) == [plan.id, chat.id, relay.id]
+    day1 = datetime.fromtimestamp((T0 + 86_400_000) / 1000, tz=UTC)
+    assert await found(date_from=day1) == [plan.id, chat.id]
+    assert await found(date_to=day1) == [plan.id, relay.id]
+    assert await found(limit=1) == [plan.id]
+    [row] = await store.search(SearchQuery(participant=cast.bob.pubkey))
+    assert row.event_count == 2
+    assert row.title == "Build a Nostr relay"
+
+
+async def test_processed_ids_survive_reopen(harness: StoreHarness, cast: Cast) -> None:
+    """Marked and accepted event ids are still processed after a reopen; others are not."""
+    store = await harness.open()
+    conversation = await stored(store, cast)
+    accepted = cast.alice_says("accepted")
+    await store.append_event(conversation.id, accepted)
+    ignored = cast.bob_says("ignored").id
+    await store.mark_processed(ignored)
+    await store.mark_processed(ignored)
+    store = await harness.reopen(store)
+    assert await store.is_processed(accepted.id)
+    assert await store.is_processed(ignored)
+    assert await store.is_processed(conversation.id)
+    assert not await store.is_processed("0" * 64)
+
+
+async def test_find_event_returns_conversation_and_event(harness: StoreHarness, cast: Cast) -> None:
+    """find_event returns the owning conversation id and the event itself, also after a reopen."""
+    store = await harness.open()
+    conversation = await stored(store, cast)
+    event = cast.alice_says("find me", tags=[["e", conversation.id]])
+    await store.append_event(conversation.id, event)
+    store = await harness.reopen(store)
+    assert await store.find_event(event.id) == (conversation.id, event)
+    assert await store.find_event(conversation.id) == (conversation.id, conversation.history[0])
+    assert await store.find_event("1" * 64) is None
+
+
+async def test_meta_values_overwrite_and_survive_reopen(harness: StoreHarness) -> None:
+    """set_meta overwrites, get_meta returns the latest value or None, and values survive a reopen."""
+    store = await harness.open()
+    assert await store.get_meta("relay-cursor") is None
+    await store.set_meta("relay-cursor", "100")
+    await store.set_meta("relay-cursor", "200")
+    await store.set_meta("thread:chat__a__b", '{"items": ["é", "\\n"]}')
+    store = await harness.reopen(store)
+    assert await store.get_meta("relay-cursor") == "200"
+    assert await store.get_meta("thread:chat__a__b") == '{"items": ["é", "\\n"]}'
+
+
+async def test_lease_is_granted_released_and_independent(store: ConversationStore) -> None:
+    """A lease is granted, released when its block ends, and leases on other conversations do not wait."""
+    steps: list[str] = []
+    async with asyncio.timeout(10):
+        async with store.lease("c1"):
+            steps.append("c1")
+            async with store.lease("c2"):
+                steps.append("c2")
+        async with store.lease("c1"):
+            steps.append("c1 again")
+    assert steps == ["c1", "c2", "c1 again"]
+
+
+def test_event_round_trip_is_exact(cast: Cast) -> None:
+    """The event model used by every store round-trips through JSON unchanged (unicode included)."""
+    event = cast.user_says("emoji 🎉, U+2028 \u2028 and quotes \" \\")
+    assert NostrEvent.model_validate_json(event.model_dump_json()) == event
