@@ -86,6 +86,7 @@ class Limits:
 
 
 DEFAULT_LIMITS: Final = Limits()
+_NO_SIZE_LIMITS: Final = Limits(max_frame_chars=2**62, max_content_bytes=2**62, max_tags=2**62)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +272,15 @@ def validate_event_dict(
     if not valid:
         raise EventRejectedError(RejectReason.BAD_SIGNATURE, f"signature of {event.id} does not verify")
     return event
+
+
+def verify_event(event: NostrEvent, *, key_cache: PublicKeyCache | None = None) -> bool:
+    """Return whether an already-shaped event's id matches its fields and its signature verifies."""
+    try:
+        validate_event_dict(event.to_dict(), limits=_NO_SIZE_LIMITS, key_cache=key_cache)
+    except EventRejectedError:
+        return False
+    return True
 
 
 def parse_relay_frame(
