@@ -145,7 +145,8 @@ async def test_archive_is_read_only_until_restored(harness: StoreHarness, cast: 
     await store.set_archived(conversation.id, True)
     store = await harness.reopen(store)
     loaded = await store.load(conversation.id)
-    assert loaded is not None and loaded.archived
+    assert loaded is not None
+    assert loaded.archived
     assert [r.id for r in await store.search(SearchQuery(archived=True))] == [conversation.id]
     assert await store.search(SearchQuery(archived=False)) == []
     with pytest.raises(ConversationArchivedError):
@@ -155,7 +156,8 @@ async def test_archive_is_read_only_until_restored(harness: StoreHarness, cast: 
     await store.append_event(conversation.id, event)
     store = await harness.reopen(store)
     restored = await store.load(conversation.id)
-    assert restored is not None and not restored.archived
+    assert restored is not None
+    assert not restored.archived
     assert ids(restored)[-1] == event.id
 
 

@@ -1,0 +1,128 @@
+"""ThreadManager: isolated, persistent threads per communication pair within a chat (seed 002).
+
+Threads are cached in memory. Persistence uses the user's ``load_callback(thread_id)`` and
+``save_callback(thread)`` (plain functions or coroutines) or, when none are given, the
+conversation store's small-value space (``get_meta``/``set_meta`` under ``thread:<id>``).
+A failing callback raises :class:`ThreadPersistenceError` and loses nothing: the items stay
+in the cached thread and go out with the next successful save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import structlog
+
+from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.threads import ConversationThread, ThreadPersistenceError, thread_key
+
+log = structlog.get_logger(__name__)
+
+ThreadLoadCallback = Callable[[str], "ConversationThread | Awaitable[ConversationThread | None] | None"]
+ThreadSaveCallback = Callable[[ConversationThread], "Awaitable[None] | None"]
+
+META_PREFIX = "thread:"
+
+
+class ThreadManager:
+    """Gets, creates, caches and saves :class:`ConversationThread` objects.
+
+    With no callbacks and no ``store``, threads live in memory only.
+    """
+
+    def __init__(
+        self,
+        load_callback: ThreadLoadCallback | None = None,
+        save_callback: ThreadSaveCallback | None = None,
+        store: ConversationStore | None = None,
+    ) -> None:
+        self._threads: dict[str, ConversationThread] = {}
+        self._load_callback = load_callback
+        self._save_callback = save_callback
+        self._store = store
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.unsaved: set[str] = set()
+        """Ids of cached threads whose latest items are not yet persisted."""
+
+    @staticmethod
+    def key(chat_id: str, agent: str, other: str | None = None) -> str:
+        """Return the thread id of a pair (see :func:`~tenex_daemon.core.threads.thread_key`)."""
+        return thread_key(chat_id, agent, other)
+
+    def _lock(self, thread_id: str) -> asyncio.Lock:
+        lock = self._locks.get(thread_id)
+        if lock is None:
+            lock = self._locks[thread_id] = asyncio.Lock()
+        return lock
+
+    async def get_thread(self, chat_id: str, agent: str, other: str | None = None) -> ConversationThread:
+        """Return the pair's thread: cached, else loaded, else new (not saved until changed).
+
+        Raises :class:`ThreadPersistenceError` when loading fails; nothing is cached then,
+        so a later save cannot overwrite the stored thread with an empty one.
+        """
+        thread_id = thread_key(chat_id, agent, other)
+        cached = self._threads.get(thread_id)
+        if cached is not None:
+            return cached
+        async with self._lock(thread_id):
+            cached = self._threads.get(thread_id)
+            if cached is not None:
+                return cached
+            try:
+                loaded = await self._load(thread_id)
+            except Exception as exc:
+                log.error("thread_load_failed", thread_id=thread_id, error=str(exc))
+                raise ThreadPersistenceError(thread_id, "load", exc) from exc
+            if loaded is not None and loaded.thread_id != thread_id:
+                raise ThreadPersistenceError(
+                    thread_id, "load", ValueError(f"callback returned thread {loaded.thread_id!r}")
+                )
+            thread = loaded or ConversationThread(thread_id=thread_id)
+            self._threads[thread_id] = thread
+            return thread
+
+    async def _load(self, thread_id: str) -> ConversationThread | None:
+        if self._load_callback is not None:
+            result = self._load_callback(thread_id)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+        if self._store is not None:
+            data = await self._store.get_meta(META_PREFIX + thread_id)
+            return None if data is None else ConversationThread.from_json(data)
+        return None
+
+    async def save_thread(self, thread: ConversationThread) -> None:
+        """Persist the whole thread; raises :class:`ThreadPersistenceError` on failure (items kept)."""
+        self._threads[thread.thread_id] = thread
+        self.unsaved.add(thread.thread_id)
+        async with self._lock(thread.thread_id):
+            try:
+                if self._save_callback is not None:
+                    result = self._save_callback(thread)
+                    if inspect.isawaitable(result):
+                        await result
+                elif self._store is not None:
+                    await self._store.set_meta(META_PREFIX + thread.thread_id, thread.to_json())
+            except Exception as exc:
+                log.error("thread_save_failed", thread_id=thread.thread_id, error=str(exc))
+                raise ThreadPersistenceError(thread.thread_id, "save", exc) from exc
+            self.unsaved.discard(thread.thread_id)
+
+    async def add_item_and_save(self, thread: ConversationThread, item: Any) -> None:
+        """Append ``item`` and save the thread."""
+        thread.add_item(item)
+        await self.save_thread(thread)
+
+    async def add_items_and_save(self, thread: ConversationThread, items: Sequence[Any]) -> None:
+        """Append ``items`` in order and save the thread."""
+        thread.add_items(items)
+        await self.save_thread(thread)
+
+    def cached(self) -> list[str]:
+        """Return the ids of the threads held in memory."""
+        return list(self._threads)
