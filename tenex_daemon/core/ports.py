@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from tenex_daemon.core.conversation import Conversation
@@ -73,6 +74,13 @@ class ConversationStore(Protocol):
         """Hold the right to work on a conversation (exclusive across processes sharing the store)."""
 
 
+class EventFetcher(Protocol):
+    """Fetches one event by id from the relays (for replies whose root is unknown)."""
+
+    async def fetch_event(self, event_id: str) -> NostrEvent | None:
+        """Return the event, or None when no relay has it in time."""
+
+
 class EventResolver(Protocol):
     """Finds the event a NIP-19 reference points at (store first, then relays)."""
 
@@ -93,3 +101,39 @@ class SystemClock:
     def now_ms(self) -> int:
         """Return ``time.time()`` in milliseconds."""
         return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class ReplySpec:
+    """What an agent's reply says and where it goes; the composer turns it into a signed event."""
+
+    agent_slug: str
+    trigger: NostrEvent
+    root: NostrEvent | None
+    content: str
+    destinations: tuple[str, ...]
+    phase: str
+    net_time_seconds: int
+    session_id: str | None = None
+    complete: bool = False
+    model: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: bool = False
+
+
+class ReplyComposer(Protocol):
+    """Builds and signs an agent's kind-1111 reply with the tags of PROTOCOL.md."""
+
+    def compose(self, spec: ReplySpec) -> NostrEvent:
+        """Return the signed reply event."""
+
+
+class Publisher(Protocol):
+    """Sends events to the relays."""
+
+    async def publish(self, event: NostrEvent) -> None:
+        """Publish; raise when no relay accepted it."""
+
+    async def typing(self, agent_slug: str, conversation_id: str, active: bool) -> None:
+        """Publish a typing start (active) or stop indicator for an agent in a conversation."""

@@ -1,0 +1,61 @@
+"""The one place that picks concrete adapters from Settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tenex_daemon.adapters.llm.offline import OfflineBackend
+from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.app.settings import BackendSettings, Settings, SettingsError, StorageKind
+from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.llm import LLMBackend
+from tenex_daemon.core.ports import ConversationStore
+
+AVAILABLE_BACKENDS = ("offline",)
+
+
+def build_store(settings: Settings) -> ConversationStore:
+    """Return the configured conversation store (not yet opened)."""
+    kind = settings.storage.kind
+    if kind is StorageKind.MEMORY:
+        return MemoryStore()
+    if kind is StorageKind.POSTGRES:
+        if not settings.storage.dsn:
+            raise SettingsError(
+                f"{settings.config_path}: storage.dsn is required when storage.kind = postgres"
+            )
+        from tenex_daemon.adapters.storage.postgres import PostgresStore
+
+        return PostgresStore(settings.storage.dsn)
+    from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+
+    home = Path(settings.storage.path) if settings.storage.path else settings.home
+    return FileSystemStore(home, fsync=settings.storage.fsync, cache_size=settings.storage.cache_size)
+
+
+def load_signers(settings: Settings) -> tuple[dict[str, Signer], Signer]:
+    """Load every agent's key and the project key from the home (files must be mode 0600)."""
+    signers = {
+        a.slug: Signer.from_file(settings.agent_key_path(a.slug), label=a.slug) for a in settings.agents
+    }
+    project = Signer.from_file(settings.project_key_path, label="project")
+    return signers, project
+
+
+def build_agents(settings: Settings, signers: dict[str, Signer]) -> list[Agent]:
+    """Return the configured agents with the public keys of their key files."""
+    return [
+        Agent(slug=a.slug, name=a.name, pubkey=signers[a.slug].pubkey, orchestrator=a.orchestrator)
+        for a in settings.agents
+    ]
+
+
+def build_backend(slug: str, backend: BackendSettings, settings: Settings) -> LLMBackend:
+    """Return the LLM backend an agent is configured with."""
+    if backend.kind == "offline":
+        return OfflineBackend()
+    raise SettingsError(
+        f"{settings.config_path}: agents.{slug}.backend.kind: unknown backend {backend.kind!r} "
+        f"(available: {', '.join(AVAILABLE_BACKENDS)})"
+    )

@@ -1,0 +1,35 @@
+"""How an incoming event is classified once, before one handler takes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from tenex_daemon.core.events import NostrEvent
+
+
+class EventClass(StrEnum):
+    """What an incoming event is to tenexd."""
+
+    NEW_CONVERSATION = "new_conversation"
+    REPLY = "reply"
+    TASK = "task"
+    IGNORED = "ignored"
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """The class of an event, the conversation it belongs to, and why it is ignored if it is."""
+
+    kind: EventClass
+    conversation_id: str | None = None
+    reason: str | None = None
+    is_task: bool = False
+
+
+class EventClassifier(Protocol):
+    """Reads an event's kind and threading tags (implemented with the Nostr codec)."""
+
+    def __call__(self, event: NostrEvent) -> Classification:
+        """Return the event's classification."""

@@ -1,0 +1,87 @@
+"""Who answers an incoming event (PROTOCOL.md): allow-listing, targeting and the hop limit.
+
+Pure functions over an event, the agent directory and the conversation's history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from tenex_daemon.core.agents import Agent, AgentDirectory
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.vocabulary import TAG_PUBKEY
+
+
+class SkipReason(StrEnum):
+    """Why an accepted or incoming event makes no agent run."""
+
+    AUTHOR_NOT_ALLOWED = "author_not_allowed"
+    ADDRESSED_ELSEWHERE = "addressed_elsewhere"
+    OWN_EVENT = "own_event"
+    HOP_LIMIT = "hop_limit"
+    NO_AGENT = "no_agent"
+    NOT_ADDRESSED = "not_addressed"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The outcome of targeting: the agent to run, or why none runs."""
+
+    agent: Agent | None
+    skip: SkipReason | None = None
+    via_orchestrator: bool = False
+    """True when nobody (or only the project) was p-tagged, so the orchestrator routes."""
+
+
+def is_allowed_author(
+    pubkey: str, directory: AgentDirectory, owner: str | None, whitelist: Collection[str]
+) -> bool:
+    """Return whether ``pubkey`` may trigger agents: the owner, a whitelisted key or one of our agents."""
+    return pubkey == owner or pubkey in whitelist or directory.by_pubkey(pubkey) is not None
+
+
+def choose_target(event: NostrEvent, directory: AgentDirectory) -> Target:
+    """Return the agent addressed by ``event``.
+
+    The first p-tagged agent other than the author; else, if the project or nobody is
+    p-tagged, the orchestrator (the default agent when there is none: the caller
+    decides). A p-tag naming neither an agent nor the project: nobody.
+    """
+    tagged = [tag[1] for tag in event.tags if len(tag) > 1 and tag[0] == TAG_PUBKEY]
+    for pubkey in tagged:
+        agent = directory.by_pubkey(pubkey)
+        if agent is not None and pubkey != event.pubkey:
+            return Target(agent)
+    others = [p for p in tagged if p != event.pubkey and p != directory.project_pubkey]
+    if others:
+        return Target(None, SkipReason.ADDRESSED_ELSEWHERE)
+    orchestrator = directory.orchestrator
+    if orchestrator is not None and orchestrator.pubkey == event.pubkey:
+        return Target(None, SkipReason.OWN_EVENT)
+    return Target(orchestrator, None if orchestrator else SkipReason.NO_AGENT, via_orchestrator=True)
+
+
+def agent_chain_length(history: Sequence[NostrEvent], directory: AgentDirectory) -> int:
+    """Return how many events at the end of history were written by agents in a row."""
+    count = 0
+    for event in reversed(history):
+        if directory.by_pubkey(event.pubkey) is None:
+            break
+        count += 1
+    return count
+
+
+def mentioned_agent(text: str, directory: AgentDirectory, exclude: Collection[str] = ()) -> Agent | None:
+    """Return the first agent named in ``text`` as ``@slug`` or ``@Name`` (case-insensitive)."""
+    lowered = text.casefold()
+    best: tuple[int, Agent] | None = None
+    for agent in directory:
+        if agent.slug in exclude or agent.orchestrator:
+            continue
+        for handle in {agent.slug, agent.name}:
+            position = lowered.find("@" + handle.casefold())
+            if position >= 0 and (best is None or position < best[0]):
+                best = (position, agent)
+    return best[1] if best else None

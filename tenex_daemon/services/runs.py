@@ -1,0 +1,141 @@
+"""Scheduling agent runs: one at a time per conversation, a global cap, no orphan tasks,
+and a durable journal so a run accepted before a crash is carried out after the restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+import structlog
+
+from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.services.locks import KeyedLock
+
+log = structlog.get_logger(__name__)
+
+PENDING_RUNS_KEY = "runs.pending"
+
+
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    """An agent to run for a trigger in a conversation."""
+
+    conversation_id: str
+    trigger_id: str
+    agent_slug: str
+    via_orchestrator: bool = False
+
+
+RunFunction = Callable[[RunRequest], Awaitable[None]]
+
+
+class RunScheduler:
+    """Runs agents concurrently across conversations and serially within one.
+
+    Every accepted request is journaled in the store (``runs.pending``) before it is
+    scheduled and removed when it finishes, so :meth:`recover` can redo what a crash
+    interrupted. At most ``max_concurrent`` runs execute at once.
+    """
+
+    def __init__(self, store: ConversationStore, run: RunFunction, max_concurrent: int = 8) -> None:
+        self._store = store
+        self._run = run
+        self._semaphore = asyncio.Semaphore(max_concurrent)
+        self._conversation_locks = KeyedLock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pending: dict[str, RunRequest] = {}
+        self._journal_lock = asyncio.Lock()
+        self._accepting = True
+        self.running = 0
+        self.completed = 0
+        self.failed = 0
+
+    @staticmethod
+    def _key(request: RunRequest) -> str:
+        return f"{request.conversation_id}:{request.trigger_id}:{request.agent_slug}"
+
+    @property
+    def in_flight(self) -> int:
+        """Runs scheduled and not finished (waiting or running)."""
+        return len(self._tasks)
+
+    async def _write_journal(self) -> None:
+        payload = json.dumps([asdict(r) for r in self._pending.values()], separators=(",", ":"))
+        await self._store.set_meta(PENDING_RUNS_KEY, payload)
+
+    async def submit(self, request: RunRequest) -> bool:
+        """Journal and schedule a run; False when shutting down or already scheduled."""
+        if not self._accepting:
+            return False
+        key = self._key(request)
+        async with self._journal_lock:
+            if key in self._pending:
+                return False
+            self._pending[key] = request
+            await self._write_journal()
+        self._spawn(request)
+        return True
+
+    def _spawn(self, request: RunRequest) -> None:
+        task = asyncio.create_task(
+            self._execute(request), name=f"run {request.agent_slug} {request.conversation_id[:8]}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, request: RunRequest) -> None:
+        log_ctx = log.bind(
+            conversation_id=request.conversation_id, event_id=request.trigger_id, agent=request.agent_slug
+        )
+        try:
+            async with self._conversation_locks.hold(request.conversation_id), self._semaphore:
+                self.running += 1
+                try:
+                    await self._run(request)
+                    self.completed += 1
+                finally:
+                    self.running -= 1
+        except asyncio.CancelledError:
+            log_ctx.warning("run_cancelled", reason="shutdown")
+            raise
+        except Exception:
+            self.failed += 1
+            log_ctx.exception("run_failed")
+        async with self._journal_lock:
+            self._pending.pop(self._key(request), None)
+            await self._write_journal()
+
+    async def recover(self) -> list[RunRequest]:
+        """Schedule the runs a previous process journaled but did not finish; return them."""
+        raw = await self._store.get_meta(PENDING_RUNS_KEY)
+        if not raw:
+            return []
+        try:
+            requests = [RunRequest(**item) for item in json.loads(raw)]
+        except (ValueError, TypeError):
+            log.error("run_journal_unreadable", key=PENDING_RUNS_KEY)
+            return []
+        for request in requests:
+            self._pending[self._key(request)] = request
+            self._spawn(request)
+        if requests:
+            log.info("runs_recovered", count=len(requests))
+        return requests
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop accepting, wait up to ``grace_s`` for runs, cancel the rest; return how many were cancelled.
+
+        Cancelled runs stay in the journal and are redone by :meth:`recover` on the next start.
+        """
+        self._accepting = False
+        if not self._tasks:
+            return 0
+        _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        return len(pending)

@@ -1,0 +1,356 @@
+"""Targeting, classification dispatch, agent runs and run scheduling, with fakes for Nostr I/O."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
+from tenex_daemon.adapters.llm.offline import OfflineBackend
+from tenex_daemon.app.nostr_io import classify_event
+from tenex_daemon.core.agents import AgentDirectory
+from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult
+from tenex_daemon.core.ports import ReplySpec
+from tenex_daemon.core.targeting import SkipReason, agent_chain_length, choose_target, mentioned_agent
+from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.dispatcher import EventDispatcher, Outcome
+from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
+from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
+from tenex_daemon.testing import FakeClock, KeyPair, sign_event
+from tests.conftest import Cast
+
+
+@dataclass
+class FakeComposer:
+    """Signs replies with the agent's test key, with the tags a real composer would put that matter here."""
+
+    keys: dict[str, KeyPair]
+
+    def compose(self, spec: ReplySpec) -> NostrEvent:
+        """Return a signed kind-1111 reply to the trigger."""
+        tags = [["e", spec.trigger.id], *(["p", p] for p in spec.destinations)]
+        if spec.root is not None:
+            tags.insert(0, ["E", spec.root.id, "", spec.root.pubkey])
+        if spec.error:
+            tags.append(["error", "system"])
+        return sign_event(self.keys[spec.agent_slug], spec.content, tags=tags)
+
+
+@dataclass
+class FakePublisher:
+    """Records what would go to the relays."""
+
+    published: list[NostrEvent] = field(default_factory=list)
+    typing_events: list[tuple[str, bool]] = field(default_factory=list)
+    fail: bool = False
+
+    async def publish(self, event: NostrEvent) -> None:
+        """Record the event (or fail like a relay that refuses)."""
+        if self.fail:
+            raise RuntimeError("no relay accepted the event")
+        self.published.append(event)
+
+    async def typing(self, agent_slug: str, conversation_id: str, active: bool) -> None:
+        """Record a typing indicator."""
+        self.typing_events.append((agent_slug, active))
+
+
+class FailingBackend:
+    """A backend that always fails the way a provider does."""
+
+    name = "failing"
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Raise a rate-limit error."""
+        raise BackendError("rate_limit", "429 Too Many Requests")
+
+
+@dataclass
+class Rig:
+    """A dispatcher wired to a manager, a scheduler, a runner and fake I/O."""
+
+    manager: ConversationManager
+    store: MemoryStore
+    scheduler: RunScheduler
+    dispatcher: EventDispatcher
+    publisher: FakePublisher
+    runner: AgentRunner
+
+
+def make_rig(
+    cast: Cast, *, hop_limit: int = 3, backend: object | None = None, owner: str | None = None
+) -> Rig:
+    """Wire the services the way the daemon does, with fakes at the Nostr edge."""
+    store = MemoryStore()
+    manager = ConversationManager(store, cast.agents, cast.project.pubkey, clock=FakeClock())
+    publisher = FakePublisher()
+    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    chosen = backend or OfflineBackend()
+    profiles = {a.slug: AgentProfile(a, f"You are {a.name}.", chosen) for a in cast.agents}  # type: ignore[arg-type]
+    runner = AgentRunner(manager, profiles, FakeComposer(keys), publisher)
+
+    async def run(request: RunRequest) -> None:
+        await runner.run(request)
+
+    scheduler = RunScheduler(store, run, max_concurrent=4)
+    dispatcher = EventDispatcher(
+        manager,
+        scheduler,
+        classify_event,
+        RuleBasedOrchestrator(manager.agents, "alice"),
+        owner=owner or cast.user.pubkey,
+        hop_limit=hop_limit,
+    )
+    runner.set_reply_hook(dispatcher.after_reply)
+    return Rig(manager, store, scheduler, dispatcher, publisher, runner)
+
+
+async def settle(rig: Rig) -> None:
+    """Wait for every scheduled run to finish."""
+    await rig.scheduler.drain(10.0)
+
+
+def test_choose_target_rules(cast: Cast) -> None:
+    """First p-tagged agent wins; project or nobody goes to the orchestrator; a stranger's p-tag goes nowhere."""
+    directory = AgentDirectory(cast.agents, cast.project.pubkey)
+    to_bob = cast.user_says("hi", tags=[["p", cast.bob.pubkey], ["p", cast.alice.pubkey]])
+    to_project = cast.user_says("hi", tags=[["p", cast.project.pubkey]])
+    to_nobody = cast.user_says("hi")
+    to_stranger = cast.user_says("hi", tags=[["p", cast.other_user.pubkey]])
+    alice_self = cast.alice_says("me", tags=[["p", cast.alice.pubkey], ["p", cast.bob.pubkey]])
+
+    assert choose_target(to_bob, directory).agent == cast.bob
+    assert choose_target(to_project, directory).via_orchestrator
+    assert choose_target(to_nobody, directory).agent == cast.orchestrator
+    assert choose_target(to_stranger, directory).skip is SkipReason.ADDRESSED_ELSEWHERE
+    assert choose_target(alice_self, directory).agent == cast.bob
+
+
+def test_mentions_and_chains(cast: Cast) -> None:
+    """@slug and @Name pick an agent; the agent chain counts agent events at the end of history."""
+    directory = AgentDirectory(cast.agents)
+    assert mentioned_agent("please @Bob look", directory) == cast.bob
+    assert mentioned_agent("ask @alice and @bob", directory) == cast.alice
+    assert mentioned_agent("nobody here", directory) is None
+    history = [cast.user_says("u"), cast.alice_says("a"), cast.bob_says("b")]
+    assert agent_chain_length(history, directory) == 2
+
+
+def test_classification(cast: Cast) -> None:
+    """kind 11 and bare kind 1 start conversations, 1934 a task, 1111 with a root replies, other kinds are ignored."""
+    root = cast.user_says("root", kind=11)
+    task = cast.user_says("task", kind=1934)
+    reply = cast.user_says("re", tags=[["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]])
+    task_reply = cast.user_says("re", tags=[["E", task.id, "", task.pubkey], ["K", "1934"]])
+    note = cast.user_says("note", kind=1)
+    orphan = cast.user_says("orphan")
+    reaction = cast.user_says("+", kind=7)
+
+    assert classify_event(root).kind.value == "new_conversation"
+    assert classify_event(task).kind.value == "task"
+    assert (classify_event(reply).kind.value, classify_event(reply).conversation_id) == ("reply", root.id)
+    assert classify_event(task_reply).is_task
+    assert classify_event(note).kind.value == "new_conversation"
+    assert classify_event(orphan).reason == "reply_without_root"
+    assert classify_event(reaction).reason == "unsupported_kind:7"
+
+
+async def test_user_message_to_agent_gets_one_saved_and_published_reply(cast: Cast) -> None:
+    """A p-tagged agent answers once; its reply is in history before it is published, addressed to the user."""
+    rig = make_rig(cast)
+    root = cast.user_says("Hello Bob", kind=11, tags=[["p", cast.bob.pubkey]])
+
+    result = await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    assert (result.outcome, result.agents) == (Outcome.SCHEDULED, ("bob",))
+    assert len(rig.publisher.published) == 1
+    reply = rig.publisher.published[0]
+    assert reply.pubkey == cast.bob.pubkey
+    assert reply.tag_values("p") == [cast.user.pubkey]
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.id for e in conversation.history] == [root.id, reply.id]
+    assert rig.publisher.typing_events == [("bob", True), ("bob", False)]
+    assert await rig.store.get_meta(PENDING_RUNS_KEY) == "[]"
+
+
+async def test_unaddressed_message_is_routed_by_the_orchestrator(cast: Cast) -> None:
+    """With nobody p-tagged, an @mention picks the agent, else the default; the turn records the completion."""
+    rig = make_rig(cast)
+    root = cast.user_says("Plan this, @bob", kind=11)
+
+    result = await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    assert result.agents == ("bob",)
+    context = await rig.manager.build_orchestrator_routing_context(root.id)
+    assert context["routing_history"][0]["agents"] == ["bob"]
+    assert context["routing_history"][0]["completions"][0]["agent"] == "bob"
+    follow = cast.user_says("anything", tags=[["E", root.id, "", root.pubkey], ["K", "11"]])
+    assert (await rig.dispatcher.handle(follow)).agents == ("alice",)
+
+
+async def test_stranger_triggers_nothing(cast: Cast) -> None:
+    """An author outside the allow-list is ignored with its reason and nothing is stored or run."""
+    rig = make_rig(cast)
+    event = cast.factory.event(cast.other_user, "let me in", kind=11, tags=[["p", cast.bob.pubkey]])
+
+    result = await rig.dispatcher.handle(event)
+
+    assert (result.outcome, result.reason) == (Outcome.IGNORED, "author_not_allowed")
+    assert await rig.manager.get_conversation(event.id) is None
+    assert rig.publisher.published == []
+
+
+async def test_duplicate_event_is_answered_once(cast: Cast) -> None:
+    """The same root delivered twice (two relays) makes one conversation and one reply."""
+    rig = make_rig(cast)
+    root = cast.user_says("once", kind=11, tags=[["p", cast.alice.pubkey]])
+
+    first = await rig.dispatcher.handle(root)
+    second = await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    assert (first.outcome, second.outcome) == (Outcome.SCHEDULED, Outcome.DUPLICATE)
+    assert len(rig.publisher.published) == 1
+
+
+async def test_agent_never_answers_itself_and_chains_stop_at_the_hop_limit(cast: Cast) -> None:
+    """Agents p-tagging each other run until the chain exceeds the hop limit; an agent's own event never triggers it."""
+    rig = make_rig(cast, hop_limit=2)
+    root = cast.user_says("start", kind=11, tags=[["p", cast.project.pubkey]])
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"]]
+
+    a1 = await rig.dispatcher.handle(cast.alice_says("bob, you", tags=[*thread, ["p", cast.bob.pubkey]]))
+    b1 = await rig.dispatcher.handle(cast.bob_says("alice, you", tags=[*thread, ["p", cast.alice.pubkey]]))
+    a2 = await rig.dispatcher.handle(cast.alice_says("bob again", tags=[*thread, ["p", cast.bob.pubkey]]))
+    own = await rig.dispatcher.handle(
+        cast.bob_says("talking to myself", tags=[*thread, ["p", cast.bob.pubkey]])
+    )
+
+    assert a1.outcome is Outcome.SCHEDULED
+    assert (b1.outcome, b1.reason) == (Outcome.STORED, "hop_limit")
+    assert (a2.outcome, a2.reason) == (Outcome.STORED, "hop_limit")
+    assert own.reason in ("hop_limit", "own_event")
+    await settle(rig)
+
+
+async def test_reply_with_unknown_root_starts_the_conversation(cast: Cast) -> None:
+    """A reply whose root cannot be fetched starts its own conversation and is answered."""
+    rig = make_rig(cast)
+    missing_root = "ab" * 32
+    reply = cast.user_says(
+        "about that thread",
+        tags=[["E", missing_root, "", cast.user.pubkey], ["K", "11"], ["p", cast.alice.pubkey]],
+    )
+
+    result = await rig.dispatcher.handle(reply)
+    await settle(rig)
+
+    assert result.conversation_id == reply.id
+    assert len(rig.publisher.published) == 1
+
+
+async def test_backend_failure_becomes_an_error_reply(cast: Cast) -> None:
+    """A failing backend gives the user a reply tagged ["error","system"] naming the failure; the conversation stays consistent."""
+    rig = make_rig(cast, backend=FailingBackend())
+    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
+
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    reply = rig.publisher.published[0]
+    assert reply.has_tag("error", "system")
+    assert "rate_limit" in reply.content
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert len(conversation.history) == 2
+    assert not conversation.execution_time.is_active
+
+
+async def test_unpublished_reply_is_still_saved(cast: Cast) -> None:
+    """When no relay accepts the reply it stays in history (nothing said is lost) and the run finishes."""
+    rig = make_rig(cast)
+    rig.publisher.fail = True
+    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
+
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert len(conversation.history) == 2
+    assert rig.scheduler.failed == 0
+
+
+async def test_journaled_runs_are_recovered_after_a_crash(cast: Cast) -> None:
+    """A run journaled but not finished by a previous process is carried out by recover()."""
+    rig = make_rig(cast)
+    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    await rig.store.set_meta(
+        PENDING_RUNS_KEY,
+        f'[{{"conversation_id":"{root.id}","trigger_id":"{root.id}","agent_slug":"alice","via_orchestrator":false}}]',
+    )
+
+    recovered = await rig.scheduler.recover()
+    await settle(rig)
+
+    assert [r.agent_slug for r in recovered] == ["alice"]
+    assert len(rig.publisher.published) == 1
+    assert await rig.store.get_meta(PENDING_RUNS_KEY) == "[]"
+
+
+async def test_runs_are_serial_within_a_conversation_and_capped(cast: Cast) -> None:
+    """Runs of one conversation never overlap; runs across conversations do, up to the cap."""
+    active: dict[str, int] = {}
+    peak = {"total": 0, "now": 0}
+    overlaps: list[str] = []
+    store = MemoryStore()
+
+    async def run(request: RunRequest) -> None:
+        active[request.conversation_id] = active.get(request.conversation_id, 0) + 1
+        if active[request.conversation_id] > 1:
+            overlaps.append(request.conversation_id)
+        peak["now"] += 1
+        peak["total"] = max(peak["total"], peak["now"])
+        await asyncio.sleep(0.01)
+        peak["now"] -= 1
+        active[request.conversation_id] -= 1
+
+    scheduler = RunScheduler(store, run, max_concurrent=3)
+    for c in range(6):
+        for n in range(4):
+            await scheduler.submit(RunRequest(f"c{c}", f"t{n}", "alice"))
+    await scheduler.drain(10.0)
+
+    assert overlaps == []
+    assert peak["total"] == 3
+    assert scheduler.completed == 24
+
+
+async def test_drain_cancels_overdue_runs_and_keeps_them_journaled(cast: Cast) -> None:
+    """Runs still going after the grace period are cancelled and stay in the journal for the next start."""
+    store = MemoryStore()
+
+    async def slow(request: RunRequest) -> None:
+        await asyncio.sleep(30)
+
+    scheduler = RunScheduler(store, slow)
+    await scheduler.submit(RunRequest("c", "t", "alice"))
+    cancelled = await scheduler.drain(0.05)
+
+    assert cancelled == 1
+    assert "alice" in (await store.get_meta(PENDING_RUNS_KEY) or "")
+    assert not await scheduler.submit(RunRequest("c", "t2", "alice"))
+
+
+def test_unknown_default_agent_is_refused(cast: Cast) -> None:
+    """Configuring a default agent that does not exist fails at start with its name."""
+    with pytest.raises(LookupError, match="nobody"):
+        RuleBasedOrchestrator(AgentDirectory(cast.agents), "nobody")
