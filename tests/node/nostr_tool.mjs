@@ -127,7 +127,8 @@ async function main() {
   }
 }
 
+// Exit only once stdout is flushed: a pipe write is asynchronous in Node.
 main().then(
-  () => process.exit(0),
+  () => process.stdout.write('', () => process.exit(0)),
   (err) => { process.stderr.write(String(err?.stack ?? err) + '\n'); process.exit(1) },
 )

@@ -232,7 +232,8 @@ class NodeTool:
             raise
         if proc.returncode != 0:
             raise RuntimeError(f"nostr_tool.mjs failed: {stderr.decode()[-2000:]}")
-        lines = [json.loads(line) for line in stdout.decode().splitlines() if line.strip()]
+        # split on "\n" only: str.splitlines() would also split inside U+2028 in the JSON
+        lines = [json.loads(line) for line in stdout.decode().split("\n") if line.strip()]
         result: dict[str, Any] = lines[-1]
         if request.get("op") == "publish":
             result["lines"] = lines
