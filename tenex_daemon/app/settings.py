@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tenex_daemon.core.errors import TenexError
+from tenex_daemon.core.phases import Phase, PhaseRules
 
 CONFIG_FILE = "config.toml"
 ENV_PREFIX = "TENEX_"
@@ -148,6 +149,25 @@ class Settings(_Section):
     relays: RelaySettings = Field(default_factory=RelaySettings)
     control: ControlSettings = Field(default_factory=ControlSettings)
     daemon: DaemonSettings = Field(default_factory=DaemonSettings)
+    phases: dict[str, list[str]] = Field(default_factory=dict)
+    """Allowed phase transitions, ``from = [to, ...]``; empty keeps ARCHITECTURE.md's default table."""
+
+    @field_validator("phases")
+    @classmethod
+    def _known_phases(cls, table: dict[str, list[str]]) -> dict[str, list[str]]:
+        known = {phase.value for phase in Phase}
+        for source, targets in table.items():
+            for name in (source, *targets):
+                if name not in known:
+                    raise ValueError(f"unknown phase {name!r} (known: {', '.join(sorted(known))})")
+        return table
+
+    def phase_rules(self) -> PhaseRules:
+        """The project's phase transition rules (the default table when ``phases`` is empty)."""
+        if not self.phases:
+            return PhaseRules()
+        table = {Phase(source): [Phase(t) for t in targets] for source, targets in self.phases.items()}
+        return PhaseRules(table)
 
     @field_validator("owner")
     @classmethod

@@ -472,3 +472,73 @@ class ConversationManager:
             limit=limit,
         )
         return await self._store.search(query)
+
+    # --- operator actions (control API) ---------------------------------------------------
+
+    async def delete_conversation(self, conversation_id: str) -> bool:
+        """Remove a conversation from the store; return whether it existed.
+
+        An operator's explicit request (``DELETE /api/v1/conversations/{id}``): its event
+        ids stay processed, so a relay replaying them never re-creates it or triggers agents.
+        """
+        async with self._locks.hold(conversation_id), self._store.lease(conversation_id):
+            deleted = await self._store.delete(conversation_id)
+        for key in [key for key in self._views if key[0] == conversation_id]:
+            del self._views[key]
+        if deleted:
+            log.info("conversation_deleted", conversation_id=conversation_id)
+        return deleted
+
+    async def reset_agent_states(
+        self, conversation_id: str, *, keep_system_message: bool = False
+    ) -> list[str]:
+        """Make every agent of the conversation start fresh; return the slugs reset.
+
+        Each agent's backend session id is forgotten, its phase-transition count cleared
+        and its last processed index set back to 0, as if it had never been built for:
+        its next context shows everything others said in the while-away block. With
+        ``keep_system_message`` the index is set to 1 instead, so the conversation's root
+        (the opening request) counts as already seen and stays only in the history part.
+        History, phase, turns and metadata are untouched: nothing said is lost.
+        """
+        async with self._locked(conversation_id) as conversation:
+            if conversation.archived:
+                raise ConversationArchivedError(conversation_id)
+            start = 1 if keep_system_message and conversation.history else 0
+            for state in conversation.agent_states.values():
+                state.last_processed_index = start
+                state.session_id = None
+                state.transitions_seen = 0
+            await self._save(conversation)
+            slugs = sorted(conversation.agent_states)
+        log.info(
+            "agent_states_reset", conversation_id=conversation_id, agents=slugs,
+            keep_system_message=keep_system_message,
+        )
+        return slugs
+
+    async def find_conversation_of_event(self, event_id: str) -> str | None:
+        """Return the id of the conversation holding ``event_id`` (its root or any event), or None."""
+        if await self.get_conversation(event_id) is not None:
+            return event_id
+        found = await self._store.find_event(event_id)
+        return None if found is None else found[0]
+
+    async def preview_agent_messages(
+        self, conversation_id: str, agent_slug: str, trigger: NostrEvent | None = None
+    ) -> AgentContext:
+        """Return what :meth:`build_agent_messages` would return now, persisting nothing.
+
+        The same pure :func:`~tenex_daemon.core.context.build_agent_messages` on the stored
+        conversation, with ``nostr:`` references resolved the same way; the agent's state
+        is not changed. ``trigger`` defaults to the newest event in history.
+        """
+        agent = self.agents.get(agent_slug)
+        async with self._locks.hold(conversation_id):
+            conversation = await self._load_required(conversation_id)
+        if trigger is None:
+            if not conversation.history:
+                raise ValueError(f"conversation {conversation_id} has no events")
+            trigger = conversation.history[-1]
+        resolved = await self._resolve_references(conversation_event_references(conversation, trigger))
+        return build_agent_messages(conversation, agent, trigger, self.agents, resolved)

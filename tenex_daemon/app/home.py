@@ -1,0 +1,377 @@
+"""The project home: ``tenexd init`` creates it, ``tenexd agents add`` extends it.
+
+A home holds ``config.toml`` (no secrets), ``keys/`` (mode 0700) with one secret key file
+per agent plus ``project.key`` and, when tenexd generated the owner's key, ``owner.key``
+(each mode 0600, 64 hex characters: the format :class:`~tenex_daemon.adapters.nostr.signer.Signer`
+loads). Secrets are written to their files and nowhere else: never printed, never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer, write_key_file
+from tenex_daemon.app.settings import CONFIG_FILE, AgentSettings, Settings, SettingsError, load_settings
+from tenex_daemon.core import nip19
+from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.errors import TenexError
+
+log = structlog.get_logger(__name__)
+
+KEYS_DIR = "keys"
+PROJECT_KEY = "project"
+OWNER_KEY = "owner"
+DEFAULT_PROJECT_NAME = "demo"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoAgent:
+    """An agent ``tenexd init`` creates."""
+
+    slug: str
+    name: str
+    instructions: str
+    orchestrator: bool = False
+
+
+DEMO_AGENTS: tuple[DemoAgent, ...] = (
+    DemoAgent(
+        "orchestrator",
+        "Orchestrator",
+        "You route each request to the agent best placed to answer it.",
+        orchestrator=True,
+    ),
+    DemoAgent("planner", "Planner", "You turn requests into short, concrete plans."),
+    DemoAgent("executor", "Executor", "You carry out plans and report what you did."),
+)
+
+
+class HomeError(TenexError):
+    """The home cannot be created or changed as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """A public identity of the home: who it is (label), its hex pubkey and npub, and its key file."""
+
+    label: str
+    pubkey: str
+    npub: str
+    key_file: Path | None
+    """The secret key file, or None when the home holds no secret for it (an owner given by pubkey)."""
+
+    @classmethod
+    def of(cls, label: str, pubkey: str, key_file: Path | None) -> KeyInfo:
+        """Describe ``pubkey`` (hex) under ``label``."""
+        return cls(label, pubkey, nip19.encode_npub(pubkey), key_file)
+
+    def to_dict(self) -> dict[str, str | None]:
+        """Return JSON-ready data (no secret: only the key file's path)."""
+        return {
+            "label": self.label,
+            "pubkey": self.pubkey,
+            "npub": self.npub,
+            "key_file": str(self.key_file) if self.key_file is not None else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class InitResult:
+    """What :func:`init_home` made: the home's public identities, never a secret."""
+
+    home: Path
+    config_path: Path
+    owner: KeyInfo
+    owner_generated: bool
+    """True when the owner's key pair was generated here (its secret is in ``keys/owner.key``)."""
+    project: KeyInfo
+    agents: list[KeyInfo] = field(default_factory=list)
+    whitelist: list[str] = field(default_factory=list)
+    relays: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        """Return JSON-ready data."""
+        return {
+            "home": str(self.home),
+            "config": str(self.config_path),
+            "owner": self.owner.to_dict(),
+            "owner_generated": self.owner_generated,
+            "project": self.project.to_dict(),
+            "agents": [a.to_dict() for a in self.agents],
+            "whitelist": list(self.whitelist),
+            "relays": list(self.relays),
+        }
+
+
+def parse_pubkey(text: str) -> str:
+    """Return the hex public key of an ``npub`` or of 64 hex characters (any case).
+
+    Raises :class:`ValueError` for anything else; an ``nsec`` is refused with a warning
+    that it is a secret (the secret itself is never repeated in the message).
+    """
+    value = text.strip()
+    if value.startswith("nostr:"):
+        value = value[len("nostr:") :]
+    if value.startswith("nsec1"):
+        raise ValueError("that is a secret key (nsec); give the public key (npub or hex) instead")
+    if value.startswith("npub1"):
+        try:
+            entity = nip19.decode(value)
+        except nip19.Nip19Error as exc:
+            raise ValueError(f"{value!r} is not a valid npub ({exc})") from None
+        return entity.value
+    lowered = value.lower()
+    if len(lowered) == 64 and all(c in "0123456789abcdef" for c in lowered):
+        return lowered
+    raise ValueError(f"{value!r} is neither an npub nor a 64-character hex public key")
+
+
+def toml_string(value: str) -> str:
+    """Return ``value`` as a TOML basic string (JSON escapes are TOML escapes; DEL is escaped too)."""
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _toml_list(values: Sequence[str]) -> str:
+    return "[" + ", ".join(toml_string(v) for v in values) + "]"
+
+
+def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write ``text`` to a temp file beside ``path``, fsync it, rename it over ``path``, fsync the folder."""
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _ensure_private_dir(path: Path) -> None:
+    """Create ``path`` with mode 0700 (or tighten an existing one to 0700)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _key_for(keys_dir: Path, label: str) -> tuple[Signer, bool]:
+    """Load ``keys/<label>.key`` or create it (0600) with a fresh key; return (signer, created)."""
+    path = keys_dir / f"{label}.key"
+    if path.exists():
+        return Signer.from_file(path, label=label), False
+    signer = Signer.generate(label=label)
+    write_key_file(path, signer)
+    log.info("key_created", label=label, pubkey=signer.pubkey, file=str(path))
+    return signer, True
+
+
+def _agent_block(agent: DemoAgent | AgentSettings, backend_kind: str = "offline") -> str:
+    lines = [
+        "[[agents]]",
+        f"slug = {toml_string(agent.slug)}",
+        f"name = {toml_string(agent.name)}",
+        f"instructions = {toml_string(agent.instructions)}",
+    ]
+    if agent.orchestrator:
+        lines.append("orchestrator = true")
+    lines += ["", "[agents.backend]", f"kind = {toml_string(backend_kind)}", ""]
+    return "\n".join(lines) + "\n"
+
+
+def render_config(
+    *,
+    project_name: str,
+    owner: str,
+    whitelist: Sequence[str],
+    relays: Sequence[str],
+    agents: Sequence[DemoAgent],
+    default_agent: str | None,
+) -> str:
+    """Return the text of a new ``config.toml`` (public keys only)."""
+    parts = [
+        "# A tenexd project home, written by `tenexd init`.\n"
+        "# Secret keys live in keys/ (mode 0600), one file per agent plus project.key; never commit them.\n"
+        "# Every key can be overridden from the environment: TENEX_SECTION__KEY=value.\n\n",
+        f"owner = {toml_string(owner)}\n",
+        f"whitelist = {_toml_list(whitelist)}\n",
+    ]
+    if default_agent is not None:
+        parts.append(f"default_agent = {toml_string(default_agent)}\n")
+    parts += [
+        f"\n[project]\nname = {toml_string(project_name)}\n",
+        f"\n[relays]\nurls = {_toml_list(relays)}\n",
+        "\n[storage]\nkind = \"filesystem\"\n",
+        "\n[daemon]\nlog_format = \"auto\"\nlog_level = \"info\"\n\n",
+    ]
+    parts += [_agent_block(agent) for agent in agents]
+    return "".join(parts)
+
+
+def init_home(
+    home: Path,
+    owner: str | None = None,
+    whitelist: Sequence[str] = (),
+    relays: Sequence[str] = (),
+    *,
+    force: bool = False,
+    project_name: str = DEFAULT_PROJECT_NAME,
+) -> InitResult:
+    """Create a project home: config, keys (0700 folder, 0600 files), owner, orchestrator and demo agents.
+
+    ``owner`` and ``whitelist`` are public keys (npub or hex). Without ``owner`` an owner
+    key pair is generated and its secret saved in ``keys/owner.key``. An existing
+    ``config.toml`` is refused unless ``force``; with ``force`` the config is rewritten
+    and existing key files are kept (so the identities stay the same).
+    """
+    home = Path(home).expanduser().resolve()
+    config_path = home / CONFIG_FILE
+    if config_path.exists() and not force:
+        raise HomeError(f"{config_path} already exists; use --force to rewrite it (key files are kept)")
+    try:
+        owner_hex = parse_pubkey(owner) if owner is not None else None
+        whitelist_hex = list(dict.fromkeys(parse_pubkey(w) for w in whitelist))
+    except ValueError as exc:
+        raise HomeError(str(exc)) from None
+    for url in relays:
+        if not url.startswith(("ws://", "wss://")):
+            raise HomeError(f"relay URL {url!r} must start with ws:// or wss://")
+
+    if not home.exists():
+        home.mkdir(mode=0o700, parents=True)
+    keys_dir = home / KEYS_DIR
+    _ensure_private_dir(keys_dir)
+
+    owner_generated = False
+    if owner_hex is None:
+        owner_signer, _ = _key_for(keys_dir, OWNER_KEY)
+        owner_hex = owner_signer.pubkey
+        owner_generated = True
+        owner_info = KeyInfo.of(OWNER_KEY, owner_hex, keys_dir / f"{OWNER_KEY}.key")
+    else:
+        owner_info = KeyInfo.of(OWNER_KEY, owner_hex, None)
+    project_signer, _ = _key_for(keys_dir, PROJECT_KEY)
+    agent_infos: list[KeyInfo] = []
+    for agent in DEMO_AGENTS:
+        signer, _ = _key_for(keys_dir, agent.slug)
+        agent_infos.append(KeyInfo.of(agent.slug, signer.pubkey, keys_dir / f"{agent.slug}.key"))
+
+    default_agent = next((a.slug for a in DEMO_AGENTS if not a.orchestrator), None)
+    text = render_config(
+        project_name=project_name,
+        owner=owner_hex,
+        whitelist=whitelist_hex,
+        relays=relays,
+        agents=DEMO_AGENTS,
+        default_agent=default_agent,
+    )
+    _write_atomic(config_path, text)
+    load_settings(home, {})  # what we wrote must load; a failure here is a bug worth seeing
+    log.info("home_initialized", home=str(home), owner=owner_hex, owner_generated=owner_generated)
+    return InitResult(
+        home=home,
+        config_path=config_path,
+        owner=owner_info,
+        owner_generated=owner_generated,
+        project=KeyInfo.of(PROJECT_KEY, project_signer.pubkey, keys_dir / f"{PROJECT_KEY}.key"),
+        agents=agent_infos,
+        whitelist=whitelist_hex,
+        relays=list(relays),
+    )
+
+
+def add_agent(
+    settings: Settings,
+    slug: str,
+    name: str,
+    instructions: str = "",
+    *,
+    orchestrator: bool = False,
+    backend_kind: str = "offline",
+) -> KeyInfo:
+    """Create ``keys/<slug>.key`` (0600) and append the agent to ``config.toml``.
+
+    Refuses a slug already configured, a second orchestrator, or an existing key file
+    for the slug (it may belong to an agent removed from the config by hand).
+    """
+    try:
+        agent = AgentSettings(slug=slug, name=name, instructions=instructions, orchestrator=orchestrator)
+    except ValueError as exc:
+        raise HomeError(f"invalid agent: {exc}") from None
+    if any(a.slug == slug for a in settings.agents):
+        raise HomeError(f"agent {slug!r} already exists in {settings.config_path}")
+    if orchestrator and any(a.orchestrator for a in settings.agents):
+        raise HomeError("the project already has an orchestrator")
+    _ensure_private_dir(settings.keys_dir)
+    key_path = settings.agent_key_path(slug)
+    if key_path.exists():
+        raise HomeError(f"{key_path} already exists; remove it or choose another slug")
+    config_text = settings.config_path.read_text(encoding="utf-8")
+    signer = Signer.generate(label=slug)
+    write_key_file(key_path, signer)
+    separator = "" if config_text.endswith("\n\n") else ("\n" if config_text.endswith("\n") else "\n\n")
+    try:
+        _write_atomic(settings.config_path, config_text + separator + _agent_block(agent, backend_kind))
+        load_settings(settings.home, {})
+    except (OSError, SettingsError):
+        _write_atomic(settings.config_path, config_text)
+        key_path.unlink(missing_ok=True)
+        raise
+    log.info("agent_added", slug=slug, pubkey=signer.pubkey)
+    return KeyInfo.of(slug, signer.pubkey, key_path)
+
+
+def load_public_key(path: Path, label: str) -> str:
+    """Return the public key of a key file (the secret stays inside the signer)."""
+    return Signer.from_file(path, label=label).pubkey
+
+
+def agent_identities(settings: Settings) -> list[tuple[AgentSettings, KeyInfo | None, str | None]]:
+    """Return each configured agent with its identity, or the reason its key file cannot be used."""
+    result: list[tuple[AgentSettings, KeyInfo | None, str | None]] = []
+    for agent in settings.agents:
+        path = settings.agent_key_path(agent.slug)
+        try:
+            info = KeyInfo.of(agent.slug, load_public_key(path, agent.slug), path)
+        except KeyFileError as exc:
+            result.append((agent, None, str(exc)))
+            continue
+        result.append((agent, info, None))
+    return result
+
+
+def load_agents(settings: Settings) -> list[Agent]:
+    """Return the configured agents with the public keys of their key files.
+
+    Raises :class:`~tenex_daemon.adapters.nostr.signer.KeyFileError` naming a missing or
+    unreadable key file.
+    """
+    return [
+        Agent(
+            slug=a.slug,
+            name=a.name,
+            pubkey=load_public_key(settings.agent_key_path(a.slug), a.slug),
+            orchestrator=a.orchestrator,
+        )
+        for a in settings.agents
+    ]
+
+
+def load_project_pubkey(settings: Settings) -> str | None:
+    """Return the project key's public key, or None when the home has no ``project.key``."""
+    if not settings.project_key_path.exists():
+        return None
+    return load_public_key(settings.project_key_path, PROJECT_KEY)

@@ -1,0 +1,108 @@
+"""Prometheus metrics of one daemon, in its own registry (served at ``GET /metrics``).
+
+Names carry the ``tenexd_`` namespace: ``tenexd_events_accepted_total{kind}``,
+``tenexd_events_rejected_total{reason}``, ``tenexd_replies_published_total{agent}``,
+``tenexd_agent_run_errors_total{agent,error}``, ``tenexd_agent_run_seconds{agent}`` (histogram),
+``tenexd_runs_in_flight`` and ``tenexd_relay_connected{url}`` (gauges).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+NAMESPACE = "tenexd"
+RUN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    """The daemon's counters, histogram and gauges; nothing global (a registry per instance)."""
+
+    content_type: str = CONTENT_TYPE_LATEST
+    """The HTTP content type of :meth:`render`'s output."""
+
+    def __init__(self) -> None:
+        """Create every metric in a fresh :class:`CollectorRegistry`."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.events_accepted = Counter(
+            "events_accepted", "Incoming events accepted into a conversation, by kind.",
+            ["kind"], namespace=NAMESPACE, registry=self.registry,
+        )
+        self.events_rejected = Counter(
+            "events_rejected", "Incoming events refused or ignored, by reason.",
+            ["reason"], namespace=NAMESPACE, registry=self.registry,
+        )
+        self.replies_published = Counter(
+            "replies_published", "Agent replies published to at least one relay, by agent.",
+            ["agent"], namespace=NAMESPACE, registry=self.registry,
+        )
+        self.agent_run_errors = Counter(
+            "agent_run_errors", "Agent runs that failed, by agent and error class.",
+            ["agent", "error"], namespace=NAMESPACE, registry=self.registry,
+        )
+        self.agent_run_seconds = Histogram(
+            "agent_run_seconds", "Duration of agent runs (context, backend, publish), by agent.",
+            ["agent"], namespace=NAMESPACE, registry=self.registry, buckets=RUN_BUCKETS,
+        )
+        self.runs_in_flight = Gauge(
+            "runs_in_flight", "Agent runs in progress.", namespace=NAMESPACE, registry=self.registry,
+        )
+        self.relay_connected = Gauge(
+            "relay_connected", "1 when the relay is connected, else 0.",
+            ["url"], namespace=NAMESPACE, registry=self.registry,
+        )
+
+    def event_accepted(self, kind: int) -> None:
+        """Count an accepted incoming event of this kind."""
+        self.events_accepted.labels(kind=str(kind)).inc()
+
+    def event_rejected(self, reason: str) -> None:
+        """Count an incoming event refused or ignored for ``reason``."""
+        self.events_rejected.labels(reason=reason).inc()
+
+    def reply_published(self, agent: str) -> None:
+        """Count a reply published by ``agent``."""
+        self.replies_published.labels(agent=agent).inc()
+
+    def agent_run_error(self, agent: str, error: str) -> None:
+        """Count a failed run of ``agent`` (``error``: an error class name or short code)."""
+        self.agent_run_errors.labels(agent=agent, error=error).inc()
+
+    def observe_agent_run(self, agent: str, seconds: float) -> None:
+        """Record the duration of one run of ``agent``."""
+        self.agent_run_seconds.labels(agent=agent).observe(seconds)
+
+    @contextmanager
+    def agent_run(self, agent: str) -> Iterator[None]:
+        """Time one run: in flight while inside, duration observed, an escaping exception counted."""
+        self.runs_in_flight.inc()
+        started = time.perf_counter()
+        try:
+            yield
+        except Exception as exc:
+            self.agent_run_error(agent, type(exc).__name__)
+            raise
+        finally:
+            self.runs_in_flight.dec()
+            self.observe_agent_run(agent, time.perf_counter() - started)
+
+    def set_runs_in_flight(self, count: int) -> None:
+        """Set the in-flight gauge (for a daemon that counts runs itself)."""
+        self.runs_in_flight.set(count)
+
+    def set_relay_connected(self, url: str, connected: bool) -> None:
+        """Set one relay's connection gauge."""
+        self.relay_connected.labels(url=url).set(1 if connected else 0)
+
+    def set_relays(self, states: Iterable[tuple[str, bool]]) -> None:
+        """Set every relay's gauge from (url, connected) pairs."""
+        for url, connected in states:
+            self.set_relay_connected(url, connected)
+
+    def render(self) -> bytes:
+        """Return every metric in the Prometheus text exposition format."""
+        return generate_latest(self.registry)

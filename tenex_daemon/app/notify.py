@@ -1,0 +1,102 @@
+"""sd_notify without a library: datagrams to ``$NOTIFY_SOCKET`` (systemd ``Type=notify``).
+
+``READY=1`` once relays are subscribed, ``STATUS=`` lines for ``systemctl status``,
+``WATCHDOG=1`` at least twice per ``WatchdogSec``, ``STOPPING=1`` when shutting down.
+Without ``NOTIFY_SOCKET`` (not under systemd) every call is a no-op. A path starting with
+``@`` names an abstract socket. Sending never raises: a lost notification is logged.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+class SystemdNotifier:
+    """Sends sd_notify messages to the socket named by ``NOTIFY_SOCKET`` (read once, at construction)."""
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        """Read ``NOTIFY_SOCKET``, ``WATCHDOG_USEC``, ``WATCHDOG_PID`` from ``env`` (default: os.environ)."""
+        environment = os.environ if env is None else env
+        raw = environment.get("NOTIFY_SOCKET") or None
+        self._address: str | None = None
+        if raw is not None:
+            self._address = "\0" + raw[1:] if raw.startswith("@") else raw
+        self._watchdog_usec = environment.get("WATCHDOG_USEC")
+        self._watchdog_pid = environment.get("WATCHDOG_PID")
+        self._socket: socket.socket | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a notify socket is configured."""
+        return self._address is not None
+
+    def notify(self, *lines: str) -> bool:
+        """Send ``KEY=VALUE`` lines in one datagram; return whether it was sent."""
+        if self._address is None:
+            return False
+        message = "\n".join(lines).encode("utf-8")
+        try:
+            if self._socket is None:
+                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._socket.sendto(message, self._address)
+        except OSError as exc:
+            log.warning("sd_notify_failed", error=f"{type(exc).__name__}: {exc}", message=lines[0][:40])
+            return False
+        return True
+
+    def ready(self, status: str | None = None) -> bool:
+        """Tell systemd the daemon is ready (``READY=1``), optionally with a status line."""
+        lines = ["READY=1"]
+        if status is not None:
+            lines.append(_status_line(status))
+        return self.notify(*lines)
+
+    def status(self, text: str) -> bool:
+        """Set the one-line status shown by ``systemctl status`` (``STATUS=``)."""
+        return self.notify(_status_line(text))
+
+    def watchdog(self) -> bool:
+        """Ping the watchdog (``WATCHDOG=1``)."""
+        return self.notify("WATCHDOG=1")
+
+    def stopping(self, status: str | None = None) -> bool:
+        """Tell systemd the daemon is shutting down (``STOPPING=1``)."""
+        lines = ["STOPPING=1"]
+        if status is not None:
+            lines.append(_status_line(status))
+        return self.notify(*lines)
+
+    def extend_timeout(self, seconds: float) -> bool:
+        """Ask for more time to start or stop (``EXTEND_TIMEOUT_USEC=``)."""
+        return self.notify(f"EXTEND_TIMEOUT_USEC={max(0, int(seconds * 1_000_000))}")
+
+    def watchdog_interval_s(self) -> float | None:
+        """Return ``WatchdogSec`` in seconds (from ``WATCHDOG_USEC``), or None when no watchdog is asked for.
+
+        None too when ``WATCHDOG_PID`` names another process. Ping at least every half of it.
+        """
+        if self._address is None or not self._watchdog_usec:
+            return None
+        if self._watchdog_pid and self._watchdog_pid.isdigit() and int(self._watchdog_pid) != os.getpid():
+            return None
+        try:
+            usec = int(self._watchdog_usec)
+        except ValueError:
+            return None
+        return usec / 1_000_000 if usec > 0 else None
+
+    def close(self) -> None:
+        """Close the socket (a later call opens a new one)."""
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
+def _status_line(text: str) -> str:
+    return "STATUS=" + " ".join(text.splitlines())

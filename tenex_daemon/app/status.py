@@ -1,0 +1,255 @@
+"""Health is data: the daemon writes its status file, ``tenexd status`` reads it.
+
+The daemon rewrites ``<home>/run/status.json`` every few seconds (atomically: temp
+file, fsync, ``os.replace``). The reader never talks to the daemon, so it works when
+the daemon is stuck: a file whose ``updated_at`` is older than ``stale_after_s`` is
+*stale*. A missing file, a file the daemon marked ``stopped``, or one whose process is
+gone means *stopped*.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, NotRequired, TypedDict
+
+
+class DaemonState(StrEnum):
+    """What the daemon says about itself in the status file."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Health(StrEnum):
+    """What the reader concludes."""
+
+    RUNNING = "running"
+    """The file is fresh and the daemon has not stopped (it may be starting or stopping)."""
+    STALE = "stale"
+    """The daemon's process exists (or cannot be checked) but stopped updating the file."""
+    STOPPED = "stopped"
+    """No file, the daemon wrote ``stopped``, or its process is gone."""
+
+
+class RelayStatus(TypedDict):
+    """One relay in the status file (``RelayHealth.to_dict()`` fits: extra keys are kept)."""
+
+    url: str
+    state: str
+    """idle | connecting | connected | backoff | stopped."""
+
+
+class ConversationCounts(TypedDict):
+    """Conversations known to the daemon."""
+
+    total: int
+    by_phase: dict[str, int]
+
+
+class EventCounts(TypedDict):
+    """Incoming events: accepted, and rejected by reason."""
+
+    accepted: int
+    rejected: dict[str, int]
+
+
+class StatusData(TypedDict):
+    """The status file's contract. Times are Unix seconds (float); the daemon fills every key.
+
+    Example::
+
+        {"version": "0.1.0", "pid": 4242, "started_at": 1.7e9, "updated_at": 1.7e9, "uptime_s": 12.5,
+         "state": "running",
+         "relays": [{"url": "ws://127.0.0.1:7777", "state": "connected", "reconnects": 0}],
+         "conversations": {"total": 3, "by_phase": {"chat": 2, "plan": 1}},
+         "runs_in_flight": 1, "last_event_at": 1.7e9,
+         "errors": {"agent_run": 0, "publish": 1},
+         "events": {"accepted": 10, "rejected": {"not_allowed": 2}},
+         "replies": 7}
+    """
+
+    version: str
+    pid: int
+    started_at: float
+    updated_at: float
+    uptime_s: float
+    state: str
+    """A :class:`DaemonState` value."""
+    relays: list[RelayStatus]
+    conversations: ConversationCounts
+    runs_in_flight: int
+    last_event_at: float | None
+    errors: dict[str, int]
+    events: EventCounts
+    replies: int
+    embedded_relay: NotRequired[str | None]
+    """The embedded relay's URL when it runs."""
+    control_socket: NotRequired[str | None]
+    """The control API's Unix socket."""
+
+
+def new_status(
+    version: str, *, pid: int | None = None, started_at: float | None = None
+) -> StatusData:
+    """Return a status in state ``starting`` with every counter at zero (the daemon updates it)."""
+    now = time.time()
+    start = now if started_at is None else started_at
+    return StatusData(
+        version=version,
+        pid=os.getpid() if pid is None else pid,
+        started_at=start,
+        updated_at=now,
+        uptime_s=max(0.0, now - start),
+        state=DaemonState.STARTING.value,
+        relays=[],
+        conversations=ConversationCounts(total=0, by_phase={}),
+        runs_in_flight=0,
+        last_event_at=None,
+        errors={},
+        events=EventCounts(accepted=0, rejected={}),
+        replies=0,
+    )
+
+
+def write_status(path: str | os.PathLike[str], data: StatusData | dict[str, Any]) -> None:
+    """Write ``data`` as JSON atomically: temp file beside it, fsync, ``os.replace``, fsync the folder.
+
+    ``updated_at`` (and ``uptime_s`` when ``started_at`` is known) are set to now. The
+    file is created with mode 0600 and its folder with 0700 if missing. Blocking: call
+    it from a thread (``asyncio.to_thread``) inside the event loop.
+    """
+    target = Path(path)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    payload: dict[str, Any] = dict(data)
+    now = time.time()
+    payload["updated_at"] = now
+    started = payload.get("started_at")
+    if isinstance(started, int | float):
+        payload["uptime_s"] = round(max(0.0, now - float(started)), 3)
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), default=str)
+    fd, temp = tempfile.mkstemp(prefix=".status.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """What :func:`read_status` found: a verdict, the data, how old it is and why."""
+
+    state: Health
+    data: dict[str, Any] | None
+    age_s: float | None
+    """Seconds since the daemon last wrote the file (None without a readable file)."""
+    reason: str
+    """One sentence for people: what was found."""
+    path: Path
+
+    @property
+    def daemon_state(self) -> str | None:
+        """What the daemon wrote about itself (starting | running | stopping | stopped)."""
+        if self.data is None:
+            return None
+        value = self.data.get("state")
+        return value if isinstance(value, str) else None
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the daemon is up and serving: a fresh file in state ``running``."""
+        return self.state is Health.RUNNING and self.daemon_state == DaemonState.RUNNING.value
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return JSON-ready data: verdict, health, age, reason, path and the daemon's own status."""
+        return {
+            "state": self.state.value,
+            "healthy": self.healthy,
+            "age_s": None if self.age_s is None else round(self.age_s, 3),
+            "reason": self.reason,
+            "path": str(self.path),
+            "status": self.data,
+        }
+
+
+def _process_exists(pid: int) -> bool | None:
+    """Whether a process with this id exists (None when it cannot be told)."""
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return None
+    return True
+
+
+def read_status(
+    path: str | os.PathLike[str], stale_after_s: float, *, now: float | None = None
+) -> StatusReport:
+    """Read the status file and judge it: running, stale or stopped (see :class:`Health`).
+
+    Never raises for a missing, unreadable or malformed file: that is a report too.
+    """
+    target = Path(path)
+    moment = time.time() if now is None else now
+    try:
+        raw = target.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return StatusReport(Health.STOPPED, None, None, f"not running: no status file at {target}", target)
+    except OSError as exc:
+        return StatusReport(
+            Health.STOPPED, None, None, f"not running: cannot read {target} ({exc.strerror})", target
+        )
+    try:
+        loaded = json.loads(raw)
+    except json.JSONDecodeError:
+        loaded = None
+    if not isinstance(loaded, dict):
+        return StatusReport(Health.STALE, None, None, f"status file {target} is not a JSON object", target)
+    data: dict[str, Any] = loaded
+    updated = data.get("updated_at")
+    if not isinstance(updated, int | float):
+        updated = target.stat().st_mtime
+    age = max(0.0, moment - float(updated))
+    pid = data.get("pid")
+    daemon_state = data.get("state")
+    if daemon_state == DaemonState.STOPPED.value:
+        return StatusReport(Health.STOPPED, data, age, f"not running: pid {pid} stopped cleanly", target)
+    if isinstance(pid, int) and _process_exists(pid) is False:
+        return StatusReport(
+            Health.STOPPED, data, age,
+            f"not running: pid {pid} is gone without writing 'stopped' (killed or crashed)", target,
+        )
+    if age > stale_after_s:
+        return StatusReport(
+            Health.STALE, data, age,
+            f"stale: pid {pid} last updated its status {age:.0f} s ago (limit {stale_after_s:g} s); "
+            "the daemon may be stuck",
+            target,
+        )
+    if daemon_state == DaemonState.RUNNING.value:
+        reason = f"running: pid {pid}, status updated {age:.1f} s ago"
+    else:
+        reason = f"{daemon_state}: pid {pid}, status updated {age:.1f} s ago"
+    return StatusReport(Health.RUNNING, data, age, reason, target)
