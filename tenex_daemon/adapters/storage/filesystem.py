@@ -357,7 +357,13 @@ def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
 
 
 def _write_aux(aux: dict[Path, list[bytes]]) -> None:
-    for path, lines in aux.items():
+    """Append derived lines; event-id buckets first, the index last.
+
+    An index record saying "the log is N bytes" is what makes open skip a rescan, so it
+    must never reach the disk before the bucket lines of the events it counts.
+    """
+    ordered = sorted(aux.items(), key=lambda item: item[0].parent.name == INDEX_DIR)
+    for path, lines in ordered:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:

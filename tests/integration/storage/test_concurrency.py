@@ -1,0 +1,124 @@
+"""Concurrency: many add_event calls at once lose nothing; PostgreSQL leases are exclusive across clients."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tenex_daemon.adapters.storage.filesystem import FileSystemStore, FsyncPolicy
+from tenex_daemon.adapters.storage.postgres import PostgresStore
+from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tests.conftest import Cast
+from tests.contract.postgres_server import PostgresServer
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=["fs-always", "fs-batch", "postgres"])
+async def durable_store(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[tuple[ConversationStore, ConversationStore]]:
+    """A durable store and a second, unopened instance over the same data (for the reopen check)."""
+    kind: str = request.param
+    if kind == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        dsn = await server.create_database()
+        first: ConversationStore = PostgresStore(dsn)
+        second: ConversationStore = PostgresStore(dsn)
+    else:
+        policy: FsyncPolicy = "always" if kind == "fs-always" else "batch"
+        first = FileSystemStore(tmp_path / "home", fsync=policy)
+        second = FileSystemStore(tmp_path / "home", fsync=policy)
+    await first.open()
+    yield first, second
+    await first.close()
+    await second.close()
+
+
+async def test_200_concurrent_add_events_over_10_conversations(
+    durable_store: tuple[ConversationStore, ConversationStore], cast: Cast
+) -> None:
+    """200 concurrent add_event calls over 10 conversations are all accepted, in submission order, durably."""
+    store, reopened = durable_store
+    manager = ConversationManager(store, cast.agents, cast.project.pubkey)
+    roots = [cast.user_says(f"conversation {i}", kind=11) for i in range(10)]
+    for root in roots:
+        await manager.create_conversation(root)
+    submitted: dict[str, list[str]] = {root.id: [root.id] for root in roots}
+    calls = []
+    for n in range(200):
+        root = roots[n % 10]
+        speaker = (cast.user_says, cast.alice_says, cast.bob_says)[n % 3]
+        event = speaker(f"message {n}")
+        submitted[root.id].append(event.id)
+        calls.append(manager.add_event(root.id, event))
+    results = await asyncio.gather(*calls)
+    assert all(results)
+    for root in roots:
+        conversation = await manager.get_conversation(root.id)
+        assert conversation is not None
+        assert [e.id for e in conversation.history] == submitted[root.id]
+    await store.close()
+    await reopened.open()
+    for root in roots:
+        loaded = await reopened.load(root.id)
+        assert loaded is not None
+        assert [e.id for e in loaded.history] == submitted[root.id]
+
+
+async def test_two_postgres_clients_never_hold_one_lease_together(postgres_server: PostgresServer) -> None:
+    """Two PostgresStore clients racing for one conversation's lease never hold it at the same time."""
+    dsn = await postgres_server.create_database()
+    clients = [PostgresStore(dsn), PostgresStore(dsn)]
+    for client in clients:
+        await client.open()
+    holders: list[int] = []
+    overlaps = 0
+    entries = 0
+
+    async def contend(client_index: int) -> None:
+        nonlocal overlaps, entries
+        for _ in range(10):
+            async with clients[client_index].lease("conversation-1"):
+                holders.append(client_index)
+                if len(holders) > 1:
+                    overlaps += 1
+                entries += 1
+                await asyncio.sleep(0.005)
+                holders.remove(client_index)
+
+    try:
+        async with asyncio.timeout(60):
+            await asyncio.gather(*(contend(i % 2) for i in range(8)))
+    finally:
+        for client in clients:
+            await client.close()
+    assert overlaps == 0
+    assert entries == 80
+
+
+async def test_two_daemons_accept_each_event_exactly_once(postgres_server: PostgresServer, cast: Cast) -> None:
+    """Two managers on two PostgresStore clients racing to add the same events accept each exactly once."""
+    dsn = await postgres_server.create_database()
+    stores = [PostgresStore(dsn), PostgresStore(dsn)]
+    for store in stores:
+        await store.open()
+    managers = [ConversationManager(store, cast.agents, cast.project.pubkey) for store in stores]
+    root = cast.user_says("shared conversation", kind=11)
+    await managers[0].create_conversation(root)
+    events = [cast.user_says(f"hello {i}") for i in range(30)]
+    try:
+        results = await asyncio.gather(
+            *(manager.add_event(root.id, event) for event in events for manager in managers)
+        )
+        conversation = await stores[1].load(root.id)
+    finally:
+        for store in stores:
+            await store.close()
+    assert sum(results) == len(events)
+    assert conversation is not None
+    assert sorted(e.id for e in conversation.history[1:]) == sorted(e.id for e in events)
