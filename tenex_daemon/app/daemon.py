@@ -1,0 +1,402 @@
+"""The daemon: relays in, conversations kept, agents run, replies out; health written for `tenexd status`.
+
+Lifecycle (STYLE.md): signals only set an event; on stop, intake stops, in-flight runs get a
+grace period, then the control API, relay connections and the store close, in that order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Coroutine
+from typing import Any
+
+import structlog
+
+from tenex_daemon import __version__
+from tenex_daemon.adapters.nostr.relay_pool import (
+    PoolSettings,
+    ReceivedEvent,
+    RelayEventResolver,
+    RelayPool,
+)
+from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.app.embedded_relay import EmbeddedRelay
+from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.app.nostr_io import (
+    PoolPublisher,
+    SignedReplyComposer,
+    classify_event,
+    heartbeat_event,
+    profile_event,
+)
+from tenex_daemon.app.notify import SystemdNotifier
+from tenex_daemon.app.settings import Settings
+from tenex_daemon.app.status import write_status
+from tenex_daemon.app.wiring import build_agents, build_backend, build_store, load_signers
+from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.search import SearchQuery
+from tenex_daemon.core.vocabulary import (
+    KIND_COMMENT,
+    KIND_CONVERSATION_ROOT,
+    KIND_NOTE,
+    KIND_TASK,
+)
+from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
+from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
+from tenex_daemon.services.runs import RunScheduler
+
+log = structlog.get_logger(__name__)
+
+SUBSCRIPTION_ID = "tenexd-mentions"
+INCOMING_KINDS = [KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT, KIND_TASK]
+
+
+class ShuttingDownError(RuntimeError):
+    """Raised to the relay pool for events arriving during shutdown, so they are not marked processed."""
+
+
+class _MetricsObserver:
+    """Feeds run outcomes into the Prometheus metrics."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self.replies = 0
+
+    def run_finished(self, agent_slug: str, seconds: float, error: str | None) -> None:
+        """Record a run's latency and failure kind."""
+        self._metrics.observe_agent_run(agent_slug, seconds)
+        if error is not None:
+            self._metrics.agent_run_error(agent_slug, error)
+
+    def reply_published(self, agent_slug: str) -> None:
+        """Count a published reply."""
+        self.replies += 1
+        self._metrics.reply_published(agent_slug)
+
+
+class Daemon:
+    """tenexd's long-running process for one project home."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.notifier = SystemdNotifier()
+        self.state = "starting"
+        self.started_at = time.time()
+        self.last_event_at: float | None = None
+        self.events_accepted: Counter[str] = Counter()
+        self.events_ignored: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self._stop_requested: asyncio.Event | None = None
+        self._stopping = False
+        self._background: set[asyncio.Task[Any]] = set()
+        self._conversation_counts: dict[str, Any] = {"total": 0, "by_phase": {}}
+        self.embedded_relay: EmbeddedRelay | None = None
+        self.store: ConversationStore | None = None
+        self.pool: RelayPool | None = None
+        self._manager: ConversationManager | None = None
+        self.scheduler: RunScheduler | None = None
+        self.dispatcher: EventDispatcher | None = None
+        self.agents: list[Agent] = []
+        self.project_signer: Signer | None = None
+        self._observer = _MetricsObserver(self.metrics)
+
+    # --- the ControlTarget protocol -------------------------------------------------------
+
+    @property
+    def manager(self) -> ConversationManager:
+        """The conversation manager (available once the daemon has started)."""
+        if self._manager is None:
+            raise RuntimeError("the daemon has not started yet")
+        return self._manager
+
+    def status(self) -> dict[str, Any]:
+        """Return the health snapshot written to the status file and served by the control API."""
+        now = time.time()
+        pool_health = self.pool.health() if self.pool is not None else None
+        relays = []
+        if pool_health is not None:
+            for relay in pool_health.relays:
+                data = relay.to_dict()
+                data["state"] = str(data.get("state"))
+                relays.append(data)
+        scheduler = self.scheduler
+        ignored = dict(self.events_ignored)
+        rejected = {**(dict(pool_health.rejects) if pool_health is not None else {}), **ignored}
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "state": self.state,
+            "started_at": self.started_at,
+            "updated_at": now,
+            "uptime_s": round(now - self.started_at, 3),
+            "home": str(self.settings.home),
+            "relays": relays,
+            "conversations": self._conversation_counts,
+            "runs_in_flight": scheduler.in_flight if scheduler is not None else 0,
+            "runs": {
+                "completed": scheduler.completed if scheduler is not None else 0,
+                "failed": scheduler.failed if scheduler is not None else 0,
+            },
+            "last_event_at": self.last_event_at,
+            "events": {
+                "accepted": sum(self.events_accepted.values()),
+                "rejected": rejected,
+                "duplicates": pool_health.duplicates if pool_health is not None else 0,
+            },
+            "replies": self._observer.replies,
+            "errors": dict(self.errors),
+            "embedded_relay": self.embedded_relay.url if self.embedded_relay is not None else None,
+            "control_socket": str(self.settings.control_socket_path),
+            "agents": [{"slug": a.slug, "name": a.name, "pubkey": a.pubkey} for a in self.agents],
+        }
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask the daemon to stop (what SIGTERM and SIGINT do)."""
+        if self._stop_requested is not None:
+            self._stop_requested.set()
+
+    @property
+    def relay_urls(self) -> list[str]:
+        """Every relay the daemon connects to (the embedded one first)."""
+        urls = list(self.settings.relays.urls)
+        if self.embedded_relay is not None and self.embedded_relay.url not in urls:
+            urls.insert(0, self.embedded_relay.url)
+        return urls
+
+    async def run(self) -> None:
+        """Start everything, serve until asked to stop, then shut down in reverse order."""
+        self._stop_requested = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(signum, self.request_stop)
+        control: Any = None
+        try:
+            await self._start()
+            from tenex_daemon.app.control_api import ControlServer
+
+            control = ControlServer(self, self.settings.control_socket_path, self.settings.control.tcp_port)
+            await control.start()
+            self.state = "running"
+            await self._write_status()
+            self.notifier.ready()
+            self.notifier.status(f"serving {len(self.agents)} agents on {len(self.relay_urls)} relays")
+            log.info("daemon_ready", relays=self.relay_urls, agents=[a.slug for a in self.agents])
+            await self._stop_requested.wait()
+        finally:
+            await self._shutdown(control)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(signum)
+
+    async def _start(self) -> None:
+        settings = self.settings
+        settings.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if settings.relays.embedded:
+            self.embedded_relay = EmbeddedRelay(
+                settings.embedded_relay_path, settings.relays.embedded_host, settings.relays.embedded_port
+            )
+            await self.embedded_relay.start()
+        if not self.relay_urls:
+            raise RuntimeError("no relay configured: pass --relay URL or --embedded-relay")
+        signers, project_signer = load_signers(settings)
+        self.project_signer = project_signer
+        self.agents = build_agents(settings, signers)
+        self.store = build_store(settings)
+        await self.store.open()
+
+        self.pool = RelayPool(
+            self.relay_urls,
+            on_event=self._on_event,
+            store=self.store,
+            auth_signer=project_signer,
+            settings=PoolSettings(since_window=settings.relays.since_window_s),
+        )
+        resolver = RelayEventResolver(self.pool, store=self.store)
+        manager = ConversationManager(self.store, self.agents, project_signer.pubkey, resolver=resolver)
+        self._manager = manager
+        profiles = {
+            a.slug: AgentProfile(
+                agent=agent,
+                instructions=a.instructions,
+                backend=build_backend(a.slug, a.backend, settings),
+                model=a.backend.model,
+            )
+            for a, agent in zip(settings.agents, self.agents, strict=True)
+        }
+        project = (settings.owner, settings.project.d_tag) if settings.owner else None
+        composer = SignedReplyComposer(signers, project)
+        publisher = PoolPublisher(
+            self.pool,
+            signers,
+            {a.slug: a for a in self.agents},
+            typing_min_interval_s=settings.daemon.typing_min_interval_s,
+        )
+        runner = AgentRunner(manager, profiles, composer, publisher, observer=self._observer)
+
+        async def run(request: Any) -> None:
+            await runner.run(request)
+
+        self.scheduler = RunScheduler(self.store, run, settings.daemon.max_concurrent_runs)
+        self.dispatcher = EventDispatcher(
+            manager,
+            self.scheduler,
+            classify_event,
+            RuleBasedOrchestrator(manager.agents, settings.default_agent_slug),
+            owner=settings.owner,
+            whitelist=settings.whitelist,
+            hop_limit=settings.daemon.hop_limit,
+            fetcher=self.pool,
+        )
+        runner.set_reply_hook(self._after_reply)
+
+        await self.pool.start()
+        if not await self.pool.wait_connected(count=1, within=10.0):
+            log.warning("no_relay_connected_yet", relays=self.relay_urls)
+        await self._announce(signers)
+        pubkeys = [a.pubkey for a in self.agents] + [project_signer.pubkey]
+        await self.pool.subscribe(SUBSCRIPTION_ID, [{"kinds": INCOMING_KINDS, "#p": pubkeys}])
+        await self.scheduler.recover()
+        await self._refresh_counts()
+        self._spawn(self._status_loop(), "status writer")
+        self._spawn(self._heartbeat_loop(), "heartbeat")
+        interval = self.notifier.watchdog_interval_s()
+        if interval:
+            self._spawn(self._watchdog_loop(interval / 2), "watchdog")
+
+    async def _announce(self, signers: dict[str, Signer]) -> None:
+        """Publish each agent's profile (kind 0); failures are logged, never fatal."""
+        assert self.pool is not None
+        by_slug = {a.slug: a for a in self.settings.agents}
+        for agent in self.agents:
+            event = profile_event(signers[agent.slug], agent, by_slug[agent.slug].instructions)
+            result = await self.pool.publish(event, timeout=5.0, raise_on_failure=False)
+            if not result.ok:
+                log.warning("profile_not_published", agent=agent.slug)
+
+    async def _shutdown(self, control: Any) -> None:
+        self._stopping = True
+        self.state = "stopping"
+        self.notifier.stopping()
+        log.info("daemon_stopping")
+        if self.pool is not None:
+            with contextlib.suppress(Exception):
+                await self.pool.unsubscribe(SUBSCRIPTION_ID)
+        if self.scheduler is not None:
+            cancelled = await self.scheduler.drain(self.settings.daemon.grace_period_s)
+            if cancelled:
+                log.warning("runs_cancelled_at_shutdown", count=cancelled, note="redone at next start")
+        if control is not None:
+            await control.stop()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self.pool is not None:
+            await self.pool.stop()
+        if self.store is not None:
+            await self.store.close()
+        if self.embedded_relay is not None:
+            self.embedded_relay.stop()
+        self.state = "stopped"
+        with contextlib.suppress(OSError):
+            await self._write_status()
+        log.info("daemon_stopped")
+
+    # --- events ---------------------------------------------------------------------------
+
+    async def _on_event(self, received: ReceivedEvent) -> None:
+        """Handle one validated, new event from the relays; raising leaves it unprocessed."""
+        if self._stopping or self.dispatcher is None:
+            raise ShuttingDownError("shutting down; the event will be delivered again after restart")
+        event = received.event
+        structlog.contextvars.bind_contextvars(event_id=event.id)
+        try:
+            result = await self.dispatcher.handle(event)
+        except Exception:
+            self.errors["handler"] += 1
+            raise
+        finally:
+            structlog.contextvars.unbind_contextvars("event_id")
+        self.last_event_at = time.time()
+        self._count(event.kind, result)
+
+    def _count(self, kind: int, result: HandleResult) -> None:
+        if result.outcome in (Outcome.SCHEDULED, Outcome.STORED):
+            self.events_accepted[str(kind)] += 1
+            self.metrics.event_accepted(kind)
+        else:
+            reason = result.reason or result.outcome.value
+            self.events_ignored[reason] += 1
+            self.metrics.event_rejected(reason)
+
+    async def _after_reply(self, conversation_id: str, reply: Any) -> None:
+        if self.dispatcher is not None:
+            await self.dispatcher.after_reply(conversation_id, reply)
+
+    # --- background loops -----------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+
+        def done(finished: asyncio.Task[Any]) -> None:
+            self._background.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                log.error("background_task_failed", task=name, error=repr(finished.exception()))
+
+        task.add_done_callback(done)
+
+    async def _refresh_counts(self) -> None:
+        if self.store is None:
+            return
+        rows = await self.store.search(SearchQuery())
+        by_phase = Counter(row.phase.value for row in rows)
+        self._conversation_counts = {
+            "total": len(rows),
+            "archived": sum(1 for row in rows if row.archived),
+            "by_phase": dict(by_phase),
+        }
+
+    async def _write_status(self) -> None:
+        await asyncio.to_thread(write_status, self.settings.status_path, self.status())
+
+    async def _status_loop(self) -> None:
+        interval = self.settings.daemon.status_interval_s
+        while True:
+            try:
+                await self._refresh_counts()
+                await self._write_status()
+                if self.pool is not None:
+                    for relay in self.pool.health().relays:
+                        self.metrics.set_relay_connected(relay.url, relay.state.value == "connected")
+                if self.scheduler is not None:
+                    self.metrics.set_runs_in_flight(self.scheduler.in_flight)
+            except Exception:
+                self.errors["status"] += 1
+                log.exception("status_write_failed")
+            await asyncio.sleep(interval)
+
+    async def _heartbeat_loop(self) -> None:
+        assert self.pool is not None
+        assert self.project_signer is not None
+        project = (self.settings.owner, self.settings.project.d_tag) if self.settings.owner else None
+        while True:
+            event = heartbeat_event(self.project_signer, self.agents, project)
+            await self.pool.publish(event, timeout=5.0, raise_on_failure=False)
+            await asyncio.sleep(self.settings.daemon.heartbeat_interval_s)
+
+    async def _watchdog_loop(self, every_s: float) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(every_s)

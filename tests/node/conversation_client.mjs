@@ -1,0 +1,87 @@
+// A person's Nostr client for tenexd's end-to-end tests, built on nostr-tools.
+// One JSON request on stdin, one JSON object on stdout.
+//
+//   {"op": "converse", "relay": url, "secret": hex, "template": {kind, content, tags},
+//    "thread_root": id (optional: the published event is the root when absent),
+//    "reply_authors": [hex...], "want": n, "timeout_ms": n}
+//     subscribes to kind-1111 replies in the thread by those authors, publishes the event,
+//     and waits for `want` replies. Prints {published, replies, valid, latency_ms}.
+//   {"op": "publish", "relay": url, "secret": hex, "template": {...}}  -> {published}
+import { finalizeEvent, verifyEvent } from 'nostr-tools/pure'
+import { Relay, useWebSocketImplementation } from 'nostr-tools/relay'
+import WebSocket from 'ws'
+
+useWebSocketImplementation(WebSocket)
+
+const hexToBytes = (hex) => new Uint8Array(Buffer.from(hex, 'hex'))
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms))
+
+async function readStdin() {
+  const chunks = []
+  for await (const chunk of process.stdin) chunks.push(chunk)
+  return JSON.parse(Buffer.concat(chunks).toString('utf8'))
+}
+
+async function connect(url, deadline) {
+  for (;;) {
+    try {
+      return await Relay.connect(url)
+    } catch (err) {
+      if (Date.now() > deadline) throw err
+      await sleep(100)
+    }
+  }
+}
+
+function sign(secret, template) {
+  return finalizeEvent(
+    { kind: template.kind, content: template.content, tags: template.tags ?? [], created_at: Math.floor(Date.now() / 1000) },
+    hexToBytes(secret),
+  )
+}
+
+async function converse(req) {
+  const deadline = Date.now() + (req.timeout_ms ?? 5000)
+  const relay = await connect(req.relay, deadline + 5000)
+  const event = sign(req.secret, req.template)
+  const root = req.thread_root ?? event.id
+  const replies = []
+  const latency = []
+  let published = 0
+  let done
+  const finished = new Promise((resolve) => { done = resolve })
+  const sub = relay.subscribe(
+    [{ kinds: [1111], '#E': [root], authors: req.reply_authors, since: Math.floor(Date.now() / 1000) - 5 }],
+    {
+      onevent(reply) {
+        if (replies.some((r) => r.id === reply.id)) return
+        replies.push(reply)
+        latency.push(Date.now() - published)
+        if (replies.length >= (req.want ?? 1)) done()
+      },
+    },
+  )
+  await sleep(50)
+  published = Date.now()
+  await relay.publish(event)
+  const timer = setTimeout(done, Math.max(0, deadline - Date.now()))
+  await finished
+  clearTimeout(timer)
+  sub.close()
+  relay.close()
+  const valid = replies.map((r) => verifyEvent({ ...r }))
+  return { published: event, replies, valid, latency_ms: latency }
+}
+
+async function publishOnly(req) {
+  const relay = await connect(req.relay, Date.now() + 10000)
+  const event = sign(req.secret, req.template)
+  await relay.publish(event)
+  relay.close()
+  return { published: event }
+}
+
+const req = await readStdin()
+const result = req.op === 'converse' ? await converse(req) : await publishOnly(req)
+process.stdout.write(JSON.stringify(result) + '\n')
+process.exit(0)
