@@ -1,0 +1,279 @@
+"""How the CLI reaches conversations: the daemon's control API when it runs, else the store itself.
+
+A running daemon holds the filesystem home's lock, so the CLI asks it over the control
+socket (aiohttp's ``UnixConnector``). When nobody answers there, the CLI opens the store
+named by the settings directly. Both paths return the same JSON shapes (the control API's).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+import aiohttp
+
+from tenex_daemon.adapters.nostr.signer import KeyFileError
+from tenex_daemon.adapters.storage.filesystem import StoreLockedError
+from tenex_daemon.app.control_api import (
+    API_PREFIX,
+    ApiError,
+    check_id,
+    conversation_json,
+    parse_search,
+    preview_context,
+    summary_json,
+)
+from tenex_daemon.app.home import load_agents, load_project_pubkey
+from tenex_daemon.app.settings import Settings
+from tenex_daemon.app.wiring import build_store
+from tenex_daemon.core import nip19
+from tenex_daemon.core.errors import (
+    ConversationArchivedError,
+    ConversationNotFoundError,
+    TenexError,
+    UnknownAgentError,
+)
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.nip19 import Entity
+from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.services.conversation_manager import ConversationManager
+
+API_TIMEOUT_S = 30.0
+PROBE_TIMEOUT_S = 3.0
+
+
+class AccessError(TenexError):
+    """A request failed; ``status`` as in HTTP (400 bad input, 404 unknown, 409 archived, 503 no answer)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+def normalize_event_id(value: str, what: str = "conversation id") -> str:
+    """Return the hex id of 64 hex characters, a ``note1`` or an ``nevent1`` (``nostr:`` prefix allowed)."""
+    text = value.strip().removeprefix("nostr:")
+    if text.startswith(("note1", "nevent1")):
+        try:
+            return nip19.decode(text).value
+        except nip19.Nip19Error as exc:
+            raise AccessError(f"{what}: {exc}") from None
+    try:
+        return check_id(text.lower(), what)
+    except ApiError as exc:
+        raise AccessError(exc.message, exc.status) from None
+
+
+class ConversationAccess(Protocol):
+    """Conversation operations the CLI needs; each returns the control API's JSON shapes."""
+
+    via: str
+    """``control API`` or ``store``: where the answers come from."""
+
+    async def search(self, query: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Return summary rows matching the query parameters of ``GET /api/v1/conversations``."""
+
+    async def get(self, conversation_id: str) -> dict[str, Any]:
+        """Return a conversation in full (raises AccessError 404 when unknown)."""
+
+    async def archive(self, conversation_id: str) -> None:
+        """Archive a conversation."""
+
+    async def restore(self, conversation_id: str) -> None:
+        """Restore an archived conversation."""
+
+    async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
+        """Return what the agent would be sent now, without changing its state."""
+
+    async def conversation_of_event(self, event_id: str) -> dict[str, Any]:
+        """Return the conversation rooted at or holding this event (raises AccessError 404)."""
+
+
+class ApiAccess:
+    """Conversation access through a running daemon's control API."""
+
+    via = "control API"
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        """Use ``session`` (bound to the control socket)."""
+        self._session = session
+
+    async def _call(
+        self, method: str, path: str, *, params: Mapping[str, str] | None = None, body: Any = None
+    ) -> dict[str, Any]:
+        try:
+            async with self._session.request(
+                method, f"http://tenexd{API_PREFIX}{path}", params=params, json=body
+            ) as response:
+                text = await response.text()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            message = f"the daemon's control API did not answer ({type(exc).__name__})"
+            raise AccessError(message, 503) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = {"error": text[:300]}
+        if status >= 400:
+            detail = data.get("error") if isinstance(data, dict) else None
+            raise AccessError(str(detail or f"HTTP {status}"), status)
+        if not isinstance(data, dict):
+            raise AccessError("the control API answered something other than a JSON object", 502)
+        return data
+
+    async def search(self, query: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Search through ``GET /api/v1/conversations``."""
+        data = await self._call("GET", "/conversations", params=query)
+        rows = data.get("conversations", [])
+        return list(rows) if isinstance(rows, list) else []
+
+    async def get(self, conversation_id: str) -> dict[str, Any]:
+        """``GET /api/v1/conversations/{id}``."""
+        return await self._call("GET", f"/conversations/{conversation_id}")
+
+    async def archive(self, conversation_id: str) -> None:
+        """``POST /api/v1/conversations/{id}/archive``."""
+        await self._call("POST", f"/conversations/{conversation_id}/archive")
+
+    async def restore(self, conversation_id: str) -> None:
+        """``POST /api/v1/conversations/{id}/restore``."""
+        await self._call("POST", f"/conversations/{conversation_id}/restore")
+
+    async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
+        """``GET /api/v1/conversations/{id}/context``."""
+        params = {"agent": agent}
+        if trigger is not None:
+            params["trigger"] = trigger
+        return await self._call("GET", f"/conversations/{conversation_id}/context", params=params)
+
+    async def conversation_of_event(self, event_id: str) -> dict[str, Any]:
+        """``GET /api/v1/tasks/{id}/conversation`` (it finds the conversation holding any event)."""
+        return await self._call("GET", f"/tasks/{event_id}/conversation")
+
+
+class StoreResolver:
+    """Resolves ``note``/``nevent`` references from the store alone (no relays without the daemon)."""
+
+    def __init__(self, store: ConversationStore) -> None:
+        """Look events up in ``store``."""
+        self._store = store
+
+    async def resolve(self, entity: Entity) -> NostrEvent | None:
+        """Return the stored event an entity points at, or None."""
+        if entity.kind_name not in ("note", "nevent"):
+            return None
+        found = await self._store.find_event(entity.value)
+        return None if found is None else found[1]
+
+
+class LocalAccess:
+    """Conversation access through the store itself (the daemon is not running)."""
+
+    via = "store"
+
+    def __init__(self, manager: ConversationManager) -> None:
+        """Use ``manager`` (over an opened store)."""
+        self.manager = manager
+
+    async def search(self, query: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Search with the control API's parameter rules."""
+        try:
+            args = parse_search(query)
+        except ApiError as exc:
+            raise AccessError(exc.message, exc.status) from None
+        return [summary_json(row) for row in await self.manager.search_conversations(**args)]
+
+    async def get(self, conversation_id: str) -> dict[str, Any]:
+        """Return a conversation in full."""
+        conversation = await self.manager.get_conversation(conversation_id)
+        if conversation is None:
+            raise AccessError(f"conversation {conversation_id} not found", 404)
+        return conversation_json(conversation)
+
+    async def archive(self, conversation_id: str) -> None:
+        """Archive a conversation."""
+        await _mapped(self.manager.archive_conversation(conversation_id))
+
+    async def restore(self, conversation_id: str) -> None:
+        """Restore a conversation."""
+        await _mapped(self.manager.restore_conversation(conversation_id))
+
+    async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
+        """Preview an agent's context without changing its state."""
+        result: dict[str, Any] = await _mapped(preview_context(self.manager, conversation_id, agent, trigger))
+        return result
+
+    async def conversation_of_event(self, event_id: str) -> dict[str, Any]:
+        """Return the conversation rooted at or holding the event."""
+        conversation_id = await self.manager.find_conversation_of_event(event_id)
+        if conversation_id is None:
+            raise AccessError(f"no conversation holds event {event_id}", 404)
+        return await self.get(conversation_id)
+
+
+async def _mapped(awaitable: Any) -> Any:
+    """Await, turning domain errors into :class:`AccessError` with the control API's statuses."""
+    try:
+        return await awaitable
+    except ApiError as exc:
+        raise AccessError(exc.message, exc.status) from None
+    except (ConversationNotFoundError, UnknownAgentError) as exc:
+        raise AccessError(str(exc), 404) from None
+    except ConversationArchivedError as exc:
+        raise AccessError(str(exc), 409) from None
+
+
+async def _daemon_session(settings: Settings) -> aiohttp.ClientSession | None:
+    """Return a session on the control socket if a daemon answers there, else None."""
+    path = settings.control_socket_path
+    if not path.is_socket():
+        return None
+    session = aiohttp.ClientSession(
+        connector=aiohttp.UnixConnector(path=str(path)),
+        timeout=aiohttp.ClientTimeout(total=API_TIMEOUT_S),
+    )
+    try:
+        async with session.get(
+            f"http://tenexd{API_PREFIX}/status", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+        ) as response:
+            await response.read()
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        await session.close()
+        return None
+    return session
+
+
+@asynccontextmanager
+async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
+    """Yield access through the daemon's control API if it answers, else through the store itself."""
+    session = await _daemon_session(settings)
+    if session is not None:
+        try:
+            yield ApiAccess(session)
+        finally:
+            await session.close()
+        return
+    store = build_store(settings)
+    try:
+        await store.open()
+    except StoreLockedError as exc:
+        raise AccessError(
+            f"{exc}; its control socket {settings.control_socket_path} does not answer "
+            "(is the daemon stuck? see `tenexd status`)",
+            503,
+        ) from None
+    try:
+        try:
+            agents = load_agents(settings)
+            project = load_project_pubkey(settings)
+        except KeyFileError as exc:
+            raise AccessError(str(exc), 400) from None
+        manager = ConversationManager(
+            store, agents, project, resolver=StoreResolver(store), phase_rules=settings.phase_rules()
+        )
+        yield LocalAccess(manager)
+    finally:
+        await store.close()

@@ -1,0 +1,231 @@
+"""``tenexd send``: publish a message as the owner and print the agents' replies as they come.
+
+A convenience for trying a home: any Nostr client does the same. A new message is a kind-11
+conversation root; ``--reply-to`` makes a kind-1111 reply with NIP-22 tags (root ``E``/``K``/``P``
+copied from the conversation root, parent ``e``/``k``/``p``). The addressed agent is p-tagged
+first, so it is the one targeted (PROTOCOL.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, PublishError, ReceivedEvent, RelayPool
+from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.app.settings import Settings
+from tenex_daemon.app.status import read_status
+from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.errors import TenexError
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.vocabulary import (
+    KIND_COMMENT,
+    KIND_CONVERSATION_ROOT,
+    KIND_PROJECT,
+    TAG_ADDRESS,
+    TAG_PARENT_KIND,
+    TAG_PUBKEY,
+    TAG_ROOT_AUTHOR,
+    TAG_ROOT_EVENT,
+    TAG_ROOT_KIND,
+    TAG_TITLE,
+)
+
+TITLE_MAX = 80
+
+
+class SendError(TenexError):
+    """The message could not be sent; the message says why and what to do."""
+
+
+@dataclass
+class SendResult:
+    """What happened: the event sent, the replies seen, and whether the addressed agent answered."""
+
+    event: NostrEvent
+    conversation_id: str
+    addressed: Agent
+    relays: list[str]
+    replies: list[tuple[Agent, NostrEvent]] = field(default_factory=list)
+    answered: bool = False
+
+
+def send_relays(settings: Settings, explicit: Sequence[str]) -> list[str]:
+    """Relays to publish to: ``--relay`` URLs, else the configured ones plus the embedded relay.
+
+    The embedded relay counts when the config enables it or a fresh status file names it.
+    """
+    if explicit:
+        return list(dict.fromkeys(explicit))
+    urls = list(settings.relays.urls)
+    if settings.relays.embedded:
+        urls.append(f"ws://{settings.relays.embedded_host}:{settings.relays.embedded_port}")
+    report = read_status(settings.status_path, settings.daemon.stale_after_s)
+    if report.data is not None and report.state.value == "running":
+        embedded = report.data.get("embedded_relay")
+        if isinstance(embedded, str) and embedded:
+            urls.insert(0, embedded)
+    return list(dict.fromkeys(urls))
+
+
+def addressed_agent(agents: Sequence[Agent], to: str | None, default_agent: str | None) -> Agent:
+    """Return the agent to p-tag: ``to``, else the orchestrator, else the default agent."""
+    by_slug = {a.slug: a for a in agents}
+    if to is not None:
+        if to not in by_slug:
+            raise SendError(f"unknown agent {to!r} (agents: {', '.join(by_slug) or 'none'})")
+        return by_slug[to]
+    orchestrator = next((a for a in agents if a.orchestrator), None)
+    if orchestrator is not None:
+        return orchestrator
+    if default_agent is not None and default_agent in by_slug:
+        return by_slug[default_agent]
+    if agents:
+        return agents[0]
+    raise SendError("the home has no agents (see `tenexd agents add`)")
+
+
+def reply_tags(
+    parent: NostrEvent, target: Agent, agent_keys: set[str], owner: str
+) -> tuple[str, list[list[str]]]:
+    """Return (conversation root id, NIP-22 tags) for a reply to ``parent`` addressed to ``target``.
+
+    The root is the parent's ``E`` when it has one (a reply), else the parent itself. The
+    target is p-tagged first; the parent's author is p-tagged too when it is a person other
+    than the owner (an agent author would otherwise be targeted instead).
+    """
+    root_id = parent.tag_value(TAG_ROOT_EVENT)
+    if root_id is not None:
+        root_kind = parent.tag_value(TAG_ROOT_KIND) or str(KIND_CONVERSATION_ROOT)
+        root_author = parent.tag_value(TAG_ROOT_AUTHOR) or ""
+    else:
+        root_id, root_kind, root_author = parent.id, str(parent.kind), parent.pubkey
+    tags: list[list[str]] = [
+        [TAG_ROOT_EVENT, root_id, "", root_author],
+        [TAG_ROOT_KIND, root_kind],
+        [TAG_ROOT_AUTHOR, root_author],
+        ["e", parent.id, "", parent.pubkey],
+        [TAG_PARENT_KIND, str(parent.kind)],
+        [TAG_PUBKEY, target.pubkey],
+    ]
+    if parent.pubkey not in agent_keys and parent.pubkey not in (owner, target.pubkey):
+        tags.append([TAG_PUBKEY, parent.pubkey])
+    if not root_author:
+        tags = [t for t in tags if t[0] != TAG_ROOT_AUTHOR]
+    return root_id, tags
+
+
+def root_tags(text: str, target: Agent, owner: str, project_d: str, title: str | None) -> list[list[str]]:
+    """Return the tags of a new conversation root: title, the target's ``p``, the project's ``a``."""
+    first_line = text.strip().splitlines()[0] if text.strip() else "Untitled"
+    chosen = title or (first_line[: TITLE_MAX - 1] + "…" if len(first_line) > TITLE_MAX else first_line)
+    return [
+        [TAG_TITLE, chosen],
+        [TAG_PUBKEY, target.pubkey],
+        [TAG_ADDRESS, f"{KIND_PROJECT}:{owner}:{project_d}"],
+    ]
+
+
+def is_reply_in(event: NostrEvent, conversation_id: str) -> bool:
+    """Whether ``event`` belongs to the conversation (NIP-22 ``E`` or NIP-10 ``e`` root)."""
+    if event.tag_value(TAG_ROOT_EVENT) == conversation_id:
+        return True
+    return any(len(tag) > 1 and tag[0] == "e" and tag[1] == conversation_id for tag in event.tags)
+
+
+async def send_message(
+    settings: Settings,
+    owner: Signer,
+    agents: Sequence[Agent],
+    text: str,
+    *,
+    to: str | None = None,
+    reply_to: str | None = None,
+    relays: Sequence[str] = (),
+    timeout: float = 30.0,  # noqa: ASYNC109 - the whole wait for replies, not one call's timeout
+    title: str | None = None,
+    find_event: Callable[[str], Awaitable[NostrEvent | None]] | None = None,
+    on_reply: Callable[[Agent, NostrEvent], None] | None = None,
+    pool_settings: PoolSettings | None = None,
+) -> SendResult:
+    """Publish ``text`` as the owner, then collect agents' replies until the addressed one answers.
+
+    Without ``to`` the orchestrator is addressed, and the first reply from an agent other
+    than the orchestrator (it routes) ends the wait; with ``to`` that agent's reply does.
+    ``find_event`` looks the parent of ``reply_to`` up locally when no relay has it.
+    """
+    urls = send_relays(settings, relays)
+    if not urls:
+        raise SendError(
+            "no relay to publish to: pass --relay URL, set relays.urls in config.toml, "
+            "or run the daemon with --embedded-relay"
+        )
+    if not agents:
+        raise SendError("the home has no agents (see `tenexd agents add`)")
+    target = addressed_agent(agents, to, settings.default_agent_slug)
+    by_key = {a.pubkey: a for a in agents}
+    others_exist = any(not a.orchestrator for a in agents)
+    done = asyncio.Event()
+    replies: list[tuple[Agent, NostrEvent]] = []
+    conversation: dict[str, str] = {}
+
+    def finishes(agent: Agent) -> bool:
+        if to is not None:
+            return agent.slug == target.slug
+        return not (agent.orchestrator and others_exist)
+
+    async def handle(received: ReceivedEvent) -> None:
+        event = received.event
+        agent = by_key.get(event.pubkey)
+        if agent is None or "id" not in conversation or not is_reply_in(event, conversation["id"]):
+            return
+        replies.append((agent, event))
+        if on_reply is not None:
+            on_reply(agent, event)
+        if finishes(agent):
+            done.set()
+
+    settings_for_pool = pool_settings or PoolSettings(open_timeout=5.0, backoff_base=0.2, backoff_cap=2.0)
+    pool = RelayPool(urls, on_event=handle, settings=settings_for_pool)
+    await pool.start()
+    try:
+        if not await pool.wait_connected(1, min(10.0, max(1.0, timeout))):
+            raise SendError(f"no relay answered: {', '.join(urls)}")
+        since = int(time.time()) - 5
+        if reply_to is not None:
+            parent = await pool.fetch_event(reply_to, timeout=min(5.0, timeout))
+            if parent is None and find_event is not None:
+                parent = await find_event(reply_to)
+            if parent is None:
+                raise SendError(f"event {reply_to} was found neither on the relays nor in the home")
+            root_id, tags = reply_tags(parent, target, set(by_key), owner.pubkey)
+            event = owner.sign(KIND_COMMENT, text, tags)
+        else:
+            tags = root_tags(text, target, owner.pubkey, settings.project.d_tag, title)
+            event = owner.sign(KIND_CONVERSATION_ROOT, text, tags)
+            root_id = event.id
+        conversation["id"] = root_id
+        authors = sorted(by_key)
+        await pool.subscribe(
+            "tenexd-send",
+            [
+                {"kinds": [KIND_COMMENT], "#E": [root_id], "authors": authors, "since": since},
+                {"kinds": [KIND_COMMENT, 1], "#e": [root_id], "authors": authors, "since": since},
+            ],
+        )
+        try:
+            published = await pool.publish(event, timeout=min(10.0, max(1.0, timeout)))
+        except PublishError as exc:
+            raise SendError(str(exc)) from None
+        result = SendResult(event, root_id, target, list(published.accepted_by), replies)
+        try:
+            async with asyncio.timeout(timeout):
+                await done.wait()
+        except TimeoutError:
+            pass
+        result.answered = done.is_set()
+        return result
+    finally:
+        await pool.stop()
