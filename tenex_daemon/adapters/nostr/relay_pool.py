@@ -223,6 +223,18 @@ class PublishError(TenexError):
         self.result = result
 
 
+def backoff_delay(
+    attempt: int, base: float, cap: float, rng: Callable[[float, float], float] = random.uniform
+) -> float:
+    """Return the wait before reconnect ``attempt`` (0-based): ``base * 2**attempt`` capped, jittered.
+
+    The jitter draws from the upper half (``[d/2, d]``) so relays that dropped
+    together do not reconnect in lockstep, while the wait still grows.
+    """
+    delay = min(cap, base * (2 ** min(attempt, 60)))
+    return rng(delay / 2, delay)
+
+
 class SeenIds:
     """An LRU set of event ids (in-flight dedupe across relays)."""
 
@@ -319,11 +331,13 @@ class _Relay:
                 raise
             except (OSError, WebSocketException, TimeoutError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                if isinstance(exc, ConnectionClosed) and exc.sent is not None and exc.sent.code == 1009:
+                    # websockets closed the connection on a frame over max_message_bytes
+                    self.reject(RejectReason.OVERSIZED_FRAME, "frame over the websocket size limit")
             self._on_close()
             if opened_at is not None and time.monotonic() - opened_at >= settings.stable_after:
                 attempt = 0
-            delay = min(settings.backoff_cap, settings.backoff_base * (2**attempt))
-            delay *= random.uniform(0.5, 1.0)
+            delay = backoff_delay(attempt, settings.backoff_base, settings.backoff_cap)
             attempt = min(attempt + 1, 30)
             self.state = RelayState.BACKOFF
             self.log.info("relay disconnected", error=self.last_error, retry_in=round(delay, 2))
@@ -996,4 +1010,5 @@ __all__ = [
     "RelaySpec",
     "RelayState",
     "SeenIds",
+    "backoff_delay",
 ]

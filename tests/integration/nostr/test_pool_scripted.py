@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from websockets.asyncio.server import ServerConnection
 
-from tenex_daemon.adapters.nostr.codec import RejectReason, verify_event
-from tenex_daemon.adapters.nostr.relay_pool import RelayPool
+from tenex_daemon.adapters.nostr.codec import Limits, RejectReason, verify_event
+from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, RelayPool
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.core.events import NostrEvent
@@ -237,3 +237,29 @@ async def test_consumer_error_is_logged_and_the_event_is_not_marked_processed() 
         assert pool.health().consumer_errors == 1
     assert not await store.is_processed(events[0].id)
     assert await store.is_processed(events[1].id)
+
+
+async def test_frame_size_limits() -> None:
+    """A frame over the codec limit is refused in place; one over the websocket limit costs a reconnect."""
+    valid = AUTHOR.sign(KIND_COMMENT, "after the big ones")
+
+    async def script(fake: FakeRelay, ws: ServerConnection) -> None:
+        req = await fake.recv(ws)
+        if fake.connections == 1:
+            await ws.send(json.dumps(["NOTICE", "n" * 40_000]))  # over the codec's 32 KiB
+            await ws.send(json.dumps(["NOTICE", "n" * 100_000]))  # over websocket max_size: closes
+        else:
+            await ws.send(event_frame(req[1], valid))
+        await ws.wait_closed()
+
+    settings = PoolSettings(
+        limits=Limits(max_frame_chars=32 * 1024), max_message_bytes=64 * 1024,
+        backoff_base=0.05, backoff_cap=0.2,
+    )
+    collector = Collector()
+    async with FakeRelay(script) as fake, RelayPool([fake.url], on_event=collector, settings=settings) as pool:
+        await pool.subscribe("s", [{"kinds": [KIND_COMMENT]}])
+        assert await collector.wait_for(lambda c: c.ids == [valid.id], within=10)
+        health = pool.health()
+        assert health.rejects == {"oversized_frame": 2}
+        assert health.relays[0].reconnects == 1

@@ -1,0 +1,62 @@
+"""Small parts of the relay pool that need no socket: backoff, the seen-id LRU, health data."""
+
+from __future__ import annotations
+
+import json
+
+from tenex_daemon.adapters.nostr.relay_pool import (
+    PoolSettings,
+    PublishError,
+    PublishResult,
+    RelayPool,
+    RelaySpec,
+    RelayState,
+    SeenIds,
+    backoff_delay,
+)
+
+
+def test_backoff_grows_is_capped_and_jittered() -> None:
+    """Delays double per attempt up to the cap, and the jitter stays within [delay/2, delay]."""
+    upper = [backoff_delay(a, 0.5, 30.0, rng=lambda lo, hi: hi) for a in range(10)]
+    lower = [backoff_delay(a, 0.5, 30.0, rng=lambda lo, hi: lo) for a in range(10)]
+    assert upper[:4] == [0.5, 1.0, 2.0, 4.0]
+    assert max(upper) == 30.0
+    assert all(lo == hi / 2 for lo, hi in zip(lower, upper, strict=True))
+    samples = {backoff_delay(3, 0.5, 30.0) for _ in range(20)}
+    assert all(2.0 <= s <= 4.0 for s in samples)
+    assert len(samples) > 1
+    assert backoff_delay(10_000, 0.5, 30.0, rng=lambda lo, hi: hi) == 30.0
+
+
+def test_seen_ids_is_a_bounded_lru() -> None:
+    """SeenIds reports repeats, forgets the least recently seen past its size, and can discard."""
+    seen = SeenIds(2)
+    assert seen.add_if_new("a")
+    assert not seen.add_if_new("a")
+    assert seen.add_if_new("b")
+    assert seen.add_if_new("c")  # evicts "a"
+    assert seen.add_if_new("a")
+    seen.discard("a")
+    assert seen.add_if_new("a")
+
+
+def test_health_of_an_unstarted_pool_is_json_ready() -> None:
+    """Before start, every relay is listed idle, and the health data serializes to JSON."""
+    pool = RelayPool(["ws://127.0.0.1:1", RelaySpec("ws://127.0.0.1:2", write=False)], settings=PoolSettings())
+    health = pool.health()
+    assert [r.state for r in health.relays] == [RelayState.IDLE, RelayState.IDLE]
+    assert health.connected == 0
+    data = json.loads(json.dumps(health.to_dict()))
+    assert data["relays"][1] == {
+        "url": "ws://127.0.0.1:2", "state": "idle", "read": True, "write": False, "connected_since": None,
+        "reconnects": 0, "last_event_at": None, "events_received": 0, "rejects": {}, "notices": 0,
+        "authenticated": False, "last_error": None,
+    }
+
+
+def test_publish_error_names_each_relay() -> None:
+    """A PublishError says which relay refused (and why) and which never answered."""
+    error = PublishError(PublishResult("ab" * 32, rejected={"ws://a": "blocked: no"}, timed_out=("ws://b",)))
+    assert "ws://a: blocked: no" in str(error)
+    assert "ws://b: no answer" in str(error)
