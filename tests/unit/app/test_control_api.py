@@ -1,0 +1,305 @@
+"""The control API: every endpoint against a real ConversationManager over a MemoryStore, errors as JSON."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from tenex_daemon import ConversationManager, NostrEvent
+from tenex_daemon.app.control_api import ControlServer, ControlSocketInUseError, create_app
+from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.core.vocabulary import KIND_TASK
+from tests.conftest import Cast
+
+
+@dataclass
+class FakeTarget:
+    """A ControlTarget: the manager, metrics and a fixed status."""
+
+    manager: ConversationManager
+    metrics: Metrics = field(default_factory=Metrics)
+    data: dict[str, Any] = field(default_factory=lambda: {"state": "running", "pid": 1, "relays": []})
+
+    def status(self) -> dict[str, Any]:
+        """Return the fixed status."""
+        return self.data
+
+
+@dataclass
+class World:
+    """Conversations the tests read: a chat with three events and a task with a reply."""
+
+    root: NostrEvent
+    alice_reply: NostrEvent
+    bob_reply: NostrEvent
+    task: NostrEvent
+    task_reply: NostrEvent
+
+
+@pytest.fixture
+async def world(cast: Cast, manager: ConversationManager) -> World:
+    """A chat conversation (user, Alice, Bob) and a task conversation."""
+    root = cast.user_says("Plan the release", kind=11, tags=[["title", "Release plan"], ["p", cast.alice.pubkey]])
+    await manager.create_conversation(root)
+    alice_reply = cast.alice_says("Here is a plan", tags=[["E", root.id], ["K", "11"], ["p", cast.user.pubkey]])
+    await manager.add_event(root.id, alice_reply)
+    bob_reply = cast.user_says("Bob, check it", tags=[["E", root.id], ["K", "11"], ["p", cast.bob.pubkey]])
+    await manager.add_event(root.id, bob_reply)
+    task = cast.user_says("Write the changelog", kind=KIND_TASK, tags=[["p", cast.bob.pubkey]])
+    await manager.create_conversation(task)
+    task_reply = cast.bob_says("Done", tags=[["E", task.id], ["K", str(KIND_TASK)]])
+    await manager.add_event(task.id, task_reply)
+    return World(root, alice_reply, bob_reply, task, task_reply)
+
+
+@pytest.fixture
+def target(manager: ConversationManager) -> FakeTarget:
+    """The fake daemon."""
+    return FakeTarget(manager)
+
+
+@pytest.fixture
+async def client(target: FakeTarget) -> AsyncIterator[TestClient[Any, Any]]:
+    """An HTTP client on the control API app (served on 127.0.0.1)."""
+    async with TestClient(TestServer(create_app(target))) as test_client:
+        yield test_client
+
+
+async def get_json(client: TestClient[Any, Any], path: str, status: int = 200, **params: str) -> Any:
+    """GET a path, assert the status and JSON content type, return the body."""
+    response = await client.get(path, params=params)
+    assert response.status == status, await response.text()
+    assert response.content_type == "application/json"
+    return await response.json()
+
+
+async def test_openapi_document_lists_every_endpoint(client: TestClient[Any, Any]) -> None:
+    """GET /api/v1/openapi.json is an OpenAPI 3 document naming every path."""
+    doc = await get_json(client, "/api/v1/openapi.json")
+    assert doc["openapi"].startswith("3.")
+    assert set(doc["paths"]) >= {
+        "/api/v1/status", "/api/v1/conversations", "/api/v1/conversations/{id}",
+        "/api/v1/conversations/{id}/reset", "/api/v1/conversations/{id}/context",
+        "/api/v1/tasks/{id}/conversation", "/metrics",
+    }
+    assert set(doc["paths"]["/api/v1/conversations/{id}"]) == {"get", "delete"}
+
+
+async def test_status_is_the_targets_snapshot(client: TestClient[Any, Any], target: FakeTarget) -> None:
+    """GET /api/v1/status returns target.status()."""
+    assert await get_json(client, "/api/v1/status") == target.data
+
+
+async def test_list_and_filters(client: TestClient[Any, Any], world: World, cast: Cast) -> None:
+    """GET /api/v1/conversations searches by title, phase, archived, participant (npub), dates and limit."""
+    everything = await get_json(client, "/api/v1/conversations")
+    assert everything["count"] == 2
+    assert {row["id"] for row in everything["conversations"]} == {world.root.id, world.task.id}
+    by_title = await get_json(client, "/api/v1/conversations", title="release")
+    assert [row["id"] for row in by_title["conversations"]] == [world.root.id]
+    by_alice = await get_json(client, "/api/v1/conversations", participant=cast.alice_keys.npub)
+    assert [row["id"] for row in by_alice["conversations"]] == [world.root.id]
+    assert (await get_json(client, "/api/v1/conversations", phase="plan"))["count"] == 0
+    assert (await get_json(client, "/api/v1/conversations", archived="true"))["count"] == 0
+    assert (await get_json(client, "/api/v1/conversations", limit="1"))["count"] == 1
+    assert (await get_json(client, "/api/v1/conversations", date_from="2000-01-01", date_to="2999-01-01"))[
+        "count"
+    ] == 2
+
+
+@pytest.mark.parametrize(
+    ("params", "fragment"),
+    [
+        ({"phase": "dancing"}, "phase must be one of"),
+        ({"limit": "0"}, "limit"),
+        ({"limit": "ten"}, "limit"),
+        ({"archived": "maybe"}, "archived"),
+        ({"date_from": "yesterday"}, "date_from"),
+        ({"participant": "bob"}, "participant"),
+        ({"colour": "red"}, "unknown parameter"),
+    ],
+)
+async def test_bad_search_parameters_are_400_json(
+    client: TestClient[Any, Any], params: dict[str, str], fragment: str
+) -> None:
+    """Each malformed search parameter gives 400 with a JSON error naming it."""
+    body = await get_json(client, "/api/v1/conversations", 400, **params)
+    assert fragment in body["error"]
+
+
+async def test_get_conversation_in_full(client: TestClient[Any, Any], world: World, cast: Cast) -> None:
+    """GET /api/v1/conversations/{id} has summary, history, agent states, phase, transitions and turns."""
+    data = await get_json(client, f"/api/v1/conversations/{world.root.id}")
+    assert data["id"] == world.root.id
+    assert data["title"] == "Release plan"
+    assert data["phase"] == "chat"
+    assert [e["id"] for e in data["history"]] == [world.root.id, world.alice_reply.id, world.bob_reply.id]
+    assert data["history"][0] == world.root.to_dict()
+    assert data["summary"]["event_count"] == 3
+    assert data["transitions"] == []
+    assert data["turns"] == []
+    assert data["agent_states"] == {}
+    assert data["is_task"] is False
+
+
+async def test_bad_and_unknown_ids_are_400_and_404(client: TestClient[Any, Any]) -> None:
+    """A malformed id gives 400, an unknown one 404, both as JSON errors; so does an unknown route."""
+    for path in ("/api/v1/conversations/xyz", "/api/v1/conversations/" + "A" * 64, "/api/v1/tasks/12/conversation"):
+        body = await get_json(client, path, 400)
+        assert "64 lowercase hex" in body["error"]
+    for path in ("/api/v1/conversations/" + "0" * 64, "/api/v1/tasks/" + "0" * 64 + "/conversation"):
+        assert "error" in await get_json(client, path, 404)
+    response = await client.delete("/api/v1/conversations/" + "0" * 64)
+    assert response.status == 404
+    assert "not found" in (await response.json())["error"]
+    assert "error" in await get_json(client, "/api/v1/nothing", 404)
+
+
+async def test_delete_removes_but_keeps_event_ids_processed(
+    client: TestClient[Any, Any], world: World, manager: ConversationManager
+) -> None:
+    """DELETE removes the conversation; its events stay processed so relays cannot bring it back."""
+    response = await client.delete(f"/api/v1/conversations/{world.root.id}")
+    assert response.status == 200
+    assert await response.json() == {"id": world.root.id, "deleted": True}
+    await get_json(client, f"/api/v1/conversations/{world.root.id}", 404)
+    assert await manager.store.is_processed(world.alice_reply.id)
+
+
+async def test_reset_clears_agent_states_and_keeps_history(
+    client: TestClient[Any, Any], world: World, manager: ConversationManager, cast: Cast
+) -> None:
+    """POST reset forgets sessions and indexes (0, or 1 with keep_system_message); history stays whole."""
+    trigger = world.bob_reply.model_copy()
+    await manager.update_agent_state(world.root.id, "alice", last_processed_index=2, session_id="s-1")
+    await manager.build_agent_messages(world.root.id, "bob", trigger)
+    response = await client.post(f"/api/v1/conversations/{world.root.id}/reset", json={"keep_system_message": False})
+    assert response.status == 200
+    assert await response.json() == {"id": world.root.id, "reset_agents": ["alice", "bob"], "keep_system_message": False}
+    data = await get_json(client, f"/api/v1/conversations/{world.root.id}")
+    assert data["agent_states"]["alice"] == {"last_processed_index": 0, "session_id": None, "transitions_seen": 0}
+    assert len(data["history"]) == 3
+    response = await client.post(f"/api/v1/conversations/{world.root.id}/reset", json={"keep_system_message": True})
+    assert (await response.json())["keep_system_message"] is True
+    data = await get_json(client, f"/api/v1/conversations/{world.root.id}")
+    assert {s["last_processed_index"] for s in data["agent_states"].values()} == {1}
+    empty_body = await client.post(f"/api/v1/conversations/{world.root.id}/reset")
+    assert empty_body.status == 200
+    bad = await client.post(f"/api/v1/conversations/{world.root.id}/reset", json={"keep_system_message": "yes"})
+    assert bad.status == 400
+    not_json = await client.post(f"/api/v1/conversations/{world.root.id}/reset", data=b"{oops")
+    assert not_json.status == 400
+
+
+async def test_archive_restore_and_archived_reset_conflict(client: TestClient[Any, Any], world: World) -> None:
+    """archive makes a conversation read-only (reset answers 409), restore undoes it."""
+    assert (await client.post(f"/api/v1/conversations/{world.root.id}/archive")).status == 200
+    assert (await get_json(client, "/api/v1/conversations", archived="true"))["count"] == 1
+    conflict = await client.post(f"/api/v1/conversations/{world.root.id}/reset")
+    assert conflict.status == 409
+    assert "archived" in (await conflict.json())["error"]
+    assert (await client.post(f"/api/v1/conversations/{world.root.id}/restore")).status == 200
+    assert (await get_json(client, "/api/v1/conversations", archived="true"))["count"] == 0
+
+
+async def test_context_is_what_the_agent_would_get_and_changes_nothing(
+    client: TestClient[Any, Any], world: World, manager: ConversationManager
+) -> None:
+    """GET context equals the next build_agent_messages for that trigger, and leaves the agent's state alone."""
+    preview = await get_json(client, f"/api/v1/conversations/{world.root.id}/context", agent="bob")
+    assert preview["trigger"] == world.bob_reply.id
+    assert preview["last_processed_index"] == 0
+    conversation = await manager.get_conversation(world.root.id)
+    assert conversation is not None
+    assert "bob" not in conversation.agent_states
+    again = await get_json(client, f"/api/v1/conversations/{world.root.id}/context", agent="bob")
+    assert again == preview
+    built = await manager.build_agent_messages(world.root.id, "bob", world.bob_reply)
+    assert preview["messages"] == [{"role": m.role, "content": m.content} for m in built.messages]
+    assert preview["next_last_processed_index"] == built.last_processed_index
+    contents = [m["content"] for m in preview["messages"]]
+    assert any("=== MESSAGES WHILE YOU WERE AWAY ===" in c for c in contents)
+    assert "=== NEW INTERACTION ===" in contents
+
+
+async def test_context_with_an_explicit_trigger_and_its_errors(client: TestClient[Any, Any], world: World) -> None:
+    """trigger= picks the event responded to; a missing agent is 400, unknown agent or trigger 404."""
+    path = f"/api/v1/conversations/{world.root.id}/context"
+    first = await get_json(client, path, agent="alice", trigger=world.root.id)
+    assert first["trigger"] == world.root.id
+    assert first["messages"][-1] == {"role": "user", "content": "Plan the release"}
+    assert [m["content"] for m in first["messages"]].count("Plan the release") == 1
+    assert "agent" in (await get_json(client, path, 400))["error"]
+    assert "unknown agent" in (await get_json(client, path, 404, agent="zed"))["error"]
+    assert "not in conversation" in (await get_json(client, path, 404, agent="alice", trigger=world.task.id))["error"]
+    assert "64 lowercase hex" in (await get_json(client, path, 400, agent="alice", trigger="nope"))["error"]
+
+
+async def test_task_conversation_by_task_id_or_any_event_in_it(client: TestClient[Any, Any], world: World) -> None:
+    """GET /api/v1/tasks/{id}/conversation finds the task's conversation by its root or by a reply in it."""
+    by_root = await get_json(client, f"/api/v1/tasks/{world.task.id}/conversation")
+    assert by_root["id"] == world.task.id
+    assert by_root["is_task"] is True
+    by_reply = await get_json(client, f"/api/v1/tasks/{world.task_reply.id}/conversation")
+    assert by_reply["id"] == world.task.id
+
+
+async def test_metrics_endpoint_serves_prometheus_text(client: TestClient[Any, Any], target: FakeTarget) -> None:
+    """GET /metrics returns the target's metrics in the text exposition format."""
+    target.metrics.event_accepted(11)
+    response = await client.get("/metrics")
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/plain")
+    assert 'tenexd_events_accepted_total{kind="11"} 1.0' in await response.text()
+
+
+async def test_unix_socket_is_0600_and_serves_the_api(tmp_path: Path, target: FakeTarget) -> None:
+    """ControlServer binds a 0600 socket, answers over it, refuses a second server and removes it on stop."""
+    path = tmp_path / "run" / "control.sock"
+    server = ControlServer(target, path)
+    await server.start()
+    try:
+        assert stat.S_ISSOCK(path.stat().st_mode)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        connector = aiohttp.UnixConnector(path=str(path))
+        async with aiohttp.ClientSession(connector=connector) as session, session.get(
+            "http://tenexd/api/v1/status"
+        ) as response:
+            assert response.status == 200
+            assert (await response.json())["state"] == "running"
+        with pytest.raises(ControlSocketInUseError):
+            await ControlServer(target, path).start()
+    finally:
+        await server.stop()
+    assert not path.exists()
+
+
+async def test_stale_socket_file_is_replaced(tmp_path: Path, target: FakeTarget) -> None:
+    """A socket file left by a killed daemon (nobody listening) is removed and bound again."""
+    path = tmp_path / "control.sock"
+    leftover = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    leftover.bind(str(path))
+    leftover.close()
+    async with ControlServer(target, path):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+async def test_tcp_is_loopback_only(target: FakeTarget) -> None:
+    """tcp_port=0 serves on a free 127.0.0.1 port; a non-loopback host is refused."""
+    async with ControlServer(target, None, tcp_port=0) as server:
+        assert server.tcp_address is not None
+        host, port = server.tcp_address
+        assert host == "127.0.0.1"
+        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as response:
+            assert response.status == 200
+    with pytest.raises(ValueError, match="loopback"):
+        ControlServer(target, None, tcp_port=0, tcp_host="0.0.0.0")

@@ -1,0 +1,133 @@
+"""Structured logs (JSON lines with bound ids, secrets redacted) and Prometheus metrics."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+import structlog
+
+from tenex_daemon.app.logging import REDACTED, configure_logging, redact_secrets
+from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.core import nip19
+from tenex_daemon.testing import KeyPair
+
+
+def lines(stream: io.StringIO) -> list[dict[str, object]]:
+    """Parse every JSON line written so far."""
+    return [json.loads(line) for line in stream.getvalue().splitlines() if line.strip()]
+
+
+def test_json_lines_carry_bound_ids_level_logger_and_time() -> None:
+    """In JSON mode each line is an object with the contextvars ids, level, logger name and timestamp."""
+    stream = io.StringIO()
+    assert configure_logging("auto", "info", stream=stream) == "json"
+    structlog.contextvars.bind_contextvars(conversation_id="c" * 64, event_id="e" * 64, agent="planner")
+    structlog.get_logger("tenex_daemon.test").info("agent_run_started", attempt=1)
+    structlog.get_logger("tenex_daemon.test").debug("hidden")
+    [line] = lines(stream)
+    assert line["event"] == "agent_run_started"
+    assert line["conversation_id"] == "c" * 64
+    assert line["event_id"] == "e" * 64
+    assert line["agent"] == "planner"
+    assert line["level"] == "info"
+    assert line["logger"] == "tenex_daemon.test"
+    assert "timestamp" in line
+
+
+def test_secrets_are_redacted_and_public_keys_kept() -> None:
+    """Secret-named fields, key-named 64-hex values and any nsec are redacted; pubkeys and ids stay."""
+    stream = io.StringIO()
+    configure_logging("json", "debug", stream=stream)
+    keys = KeyPair.from_seed(7)
+    nsec = nip19.encode_nsec(keys.secret)
+    structlog.get_logger("t").info(
+        "keys", pubkey=keys.pubkey, event_id="f" * 64, secret=keys.secret, key=keys.secret,
+        agent_key=keys.secret, nested={"private": "x", "token": "y", "id": "z"}, note=f"leaked {nsec} here",
+    )
+    text = stream.getvalue()
+    assert keys.secret not in text
+    assert nsec not in text
+    [line] = lines(stream)
+    assert line["pubkey"] == keys.pubkey
+    assert line["event_id"] == "f" * 64
+    assert line["secret"] == line["key"] == line["agent_key"] == REDACTED
+    assert line["nested"] == {"private": REDACTED, "token": REDACTED, "id": "z"}
+    assert line["note"] == f"leaked nsec1{REDACTED} here"
+
+
+def test_standard_library_loggers_go_through_the_same_renderer() -> None:
+    """A stdlib logger's record becomes a JSON line with the bound ids, and is redacted too."""
+    stream = io.StringIO()
+    configure_logging("json", "info", stream=stream)
+    structlog.contextvars.bind_contextvars(conversation_id="d" * 64)
+    nsec = nip19.encode_nsec(KeyPair.from_seed(8).secret)
+    logging.getLogger("aiohttp.test").warning("peer said %s", nsec)
+    [line] = lines(stream)
+    assert line["logger"] == "aiohttp.test"
+    assert line["conversation_id"] == "d" * 64
+    assert nsec not in json.dumps(line)
+
+
+def test_console_format_and_bad_settings() -> None:
+    """console mode renders plain text lines; an unknown format or level is a ValueError."""
+    stream = io.StringIO()
+    assert configure_logging("console", "info", stream=stream) == "console"
+    structlog.get_logger("t").info("hello", agent="planner")
+    assert "hello" in stream.getvalue()
+    assert "agent=planner" in stream.getvalue()
+    with pytest.raises(ValueError, match="log format"):
+        configure_logging("xml", "info", stream=stream)
+    with pytest.raises(ValueError, match="log level"):
+        configure_logging("json", "loud", stream=stream)
+
+
+def test_redact_processor_leaves_unrelated_fields_alone() -> None:
+    """Fields that are not secret-like pass through unchanged."""
+    event = {"event": "x", "kind": 11, "relay": "ws://127.0.0.1:7777", "pubkeys": ["a" * 64]}
+    assert redact_secrets(None, "info", dict(event)) == event
+
+
+def test_metrics_render_every_family_in_text_format() -> None:
+    """Counters, the run histogram and the gauges appear in the exposition text with their labels."""
+    metrics = Metrics()
+    metrics.event_accepted(11)
+    metrics.event_rejected("not_allowed")
+    metrics.event_rejected("not_allowed")
+    metrics.reply_published("planner")
+    metrics.agent_run_error("planner", "TimeoutError")
+    metrics.observe_agent_run("planner", 0.02)
+    metrics.set_runs_in_flight(2)
+    metrics.set_relays([("ws://127.0.0.1:7777", True), ("wss://down.example", False)])
+    text = metrics.render().decode()
+    assert 'tenexd_events_accepted_total{kind="11"} 1.0' in text
+    assert 'tenexd_events_rejected_total{reason="not_allowed"} 2.0' in text
+    assert 'tenexd_replies_published_total{agent="planner"} 1.0' in text
+    assert 'tenexd_agent_run_errors_total{agent="planner",error="TimeoutError"} 1.0' in text
+    assert 'tenexd_agent_run_seconds_count{agent="planner"} 1.0' in text
+    assert "tenexd_runs_in_flight 2.0" in text
+    assert 'tenexd_relay_connected{url="ws://127.0.0.1:7777"} 1.0' in text
+    assert 'tenexd_relay_connected{url="wss://down.example"} 0.0' in text
+    assert metrics.content_type.startswith("text/plain")
+
+
+def test_agent_run_context_times_counts_in_flight_and_errors() -> None:
+    """agent_run() is in flight while inside, observes the duration and counts an escaping error."""
+    metrics = Metrics()
+    with metrics.agent_run("executor"):
+        assert "tenexd_runs_in_flight 1.0" in metrics.render().decode()
+    with pytest.raises(RuntimeError), metrics.agent_run("executor"):
+        raise RuntimeError("backend down")
+    text = metrics.render().decode()
+    assert "tenexd_runs_in_flight 0.0" in text
+    assert 'tenexd_agent_run_seconds_count{agent="executor"} 2.0' in text
+    assert 'tenexd_agent_run_errors_total{agent="executor",error="RuntimeError"} 1.0' in text
+
+
+def test_each_metrics_instance_has_its_own_registry() -> None:
+    """Two Metrics objects never share counts (no global registry)."""
+    first, second = Metrics(), Metrics()
+    first.reply_published("planner")
+    assert "replies_published_total{" not in second.render().decode()

@@ -1,0 +1,128 @@
+"""Settings: the home's config.toml, TENEX_* overrides, and errors that name the key and the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tenex_daemon.app.settings import Settings, SettingsError, StorageKind, load_settings, resolve_home
+from tenex_daemon.core.phases import Phase
+
+CONFIG = """
+owner = "{owner}"
+[project]
+name = "demo"
+[relays]
+urls = ["ws://127.0.0.1:7777"]
+[[agents]]
+slug = "orchestrator"
+name = "Orchestrator"
+orchestrator = true
+[[agents]]
+slug = "planner"
+name = "Planner"
+"""
+OWNER = "a" * 64
+
+
+def write_home(tmp_path: Path, text: str = CONFIG.format(owner=OWNER)) -> Path:
+    """Write a config.toml into a fresh home and return the home."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text(text, encoding="utf-8")
+    return home
+
+
+def test_loads_config_and_derives_home_paths(tmp_path: Path) -> None:
+    """A config.toml loads into Settings whose paths all live in the home."""
+    home = write_home(tmp_path)
+    settings = load_settings(home, {})
+    assert settings.owner == OWNER
+    assert [a.slug for a in settings.agents] == ["orchestrator", "planner"]
+    assert settings.default_agent_slug == "planner"
+    assert settings.storage.kind is StorageKind.FILESYSTEM
+    assert settings.agent_key_path("planner") == home.resolve() / "keys" / "planner.key"
+    assert settings.status_path == home.resolve() / "run" / "status.json"
+    assert settings.control_socket_path == home.resolve() / "run" / "control.sock"
+
+
+def test_environment_overrides_nested_keys_with_toml_values(tmp_path: Path) -> None:
+    """TENEX_SECTION__KEY variables override the file, parsed as TOML values when they can be."""
+    home = write_home(tmp_path)
+    env = {
+        "TENEX_DAEMON__HOP_LIMIT": "3",
+        "TENEX_RELAYS__URLS": '["ws://127.0.0.1:1", "wss://relay.example"]',
+        "TENEX_DAEMON__LOG_FORMAT": "json",
+        "TENEX_PROJECT__NAME": "not toml at all",
+    }
+    settings = load_settings(home, env)
+    assert settings.daemon.hop_limit == 3
+    assert settings.relays.urls == ["ws://127.0.0.1:1", "wss://relay.example"]
+    assert settings.daemon.log_format == "json"
+    assert settings.project.name == "not toml at all"
+
+
+def test_home_comes_from_argument_then_environment_then_default(tmp_path: Path) -> None:
+    """resolve_home prefers the argument, then $TENEX_HOME, then ./.tenex."""
+    assert resolve_home(tmp_path / "a", {"TENEX_HOME": str(tmp_path / "b")}) == (tmp_path / "a").resolve()
+    assert resolve_home(None, {"TENEX_HOME": str(tmp_path / "b")}) == (tmp_path / "b").resolve()
+    assert resolve_home(None, {}) == Path(".tenex").resolve()
+
+
+def test_invalid_value_error_names_the_key_and_the_file(tmp_path: Path) -> None:
+    """A bad value is reported with its dotted key and the config file's path."""
+    home = write_home(tmp_path, CONFIG.format(owner=OWNER) + "[daemon]\nhop_limit = -1\n")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(home, {})
+    assert "daemon.hop_limit" in str(caught.value)
+    assert str(home.resolve() / "config.toml") in str(caught.value)
+
+
+def test_bad_environment_override_names_the_key(tmp_path: Path) -> None:
+    """An override with a wrong type fails with the key it set."""
+    home = write_home(tmp_path)
+    with pytest.raises(SettingsError, match=r"daemon\.max_concurrent_runs"):
+        load_settings(home, {"TENEX_DAEMON__MAX_CONCURRENT_RUNS": "zero"})
+
+
+def test_unknown_key_missing_file_and_bad_toml_are_errors(tmp_path: Path) -> None:
+    """Unknown keys, a missing config.toml and broken TOML each raise SettingsError naming the file."""
+    home = write_home(tmp_path, CONFIG.format(owner=OWNER) + "[daemon]\nhop_limt = 2\n")
+    with pytest.raises(SettingsError, match=r"daemon\.hop_limt"):
+        load_settings(home, {})
+    with pytest.raises(SettingsError, match="not found"):
+        load_settings(tmp_path / "nowhere", {})
+    (home / "config.toml").write_text("owner = ", encoding="utf-8")
+    with pytest.raises(SettingsError, match="invalid TOML"):
+        load_settings(home, {})
+
+
+def test_owner_must_be_hex_and_relays_websocket_urls(tmp_path: Path) -> None:
+    """An npub where hex is expected, or an http relay URL, are refused with the key named."""
+    home = write_home(tmp_path, CONFIG.format(owner="npub1xyz"))
+    with pytest.raises(SettingsError, match="owner"):
+        load_settings(home, {})
+    (tmp_path / "2").mkdir()
+    home2 = write_home(tmp_path / "2", CONFIG.format(owner=OWNER).replace("ws://", "http://"))
+    with pytest.raises(SettingsError, match=r"relays\.urls"):
+        load_settings(home2, {})
+
+
+def test_phases_table_replaces_the_default_rules(tmp_path: Path) -> None:
+    """A [phases] table becomes the project's phase rules; empty keeps the default; unknown names fail."""
+    home = write_home(tmp_path, CONFIG.format(owner=OWNER) + '[phases]\nchat = ["plan"]\nplan = ["chat"]\n')
+    rules = load_settings(home, {}).phase_rules()
+    assert rules.is_allowed(Phase.CHAT, Phase.PLAN)
+    assert not rules.is_allowed(Phase.CHAT, Phase.EXECUTE)
+    assert Settings(home=tmp_path).phase_rules().is_allowed(Phase.CHAT, Phase.EXECUTE)
+    (home / "config.toml").write_text(CONFIG.format(owner=OWNER) + '[phases]\nchat = ["dance"]\n')
+    with pytest.raises(SettingsError, match="unknown phase 'dance'"):
+        load_settings(home, {})
+
+
+def test_example_home_of_the_repository_loads() -> None:
+    """The committed example home (.tenex/config.toml, with its [phases] table) is valid."""
+    example = Path(__file__).resolve().parents[3] / ".tenex"
+    settings = load_settings(example, {})
+    assert {a.slug for a in settings.agents} == {"orchestrator", "planner", "executor"}

@@ -1,0 +1,94 @@
+"""The status file: atomic writes, and a reader that tells running, stale and stopped apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+from tenex_daemon.app.status import Health, new_status, read_status, write_status
+
+
+def test_written_status_reads_back_as_running_and_healthy(tmp_path: Path) -> None:
+    """A fresh file in state running is healthy, with its relays and counts intact."""
+    path = tmp_path / "run" / "status.json"
+    data = new_status("0.1.0")
+    data["state"] = "running"
+    data["relays"] = [{"url": "ws://127.0.0.1:7777", "state": "connected"}]
+    write_status(path, data)
+    report = read_status(path, stale_after_s=30)
+    assert report.state is Health.RUNNING
+    assert report.healthy
+    assert report.data is not None
+    assert report.data["relays"][0] == {"url": "ws://127.0.0.1:7777", "state": "connected"}
+    assert report.data["pid"] == os.getpid()
+    assert report.age_s is not None
+    assert report.age_s < 5
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(p.name for p in path.parent.iterdir()) == ["status.json"]
+
+
+def test_no_file_means_stopped(tmp_path: Path) -> None:
+    """Without a status file the daemon is reported stopped, with the path in the reason."""
+    report = read_status(tmp_path / "status.json", 30)
+    assert report.state is Health.STOPPED
+    assert not report.healthy
+    assert "no status file" in report.reason
+
+
+def test_old_file_is_stale(tmp_path: Path) -> None:
+    """A file whose updated_at is older than the limit is stale, even if it says running."""
+    path = tmp_path / "status.json"
+    data = new_status("0.1.0")
+    data["state"] = "running"
+    write_status(path, data)
+    report = read_status(path, stale_after_s=30, now=time.time() + 31)
+    assert report.state is Health.STALE
+    assert not report.healthy
+    assert "stale" in report.reason
+    assert "stuck" in report.reason
+
+
+def test_stopped_written_by_the_daemon_or_a_dead_pid_is_stopped(tmp_path: Path) -> None:
+    """state=stopped, or a pid that no longer exists, reads as stopped."""
+    path = tmp_path / "status.json"
+    data = new_status("0.1.0")
+    data["state"] = "stopped"
+    write_status(path, data)
+    assert read_status(path, 30).state is Health.STOPPED
+    data["state"] = "running"
+    data["pid"] = 2**22 + 12345
+    write_status(path, data)
+    report = read_status(path, 30)
+    assert report.state is Health.STOPPED
+    assert "gone" in report.reason
+
+
+def test_starting_is_running_but_not_yet_healthy(tmp_path: Path) -> None:
+    """A fresh file in state starting is up (running) but not healthy yet."""
+    path = tmp_path / "status.json"
+    write_status(path, new_status("0.1.0"))
+    report = read_status(path, 30)
+    assert report.state is Health.RUNNING
+    assert report.daemon_state == "starting"
+    assert not report.healthy
+
+
+def test_malformed_file_is_reported_not_raised(tmp_path: Path) -> None:
+    """Garbage in the file gives a stale report instead of an exception."""
+    path = tmp_path / "status.json"
+    path.write_text("{not json")
+    assert read_status(path, 30).state is Health.STALE
+
+
+def test_write_sets_updated_at_and_uptime(tmp_path: Path) -> None:
+    """write_status stamps updated_at and recomputes uptime_s from started_at."""
+    path = tmp_path / "status.json"
+    data = new_status("0.1.0", started_at=time.time() - 100)
+    write_status(path, data)
+    stored = json.loads(path.read_text())
+    assert abs(stored["updated_at"] - time.time()) < 5
+    assert 99 <= stored["uptime_s"] < 110
+    assert read_status(path, 30).to_dict()["status"]["version"] == "0.1.0"
