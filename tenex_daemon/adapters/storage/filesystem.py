@@ -70,7 +70,8 @@ STATE_FORMAT = 1
 INDEX_FORMAT = 1
 BUCKET_CHARS = 3
 DEFAULT_CACHE_SIZE = 256
-DEFAULT_BATCH_DELAY = 0.002
+DEFAULT_BATCH_DELAY = 0.0
+AUX_FLUSH_INTERVAL = 0.05
 DEFAULT_BUCKET_CACHE = 512
 COMPACT_MIN_RECORDS = 20_000
 
@@ -539,8 +540,8 @@ class FileSystemStore:
 
     ``path`` is the home folder; data lives in ``path/conversations``. ``fsync`` is ``"always"``
     (each append fsynced before it returns) or ``"batch"`` (group commit: appends wait at most
-    ``batch_delay`` seconds to share an fsync). ``cache_size`` bounds the conversations kept
-    loaded in memory.
+    ``batch_delay`` seconds, plus the commit in flight, to share an fsync). ``cache_size``
+    bounds the conversations kept loaded in memory.
     """
 
     def __init__(
@@ -570,7 +571,7 @@ class FileSystemStore:
         self._aux: dict[Path, list[bytes]] = {}
         self._aux_lock = asyncio.Lock()
         self._aux_task: asyncio.Task[None] | None = None
-        self._aux_inflight: set[Path] = set()
+        self._aux_inflight: dict[Path, list[bytes]] = {}
         self._loading: dict[str, tuple[asyncio.Future[dict[str, str]], dict[str, str]]] = {}
         self._index_records = 0
         self._generation = 0
@@ -853,7 +854,11 @@ class FileSystemStore:
                 raise op.error
 
     async def _run_committer(self) -> None:
-        """Group commit: gather appends for at most ``batch_delay``, one fsync per file per batch."""
+        """Group commit: appends arriving while a commit is in flight share the next one.
+
+        A waiting append is delayed by at most the commit in flight plus ``batch_delay``;
+        each batch costs one fsync per file touched.
+        """
         assert self._wakeup is not None
         while True:
             await self._wakeup.wait()
@@ -890,7 +895,10 @@ class FileSystemStore:
             self._aux_task = asyncio.create_task(self._flush_aux_loop(), name="fs-store-derived")
 
     async def _flush_aux_loop(self) -> None:
+        """Write derived lines every ``AUX_FLUSH_INTERVAL`` (many lines per file per write)."""
         while self._aux:
+            if not self._closing:
+                await asyncio.sleep(AUX_FLUSH_INTERVAL)
             async with self._aux_lock:
                 await self._flush_aux_locked()
 
@@ -898,11 +906,14 @@ class FileSystemStore:
         if not self._aux:
             return
         pending, self._aux = self._aux, {}
-        self._aux_inflight = set(pending)
+        self._aux_inflight = pending
         try:
             await asyncio.to_thread(_write_aux, pending)
         finally:
-            self._aux_inflight = set()
+            self._aux_inflight = {}
+            # a bucket being read right now may have missed these lines: hand them over
+            for bucket, (_, added) in self._loading.items():
+                self._merge_lines(added, pending.get(self._bucket_path(bucket), ()))
 
     def _index_record(self, record: dict[str, Any]) -> None:
         payload = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -968,9 +979,6 @@ class FileSystemStore:
         self._loading[bucket] = (future, added)
         path = self._bucket_path(bucket)
         try:
-            while path in self._aux or path in self._aux_inflight:
-                async with self._aux_lock:
-                    await self._flush_aux_locked()
             loaded = await asyncio.to_thread(self._read_bucket, path)
         except BaseException as exc:
             del self._loading[bucket]
@@ -978,6 +986,8 @@ class FileSystemStore:
             future.exception()  # retrieved: waiters (if any) get it through shield
             raise
         del self._loading[bucket]
+        self._merge_lines(loaded, self._aux_inflight.get(path, ()))
+        self._merge_lines(loaded, self._aux.get(path, ()))
         loaded.update(added)
         self._buckets[bucket] = loaded
         while len(self._buckets) > self.bucket_cache_size:
@@ -992,13 +1002,19 @@ class FileSystemStore:
         except FileNotFoundError:
             return {}
         found: dict[str, str] = {}
-        for line in data.split(b"\n"):
-            parts = line.split(b" ")
-            if len(parts) != 2 or not parts[0] or not parts[1]:
-                continue  # a torn line: the next write starts with a newline, so it stays alone
-            conversation_id = parts[1].decode("utf-8", "replace")
-            found[parts[0].decode("utf-8", "replace")] = "" if conversation_id == "-" else conversation_id
+        FileSystemStore._merge_lines(found, data.split(b"\n"))
         return found
+
+    @staticmethod
+    def _merge_lines(found: dict[str, str], lines: Iterable[bytes]) -> None:
+        """Add the ids of bucket lines (``\\n<event id> <conversation id or ->``) to ``found``."""
+        for chunk in lines:
+            for line in chunk.split(b"\n"):
+                parts = line.split(b" ")
+                if len(parts) != 2 or not parts[0] or not parts[1]:
+                    continue  # a torn line: the next write starts with a newline, so it stays alone
+                conversation_id = parts[1].decode("utf-8", "replace")
+                found[parts[0].decode("utf-8", "replace")] = "" if conversation_id == "-" else conversation_id
 
     async def is_processed(self, event_id: str) -> bool:
         """Return whether this event id was ever accepted or marked processed."""
