@@ -96,6 +96,7 @@ class Daemon:
         self.events_ignored: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self._stop_requested: asyncio.Event | None = None
+        self._ready = asyncio.Event()
         self._stopping = False
         self._background: set[asyncio.Task[Any]] = set()
         self._conversation_counts: dict[str, Any] = {"total": 0, "by_phase": {}}
@@ -104,6 +105,7 @@ class Daemon:
         self.pool: RelayPool | None = None
         self._manager: ConversationManager | None = None
         self.scheduler: RunScheduler | None = None
+        self.runner: AgentRunner | None = None
         self.dispatcher: EventDispatcher | None = None
         self.agents: list[Agent] = []
         self.project_signer: Signer | None = None
@@ -161,6 +163,10 @@ class Daemon:
 
     # --- lifecycle ------------------------------------------------------------------------
 
+    async def wait_ready(self) -> None:
+        """Return once the daemon serves (relays subscribed, control API up)."""
+        await self._ready.wait()
+
     def request_stop(self) -> None:
         """Ask the daemon to stop (what SIGTERM and SIGINT do)."""
         if self._stop_requested is not None:
@@ -189,6 +195,7 @@ class Daemon:
             control = ControlServer(self, self.settings.control_socket_path, self.settings.control.tcp_port)
             await control.start()
             self.state = "running"
+            self._ready.set()
             await self._write_status()
             self.notifier.ready()
             self.notifier.status(f"serving {len(self.agents)} agents on {len(self.relay_urls)} relays")
@@ -244,6 +251,7 @@ class Daemon:
             typing_min_interval_s=settings.daemon.typing_min_interval_s,
         )
         runner = AgentRunner(manager, profiles, composer, publisher, observer=self._observer)
+        self.runner = runner
 
         async def run(request: Any) -> None:
             await runner.run(request)
@@ -297,6 +305,10 @@ class Daemon:
             cancelled = await self.scheduler.drain(self.settings.daemon.grace_period_s)
             if cancelled:
                 log.warning("runs_cancelled_at_shutdown", count=cancelled, note="redone at next start")
+        if self.runner is not None:
+            unsent = await self.runner.flush(5.0)
+            if unsent:
+                log.warning("replies_unpublished_at_shutdown", count=unsent, note="saved in history")
         if control is not None:
             await control.stop()
         for task in list(self._background):

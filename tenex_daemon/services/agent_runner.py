@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -68,6 +69,9 @@ class AgentRunner:
     The reply is added to history (accepted) before it is signed and published, so a
     crash after the model answered never loses it; the relay echo is then a duplicate.
     A backend failure becomes a reply tagged ``["error", "system"]`` saying what failed.
+    Typing indicators and the publication of the saved reply run as tracked background
+    tasks (:meth:`flush` waits for them), so a run does not hold its slot while relays
+    acknowledge.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class AgentRunner:
         self._publisher = publisher
         self._observer = observer
         self._on_reply = on_reply
+        self._outbox: set[asyncio.Task[None]] = set()
 
     def set_reply_hook(self, hook: ReplyHook) -> None:
         """Set what is told about each saved reply (the dispatcher's targeting)."""
@@ -102,7 +107,7 @@ class AgentRunner:
             log.error("run_trigger_missing", conversation_id=cid, event_id=request.trigger_id)
             return None
         trigger = conversation.history[index]
-        await self._typing(profile.agent.slug, cid, active=True)
+        self._send(self._typing(profile.agent.slug, cid, active=True))
         error_kind: str | None = None
         await self._manager.start_execution(cid)
         try:
@@ -129,8 +134,7 @@ class AgentRunner:
         finally:
             await self._manager.stop_execution(cid)
         reply = await self._save_reply(request, profile, trigger, result, context.session_id, error_kind)
-        await self._typing(profile.agent.slug, cid, active=False)
-        await self._publish(profile.agent.slug, reply)
+        self._send(self._deliver(profile.agent.slug, cid, reply))
         if self._observer is not None:
             self._observer.run_finished(profile.agent.slug, time.perf_counter() - started, error_kind)
         if self._on_reply is not None:
@@ -171,6 +175,22 @@ class AgentRunner:
         if request.via_orchestrator:
             await self._manager.add_completion_to_turn(cid, profile.agent.slug, result.text)
         return reply
+
+    def _send(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._outbox.add(task)
+        task.add_done_callback(self._outbox.discard)
+
+    async def flush(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for pending publications; return how many are still pending."""
+        if not self._outbox:
+            return 0
+        _, pending = await asyncio.wait(set(self._outbox), timeout=timeout_s)
+        return len(pending)
+
+    async def _deliver(self, agent_slug: str, conversation_id: str, reply: NostrEvent) -> None:
+        await self._publish(agent_slug, reply)
+        await self._typing(agent_slug, conversation_id, active=False)
 
     async def _publish(self, agent_slug: str, reply: NostrEvent) -> None:
         try:

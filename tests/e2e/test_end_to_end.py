@@ -34,6 +34,7 @@ async def converse(
     thread_root: str | None = None,
     want: int = 1,
     timeout_ms: int = 5000,
+    since: int | None = None,
 ) -> dict[str, Any]:
     """Publish as a person and collect the agents' replies in the thread."""
     request: dict[str, Any] = {
@@ -47,6 +48,8 @@ async def converse(
     }
     if thread_root is not None:
         request["thread_root"] = thread_root
+    if since is not None:
+        request["since"] = since
     return await node_client(request)
 
 
@@ -218,8 +221,9 @@ async def test_restart_answers_what_came_while_down_once(
     assert len(first["replies"]) == 1, daemon.log_tail()
 
     assert await daemon.stop() == 0
-    code, _ = await run_cli(home, "status")
+    code, out = await run_cli(home, "status", "--json")
     assert code == 1
+    assert json.loads(out)["state"] == "stopped"
     offline = await node_client(
         {
             "op": "publish",
@@ -239,8 +243,9 @@ async def test_restart_answers_what_came_while_down_once(
         {"kind": 1111, "content": "and now?", "tags": [*thread_tags(root), ["p", planner]]},
         [planner],
         thread_root=root["id"],
-        want=4,
+        want=3,
         timeout_ms=4000,
+        since=0,
     )
 
     replies = answer["replies"]
@@ -250,5 +255,7 @@ async def test_restart_answers_what_came_while_down_once(
     assert parents.count(answer["published"]["id"]) == 1
     code, out = await run_cli(home, "status", "--json")
     assert code == 0, out
-    status = json.loads(out)
-    assert any(r["url"] == relay.url and r["state"] == "connected" for r in status["relays"])
+    report = json.loads(out)
+    assert (report["state"], report["healthy"]) == ("running", True)
+    assert any(r["url"] == relay.url and r["state"] == "connected" for r in report["status"]["relays"])
+    assert report["status"]["conversations"]["total"] == 1

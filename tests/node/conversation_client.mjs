@@ -51,7 +51,7 @@ async function converse(req) {
   let done
   const finished = new Promise((resolve) => { done = resolve })
   const sub = relay.subscribe(
-    [{ kinds: [1111], '#E': [root], authors: req.reply_authors, since: Math.floor(Date.now() / 1000) - 5 }],
+    [{ kinds: [1111], '#E': [root], authors: req.reply_authors, since: req.since ?? Math.floor(Date.now() / 1000) - 5 }],
     {
       onevent(reply) {
         if (replies.some((r) => r.id === reply.id)) return

@@ -108,8 +108,9 @@ def make_rig(
 
 
 async def settle(rig: Rig) -> None:
-    """Wait for every scheduled run to finish."""
+    """Wait for every scheduled run to finish and its reply to be published."""
     await rig.scheduler.drain(10.0)
+    await rig.runner.flush(10.0)
 
 
 def test_choose_target_rules(cast: Cast) -> None:

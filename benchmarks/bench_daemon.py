@@ -1,0 +1,160 @@
+"""Benchmark: tenexd's reply overhead (event in -> reply out, offline backend) over a real relay.
+
+One run measures, through nostr-sdk's LocalRelay on 127.0.0.1:
+- the relay's own round trip: a client publishes an event and receives it back on its
+  subscription (the floor every reply pays twice: request in, reply out);
+- the reply latency: a client publishes a kind-11 p-tagging an agent and waits for the
+  agent's kind-1111 reply, with 1 conversation at a time and with 100 at once.
+Overhead = reply latency - 2 x the relay round trip (p50 and p99). Targets: p50 < 10 ms,
+p99 < 50 ms over that floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import structlog
+
+from benchmarks.common import print_table
+from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool
+from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.app.daemon import Daemon
+from tenex_daemon.app.embedded_relay import EmbeddedRelay
+from tenex_daemon.app.home import init_home
+from tenex_daemon.app.settings import load_settings
+
+LOG_LEVEL = 40
+TIMEOUT_S = 30.0
+FSYNC = "always"
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Return the q-quantile (0..1) of the samples, nearest rank."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+class Client:
+    """A person's client: publishes and waits for events by id (roots) or by thread (replies)."""
+
+    def __init__(self, url: str, signer: Signer) -> None:
+        self.signer = signer
+        self.waiters: dict[str, asyncio.Future[float]] = {}
+        self.sent = 0
+        self.pool = RelayPool([url], on_event=self._on_event, settings=PoolSettings(publish_timeout=30.0))
+
+    async def _on_event(self, received: ReceivedEvent) -> None:
+        event = received.event
+        key = event.tag_value("E") if event.kind == 1111 else event.id
+        future = self.waiters.get(key or "")
+        if future is not None and not future.done():
+            future.set_result(time.perf_counter())
+
+    async def round_trip(self, kind: int, content: str, tags: list[list[str]]) -> float:
+        """Publish and return seconds until the answer arrives: the echo, or a reply in its thread."""
+        self.sent += 1  # identical events in one second would share an id
+        event = self.signer.sign(kind, f"{content} #{self.sent}", tags)
+        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.waiters[event.id] = future
+        started = time.perf_counter()
+        await self.pool.publish(event)
+        answered = await asyncio.wait_for(future, TIMEOUT_S)
+        del self.waiters[event.id]
+        return answered - started
+
+
+async def main(samples: int, concurrent: int) -> None:
+    """Start a relay and a daemon in this process, measure, print the table."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(LOG_LEVEL))
+    with tempfile.TemporaryDirectory() as tmp:
+        relay = EmbeddedRelay(Path(tmp) / "relay", port=_free_port())
+        await relay.start()
+        result = init_home(Path(tmp) / "home", relays=[relay.url])
+        env = {"TENEX_DAEMON__HEARTBEAT_INTERVAL_S": "3600", "TENEX_STORAGE__FSYNC": f'"{FSYNC}"'}
+        settings = load_settings(result.home, env)
+        daemon = Daemon(settings)
+        task = asyncio.create_task(daemon.run())
+        await daemon.wait_ready()
+        assert result.owner.key_file is not None
+        owner = Signer.from_file(result.owner.key_file)
+        planner = next(a.pubkey for a in result.agents if a.label == "planner")
+        client = Client(relay.url, owner)
+        await client.pool.start()
+        await client.pool.subscribe("bench", [{"kinds": [1, 1111], "authors": [owner.pubkey, planner]}])
+        await client.pool.wait_connected(within=10)
+        await asyncio.sleep(0.2)
+
+        async def echo() -> float:
+            return await client.round_trip(1, "ping", [])
+
+        async def reply() -> float:
+            return await client.round_trip(11, "hello planner", [["p", planner]])
+
+        for _ in range(5):
+            await echo()
+            await reply()
+        floor = [await echo() for _ in range(samples)]
+        single = [await reply() for _ in range(samples)]
+        many: list[float] = []
+        many_floor: list[float] = []
+        rounds = max(1, samples // concurrent) + 1
+        for _ in range(rounds):
+            many_floor.extend(await asyncio.gather(*(echo() for _ in range(concurrent))))
+            many.extend(await asyncio.gather(*(reply() for _ in range(concurrent))))
+
+        daemon.request_stop()
+        await task
+        await client.pool.stop()
+        relay.stop()
+
+    rows: list[list[object]] = []
+    measures = (
+        ("1 conversation", floor, single),
+        (f"{concurrent} concurrent", many_floor, many),
+    )
+    for label, base, data in measures:
+        rtt50, rtt99 = statistics.median(base), percentile(base, 0.99)
+        rows.append(
+            [f"relay round trip, {label}", len(base), f"{rtt50 * 1e3:.2f}", f"{rtt99 * 1e3:.2f}", "", ""]
+        )
+        p50, p99 = statistics.median(data), percentile(data, 0.99)
+        rows.append(
+            [
+                f"reply, {label}",
+                len(data),
+                f"{p50 * 1e3:.2f}",
+                f"{p99 * 1e3:.2f}",
+                f"{(p50 - 2 * rtt50) * 1e3:.2f}",
+                f"{(p99 - 2 * rtt99) * 1e3:.2f}",
+            ]
+        )
+    print_table(
+        "tenexd reply overhead through a real relay (offline backend; ms)",
+        ["measure", "n", "p50", "p99", "overhead p50", "overhead p99"],
+        rows,
+    )
+    print(
+        "overhead = latency - 2 x relay round trip (request in, reply out); targets: p50 < 10 ms, p99 < 50 ms"
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--concurrent", type=int, default=100)
+    args = parser.parse_args()
+    asyncio.run(main(args.samples, args.concurrent))
