@@ -153,7 +153,7 @@ class JsonRewriteContender(Contender):
     async def open(self, folder: Path) -> None:
         """Make the folder."""
         self._folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
         self._histories: dict[str, list[str]] = {}
 
     def _write(self, conversation_id: str) -> None:
@@ -209,7 +209,7 @@ class AgentsSessionContender(Contender):
 
     async def open(self, folder: Path) -> None:
         """Use one database file."""
-        folder.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
         self._db = folder / "agents.db"
         self._sessions = {}
         conn = sqlite3.connect(self._db)
@@ -260,7 +260,7 @@ class LangGraphContender(Contender):
 
     async def open(self, folder: Path) -> None:
         """One database, WAL (set by the saver), synchronous=FULL."""
-        folder.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
         self._conn = sqlite3.connect(folder / "langgraph.db", check_same_thread=False)
         self._saver: Any = self._saver_cls(self._conn)
         self._saver.setup()
@@ -318,10 +318,14 @@ class Row:
     note: str = ""
 
 
-async def measure_appends(contender: Contender, folder: Path, writers: int, per_writer: int) -> float:
-    """Appends per second with ``writers`` conversations appended to concurrently."""
+def _fresh_folder(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
+
+
+async def measure_appends(contender: Contender, folder: Path, writers: int, per_writer: int) -> float:
+    """Appends per second with ``writers`` conversations appended to concurrently."""
+    await asyncio.to_thread(_fresh_folder, folder)
     await contender.open(folder)
     try:
         conversations = [new_conversation(i) for i in range(writers)]
@@ -344,8 +348,7 @@ async def measure_appends(contender: Contender, folder: Path, writers: int, per_
 
 async def measure_read(contender: Contender, folder: Path, events: int) -> float:
     """Milliseconds to read back an ``events``-event conversation from a fresh store."""
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    await asyncio.to_thread(_fresh_folder, folder)
     await contender.open(folder)
     try:
         conversation = new_conversation(0)
@@ -515,10 +518,11 @@ async def run(args: argparse.Namespace) -> None:
     batch = next(r for r in rows if r.name == "FileSystemStore batch")
     peers = [r for r in rows if not r.name.startswith(("FileSystemStore", "PostgresStore"))]
     assert batch.conc_per_s is not None
-    for peer in peers:
-        assert peer.conc_per_s is not None and peer.seq_per_s is not None
-        print(f"FileSystemStore batch vs {peer.name}: {batch.conc_per_s / peer.conc_per_s:.1f}x "
-              f"({WRITERS} writers), {(batch.seq_per_s or 0) / peer.seq_per_s:.1f}x (1 writer)")
+    for peer_row in peers:
+        assert peer_row.conc_per_s is not None
+        assert peer_row.seq_per_s is not None
+        print(f"FileSystemStore batch vs {peer_row.name}: {batch.conc_per_s / peer_row.conc_per_s:.1f}x "
+              f"({WRITERS} writers), {(batch.seq_per_s or 0) / peer_row.seq_per_s:.1f}x (1 writer)")
 
     conversations = max(10, int(10_000 * args.scale))
     per_conversation = 100
@@ -531,7 +535,8 @@ async def run(args: argparse.Namespace) -> None:
         seconds = await generate_home(home, count, per_conversation)
         apparent, allocated = disk_bytes(home)
         sizes.append((count * per_conversation, apparent, allocated, seconds, home))
-    print(f"{'events':>12} {'bytes (apparent)':>18} {'bytes (allocated)':>18} {'bytes/event':>12} {'generated in s':>15}")
+    print(f"{'events':>12} {'bytes (apparent)':>18} {'bytes (allocated)':>18} "
+          f"{'bytes/event':>12} {'generated in s':>15}")
     for events, apparent, allocated, seconds, _ in sizes:
         print(f"{events:>12,} {apparent:>18,} {allocated:>18,} {apparent / events:>12,.1f} {seconds:>15,.1f}")
     ratio = (sizes[1][1] / sizes[0][1]) / (sizes[1][0] / sizes[0][0])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, Literal, TypeAlias
@@ -99,6 +99,20 @@ class EventMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class KnownEventMessage:
+    """An ``EVENT`` whose id matches its fields and is in the caller's ``known`` set.
+
+    Its signature was not checked: the id is the hash of every signed field, so this
+    is the same event the caller already verified, and it is only ever dropped as a
+    duplicate (or verified with :func:`verify_event` if it must be used). With
+    several relays, this saves the signature check on every copy after the first.
+    """
+
+    subscription_id: str
+    event: NostrEvent
+
+
+@dataclass(frozen=True, slots=True)
 class EoseMessage:
     """``["EOSE", <subscription id>]``: stored events end, live ones follow."""
 
@@ -169,7 +183,7 @@ class Rejection:
 
 
 RelayMessage: TypeAlias = (
-    EventMessage | EoseMessage | OkMessage | NoticeMessage | ClosedMessage | AuthMessage
+    EventMessage | KnownEventMessage | EoseMessage | OkMessage | NoticeMessage | ClosedMessage | AuthMessage
 )
 
 
@@ -288,23 +302,53 @@ def validate_event_dict(
     return event
 
 
-_EVENT_FRAME: Final = TypeAdapter(tuple[Literal["EVENT"], str, NostrEvent])
+_EVENT_FRAME: Final = TypeAdapter(tuple[Literal["EVENT"], str, NostrEvent]).validator
 """A well-formed ``["EVENT", sub, event]`` frame parsed and shape-checked in one pass (pydantic-core)."""
+_EVENT_PREFIXES: Final = frozenset({'["EVENT"', b'["EVENT"'})
 
 
 def _fast_event_frame(
-    text: str | bytes, limits: Limits, key_cache: PublicKeyCache | None
-) -> EventMessage | Rejection | None:
-    """The common case in one pass; None sends anything unusual to the detailed path."""
+    text: str | bytes, limits: Limits, key_cache: PublicKeyCache | None, known: Container[str] | None
+) -> EventMessage | KnownEventMessage | Rejection | None:
+    """The common case, flat and in one parsing pass; None sends anything unusual to the detailed path.
+
+    Same checks as :func:`validate_event_dict`, in the same order of outcome; written
+    out inline because this runs once per received event (see benchmarks/bench_transport.py).
+    """
     try:
         _, sub_id, event = _EVENT_FRAME.validate_json(text)
     except ValidationError:
         return None
+    content = event.content
+    tags = event.tags
+    if len(content) > limits.max_content_bytes // 4 or len(tags) > limits.max_tags:
+        try:
+            _check_sizes(content, tags, limits)
+        except EventRejectedError as exc:
+            return Rejection(exc.reason, exc.detail, sub_id, event.id)
+    pubkey = event.pubkey
     try:
-        _check_sizes(event.content, event.tags, limits)
-        _check_id_and_signature(event, key_cache)
-    except EventRejectedError as exc:
-        return Rejection(exc.reason, exc.detail, sub_id, event.id)
+        serialized = pydantic_core.to_json([0, pubkey, event.created_at, event.kind, tags, content])
+    except pydantic_core.PydanticSerializationError:
+        return None
+    digest = hashlib.sha256(serialized).digest()
+    if digest.hex() != event.id:
+        detail = f"id {event.id} does not match the event's hash"
+        return Rejection(RejectReason.BAD_ID, detail, sub_id, event.id)
+    if known is not None and event.id in known:
+        return KnownEventMessage(sub_id, event)
+    cache = _DEFAULT_KEY_CACHE if key_cache is None else key_cache
+    try:
+        key = cache.get(pubkey)
+    except ValueError:
+        return Rejection(RejectReason.BAD_PUBKEY, f"pubkey {pubkey} is not on the curve", sub_id, event.id)
+    try:
+        valid = key.verify(bytes.fromhex(event.sig), digest)
+    except ValueError:
+        valid = False
+    if not valid:
+        detail = f"signature of {event.id} does not verify"
+        return Rejection(RejectReason.BAD_SIGNATURE, detail, sub_id, event.id)
     return EventMessage(sub_id, event)
 
 
@@ -322,11 +366,18 @@ def parse_relay_frame(
     *,
     limits: Limits = DEFAULT_LIMITS,
     key_cache: PublicKeyCache | None = None,
+    known: Container[str] | None = None,
 ) -> RelayMessage | Rejection:
     """Parse one frame a relay sent; return a typed message or a :class:`Rejection`.
 
-    Never raises: every malformed input maps to a reason code.
+    Never raises: every malformed input maps to a reason code. ``known`` holds ids of
+    events the caller has already verified: a copy of one comes back as a
+    :class:`KnownEventMessage` without a second signature check.
     """
+    if text[:8] in _EVENT_PREFIXES and len(text) <= limits.max_frame_chars:
+        fast = _fast_event_frame(text, limits, key_cache, known)
+        if fast is not None:
+            return fast
     try:
         return _parse(text, limits, key_cache)
     except RecursionError:
@@ -338,10 +389,6 @@ def _parse(text: str | bytes, limits: Limits, key_cache: PublicKeyCache | None) 
         return Rejection(
             RejectReason.OVERSIZED_FRAME, f"frame is {len(text)} long (limit {limits.max_frame_chars})"
         )
-    if text[:8] == '["EVENT"' or text[:8] == b'["EVENT"':
-        fast = _fast_event_frame(text, limits, key_cache)
-        if fast is not None:
-            return fast
     try:
         # pydantic-core's JSON parser: same values as json.loads, twice as fast; it refuses
         # escaped lone surrogates (not UTF-8) and nesting past its recursion limit.

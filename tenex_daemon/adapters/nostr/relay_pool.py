@@ -50,6 +50,7 @@ from .codec import (
     ClosedMessage,
     EoseMessage,
     EventMessage,
+    KnownEventMessage,
     Limits,
     NoticeMessage,
     OkMessage,
@@ -61,6 +62,7 @@ from .codec import (
     encode_event,
     encode_req,
     parse_relay_frame,
+    verify_event,
 )
 from .signer import Signer
 
@@ -252,6 +254,9 @@ class SeenIds:
             self._ids.popitem(last=False)
         return True
 
+    def __contains__(self, event_id: object) -> bool:
+        return event_id in self._ids
+
     def discard(self, event_id: str) -> None:
         """Forget an id (its delivery failed, so a copy may be tried again)."""
         self._ids.pop(event_id, None)
@@ -386,7 +391,9 @@ class _Relay:
     # -- reading ---------------------------------------------------------------------------
 
     async def _on_frame(self, raw: str | bytes) -> None:
-        message = parse_relay_frame(raw, limits=self.pool.settings.limits, key_cache=self.pool.key_cache)
+        message = parse_relay_frame(
+            raw, limits=self.pool.settings.limits, key_cache=self.pool.key_cache, known=self.pool.seen
+        )
         try:
             await self._dispatch(message)
         except Exception:
@@ -400,6 +407,8 @@ class _Relay:
     async def _dispatch(self, message: EventMessage | Rejection | object) -> None:
         if isinstance(message, EventMessage):
             await self._on_event(message)
+        elif isinstance(message, KnownEventMessage):
+            await self._on_known_event(message)
         elif isinstance(message, OkMessage):
             self._on_ok(message)
         elif isinstance(message, EoseMessage):
@@ -428,6 +437,22 @@ class _Relay:
         self.events_received += 1
         self.last_event_at = time.time()
         await self.pool.intake(message.event, self.url, sub.sub_id)
+
+    async def _on_known_event(self, message: KnownEventMessage) -> None:
+        # A copy of an event this pool already verified: its id hashes every signed field.
+        if message.subscription_id in self.fetches:
+            if verify_event(message.event, key_cache=self.pool.key_cache):
+                await self._on_event(EventMessage(message.subscription_id, message.event))
+            else:
+                self.reject(RejectReason.BAD_SIGNATURE, "copy of a known event", message.event.id)
+            return
+        sub = self.pool.subscriptions.get(message.subscription_id)
+        if sub is None:
+            self.reject(RejectReason.UNKNOWN_SUBSCRIPTION, message.subscription_id[:64], message.event.id)
+            return
+        self.events_received += 1
+        self.last_event_at = time.time()
+        self.pool.count_known_copy(message.event, self.url, sub.sub_id)
 
     def _on_ok(self, message: OkMessage) -> None:
         if not message.event_id:
@@ -634,7 +659,7 @@ class RelayPool:
         self.key_cache = PublicKeyCache()
         self.subscriptions: dict[str, _Subscription] = {}
         self._relays: dict[str, _Relay] = {}
-        self._seen = SeenIds(self.settings.seen_cache_size)
+        self.seen = SeenIds(self.settings.seen_cache_size)
         self._queue: asyncio.Queue[tuple[NostrEvent, str, str]] | None = None
         self._cursors: dict[tuple[str, str], int] = {}
         self._dirty_cursors: set[tuple[str, str]] = set()
@@ -777,11 +802,15 @@ class RelayPool:
 
     # -- intake and delivery ---------------------------------------------------------------
 
+    def count_known_copy(self, event: NostrEvent, url: str, sub_id: str) -> None:
+        """Count a relay's copy of an event already taken in (and move that relay's cursor)."""
+        self.duplicates += 1
+        self._advance_cursor(sub_id, url, event.created_at)
+
     async def intake(self, event: NostrEvent, url: str, sub_id: str) -> None:
         """Take a validated event from a relay reader; drop copies already in flight."""
-        if not self._seen.add_if_new(event.id):
-            self.duplicates += 1
-            self._advance_cursor(sub_id, url, event.created_at)
+        if not self.seen.add_if_new(event.id):
+            self.count_known_copy(event, url, sub_id)
             return
         assert self._queue is not None
         await self._queue.put((event, url, sub_id))
@@ -808,7 +837,7 @@ class RelayPool:
                 await self.on_event(ReceivedEvent(event, url, sub_id, time.time()))
             except Exception:
                 self.consumer_errors += 1
-                self._seen.discard(event.id)
+                self.seen.discard(event.id)
                 log.exception("event handler failed", event_id=event.id, kind=event.kind)
                 return
         if self.store is not None:

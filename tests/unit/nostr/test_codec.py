@@ -13,6 +13,7 @@ from tenex_daemon.adapters.nostr.codec import (
     EoseMessage,
     EventMessage,
     EventRejectedError,
+    KnownEventMessage,
     Limits,
     NoticeMessage,
     OkMessage,
@@ -52,6 +53,20 @@ def test_event_frame_parses_to_a_validated_event() -> None:
     event = sign_event(USER, "hi ✨\u2028", kind=11, tags=[["title", "T"]])
     message = parse_relay_frame(frame("EVENT", "sub", event.to_dict()))
     assert message == EventMessage("sub", event)
+
+
+def test_copy_of_a_known_event_skips_only_the_signature_check() -> None:
+    """A frame whose id is already known comes back as KnownEventMessage; a wrong id is still refused."""
+    event = sign_event(USER, "seen before", kind=1111)
+    known = {event.id}
+    message = parse_relay_frame(frame("EVENT", "sub", event.to_dict()), known=known)
+    assert message == KnownEventMessage("sub", event)
+    tampered = {**event.to_dict(), "content": "changed"}
+    refused = parse_relay_frame(frame("EVENT", "sub", tampered), known=known)
+    assert isinstance(refused, Rejection)
+    assert refused.reason is RejectReason.BAD_ID
+    fresh = sign_event(USER, "new", kind=1111)
+    assert parse_relay_frame(frame("EVENT", "sub", fresh.to_dict()), known=known) == EventMessage("sub", fresh)
 
 
 def test_every_relay_message_type_parses() -> None:
