@@ -1,0 +1,188 @@
+"""The tenexd command line on a home with no daemon running: init, agents, status, conversations, context."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tenex_daemon.app.home import load_agents, load_project_pubkey
+from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.wiring import build_store
+from tenex_daemon.cli.main import app
+from tenex_daemon.core import nip19
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.testing import EventFactory, KeyPair
+
+USER = KeyPair.from_seed(901)
+
+
+def tenexd(home: Path, *args: str) -> tuple[int, str]:
+    """Run ``tenexd --home HOME ARGS`` in-process; return (exit code, stdout)."""
+    result = CliRunner().invoke(app, ["--home", str(home), *args], catch_exceptions=False)
+    return result.exit_code, result.stdout
+
+
+def tenexd_json(home: Path, *args: str) -> Any:
+    """Run a ``--json`` command that must succeed and return its JSON."""
+    code, out = tenexd(home, *args, "--json")
+    assert code == 0, out
+    return json.loads(out)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    """A home made by ``tenexd init`` with USER as the owner."""
+    path = tmp_path / "home"
+    code, out = tenexd(path, "init", "--owner", USER.npub, "--relay", "ws://127.0.0.1:1")
+    assert code == 0, out
+    return path
+
+
+def seed_conversation(home: Path, title: str, *texts: str) -> str:
+    """Store a conversation started by USER (p-tagging the planner) with follow-ups; return its id."""
+
+    async def go() -> str:
+        settings = load_settings(home)
+        store = build_store(settings)
+        await store.open()
+        try:
+            agents = load_agents(settings)
+            manager = ConversationManager(store, agents, load_project_pubkey(settings))
+            planner = next(a for a in agents if a.slug == "planner")
+            events = EventFactory()
+            root = events.event(USER, texts[0], kind=11, tags=[["title", title], ["p", planner.pubkey]])
+            await manager.create_conversation(root)
+            for text in texts[1:]:
+                reply = events.event(USER, text, tags=[["E", root.id], ["e", root.id], ["p", planner.pubkey]])
+                await manager.add_event(root.id, reply)
+            return root.id
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def test_init_writes_config_and_0600_keys_and_prints_npubs(tmp_path: Path) -> None:
+    """`init --json` names the owner given, the project and three demo agents; every key file is 0600."""
+    result = tenexd_json(tmp_path / "h", "init", "--owner", USER.pubkey)
+
+    assert result["owner"]["pubkey"] == USER.pubkey
+    assert result["owner"]["npub"] == USER.npub
+    assert [a["label"] for a in result["agents"]] == ["orchestrator", "planner", "executor"]
+    keys = list((tmp_path / "h" / "keys").iterdir())
+    assert keys
+    assert all(stat.S_IMODE(k.stat().st_mode) == 0o600 for k in keys)
+    assert stat.S_IMODE((tmp_path / "h" / "keys").stat().st_mode) == 0o700
+    assert (tmp_path / "h" / "config.toml").is_file()
+
+
+def test_init_refuses_a_bad_owner_key(tmp_path: Path) -> None:
+    """A malformed --owner is a usage error (exit 2) and creates no config."""
+    code, _ = tenexd(tmp_path / "h", "init", "--owner", "npub1nonsense")
+
+    assert code == 2
+    assert not (tmp_path / "h" / "config.toml").exists()
+
+
+def test_agents_list_shows_slug_name_npub_and_hex(home: Path) -> None:
+    """`agents list --json` gives each agent's slug, name, npub and matching hex pubkey."""
+    agents = tenexd_json(home, "agents", "list")
+
+    assert [a["slug"] for a in agents] == ["orchestrator", "planner", "executor"]
+    for agent in agents:
+        assert agent["name"]
+        assert nip19.decode(agent["npub"]).value == agent["pubkey"]
+    code, table = tenexd(home, "agents", "list")
+    assert code == 0
+    assert all(a["npub"] in table and a["pubkey"] in table for a in agents)
+
+
+def test_agents_add_creates_a_key_and_lists_it(home: Path) -> None:
+    """`agents add` adds an agent with its own 0600 key file, shown by `agents list`."""
+    code, out = tenexd(home, "agents", "add", "critic", "--name", "Critic", "--instructions", "Find flaws.")
+
+    assert code == 0, out
+    agents = tenexd_json(home, "agents", "list")
+    critic = next(a for a in agents if a["slug"] == "critic")
+    assert critic["name"] == "Critic"
+    key_files = [p for p in (home / "keys").iterdir() if "critic" in p.name]
+    assert len(key_files) == 1
+    assert stat.S_IMODE(key_files[0].stat().st_mode) == 0o600
+
+
+def test_status_of_a_daemon_never_started_exits_1(home: Path) -> None:
+    """`status --json` without a daemon says stopped, unhealthy, and exits 1."""
+    code, out = tenexd(home, "status", "--json")
+
+    assert code == 1
+    report = json.loads(out)
+    assert (report["state"], report["healthy"]) == ("stopped", False)
+
+
+def test_conversations_list_show_search_archive_restore_export(home: Path, tmp_path: Path) -> None:
+    """The conversation commands read the store when no daemon runs, with the same JSON shapes."""
+    picnic = seed_conversation(home, "Picnic plans", "Plan a picnic", "Saturday works")
+    seed_conversation(home, "Logo design", "We need a logo")
+
+    rows = tenexd_json(home, "conversations", "list")
+    assert {r["title"] for r in rows} == {"Picnic plans", "Logo design"}
+    found = tenexd_json(home, "conversations", "search", "picnic")
+    assert [r["id"] for r in found] == [picnic]
+    shown = tenexd_json(home, "conversations", "show", nip19.encode_note(picnic))
+    assert [e["content"] for e in shown["history"]] == ["Plan a picnic", "Saturday works"]
+
+    assert tenexd(home, "conversations", "archive", picnic)[0] == 0
+    assert [r["title"] for r in tenexd_json(home, "conversations", "list")] == ["Logo design"]
+    assert [r["id"] for r in tenexd_json(home, "conversations", "list", "--archived")] == [picnic]
+    assert tenexd(home, "conversations", "restore", picnic)[0] == 0
+    assert len(tenexd_json(home, "conversations", "list")) == 2
+
+    target = tmp_path / "export.json"
+    code, _ = tenexd(home, "conversations", "export", picnic, "--output", str(target))
+    assert code == 0
+    exported = json.loads(target.read_text())
+    assert exported["id"] == picnic
+    assert len(exported["history"]) == 2
+
+
+def test_unknown_and_malformed_ids_exit_1_and_2(home: Path) -> None:
+    """An id nobody stored exits 1; text that is no id at all exits 2."""
+    assert tenexd(home, "conversations", "show", "ab" * 32)[0] == 1
+    assert tenexd(home, "conversations", "show", "not-an-id")[0] == 2
+
+
+def test_context_shows_what_an_agent_would_be_sent_without_storing_it(home: Path) -> None:
+    """`context --json` for a first-time agent gives the history block and marker; nothing is persisted."""
+    conversation = seed_conversation(home, "Picnic", "Plan a picnic", "Saturday works")
+
+    context = tenexd_json(home, "context", conversation, "--agent", "executor")
+
+    roles = [m["role"] for m in context["messages"]]
+    assert "=== MESSAGES WHILE YOU WERE AWAY ===" in context["messages"][1]["content"]
+    assert roles[-1] == "user"
+    assert context["messages"][-1]["content"] == "Saturday works"
+    again = tenexd_json(home, "context", conversation, "--agent", "executor")
+    assert again == context
+    shown = tenexd_json(home, "conversations", "show", conversation)
+    assert "executor" not in shown["agent_states"]
+
+
+def test_context_for_an_unknown_agent_is_not_found(home: Path) -> None:
+    """An agent slug not in the home is not found: exit 1 and nothing on stdout."""
+    conversation = seed_conversation(home, "Picnic", "Plan a picnic")
+
+    assert tenexd(home, "context", conversation, "--agent", "nobody") == (1, "")
+
+
+def test_commands_on_a_home_without_config_fail_clearly(tmp_path: Path) -> None:
+    """Reading conversations of a directory that is no home exits non-zero instead of creating one."""
+    code, _ = tenexd(tmp_path / "nothing", "conversations", "list")
+
+    assert code != 0
+    assert not (tmp_path / "nothing" / "config.toml").exists()
