@@ -31,6 +31,7 @@ from tenex_daemon.app.nostr_io import (
     PoolPublisher,
     SignedReplyComposer,
     classify_event,
+    conversation_lane,
     heartbeat_event,
     profile_event,
 )
@@ -228,7 +229,10 @@ class Daemon:
             on_event=self._on_event,
             store=self.store,
             auth_signer=project_signer,
-            settings=PoolSettings(since_window=settings.relays.since_window_s),
+            settings=PoolSettings(
+                since_window=settings.relays.since_window_s, delivery_lanes=settings.daemon.intake_lanes
+            ),
+            lane_key=conversation_lane,
         )
         resolver = RelayEventResolver(self.pool, store=self.store)
         manager = ConversationManager(self.store, self.agents, project_signer.pubkey, resolver=resolver)

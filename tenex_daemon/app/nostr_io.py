@@ -50,6 +50,11 @@ def classify_event(event: NostrEvent) -> Classification:
     return Classification(EventClass.REPLY, threading.root_id, is_task=threading.root_kind == KIND_TASK)
 
 
+def conversation_lane(event: NostrEvent) -> str:
+    """The key whose events the relay pool must deliver in order: the event's conversation."""
+    return classify_event(event).conversation_id or event.id
+
+
 class SignedReplyComposer:
     """Builds an agent's kind-1111 reply with PROTOCOL.md's tags and signs it with the agent's key."""
 

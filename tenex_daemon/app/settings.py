@@ -121,6 +121,8 @@ class DaemonSettings(_Section):
     hop_limit: int = Field(default=6, ge=0)
     """Agent-to-agent replies in a row before agents stop answering agents."""
     max_concurrent_runs: int = Field(default=8, ge=1)
+    intake_lanes: int = Field(default=16, ge=1)
+    """Conversations whose incoming events are stored at once (one conversation's events stay in order)."""
     grace_period_s: float = Field(default=20.0, ge=0)
     """In-flight runs get this long to finish on shutdown (shorter than systemd's stop timeout)."""
     status_interval_s: float = Field(default=2.0, gt=0)

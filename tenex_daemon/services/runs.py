@@ -37,7 +37,9 @@ class RunScheduler:
 
     Every accepted request is journaled in the store (``runs.pending``) before it is
     scheduled and removed when it finishes, so :meth:`recover` can redo what a crash
-    interrupted. At most ``max_concurrent`` runs execute at once.
+    interrupted. Journal writes are coalesced: a change waits for the write in flight,
+    then one write covers every change made meanwhile. At most ``max_concurrent`` runs
+    execute at once.
     """
 
     def __init__(self, store: ConversationStore, run: RunFunction, max_concurrent: int = 8) -> None:
@@ -48,6 +50,10 @@ class RunScheduler:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending: dict[str, RunRequest] = {}
         self._journal_lock = asyncio.Lock()
+        self._journal_version = 0
+        """Bumped by every change to ``_pending``."""
+        self._journal_written = 0
+        """The version the stored journal holds."""
         self._accepting = True
         self.running = 0
         self.completed = 0
@@ -62,20 +68,31 @@ class RunScheduler:
         """Runs scheduled and not finished (waiting or running)."""
         return len(self._tasks)
 
-    async def _write_journal(self) -> None:
-        payload = json.dumps([asdict(r) for r in self._pending.values()], separators=(",", ":"))
-        await self._store.set_meta(PENDING_RUNS_KEY, payload)
+    async def _persist_journal(self) -> None:
+        """Return once the stored journal holds every change made before this call."""
+        self._journal_version += 1
+        wanted = self._journal_version
+        async with self._journal_lock:
+            if self._journal_written >= wanted:
+                return  # a write that started after this change already covered it
+            version = self._journal_version
+            payload = json.dumps([asdict(r) for r in self._pending.values()], separators=(",", ":"))
+            await self._store.set_meta(PENDING_RUNS_KEY, payload)
+            self._journal_written = version
 
     async def submit(self, request: RunRequest) -> bool:
         """Journal and schedule a run; False when shutting down or already scheduled."""
         if not self._accepting:
             return False
         key = self._key(request)
-        async with self._journal_lock:
-            if key in self._pending:
-                return False
-            self._pending[key] = request
-            await self._write_journal()
+        if key in self._pending:
+            return False
+        self._pending[key] = request
+        try:
+            await self._persist_journal()
+        except BaseException:
+            self._pending.pop(key, None)
+            raise
         self._spawn(request)
         return True
 
@@ -104,9 +121,8 @@ class RunScheduler:
         except Exception:
             self.failed += 1
             log_ctx.exception("run_failed")
-        async with self._journal_lock:
-            self._pending.pop(self._key(request), None)
-            await self._write_journal()
+        self._pending.pop(self._key(request), None)
+        await self._persist_journal()
 
     async def recover(self) -> list[RunRequest]:
         """Schedule the runs a previous process journaled but did not finish; return them."""

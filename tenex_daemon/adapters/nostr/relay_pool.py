@@ -12,6 +12,9 @@ What it guarantees:
   relays while the first is in flight, and the store's processed set
   (``is_processed``) drops anything handled before a restart. After the consumer
   returns, the id is marked processed.
+- Delivery is in arrival order, one event at a time, unless ``delivery_lanes`` > 1
+  and a ``lane_key`` is given: then events with different keys (a daemon uses the
+  conversation) are delivered concurrently and events with the same key in order.
 - NIP-42: a challenge is answered as soon as it arrives; a ``CLOSED`` or ``OK``
   with ``auth-required:`` makes the pool re-send that ``REQ`` or ``EVENT`` once,
   after authenticating.
@@ -25,6 +28,7 @@ What it guarantees:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import random
@@ -132,6 +136,8 @@ class PoolSettings:
     auth_timeout: float = 5.0
     seen_cache_size: int = 100_000
     intake_queue_size: int = 10_000
+    delivery_lanes: int = 1
+    """Keys delivered at once when the pool has a ``lane_key``; one key's events always go in order."""
     cursor_flush_interval: float = 1.0
     drain_timeout: float = 5.0
 
@@ -621,6 +627,7 @@ class _Relay:
 
 
 EventHandler = Callable[[ReceivedEvent], Awaitable[None]]
+LaneKey = Callable[[NostrEvent], str]
 
 
 class RelayPool:
@@ -646,8 +653,13 @@ class RelayPool:
         store: PoolStore | None = None,
         auth_signer: Signer | None = None,
         settings: PoolSettings | None = None,
+        lane_key: LaneKey | None = None,
     ) -> None:
-        """Describe the pool; nothing connects until :meth:`start`."""
+        """Describe the pool; nothing connects until :meth:`start`.
+
+        ``lane_key`` maps an event to the key whose events must reach ``on_event`` in
+        order (with ``settings.delivery_lanes`` > 1, different keys are delivered concurrently).
+        """
         self.specs = [r if isinstance(r, RelaySpec) else RelaySpec(r) for r in relays]
         urls = [s.url for s in self.specs]
         if len(set(urls)) != len(urls):
@@ -656,11 +668,15 @@ class RelayPool:
         self.store = store
         self.auth_signer = auth_signer
         self.settings = settings or PoolSettings()
+        if self.settings.delivery_lanes < 1:
+            raise ValueError("delivery_lanes must be at least 1")
+        self.lane_key = lane_key
         self.key_cache = PublicKeyCache()
         self.subscriptions: dict[str, _Subscription] = {}
         self._relays: dict[str, _Relay] = {}
         self.seen = SeenIds(self.settings.seen_cache_size)
         self._queue: asyncio.Queue[tuple[NostrEvent, str, str]] | None = None
+        self._lane_tasks: set[asyncio.Task[None]] = set()
         self._cursors: dict[tuple[str, str], int] = {}
         self._dirty_cursors: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -708,14 +724,12 @@ class RelayPool:
         if self._queue is not None and self._delivery_task is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._queue.join(), self.settings.drain_timeout)
-        for task in (self._delivery_task, self._flush_task, *self._tasks):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(
-            *(t for t in (self._delivery_task, self._flush_task, *self._tasks) if t is not None),
-            return_exceptions=True,
-        )
+        own = [t for t in (self._delivery_task, self._flush_task, *self._lane_tasks, *self._tasks) if t]
+        for task in own:
+            task.cancel()
+        await asyncio.gather(*own, return_exceptions=True)
         self._tasks.clear()
+        self._lane_tasks.clear()
         await self._flush_cursors()
 
     def spawn(self, coro: Awaitable[Any], name: str) -> None:
@@ -818,14 +832,71 @@ class RelayPool:
     async def _deliver_loop(self) -> None:
         assert self._queue is not None
         queue = self._queue
+        lanes = self.settings.delivery_lanes
+        if lanes > 1 and self.lane_key is not None:
+            await self._deliver_in_lanes(queue, lanes, self.lane_key)
+            return
         while True:
             event, url, sub_id = await queue.get()
+            await self._deliver_one(queue, event, url, sub_id)
+
+    async def _deliver_one(
+        self, queue: asyncio.Queue[tuple[NostrEvent, str, str]], event: NostrEvent, url: str, sub_id: str
+    ) -> None:
+        try:
+            await self._deliver(event, url, sub_id)
+        except Exception:
+            log.exception("delivery failed", event_id=event.id)
+        finally:
+            queue.task_done()  # counted on the intake queue, so stop() waits for every lane
+
+    async def _deliver_in_lanes(
+        self, queue: asyncio.Queue[tuple[NostrEvent, str, str]], lanes: int, lane_key: LaneKey
+    ) -> None:
+        """Deliver up to ``lanes`` keys at once; a key's events go one at a time, in arrival order.
+
+        A key being delivered collects its later events in a backlog that its own worker
+        drains, so a slow key never holds up another while a lane is free.
+        """
+        backlogs: dict[str, collections.deque[tuple[NostrEvent, str, str]]] = {}
+        free_lanes = asyncio.Semaphore(lanes)
+        held = asyncio.Semaphore(self.settings.intake_queue_size)  # bounds the backlogs
+
+        async def drain_key(key: str) -> None:
+            backlog = backlogs[key]
             try:
-                await self._deliver(event, url, sub_id)
-            except Exception:
-                log.exception("delivery failed", event_id=event.id)
+                while backlog:
+                    event, url, sub_id = backlog.popleft()
+                    try:
+                        await self._deliver_one(queue, event, url, sub_id)
+                    finally:
+                        held.release()
             finally:
-                queue.task_done()
+                del backlogs[key]
+                free_lanes.release()
+
+        while True:
+            item = await queue.get()
+            try:
+                key = lane_key(item[0])
+            except Exception:
+                log.exception("lane key failed", event_id=item[0].id)
+                key = ""
+            await held.acquire()
+            backlog = backlogs.get(key)
+            if backlog is not None:
+                backlog.append(item)
+                continue
+            await free_lanes.acquire()
+            backlog = backlogs.get(key)  # its worker may have started and finished meanwhile
+            if backlog is not None:
+                free_lanes.release()
+                backlog.append(item)
+                continue
+            backlogs[key] = collections.deque([item])
+            task = asyncio.create_task(drain_key(key), name=f"nostr delivery {key[:16]}")
+            self._lane_tasks.add(task)
+            task.add_done_callback(self._lane_tasks.discard)
 
     async def _deliver(self, event: NostrEvent, url: str, sub_id: str) -> None:
         if self.store is not None and await self.store.is_processed(event.id):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from tenex_daemon.adapters.nostr.relay_pool import (
     PoolSettings,
     PublishError,
     PublishResult,
+    ReceivedEvent,
     RelayPool,
     RelaySpec,
     RelayState,
@@ -60,3 +62,45 @@ def test_publish_error_names_each_relay() -> None:
     error = PublishError(PublishResult("ab" * 32, rejected={"ws://a": "blocked: no"}, timed_out=("ws://b",)))
     assert "ws://a: blocked: no" in str(error)
     assert "ws://b: no answer" in str(error)
+
+
+async def test_delivery_lanes_keep_order_per_key_and_run_keys_concurrently() -> None:
+    """With lanes, a blocked key does not hold up other keys, and each key's events arrive in order."""
+    from tenex_daemon.testing import KeyPair, sign_event
+
+    keys = KeyPair.from_seed(77)
+    blocked = asyncio.Event()
+    seen: list[str] = []
+
+    async def on_event(received: ReceivedEvent) -> None:
+        if received.event.content == "a:1":
+            await blocked.wait()
+        seen.append(received.event.content)
+
+    pool = RelayPool(
+        [],
+        on_event=on_event,
+        settings=PoolSettings(delivery_lanes=8),
+        lane_key=lambda event: event.content.split(":")[0],
+    )
+    await pool.start()
+    try:
+        events = [sign_event(keys, text, created_at=1_700_000_000 + n)
+                  for n, text in enumerate(["a:1", "b:1", "a:2", "c:1", "b:2"])]
+        for event in events:
+            await pool.intake(event, "ws://relay", "sub")
+        for _ in range(100):
+            if len(seen) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(seen) == ["b:1", "b:2", "c:1"]  # "a" is blocked, the others are not
+        blocked.set()
+        for _ in range(100):
+            if len(seen) == 5:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await pool.stop()
+    assert [s for s in seen if s.startswith("a")] == ["a:1", "a:2"]
+    assert [s for s in seen if s.startswith("b")] == ["b:1", "b:2"]
+    assert pool.delivered == 5

@@ -355,3 +355,42 @@ def test_unknown_default_agent_is_refused(cast: Cast) -> None:
     """Configuring a default agent that does not exist fails at start with its name."""
     with pytest.raises(LookupError, match="nobody"):
         RuleBasedOrchestrator(AgentDirectory(cast.agents), "nobody")
+
+
+class CountingStore(MemoryStore):
+    """A MemoryStore whose set_meta is slow and counted, as an fsynced write would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meta_writes = 0
+
+    async def set_meta(self, key: str, value: str) -> None:
+        self.meta_writes += 1
+        await asyncio.sleep(0.005)
+        await super().set_meta(key, value)
+
+
+async def test_journal_writes_are_coalesced_and_never_stale() -> None:
+    """50 concurrent submits share a few journal writes, and each returns only once the journal holds it."""
+    store = CountingStore()
+    release = asyncio.Event()
+    journaled_at_start: list[bool] = []
+
+    async def run(request: RunRequest) -> None:
+        raw = await store.get_meta(PENDING_RUNS_KEY) or "[]"
+        journaled_at_start.append(request.trigger_id in raw)
+        await release.wait()
+
+    scheduler = RunScheduler(store, run, max_concurrent=50)
+    submitted = await asyncio.gather(
+        *(scheduler.submit(RunRequest(f"c{i}", f"t{i:02d}", "alice")) for i in range(50))
+    )
+    writes_for_submits = store.meta_writes
+    release.set()
+    await scheduler.drain(10.0)
+
+    assert all(submitted)
+    assert writes_for_submits < 10
+    assert journaled_at_start == [True] * 50
+    assert await store.get_meta(PENDING_RUNS_KEY) == "[]"
+    assert store.meta_writes < 30
