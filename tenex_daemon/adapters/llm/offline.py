@@ -12,7 +12,8 @@ class OfflineBackend:
     """Answers without any language model: it reports what it received, deterministically.
 
     The reply names the agent, counts the messages it was sent, and quotes the last
-    one (the trigger), so a person can see the conversation machinery work.
+    one (the trigger), so a person can see the conversation machinery work. It does not
+    stream: a request's ``on_chunk`` gets the whole text once.
     """
 
     name = "offline"
@@ -27,6 +28,8 @@ class OfflineBackend:
             f"{'' if count == 1 else 's'}. Latest: {preview}"
         )
         prompt_chars = len(request.system_prompt) + sum(len(m.content) for m in request.messages)
+        if request.on_chunk is not None:
+            await request.on_chunk(text)
         return CompletionResult(
             text=text,
             model=OFFLINE_MODEL,

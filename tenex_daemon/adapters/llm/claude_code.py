@@ -1,0 +1,256 @@
+"""The ``claude-code`` backend: runs the ``claude`` command line and reads its JSON event stream.
+
+Each call runs ``claude -p --output-format stream-json --verbose`` with the prompt on standard input,
+``--resume <session>`` when the agent already has a Claude Code session, ``--model`` and
+``--append-system-prompt`` (the persona). The stream is one JSON object per line:
+
+- ``{"type": "system", "subtype": "init", "session_id": ...}`` first;
+- ``{"type": "assistant", "message": {"content": [{"type": "text", "text": ...}, ...]}}`` per turn;
+- ``{"type": "stream_event", "event": {"type": "content_block_delta", "delta": {"text": ...}}}`` for
+  partial text when ``--include-partial-messages`` is passed (option ``partial_messages``);
+- ``{"type": "result", "is_error": ..., "result": <final text>, "session_id": ..., "usage": {...}}`` last.
+
+The session id it reports is returned in :attr:`CompletionResult.session_id`, for the caller to keep per
+agent and tag ``claude-session`` on the reply. Claude Code runs its own tools; the request's tools are not
+passed to it. When resuming, only the messages after the agent's own last reply are sent (Claude Code
+already holds the earlier ones in its session).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tenex_daemon.core.llm import (
+    AssistantToolCalls,
+    BackendErrorKind,
+    CompletionRequest,
+    CompletionResult,
+    LLMMessage,
+    ToolResult,
+    backend_error,
+    mentions_context_too_long,
+)
+
+DEFAULT_COMMAND = "claude"
+DEFAULT_TIMEOUT = 900.0
+STREAM_LINE_LIMIT = 16 * 1024 * 1024
+
+
+def _render(message: LLMMessage) -> str:
+    if isinstance(message, AssistantToolCalls):
+        calls = ", ".join(f"{c.name}({json.dumps(dict(c.arguments))})" for c in message.tool_calls)
+        return f"[You called]: {calls}" if not message.content else f"[You]: {message.content}\n{calls}"
+    if isinstance(message, ToolResult):
+        return f"[Result of {message.name}]: {message.content}"
+    if message.role == "assistant":
+        return f"[You]: {message.content}"
+    return message.content
+
+
+def build_prompt(messages: Sequence[LLMMessage], *, resuming: bool) -> str:
+    """The text sent on standard input: every message, or only those after the agent's last reply.
+
+    User and system messages are sent as they are (other agents' messages already carry their
+    ``[Name]:`` label); the agent's own earlier replies are labelled ``[You]:``.
+    """
+    selected = list(messages)
+    if resuming:
+        last_own = max(
+            (i for i, m in enumerate(selected) if m.role == "assistant"),
+            default=-1,
+        )
+        selected = selected[last_own + 1 :] or selected[-1:]
+    return "\n\n".join(_render(m) for m in selected if _render(m))
+
+
+def _kind_for_text(text: str) -> BackendErrorKind:
+    lowered = text.lower()
+    if mentions_context_too_long(text):
+        return BackendErrorKind.CONTEXT_TOO_LONG
+    if any(w in lowered for w in ("rate limit", "rate_limit", "usage limit", "429", "overloaded")):
+        return BackendErrorKind.RATE_LIMIT
+    if any(w in lowered for w in ("invalid api key", "authentication", "/login", "unauthorized", "401")):
+        return BackendErrorKind.AUTH
+    if any(w in lowered for w in ("connection", "network", "econnrefused", "enotfound")):
+        return BackendErrorKind.UNREACHABLE
+    return BackendErrorKind.OTHER
+
+
+class StreamParser:
+    """Folds the stream-json lines of one run into a result; feed lines in order, then call :meth:`result`."""
+
+    def __init__(self) -> None:
+        self.session_id: str | None = None
+        self.model: str | None = None
+        self.assistant_text: list[str] = []
+        self.partial_text: list[str] = []
+        self.final: dict[str, Any] | None = None
+
+    def feed(self, line: str) -> list[str]:
+        """Read one line; return the text chunks it carries (none for bookkeeping lines)."""
+        line = line.strip()
+        if not line:
+            return []
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            return []
+        if not isinstance(event, dict):
+            return []
+        if isinstance(event.get("session_id"), str):
+            self.session_id = event["session_id"]
+        kind = event.get("type")
+        if kind == "system" and isinstance(event.get("model"), str):
+            self.model = event["model"]
+        elif kind == "stream_event":
+            delta = (event.get("event") or {}).get("delta") or {}
+            text = delta.get("text") if isinstance(delta, dict) else None
+            if isinstance(text, str) and text:
+                self.partial_text.append(text)
+                return [text]
+        elif kind == "assistant":
+            message = event.get("message") or {}
+            self.model = message.get("model") or self.model
+            texts = [
+                block.get("text", "")
+                for block in message.get("content") or []
+                if isinstance(block, dict) and block.get("type") == "text" and block.get("text")
+            ]
+            self.assistant_text.extend(texts)
+            if not self.partial_text:
+                return texts
+        elif kind == "result":
+            self.final = event
+        return []
+
+    def result(self, request: CompletionRequest) -> CompletionResult:
+        """The run's answer, or the :class:`BackendError` its result line reports."""
+        final = self.final
+        if final is None:
+            raise backend_error(BackendErrorKind.OTHER, "claude-code: the stream ended without a result line")
+        text = final.get("result")
+        if not isinstance(text, str):
+            text = "\n\n".join(self.assistant_text)
+        if final.get("is_error") or str(final.get("subtype", "success")) != "success":
+            detail = text or str(final.get("subtype"))
+            raise backend_error(_kind_for_text(detail), f"claude-code: {detail}")
+        usage = final.get("usage") or {}
+        prompt = usage.get("input_tokens")
+        if isinstance(prompt, int):
+            prompt += int(usage.get("cache_read_input_tokens") or 0)
+            prompt += int(usage.get("cache_creation_input_tokens") or 0)
+        completion = usage.get("output_tokens")
+        extra: dict[str, str] = {}
+        if final.get("total_cost_usd") is not None:
+            extra["cost_usd"] = str(final["total_cost_usd"])
+        return CompletionResult(
+            text=text,
+            model=self.model or request.model,
+            session_id=self.session_id or request.session_id,
+            prompt_tokens=prompt if isinstance(prompt, int) else None,
+            completion_tokens=completion if isinstance(completion, int) else None,
+            extra=extra,
+        )
+
+
+class ClaudeCodeBackend:
+    """Runs one ``claude`` process per call and resumes the agent's session."""
+
+    name = "claude-code"
+
+    def __init__(
+        self,
+        *,
+        command: str | Sequence[str] = DEFAULT_COMMAND,
+        model: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        cwd: str | os.PathLike[str] | None = None,
+        partial_messages: bool = False,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.command = [command] if isinstance(command, str) else list(command)
+        self.model = model
+        self.timeout = timeout
+        self.cwd = cwd
+        self.partial_messages = partial_messages
+        self.extra_args = list(extra_args)
+        self.env = env
+
+    def arguments(self, request: CompletionRequest) -> list[str]:
+        """The command line for one call."""
+        args = [*self.command, "-p", "--output-format", "stream-json", "--verbose"]
+        if self.partial_messages:
+            args.append("--include-partial-messages")
+        if request.session_id:
+            args += ["--resume", request.session_id]
+        model = request.model or self.model
+        if model:
+            args += ["--model", model]
+        if request.system_prompt:
+            args += ["--append-system-prompt", request.system_prompt]
+        return args + self.extra_args
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Run ``claude`` once; stream assistant text into ``request.on_chunk`` when it is set."""
+        prompt = build_prompt(request.messages, resuming=request.session_id is not None)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self.arguments(request),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=self.cwd,
+                env=None if self.env is None else {**os.environ, **self.env},
+                limit=STREAM_LINE_LIMIT,
+            )
+        except (FileNotFoundError, PermissionError) as exc:
+            raise backend_error(
+                BackendErrorKind.UNREACHABLE, f"claude-code: cannot run {self.command[0]!r}: {exc}"
+            ) from exc
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await self._converse(process, prompt, request)
+        except TimeoutError:
+            raise backend_error(
+                BackendErrorKind.TIMEOUT, f"claude-code: no result within {self.timeout:g} s"
+            ) from None
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    await process.wait()
+
+    async def _converse(
+        self, process: asyncio.subprocess.Process, prompt: str, request: CompletionRequest
+    ) -> CompletionResult:
+        assert process.stdin is not None
+        assert process.stdout is not None
+        assert process.stderr is not None
+        stderr_task = asyncio.ensure_future(process.stderr.read())
+        try:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                process.stdin.write(prompt.encode("utf-8"))
+                await process.stdin.drain()
+                process.stdin.close()
+            parser = StreamParser()
+            async for raw in process.stdout:
+                for chunk in parser.feed(raw.decode("utf-8", errors="replace")):
+                    if request.on_chunk is not None:
+                        await request.on_chunk(chunk)
+            code = await process.wait()
+            stderr = (await stderr_task).decode("utf-8", errors="replace").strip()
+        finally:
+            if not stderr_task.done():
+                stderr_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stderr_task
+        if parser.final is None and code != 0:
+            detail = stderr or f"exit status {code}"
+            raise backend_error(_kind_for_text(detail), f"claude-code: {detail}")
+        return parser.result(request)

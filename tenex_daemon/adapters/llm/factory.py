@@ -1,0 +1,77 @@
+"""Choosing a backend by name: offline, openai, anthropic, claude-code, local.
+
+Each backend's module is imported only when chosen, so a missing optional extra matters only to the
+agents configured with that backend (and the error names the extra to install).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tenex_daemon.core.llm import LLMBackend
+
+BACKEND_NAMES = ("offline", "openai", "anthropic", "claude-code", "local")
+
+
+class UnknownBackendError(ValueError):
+    """The configured backend name is not one of :data:`BACKEND_NAMES`."""
+
+
+def make_backend(
+    kind: str,
+    *,
+    model: str | None = None,
+    base_url: str | None = None,
+    api_key_env: str | None = None,
+    api_key_file: str | None = None,
+    temperature: float | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> LLMBackend:
+    """Build the backend named ``kind``; ``options`` are passed on as that backend's keyword arguments.
+
+    ``model`` is the model name (openai, anthropic, claude-code) or a GGUF file path (local; None for the
+    bundled SmolLM2-135M-Instruct). Options by backend: openai ``timeout``, ``max_retries``, ``max_tokens``,
+    ``stream_usage``, ``extra_body``; anthropic ``timeout``, ``max_retries``, ``max_tokens``; claude-code
+    ``command``, ``timeout``, ``cwd``, ``partial_messages``, ``extra_args``, ``env``; local ``n_ctx``,
+    ``n_threads``, ``max_tokens``, ``chat_format``.
+    """
+    extra = dict(options or {})
+    if kind == "offline":
+        from tenex_daemon.adapters.llm.offline import OfflineBackend
+
+        return OfflineBackend()
+    if kind == "openai":
+        from tenex_daemon.adapters.llm.openai import OpenAIBackend
+
+        if model is None:
+            raise UnknownBackendError("the openai backend needs a model name")
+        return OpenAIBackend(
+            model=model,
+            base_url=base_url,
+            api_key_env=api_key_env,
+            api_key_file=api_key_file,
+            temperature=temperature,
+            **extra,
+        )
+    if kind == "anthropic":
+        from tenex_daemon.adapters.llm.anthropic import AnthropicBackend
+
+        if model is not None:
+            extra["model"] = model
+        return AnthropicBackend(
+            base_url=base_url,
+            api_key_env=api_key_env,
+            api_key_file=api_key_file,
+            temperature=temperature,
+            **extra,
+        )
+    if kind == "claude-code":
+        from tenex_daemon.adapters.llm.claude_code import ClaudeCodeBackend
+
+        return ClaudeCodeBackend(model=model, **extra)
+    if kind == "local":
+        from tenex_daemon.adapters.llm.local import LocalBackend
+
+        return LocalBackend(model=model, temperature=temperature, **extra)
+    raise UnknownBackendError(f"unknown backend {kind!r} (available: {', '.join(BACKEND_NAMES)})")

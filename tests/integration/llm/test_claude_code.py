@@ -1,0 +1,154 @@
+"""The claude-code backend against a stand-in ``claude`` executable that speaks the same stream-json."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tenex_daemon.adapters.llm.claude_code import ClaudeCodeBackend
+from tenex_daemon.core.context import ChatMessage
+from tenex_daemon.core.llm import (
+    BackendAuthError,
+    BackendTimeoutError,
+    BackendUnreachableError,
+    CompletionRequest,
+)
+
+pytestmark = [pytest.mark.integration]
+
+STAND_IN = r"""
+import json, os, sys, time
+args = sys.argv[1:]
+prompt = sys.stdin.read()
+with open(os.environ["FAKE_CLAUDE_LOG"], "a") as log:
+    log.write(json.dumps({"args": args, "stdin": prompt}) + "\n")
+mode = os.environ.get("FAKE_CLAUDE_MODE", "ok")
+if mode == "auth":
+    print("Invalid API key · Please run /login", file=sys.stderr)
+    sys.exit(1)
+if mode == "hang":
+    time.sleep(60)
+session = args[args.index("--resume") + 1] if "--resume" in args else "sess-new-1"
+def emit(event):
+    print(json.dumps(event), flush=True)
+emit({"type": "system", "subtype": "init", "session_id": session, "model": "claude-stand-in", "tools": ["Bash"]})
+emit({"type": "assistant", "session_id": session, "message": {"model": "claude-stand-in", "content": [{"type": "text", "text": "Hello "}]}})
+emit({"type": "assistant", "session_id": session, "message": {"model": "claude-stand-in", "content": [{"type": "text", "text": "from Claude"}]}})
+emit({"type": "result", "subtype": "success", "is_error": False, "result": "Hello from Claude", "session_id": session,
+      "usage": {"input_tokens": 42, "output_tokens": 4}, "total_cost_usd": 0.002})
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], Path]:
+    """The stand-in's command line and the log where it records each call's arguments and stdin."""
+    script = tmp_path / "claude"
+    script.write_text(STAND_IN)
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_CLAUDE_LOG", str(log))
+    monkeypatch.delenv("FAKE_CLAUDE_MODE", raising=False)
+    return [sys.executable, str(script)], log
+
+
+def calls(log: Path) -> list[dict[str, object]]:
+    """The recorded calls, in order."""
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+async def test_session_is_reported_then_resumed(stand_in: tuple[list[str], Path]) -> None:
+    """The first call reports the session id and streams text; the second passes --resume with it and sends only new messages."""
+    command, log = stand_in
+    backend = ClaudeCodeBackend(command=command, model="sonnet")
+    chunks: list[str] = []
+
+    async def on_chunk(text: str) -> None:
+        chunks.append(text)
+
+    first = await backend.complete(
+        CompletionRequest(
+            agent_slug="alice",
+            agent_name="Alice",
+            system_prompt="You are Alice.",
+            messages=[ChatMessage("user", "Hi Alice")],
+            on_chunk=on_chunk,
+        )
+    )
+    assert (first.text, first.session_id, first.model) == (
+        "Hello from Claude",
+        "sess-new-1",
+        "claude-stand-in",
+    )
+    assert (first.prompt_tokens, first.completion_tokens) == (42, 4)
+    assert chunks == ["Hello ", "from Claude"]
+
+    second = await backend.complete(
+        CompletionRequest(
+            agent_slug="alice",
+            agent_name="Alice",
+            system_prompt="You are Alice.",
+            messages=[
+                ChatMessage("user", "Hi Alice"),
+                ChatMessage("assistant", first.text),
+                ChatMessage("user", "And now?"),
+            ],
+            session_id=first.session_id,
+        )
+    )
+    assert second.session_id == "sess-new-1"
+    recorded = calls(log)
+    assert "--resume" not in recorded[0]["args"]  # type: ignore[operator]
+    assert recorded[0]["stdin"] == "Hi Alice"
+    args = recorded[1]["args"]
+    assert isinstance(args, list)
+    assert args[args.index("--resume") + 1] == "sess-new-1"
+    assert args[args.index("--append-system-prompt") + 1] == "You are Alice."
+    assert args[args.index("--output-format") : args.index("--output-format") + 2] == [
+        "--output-format",
+        "stream-json",
+    ]
+    assert recorded[1]["stdin"] == "And now?"
+
+
+async def test_login_failure_is_an_auth_error(
+    stand_in: tuple[list[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claude that exits non-zero saying the key is invalid gives an auth error."""
+    monkeypatch.setenv("FAKE_CLAUDE_MODE", "auth")
+    command, _ = stand_in
+    with pytest.raises(BackendAuthError, match="Invalid API key"):
+        await ClaudeCodeBackend(command=command).complete(
+            CompletionRequest(
+                agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")]
+            )
+        )
+
+
+async def test_silent_claude_is_a_timeout_and_is_killed(
+    stand_in: tuple[list[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claude that never answers gives a timeout error within the configured time."""
+    monkeypatch.setenv("FAKE_CLAUDE_MODE", "hang")
+    command, _ = stand_in
+    started = time.monotonic()
+    with pytest.raises(BackendTimeoutError):
+        await ClaudeCodeBackend(command=command, timeout=1.0).complete(
+            CompletionRequest(
+                agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")]
+            )
+        )
+    assert time.monotonic() - started < 10
+
+
+async def test_missing_command_is_unreachable(tmp_path: Path) -> None:
+    """A claude command that does not exist gives an unreachable error naming it."""
+    missing = str(tmp_path / "no-such-claude")
+    with pytest.raises(BackendUnreachableError, match="no-such-claude"):
+        await ClaudeCodeBackend(command=missing).complete(
+            CompletionRequest(
+                agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")]
+            )
+        )

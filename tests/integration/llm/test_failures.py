@@ -1,0 +1,367 @@
+"""Backend failures through the real SDKs against a scripted HTTP server: each maps to its typed error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tenex_daemon.adapters.llm.anthropic import AnthropicBackend
+from tenex_daemon.adapters.llm.openai import OpenAIBackend
+from tenex_daemon.core.context import ChatMessage
+from tenex_daemon.core.llm import (
+    BackendAuthError,
+    BackendError,
+    BackendRateLimitError,
+    BackendTimeoutError,
+    BackendUnreachableError,
+    CompletionRequest,
+    ContextTooLongError,
+    LLMBackend,
+    ToolSpec,
+)
+
+from .conftest import Reply, ScriptedServer, free_port
+
+pytestmark = [pytest.mark.integration]
+
+REQUEST = CompletionRequest(
+    agent_slug="alice",
+    agent_name="Alice",
+    system_prompt="You are Alice.",
+    messages=[ChatMessage("user", "hi")],
+)
+OPENAI_PATH = "/v1/chat/completions"
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def openai_backend(base_url: str, timeout: float = 10.0) -> OpenAIBackend:
+    """An openai backend without retries, so each failure surfaces at once."""
+    return OpenAIBackend(
+        model="m", base_url=base_url + "/v1", api_key="sk-test", timeout=timeout, max_retries=0
+    )
+
+
+def anthropic_backend(base_url: str, timeout: float = 10.0) -> AnthropicBackend:
+    """An anthropic backend without retries, so each failure surfaces at once."""
+    return AnthropicBackend(
+        model="claude-test", base_url=base_url, api_key="sk-ant-test", timeout=timeout, max_retries=0
+    )
+
+
+def openai_error(message: str, code: str | None = None) -> dict[str, object]:
+    """An OpenAI-style error body."""
+    return {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+
+
+def anthropic_error(kind: str, message: str) -> dict[str, object]:
+    """An Anthropic-style error body."""
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+CASES = [
+    (
+        "auth",
+        401,
+        openai_error("Incorrect API key provided"),
+        anthropic_error("authentication_error", "invalid x-api-key"),
+        BackendAuthError,
+    ),
+    (
+        "rate_limit",
+        429,
+        openai_error("Rate limit reached"),
+        anthropic_error("rate_limit_error", "slow down"),
+        BackendRateLimitError,
+    ),
+    (
+        "context_too_long",
+        400,
+        openai_error(
+            "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.",
+            "context_length_exceeded",
+        ),
+        anthropic_error("invalid_request_error", "prompt is too long: 210000 tokens > 200000 maximum"),
+        ContextTooLongError,
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "status", "openai_body", "anthropic_body", "cls"), CASES)
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+async def test_http_errors_map_to_kinds(
+    scripted_server: ScriptedServer,
+    sdk: str,
+    kind: str,
+    status: int,
+    openai_body: object,
+    anthropic_body: object,
+    cls: type[BackendError],
+) -> None:
+    """401, 429 and a 400 about context length become auth, rate_limit and context_too_long errors."""
+    backend: LLMBackend
+    if sdk == "openai":
+        scripted_server.replies[OPENAI_PATH] = Reply(status, openai_body, headers={"retry-after": "7"})
+        backend = openai_backend(scripted_server.base_url)
+    else:
+        scripted_server.replies[ANTHROPIC_PATH] = Reply(status, anthropic_body, headers={"retry-after": "7"})
+        backend = anthropic_backend(scripted_server.base_url)
+    with pytest.raises(cls) as info:
+        await backend.complete(REQUEST)
+    assert info.value.kind == kind
+    assert info.value.status == status
+    assert info.value.retry_after == 7.0
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+async def test_closed_port_is_unreachable(sdk: str) -> None:
+    """A server that is not listening gives an unreachable error."""
+    base_url = f"http://127.0.0.1:{free_port()}"
+    backend: LLMBackend = openai_backend(base_url) if sdk == "openai" else anthropic_backend(base_url)
+    with pytest.raises(BackendUnreachableError) as info:
+        await backend.complete(REQUEST)
+    assert info.value.kind == "unreachable"
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+async def test_silent_server_is_a_timeout(scripted_server: ScriptedServer, sdk: str) -> None:
+    """A server that accepts the request and never answers gives a timeout error within the configured time."""
+    path = OPENAI_PATH if sdk == "openai" else ANTHROPIC_PATH
+    scripted_server.replies[path] = Reply(hang=True)
+    backend: LLMBackend = (
+        openai_backend(scripted_server.base_url, timeout=0.5)
+        if sdk == "openai"
+        else anthropic_backend(scripted_server.base_url, timeout=0.5)
+    )
+    started = time.monotonic()
+    with pytest.raises(BackendTimeoutError) as info:
+        await backend.complete(REQUEST)
+    assert info.value.kind == "timeout"
+    assert time.monotonic() - started < 5
+
+
+async def test_openai_answer_with_tool_call_is_parsed(scripted_server: ScriptedServer) -> None:
+    """An OpenAI answer's text, tool calls (arguments parsed), usage and model reach the result; the request carries tools and the forced choice."""
+    scripted_server.replies[OPENAI_PATH] = Reply(
+        200,
+        {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "m-served",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "tool_calls",
+                    "message": {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "call_9",
+                                "type": "function",
+                                "function": {"name": "lookup", "arguments": '{"q": "paris"}'},
+                            }
+                        ],
+                    },
+                }
+            ],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17},
+        },
+    )
+    tool = ToolSpec(
+        "lookup", "Look something up.", {"type": "object", "properties": {"q": {"type": "string"}}}
+    )
+    request = CompletionRequest(
+        agent_slug="a",
+        agent_name="A",
+        system_prompt="",
+        messages=[ChatMessage("user", "hi")],
+        tools=(tool,),
+        tool_choice="lookup",
+        temperature=0.0,
+        max_tokens=8,
+    )
+    result = await openai_backend(scripted_server.base_url).complete(request)
+    assert (result.text, result.model, result.finish_reason) == ("", "m-served", "tool_calls")
+    assert [(c.id, c.name, dict(c.arguments)) for c in result.tool_calls] == [
+        ("call_9", "lookup", {"q": "paris"})
+    ]
+    assert (result.prompt_tokens, result.completion_tokens) == (12, 5)
+    sent = scripted_server.requests[-1][1]
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "lookup"}}
+    assert sent["tools"][0]["function"]["name"] == "lookup"
+    assert (sent["temperature"], sent["max_tokens"]) == (0.0, 8)
+
+
+async def test_anthropic_answer_is_parsed(scripted_server: ScriptedServer) -> None:
+    """An Anthropic answer's text, tool_use blocks, usage and stop reason reach the result; the persona goes in system."""
+    scripted_server.replies[ANTHROPIC_PATH] = Reply(
+        200,
+        {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "claude-test",
+            "content": [
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "paris"}},
+            ],
+            "stop_reason": "tool_use",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 20, "output_tokens": 9},
+        },
+    )
+    tool = ToolSpec(
+        "lookup", "Look something up.", {"type": "object", "properties": {"q": {"type": "string"}}}
+    )
+    request = CompletionRequest(
+        agent_slug="a",
+        agent_name="A",
+        system_prompt="Be brief.",
+        messages=[ChatMessage("user", "hi")],
+        tools=(tool,),
+        tool_choice="lookup",
+    )
+    result = await anthropic_backend(scripted_server.base_url).complete(request)
+    assert (result.text, result.finish_reason) == ("Let me look.", "tool_use")
+    assert [(c.id, c.name, dict(c.arguments)) for c in result.tool_calls] == [
+        ("toolu_1", "lookup", {"q": "paris"})
+    ]
+    assert (result.prompt_tokens, result.completion_tokens) == (20, 9)
+    sent = scripted_server.requests[-1][1]
+    assert sent["system"] == "Be brief."
+    assert sent["tool_choice"] == {"type": "tool", "name": "lookup"}
+    assert sent["tools"][0]["input_schema"]["properties"] == {"q": {"type": "string"}}
+
+
+def openai_chunk(delta: dict[str, object], finish: str | None = None) -> dict[str, object]:
+    """One chat.completion.chunk with a single choice."""
+    return {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m-served",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+async def test_openai_stream_assembles_text_tool_call_and_usage(scripted_server: ScriptedServer) -> None:
+    """A streamed OpenAI answer gives each text delta to on_chunk, joins split tool-call arguments, and keeps the usage chunk."""
+    scripted_server.replies[OPENAI_PATH] = Reply(
+        events=[
+            (None, openai_chunk({"role": "assistant", "content": "Look"})),
+            (None, openai_chunk({"content": "ing up"})),
+            (
+                None,
+                openai_chunk(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "lookup", "arguments": '{"q": '},
+                            }
+                        ]
+                    }
+                ),
+            ),
+            (
+                None,
+                openai_chunk(
+                    {"tool_calls": [{"index": 0, "function": {"arguments": '"paris"}'}}]}, "tool_calls"
+                ),
+            ),
+            (
+                None,
+                {
+                    "id": "c",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": "m-served",
+                    "choices": [],
+                    "usage": {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17},
+                },
+            ),
+            (None, "[DONE]"),
+        ]
+    )
+    chunks: list[str] = []
+
+    async def on_chunk(text: str) -> None:
+        chunks.append(text)
+
+    request = CompletionRequest(
+        agent_slug="a",
+        agent_name="A",
+        system_prompt="",
+        messages=[ChatMessage("user", "hi")],
+        on_chunk=on_chunk,
+    )
+    result = await openai_backend(scripted_server.base_url).complete(request)
+    assert chunks == ["Look", "ing up"]
+    assert result.text == "Looking up"
+    assert [(c.id, c.name, dict(c.arguments)) for c in result.tool_calls] == [
+        ("call_1", "lookup", {"q": "paris"})
+    ]
+    assert (result.prompt_tokens, result.completion_tokens, result.finish_reason) == (11, 6, "tool_calls")
+    sent = scripted_server.requests[-1][1]
+    assert (sent["stream"], sent["stream_options"]) == (True, {"include_usage": True})
+
+
+async def test_anthropic_stream_gives_chunks_and_usage(scripted_server: ScriptedServer) -> None:
+    """A streamed Anthropic answer gives each text delta to on_chunk and the final message's usage."""
+    message: dict[str, object] = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-test",
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 14, "output_tokens": 1},
+    }
+    scripted_server.replies[ANTHROPIC_PATH] = Reply(
+        events=[
+            ("message_start", {"type": "message_start", "message": message}),
+            (
+                "content_block_start",
+                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+            ),
+            (
+                "content_block_delta",
+                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Bon"}},
+            ),
+            (
+                "content_block_delta",
+                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "jour"}},
+            ),
+            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                    "usage": {"output_tokens": 3},
+                },
+            ),
+            ("message_stop", {"type": "message_stop"}),
+        ]
+    )
+    chunks: list[str] = []
+
+    async def on_chunk(text: str) -> None:
+        chunks.append(text)
+
+    request = CompletionRequest(
+        agent_slug="a",
+        agent_name="A",
+        system_prompt="",
+        messages=[ChatMessage("user", "hi")],
+        on_chunk=on_chunk,
+    )
+    result = await anthropic_backend(scripted_server.base_url).complete(request)
+    assert chunks == ["Bon", "jour"]
+    assert (result.text, result.finish_reason) == ("Bonjour", "end_turn")
+    assert (result.prompt_tokens, result.completion_tokens) == (14, 3)

@@ -1,0 +1,148 @@
+"""A real model, offline: SmolLM2-135M-Instruct through llama.cpp's server (openai backend) and in-process (local backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tenex_daemon.adapters.llm.local import LocalBackend
+from tenex_daemon.adapters.llm.openai import OpenAIBackend
+from tenex_daemon.core.context import ChatMessage
+from tenex_daemon.core.llm import CompletionRequest, CompletionResult, ContextTooLongError, ToolSpec
+
+from .conftest import LlamaServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PARIS_QUESTION = "What is the capital of France?"
+WEATHER = ToolSpec(
+    name="get_weather",
+    description="Get the current weather in a city.",
+    parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+)
+
+
+def ask(question: str, **options: object) -> CompletionRequest:
+    """A one-question request at temperature 0 with a short answer.
+
+    No persona: SmolLM2-135M answers "The capital of France is Paris." to the bare question, but drifts
+    into French prose after any system prompt tried here (measured; a 135M model is that fragile).
+    """
+    return CompletionRequest(
+        agent_slug="alice",
+        agent_name="Alice",
+        system_prompt="",
+        messages=[ChatMessage("user", question)],
+        temperature=0.0,
+        max_tokens=32,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+async def served(llama_server: LlamaServer) -> AsyncIterator[OpenAIBackend]:
+    """The openai backend pointed at the llama.cpp server (no key needed)."""
+    backend = OpenAIBackend(
+        model=llama_server.model, base_url=llama_server.base_url, timeout=120.0, max_retries=0
+    )
+    yield backend
+    await backend.aclose()
+
+
+async def test_openai_backend_answers_paris(served: OpenAIBackend) -> None:
+    """At temperature 0 the served model answers the capital question with Paris, and usage is recorded."""
+    result = await served.complete(ask(PARIS_QUESTION))
+    assert "paris" in result.text.lower()
+    assert result.prompt_tokens is not None
+    assert result.prompt_tokens > 0
+    assert result.completion_tokens is not None
+    assert result.completion_tokens > 0
+
+
+async def test_openai_backend_streams_in_several_chunks(served: OpenAIBackend) -> None:
+    """Streaming hands over several chunks whose concatenation is the returned text."""
+    chunks: list[str] = []
+
+    async def on_chunk(text: str) -> None:
+        chunks.append(text)
+
+    result = await served.complete(ask("Name three colours.", on_chunk=on_chunk))
+    assert len(chunks) >= 3
+    assert "".join(chunks) == result.text
+    assert result.text.strip()
+
+
+async def test_openai_backend_forced_tool_call_is_parsed(served: OpenAIBackend) -> None:
+    """A tool_choice naming the tool yields a call of that tool with its arguments parsed into a dict."""
+    result = await served.complete(
+        ask("What is the weather in Paris?", tools=(WEATHER,), tool_choice="get_weather")
+    )
+    assert len(result.tool_calls) == 1
+    call = result.tool_calls[0]
+    assert call.name == "get_weather"
+    assert call.invalid_arguments is None
+    assert isinstance(call.arguments.get("city"), str)
+
+
+@pytest.fixture(scope="module")
+def local_backend(smollm2_path: Path) -> LocalBackend:
+    """The local backend with the bundled SmolLM2 (two threads, a small context)."""
+    return LocalBackend(model=smollm2_path, n_threads=2, n_ctx=1024)
+
+
+async def test_local_backend_answers_paris(local_backend: LocalBackend) -> None:
+    """In-process at temperature 0 the model answers the capital question with Paris, with usage."""
+    result = await local_backend.complete(ask(PARIS_QUESTION))
+    assert "paris" in result.text.lower()
+    assert result.prompt_tokens is not None
+    assert result.prompt_tokens > 0
+    assert result.completion_tokens is not None
+    assert result.completion_tokens > 0
+
+
+async def test_local_backend_streams_off_the_event_loop(local_backend: LocalBackend) -> None:
+    """Streaming gives several chunks while the event loop keeps running other tasks during generation."""
+    await local_backend.load()
+    chunks: list[str] = []
+    ticks = 0
+
+    async def on_chunk(text: str) -> None:
+        chunks.append(text)
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticking = asyncio.create_task(ticker())
+    started = time.perf_counter()
+    try:
+        result = await local_backend.complete(ask("Name three colours.", on_chunk=on_chunk))
+    finally:
+        ticking.cancel()
+    elapsed = time.perf_counter() - started
+    assert len(chunks) >= 3
+    assert "".join(chunks) == result.text
+    assert result.completion_tokens == len(chunks)
+    assert ticks >= elapsed / 0.01 / 4
+
+
+async def test_local_backend_serializes_concurrent_calls(local_backend: LocalBackend) -> None:
+    """Two concurrent calls on one model both complete (the model's lock lets one run at a time)."""
+    results: tuple[CompletionResult, CompletionResult] = await asyncio.gather(
+        local_backend.complete(ask(PARIS_QUESTION)), local_backend.complete(ask(PARIS_QUESTION))
+    )
+    assert results[0].text == results[1].text
+    assert "paris" in results[0].text.lower()
+
+
+async def test_local_backend_prompt_too_long_is_typed(smollm2_path: Path) -> None:
+    """A prompt larger than the context window gives a context_too_long error."""
+    small = LocalBackend(model=smollm2_path, n_threads=2, n_ctx=256)
+    with pytest.raises(ContextTooLongError):
+        await small.complete(ask("word " * 600))
