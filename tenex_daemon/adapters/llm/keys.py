@@ -24,8 +24,7 @@ def read_key_file(path: str | os.PathLike[str]) -> str:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise KeyFileError(
             message=(
-                f"API key file {file} is readable by others "
-                f"(mode {stat.S_IMODE(mode):o}): chmod 600 {file}"
+                f"API key file {file} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 {file}"
             )
         )
     key = file.read_text(encoding="utf-8").strip()

@@ -158,12 +158,23 @@ class OpenAIBackend:
             parse_tool_call(slot["id"] or None, slot["name"], slot["arguments"], index)
             for index, slot in sorted(calls.items())
         )
+        answer = "".join(text)
+        extra: dict[str, str] = {}
+        if prompt_tokens is None or completion_tokens is None:
+            # Some servers (llama.cpp's Python server among them) send no usage when streaming:
+            # count characters/4, the project's rule when no tokenizer is known, and say so.
+            prompt_chars = sum(len(str(m.get("content") or "")) for m in kwargs["messages"])
+            answer_chars = len(answer) + sum(len(s["arguments"]) for s in calls.values())
+            prompt_tokens = (prompt_chars + 3) // 4
+            completion_tokens = (answer_chars + 3) // 4
+            extra["usage"] = "estimated"
         return CompletionResult(
-            text="".join(text),
+            text=answer,
             model=model or kwargs["model"],
             session_id=request.session_id,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             tool_calls=tool_calls,
             finish_reason=finish_reason,
+            extra=extra,
         )

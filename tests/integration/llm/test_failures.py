@@ -306,6 +306,7 @@ async def test_openai_stream_assembles_text_tool_call_and_usage(scripted_server:
         ("call_1", "lookup", {"q": "paris"})
     ]
     assert (result.prompt_tokens, result.completion_tokens, result.finish_reason) == (11, 6, "tool_calls")
+    assert "usage" not in result.extra
     sent = scripted_server.requests[-1][1]
     assert (sent["stream"], sent["stream_options"]) == (True, {"include_usage": True})
 

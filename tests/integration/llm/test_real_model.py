@@ -64,7 +64,7 @@ async def test_openai_backend_answers_paris(served: OpenAIBackend) -> None:
 
 
 async def test_openai_backend_streams_in_several_chunks(served: OpenAIBackend) -> None:
-    """Streaming hands over several chunks whose concatenation is the returned text."""
+    """Streaming hands over several chunks whose concatenation is the returned text, and usage is recorded (estimated)."""
     chunks: list[str] = []
 
     async def on_chunk(text: str) -> None:
@@ -74,6 +74,10 @@ async def test_openai_backend_streams_in_several_chunks(served: OpenAIBackend) -
     assert len(chunks) >= 3
     assert "".join(chunks) == result.text
     assert result.text.strip()
+    # llama.cpp's Python server sends no usage in a stream: the backend estimates it and says so.
+    assert result.extra.get("usage") == "estimated"
+    assert result.completion_tokens is not None
+    assert result.completion_tokens > 0
 
 
 async def test_openai_backend_forced_tool_call_is_parsed(served: OpenAIBackend) -> None:
@@ -146,3 +150,13 @@ async def test_local_backend_prompt_too_long_is_typed(smollm2_path: Path) -> Non
     small = LocalBackend(model=smollm2_path, n_threads=2, n_ctx=256)
     with pytest.raises(ContextTooLongError):
         await small.complete(ask("word " * 600))
+
+
+async def test_local_backend_forced_tool_call_is_parsed(local_backend: LocalBackend) -> None:
+    """In-process, a tool_choice naming the tool yields a call of that tool with its arguments parsed."""
+    result = await local_backend.complete(
+        ask("What is the weather in Paris?", tools=(WEATHER,), tool_choice="get_weather")
+    )
+    assert [call.name for call in result.tool_calls] == ["get_weather"]
+    assert result.tool_calls[0].invalid_arguments is None
+    assert isinstance(result.tool_calls[0].arguments.get("city"), str)
