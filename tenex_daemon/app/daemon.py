@@ -11,7 +11,7 @@ import contextlib
 import os
 import signal
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Coroutine
 from typing import Any
 
@@ -57,6 +57,10 @@ from tenex_daemon.services.runs import RunScheduler
 log = structlog.get_logger(__name__)
 
 SUBSCRIPTION_ID = "tenexd-mentions"
+RECEIVED_MEMORY = 10_000
+"""Arrival times kept for reply latency (triggers older than the newest 10,000 are not timed)."""
+LATENCY_MEMORY = 1_000
+"""Reply latencies kept for the status document's p50/p99."""
 INCOMING_KINDS = [KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT, KIND_TASK]
 
 
@@ -65,11 +69,32 @@ class ShuttingDownError(RuntimeError):
 
 
 class _MetricsObserver:
-    """Feeds run outcomes into the Prometheus metrics."""
+    """Feeds run outcomes into the Prometheus metrics; keeps recent reply latencies for the status."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         self.replies = 0
+        self.received_at: OrderedDict[str, float] = OrderedDict()
+        """Trigger id -> when the pool took it in (bounded: the newest RECEIVED_MEMORY)."""
+        self.reply_latencies: deque[float] = deque(maxlen=LATENCY_MEMORY)
+        """Seconds from trigger taken in to reply sent, newest last."""
+
+    def event_received(self, event_id: str, received_at: float) -> None:
+        """Remember when an event that may trigger runs arrived."""
+        self.received_at[event_id] = received_at
+        if len(self.received_at) > RECEIVED_MEMORY:
+            self.received_at.popitem(last=False)
+
+    def latency_summary(self) -> dict[str, float | int | None]:
+        """p50/p99 (ms) of the recent reply latencies, for the status document."""
+        recent = sorted(self.reply_latencies)
+        if not recent:
+            return {"count": 0, "p50_ms": None, "p99_ms": None}
+
+        def at(q: float) -> float:
+            return round(recent[min(len(recent) - 1, round(q * (len(recent) - 1)))] * 1000, 2)
+
+        return {"count": len(recent), "p50_ms": at(0.5), "p99_ms": at(0.99)}
 
     def run_finished(self, agent_slug: str, seconds: float, error: str | None) -> None:
         """Record a run's latency and failure kind."""
@@ -77,10 +102,15 @@ class _MetricsObserver:
         if error is not None:
             self._metrics.agent_run_error(agent_slug, error)
 
-    def reply_published(self, agent_slug: str) -> None:
-        """Count a published reply."""
+    def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:
+        """Count a published reply and record how long after its trigger arrived it was sent."""
         self.replies += 1
         self._metrics.reply_published(agent_slug)
+        received_at = self.received_at.get(trigger_id)
+        if received_at is not None:
+            latency = max(0.0, sent_at - received_at)
+            self.reply_latencies.append(latency)
+            self._metrics.observe_reply_latency(latency)
 
 
 class Daemon:
@@ -156,11 +186,16 @@ class Daemon:
                 "duplicates": pool_health.duplicates if pool_health is not None else 0,
             },
             "replies": self._observer.replies,
+            "reply_latency": self._observer.latency_summary(),
             "errors": dict(self.errors),
             "embedded_relay": self.embedded_relay.url if self.embedded_relay is not None else None,
             "control_socket": str(self.settings.control_socket_path),
             "agents": [{"slug": a.slug, "name": a.name, "pubkey": a.pubkey} for a in self.agents],
         }
+
+    def reply_latencies(self) -> list[float]:
+        """Seconds from each recent trigger taken in to its reply sent (oldest first, the newest 1,000)."""
+        return list(self._observer.reply_latencies)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -254,7 +289,14 @@ class Daemon:
             {a.slug: a for a in self.agents},
             typing_min_interval_s=settings.daemon.typing_min_interval_s,
         )
-        runner = AgentRunner(manager, profiles, composer, publisher, observer=self._observer)
+        runner = AgentRunner(
+            manager,
+            profiles,
+            composer,
+            publisher,
+            observer=self._observer,
+            typing_delay_s=settings.daemon.typing_delay_s,
+        )
         self.runner = runner
 
         async def run(request: Any) -> None:
@@ -336,6 +378,7 @@ class Daemon:
         if self._stopping or self.dispatcher is None:
             raise ShuttingDownError("shutting down; the event will be delivered again after restart")
         event = received.event
+        self._observer.event_received(event.id, received.received_at)
         structlog.contextvars.bind_contextvars(event_id=event.id)
         try:
             result = await self.dispatcher.handle(event)

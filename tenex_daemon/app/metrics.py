@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 NAMESPACE = "tenexd"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 RUN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -48,6 +49,11 @@ class Metrics:
             "agent_run_seconds", "Duration of agent runs (context, backend, publish), by agent.",
             ["agent"], namespace=NAMESPACE, registry=self.registry, buckets=RUN_BUCKETS,
         )
+        self.reply_latency_seconds = Histogram(
+            "reply_latency_seconds",
+            "From an incoming event taken from a relay to the agent's reply sent to the relays.",
+            namespace=NAMESPACE, registry=self.registry, buckets=LATENCY_BUCKETS,
+        )
         self.runs_in_flight = Gauge(
             "runs_in_flight", "Agent runs in progress.", namespace=NAMESPACE, registry=self.registry,
         )
@@ -67,6 +73,10 @@ class Metrics:
     def reply_published(self, agent: str) -> None:
         """Count a reply published by ``agent``."""
         self.replies_published.labels(agent=agent).inc()
+
+    def observe_reply_latency(self, seconds: float) -> None:
+        """Record the time from a trigger's arrival to its reply being sent."""
+        self.reply_latency_seconds.observe(seconds)
 
     def agent_run_error(self, agent: str, error: str) -> None:
         """Count a failed run of ``agent`` (``error``: an error class name or short code)."""

@@ -128,6 +128,8 @@ class DaemonSettings(_Section):
     status_interval_s: float = Field(default=2.0, gt=0)
     heartbeat_interval_s: float = Field(default=15.0, gt=0)
     typing_min_interval_s: float = Field(default=5.0, ge=0)
+    typing_delay_s: float = Field(default=0.25, ge=0)
+    """An agent shows typing once its run has taken this long (faster replies show none)."""
     stale_after_s: float = Field(default=30.0, gt=0)
     """`tenexd status` calls a status file older than this stale."""
     max_content_bytes: int = Field(default=256 * 1024, ge=1)

@@ -27,8 +27,8 @@ class RunObserver(Protocol):
     def run_finished(self, agent_slug: str, seconds: float, error: str | None) -> None:
         """A run ended; ``error`` names the failure kind, if any."""
 
-    def reply_published(self, agent_slug: str) -> None:
-        """A reply reached at least one relay."""
+    def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:
+        """A reply to ``trigger_id`` reached at least one relay; ``sent_at``: when it was sent (epoch s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,9 @@ class AgentRunner:
     A backend failure becomes a reply tagged ``["error", "system"]`` saying what failed.
     Typing indicators and the publication of the saved reply run as tracked background
     tasks (:meth:`flush` waits for them), so a run does not hold its slot while relays
-    acknowledge.
+    acknowledge. Typing starts once a run has taken ``typing_delay_s`` (a reply faster
+    than that shows no indicator, and costs the relays no start/stop pair); a stop is
+    sent after the reply only when a start was.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class AgentRunner:
         *,
         observer: RunObserver | None = None,
         on_reply: ReplyHook | None = None,
+        typing_delay_s: float = 0.0,
     ) -> None:
         self._manager = manager
         self._profiles = profiles
@@ -90,6 +93,7 @@ class AgentRunner:
         self._publisher = publisher
         self._observer = observer
         self._on_reply = on_reply
+        self._typing_delay = typing_delay_s
         self._outbox: set[asyncio.Task[None]] = set()
 
     def set_reply_hook(self, hook: ReplyHook) -> None:
@@ -107,7 +111,8 @@ class AgentRunner:
             log.error("run_trigger_missing", conversation_id=cid, event_id=request.trigger_id)
             return None
         trigger = conversation.history[index]
-        self._send(self._typing(profile.agent.slug, cid, active=True))
+        typing_started: list[bool] = [self._typing_delay <= 0]  # no delay: the start is as good as sent
+        typing = self._send(self._typing_after(self._typing_delay, profile.agent.slug, cid, typing_started))
         error_kind: str | None = None
         await self._manager.start_execution(cid)
         try:
@@ -133,8 +138,10 @@ class AgentRunner:
                 result = CompletionResult(text=f"I could not answer: internal error ({type(exc).__name__}).")
         finally:
             await self._manager.stop_execution(cid)
+            if not typing_started[0]:
+                typing.cancel()  # still waiting out the delay: nothing was sent
         reply = await self._save_reply(request, profile, trigger, result, context.session_id, error_kind)
-        self._send(self._deliver(profile.agent.slug, cid, reply))
+        self._send(self._deliver(profile.agent.slug, cid, reply, typing_started[0], request.trigger_id))
         if self._observer is not None:
             self._observer.run_finished(profile.agent.slug, time.perf_counter() - started, error_kind)
         if self._on_reply is not None:
@@ -176,10 +183,11 @@ class AgentRunner:
             await self._manager.add_completion_to_turn(cid, profile.agent.slug, result.text)
         return reply
 
-    def _send(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _send(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
         self._outbox.add(task)
         task.add_done_callback(self._outbox.discard)
+        return task
 
     async def flush(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for pending publications; return how many are still pending."""
@@ -188,11 +196,23 @@ class AgentRunner:
         _, pending = await asyncio.wait(set(self._outbox), timeout=timeout_s)
         return len(pending)
 
-    async def _deliver(self, agent_slug: str, conversation_id: str, reply: NostrEvent) -> None:
-        await self._publish(agent_slug, reply)
-        await self._typing(agent_slug, conversation_id, active=False)
+    async def _deliver(
+        self, agent_slug: str, conversation_id: str, reply: NostrEvent, typing: bool, trigger_id: str
+    ) -> None:
+        await self._publish(agent_slug, reply, trigger_id)
+        if typing:
+            await self._typing(agent_slug, conversation_id, active=False)
 
-    async def _publish(self, agent_slug: str, reply: NostrEvent) -> None:
+    async def _typing_after(
+        self, delay_s: float, agent_slug: str, conversation_id: str, started: list[bool]
+    ) -> None:
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        started[0] = True
+        await self._typing(agent_slug, conversation_id, active=True)
+
+    async def _publish(self, agent_slug: str, reply: NostrEvent, trigger_id: str) -> None:
+        sent_at = time.time()
         try:
             await self._publisher.publish(reply)
         except Exception as exc:
@@ -200,7 +220,7 @@ class AgentRunner:
             log.error("reply_not_published", agent=agent_slug, event_id=reply.id, error=str(exc))
             return
         if self._observer is not None:
-            self._observer.reply_published(agent_slug)
+            self._observer.reply_published(agent_slug, trigger_id, sent_at)
 
     async def _typing(self, agent_slug: str, conversation_id: str, *, active: bool) -> None:
         try:

@@ -150,6 +150,7 @@ class ReceivedEvent:
     relay_url: str
     subscription_id: str
     received_at: float
+    """Epoch seconds when the pool took the event in from the relay (before any queueing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -627,6 +628,8 @@ class _Relay:
 
 
 EventHandler = Callable[[ReceivedEvent], Awaitable[None]]
+_Intake = tuple[NostrEvent, str, str, float]
+"""An event waiting for the consumer: the event, its relay, its subscription, when it was taken in."""
 LaneKey = Callable[[NostrEvent], str]
 
 
@@ -675,7 +678,7 @@ class RelayPool:
         self.subscriptions: dict[str, _Subscription] = {}
         self._relays: dict[str, _Relay] = {}
         self.seen = SeenIds(self.settings.seen_cache_size)
-        self._queue: asyncio.Queue[tuple[NostrEvent, str, str]] | None = None
+        self._queue: asyncio.Queue[_Intake] | None = None
         self._lane_tasks: set[asyncio.Task[None]] = set()
         self._cursors: dict[tuple[str, str], int] = {}
         self._dirty_cursors: set[tuple[str, str]] = set()
@@ -827,7 +830,7 @@ class RelayPool:
             self.count_known_copy(event, url, sub_id)
             return
         assert self._queue is not None
-        await self._queue.put((event, url, sub_id))
+        await self._queue.put((event, url, sub_id, time.time()))
 
     async def _deliver_loop(self) -> None:
         assert self._queue is not None
@@ -837,28 +840,25 @@ class RelayPool:
             await self._deliver_in_lanes(queue, lanes, self.lane_key)
             return
         while True:
-            event, url, sub_id = await queue.get()
-            await self._deliver_one(queue, event, url, sub_id)
+            await self._deliver_one(queue, await queue.get())
 
-    async def _deliver_one(
-        self, queue: asyncio.Queue[tuple[NostrEvent, str, str]], event: NostrEvent, url: str, sub_id: str
-    ) -> None:
+    async def _deliver_one(self, queue: asyncio.Queue[_Intake], item: _Intake) -> None:
         try:
-            await self._deliver(event, url, sub_id)
+            await self._deliver(*item)
         except Exception:
-            log.exception("delivery failed", event_id=event.id)
+            log.exception("delivery failed", event_id=item[0].id)
         finally:
             queue.task_done()  # counted on the intake queue, so stop() waits for every lane
 
     async def _deliver_in_lanes(
-        self, queue: asyncio.Queue[tuple[NostrEvent, str, str]], lanes: int, lane_key: LaneKey
+        self, queue: asyncio.Queue[_Intake], lanes: int, lane_key: LaneKey
     ) -> None:
         """Deliver up to ``lanes`` keys at once; a key's events go one at a time, in arrival order.
 
         A key being delivered collects its later events in a backlog that its own worker
         drains, so a slow key never holds up another while a lane is free.
         """
-        backlogs: dict[str, collections.deque[tuple[NostrEvent, str, str]]] = {}
+        backlogs: dict[str, collections.deque[_Intake]] = {}
         free_lanes = asyncio.Semaphore(lanes)
         held = asyncio.Semaphore(self.settings.intake_queue_size)  # bounds the backlogs
 
@@ -866,9 +866,8 @@ class RelayPool:
             backlog = backlogs[key]
             try:
                 while backlog:
-                    event, url, sub_id = backlog.popleft()
                     try:
-                        await self._deliver_one(queue, event, url, sub_id)
+                        await self._deliver_one(queue, backlog.popleft())
                     finally:
                         held.release()
             finally:
@@ -898,14 +897,14 @@ class RelayPool:
             self._lane_tasks.add(task)
             task.add_done_callback(self._lane_tasks.discard)
 
-    async def _deliver(self, event: NostrEvent, url: str, sub_id: str) -> None:
+    async def _deliver(self, event: NostrEvent, url: str, sub_id: str, received_at: float) -> None:
         if self.store is not None and await self.store.is_processed(event.id):
             self.duplicates += 1
             self._advance_cursor(sub_id, url, event.created_at)
             return
         if self.on_event is not None:
             try:
-                await self.on_event(ReceivedEvent(event, url, sub_id, time.time()))
+                await self.on_event(ReceivedEvent(event, url, sub_id, received_at))
             except Exception:
                 self.consumer_errors += 1
                 self.seen.discard(event.id)

@@ -80,7 +80,12 @@ class Rig:
 
 
 def make_rig(
-    cast: Cast, *, hop_limit: int = 3, backend: object | None = None, owner: str | None = None
+    cast: Cast,
+    *,
+    hop_limit: int = 3,
+    backend: object | None = None,
+    owner: str | None = None,
+    typing_delay_s: float = 0.0,
 ) -> Rig:
     """Wire the services the way the daemon does, with fakes at the Nostr edge."""
     store = MemoryStore()
@@ -89,7 +94,7 @@ def make_rig(
     keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
     chosen = backend or OfflineBackend()
     profiles = {a.slug: AgentProfile(a, f"You are {a.name}.", chosen) for a in cast.agents}  # type: ignore[arg-type]
-    runner = AgentRunner(manager, profiles, FakeComposer(keys), publisher)
+    runner = AgentRunner(manager, profiles, FakeComposer(keys), publisher, typing_delay_s=typing_delay_s)
 
     async def run(request: RunRequest) -> None:
         await runner.run(request)
@@ -394,3 +399,32 @@ async def test_journal_writes_are_coalesced_and_never_stale() -> None:
     assert journaled_at_start == [True] * 50
     assert await store.get_meta(PENDING_RUNS_KEY) == "[]"
     assert store.meta_writes < 30
+
+
+class SlowBackend:
+    """The offline backend after a pause, like a model that takes a while."""
+
+    name = "slow"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Wait, then answer like the offline backend."""
+        await asyncio.sleep(self.seconds)
+        return await OfflineBackend().complete(request)
+
+
+@pytest.mark.parametrize(("backend_s", "expected"), [(0.0, []), (0.2, [("bob", True), ("bob", False)])])
+async def test_typing_shows_only_for_runs_longer_than_the_delay(
+    cast: Cast, backend_s: float, expected: list[tuple[str, bool]]
+) -> None:
+    """With a 50 ms typing delay, an instant reply sends no typing pair and a 200 ms one sends start then stop."""
+    rig = make_rig(cast, backend=SlowBackend(backend_s), typing_delay_s=0.05)
+    root = cast.user_says("Hello Bob", kind=11, tags=[["p", cast.bob.pubkey]])
+
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    assert len(rig.publisher.published) == 1
+    assert rig.publisher.typing_events == expected
