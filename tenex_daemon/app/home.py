@@ -17,6 +17,7 @@ from pathlib import Path
 
 import structlog
 
+from tenex_daemon.adapters.llm.factory import BACKEND_NAMES
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer, write_key_file
 from tenex_daemon.app.settings import CONFIG_FILE, AgentSettings, Settings, SettingsError, load_settings
 from tenex_daemon.core import nip19
@@ -200,6 +201,7 @@ def render_config(
     relays: Sequence[str],
     agents: Sequence[DemoAgent],
     default_agent: str | None,
+    backend: str = "offline",
 ) -> str:
     """Return the text of a new ``config.toml`` (public keys only)."""
     parts = [
@@ -217,7 +219,7 @@ def render_config(
         "\n[storage]\nkind = \"filesystem\"\n",
         "\n[daemon]\nlog_format = \"auto\"\nlog_level = \"info\"\n\n",
     ]
-    parts += [_agent_block(agent) for agent in agents]
+    parts += [_agent_block(agent, backend) for agent in agents]
     return "".join(parts)
 
 
@@ -229,13 +231,15 @@ def init_home(
     *,
     force: bool = False,
     project_name: str = DEFAULT_PROJECT_NAME,
+    backend: str = "offline",
 ) -> InitResult:
     """Create a project home: config, keys (0700 folder, 0600 files), owner, orchestrator and demo agents.
 
     ``owner`` and ``whitelist`` are public keys (npub or hex). Without ``owner`` an owner
     key pair is generated and its secret saved in ``keys/owner.key``. An existing
     ``config.toml`` is refused unless ``force``; with ``force`` the config is rewritten
-    and existing key files are kept (so the identities stay the same).
+    and existing key files are kept (so the identities stay the same). ``backend`` is the
+    LLM backend of the demo agents (``offline``, or ``local`` for the bundled small model).
     """
     home = Path(home).expanduser().resolve()
     config_path = home / CONFIG_FILE
@@ -249,6 +253,8 @@ def init_home(
     for url in relays:
         if not url.startswith(("ws://", "wss://")):
             raise HomeError(f"relay URL {url!r} must start with ws:// or wss://")
+    if backend not in BACKEND_NAMES:
+        raise HomeError(f"unknown backend {backend!r} (available: {', '.join(BACKEND_NAMES)})")
 
     if not home.exists():
         home.mkdir(mode=0o700, parents=True)
@@ -277,6 +283,7 @@ def init_home(
         relays=relays,
         agents=DEMO_AGENTS,
         default_agent=default_agent,
+        backend=backend,
     )
     _write_atomic(config_path, text)
     load_settings(home, {})  # what we wrote must load; a failure here is a bug worth seeing

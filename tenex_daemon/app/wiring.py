@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tenex_daemon.adapters.llm.offline import OfflineBackend
+from tenex_daemon.adapters.llm.factory import BACKEND_NAMES, UnknownBackendError, make_backend
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.settings import BackendSettings, Settings, SettingsError, StorageKind
 from tenex_daemon.core.agents import Agent
-from tenex_daemon.core.llm import LLMBackend
+from tenex_daemon.core.llm import BackendError, LLMBackend
 from tenex_daemon.core.ports import ConversationStore
 
-AVAILABLE_BACKENDS = ("offline",)
+AVAILABLE_BACKENDS = BACKEND_NAMES
 
 
 def build_store(settings: Settings) -> ConversationStore:
@@ -52,10 +52,33 @@ def build_agents(settings: Settings, signers: dict[str, Signer]) -> list[Agent]:
 
 
 def build_backend(slug: str, backend: BackendSettings, settings: Settings) -> LLMBackend:
-    """Return the LLM backend an agent is configured with."""
-    if backend.kind == "offline":
-        return OfflineBackend()
-    raise SettingsError(
-        f"{settings.config_path}: agents.{slug}.backend.kind: unknown backend {backend.kind!r} "
-        f"(available: {', '.join(AVAILABLE_BACKENDS)})"
-    )
+    """Return the LLM backend an agent is configured with; a bad configuration names its key.
+
+    A relative ``api_key_file`` or local model path is taken relative to the home.
+    """
+    where = f"{settings.config_path}: agents.{slug}.backend"
+    if backend.kind not in AVAILABLE_BACKENDS:
+        raise SettingsError(
+            f"{where}.kind: unknown backend {backend.kind!r} (available: {', '.join(AVAILABLE_BACKENDS)})"
+        )
+    key_file = backend.api_key_file
+    if key_file is not None and not Path(key_file).expanduser().is_absolute():
+        key_file = str(settings.home / key_file)
+    model = backend.model
+    if backend.kind == "local" and model is not None and model.endswith(".gguf"):
+        path = Path(model).expanduser()
+        model = str(path if path.is_absolute() else settings.home / path)
+    try:
+        return make_backend(
+            backend.kind,
+            model=model,
+            base_url=backend.base_url,
+            api_key_env=backend.api_key_env,
+            api_key_file=key_file,
+            temperature=backend.temperature,
+            options=backend.options,
+        )
+    except (UnknownBackendError, BackendError, ImportError) as exc:
+        raise SettingsError(f"{where}: {exc}") from None
+    except TypeError as exc:  # an option the backend does not take
+        raise SettingsError(f"{where}.options: {exc}") from None

@@ -186,12 +186,17 @@ def init(
     relay: Annotated[list[str] | None, typer.Option(help="Relay URL to use (repeatable).")] = None,
     force: Annotated[bool, typer.Option(help="Rewrite an existing config.toml (keys are kept).")] = False,
     project: Annotated[str, typer.Option(help="Project name.")] = "demo",
+    backend: Annotated[
+        str, typer.Option(help="LLM backend of the demo agents: offline, or local (SmolLM2, in-process).")
+    ] = "offline",
     as_json: JsonOption = False,
 ) -> None:
     """Create a project home: config.toml, keys/ (0700) with one key file (0600) per agent and the project."""
     home = _home(ctx)
     try:
-        result = init_home(home, owner, whitelist or (), relay or (), force=force, project_name=project)
+        result = init_home(
+            home, owner, whitelist or (), relay or (), force=force, project_name=project, backend=backend
+        )
     except (HomeError, KeyFileError) as exc:
         _fail(str(exc), EXIT_USAGE)
     if as_json:

@@ -65,10 +65,10 @@ async def test_scripts_run_serves_a_demo_home_that_answers_tenexd_send(tmp_path:
 
         sender = await asyncio.create_subprocess_exec(
             str(TENEXD), "--home", str(home), "send", "Plan a picnic for Saturday", "--to", "planner",
-            "--timeout", "15", "--json",
+            "--timeout", "90", "--json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
-        out, err = await asyncio.wait_for(sender.communicate(), 60)
+        out, err = await asyncio.wait_for(sender.communicate(), 120)
         assert sender.returncode == 0, err.decode() + output(log)
         lines = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
         replies = [line for line in lines if "reply" in line]

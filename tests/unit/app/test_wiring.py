@@ -1,0 +1,59 @@
+"""Wiring: each agent's configured backend is built by name, and a bad one is refused naming its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tenex_daemon.adapters.llm.local import LocalBackend
+from tenex_daemon.adapters.llm.offline import OfflineBackend
+from tenex_daemon.app.home import HomeError, init_home
+from tenex_daemon.app.settings import BackendSettings, SettingsError, load_settings
+from tenex_daemon.app.wiring import build_backend
+
+
+def test_init_with_the_local_backend_gives_every_demo_agent_the_bundled_model(tmp_path: Path) -> None:
+    """`init --backend local` writes kind = "local" for each demo agent, and wiring builds LocalBackend."""
+    init_home(tmp_path / "h", backend="local")
+    settings = load_settings(tmp_path / "h", {})
+
+    backends = [build_backend(a.slug, a.backend, settings) for a in settings.agents]
+
+    assert [a.backend.kind for a in settings.agents] == ["local"] * 3
+    assert all(isinstance(b, LocalBackend) for b in backends)
+
+
+def test_default_demo_backend_is_offline(tmp_path: Path) -> None:
+    """A home made without --backend uses the deterministic offline backend."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+
+    assert all(isinstance(build_backend(a.slug, a.backend, settings), OfflineBackend) for a in settings.agents)
+
+
+def test_unknown_backend_at_init_is_refused(tmp_path: Path) -> None:
+    """init refuses a backend name it does not know and writes nothing."""
+    with pytest.raises(HomeError, match="unknown backend 'gpt'"):
+        init_home(tmp_path / "h", backend="gpt")
+    assert not (tmp_path / "h" / "config.toml").exists()
+
+
+@pytest.mark.parametrize(
+    ("backend", "key"),
+    [
+        (BackendSettings(kind="gpt"), "agents.planner.backend.kind"),
+        (BackendSettings(kind="local", model="missing.gguf"), "agents.planner.backend"),
+        (BackendSettings(kind="openai"), "agents.planner.backend"),
+        (BackendSettings(kind="local", options={"colour": "blue"}), "agents.planner.backend.options"),
+    ],
+)
+def test_bad_backend_settings_name_the_agent_and_key(tmp_path: Path, backend: BackendSettings, key: str) -> None:
+    """Unknown kinds, a missing model file, a missing model name and unknown options are SettingsErrors naming the key."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+
+    with pytest.raises(SettingsError) as caught:
+        build_backend("planner", backend, settings)
+
+    assert f"config.toml: {key}" in str(caught.value)
