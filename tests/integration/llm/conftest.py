@@ -168,3 +168,37 @@ async def scripted_server() -> AsyncIterator[ScriptedServer]:
     server.base_url = f"http://127.0.0.1:{port}"
     yield server
     await runner.cleanup()
+
+
+STAND_IN = r"""
+import json, os, sys, time
+args = sys.argv[1:]
+prompt = sys.stdin.read()
+with open(os.environ["FAKE_CLAUDE_LOG"], "a") as log:
+    log.write(json.dumps({"args": args, "stdin": prompt}) + "\n")
+mode = os.environ.get("FAKE_CLAUDE_MODE", "ok")
+if mode == "auth":
+    print("Invalid API key · Please run /login", file=sys.stderr)
+    sys.exit(1)
+if mode == "hang":
+    time.sleep(60)
+session = args[args.index("--resume") + 1] if "--resume" in args else "sess-new-1"
+def emit(event):
+    print(json.dumps(event), flush=True)
+emit({"type": "system", "subtype": "init", "session_id": session, "model": "claude-stand-in", "tools": ["Bash"]})
+emit({"type": "assistant", "session_id": session, "message": {"model": "claude-stand-in", "content": [{"type": "text", "text": "Hello "}]}})
+emit({"type": "assistant", "session_id": session, "message": {"model": "claude-stand-in", "content": [{"type": "text", "text": "from Claude"}]}})
+emit({"type": "result", "subtype": "success", "is_error": False, "result": "Hello from Claude", "session_id": session,
+      "usage": {"input_tokens": 42, "output_tokens": 4}, "total_cost_usd": 0.002})
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], Path]:
+    """The stand-in's command line and the log where it records each call's arguments and stdin."""
+    script = tmp_path / "claude"
+    script.write_text(STAND_IN)
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_CLAUDE_LOG", str(log))
+    monkeypatch.delenv("FAKE_CLAUDE_MODE", raising=False)
+    return [sys.executable, str(script)], log
