@@ -435,10 +435,13 @@ asyncio.run(main())
 
 def probe_startup(home: Path) -> dict[str, Any]:
     """Open the home in a fresh process; return its timings and peak RSS."""
-    out = subprocess.run(
-        [sys.executable, "-c", STARTUP_PROBE, str(home)], capture_output=True, text=True, check=True,
+    done = subprocess.run(
+        [sys.executable, "-c", STARTUP_PROBE, str(home)], capture_output=True, text=True, check=False,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    ).stdout
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the start-up probe failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    out = done.stdout
     [line] = [x for x in out.splitlines() if x.startswith("RESULT ")]
     result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
     return result
