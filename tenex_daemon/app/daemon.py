@@ -278,6 +278,8 @@ class Daemon:
                 instructions=a.instructions,
                 backend=build_backend(a.slug, a.backend, settings),
                 model=a.backend.model,
+                temperature=a.backend.temperature,
+                max_tokens=a.backend.options.get("max_tokens"),
             )
             for a, agent in zip(settings.agents, self.agents, strict=True)
         }

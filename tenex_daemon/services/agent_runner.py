@@ -1,22 +1,38 @@
-"""One agent run: build its view, ask its backend, save the reply, then sign and publish it."""
+"""One agent run: build its view, ask its backend (running the tools it calls), save the reply, then
+sign and publish it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import structlog
 
 from tenex_daemon.core.agents import Agent, AuthorRole
+from tenex_daemon.core.context import AgentContext
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, LLMBackend
+from tenex_daemon.core.llm import (
+    AssistantToolCalls,
+    BackendError,
+    CompletionRequest,
+    CompletionResult,
+    LLMBackend,
+    LLMMessage,
+)
 from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.runs import RunRequest
+from tenex_daemon.services.tools import RunEffects, ToolContext, ToolRegistry, mark_conversation_ended
+
+DEFAULT_MAX_TOOL_ROUNDS = 8
+"""How many times one run may ask its backend before an answer without tool calls is required."""
+TOOL_LOOP_ERROR = "tool_loop"
+"""The error kind of a run stopped because its backend kept calling tools."""
+DEFAULT_TOOLS = ("complete", "switch_phase", "end_conversation", "get_conversation")
 
 log = structlog.get_logger(__name__)
 
@@ -33,12 +49,16 @@ class RunObserver(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class AgentProfile:
-    """What an agent run needs besides the conversation: persona and backend."""
+    """What an agent run needs besides the conversation: persona, backend and the tools it is offered."""
 
     agent: Agent
     instructions: str
     backend: LLMBackend
     model: str | None = None
+    temperature: float | None = None
+    max_tokens: int | None = None
+    tools: tuple[str, ...] = DEFAULT_TOOLS
+    """Names of the tools offered to the model (from the runner's registry)."""
 
     @property
     def system_prompt(self) -> str:
@@ -74,6 +94,13 @@ class AgentRunner:
     acknowledge. Typing starts once a run has taken ``typing_delay_s`` (a reply faster
     than that shows no indicator, and costs the relays no start/stop pair); a stop is
     sent after the reply only when a start was.
+
+    The agent's tools (``profile.tools``, from ``tools``) are offered to its backend; the
+    calls it makes run and their results go back to it until it answers with text, at
+    most ``max_tool_rounds`` backend calls per run (then the reply is an error saying so).
+    A ``complete`` call makes the reply a completion (tagged ``["tool", "complete"]``,
+    addressed to the orchestrator too); ``end_conversation`` archives the conversation
+    once the reply is saved.
     """
 
     def __init__(
@@ -86,7 +113,11 @@ class AgentRunner:
         observer: RunObserver | None = None,
         on_reply: ReplyHook | None = None,
         typing_delay_s: float = 0.0,
+        tools: ToolRegistry | None = None,
+        max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
     ) -> None:
+        if max_tool_rounds < 1:
+            raise ValueError("max_tool_rounds must be at least 1")
         self._manager = manager
         self._profiles = profiles
         self._composer = composer
@@ -94,6 +125,12 @@ class AgentRunner:
         self._observer = observer
         self._on_reply = on_reply
         self._typing_delay = typing_delay_s
+        self._tools = tools or ToolRegistry.default()
+        self._max_tool_rounds = max_tool_rounds
+        for profile in profiles.values():
+            unknown = set(profile.tools) - set(self._tools.names)
+            if unknown:
+                raise ValueError(f"agent {profile.agent.slug}: unknown tools {', '.join(sorted(unknown))}")
         self._outbox: set[asyncio.Task[None]] = set()
 
     def set_reply_hook(self, hook: ReplyHook) -> None:
@@ -113,40 +150,102 @@ class AgentRunner:
         trigger = conversation.history[index]
         typing_started: list[bool] = [self._typing_delay <= 0]  # no delay: the start is as good as sent
         typing = self._send(self._typing_after(self._typing_delay, profile.agent.slug, cid, typing_started))
-        error_kind: str | None = None
+        effects = RunEffects()
         await self._manager.start_execution(cid)
         try:
             context = await self._manager.build_agent_messages(cid, profile.agent.slug, trigger)
-            completion = CompletionRequest(
-                agent_slug=profile.agent.slug,
-                agent_name=profile.agent.name,
-                system_prompt=profile.system_prompt,
-                messages=context.messages,
-                session_id=context.session_id,
-                model=profile.model,
-            )
-            try:
-                result = await profile.backend.complete(completion)
-            except BackendError as exc:
-                error_kind = exc.kind
-                result = CompletionResult(
-                    text=f"I could not answer: the {profile.backend.name} backend failed ({exc.kind}): {exc}"
-                )
-            except Exception as exc:
-                error_kind = "internal"
-                log.exception("backend_crashed", agent=profile.agent.slug, conversation_id=cid)
-                result = CompletionResult(text=f"I could not answer: internal error ({type(exc).__name__}).")
+            tool_context = ToolContext(self._manager, cid, profile.agent, effects)
+            result, error_kind = await self._answer(profile, context, tool_context)
         finally:
             await self._manager.stop_execution(cid)
             if not typing_started[0]:
                 typing.cancel()  # still waiting out the delay: nothing was sent
-        reply = await self._save_reply(request, profile, trigger, result, context.session_id, error_kind)
+        reply = await self._save_reply(
+            request, profile, trigger, result, context.session_id, error_kind, effects
+        )
+        if effects.end_conversation:
+            await mark_conversation_ended(
+                self._manager, cid, profile.agent.slug, effects.end_reason, time.time_ns() // 1_000_000
+            )
         self._send(self._deliver(profile.agent.slug, cid, reply, typing_started[0], request.trigger_id))
         if self._observer is not None:
             self._observer.run_finished(profile.agent.slug, time.perf_counter() - started, error_kind)
-        if self._on_reply is not None:
+        if self._on_reply is not None and not effects.end_conversation:
+            # An ended conversation is read-only: nobody is targeted by its last reply.
             await self._on_reply(cid, reply)
         return reply
+
+    async def _answer(
+        self, profile: AgentProfile, context: AgentContext, tools: ToolContext
+    ) -> tuple[CompletionResult, str | None]:
+        """Ask the backend, run the tools it calls, ask again until it answers; return (answer, error kind).
+
+        Each assistant message with tool calls is followed at once by one result per call,
+        so a call and its result are never separated in what the backend is sent. A
+        ``complete`` call ends the loop without another backend call.
+        """
+        offered = profile.tools
+        specs = self._tools.specs(offered)
+        messages: list[LLMMessage] = list(context.messages)
+        session_id = context.session_id
+        model: str | None = None
+        prompt_tokens: int | None = None
+        completion_tokens: int | None = None
+        try:
+            for _ in range(self._max_tool_rounds):
+                result = await profile.backend.complete(
+                    CompletionRequest(
+                        agent_slug=profile.agent.slug,
+                        agent_name=profile.agent.name,
+                        system_prompt=profile.system_prompt,
+                        messages=tuple(messages),
+                        session_id=session_id,
+                        model=profile.model,
+                        tools=specs,
+                        temperature=profile.temperature,
+                        max_tokens=profile.max_tokens,
+                    )
+                )
+                model = result.model or model
+                session_id = result.session_id or session_id
+                prompt_tokens = _add(prompt_tokens, result.prompt_tokens)
+                completion_tokens = _add(completion_tokens, result.completion_tokens)
+                usage = CompletionResult(
+                    text="",
+                    model=model,
+                    session_id=session_id,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    extra=result.extra,
+                )
+                if not result.tool_calls:
+                    if len(messages) == len(context.messages):
+                        return result, None  # no tool was called: the backend's answer as it is
+                    return replace(usage, text=result.text, finish_reason=result.finish_reason), None
+                messages.append(AssistantToolCalls(result.tool_calls, result.text))
+                for call in result.tool_calls:
+                    messages.append(await self._tools.execute(call, tools, offered))
+                if tools.effects.complete:
+                    text = tools.effects.completion_summary or result.text.strip() or "Done."
+                    return replace(usage, text=text), None
+            log.warning(
+                "tool_loop_stopped",
+                agent=profile.agent.slug,
+                conversation_id=tools.conversation_id,
+                rounds=self._max_tool_rounds,
+            )
+            text = (
+                f"I could not answer: I kept calling tools and reached the limit of "
+                f"{self._max_tool_rounds} model calls for one reply."
+            )
+            return replace(usage, text=text, extra={}), TOOL_LOOP_ERROR
+        except BackendError as exc:
+            text = f"I could not answer: the {profile.backend.name} backend failed ({exc.kind}): {exc}"
+            return CompletionResult(text=text), exc.kind
+        except Exception as exc:
+            log.exception("backend_crashed", agent=profile.agent.slug, conversation_id=tools.conversation_id)
+            text = f"I could not answer: internal error ({type(exc).__name__})."
+            return CompletionResult(text=text), "internal"
 
     async def _save_reply(
         self,
@@ -156,30 +255,39 @@ class AgentRunner:
         result: CompletionResult,
         previous_session: str | None,
         error_kind: str | None,
+        effects: RunEffects,
     ) -> NostrEvent:
         cid = request.conversation_id
         conversation = await self._manager.get_conversation(cid)
         assert conversation is not None
         session_id = result.session_id or previous_session
+        destinations = [user_destination(conversation, trigger, self._manager)]
+        complete = effects.complete and error_kind is None
+        orchestrator = self._manager.agents.orchestrator
+        if complete and orchestrator is not None and orchestrator.slug != profile.agent.slug:
+            destinations.append(orchestrator.pubkey)
         spec = ReplySpec(
             agent_slug=profile.agent.slug,
             trigger=trigger,
             root=conversation.root,
             content=result.text,
-            destinations=(user_destination(conversation, trigger, self._manager),),
+            destinations=tuple(destinations),
             phase=conversation.phase.value,
             net_time_seconds=await self._manager.execution_seconds(cid),
             session_id=session_id,
+            complete=complete,
             model=result.model,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
             error=error_kind is not None,
         )
         reply = self._composer.compose(spec)
+        # A reply tagged ["tool", "complete"] is counted as the open turn's completion here, once.
         await self._manager.add_event(cid, reply)
         if result.session_id and result.session_id != previous_session:
             await self._manager.update_agent_state(cid, profile.agent.slug, session_id=result.session_id)
         if request.via_orchestrator:
+            # A no-op when the completion was already counted from the tag.
             await self._manager.add_completion_to_turn(cid, profile.agent.slug, result.text)
         return reply
 
@@ -227,3 +335,10 @@ class AgentRunner:
             await self._publisher.typing(agent_slug, conversation_id, active)
         except Exception as exc:
             log.info("typing_not_published", agent=agent_slug, error=str(exc))
+
+
+def _add(total: int | None, more: int | None) -> int | None:
+    """Sum token counts over a run's backend calls (None while none was reported)."""
+    if more is None:
+        return total
+    return more if total is None else total + more

@@ -1,0 +1,463 @@
+"""The tools an agent may call during its run, and the registry that runs them.
+
+A tool gets validated arguments and a :class:`ToolContext` (the conversation, the agent,
+the manager) and returns the text the model reads next. Anything that goes wrong (an
+unknown tool, arguments that do not validate, a rule that forbids the action) becomes a
+:class:`~tenex_daemon.core.llm.ToolResult` marked ``is_error`` that says what was wrong,
+so the model can try again: a tool call never crashes a run.
+
+Tools that end something (``complete``, ``end_conversation``) only record the wish in
+:class:`RunEffects`; the runner acts on it when it saves the reply, so the reply still
+goes out and is tagged accordingly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tenex_daemon.core.agents import Agent, AuthorRole
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import ConversationArchivedError, PhaseTransitionError
+from tenex_daemon.core.llm import ToolCall, ToolResult, ToolSpec
+from tenex_daemon.core.phases import Phase
+from tenex_daemon.services.conversation_manager import ConversationManager
+
+log = structlog.get_logger(__name__)
+
+RECENT_MESSAGES = 20
+"""How many of a conversation's newest messages ``get_conversation`` returns."""
+MESSAGE_PREVIEW_CHARS = 500
+"""Longer message contents are cut to this many characters in ``get_conversation``."""
+SUMMARY_PREVIEW_CHARS = 300
+DEFAULT_RECENT_CONVERSATIONS = 10
+MAX_RECENT_CONVERSATIONS = 20
+
+ENDED_AT_KEY = "ended_at"
+"""Metadata ``extra`` key: when an agent ended the conversation (ms since the epoch)."""
+ENDED_BY_KEY = "ended_by"
+END_REASON_KEY = "end_reason"
+
+
+class ToolRefusedError(Exception):
+    """A tool could not do what was asked; the message is returned to the model as an error result."""
+
+
+@dataclass(slots=True)
+class RunEffects:
+    """What the tools of one run asked the runner to do when it saves the reply."""
+
+    complete: bool = False
+    completion_summary: str | None = None
+    end_conversation: bool = False
+    end_reason: str | None = None
+    tools_used: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    """What a tool works on: one agent's run in one conversation."""
+
+    manager: ConversationManager
+    conversation_id: str
+    agent: Agent
+    effects: RunEffects
+
+
+class Tool(Protocol):
+    """One tool: its spec (offered to the model), its argument model and what it does."""
+
+    @property
+    def spec(self) -> ToolSpec:
+        """What the model is told about the tool."""
+
+    @property
+    def arguments(self) -> type[BaseModel]:
+        """The pydantic model the call's arguments are validated with."""
+
+    async def run(self, arguments: Any, context: ToolContext) -> str:
+        """Do it; return the text the model reads next, or raise :class:`ToolRefusedError`."""
+
+
+class _Arguments(BaseModel):
+    """Tool arguments: unknown keys are ignored (models add them), known ones are checked."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+def _text_property(description: str) -> dict[str, Any]:
+    return {"type": "string", "description": description}
+
+
+# --- complete -------------------------------------------------------------------------------
+
+
+class CompleteArguments(_Arguments):
+    """``complete``'s arguments."""
+
+    summary: str | None = None
+
+
+class CompleteTool:
+    """Ends the agent's part of the turn: the reply is a completion addressed to the orchestrator too."""
+
+    spec = ToolSpec(
+        name="complete",
+        description=(
+            "Call this when your part of the task is done. Your reply is then sent to the orchestrator "
+            "as your completion (and to the user). Put what you did in `summary`."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {"summary": _text_property("What you did and what the result is.")},
+            "required": [],
+        },
+    )
+    arguments = CompleteArguments
+
+    async def run(self, arguments: CompleteArguments, context: ToolContext) -> str:
+        """Record the completion (once per run)."""
+        effects = context.effects
+        if effects.complete:
+            return "Your completion was already recorded; it is sent once."
+        effects.complete = True
+        summary = (arguments.summary or "").strip()
+        effects.completion_summary = summary or None
+        return "Completion recorded: your reply goes to the orchestrator and the user."
+
+
+# --- switch_phase ---------------------------------------------------------------------------
+
+
+class SwitchPhaseArguments(_Arguments):
+    """``switch_phase``'s arguments."""
+
+    phase: str
+    reason: str = Field(min_length=1)
+    summary: str | None = None
+
+    @field_validator("phase")
+    @classmethod
+    def _known_phase(cls, value: str) -> str:
+        phase = value.strip().lower()
+        if phase not in {p.value for p in Phase}:
+            raise ValueError(f"unknown phase {value!r}; phases are {', '.join(p.value for p in Phase)}")
+        return phase
+
+
+class SwitchPhaseTool:
+    """Moves the conversation to another phase, subject to the phase rules."""
+
+    spec = ToolSpec(
+        name="switch_phase",
+        description=(
+            "Move the conversation to another phase (chat, brainstorm, plan, execute, verification, "
+            "chores, reflection). Only allowed transitions succeed. Give the reason and a handoff "
+            "summary of where things stand for whoever works in the next phase."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "phase": {
+                    "type": "string",
+                    "enum": [p.value for p in Phase],
+                    "description": "The phase to move to.",
+                },
+                "reason": _text_property("Why the conversation moves to this phase."),
+                "summary": _text_property("Handoff summary: what is known and decided so far."),
+            },
+            "required": ["phase", "reason"],
+        },
+    )
+    arguments = SwitchPhaseArguments
+
+    async def run(self, arguments: SwitchPhaseArguments, context: ToolContext) -> str:
+        """Change the phase; a forbidden transition fails with the allowed ones."""
+        summary = arguments.summary.strip() if arguments.summary else None
+        try:
+            transition = await context.manager.update_phase(
+                context.conversation_id,
+                arguments.phase,
+                summary or arguments.reason,
+                context.agent.slug,
+                reason=arguments.reason,
+                summary=summary,
+            )
+        except PhaseTransitionError as exc:
+            raise ToolRefusedError(str(exc)) from None
+        except ConversationArchivedError:
+            raise ToolRefusedError("the conversation is archived (ended); its phase cannot change") from None
+        if transition.is_handoff:
+            return f"Handoff recorded; the conversation stays in {transition.to_phase.value}."
+        return f"Phase changed from {transition.from_phase.value} to {transition.to_phase.value}."
+
+
+# --- end_conversation -----------------------------------------------------------------------
+
+
+class EndConversationArguments(_Arguments):
+    """``end_conversation``'s arguments."""
+
+    reason: str | None = None
+
+
+class EndConversationTool:
+    """Ends (archives) the conversation once the reply is saved (seed 004)."""
+
+    spec = ToolSpec(
+        name="end_conversation",
+        description=(
+            "End the current conversation. Use this when the topic is concluded, the user says they are "
+            "done, or the user moves to an unrelated topic. Your reply is still sent."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "reason": _text_property("Optional reason, e.g. 'task completed', 'user requested'.")
+            },
+            "required": [],
+        },
+    )
+    arguments = EndConversationArguments
+
+    async def run(self, arguments: EndConversationArguments, context: ToolContext) -> str:
+        """Record the wish to end; the runner archives the conversation after saving the reply."""
+        effects = context.effects
+        effects.end_conversation = True
+        reason = (arguments.reason or "").strip()
+        effects.end_reason = reason or effects.end_reason
+        return (
+            "The conversation will be ended (archived) after your reply is sent. "
+            "A new message in it reopens it."
+        )
+
+
+async def mark_conversation_ended(
+    manager: ConversationManager, conversation_id: str, agent_slug: str, reason: str | None, now_ms: int
+) -> None:
+    """Record who ended the conversation, when and why (metadata ``extra``), then archive it."""
+    conversation = await manager.get_conversation(conversation_id)
+    if conversation is None or conversation.archived:
+        return
+    extra = dict(conversation.metadata.extra)
+    extra[ENDED_AT_KEY] = now_ms
+    extra[ENDED_BY_KEY] = agent_slug
+    if reason:
+        extra[END_REASON_KEY] = reason
+    else:
+        extra.pop(END_REASON_KEY, None)
+    await manager.update_metadata(conversation_id, extra=extra)
+    await manager.archive_conversation(conversation_id)
+    log.info("conversation_ended", conversation_id=conversation_id, agent=agent_slug, reason=reason)
+
+
+# --- get_conversation -----------------------------------------------------------------------
+
+
+class GetConversationArguments(_Arguments):
+    """``get_conversation``'s arguments: ``id`` (or seed 004's ``conversation_id``), or ``list_recent``."""
+
+    id: str | None = None
+    conversation_id: str | None = None
+    list_recent: bool | int | None = None
+
+    @field_validator("list_recent")
+    @classmethod
+    def _positive(cls, value: bool | int | None) -> bool | int | None:
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError("list_recent must be true or a number of conversations >= 1")
+        return value
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _ended_at(conversation: Conversation) -> str | None:
+    value = conversation.metadata.extra.get(ENDED_AT_KEY)
+    return _iso(value) if isinstance(value, int) else None
+
+
+class GetConversationTool:
+    """Reads another conversation of the project: one by id, or summaries of the recent ones (seed 004)."""
+
+    spec = ToolSpec(
+        name="get_conversation",
+        description=(
+            "Look up past conversations of this project. With `id`: that conversation's summary and its "
+            "most recent messages. With `list_recent` (true, or how many): summaries of the most recent "
+            "other conversations, newest first."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "id": _text_property("The id of the conversation to read."),
+                "list_recent": {
+                    "type": ["boolean", "integer"],
+                    "description": (
+                        f"true (or a number up to {MAX_RECENT_CONVERSATIONS}) to list recent "
+                        f"conversations; default {DEFAULT_RECENT_CONVERSATIONS}."
+                    ),
+                },
+            },
+            "required": [],
+        },
+    )
+    arguments = GetConversationArguments
+
+    async def run(self, arguments: GetConversationArguments, context: ToolContext) -> str:
+        """Return the conversation (by id) or the recent list, as JSON."""
+        wanted = (arguments.id or arguments.conversation_id or "").strip()
+        if wanted:
+            return await self._one(wanted, context)
+        count = DEFAULT_RECENT_CONVERSATIONS
+        if isinstance(arguments.list_recent, int) and not isinstance(arguments.list_recent, bool):
+            count = min(arguments.list_recent, MAX_RECENT_CONVERSATIONS)
+        return await self._recent(count, context)
+
+    async def _one(self, conversation_id: str, context: ToolContext) -> str:
+        conversation = await context.manager.get_conversation(conversation_id)
+        if conversation is None:
+            raise ToolRefusedError(f"no conversation with id {conversation_id!r}; list_recent shows the ids")
+        directory = context.manager.agents
+        messages = []
+        shown = [event for event in conversation.history if event.content][-RECENT_MESSAGES:]
+        for event in shown:
+            agent = directory.by_pubkey(event.pubkey)
+            role = directory.role_of(event.pubkey, conversation.claims_agent(event.pubkey))
+            if agent is not None:
+                author = "you" if agent.slug == context.agent.slug else agent.name
+            else:
+                author = "user" if role is AuthorRole.USER else "another agent"
+            messages.append(
+                {
+                    "timestamp": _iso(event.created_at * 1000),
+                    "from": author,
+                    "content": _cut(event.content, MESSAGE_PREVIEW_CHARS),
+                }
+            )
+        body = {
+            "id": conversation.id,
+            "title": conversation.title,
+            "summary": _cut(conversation.metadata.summary or "", SUMMARY_PREVIEW_CHARS) or None,
+            "phase": conversation.phase.value,
+            "started_at": _iso(conversation.created_at),
+            "ended_at": _ended_at(conversation),
+            "archived": conversation.archived,
+            "message_count": len(conversation.history),
+            "messages": messages,
+        }
+        return json.dumps(body, ensure_ascii=False)
+
+    async def _recent(self, count: int, context: ToolContext) -> str:
+        rows = await context.manager.search_conversations(limit=count + 1)
+        listed = []
+        for row in rows:
+            if row.id == context.conversation_id:
+                continue  # the current conversation is what the agent is already looking at
+            conversation = await context.manager.get_conversation(row.id)
+            summary = conversation.metadata.summary if conversation is not None else None
+            listed.append(
+                {
+                    "id": row.id,
+                    "title": row.title,
+                    "summary": _cut(summary, SUMMARY_PREVIEW_CHARS) if summary else None,
+                    "phase": row.phase.value,
+                    "started_at": _iso(row.created_at),
+                    "ended_at": _ended_at(conversation) if conversation is not None else None,
+                    "archived": row.archived,
+                    "message_count": row.event_count,
+                }
+            )
+            if len(listed) == count:
+                break
+        return json.dumps({"conversations": listed}, ensure_ascii=False)
+
+
+# --- the registry ---------------------------------------------------------------------------
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "arguments"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+class ToolRegistry:
+    """The tools by name; runs a model's tool call and always returns a result for it."""
+
+    def __init__(self, tools: Iterable[Tool]) -> None:
+        self._tools: dict[str, Tool] = {}
+        for tool in tools:
+            if tool.spec.name in self._tools:
+                raise ValueError(f"two tools are named {tool.spec.name!r}")
+            self._tools[tool.spec.name] = tool
+
+    @classmethod
+    def default(cls) -> ToolRegistry:
+        """The tools every agent is offered: complete, switch_phase, end_conversation, get_conversation."""
+        return cls([CompleteTool(), SwitchPhaseTool(), EndConversationTool(), GetConversationTool()])
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The registered tool names, in registration order."""
+        return tuple(self._tools)
+
+    def specs(self, names: Iterable[str] | None = None) -> tuple[ToolSpec, ...]:
+        """The specs of ``names`` (every tool when None); an unknown name raises KeyError."""
+        chosen = self._tools if names is None else {name: self._tools[name] for name in names}
+        return tuple(tool.spec for tool in chosen.values())
+
+    async def execute(
+        self, call: ToolCall, context: ToolContext, offered: Iterable[str] | None = None
+    ) -> ToolResult:
+        """Run ``call``; an unknown tool, bad arguments or a refused action become an error result."""
+        allowed = self._tools if offered is None else {n: self._tools[n] for n in offered if n in self._tools}
+        tool = allowed.get(call.name)
+        if tool is None:
+            names = ", ".join(allowed) or "none"
+            return self._error(call, context, f"unknown tool {call.name!r}; the tools are: {names}")
+        if call.invalid_arguments is not None:
+            return self._error(
+                call, context, f"the arguments are not a JSON object: {_cut(call.invalid_arguments, 200)!r}"
+            )
+        try:
+            arguments = tool.arguments.model_validate(dict(call.arguments))
+        except ValidationError as exc:
+            return self._error(call, context, f"invalid arguments for {call.name}: {_describe(exc)}")
+        context.effects.tools_used.append(call.name)
+        try:
+            content = await tool.run(arguments, context)
+        except ToolRefusedError as exc:
+            return self._error(call, context, str(exc))
+        except Exception as exc:
+            log.exception("tool_crashed", tool=call.name, conversation_id=context.conversation_id)
+            return self._error(call, context, f"{call.name} failed: internal error ({type(exc).__name__})")
+        log.info(
+            "tool_called", tool=call.name, agent=context.agent.slug, conversation_id=context.conversation_id
+        )
+        return ToolResult(tool_call_id=call.id, name=call.name, content=content)
+
+    @staticmethod
+    def _error(call: ToolCall, context: ToolContext, message: str) -> ToolResult:
+        log.info(
+            "tool_call_refused",
+            tool=call.name,
+            agent=context.agent.slug,
+            conversation_id=context.conversation_id,
+            error=message,
+        )
+        return ToolResult(tool_call_id=call.id, name=call.name, content=f"Error: {message}", is_error=True)
+

@@ -1,0 +1,402 @@
+"""The tool loop of an agent run (complete, switch_phase, end_conversation, get_conversation), scripted."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
+from tenex_daemon.adapters.llm.offline import OfflineBackend
+from tenex_daemon.adapters.nostr.codec import build_reply_tags
+from tenex_daemon.core.llm import (
+    AssistantToolCalls,
+    BackendError,
+    CompletionRequest,
+    CompletionResult,
+    LLMMessage,
+    ToolCall,
+    ToolResult,
+)
+from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.ports import ReplySpec
+from tenex_daemon.services.agent_runner import DEFAULT_TOOLS, AgentProfile, AgentRunner
+from tenex_daemon.services.runs import RunRequest
+from tenex_daemon.services.tools import END_REASON_KEY, ENDED_BY_KEY
+from tenex_daemon.testing import FakeClock, KeyPair, sign_event
+from tests.conftest import Cast
+from tests.unit.services.test_daemon_services import FakePublisher
+
+
+@dataclass
+class TagComposer:
+    """Signs replies with the real reply tags (PROTOCOL.md), so completions carry ["tool", "complete"]."""
+
+    keys: dict[str, KeyPair]
+
+    def compose(self, spec: ReplySpec) -> NostrEvent:
+        """Return the signed reply with the codec's tags."""
+        tags = build_reply_tags(
+            spec.trigger,
+            spec.destinations,
+            root=spec.root,
+            phase=spec.phase,
+            complete=spec.complete,
+            llm_model=spec.model,
+            error=spec.error,
+        )
+        return sign_event(self.keys[spec.agent_slug], spec.content, tags=tags)
+
+
+def calls(*items: tuple[str, str, dict[str, object]]) -> CompletionResult:
+    """A backend answer asking for tools: (call id, tool name, arguments) each."""
+    return CompletionResult(
+        text="", model="scripted", tool_calls=tuple(ToolCall(i, name, args) for i, name, args in items)
+    )
+
+
+def text(content: str) -> CompletionResult:
+    """A backend answer with text only."""
+    return CompletionResult(text=content, model="scripted", prompt_tokens=10, completion_tokens=5)
+
+
+@dataclass
+class ScriptedBackend:
+    """Returns the scripted answers in order (the last one again when the script runs out); records requests."""
+
+    script: list[CompletionResult]
+    name: str = "scripted"
+    requests: list[CompletionRequest] = field(default_factory=list)
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Return the next scripted answer."""
+        self.requests.append(request)
+        return self.script[min(len(self.requests), len(self.script)) - 1]
+
+    def tool_results(self) -> list[ToolResult]:
+        """Every tool result the backend was sent in its last request."""
+        return [m for m in self.requests[-1].messages if isinstance(m, ToolResult)]
+
+
+@dataclass
+class Rig:
+    """A manager, a runner with one scripted agent (Alice), and fake I/O."""
+
+    manager: ConversationManager
+    runner: AgentRunner
+    publisher: FakePublisher
+    backend: ScriptedBackend
+    hooked: list[NostrEvent]
+
+
+def make_rig(cast: Cast, backend: ScriptedBackend | OfflineBackend, max_tool_rounds: int = 8) -> Rig:
+    """Wire a runner whose agents all think through ``backend``."""
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
+    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    profiles = {
+        a.slug: AgentProfile(a, "", backend, temperature=0.2, max_tokens=64)
+        for a in cast.agents
+    }
+    publisher = FakePublisher()
+    hooked: list[NostrEvent] = []
+
+    async def hook(_cid: str, reply: NostrEvent) -> None:
+        hooked.append(reply)
+
+    runner = AgentRunner(
+        manager, profiles, TagComposer(keys), publisher, on_reply=hook, max_tool_rounds=max_tool_rounds
+    )
+    scripted = backend if isinstance(backend, ScriptedBackend) else ScriptedBackend([])
+    return Rig(manager, runner, publisher, scripted, hooked)
+
+
+async def start(rig: Rig, cast: Cast, content: str = "Hello Alice") -> NostrEvent:
+    """Create a conversation whose root p-tags Alice; return the root."""
+    root = cast.user_says(content, kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    return root
+
+
+async def run(rig: Rig, root: NostrEvent, trigger: NostrEvent | None = None, **options: bool) -> NostrEvent:
+    """Run Alice on ``trigger`` (default: the root) and wait for the publication."""
+    trigger = trigger or root
+    reply = await rig.runner.run(RunRequest(root.id, trigger.id, "alice", **options))
+    assert reply is not None
+    await rig.runner.flush(5.0)
+    return reply
+
+
+def tail_pairs(messages: Sequence[LLMMessage]) -> list[tuple[str, str]]:
+    """(role, call ids) of the messages after the agent's context, for adjacency checks."""
+    out = []
+    for message in messages:
+        if isinstance(message, AssistantToolCalls):
+            out.append(("assistant", ",".join(c.id for c in message.tool_calls)))
+        elif isinstance(message, ToolResult):
+            out.append(("tool", message.tool_call_id))
+    return out
+
+
+async def test_tool_results_follow_their_calls_and_the_backend_is_asked_again(cast: Cast) -> None:
+    """Each tool call runs and its result is sent right after the assistant message that asked for it."""
+    backend = ScriptedBackend(
+        [
+            calls(("c1", "get_conversation", {"list_recent": True}), ("c2", "get_conversation", {})),
+            calls(("c3", "switch_phase", {"phase": "plan", "reason": "needs a plan"})),
+            text("Here is what I found."),
+        ]
+    )
+    rig = make_rig(cast, backend)
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    assert len(backend.requests) == 3
+    first, last = backend.requests[0], backend.requests[-1]
+    assert {spec.name for spec in first.tools} == set(DEFAULT_TOOLS)
+    assert list(last.messages[: len(first.messages)]) == list(first.messages)
+    assert tail_pairs(last.messages[len(first.messages) :]) == [
+        ("assistant", "c1,c2"), ("tool", "c1"), ("tool", "c2"), ("assistant", "c3"), ("tool", "c3"),
+    ]
+    assert not any(result.is_error for result in backend.tool_results())
+    assert reply.content == "Here is what I found."
+    assert not reply.has_tag("tool", "complete")
+    assert rig.publisher.published == [reply]
+
+
+async def test_profile_temperature_and_max_tokens_reach_every_request(cast: Cast) -> None:
+    """The agent's configured temperature and max_tokens are sent with each backend call of the loop."""
+    backend = ScriptedBackend([calls(("c1", "get_conversation", {})), text("ok")])
+    rig = make_rig(cast, backend)
+    root = await start(rig, cast)
+
+    await run(rig, root)
+
+    assert [(r.temperature, r.max_tokens) for r in backend.requests] == [(0.2, 64), (0.2, 64)]
+
+
+async def test_complete_tags_the_reply_and_closes_the_agents_part_of_the_turn_once(cast: Cast) -> None:
+    """`complete` ends the loop without another call; the reply is tagged, p-tags user and orchestrator, counts once."""
+    backend = ScriptedBackend([calls(("c1", "complete", {"summary": "Wrote the plan."}))])
+    rig = make_rig(cast, backend)
+    root = cast.user_says("Plan it", kind=11)
+    await rig.manager.create_conversation(root)
+    await rig.manager.start_orchestrator_turn(root.id, Phase.CHAT, ["alice", "bob"], "both")
+
+    reply = await run(rig, root, via_orchestrator=True)
+    again = await run(rig, root, via_orchestrator=True)
+
+    assert len(backend.requests) == 2  # one backend call per run: complete needs no second call
+    assert reply.content == "Wrote the plan."
+    assert reply.has_tag("tool", "complete")
+    assert again.has_tag("tool", "complete")
+    assert reply.tag_values("p") == [cast.user.pubkey, cast.orchestrator.pubkey]
+    context = await rig.manager.build_orchestrator_routing_context(root.id)
+    completions = context["current_routing"]["completions"]
+    assert [(c["agent"], c["message"]) for c in completions] == [("alice", "Wrote the plan.")]
+    assert context["routing_history"] == []
+
+
+async def test_complete_without_summary_uses_the_models_text(cast: Cast) -> None:
+    """With no summary, the text the model sent with its `complete` call is the reply."""
+    answer = CompletionResult(text="All done here.", tool_calls=(ToolCall("c1", "complete", {}),))
+    backend = ScriptedBackend([answer])
+    rig = make_rig(cast, backend)
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    assert reply.content == "All done here."
+    assert reply.has_tag("tool", "complete")
+
+
+async def test_switch_phase_changes_the_phase_with_reason_and_summary(cast: Cast) -> None:
+    """An allowed `switch_phase` moves the conversation, records reason and summary, and the reply shows the phase."""
+    backend = ScriptedBackend(
+        [
+            calls(("c1", "switch_phase", {"phase": "plan", "reason": "needs design", "summary": "wants a CLI"})),
+            text("Moving to planning."),
+        ]
+    )
+    rig = make_rig(cast, backend)
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.phase is Phase.PLAN
+    transition = conversation.phase_transitions[-1]
+    assert (transition.agent_slug, transition.reason, transition.summary) == ("alice", "needs design", "wants a CLI")
+    [result] = backend.tool_results()
+    assert not result.is_error
+    assert "chat to plan" in result.content
+    assert reply.tag_values("phase") == ["plan"]
+
+
+async def test_forbidden_phase_switch_is_reported_to_the_model(cast: Cast) -> None:
+    """A transition the phase rules forbid leaves the phase alone and comes back as an error result."""
+    backend = ScriptedBackend(
+        [calls(("c1", "switch_phase", {"phase": "verification", "reason": "check"})), text("I stay in chat.")]
+    )
+    rig = make_rig(cast, backend)
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.phase is Phase.CHAT
+    [result] = backend.tool_results()
+    assert result.is_error
+    assert "verification" in result.content
+    assert "execute" in result.content
+    assert reply.content == "I stay in chat."
+    assert not reply.has_tag("error", "system")
+
+
+async def test_end_conversation_sends_the_reply_then_archives(cast: Cast) -> None:
+    """`end_conversation` lets the reply go out, then archives the conversation and records who ended it and why."""
+    backend = ScriptedBackend([calls(("c1", "end_conversation", {"reason": "user is done"})), text("Goodbye!")])
+    rig = make_rig(cast, backend)
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    assert rig.publisher.published == [reply]
+    assert reply.content == "Goodbye!"
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.archived
+    assert conversation.history[-1].id == reply.id
+    assert conversation.metadata.extra[END_REASON_KEY] == "user is done"
+    assert conversation.metadata.extra[ENDED_BY_KEY] == "alice"
+    assert rig.hooked == []  # an ended conversation's last reply targets nobody
+
+
+async def test_get_conversation_by_id_and_list_recent(cast: Cast) -> None:
+    """By id the tool returns that conversation's summary and messages; list_recent lists the others, not this one."""
+    backend = ScriptedBackend([text("placeholder")])
+    rig = make_rig(cast, backend)
+    earlier = await start(rig, cast, "Earlier topic: the database")
+    await rig.manager.add_event(earlier.id, cast.alice_says("Use PostgreSQL.", tags=[["E", earlier.id]]))
+    root = await start(rig, cast, "Now: what did we decide?")
+    backend.script = [
+        calls(("c1", "get_conversation", {"id": earlier.id}), ("c2", "get_conversation", {"list_recent": 5})),
+        calls(("c3", "get_conversation", {"id": "nope"})),
+        text("We chose PostgreSQL."),
+    ]
+
+    reply = await run(rig, root)
+
+    one, recent, missing = backend.tool_results()
+    body = json.loads(one.content)
+    assert body["id"] == earlier.id
+    assert body["message_count"] == 2
+    assert [(m["from"], m["content"]) for m in body["messages"]] == [
+        ("user", "Earlier topic: the database"), ("you", "Use PostgreSQL."),
+    ]
+    listed = json.loads(recent.content)["conversations"]
+    assert [row["id"] for row in listed] == [earlier.id]
+    assert listed[0]["summary"] == "Earlier topic: the database"
+    assert listed[0]["message_count"] == 2
+    assert missing.is_error
+    assert "nope" in missing.content
+    assert reply.content == "We chose PostgreSQL."
+
+
+async def test_unknown_tools_and_bad_arguments_become_error_results(cast: Cast) -> None:
+    """An unknown tool, arguments that fail validation or are not JSON come back as errors; nothing takes effect."""
+    backend = ScriptedBackend(
+        [
+            CompletionResult(
+                text="",
+                tool_calls=(
+                    ToolCall("u1", "fly_to_moon", {}),
+                    ToolCall("b1", "switch_phase", {"phase": "moon", "reason": "x"}),
+                    ToolCall("b2", "switch_phase", {"phase": "plan"}),
+                    ToolCall("j1", "complete", {}, invalid_arguments="{oops"),
+                ),
+            ),
+            text("Sorry, answering plainly."),
+        ]
+    )
+    rig = make_rig(cast, backend)
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    results = backend.tool_results()
+    assert [(r.tool_call_id, r.is_error) for r in results] == [
+        ("u1", True), ("b1", True), ("b2", True), ("j1", True),
+    ]
+    assert "fly_to_moon" in results[0].content
+    assert "complete" in results[0].content
+    assert "unknown phase" in results[1].content
+    assert "reason" in results[2].content
+    assert "not a JSON object" in results[3].content
+    assert reply.content == "Sorry, answering plainly."
+    assert not reply.has_tag("tool", "complete")
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.phase is Phase.CHAT
+
+
+async def test_a_backend_that_keeps_calling_tools_is_stopped_with_an_error_reply(cast: Cast) -> None:
+    """At the round limit the run stops asking and sends a reply tagged as an error that says why."""
+    backend = ScriptedBackend([calls(("c", "get_conversation", {}))])
+    rig = make_rig(cast, backend, max_tool_rounds=3)
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    assert len(backend.requests) == 3
+    assert reply.has_tag("error", "system")
+    assert "limit of 3" in reply.content
+    assert rig.publisher.published == [reply]
+
+
+async def test_backend_failure_inside_the_loop_becomes_an_error_reply(cast: Cast) -> None:
+    """A backend that fails after a tool round still yields one saved error reply, and the daemon's run ends cleanly."""
+
+    @dataclass
+    class FailSecond(ScriptedBackend):
+        async def complete(self, request: CompletionRequest) -> CompletionResult:
+            if self.requests:
+                raise BackendError("timeout", "took too long")
+            return await super().complete(request)
+
+    backend = FailSecond([calls(("c1", "get_conversation", {}))])
+    rig = make_rig(cast, backend)
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    assert reply.has_tag("error", "system")
+    assert "(timeout)" in reply.content
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.history[-1].id == reply.id
+
+
+async def test_offline_backend_answers_as_before_with_tools_offered(cast: Cast) -> None:
+    """The offline backend calls no tool: one call, its text is the reply, unchanged and untagged."""
+    rig = make_rig(cast, OfflineBackend())
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    assert reply.content == "Alice (offline backend) received 1 message. Latest: Hello Alice"
+    assert not reply.has_tag("tool", "complete")
+    assert not reply.has_tag("error", "system")
+    assert reply.tag_values("llm-model") == ["offline"]
+
+
+def test_profiles_naming_unknown_tools_are_refused(cast: Cast) -> None:
+    """A profile offering a tool the registry does not have is a configuration error at start."""
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey)
+    profile = AgentProfile(cast.alice, "", OfflineBackend(), tools=("complete", "teleport"))
+    with pytest.raises(ValueError, match="teleport"):
+        AgentRunner(manager, {"alice": profile}, TagComposer({}), FakePublisher())
