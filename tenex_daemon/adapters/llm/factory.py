@@ -34,7 +34,7 @@ def make_backend(
     bundled SmolLM2-135M-Instruct). Options by backend: openai ``timeout``, ``max_retries``, ``max_tokens``,
     ``stream_usage``, ``extra_body``; anthropic ``timeout``, ``max_retries``, ``max_tokens``; claude-code
     ``command``, ``timeout``, ``cwd``, ``partial_messages``, ``extra_args``, ``env``; local ``n_ctx``,
-    ``n_threads``, ``max_tokens``, ``chat_format``.
+    ``n_threads``, ``max_tokens``, ``chat_format``, ``repeat_penalty``.
     """
     extra = dict(options or {})
     if kind == "offline":

