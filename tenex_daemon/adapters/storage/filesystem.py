@@ -11,16 +11,12 @@ Layout (``home/conversations/``)::
     .index/log.<gen>          index changes since that snapshot, appended incrementally
     .events/<xyz>             event id -> conversation id (the processed set), 4,096 buckets
     .meta/<hash>.json         small values kept beside conversations
-    .wal                      ``batch`` only: appends not yet checkpointed, one fsync per group
 
 Durability: an event line is written and fsynced before ``append_event`` returns (``always``)
-or before its group commit resolves (``batch``: the appends of every conversation waiting
-together are written to their files and recorded in one write-ahead log, ``.wal``, with one
-fsync; nothing is acknowledged before it. The files themselves are fsynced at checkpoints,
-after which the log is emptied; on open the log is replayed, by offset, into the files).
-The index and the event-id buckets are derived data written after the event is durable; on
-open each indexed log is checked by size with ``stat`` (no log is read), and a log whose size
-disagrees is rescanned, its torn tail cut, its entry repaired.
+or before its group commit resolves (``batch``: several appends share one fsync, nothing is
+acknowledged before it). The index and the event-id buckets are derived data written after
+the event is durable; on open each indexed log is checked by size with ``stat`` (no log is
+read), and a log whose size disagrees is rescanned, its torn tail cut, its entry repaired.
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import time
 import zlib
 from collections import OrderedDict
@@ -79,12 +74,6 @@ DEFAULT_BATCH_DELAY = 0.0
 AUX_FLUSH_INTERVAL = 0.05
 DEFAULT_BUCKET_CACHE = 512
 COMPACT_MIN_RECORDS = 20_000
-WAL_NAME = ".wal"
-WAL_CHECKPOINT_BYTES = 8 * 1024 * 1024
-"""``batch``: the write-ahead log is checkpointed (files fsynced, log emptied) past this size."""
-_WAL_HEADER = struct.Struct("<4sIQI")
-"""A WAL record: magic, path length, file offset, data length; then path, data, CRC-32 of all."""
-_WAL_MAGIC = b"TXW1"
 
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}$")
 _RESERVED = frozenset({ARCHIVE_DIR, CORRUPT_DIR})
@@ -300,169 +289,6 @@ class _Op:
     create: bool = False
     result: tuple[int, int] | None = None
     error: BaseException | None = None
-
-
-class _WriteAheadLog:
-    """``batch`` mode's shared log: appends to many files made durable by one fsync.
-
-    Only the committer (and, with it stopped or excluded, a checkpoint) touches it.
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.path = root / WAL_NAME
-        self.fd: int | None = None
-        self.size = 0
-        self.dirty: set[Path] = set()
-
-    def open(self) -> None:
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self.size = os.fstat(self.fd).st_size
-
-    def record(self, path: Path, offset: int, data: bytes) -> bytes:
-        rel = str(path.relative_to(self.root)).encode()
-        head = _WAL_HEADER.pack(_WAL_MAGIC, len(rel), offset, len(data)) + rel + data
-        return head + struct.pack("<I", zlib.crc32(head))
-
-    def append(self, records: bytes) -> None:
-        """Write records and fsync: from here the appends they describe are durable."""
-        assert self.fd is not None
-        before = self.size
-        try:
-            _write_all(self.fd, records)
-            os.fsync(self.fd)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self.fd, before)
-            raise
-        self.size += len(records)
-
-    def checkpoint(self) -> None:
-        """Fsync every file written since the last checkpoint, then empty the log."""
-        for path in self.dirty:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue  # deleted since; its appends went with it
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        self.dirty.clear()
-        if self.fd is not None and self.size:
-            os.ftruncate(self.fd, 0)
-            os.fsync(self.fd)
-            self.size = 0
-
-    def close(self) -> None:
-        self.checkpoint()
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def replay_wal(root: Path) -> tuple[int, int]:
-    """Write every complete record of ``root/.wal`` at its offset, fsync, empty the log.
-
-    Returns (records replayed, records skipped because their file is gone). A torn or
-    corrupt tail ends the replay: those appends were never acknowledged.
-    """
-    path = root / WAL_NAME
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return 0, 0
-    replayed = skipped = 0
-    touched: dict[Path, int] = {}
-    pos = 0
-    try:
-        while pos + _WAL_HEADER.size <= len(data):
-            magic, path_len, offset, data_len = _WAL_HEADER.unpack_from(data, pos)
-            end = pos + _WAL_HEADER.size + path_len + data_len
-            if magic != _WAL_MAGIC or end + 4 > len(data):
-                break
-            (crc,) = struct.unpack_from("<I", data, end)
-            if crc != zlib.crc32(data[pos:end]):
-                break
-            start = pos + _WAL_HEADER.size
-            rel = data[start : start + path_len].decode()
-            target = root / rel
-            if target not in touched:
-                flags = os.O_WRONLY | (os.O_CREAT if rel.startswith(EVENTS_DIR + "/") else 0)
-                try:
-                    touched[target] = os.open(target, flags, 0o600)
-                except FileNotFoundError:
-                    skipped += 1
-                    pos = end + 4
-                    continue
-            os.pwrite(touched[target], data[start + path_len : end], offset)
-            replayed += 1
-            pos = end + 4
-        for fd in touched.values():
-            os.fsync(fd)
-    finally:
-        for fd in touched.values():
-            os.close(fd)
-    if data:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.ftruncate(fd, 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return replayed, skipped
-
-
-def _apply_ops_wal(ops: list[_Op], wal: _WriteAheadLog) -> None:
-    """``batch``: write the appends to their files, make them durable with one WAL fsync.
-
-    Replacements are made durable as in :func:`_apply_ops` (temp file, fsync, rename).
-    """
-    appends: dict[Path, list[_Op]] = {}
-    others: list[_Op] = []
-    for op in ops:
-        if op.kind == "append":
-            appends.setdefault(op.path, []).append(op)
-        else:
-            others.append(op)
-    records: list[bytes] = []
-    written: list[tuple[Path, int, list[_Op]]] = []
-    for path, group in appends.items():
-        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if any(o.create for o in group) else 0)
-        try:
-            fd = os.open(path, flags, 0o600)
-        except OSError as exc:
-            for op in group:
-                op.error = exc
-            continue
-        try:
-            before = os.fstat(fd).st_size
-            data = b"".join(op.data for op in group)
-            try:
-                _write_all(fd, data)
-            except OSError as exc:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, before)
-                for op in group:
-                    op.error = exc
-                continue
-        finally:
-            os.close(fd)
-        records.append(wal.record(path, before, data))
-        written.append((path, before, group))
-    if records:
-        try:
-            wal.append(b"".join(records))
-        except OSError as exc:
-            for path, before, group in written:
-                with contextlib.suppress(OSError):
-                    os.truncate(path, before)
-                for op in group:
-                    op.error = exc
-        else:
-            wal.dirty.update(path for path, _, _ in written)
-    if others:
-        _apply_ops(others, {})
 
 
 def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
@@ -753,8 +579,6 @@ class FileSystemStore:
         self._queue: list[tuple[_Op, asyncio.Future[None]]] = []
         self._wakeup: asyncio.Event | None = None
         self._committer: asyncio.Task[None] | None = None
-        self._wal: _WriteAheadLog | None = None
-        self._wal_lock = asyncio.Lock()
         self._lock_fd: int | None = None
         self._closing = False
         self._opened = False
@@ -780,21 +604,10 @@ class FileSystemStore:
             return
         await asyncio.to_thread(self._lock_home)
         try:
-            replayed, skipped = await asyncio.to_thread(replay_wal, self.root)
             result = await asyncio.to_thread(self._open_sync)
-            if self.fsync == "batch":
-                wal = _WriteAheadLog(self.root)
-                await asyncio.to_thread(wal.open)
-                self._wal = wal
         except BaseException:
             await asyncio.to_thread(self._unlock_home)
             raise
-        if replayed or skipped:
-            result.actions.append(RecoveryAction(
-                "wal_replayed", None, f"{replayed} appends written back from the write-ahead log"
-                + (f", {skipped} for files no longer there" if skipped else "")
-            ))
-            log.warning("wal_replayed", appends=replayed, skipped=skipped)
         self._entries = result.entries
         self._generation = result.generation
         self._index_records = result.replayed
@@ -1009,10 +822,6 @@ class FileSystemStore:
             self._wakeup.set()
             await self._committer
             self._committer = None
-        if self._wal is not None:
-            async with self._wal_lock:
-                await asyncio.to_thread(self._wal.close)
-            self._wal = None
         if self._compacting is not None:
             await self._compacting
         await self._compact()
@@ -1063,12 +872,7 @@ class FileSystemStore:
             batch, self._queue = self._queue, []
             ops = [op for op, _ in batch]
             try:
-                async with self._wal_lock:
-                    wal = self._wal
-                    if wal is None:
-                        await asyncio.to_thread(_apply_ops, ops, {})
-                    else:
-                        await asyncio.to_thread(_apply_ops_wal, ops, wal)
+                await asyncio.to_thread(_apply_ops, ops, {})
             except BaseException as exc:  # a bug in _apply_ops: fail every waiter, keep committing
                 log.exception("group_commit_failed")
                 for _, future in batch:
@@ -1082,11 +886,6 @@ class FileSystemStore:
                     future.set_exception(op.error)
                 else:
                     future.set_result(None)
-            if self._wal is not None and self._wal.size > WAL_CHECKPOINT_BYTES:
-                try:
-                    await self._checkpoint()
-                except OSError:  # the log keeps its records: a later checkpoint or open replays them
-                    log.exception("wal_checkpoint_failed")
             if self._queue:
                 self._wakeup.set()
 
@@ -1420,19 +1219,12 @@ class FileSystemStore:
         if entry.archived != archived:
             source = self._folder(conversation_id, entry.archived)
             target = self._folder(conversation_id, archived)
-            await self._checkpoint()  # the WAL names files by path: none may point into a moved folder
             await asyncio.to_thread(self._move_folder, source, target)
             entry.archived = archived
             self._index_put(entry)
         cached = self._cache.get(conversation_id)
         if cached is not None:
             cached.archived = archived
-
-    async def _checkpoint(self) -> None:
-        """``batch``: fsync what the write-ahead log covers and empty it (no commit runs meanwhile)."""
-        if self._wal is not None:
-            async with self._wal_lock:
-                await asyncio.to_thread(self._wal.checkpoint)
 
     @staticmethod
     def _move_folder(source: Path, target: Path) -> None:
@@ -1447,7 +1239,6 @@ class FileSystemStore:
         if entry is None:
             return False
         folder = self._folder(conversation_id, entry.archived)
-        await self._checkpoint()  # a replay must never recreate a deleted conversation's log
         await asyncio.to_thread(self._delete_sync, folder)
         del self._entries[conversation_id]
         self._cache.pop(conversation_id, None)

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[3]
 ROUNDS = int(os.environ.get("TENEX_CRASH_ROUNDS", "20"))
-ALLOWED_REPAIRS = {"torn_tail_cut", "index_entry_repaired", "wal_replayed"}
+ALLOWED_REPAIRS = {"torn_tail_cut", "index_entry_repaired"}
 
 
 def run_and_kill(home: Path, policy: str, out: Path, rng: random.Random) -> list[str]:

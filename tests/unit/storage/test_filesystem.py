@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from tenex_daemon.adapters.storage import filesystem
 from tenex_daemon.adapters.storage.filesystem import (
     LOG_NAME,
     STATE_NAME,
@@ -281,101 +279,3 @@ async def test_index_grows_by_appends_and_compacts(tmp_path: Path, cast: Cast) -
     assert list(index_dir.glob("log.*")) == []
     snapshot = json.loads((index_dir / "snapshot.json").read_bytes())
     assert snapshot["entries"][0]["n"] == 21
-
-
-async def open_batch_home_with_appends(tmp_path: Path, cast: Cast) -> tuple[FileSystemStore, list[str], list[int]]:
-    """An open batch-mode store with three conversations; their log sizes before 4 concurrent appends each."""
-    store = FileSystemStore(tmp_path / "home", fsync="batch")
-    await store.open()
-    ids = []
-    for n in range(3):
-        root = cast.user_says(f"root {n}", kind=11)
-        conversation = Conversation(id=root.id, title=f"c{n}", created_at=1, updated_at=1)
-        conversation.append(root)
-        await store.create(conversation)
-        ids.append(root.id)
-    before = [(store.root / cid / LOG_NAME).stat().st_size for cid in ids]
-    await asyncio.gather(*(store.append_event(cid, cast.alice_says(f"{cid[:6]} {i}")) for cid in ids for i in range(4)))
-    return store, ids, before
-
-
-async def test_batch_appends_lost_from_the_files_come_back_from_the_write_ahead_log(
-    tmp_path: Path, cast: Cast
-) -> None:
-    """Batch appends acknowledged but not yet in their files (lost page cache) are written back on open."""
-    store, ids, before = await open_batch_home_with_appends(tmp_path, cast)
-    crashed = tmp_path / "crashed"
-    await asyncio.to_thread(shutil.copytree, tmp_path / "home", crashed)
-    await store.close()
-    for cid, size in zip(ids, before, strict=True):
-        os.truncate(crashed / "conversations" / cid / LOG_NAME, size)  # the appends never reached the file
-
-    reopened = FileSystemStore(crashed, fsync="batch")
-    await reopened.open()
-    try:
-        assert "wal_replayed" in kinds(reopened)
-        for cid in ids:
-            conversation = await reopened.load(cid)
-            assert conversation is not None
-            assert len(conversation.history) == 5
-        assert (crashed / "conversations" / ".wal").stat().st_size == 0
-    finally:
-        await reopened.close()
-
-
-async def test_torn_write_ahead_log_tail_is_ignored(tmp_path: Path, cast: Cast) -> None:
-    """A half-written last WAL record (never acknowledged) is dropped; the complete ones are replayed."""
-    store, ids, before = await open_batch_home_with_appends(tmp_path, cast)
-    crashed = tmp_path / "crashed"
-    await asyncio.to_thread(shutil.copytree, tmp_path / "home", crashed)
-    await store.close()
-    for cid, size in zip(ids, before, strict=True):
-        os.truncate(crashed / "conversations" / cid / LOG_NAME, size)
-    wal = crashed / "conversations" / ".wal"
-    with wal.open("ab") as handle:
-        handle.write(b"TXW1\x05\x00")  # the start of a record cut by the crash
-
-    reopened = FileSystemStore(crashed, fsync="batch")
-    await reopened.open()
-    try:
-        for cid in ids:
-            conversation = await reopened.load(cid)
-            assert conversation is not None
-            assert len(conversation.history) == 5
-    finally:
-        await reopened.close()
-
-
-async def test_archiving_checkpoints_the_write_ahead_log_first(tmp_path: Path, cast: Cast) -> None:
-    """Moving a folder empties the WAL first, so no record can point into a moved or deleted folder."""
-    store, ids, _ = await open_batch_home_with_appends(tmp_path, cast)
-    wal = store.root / ".wal"
-    try:
-        assert wal.stat().st_size > 0
-        await store.set_archived(ids[0], True)
-        assert wal.stat().st_size == 0
-        await store.append_event(ids[1], cast.alice_says("after"))
-        assert wal.stat().st_size > 0
-        assert await store.delete(ids[1])
-        assert wal.stat().st_size == 0
-    finally:
-        await store.close()
-
-
-async def test_write_ahead_log_is_checkpointed_past_its_size_limit(
-    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Past WAL_CHECKPOINT_BYTES the committer fsyncs the files and empties the log; the data stays."""
-    monkeypatch.setattr(filesystem, "WAL_CHECKPOINT_BYTES", 0)
-    store, ids, _ = await open_batch_home_with_appends(tmp_path, cast)
-    try:
-        for _ in range(100):  # the checkpoint follows the commit that acknowledged the last append
-            if (store.root / ".wal").stat().st_size == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert (store.root / ".wal").stat().st_size == 0
-        conversation = await store.load(ids[0])
-        assert conversation is not None
-        assert len(conversation.history) == 5
-    finally:
-        await store.close()
