@@ -437,13 +437,19 @@ class _Relay:
         if fetch is not None:
             fetch.events.append(message.event)
             return
-        sub = self.pool.subscriptions.get(message.subscription_id)
+        sub = self._live_subscription(message.subscription_id, message.event.id)
+        if sub is not None:
+            await self.pool.intake(message.event, self.url, sub.sub_id)
+
+    def _live_subscription(self, sub_id: str, event_id: str) -> _Subscription | None:
+        """The live subscription an event came on (counted as received), or None (rejected as unknown)."""
+        sub = self.pool.subscriptions.get(sub_id)
         if sub is None:
-            self.reject(RejectReason.UNKNOWN_SUBSCRIPTION, message.subscription_id[:64], message.event.id)
-            return
+            self.reject(RejectReason.UNKNOWN_SUBSCRIPTION, sub_id[:64], event_id)
+            return None
         self.events_received += 1
         self.last_event_at = time.time()
-        await self.pool.intake(message.event, self.url, sub.sub_id)
+        return sub
 
     async def _on_known_event(self, message: KnownEventMessage) -> None:
         # A copy of an event this pool already verified: its id hashes every signed field.
@@ -453,13 +459,9 @@ class _Relay:
             else:
                 self.reject(RejectReason.BAD_SIGNATURE, "copy of a known event", message.event.id)
             return
-        sub = self.pool.subscriptions.get(message.subscription_id)
-        if sub is None:
-            self.reject(RejectReason.UNKNOWN_SUBSCRIPTION, message.subscription_id[:64], message.event.id)
-            return
-        self.events_received += 1
-        self.last_event_at = time.time()
-        self.pool.count_known_copy(message.event, self.url, sub.sub_id)
+        sub = self._live_subscription(message.subscription_id, message.event.id)
+        if sub is not None:
+            self.pool.count_known_copy(message.event, self.url, sub.sub_id)
 
     def _on_ok(self, message: OkMessage) -> None:
         if not message.event_id:
