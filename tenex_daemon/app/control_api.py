@@ -120,7 +120,22 @@ def conversation_json(conversation: Conversation, now_ms: int | None = None) -> 
         "turns": state["orchestrator_turns"],
         "execution_time": state["execution_time"],
         "execution_seconds": conversation.execution_time.total(now),
+        "tokens": tokens_json(conversation),
         "history": [event.to_dict() for event in conversation.history],
+    }
+
+
+def tokens_json(conversation: Conversation) -> dict[str, Any]:
+    """Tokens the agents' backends reported for the conversation: totals and per agent."""
+    by_agent = {
+        slug: {"prompt": state.prompt_tokens, "completion": state.completion_tokens}
+        for slug, state in sorted(conversation.agent_states.items())
+        if state.prompt_tokens or state.completion_tokens
+    }
+    return {
+        "prompt": sum(t["prompt"] for t in by_agent.values()),
+        "completion": sum(t["completion"] for t in by_agent.values()),
+        "by_agent": by_agent,
     }
 
 

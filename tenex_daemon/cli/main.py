@@ -451,6 +451,9 @@ def conversations_show(
         f"created {_ms_time(data.get('created_at'))}, updated {_ms_time(data.get('updated_at'))}, "
         f"execution {data.get('execution_seconds', 0)} s{', archived' if data.get('archived') else ''}"
     )
+    tokens = data.get("tokens") or {}
+    if tokens.get("by_agent"):
+        out.print(f"tokens: {tokens['prompt']:,} prompt + {tokens['completion']:,} completion")
     history = Table(title="History")
     for column in ("#", "time (UTC)", "author", "kind", "content"):
         history.add_column(column, overflow="fold")
@@ -462,10 +465,13 @@ def conversations_show(
     out.print(history)
     if data["agent_states"]:
         states = Table(title="Agent states")
-        for column in ("agent", "last processed index", "session"):
+        for column in ("agent", "last processed index", "session", "tokens (prompt + completion)"):
             states.add_column(column)
         for slug, state in sorted(data["agent_states"].items()):
-            states.add_row(slug, str(state["last_processed_index"]), str(state.get("session_id") or "-"))
+            used = f"{state.get('prompt_tokens', 0):,} + {state.get('completion_tokens', 0):,}"
+            states.add_row(
+                slug, str(state["last_processed_index"]), str(state.get("session_id") or "-"), used
+            )
         out.print(states)
     if data["transitions"]:
         transitions = Table(title="Phase transitions")

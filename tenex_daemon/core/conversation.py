@@ -25,6 +25,10 @@ class AgentState(BaseModel):
     """The backend session to resume (the ``claude-session`` tag), if any."""
     transitions_seen: int = 0
     """How many phase transitions existed when the agent was last built for (handoff summaries)."""
+    prompt_tokens: int = 0
+    """Prompt tokens the agent's backend reported for this conversation, in total."""
+    completion_tokens: int = 0
+    """Completion tokens the agent's backend reported for this conversation, in total."""
 
 
 class ReferencedArticle(BaseModel):

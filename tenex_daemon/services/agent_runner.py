@@ -284,8 +284,12 @@ class AgentRunner:
         reply = self._composer.compose(spec)
         # A reply tagged ["tool", "complete"] is counted as the open turn's completion here, once.
         await self._manager.add_event(cid, reply)
-        if result.session_id and result.session_id != previous_session:
-            await self._manager.update_agent_state(cid, profile.agent.slug, session_id=result.session_id)
+        new_session = result.session_id if result.session_id != previous_session else None
+        used = (result.prompt_tokens or 0, result.completion_tokens or 0)
+        if new_session or any(used):
+            await self._manager.update_agent_state(
+                cid, profile.agent.slug, session_id=new_session, add_tokens=used if any(used) else None
+            )
         if request.via_orchestrator:
             # A no-op when the completion was already counted from the tag.
             await self._manager.add_completion_to_turn(cid, profile.agent.slug, result.text)

@@ -222,8 +222,12 @@ class ConversationManager:
         *,
         last_processed_index: int | None = None,
         session_id: str | None = None,
+        add_tokens: tuple[int, int] | None = None,
     ) -> None:
-        """Set an agent's last processed index and/or session id (None leaves a field as is)."""
+        """Set an agent's last processed index and/or session id (None leaves a field as is).
+
+        ``add_tokens`` (prompt, completion) adds a run's token usage to the agent's totals.
+        """
         agent = self.agents.get(agent_slug)
         async with self._locked(conversation_id) as conversation:
             state = conversation.agent_state(agent.slug)
@@ -236,6 +240,12 @@ class ConversationManager:
                 state.last_processed_index = last_processed_index
             if session_id is not None:
                 state.session_id = session_id
+            if add_tokens is not None:
+                prompt, completion = add_tokens
+                if prompt < 0 or completion < 0:
+                    raise ValueError(f"token counts cannot be negative: {add_tokens}")
+                state.prompt_tokens += prompt
+                state.completion_tokens += completion
             await self._save(conversation)
 
     async def _resolve_references(self, uris: Sequence[str]) -> dict[str, str]:

@@ -186,3 +186,27 @@ def test_commands_on_a_home_without_config_fail_clearly(tmp_path: Path) -> None:
 
     assert code != 0
     assert not (tmp_path / "nothing" / "config.toml").exists()
+
+
+def test_conversations_show_reports_token_usage(home: Path) -> None:
+    """`conversations show` prints the tokens each agent's backend used, and the JSON has the totals."""
+    conversation = seed_conversation(home, "Picnic", "Plan a picnic")
+
+    async def record_usage() -> None:
+        settings = load_settings(home)
+        store = build_store(settings)
+        await store.open()
+        try:
+            manager = ConversationManager(store, load_agents(settings), load_project_pubkey(settings))
+            await manager.update_agent_state(conversation, "planner", add_tokens=(1200, 80))
+        finally:
+            await store.close()
+
+    asyncio.run(record_usage())
+
+    shown = tenexd_json(home, "conversations", "show", conversation)
+    assert shown["tokens"]["prompt"] == 1200
+    assert shown["tokens"]["by_agent"] == {"planner": {"prompt": 1200, "completion": 80}}
+    code, text = tenexd(home, "conversations", "show", conversation)
+    assert code == 0
+    assert "tokens: 1,200 prompt + 80 completion" in text

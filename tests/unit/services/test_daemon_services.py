@@ -428,3 +428,33 @@ async def test_typing_shows_only_for_runs_longer_than_the_delay(
 
     assert len(rig.publisher.published) == 1
     assert rig.publisher.typing_events == expected
+
+
+class UsageBackend:
+    """Answers with fixed token usage, like a provider that reports it."""
+
+    name = "usage"
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Reply with 100 prompt and 7 completion tokens."""
+        return CompletionResult(text="noted", prompt_tokens=100, completion_tokens=7)
+
+
+async def test_token_usage_is_added_up_per_agent_and_conversation(cast: Cast) -> None:
+    """Two runs reporting 100 + 7 tokens leave the agent's totals at 200 + 14, summed in the conversation JSON."""
+    from tenex_daemon.app.control_api import conversation_json
+
+    rig = make_rig(cast, backend=UsageBackend())
+    root = cast.user_says("Hello Bob", kind=11, tags=[["p", cast.bob.pubkey]])
+    await rig.dispatcher.handle(root)
+    again = cast.user_says("Again, Bob", tags=[["E", root.id], ["e", root.id], ["p", cast.bob.pubkey]])
+    await rig.dispatcher.handle(again)
+    await settle(rig)  # drains the scheduler: both runs are done after it
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    state = conversation.agent_states["bob"]
+    assert (state.prompt_tokens, state.completion_tokens) == (200, 14)
+    assert conversation_json(conversation)["tokens"] == {
+        "prompt": 200, "completion": 14, "by_agent": {"bob": {"prompt": 200, "completion": 14}}
+    }
