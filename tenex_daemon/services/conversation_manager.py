@@ -509,7 +509,7 @@ class ConversationManager:
         its next context shows everything others said in the while-away block. With
         ``keep_system_message`` the index is set to 1 instead, so the conversation's root
         (the opening request) counts as already seen and stays only in the history part.
-        History, phase, turns and metadata are untouched: nothing said is lost.
+        History, phase, turns, metadata and token totals are untouched: nothing said is lost.
         """
         async with self._locked(conversation_id) as conversation:
             if conversation.archived:
