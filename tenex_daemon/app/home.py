@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ import structlog
 
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer, write_key_file
+from tenex_daemon.app.files import write_text_atomic
 from tenex_daemon.app.settings import CONFIG_FILE, AgentSettings, Settings, SettingsError, load_settings
 from tenex_daemon.core import nip19
 from tenex_daemon.core.agents import Agent
@@ -144,23 +144,8 @@ def _toml_list(values: Sequence[str]) -> str:
 
 
 def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` to a temp file beside ``path``, fsync it, rename it over ``path``, fsync the folder."""
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Write a home file whole (config.toml is not secret: 0644 by default)."""
+    write_text_atomic(path, text, mode)
 
 
 def _ensure_private_dir(path: Path) -> None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
+
+from tenex_daemon.app.files import write_text_atomic
 
 
 class DaemonState(StrEnum):
@@ -135,21 +136,7 @@ def write_status(path: str | os.PathLike[str], data: StatusData | dict[str, Any]
     if isinstance(started, int | float):
         payload["uptime_s"] = round(max(0.0, now - float(started)), 3)
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), default=str)
-    fd, temp = tempfile.mkstemp(prefix=".status.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, target)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_text_atomic(target, text)
 
 
 @dataclass(frozen=True, slots=True)
