@@ -28,10 +28,9 @@ from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.embedded_relay import EmbeddedRelay
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.nostr_io import (
+    ClassifyOnce,
     PoolPublisher,
     SignedReplyComposer,
-    classify_event,
-    conversation_lane,
     heartbeat_event,
     profile_event,
 )
@@ -141,6 +140,7 @@ class Daemon:
         self.agents: list[Agent] = []
         self.project_signer: Signer | None = None
         self._observer = _MetricsObserver(self.metrics)
+        self._classify = ClassifyOnce()
 
     # --- the ControlTarget protocol -------------------------------------------------------
 
@@ -267,7 +267,7 @@ class Daemon:
             settings=PoolSettings(
                 since_window=settings.relays.since_window_s, delivery_lanes=settings.daemon.intake_lanes
             ),
-            lane_key=conversation_lane,
+            lane_key=self._classify.lane,
         )
         resolver = RelayEventResolver(self.pool, store=self.store)
         manager = ConversationManager(self.store, self.agents, project_signer.pubkey, resolver=resolver)
@@ -308,7 +308,7 @@ class Daemon:
         self.dispatcher = EventDispatcher(
             manager,
             self.scheduler,
-            classify_event,
+            self._classify,
             RuleBasedOrchestrator(manager.agents, settings.default_agent_slug),
             owner=settings.owner,
             whitelist=settings.whitelist,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from tenex_daemon.adapters.nostr.codec import ThreadRoot, build_reply_tags, read_threading
@@ -50,9 +51,30 @@ def classify_event(event: NostrEvent) -> Classification:
     return Classification(EventClass.REPLY, threading.root_id, is_task=threading.root_kind == KIND_TASK)
 
 
-def conversation_lane(event: NostrEvent) -> str:
-    """The key whose events the relay pool must deliver in order: the event's conversation."""
-    return classify_event(event).conversation_id or event.id
+class ClassifyOnce:
+    """Classifies each incoming event once, for both the relay pool's lanes and the dispatcher.
+
+    :meth:`lane` (the pool's ``lane_key``) classifies and keeps the result until the
+    dispatcher asks for it (``__call__``); events the pool drops as duplicates are
+    forgotten oldest first past ``keep``.
+    """
+
+    def __init__(self, keep: int = 10_000) -> None:
+        self._keep = keep
+        self._pending: OrderedDict[str, Classification] = OrderedDict()
+
+    def lane(self, event: NostrEvent) -> str:
+        """The key whose events must be delivered in order: the event's conversation."""
+        classification = classify_event(event)
+        self._pending[event.id] = classification
+        if len(self._pending) > self._keep:
+            self._pending.popitem(last=False)
+        return classification.conversation_id or event.id
+
+    def __call__(self, event: NostrEvent) -> Classification:
+        """The event's classification (made by :meth:`lane` when the event came through the pool)."""
+        classification = self._pending.pop(event.id, None)
+        return classification if classification is not None else classify_event(event)
 
 
 class SignedReplyComposer:

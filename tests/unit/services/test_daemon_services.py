@@ -458,3 +458,22 @@ async def test_token_usage_is_added_up_per_agent_and_conversation(cast: Cast) ->
     assert conversation_json(conversation)["tokens"] == {
         "prompt": 200, "completion": 14, "by_agent": {"bob": {"prompt": 200, "completion": 14}}
     }
+
+
+def test_events_through_the_pool_are_classified_once(cast: Cast) -> None:
+    """The pool's lane key classifies an event and the dispatcher reuses that result; others are classified fresh."""
+    from tenex_daemon.app.nostr_io import ClassifyOnce
+
+    classify = ClassifyOnce(keep=2)
+    root = cast.user_says("Hello", kind=11)
+    reply = cast.user_says("re", tags=[["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]])
+
+    assert classify.lane(reply) == root.id
+    first = classify(reply)
+    assert classify(reply) is not first  # taken: a second ask classifies again
+    assert classify(reply) == first
+    assert classify(root) == classify_event(root)
+    notes = [cast.user_says(f"note {n}", kind=1) for n in range(3)]
+    for note in notes:
+        classify.lane(note)  # keep=2: the oldest pending result is forgotten
+    assert [classify(note) == classify_event(note) for note in notes] == [True, True, True]
