@@ -298,6 +298,8 @@ class Daemon:
             publisher,
             observer=self._observer,
             typing_delay_s=settings.daemon.typing_delay_s,
+            partials=publisher if settings.daemon.stream_partials else None,
+            partial_interval_s=settings.daemon.partial_interval_s,
         )
         self.runner = runner
 

@@ -23,6 +23,7 @@ from tenex_daemon.core.vocabulary import (
     KIND_PROFILE,
     KIND_PROJECT,
     KIND_PROJECT_STATUS,
+    KIND_STREAMING,
     KIND_TASK,
     KIND_TYPING_START,
     KIND_TYPING_STOP,
@@ -142,6 +143,18 @@ class PoolPublisher:
         kind = KIND_TYPING_START if active else KIND_TYPING_STOP
         content = f"{name} is typing" if active else ""
         event = self._signers[agent_slug].sign(kind, content, [["e", conversation_id]])
+        await self._pool.publish(event, timeout=self._publish_timeout, raise_on_failure=False)
+
+    async def partial(
+        self, agent_slug: str, conversation_id: str, trigger_id: str, text: str, sequence: int
+    ) -> None:
+        """Publish an agent's streamed text so far as an ephemeral kind-21111 event.
+
+        Tags: ``["e", <conversation id>]`` (as typing indicators), ``["e", <trigger id>, "", "reply"]``
+        and ``["streaming", <sequence>]``. The final kind-1111 reply replaces it in clients.
+        """
+        tags = [["e", conversation_id], ["e", trigger_id, "", "reply"], ["streaming", str(sequence)]]
+        event = self._signers[agent_slug].sign(KIND_STREAMING, text, tags)
         await self._pool.publish(event, timeout=self._publish_timeout, raise_on_failure=False)
 
 

@@ -130,6 +130,10 @@ class DaemonSettings(_Section):
     typing_min_interval_s: float = Field(default=5.0, ge=0)
     typing_delay_s: float = Field(default=0.25, ge=0)
     """An agent shows typing once its run has taken this long (faster replies show none)."""
+    stream_partials: bool = True
+    """Publish an agent's text as its backend streams it (ephemeral kind 21111)."""
+    partial_interval_s: float = Field(default=0.5, gt=0)
+    """Streamed text is published at most this often per run."""
     stale_after_s: float = Field(default=30.0, gt=0)
     """`tenexd status` calls a status file older than this stale."""
     max_content_bytes: int = Field(default=256 * 1024, ge=1)

@@ -137,3 +137,12 @@ class Publisher(Protocol):
 
     async def typing(self, agent_slug: str, conversation_id: str, active: bool) -> None:
         """Publish a typing start (active) or stop indicator for an agent in a conversation."""
+
+
+class PartialTextPublisher(Protocol):
+    """Sends an agent's partial reply text while its backend streams (ephemeral kind 21111)."""
+
+    async def partial(
+        self, agent_slug: str, conversation_id: str, trigger_id: str, text: str, sequence: int
+    ) -> None:
+        """Publish the text streamed so far (``sequence`` counts up from 1 within one run)."""

@@ -23,7 +23,7 @@ from tenex_daemon.core.llm import (
     LLMBackend,
     LLMMessage,
 )
-from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec
+from tenex_daemon.core.ports import PartialTextPublisher, Publisher, ReplyComposer, ReplySpec
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.services.tools import RunEffects, ToolContext, ToolRegistry, mark_conversation_ended
@@ -33,6 +33,8 @@ DEFAULT_MAX_TOOL_ROUNDS = 8
 TOOL_LOOP_ERROR = "tool_loop"
 """The error kind of a run stopped because its backend kept calling tools."""
 DEFAULT_TOOLS = ("complete", "switch_phase", "end_conversation", "get_conversation")
+DEFAULT_PARTIAL_INTERVAL_S = 0.5
+"""While a backend streams, the text so far is published at most this often (kind 21111)."""
 
 log = structlog.get_logger(__name__)
 
@@ -115,6 +117,8 @@ class AgentRunner:
         typing_delay_s: float = 0.0,
         tools: ToolRegistry | None = None,
         max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
+        partials: PartialTextPublisher | None = None,
+        partial_interval_s: float = DEFAULT_PARTIAL_INTERVAL_S,
     ) -> None:
         if max_tool_rounds < 1:
             raise ValueError("max_tool_rounds must be at least 1")
@@ -127,6 +131,10 @@ class AgentRunner:
         self._typing_delay = typing_delay_s
         self._tools = tools or ToolRegistry.default()
         self._max_tool_rounds = max_tool_rounds
+        if partial_interval_s <= 0:
+            raise ValueError("partial_interval_s must be positive")
+        self._partials = partials
+        self._partial_interval = partial_interval_s
         for profile in profiles.values():
             unknown = set(profile.tools) - set(self._tools.names)
             if unknown:
@@ -151,12 +159,20 @@ class AgentRunner:
         typing_started: list[bool] = [self._typing_delay <= 0]  # no delay: the start is as good as sent
         typing = self._send(self._typing_after(self._typing_delay, profile.agent.slug, cid, typing_started))
         effects = RunEffects()
+        streamer: PartialStreamer | None = None
+        if self._partials is not None:
+            streamer = PartialStreamer(
+                profile.backend, self._partials, self._partial_interval, profile.agent.slug, cid, trigger.id
+            )
+            profile = replace(profile, backend=streamer)
         await self._manager.start_execution(cid)
         try:
             context = await self._manager.build_agent_messages(cid, profile.agent.slug, trigger)
             tool_context = ToolContext(self._manager, cid, profile.agent, effects)
             result, error_kind = await self._answer(profile, context, tool_context)
         finally:
+            if streamer is not None:
+                await streamer.close()
             await self._manager.stop_execution(cid)
             if not typing_started[0]:
                 typing.cancel()  # still waiting out the delay: nothing was sent
@@ -339,6 +355,78 @@ class AgentRunner:
             await self._publisher.typing(agent_slug, conversation_id, active)
         except Exception as exc:
             log.info("typing_not_published", agent=agent_slug, error=str(exc))
+
+
+class PartialStreamer:
+    """Wraps a run's backend so the text it streams is published as it grows (kind 21111).
+
+    The text streamed so far is published by a ticker at most once per ``interval_s``, and
+    only when it changed; the ticker stops when the backend call returns, so a backend that
+    cannot stream (it hands over the whole text once, at the end) publishes no partial, and
+    the final reply is never preceded by a partial of the same text. Partials are best
+    effort: a failed publication is logged and the run goes on.
+    """
+
+    def __init__(
+        self,
+        backend: LLMBackend,
+        sink: PartialTextPublisher,
+        interval_s: float,
+        agent_slug: str,
+        conversation_id: str,
+        trigger_id: str,
+    ) -> None:
+        self.name = backend.name
+        self._backend = backend
+        self._sink = sink
+        self._interval = interval_s
+        self._agent = agent_slug
+        self._conversation = conversation_id
+        self._trigger = trigger_id
+        self._text = ""
+        self._published = ""
+        self.sequence = 0
+        """How many partials this run published."""
+        self._publishing: asyncio.Task[None] | None = None
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Call the backend with a chunk callback; publish the growing text while it runs."""
+        self._text = ""
+        self._published = ""
+        outer = request.on_chunk
+
+        async def on_chunk(piece: str) -> None:
+            self._text += piece
+            if outer is not None:
+                await outer(piece)
+
+        ticker = asyncio.create_task(self._tick())
+        try:
+            return await self._backend.complete(replace(request, on_chunk=on_chunk))
+        finally:
+            ticker.cancel()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            text = self._text
+            if text.strip() and text != self._published and self._publishing is None:
+                self._published = text
+                self.sequence += 1
+                self._publishing = asyncio.create_task(self._publish(text, self.sequence))
+
+    async def _publish(self, text: str, sequence: int) -> None:
+        try:
+            await self._sink.partial(self._agent, self._conversation, self._trigger, text, sequence)
+        except Exception as exc:
+            log.info("partial_not_published", agent=self._agent, error=str(exc))
+        finally:
+            self._publishing = None
+
+    async def close(self) -> None:
+        """Wait for a partial still being published (so it goes out before the final reply)."""
+        if self._publishing is not None:
+            await asyncio.gather(self._publishing, return_exceptions=True)
 
 
 def _add(total: int | None, more: int | None) -> int | None:
