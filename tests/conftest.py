@@ -9,6 +9,9 @@ import pytest
 
 from tenex_daemon import Agent, ConversationManager, MemoryStore, NostrEvent
 from tenex_daemon.testing import EventFactory, FakeClock, FakeResolver, KeyPair, make_agent
+from tests.llm_servers import llama_server, scripted_server, smollm2_path
+
+__all__ = ["llama_server", "scripted_server", "smollm2_path"]
 
 
 @dataclass

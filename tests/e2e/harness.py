@@ -152,3 +152,17 @@ async def run_cli(home: Home, *args: str, within: float = 60.0) -> tuple[int, st
     out, _ = await asyncio.wait_for(proc.communicate(), within)
     assert proc.returncode is not None
     return proc.returncode, out.decode()
+
+
+def set_agent_backend(home: Home, slug: str, backend_toml: str) -> None:
+    """Replace an agent's ``[agents.backend]`` table in the home's config.toml with ``backend_toml``."""
+    config = home.path / "config.toml"
+    blocks = config.read_text().split("[[agents]]")
+    for index, block in enumerate(blocks):
+        if f'slug = "{slug}"' in block:
+            head, _, _ = block.partition("[agents.backend]")
+            blocks[index] = f"{head}[agents.backend]\n{backend_toml.strip()}\n\n"
+            break
+    else:
+        raise KeyError(f"no agent {slug!r} in {config}")
+    config.write_text("[[agents]]".join(blocks))

@@ -5,7 +5,9 @@
 //    "thread_root": id (optional: the published event is the root when absent),
 //    "reply_authors": [hex...], "want": n, "timeout_ms": n}
 //     subscribes to kind-1111 replies in the thread by those authors, publishes the event,
-//     and waits for `want` replies. Prints {published, replies, valid, latency_ms}.
+//     and waits for `want` replies. Prints {published, replies, valid, latency_ms}. With
+//     "partials": true it also collects the agents' kind-21111 partial texts tagged with the thread
+//     root, in arrival order, as `partials`.
 //   {"op": "publish", "relay": url, "secret": hex, "template": {...}}  -> {published}
 import { finalizeEvent, verifyEvent } from 'nostr-tools/pure'
 import { Relay, useWebSocketImplementation } from 'nostr-tools/relay'
@@ -61,6 +63,12 @@ async function converse(req) {
       },
     },
   )
+  const partials = []
+  const partialSub = req.partials
+    ? relay.subscribe([{ kinds: [21111], '#e': [root], authors: req.reply_authors }], {
+        onevent(partial) { partials.push(partial) },
+      })
+    : null
   await sleep(50)
   published = Date.now()
   await relay.publish(event)
@@ -68,9 +76,10 @@ async function converse(req) {
   await finished
   clearTimeout(timer)
   sub.close()
+  if (partialSub) partialSub.close()
   relay.close()
   const valid = replies.map((r) => verifyEvent({ ...r }))
-  return { published: event, replies, valid, latency_ms: latency }
+  return { published: event, replies, valid, latency_ms: latency, partials }
 }
 
 async function publishOnly(req) {
