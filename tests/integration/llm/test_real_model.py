@@ -5,14 +5,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tenex_daemon import ConversationManager, MemoryStore
 from tenex_daemon.adapters.llm.local import LocalBackend
 from tenex_daemon.adapters.llm.openai import OpenAIBackend
 from tenex_daemon.core.context import ChatMessage
-from tenex_daemon.core.llm import CompletionRequest, CompletionResult, ContextTooLongError, ToolSpec
+from tenex_daemon.core.llm import (
+    CompletionRequest,
+    CompletionResult,
+    ContextTooLongError,
+    LLMBackend,
+    ToolResult,
+    ToolSpec,
+)
+from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
+from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.runs import RunRequest
+from tenex_daemon.testing import FakeClock
+from tests.conftest import Cast
+from tests.unit.services.test_daemon_services import FakePublisher
+from tests.unit.services.test_tool_loop import TagComposer
 
 from .conftest import LlamaServer
 
@@ -90,6 +106,72 @@ async def test_openai_backend_forced_tool_call_is_parsed(served: OpenAIBackend) 
     assert call.name == "get_weather"
     assert call.invalid_arguments is None
     assert isinstance(call.arguments.get("city"), str)
+
+
+class ForcedFirstTool:
+    """Passes requests to a backend, naming ``tool`` as the tool_choice of the first one."""
+
+    def __init__(self, backend: LLMBackend, tool: str) -> None:
+        self.name = backend.name
+        self.backend = backend
+        self.tool = tool
+        self.requests: list[CompletionRequest] = []
+        self.results: list[CompletionResult] = []
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Force the tool on the first call; record requests and results."""
+        if not self.requests:
+            request = replace(request, tool_choice=self.tool)
+        self.requests.append(request)
+        result = await self.backend.complete(request)
+        self.results.append(result)
+        return result
+
+
+async def test_forced_tool_call_runs_the_tool_in_an_agent_run(served: OpenAIBackend, cast: Cast) -> None:
+    """A run whose first call forces `complete` makes the served model call it; the runner runs the tool
+    and the saved reply is a completion (tagged ["tool", "complete"], addressed to the orchestrator)."""
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
+    backend = ForcedFirstTool(served, "complete")
+    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    profiles = {a.slug: AgentProfile(a, "", backend, temperature=0.0, max_tokens=64) for a in cast.agents}
+    publisher = FakePublisher()
+    runner = AgentRunner(manager, profiles, TagComposer(keys), publisher)
+    root = cast.user_says("Say that the task is done.", kind=11, tags=[["p", cast.alice.pubkey]])
+    await manager.create_conversation(root)
+
+    reply = await runner.run(RunRequest(root.id, root.id, "alice"))
+
+    assert reply is not None
+    assert [call.name for call in backend.results[0].tool_calls] == ["complete"]
+    assert len(backend.requests) == 1, "complete ends the run without another model call"
+    assert [TAG_TOOL, TOOL_COMPLETE] in reply.tags
+    assert ["p", cast.orchestrator.pubkey] in reply.tags
+    assert reply.content.strip()
+    await runner.flush(5.0)
+    assert [event.id for event in publisher.published] == [reply.id]
+
+
+async def test_tool_result_goes_back_to_the_served_model(served: OpenAIBackend, cast: Cast) -> None:
+    """A forced get_conversation call runs, and its result is sent back to the model right after the call."""
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
+    backend = ForcedFirstTool(served, "get_conversation")
+    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    profiles = {a.slug: AgentProfile(a, "", backend, temperature=0.0, max_tokens=48) for a in cast.agents}
+    runner = AgentRunner(manager, profiles, TagComposer(keys), FakePublisher(), max_tool_rounds=3)
+    root = cast.user_says("What did we talk about recently?", kind=11, tags=[["p", cast.alice.pubkey]])
+    await manager.create_conversation(root)
+
+    reply = await runner.run(RunRequest(root.id, root.id, "alice"))
+
+    assert reply is not None
+    assert [call.name for call in backend.results[0].tool_calls] == ["get_conversation"]
+    assert len(backend.requests) >= 2
+    second = list(backend.requests[1].messages)
+    results = [m for m in second if isinstance(m, ToolResult)]
+    assert [r.name for r in results] == ["get_conversation"]
+    assert second.index(results[0]) == len(second) - 1, "the result follows its call, last"
+    await runner.flush(5.0)
 
 
 @pytest.fixture(scope="module")
