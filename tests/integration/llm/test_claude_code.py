@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from tenex_daemon import ConversationManager, MemoryStore
 from tenex_daemon.adapters.llm.claude_code import ClaudeCodeBackend
+from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.app.nostr_io import SignedReplyComposer
 from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.llm import (
     BackendAuthError,
@@ -16,6 +19,11 @@ from tenex_daemon.core.llm import (
     BackendUnreachableError,
     CompletionRequest,
 )
+from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.runs import RunRequest
+from tenex_daemon.testing import FakeClock
+from tests.conftest import Cast
+from tests.unit.services.test_daemon_services import FakePublisher
 
 pytestmark = [pytest.mark.integration]
 
@@ -118,3 +126,38 @@ async def test_missing_command_is_unreachable(tmp_path: Path) -> None:
                 agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")]
             )
         )
+
+
+async def test_agent_runs_keep_and_resume_the_claude_session(
+    stand_in: tuple[list[str], Path], cast: Cast
+) -> None:
+    """In agent runs, the session the command reports is kept for the agent and tagged claude-session on
+    the reply; the agent's next run in the conversation resumes it."""
+    command, log = stand_in
+    backend = ClaudeCodeBackend(command=command, model="sonnet")
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
+    signers = {
+        slug: Signer(bytes.fromhex(keys.secret), label=slug)
+        for slug, keys in (("alice", cast.alice_keys), ("bob", cast.bob_keys))
+    }
+    profiles = {a.slug: AgentProfile(a, "", backend) for a in cast.agents if a.slug in signers}
+    runner = AgentRunner(manager, profiles, SignedReplyComposer(signers, None), FakePublisher())
+    root = cast.user_says("Hi Alice", kind=11, tags=[["p", cast.alice.pubkey]])
+    await manager.create_conversation(root)
+
+    first = await runner.run(RunRequest(root.id, root.id, "alice"))
+    assert first is not None
+    assert ["claude-session", "sess-new-1"] in first.tags
+    conversation = await manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.agent_state("alice").session_id == "sess-new-1"
+
+    follow = cast.user_says("And now?", tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]])
+    await manager.add_event(root.id, follow)
+    second = await runner.run(RunRequest(root.id, follow.id, "alice"))
+    assert second is not None
+    assert ["claude-session", "sess-new-1"] in second.tags
+    args = calls(log)[1]["args"]
+    assert isinstance(args, list)
+    assert args[args.index("--resume") + 1] == "sess-new-1"
+    await runner.flush(5.0)
