@@ -198,7 +198,7 @@ async def test_asked_agent_sees_only_the_pair_thread_and_its_answer_is_the_tool_
 
 
 async def test_exchange_is_published_signed_and_addressed_and_runs_nobody(cast: Cast) -> None:
-    """A's request (signed by A, p-tagging B) and B's answer (signed by B, p-tagging A) are saved and published, tagged with the thread; only A's run happened and the relay echoes are duplicates."""
+    """A's request (signed by A, p-tagging B) and B's answer (signed by B, p-tagging A) are saved and published, tagged with the thread; B's tokens count as B's, only A's run happened and the relay echoes are duplicates."""
     rig = make_rig(
         cast,
         ScriptedBackend([ask("c1", "bob", "What is 2+2?"), text("Bob says 4.")]),
@@ -223,6 +223,8 @@ async def test_exchange_is_published_signed_and_addressed_and_runs_nobody(cast: 
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
     assert [e.id for e in conversation.history] == [root.id, request.id, answer.id, reply.id]
+    bob_state = conversation.agent_states["bob"]
+    assert (bob_state.prompt_tokens, bob_state.completion_tokens) == (10, 5)  # B's usage counts as B's
     assert [(r.agent_slug, r.trigger_id) for r in rig.runs] == [("alice", root.id)]
     assert len(rig.bob.requests) == 1
     for echo in (request, answer, reply):
