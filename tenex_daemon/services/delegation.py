@@ -91,7 +91,7 @@ class Delegation:
     ) -> None:
         self._manager = manager
         self._profiles = profiles
-        self.threads = threads
+        self._threads = threads
         self._composer = composer
         self._publisher = publisher
         self._answer = answer
@@ -139,10 +139,10 @@ class Delegation:
         """Carry out one request and answer (see the module docstring); return the answer."""
         target = self._target(asker, to)
         asked = target.agent
-        thread_id = self.threads.key(cid, asker.slug, asked.slug)
+        thread_id = self._threads.key(cid, asker.slug, asked.slug)
         async with self._lock(thread_id):
             try:
-                thread = await self.threads.get_thread(cid, asker.slug, asked.slug)
+                thread = await self._threads.get_thread(cid, asker.slug, asked.slug)
             except ThreadPersistenceError as exc:
                 raise ToolRefusedError(f"your thread with {asked.slug} could not be read: {exc}") from None
             request = await self._save(asker, trigger, message, (asked.pubkey,), thread_id, cid)
@@ -170,7 +170,7 @@ class Delegation:
                 raise ToolRefusedError(f"{asked.slug} could not answer ({error_kind}): {result.text}")
             pair = [_item(asker, asked, request), _item(asked, asker, answer)]
             try:
-                await self.threads.add_items_and_save(thread, pair)
+                await self._threads.add_items_and_save(thread, pair)
             except ThreadPersistenceError as exc:
                 # The pair stays in the cached thread and is saved with the next exchange.
                 log.error("delegation_thread_not_saved", thread_id=thread_id, error=str(exc))
