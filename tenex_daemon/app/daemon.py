@@ -37,7 +37,13 @@ from tenex_daemon.app.nostr_io import (
 from tenex_daemon.app.notify import SystemdNotifier
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.app.status import write_status
-from tenex_daemon.app.wiring import build_agents, build_backend, build_store, load_signers
+from tenex_daemon.app.wiring import (
+    build_agents,
+    build_backend,
+    build_store,
+    build_thread_manager,
+    load_signers,
+)
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.ports import ConversationStore
 from tenex_daemon.core.search import SearchQuery
@@ -300,6 +306,7 @@ class Daemon:
             typing_delay_s=settings.daemon.typing_delay_s,
             partials=publisher if settings.daemon.stream_partials else None,
             partial_interval_s=settings.daemon.partial_interval_s,
+            threads=build_thread_manager(self.store),
         )
         self.runner = runner
 

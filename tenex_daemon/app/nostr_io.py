@@ -101,6 +101,7 @@ class SignedReplyComposer:
             prompt_tokens=spec.prompt_tokens,
             completion_tokens=spec.completion_tokens,
             error=spec.error,
+            delegation=spec.delegation,
         )
         return self._signers[spec.agent_slug].sign(KIND_COMMENT, spec.content, tags)
 

@@ -11,6 +11,7 @@ from tenex_daemon.app.settings import BackendSettings, Settings, SettingsError, 
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.llm import BackendError, LLMBackend
 from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.services.threads import ThreadManager
 
 AVAILABLE_BACKENDS = BACKEND_NAMES
 
@@ -32,6 +33,11 @@ def build_store(settings: Settings) -> ConversationStore:
 
     home = Path(settings.storage.path) if settings.storage.path else settings.home
     return FileSystemStore(home, fsync=settings.storage.fsync, cache_size=settings.storage.cache_size)
+
+
+def build_thread_manager(store: ConversationStore) -> ThreadManager:
+    """Return the agent-to-agent threads (``send_message``), persisted in ``store``'s meta space."""
+    return ThreadManager(store=store)
 
 
 def load_signers(settings: Settings) -> tuple[dict[str, Signer], Signer]:

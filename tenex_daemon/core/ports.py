@@ -120,6 +120,9 @@ class ReplySpec:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     error: bool = False
+    delegation: str | None = None
+    """The agent-to-agent thread id when the reply is one side of a ``send_message`` exchange;
+    the composer then tags it ``["delegation", <thread id>]`` so that nobody is run for it."""
 
 
 class ReplyComposer(Protocol):

@@ -11,7 +11,7 @@ from enum import StrEnum
 
 from tenex_daemon.core.agents import Agent, AgentDirectory
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.vocabulary import TAG_PUBKEY
+from tenex_daemon.core.vocabulary import TAG_DELEGATION, TAG_PUBKEY
 
 
 class SkipReason(StrEnum):
@@ -23,6 +23,8 @@ class SkipReason(StrEnum):
     HOP_LIMIT = "hop_limit"
     NO_AGENT = "no_agent"
     NOT_ADDRESSED = "not_addressed"
+    DELEGATION = "delegation"
+    """One side of a ``send_message`` exchange: the tool already carried it out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +49,12 @@ def choose_target(event: NostrEvent, directory: AgentDirectory) -> Target:
 
     The first p-tagged agent other than the author; else, if the project or nobody is
     p-tagged, the orchestrator (the default agent when there is none: the caller
-    decides). A p-tag naming neither an agent nor the project: nobody.
+    decides). A p-tag naming neither an agent nor the project: nobody. An event tagged
+    ``["delegation", <thread id>]`` (a ``send_message`` exchange, see
+    :func:`is_delegation`) runs nobody: the tool already had the addressed agent answer.
     """
+    if is_delegation(event):
+        return Target(None, SkipReason.DELEGATION)
     tagged = [tag[1] for tag in event.tags if len(tag) > 1 and tag[0] == TAG_PUBKEY]
     for pubkey in tagged:
         agent = directory.by_pubkey(pubkey)
@@ -63,13 +69,23 @@ def choose_target(event: NostrEvent, directory: AgentDirectory) -> Target:
     return Target(orchestrator, None if orchestrator else SkipReason.NO_AGENT, via_orchestrator=True)
 
 
+def is_delegation(event: NostrEvent) -> bool:
+    """Return whether ``event`` is one side of a ``send_message`` exchange (tagged ``delegation``)."""
+    return any(len(tag) > 1 and tag[0] == TAG_DELEGATION for tag in event.tags)
+
+
 def agent_chain_length(history: Sequence[NostrEvent], directory: AgentDirectory) -> int:
-    """Return how many events at the end of history were written by agents in a row."""
+    """Return how many events at the end of history were written by agents in a row.
+
+    ``send_message`` exchanges are not hops (they happen inside one agent's run and run
+    nobody), so they are passed over without counting.
+    """
     count = 0
     for event in reversed(history):
         if directory.by_pubkey(event.pubkey) is None:
             break
-        count += 1
+        if not is_delegation(event):
+            count += 1
     return count
 
 

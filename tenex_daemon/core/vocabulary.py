@@ -44,6 +44,8 @@ TAG_LLM_PROMPT_TOKENS: Final = "llm-prompt-tokens"
 TAG_LLM_COMPLETION_TOKENS: Final = "llm-completion-tokens"
 TAG_ERROR: Final = "error"
 ERROR_SYSTEM: Final = "system"
+TAG_DELEGATION: Final = "delegation"
+"""``["delegation", "<thread id>"]``: an exchange of the ``send_message`` tool, already handled (no run)."""
 
 # NIP-42 relay authentication (kind 22242).
 TAG_RELAY: Final = "relay"

@@ -25,8 +25,16 @@ from tenex_daemon.core.llm import (
 )
 from tenex_daemon.core.ports import PartialTextPublisher, Publisher, ReplyComposer, ReplySpec
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.delegation import Delegation, RunDelegator
 from tenex_daemon.services.runs import RunRequest
-from tenex_daemon.services.tools import RunEffects, ToolContext, ToolRegistry, mark_conversation_ended
+from tenex_daemon.services.threads import ThreadManager
+from tenex_daemon.services.tools import (
+    SEND_MESSAGE,
+    RunEffects,
+    ToolContext,
+    ToolRegistry,
+    mark_conversation_ended,
+)
 
 DEFAULT_MAX_TOOL_ROUNDS = 8
 """How many times one run may ask its backend before an answer without tool calls is required."""
@@ -103,6 +111,10 @@ class AgentRunner:
     A ``complete`` call makes the reply a completion (tagged ``["tool", "complete"]``,
     addressed to the orchestrator too); ``end_conversation`` archives the conversation
     once the reply is saved.
+
+    With ``threads`` (a :class:`ThreadManager`), an agent other than the orchestrator is
+    also offered ``send_message`` whenever another non-orchestrator agent is configured
+    (see :mod:`~tenex_daemon.services.delegation`); without it, nobody is.
     """
 
     def __init__(
@@ -119,6 +131,7 @@ class AgentRunner:
         max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
         partials: PartialTextPublisher | None = None,
         partial_interval_s: float = DEFAULT_PARTIAL_INTERVAL_S,
+        threads: ThreadManager | None = None,
     ) -> None:
         if max_tool_rounds < 1:
             raise ValueError("max_tool_rounds must be at least 1")
@@ -140,6 +153,23 @@ class AgentRunner:
             if unknown:
                 raise ValueError(f"agent {profile.agent.slug}: unknown tools {', '.join(sorted(unknown))}")
         self._outbox: set[asyncio.Task[None]] = set()
+        self._delegation = (
+            None
+            if threads is None
+            else Delegation(
+                manager, profiles, threads, composer, publisher, answer=self._answer, schedule=self._send
+            )
+        )
+
+    def _delegating(
+        self, profile: AgentProfile, cid: str, trigger: NostrEvent
+    ) -> tuple[AgentProfile, RunDelegator | None]:
+        """The profile offered ``send_message`` too, and the run's delegator, when the agent may delegate."""
+        delegation = self._delegation
+        if delegation is None or not delegation.can_delegate(profile.agent):
+            return profile, None
+        tools = profile.tools if SEND_MESSAGE in profile.tools else (*profile.tools, SEND_MESSAGE)
+        return replace(profile, tools=tools), delegation.for_run(profile.agent, cid, trigger)
 
     def set_reply_hook(self, hook: ReplyHook) -> None:
         """Set what is told about each saved reply (the dispatcher's targeting)."""
@@ -168,8 +198,9 @@ class AgentRunner:
         await self._manager.start_execution(cid)
         try:
             context = await self._manager.build_agent_messages(cid, profile.agent.slug, trigger)
-            tool_context = ToolContext(self._manager, cid, profile.agent, effects)
-            result, error_kind = await self._answer(profile, context, tool_context)
+            offered, delegator = self._delegating(profile, cid, trigger)
+            tool_context = ToolContext(self._manager, cid, profile.agent, effects, delegator)
+            result, error_kind = await self._answer(offered, context, tool_context)
         finally:
             if streamer is not None:
                 await streamer.close()

@@ -9,6 +9,9 @@ so the model can try again: a tool call never crashes a run.
 Tools that end something (``complete``, ``end_conversation``) only record the wish in
 :class:`RunEffects`; the runner acts on it when it saves the reply, so the reply still
 goes out and is tagged accordingly.
+
+``send_message`` reaches another agent through the run's :class:`Delegator` (see
+:mod:`tenex_daemon.services.delegation`); a run without one is refused.
 """
 
 from __future__ import annotations
@@ -68,6 +71,15 @@ class ToolContext:
     conversation_id: str
     agent: Agent
     effects: RunEffects
+    delegator: Delegator | None = None
+    """How ``send_message`` reaches another agent; None in runs that may not delegate."""
+
+
+class Delegator(Protocol):
+    """Asks another agent of the project on behalf of the running agent (``send_message``)."""
+
+    async def send(self, to: str, message: str) -> str:
+        """Return the answer of the agent ``to`` (a slug); raise :class:`ToolRefusedError` when it cannot."""
 
 
 class Tool(Protocol):
@@ -384,6 +396,74 @@ class GetConversationTool:
         return json.dumps({"conversations": listed}, ensure_ascii=False)
 
 
+# --- send_message ---------------------------------------------------------------------------
+
+SEND_MESSAGE = "send_message"
+
+
+class SendMessageArguments(_Arguments):
+    """``send_message``'s arguments."""
+
+    to: str = Field(min_length=1)
+    message: str = Field(min_length=1)
+
+    @field_validator("to", "message")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be blank")
+        return value
+
+
+class SendMessageTool:
+    """Asks another agent and returns its answer (delegation, seed 002's ``send_message``).
+
+    The two agents talk in their own thread, ``<conversation id>__<a>__<b>`` (slugs
+    sorted), kept by the ThreadManager and persisted, so the next ``send_message``
+    between the same pair continues it (also after a restart). The asked agent sees
+    only that thread: its persona, the asker's messages as ``user``, its own answers as
+    ``assistant``; it is offered no ``send_message`` (no recursion). Its answer is this
+    tool's result.
+
+    On Nostr the exchange is two kind-1111 replies in the conversation: the request,
+    signed by the asker and p-tagging the asked agent, and the answer, signed by the
+    asked agent, replying to the request and p-tagging the asker. Both carry
+    ``["delegation", "<thread id>"]``: they are added to history before they are
+    published, and targeting never runs an agent for an event with that tag
+    (``SkipReason.DELEGATION``), so neither they nor their relay echoes (duplicates)
+    cause a run. An answer that reports a failure also carries ``["error", "system"]``.
+
+    Refused (error results): an unknown slug (the error lists who can be asked),
+    oneself, the orchestrator (it routes the conversation; it does not answer
+    questions), a run with no delegation, and an asked agent whose backend failed
+    (the error says what failed).
+    """
+
+    spec = ToolSpec(
+        name=SEND_MESSAGE,
+        description=(
+            "Ask another agent of this project and get its answer. You and that agent talk in your own "
+            "private thread, which continues where you left off; the agent sees only that thread, so put "
+            "everything it needs in `message`. `to` is the agent's slug."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "to": _text_property("The slug of the agent to ask."),
+                "message": _text_property("What you ask or tell it, self-contained."),
+            },
+            "required": ["to", "message"],
+        },
+    )
+    arguments = SendMessageArguments
+
+    async def run(self, arguments: SendMessageArguments, context: ToolContext) -> str:
+        """Ask the other agent through the run's delegator; its answer is the result."""
+        if context.delegator is None:
+            raise ToolRefusedError("send_message is not available in this run: no other agent can be asked")
+        return await context.delegator.send(arguments.to.strip(), arguments.message)
+
+
 # --- the registry ---------------------------------------------------------------------------
 
 
@@ -407,8 +487,20 @@ class ToolRegistry:
 
     @classmethod
     def default(cls) -> ToolRegistry:
-        """The tools every agent is offered: complete, switch_phase, end_conversation, get_conversation."""
-        return cls([CompleteTool(), SwitchPhaseTool(), EndConversationTool(), GetConversationTool()])
+        """Every tool: complete, switch_phase, end_conversation, get_conversation and send_message.
+
+        Which of them an agent is offered is its profile's choice (the runner adds
+        ``send_message`` when another agent can be asked).
+        """
+        return cls(
+            [
+                CompleteTool(),
+                SwitchPhaseTool(),
+                EndConversationTool(),
+                GetConversationTool(),
+                SendMessageTool(),
+            ]
+        )
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -460,4 +552,3 @@ class ToolRegistry:
             error=message,
         )
         return ToolResult(tool_call_id=call.id, name=call.name, content=f"Error: {message}", is_error=True)
-

@@ -30,6 +30,7 @@ from tenex_daemon.core.vocabulary import (
     KIND_RELAY_AUTH,
     TAG_ADDRESS,
     TAG_CHALLENGE,
+    TAG_DELEGATION,
     TAG_ERROR,
     TAG_EVENT,
     TAG_LLM_COMPLETION_TOKENS,
@@ -643,6 +644,7 @@ def build_reply_tags(
     prompt_tokens: int | None = None,
     completion_tokens: int | None = None,
     error: bool = False,
+    delegation: str | None = None,
     relay_hint: str = "",
 ) -> list[list[str]]:
     """Return the tags of an agent's kind-1111 reply to ``trigger`` (PROTOCOL.md).
@@ -651,7 +653,8 @@ def build_reply_tags(
     the trigger's tags, else the trigger itself), parent ``e``/``k`` from the
     trigger; every ``p`` is then replaced by one per destination. ``project`` is
     ``(owner pubkey, project d-tag)`` for the ``a`` tag. Optional tags follow in the
-    order PROTOCOL.md lists them.
+    order PROTOCOL.md lists them; ``delegation`` (a ``send_message`` exchange's thread
+    id) adds ``["delegation", <thread id>]`` last.
     """
     thread_root = root_of(trigger) if root is None else (
         ThreadRoot.of(root) if isinstance(root, NostrEvent) else root
@@ -689,4 +692,6 @@ def build_reply_tags(
         tags.append([TAG_LLM_COMPLETION_TOKENS, str(completion_tokens)])
     if error:
         tags.append([TAG_ERROR, ERROR_SYSTEM])
+    if delegation is not None:
+        tags.append([TAG_DELEGATION, delegation])
     return tags

@@ -10,7 +10,7 @@ from tenex_daemon.adapters.llm.local import LocalBackend
 from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.app.home import HomeError, init_home
 from tenex_daemon.app.settings import BackendSettings, SettingsError, load_settings
-from tenex_daemon.app.wiring import build_backend
+from tenex_daemon.app.wiring import build_backend, build_store, build_thread_manager
 
 
 def test_init_with_the_local_backend_gives_every_demo_agent_the_bundled_model(tmp_path: Path) -> None:
@@ -57,3 +57,22 @@ def test_bad_backend_settings_name_the_agent_and_key(tmp_path: Path, backend: Ba
         build_backend("planner", backend, settings)
 
     assert f"config.toml: {key}" in str(caught.value)
+
+
+async def test_the_daemons_threads_persist_in_its_configured_store(tmp_path: Path) -> None:
+    """The ThreadManager the daemon gives its runner saves agent-to-agent threads in the home's store, across a restart."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+    store = build_store(settings)
+    await store.open()
+    threads = build_thread_manager(store)
+    thread = await threads.get_thread("conv", "alice", "bob")
+    await threads.add_items_and_save(thread, [{"from": "alice", "to": "bob", "content": "hi"}])
+    await store.close()
+
+    reopened = build_store(settings)
+    await reopened.open()
+    again = await build_thread_manager(reopened).get_thread("conv", "bob", "alice")
+    await reopened.close()
+
+    assert again.items == [{"from": "alice", "to": "bob", "content": "hi"}]

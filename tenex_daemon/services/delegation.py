@@ -1,0 +1,240 @@
+"""Delegation: one agent asks another through ``send_message`` in their own thread (seed 002).
+
+:class:`Delegation` lives as long as the runner; :meth:`Delegation.for_run` binds it to
+one agent's run (the asker and the event it answers), giving the run's
+:class:`~tenex_daemon.services.tools.Delegator`. An exchange:
+
+1. the request is saved to the conversation (signed by the asker, p-tagging the asked
+   agent, tagged ``["delegation", <thread id>]``) and published in the background;
+2. the asked agent runs on its thread with the asker only (persona, the asker's
+   messages as ``user``, its own as ``assistant``, the new request last), offered
+   :data:`DELEGATED_TOOLS` and never ``send_message``;
+3. its answer is saved and published the same way (signed by it, replying to the
+   request, p-tagging the asker), its token usage added to its totals;
+4. the thread gets the request and the answer as one pair and is saved; the answer is
+   the tool's result.
+
+A failed answer (its backend failed) is still saved and published, as an error reply,
+so the request is never left unanswered in the conversation; the thread is not
+changed and the tool call is refused with what failed. Exchanges between the same pair
+in the same conversation take turns (a lock per thread), so each answer sees the
+previous exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.context import AgentContext, ChatMessage
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.llm import CompletionResult
+from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec
+from tenex_daemon.core.threads import ConversationThread, ThreadPersistenceError
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.threads import ThreadManager
+from tenex_daemon.services.tools import RunEffects, ToolContext, ToolRefusedError
+
+if TYPE_CHECKING:
+    from tenex_daemon.services.agent_runner import AgentProfile
+
+log = structlog.get_logger(__name__)
+
+DELEGATED_TOOLS = ("get_conversation",)
+"""The tools an asked agent may use while it answers: only reading ones, never ``send_message``
+(no recursion) nor those that end or steer the conversation (``complete``, ``end_conversation``,
+``switch_phase``), which belong to the conversation's own runs."""
+
+Answer = Callable[["AgentProfile", AgentContext, ToolContext], Awaitable[tuple[CompletionResult, str | None]]]
+"""The runner's tool loop: (profile, context, tools) -> (answer, error kind or None)."""
+Schedule = Callable[[Coroutine[Any, Any, None]], object]
+"""Runs a coroutine as a tracked background task (the runner's outbox)."""
+
+
+def delegation_note(asker: Agent) -> str:
+    """The line added to the asked agent's persona: who asks and where the answer goes."""
+    return (
+        f"You are answering {asker.name} ({asker.slug}), another agent of this project, in your private "
+        f"thread with them. Your answer goes back to {asker.name}."
+    )
+
+
+def thread_messages(thread: ConversationThread, responder: str) -> list[ChatMessage]:
+    """The thread as the ``responder`` sees it: its own items ``assistant``, the other side's ``user``."""
+    messages = []
+    for item in thread.items:
+        if not isinstance(item, dict) or not isinstance(item.get("content"), str):
+            continue
+        own = item.get("from") == responder
+        messages.append(ChatMessage("assistant" if own else "user", item["content"]))
+    return messages
+
+
+class Delegation:
+    """Carries out ``send_message`` exchanges between the runner's agents."""
+
+    def __init__(
+        self,
+        manager: ConversationManager,
+        profiles: Mapping[str, AgentProfile],
+        threads: ThreadManager,
+        composer: ReplyComposer,
+        publisher: Publisher,
+        *,
+        answer: Answer,
+        schedule: Schedule,
+    ) -> None:
+        self._manager = manager
+        self._profiles = profiles
+        self._threads = threads
+        self._composer = composer
+        self._publisher = publisher
+        self._answer = answer
+        self._schedule = schedule
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def askable(self, asker: Agent) -> list[Agent]:
+        """The agents ``asker`` may ask: every other configured agent but the orchestrator."""
+        return [
+            p.agent
+            for p in self._profiles.values()
+            if p.agent.slug != asker.slug and not p.agent.orchestrator
+        ]
+
+    def can_delegate(self, asker: Agent) -> bool:
+        """Whether ``send_message`` is offered to ``asker``: not the orchestrator, and someone to ask."""
+        return not asker.orchestrator and bool(self.askable(asker))
+
+    def for_run(self, asker: Agent, conversation_id: str, trigger: NostrEvent) -> RunDelegator:
+        """The delegator of one run of ``asker`` answering ``trigger``."""
+        return RunDelegator(self, asker, conversation_id, trigger)
+
+    def _lock(self, thread_id: str) -> asyncio.Lock:
+        lock = self._locks.get(thread_id)
+        if lock is None:
+            lock = self._locks[thread_id] = asyncio.Lock()
+        return lock
+
+    def _target(self, asker: Agent, slug: str) -> AgentProfile:
+        """The profile of the agent asked; refuse oneself, the orchestrator and unknown slugs."""
+        names = ", ".join(f"{a.slug} ({a.name})" for a in self.askable(asker)) or "nobody"
+        if slug == asker.slug:
+            raise ToolRefusedError(f"you cannot send a message to yourself; you can ask: {names}")
+        profile = self._profiles.get(slug)
+        if profile is None:
+            raise ToolRefusedError(f"no agent {slug!r} in this project; you can ask: {names}")
+        if profile.agent.orchestrator:
+            raise ToolRefusedError(
+                f"{slug} is the orchestrator: it routes the conversation and does not answer questions; "
+                f"you can ask: {names}"
+            )
+        return profile
+
+    async def exchange(self, asker: Agent, cid: str, trigger: NostrEvent, to: str, message: str) -> str:
+        """Carry out one request and answer (see the module docstring); return the answer."""
+        target = self._target(asker, to)
+        asked = target.agent
+        thread_id = self._threads.key(cid, asker.slug, asked.slug)
+        async with self._lock(thread_id):
+            try:
+                thread = await self._threads.get_thread(cid, asker.slug, asked.slug)
+            except ThreadPersistenceError as exc:
+                raise ToolRefusedError(f"your thread with {asked.slug} could not be read: {exc}") from None
+            request = await self._save(asker, trigger, message, (asked.pubkey,), thread_id, cid)
+            log.info("delegation_asked", conversation_id=cid, asker=asker.slug, asked=asked.slug)
+            context = AgentContext(
+                messages=[*thread_messages(thread, asked.slug), ChatMessage("user", message)],
+                session_id=None,
+                last_processed_index=0,
+            )
+            note = delegation_note(asker)
+            instructions = f"{target.instructions}\n\n{note}" if target.instructions else note
+            tools = tuple(name for name in target.tools if name in DELEGATED_TOOLS)
+            profile = replace(target, instructions=instructions, tools=tools)
+            result, error_kind = await self._answer(
+                profile, context, ToolContext(self._manager, cid, asked, RunEffects())
+            )
+            answer = await self._save(
+                asked, request, result.text, (asker.pubkey,), thread_id, cid, result, error_kind
+            )
+            used = (result.prompt_tokens or 0, result.completion_tokens or 0)
+            if any(used):
+                await self._manager.update_agent_state(cid, asked.slug, add_tokens=used)
+            if error_kind is not None:
+                log.warning("delegation_failed", conversation_id=cid, asked=asked.slug, error=error_kind)
+                raise ToolRefusedError(f"{asked.slug} could not answer ({error_kind}): {result.text}")
+            pair = [_item(asker, asked, request), _item(asked, asker, answer)]
+            try:
+                await self._threads.add_items_and_save(thread, pair)
+            except ThreadPersistenceError as exc:
+                # The pair stays in the cached thread and is saved with the next exchange.
+                log.error("delegation_thread_not_saved", thread_id=thread_id, error=str(exc))
+            log.info("delegation_answered", conversation_id=cid, asker=asker.slug, asked=asked.slug)
+            return answer.content
+
+    async def _save(
+        self,
+        author: Agent,
+        parent: NostrEvent,
+        content: str,
+        destinations: tuple[str, ...],
+        thread_id: str,
+        cid: str,
+        result: CompletionResult | None = None,
+        error_kind: str | None = None,
+    ) -> NostrEvent:
+        """Compose one side of the exchange, add it to history, then publish it in the background."""
+        conversation = await self._manager.get_conversation(cid)
+        if conversation is None:
+            raise ToolRefusedError("the conversation is gone")
+        spec = ReplySpec(
+            agent_slug=author.slug,
+            trigger=parent,
+            root=conversation.root,
+            content=content,
+            destinations=destinations,
+            phase=conversation.phase.value,
+            net_time_seconds=await self._manager.execution_seconds(cid),
+            model=result.model if result is not None else None,
+            prompt_tokens=result.prompt_tokens if result is not None else None,
+            completion_tokens=result.completion_tokens if result is not None else None,
+            error=error_kind is not None,
+            delegation=thread_id,
+        )
+        event = self._composer.compose(spec)
+        await self._manager.add_event(cid, event)
+        self._schedule(self._publish(author.slug, event))
+        return event
+
+    async def _publish(self, agent_slug: str, event: NostrEvent) -> None:
+        try:
+            await self._publisher.publish(event)
+        except Exception as exc:
+            # Saved in history; a relay that comes back can be given it again by `rebuild`.
+            log.error("delegation_not_published", agent=agent_slug, event_id=event.id, error=str(exc))
+
+
+def _item(author: Agent, other: Agent, event: NostrEvent) -> dict[str, Any]:
+    """One thread item (a JSON value): who said what to whom, and the event that carried it."""
+    return {"from": author.slug, "to": other.slug, "content": event.content, "event_id": event.id}
+
+
+class RunDelegator:
+    """The :class:`~tenex_daemon.services.tools.Delegator` of one agent's run."""
+
+    def __init__(
+        self, delegation: Delegation, asker: Agent, conversation_id: str, trigger: NostrEvent
+    ) -> None:
+        self._delegation = delegation
+        self._asker = asker
+        self._conversation_id = conversation_id
+        self._trigger = trigger
+
+    async def send(self, to: str, message: str) -> str:
+        """Ask the agent ``to`` and return its answer (refusals raise ToolRefusedError)."""
+        return await self._delegation.exchange(self._asker, self._conversation_id, self._trigger, to, message)

@@ -1,0 +1,441 @@
+"""Delegation with `send_message`: agent A asks agent B in their own persisted thread, scripted backends."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
+from tenex_daemon.adapters.llm.offline import OfflineBackend
+from tenex_daemon.adapters.nostr.codec import build_reply_tags
+from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+from tenex_daemon.app.nostr_io import classify_event
+from tenex_daemon.core.agents import AgentDirectory
+from tenex_daemon.core.context import ChatMessage
+from tenex_daemon.core.llm import (
+    AssistantToolCalls,
+    BackendError,
+    CompletionRequest,
+    CompletionResult,
+    LLMBackend,
+    ToolResult,
+)
+from tenex_daemon.core.ports import ConversationStore, ReplySpec
+from tenex_daemon.core.targeting import SkipReason, agent_chain_length, choose_target
+from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.delegation import DELEGATED_TOOLS
+from tenex_daemon.services.dispatcher import EventDispatcher, Outcome
+from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
+from tenex_daemon.services.runs import RunRequest, RunScheduler
+from tenex_daemon.services.threads import META_PREFIX, ThreadManager
+from tenex_daemon.services.tools import SEND_MESSAGE
+from tenex_daemon.testing import FakeClock, KeyPair, sign_event
+from tests.conftest import Cast
+from tests.unit.services.test_daemon_services import FakePublisher
+from tests.unit.services.test_tool_loop import ScriptedBackend, calls, text
+
+
+@dataclass
+class DelegationComposer:
+    """Signs replies with the codec's reply tags, the delegation tag included (as the daemon's composer does)."""
+
+    keys: dict[str, KeyPair]
+
+    def compose(self, spec: ReplySpec) -> NostrEvent:
+        """Return the signed reply."""
+        tags = build_reply_tags(
+            spec.trigger,
+            spec.destinations,
+            root=spec.root,
+            phase=spec.phase,
+            complete=spec.complete,
+            llm_model=spec.model,
+            error=spec.error,
+            delegation=spec.delegation,
+        )
+        return sign_event(self.keys[spec.agent_slug], spec.content, tags=tags)
+
+
+@dataclass
+class Rig:
+    """The daemon's services over one store, with Alice and Bob thinking through their own scripted backends."""
+
+    store: ConversationStore
+    manager: ConversationManager
+    threads: ThreadManager
+    runner: AgentRunner
+    scheduler: RunScheduler
+    dispatcher: EventDispatcher
+    publisher: FakePublisher
+    alice: ScriptedBackend
+    bob: ScriptedBackend
+    runs: list[RunRequest]
+
+
+def make_rig(
+    cast: Cast,
+    alice: ScriptedBackend,
+    bob: ScriptedBackend | None = None,
+    *,
+    store: ConversationStore | None = None,
+    delegation: bool = True,
+    agents: list[str] | None = None,
+    orchestrator: ScriptedBackend | None = None,
+) -> Rig:
+    """Wire manager, threads, runner, scheduler and dispatcher the way the daemon does."""
+    store = MemoryStore() if store is None else store
+    chosen = [a for a in cast.agents if agents is None or a.slug in agents]
+    manager = ConversationManager(store, chosen, cast.project.pubkey, clock=FakeClock())
+    threads = ThreadManager(store=store)
+    bob = bob or ScriptedBackend([text("Bob here.")])
+    backends: dict[str, LLMBackend] = {
+        "alice": alice,
+        "bob": bob,
+        "orchestrator": orchestrator or OfflineBackend(),
+    }
+    profiles = {a.slug: AgentProfile(a, f"Persona of {a.name}.", backends[a.slug]) for a in chosen}
+    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    publisher = FakePublisher()
+    runner = AgentRunner(
+        manager, profiles, DelegationComposer(keys), publisher, threads=threads if delegation else None
+    )
+    runs: list[RunRequest] = []
+
+    async def run(request: RunRequest) -> None:
+        runs.append(request)
+        await runner.run(request)
+
+    scheduler = RunScheduler(store, run, max_concurrent=4)
+    dispatcher = EventDispatcher(
+        manager,
+        scheduler,
+        classify_event,
+        RuleBasedOrchestrator(manager.agents, "alice"),
+        owner=cast.user.pubkey,
+    )
+    runner.set_reply_hook(dispatcher.after_reply)
+    return Rig(store, manager, threads, runner, scheduler, dispatcher, publisher, alice, bob, runs)
+
+
+async def settle(rig: Rig) -> None:
+    """Wait for every scheduled run and every publication (the scheduler accepts no more runs after)."""
+    await rig.scheduler.drain(10.0)
+    await rig.runner.flush(10.0)
+
+
+def ask(call_id: str, to: str, message: str) -> CompletionResult:
+    """A backend answer calling send_message once."""
+    return calls((call_id, SEND_MESSAGE, {"to": to, "message": message}))
+
+
+async def start(rig: Rig, cast: Cast, content: str = "Alice, find out 2+2 from Bob.") -> NostrEvent:
+    """The user starts a conversation addressed to Alice; wait for everything it causes."""
+    root = cast.user_says(content, kind=11, tags=[["p", cast.alice.pubkey]])
+    result = await rig.dispatcher.handle(root)
+    assert result.outcome is Outcome.SCHEDULED
+    await settle(rig)
+    return root
+
+
+async def say_to_alice(rig: Rig, cast: Cast, root: NostrEvent, content: str) -> NostrEvent:
+    """The user replies in the conversation, addressing Alice; wait for everything it causes."""
+    event = cast.user_says(content, tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]])
+    result = await rig.dispatcher.handle(event)
+    assert result.outcome is Outcome.SCHEDULED
+    await settle(rig)
+    return event
+
+
+def tool_result(backend: ScriptedBackend, request: int = -1) -> ToolResult:
+    """The single tool result in one of the backend's requests."""
+    [result] = [m for m in backend.requests[request].messages if isinstance(m, ToolResult)]
+    return result
+
+
+def offered(request: CompletionRequest) -> set[str]:
+    """The names of the tools offered in a request."""
+    return {spec.name for spec in request.tools}
+
+
+async def test_asked_agent_sees_only_the_pair_thread_and_its_answer_is_the_tool_result(cast: Cast) -> None:
+    """B's backend gets B's persona and only A's request, none of the conversation; its answer is A's tool result right after A's call."""
+    rig = make_rig(
+        cast,
+        ScriptedBackend([ask("c1", "bob", "What is 2+2?"), text("Bob says 4.")]),
+        ScriptedBackend([text("4, of course.")]),
+    )
+    root = cast.user_says("SECRET-ROOT question for Alice", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    await rig.manager.add_event(root.id, cast.user_says("SECRET-NOTE from the user", tags=[["E", root.id]]))
+    await rig.manager.add_event(root.id, cast.bob_says("SECRET-BOB said in the chat", tags=[["E", root.id]]))
+    trigger = cast.user_says("Ask Bob, please.", tags=[["E", root.id], ["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(trigger)
+    await settle(rig)
+
+    [bob_request] = rig.bob.requests
+    assert list(bob_request.messages) == [ChatMessage("user", "What is 2+2?")]
+    assert bob_request.system_prompt.startswith(
+        AgentProfile(cast.bob, "Persona of Bob.", rig.bob).system_prompt
+    )
+    assert "Alice (alice)" in bob_request.system_prompt
+    seen = bob_request.system_prompt + json.dumps([str(m) for m in bob_request.messages])
+    assert "SECRET" not in seen
+    assert "Ask Bob" not in seen
+    assert offered(bob_request) == set(DELEGATED_TOOLS)
+    first, second = rig.alice.requests
+    assert SEND_MESSAGE in offered(first)
+    added = list(second.messages[len(first.messages) :])
+    assert len(added) == 2
+    call, result = added
+    assert isinstance(call, AssistantToolCalls)
+    assert [c.id for c in call.tool_calls] == ["c1"]
+    assert isinstance(result, ToolResult)
+    assert (result.tool_call_id, result.content, result.is_error) == ("c1", "4, of course.", False)
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.history[-1].content == "Bob says 4."
+
+
+async def test_exchange_is_published_signed_and_addressed_and_runs_nobody(cast: Cast) -> None:
+    """A's request (signed by A, p-tagging B) and B's answer (signed by B, p-tagging A) are saved and published, tagged with the thread; B's tokens count as B's, only A's run happened and the relay echoes are duplicates."""
+    rig = make_rig(
+        cast,
+        ScriptedBackend([ask("c1", "bob", "What is 2+2?"), text("Bob says 4.")]),
+        ScriptedBackend([text("4")]),
+    )
+
+    root = await start(rig, cast)
+
+    thread_id = ThreadManager.key(root.id, "alice", "bob")
+    request, answer, reply = rig.publisher.published
+    assert (request.pubkey, request.content) == (cast.alice.pubkey, "What is 2+2?")
+    assert request.tag_values("p") == [cast.bob.pubkey]
+    assert request.tag_values("e") == [root.id]
+    assert (answer.pubkey, answer.content) == (cast.bob.pubkey, "4")
+    assert answer.tag_values("p") == [cast.alice.pubkey]
+    assert answer.tag_values("e") == [request.id]
+    assert request.tag_values("delegation") == answer.tag_values("delegation") == [thread_id]
+    assert not answer.has_tag("error", "system")
+    assert (reply.pubkey, reply.content) == (cast.alice.pubkey, "Bob says 4.")
+    assert reply.tag_values("p") == [cast.user.pubkey]
+    assert reply.tag_values("delegation") == []
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.id for e in conversation.history] == [root.id, request.id, answer.id, reply.id]
+    bob_state = conversation.agent_states["bob"]
+    assert (bob_state.prompt_tokens, bob_state.completion_tokens) == (10, 5)  # B's usage counts as B's
+    assert [(r.agent_slug, r.trigger_id) for r in rig.runs] == [("alice", root.id)]
+    assert len(rig.bob.requests) == 1
+    for echo in (request, answer, reply):
+        assert (await rig.dispatcher.handle(echo)).outcome is Outcome.DUPLICATE
+    await settle(rig)
+    assert len(rig.runs) == 1
+
+
+async def test_a_delegation_event_never_targets_an_agent_even_when_new(cast: Cast) -> None:
+    """An event tagged ["delegation", id] that is new to this daemon is stored with reason `delegation`, and runs nobody."""
+    first = make_rig(
+        cast, ScriptedBackend([ask("c1", "bob", "Hi Bob"), text("done")]), ScriptedBackend([text("Hi Alice")])
+    )
+    root = await start(first, cast)
+    request, answer, _ = first.publisher.published
+    other = make_rig(cast, ScriptedBackend([text("unused")]), ScriptedBackend([text("unused")]))
+    await other.manager.create_conversation(root)
+
+    outcomes = [await other.dispatcher.handle(event) for event in (request, answer)]
+    await settle(other)
+
+    assert [(o.outcome, o.reason) for o in outcomes] == [(Outcome.STORED, SkipReason.DELEGATION.value)] * 2
+    assert choose_target(answer, other.manager.agents).skip is SkipReason.DELEGATION
+    assert other.runs == []
+    assert other.alice.requests == other.bob.requests == []
+
+
+async def test_the_thread_survives_a_restart_and_the_second_exchange_sees_the_first(
+    cast: Cast, tmp_path: Path
+) -> None:
+    """After a restart (new store, manager, threads and runner over the same files) B's context holds the first exchange, then the new request."""
+    store = FileSystemStore(tmp_path / "home")
+    await store.open()
+    rig = make_rig(
+        cast,
+        ScriptedBackend([ask("c1", "bob", "First question"), text("ok")]),
+        ScriptedBackend([text("First answer")]),
+        store=store,
+    )
+    root = await start(rig, cast)
+    await store.close()
+
+    reopened = FileSystemStore(tmp_path / "home")
+    await reopened.open()
+    again = make_rig(
+        cast,
+        ScriptedBackend([ask("c2", "bob", "Second question"), text("ok again")]),
+        ScriptedBackend([text("Second answer")]),
+        store=reopened,
+    )
+    await say_to_alice(again, cast, root, "Ask Bob again.")
+
+    [bob_request] = again.bob.requests
+    assert list(bob_request.messages) == [
+        ChatMessage("user", "First question"),
+        ChatMessage("assistant", "First answer"),
+        ChatMessage("user", "Second question"),
+    ]
+    assert tool_result(again.alice).content == "Second answer"
+    thread_id = ThreadManager.key(root.id, "alice", "bob")
+    stored = json.loads(await reopened.get_meta(META_PREFIX + thread_id) or "{}")
+    assert [(i["from"], i["content"]) for i in stored["items"]] == [
+        ("alice", "First question"),
+        ("bob", "First answer"),
+        ("alice", "Second question"),
+        ("bob", "Second answer"),
+    ]
+    await reopened.close()
+
+
+async def test_the_pair_shares_one_thread_whichever_side_asks(cast: Cast) -> None:
+    """When B later asks A, A sees the same thread with the roles turned: B's messages as user, its own as assistant."""
+    rig = make_rig(
+        cast,
+        ScriptedBackend([ask("c1", "bob", "Alice asks"), text("ok")]),
+        ScriptedBackend([text("Bob answers")]),
+    )
+    root = await start(rig, cast)
+    rig.alice.script = [text("Alice answers back")]
+    rig.alice.requests.clear()
+    rig.bob.requests.clear()
+    rig.bob.script = [ask("c2", "alice", "Bob asks"), text("thanks")]
+    event = cast.user_says("Bob, check with Alice.", tags=[["E", root.id], ["p", cast.bob.pubkey]])
+    await rig.manager.add_event(root.id, event)
+    await rig.runner.run(RunRequest(root.id, event.id, "bob"))
+    await rig.runner.flush(5.0)
+
+    [alice_request] = rig.alice.requests
+    assert list(alice_request.messages) == [
+        ChatMessage("assistant", "Alice asks"),
+        ChatMessage("user", "Bob answers"),
+        ChatMessage("user", "Bob asks"),
+    ]
+    assert tool_result(rig.bob).content == "Alice answers back"
+
+
+async def test_unknown_agent_oneself_orchestrator_and_blank_message_are_refused(cast: Cast) -> None:
+    """Asking an unknown slug (the error lists who can be asked), oneself, the orchestrator or with a blank message is an error result; nothing is published or run."""
+    rig = make_rig(
+        cast,
+        ScriptedBackend(
+            [
+                calls(
+                    ("u", SEND_MESSAGE, {"to": "carol", "message": "hi"}),
+                    ("s", SEND_MESSAGE, {"to": "alice", "message": "hi"}),
+                    ("o", SEND_MESSAGE, {"to": "orchestrator", "message": "hi"}),
+                    ("b", SEND_MESSAGE, {"to": "bob", "message": "   "}),
+                ),
+                text("I will answer myself."),
+            ]
+        ),
+    )
+
+    await start(rig, cast)
+
+    results = [m for m in rig.alice.requests[-1].messages if isinstance(m, ToolResult)]
+    assert [(r.tool_call_id, r.is_error) for r in results] == [
+        ("u", True),
+        ("s", True),
+        ("o", True),
+        ("b", True),
+    ]
+    unknown, itself, orchestrator, blank = (r.content for r in results)
+    assert "carol" in unknown
+    assert "bob (Bob)" in unknown
+    assert "orchestrator" not in unknown.split("you can ask:")[1]
+    assert "yourself" in itself
+    assert "routes the conversation" in orchestrator
+    assert "message" in blank
+    assert rig.bob.requests == []
+    [reply] = rig.publisher.published
+    assert reply.content == "I will answer myself."
+
+
+async def test_a_failing_backend_is_a_tool_error_and_the_thread_is_unchanged(cast: Cast) -> None:
+    """When B's backend fails, A's tool result is an error saying what failed, B's error answer is published, and the thread stays empty."""
+
+    class Failing(ScriptedBackend):
+        async def complete(self, request: CompletionRequest) -> CompletionResult:
+            self.requests.append(request)
+            raise BackendError("rate_limit", "429 Too Many Requests")
+
+    rig = make_rig(
+        cast, ScriptedBackend([ask("c1", "bob", "Help?"), text("Bob is unavailable.")]), Failing([])
+    )
+
+    root = await start(rig, cast)
+
+    result = tool_result(rig.alice)
+    assert result.is_error
+    assert "bob could not answer (rate_limit)" in result.content
+    assert "429 Too Many Requests" in result.content
+    request, answer, reply = rig.publisher.published
+    assert answer.pubkey == cast.bob.pubkey
+    assert answer.has_tag("error", "system")
+    assert answer.tag_values("e") == [request.id]
+    assert reply.content == "Bob is unavailable."
+    thread = await ThreadManager(store=rig.store).get_thread(root.id, "alice", "bob")
+    assert thread.items == []
+    assert len(rig.runs) == 1
+
+
+async def test_the_asked_agent_is_not_offered_send_message_and_calling_it_is_refused(cast: Cast) -> None:
+    """A delegated run has no send_message: B's attempt is an unknown-tool error, so delegation never recurses."""
+    rig = make_rig(
+        cast,
+        ScriptedBackend([ask("c1", "bob", "Ask Alice for me"), text("ok")]),
+        ScriptedBackend([ask("c2", "alice", "Looping back"), text("I cannot ask others here.")]),
+    )
+
+    await start(rig, cast)
+
+    first, _ = rig.bob.requests
+    assert SEND_MESSAGE not in offered(first)
+    refused = tool_result(rig.bob)
+    assert refused.is_error
+    assert "unknown tool 'send_message'" in refused.content
+    assert tool_result(rig.alice).content == "I cannot ask others here."
+    assert len(rig.alice.requests) == 2  # Alice's run only: the loop-back never reached her backend
+
+
+async def test_send_message_is_offered_only_when_someone_can_be_asked(cast: Cast) -> None:
+    """No ThreadManager, a lone agent, or the orchestrator: send_message is not offered; with Alice and Bob it is."""
+    without = make_rig(cast, ScriptedBackend([text("hi")]), delegation=False)
+    await start(without, cast)
+    alone = make_rig(cast, ScriptedBackend([text("hi")]), agents=["alice", "orchestrator"])
+    await start(alone, cast)
+    orchestrator_backend = ScriptedBackend([text("routing")])
+    both = make_rig(cast, ScriptedBackend([text("hi")]), orchestrator=orchestrator_backend)
+    await start(both, cast)
+    root = cast.user_says("Route me", kind=11)
+    await both.manager.create_conversation(root)
+    await both.runner.run(RunRequest(root.id, root.id, "orchestrator"))
+    await both.runner.flush(5.0)
+
+    assert SEND_MESSAGE not in offered(without.alice.requests[0])
+    assert SEND_MESSAGE not in offered(alone.alice.requests[0])
+    assert SEND_MESSAGE in offered(both.alice.requests[0])
+    assert SEND_MESSAGE not in offered(orchestrator_backend.requests[0])
+
+
+def test_delegation_events_are_not_hops(cast: Cast) -> None:
+    """The agent chain behind the hop limit passes over delegation events without counting them."""
+    directory = AgentDirectory(cast.agents, cast.project.pubkey)
+    tag = ["delegation", "c__alice__bob"]
+    history = [
+        cast.user_says("start"),
+        cast.alice_says("asks", tags=[tag]),
+        cast.bob_says("answers", tags=[tag]),
+        cast.alice_says("reply"),
+    ]
+
+    assert agent_chain_length(history, directory) == 1
+    assert agent_chain_length([*history, cast.bob_says("more")], directory) == 2
