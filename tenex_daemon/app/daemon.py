@@ -37,7 +37,13 @@ from tenex_daemon.app.nostr_io import (
 from tenex_daemon.app.notify import SystemdNotifier
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.app.status import write_status
-from tenex_daemon.app.wiring import build_agents, build_backend, build_store, load_signers
+from tenex_daemon.app.wiring import (
+    build_agents,
+    build_backend,
+    build_orchestrator,
+    build_store,
+    load_signers,
+)
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.ports import ConversationStore
 from tenex_daemon.core.search import SearchQuery
@@ -50,7 +56,6 @@ from tenex_daemon.core.vocabulary import (
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
-from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
 from tenex_daemon.services.runs import RunScheduler
 
 log = structlog.get_logger(__name__)
@@ -309,10 +314,11 @@ class Daemon:
             manager,
             self.scheduler,
             self._classify,
-            RuleBasedOrchestrator(manager.agents, settings.default_agent_slug),
+            build_orchestrator(settings, manager, {slug: p.backend for slug, p in profiles.items()}),
             owner=settings.owner,
             whitelist=settings.whitelist,
             hop_limit=settings.daemon.hop_limit,
+            turn_limit=settings.daemon.orchestrator_turn_limit,
             fetcher=self.pool,
         )
         runner.set_reply_hook(self._after_reply)
