@@ -377,3 +377,18 @@ def test_invalid_answers_say_what_is_wrong(text: str, error: str) -> None:
     """An answer that is not a valid decision raises an error naming the problem (fed back to the model)."""
     with pytest.raises(AnswerError, match=error):
         parse_routing_answer(text, ["alice", "bob"])
+
+
+async def test_a_message_p_tagging_the_orchestrator_is_routed_not_answered(cast: Cast) -> None:
+    """The orchestrator p-tagged is asked for a decision; it never runs as a chat agent nor publishes a reply."""
+    model = answers('{"agents": ["bob"], "reason": "bob knows"}')
+    rig = make_rig(cast, model, bob=replies("here"))
+
+    result = await rig.dispatcher.handle(
+        cast.user_says("Who?", kind=11, tags=[["p", cast.orchestrator.pubkey]])
+    )
+    await settle(rig)
+
+    assert (result.outcome, result.agents) == (Outcome.SCHEDULED, ("bob",))
+    assert len(model.requests) == 1
+    assert [e.pubkey for e in rig.publisher.published] == [cast.bob.pubkey]
