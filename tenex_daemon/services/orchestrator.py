@@ -107,6 +107,13 @@ class RoutingAnswer(BaseModel):
     phase: Phase | None = None
     reason: str = ""
 
+    @field_validator("phase", mode="before")
+    @classmethod
+    def _no_phase(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() in ("", "null", "none"):
+            return None
+        return value.strip().lower() if isinstance(value, str) else value
+
     @field_validator("agents")
     @classmethod
     def _end_alone(cls, agents: list[str]) -> list[str]:
@@ -181,7 +188,8 @@ def orchestrator_system_prompt(
         f"{phase_lines}\n\n"
         "You are sent the routing context as JSON: user_request (the conversation's first message), "
         "routing_history (the finished turns: phase, agents, their completions, reason) and "
-        "current_routing (the open turn, or null).\n\n"
+        "current_routing (the open turn, or null). The conversation is in the phase of the newest turn "
+        "(chat before the first).\n\n"
         "Answer with exactly one JSON object and nothing else:\n"
         '{"agents": ["<slug>", ...], "phase": "<phase or null>", "reason": "<why>"}\n'
         "agents: one or more slugs from the list above; phase: the phase the agents work in (null keeps "

@@ -356,6 +356,11 @@ async def test_an_explicit_p_tag_wins_over_routing(cast: Cast) -> None:
             RoutingDecision(("alice", "bob"), "r"),
         ),
         ('{"agents": ["end"], "reason": "done"}', RoutingDecision((END,), "done")),
+        ('{"agents": ["alice"], "phase": "null", "reason": "r"}', RoutingDecision(("alice",), "r")),
+        (
+            '{"agents": ["alice"], "phase": "Execute", "reason": "r"}',
+            RoutingDecision(("alice",), "r", "execute"),
+        ),
     ],
 )
 def test_answers_in_fences_or_text_are_parsed(text: str, expected: RoutingDecision) -> None:
