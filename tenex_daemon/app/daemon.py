@@ -40,6 +40,7 @@ from tenex_daemon.app.status import write_status
 from tenex_daemon.app.wiring import (
     build_agents,
     build_backend,
+    build_orchestrator,
     build_store,
     build_thread_manager,
     load_signers,
@@ -56,7 +57,6 @@ from tenex_daemon.core.vocabulary import (
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
-from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
 from tenex_daemon.services.runs import RunScheduler
 
 log = structlog.get_logger(__name__)
@@ -318,10 +318,11 @@ class Daemon:
             manager,
             self.scheduler,
             self._classify,
-            RuleBasedOrchestrator(manager.agents, settings.default_agent_slug),
+            build_orchestrator(settings, manager, {slug: p.backend for slug, p in profiles.items()}),
             owner=settings.owner,
             whitelist=settings.whitelist,
             hop_limit=settings.daemon.hop_limit,
+            turn_limit=settings.daemon.orchestrator_turn_limit,
             fetcher=self.pool,
         )
         runner.set_reply_hook(self._after_reply)

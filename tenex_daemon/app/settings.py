@@ -120,6 +120,8 @@ class DaemonSettings(_Section):
 
     hop_limit: int = Field(default=6, ge=0)
     """Agent-to-agent replies in a row before agents stop answering agents."""
+    orchestrator_turn_limit: int = Field(default=10, ge=1)
+    """Orchestrator turns without a new user message before routing stops (a routing loop)."""
     max_concurrent_runs: int = Field(default=8, ge=1)
     intake_lanes: int = Field(default=16, ge=1)
     """Conversations whose incoming events are stored at once (one conversation's events stay in order)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES, UnknownBackendError, make_backend
@@ -11,6 +12,8 @@ from tenex_daemon.app.settings import BackendSettings, Settings, SettingsError, 
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.llm import BackendError, LLMBackend
 from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.orchestrator import LLMOrchestrator, Orchestrator, RuleBasedOrchestrator
 from tenex_daemon.services.threads import ThreadManager
 
 AVAILABLE_BACKENDS = BACKEND_NAMES
@@ -88,3 +91,35 @@ def build_backend(slug: str, backend: BackendSettings, settings: Settings) -> LL
         raise SettingsError(f"{where}: {exc}") from None
     except TypeError as exc:  # an option the backend does not take
         raise SettingsError(f"{where}.options: {exc}") from None
+
+
+def build_orchestrator(
+    settings: Settings, manager: ConversationManager, backends: Mapping[str, LLMBackend]
+) -> Orchestrator:
+    """Return how unaddressed messages and completions are routed.
+
+    The orchestrator agent (``orchestrator = true``) routes with its language model
+    (:class:`LLMOrchestrator`, the rule-based router as its fallback when the backend fails)
+    unless its backend is ``offline``; without a model, or without an orchestrator agent,
+    the rule-based router decides (``@slug`` mentions, else the default agent).
+    """
+    rules = RuleBasedOrchestrator(manager.agents, settings.default_agent_slug)
+    configured = next((a for a in settings.agents if a.orchestrator), None)
+    if configured is None or configured.backend.kind == "offline":
+        return rules
+    roles = {
+        a.slug: a.instructions.strip().splitlines()[0] if a.instructions.strip() else a.name
+        for a in settings.agents
+        if not a.orchestrator
+    }
+    return LLMOrchestrator(
+        manager,
+        backends[configured.slug],
+        rules,
+        default_agent=settings.default_agent_slug,
+        roles=roles,
+        instructions=configured.instructions,
+        model=configured.backend.model,
+        temperature=configured.backend.temperature,
+        max_tokens=configured.backend.options.get("max_tokens"),
+    )

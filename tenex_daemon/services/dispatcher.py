@@ -8,9 +8,11 @@ from enum import StrEnum
 
 import structlog
 
+from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.classify import Classification, EventClass, EventClassifier
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.phases import Phase
 from tenex_daemon.core.ports import EventFetcher
 from tenex_daemon.core.targeting import (
     SkipReason,
@@ -18,8 +20,10 @@ from tenex_daemon.core.targeting import (
     choose_target,
     is_allowed_author,
 )
+from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
+from tenex_daemon.services.orchestrator import Orchestrator, RoutingDecision, RoutingStop
+from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT, RoutingLimits
 from tenex_daemon.services.runs import RunRequest, RunScheduler
 
 log = structlog.get_logger(__name__)
@@ -54,6 +58,15 @@ class EventDispatcher:
     """Accepts events into conversations and decides which agent answers.
 
     An event is accepted (stored durably by the manager) before any run is scheduled.
+
+    An event p-tagging an agent goes to that agent. One addressed to the orchestrator (p-tagged,
+    or nobody / only the project p-tagged) is routed: each decision of ``orchestrator`` starts
+    an orchestrator turn (changing the phase first when it names one the phase rules allow)
+    and runs the agents it names. Their completions close the turn; a completion that arrives
+    while the turn still waits for others is only recorded, the one that closes it is routed
+    again. Routing stops on an END decision, after ``turn_limit`` turns without a new user
+    message, and on a decision repeated with no new completion (:class:`RoutingLimits`).
+    The ``hop_limit`` bounds chains of agents p-tagging each other directly.
     """
 
     def __init__(
@@ -61,11 +74,12 @@ class EventDispatcher:
         manager: ConversationManager,
         scheduler: RunScheduler,
         classify: EventClassifier,
-        orchestrator: RuleBasedOrchestrator,
+        orchestrator: Orchestrator,
         *,
         owner: str | None,
         whitelist: Collection[str] = (),
         hop_limit: int = 6,
+        turn_limit: int = DEFAULT_TURN_LIMIT,
         fetcher: EventFetcher | None = None,
     ) -> None:
         self._manager = manager
@@ -76,6 +90,7 @@ class EventDispatcher:
         self._whitelist = frozenset(whitelist)
         self._hop_limit = hop_limit
         self._fetcher = fetcher
+        self._limits = RoutingLimits(turn_limit)
         self._handlers: dict[EventClass, Handler] = {
             EventClass.NEW_CONVERSATION: self._on_root,
             EventClass.TASK: self._on_root,
@@ -142,35 +157,112 @@ class EventDispatcher:
         return await self._manager.create_conversation(reply)
 
     async def after_reply(self, conversation_id: str, reply: NostrEvent) -> HandleResult:
-        """Target an agent's own saved reply (it may address another agent or the orchestrator)."""
+        """Target an agent's own saved reply (it may address another agent, or the orchestrator
+        with a completion)."""
         return await self._target(conversation_id, reply)
 
     async def _target(self, conversation_id: str, event: NostrEvent) -> HandleResult:
         directory = self._manager.agents
         target = choose_target(event, directory)
-        if target.skip is not None and not target.via_orchestrator:
+        routed = target.via_orchestrator or (target.agent is not None and target.agent.orchestrator)
+        if target.skip is not None and not routed:
             return HandleResult(Outcome.STORED, target.skip.value, conversation_id)
         conversation = await self._manager.get_conversation(conversation_id)
         assert conversation is not None
-        if directory.by_pubkey(event.pubkey) is not None:
+        author = directory.by_pubkey(event.pubkey)
+        completion = routed and event.has_tag(TAG_TOOL, TOOL_COMPLETE)
+        if author is not None and not completion:
+            # Completions to the orchestrator are bounded by the turn limit instead.
             chain = agent_chain_length(conversation.history, directory)
             if chain > self._hop_limit:
                 log.warning(
                     "hop_limit_reached", conversation_id=conversation_id, chain=chain, limit=self._hop_limit
                 )
                 return HandleResult(Outcome.STORED, SkipReason.HOP_LIMIT.value, conversation_id)
-        if not target.via_orchestrator and target.agent is not None:
-            request = RunRequest(conversation_id, event.id, target.agent.slug)
-            await self._scheduler.submit(request)
-            return HandleResult(Outcome.SCHEDULED, None, conversation_id, (target.agent.slug,))
-        if target.skip is SkipReason.OWN_EVENT:
-            return HandleResult(Outcome.STORED, target.skip.value, conversation_id)
-        decision = self._orchestrator.route(conversation, event)
+        if routed:
+            if target.skip is SkipReason.OWN_EVENT:
+                return HandleResult(Outcome.STORED, target.skip.value, conversation_id)
+            return await self._route(conversation, event, author)
+        assert target.agent is not None
+        request = RunRequest(conversation_id, event.id, target.agent.slug)
+        await self._scheduler.submit(request)
+        return HandleResult(Outcome.SCHEDULED, None, conversation_id, (target.agent.slug,))
+
+    async def _route(
+        self, conversation: Conversation, event: NostrEvent, author: Agent | None
+    ) -> HandleResult:
+        """Ask the orchestrator and carry its decision out, within the loop limits."""
+        cid = conversation.id
+        if author is None:
+            self._limits.user_message(cid)
+        else:
+            turn = conversation.open_turn()
+            if turn is not None:
+                waiting = [a for a in turn.agents if not turn.has_completed(a)]
+                log.info("turn_waiting", conversation_id=cid, agent=author.slug, waiting=waiting)
+                return HandleResult(Outcome.STORED, RoutingStop.TURN_WAITING.value, cid)
+            if self._limits.ended(cid):
+                return HandleResult(Outcome.STORED, RoutingStop.ENDED.value, cid)
+        stop = self._limits.check_turn_limit(cid)
+        if stop is not None:
+            log.warning(
+                "routing_stopped",
+                conversation_id=cid,
+                reason=stop.value,
+                turns=self._limits.turns(cid),
+                limit=self._limits.turn_limit,
+            )
+            return HandleResult(Outcome.STORED, stop.value, cid)
+        decision = await self._orchestrator.route(conversation, event)
         if decision is None:
-            return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, conversation_id)
-        await self._manager.start_orchestrator_turn(
-            conversation_id, decision.phase or conversation.phase, decision.agents, decision.reason
+            return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, cid)
+        completions = sum(len(turn.completions) for turn in conversation.orchestrator_turns)
+        stop = self._limits.record(cid, decision, completions)
+        if stop is not None:
+            log.warning(
+                "routing_stopped",
+                conversation_id=cid,
+                reason=stop.value,
+                agents=list(decision.agents),
+                phase=decision.phase,
+            )
+            return HandleResult(Outcome.STORED, stop.value, cid)
+        log.info(
+            "routing_decision",
+            conversation_id=cid,
+            trigger=event.id,
+            agents=list(decision.agents),
+            phase=decision.phase,
+            reason=decision.reason,
         )
+        if decision.is_end:
+            log.info("routing_ended", conversation_id=cid, reason=decision.reason)
+            return HandleResult(Outcome.STORED, RoutingStop.END.value, cid)
+        phase = await self._apply_phase(conversation, decision)
+        await self._manager.start_orchestrator_turn(cid, phase, decision.agents, decision.reason)
         for slug in decision.agents:
-            await self._scheduler.submit(RunRequest(conversation_id, event.id, slug, via_orchestrator=True))
-        return HandleResult(Outcome.SCHEDULED, decision.reason, conversation_id, decision.agents)
+            await self._scheduler.submit(RunRequest(cid, event.id, slug, via_orchestrator=True))
+        return HandleResult(Outcome.SCHEDULED, decision.reason, cid, decision.agents)
+
+    async def _apply_phase(self, conversation: Conversation, decision: RoutingDecision) -> Phase:
+        """Move to the decision's phase when the rules allow it; return the phase the turn runs in."""
+        current = conversation.phase
+        if decision.phase is None or decision.phase == current.value:
+            return current
+        orchestrator = self._manager.agents.orchestrator
+        by = orchestrator.slug if orchestrator is not None else decision.agents[0]
+        try:
+            transition = await self._manager.update_phase(
+                conversation.id, decision.phase, decision.reason, by, reason=decision.reason
+            )
+        except ValueError as exc:  # PhaseTransitionError, or a phase the project does not know
+            log.warning(
+                "phase_change_refused",
+                conversation_id=conversation.id,
+                from_phase=current.value,
+                to_phase=decision.phase,
+                error=str(exc),
+                action="turn stays in the current phase",
+            )
+            return current
+        return transition.to_phase

@@ -8,9 +8,20 @@ import pytest
 
 from tenex_daemon.adapters.llm.local import LocalBackend
 from tenex_daemon.adapters.llm.offline import OfflineBackend
+from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.home import HomeError, init_home
 from tenex_daemon.app.settings import BackendSettings, SettingsError, load_settings
-from tenex_daemon.app.wiring import build_backend, build_store, build_thread_manager
+from tenex_daemon.app.wiring import (
+    build_agents,
+    build_backend,
+    build_orchestrator,
+    build_store,
+    build_thread_manager,
+    load_signers,
+)
+from tenex_daemon.core.llm import LLMBackend
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.orchestrator import LLMOrchestrator, RuleBasedOrchestrator
 
 
 def test_init_with_the_local_backend_gives_every_demo_agent_the_bundled_model(tmp_path: Path) -> None:
@@ -76,3 +87,22 @@ async def test_the_daemons_threads_persist_in_its_configured_store(tmp_path: Pat
     await reopened.close()
 
     assert again.items == [{"from": "alice", "to": "bob", "content": "hi"}]
+
+
+def test_the_orchestrator_routes_with_its_model_unless_its_backend_is_offline(tmp_path: Path) -> None:
+    """The orchestrator agent's offline backend keeps rule-based routing; any other backend gives the LLM router."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+    signers, project = load_signers(settings)
+    manager = ConversationManager(MemoryStore(), build_agents(settings, signers), project.pubkey)
+    backends: dict[str, LLMBackend] = {a.slug: OfflineBackend() for a in settings.agents}
+
+    offline = build_orchestrator(settings, manager, backends)
+    [configured] = [a for a in settings.agents if a.orchestrator]
+    configured.backend.kind = "local"
+    with_model = build_orchestrator(settings, manager, backends)
+
+    assert isinstance(offline, RuleBasedOrchestrator)
+    assert isinstance(with_model, LLMOrchestrator)
+    assert "- planner:" in with_model.system_prompt
+    assert "- orchestrator:" not in with_model.system_prompt

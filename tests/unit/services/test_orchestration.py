@@ -1,0 +1,399 @@
+"""The orchestrator's turn cycle: routing decisions by a scripted model, turns, completions, END and loop limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
+from tenex_daemon.adapters.llm.offline import OfflineBackend
+from tenex_daemon.app.nostr_io import classify_event
+from tenex_daemon.core.context import ChatMessage
+from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, LLMBackend
+from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
+from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
+from tenex_daemon.services.orchestrator import (
+    END,
+    AnswerError,
+    LLMOrchestrator,
+    RoutingDecision,
+    RoutingStop,
+    RuleBasedOrchestrator,
+    parse_routing_answer,
+)
+from tenex_daemon.services.routing_limits import RoutingLimits
+from tenex_daemon.services.runs import RunRequest, RunScheduler
+from tenex_daemon.testing import FakeClock
+from tests.conftest import Cast
+from tests.unit.services.test_daemon_services import FakePublisher
+from tests.unit.services.test_tool_loop import ScriptedBackend, TagComposer, calls, text
+
+CONTEXT_KEYS = {"user_request", "routing_history", "current_routing"}
+ENTRY_KEYS = {"phase", "agents", "completions", "reason", "timestamp"}
+COMPLETION_KEYS = {"agent", "message", "timestamp"}
+
+
+def completes(*summaries: str) -> ScriptedBackend:
+    """An agent backend that calls `complete` once per run, with each summary in turn."""
+    return ScriptedBackend([calls((f"c{n}", "complete", {"summary": s})) for n, s in enumerate(summaries)])
+
+
+def replies(content: str) -> ScriptedBackend:
+    """An agent backend that answers in plain text (to the user, no completion addressed to the orchestrator)."""
+    return ScriptedBackend([text(content)])
+
+
+def answers(*texts: str) -> ScriptedBackend:
+    """An orchestrator backend that answers each routing request with the next text."""
+    return ScriptedBackend([CompletionResult(text=t, model="scripted") for t in texts])
+
+
+class BrokenBackend:
+    """An orchestrator backend whose provider is down."""
+
+    name = "broken"
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Fail as an unreachable provider does."""
+        raise BackendError("unreachable", "connection refused")
+
+
+@dataclass
+class Rig:
+    """A dispatcher routing with the LLM orchestrator, a runner with scripted agents, and fake I/O."""
+
+    manager: ConversationManager
+    scheduler: RunScheduler
+    dispatcher: EventDispatcher
+    runner: AgentRunner
+    publisher: FakePublisher
+    orchestrator: LLMOrchestrator
+    after_reply: list[HandleResult] = field(default_factory=list)
+
+
+def make_rig(
+    cast: Cast,
+    orchestrator_backend: Any,
+    *,
+    alice: ScriptedBackend | None = None,
+    bob: ScriptedBackend | None = None,
+    turn_limit: int = 10,
+    default_agent: str = "alice",
+) -> Rig:
+    """Wire the services as the daemon does with an LLM orchestrator; agents think through scripts."""
+    store = MemoryStore()
+    manager = ConversationManager(store, cast.agents, cast.project.pubkey, clock=FakeClock())
+    backends: dict[str, LLMBackend] = {
+        "alice": alice or completes("done"),
+        "bob": bob or completes("done"),
+        "orchestrator": OfflineBackend(),
+    }
+    profiles = {a.slug: AgentProfile(a, "", backends[a.slug]) for a in cast.agents}
+    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    publisher = FakePublisher()
+    runner = AgentRunner(manager, profiles, TagComposer(keys), publisher)
+
+    async def run(request: RunRequest) -> None:
+        await runner.run(request)
+
+    scheduler = RunScheduler(store, run, max_concurrent=4)
+    orchestrator = LLMOrchestrator(
+        manager,
+        orchestrator_backend,
+        RuleBasedOrchestrator(manager.agents, default_agent),
+        default_agent=default_agent,
+        roles={"alice": "builds things", "bob": "reviews things"},
+    )
+    dispatcher = EventDispatcher(
+        manager, scheduler, classify_event, orchestrator, owner=cast.user.pubkey, turn_limit=turn_limit
+    )
+    rig = Rig(manager, scheduler, dispatcher, runner, publisher, orchestrator)
+
+    async def hook(conversation_id: str, reply: NostrEvent) -> None:
+        rig.after_reply.append(await dispatcher.after_reply(conversation_id, reply))
+
+    runner.set_reply_hook(hook)
+    return rig
+
+
+async def settle(rig: Rig) -> None:
+    """Wait until no run is scheduled (runs started by routing included) and replies are published."""
+    async with asyncio.timeout(10):
+        while rig.scheduler.in_flight:  # noqa: ASYNC110 - runs schedule runs; the scheduler has no idle event
+            await asyncio.sleep(0.01)
+    await rig.runner.flush(5.0)
+
+
+def routing_contexts(backend: ScriptedBackend) -> list[dict[str, Any]]:
+    """The routing context of each request the orchestrator's model got (its first, JSON message)."""
+    contexts = []
+    for request in backend.requests:
+        first = request.messages[0]
+        assert isinstance(first, ChatMessage)
+        assert first.role == "user"
+        contexts.append(json.loads(first.content))
+    return contexts
+
+
+def thread(root: NostrEvent) -> list[list[str]]:
+    """Tags of a reply in ``root``'s conversation."""
+    return [["E", root.id, "", root.pubkey], ["K", "11"]]
+
+
+async def test_two_agents_complete_then_verification_then_end(cast: Cast) -> None:
+    """A request routed to two agents closes its turn on their completions, then verification, then END."""
+    model = answers(
+        '{"agents": ["alice", "bob"], "phase": "execute", "reason": "build it"}',
+        'Next:\n```json\n{"agents": ["alice"], "phase": "verification", "reason": "check it"}\n```',
+        'All good. {"agents": ["END"], "reason": "verified"}',
+    )
+    alice, bob = completes("alice built", "alice verified"), completes("bob built")
+    rig = make_rig(cast, model, alice=alice, bob=bob)
+    root = cast.user_says("Build a bridge", kind=11)
+
+    first = await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    assert (first.outcome, first.agents) == (Outcome.SCHEDULED, ("alice", "bob"))
+    assert [r.reason for r in rig.after_reply] == [
+        RoutingStop.TURN_WAITING.value,
+        "check it",
+        RoutingStop.END.value,
+    ]
+    assert rig.after_reply[1].agents == ("alice",)
+    first_ctx, second_ctx, third_ctx = routing_contexts(model)
+    assert all(len(r.messages) == 1 for r in model.requests)  # one user message holding the JSON
+    assert first_ctx == {"user_request": "Build a bridge", "routing_history": [], "current_routing": None}
+    assert set(second_ctx) == CONTEXT_KEYS
+    assert second_ctx["current_routing"] is None
+    [built] = second_ctx["routing_history"]
+    assert set(built) == ENTRY_KEYS
+    assert (built["phase"], built["agents"], built["reason"]) == ("execute", ["alice", "bob"], "build it")
+    assert all(set(c) == COMPLETION_KEYS for c in built["completions"])
+    assert sorted((c["agent"], c["message"]) for c in built["completions"]) == [
+        ("alice", "alice built"),
+        ("bob", "bob built"),
+    ]
+    assert third_ctx["current_routing"] is None
+    assert third_ctx["routing_history"][0] == built
+    checked = third_ctx["routing_history"][1]
+    assert (checked["phase"], checked["agents"]) == ("verification", ["alice"])
+    assert [(c["agent"], c["message"]) for c in checked["completions"]] == [("alice", "alice verified")]
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.phase is Phase.VERIFICATION
+    assert [(t.from_phase, t.to_phase, t.agent_slug) for t in conversation.phase_transitions] == [
+        (Phase.CHAT, Phase.EXECUTE, "orchestrator"),
+        (Phase.EXECUTE, Phase.VERIFICATION, "orchestrator"),
+    ]
+    assert all(turn.is_completed for turn in conversation.orchestrator_turns)
+    assert (len(alice.requests), len(bob.requests), len(model.requests)) == (2, 1, 3)  # END ran nobody
+    assert {e.pubkey for e in rig.publisher.published} == {cast.alice.pubkey, cast.bob.pubkey}
+    prompt = model.requests[0].system_prompt
+    assert "- alice: builds things" in prompt
+    assert "- bob: reviews things" in prompt
+    assert '{"agents": ["END"]' in prompt
+    assert "verification" in prompt
+
+
+async def test_no_completion_is_counted_twice(cast: Cast) -> None:
+    """Each completion event is counted once in its turn, even when the dispatcher sees it again."""
+    model = answers('{"agents": ["alice", "bob"], "reason": "both"}', '{"agents": ["END"], "reason": "done"}')
+    rig = make_rig(cast, model)
+    root = cast.user_says("Two things", kind=11)
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    completion = next(e for e in conversation.history if e.has_tag(TAG_TOOL, TOOL_COMPLETE))
+
+    again = await rig.dispatcher.after_reply(root.id, completion)
+    duplicate = await rig.dispatcher.handle(completion)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    completions = [c.agent for turn in conversation.orchestrator_turns for c in turn.completions]
+    assert sorted(completions) == ["alice", "bob"]
+    assert sum(e.has_tag(TAG_TOOL, TOOL_COMPLETE) for e in conversation.history) == 2
+    assert (again.outcome, again.reason) == (Outcome.STORED, RoutingStop.ENDED.value)
+    assert duplicate.outcome is Outcome.DUPLICATE
+    assert len(model.requests) == 2
+
+
+async def test_a_looping_orchestrator_is_stopped_at_the_turn_limit(cast: Cast) -> None:
+    """The same decision after every completion stops after turn_limit turns, until the user writes again."""
+    model = answers('{"agents": ["alice"], "reason": "once more"}')
+    alice = completes("did it")
+    rig = make_rig(cast, model, alice=alice, turn_limit=3)
+    root = cast.user_says("Loop forever", kind=11)
+
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert len(conversation.orchestrator_turns) == 3
+    assert (len(model.requests), len(alice.requests)) == (3, 3)
+    assert (rig.after_reply[-1].outcome, rig.after_reply[-1].reason) == (Outcome.STORED, "turn_limit")
+    follow = await rig.dispatcher.handle(cast.user_says("Go on", tags=thread(root)))
+    assert follow.outcome is Outcome.SCHEDULED
+    await settle(rig)
+    assert rig.after_reply[-1].reason == "turn_limit"
+    assert len(model.requests) == 6
+
+
+def test_a_repeated_decision_without_a_new_completion_is_refused() -> None:
+    """The same agents and phase again with no completion since is refused; a completion or a user message allows it."""
+    limits = RoutingLimits(turn_limit=10)
+    decision = RoutingDecision(("alice",), "again", "execute")
+
+    assert limits.record("c", decision, completions=1) is None
+    assert limits.record("c", decision, completions=1) is RoutingStop.REPEATED_DECISION
+    assert limits.record("c", RoutingDecision(("alice",), "again", "chat"), completions=1) is None
+    assert limits.record("c", RoutingDecision(("alice",), "again", "chat"), completions=2) is None
+    limits.user_message("c")
+    assert limits.record("c", RoutingDecision(("alice",), "again", "chat"), completions=2) is None
+    assert limits.turns("c") == 1
+
+
+async def test_invalid_answers_are_retried_once_then_the_default_agent_is_used(cast: Cast) -> None:
+    """An answer without JSON is fed back once; a second invalid answer routes to the default agent."""
+    model = answers("Alice should do it.", '{"agents": [], "reason": "nobody"}')
+    rig = make_rig(cast, model, bob=replies("on it"), default_agent="bob")
+    root = cast.user_says("Anything", kind=11)
+
+    result = await rig.dispatcher.handle(root)
+
+    assert (result.outcome, result.agents) == (Outcome.SCHEDULED, ("bob",))
+    assert result.reason is not None
+    assert result.reason.startswith("default agent")
+    assert len(model.requests) == 2
+    retry = model.requests[1].messages
+    assert [m.role for m in retry] == ["user", "assistant", "user"]
+    assert retry[1].content == "Alice should do it."
+    assert isinstance(retry[2], ChatMessage)
+    assert "no JSON object" in retry[2].content
+    await settle(rig)
+
+
+async def test_an_unknown_slug_is_fed_back_and_counts_as_the_retry(cast: Cast) -> None:
+    """A decision naming an unknown agent is fed back with the real slugs; the corrected answer is used."""
+    model = answers('{"agents": ["carol"], "reason": "x"}', '{"agents": ["bob"], "reason": "bob reviews"}')
+    rig = make_rig(cast, model, bob=replies("looks fine"))
+    root = cast.user_says("Review this", kind=11)
+
+    result = await rig.dispatcher.handle(root)
+
+    assert (result.agents, result.reason) == (("bob",), "bob reviews")
+    feedback = model.requests[1].messages[-1]
+    assert isinstance(feedback, ChatMessage)
+    assert "unknown agent 'carol'" in feedback.content
+    assert "alice, bob" in feedback.content
+    await settle(rig)
+
+    stubborn = answers('{"agents": ["carol"]}', '{"agents": ["orchestrator"]}')
+    rig = make_rig(cast, stubborn, alice=replies("fine"), default_agent="alice")
+    result = await rig.dispatcher.handle(cast.user_says("Again", kind=11))
+    assert result.agents == ("alice",)
+    assert len(stubborn.requests) == 2
+    await settle(rig)
+
+
+async def test_a_backend_failure_falls_back_to_rule_based_routing(cast: Cast) -> None:
+    """When the orchestrator's backend fails, the rule-based route is used (an @mention, else the default)."""
+    rig = make_rig(cast, BrokenBackend())
+
+    result = await rig.dispatcher.handle(cast.user_says("Please @bob look", kind=11))
+
+    assert (result.outcome, result.agents, result.reason) == (Outcome.SCHEDULED, ("bob",), "mentioned @bob")
+    await settle(rig)
+
+
+async def test_a_forbidden_phase_change_keeps_the_current_phase(cast: Cast) -> None:
+    """A decision naming a phase the rules forbid still starts its turn, in the current phase."""
+    model = answers('{"agents": ["alice"], "phase": "reflection", "reason": "think"}', '{"agents": ["END"]}')
+    rig = make_rig(cast, model)
+    root = cast.user_says("Reflect", kind=11)
+
+    result = await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert result.agents == ("alice",)
+    assert (conversation.phase, conversation.orchestrator_turns[0].phase) == (Phase.CHAT, Phase.CHAT)
+    assert conversation.phase_transitions == []
+
+
+async def test_an_explicit_p_tag_wins_over_routing(cast: Cast) -> None:
+    """A user who p-tags an agent gets that agent; the orchestrator's model is not asked."""
+    model = answers('{"agents": ["alice"], "reason": "no"}')
+    rig = make_rig(cast, model, bob=replies("here"))
+
+    result = await rig.dispatcher.handle(cast.user_says("Bob, you", kind=11, tags=[["p", cast.bob.pubkey]]))
+    await settle(rig)
+
+    assert result.agents == ("bob",)
+    assert model.requests == []
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('{"agents": ["alice"], "reason": "r"}', RoutingDecision(("alice",), "r")),
+        (
+            '```json\n{"agents": ["bob"], "phase": "plan", "reason": "r"}\n```',
+            RoutingDecision(("bob",), "r", "plan"),
+        ),
+        (
+            'I pick {"agents": ["alice", "bob"], "reason": "r"} because',
+            RoutingDecision(("alice", "bob"), "r"),
+        ),
+        ('{"agents": ["end"], "reason": "done"}', RoutingDecision((END,), "done")),
+        ('{"agents": ["alice"], "phase": "null", "reason": "r"}', RoutingDecision(("alice",), "r")),
+        (
+            '{"agents": ["alice"], "phase": "Execute", "reason": "r"}',
+            RoutingDecision(("alice",), "r", "execute"),
+        ),
+    ],
+)
+def test_answers_in_fences_or_text_are_parsed(text: str, expected: RoutingDecision) -> None:
+    """The first JSON object is taken from a fence or surrounding text; END is recognised."""
+    assert parse_routing_answer(text, ["alice", "bob"]) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("no json here", "no JSON object"),
+        ('{"agents": []}', "agents"),
+        ('{"agents": ["END", "alice"]}', "END"),
+        ('{"agents": ["alice"], "phase": "party"}', "phase"),
+        ('{"agents": ["zed"]}', "unknown agent 'zed'"),
+    ],
+)
+def test_invalid_answers_say_what_is_wrong(text: str, error: str) -> None:
+    """An answer that is not a valid decision raises an error naming the problem (fed back to the model)."""
+    with pytest.raises(AnswerError, match=error):
+        parse_routing_answer(text, ["alice", "bob"])
+
+
+async def test_a_message_p_tagging_the_orchestrator_is_routed_not_answered(cast: Cast) -> None:
+    """The orchestrator p-tagged is asked for a decision; it never runs as a chat agent nor publishes a reply."""
+    model = answers('{"agents": ["bob"], "reason": "bob knows"}')
+    rig = make_rig(cast, model, bob=replies("here"))
+
+    result = await rig.dispatcher.handle(
+        cast.user_says("Who?", kind=11, tags=[["p", cast.orchestrator.pubkey]])
+    )
+    await settle(rig)
+
+    assert (result.outcome, result.agents) == (Outcome.SCHEDULED, ("bob",))
+    assert len(model.requests) == 1
+    assert [e.pubkey for e in rig.publisher.published] == [cast.bob.pubkey]
