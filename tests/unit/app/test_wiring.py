@@ -10,7 +10,9 @@ from tenex_daemon.adapters.llm.local import LocalBackend
 from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.app.home import HomeError, init_home
 from tenex_daemon.app.settings import BackendSettings, SettingsError, load_settings
-from tenex_daemon.app.wiring import build_backend
+from tenex_daemon.app.wiring import build_agent_profile, build_backend, build_token_budget
+from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.budget import BudgetStrategy, TokenBudget, estimate_tokens
 
 
 def test_init_with_the_local_backend_gives_every_demo_agent_the_bundled_model(tmp_path: Path) -> None:
@@ -29,7 +31,9 @@ def test_default_demo_backend_is_offline(tmp_path: Path) -> None:
     init_home(tmp_path / "h")
     settings = load_settings(tmp_path / "h", {})
 
-    assert all(isinstance(build_backend(a.slug, a.backend, settings), OfflineBackend) for a in settings.agents)
+    assert all(
+        isinstance(build_backend(a.slug, a.backend, settings), OfflineBackend) for a in settings.agents
+    )
 
 
 def test_unknown_backend_at_init_is_refused(tmp_path: Path) -> None:
@@ -48,7 +52,9 @@ def test_unknown_backend_at_init_is_refused(tmp_path: Path) -> None:
         (BackendSettings(kind="local", options={"colour": "blue"}), "agents.planner.backend.options"),
     ],
 )
-def test_bad_backend_settings_name_the_agent_and_key(tmp_path: Path, backend: BackendSettings, key: str) -> None:
+def test_bad_backend_settings_name_the_agent_and_key(
+    tmp_path: Path, backend: BackendSettings, key: str
+) -> None:
     """Unknown kinds, a missing model file, a missing model name and unknown options are SettingsErrors naming the key."""
     init_home(tmp_path / "h")
     settings = load_settings(tmp_path / "h", {})
@@ -57,3 +63,57 @@ def test_bad_backend_settings_name_the_agent_and_key(tmp_path: Path, backend: Ba
         build_backend("planner", backend, settings)
 
     assert f"config.toml: {key}" in str(caught.value)
+
+
+def test_profile_budget_comes_from_the_context_window_ratio_and_strategy(tmp_path: Path) -> None:
+    """An agent's profile gets budget_ratio of its context_window, its strategy, and characters/4 counting."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+    agent_settings = settings.agents[0].model_copy(
+        update={"backend": BackendSettings(context_window=1000, budget_strategy=BudgetStrategy.SUMMARIZE)}
+    )
+    agent = Agent(slug=agent_settings.slug, name=agent_settings.name, pubkey="b" * 64)
+
+    profile = build_agent_profile(agent_settings, agent, settings)
+
+    assert profile.budget == TokenBudget(800, BudgetStrategy.SUMMARIZE, estimate_tokens)
+
+
+def test_no_context_window_means_no_budget_except_for_the_local_model(tmp_path: Path) -> None:
+    """Without context_window no budget applies; the local backend lends its n_ctx and its own token counter."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+    local_settings = BackendSettings(kind="local", budget_ratio=0.5)
+    local = build_backend("planner", local_settings, settings)
+    assert isinstance(local, LocalBackend)
+
+    budget = build_token_budget(local_settings, local)
+
+    assert build_token_budget(BackendSettings(), OfflineBackend()) is None
+    assert budget is not None
+    assert budget.limit == local.context_window // 2
+    assert budget.count == local.count_tokens
+    assert local.count_tokens("12345678") == 2  # characters/4 until the model is loaded
+
+
+@pytest.mark.parametrize(
+    ("setting", "key"),
+    [
+        ('budget_strategy = "forget"', "backend.budget_strategy"),
+        ("budget_ratio = 0", "backend.budget_ratio"),
+        ("context_window = 0", "backend.context_window"),
+    ],
+)
+def test_bad_budget_settings_name_their_key(tmp_path: Path, setting: str, key: str) -> None:
+    """An unknown budget strategy, a ratio outside (0, 1] or a window under 1 token is refused naming the key."""
+    init_home(tmp_path / "h")
+    config = tmp_path / "h" / "config.toml"
+    text = config.read_text(encoding="utf-8")
+    config.write_text(
+        text.replace("[agents.backend]\n", f"[agents.backend]\n{setting}\n", 1), encoding="utf-8"
+    )
+
+    with pytest.raises(SettingsError) as caught:
+        load_settings(tmp_path / "h", {})
+
+    assert key in str(caught.value)
