@@ -187,7 +187,8 @@ class AgentRunner:
 
         Each assistant message with tool calls is followed at once by one result per call,
         so a call and its result are never separated in what the backend is sent. A
-        ``complete`` call ends the loop without another backend call.
+        ``complete`` call ends the loop without another backend call. Before each backend
+        call what is sent is fitted to the agent's token budget (:meth:`_complete_within_budget`).
         """
         offered = profile.tools
         specs = self._tools.specs(offered)

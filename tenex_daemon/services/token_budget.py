@@ -66,9 +66,14 @@ class RunBudget:
     _summary_sent: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        usable = self.context.summary is not None and self.context.summary_covers <= self.context.history_end
-        self.summary = self.context.summary if usable else None
+        stored = self.context.summary
+        usable = stored is not None and self.context.summary_covers <= self.context.history_end
+        self.summary = stored if usable else None
         self.covers = self.context.summary_covers if usable else 0
+        if stored is not None and not usable:
+            # A run for an older trigger sees less history than the summary covers; summarizing
+            # again from the start is what the contract forbids, so this run cuts without it.
+            self.fell_back = True
 
     @property
     def _count(self) -> Callable[[str], int]:

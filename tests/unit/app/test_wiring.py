@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tenex_daemon.adapters.llm import local as local_module
 from tenex_daemon.adapters.llm.local import LocalBackend
 from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.app.home import HomeError, init_home
@@ -117,3 +118,24 @@ def test_bad_budget_settings_name_their_key(tmp_path: Path, setting: str, key: s
         load_settings(tmp_path / "h", {})
 
     assert key in str(caught.value)
+
+
+def test_the_local_counter_uses_the_loaded_models_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the local model is loaded its own tokenizer counts (here a fake vocabulary: one token per byte)."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+    local = build_backend("planner", BackendSettings(kind="local"), settings)
+    assert isinstance(local, LocalBackend)
+
+    class ByteVocabulary:
+        """Stands for a loaded llama.cpp model: tokenizes one token per byte."""
+
+        def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+            """Return one token per byte."""
+            return list(text)
+
+    monkeypatch.setitem(local_module._MODELS, local._key, local_module._LoadedModel(ByteVocabulary()))
+
+    assert local.count_tokens("héllo") == 6

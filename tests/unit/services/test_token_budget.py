@@ -290,3 +290,17 @@ async def test_retries_shrink_what_the_budget_kept(cast: Cast) -> None:
     first, retry = backend.sent(0), backend.sent(1)
     assert first == [full[0], truncation_note(7), *full[8:]]
     assert retry == [full[0], truncation_note(10), *full[11:]]  # half of 5, rounded down: 2
+
+
+async def test_a_retry_after_a_summary_keeps_it_and_notes_what_else_it_cut(cast: Cast) -> None:
+    """A context-too-long retry of a summarized run keeps the summary and adds a note for the further cut."""
+    backend = RecordingBackend(summaries=["S1"], too_long=1)
+    rig = make_rig(cast, backend, TokenBudget.of_window(200, strategy=BudgetStrategy.SUMMARIZE))
+    root = await conversation(rig, cast, 10)
+    full = await trigger_alice(rig, cast, root)
+
+    await run(rig, root)
+
+    assert backend.sent(0) == [full[0], summary_message("S1"), *full[14:]]
+    assert backend.sent(1) == [full[0], summary_message("S1"), truncation_note(4), *full[18:]]
+    assert len(backend.summary_requests) == 1
