@@ -15,7 +15,7 @@ from tenex_daemon.core.budget import (
     total_tokens,
     truncation_note,
 )
-from tenex_daemon.core.context import NEW_INTERACTION, WHILE_AWAY_HEADER, ChatMessage
+from tenex_daemon.core.context import NEW_INTERACTION, WHILE_AWAY_HEADER, AgentContext, ChatMessage
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
     BackendError,
@@ -27,6 +27,7 @@ from tenex_daemon.core.llm import (
 )
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.runs import RunRequest
+from tenex_daemon.services.token_budget import RunBudget
 from tenex_daemon.testing import FakeClock
 from tests.conftest import Cast
 from tests.unit.services.test_daemon_services import FakePublisher
@@ -304,3 +305,30 @@ async def test_a_retry_after_a_summary_keeps_it_and_notes_what_else_it_cut(cast:
     assert backend.sent(0) == [full[0], summary_message("S1"), *full[14:]]
     assert backend.sent(1) == [full[0], summary_message("S1"), truncation_note(4), *full[18:]]
     assert len(backend.summary_requests) == 1
+
+
+async def test_a_summary_covering_more_than_an_older_view_is_not_redone(cast: Cast) -> None:
+    """A run whose view is shorter than the stored summary's coverage cuts by sliding window, asking no summary."""
+    backend = RecordingBackend(summaries=["never"])
+    messages: list[ChatMessage] = [
+        ChatMessage("user" if i % 2 == 0 else "assistant", line(f"m{i}")) for i in range(9)
+    ]
+    context = AgentContext(messages, None, 9, protected=(8,), summary="S", summary_covers=20)
+
+    async def save(_summary: str, _covers: int) -> None:
+        raise AssertionError("nothing is stored")
+
+    budget = RunBudget(
+        context,
+        "",
+        TokenBudget(60, BudgetStrategy.SUMMARIZE),
+        backend,
+        "alice",
+        "Alice",
+        save,
+    )
+
+    fitted = await budget.fit(messages)
+
+    assert fitted == [messages[0], truncation_note(5), *messages[6:]]
+    assert backend.summary_requests == []
