@@ -38,8 +38,8 @@ from tenex_daemon.app.notify import SystemdNotifier
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.app.status import write_status
 from tenex_daemon.app.wiring import (
+    build_agent_profile,
     build_agents,
-    build_backend,
     build_orchestrator,
     build_store,
     build_thread_manager,
@@ -54,7 +54,7 @@ from tenex_daemon.core.vocabulary import (
     KIND_NOTE,
     KIND_TASK,
 )
-from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.agent_runner import AgentRunner
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
 from tenex_daemon.services.runs import RunScheduler
@@ -279,14 +279,7 @@ class Daemon:
         manager = ConversationManager(self.store, self.agents, project_signer.pubkey, resolver=resolver)
         self._manager = manager
         profiles = {
-            a.slug: AgentProfile(
-                agent=agent,
-                instructions=a.instructions,
-                backend=build_backend(a.slug, a.backend, settings),
-                model=a.backend.model,
-                temperature=a.backend.temperature,
-                max_tokens=a.backend.options.get("max_tokens"),
-            )
+            a.slug: build_agent_profile(a, agent, settings)
             for a, agent in zip(settings.agents, self.agents, strict=True)
         }
         project = (settings.owner, settings.project.d_tag) if settings.owner else None

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tenex_daemon.core.budget import DEFAULT_BUDGET_RATIO, BudgetStrategy
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.phases import Phase, PhaseRules
 
@@ -49,7 +50,12 @@ class BackendSettings(_Section):
     api_key_env: str | None = None
     api_key_file: str | None = None
     temperature: float | None = None
-    context_window: int | None = None
+    context_window: int | None = Field(default=None, ge=1)
+    """The model's context window in tokens; None: unknown (no budget, except local: its n_ctx)."""
+    budget_strategy: BudgetStrategy = BudgetStrategy.SLIDING_WINDOW
+    """What replaces older messages over budget: sliding_window | summarize (CONTEXT.md, seed 003)."""
+    budget_ratio: float = Field(default=DEFAULT_BUDGET_RATIO, gt=0, le=1)
+    """The share of the context window the persona and messages may use."""
     options: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -8,10 +8,12 @@ from pathlib import Path
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES, UnknownBackendError, make_backend
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.storage.memory import MemoryStore
-from tenex_daemon.app.settings import BackendSettings, Settings, SettingsError, StorageKind
+from tenex_daemon.app.settings import AgentSettings, BackendSettings, Settings, SettingsError, StorageKind
 from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.budget import TokenBudget, TokenCounter, estimate_tokens
 from tenex_daemon.core.llm import BackendError, LLMBackend
 from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.services.agent_runner import AgentProfile
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.orchestrator import LLMOrchestrator, Orchestrator, RuleBasedOrchestrator
 from tenex_daemon.services.threads import ThreadManager
@@ -122,4 +124,39 @@ def build_orchestrator(
         model=configured.backend.model,
         temperature=configured.backend.temperature,
         max_tokens=configured.backend.options.get("max_tokens"),
+    )
+
+
+def build_token_budget(backend_settings: BackendSettings, backend: LLMBackend) -> TokenBudget | None:
+    """Return an agent's token budget, or None (full history) when its context window is unknown.
+
+    The window is ``context_window``, else the local backend's ``n_ctx``. Tokens are counted by
+    the local backend's own tokenizer (once its model is loaded), else as characters/4.
+    """
+    window = backend_settings.context_window
+    count: TokenCounter = estimate_tokens
+    if backend_settings.kind == "local":
+        from tenex_daemon.adapters.llm.local import LocalBackend
+
+        if isinstance(backend, LocalBackend):
+            count = backend.count_tokens
+            window = window or backend.context_window
+    if window is None:
+        return None
+    ratio, strategy = backend_settings.budget_ratio, backend_settings.budget_strategy
+    return TokenBudget.of_window(window, ratio, strategy, count)
+
+
+def build_agent_profile(agent_settings: AgentSettings, agent: Agent, settings: Settings) -> AgentProfile:
+    """Return what a run of one configured agent needs: persona, backend, options and token budget."""
+    backend_settings = agent_settings.backend
+    backend = build_backend(agent_settings.slug, backend_settings, settings)
+    return AgentProfile(
+        agent=agent,
+        instructions=agent_settings.instructions,
+        backend=backend,
+        model=backend_settings.model,
+        temperature=backend_settings.temperature,
+        max_tokens=backend_settings.options.get("max_tokens"),
+        budget=build_token_budget(backend_settings, backend),
     )

@@ -45,6 +45,18 @@ class AgentContext:
     """The agent's LPI after this build (history length at the start of the call)."""
     transitions_seen: int = 0
     """Phase transitions the agent has now been told about."""
+    protected: tuple[int, ...] = ()
+    """Indexes in ``messages`` that a token budget never drops: the while-away block, the marker
+    and the trigger (always the last one to three messages; everything before them is history)."""
+    summary: str | None = None
+    """The stored summary of this agent's older history messages (``summarize`` budgets), if any."""
+    summary_covers: int = 0
+    """How many of the leading history messages ``summary`` stands for."""
+
+    @property
+    def history_end(self) -> int:
+        """How many leading ``messages`` are history (step 1); the protected tail follows them."""
+        return min(self.protected, default=len(self.messages))
 
 
 @dataclass
@@ -188,8 +200,15 @@ def build_agent_messages(
     # 5. The state to persist.
     session_tag = trigger.tag_value(TAG_SESSION)
     session_id = session_tag if session_tag else (state.session_id if state is not None else None)
+    tail = 3 if away_parts else 1  # block, marker and trigger; or the trigger alone
     return AgentContext(
-        messages, session_id, max(history_length, last_processed), len(conversation.phase_transitions)
+        messages,
+        session_id,
+        max(history_length, last_processed),
+        len(conversation.phase_transitions),
+        protected=tuple(range(len(messages) - tail, len(messages))),
+        summary=state.summary if state is not None else None,
+        summary_covers=state.summary_covers if state is not None else 0,
     )
 
 

@@ -29,6 +29,10 @@ class AgentState(BaseModel):
     """Prompt tokens the agent's backend reported for this conversation, in total."""
     completion_tokens: int = 0
     """Completion tokens the agent's backend reported for this conversation, in total."""
+    summary: str | None = None
+    """The ``summarize`` budget's summary of the agent's older history messages (extended, never redone)."""
+    summary_covers: int = 0
+    """How many of the agent's leading history messages ``summary`` stands for."""
 
 
 class ReferencedArticle(BaseModel):

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import structlog
 
 from tenex_daemon.core.agents import Agent, AuthorRole
+from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.context import AgentContext
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
@@ -20,6 +21,7 @@ from tenex_daemon.core.llm import (
     BackendError,
     CompletionRequest,
     CompletionResult,
+    ContextTooLongError,
     LLMBackend,
     LLMMessage,
 )
@@ -28,6 +30,7 @@ from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.delegation import Delegation, RunDelegator
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.services.threads import ThreadManager
+from tenex_daemon.services.token_budget import RETRY_SHARES, RunBudget
 from tenex_daemon.services.tools import (
     SEND_MESSAGE,
     RunEffects,
@@ -69,6 +72,8 @@ class AgentProfile:
     max_tokens: int | None = None
     tools: tuple[str, ...] = DEFAULT_TOOLS
     """Names of the tools offered to the model (from the runner's registry)."""
+    budget: TokenBudget | None = None
+    """The agent's token budget (CONTEXT.md, seed 003); None sends full history."""
 
     @property
     def system_prompt(self) -> str:
@@ -229,7 +234,8 @@ class AgentRunner:
 
         Each assistant message with tool calls is followed at once by one result per call,
         so a call and its result are never separated in what the backend is sent. A
-        ``complete`` call ends the loop without another backend call.
+        ``complete`` call ends the loop without another backend call. Before each backend
+        call what is sent is fitted to the agent's token budget (:meth:`_complete_within_budget`).
         """
         offered = profile.tools
         specs = self._tools.specs(offered)
@@ -238,20 +244,40 @@ class AgentRunner:
         model: str | None = None
         prompt_tokens: int | None = None
         completion_tokens: int | None = None
+        cid = tools.conversation_id
+        slug = profile.agent.slug
+
+        async def save_summary(summary: str, covers: int) -> None:
+            await self._manager.update_agent_state(cid, slug, summary=(summary, covers))
+
+        budget = RunBudget(
+            context,
+            profile.system_prompt,
+            profile.budget,
+            profile.backend,
+            slug,
+            profile.agent.name,
+            save_summary,
+            model=profile.model,
+            conversation_id=cid,
+        )
         try:
             for _ in range(self._max_tool_rounds):
-                result = await profile.backend.complete(
+                result = await self._complete_within_budget(
+                    profile,
+                    budget,
+                    messages,
                     CompletionRequest(
                         agent_slug=profile.agent.slug,
                         agent_name=profile.agent.name,
                         system_prompt=profile.system_prompt,
-                        messages=tuple(messages),
+                        messages=(),
                         session_id=session_id,
                         model=profile.model,
                         tools=specs,
                         temperature=profile.temperature,
                         max_tokens=profile.max_tokens,
-                    )
+                    ),
                 )
                 model = result.model or model
                 session_id = result.session_id or session_id
@@ -293,6 +319,51 @@ class AgentRunner:
             log.exception("backend_crashed", agent=profile.agent.slug, conversation_id=tools.conversation_id)
             text = f"I could not answer: internal error ({type(exc).__name__})."
             return CompletionResult(text=text), "internal"
+
+    async def _complete_within_budget(
+        self,
+        profile: AgentProfile,
+        budget: RunBudget,
+        messages: Sequence[LLMMessage],
+        request: CompletionRequest,
+    ) -> CompletionResult:
+        """Send ``request`` with ``messages`` fitted to the agent's budget (CONTEXT.md, seed 003).
+
+        When the provider still answers that the context is too long, retry with 50%, then 25%,
+        then none of the middle messages (each try that would send the same as the one before is
+        skipped); the last try's error is raised. Summary calls' tokens are added to the result.
+        """
+        sent = await budget.fit(messages)
+        failure: ContextTooLongError | None = None
+        for share in (None, *RETRY_SHARES):
+            if share is not None:
+                shrunk = budget.shrink(messages, share)
+                if shrunk == list(sent):
+                    continue
+                log.warning(
+                    "context_too_long_retry",
+                    agent=profile.agent.slug,
+                    share=share,
+                    messages=len(shrunk),
+                    error=str(failure),
+                )
+                sent = shrunk
+            try:
+                result = await profile.backend.complete(replace(request, messages=tuple(sent)))
+                break
+            except ContextTooLongError as exc:
+                failure = exc
+        else:
+            assert failure is not None
+            raise failure
+        prompt, completion = budget.take_usage()
+        if prompt or completion:
+            result = replace(
+                result,
+                prompt_tokens=_add(result.prompt_tokens, prompt),
+                completion_tokens=_add(result.completion_tokens, completion),
+            )
+        return result
 
     async def _save_reply(
         self,

@@ -223,10 +223,14 @@ class ConversationManager:
         last_processed_index: int | None = None,
         session_id: str | None = None,
         add_tokens: tuple[int, int] | None = None,
+        summary: tuple[str, int] | None = None,
     ) -> None:
         """Set an agent's last processed index and/or session id (None leaves a field as is).
 
         ``add_tokens`` (prompt, completion) adds a run's token usage to the agent's totals.
+        ``summary`` (text, covers) stores the ``summarize`` budget's summary of the agent's first
+        ``covers`` history messages; one covering fewer than the stored one is ignored (a
+        concurrent run extended it further already).
         """
         agent = self.agents.get(agent_slug)
         async with self._locked(conversation_id) as conversation:
@@ -246,6 +250,12 @@ class ConversationManager:
                     raise ValueError(f"token counts cannot be negative: {add_tokens}")
                 state.prompt_tokens += prompt
                 state.completion_tokens += completion
+            if summary is not None:
+                text, covers = summary
+                if covers < 0:
+                    raise ValueError(f"a summary cannot cover {covers} messages")
+                if covers >= state.summary_covers:
+                    state.summary, state.summary_covers = text, covers
             await self._save(conversation)
 
     async def _resolve_references(self, uris: Sequence[str]) -> dict[str, str]:
@@ -522,7 +532,9 @@ class ConversationManager:
             await self._save(conversation)
             slugs = sorted(conversation.agent_states)
         log.info(
-            "agent_states_reset", conversation_id=conversation_id, agents=slugs,
+            "agent_states_reset",
+            conversation_id=conversation_id,
+            agents=slugs,
             keep_system_message=keep_system_message,
         )
         return slugs

@@ -26,6 +26,7 @@ from tenex_daemon.adapters.llm.openai_format import (
     to_openai_messages,
     to_openai_tools,
 )
+from tenex_daemon.core.budget import estimate_tokens
 from tenex_daemon.core.llm import (
     BackendErrorKind,
     BackendUnavailableError,
@@ -127,6 +128,22 @@ class LocalBackend:
         self._key = _ModelKey(
             str(path.resolve()), n_ctx, n_threads or min(os.cpu_count() or 1, 4), chat_format
         )
+
+    @property
+    def context_window(self) -> int:
+        """The context window the model is loaded with (``n_ctx``), in tokens."""
+        return self._key.n_ctx
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` by the model's own tokenizer once it is loaded; characters/4 before.
+
+        Never loads the model (that would block the caller for seconds). Tokenizing reads only
+        the vocabulary, so it needs no model lock and does not wait for a running generation.
+        """
+        loaded = _MODELS.get(self._key)
+        if loaded is None:
+            return estimate_tokens(text)
+        return len(loaded.llama.tokenize(text.encode("utf-8"), add_bos=False, special=False))
 
     async def load(self) -> None:
         """Load the model now (otherwise the first call loads it)."""

@@ -6,19 +6,24 @@ from pathlib import Path
 
 import pytest
 
+from tenex_daemon.adapters.llm import local as local_module
 from tenex_daemon.adapters.llm.local import LocalBackend
 from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.home import HomeError, init_home
 from tenex_daemon.app.settings import BackendSettings, SettingsError, load_settings
 from tenex_daemon.app.wiring import (
+    build_agent_profile,
     build_agents,
     build_backend,
     build_orchestrator,
     build_store,
     build_thread_manager,
+    build_token_budget,
     load_signers,
 )
+from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.budget import BudgetStrategy, TokenBudget, estimate_tokens
 from tenex_daemon.core.llm import LLMBackend
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.orchestrator import LLMOrchestrator, RuleBasedOrchestrator
@@ -40,7 +45,9 @@ def test_default_demo_backend_is_offline(tmp_path: Path) -> None:
     init_home(tmp_path / "h")
     settings = load_settings(tmp_path / "h", {})
 
-    assert all(isinstance(build_backend(a.slug, a.backend, settings), OfflineBackend) for a in settings.agents)
+    assert all(
+        isinstance(build_backend(a.slug, a.backend, settings), OfflineBackend) for a in settings.agents
+    )
 
 
 def test_unknown_backend_at_init_is_refused(tmp_path: Path) -> None:
@@ -59,7 +66,9 @@ def test_unknown_backend_at_init_is_refused(tmp_path: Path) -> None:
         (BackendSettings(kind="local", options={"colour": "blue"}), "agents.planner.backend.options"),
     ],
 )
-def test_bad_backend_settings_name_the_agent_and_key(tmp_path: Path, backend: BackendSettings, key: str) -> None:
+def test_bad_backend_settings_name_the_agent_and_key(
+    tmp_path: Path, backend: BackendSettings, key: str
+) -> None:
     """Unknown kinds, a missing model file, a missing model name and unknown options are SettingsErrors naming the key."""
     init_home(tmp_path / "h")
     settings = load_settings(tmp_path / "h", {})
@@ -106,3 +115,78 @@ def test_the_orchestrator_routes_with_its_model_unless_its_backend_is_offline(tm
     assert isinstance(with_model, LLMOrchestrator)
     assert "- planner:" in with_model.system_prompt
     assert "- orchestrator:" not in with_model.system_prompt
+
+
+def test_profile_budget_comes_from_the_context_window_ratio_and_strategy(tmp_path: Path) -> None:
+    """An agent's profile gets budget_ratio of its context_window, its strategy, and characters/4 counting."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+    agent_settings = settings.agents[0].model_copy(
+        update={"backend": BackendSettings(context_window=1000, budget_strategy=BudgetStrategy.SUMMARIZE)}
+    )
+    agent = Agent(slug=agent_settings.slug, name=agent_settings.name, pubkey="b" * 64)
+
+    profile = build_agent_profile(agent_settings, agent, settings)
+
+    assert profile.budget == TokenBudget(800, BudgetStrategy.SUMMARIZE, estimate_tokens)
+
+
+def test_no_context_window_means_no_budget_except_for_the_local_model(tmp_path: Path) -> None:
+    """Without context_window no budget applies; the local backend lends its n_ctx and its own token counter."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+    local_settings = BackendSettings(kind="local", budget_ratio=0.5)
+    local = build_backend("planner", local_settings, settings)
+    assert isinstance(local, LocalBackend)
+
+    budget = build_token_budget(local_settings, local)
+
+    assert build_token_budget(BackendSettings(), OfflineBackend()) is None
+    assert budget is not None
+    assert budget.limit == local.context_window // 2
+    assert budget.count == local.count_tokens
+    assert local.count_tokens("12345678") == 2  # characters/4 until the model is loaded
+
+
+@pytest.mark.parametrize(
+    ("setting", "key"),
+    [
+        ('budget_strategy = "forget"', "backend.budget_strategy"),
+        ("budget_ratio = 0", "backend.budget_ratio"),
+        ("context_window = 0", "backend.context_window"),
+    ],
+)
+def test_bad_budget_settings_name_their_key(tmp_path: Path, setting: str, key: str) -> None:
+    """An unknown budget strategy, a ratio outside (0, 1] or a window under 1 token is refused naming the key."""
+    init_home(tmp_path / "h")
+    config = tmp_path / "h" / "config.toml"
+    text = config.read_text(encoding="utf-8")
+    config.write_text(
+        text.replace("[agents.backend]\n", f"[agents.backend]\n{setting}\n", 1), encoding="utf-8"
+    )
+
+    with pytest.raises(SettingsError) as caught:
+        load_settings(tmp_path / "h", {})
+
+    assert key in str(caught.value)
+
+
+def test_the_local_counter_uses_the_loaded_models_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the local model is loaded its own tokenizer counts (here a fake vocabulary: one token per byte)."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+    local = build_backend("planner", BackendSettings(kind="local"), settings)
+    assert isinstance(local, LocalBackend)
+
+    class ByteVocabulary:
+        """Stands for a loaded llama.cpp model: tokenizes one token per byte."""
+
+        def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+            """Return one token per byte."""
+            return list(text)
+
+    monkeypatch.setitem(local_module._MODELS, local._key, local_module._LoadedModel(ByteVocabulary()))
+
+    assert local.count_tokens("héllo") == 6

@@ -1,0 +1,204 @@
+"""One run's token budget: fit what is sent before each backend call, and shrink it for retries.
+
+The pure rules are in :mod:`tenex_daemon.core.budget`; this adds what needs I/O: the ``summarize``
+strategy asks the agent's backend for a summary of the newly left-out messages (extending the
+stored one, never redoing it) and stores it; when that call fails the run falls back to
+``sliding_window`` and says so in the log.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from tenex_daemon.core.budget import (
+    SUMMARIZER_PROMPT,
+    BudgetStrategy,
+    TokenBudget,
+    estimate_tokens,
+    message_tokens,
+    plan_window,
+    render,
+    summarized_until,
+    summary_message,
+    summary_request,
+    total_tokens,
+)
+from tenex_daemon.core.context import AgentContext, ChatMessage
+from tenex_daemon.core.llm import BackendError, CompletionRequest, LLMBackend, LLMMessage
+
+RETRY_SHARES = (0.5, 0.25, 0.0)
+"""After a context-too-long answer, the shares of the middle messages kept by each retry."""
+
+SaveSummary = Callable[[str, int], Awaitable[None]]
+"""Stores a summary and how many leading history messages it covers."""
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class RunBudget:
+    """The budget state of one agent run (the summary so far, whether summarizing failed).
+
+    ``budget`` None means no budget applies: what is sent is the full list, shrunk only by retries.
+    """
+
+    context: AgentContext
+    persona: str
+    budget: TokenBudget | None
+    backend: LLMBackend
+    agent_slug: str
+    agent_name: str
+    save_summary: SaveSummary
+    model: str | None = None
+    conversation_id: str = ""
+    summary: str | None = field(init=False)
+    covers: int = field(init=False)
+    fell_back: bool = field(default=False, init=False)
+    """A summary call failed: the rest of the run uses ``sliding_window``."""
+    prompt_tokens: int = field(default=0, init=False)
+    """Tokens the summary calls used, not yet added to the run's usage (see :meth:`take_usage`)."""
+    completion_tokens: int = field(default=0, init=False)
+    _kept_middle: int | None = field(default=None, init=False)
+    _summary_sent: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        stored = self.context.summary
+        usable = stored is not None and self.context.summary_covers <= self.context.history_end
+        self.summary = stored if usable else None
+        self.covers = self.context.summary_covers if usable else 0
+        if stored is not None and not usable:
+            # A run for an older trigger sees less history than the summary covers; summarizing
+            # again from the start is what the contract forbids, so this run cuts without it.
+            self.fell_back = True
+
+    @property
+    def _count(self) -> Callable[[str], int]:
+        return self.budget.count if self.budget is not None else estimate_tokens
+
+    @property
+    def _summarizing(self) -> bool:
+        return (
+            self.budget is not None
+            and self.budget.strategy is BudgetStrategy.SUMMARIZE
+            and not self.fell_back
+        )
+
+    async def fit(self, messages: Sequence[LLMMessage]) -> Sequence[LLMMessage]:
+        """Return what to send first: ``messages`` itself when it fits, else the strategy's cut."""
+        protected = self.context.protected
+        budget = self.budget
+        self._summary_sent = False
+        if budget is None or total_tokens(self.persona, messages, budget.count) <= budget.limit:
+            self._kept_middle = None
+            return messages
+        if self._summarizing:
+            fitted = await self._fit_summarized(messages, budget)
+            if fitted is not None:
+                return fitted
+        window = plan_window(self.persona, messages, protected, budget.count, limit=budget.limit)
+        self._kept_middle = window.kept_middle
+        log.info(
+            "context_truncated",
+            agent=self.agent_slug,
+            conversation_id=self.conversation_id,
+            dropped=len(window.dropped),
+            limit=budget.limit,
+        )
+        return render(messages, window)
+
+    async def _fit_summarized(
+        self, messages: Sequence[LLMMessage], budget: TokenBudget
+    ) -> Sequence[LLMMessage] | None:
+        """The ``summarize`` cut, extending the summary first when more history is cut; None on failure."""
+        protected = self.context.protected
+        reserve = budget.summary_tokens
+        if self.summary is not None:
+            reserve = max(reserve, message_tokens(summary_message(self.summary), budget.count))
+        window = plan_window(
+            self.persona,
+            messages,
+            protected,
+            budget.count,
+            limit=budget.limit,
+            covered=self.covers,
+            reserve=reserve,
+        )
+        until = summarized_until(window, self.context.history_end)
+        if until > self.covers:
+            newly = [messages[i] for i in window.dropped if self.covers <= i < until]
+            try:
+                extended = await self._summarize(newly, budget)
+            except Exception as exc:
+                self.fell_back = True
+                log.warning(
+                    "summary_failed_sliding_window_used",
+                    agent=self.agent_slug,
+                    conversation_id=self.conversation_id,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+                return None
+            await self.save_summary(extended, until)
+            log.info(
+                "summary_extended",
+                agent=self.agent_slug,
+                conversation_id=self.conversation_id,
+                covers=until,
+                new_messages=len(newly),
+            )
+            self.summary, self.covers = extended, until
+        self._kept_middle = window.kept_middle
+        self._summary_sent = self.summary is not None and self.covers > 0
+        return render(messages, window, self.summary, self.covers)
+
+    async def _summarize(self, newly: Sequence[LLMMessage], budget: TokenBudget) -> str:
+        """Ask the agent's backend for the previous summary extended with ``newly``."""
+        result = await self.backend.complete(
+            CompletionRequest(
+                agent_slug=self.agent_slug,
+                agent_name=self.agent_name,
+                system_prompt=SUMMARIZER_PROMPT,
+                messages=(ChatMessage("user", summary_request(self.summary, newly)),),
+                model=self.model,
+                max_tokens=budget.summary_tokens,
+            )
+        )
+        self.prompt_tokens += result.prompt_tokens or 0
+        self.completion_tokens += result.completion_tokens or 0
+        text = result.text.strip()
+        if not text:
+            raise BackendError(message=f"{self.backend.name} returned an empty summary")
+        return text
+
+    def shrink(self, messages: Sequence[LLMMessage], share: float) -> list[LLMMessage]:
+        """Return ``messages`` cut to ``share`` of the middle units the first try sent (rounded down).
+
+        The first user message, the protected messages, the newest unit and a summary already
+        sent stay; what else is cut is counted in a truncation note.
+        """
+        protected = self.context.protected
+        count = self._count
+        covered = self.covers if self._summary_sent else 0
+        middle = self._kept_middle
+        if middle is None:
+            everything = plan_window(self.persona, messages, protected, count, limit=None, covered=covered)
+            middle = everything.kept_middle
+        window = plan_window(
+            self.persona,
+            messages,
+            protected,
+            count,
+            limit=None,
+            covered=covered,
+            max_middle=math.floor(middle * share),
+        )
+        return render(messages, window, self.summary if self._summary_sent else None, covered)
+
+    def take_usage(self) -> tuple[int, int]:
+        """Return (prompt, completion) tokens of summary calls since the last take, and reset them."""
+        used = (self.prompt_tokens, self.completion_tokens)
+        self.prompt_tokens = self.completion_tokens = 0
+        return used
