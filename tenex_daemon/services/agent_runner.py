@@ -254,7 +254,7 @@ class AgentRunner:
             context,
             profile.system_prompt,
             profile.budget,
-            profile.backend,
+            profile.backend.inner if isinstance(profile.backend, PartialStreamer) else profile.backend,
             slug,
             profile.agent.name,
             save_summary,
@@ -479,6 +479,8 @@ class PartialStreamer:
         trigger_id: str,
     ) -> None:
         self.name = backend.name
+        self.inner = backend
+        """The wrapped backend (summary calls go to it directly: they are not the agent's reply)."""
         self._backend = backend
         self._sink = sink
         self._interval = interval_s

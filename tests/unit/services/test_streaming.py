@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
+from tenex_daemon.core.budget import SUMMARIZER_PROMPT, BudgetStrategy, TokenBudget
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.runs import RunRequest
@@ -122,3 +123,51 @@ async def test_a_failed_partial_does_not_stop_the_run(cast: Cast) -> None:
     _, reply = await run_once(cast, ChunkingBackend(["a ", "b ", "c ", "d"]), partials)
     assert reply.content == "a b c d"
     assert [event.id for event in publisher.published] == [reply.id]
+
+
+@dataclass
+class SummaryAwareBackend:
+    """Streams every answer; a summary request (the summarizer's prompt) is answered with SUMMARY."""
+
+    name: str = "summary-aware"
+    summary_calls: int = 0
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Stream ``SUMMARY ...`` for summary requests and the reply otherwise."""
+        summary = request.system_prompt == SUMMARIZER_PROMPT
+        self.summary_calls += summary
+        pieces = ["SUMMARY ", "of ", "older ", "talk."] if summary else ["The ", "answer ", "is ", "here."]
+        for piece in pieces:
+            if request.on_chunk is not None:
+                await request.on_chunk(piece)
+            await asyncio.sleep(INTERVAL * 1.5)
+        return CompletionResult(text="".join(pieces), model="summary-aware")
+
+
+async def test_summary_calls_publish_no_partials(cast: Cast) -> None:
+    """When a run summarizes history to fit its budget, only the reply's text is published as partials."""
+    backend = SummaryAwareBackend()
+    publisher = FakePublisher()
+    partials = RecordingPartials(publisher)
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
+    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    budget = TokenBudget(300, BudgetStrategy.SUMMARIZE)
+    profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
+    runner = AgentRunner(
+        manager, profiles, TagComposer(keys), publisher, partials=partials, partial_interval_s=INTERVAL
+    )
+    root = cast.user_says("Let us talk at length. " * 10, kind=11, tags=[["p", cast.alice.pubkey]])
+    await manager.create_conversation(root)
+    thread = [["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]]
+    last = root
+    for n in range(12):
+        last = cast.user_says(f"Point {n}: " + "more words here. " * 12, tags=thread)
+        await manager.add_event(root.id, last)
+
+    reply = await runner.run(RunRequest(root.id, last.id, "alice"))
+
+    assert reply is not None
+    assert backend.summary_calls == 1
+    assert partials.partials, "the reply itself was streamed"
+    assert not any("SUMMARY" in text for _, _, text, _ in partials.partials)
+    await runner.flush(5.0)
