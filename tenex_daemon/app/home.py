@@ -174,7 +174,17 @@ def _agent_block(agent: DemoAgent | AgentSettings, backend_kind: str = "offline"
     ]
     if agent.orchestrator:
         lines.append("orchestrator = true")
-    lines += ["", "[agents.backend]", f"kind = {toml_string(backend_kind)}", ""]
+    lines += ["", "[agents.backend]"]
+    if agent.orchestrator and backend_kind == "local":
+        # The bundled 135M model cannot produce routing decisions; the rules route instead.
+        lines += [
+            "# Routing by rules (@mentions, else default_agent). Give the orchestrator a capable",
+            "# model (openai, anthropic, claude-code) to have it route with the model.",
+            'kind = "offline"',
+            "",
+        ]
+    else:
+        lines += [f"kind = {toml_string(backend_kind)}", ""]
     return "\n".join(lines) + "\n"
 
 

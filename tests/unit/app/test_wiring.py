@@ -30,13 +30,16 @@ from tenex_daemon.services.orchestrator import LLMOrchestrator, RuleBasedOrchest
 
 
 def test_init_with_the_local_backend_gives_every_demo_agent_the_bundled_model(tmp_path: Path) -> None:
-    """`init --backend local` writes kind = "local" for each demo agent, and wiring builds LocalBackend."""
+    """`init --backend local` gives each working demo agent the bundled model (LocalBackend) and leaves
+    the orchestrator offline, so the rules route: the 135M model cannot make routing decisions."""
     init_home(tmp_path / "h", backend="local")
     settings = load_settings(tmp_path / "h", {})
 
-    backends = [build_backend(a.slug, a.backend, settings) for a in settings.agents]
+    kinds = {a.slug: a.backend.kind for a in settings.agents}
+    workers = [a for a in settings.agents if not a.orchestrator]
+    backends = [build_backend(a.slug, a.backend, settings) for a in workers]
 
-    assert [a.backend.kind for a in settings.agents] == ["local"] * 3
+    assert kinds == {"orchestrator": "offline", "planner": "local", "executor": "local"}
     assert all(isinstance(b, LocalBackend) for b in backends)
 
 
