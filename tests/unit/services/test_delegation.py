@@ -8,7 +8,6 @@ from pathlib import Path
 
 from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
 from tenex_daemon.adapters.llm.offline import OfflineBackend
-from tenex_daemon.adapters.nostr.codec import build_reply_tags
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.app.nostr_io import classify_event
 from tenex_daemon.core.agents import AgentDirectory
@@ -21,7 +20,7 @@ from tenex_daemon.core.llm import (
     LLMBackend,
     ToolResult,
 )
-from tenex_daemon.core.ports import ConversationStore, ReplySpec
+from tenex_daemon.core.ports import ConversationStore
 from tenex_daemon.core.targeting import SkipReason, agent_chain_length, choose_target
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.delegation import DELEGATED_TOOLS
@@ -30,31 +29,10 @@ from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
 from tenex_daemon.services.runs import RunRequest, RunScheduler
 from tenex_daemon.services.threads import META_PREFIX, ThreadManager
 from tenex_daemon.services.tools import SEND_MESSAGE
-from tenex_daemon.testing import FakeClock, KeyPair, sign_event
+from tenex_daemon.testing import FakeClock
 from tests.conftest import Cast
 from tests.unit.services.test_daemon_services import FakePublisher
-from tests.unit.services.test_tool_loop import ScriptedBackend, calls, text
-
-
-@dataclass
-class DelegationComposer:
-    """Signs replies with the codec's reply tags, the delegation tag included (as the daemon's composer does)."""
-
-    keys: dict[str, KeyPair]
-
-    def compose(self, spec: ReplySpec) -> NostrEvent:
-        """Return the signed reply."""
-        tags = build_reply_tags(
-            spec.trigger,
-            spec.destinations,
-            root=spec.root,
-            phase=spec.phase,
-            complete=spec.complete,
-            llm_model=spec.model,
-            error=spec.error,
-            delegation=spec.delegation,
-        )
-        return sign_event(self.keys[spec.agent_slug], spec.content, tags=tags)
+from tests.unit.services.test_tool_loop import ScriptedBackend, TagComposer, calls, text
 
 
 @dataclass
@@ -98,7 +76,7 @@ def make_rig(
     keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
     publisher = FakePublisher()
     runner = AgentRunner(
-        manager, profiles, DelegationComposer(keys), publisher, threads=threads if delegation else None
+        manager, profiles, TagComposer(keys), publisher, threads=threads if delegation else None
     )
     runs: list[RunRequest] = []
 

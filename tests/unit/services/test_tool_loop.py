@@ -32,7 +32,8 @@ from tests.unit.services.test_daemon_services import FakePublisher
 
 @dataclass
 class TagComposer:
-    """Signs replies with the real reply tags (PROTOCOL.md), so completions carry ["tool", "complete"]."""
+    """Signs replies with the real reply tags (PROTOCOL.md): completions carry ["tool", "complete"],
+    delegation exchanges ["delegation", <thread id>]."""
 
     keys: dict[str, KeyPair]
 
@@ -46,6 +47,7 @@ class TagComposer:
             complete=spec.complete,
             llm_model=spec.model,
             error=spec.error,
+            delegation=spec.delegation,
         )
         return sign_event(self.keys[spec.agent_slug], spec.content, tags=tags)
 
