@@ -408,9 +408,6 @@ class AgentRunner:
             await self._manager.update_agent_state(
                 cid, profile.agent.slug, session_id=new_session, add_tokens=used if any(used) else None
             )
-        if request.via_orchestrator:
-            # A no-op when the completion was already counted from the tag.
-            await self._manager.add_completion_to_turn(cid, profile.agent.slug, result.text)
         return reply
 
     def _send(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

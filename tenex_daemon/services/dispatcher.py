@@ -201,6 +201,10 @@ class EventDispatcher:
                 waiting = [a for a in turn.agents if not turn.has_completed(a)]
                 log.info("turn_waiting", conversation_id=cid, agent=author.slug, waiting=waiting)
                 return HandleResult(Outcome.STORED, RoutingStop.TURN_WAITING.value, cid)
+            if not _closed_by(conversation, author.slug):
+                # A person addressed this agent directly: its completion answers them.
+                log.info("completion_not_routed", conversation_id=cid, agent=author.slug)
+                return HandleResult(Outcome.STORED, RoutingStop.NOT_ROUTED.value, cid)
             if self._limits.ended(cid):
                 return HandleResult(Outcome.STORED, RoutingStop.ENDED.value, cid)
         stop = self._limits.check_turn_limit(cid)
@@ -266,3 +270,9 @@ class EventDispatcher:
             )
             return current
         return transition.to_phase
+
+
+def _closed_by(conversation: Conversation, agent_slug: str) -> bool:
+    """Whether the newest turn is closed and ``agent_slug`` completed in it (its completion closed it)."""
+    turns = conversation.orchestrator_turns
+    return bool(turns) and turns[-1].is_completed and turns[-1].has_completed(agent_slug)

