@@ -49,11 +49,12 @@ def choose_target(event: NostrEvent, directory: AgentDirectory) -> Target:
 
     The first p-tagged agent other than the author; else, if the project or nobody is
     p-tagged, the orchestrator (the default agent when there is none: the caller
-    decides). A p-tag naming neither an agent nor the project: nobody. An event tagged
-    ``["delegation", <thread id>]`` (a ``send_message`` exchange, see
+    decides). A p-tag naming neither an agent nor the project: nobody. An agent's event
+    tagged ``["delegation", <thread id>]`` (a ``send_message`` exchange, see
     :func:`is_delegation`) runs nobody: the tool already had the addressed agent answer.
+    The tag on anyone else's event means nothing (a person cannot silence the agents).
     """
-    if is_delegation(event):
+    if is_delegation(event) and directory.by_pubkey(event.pubkey) is not None:
         return Target(None, SkipReason.DELEGATION)
     tagged = [tag[1] for tag in event.tags if len(tag) > 1 and tag[0] == TAG_PUBKEY]
     for pubkey in tagged:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.budget import BudgetStrategy
 from tenex_daemon.core.context import AgentContext, ChatMessage
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
@@ -147,15 +148,22 @@ class Delegation:
                 raise ToolRefusedError(f"your thread with {asked.slug} could not be read: {exc}") from None
             request = await self._save(asker, trigger, message, (asked.pubkey,), thread_id, cid)
             log.info("delegation_asked", conversation_id=cid, asker=asker.slug, asked=asked.slug)
+            messages = [*thread_messages(thread, asked.slug), ChatMessage("user", message)]
             context = AgentContext(
-                messages=[*thread_messages(thread, asked.slug), ChatMessage("user", message)],
+                messages=messages,
                 session_id=None,
                 last_processed_index=0,
+                protected=(len(messages) - 1,),  # the request is this run's trigger: never cut
             )
             note = delegation_note(asker)
             instructions = f"{target.instructions}\n\n{note}" if target.instructions else note
             tools = tuple(name for name in target.tools if name in DELEGATED_TOOLS)
-            profile = replace(target, instructions=instructions, tools=tools)
+            # The thread is not the conversation: the asked agent's conversation summary must not be
+            # replaced by one of the thread, so a delegated run over budget slides its window.
+            budget = target.budget
+            if budget is not None and budget.strategy is not BudgetStrategy.SLIDING_WINDOW:
+                budget = replace(budget, strategy=BudgetStrategy.SLIDING_WINDOW)
+            profile = replace(target, instructions=instructions, tools=tools, budget=budget)
             result, error_kind = await self._answer(
                 profile, context, ToolContext(self._manager, cid, asked, RunEffects())
             )

@@ -11,6 +11,7 @@ from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.app.nostr_io import classify_event
 from tenex_daemon.core.agents import AgentDirectory
+from tenex_daemon.core.budget import BudgetStrategy, TokenBudget
 from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
@@ -60,6 +61,7 @@ def make_rig(
     delegation: bool = True,
     agents: list[str] | None = None,
     orchestrator: ScriptedBackend | None = None,
+    budgets: dict[str, TokenBudget] | None = None,
 ) -> Rig:
     """Wire manager, threads, runner, scheduler and dispatcher the way the daemon does."""
     store = MemoryStore() if store is None else store
@@ -72,7 +74,12 @@ def make_rig(
         "bob": bob,
         "orchestrator": orchestrator or OfflineBackend(),
     }
-    profiles = {a.slug: AgentProfile(a, f"Persona of {a.name}.", backends[a.slug]) for a in chosen}
+    profiles = {
+        a.slug: AgentProfile(
+            a, f"Persona of {a.name}.", backends[a.slug], budget=(budgets or {}).get(a.slug)
+        )
+        for a in chosen
+    }
     keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
     publisher = FakePublisher()
     runner = AgentRunner(
@@ -417,3 +424,31 @@ def test_delegation_events_are_not_hops(cast: Cast) -> None:
 
     assert agent_chain_length(history, directory) == 1
     assert agent_chain_length([*history, cast.bob_says("more")], directory) == 2
+
+
+def test_a_persons_delegation_tag_does_not_silence_the_agents(cast: Cast) -> None:
+    """Only an agent's event tagged ["delegation", id] runs nobody; a person's message with the tag is answered."""
+    directory = AgentDirectory(cast.agents, cast.project.pubkey)
+    tagged = cast.user_says("hi", tags=[["p", cast.bob.pubkey], ["delegation", "x__alice__bob"]])
+    assert choose_target(tagged, directory).agent == cast.bob
+
+
+async def test_a_delegated_run_over_budget_keeps_the_request_and_the_conversation_summary(cast: Cast) -> None:
+    """Bob, asked over a summarizing budget, slides the window of his thread instead (his conversation
+    summary is never replaced by one of the thread) and always keeps Alice's request."""
+    long = "words " * 120
+    alice = ScriptedBackend([ask("c1", "bob", long), ask("c2", "bob", long), ask("c3", "bob", "Last one?"), text("ok")])
+    bob = ScriptedBackend([text("Answer " + long)])
+    rig = make_rig(cast, alice, bob, budgets={"bob": TokenBudget(200, BudgetStrategy.SUMMARIZE)})
+
+    root = await start(rig, cast)
+
+    last = bob.requests[-1]
+    assert isinstance(last.messages[-1], ChatMessage)
+    assert last.messages[-1].content == "Last one?"
+    assert any(
+        isinstance(m, ChatMessage) and m.content.startswith("[Note:") for m in last.messages
+    ), "the thread was cut with the sliding window's note"
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.agent_state("bob").summary is None
