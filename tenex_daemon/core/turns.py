@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.vocabulary import TAG_EVENT
 
 
 class Completion(BaseModel):
@@ -29,6 +30,15 @@ class OrchestratorTurn(BaseModel):
     completions: list[Completion] = Field(default_factory=list)
     reason: str | None = None
     is_completed: bool = False
+    trigger_id: str | None = None
+    """The event the routed agents answer: a completion counts for this turn only when it replies
+    to it (a late answer to an earlier, superseded turn's trigger does not close this one)."""
+
+    def answers_trigger(self, event_tags: list[list[str]]) -> bool:
+        """Whether an event with these tags replies to this turn's trigger (any ``e`` tag naming it)."""
+        if self.trigger_id is None:
+            return True
+        return any(len(tag) > 1 and tag[0] == TAG_EVENT and tag[1] == self.trigger_id for tag in event_tags)
 
     def has_completed(self, agent: str) -> bool:
         """Return whether ``agent`` already completed in this turn."""

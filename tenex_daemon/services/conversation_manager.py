@@ -167,7 +167,12 @@ class ConversationManager:
             state_changed = self._note_user_message(conversation, event)
             agent = self.agents.by_pubkey(event.pubkey)
             turn = conversation.open_turn()
-            if agent is not None and turn is not None and event.has_tag(TAG_TOOL, TOOL_COMPLETE):
+            if (
+                agent is not None
+                and turn is not None
+                and event.has_tag(TAG_TOOL, TOOL_COMPLETE)
+                and turn.answers_trigger(event.tags)
+            ):
                 state_changed |= turn.add_completion(agent.slug, event.content, self._clock.now_ms())
             if state_changed:
                 await self._save(conversation)
@@ -384,11 +389,14 @@ class ConversationManager:
         phase: Phase | str,
         agents: Sequence[str],
         reason: str | None = None,
+        *,
+        trigger_id: str | None = None,
     ) -> str:
         """Record a routing decision and return its turn id.
 
         A turn still open is closed first (superseded) so its partial completions stay
-        visible in the routing history.
+        visible in the routing history. ``trigger_id``: the event the routed agents answer
+        (only completions replying to it count for the turn).
         """
         if not agents:
             raise ValueError("a turn routes to at least one agent")
@@ -404,6 +412,7 @@ class ConversationManager:
                 phase=Phase(phase),
                 agents=list(agents),
                 reason=reason,
+                trigger_id=trigger_id,
             )
             conversation.orchestrator_turns.append(turn)
             await self._save(conversation)

@@ -22,6 +22,7 @@ from tenex_daemon.core.targeting import (
 )
 from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.orchestrator import Orchestrator, RoutingDecision, RoutingStop
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT, RoutingLimits
 from tenex_daemon.services.runs import RunRequest, RunScheduler
@@ -91,6 +92,7 @@ class EventDispatcher:
         self._hop_limit = hop_limit
         self._fetcher = fetcher
         self._limits = RoutingLimits(turn_limit)
+        self._routing = KeyedLock()
         self._handlers: dict[EventClass, Handler] = {
             EventClass.NEW_CONVERSATION: self._on_root,
             EventClass.TASK: self._on_root,
@@ -191,7 +193,19 @@ class EventDispatcher:
     async def _route(
         self, conversation: Conversation, event: NostrEvent, author: Agent | None
     ) -> HandleResult:
-        """Ask the orchestrator and carry its decision out, within the loop limits."""
+        """Ask the orchestrator and carry its decision out, within the loop limits.
+
+        One routing at a time per conversation: a person's message and a completion that
+        arrive together are routed one after the other, each on the conversation as the
+        other left it.
+        """
+        async with self._routing.hold(conversation.id):
+            current = await self._manager.get_conversation(conversation.id)
+            return await self._route_locked(current or conversation, event, author)
+
+    async def _route_locked(
+        self, conversation: Conversation, event: NostrEvent, author: Agent | None
+    ) -> HandleResult:
         cid = conversation.id
         if author is None:
             self._limits.user_message(cid)
@@ -243,7 +257,9 @@ class EventDispatcher:
             log.info("routing_ended", conversation_id=cid, reason=decision.reason)
             return HandleResult(Outcome.STORED, RoutingStop.END.value, cid)
         phase = await self._apply_phase(conversation, decision)
-        await self._manager.start_orchestrator_turn(cid, phase, decision.agents, decision.reason)
+        await self._manager.start_orchestrator_turn(
+            cid, phase, decision.agents, decision.reason, trigger_id=event.id
+        )
         for slug in decision.agents:
             await self._scheduler.submit(RunRequest(cid, event.id, slug, via_orchestrator=True))
         return HandleResult(Outcome.SCHEDULED, decision.reason, cid, decision.agents)

@@ -457,3 +457,65 @@ async def test_a_directly_addressed_agents_completion_goes_back_to_the_person(ca
     assert len(bob.requests) == 1
     assert model.requests == []
     assert [(r.outcome, r.reason) for r in rig.after_reply] == [(Outcome.STORED, RoutingStop.NOT_ROUTED.value)]
+
+
+async def test_a_late_completion_does_not_close_the_turn_that_superseded_its_own(cast: Cast) -> None:
+    """A completion answering an earlier turn's trigger is not counted in the newer turn; one answering
+    the newer turn's trigger is."""
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
+    root = cast.user_says("First ask", kind=11)
+    await manager.create_conversation(root)
+    await manager.start_orchestrator_turn(root.id, Phase.CHAT, ["alice"], "first", trigger_id=root.id)
+    second = cast.user_says("Second ask", tags=thread(root))
+    await manager.add_event(root.id, second)
+    await manager.start_orchestrator_turn(root.id, Phase.CHAT, ["alice"], "second", trigger_id=second.id)
+
+    complete = [TAG_TOOL, TOOL_COMPLETE]
+    late = cast.alice_says("first done", tags=[*thread(root), ["e", root.id], complete])
+    fresh = cast.alice_says("second done", tags=[*thread(root), ["e", second.id], complete])
+    await manager.add_event(root.id, late)
+    conversation = await manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.orchestrator_turns[-1].completions == []
+    await manager.add_event(root.id, fresh)
+
+    conversation = await manager.get_conversation(root.id)
+    assert conversation is not None
+    newest = conversation.orchestrator_turns[-1]
+    assert [(c.agent, c.message) for c in newest.completions] == [("alice", "second done")]
+    assert newest.is_completed
+
+
+@dataclass
+class SlowModel:
+    """An orchestrator model that thinks a while and records how many calls overlap."""
+
+    name: str = "slow"
+    running: int = 0
+    most: int = 0
+    requests: list[CompletionRequest] = field(default_factory=list)
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Route to Alice after a pause."""
+        self.requests.append(request)
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await asyncio.sleep(0.05)
+        self.running -= 1
+        return CompletionResult(text='{"agents": ["alice"], "reason": "alice"}')
+
+
+async def test_one_routing_at_a_time_per_conversation(cast: Cast) -> None:
+    """Two messages routed at once in one conversation are decided one after the other, never together."""
+    model = SlowModel()
+    rig = make_rig(cast, model, alice=replies("ok"))
+    root = cast.user_says("Start", kind=11)
+    await rig.dispatcher.handle(root)
+    one = cast.user_says("One", tags=thread(root))
+    two = cast.user_says("Two", tags=thread(root))
+
+    results = await asyncio.gather(rig.dispatcher.handle(one), rig.dispatcher.handle(two))
+    await settle(rig)
+
+    assert [r.outcome for r in results] == [Outcome.SCHEDULED, Outcome.SCHEDULED]
+    assert (len(model.requests), model.most) == (3, 1)
