@@ -314,7 +314,11 @@ class AgentRunner:
             return replace(usage, text=text, extra={}), TOOL_LOOP_ERROR
         except BackendError as exc:
             text = f"I could not answer: the {profile.backend.name} backend failed ({exc.kind}): {exc}"
-            return CompletionResult(text=text), exc.kind
+            # Tokens spent by earlier rounds of this run were still spent.
+            spent = CompletionResult(
+                text=text, model=model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+            )
+            return spent, exc.kind
         except Exception as exc:
             log.exception("backend_crashed", agent=profile.agent.slug, conversation_id=tools.conversation_id)
             text = f"I could not answer: internal error ({type(exc).__name__})."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -361,7 +361,8 @@ async def test_a_backend_that_keeps_calling_tools_is_stopped_with_an_error_reply
 
 
 async def test_backend_failure_inside_the_loop_becomes_an_error_reply(cast: Cast) -> None:
-    """A backend that fails after a tool round still yields one saved error reply, and the daemon's run ends cleanly."""
+    """A backend that fails after a tool round still yields one saved error reply, the daemon's run ends
+    cleanly, and the tokens the first round spent are still recorded."""
 
     @dataclass
     class FailSecond(ScriptedBackend):
@@ -370,7 +371,8 @@ async def test_backend_failure_inside_the_loop_becomes_an_error_reply(cast: Cast
                 raise BackendError("timeout", "took too long")
             return await super().complete(request)
 
-    backend = FailSecond([calls(("c1", "get_conversation", {}))])
+    first = replace(calls(("c1", "get_conversation", {})), prompt_tokens=40, completion_tokens=7)
+    backend = FailSecond([first])
     rig = make_rig(cast, backend)
     root = await start(rig, cast)
 
@@ -381,6 +383,8 @@ async def test_backend_failure_inside_the_loop_becomes_an_error_reply(cast: Cast
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
     assert conversation.history[-1].id == reply.id
+    state = conversation.agent_state("alice")
+    assert (state.prompt_tokens, state.completion_tokens) == (40, 7)
 
 
 async def test_offline_backend_answers_as_before_with_tools_offered(cast: Cast) -> None:
