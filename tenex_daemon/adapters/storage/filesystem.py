@@ -900,7 +900,14 @@ class FileSystemStore:
             ops = [op for op, _ in batch]
             try:
                 await asyncio.to_thread(_apply_ops, ops, {})
-            except BaseException as exc:  # a bug in _apply_ops: fail every waiter, keep committing
+            except asyncio.CancelledError:
+                # Stopped mid-commit: the group's fate is unknown, so none of it is acknowledged.
+                stopped = OSError(errno.ECANCELED, "the store's group committer was stopped mid-commit")
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(stopped)
+                raise
+            except Exception as exc:  # a bug in _apply_ops: fail every waiter, keep committing
                 log.exception("group_commit_failed")
                 for _, future in batch:
                     if not future.done():
