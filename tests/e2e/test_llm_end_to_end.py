@@ -60,7 +60,7 @@ temperature = 0.0
 options = {{ max_tokens = 48, timeout = 120, max_retries = 0 }}
 """,
     )
-    daemon = DaemonProcess(home, env={"TENEX_DAEMON__PARTIAL_INTERVAL_S": "0.05"})
+    daemon = DaemonProcess(home, env={"TENEX_DAEMON__PARTIAL_INTERVAL_S": "0.02"})
     await daemon.start()
     try:
         answer = await ask(relay, home, "planner", "What is the capital of France?", timeout_ms=90_000)
