@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, Literal, TypeAlias
 
+import orjson
 import pydantic_core
 from coincurve import PublicKeyXOnly
 from pydantic import TypeAdapter, ValidationError
@@ -91,7 +92,7 @@ DEFAULT_LIMITS: Final = Limits()
 _NO_SIZE_LIMITS: Final = Limits(max_frame_chars=2**62, max_content_bytes=2**62, max_tags=2**62)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built once per received event, and frozen init costs 0.6 µs more
 class EventMessage:
     """``["EVENT", <subscription id>, <event>]`` with a validated event."""
 
@@ -99,7 +100,7 @@ class EventMessage:
     event: NostrEvent
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, as EventMessage
 class KnownEventMessage:
     """An ``EVENT`` whose id matches its fields and is in the caller's ``known`` set.
 
@@ -235,16 +236,16 @@ _DEFAULT_KEY_CACHE: Final = PublicKeyCache()
 def event_id_digest(pubkey: str, created_at: int, kind: int, tags: list[list[str]], content: str) -> bytes:
     """Return the 32-byte NIP-01 id of these fields (same bytes as :func:`core.events.compute_event_id`).
 
-    pydantic-core's serializer writes exactly what ``json.dumps(..., ensure_ascii=False,
-    separators=(",", ":"))`` writes (escapes for quote, backslash and control
-    characters only; U+2028 and all other characters as UTF-8; a property test holds
-    it to that) about five times faster. Raises ``UnicodeEncodeError`` when a string
-    holds a lone surrogate.
+    orjson writes exactly what ``json.dumps(..., ensure_ascii=False, separators=(",", ":"))``
+    writes (escapes for quote, backslash and control characters only; U+2028 and all other
+    characters as UTF-8; a property test holds it to that) about ten times faster (0.6 µs
+    against pydantic-core's 2.0 µs for a typical reply's fields). Raises
+    ``UnicodeEncodeError`` when a string holds a lone surrogate.
     """
     fields = [0, pubkey, created_at, kind, tags, content]
     try:
-        serialized = pydantic_core.to_json(fields)
-    except pydantic_core.PydanticSerializationError:
+        serialized = orjson.dumps(fields)
+    except orjson.JSONEncodeError:
         serialized = _ID_ENCODER(fields).encode("utf-8")  # raises UnicodeEncodeError on surrogates
     return hashlib.sha256(serialized).digest()
 
@@ -329,8 +330,8 @@ def _fast_event_frame(
             return Rejection(exc.reason, exc.detail, sub_id, event.id)
     pubkey = event.pubkey
     try:
-        serialized = pydantic_core.to_json([0, pubkey, event.created_at, event.kind, tags, content])
-    except pydantic_core.PydanticSerializationError:
+        serialized = orjson.dumps([0, pubkey, event.created_at, event.kind, tags, content])
+    except orjson.JSONEncodeError:
         return None
     digest = hashlib.sha256(serialized).digest()
     if digest.hex() != event.id:
