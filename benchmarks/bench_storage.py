@@ -423,7 +423,7 @@ async def main():
     conversation = await store.load(rows[0].id)
     t4 = time.perf_counter()
     # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork and exec
-    status = open("/proc/self/status").read().split("\n")
+    status = open("/proc/self/status").read().splitlines()
     rss = int(next(x for x in status if x.startswith("VmHWM:")).split()[1]) * 1024
     print("RESULT " + json.dumps({"import_s": t1 - t0, "open_s": t3 - t2, "first_load_s": t4 - t3,
                       "conversations": len(store), "rss": rss, "repairs": len(store.recovery),
