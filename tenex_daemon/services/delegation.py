@@ -23,7 +23,6 @@ previous exchange.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -38,6 +37,7 @@ from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec
 from tenex_daemon.core.threads import ConversationThread, ThreadPersistenceError
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import RunEffects, ToolContext, ToolRefusedError
 
@@ -97,7 +97,7 @@ class Delegation:
         self._publisher = publisher
         self._answer = answer
         self._schedule = schedule
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = KeyedLock()
 
     def askable(self, asker: Agent) -> list[Agent]:
         """The agents ``asker`` may ask: every other configured agent but the orchestrator."""
@@ -114,12 +114,6 @@ class Delegation:
     def for_run(self, asker: Agent, conversation_id: str, trigger: NostrEvent) -> RunDelegator:
         """The delegator of one run of ``asker`` answering ``trigger``."""
         return RunDelegator(self, asker, conversation_id, trigger)
-
-    def _lock(self, thread_id: str) -> asyncio.Lock:
-        lock = self._locks.get(thread_id)
-        if lock is None:
-            lock = self._locks[thread_id] = asyncio.Lock()
-        return lock
 
     def _target(self, asker: Agent, slug: str) -> AgentProfile:
         """The profile of the agent asked; refuse oneself, the orchestrator and unknown slugs."""
@@ -141,7 +135,7 @@ class Delegation:
         target = self._target(asker, to)
         asked = target.agent
         thread_id = self._threads.key(cid, asker.slug, asked.slug)
-        async with self._lock(thread_id):
+        async with self._locks.hold(thread_id):
             try:
                 thread = await self._threads.get_thread(cid, asker.slug, asked.slug)
             except ThreadPersistenceError as exc:
