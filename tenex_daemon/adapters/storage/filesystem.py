@@ -11,12 +11,16 @@ Layout (``home/conversations/``)::
     .index/log.<gen>          index changes since that snapshot, appended incrementally
     .events/<xyz>             event id -> conversation id (the processed set), 4,096 buckets
     .meta/<hash>.json         small values kept beside conversations
+    .journal/<generation>     batch's commit journal (see ``journal.py``), gone after a clean close
 
-Durability: an event line is written and fsynced before ``append_event`` returns (``always``)
-or before its group commit resolves (``batch``: several appends share one fsync, nothing is
-acknowledged before it). The index and the event-id buckets are derived data written after
-the event is durable; on open each indexed log is checked by size with ``stat`` (no log is
-read), and a log whose size disagrees is rescanned, its torn tail cut, its entry repaired.
+Durability: an event line is written and fsynced before ``append_event`` returns (``always``),
+or (``batch``) written to its log and recorded in the home's commit journal, whose one fsync
+per group commit makes every append of the group durable before any is acknowledged; a
+checkpoint fsyncs the logs and renews the journal, and open replays a journal left behind.
+The index and the event-id buckets are derived data, written every ``AUX_FLUSH_INTERVAL``
+seconds after the events they describe are durable; on open each indexed log is checked by
+size with ``stat`` (no log is read), and a log whose size disagrees is rescanned, its torn
+tail cut, its entry repaired.
 """
 
 from __future__ import annotations
@@ -44,6 +48,13 @@ from typing import Any, Literal
 import structlog
 from pydantic import ValidationError
 
+from tenex_daemon.adapters.storage.journal import (
+    JOURNAL_LIMIT,
+    Journal,
+    append_frame,
+    forget_frame,
+    replay,
+)
 from tenex_daemon.core.conversation import UNTITLED, Conversation
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
@@ -73,7 +84,10 @@ INDEX_FORMAT = 1
 BUCKET_CHARS = 3
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_BATCH_DELAY = 0.0
-AUX_FLUSH_INTERVAL = 0.05
+AUX_FLUSH_INTERVAL = 2.0
+"""Seconds between writes of derived lines (index records, event-id buckets): they are not
+needed for durability, and one write per file per round keeps them off the commit path."""
+AUX_MAX_PENDING = 20_000
 DEFAULT_BUCKET_CACHE = 512
 COMPACT_MIN_RECORDS = 20_000
 
@@ -101,7 +115,8 @@ class RecoveryAction:
 
     kind: str
     """``torn_tail_cut``, ``log_salvaged``, ``state_rebuilt``, ``index_rebuilt``,
-    ``index_entry_repaired``, ``index_entry_added``, ``index_entry_removed``, ``moved_to_corrupt``."""
+    ``index_entry_repaired``, ``index_entry_added``, ``index_entry_removed``, ``moved_to_corrupt``,
+    ``journal_replayed``."""
     conversation_id: str | None
     detail: str
 
@@ -283,9 +298,10 @@ def _replace_file(path: Path, data: bytes, *, sync_dir: bool = True) -> tuple[in
 
 @dataclass
 class _Op:
-    """One durable write: an append to a file or an atomic replacement of one."""
+    """One durable write: an append to a file, an atomic replacement of one, or (``batch``'s
+    journal only) the record that a conversation was deleted, its id in ``data``."""
 
-    kind: Literal["append", "replace"]
+    kind: Literal["append", "replace", "forget"]
     path: Path
     data: bytes
     create: bool = False
@@ -342,6 +358,8 @@ def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
     appends: dict[Path, list[_Op]] = {}
     replaces: dict[Path, list[_Op]] = {}
     for op in ops:
+        if op.kind == "forget":
+            continue  # only the batch journal records deletions
         (appends if op.kind == "append" else replaces).setdefault(op.path, []).append(op)
     if len(appends) > 1:
         # fsyncs of different files run at once: the filesystem's journal commits them together
@@ -350,6 +368,59 @@ def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
     else:
         for item in appends.items():
             _append_durably(item)
+    _apply_replaces(replaces)
+    _write_aux(aux)
+
+
+def _apply_journaled(root: Path, journal: Journal, ops: list[_Op]) -> None:
+    """``batch``'s group commit: write each append to its file, then fsync one journal for all.
+
+    Appends to one file are one write (not fsynced); a frame per op records where it went.
+    If the journal cannot be made durable, every file written is cut back and every op
+    fails: nothing is acknowledged before the fsync that covers it.
+    """
+    appends: dict[Path, list[_Op]] = {}
+    replaces: dict[Path, list[_Op]] = {}
+    for op in ops:
+        if op.kind != "forget":
+            (appends if op.kind == "append" else replaces).setdefault(op.path, []).append(op)
+    written: list[tuple[Path, int, list[_Op]]] = []
+    frames: list[bytes] = []
+    relpaths: list[str] = []
+    for path, group in appends.items():
+        try:
+            data = b"".join(op.data for op in group)
+            before = journal.append(path, data, create=any(op.create for op in group))
+        except OSError as exc:
+            for op in group:
+                op.error = exc
+            continue
+        written.append((path, before, group))
+        relpath = path.relative_to(root).as_posix()
+        relpaths.append(relpath)
+        offset = before
+        for op in group:
+            frames.append(append_frame(relpath, offset, op.data))
+            offset += len(op.data)
+    forgotten = [op for op in ops if op.kind == "forget"]
+    for op in forgotten:
+        journal.drop_folder(op.path)
+    frames.extend(forget_frame(op.data.decode("utf-8")) for op in forgotten)
+    if frames:
+        try:
+            journal.write(frames, relpaths, [op.data.decode("utf-8") for op in forgotten])
+        except OSError as exc:
+            for path, before, group in written:
+                journal.cut_back(path, before)
+                for op in group:
+                    op.error = exc
+            for op in forgotten:
+                op.error = exc
+    _apply_replaces(replaces)
+
+
+def _apply_replaces(replaces: dict[Path, list[_Op]]) -> None:
+    """Replace each file atomically (temp file, fsync, rename), then fsync each folder once."""
     folders: set[Path] = set()
     renamed: list[tuple[Path, list[_Op]]] = []
     for path, group in replaces.items():
@@ -381,7 +452,6 @@ def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
             st = os.stat(path)
             for op in group:
                 op.result = (st.st_size, st.st_mtime_ns)
-    _write_aux(aux)
 
 
 def _write_aux(aux: dict[Path, list[bytes]]) -> None:
@@ -557,6 +627,11 @@ class _OpenResult:
     replayed: int
     actions: list[RecoveryAction]
     rebuilt_ids: dict[str, list[str]]
+    absent_buckets: set[str]
+    """Event-id buckets with no file yet: known empty without reading anything."""
+    has_snapshot: bool
+    """Whether the index has a snapshot (a new home gets one at once, so that a crash before
+    the first derived write still finds an index)."""
 
 
 # --- the store -----------------------------------------------------------------------------------
@@ -598,6 +673,8 @@ class FileSystemStore:
         self._aux: dict[Path, list[bytes]] = {}
         self._aux_lock = asyncio.Lock()
         self._aux_task: asyncio.Task[None] | None = None
+        self._aux_wake = asyncio.Event()
+        self._aux_lines = 0
         self._aux_inflight: dict[Path, list[bytes]] = {}
         self._loading: dict[str, tuple[asyncio.Future[dict[str, str]], dict[str, str]]] = {}
         self._index_records = 0
@@ -607,6 +684,11 @@ class FileSystemStore:
         self._wakeup: asyncio.Event | None = None
         self._committer: asyncio.Task[None] | None = None
         self._lock_fd: int | None = None
+        self._journal: Journal | None = None
+        self._log_paths: dict[str, Path] = {}
+        self._index_path: Path | None = None
+        self._bucket_paths: dict[str, Path] = {}
+        self._absent_buckets: set[str] = set()
         self._closing = False
         self._opened = False
 
@@ -623,6 +705,15 @@ class FileSystemStore:
     def _index_log(self, generation: int) -> Path:
         return self.root / INDEX_DIR / f"log.{generation}"
 
+    def _log_path(self, conversation_id: str) -> Path:
+        """The live (not archived) log's path, remembered: appends never build paths anew."""
+        path = self._log_paths.get(conversation_id)
+        if path is None:
+            if len(self._log_paths) >= 4 * self.cache_size:
+                self._log_paths.clear()
+            path = self._log_paths[conversation_id] = self._folder(conversation_id, False) / LOG_NAME
+        return path
+
     # --- open / close --------------------------------------------------------------------------
 
     async def open(self) -> None:
@@ -637,8 +728,10 @@ class FileSystemStore:
             raise
         self._entries = result.entries
         self._generation = result.generation
+        self._index_path = None
         self._index_records = result.replayed
         self.recovery = result.actions
+        self._absent_buckets = result.absent_buckets
         for conversation_id, ids in result.rebuilt_ids.items():
             for event_id in ids:
                 self._queue_processed(event_id, conversation_id)
@@ -646,8 +739,10 @@ class FileSystemStore:
         self._opened = True
         self._wakeup = asyncio.Event()
         if self.fsync == "batch":
+            self._journal = Journal(self.root, _fsync_pool)
+            await asyncio.to_thread(self._journal.start)
             self._committer = asyncio.create_task(self._run_committer(), name="fs-store-commit")
-        if result.actions or result.replayed > COMPACT_MIN_RECORDS:
+        if result.actions or result.replayed > COMPACT_MIN_RECORDS or not result.has_snapshot:
             await self._compact()
         log.info(
             "store_opened", path=str(self.root), conversations=len(self._entries),
@@ -681,6 +776,8 @@ class FileSystemStore:
             (self.root / name).mkdir(exist_ok=True)
         actions: list[RecoveryAction] = []
         self._sweep_leftovers(actions)
+        # batch's journal first: the logs it completes are then checked like any other
+        actions.extend(RecoveryAction(*action) for action in replay(self.root, self.corrupt_dir))
         entries, generation, replayed, index_ok = self._read_index(actions)
         on_disk = self._list_folders()
         rebuilt: dict[str, list[str]] = {}
@@ -734,7 +831,10 @@ class FileSystemStore:
             detail = f"log {log_size} bytes (indexed {entry.log_size}), state {state_sig}"
             actions.append(RecoveryAction("index_entry_repaired", conversation_id, detail))
             log.info("index_entry_repaired", conversation_id=conversation_id, detail=detail)
-        return _OpenResult(entries, generation, replayed, actions, rebuilt)
+        present = {item.name for item in os.scandir(self.root / EVENTS_DIR)}
+        absent = {f"{n:03x}" for n in range(16**BUCKET_CHARS)} - present
+        has_snapshot = (self.root / INDEX_DIR / "snapshot.json").exists()
+        return _OpenResult(entries, generation, replayed, actions, rebuilt, absent, has_snapshot)
 
     @staticmethod
     def _line_aligned(path: Path, offset: int) -> bool:
@@ -849,10 +949,18 @@ class FileSystemStore:
             self._wakeup.set()
             await self._committer
             self._committer = None
+        if self._journal is not None:
+            journal, self._journal = self._journal, None
+            try:
+                await asyncio.to_thread(journal.checkpoint, final=True)
+            except OSError:
+                log.exception("journal_checkpoint_failed")  # kept: the next open replays it
+                journal.close()
         if self._compacting is not None:
             await self._compacting
         await self._compact()
         if self._aux_task is not None:
+            self._aux_wake.set()
             await self._aux_task
         await asyncio.to_thread(self._unlock_home)
         self._cache.clear()
@@ -873,7 +981,10 @@ class FileSystemStore:
                 futures.append(future)
             assert self._wakeup is not None
             self._wakeup.set()
-            await asyncio.gather(*futures)
+            if len(futures) == 1:
+                await futures[0]
+            else:
+                await asyncio.gather(*futures)
             return
         await asyncio.to_thread(_apply_ops, ops, {})
         for op in ops:
@@ -899,7 +1010,10 @@ class FileSystemStore:
             batch, self._queue = self._queue, []
             ops = [op for op, _ in batch]
             try:
-                await asyncio.to_thread(_apply_ops, ops, {})
+                if self._journal is not None:
+                    await asyncio.to_thread(_apply_journaled, self.root, self._journal, ops)
+                else:
+                    await asyncio.to_thread(_apply_ops, ops, {})
             except asyncio.CancelledError:
                 # Stopped mid-commit: the group's fate is unknown, so none of it is acknowledged.
                 stopped = OSError(errno.ECANCELED, "the store's group committer was stopped mid-commit")
@@ -920,19 +1034,30 @@ class FileSystemStore:
                     future.set_exception(op.error)
                 else:
                     future.set_result(None)
+            if self._journal is not None and self._journal.size > JOURNAL_LIMIT:
+                try:
+                    await asyncio.to_thread(self._journal.checkpoint)
+                except OSError:
+                    log.exception("journal_checkpoint_failed")  # the journal keeps covering them
             if self._queue:
                 self._wakeup.set()
 
     def _queue_aux(self, path: Path, line: bytes) -> None:
         self._aux.setdefault(path, []).append(line)
+        self._aux_lines += 1
+        if self._aux_lines >= AUX_MAX_PENDING:
+            self._aux_wake.set()
         if self._aux_task is None or self._aux_task.done():
             self._aux_task = asyncio.create_task(self._flush_aux_loop(), name="fs-store-derived")
 
     async def _flush_aux_loop(self) -> None:
-        """Write derived lines every ``AUX_FLUSH_INTERVAL`` (many lines per file per write)."""
+        """Write derived lines every ``AUX_FLUSH_INTERVAL`` (sooner past ``AUX_MAX_PENDING`` lines,
+        at once on close): many lines per file per write, each bucket file touched once a round."""
         while self._aux:
             if not self._closing:
-                await asyncio.sleep(AUX_FLUSH_INTERVAL)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._aux_wake.wait(), AUX_FLUSH_INTERVAL)
+            self._aux_wake.clear()
             async with self._aux_lock:
                 await self._flush_aux_locked()
 
@@ -940,6 +1065,7 @@ class FileSystemStore:
         if not self._aux:
             return
         pending, self._aux = self._aux, {}
+        self._aux_lines = 0
         self._aux_inflight = pending
         try:
             await asyncio.to_thread(_write_aux, pending)
@@ -950,8 +1076,12 @@ class FileSystemStore:
                 self._merge_lines(added, pending.get(self._bucket_path(bucket), ()))
 
     def _index_record(self, record: dict[str, Any]) -> None:
-        payload = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        self._queue_aux(self._index_log(self._generation), encode_line(payload))
+        self._index_payload(json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+
+    def _index_payload(self, payload: bytes) -> None:
+        if self._index_path is None:
+            self._index_path = self._index_log(self._generation)
+        self._queue_aux(self._index_path, encode_line(payload))
         self._index_records += 1
         threshold = max(COMPACT_MIN_RECORDS, 2 * len(self._entries))
         if self._index_records > threshold and (self._compacting is None or self._compacting.done()):
@@ -972,6 +1102,7 @@ class FileSystemStore:
             ).encode("utf-8")
             old = self._index_log(self._generation)
             self._generation = generation
+            self._index_path = None
             self._index_records = 0
             await asyncio.to_thread(self._write_snapshot, data, old)
 
@@ -982,10 +1113,15 @@ class FileSystemStore:
     # --- the processed set ---------------------------------------------------------------------
 
     def _bucket_path(self, bucket: str) -> Path:
-        return self.root / EVENTS_DIR / bucket
+        path = self._bucket_paths.get(bucket)
+        if path is None:
+            path = self._bucket_paths[bucket] = self.root / EVENTS_DIR / bucket
+        return path
 
     def _queue_processed(self, event_id: str, conversation_id: str) -> None:
         bucket = _bucket_of(event_id)
+        if bucket in self._absent_buckets:
+            self._adopt_absent(bucket)
         loaded = self._buckets.get(bucket)
         if loaded is not None:
             loaded[event_id] = conversation_id
@@ -1005,6 +1141,8 @@ class FileSystemStore:
         if loaded is not None:
             self._buckets.move_to_end(bucket)
             return loaded
+        if bucket in self._absent_buckets:
+            return self._adopt_absent(bucket)
         loading = self._loading.get(bucket)
         if loading is not None:
             return await asyncio.shield(loading[0])
@@ -1027,6 +1165,19 @@ class FileSystemStore:
         while len(self._buckets) > self.bucket_cache_size:
             self._buckets.popitem(last=False)
         future.set_result(loaded)
+        return loaded
+
+    def _adopt_absent(self, bucket: str) -> dict[str, str]:
+        """A bucket with no file holds nothing but what this process adds: load it as empty.
+
+        Every id added to it from now on passes through the loaded table, so it stays
+        complete; once evicted it is read from its file like any other.
+        """
+        self._absent_buckets.discard(bucket)
+        loaded: dict[str, str] = {}
+        self._buckets[bucket] = loaded
+        while len(self._buckets) > self.bucket_cache_size:
+            self._buckets.popitem(last=False)
         return loaded
 
     @staticmethod
@@ -1184,19 +1335,19 @@ class FileSystemStore:
         if await self.is_processed(event.id):
             return
         line = encode_event(event)
-        path = self._folder(conversation_id, False) / LOG_NAME
-        await self._commit([_Op("append", path, line)])
+        await self._commit([_Op("append", self._log_path(conversation_id), line)])
         entry.event_count += 1
         entry.log_size += len(line)
         new_participant = event.pubkey not in entry.participants
         entry.participants.add(event.pubkey)
         self._queue_processed(event.id, conversation_id)
-        record: dict[str, Any] = {
-            "op": "ev", "id": conversation_id, "n": entry.event_count, "s": entry.log_size
-        }
-        if new_participant:
-            record["p"] = [event.pubkey]
-        self._index_record(record)
+        # the index record {"op":"ev","id":…,"n":…,"s":…[,"p":[…]]}, formatted by hand: ids are
+        # plain (checked by create), and this runs once per event
+        extra = f',"p":[{json.dumps(event.pubkey)}]' if new_participant else ""
+        self._index_payload(
+            f'{{"op":"ev","id":"{conversation_id}","n":{entry.event_count},"s":{entry.log_size}{extra}}}'
+            .encode()
+        )
         cached = self._cache.get(conversation_id)
         if cached is not None:
             cached.append(event)
@@ -1215,7 +1366,7 @@ class FileSystemStore:
         if not fresh:
             return
         data = b"".join(encode_event(event) for event in fresh)
-        await self._commit([_Op("append", self._folder(conversation_id, False) / LOG_NAME, data)])
+        await self._commit([_Op("append", self._log_path(conversation_id), data)])
         entry.event_count += len(fresh)
         entry.log_size += len(data)
         added = {e.pubkey for e in fresh} - entry.participants
@@ -1273,6 +1424,9 @@ class FileSystemStore:
         if entry is None:
             return False
         folder = self._folder(conversation_id, entry.archived)
+        if self._journal is not None and not self._closing:
+            # batch: the journal must never replay this conversation's appends into a new one
+            await self._commit([_Op("forget", folder, conversation_id.encode("utf-8"))])
         await asyncio.to_thread(self._delete_sync, folder)
         del self._entries[conversation_id]
         self._cache.pop(conversation_id, None)

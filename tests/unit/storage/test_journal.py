@@ -1,0 +1,258 @@
+"""The ``batch`` policy's commit journal: one fsync per group, replayed after a crash or a power loss.
+
+A power loss is simulated by copying the home while the store is open (so nothing is flushed
+or closed) and cutting the copy's logs back to what an earlier fsync had made durable: only
+the journal then holds the acknowledged appends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import tenex_daemon.adapters.storage.filesystem as filesystem
+from tenex_daemon.adapters.storage import journal
+from tenex_daemon.adapters.storage.filesystem import LOG_NAME, FileSystemStore
+from tenex_daemon.adapters.storage.journal import (
+    JOURNAL_DIR,
+    append_frame,
+    forget_frame,
+    read_journal,
+)
+from tenex_daemon.core.conversation import Conversation
+from tests.conftest import Cast
+
+
+async def open_batch(home: Path) -> FileSystemStore:
+    """An open store with the batch policy."""
+    store = FileSystemStore(home, fsync="batch")
+    await store.open()
+    return store
+
+
+async def start(store: FileSystemStore, cast: Cast, title: str = "Journal drill") -> Conversation:
+    """A new conversation with its root event."""
+    root = cast.user_says(title, kind=11, tags=[["title", title]])
+    conversation = Conversation(id=root.id, title=title, created_at=1, updated_at=1)
+    conversation.append(root)
+    await store.create(conversation)
+    return conversation
+
+
+def crash_copy(home: Path, target: Path) -> Path:
+    """Copy a home whose store is still open, as a crash at this instant would leave it."""
+    shutil.copytree(home, target)
+    return target
+
+
+def journal_files(home: Path) -> list[str]:
+    """Names of the journal files present."""
+    folder = home / "conversations" / JOURNAL_DIR
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+async def history_ids(home: Path, conversation_id: str, *, fsync: str = "always") -> tuple[list[str], set[str]]:
+    """Open ``home``, return the conversation's event ids and the kinds of repair made."""
+    store = FileSystemStore(home, fsync="batch" if fsync == "batch" else "always")
+    await store.open()
+    try:
+        loaded = await store.load(conversation_id)
+        assert loaded is not None
+        return [e.id for e in loaded.history], {a.kind for a in store.recovery}
+    finally:
+        await store.close()
+
+
+def test_frames_round_trip_and_a_forget_drops_earlier_appends() -> None:
+    """Frames decode to what was written; a forget frame drops that conversation's earlier appends only."""
+    data = (
+        append_frame("a/events.log", 0, b"one\n")
+        + append_frame(".events/abc", 7, b"\nid -")
+        + append_frame("b/events.log", 4, b"two\n")
+        + forget_frame("a")
+        + append_frame("a/events.log", 0, b"three\n")
+    )
+    read = read_journal(data)
+    assert read.appends == [
+        (".events/abc", 7, b"\nid -"), ("b/events.log", 4, b"two\n"), ("a/events.log", 0, b"three\n"),
+    ]
+    assert read.forgotten == {"a"}
+    assert (read.good_end, read.corrupt) == (len(data), False)
+    torn = read_journal(data + append_frame("c/events.log", 0, b"four\n")[:-2])
+    assert (torn.good_end, torn.corrupt) == (len(data), False)
+
+
+async def test_power_loss_after_acknowledgement_is_replayed_from_the_journal(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """Appends acknowledged by a batch commit survive the loss of every un-fsynced log byte."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    log_path = home / "conversations" / conversation.id / LOG_NAME
+    durable_size = log_path.stat().st_size  # create() fsynced this much
+    events = [cast.alice_says(f"reply {i}") for i in range(20)]
+    await asyncio.gather(*(store.append_event(conversation.id, e) for e in events[:10]))
+    for event in events[10:]:
+        await store.append_event(conversation.id, event)
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+    copied_log = copy / "conversations" / conversation.id / LOG_NAME
+    os.truncate(copied_log, durable_size)  # the page cache was lost: only the journal has the replies
+
+    ids, repairs = await history_ids(copy, conversation.id)
+
+    assert ids == [conversation.id] + [e.id for e in events]
+    assert "journal_replayed" in repairs
+    assert journal_files(copy) == []
+    assert journal_files(home) == []  # a clean close checkpoints and removes the journal
+
+
+async def test_replay_keeps_what_the_log_has_and_cuts_only_a_torn_tail(tmp_path: Path, cast: Cast) -> None:
+    """A log holding half of the acknowledged appends plus a torn line gets exactly the missing half."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    log_path = home / "conversations" / conversation.id / LOG_NAME
+    events = [cast.alice_says(f"reply {i}") for i in range(6)]
+    sizes = []
+    for event in events:
+        await store.append_event(conversation.id, event)
+        sizes.append(log_path.stat().st_size)
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+    copied_log = copy / "conversations" / conversation.id / LOG_NAME
+    os.truncate(copied_log, sizes[2] + 17)  # three replies, then the start of the fourth
+
+    ids, repairs = await history_ids(copy, conversation.id)
+
+    assert ids == [conversation.id] + [e.id for e in events]
+    assert "journal_replayed" in repairs
+    assert copied_log.read_bytes() == log_path.read_bytes()
+
+
+async def test_torn_journal_tail_is_cut_and_every_whole_frame_replayed(tmp_path: Path, cast: Cast) -> None:
+    """A frame being written at the crash is dropped (it was never acknowledged); the rest replays."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    durable_size = (home / "conversations" / conversation.id / LOG_NAME).stat().st_size
+    events = [cast.alice_says(f"reply {i}") for i in range(4)]
+    for event in events:
+        await store.append_event(conversation.id, event)
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+    (name,) = journal_files(copy)
+    journal_path = copy / "conversations" / JOURNAL_DIR / name
+    torn = append_frame(f"{conversation.id}/{LOG_NAME}", 10**6, b"never acknowledged\n")[:-5]
+    journal_path.write_bytes(journal_path.read_bytes() + torn)
+    copied_log = copy / "conversations" / conversation.id / LOG_NAME
+    os.truncate(copied_log, durable_size)
+
+    ids, repairs = await history_ids(copy, conversation.id)
+
+    assert ids == [conversation.id] + [e.id for e in events]
+    assert {"torn_tail_cut", "journal_replayed"} <= repairs
+
+
+async def test_corrupt_journal_is_copied_aside_and_its_good_frames_replayed(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """A frame failing its checksum stops the replay there; the journal is kept in corrupt/."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    first, second = cast.alice_says("first"), cast.alice_says("second")
+    await store.append_event(conversation.id, first)
+    log_path = home / "conversations" / conversation.id / LOG_NAME
+    after_first = log_path.stat().st_size
+    await store.append_event(conversation.id, second)
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+    (name,) = journal_files(copy)
+    journal_path = copy / "conversations" / JOURNAL_DIR / name
+    data = bytearray(journal_path.read_bytes())
+    data[-3] ^= 0xFF  # inside the second frame
+    journal_path.write_bytes(bytes(data))
+    copied_log = copy / "conversations" / conversation.id / LOG_NAME
+    os.truncate(copied_log, after_first - 1)  # the first reply's line lost its newline
+
+    ids, repairs = await history_ids(copy, conversation.id)
+
+    assert first.id in ids
+    assert "moved_to_corrupt" in repairs
+    kept = sorted(p.name for p in (copy / "conversations" / "corrupt").iterdir())
+    assert any(p.startswith(f"journal.{name}.") for p in kept)
+
+
+async def test_deleted_conversation_never_receives_its_old_appends(tmp_path: Path, cast: Cast) -> None:
+    """A conversation deleted and created again under the same id is not fed the deleted one's events."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    old = [cast.alice_says(f"old {i}") for i in range(3)]
+    for event in old:
+        await store.append_event(conversation.id, event)
+    assert await store.delete(conversation.id)
+    again = Conversation(id=conversation.id, title="Again", created_at=2, updated_at=2)
+    await store.create(again)
+    fresh = cast.bob_says("fresh")
+    await store.append_event(conversation.id, fresh)
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+
+    ids, _ = await history_ids(copy, conversation.id)
+
+    assert ids == [fresh.id]
+
+
+async def test_checkpoint_starts_a_new_journal_and_keeps_everything(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the size limit the logs are fsynced and a new journal replaces the old one."""
+    monkeypatch.setattr(filesystem, "JOURNAL_LIMIT", 2_000)
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    events = [cast.alice_says(f"reply {i} " + "x" * 300) for i in range(12)]
+    for event in events:
+        await store.append_event(conversation.id, event)
+    assert store._journal is not None
+    assert store._journal.generation >= 2
+    assert len(journal_files(home)) == 1
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+
+    ids, _ = await history_ids(copy, conversation.id, fsync="batch")
+
+    assert ids == [conversation.id] + [e.id for e in events]
+
+
+async def test_failed_journal_write_fails_the_append_and_leaves_the_log_as_it_was(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is acknowledged without its fsync: the append raises and its bytes are cut back."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    log_path = home / "conversations" / conversation.id / LOG_NAME
+    before = log_path.read_bytes()
+
+    def broken(self: journal.Journal, *args: object, **kwargs: object) -> None:
+        raise OSError(5, "I/O error (simulated)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(journal.Journal, "write", broken)
+        with pytest.raises(OSError, match="simulated"):
+            await store.append_event(conversation.id, cast.alice_says("lost in transit"))
+    assert log_path.read_bytes() == before
+    kept = cast.alice_says("kept")
+    await store.append_event(conversation.id, kept)
+    await store.close()
+
+    ids, _ = await history_ids(home, conversation.id)
+    assert ids == [conversation.id, kept.id]
