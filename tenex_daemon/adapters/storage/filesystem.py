@@ -372,50 +372,69 @@ def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
     _write_aux(aux)
 
 
-def _apply_journaled(root: Path, journal: Journal, ops: list[_Op]) -> None:
+def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
     """``batch``'s group commit: write each append to its file, then fsync one journal for all.
 
     Appends to one file are one write (not fsynced); a frame per op records where it went.
-    If the journal cannot be made durable, every file written is cut back and every op
-    fails: nothing is acknowledged before the fsync that covers it.
+    If the journal cannot be made durable, every log written is cut back (through the same
+    open file, wherever its folder moved) and every op fails: nothing is acknowledged before
+    the fsync that covers it. Bucket files are not cut back: derived lines are written to
+    them concurrently, and a stray id line there only marks an id processed.
     """
     appends: dict[Path, list[_Op]] = {}
     replaces: dict[Path, list[_Op]] = {}
     for op in ops:
         if op.kind != "forget":
             (appends if op.kind == "append" else replaces).setdefault(op.path, []).append(op)
-    written: list[tuple[Path, int, list[_Op]]] = []
+    written: list[tuple[int, int, list[_Op], bool]] = []
     frames: list[bytes] = []
     relpaths: list[str] = []
-    for path, group in appends.items():
-        try:
-            data = b"".join(op.data for op in group)
-            before = journal.append(path, data, create=any(op.create for op in group))
-        except OSError as exc:
-            for op in group:
-                op.error = exc
-            continue
-        written.append((path, before, group))
-        relpath = path.relative_to(root).as_posix()
-        relpaths.append(relpath)
-        offset = before
-        for op in group:
-            frames.append(append_frame(relpath, offset, op.data))
-            offset += len(op.data)
-    forgotten = [op for op in ops if op.kind == "forget"]
-    for op in forgotten:
-        journal.drop_folder(op.path)
-    frames.extend(forget_frame(op.data.decode("utf-8")) for op in forgotten)
-    if frames:
-        try:
-            journal.write(frames, relpaths, [op.data.decode("utf-8") for op in forgotten])
-        except OSError as exc:
-            for path, before, group in written:
-                journal.cut_back(path, before)
+    try:
+        for path, group in appends.items():
+            flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if any(o.create for o in group) else 0)
+            try:
+                fd = os.open(path, flags, 0o600)
+            except OSError as exc:
                 for op in group:
                     op.error = exc
-            for op in forgotten:
-                op.error = exc
+                continue
+            relpath = journal.relpath(path)
+            is_log = not relpath.startswith(".")
+            try:
+                before = os.fstat(fd).st_size
+                _write_all(fd, b"".join(op.data for op in group))
+            except OSError as exc:
+                if is_log:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, before)
+                os.close(fd)
+                for op in group:
+                    op.error = exc
+                continue
+            written.append((fd, before, group, is_log))
+            relpaths.append(relpath)
+            offset = before
+            for op in group:
+                frames.append(append_frame(relpath, offset, op.data))
+                offset += len(op.data)
+        forgotten = [op for op in ops if op.kind == "forget"]
+        frames.extend(forget_frame(op.data.decode("utf-8")) for op in forgotten)
+        if frames:
+            try:
+                journal.write(frames, relpaths, [op.data.decode("utf-8") for op in forgotten])
+            except Exception as exc:
+                for fd, before, group, is_log in written:
+                    if is_log:
+                        with contextlib.suppress(OSError):
+                            os.ftruncate(fd, before)
+                    for op in group:
+                        op.error = exc
+                for op in forgotten:
+                    op.error = exc
+    finally:
+        for fd, _, _, _ in written:
+            with contextlib.suppress(OSError):
+                os.close(fd)
     _apply_replaces(replaces)
 
 
@@ -777,7 +796,8 @@ class FileSystemStore:
         actions: list[RecoveryAction] = []
         self._sweep_leftovers(actions)
         # batch's journal first: the logs it completes are then checked like any other
-        actions.extend(RecoveryAction(*action) for action in replay(self.root, self.corrupt_dir))
+        replayed_journal = replay(self.root, self.corrupt_dir)
+        actions.extend(RecoveryAction(*action) for action in replayed_journal.actions)
         entries, generation, replayed, index_ok = self._read_index(actions)
         on_disk = self._list_folders()
         rebuilt: dict[str, list[str]] = {}
@@ -818,7 +838,10 @@ class FileSystemStore:
                 state_sig = (st.st_size, st.st_mtime_ns)
             except FileNotFoundError:
                 state_sig = (-1, -1)
-            if log_size == entry.log_size and state_sig == entry.state_sig and entry.archived == archived:
+            if (
+                log_size == entry.log_size and state_sig == entry.state_sig and entry.archived == archived
+                and conversation_id not in replayed_journal.touched
+            ):
                 continue
             partial = 0 < entry.log_size < log_size and self._line_aligned(folder / LOG_NAME, entry.log_size)
             start = entry.log_size if partial else 0
@@ -1011,7 +1034,7 @@ class FileSystemStore:
             ops = [op for op, _ in batch]
             try:
                 if self._journal is not None:
-                    await asyncio.to_thread(_apply_journaled, self.root, self._journal, ops)
+                    await asyncio.to_thread(_apply_journaled, self._journal, ops)
                 else:
                     await asyncio.to_thread(_apply_ops, ops, {})
             except asyncio.CancelledError:
@@ -1093,17 +1116,19 @@ class FileSystemStore:
     async def _compact(self) -> None:
         """Write the whole index as a new snapshot and start a new index log (amortized O(1))."""
         async with self._aux_lock:
-            await self._flush_aux_locked()
+            # rows are taken and the generation switched before the flush: every event the
+            # snapshot counts has its bucket line queued already, so this flush writes it
             generation = self._generation + 1
             rows = [entry.to_json() for entry in self._entries.values()]
-            data = json.dumps(
-                {"format": INDEX_FORMAT, "generation": generation, "entries": rows},
-                separators=(",", ":"), ensure_ascii=False,
-            ).encode("utf-8")
             old = self._index_log(self._generation)
             self._generation = generation
             self._index_path = None
             self._index_records = 0
+            await self._flush_aux_locked()
+            data = json.dumps(
+                {"format": INDEX_FORMAT, "generation": generation, "entries": rows},
+                separators=(",", ":"), ensure_ascii=False,
+            ).encode("utf-8")
             await asyncio.to_thread(self._write_snapshot, data, old)
 
     def _write_snapshot(self, data: bytes, old_log: Path) -> None:
@@ -1424,11 +1449,15 @@ class FileSystemStore:
         if entry is None:
             return False
         folder = self._folder(conversation_id, entry.archived)
-        if self._journal is not None and not self._closing:
-            # batch: the journal must never replay this conversation's appends into a new one
-            await self._commit([_Op("forget", folder, conversation_id.encode("utf-8"))])
-        await asyncio.to_thread(self._delete_sync, folder)
-        del self._entries[conversation_id]
+        del self._entries[conversation_id]  # from now on appends to it are refused
+        try:
+            if self._journal is not None and not self._closing:
+                # batch: the journal must never replay this conversation's appends into a new one
+                await self._commit([_Op("forget", folder, conversation_id.encode("utf-8"))])
+            await asyncio.to_thread(self._delete_sync, folder)
+        except BaseException:
+            self._entries[conversation_id] = entry
+            raise
         self._cache.pop(conversation_id, None)
         self._index_record({"op": "del", "id": conversation_id})
         return True

@@ -21,12 +21,12 @@ are appended at the end, after cutting a torn tail from a line-terminated log.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import struct
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,8 +39,6 @@ log = structlog.get_logger(__name__)
 JOURNAL_DIR = ".journal"
 JOURNAL_LIMIT = 16 * 1024 * 1024
 """Journal bytes after which the committer checkpoints (fsyncs the files written, starts anew)."""
-OPEN_FILES = 128
-"""Files the journal keeps open for appending (one write per file per commit, no open/close)."""
 
 _FRAME = struct.Struct("<II")
 _ARCHIVE_PREFIX = "archive/"
@@ -169,19 +167,23 @@ def _after_last_line(fd: int, size: int) -> int:
 
 
 def _repair_file(path: Path, records: list[tuple[int, bytes]]) -> int:
-    """Append the records missing from ``path``; return how many were. fsyncs the file."""
+    """Append the records missing from ``path``; return how many were. fsyncs the file.
+
+    A record is present when its bytes are at its offset or, if something rewrote the file
+    since (a salvage of a damaged log moves lines), anywhere in it.
+    """
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         size = os.fstat(fd).st_size
-        first = min(offset for offset, _ in records)
-        region = os.pread(fd, max(size - first, 0), first) if first < size else b""
+        whole: bytes | None = None
         missing: list[bytes] = []
         for offset, data in records:
-            at = offset - first
-            if offset + len(data) <= size and region[at:at + len(data)] == data:
+            if offset + len(data) <= size and os.pread(fd, len(data), offset) == data:
                 continue
-            if offset < size and data in region:
-                continue  # the file was rewritten since (a salvage): the line is there, elsewhere
+            if whole is None:
+                whole = os.pread(fd, size, 0) if size else b""
+            if data in whole:
+                continue
             missing.append(data)
         if missing:
             end = size
@@ -195,16 +197,28 @@ def _repair_file(path: Path, records: list[tuple[int, bytes]]) -> int:
         os.close(fd)
 
 
-def replay(root: Path, corrupt_dir: Path) -> list[tuple[str, str | None, str]]:
+@dataclass
+class Replayed:
+    """What :func:`replay` did."""
+
+    actions: list[tuple[str, str | None, str]]
+    """Recovery actions ``(kind, conversation id or None, detail)``."""
+    touched: set[str]
+    """Conversations the journal appended to: their derived data (index entry, event-id
+    bucket lines, never fsynced) may lag behind, so open rescans their logs."""
+
+
+def replay(root: Path, corrupt_dir: Path) -> Replayed:
     """Bring every file up to the journals under ``root`` and delete them.
 
-    Returns recovery actions ``(kind, conversation id or None, detail)``. A journal holding
-    a corrupt frame is copied to ``corrupt_dir`` first (its good frames are still replayed).
+    A journal holding a corrupt frame is copied to ``corrupt_dir`` first (its good frames
+    are still replayed).
     """
     actions: list[tuple[str, str | None, str]] = []
+    touched: set[str] = set()
     files = journal_files(root)
     if not files:
-        return actions
+        return Replayed(actions, touched)
     pending: dict[str, list[tuple[int, bytes]]] = {}
     for _, path in files:
         data = path.read_bytes()
@@ -235,10 +249,12 @@ def replay(root: Path, corrupt_dir: Path) -> list[tuple[str, str | None, str]]:
         if found is None:
             continue  # the conversation was deleted after these appends
         added = _repair_file(found, records)
+        conversation_id = None if relpath.startswith(".") else relpath.removeprefix(
+            _ARCHIVE_PREFIX
+        ).split("/", 1)[0]
+        if conversation_id is not None:
+            touched.add(conversation_id)
         if added:
-            conversation_id = None if relpath.startswith(".") else relpath.removeprefix(
-                _ARCHIVE_PREFIX
-            ).split("/", 1)[0]
             actions.append((
                 "journal_replayed", conversation_id,
                 f"{added} of {len(records)} journaled appends re-applied to {relpath}",
@@ -250,7 +266,7 @@ def replay(root: Path, corrupt_dir: Path) -> list[tuple[str, str | None, str]]:
     for _, path in files:
         path.unlink()
     fsync_dir(root / JOURNAL_DIR)
-    return actions
+    return Replayed(actions, touched)
 
 
 class Journal:
@@ -264,65 +280,35 @@ class Journal:
         self.size = 0
         self._fd: int | None = None
         self._dirty: set[str] = set()
-        self._files: OrderedDict[Path, list[int]] = OrderedDict()
-        """path -> [fd, size]: the files appended to lately, kept open (least recent first)."""
+        self._relpaths: dict[Path, str] = {}
+        self.poisoned = False
+        """A checkpoint's fsync failed: the kernel may since have dropped those pages and a
+        retry would wrongly succeed, so no journal is deleted any more (the next open replays)."""
 
-    def append(self, path: Path, data: bytes, *, create: bool) -> int:
-        """Write ``data`` at the end of ``path`` (not fsynced); return the offset it went to.
-
-        On failure the file is cut back to its previous size and the error raised.
-        """
-        entry = self._files.get(path)
-        if entry is None:
-            flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
-            fd = os.open(path, flags, 0o600)
-            entry = [fd, os.fstat(fd).st_size]
-            self._files[path] = entry
-            while len(self._files) > OPEN_FILES:
-                os.close(self._files.popitem(last=False)[1][0])
-        else:
-            self._files.move_to_end(path)
-        fd, before = entry
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, before)
-            self.drop(path)
-            raise
-        entry[1] = before + len(data)
-        return before
-
-    def cut_back(self, path: Path, size: int) -> None:
-        """Undo appends to ``path`` (their commit failed): truncate it to ``size``."""
-        with contextlib.suppress(OSError):
-            os.truncate(path, size)
-        self.drop(path)
-
-    def drop(self, path: Path) -> None:
-        """Close ``path`` if it is kept open (its folder is moving away, or it was cut back)."""
-        entry = self._files.pop(path, None)
-        if entry is not None:
-            with contextlib.suppress(OSError):
-                os.close(entry[0])
-
-    def drop_folder(self, folder: Path) -> None:
-        """Close every kept file inside ``folder``."""
-        for path in [p for p in self._files if p.parent == folder]:
-            self.drop(path)
+    def relpath(self, path: Path) -> str:
+        """``path`` relative to the conversations folder, as frames name it (remembered)."""
+        found = self._relpaths.get(path)
+        if found is None:
+            if len(self._relpaths) >= 4096:
+                self._relpaths.clear()
+            found = self._relpaths[path] = path.relative_to(self.root).as_posix()
+        return found
 
     def start(self) -> None:
         """Create the first journal file (after :func:`replay` removed any old one)."""
         self.folder.mkdir(exist_ok=True)
-        self._open_new()
+        fsync_dir(self.root)
+        self._fd = self._create(self.generation)
 
-    def _open_new(self) -> None:
-        path = self.folder / str(self.generation)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        self.size = 0
-        fsync_dir(self.folder)
+    def _create(self, generation: int) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+        fd = os.open(self.folder / str(generation), flags, 0o600)
+        try:
+            fsync_dir(self.folder)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
 
     def write(self, frames: list[bytes], relpaths: Iterable[str], forgotten: Iterable[str] = ()) -> None:
         """Append frames and fsync: on return they are durable. On error the journal is cut back.
@@ -330,7 +316,8 @@ class Journal:
         ``relpaths`` are the files the frames' appends went to (fsynced at the next checkpoint);
         ``forgotten`` the conversations deleted (their files need no checkpoint any more).
         """
-        assert self._fd is not None
+        if self._fd is None:
+            raise OSError(errno.EBADF, "the commit journal is closed")
         data = b"".join(frames)
         try:
             view = memoryview(data)
@@ -346,43 +333,53 @@ class Journal:
         for conversation_id in forgotten:
             self._dirty = {p for p in self._dirty if not _is_log_of(p, conversation_id)}
 
+    def _sync(self, relpath: str) -> Path | None:
+        """fsync ``relpath`` where it is now; a folder moved meanwhile (archive) is followed."""
+        for _ in range(5):
+            path = resolve(self.root, relpath)
+            if path is None:
+                return None  # deleted
+            try:
+                _fsync_path(path)
+                return path
+            except FileNotFoundError:
+                continue  # moved between resolve and open: look again
+        raise OSError(errno.EAGAIN, f"{relpath} kept moving while being checkpointed")
+
     def checkpoint(self, *, final: bool = False) -> None:
         """fsync every file written since the last checkpoint, then start a new journal.
 
-        ``final`` (a clean close) deletes the journal instead of starting one.
+        ``final`` (a clean close) deletes the journal instead of starting one. After a failed
+        fsync the journal is never deleted (see :attr:`poisoned`).
         """
+        if self.poisoned:
+            if final:
+                self.close()
+            return
         dirty, self._dirty = self._dirty, set()
-        targets = [t for t in (resolve(self.root, p) for p in dirty) if t is not None]
-
-        def sync(path: Path) -> None:
-            with contextlib.suppress(FileNotFoundError):
-                _fsync_path(path)
-
         try:
-            list(self._pool().map(sync, targets))
-            for parent in {t.parent for t in targets}:
+            synced = [p for p in self._pool().map(self._sync, sorted(dirty)) if p is not None]
+            for parent in {p.parent for p in synced}:
                 with contextlib.suppress(FileNotFoundError):
                     fsync_dir(parent)
         except OSError:
-            self._dirty |= dirty  # not yet durable: the journal keeps covering them
+            self._dirty |= dirty
+            self.poisoned = True
             raise
-        old = self.folder / str(self.generation)
+        old_fd, old = self._fd, self.folder / str(self.generation)
         if final:
-            for path in list(self._files):
-                self.drop(path)
-        assert self._fd is not None
-        os.close(self._fd)
-        self._fd = None
-        if not final:
+            self._fd = None
+        else:
+            self._fd = self._create(self.generation + 1)  # fails before anything is given up
             self.generation += 1
-            self._open_new()
+            self.size = 0
+        if old_fd is not None:
+            os.close(old_fd)
         old.unlink()
         fsync_dir(self.folder)
 
     def close(self) -> None:
         """Close the file without a checkpoint (the journal stays for the next open to replay)."""
-        for path in list(self._files):
-            self.drop(path)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -256,3 +256,76 @@ async def test_failed_journal_write_fails_the_append_and_leaves_the_log_as_it_wa
 
     ids, _ = await history_ids(home, conversation.id)
     assert ids == [conversation.id, kept.id]
+
+
+async def test_archived_deleted_and_recreated_conversation_keeps_its_new_appends(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """Archive, delete, create again, append: the new append is in the new log after a clean close."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    await store.append_event(conversation.id, cast.alice_says("before the archive"))
+    await store.set_archived(conversation.id, True)
+    assert await store.delete(conversation.id)
+    again = Conversation(id=conversation.id, title="Again", created_at=2, updated_at=2)
+    await store.create(again)
+    fresh = cast.bob_says("after the re-creation")
+    await store.append_event(conversation.id, fresh)
+    await store.close()
+
+    ids, _ = await history_ids(home, conversation.id)
+
+    assert ids == [fresh.id]
+
+
+async def test_checkpoint_follows_a_conversation_archived_meanwhile(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log written under <id>/ and archived before the checkpoint is fsynced where it now lives."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    event = cast.alice_says("archived soon")
+    await store.append_event(conversation.id, event)
+    await store.set_archived(conversation.id, True)
+    synced: list[Path] = []
+    real = journal._fsync_path
+
+    def recording(path: Path) -> None:
+        synced.append(path)
+        real(path)
+
+    monkeypatch.setattr(journal, "_fsync_path", recording)
+    await store.close()  # the final checkpoint
+
+    assert home / "conversations" / "archive" / conversation.id / LOG_NAME in synced
+    ids, _ = await history_ids(home, conversation.id)
+    assert ids == [conversation.id, event.id]
+
+
+async def test_failed_new_journal_at_checkpoint_keeps_the_old_one_working(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the next journal cannot be created, commits go on in the current one and nothing is lost."""
+    monkeypatch.setattr(filesystem, "JOURNAL_LIMIT", 1)
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    real = journal.Journal._create
+
+    def refuse(self: journal.Journal, generation: int) -> int:
+        if generation > 0:
+            raise OSError(28, "No space left on device (simulated)")
+        return real(self, generation)
+
+    monkeypatch.setattr(journal.Journal, "_create", refuse)
+    events = [cast.alice_says(f"reply {i}") for i in range(3)]
+    for event in events:
+        await store.append_event(conversation.id, event)
+    assert journal_files(home) == ["0"]
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+
+    ids, _ = await history_ids(copy, conversation.id)
+    assert ids == [conversation.id] + [e.id for e in events]
