@@ -438,36 +438,56 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
     _apply_replaces(replaces)
 
 
-def _apply_replaces(replaces: dict[Path, list[_Op]]) -> None:
-    """Replace each file atomically (temp file, fsync, rename), then fsync each folder once."""
-    folders: set[Path] = set()
-    renamed: list[tuple[Path, list[_Op]]] = []
-    for path, group in replaces.items():
-        last = group[-1]
+def _replace_durably(item: tuple[Path, list[_Op]]) -> bool:
+    """Write the group's last data to a temp file, fsync it, rename it over the path; mark errors."""
+    path, group = item
+    try:
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            tmp = path.with_name(path.name + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                _write_all(fd, last.data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            folders.add(path.parent)
-            renamed.append((path, group))
-        except OSError as exc:
-            for op in group:
-                op.error = exc
-    for folder in folders:
+            _write_all(fd, group[-1].data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        for op in group:
+            op.error = exc
+        return False
+
+
+def _apply_replaces(replaces: dict[Path, list[_Op]]) -> None:
+    """Replace each file atomically (temp file, fsync, rename), then fsync each folder once.
+
+    Several files are replaced from several threads at once: the filesystem's journal commits
+    their fsyncs together, as it does for appends.
+    """
+    items = list(replaces.items())
+    if len(items) > 1:
+        done = list(_fsync_pool().map(_replace_durably, items))
+    else:
+        done = [_replace_durably(item) for item in items]
+    renamed = [item for item, ok in zip(items, done, strict=True) if ok]
+
+    def sync_folder(folder: Path) -> OSError | None:
         try:
             _fsync_dir(folder)
         except OSError as exc:
-            for path, group in renamed:
-                if path.parent == folder:
-                    for op in group:
-                        op.error = exc
+            return exc
+        return None
+
+    folders = sorted({path.parent for path, _ in renamed})
+    outcomes = list(_fsync_pool().map(sync_folder, folders)) if len(folders) > 1 else [
+        sync_folder(folder) for folder in folders
+    ]
+    errors = dict(zip(folders, outcomes, strict=True))
     for path, group in renamed:
-        if group[-1].error is None:
+        failed = errors.get(path.parent)
+        if failed is not None:
+            for op in group:
+                op.error = failed
+        elif group[-1].error is None:
             st = os.stat(path)
             for op in group:
                 op.result = (st.st_size, st.st_mtime_ns)
