@@ -55,6 +55,7 @@ from tenex_daemon.adapters.storage.journal import (
     forget_frame,
     replay,
 )
+from tenex_daemon.adapters.storage.journal import fsync_dir as _fsync_dir
 from tenex_daemon.core.conversation import UNTITLED, Conversation
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
@@ -263,14 +264,6 @@ class IndexEntry:
 
 
 # --- blocking file work (always called in a worker thread) ------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -67,6 +67,15 @@ async def history_ids(home: Path, conversation_id: str, *, fsync: str = "always"
         await store.close()
 
 
+async def recreate(store: FileSystemStore, cast: Cast, conversation_id: str) -> str:
+    """Delete the conversation, create a new one under the same id, append one event; return its id."""
+    assert await store.delete(conversation_id)
+    await store.create(Conversation(id=conversation_id, title="Again", created_at=2, updated_at=2))
+    fresh = cast.bob_says("after the re-creation")
+    await store.append_event(conversation_id, fresh)
+    return fresh.id
+
+
 def test_frames_round_trip_and_a_forget_drops_earlier_appends() -> None:
     """Frames decode to what was written; a forget frame drops that conversation's earlier appends only."""
     data = (
@@ -197,17 +206,13 @@ async def test_deleted_conversation_never_receives_its_old_appends(tmp_path: Pat
     old = [cast.alice_says(f"old {i}") for i in range(3)]
     for event in old:
         await store.append_event(conversation.id, event)
-    assert await store.delete(conversation.id)
-    again = Conversation(id=conversation.id, title="Again", created_at=2, updated_at=2)
-    await store.create(again)
-    fresh = cast.bob_says("fresh")
-    await store.append_event(conversation.id, fresh)
+    fresh = await recreate(store, cast, conversation.id)
     copy = crash_copy(home, tmp_path / "copy")
     await store.close()
 
     ids, _ = await history_ids(copy, conversation.id)
 
-    assert ids == [fresh.id]
+    assert ids == [fresh]
 
 
 async def test_checkpoint_starts_a_new_journal_and_keeps_everything(
@@ -271,16 +276,12 @@ async def test_archived_deleted_and_recreated_conversation_keeps_its_new_appends
     conversation = await start(store, cast)
     await store.append_event(conversation.id, cast.alice_says("before the archive"))
     await store.set_archived(conversation.id, True)
-    assert await store.delete(conversation.id)
-    again = Conversation(id=conversation.id, title="Again", created_at=2, updated_at=2)
-    await store.create(again)
-    fresh = cast.bob_says("after the re-creation")
-    await store.append_event(conversation.id, fresh)
+    fresh = await recreate(store, cast, conversation.id)
     await store.close()
 
     ids, _ = await history_ids(home, conversation.id)
 
-    assert ids == [fresh.id]
+    assert ids == [fresh]
 
 
 async def test_checkpoint_follows_a_conversation_archived_meanwhile(
