@@ -51,7 +51,9 @@ from pydantic import ValidationError
 from tenex_daemon.adapters.storage.journal import (
     JOURNAL_LIMIT,
     Journal,
+    Replayed,
     append_frame,
+    discard,
     forget_frame,
     replay,
 )
@@ -386,15 +388,21 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
         for path, group in appends.items():
             flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if any(o.create for o in group) else 0)
             try:
+                relpath = journal.relpath(path)
                 fd = os.open(path, flags, 0o600)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 for op in group:
                     op.error = exc
                 continue
-            relpath = journal.relpath(path)
             is_log = not relpath.startswith(".")
             try:
                 before = os.fstat(fd).st_size
+            except OSError as exc:
+                os.close(fd)
+                for op in group:
+                    op.error = exc
+                continue
+            try:
                 _write_all(fd, b"".join(op.data for op in group))
             except OSError as exc:
                 if is_log:
@@ -428,7 +436,13 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
         for fd, _, _, _ in written:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    _apply_replaces(replaces)
+    try:
+        _apply_replaces(replaces)
+    except Exception as exc:  # never let it fail the group's appends, which are durable already
+        for group in replaces.values():
+            for op in group:
+                if op.result is None and op.error is None:
+                    op.error = exc
 
 
 def _replace_durably(item: tuple[Path, list[_Op]]) -> bool:
@@ -481,9 +495,13 @@ def _apply_replaces(replaces: dict[Path, list[_Op]]) -> None:
             for op in group:
                 op.error = failed
         elif group[-1].error is None:
-            st = os.stat(path)
+            try:
+                st = os.stat(path)
+            except OSError as exc:  # durable, but its signature is unknown: open will rescan it
+                log.warning("replaced_file_stat_failed", path=str(path), error=str(exc))
+                st = None
             for op in group:
-                op.result = (st.st_size, st.st_mtime_ns)
+                op.result = (st.st_size, st.st_mtime_ns) if st is not None else (-1, -1)
 
 
 def _write_aux(aux: dict[Path, list[bytes]]) -> None:
@@ -502,6 +520,28 @@ def _write_aux(aux: dict[Path, list[bytes]]) -> None:
                 os.close(fd)
         except OSError:
             log.exception("derived_write_failed", path=str(path))
+
+
+def _sync_files(paths: set[Path]) -> None:
+    """fsync files (in parallel) and then their folders; files gone meanwhile are skipped."""
+
+    def sync(path: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    list(_fsync_pool().map(sync, paths))
+    for folder in {path.parent for path in paths}:
+        with contextlib.suppress(FileNotFoundError):
+            _fsync_dir(folder)
+
+
+def _log_failed_deletion(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("delete_failed", error=str(task.exception()))
 
 
 def _move_to_corrupt(corrupt_dir: Path, source: Path, label: str) -> Path:
@@ -661,6 +701,8 @@ class _OpenResult:
     rebuilt_ids: dict[str, list[str]]
     absent_buckets: set[str]
     """Event-id buckets with no file yet: known empty without reading anything."""
+    journal: Replayed
+    """What replaying a journal left behind did (its files are deleted after open's compaction)."""
     has_snapshot: bool
     """Whether the index has a snapshot (a new home gets one at once, so that a crash before
     the first derived write still finds an index)."""
@@ -707,6 +749,8 @@ class FileSystemStore:
         self._aux_task: asyncio.Task[None] | None = None
         self._aux_wake = asyncio.Event()
         self._aux_lines = 0
+        self._aux_written: set[Path] = set()
+        """Derived files written since the last index snapshot (fsynced before the next one)."""
         self._aux_inflight: dict[Path, list[bytes]] = {}
         self._loading: dict[str, tuple[asyncio.Future[dict[str, str]], dict[str, str]]] = {}
         self._index_records = 0
@@ -772,10 +816,16 @@ class FileSystemStore:
         self._wakeup = asyncio.Event()
         if self.fsync == "batch":
             self._journal = Journal(self.root, _fsync_pool)
+            self._journal.generation = result.journal.next_generation
             await asyncio.to_thread(self._journal.start)
             self._committer = asyncio.create_task(self._run_committer(), name="fs-store-commit")
-        if result.actions or result.replayed > COMPACT_MIN_RECORDS or not result.has_snapshot:
-            await self._compact()
+        if (
+            result.actions or result.replayed > COMPACT_MIN_RECORDS or not result.has_snapshot
+            or result.journal.files
+        ):
+            await self._compact()  # fsyncs the rescans' derived data before the replayed journal goes
+        if result.journal.files:
+            await asyncio.to_thread(discard, result.journal.files)
         log.info(
             "store_opened", path=str(self.root), conversations=len(self._entries),
             repairs=len(result.actions),
@@ -856,7 +906,11 @@ class FileSystemStore:
                 and conversation_id not in replayed_journal.touched
             ):
                 continue
-            partial = 0 < entry.log_size < log_size and self._line_aligned(folder / LOG_NAME, entry.log_size)
+            partial = (
+                conversation_id not in replayed_journal.touched  # its older bucket lines may be lost too
+                and 0 < entry.log_size < log_size
+                and self._line_aligned(folder / LOG_NAME, entry.log_size)
+            )
             start = entry.log_size if partial else 0
             scanned = _scan_folder(
                 folder, conversation_id, self.corrupt_dir, parse_events=False, start=start
@@ -870,7 +924,9 @@ class FileSystemStore:
         present = {item.name for item in os.scandir(self.root / EVENTS_DIR)}
         absent = {f"{n:03x}" for n in range(16**BUCKET_CHARS)} - present
         has_snapshot = (self.root / INDEX_DIR / "snapshot.json").exists()
-        return _OpenResult(entries, generation, replayed, actions, rebuilt, absent, has_snapshot)
+        return _OpenResult(
+            entries, generation, replayed, actions, rebuilt, absent, replayed_journal, has_snapshot
+        )
 
     @staticmethod
     def _line_aligned(path: Path, offset: int) -> bool:
@@ -1102,6 +1158,7 @@ class FileSystemStore:
             return
         pending, self._aux = self._aux, {}
         self._aux_lines = 0
+        self._aux_written.update(pending)
         self._aux_inflight = pending
         try:
             await asyncio.to_thread(_write_aux, pending)
@@ -1138,6 +1195,10 @@ class FileSystemStore:
             self._index_path = None
             self._index_records = 0
             await self._flush_aux_locked()
+            # the snapshot lets open skip a log whose size matches: the bucket lines of every
+            # event it counts must be on disk first, not only in the page cache
+            written, self._aux_written = self._aux_written, set()
+            await asyncio.to_thread(_sync_files, written)
             data = json.dumps(
                 {"format": INDEX_FORMAT, "generation": generation, "entries": rows},
                 separators=(",", ":"), ensure_ascii=False,
@@ -1373,6 +1434,8 @@ class FileSystemStore:
         if await self.is_processed(event.id):
             return
         line = encode_event(event)
+        if self._entries.get(conversation_id) is not entry:  # deleted while the bucket was read
+            raise ConversationNotFoundError(conversation_id)
         await self._commit([_Op("append", self._log_path(conversation_id), line)])
         entry.event_count += 1
         entry.log_size += len(line)
@@ -1404,6 +1467,8 @@ class FileSystemStore:
         if not fresh:
             return
         data = b"".join(encode_event(event) for event in fresh)
+        if self._entries.get(conversation_id) is not entry:  # deleted while buckets were read
+            raise ConversationNotFoundError(conversation_id)
         await self._commit([_Op("append", self._log_path(conversation_id), data)])
         entry.event_count += len(fresh)
         entry.log_size += len(data)
@@ -1463,23 +1528,50 @@ class FileSystemStore:
             return False
         folder = self._folder(conversation_id, entry.archived)
         del self._entries[conversation_id]  # from now on appends to it are refused
+        # shielded: once the forget frame is queued, the deletion must finish even if the caller
+        # is cancelled (a committed forget over a kept folder would drop its journaled appends)
+        deletion = asyncio.ensure_future(self._delete_files(conversation_id, folder))
+        deletion.add_done_callback(_log_failed_deletion)
         try:
-            if self._journal is not None and not self._closing:
-                # batch: the journal must never replay this conversation's appends into a new one
-                await self._commit([_Op("forget", folder, conversation_id.encode("utf-8"))])
-            await asyncio.to_thread(self._delete_sync, folder)
+            await asyncio.shield(deletion)
+        except asyncio.CancelledError:
+            raise  # the deletion goes on; a folder it leaves behind is re-indexed on open
         except BaseException:
-            self._entries[conversation_id] = entry
+            if await asyncio.to_thread(self._keep_after_failed_delete, folder):
+                self._entries[conversation_id] = entry
             raise
         self._cache.pop(conversation_id, None)
         self._index_record({"op": "del", "id": conversation_id})
         return True
 
     @staticmethod
+    def _keep_after_failed_delete(folder: Path) -> bool:
+        """Whether the folder is still there; if so its log is fsynced (a committed forget frame
+        no longer lets the journal cover it)."""
+        if not folder.exists():
+            return False
+        with contextlib.suppress(OSError):
+            fd = os.open(folder / LOG_NAME, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return True
+
+    async def _delete_files(self, conversation_id: str, folder: Path) -> None:
+        if self._journal is not None and not self._closing:
+            # batch: the journal must never replay this conversation's appends into a new one
+            await self._commit([_Op("forget", folder, conversation_id.encode("utf-8"))])
+        await asyncio.to_thread(self._delete_sync, folder)
+
+    @staticmethod
     def _delete_sync(folder: Path) -> None:
         doomed = folder.parent / f".deleted-{folder.name}-{time.time_ns()}"
         os.rename(folder, doomed)
-        _fsync_dir(folder.parent)
+        try:
+            _fsync_dir(folder.parent)
+        except OSError as exc:  # the rename is done: the deletion counts, open finishes it
+            log.warning("delete_not_synced", folder=str(folder), error=str(exc))
         shutil.rmtree(doomed, ignore_errors=True)
 
     async def search(self, query: SearchQuery) -> list[ConversationSummary]:

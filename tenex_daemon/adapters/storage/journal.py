@@ -206,6 +206,11 @@ class Replayed:
     touched: set[str]
     """Conversations the journal appended to: their derived data (index entry, event-id
     bucket lines, never fsynced) may lag behind, so open rescans their logs."""
+    files: list[Path]
+    """The journal files replayed: deleted by :func:`discard` once open has made the rescans'
+    derived data durable (until then a crash replays them again)."""
+    next_generation: int
+    """The first generation free for a new journal."""
 
 
 def replay(root: Path, corrupt_dir: Path) -> Replayed:
@@ -218,8 +223,9 @@ def replay(root: Path, corrupt_dir: Path) -> Replayed:
     touched: set[str] = set()
     files = journal_files(root)
     if not files:
-        return Replayed(actions, touched)
+        return Replayed(actions, touched, [], 0)
     pending: dict[str, list[tuple[int, bytes]]] = {}
+    repaired_folders: set[Path] = set()
     for _, path in files:
         data = path.read_bytes()
         read = read_journal(data)
@@ -249,6 +255,7 @@ def replay(root: Path, corrupt_dir: Path) -> Replayed:
         if found is None:
             continue  # the conversation was deleted after these appends
         added = _repair_file(found, records)
+        repaired_folders.add(found.parent)
         conversation_id = None if relpath.startswith(".") else relpath.removeprefix(
             _ARCHIVE_PREFIX
         ).split("/", 1)[0]
@@ -260,13 +267,22 @@ def replay(root: Path, corrupt_dir: Path) -> Replayed:
                 f"{added} of {len(records)} journaled appends re-applied to {relpath}",
             ))
             log.warning("journal_replayed", path=relpath, records=added)
-    for parent in {(root / relpath).parent for relpath in pending} | {root / ".events"}:
+    for parent in repaired_folders | {root / ".events"}:
         if parent.is_dir():
             fsync_dir(parent)
-    for _, path in files:
-        path.unlink()
-    fsync_dir(root / JOURNAL_DIR)
-    return Replayed(actions, touched)
+    return Replayed(actions, touched, [path for _, path in files], files[-1][0] + 1)
+
+
+def discard(files: list[Path]) -> None:
+    """Delete replayed journal files (their contents are durable in the files they name)."""
+    for path in files:
+        path.unlink(missing_ok=True)
+    if files:
+        fsync_dir(files[0].parent)
+
+
+class FsyncError(OSError):
+    """fsync itself failed: the kernel may have dropped the pages it could not write."""
 
 
 class Journal:
@@ -283,7 +299,8 @@ class Journal:
         self._relpaths: dict[Path, str] = {}
         self.poisoned = False
         """A checkpoint's fsync failed: the kernel may since have dropped those pages and a
-        retry would wrongly succeed, so no journal is deleted any more (the next open replays)."""
+        retry would wrongly succeed, so no journal is deleted any more (the next open replays;
+        the journal grows until then; the failure was logged when it happened)."""
 
     def relpath(self, path: Path) -> str:
         """``path`` relative to the conversations folder, as frames name it (remembered)."""
@@ -340,10 +357,16 @@ class Journal:
             if path is None:
                 return None  # deleted
             try:
-                _fsync_path(path)
-                return path
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 continue  # moved between resolve and open: look again
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise FsyncError(exc.errno, f"fsync of {relpath}: {exc.strerror}") from exc
+            finally:
+                os.close(fd)
+            return path
         raise OSError(errno.EAGAIN, f"{relpath} kept moving while being checkpointed")
 
     def checkpoint(self, *, final: bool = False) -> None:
@@ -362,9 +385,10 @@ class Journal:
             for parent in {p.parent for p in synced}:
                 with contextlib.suppress(FileNotFoundError):
                     fsync_dir(parent)
-        except OSError:
-            self._dirty |= dirty
-            self.poisoned = True
+        except OSError as exc:
+            self._dirty |= dirty  # the journal keeps covering them
+            if isinstance(exc, FsyncError):
+                self.poisoned = True
             raise
         old_fd, old = self._fd, self.folder / str(self.generation)
         if final:

@@ -294,14 +294,14 @@ async def test_checkpoint_follows_a_conversation_archived_meanwhile(
     event = cast.alice_says("archived soon")
     await store.append_event(conversation.id, event)
     await store.set_archived(conversation.id, True)
-    synced: list[Path] = []
-    real = journal._fsync_path
+    synced: list[Path | None] = []
+    real = journal.Journal._sync
 
-    def recording(path: Path) -> None:
-        synced.append(path)
-        real(path)
+    def recording(self: journal.Journal, relpath: str) -> Path | None:
+        synced.append(real(self, relpath))
+        return synced[-1]
 
-    monkeypatch.setattr(journal, "_fsync_path", recording)
+    monkeypatch.setattr(journal.Journal, "_sync", recording)
     await store.close()  # the final checkpoint
 
     assert home / "conversations" / "archive" / conversation.id / LOG_NAME in synced
@@ -334,3 +334,31 @@ async def test_failed_new_journal_at_checkpoint_keeps_the_old_one_working(
 
     ids, _ = await history_ids(copy, conversation.id)
     assert ids == [conversation.id] + [e.id for e in events]
+
+
+async def test_replayed_conversation_is_rescanned_whole_when_its_buckets_were_lost(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """Index records survived, bucket lines did not: open still knows every event id of a replayed log."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    events = [cast.alice_says(f"reply {i}") for i in range(5)]
+    for event in events[:3]:
+        await store.append_event(conversation.id, event)
+    async with store._aux_lock:
+        await store._flush_aux_locked()  # the index log now counts three replies
+    for event in events[3:]:
+        await store.append_event(conversation.id, event)
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+    for bucket in (copy / "conversations" / ".events").iterdir():
+        bucket.unlink()  # the power loss took the bucket lines (never fsynced between snapshots)
+
+    reopened = FileSystemStore(copy)
+    await reopened.open()
+    try:
+        for event_id in [conversation.id] + [e.id for e in events]:
+            assert await reopened.is_processed(event_id), event_id
+    finally:
+        await reopened.close()
