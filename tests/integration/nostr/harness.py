@@ -56,6 +56,22 @@ def free_port() -> int:
         return port
 
 
+async def wait_port_closed(port: int, within: float = 30.0) -> None:
+    """Wait until nothing accepts TCP connections on 127.0.0.1:port any more."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            return
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"port {port} still accepts connections after {within}s")
+        await asyncio.sleep(0.05)
+
+
 async def wait_port(port: int, within: float = 30.0) -> None:
     """Wait until something accepts TCP connections on 127.0.0.1:port."""
     deadline = time.monotonic() + within
@@ -117,8 +133,13 @@ class LocalRelayServer:
             self._relay = None
 
     async def restart(self, down_for: float = 0.0) -> None:
-        """Stop, stay down for ``down_for`` seconds, start again on the same port and path."""
+        """Stop, stay down for ``down_for`` seconds, start again on the same port and path.
+
+        ``shutdown()`` returns before the listener is gone: a start before that would find the
+        port still taken and leave the old relay serving, so the port is watched until it closes.
+        """
         self.stop()
+        await wait_port_closed(self.port)
         await asyncio.sleep(down_for)
         await self.start()
 
