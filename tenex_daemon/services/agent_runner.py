@@ -482,7 +482,6 @@ class PartialStreamer:
         self.name = backend.name
         self.inner = backend
         """The wrapped backend (summary calls go to it directly: they are not the agent's reply)."""
-        self._backend = backend
         self._sink = sink
         self._interval = interval_s
         self._agent = agent_slug
@@ -507,7 +506,7 @@ class PartialStreamer:
 
         ticker = asyncio.create_task(self._tick())
         try:
-            return await self._backend.complete(replace(request, on_chunk=on_chunk))
+            return await self.inner.complete(replace(request, on_chunk=on_chunk))
         finally:
             ticker.cancel()
 
