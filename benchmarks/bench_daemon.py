@@ -1,6 +1,8 @@
 """Benchmark: tenexd's reply overhead (event in -> reply out, offline backend) over a real relay.
 
-One run measures, through nostr-sdk's LocalRelay on 127.0.0.1:
+The daemon runs as deployed with ``--embedded-relay``: a process of its own, nostr-sdk's LocalRelay in a
+child of it; the clients run in the benchmark's process. One run measures, through that relay on
+127.0.0.1:
 - the relay's own round trip: a client publishes an event and receives it back on its
   subscription (the floor every reply pays twice: request in, reply out);
 - the reply latency: a client publishes a kind-11 p-tagging an agent and waits for the
@@ -15,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -76,23 +81,76 @@ class Client:
         return answered - started
 
 
+class DaemonProcess:
+    """The daemon as deployed (``tenexd run --embedded-relay``): a process of its own, its relay
+    in a child of that, and the bench's clients in this one; a pipe asks it for its latencies."""
+
+    def __init__(self, home_parent: Path, fsync: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_daemon_main, args=(child, str(home_parent), fsync), daemon=True
+        )
+
+    async def start(self) -> tuple[str, Path, str]:
+        """Start it; return the relay URL, the owner's key file and the planner's pubkey."""
+        self._process.start()
+        url, key_file, planner = await self._ask(None)
+        return str(url), Path(key_file), str(planner)
+
+    async def _ask(self, command: str | None) -> Any:
+        if command is not None:
+            self._conn.send(command)
+        return await asyncio.to_thread(self._conn.recv)
+
+    async def latencies(self) -> list[float]:
+        """The daemon's own reply latencies so far (trigger taken in -> reply sent), seconds."""
+        found: list[float] = await self._ask("latencies")
+        return found
+
+    async def stop(self) -> None:
+        """Stop the daemon (it drains) and wait for the process."""
+        await self._ask("stop")
+        await asyncio.to_thread(self._process.join, 30)
+
+
+def _daemon_main(conn: Connection, home_parent: str, fsync: str) -> None:
+
+    asyncio.run(_run_daemon(conn, Path(home_parent), fsync))
+
+
+async def _run_daemon(conn: Connection, home_parent: Path, fsync: str) -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(LOG_LEVEL))
+    relay = EmbeddedRelay(home_parent / "relay", port=_free_port())
+    await relay.start()
+    result = init_home(home_parent / "home", relays=[relay.url])
+    env = {"TENEX_DAEMON__HEARTBEAT_INTERVAL_S": "3600", "TENEX_STORAGE__FSYNC": f'"{fsync}"'}
+    daemon = Daemon(load_settings(result.home, env))
+    task = asyncio.create_task(daemon.run())
+    await daemon.wait_ready()
+    planner = next(a.pubkey for a in result.agents if a.label == "planner")
+    conn.send((relay.url, str(result.owner.key_file), planner))
+    while True:
+        command = await asyncio.to_thread(conn.recv)
+        if command == "latencies":
+            conn.send(daemon.reply_latencies())
+            continue
+        daemon.request_stop()
+        await task
+        relay.stop()
+        conn.send("stopped")
+        return
+
+
 async def main(samples: int, concurrent: int, fsync: str = FSYNC) -> None:
-    """Start a relay and a daemon in this process, measure, print the table."""
+    """Start a daemon (and its relay) in a process of their own, measure from here, print the table."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(LOG_LEVEL))
     with tempfile.TemporaryDirectory() as tmp:
-        relay = EmbeddedRelay(Path(tmp) / "relay", port=_free_port())
-        await relay.start()
-        result = init_home(Path(tmp) / "home", relays=[relay.url])
-        env = {"TENEX_DAEMON__HEARTBEAT_INTERVAL_S": "3600", "TENEX_STORAGE__FSYNC": f'"{fsync}"'}
-        settings = load_settings(result.home, env)
-        daemon = Daemon(settings)
-        task = asyncio.create_task(daemon.run())
-        await daemon.wait_ready()
-        assert result.owner.key_file is not None
-        owner = Signer.from_file(result.owner.key_file)
-        planner = next(a.pubkey for a in result.agents if a.label == "planner")
-        client = Client(relay.url, owner)
-        listener = Client(relay.url, owner)  # a second connection: a publish seen by another client
+        daemon = DaemonProcess(Path(tmp), fsync)
+        url, key_file, planner = await daemon.start()
+        owner = Signer.from_file(key_file)
+        client = Client(url, owner)
+        listener = Client(url, owner)  # a second connection: a publish seen by another client
         for each in (client, listener):
             await each.pool.start()
             await each.pool.subscribe("bench", [{"kinds": [1, 1111], "authors": [owner.pubkey, planner]}])
@@ -110,26 +168,24 @@ async def main(samples: int, concurrent: int, fsync: str = FSYNC) -> None:
             await reply()
         floor = [await echo() for _ in range(samples)]
         apart = [await client.round_trip(1, "ping", [], listener=listener) for _ in range(samples)]
-        before = len(daemon.reply_latencies())
+        before = len(await daemon.latencies())
         single = [await reply() for _ in range(samples)]
         await asyncio.sleep(0.2)  # the last reply's OK
-        single_inside = daemon.reply_latencies()[before:]
+        single_inside = (await daemon.latencies())[before:]
         many: list[float] = []
         many_floor: list[float] = []
         many_inside: list[float] = []
         rounds = max(1, samples // concurrent) + 1
         for _ in range(rounds):
             many_floor.extend(await asyncio.gather(*(echo() for _ in range(concurrent))))
-            before = len(daemon.reply_latencies())
+            before = len(await daemon.latencies())
             many.extend(await asyncio.gather(*(reply() for _ in range(concurrent))))
             await asyncio.sleep(0.5)
-            many_inside.extend(daemon.reply_latencies()[before:])
+            many_inside.extend((await daemon.latencies())[before:])
 
-        daemon.request_stop()
-        await task
         await client.pool.stop()
         await listener.pool.stop()
-        relay.stop()
+        await daemon.stop()
 
     rows: list[list[object]] = []
     measures = (

@@ -1,52 +1,86 @@
-"""The embedded relay: nostr-sdk's LocalRelay inside the daemon, events kept in LMDB under the home."""
+"""The embedded relay: nostr-sdk's LocalRelay next to the daemon, events kept in LMDB under the home.
+
+The relay runs in a child process (``python -m tenex_daemon.app.embedded_relay``). nostr-sdk's LMDB
+backend is a Python object to the relay: every event the relay checks or saves calls back into
+Python, on an asyncio loop. In the daemon's process those calls would queue behind the daemon's
+work on its loop (or, on a thread of their own, wait for the GIL), and the daemon's work behind
+them; in a process of its own the relay has its own interpreter and can use another core.
+
+The child lives as long as its standard input is open: the daemon holds the other end, so the
+relay stops when the daemon stops, however it stops (a SIGKILL included).
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-import nostr_sdk
 import structlog
-from nostr_sdk import nostr_sdk as nostr_sdk_ffi
 
 log = structlog.get_logger(__name__)
 
+READY = "ready"
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 5.0
+
+
+class EmbeddedRelayError(RuntimeError):
+    """The embedded relay could not be started."""
+
 
 class EmbeddedRelay:
-    """A real Nostr relay on ``ws://host:port``, run in this process (for ``tenexd run --embedded-relay``)."""
+    """A real Nostr relay on ``ws://host:port``, run by the daemon (``tenexd run --embedded-relay``)."""
 
     def __init__(self, db_path: Path, host: str = "127.0.0.1", port: int = 7777) -> None:
         self.db_path = db_path
         self.host = host
         self.port = port
-        self._relay: Any = None
-        self._db: Any = None
+        self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         """The relay's websocket URL."""
         return f"ws://{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The relay process's id while it runs."""
+        return self._process.pid if self._process is not None else None
+
     async def start(self) -> None:
-        """Open the LMDB database and start serving; returns once the port accepts connections."""
-        # LMDB calls back into Python from the relay's threads: it needs this loop.
-        nostr_sdk_ffi.uniffi_set_event_loop(asyncio.get_running_loop())
+        """Start the relay process; returns once the port accepts connections."""
         self.db_path.mkdir(parents=True, exist_ok=True)
-        self._db = await nostr_sdk.NostrLmdb.open(str(self.db_path))
-        self._relay = (
-            nostr_sdk.LocalRelayBuilder()
-            .addr(self.host)
-            .port(self.port)
-            .database(self._db)
-            .rate_limit(nostr_sdk.RateLimit(max_reqs=1000, notes_per_minute=100_000))
-            .build()
-        )
-        await self._relay.run()
-        await self._wait_listening()
-        log.info("embedded_relay_started", url=self.url, path=str(self.db_path))
+        command = [
+            sys.executable, "-m", "tenex_daemon.app.embedded_relay",
+            "--path", str(self.db_path), "--host", self.host, "--port", str(self.port),
+        ]
+        pipe = subprocess.PIPE
+        process = await asyncio.to_thread(subprocess.Popen, command, stdin=pipe, stdout=pipe, stderr=pipe)
+        self._process = process
+        assert process.stdout is not None
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), START_TIMEOUT_S)
+        except TimeoutError:
+            self.stop()
+            raise EmbeddedRelayError(
+                f"embedded relay on {self.url} did not start in {START_TIMEOUT_S:.0f} s"
+            ) from None
+        if line.decode("utf-8", "replace").strip() != READY:
+            self.stop()
+            raise EmbeddedRelayError(f"embedded relay on {self.url} failed to start: {_stderr_of(process)}")
+        try:
+            await self._wait_listening()
+        except BaseException:
+            self.stop()
+            raise
+        log.info("embedded_relay_started", url=self.url, path=str(self.db_path), pid=process.pid)
 
     async def _wait_listening(self, within: float = 10.0) -> None:
         deadline = time.monotonic() + within
@@ -55,7 +89,7 @@ class EmbeddedRelay:
                 _, writer = await asyncio.open_connection(self.host, self.port)
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"embedded relay did not listen on {self.url}") from None
+                    raise EmbeddedRelayError(f"embedded relay did not listen on {self.url}") from None
                 await asyncio.sleep(0.05)
                 continue
             writer.close()
@@ -64,8 +98,73 @@ class EmbeddedRelay:
             return
 
     def stop(self) -> None:
-        """Stop serving (the LMDB files stay)."""
-        if self._relay is not None:
-            self._relay.shutdown()
-            self._relay = None
-            log.info("embedded_relay_stopped", url=self.url)
+        """Stop the relay process (the LMDB files stay); waits for it to exit."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.stdin is not None:
+            with contextlib.suppress(OSError):
+                process.stdin.close()  # the child's cue to shut down
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("embedded_relay_killed", url=self.url, note=f"no exit within {STOP_TIMEOUT_S:.0f} s")
+            process.kill()
+            process.wait()
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+        log.info("embedded_relay_stopped", url=self.url)
+
+
+def _stderr_of(process: subprocess.Popen[bytes]) -> str:
+    """The last lines the failed child wrote to its error output."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=STOP_TIMEOUT_S)
+    stream: IO[bytes] | None = process.stderr
+    exited = process.poll() is not None
+    text = stream.read().decode("utf-8", "replace") if stream is not None and exited else ""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return " | ".join(lines[-3:]) or f"exit status {process.returncode}"
+
+
+async def _serve(path: Path, host: str, port: int) -> None:
+    """The child: run the relay until standard input closes."""
+    import nostr_sdk
+    from nostr_sdk import nostr_sdk as nostr_sdk_ffi
+
+    # LMDB calls back into Python from the relay's threads: on this loop.
+    nostr_sdk_ffi.uniffi_set_event_loop(asyncio.get_running_loop())
+    db: Any = await nostr_sdk.NostrLmdb.open(str(path))
+    relay: Any = (
+        nostr_sdk.LocalRelayBuilder()
+        .addr(host)
+        .port(port)
+        .database(db)
+        .rate_limit(nostr_sdk.RateLimit(max_reqs=1000, notes_per_minute=100_000))
+        .build()
+    )
+    await relay.run()
+    sys.stdout.write(READY + "\n")
+    sys.stdout.flush()
+    await asyncio.to_thread(sys.stdin.buffer.read)  # until the daemon closes it, or dies
+    relay.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the relay process."""
+    parser = argparse.ArgumentParser(description="tenexd's embedded relay (started by the daemon)")
+    parser.add_argument("--path", type=Path, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    # Ctrl-C reaches the whole process group and systemd's stop signal the whole cgroup: the
+    # relay stays up while the daemon drains (its replies still go out), and stops after it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    asyncio.run(_serve(args.path, args.host, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,6 +26,7 @@ from tenex_daemon.core.llm import (
     LLMMessage,
 )
 from tenex_daemon.core.ports import PartialTextPublisher, Publisher, ReplyComposer, ReplySpec
+from tenex_daemon.core.vocabulary import TAG_EVENT
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.delegation import Delegation, RunDelegator
 from tenex_daemon.services.runs import RunRequest
@@ -191,6 +192,10 @@ class AgentRunner:
             log.error("run_trigger_missing", conversation_id=cid, event_id=request.trigger_id)
             return None
         trigger = conversation.history[index]
+        if request.recovered and _answered(conversation.history, index, profile.agent.pubkey):
+            # a run redone after a crash that came between its reply and the run's end
+            log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="already answered")
+            return None
         typing_started: list[bool] = [self._typing_delay <= 0]  # no delay: the start is as good as sent
         typing = self._send(self._typing_after(self._typing_delay, profile.agent.slug, cid, typing_started))
         effects = RunEffects()
@@ -200,26 +205,34 @@ class AgentRunner:
                 profile.backend, self._partials, self._partial_interval, profile.agent.slug, cid, trigger.id
             )
             profile = replace(profile, backend=streamer)
-        await self._manager.start_execution(cid)
+        slug = profile.agent.slug
         try:
-            context = await self._manager.build_agent_messages(cid, profile.agent.slug, trigger)
+            context = await self._manager.build_agent_messages(cid, slug, trigger, start_execution=True)
             offered, delegator = self._delegating(profile, cid, trigger)
             tool_context = ToolContext(self._manager, cid, profile.agent, effects, delegator)
             result, error_kind = await self._answer(offered, context, tool_context)
-        finally:
-            if streamer is not None:
-                await streamer.close()
+        except BaseException:
+            await self._stop_typing(streamer, typing, typing_started)
             await self._manager.stop_execution(cid)
-            if not typing_started[0]:
-                typing.cancel()  # still waiting out the delay: nothing was sent
-        reply = await self._save_reply(
-            request, profile, trigger, result, context.session_id, error_kind, effects
-        )
-        if effects.end_conversation:
-            await mark_conversation_ended(
-                self._manager, cid, profile.agent.slug, effects.end_reason, time.time_ns() // 1_000_000
+            raise
+        await self._stop_typing(streamer, typing, typing_started)
+        new_session = result.session_id if result.session_id != context.session_id else None
+        used = (result.prompt_tokens or 0, result.completion_tokens or 0)
+        try:
+            # the net time tagged is the live total: the stop is saved after the reply went out
+            reply = await self._save_reply(
+                request, profile, trigger, result, context.session_id, error_kind, effects
             )
-        self._send(self._deliver(profile.agent.slug, cid, reply, typing_started[0], request.trigger_id))
+            if effects.end_conversation:
+                await mark_conversation_ended(
+                    self._manager, cid, slug, effects.end_reason, time.time_ns() // 1_000_000
+                )
+            self._send(self._deliver(slug, cid, reply, typing_started[0], request.trigger_id))
+        finally:
+            # one save: the run's end, its session and token usage
+            await self._manager.stop_execution(
+                cid, agent_slug=slug, session_id=new_session, add_tokens=used if any(used) else None
+            )
         if self._observer is not None:
             self._observer.run_finished(profile.agent.slug, time.perf_counter() - started, error_kind)
         if self._on_reply is not None and not effects.end_conversation:
@@ -406,13 +419,17 @@ class AgentRunner:
         reply = self._composer.compose(spec)
         # A reply tagged ["tool", "complete"] is counted as the open turn's completion here, once.
         await self._manager.add_event(cid, reply)
-        new_session = result.session_id if result.session_id != previous_session else None
-        used = (result.prompt_tokens or 0, result.completion_tokens or 0)
-        if new_session or any(used):
-            await self._manager.update_agent_state(
-                cid, profile.agent.slug, session_id=new_session, add_tokens=used if any(used) else None
-            )
         return reply
+
+    @staticmethod
+    async def _stop_typing(
+        streamer: PartialStreamer | None, typing: asyncio.Task[None], typing_started: list[bool]
+    ) -> None:
+        """The answer is in: wait for a partial still going out, cancel a typing start not yet sent."""
+        if streamer is not None:
+            await streamer.close()
+        if not typing_started[0]:
+            typing.cancel()  # still waiting out the delay: nothing was sent
 
     def _send(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
@@ -458,6 +475,15 @@ class AgentRunner:
             await self._publisher.typing(agent_slug, conversation_id, active)
         except Exception as exc:
             log.info("typing_not_published", agent=agent_slug, error=str(exc))
+
+
+def _answered(history: Sequence[NostrEvent], index: int, agent_pubkey: str) -> bool:
+    """Whether the agent already replied to ``history[index]`` (a later event of its, ``e``-tagging it)."""
+    trigger_id = history[index].id
+    return any(
+        event.pubkey == agent_pubkey and event.tag_value(TAG_EVENT) == trigger_id
+        for event in history[index + 1:]
+    )
 
 
 class PartialStreamer:

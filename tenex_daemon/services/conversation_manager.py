@@ -188,11 +188,13 @@ class ConversationManager:
     # --- what an agent sees -------------------------------------------------------------
 
     async def build_agent_messages(
-        self, conversation_id: str, agent_slug: str, trigger: NostrEvent
+        self, conversation_id: str, agent_slug: str, trigger: NostrEvent, *, start_execution: bool = False
     ) -> AgentContext:
         """Return the messages ``agent_slug`` is sent to respond to ``trigger`` (CONTEXT.md).
 
         The agent's last processed index and session id are persisted before this returns.
+        ``start_execution`` also starts timing work on the conversation, in the same save (an
+        agent run about to begin: one durable write instead of two).
         """
         agent = self.agents.get(agent_slug)
         async with self._locks.hold(conversation_id):
@@ -205,6 +207,8 @@ class ConversationManager:
             state.last_processed_index = context.last_processed_index
             state.session_id = context.session_id
             state.transitions_seen = context.transitions_seen
+            if start_execution:
+                conversation.execution_time.start(self._clock.now_ms())
             await self._save(conversation)
             return context
 
@@ -451,10 +455,31 @@ class ConversationManager:
             conversation.execution_time.start(self._clock.now_ms())
             await self._save(conversation)
 
-    async def stop_execution(self, conversation_id: str) -> int:
-        """Stop timing and return the seconds added (0 when not timing)."""
+    async def stop_execution(
+        self,
+        conversation_id: str,
+        *,
+        agent_slug: str | None = None,
+        session_id: str | None = None,
+        add_tokens: tuple[int, int] | None = None,
+    ) -> int:
+        """Stop timing and return the seconds added (0 when not timing).
+
+        With ``agent_slug``, the finished run's new ``session_id`` and token usage
+        (``add_tokens``: prompt, completion) are recorded in the same save.
+        """
         async with self._locked(conversation_id) as conversation:
             added = conversation.execution_time.stop(self._clock.now_ms())
+            if agent_slug is not None:
+                state = conversation.agent_state(self.agents.get(agent_slug).slug)
+                if session_id is not None:
+                    state.session_id = session_id
+                if add_tokens is not None:
+                    prompt, completion = add_tokens
+                    if prompt < 0 or completion < 0:
+                        raise ValueError(f"token counts cannot be negative: {add_tokens}")
+                    state.prompt_tokens += prompt
+                    state.completion_tokens += completion
             await self._save(conversation)
             return added
 

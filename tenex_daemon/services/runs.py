@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import structlog
 
@@ -27,6 +27,8 @@ class RunRequest:
     trigger_id: str
     agent_slug: str
     via_orchestrator: bool = False
+    recovered: bool = False
+    """Redone after a restart: the previous process may have saved its reply already."""
 
 
 RunFunction = Callable[[RunRequest], Awaitable[None]]
@@ -130,7 +132,7 @@ class RunScheduler:
         if not raw:
             return []
         try:
-            requests = [RunRequest(**item) for item in json.loads(raw)]
+            requests = [replace(RunRequest(**item), recovered=True) for item in json.loads(raw)]
         except (ValueError, TypeError):
             log.error("run_journal_unreadable", key=PENDING_RUNS_KEY)
             return []

@@ -53,8 +53,10 @@ from tenex_daemon.adapters.storage.journal import (
     Journal,
     Replayed,
     append_frame,
+    create_frame,
     discard,
     forget_frame,
+    replace_frame,
     replay,
 )
 from tenex_daemon.adapters.storage.journal import fsync_dir as _fsync_dir
@@ -293,13 +295,15 @@ def _replace_file(path: Path, data: bytes, *, sync_dir: bool = True) -> tuple[in
 
 @dataclass
 class _Op:
-    """One durable write: an append to a file, an atomic replacement of one, or (``batch``'s
-    journal only) the record that a conversation was deleted, its id in ``data``."""
+    """One durable write: an append to a file, an atomic replacement of one, a new conversation
+    folder (``path``; its log in ``data``, its state in ``extra``), or (``batch``'s journal only)
+    the record that a conversation was deleted, its id in ``data``."""
 
-    kind: Literal["append", "replace", "forget"]
+    kind: Literal["append", "replace", "create", "forget"]
     path: Path
     data: bytes
     create: bool = False
+    extra: bytes = b""
     result: tuple[int, int] | None = None
     error: BaseException | None = None
 
@@ -342,6 +346,60 @@ def _append_durably(item: tuple[Path, list[_Op]]) -> None:
         os.close(fd)
 
 
+def _create_folder(final: Path, log_data: bytes, state_data: bytes) -> tuple[int, int]:
+    """Create a conversation folder durably (``always``): temp folder, fsyncs, rename, fsync.
+
+    Return the state file's signature (size, mtime).
+    """
+    tmp, sig = _prepare_folder(final, log_data, state_data, durable=True)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(final.parent)
+    return sig
+
+
+def _prepare_folder(
+    final: Path, log_data: bytes, state_data: bytes, *, durable: bool
+) -> tuple[Path, tuple[int, int]]:
+    """Write a new conversation's two files into a temp folder next to ``final``.
+
+    ``durable``: fsync both files and the folder (otherwise the journal covers them). Return
+    the temp folder and the state file's signature (size, mtime; a rename keeps both).
+    """
+    if final.exists() or _archive_twin(final).exists():
+        raise ConversationExistsError(final.name)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{time.time_ns()}"
+    tmp.mkdir()
+    try:
+        sig = (0, 0)
+        for name, data in ((LOG_NAME, log_data), (STATE_NAME, state_data)):
+            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                _write_all(fd, data)
+                if durable:
+                    os.fsync(fd)
+                st = os.fstat(fd)
+                sig = (st.st_size, st.st_mtime_ns)
+            finally:
+                os.close(fd)
+        if durable:
+            _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp, sig
+
+
+def _archive_twin(folder: Path) -> Path:
+    """The other place a conversation folder can be: under ``archive/``, or back out of it."""
+    if folder.parent.name == ARCHIVE_DIR:
+        return folder.parent.parent / folder.name
+    return folder.parent / ARCHIVE_DIR / folder.name
+
+
 def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
     """Make every op durable with as few fsyncs as possible, then write derived lines.
 
@@ -355,6 +413,12 @@ def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
     for op in ops:
         if op.kind == "forget":
             continue  # only the batch journal records deletions
+        if op.kind == "create":
+            try:
+                op.result = _create_folder(op.path, op.data, op.extra)
+            except (OSError, ConversationExistsError) as exc:
+                op.error = exc
+            continue
         (appends if op.kind == "append" else replaces).setdefault(op.path, []).append(op)
     if len(appends) > 1:
         # fsyncs of different files run at once: the filesystem's journal commits them together
@@ -368,22 +432,43 @@ def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
 
 
 def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
-    """``batch``'s group commit: write each append to its file, then fsync one journal for all.
+    """``batch``'s group commit: write every op to its file, then fsync one journal for all.
 
-    Appends to one file are one write (not fsynced); a frame per op records where it went.
-    If the journal cannot be made durable, every log written is cut back (through the same
-    open file, wherever its folder moved) and every op fails: nothing is acknowledged before
-    the fsync that covers it. Bucket files are not cut back: derived lines are written to
-    them concurrently, and a stray id line there only marks an id processed.
+    Appends to one file are one write (not fsynced); a new conversation is a temp folder (not
+    fsynced). A frame per op records what it wrote (a replacement's frame holds the new
+    content), and the one fsync of the journal makes the whole group durable; only then are
+    new folders renamed into place and replaced files overwritten in place, so a file on disk
+    is never newer than the journal. If the journal cannot be made durable, every op fails:
+    logs written are cut back (through the same open file, wherever its folder moved), temp
+    folders are removed; nothing is acknowledged before the fsync that covers it. Bucket
+    files are not cut back: derived lines are written to them concurrently, and a stray id
+    line there only marks an id processed.
     """
     appends: dict[Path, list[_Op]] = {}
     replaces: dict[Path, list[_Op]] = {}
+    creates: list[_Op] = []
     for op in ops:
-        if op.kind != "forget":
+        if op.kind == "create":
+            creates.append(op)
+        elif op.kind != "forget":
             (appends if op.kind == "append" else replaces).setdefault(op.path, []).append(op)
     written: list[tuple[int, int, list[_Op], bool]] = []
     frames: list[bytes] = []
     relpaths: list[str] = []
+    created: list[tuple[_Op, Path, tuple[int, int]]] = []
+    replaced: list[tuple[list[_Op], Path, tuple[int, int]]] = []
+    for op in creates:
+        try:
+            folder = journal.relpath(op.path)
+            tmp, sig = _prepare_folder(op.path, op.data, op.extra, durable=False)
+        except (OSError, ValueError, ConversationExistsError) as exc:
+            op.error = exc
+            continue
+        created.append((op, tmp, sig))
+        frames.append(create_frame(folder))
+        frames.append(append_frame(f"{folder}/{LOG_NAME}", 0, op.data))
+        frames.append(replace_frame(f"{folder}/{STATE_NAME}", op.extra))
+        relpaths.extend((f"{folder}/{LOG_NAME}", f"{folder}/{STATE_NAME}"))
     try:
         for path, group in appends.items():
             flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if any(o.create for o in group) else 0)
@@ -418,6 +503,16 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
             for op in group:
                 frames.append(append_frame(relpath, offset, op.data))
                 offset += len(op.data)
+        for path, group in replaces.items():
+            try:
+                relpath = journal.relpath(path)
+                replaced.append((group, path, (len(group[-1].data), 0)))
+            except (OSError, ValueError) as exc:
+                for op in group:
+                    op.error = exc
+                continue
+            frames.append(replace_frame(relpath, group[-1].data))
+            relpaths.append(relpath)
         forgotten = [op for op in ops if op.kind == "forget"]
         frames.extend(forget_frame(op.data.decode("utf-8")) for op in forgotten)
         if frames:
@@ -432,17 +527,55 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
                         op.error = exc
                 for op in forgotten:
                     op.error = exc
+                for op, tmp, _ in created:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    op.error = exc
+                for group, _, _ in replaced:
+                    for op in group:
+                        op.error = exc
+                created, replaced = [], []
     finally:
         for fd, _, _, _ in written:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    try:
-        _apply_replaces(replaces)
-    except Exception as exc:  # never let it fail the group's appends, which are durable already
-        for group in replaces.values():
+    # journaled: now the new folders and snapshots take their places (a crash before a rename
+    # is repaired from the journal on open)
+    for op, tmp, sig in created:
+        try:
+            os.rename(tmp, op.path)
+            op.result = sig
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            op.error = exc
+    for group, path, _ in replaced:
+        try:
+            sig = _overwrite(path, group[-1].data)
+        except OSError as exc:
             for op in group:
-                if op.result is None and op.error is None:
-                    op.error = exc
+                op.error = exc
+            continue
+        for op in group:
+            op.result = sig
+
+
+def _overwrite(path: Path, data: bytes) -> tuple[int, int]:
+    """Overwrite ``path`` in place with ``data`` (no temp file, no rename, no fsync); return its signature.
+
+    Only after the journal holds ``data``: a file torn by a crash mid-write is restored from it.
+    In place, the file keeps its inode and blocks, so the next journal fsync carries no new
+    metadata (a rename over the file would make ext4 write and commit the new file's blocks).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        view = memoryview(data)
+        offset = 0
+        while offset < len(data):
+            offset += os.pwrite(fd, view[offset:], offset)
+        os.ftruncate(fd, len(data))
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return st.st_size, st.st_mtime_ns
 
 
 def _replace_durably(item: tuple[Path, list[_Op]]) -> bool:
@@ -1342,9 +1475,10 @@ class FileSystemStore:
             raise ConversationExistsError(conversation.id)
         log_data = b"".join(encode_event(event) for event in conversation.history)
         state_data = self._state_bytes(conversation, conversation.archived)
-        sig = await asyncio.to_thread(
-            self._create_sync, conversation.id, conversation.archived, log_data, state_data
-        )
+        op = _Op("create", self._folder(conversation.id, conversation.archived), log_data, extra=state_data)
+        await self._commit([op])
+        assert op.result is not None
+        sig = op.result
         entry = IndexEntry(id=conversation.id)
         entry.apply_state(conversation.state_dict(), conversation.archived)
         entry.event_count = len(conversation.history)
@@ -1356,27 +1490,6 @@ class FileSystemStore:
         for event in conversation.history:
             self._queue_processed(event.id, conversation.id)
         self._cache_put(conversation)
-
-    def _create_sync(
-        self, conversation_id: str, archived: bool, log_data: bytes, state_data: bytes
-    ) -> tuple[int, int]:
-        final = self._folder(conversation_id, archived)
-        if final.exists() or self._folder(conversation_id, not archived).exists():
-            raise ConversationExistsError(conversation_id)
-        tmp = final.parent / f".tmp-{conversation_id}-{os.getpid()}-{time.time_ns()}"
-        tmp.mkdir()
-        for name, data in ((LOG_NAME, log_data), (STATE_NAME, state_data)):
-            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                _write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(final.parent)
-        st = os.stat(final / STATE_NAME)
-        return st.st_size, st.st_mtime_ns
 
     async def load(self, conversation_id: str) -> Conversation | None:
         """Return the conversation (the cached live object when loaded), or None.
@@ -1546,16 +1659,19 @@ class FileSystemStore:
 
     @staticmethod
     def _keep_after_failed_delete(folder: Path) -> bool:
-        """Whether the folder is still there; if so its log is fsynced (a committed forget frame
-        no longer lets the journal cover it)."""
+        """Whether the folder is still there; if so its files are fsynced (a committed forget frame
+        no longer lets the journal cover them)."""
         if not folder.exists():
             return False
+        for name in (LOG_NAME, STATE_NAME):
+            with contextlib.suppress(OSError):
+                fd = os.open(folder / name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         with contextlib.suppress(OSError):
-            fd = os.open(folder / LOG_NAME, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_dir(folder)
         return True
 
     async def _delete_files(self, conversation_id: str, folder: Path) -> None:

@@ -8,10 +8,14 @@ last one and starts a new journal, so the journal stays small. On open, a journa
 (a crash, or a power loss that kept the journal but not a log's page cache) is replayed: every
 record missing from its file is appended, the files are fsynced, the journal is deleted.
 
-Frame: ``<crc32 of body: u32 LE><body length: u32 LE><body>``; body is either
-``b"A" + relpath + b"\\0" + offset + b"\\0" + data`` (``data`` was written at ``offset`` of
-``relpath``, relative to ``conversations/``) or ``b"F" + conversation id`` (the conversation was
-deleted: forget its earlier records, so a new conversation with the same id never receives them).
+Frame: ``<crc32 of body: u32 LE><body length: u32 LE><body>``; body is one of
+- ``b"A" + relpath + b"\\0" + offset + b"\\0" + data``: ``data`` was written at ``offset`` of
+  ``relpath`` (relative to ``conversations/``);
+- ``b"R" + relpath + b"\\0" + data``: ``relpath`` was replaced (temp file renamed over it) and
+  now holds ``data`` (a state snapshot, a meta value);
+- ``b"C" + relpath``: the conversation folder ``relpath`` was created (renamed into place);
+- ``b"F" + conversation id``: the conversation was deleted: forget its earlier records, so a new
+  conversation with the same id never receives them.
 
 Replay never cuts a good line: a record whose bytes are at their offset (or anywhere after the
 first record's offset, if something rewrote the file since) is left alone; the missing ones
@@ -50,6 +54,18 @@ def append_frame(relpath: str, offset: int, data: bytes) -> bytes:
     return _FRAME.pack(zlib.crc32(body), len(body)) + body
 
 
+def replace_frame(relpath: str, data: bytes) -> bytes:
+    """Return the journal frame saying ``relpath`` now holds ``data`` (replaced whole)."""
+    body = b"R%s\0%s" % (relpath.encode("utf-8"), data)
+    return _FRAME.pack(zlib.crc32(body), len(body)) + body
+
+
+def create_frame(relpath: str) -> bytes:
+    """Return the journal frame saying the conversation folder ``relpath`` was created."""
+    body = b"C" + relpath.encode("utf-8")
+    return _FRAME.pack(zlib.crc32(body), len(body)) + body
+
+
 def forget_frame(conversation_id: str) -> bytes:
     """Return the journal frame saying the conversation was deleted."""
     body = b"F" + conversation_id.encode("utf-8")
@@ -62,6 +78,10 @@ class JournalRead:
 
     appends: list[tuple[str, int, bytes]]
     """``(relpath, offset, data)`` in commit order; forgotten records already dropped."""
+    replaces: dict[str, bytes]
+    """Each replaced file's last content; forgotten ones dropped."""
+    created: list[str]
+    """Conversation folders created (relpaths); forgotten ones dropped."""
     forgotten: set[str]
     """Conversations deleted in this file: appends in older journal files are dropped too."""
     good_end: int
@@ -78,6 +98,8 @@ def _is_log_of(relpath: str, conversation_id: str) -> bool:
 def read_journal(data: bytes) -> JournalRead:
     """Decode frames up to the first bad one; a ``F`` frame drops the conversation's earlier appends."""
     appends: list[tuple[str, int, bytes]] = []
+    replaces: dict[str, bytes] = {}
+    created: list[str] = []
     pos = 0
     size = len(data)
     corrupt = False
@@ -94,6 +116,8 @@ def read_journal(data: bytes) -> JournalRead:
         if body[:1] == b"F":
             gone = body[1:].decode("utf-8", "replace")
             appends = [record for record in appends if not _is_log_of(record[0], gone)]
+            replaces = {path: data for path, data in replaces.items() if not _is_log_of(path, gone)}
+            created = [path for path in created if not _is_log_of(path, gone)]
             forgotten.add(gone)
         elif body[:1] == b"A":
             parts = body[1:].split(b"\0", 2)
@@ -101,11 +125,20 @@ def read_journal(data: bytes) -> JournalRead:
                 corrupt = True
                 break
             appends.append((parts[0].decode("utf-8"), int(parts[1]), parts[2]))
+        elif body[:1] == b"R":
+            relpath, sep, content = body[1:].partition(b"\0")
+            if not sep or not relpath:
+                corrupt = True
+                break
+            replaces.pop(relpath.decode("utf-8"), None)  # keeps commit order: the last one last
+            replaces[relpath.decode("utf-8")] = content
+        elif body[:1] == b"C" and len(body) > 1:
+            created.append(body[1:].decode("utf-8"))
         else:
             corrupt = True
             break
         pos = end
-    return JournalRead(appends, forgotten, pos, size, corrupt)
+    return JournalRead(appends, replaces, created, forgotten, pos, size, corrupt)
 
 
 def journal_files(root: Path) -> list[tuple[int, Path]]:
@@ -164,6 +197,32 @@ def _after_last_line(fd: int, size: int) -> int:
             return start + cut + 1
         end = start
     return 0
+
+
+def _conversation_of(relpath: str) -> str | None:
+    """The conversation a relpath belongs to (None for the event-id buckets and meta values)."""
+    if relpath.startswith("."):
+        return None
+    return relpath.removeprefix(_ARCHIVE_PREFIX).split("/", 1)[0]
+
+
+def _restore_file(path: Path, content: bytes) -> bool:
+    """Make ``path`` hold ``content`` durably (temp file, fsync, rename); False if it already did."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.read_bytes() == content:
+            _fsync_path(path)
+            return False
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(content)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return True
 
 
 def _repair_file(path: Path, records: list[tuple[int, bytes]]) -> int:
@@ -225,6 +284,8 @@ def replay(root: Path, corrupt_dir: Path) -> Replayed:
     if not files:
         return Replayed(actions, touched, [], 0)
     pending: dict[str, list[tuple[int, bytes]]] = {}
+    replaced: dict[str, bytes] = {}
+    created: list[str] = []
     repaired_folders: set[Path] = set()
     for _, path in files:
         data = path.read_bytes()
@@ -248,17 +309,28 @@ def replay(root: Path, corrupt_dir: Path) -> Replayed:
         for gone in read.forgotten:
             for relpath in [p for p in pending if _is_log_of(p, gone)]:
                 del pending[relpath]
+            for relpath in [p for p in replaced if _is_log_of(p, gone)]:
+                del replaced[relpath]
+            created = [p for p in created if not _is_log_of(p, gone)]
+        created.extend(read.created)
         for relpath, offset, chunk in read.appends:
             pending.setdefault(relpath, []).append((offset, chunk))
+        for relpath, content in read.replaces.items():
+            replaced.pop(relpath, None)
+            replaced[relpath] = content
+    for relpath in created:
+        if resolve(root, relpath + "/_") is None:  # lost with the page cache: make it again
+            (root / relpath).mkdir(parents=True, exist_ok=True)
+            repaired_folders.add((root / relpath).parent)
+            actions.append(("journal_replayed", _conversation_of(relpath), f"folder {relpath} re-created"))
+            log.warning("journal_replayed", path=relpath, folder="re-created")
     for relpath, records in pending.items():
         found = resolve(root, relpath)
         if found is None:
             continue  # the conversation was deleted after these appends
         added = _repair_file(found, records)
         repaired_folders.add(found.parent)
-        conversation_id = None if relpath.startswith(".") else relpath.removeprefix(
-            _ARCHIVE_PREFIX
-        ).split("/", 1)[0]
+        conversation_id = _conversation_of(relpath)
         if conversation_id is not None:
             touched.add(conversation_id)
         if added:
@@ -267,7 +339,18 @@ def replay(root: Path, corrupt_dir: Path) -> Replayed:
                 f"{added} of {len(records)} journaled appends re-applied to {relpath}",
             ))
             log.warning("journal_replayed", path=relpath, records=added)
-    for parent in repaired_folders | {root / ".events"}:
+    for relpath, content in replaced.items():
+        found = resolve(root, relpath)
+        if found is None:
+            continue  # deleted since
+        conversation_id = _conversation_of(relpath)
+        if conversation_id is not None:
+            touched.add(conversation_id)
+        repaired_folders.add(found.parent)
+        if _restore_file(found, content):
+            actions.append(("journal_replayed", conversation_id, f"{relpath} restored to its last snapshot"))
+            log.warning("journal_replayed", path=relpath, replaced=True)
+    for parent in repaired_folders | {root / ".events", root}:
         if parent.is_dir():
             fsync_dir(parent)
     return Replayed(actions, touched, [path for _, path in files], files[-1][0] + 1)
@@ -330,7 +413,7 @@ class Journal:
     def write(self, frames: list[bytes], relpaths: Iterable[str], forgotten: Iterable[str] = ()) -> None:
         """Append frames and fsync: on return they are durable. On error the journal is cut back.
 
-        ``relpaths`` are the files the frames' appends went to (fsynced at the next checkpoint);
+        ``relpaths`` are the files the frames wrote (fsynced at the next checkpoint);
         ``forgotten`` the conversations deleted (their files need no checkpoint any more).
         """
         if self._fd is None:
@@ -382,7 +465,9 @@ class Journal:
         dirty, self._dirty = self._dirty, set()
         try:
             synced = [p for p in self._pool().map(self._sync, sorted(dirty)) if p is not None]
-            for parent in {p.parent for p in synced}:
+            # the files' folders (names replaced or created), then the folders holding those
+            # (conversation folders created or moved since the last checkpoint)
+            for parent in {p.parent for p in synced} | {self.root, self.root / _ARCHIVE_PREFIX.rstrip("/")}:
                 with contextlib.suppress(FileNotFoundError):
                     fsync_dir(parent)
         except OSError as exc:

@@ -1,7 +1,7 @@
 """Real parts for the Nostr integration tests: relays and a nostr-tools client, started and stopped here.
 
-- :class:`LocalRelayServer`: nostr-sdk's ``LocalRelay`` in this process (LMDB storage),
-  plain or requiring NIP-42 auth; restartable on the same port and database path.
+- :class:`LocalRelayServer`: nostr-sdk's ``LocalRelay`` in a child process (LMDB storage),
+  plain or requiring NIP-42 auth; killed and restarted on the same port and database path.
 - :class:`NostrRelayProcess`: PyPI ``nostr-relay`` as a subprocess in its own virtual
   environment (``scripts/setup.d/30-nostr-relay.sh``), sqlite file kept across restarts,
   killed by pid.
@@ -16,14 +16,14 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import nostr_sdk
 import pytest
-from nostr_sdk import nostr_sdk as nostr_sdk_ffi
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
@@ -90,14 +90,14 @@ async def wait_port(port: int, within: float = 30.0) -> None:
 
 
 class LocalRelayServer:
-    """nostr-sdk's LocalRelay in this process, with LMDB storage at ``db_path``."""
+    """nostr-sdk's LocalRelay with LMDB storage at ``db_path``, in a child process
+    (``local_relay_child``); stopping it kills the process, so the relay is gone at once."""
 
     def __init__(self, db_path: Path, *, auth: bool = False, port: int | None = None) -> None:
         self.db_path = db_path
         self.auth = auth
         self.port = port or free_port()
-        self._relay: Any = None
-        self._db: Any = None
+        self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -105,39 +105,31 @@ class LocalRelayServer:
         return f"ws://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        """Build and run the relay (the rate limit raised far above the tests' needs)."""
-        # The LMDB backend calls back into Python from relay threads: it needs to know our loop.
-        nostr_sdk_ffi.uniffi_set_event_loop(asyncio.get_running_loop())
-        self.db_path.mkdir(parents=True, exist_ok=True)
-        if self._db is None:
-            self._db = await nostr_sdk.NostrLmdb.open(str(self.db_path))
-        builder = (
-            nostr_sdk.LocalRelayBuilder()
-            .addr("127.0.0.1")
-            .port(self.port)
-            .database(self._db)
-            .rate_limit(nostr_sdk.RateLimit(max_reqs=1000, notes_per_minute=100_000))
-        )
-        if self.auth:
-            builder = builder.nip42(
-                nostr_sdk.LocalRelayBuilderNip42(mode=nostr_sdk.LocalRelayBuilderNip42Mode.BOTH)
-            )
-        self._relay = builder.build()
-        await self._relay.run()
+        """Start the relay process (the rate limit raised far above the tests' needs)."""
+        command = [
+            sys.executable, "-m", "tests.integration.nostr.local_relay_child",
+            "--path", str(self.db_path), "--port", str(self.port),
+        ] + (["--auth"] if self.auth else [])
+        pipe = subprocess.PIPE
+        proc = await asyncio.to_thread(subprocess.Popen, command, stdin=pipe, stdout=pipe, cwd=REPO)
+        self._proc = proc
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+        assert line.strip() == b"ready", f"LocalRelay did not start (exit {proc.poll()})"
         await wait_port(self.port)
 
     def stop(self) -> None:
-        """Shut the relay down (the LMDB files stay)."""
-        if self._relay is not None:
-            self._relay.shutdown()
-            self._relay = None
+        """Kill the relay process and wait for it (the LMDB files stay)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    stream.close()
 
     async def restart(self, down_for: float = 0.0) -> None:
-        """Stop, stay down for ``down_for`` seconds, start again on the same port and path.
-
-        ``shutdown()`` returns before the listener is gone: a start before that would find the
-        port still taken and leave the old relay serving, so the port is watched until it closes.
-        """
+        """Kill the relay, stay down for ``down_for`` seconds, start again on the same port and path."""
         self.stop()
         await wait_port_closed(self.port)
         await asyncio.sleep(down_for)

@@ -314,6 +314,27 @@ async def test_journaled_runs_are_recovered_after_a_crash(cast: Cast) -> None:
     assert await rig.store.get_meta(PENDING_RUNS_KEY) == "[]"
 
 
+async def test_a_recovered_run_whose_reply_was_saved_is_not_answered_again(cast: Cast) -> None:
+    """A run still journaled after its reply was saved (a crash between the two) publishes nothing more."""
+    rig = make_rig(cast)
+    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+    assert len(rig.publisher.published) == 1
+    journal = f'[{{"conversation_id":"{root.id}","trigger_id":"{root.id}","agent_slug":"alice"}}]'
+    await rig.store.set_meta(PENDING_RUNS_KEY, journal)  # as if the run's end was never recorded
+
+    recovered = await rig.scheduler.recover()
+    await settle(rig)
+
+    assert [r.agent_slug for r in recovered] == ["alice"]
+    assert len(rig.publisher.published) == 1
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert len(conversation.history) == 2
+    assert await rig.store.get_meta(PENDING_RUNS_KEY) == "[]"
+
+
 async def test_runs_are_serial_within_a_conversation_and_capped(cast: Cast) -> None:
     """Runs of one conversation never overlap; runs across conversations do, up to the cap."""
     active: dict[str, int] = {}

@@ -20,8 +20,10 @@ from tenex_daemon.adapters.storage.filesystem import LOG_NAME, FileSystemStore
 from tenex_daemon.adapters.storage.journal import (
     JOURNAL_DIR,
     append_frame,
+    create_frame,
     forget_frame,
     read_journal,
+    replace_frame,
 )
 from tenex_daemon.core.conversation import Conversation
 from tests.conftest import Cast
@@ -362,3 +364,101 @@ async def test_replayed_conversation_is_rescanned_whole_when_its_buckets_were_lo
             assert await reopened.is_processed(event_id), event_id
     finally:
         await reopened.close()
+
+
+def test_replace_and_create_frames_round_trip_and_a_forget_drops_them() -> None:
+    """Replace frames keep each file's last content, create frames their folder; a forget drops both."""
+    data = (
+        create_frame("a")
+        + replace_frame("a/state.json", b"{1}")
+        + replace_frame(".meta/k.json", b"{k1}")
+        + replace_frame("a/state.json", b"{2}")
+        + create_frame("b")
+        + replace_frame("b/state.json", b"{b}")
+        + forget_frame("b")
+        + replace_frame(".meta/k.json", b"{k2}")
+    )
+    read = read_journal(data)
+    assert read.replaces == {"a/state.json": b"{2}", ".meta/k.json": b"{k2}"}
+    assert read.created == ["a"]
+    assert (read.good_end, read.corrupt) == (len(data), False)
+
+
+async def test_power_loss_after_batch_create_and_snapshots_is_replayed(tmp_path: Path, cast: Cast) -> None:
+    """A conversation created, appended to and re-snapshotted under batch (no file fsynced, only the
+    journal) comes back whole after losing every un-fsynced byte: folder, log and last state."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    reply = cast.alice_says("a reply")
+    await store.append_event(conversation.id, reply)
+    conversation.append(reply)
+    conversation.title = "Renamed twice"
+    await store.save_state(conversation)
+    await store.set_meta("cursor", "42")
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+    # the page cache was lost: neither the folder's rename nor the meta file reached the disk
+    shutil.rmtree(copy / "conversations" / conversation.id)
+    for meta in (copy / "conversations" / ".meta").iterdir():
+        meta.unlink()
+
+    reopened = FileSystemStore(copy, fsync="always")
+    await reopened.open()
+    try:
+        loaded = await reopened.load(conversation.id)
+        assert loaded is not None
+        assert [e.id for e in loaded.history] == [conversation.id, reply.id]
+        assert loaded.title == "Renamed twice"
+        assert await reopened.get_meta("cursor") == "42"
+        assert "journal_replayed" in {a.kind for a in reopened.recovery}
+    finally:
+        await reopened.close()
+    assert journal_files(copy) == []
+
+
+async def test_a_stale_snapshot_is_restored_from_the_journal(tmp_path: Path, cast: Cast) -> None:
+    """A state file the disk kept in an older version is brought to the last journaled snapshot."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    state_path = home / "conversations" / conversation.id / "state.json"
+    old_state = state_path.read_bytes()
+    conversation.title = "Newest title"
+    await store.save_state(conversation)
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+    (copy / "conversations" / conversation.id / "state.json").write_bytes(old_state)
+
+    reopened = FileSystemStore(copy, fsync="batch")
+    await reopened.open()
+    try:
+        loaded = await reopened.load(conversation.id)
+        assert loaded is not None
+        assert loaded.title == "Newest title"
+    finally:
+        await reopened.close()
+
+
+async def test_a_failed_journal_write_removes_the_created_folder(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create whose journal write fails raises and leaves no folder behind; the id stays free."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    root = cast.user_says("never made", kind=11)
+    conversation = Conversation(id=root.id, title="x", created_at=1, updated_at=1)
+    conversation.append(root)
+    assert store._journal is not None
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError(5, "journal disk gone")
+
+    monkeypatch.setattr(store._journal, "write", broken)
+    with pytest.raises(OSError, match="journal disk gone"):
+        await store.create(conversation)
+    assert not (home / "conversations" / root.id).exists()
+    monkeypatch.undo()
+    await store.create(conversation)  # the id is still free
+    assert (await store.load(root.id)) is not None
+    await store.close()
