@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import structlog
 
@@ -43,6 +43,8 @@ class EmbeddedRelay:
         self.host = host
         self.port = port
         self._process: subprocess.Popen[bytes] | None = None
+        self.log_path = db_path.parent / f"{db_path.name}.log"
+        """Where the relay process's error output goes (read back when it fails to start)."""
 
     @property
     def url(self) -> str:
@@ -62,7 +64,10 @@ class EmbeddedRelay:
             "--path", str(self.db_path), "--host", self.host, "--port", str(self.port),
         ]
         pipe = subprocess.PIPE
-        process = await asyncio.to_thread(subprocess.Popen, command, stdin=pipe, stdout=pipe, stderr=pipe)
+        with open(self.log_path, "ab") as errors:  # noqa: ASYNC230 - opening a local file
+            process = await asyncio.to_thread(
+                subprocess.Popen, command, stdin=pipe, stdout=pipe, stderr=errors
+            )
         self._process = process
         assert process.stdout is not None
         try:
@@ -74,7 +79,9 @@ class EmbeddedRelay:
             ) from None
         if line.decode("utf-8", "replace").strip() != READY:
             self.stop()
-            raise EmbeddedRelayError(f"embedded relay on {self.url} failed to start: {_stderr_of(process)}")
+            raise EmbeddedRelayError(
+                f"embedded relay on {self.url} failed to start: {_last_lines(process, self.log_path)}"
+            )
         try:
             await self._wait_listening()
         except BaseException:
@@ -111,19 +118,19 @@ class EmbeddedRelay:
             log.warning("embedded_relay_killed", url=self.url, note=f"no exit within {STOP_TIMEOUT_S:.0f} s")
             process.kill()
             process.wait()
-        for stream in (process.stdout, process.stderr):
-            if stream is not None:
-                stream.close()
+        if process.stdout is not None:
+            process.stdout.close()
         log.info("embedded_relay_stopped", url=self.url)
 
 
-def _stderr_of(process: subprocess.Popen[bytes]) -> str:
-    """The last lines the failed child wrote to its error output."""
+def _last_lines(process: subprocess.Popen[bytes], log_path: Path) -> str:
+    """The last lines the failed child wrote to its log (or its exit status)."""
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=STOP_TIMEOUT_S)
-    stream: IO[bytes] | None = process.stderr
-    exited = process.poll() is not None
-    text = stream.read().decode("utf-8", "replace") if stream is not None and exited else ""
+    try:
+        text = log_path.read_bytes()[-4000:].decode("utf-8", "replace")
+    except OSError:
+        text = ""
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return " | ".join(lines[-3:]) or f"exit status {process.returncode}"
 

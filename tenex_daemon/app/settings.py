@@ -88,7 +88,7 @@ class StorageSettings(_Section):
     kind: StorageKind = StorageKind.FILESYSTEM
     path: str | None = None
     """Folder of the filesystem store; default ``<home>/conversations``."""
-    fsync: Literal["always", "batch"] = "always"
+    fsync: Literal["always", "batch"] = "batch"
     dsn: str | None = None
     """PostgreSQL DSN when kind = postgres."""
     cache_size: int = Field(default=256, ge=1)

@@ -17,6 +17,8 @@ from tenex_daemon.services.locks import KeyedLock
 log = structlog.get_logger(__name__)
 
 PENDING_RUNS_KEY = "runs.pending"
+FINISHED_FLUSH_S = 1.0
+"""A finished run is dropped from the stored journal within this long (with any write sooner)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +39,13 @@ RunFunction = Callable[[RunRequest], Awaitable[None]]
 class RunScheduler:
     """Runs agents concurrently across conversations and serially within one.
 
-    Every accepted request is journaled in the store (``runs.pending``) before it is
-    scheduled and removed when it finishes, so :meth:`recover` can redo what a crash
-    interrupted. Journal writes are coalesced: a change waits for the write in flight,
-    then one write covers every change made meanwhile. At most ``max_concurrent`` runs
-    execute at once.
+    Every accepted request is journaled in the store (``runs.pending``) as it is scheduled,
+    so :meth:`recover` can redo what a crash interrupted. A finished run leaves
+    the journal with the next write, at the latest ``FINISHED_FLUSH_S`` later (or at
+    :meth:`drain`): it needs no write of its own, because a recovered run whose agent
+    already replied to its trigger is skipped. Journal writes are coalesced: a change waits
+    for the write in flight, then one write covers every change made meanwhile. At most
+    ``max_concurrent`` runs execute at once.
     """
 
     def __init__(self, store: ConversationStore, run: RunFunction, max_concurrent: int = 8) -> None:
@@ -57,6 +61,8 @@ class RunScheduler:
         self._journal_written = 0
         """The version the stored journal holds."""
         self._accepting = True
+        self._flush_task: asyncio.Task[None] | None = None
+        self._writes: set[asyncio.Task[None]] = set()
         self.running = 0
         self.completed = 0
         self.failed = 0
@@ -83,20 +89,36 @@ class RunScheduler:
             self._journal_written = version
 
     async def submit(self, request: RunRequest) -> bool:
-        """Journal and schedule a run; False when shutting down or already scheduled."""
+        """Schedule a run and start its journal write; False when shutting down or already scheduled."""
         if not self._accepting:
             return False
         key = self._key(request)
         if key in self._pending:
             return False
         self._pending[key] = request
+        # The run starts at once and the journal write goes on beside it: the run's first store
+        # write (the agent's state) then shares a group commit with it instead of queueing behind
+        # it, and the caller (an intake lane) is free again. The trigger is already accepted, so
+        # waiting would shorten no crash window; a failed write is logged and the run goes on.
+        self._spawn(request)
+        self._write_journal_soon()
+        return True
+
+    def _write_journal_soon(self) -> None:
+        task = asyncio.create_task(self._persist_journal_logged(), name="run journal write")
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _persist_journal_logged(self) -> None:
         try:
             await self._persist_journal()
-        except BaseException:
-            self._pending.pop(key, None)
-            raise
-        self._spawn(request)
-        return True
+        except Exception:
+            log.exception("run_journal_write_failed")
+
+    async def journaled(self) -> None:
+        """Return once every run submitted so far is in the stored journal (or its write failed)."""
+        if self._writes:
+            await asyncio.gather(*self._writes)
 
     def _spawn(self, request: RunRequest) -> None:
         task = asyncio.create_task(
@@ -124,7 +146,19 @@ class RunScheduler:
             self.failed += 1
             log_ctx.exception("run_failed")
         self._pending.pop(self._key(request), None)
-        await self._persist_journal()
+        if self._flush_task is None:
+            self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
+
+    async def _flush_finished(self) -> None:
+        """Write the journal without the runs finished lately (they need no write of their own)."""
+        try:
+            await asyncio.sleep(FINISHED_FLUSH_S)
+            self._flush_task = None
+            await self._persist_journal()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the next write covers it; a restart redoes nothing answered
+            log.exception("run_journal_flush_failed")
 
     async def recover(self) -> list[RunRequest]:
         """Schedule the runs a previous process journaled but did not finish; return them."""
@@ -149,11 +183,20 @@ class RunScheduler:
         Cancelled runs stay in the journal and are redone by :meth:`recover` on the next start.
         """
         self._accepting = False
-        if not self._tasks:
-            return 0
-        _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+        await self.journaled()
+        pending: set[asyncio.Task[None]] = set()
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        flush, self._flush_task = self._flush_task, None
+        if flush is not None:
+            flush.cancel()
+            await asyncio.gather(flush, return_exceptions=True)
+            try:
+                await self._persist_journal()  # the runs finished since the last write leave it now
+            except Exception:  # they are redone-or-skipped at the next start
+                log.exception("run_journal_flush_failed")
         return len(pending)

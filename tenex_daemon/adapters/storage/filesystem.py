@@ -322,6 +322,18 @@ def _fsync_pool() -> ThreadPoolExecutor:
         return _fsync_executor
 
 
+_commit_executor: ThreadPoolExecutor | None = None
+
+
+def _commit_thread() -> ThreadPoolExecutor:
+    """The one thread ``batch`` group commits run on (made on first use; commits are serial)."""
+    global _commit_executor
+    with _fsync_executor_lock:
+        if _commit_executor is None:
+            _commit_executor = ThreadPoolExecutor(1, thread_name_prefix="fs-store-commit")
+        return _commit_executor
+
+
 def _append_durably(item: tuple[Path, list[_Op]]) -> None:
     """Append one file's ops as one write and fsync it; on failure cut the file back and mark them."""
     path, group = item
@@ -1236,7 +1248,10 @@ class FileSystemStore:
             ops = [op for op, _ in batch]
             try:
                 if self._journal is not None:
-                    await asyncio.to_thread(_apply_journaled, self._journal, ops)
+                    # a thread of its own: never queued behind other to_thread work
+                    await asyncio.get_running_loop().run_in_executor(
+                        _commit_thread(), _apply_journaled, self._journal, ops
+                    )
                 else:
                     await asyncio.to_thread(_apply_ops, ops, {})
             except asyncio.CancelledError:
