@@ -25,7 +25,7 @@ from tenex_daemon.core.context import (
     build_routing_context,
     conversation_event_references,
 )
-from tenex_daemon.core.conversation import UNTITLED, Conversation, ReferencedArticle
+from tenex_daemon.core.conversation import UNTITLED, AgentState, Conversation, ReferencedArticle
 from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase, PhaseRules, PhaseTransition
@@ -251,14 +251,7 @@ class ConversationManager:
                         f"(0..{len(conversation.history)})"
                     )
                 state.last_processed_index = last_processed_index
-            if session_id is not None:
-                state.session_id = session_id
-            if add_tokens is not None:
-                prompt, completion = add_tokens
-                if prompt < 0 or completion < 0:
-                    raise ValueError(f"token counts cannot be negative: {add_tokens}")
-                state.prompt_tokens += prompt
-                state.completion_tokens += completion
+            _record_run(state, session_id, add_tokens)
             if summary is not None:
                 text, covers = summary
                 if covers < 0:
@@ -472,14 +465,7 @@ class ConversationManager:
             added = conversation.execution_time.stop(self._clock.now_ms())
             if agent_slug is not None:
                 state = conversation.agent_state(self.agents.get(agent_slug).slug)
-                if session_id is not None:
-                    state.session_id = session_id
-                if add_tokens is not None:
-                    prompt, completion = add_tokens
-                    if prompt < 0 or completion < 0:
-                        raise ValueError(f"token counts cannot be negative: {add_tokens}")
-                    state.prompt_tokens += prompt
-                    state.completion_tokens += completion
+                _record_run(state, session_id, add_tokens)
             await self._save(conversation)
             return added
 
@@ -598,3 +584,15 @@ class ConversationManager:
             trigger = conversation.history[-1]
         resolved = await self._resolve_references(conversation_event_references(conversation, trigger))
         return build_agent_messages(conversation, agent, trigger, self.agents, resolved)
+
+
+def _record_run(state: AgentState, session_id: str | None, add_tokens: tuple[int, int] | None) -> None:
+    """Set the agent's new session id (None leaves it) and add a run's token usage (prompt, completion)."""
+    if session_id is not None:
+        state.session_id = session_id
+    if add_tokens is not None:
+        prompt, completion = add_tokens
+        if prompt < 0 or completion < 0:
+            raise ValueError(f"token counts cannot be negative: {add_tokens}")
+        state.prompt_tokens += prompt
+        state.completion_tokens += completion
