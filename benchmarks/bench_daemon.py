@@ -137,7 +137,7 @@ async def _run_daemon(conn: Connection, home_parent: Path, fsync: str) -> None:
             continue
         daemon.request_stop()
         await task
-        relay.stop()
+        await asyncio.to_thread(relay.stop)
         conn.send("stopped")
         return
 

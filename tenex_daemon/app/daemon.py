@@ -370,7 +370,7 @@ class Daemon:
         if self.store is not None:
             await self.store.close()
         if self.embedded_relay is not None:
-            self.embedded_relay.stop()
+            await asyncio.to_thread(self.embedded_relay.stop)
         self.state = "stopped"
         with contextlib.suppress(OSError):
             await self._write_status()

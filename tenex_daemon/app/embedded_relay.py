@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -73,19 +74,19 @@ class EmbeddedRelay:
         try:
             line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), START_TIMEOUT_S)
         except TimeoutError:
-            self.stop()
+            await asyncio.to_thread(self.stop)
             raise EmbeddedRelayError(
                 f"embedded relay on {self.url} did not start in {START_TIMEOUT_S:.0f} s"
             ) from None
         if line.decode("utf-8", "replace").strip() != READY:
-            self.stop()
+            await asyncio.to_thread(self.stop)
             raise EmbeddedRelayError(
                 f"embedded relay on {self.url} failed to start: {_last_lines(process, self.log_path)}"
             )
         try:
             await self._wait_listening()
         except BaseException:
-            self.stop()
+            await asyncio.to_thread(self.stop)
             raise
         log.info("embedded_relay_started", url=self.url, path=str(self.db_path), pid=process.pid)
 
@@ -105,7 +106,8 @@ class EmbeddedRelay:
             return
 
     def stop(self) -> None:
-        """Stop the relay process (the LMDB files stay); waits for it to exit."""
+        """Stop the relay process (the LMDB files stay); waits for it to exit (blocking: from a
+        coroutine, call it in a thread)."""
         process, self._process = self._process, None
         if process is None:
             return
@@ -154,6 +156,8 @@ async def _serve(path: Path, host: str, port: int) -> None:
     await relay.run()
     sys.stdout.write(READY + "\n")
     sys.stdout.flush()
+    # nobody reads the pipe after this line: anything printed later goes to the error log
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     await asyncio.to_thread(sys.stdin.buffer.read)  # until the daemon closes it, or dies
     relay.shutdown()
 

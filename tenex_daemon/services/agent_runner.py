@@ -26,7 +26,7 @@ from tenex_daemon.core.llm import (
     LLMMessage,
 )
 from tenex_daemon.core.ports import PartialTextPublisher, Publisher, ReplyComposer, ReplySpec
-from tenex_daemon.core.vocabulary import TAG_EVENT
+from tenex_daemon.core.vocabulary import TAG_DELEGATION, TAG_EVENT
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.delegation import Delegation, RunDelegator
 from tenex_daemon.services.runs import RunRequest
@@ -192,9 +192,12 @@ class AgentRunner:
             log.error("run_trigger_missing", conversation_id=cid, event_id=request.trigger_id)
             return None
         trigger = conversation.history[index]
-        if request.recovered and _answered(conversation.history, index, profile.agent.pubkey):
-            # a run redone after a crash that came between its reply and the run's end
+        saved = _answer_to(conversation.history, index, profile.agent.pubkey) if request.recovered else None
+        if saved is not None:
+            # Redone after a crash that came between the reply and the run's end: the reply is
+            # saved, maybe never published. It goes out again (relays keep one copy per id).
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="already answered")
+            self._send(self._deliver(profile.agent.slug, cid, saved, False, trigger.id))
             return None
         typing_started: list[bool] = [self._typing_delay <= 0]  # no delay: the start is as good as sent
         typing = self._send(self._typing_after(self._typing_delay, profile.agent.slug, cid, typing_started))
@@ -228,11 +231,16 @@ class AgentRunner:
                     self._manager, cid, slug, effects.end_reason, time.time_ns() // 1_000_000
                 )
             self._send(self._deliver(slug, cid, reply, typing_started[0], request.trigger_id))
-        finally:
+        except BaseException:
+            await self._manager.stop_execution(cid)
+            raise
+        try:
             # one save: the run's end, its session and token usage
             await self._manager.stop_execution(
                 cid, agent_slug=slug, session_id=new_session, add_tokens=used if any(used) else None
             )
+        except Exception:  # the reply is saved and on its way: the run still counts and routes on
+            log.exception("run_end_not_saved", conversation_id=cid, agent=slug)
         if self._observer is not None:
             self._observer.run_finished(profile.agent.slug, time.perf_counter() - started, error_kind)
         if self._on_reply is not None and not effects.end_conversation:
@@ -477,13 +485,18 @@ class AgentRunner:
             log.info("typing_not_published", agent=agent_slug, error=str(exc))
 
 
-def _answered(history: Sequence[NostrEvent], index: int, agent_pubkey: str) -> bool:
-    """Whether the agent already replied to ``history[index]`` (a later event of its, ``e``-tagging it)."""
+def _answer_to(history: Sequence[NostrEvent], index: int, agent_pubkey: str) -> NostrEvent | None:
+    """The agent's saved reply to ``history[index]``: a later event of its ``e``-tagging it (not a
+    ``send_message`` request it made meanwhile, which carries a ``delegation`` tag)."""
     trigger_id = history[index].id
-    return any(
-        event.pubkey == agent_pubkey and event.tag_value(TAG_EVENT) == trigger_id
-        for event in history[index + 1:]
-    )
+    for event in history[index + 1:]:
+        if (
+            event.pubkey == agent_pubkey
+            and event.tag_value(TAG_EVENT) == trigger_id
+            and event.tag_value(TAG_DELEGATION) is None
+        ):
+            return event
+    return None
 
 
 class PartialStreamer:

@@ -151,14 +151,9 @@ class RunScheduler:
 
     async def _flush_finished(self) -> None:
         """Write the journal without the runs finished lately (they need no write of their own)."""
-        try:
-            await asyncio.sleep(FINISHED_FLUSH_S)
-            self._flush_task = None
-            await self._persist_journal()
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the next write covers it; a restart redoes nothing answered
-            log.exception("run_journal_flush_failed")
+        await asyncio.sleep(FINISHED_FLUSH_S)
+        self._flush_task = None
+        self._write_journal_soon()  # tracked, so drain() waits for it
 
     async def recover(self) -> list[RunRequest]:
         """Schedule the runs a previous process journaled but did not finish; return them."""
@@ -195,8 +190,6 @@ class RunScheduler:
         if flush is not None:
             flush.cancel()
             await asyncio.gather(flush, return_exceptions=True)
-            try:
-                await self._persist_journal()  # the runs finished since the last write leave it now
-            except Exception:  # they are redone-or-skipped at the next start
-                log.exception("run_journal_flush_failed")
+            self._write_journal_soon()  # the runs finished since the last write leave it now
+        await self.journaled()
         return len(pending)

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -449,10 +450,10 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
     Appends to one file are one write (not fsynced); a new conversation is a temp folder (not
     fsynced). A frame per op records what it wrote (a replacement's frame holds the new
     content), and the one fsync of the journal makes the whole group durable; only then are
-    new folders renamed into place and replaced files overwritten in place, so a file on disk
-    is never newer than the journal. If the journal cannot be made durable, every op fails:
+    new folders and replacements' temp files renamed into place, so a file on disk is never
+    newer than the journal. If the journal cannot be made durable, every op fails:
     logs written are cut back (through the same open file, wherever its folder moved), temp
-    folders are removed; nothing is acknowledged before the fsync that covers it. Bucket
+    files and folders are removed; nothing is acknowledged before the fsync that covers it. Bucket
     files are not cut back: derived lines are written to them concurrently, and a stray id
     line there only marks an id processed.
     """
@@ -469,10 +470,14 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
     relpaths: list[str] = []
     created: list[tuple[_Op, Path, tuple[int, int]]] = []
     replaced: list[tuple[list[_Op], Path, tuple[int, int]]] = []
+    claimed: set[Path] = set()
     for op in creates:
         try:
+            if op.path in claimed or _archive_twin(op.path) in claimed:
+                raise ConversationExistsError(op.path.name)
             folder = journal.relpath(op.path)
             tmp, sig = _prepare_folder(op.path, op.data, op.extra, durable=False)
+            claimed.add(op.path)
         except (OSError, ValueError, ConversationExistsError) as exc:
             op.error = exc
             continue
@@ -518,7 +523,7 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
         for path, group in replaces.items():
             try:
                 relpath = journal.relpath(path)
-                replaced.append((group, path, (len(group[-1].data), 0)))
+                replaced.append((group, path, _write_temp(path, group[-1].data)))
             except (OSError, ValueError) as exc:
                 for op in group:
                     op.error = exc
@@ -542,7 +547,9 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
                 for op, tmp, _ in created:
                     shutil.rmtree(tmp, ignore_errors=True)
                     op.error = exc
-                for group, _, _ in replaced:
+                for group, path, _ in replaced:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path.with_name(path.name + ".tmp"))
                     for op in group:
                         op.error = exc
                 created, replaced = [], []
@@ -551,7 +558,7 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
             with contextlib.suppress(OSError):
                 os.close(fd)
     # journaled: now the new folders and snapshots take their places (a crash before a rename
-    # is repaired from the journal on open)
+    # is repaired from the journal on open; a reader sees the old file or the new, never a mix)
     for op, tmp, sig in created:
         try:
             os.rename(tmp, op.path)
@@ -559,9 +566,10 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             op.error = exc
-    for group, path, _ in replaced:
+            _unjournal(journal, op.path.name)
+    for group, path, sig in replaced:
         try:
-            sig = _overwrite(path, group[-1].data)
+            os.replace(path.with_name(path.name + ".tmp"), path)
         except OSError as exc:
             for op in group:
                 op.error = exc
@@ -570,24 +578,33 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
             op.result = sig
 
 
-def _overwrite(path: Path, data: bytes) -> tuple[int, int]:
-    """Overwrite ``path`` in place with ``data`` (no temp file, no rename, no fsync); return its signature.
-
-    Only after the journal holds ``data``: a file torn by a crash mid-write is restored from it.
-    In place, the file keeps its inode and blocks, so the next journal fsync carries no new
-    metadata (a rename over the file would make ext4 write and commit the new file's blocks).
-    """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+def _unjournal(journal: Journal, conversation_id: str) -> None:
+    """A journaled creation failed after all: a forget frame keeps replay from making it."""
     try:
-        view = memoryview(data)
-        offset = 0
-        while offset < len(data):
-            offset += os.pwrite(fd, view[offset:], offset)
-        os.ftruncate(fd, len(data))
+        journal.write([forget_frame(conversation_id)], [], [conversation_id])
+    except OSError:
+        log.exception("journal_forget_failed", conversation_id=conversation_id)
+
+
+def _write_temp(path: Path, data: bytes) -> tuple[int, int]:
+    """Write ``data`` to ``path``'s temp file (no fsync: the journal covers it); return its signature
+    (a rename keeps the size and mtime)."""
+    fd = os.open(path.with_name(path.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, data)
         st = os.fstat(fd)
     finally:
         os.close(fd)
     return st.st_size, st.st_mtime_ns
+
+
+def _apply_closing(journal: Journal, ops: list[_Op]) -> None:
+    """A commit while the store closes: journaled while the journal is open (a direct write could be
+    undone by an older journaled snapshot on replay), durable file by file once it is gone."""
+    if journal.is_open:
+        _apply_journaled(journal, ops)
+    else:
+        _apply_ops(ops, {})
 
 
 def _replace_durably(item: tuple[Path, list[_Op]]) -> bool:
@@ -1187,12 +1204,15 @@ class FileSystemStore:
             await self._committer
             self._committer = None
         if self._journal is not None:
-            journal, self._journal = self._journal, None
+            journal = self._journal
             try:
-                await asyncio.to_thread(journal.checkpoint, final=True)
+                await asyncio.get_running_loop().run_in_executor(
+                    _commit_thread(), functools.partial(journal.checkpoint, final=True)
+                )
             except OSError:
                 log.exception("journal_checkpoint_failed")  # kept: the next open replays it
                 journal.close()
+            self._journal = None
         if self._compacting is not None:
             await self._compacting
         await self._compact()
@@ -1223,7 +1243,12 @@ class FileSystemStore:
             else:
                 await asyncio.gather(*futures)
             return
-        await asyncio.to_thread(_apply_ops, ops, {})
+        if self._journal is not None:  # closing: serial with the final checkpoint, on its thread
+            await asyncio.get_running_loop().run_in_executor(
+                _commit_thread(), _apply_closing, self._journal, ops
+            )
+        else:
+            await asyncio.to_thread(_apply_ops, ops, {})
         for op in ops:
             if op.error is not None:
                 raise op.error
@@ -1690,7 +1715,7 @@ class FileSystemStore:
         return True
 
     async def _delete_files(self, conversation_id: str, folder: Path) -> None:
-        if self._journal is not None and not self._closing:
+        if self._journal is not None:
             # batch: the journal must never replay this conversation's appends into a new one
             await self._commit([_Op("forget", folder, conversation_id.encode("utf-8"))])
         await asyncio.to_thread(self._delete_sync, folder)

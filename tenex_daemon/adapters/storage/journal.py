@@ -394,6 +394,11 @@ class Journal:
             found = self._relpaths[path] = path.relative_to(self.root).as_posix()
         return found
 
+    @property
+    def is_open(self) -> bool:
+        """Whether frames can still be written (not after the final checkpoint or a close)."""
+        return self._fd is not None
+
     def start(self) -> None:
         """Create the first journal file (after :func:`replay` removed any old one)."""
         self.folder.mkdir(exist_ok=True)
@@ -435,6 +440,7 @@ class Journal:
 
     def _sync(self, relpath: str) -> Path | None:
         """fsync ``relpath`` where it is now; a folder moved meanwhile (archive) is followed."""
+        previous: Path | None = None
         for _ in range(5):
             path = resolve(self.root, relpath)
             if path is None:
@@ -442,6 +448,9 @@ class Journal:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
+                if path == previous:
+                    return None  # its folder stays but the file is gone (moved to corrupt/)
+                previous = path
                 continue  # moved between resolve and open: look again
             try:
                 os.fsync(fd)

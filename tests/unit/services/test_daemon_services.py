@@ -315,7 +315,8 @@ async def test_journaled_runs_are_recovered_after_a_crash(cast: Cast) -> None:
 
 
 async def test_a_recovered_run_whose_reply_was_saved_is_not_answered_again(cast: Cast) -> None:
-    """A run still journaled after its reply was saved (a crash between the two) publishes nothing more."""
+    """A run still journaled after its reply was saved (a crash between the two) answers nothing new:
+    the saved reply is published again (relays keep one copy per id), and no second one is made."""
     rig = make_rig(cast)
     root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
     await rig.dispatcher.handle(root)
@@ -328,11 +329,29 @@ async def test_a_recovered_run_whose_reply_was_saved_is_not_answered_again(cast:
     await settle(rig)
 
     assert [r.agent_slug for r in recovered] == ["alice"]
-    assert len(rig.publisher.published) == 1
+    assert [e.id for e in rig.publisher.published] == [rig.publisher.published[0].id] * 2
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
     assert len(conversation.history) == 2
     assert await rig.store.get_meta(PENDING_RUNS_KEY) == "[]"
+
+
+async def test_a_recovered_run_that_had_only_asked_another_agent_answers(cast: Cast) -> None:
+    """A send_message request the agent made (delegation-tagged) is not its answer: the recovered run replies."""
+    rig = make_rig(cast)
+    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    asked = cast.alice_says("Bob, what do you think?", tags=[["e", root.id], ["delegation", "t1"]])
+    await rig.manager.add_event(root.id, asked)
+    journal = f'[{{"conversation_id":"{root.id}","trigger_id":"{root.id}","agent_slug":"alice"}}]'
+    await rig.store.set_meta(PENDING_RUNS_KEY, journal)
+
+    await rig.scheduler.recover()
+    await settle(rig)
+
+    assert len(rig.publisher.published) == 1
+    assert rig.publisher.published[0].id != asked.id
+    assert rig.publisher.published[0].pubkey == cast.alice.pubkey
 
 
 async def test_runs_are_serial_within_a_conversation_and_capped(cast: Cast) -> None:

@@ -26,6 +26,7 @@ from tenex_daemon.adapters.storage.journal import (
     replace_frame,
 )
 from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import ConversationExistsError
 from tests.conftest import Cast
 
 
@@ -462,3 +463,50 @@ async def test_a_failed_journal_write_removes_the_created_folder(
     await store.create(conversation)  # the id is still free
     assert (await store.load(root.id)) is not None
     await store.close()
+
+
+async def test_two_creates_of_one_id_in_a_group_leave_one_conversation(tmp_path: Path, cast: Cast) -> None:
+    """Two creates of the same id committed together: one wins, the other is refused as existing,
+    and a replay of the journal brings back the winner alone."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    root = cast.user_says("first", kind=11)
+    first = Conversation(id=root.id, title="first", created_at=1, updated_at=1)
+    first.append(root)
+    second = Conversation(id=root.id, title="second", created_at=1, updated_at=1)
+    second.append(root)
+    second.append(cast.alice_says("not part of the winner"))
+
+    outcomes = await asyncio.gather(store.create(first), store.create(second), return_exceptions=True)
+
+    assert outcomes[0] is None
+    assert isinstance(outcomes[1], ConversationExistsError)
+    copy = crash_copy(home, tmp_path / "copy")
+    await store.close()
+    ids, _ = await history_ids(copy, root.id)
+    assert ids == [root.id]
+
+
+async def test_a_snapshot_saved_while_closing_is_not_undone_by_replay(tmp_path: Path, cast: Cast) -> None:
+    """A save_state made while close() runs goes through the journal too: a crash before the final
+    checkpoint replays it, not the older journaled snapshot."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    conversation.title = "journaled before closing"
+    await store.save_state(conversation)
+    store._closing = True  # as close() sets it, before its final checkpoint
+    conversation.title = "saved while closing"
+    await store.save_state(conversation)
+    copy = crash_copy(home, tmp_path / "copy")
+    store._closing = False
+    await store.close()
+
+    reopened = FileSystemStore(copy, fsync="batch")
+    await reopened.open()
+    try:
+        loaded = await reopened.load(conversation.id)
+        assert loaded is not None
+        assert loaded.title == "saved while closing"
+    finally:
+        await reopened.close()
