@@ -47,7 +47,6 @@ from tenex_daemon.app.wiring import (
 )
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.ports import ConversationStore
-from tenex_daemon.core.search import SearchQuery
 from tenex_daemon.core.vocabulary import (
     KIND_COMMENT,
     KIND_CONVERSATION_ROOT,
@@ -424,11 +423,13 @@ class Daemon:
     async def _refresh_counts(self) -> None:
         if self.store is None:
             return
-        rows = await self.store.search(SearchQuery())
-        by_phase = Counter(row.phase.value for row in rows)
+        counts = await self.store.phase_counts()  # every few seconds: no summary rows built
+        by_phase: Counter[str] = Counter()
+        for (phase, _), n in counts.items():
+            by_phase[phase] += n
         self._conversation_counts = {
-            "total": len(rows),
-            "archived": sum(1 for row in rows if row.archived),
+            "total": sum(counts.values()),
+            "archived": sum(n for (_, archived), n in counts.items() if archived),
             "by_phase": dict(by_phase),
         }
 

@@ -55,6 +55,9 @@ class ConversationStore(Protocol):
     async def search(self, query: SearchQuery) -> list[ConversationSummary]:
         """Return index rows matching ``query``, newest update first."""
 
+    async def phase_counts(self) -> dict[tuple[str, bool], int]:
+        """Count conversations by (phase, archived), from the index (no rows built)."""
+
     async def is_processed(self, event_id: str) -> bool:
         """Return whether this event id was ever accepted or marked processed."""
 

@@ -181,7 +181,8 @@ async def test_delete_forgets_conversation_but_keeps_ids_processed(
 
 
 async def test_search_filters(store: ConversationStore, cast: Cast) -> None:
-    """Search filters by title (substring and fuzzy), phase, dates, archived and participant, newest first."""
+    """Search filters by title (substring and fuzzy), phase, dates, archived and participant, newest
+    first; phase_counts counts the same rows by phase and archived."""
     relay = await stored(store, cast, "Build a Nostr relay", created_at=T0)
     plan = await stored(store, cast, "Plan the database migration", created_at=T0 + 86_400_000)
     chat = await stored(store, cast, "Weekly chat", created_at=T0 + 2 * 86_400_000)
@@ -212,6 +213,7 @@ async def test_search_filters(store: ConversationStore, cast: Cast) -> None:
     [row] = await store.search(SearchQuery(participant=cast.bob.pubkey))
     assert row.event_count == 2
     assert row.title == "Build a Nostr relay"
+    assert await store.phase_counts() == {("chat", False): 1, ("plan", False): 1, ("chat", True): 1}
 
 
 async def test_processed_ids_survive_reopen(harness: StoreHarness, cast: Cast) -> None:

@@ -38,7 +38,7 @@ import shutil
 import threading
 import time
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -1743,6 +1743,11 @@ class FileSystemStore:
                 continue
             rows.append(entry.summary())
         return apply_query(rows, query)
+
+    async def phase_counts(self) -> dict[tuple[str, bool], int]:
+        """Count conversations by (phase, archived) from the in-memory index."""
+        self._require_open()
+        return dict(Counter((entry.phase, entry.archived) for entry in self._entries.values()))
 
     async def find_event(self, event_id: str) -> tuple[str, NostrEvent] | None:
         """Return (conversation id, event) for a stored event id."""

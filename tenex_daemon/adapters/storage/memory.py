@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -85,6 +86,10 @@ class MemoryStore:
         """Filter every conversation's summary row."""
         rows = [ConversationSummary.of(c) for c in self._conversations.values()]
         return apply_query(rows, query)
+
+    async def phase_counts(self) -> dict[tuple[str, bool], int]:
+        """Count conversations by (phase, archived)."""
+        return dict(Counter((c.phase.value, c.archived) for c in self._conversations.values()))
 
     async def is_processed(self, event_id: str) -> bool:
         """Whether the id was accepted or marked."""

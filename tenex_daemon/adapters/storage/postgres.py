@@ -278,6 +278,12 @@ class PostgresStore:
         ]
         return apply_query(found, query)
 
+    async def phase_counts(self) -> dict[tuple[str, bool], int]:
+        """Count conversations by (phase, archived) in SQL."""
+        async with self.pool.acquire() as conn:
+            rows = await conn.fetch("SELECT phase, archived, count(*) AS n FROM conversations GROUP BY 1, 2")
+        return {(r["phase"], r["archived"]): r["n"] for r in rows}
+
     async def is_processed(self, event_id: str) -> bool:
         """Whether the id is in ``processed_events``."""
         async with self.pool.acquire() as conn:
