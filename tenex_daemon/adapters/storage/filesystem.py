@@ -523,7 +523,7 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
         for path, group in replaces.items():
             try:
                 relpath = journal.relpath(path)
-                replaced.append((group, path, _write_temp(path, group[-1].data)))
+                replaced.append((group, path, (len(group[-1].data), 0)))
             except (OSError, ValueError) as exc:
                 for op in group:
                     op.error = exc
@@ -547,9 +547,7 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
                 for op, tmp, _ in created:
                     shutil.rmtree(tmp, ignore_errors=True)
                     op.error = exc
-                for group, path, _ in replaced:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path.with_name(path.name + ".tmp"))
+                for group, _, _ in replaced:
                     for op in group:
                         op.error = exc
                 created, replaced = [], []
@@ -557,8 +555,8 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
         for fd, _, _, _ in written:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    # journaled: now the new folders and snapshots take their places (a crash before a rename
-    # is repaired from the journal on open; a reader sees the old file or the new, never a mix)
+    # journaled: now the new folders take their places and replaced files are overwritten (a
+    # crash before or during either is repaired from the journal on open)
     for op, tmp, sig in created:
         try:
             os.rename(tmp, op.path)
@@ -567,9 +565,9 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             op.error = exc
             _unjournal(journal, op.path.name)
-    for group, path, sig in replaced:
+    for group, path, _ in replaced:
         try:
-            os.replace(path.with_name(path.name + ".tmp"), path)
+            sig = _overwrite(path, group[-1].data)
         except OSError as exc:
             for op in group:
                 op.error = exc
@@ -586,16 +584,36 @@ def _unjournal(journal: Journal, conversation_id: str) -> None:
         log.exception("journal_forget_failed", conversation_id=conversation_id)
 
 
-def _write_temp(path: Path, data: bytes) -> tuple[int, int]:
-    """Write ``data`` to ``path``'s temp file (no fsync: the journal covers it); return its signature
-    (a rename keeps the size and mtime)."""
-    fd = os.open(path.with_name(path.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        _write_all(fd, data)
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
+_overwriting = threading.Lock()
+"""Held while a replaceable file (a state snapshot, a meta value) is overwritten in place, and
+while one is read: a reader in this process never sees a half-written file."""
+
+
+def _overwrite(path: Path, data: bytes) -> tuple[int, int]:
+    """Overwrite ``path`` in place with ``data`` (no temp file, no rename, no fsync); return its signature.
+
+    Only after the journal holds ``data``: a file torn by a crash is restored from it on open. In
+    place the file keeps its inode and blocks: a rename over it would make ext4 write the new
+    file's blocks before the next journal fsync could commit (measured: about 1 ms per group).
+    """
+    with _overwriting:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            view = memoryview(data)
+            offset = 0
+            while offset < len(data):
+                offset += os.pwrite(fd, view[offset:], offset)
+            os.ftruncate(fd, len(data))
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
     return st.st_size, st.st_mtime_ns
+
+
+def _read_whole(path: Path) -> tuple[bytes, os.stat_result]:
+    """A replaceable file's bytes and stat, never while it is being overwritten."""
+    with _overwriting:
+        return path.read_bytes(), os.stat(path)
 
 
 def _apply_closing(journal: Journal, ops: list[_Op]) -> None:
@@ -770,8 +788,7 @@ def _default_state(conversation_id: str, events: list[NostrEvent]) -> dict[str, 
 def _read_state(path: Path) -> tuple[dict[str, Any] | None, tuple[int, int]]:
     """Return (state, (size, mtime_ns)); state None when missing or unreadable."""
     try:
-        data = path.read_bytes()
-        st = os.stat(path)
+        data, st = _read_whole(path)
     except FileNotFoundError:
         return None, (0, 0)
     try:
@@ -1776,7 +1793,7 @@ class FileSystemStore:
         self._require_open()
         path = self._meta_path(key)
         try:
-            data = await asyncio.to_thread(path.read_bytes)
+            data, _ = await asyncio.to_thread(_read_whole, path)
         except FileNotFoundError:
             return None
         try:
