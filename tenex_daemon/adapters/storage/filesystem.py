@@ -4,7 +4,8 @@ Layout (``home/conversations/``)::
 
     .lock                     exclusive lock of the home, holds the owner's pid
     <id>/events.log           append-only event log, one checksummed JSON line per event
-    <id>/state.json           everything but history, replaced atomically
+    <id>/state.json           everything but history, replaced atomically (always) or in place
+                              once the journal holds the new content (batch)
     archive/<id>/             archived conversations (read-only until restored)
     corrupt/                  unreadable files moved aside (never deleted)
     .index/snapshot.json      the index of conversations, rewritten only on compaction
@@ -15,8 +16,9 @@ Layout (``home/conversations/``)::
 
 Durability: an event line is written and fsynced before ``append_event`` returns (``always``),
 or (``batch``) written to its log and recorded in the home's commit journal, whose one fsync
-per group commit makes every append of the group durable before any is acknowledged; a
-checkpoint fsyncs the logs and renews the journal, and open replays a journal left behind.
+per group commit makes every write of the group (appends, snapshots, new conversations, meta
+values) durable before any is acknowledged; a checkpoint fsyncs the files written and renews
+the journal, and open replays a journal left behind.
 The index and the event-id buckets are derived data, written every ``AUX_FLUSH_INTERVAL``
 seconds after the events they describe are durable; on open each indexed log is checked by
 size with ``stat`` (no log is read), and a log whose size disagrees is rescanned, its torn
@@ -894,9 +896,10 @@ class FileSystemStore:
     """A :class:`~tenex_daemon.core.ports.ConversationStore` on plain files (see the module doc).
 
     ``path`` is the home folder; data lives in ``path/conversations``. ``fsync`` is ``"always"``
-    (each append fsynced before it returns) or ``"batch"`` (group commit: appends wait at most
-    ``batch_delay`` seconds, plus the commit in flight, to share an fsync). ``cache_size``
-    bounds the conversations kept loaded in memory.
+    (every file written is fsynced, with its folder, before the write returns) or ``"batch"``
+    (group commit through the commit journal: the writes waiting while a commit is in flight, plus
+    up to ``batch_delay`` seconds, share one fsync of the journal; the daemon's default).
+    ``cache_size`` bounds the conversations kept loaded in memory.
     """
 
     def __init__(
