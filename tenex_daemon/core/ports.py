@@ -37,14 +37,10 @@ class ConversationStore(Protocol):
     async def load(self, conversation_id: str) -> Conversation | None:
         """Return the conversation, or None when it is not stored (or unreadable)."""
 
-    async def append_event(
-        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
+    async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
         """Append one event to a stored conversation's history; O(size of the event).
 
-        The event is accepted (and counted as processed) once this returns. With ``state`` (the
-        conversation, its history not yet holding ``event``), its snapshot is replaced in the
-        same durable write, as :meth:`save_state` would.
+        The event is accepted (and counted as processed) once this returns.
         """
 
     async def save_state(self, conversation: Conversation) -> None:

@@ -210,10 +210,7 @@ class AgentRunner:
             profile = replace(profile, backend=streamer)
         slug = profile.agent.slug
         try:
-            # persisted with the reply (one write): a crash before it builds the same context again
-            context = await self._manager.build_agent_messages(
-                cid, slug, trigger, start_execution=True, persist=False
-            )
+            context = await self._manager.build_agent_messages(cid, slug, trigger, start_execution=True)
             offered, delegator = self._delegating(profile, cid, trigger)
             tool_context = ToolContext(self._manager, cid, profile.agent, effects, delegator)
             result, error_kind = await self._answer(offered, context, tool_context)
@@ -226,7 +223,9 @@ class AgentRunner:
         used = (result.prompt_tokens or 0, result.completion_tokens or 0)
         try:
             # the net time tagged is the live total: the stop is saved after the reply went out
-            reply = await self._save_reply(request, profile, trigger, result, context, error_kind, effects)
+            reply = await self._save_reply(
+                request, profile, trigger, result, context.session_id, error_kind, effects
+            )
             if effects.end_conversation:
                 await mark_conversation_ended(
                     self._manager, cid, slug, effects.end_reason, time.time_ns() // 1_000_000
@@ -397,14 +396,14 @@ class AgentRunner:
         profile: AgentProfile,
         trigger: NostrEvent,
         result: CompletionResult,
-        context: AgentContext,
+        previous_session: str | None,
         error_kind: str | None,
         effects: RunEffects,
     ) -> NostrEvent:
         cid = request.conversation_id
         conversation = await self._manager.get_conversation(cid)
         assert conversation is not None
-        session_id = result.session_id or context.session_id
+        session_id = result.session_id or previous_session
         destinations = [user_destination(conversation, trigger, self._manager)]
         complete = effects.complete and error_kind is None
         orchestrator = self._manager.agents.orchestrator
@@ -427,8 +426,7 @@ class AgentRunner:
         )
         reply = self._composer.compose(spec)
         # A reply tagged ["tool", "complete"] is counted as the open turn's completion here, once.
-        # ... and what the agent saw is recorded with it, in one durable write
-        await self._manager.add_event(cid, reply, seen_by=(profile.agent.slug, context))
+        await self._manager.add_event(cid, reply)
         return reply
 
     @staticmethod

@@ -150,16 +150,11 @@ class ConversationManager:
             log.info("conversation_created", conversation_id=event.id, title=conversation.title)
             return conversation
 
-    async def add_event(
-        self, conversation_id: str, event: NostrEvent, *, seen_by: tuple[str, AgentContext] | None = None
-    ) -> bool:
+    async def add_event(self, conversation_id: str, event: NostrEvent) -> bool:
         """Append ``event`` to the conversation; return False for a duplicate id.
 
         The event is accepted (durable) when this returns True. An agent event tagged
         ``["tool", "complete"]`` also counts as that agent's completion of the open turn.
-        ``seen_by`` (agent slug, the context it answered from) records what that agent has seen,
-        as :meth:`build_agent_messages` does, in the same durable write as the event: an agent's
-        reply with the context it was built from, built with ``persist=False``.
         """
         event.require_valid_id()
         async with self._locked(conversation_id) as conversation:
@@ -167,13 +162,7 @@ class ConversationManager:
                 raise ConversationArchivedError(conversation_id)
             if conversation.contains_event(event.id) or await self._store.is_processed(event.id):
                 return False
-            if seen_by is not None:
-                slug, context = seen_by
-                _record_context(conversation.agent_state(self.agents.get(slug).slug), context)
-                conversation.updated_at = self._clock.now_ms()
-                await self._store.append_event(conversation_id, event, state=conversation)
-            else:
-                await self._store.append_event(conversation_id, event)
+            await self._store.append_event(conversation_id, event)
             conversation.append(event)
             state_changed = self._note_user_message(conversation, event)
             agent = self.agents.by_pubkey(event.pubkey)
@@ -199,21 +188,13 @@ class ConversationManager:
     # --- what an agent sees -------------------------------------------------------------
 
     async def build_agent_messages(
-        self,
-        conversation_id: str,
-        agent_slug: str,
-        trigger: NostrEvent,
-        *,
-        start_execution: bool = False,
-        persist: bool = True,
+        self, conversation_id: str, agent_slug: str, trigger: NostrEvent, *, start_execution: bool = False
     ) -> AgentContext:
         """Return the messages ``agent_slug`` is sent to respond to ``trigger`` (CONTEXT.md).
 
         The agent's last processed index and session id are persisted before this returns.
         ``start_execution`` also starts timing work on the conversation, in the same save (an
-        agent run about to begin: one durable write instead of two). ``persist=False`` (an agent
-        run) leaves both in memory only: the run's reply records them durably, with itself
-        (:meth:`add_event` ``seen_by``); a run lost to a crash is built again from the old state.
+        agent run about to begin: one durable write instead of two).
         """
         agent = self.agents.get(agent_slug)
         async with self._locks.hold(conversation_id):
@@ -222,11 +203,13 @@ class ConversationManager:
         async with self._locked(conversation_id) as conversation:
             view = self._history_view(conversation_id, agent.slug)
             context = build_agent_messages(conversation, agent, trigger, self.agents, resolved, view)
-            _record_context(conversation.agent_state(agent.slug), context)
+            state = conversation.agent_state(agent.slug)
+            state.last_processed_index = context.last_processed_index
+            state.session_id = context.session_id
+            state.transitions_seen = context.transitions_seen
             if start_execution:
                 conversation.execution_time.start(self._clock.now_ms())
-            if persist:
-                await self._save(conversation)
+            await self._save(conversation)
             return context
 
     def _history_view(self, conversation_id: str, agent_slug: str) -> HistoryView:
@@ -613,10 +596,3 @@ def _record_run(state: AgentState, session_id: str | None, add_tokens: tuple[int
             raise ValueError(f"token counts cannot be negative: {add_tokens}")
         state.prompt_tokens += prompt
         state.completion_tokens += completion
-
-
-def _record_context(state: AgentState, context: AgentContext) -> None:
-    """What the agent has now seen: its last processed index, session and phase transitions."""
-    state.last_processed_index = context.last_processed_index
-    state.session_id = context.session_id
-    state.transitions_seen = context.transitions_seen

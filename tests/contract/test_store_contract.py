@@ -132,24 +132,6 @@ async def test_save_state_round_trips_after_reopen(harness: StoreHarness, cast: 
     assert (row.agent_count, row.updated_at) == (1, T0 + 8)
 
 
-async def test_append_with_state_stores_both_in_one_write(harness: StoreHarness, cast: Cast) -> None:
-    """append_event(state=...) stores the event and the snapshot together, and both survive a reopen."""
-    store = await harness.open()
-    conversation = await stored(store, cast)
-    live = await store.load(conversation.id)
-    assert live is not None
-    reply = cast.alice_says("done")
-    live.agent_states["alice"] = AgentState(last_processed_index=1, session_id="sess-2")
-    live.updated_at = T0 + 9
-    await store.append_event(conversation.id, reply, state=live)
-    expected = live.state_dict()
-    reopened = await harness.reopen(store)
-    loaded = await reopened.load(conversation.id)
-    assert ids(loaded) == [conversation.id, reply.id]
-    assert loaded is not None
-    assert loaded.state_dict() == expected
-
-
 async def test_save_state_of_unknown_conversation_raises(store: ConversationStore, cast: Cast) -> None:
     """Saving the state of a conversation that was never created raises ConversationNotFoundError."""
     with pytest.raises(ConversationNotFoundError):

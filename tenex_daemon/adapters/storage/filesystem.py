@@ -1596,13 +1596,10 @@ class FileSystemStore:
             raise ConversationNotFoundError(conversation_id)
         return entry
 
-    async def append_event(
-        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
+    async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
         """Append one event line to the conversation's log; durable when this returns.
 
-        A duplicate event id changes nothing (``state`` included). An archived conversation is
-        read-only. With ``state``, its snapshot is written in the same commit (one group).
+        A duplicate event id changes nothing. An archived conversation is read-only.
         """
         entry = self._entry_required(conversation_id)
         if entry.archived:
@@ -1612,20 +1609,7 @@ class FileSystemStore:
         line = encode_event(event)
         if self._entries.get(conversation_id) is not entry:  # deleted while the bucket was read
             raise ConversationNotFoundError(conversation_id)
-        ops = [_Op("append", self._log_path(conversation_id), line)]
-        if state is not None:
-            if state.id != conversation_id:
-                raise ValueError(f"state of {state.id} given with an event of {conversation_id}")
-            data = self._state_bytes(state, entry.archived)
-            ops.append(_Op("replace", self._folder(conversation_id, entry.archived) / STATE_NAME, data))
-        try:
-            await self._commit(ops)
-        except BaseException:
-            if state is not None:
-                self._cache.pop(conversation_id, None)
-            raise
-        if state is not None:
-            self._adopt_state(entry, state, ops[1])
+        await self._commit([_Op("append", self._log_path(conversation_id), line)])
         entry.event_count += 1
         entry.log_size += len(line)
         new_participant = event.pubkey not in entry.participants
@@ -1683,10 +1667,6 @@ class FileSystemStore:
         except BaseException:
             self._cache.pop(conversation.id, None)
             raise
-        self._adopt_state(entry, conversation, op)
-
-    def _adopt_state(self, entry: IndexEntry, conversation: Conversation, op: _Op) -> None:
-        """A snapshot is durable: index its fields and signature, cache the conversation."""
         entry.apply_state(conversation.state_dict(), entry.archived)
         assert op.result is not None
         entry.state_sig = op.result

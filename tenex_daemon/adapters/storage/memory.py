@@ -49,22 +49,16 @@ class MemoryStore:
         """Return the live conversation object, or None."""
         return self._conversations.get(conversation_id)
 
-    async def append_event(
-        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
-        """Append an event to history (and adopt ``state``); an archived conversation is read-only."""
+    async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
+        """Append an event to history; an archived conversation is read-only."""
         conversation = self._conversations.get(conversation_id)
         if conversation is None:
             raise ConversationNotFoundError(conversation_id)
         if conversation.archived:
             raise ConversationArchivedError(conversation_id)
-        if event.id in self._processed:
-            return
         conversation.append(event)
         self._event_index[event.id] = conversation_id
         self._processed.add(event.id)
-        if state is not None:
-            await self.save_state(state)
 
     async def save_state(self, conversation: Conversation) -> None:
         """Adopt ``conversation`` as the stored object (it usually already is)."""

@@ -181,13 +181,8 @@ class PostgresStore:
         conversation.archived = row["archived"]
         return conversation
 
-    async def append_event(
-        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
-        """Insert the event (committed, so durable, when this returns); a known id changes nothing.
-
-        With ``state``, the snapshot is replaced in the same transaction.
-        """
+    async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
+        """Insert the event (committed, so durable, when this returns); a known id changes nothing."""
         async with self.pool.acquire() as conn, conn.transaction():
             fresh = await conn.fetchval(
                 "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING true",
@@ -212,24 +207,18 @@ class PostgresStore:
                 "INSERT INTO events (event_id, conversation_id, seq, body) VALUES ($1, $2, $3, $4::jsonb)",
                 event.id, conversation_id, row["event_count"] - 1, _event_json(event),
             )
-            if state is not None:
-                await self._update_state(conn, state)
 
     async def save_state(self, conversation: Conversation) -> None:
         """Replace the state JSONB and the index columns derived from it."""
-        async with self.pool.acquire() as conn:
-            await self._update_state(conn, conversation)
-
-    @staticmethod
-    async def _update_state(conn: Any, conversation: Conversation) -> None:
         summary = ConversationSummary.of(conversation)
-        status = await conn.execute(
-            """UPDATE conversations SET title = $2, phase = $3, created_at = $4, updated_at = $5,
-                      agent_count = $6, state = $7::jsonb
-                WHERE id = $1""",
-            conversation.id, summary.title, summary.phase.value, summary.created_at,
-            summary.updated_at, summary.agent_count, json.dumps(conversation.state_dict()),
-        )
+        async with self.pool.acquire() as conn:
+            status = await conn.execute(
+                """UPDATE conversations SET title = $2, phase = $3, created_at = $4, updated_at = $5,
+                          agent_count = $6, state = $7::jsonb
+                    WHERE id = $1""",
+                conversation.id, summary.title, summary.phase.value, summary.created_at,
+                summary.updated_at, summary.agent_count, json.dumps(conversation.state_dict()),
+            )
         if status.endswith(" 0"):
             raise ConversationNotFoundError(conversation.id)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,6 @@ from tenex_daemon import (
     Phase,
     UnknownAgentError,
 )
-from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.testing import FakeClock, FakeResolver
 from tests.conftest import Cast
 
@@ -221,30 +219,3 @@ async def test_concurrent_adds_keep_every_event(manager: ConversationManager, ca
         conversation = await manager.get_conversation(cid)
         assert conversation is not None
         assert [e.id for e in conversation.history[1:]] == [e.id for e in batches[cid]]
-
-
-async def test_a_run_records_what_its_agent_saw_with_its_reply(tmp_path: Path, cast: Cast) -> None:
-    """build_agent_messages(persist=False) writes nothing; the reply added with seen_by stores the
-    agent's processed index and session with it, and both survive a reopen."""
-    store = FileSystemStore(tmp_path / "home")
-    await store.open()
-    manager = ConversationManager(store, cast.agents, cast.project.pubkey, clock=FakeClock())
-    root = cast.user_says("Hello Alice", kind=11, tags=[["p", cast.alice.pubkey]])
-    await manager.create_conversation(root)
-    state_file = tmp_path / "home" / "conversations" / root.id / "state.json"
-    before = state_file.read_bytes()
-
-    context = await manager.build_agent_messages(root.id, "alice", root, start_execution=True, persist=False)
-
-    assert state_file.read_bytes() == before
-    reply = cast.alice_says("Hi!", tags=[["e", root.id]])
-    assert await manager.add_event(root.id, reply, seen_by=("alice", context))
-    await store.close()
-    reopened = FileSystemStore(tmp_path / "home")
-    await reopened.open()
-    loaded = await reopened.load(root.id)
-    await reopened.close()
-    assert loaded is not None
-    assert [e.id for e in loaded.history] == [root.id, reply.id]
-    assert loaded.agent_state("alice").last_processed_index == context.last_processed_index == 1
-    assert loaded.agent_state("alice").session_id == context.session_id
