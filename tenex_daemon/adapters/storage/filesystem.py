@@ -4,8 +4,7 @@ Layout (``home/conversations/``)::
 
     .lock                     exclusive lock of the home, holds the owner's pid
     <id>/events.log           append-only event log, one checksummed JSON line per event
-    <id>/state.json           everything but history, replaced atomically (always) or in place
-                              once the journal holds the new content (batch)
+    <id>/state.json           everything but history, replaced atomically (temp file, rename)
     archive/<id>/             archived conversations (read-only until restored)
     corrupt/                  unreadable files moved aside (never deleted)
     .index/snapshot.json      the index of conversations, rewritten only on compaction
@@ -525,7 +524,7 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
         for path, group in replaces.items():
             try:
                 relpath = journal.relpath(path)
-                replaced.append((group, path, (len(group[-1].data), 0)))
+                replaced.append((group, path, _write_temp(path, group[-1].data)))
             except (OSError, ValueError) as exc:
                 for op in group:
                     op.error = exc
@@ -549,7 +548,9 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
                 for op, tmp, _ in created:
                     shutil.rmtree(tmp, ignore_errors=True)
                     op.error = exc
-                for group, _, _ in replaced:
+                for group, path, _ in replaced:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path.with_name(path.name + ".tmp"))
                     for op in group:
                         op.error = exc
                 created, replaced = [], []
@@ -557,8 +558,9 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
         for fd, _, _, _ in written:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    # journaled: now the new folders take their places and replaced files are overwritten (a
-    # crash before or during either is repaired from the journal on open)
+    # journaled: now the new folders and snapshots take their places by rename (a crash before a
+    # rename is repaired from the journal on open; a reader sees the old file or the new, never a
+    # mix; a write that fails, a full disk, fails before the journal and leaves the old file)
     for op, tmp, sig in created:
         try:
             os.rename(tmp, op.path)
@@ -567,9 +569,9 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             op.error = exc
             _unjournal(journal, op.path.name)
-    for group, path, _ in replaced:
+    for group, path, sig in replaced:
         try:
-            sig = _overwrite(path, group[-1].data)
+            os.replace(path.with_name(path.name + ".tmp"), path)
         except OSError as exc:
             for op in group:
                 op.error = exc
@@ -586,36 +588,16 @@ def _unjournal(journal: Journal, conversation_id: str) -> None:
         log.exception("journal_forget_failed", conversation_id=conversation_id)
 
 
-_overwriting = threading.Lock()
-"""Held while a replaceable file (a state snapshot, a meta value) is overwritten in place, and
-while one is read: a reader in this process never sees a half-written file."""
-
-
-def _overwrite(path: Path, data: bytes) -> tuple[int, int]:
-    """Overwrite ``path`` in place with ``data`` (no temp file, no rename, no fsync); return its signature.
-
-    Only after the journal holds ``data``: a file torn by a crash is restored from it on open. In
-    place the file keeps its inode and blocks: a rename over it would make ext4 write the new
-    file's blocks before the next journal fsync could commit (measured: about 1 ms per group).
-    """
-    with _overwriting:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            view = memoryview(data)
-            offset = 0
-            while offset < len(data):
-                offset += os.pwrite(fd, view[offset:], offset)
-            os.ftruncate(fd, len(data))
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
+def _write_temp(path: Path, data: bytes) -> tuple[int, int]:
+    """Write ``data`` to ``path``'s temp file (no fsync: the journal covers it); return its signature
+    (a rename keeps the size and mtime)."""
+    fd = os.open(path.with_name(path.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, data)
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
     return st.st_size, st.st_mtime_ns
-
-
-def _read_whole(path: Path) -> tuple[bytes, os.stat_result]:
-    """A replaceable file's bytes and stat, never while it is being overwritten."""
-    with _overwriting:
-        return path.read_bytes(), os.stat(path)
 
 
 def _apply_closing(journal: Journal, ops: list[_Op]) -> None:
@@ -790,7 +772,8 @@ def _default_state(conversation_id: str, events: list[NostrEvent]) -> dict[str, 
 def _read_state(path: Path) -> tuple[dict[str, Any] | None, tuple[int, int]]:
     """Return (state, (size, mtime_ns)); state None when missing or unreadable."""
     try:
-        data, st = _read_whole(path)
+        data = path.read_bytes()
+        st = os.stat(path)
     except FileNotFoundError:
         return None, (0, 0)
     try:
@@ -1796,7 +1779,7 @@ class FileSystemStore:
         self._require_open()
         path = self._meta_path(key)
         try:
-            data, _ = await asyncio.to_thread(_read_whole, path)
+            data = await asyncio.to_thread(path.read_bytes)
         except FileNotFoundError:
             return None
         try:

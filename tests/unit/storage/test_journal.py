@@ -512,9 +512,9 @@ async def test_a_snapshot_saved_while_closing_is_not_undone_by_replay(tmp_path: 
         await reopened.close()
 
 
-async def test_readers_never_see_a_value_being_overwritten_in_place(tmp_path: Path) -> None:
-    """batch overwrites meta values and snapshots in place: a read racing the writes always gets a
-    whole value (one of those written), and nothing is taken for corrupt."""
+async def test_readers_never_see_a_value_being_replaced(tmp_path: Path) -> None:
+    """A read racing batch's replacements of a meta value always gets a whole value (one of those
+    written), and nothing is taken for corrupt."""
     store = await open_batch(tmp_path / "home")
     values = ["x" * 3000, "short", "y" * 700]
     await store.set_meta("cursor", values[0])
