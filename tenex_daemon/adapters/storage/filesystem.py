@@ -62,6 +62,8 @@ from tenex_daemon.adapters.storage.journal import (
     replay,
 )
 from tenex_daemon.adapters.storage.journal import fsync_dir as _fsync_dir
+from tenex_daemon.adapters.storage.journal import replace_file as _replace_file
+from tenex_daemon.adapters.storage.journal import write_all as _write_all
 from tenex_daemon.core.conversation import UNTITLED, Conversation
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
@@ -270,29 +272,6 @@ class IndexEntry:
 
 
 # --- blocking file work (always called in a worker thread) ------------------------------------
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _replace_file(path: Path, data: bytes, *, sync_dir: bool = True) -> tuple[int, int]:
-    """Write ``data`` to a temp file, fsync it, rename over ``path``, fsync the folder."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if sync_dir:
-        _fsync_dir(path.parent)
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
 
 
 @dataclass

@@ -206,22 +206,37 @@ def _conversation_of(relpath: str) -> str | None:
     return relpath.removeprefix(_ARCHIVE_PREFIX).split("/", 1)[0]
 
 
-def _restore_file(path: Path, content: bytes) -> bool:
-    """Make ``path`` hold ``content`` durably (temp file, fsync, rename); False if it already did."""
-    with contextlib.suppress(FileNotFoundError):
-        if path.read_bytes() == content:
-            _fsync_path(path)
-            return False
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def replace_file(path: Path, data: bytes, *, sync_dir: bool = True) -> tuple[int, int]:
+    """Write ``data`` to a temp file, fsync it, rename over ``path``, fsync the folder (unless
+    ``sync_dir`` is False); return the file's (size, mtime_ns)."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        view = memoryview(content)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    if sync_dir:
+        fsync_dir(path.parent)
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _restore_file(path: Path, content: bytes) -> bool:
+    """Make ``path`` hold ``content`` durably; False if it already did (its folder is synced later)."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.read_bytes() == content:
+            _fsync_path(path)
+            return False
+    replace_file(path, content, sync_dir=False)
     return True
 
 
@@ -425,9 +440,7 @@ class Journal:
             raise OSError(errno.EBADF, "the commit journal is closed")
         data = b"".join(frames)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
+            write_all(self._fd, data)
             os.fsync(self._fd)
         except OSError:
             with contextlib.suppress(OSError):

@@ -56,17 +56,22 @@ def free_port() -> int:
         return port
 
 
+async def _accepts(port: int) -> bool:
+    """Whether something accepts a TCP connection on 127.0.0.1:port now (the connection is closed)."""
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
 async def wait_port_closed(port: int, within: float = 30.0) -> None:
     """Wait until nothing accepts TCP connections on 127.0.0.1:port any more."""
     deadline = time.monotonic() + within
-    while True:
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            return
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+    while await _accepts(port):
         if time.monotonic() > deadline:
             raise TimeoutError(f"port {port} still accepts connections after {within}s")
         await asyncio.sleep(0.05)
@@ -75,18 +80,10 @@ async def wait_port_closed(port: int, within: float = 30.0) -> None:
 async def wait_port(port: int, within: float = 30.0) -> None:
     """Wait until something accepts TCP connections on 127.0.0.1:port."""
     deadline = time.monotonic() + within
-    while True:
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on port {port} after {within}s") from None
-            await asyncio.sleep(0.1)
-            continue
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return
+    while not await _accepts(port):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens on port {port} after {within}s")
+        await asyncio.sleep(0.1)
 
 
 class LocalRelayServer:
