@@ -317,15 +317,20 @@ class Daemon:
             turn_limit=settings.daemon.orchestrator_turn_limit,
             fetcher=self.pool,
         )
-        runner.set_reply_hook(self._after_reply)
+        runner.set_reply_hook(self._after_reply, self.scheduler)
 
         await self.pool.start()
         if not await self.pool.wait_connected(count=1, within=10.0):
             log.warning("no_relay_connected_yet", relays=self.relay_urls)
         await self._announce(signers)
         pubkeys = [a.pubkey for a in self.agents] + [project_signer.pubkey]
-        await self.pool.subscribe(SUBSCRIPTION_ID, [{"kinds": INCOMING_KINDS, "#p": pubkeys}])
         await self.scheduler.recover()
+        for event_id in self.scheduler.dispatches_to_redo():  # a crash came mid-dispatch
+            try:
+                await self.dispatcher.redispatch(event_id)
+            except Exception:  # stays journaled: tried again at the next start
+                log.exception("redispatch_failed", event_id=event_id)
+        await self.pool.subscribe(SUBSCRIPTION_ID, [{"kinds": INCOMING_KINDS, "#p": pubkeys}])
         await self._refresh_counts()
         self._spawn(self._status_loop(), "status writer")
         self._spawn(self._heartbeat_loop(), "heartbeat")

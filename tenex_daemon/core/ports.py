@@ -76,6 +76,11 @@ class ConversationStore(Protocol):
     def lease(self, conversation_id: str) -> AbstractAsyncContextManager[None]:
         """Hold the right to work on a conversation (exclusive across processes sharing the store)."""
 
+    @property
+    def commits_in_order(self) -> bool:
+        """Whether writes become durable in the order they are issued: a write whose call has
+        started (run up to its first wait) is durable no later than any write started after it."""
+
 
 class EventFetcher(Protocol):
     """Fetches one event by id from the relays (for replies whose root is unknown)."""

@@ -58,7 +58,9 @@ Handler = Callable[[NostrEvent, Classification], Awaitable[HandleResult]]
 class EventDispatcher:
     """Accepts events into conversations and decides which agent answers.
 
-    An event is accepted (stored durably by the manager) before any run is scheduled.
+    An event is accepted (stored durably by the manager) before any run is scheduled. It is
+    journaled as being dispatched first (:meth:`RunScheduler.accept`), so a crash before its
+    runs are scheduled leaves it to :meth:`redispatch` at the next start.
 
     An event p-tagging an agent goes to that agent. One addressed to the orchestrator (p-tagged,
     or nobody / only the project p-tagged) is routed: each decision of ``orchestrator`` starts
@@ -106,7 +108,13 @@ class EventDispatcher:
         if not is_allowed_author(event.pubkey, directory, self._owner, self._whitelist):
             return HandleResult(Outcome.IGNORED, SkipReason.AUTHOR_NOT_ALLOWED.value)
         classification = self._classify(event)
-        result = await self._handlers[classification.kind](event, classification)
+        if classification.kind is EventClass.IGNORED:
+            result = await self._on_ignored(event, classification)
+        else:
+            await self._scheduler.accept(event.id)
+            # raising leaves the entry journaled: the next start finishes the dispatch
+            result = await self._handlers[classification.kind](event, classification)
+            self._scheduler.dispatched(event.id, at_once=result.outcome is not Outcome.SCHEDULED)
         log.info(
             "event_handled",
             event_id=event.id,
@@ -160,10 +168,45 @@ class EventDispatcher:
 
     async def after_reply(self, conversation_id: str, reply: NostrEvent) -> HandleResult:
         """Target an agent's own saved reply (it may address another agent, or the orchestrator
-        with a completion)."""
-        return await self._target(conversation_id, reply)
+        with a completion). Ends the reply's dispatch (:meth:`RunScheduler.accept`, by the runner)."""
+        result = await self._target(conversation_id, reply)
+        self._scheduler.dispatched(reply.id, at_once=result.outcome is not Outcome.SCHEDULED)
+        return result
 
-    async def _target(self, conversation_id: str, event: NostrEvent) -> HandleResult:
+    async def redispatch(self, event_id: str) -> HandleResult:
+        """Finish dispatching an event a previous process accepted but crashed before its runs
+        were scheduled (:meth:`RunScheduler.dispatches_to_redo`).
+
+        Runs are requested as recovered (an agent that already answered the event is not run
+        again) and a routing whose turn was already started resumes that turn; an event that
+        was never stored is left to the relays, which deliver it again.
+        """
+        found = await self._manager.store.find_event(event_id)
+        conversation = None if found is None else await self._manager.get_conversation(found[0])
+        if found is None or conversation is None:
+            self._scheduler.dispatched(event_id, at_once=True)
+            log.info("dispatch_dropped", event_id=event_id, reason="not stored")
+            return HandleResult(Outcome.IGNORED, "not stored")
+        event = found[1]
+        if conversation.archived and self._manager.agents.by_pubkey(event.pubkey) is not None:
+            # an agent's reply that ended its conversation targets nobody
+            result = HandleResult(Outcome.STORED, "conversation archived", conversation.id)
+        else:
+            result = await self._target(conversation.id, event, recovered=True)
+        self._scheduler.dispatched(event_id, at_once=result.outcome is not Outcome.SCHEDULED)
+        log.info(
+            "dispatch_redone",
+            event_id=event_id,
+            conversation_id=conversation.id,
+            outcome=result.outcome.value,
+            reason=result.reason,
+            agents=list(result.agents),
+        )
+        return result
+
+    async def _target(
+        self, conversation_id: str, event: NostrEvent, *, recovered: bool = False
+    ) -> HandleResult:
         directory = self._manager.agents
         target = choose_target(event, directory)
         routed = target.via_orchestrator or (target.agent is not None and target.agent.orchestrator)
@@ -175,7 +218,11 @@ class EventDispatcher:
         completion = routed and event.has_tag(TAG_TOOL, TOOL_COMPLETE)
         if author is not None and not completion:
             # Completions to the orchestrator are bounded by the turn limit instead.
-            chain = agent_chain_length(conversation.history, directory)
+            history = conversation.history
+            if recovered:  # what came after the event is not part of its chain
+                index = conversation.index_of(event.id)
+                history = history if index is None else history[: index + 1]
+            chain = agent_chain_length(history, directory)
             if chain > self._hop_limit:
                 log.warning(
                     "hop_limit_reached", conversation_id=conversation_id, chain=chain, limit=self._hop_limit
@@ -184,14 +231,14 @@ class EventDispatcher:
         if routed:
             if target.skip is SkipReason.OWN_EVENT:
                 return HandleResult(Outcome.STORED, target.skip.value, conversation_id)
-            return await self._route(conversation, event, author)
+            return await self._route(conversation, event, author, recovered)
         assert target.agent is not None
-        request = RunRequest(conversation_id, event.id, target.agent.slug)
+        request = RunRequest(conversation_id, event.id, target.agent.slug, recovered=recovered)
         await self._scheduler.submit(request)
         return HandleResult(Outcome.SCHEDULED, None, conversation_id, (target.agent.slug,))
 
     async def _route(
-        self, conversation: Conversation, event: NostrEvent, author: Agent | None
+        self, conversation: Conversation, event: NostrEvent, author: Agent | None, recovered: bool = False
     ) -> HandleResult:
         """Ask the orchestrator and carry its decision out, within the loop limits.
 
@@ -200,8 +247,26 @@ class EventDispatcher:
         other left it.
         """
         async with self._routing.hold(conversation.id):
-            current = await self._manager.get_conversation(conversation.id)
-            return await self._route_locked(current or conversation, event, author)
+            current = await self._manager.get_conversation(conversation.id) or conversation
+            if recovered:
+                resumed = await self._resume_turn(current, event)
+                if resumed is not None:
+                    return resumed
+            return await self._route_locked(current, event, author)
+
+    async def _resume_turn(self, conversation: Conversation, event: NostrEvent) -> HandleResult | None:
+        """A recovered event whose routing had started its turn: run the turn's agents that have
+        not completed (as recovered runs); None when no turn came from this event."""
+        turn = next((t for t in reversed(conversation.orchestrator_turns) if t.trigger_id == event.id), None)
+        if turn is None:
+            return None
+        agents = tuple(a for a in turn.agents if not turn.has_completed(a))
+        for slug in agents:
+            request = RunRequest(conversation.id, event.id, slug, via_orchestrator=True, recovered=True)
+            await self._scheduler.submit(request)
+        if not agents:
+            return HandleResult(Outcome.STORED, "turn completed", conversation.id)
+        return HandleResult(Outcome.SCHEDULED, "turn resumed", conversation.id, agents)
 
     async def _route_locked(
         self, conversation: Conversation, event: NostrEvent, author: Agent | None

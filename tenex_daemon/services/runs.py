@@ -1,5 +1,6 @@
 """Scheduling agent runs: one at a time per conversation, a global cap, no orphan tasks,
-and a durable journal so a run accepted before a crash is carried out after the restart.
+and a durable journal so that an event accepted before a crash is dispatched, and a run
+scheduled before it is carried out, after the restart.
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ RunFunction = Callable[[RunRequest], Awaitable[None]]
 class RunScheduler:
     """Runs agents concurrently across conversations and serially within one.
 
-    Every accepted request is journaled in the store (``runs.pending``) as it is scheduled,
-    so :meth:`recover` can redo what a crash interrupted. A finished run leaves
+    The journal in the store (``runs.pending``) holds two kinds of entries. An event being
+    dispatched (:meth:`accept`) is journaled no later than the event itself is stored, and
+    leaves once its dispatch is over (:meth:`dispatched`): a crash in between, while the
+    orchestrator decides for example, leaves it to :meth:`dispatches_to_redo`. Every run
+    request is journaled as it is scheduled, so :meth:`recover` can redo what a crash
+    interrupted. A finished run leaves
     the journal with the next write, at the latest ``FINISHED_FLUSH_S`` later (or at
     :meth:`drain`): it needs no write of its own, because a recovered run whose agent
     already replied to its trigger is skipped. Journal writes are coalesced: a change waits
@@ -55,11 +60,18 @@ class RunScheduler:
         self._conversation_locks = KeyedLock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending: dict[str, RunRequest] = {}
+        self._dispatching: dict[str, None] = {}
+        """Event ids accepted and not yet dispatched (insertion order)."""
+        self._redo: list[str] = []
+        """Event ids a previous process accepted and did not finish dispatching."""
         self._journal_lock = asyncio.Lock()
         self._journal_version = 0
-        """Bumped by every change to ``_pending``."""
+        """Bumped by every change to ``_pending`` or ``_dispatching``."""
+        self._journal_started = 0
+        """The version of the newest journal write handed to the store."""
         self._journal_written = 0
         """The version the stored journal holds."""
+        self._start_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._accepting = True
         self._flush_task: asyncio.Task[None] | None = None
         self._writes: set[asyncio.Task[None]] = set()
@@ -79,14 +91,70 @@ class RunScheduler:
     async def _persist_journal(self) -> None:
         """Return once the stored journal holds every change made before this call."""
         self._journal_version += 1
-        wanted = self._journal_version
+        await self._write_journal(self._journal_version)
+
+    async def _write_journal(self, wanted: int) -> None:
         async with self._journal_lock:
             if self._journal_written >= wanted:
                 return  # a write that started after this change already covered it
             version = self._journal_version
-            payload = json.dumps([asdict(r) for r in self._pending.values()], separators=(",", ":"))
-            await self._store.set_meta(PENDING_RUNS_KEY, payload)
+            entries: list[dict[str, object]] = [{"dispatch": event_id} for event_id in self._dispatching]
+            entries.extend(asdict(r) for r in self._pending.values())
+            payload = json.dumps(entries, separators=(",", ":"))
+            self._journal_started = version
+            waiters, self._start_waiters = self._start_waiters, []
+            for at, future in waiters:
+                if at > version:
+                    self._start_waiters.append((at, future))
+                elif not future.done():
+                    future.set_result(None)
+            # the store takes the write in before this task yields: the waiters just woken
+            # run after it, so what they store next is ordered behind it
+            try:
+                await self._store.set_meta(PENDING_RUNS_KEY, payload)
+            except BaseException:
+                self._journal_started = self._journal_written
+                raise
             self._journal_written = version
+
+    async def accept(self, event_id: str) -> None:
+        """Journal ``event_id`` as being dispatched; on return, anything the caller stores next
+        is durable no sooner than that entry (so a crash never leaves the event stored and the
+        entry lost).
+
+        With a store that commits in order (``commits_in_order``) this waits only until the
+        journal write is handed to the store; otherwise until it is durable. Raises when the
+        write fails (the event is then not to be stored).
+        """
+        self._dispatching[event_id] = None
+        self._journal_version += 1
+        wanted = self._journal_version
+        if not self._store.commits_in_order:
+            await self._write_journal(wanted)
+            return
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._start_waiters.append((wanted, started))
+        write = asyncio.create_task(self._write_journal(wanted), name="run journal write")
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+        write.add_done_callback(lambda done: _fail_waiter(done, started))
+        await started
+
+    def dispatched(self, event_id: str, *, at_once: bool = False) -> None:
+        """The dispatch of ``event_id`` is over (its runs, if any, are scheduled): its entry
+        leaves the journal with the next write, or at once with ``at_once``."""
+        if event_id not in self._dispatching:
+            return
+        del self._dispatching[event_id]
+        if at_once:
+            self._write_journal_soon()
+        elif self._flush_task is None:
+            self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
+
+    def dispatches_to_redo(self) -> list[str]:
+        """The event ids a previous process accepted and did not finish dispatching (read by
+        :meth:`recover`), oldest first; each stays journaled until :meth:`dispatched`."""
+        return list(self._redo)
 
     async def submit(self, request: RunRequest) -> bool:
         """Schedule a run and start its journal write; False when shutting down or already scheduled."""
@@ -161,15 +229,24 @@ class RunScheduler:
         if not raw:
             return []
         try:
-            requests = [replace(RunRequest(**item), recovered=True) for item in json.loads(raw)]
-        except (ValueError, TypeError):
+            entries = json.loads(raw)
+            redo = [str(item["dispatch"]) for item in entries if "dispatch" in item]
+            requests = [
+                replace(RunRequest(**item), recovered=True) for item in entries if "dispatch" not in item
+            ]
+        except (ValueError, TypeError, KeyError):
             log.error("run_journal_unreadable", key=PENDING_RUNS_KEY)
             return []
+        for event_id in redo:
+            self._dispatching[event_id] = None
+        self._redo = redo
         for request in requests:
             self._pending[self._key(request)] = request
             self._spawn(request)
         if requests:
             log.info("runs_recovered", count=len(requests))
+        if redo:
+            log.info("dispatches_recovered", count=len(redo))
         return requests
 
     async def drain(self, grace_s: float) -> int:
@@ -193,3 +270,15 @@ class RunScheduler:
             self._write_journal_soon()  # the runs finished since the last write leave it now
         await self.journaled()
         return len(pending)
+
+
+def _fail_waiter(write: asyncio.Task[None], started: asyncio.Future[None]) -> None:
+    """A journal write that failed before reaching the store fails the caller waiting on it."""
+    if started.done():
+        return
+    if write.cancelled():
+        started.cancel()
+    elif write.exception() is not None:
+        started.set_exception(write.exception() or RuntimeError("journal write failed"))
+    else:
+        started.set_result(None)  # covered by a newer write that started first

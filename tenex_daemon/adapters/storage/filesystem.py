@@ -1779,3 +1779,10 @@ class FileSystemStore:
     async def lease(self, conversation_id: str) -> AsyncIterator[None]:
         """One process owns a home (its lock), so the lease is always granted."""
         yield
+
+    @property
+    def commits_in_order(self) -> bool:
+        """With ``batch`` yes: writes join the group-commit queue in call order, and a group is
+        durable (journal fsync) before the next is written; while closing, on one thread, in
+        order too. With ``always`` each write fsyncs on a thread of its own: no order."""
+        return self.fsync == "batch"

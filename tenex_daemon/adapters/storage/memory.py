@@ -120,3 +120,8 @@ class MemoryStore:
     async def lease(self, conversation_id: str) -> AsyncIterator[None]:
         """One process owns a memory store, so the lease is always granted."""
         yield
+
+    @property
+    def commits_in_order(self) -> bool:
+        """Every write takes effect when its call starts."""
+        return True

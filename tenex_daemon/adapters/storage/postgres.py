@@ -322,6 +322,11 @@ class PostgresStore:
                 key, value,
             )
 
+    @property
+    def commits_in_order(self) -> bool:
+        """No: writes commit on pooled connections, each in its own transaction, in any order."""
+        return False
+
     @asynccontextmanager
     async def lease(self, conversation_id: str) -> AsyncIterator[None]:
         """Hold the conversation's advisory lock on a dedicated connection while the block runs.

@@ -1,0 +1,313 @@
+"""A crash between accepting an event and scheduling its runs: the next start finishes the dispatch.
+
+Each test builds the services twice on one store: the first set is abandoned mid-dispatch (its
+tasks cancelled, as a killed process leaves them), the second recovers as the daemon does at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tenex_daemon import ConversationManager, FileSystemStore, MemoryStore, NostrEvent
+from tenex_daemon.adapters.llm.offline import OfflineBackend
+from tenex_daemon.app.nostr_io import classify_event
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
+from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
+from tenex_daemon.services.orchestrator import LLMOrchestrator, RuleBasedOrchestrator
+from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
+from tenex_daemon.testing import FakeClock
+from tests.conftest import Cast
+from tests.unit.services.test_daemon_services import FakePublisher
+from tests.unit.services.test_orchestration import answers, completes
+from tests.unit.services.test_tool_loop import ScriptedBackend, TagComposer, text
+
+
+class StuckBackend:
+    """A model that never answers (the process dies while it thinks)."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Signal the request, then wait forever."""
+        self.asked.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+@dataclass
+class Services:
+    """One process's worth of services on a shared store."""
+
+    manager: ConversationManager
+    scheduler: RunScheduler
+    dispatcher: EventDispatcher
+    runner: AgentRunner
+    publisher: FakePublisher
+
+
+Hook = Callable[[EventDispatcher, str, NostrEvent], Awaitable[object]]
+
+
+async def _after_reply(dispatcher: EventDispatcher, conversation_id: str, reply: NostrEvent) -> object:
+    return await dispatcher.after_reply(conversation_id, reply)
+
+
+def start(
+    cast: Cast,
+    store: ConversationStore,
+    model: Any,
+    *,
+    alice: LLMBackend | None = None,
+    bob: LLMBackend | None = None,
+    hook: Hook = _after_reply,
+) -> Services:
+    """Wire the services as the daemon does (the runner journals replies before saving them)."""
+    manager = ConversationManager(store, cast.agents, cast.project.pubkey, clock=FakeClock())
+    backends: dict[str, LLMBackend] = {
+        "alice": alice or ScriptedBackend([text("alice here")]),
+        "bob": bob or ScriptedBackend([text("bob here")]),
+        "orchestrator": OfflineBackend(),
+    }
+    profiles = {a.slug: AgentProfile(a, "", backends[a.slug]) for a in cast.agents}
+    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    publisher = FakePublisher()
+    runner = AgentRunner(manager, profiles, TagComposer(keys), publisher)
+
+    async def run(request: RunRequest) -> None:
+        await runner.run(request)
+
+    scheduler = RunScheduler(store, run, max_concurrent=4)
+    orchestrator = LLMOrchestrator(
+        manager, model, RuleBasedOrchestrator(manager.agents, "alice"), default_agent="alice"
+    )
+    dispatcher = EventDispatcher(manager, scheduler, classify_event, orchestrator, owner=cast.user.pubkey)
+
+    async def reply_hook(conversation_id: str, reply: NostrEvent) -> object:
+        return await hook(dispatcher, conversation_id, reply)
+
+    runner.set_reply_hook(reply_hook, scheduler)
+    return Services(manager, scheduler, dispatcher, runner, publisher)
+
+
+async def restart(cast: Cast, store: ConversationStore, model: Any, **backends: Any) -> tuple[Services, list[HandleResult]]:
+    """Start again on ``store`` and redo what the journal holds, as the daemon does at start."""
+    services = start(cast, store, model, **backends)
+    await services.scheduler.recover()
+    results = [await services.dispatcher.redispatch(e) for e in services.scheduler.dispatches_to_redo()]
+    return services, results
+
+
+async def crash(*tasks: asyncio.Task[Any]) -> None:
+    """Cancel what a killed process was doing (nothing of it runs on)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def settle(services: Services) -> None:
+    """Wait until no run is scheduled and replies are published."""
+    async with asyncio.timeout(10):
+        while services.scheduler.in_flight:  # noqa: ASYNC110 - runs schedule runs; no idle event
+            await asyncio.sleep(0.01)
+    await services.runner.flush(5.0)
+
+
+async def journal_entries(store: ConversationStore) -> list[dict[str, Any]]:
+    """The stored run journal."""
+    raw = await store.get_meta(PENDING_RUNS_KEY)
+    entries: list[dict[str, Any]] = json.loads(raw) if raw else []
+    return entries
+
+
+async def test_an_event_whose_routing_a_crash_interrupted_is_routed_at_the_next_start(cast: Cast) -> None:
+    """A person's message stored while the orchestrator was deciding is routed after the restart, and answered once."""
+    store = MemoryStore()
+    stuck = StuckBackend()
+    first = start(cast, store, stuck)
+    root = cast.user_says("Build a bridge", kind=11)
+    handling = asyncio.create_task(first.dispatcher.handle(root))
+    await asyncio.wait_for(stuck.asked.wait(), 5)
+    await crash(handling)
+    assert await store.find_event(root.id) is not None  # accepted: stored before the crash
+    assert {"dispatch": root.id} in await journal_entries(store)
+
+    model = answers('{"agents": ["alice"], "phase": "execute", "reason": "build it"}')
+    second, results = await restart(cast, store, model)
+    await settle(second)
+
+    assert [(r.outcome, r.agents) for r in results] == [(Outcome.SCHEDULED, ("alice",))]
+    assert len(model.requests) == 1
+    assert [e.content for e in second.publisher.published] == ["alice here"]
+    conversation = await second.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.phase is Phase.EXECUTE
+    await second.scheduler.drain(1.0)
+    assert not [e for e in await journal_entries(store) if "dispatch" in e]
+
+
+async def test_a_direct_event_stored_before_the_crash_runs_its_agent_once(cast: Cast) -> None:
+    """An event p-tagging an agent, stored but with no run journaled yet, gets its run at the next start."""
+    store = MemoryStore()
+    first = start(cast, store, StuckBackend())
+    root = cast.user_says("Hello Alice", kind=11, tags=[["p", cast.alice.pubkey]])
+    await first.scheduler.accept(root.id)
+    await first.manager.create_conversation(root)  # the crash comes here, before the run is submitted
+
+    second, results = await restart(cast, store, StuckBackend())
+    await settle(second)
+
+    assert [(r.outcome, r.agents) for r in results] == [(Outcome.SCHEDULED, ("alice",))]
+    assert [e.content for e in second.publisher.published] == ["alice here"]
+    third, again = await restart(cast, store, StuckBackend())  # a second restart redoes nothing
+    await settle(third)
+    assert again == []
+    assert third.publisher.published == []
+
+
+async def test_a_turn_started_before_the_crash_is_resumed_without_asking_again(cast: Cast) -> None:
+    """When the turn was recorded before the crash, its agents run and the orchestrator is not asked twice."""
+    store = MemoryStore()
+    first = start(cast, store, StuckBackend())
+    root = cast.user_says("Build a bridge", kind=11)
+    await first.scheduler.accept(root.id)
+    await first.manager.create_conversation(root)
+    await first.manager.start_orchestrator_turn(root.id, Phase.CHAT, ("bob",), "review", trigger_id=root.id)
+
+    model = answers('{"agents": ["alice"], "reason": "would be a second routing"}')
+    second, results = await restart(cast, store, model)
+    await settle(second)
+
+    assert [(r.outcome, r.reason, r.agents) for r in results] == [(Outcome.SCHEDULED, "turn resumed", ("bob",))]
+    assert model.requests == []
+    assert [e.content for e in second.publisher.published] == ["bob here"]
+
+
+async def test_an_entry_for_an_event_never_stored_is_dropped(cast: Cast) -> None:
+    """A crash between journaling an event and storing it leaves nothing to do: the relays deliver it again."""
+    store = MemoryStore()
+    first = start(cast, store, StuckBackend())
+    root = cast.user_says("Hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    await first.scheduler.accept(root.id)
+
+    second, results = await restart(cast, store, StuckBackend())
+    await second.scheduler.journaled()
+
+    assert [(r.outcome, r.reason) for r in results] == [(Outcome.IGNORED, "not stored")]
+    assert await journal_entries(store) == []
+    assert second.publisher.published == []
+
+
+async def test_a_completion_saved_before_the_crash_is_routed_at_the_next_start(cast: Cast) -> None:
+    """An agent's completion saved just before the crash is still routed on: the next agent runs once."""
+    store = MemoryStore()
+    gate = asyncio.Event()
+
+    async def dies_before_routing(dispatcher: EventDispatcher, cid: str, reply: NostrEvent) -> object:
+        gate.set()
+        await asyncio.Event().wait()  # the process dies before targeting the saved reply
+        return None
+
+    first = start(
+        cast,
+        store,
+        answers('{"agents": ["alice"], "phase": "execute", "reason": "build it"}'),
+        alice=completes("alice built"),
+        hook=dies_before_routing,
+    )
+    root = cast.user_says("Build a bridge", kind=11)
+    await first.dispatcher.handle(root)
+    await asyncio.wait_for(gate.wait(), 5)
+    await crash(*first.scheduler._tasks)  # the killed process's runs
+    conversation = await first.manager.get_conversation(root.id)
+    assert conversation is not None
+    completion = conversation.history[-1]
+    assert completion.pubkey == cast.alice.pubkey
+
+    model = answers('{"agents": ["bob"], "phase": "verification", "reason": "check it"}')
+    second, results = await restart(cast, store, model)
+    await settle(second)
+
+    assert [(r.outcome, r.agents) for r in results] == [(Outcome.SCHEDULED, ("bob",))]
+    published = [(e.pubkey, e.content) for e in second.publisher.published]
+    # Alice's recovered run finds her saved completion and sends it again (relays keep one copy)
+    assert sorted(published) == sorted([(cast.alice.pubkey, "alice built"), (cast.bob.pubkey, "bob here")])
+    conversation = await second.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.pubkey for e in conversation.history].count(cast.alice.pubkey) == 1
+
+
+@pytest.mark.parametrize("fsync", ["batch", "always"])
+async def test_the_journal_entry_is_on_disk_once_the_event_is(tmp_path: Path, cast: Cast, fsync: str) -> None:
+    """accept() orders the entry's write before the event's, even behind a journal write in flight:
+    when the event's write returns, the entry is on disk."""
+    store = FileSystemStore(tmp_path, fsync=fsync)  # type: ignore[arg-type]
+    await store.open()
+    try:
+        scheduler = RunScheduler(store, _never_run)
+        manager = ConversationManager(store, cast.agents, cast.project.pubkey, clock=FakeClock())
+        assert store.commits_in_order is (fsync == "batch")
+        root = cast.user_says("Hello", kind=11, tags=[["p", cast.alice.pubkey]])
+        earlier = asyncio.create_task(scheduler.accept("0" * 64))
+        await asyncio.sleep(0)  # that entry's write is with the store: this one waits its turn
+        await scheduler.accept(root.id)
+        await manager.create_conversation(root)
+        await earlier
+        meta_file = store._meta_path(PENDING_RUNS_KEY)  # read back from disk, not the cache
+        on_disk = json.loads(meta_file.read_text("utf-8"))
+        assert {"dispatch": root.id} in json.loads(on_disk["value"])
+    finally:
+        await store.close()
+
+
+async def _never_run(request: RunRequest) -> None:
+    raise AssertionError("no run is scheduled here")
+
+
+
+class RecordingStore(MemoryStore):
+    """A store whose journal writes take a while, recording the order writes are handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Record the entries written, then take a while."""
+        self.order.append("journal " + " ".join(e.get("dispatch", "run")[:4] for e in json.loads(value)))
+        await super().set_meta(key, value)
+        await asyncio.sleep(0.01)
+
+    async def create(self, conversation: Conversation) -> None:
+        """Record the new conversation."""
+        self.order.append("create " + conversation.id[:4])
+        await super().create(conversation)
+
+
+async def test_accept_hands_the_entry_to_the_store_before_the_caller_stores_the_event(cast: Cast) -> None:
+    """With a journal write in flight, accept() returns only once its own write is with the store."""
+    store = RecordingStore()
+    scheduler = RunScheduler(store, _never_run)
+    manager = ConversationManager(store, cast.agents, cast.project.pubkey, clock=FakeClock())
+    root = cast.user_says("Hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    earlier = asyncio.create_task(scheduler.accept("0" * 64))
+    while not store.order:  # noqa: ASYNC110 - until that entry's write is with the store
+        await asyncio.sleep(0)
+    await scheduler.accept(root.id)
+    await manager.create_conversation(root)
+    await earlier
+
+    assert store.order == ["journal 0000", f"journal 0000 {root.id[:4]}", f"create {root.id[:4]}"]
