@@ -317,7 +317,7 @@ class Daemon:
             turn_limit=settings.daemon.orchestrator_turn_limit,
             fetcher=self.pool,
         )
-        runner.set_reply_hook(self._after_reply, self.scheduler)
+        runner.set_reply_hook(self._after_reply, self.dispatcher.before_reply_saved)
 
         await self.pool.start()
         if not await self.pool.wait_connected(count=1, within=10.0):

@@ -86,17 +86,6 @@ class AgentProfile:
 ReplyHook = Callable[[str, NostrEvent], Awaitable[object]]
 
 
-class DispatchJournal(Protocol):
-    """Where a reply is journaled as being dispatched before it is saved (the run scheduler):
-    a crash between saving it and targeting it leaves its dispatch to be redone."""
-
-    async def accept(self, event_id: str) -> None:
-        """Journal ``event_id``; what the caller stores next is durable no sooner."""
-
-    def dispatched(self, event_id: str, *, at_once: bool = False) -> None:
-        """The dispatch of ``event_id`` is over."""
-
-
 def user_destination(conversation: Conversation, trigger: NostrEvent, manager: ConversationManager) -> str:
     """Return the person a reply goes to: the trigger's author if a user, else the newest user in history."""
     directory = manager.agents
@@ -158,7 +147,7 @@ class AgentRunner:
         self._publisher = publisher
         self._observer = observer
         self._on_reply = on_reply
-        self._journal: DispatchJournal | None = None
+        self._before_save: ReplyHook | None = None
         self._typing_delay = typing_delay_s
         self._tools = tools or ToolRegistry.default()
         self._max_tool_rounds = max_tool_rounds
@@ -189,11 +178,11 @@ class AgentRunner:
         tools = profile.tools if SEND_MESSAGE in profile.tools else (*profile.tools, SEND_MESSAGE)
         return replace(profile, tools=tools), delegation.for_run(profile.agent, cid, trigger)
 
-    def set_reply_hook(self, hook: ReplyHook, journal: DispatchJournal | None = None) -> None:
-        """Set what is told about each saved reply (the dispatcher's targeting), and where a reply
-        is journaled before it is saved (the hook then ends its dispatch)."""
+    def set_reply_hook(self, hook: ReplyHook, before_save: ReplyHook | None = None) -> None:
+        """Set what is told about each saved reply (the dispatcher's targeting), and what is told
+        just before a reply that ``hook`` will be told about is saved (the dispatcher journals it)."""
         self._on_reply = hook
-        self._journal = journal
+        self._before_save = before_save
 
     async def run(self, request: RunRequest) -> NostrEvent | None:
         """Run one agent for one trigger; return the reply event (None when the trigger is gone)."""
@@ -260,8 +249,6 @@ class AgentRunner:
         if self._on_reply is not None and not effects.end_conversation:
             # An ended conversation is read-only: nobody is targeted by its last reply.
             await self._on_reply(cid, reply)
-        elif self._journal is not None:
-            self._journal.dispatched(reply.id, at_once=True)
         return reply
 
     async def _answer(
@@ -441,8 +428,8 @@ class AgentRunner:
             error=error_kind is not None,
         )
         reply = self._composer.compose(spec)
-        if self._journal is not None and self._on_reply is not None:
-            await self._journal.accept(reply.id)  # durable no later than the reply
+        if self._before_save is not None and self._on_reply is not None and not effects.end_conversation:
+            await self._before_save(cid, reply)
         # A reply tagged ["tool", "complete"] is counted as the open turn's completion here, once.
         await self._manager.add_event(cid, reply)
         return reply

@@ -166,9 +166,18 @@ class EventDispatcher:
         )
         return await self._manager.create_conversation(reply)
 
+    async def before_reply_saved(self, conversation_id: str, reply: NostrEvent) -> None:
+        """Journal an agent's reply that targets an agent (or the orchestrator) as being
+        dispatched, before the runner saves it: a crash before :meth:`after_reply` leaves it to
+        :meth:`redispatch`. A reply that targets nobody (to the person) needs no entry."""
+        target = choose_target(reply, self._manager.agents)
+        routed = target.via_orchestrator or (target.agent is not None and target.agent.orchestrator)
+        if routed or target.skip is None:
+            await self._scheduler.accept(reply.id)
+
     async def after_reply(self, conversation_id: str, reply: NostrEvent) -> HandleResult:
         """Target an agent's own saved reply (it may address another agent, or the orchestrator
-        with a completion). Ends the reply's dispatch (:meth:`RunScheduler.accept`, by the runner)."""
+        with a completion), ending its dispatch (:meth:`before_reply_saved`)."""
         result = await self._target(conversation_id, reply)
         self._scheduler.dispatched(reply.id, at_once=result.outcome is not Outcome.SCHEDULED)
         return result

@@ -164,11 +164,14 @@ class RunScheduler:
         if key in self._pending:
             return False
         self._pending[key] = request
+        self._spawn(request)
+        if request.trigger_id in self._dispatching:
+            # Its trigger's entry is journaled and stays until this request is (any write that
+            # drops the entry holds every request made meanwhile): no write of its own.
+            return True
         # The run starts at once and the journal write goes on beside it: the run's first store
         # write (the agent's state) then shares a group commit with it instead of queueing behind
-        # it, and the caller (an intake lane) is free again. The trigger is already accepted, so
-        # waiting would shorten no crash window; a failed write is logged and the run goes on.
-        self._spawn(request)
+        # it, and the caller is free again. A failed write is logged and the run goes on.
         self._write_journal_soon()
         return True
 

@@ -99,7 +99,7 @@ def start(
     async def reply_hook(conversation_id: str, reply: NostrEvent) -> object:
         return await hook(dispatcher, conversation_id, reply)
 
-    runner.set_reply_hook(reply_hook, scheduler)
+    runner.set_reply_hook(reply_hook, dispatcher.before_reply_saved)
     return Services(manager, scheduler, dispatcher, runner, publisher)
 
 
@@ -167,15 +167,23 @@ async def test_a_direct_event_stored_before_the_crash_runs_its_agent_once(cast: 
     await first.scheduler.accept(root.id)
     await first.manager.create_conversation(root)  # the crash comes here, before the run is submitted
 
-    second, results = await restart(cast, store, StuckBackend())
+    alice = ScriptedBackend([text("alice here")])
+    second, results = await restart(cast, store, StuckBackend(), alice=alice)
     await settle(second)
 
     assert [(r.outcome, r.agents) for r in results] == [(Outcome.SCHEDULED, ("alice",))]
     assert [e.content for e in second.publisher.published] == ["alice here"]
-    third, again = await restart(cast, store, StuckBackend())  # a second restart redoes nothing
+    # killed again before the entry left the journal: the dispatch is redone, Alice is not run
+    # again, her saved reply goes out again (relays keep one copy per id)
+    third, again = await restart(cast, store, StuckBackend(), alice=alice)
     await settle(third)
-    assert again == []
-    assert third.publisher.published == []
+    assert [(r.outcome, r.agents) for r in again] == [(Outcome.SCHEDULED, ("alice",))]
+    assert len(alice.requests) == 1
+    assert [e.id for e in third.publisher.published] == [e.id for e in second.publisher.published]
+    await third.scheduler.drain(1.0)  # a clean stop empties the journal: nothing to redo
+    fourth, nothing = await restart(cast, store, StuckBackend(), alice=alice)
+    assert nothing == []
+    assert fourth.scheduler.in_flight == 0
 
 
 async def test_a_turn_started_before_the_crash_is_resumed_without_asking_again(cast: Cast) -> None:
@@ -311,3 +319,24 @@ async def test_accept_hands_the_entry_to_the_store_before_the_caller_stores_the_
     await earlier
 
     assert store.order == ["journal 0000", f"journal 0000 {root.id[:4]}", f"create {root.id[:4]}"]
+
+
+async def test_only_replies_that_target_an_agent_are_journaled(cast: Cast) -> None:
+    """A reply to the person targets nobody and costs no journal entry; a completion to the orchestrator does."""
+    store = RecordingStore()
+    alice = ScriptedBackend([text("hi there"), *completes("alice built").script])
+    services = start(cast, store, answers('{"agents": ["END"], "reason": "done"}'), alice=alice)
+    hello = cast.user_says("Hello Alice", kind=11, tags=[["p", cast.alice.pubkey]])
+    build = cast.user_says("Build a bridge", kind=11)
+    await services.dispatcher.handle(hello)
+    await settle(services)
+    await services.dispatcher.handle(build)
+    await settle(services)
+    await services.scheduler.drain(1.0)
+
+    replies = {e.content: e.id[:4] for e in services.publisher.published}
+    assert set(replies) == {"hi there", "alice built"}
+    journaled = " ".join(store.order)
+    assert replies["hi there"] not in journaled
+    assert replies["alice built"] in journaled
+    assert await journal_entries(store) == []
