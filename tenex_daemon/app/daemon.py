@@ -194,6 +194,8 @@ class Daemon:
             "reply_latency": self._observer.latency_summary(),
             "errors": dict(self.errors),
             "embedded_relay": self.embedded_relay.url if self.embedded_relay is not None else None,
+            "embedded_relay_pid": self.embedded_relay.pid if self.embedded_relay is not None else None,
+            "embedded_relay_restarts": self.embedded_relay.restarts if self.embedded_relay is not None else 0,
             "control_socket": str(self.settings.control_socket_path),
             "agents": [{"slug": a.slug, "name": a.name, "pubkey": a.pubkey} for a in self.agents],
         }
@@ -333,6 +335,8 @@ class Daemon:
         await self.pool.subscribe(SUBSCRIPTION_ID, [{"kinds": INCOMING_KINDS, "#p": pubkeys}])
         await self._refresh_counts()
         self._spawn(self._status_loop(), "status writer")
+        if self.embedded_relay is not None:
+            self._spawn(self.embedded_relay.supervise(), "embedded relay supervisor")
         self._spawn(self._heartbeat_loop(), "heartbeat")
         interval = self.notifier.watchdog_interval_s()
         if interval:

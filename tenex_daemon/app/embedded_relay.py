@@ -7,7 +7,8 @@ work on its loop (or, on a thread of their own, wait for the GIL), and the daemo
 them; in a process of its own the relay has its own interpreter and can use another core.
 
 The child lives as long as its standard input is open: the daemon holds the other end, so the
-relay stops when the daemon stops, however it stops (a SIGKILL included).
+relay stops when the daemon stops, however it stops (a SIGKILL included). If the relay process
+dies on its own, :meth:`EmbeddedRelay.supervise` starts it again (same port, same LMDB files).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ log = structlog.get_logger(__name__)
 READY = "ready"
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 5.0
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+"""Waits before each restart in a row of failed ones (the last repeats)."""
+STABLE_S = 60.0
+"""A relay that ran this long counts as healthy again: the next restart waits the shortest time."""
 
 
 class EmbeddedRelayError(RuntimeError):
@@ -46,6 +51,8 @@ class EmbeddedRelay:
         self._process: subprocess.Popen[bytes] | None = None
         self.log_path = db_path.parent / f"{db_path.name}.log"
         """Where the relay process's error output goes (read back when it fails to start)."""
+        self.restarts = 0
+        """How many times :meth:`supervise` started the relay again after it died."""
 
     @property
     def url(self) -> str:
@@ -105,6 +112,45 @@ class EmbeddedRelay:
                 await writer.wait_closed()
             return
 
+    async def supervise(self, poll_s: float = 1.0) -> None:
+        """Start the relay again whenever its process exits without :meth:`stop`; runs until
+        cancelled (cancel it before calling :meth:`stop`). Restarts in a row wait longer each
+        time (``RESTART_BACKOFF_S``); each is logged with the exit status and the relay's last
+        error lines."""
+        failures = 0
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(poll_s)
+            process = self._process
+            if process is None:
+                return  # stopped on purpose
+            status = process.poll()
+            if status is None:
+                continue
+            log.error(
+                "embedded_relay_died",
+                url=self.url,
+                pid=process.pid,
+                exit_status=status,
+                last_lines=await asyncio.to_thread(_last_lines, process, self.log_path),
+            )
+            self._process = None
+            _close_pipes(process)
+            if time.monotonic() - started > STABLE_S:
+                failures = 0
+            while True:
+                wait_s = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
+                await asyncio.sleep(wait_s)
+                failures += 1
+                try:
+                    await self.start()
+                    break
+                except EmbeddedRelayError as exc:
+                    log.error("embedded_relay_restart_failed", url=self.url, error=str(exc), attempt=failures)
+            self.restarts += 1
+            started = time.monotonic()
+            log.warning("embedded_relay_restarted", url=self.url, pid=self.pid, restarts=self.restarts)
+
     def stop(self) -> None:
         """Stop the relay process (the LMDB files stay); waits for it to exit (blocking: from a
         coroutine, call it in a thread)."""
@@ -123,6 +169,13 @@ class EmbeddedRelay:
         if process.stdout is not None:
             process.stdout.close()
         log.info("embedded_relay_stopped", url=self.url)
+
+
+def _close_pipes(process: subprocess.Popen[bytes]) -> None:
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
 
 
 def _last_lines(process: subprocess.Popen[bytes], log_path: Path) -> str:

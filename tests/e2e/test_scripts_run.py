@@ -47,7 +47,8 @@ async def wait_running(home: Path, proc: subprocess.Popen[bytes], log: Path, wit
 
 
 async def test_scripts_run_serves_a_demo_home_that_answers_tenexd_send(tmp_path: Path) -> None:
-    """scripts/run creates the demo home, serves its embedded relay, and a planner reply reaches `tenexd send`."""
+    """scripts/run creates the demo home, serves its embedded relay, and a planner reply reaches `tenexd send`;
+    after the relay process is killed, the daemon starts it again and the next `send` is answered too."""
     home, log = tmp_path / "demo-home", tmp_path / "run.log"
     port = free_port()
     env = {**os.environ, "TENEX_HOME": str(home), "TENEX_RELAYS__EMBEDDED_PORT": str(port)}
@@ -76,6 +77,30 @@ async def test_scripts_run_serves_a_demo_home_that_answers_tenexd_send(tmp_path:
         assert replies[0]["reply"]["content"]
         assert lines[-1]["answered"] is True
         assert lines[-1]["relays"] == [f"ws://127.0.0.1:{port}"]
+
+        # the relay process dies: the daemon starts it again, reconnects, and answers again
+        status = read_status(home / "run" / "status.json", stale_after_s=10.0).data
+        assert status is not None
+        relay_pid = status["embedded_relay_pid"]
+        os.kill(relay_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = read_status(home / "run" / "status.json", stale_after_s=10.0).data or {}
+            relays = status.get("relays") or []
+            if status.get("embedded_relay_restarts") == 1 and relays and relays[0].get("state") == "connected":
+                break
+            await asyncio.sleep(0.2)
+        assert status.get("embedded_relay_restarts") == 1, output(log)
+        assert status.get("embedded_relay_pid") not in (None, relay_pid)
+        again = await asyncio.create_subprocess_exec(
+            str(TENEXD), "--home", str(home), "send", "And on Sunday?", "--to", "planner",
+            "--timeout", "90", "--json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(again.communicate(), 120)
+        assert again.returncode == 0, err.decode() + output(log)
+        lines = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+        assert [line["agent"] for line in lines if "reply" in line] == ["planner"]
 
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30

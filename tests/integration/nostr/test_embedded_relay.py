@@ -3,7 +3,10 @@ relay connections' quick ACKs."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import signal
 import socket
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from tenex_daemon.adapters.nostr.relay_pool import _no_ack, _quick_ack
+from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.embedded_relay import EmbeddedRelay, EmbeddedRelayError
 
 from .harness import LocalRelayServer, free_port, wait_port_closed
@@ -46,3 +50,32 @@ async def test_relay_connections_acknowledge_each_frame_at_once(local_relay: Loc
         sock = ws.transport.get_extra_info("socket")
         if hasattr(socket, "TCP_QUICKACK"):
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK) == 1
+
+
+async def test_a_relay_process_that_dies_is_started_again_with_its_events(tmp_path: Path) -> None:
+    """supervise() starts a killed relay again on its port, and the events it stored are still served."""
+    relay = EmbeddedRelay(tmp_path / "relay", port=free_port())
+    await relay.start()
+    supervisor = asyncio.create_task(relay.supervise(poll_s=0.05))
+    try:
+        event = Signer.generate().sign(1, "kept across the restart")
+        async with connect(relay.url) as ws:
+            await ws.send(json.dumps(["EVENT", event.to_dict()]))
+            assert json.loads(await asyncio.wait_for(ws.recv(), 10))[:3] == ["OK", event.id, True]
+        killed = relay.pid
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)
+        async with asyncio.timeout(20):
+            while relay.restarts == 0:  # noqa: ASYNC110 - the supervisor has no event to wait on
+                await asyncio.sleep(0.05)
+        assert relay.pid not in (None, killed)
+        async with connect(relay.url) as ws:
+            await ws.send(json.dumps(["REQ", "again", {"ids": [event.id]}]))
+            frame = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert frame[:2] == ["EVENT", "again"]
+        assert frame[2]["id"] == event.id
+    finally:
+        supervisor.cancel()
+        await asyncio.gather(supervisor, return_exceptions=True)
+        await asyncio.to_thread(relay.stop)
+    assert relay.pid is None
