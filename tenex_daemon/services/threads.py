@@ -1,8 +1,10 @@
 """ThreadManager: isolated, persistent threads per communication pair within a chat (seed 002).
 
-Threads are cached in memory. Persistence uses the user's ``load_callback(thread_id)`` and
-``save_callback(thread)`` (plain functions or coroutines) or, when none are given, the
-conversation store's small-value space (``get_meta``/``set_meta`` under ``thread:<id>``).
+Threads are cached in memory, the most recently used ``max_cached`` of them when they can be
+loaded again (saved threads only: one with items not yet persisted stays). Persistence uses the
+user's ``load_callback(thread_id)`` and ``save_callback(thread)`` (plain functions or coroutines)
+or, when none are given, the conversation store's small-value space (``get_meta``/``set_meta``
+under ``thread:<id>``).
 A failing callback raises :class:`ThreadPersistenceError` and loses nothing: the items stay
 in the cached thread and go out with the next successful save.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -25,12 +28,14 @@ ThreadLoadCallback = Callable[[str], "ConversationThread | Awaitable[Conversatio
 ThreadSaveCallback = Callable[[ConversationThread], "Awaitable[None] | None"]
 
 META_PREFIX = "thread:"
+DEFAULT_MAX_CACHED = 1_000
+"""Threads kept in memory at most (when they can be loaded again): a daemon runs for months."""
 
 
 class ThreadManager:
     """Gets, creates, caches and saves :class:`ConversationThread` objects.
 
-    With no callbacks and no ``store``, threads live in memory only.
+    With no callbacks and no ``store``, threads live in memory only (and are never dropped).
     """
 
     def __init__(
@@ -38,8 +43,13 @@ class ThreadManager:
         load_callback: ThreadLoadCallback | None = None,
         save_callback: ThreadSaveCallback | None = None,
         store: ConversationStore | None = None,
+        max_cached: int = DEFAULT_MAX_CACHED,
     ) -> None:
-        self._threads: dict[str, ConversationThread] = {}
+        if max_cached < 1:
+            raise ValueError("max_cached must be at least 1")
+        self._threads: OrderedDict[str, ConversationThread] = OrderedDict()
+        loadable = load_callback is not None or (store is not None and save_callback is None)
+        self._max_cached = max_cached if loadable else None
         self._load_callback = load_callback
         self._save_callback = save_callback
         self._store = store
@@ -67,10 +77,12 @@ class ThreadManager:
         thread_id = thread_key(chat_id, agent, other)
         cached = self._threads.get(thread_id)
         if cached is not None:
+            self._threads.move_to_end(thread_id)
             return cached
         async with self._lock(thread_id):
             cached = self._threads.get(thread_id)
             if cached is not None:
+                self._threads.move_to_end(thread_id)
                 return cached
             try:
                 loaded = await self._load(thread_id)
@@ -83,7 +95,8 @@ class ThreadManager:
                 )
             thread = loaded or ConversationThread(thread_id=thread_id)
             self._threads[thread_id] = thread
-            return thread
+        self._trim()
+        return thread
 
     async def _load(self, thread_id: str) -> ConversationThread | None:
         if self._load_callback is not None:
@@ -99,6 +112,7 @@ class ThreadManager:
     async def save_thread(self, thread: ConversationThread) -> None:
         """Persist the whole thread; raises :class:`ThreadPersistenceError` on failure (items kept)."""
         self._threads[thread.thread_id] = thread
+        self._threads.move_to_end(thread.thread_id)
         self.unsaved.add(thread.thread_id)
         async with self._lock(thread.thread_id):
             try:
@@ -112,6 +126,23 @@ class ThreadManager:
                 log.error("thread_save_failed", thread_id=thread.thread_id, error=str(exc))
                 raise ThreadPersistenceError(thread.thread_id, "save", exc) from exc
             self.unsaved.discard(thread.thread_id)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop the least recently used threads beyond ``max_cached`` that are saved and idle
+        (they load again on demand), and the locks nobody holds of threads not cached."""
+        if self._max_cached is None or len(self._threads) <= self._max_cached:
+            return
+        for thread_id in list(self._threads):
+            if len(self._threads) <= self._max_cached:
+                break
+            lock = self._locks.get(thread_id)
+            if thread_id in self.unsaved or (lock is not None and lock.locked()):
+                continue
+            del self._threads[thread_id]
+        for thread_id, lock in list(self._locks.items()):
+            if thread_id not in self._threads and not lock.locked():
+                del self._locks[thread_id]
 
     async def add_item_and_save(self, thread: ConversationThread, item: Any) -> None:
         """Append ``item`` and save the thread."""

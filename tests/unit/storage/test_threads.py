@@ -110,3 +110,41 @@ async def test_memory_store_persistence_is_shared_between_managers() -> None:
     first = ThreadManager(store=store)
     await first.add_item_and_save(await first.get_thread("c", "A"), "hello")
     assert (await ThreadManager(store=store).get_thread("c", "A")).items == ["hello"]
+
+
+async def test_the_cache_keeps_the_most_recent_saved_threads_and_reloads_the_rest() -> None:
+    """Beyond max_cached, the least recently used saved threads leave memory and load again with their items."""
+    store = MemoryStore()
+    manager = ThreadManager(store=store, max_cached=2)
+    for chat in ("c1", "c2", "c3"):
+        await manager.add_item_and_save(await manager.get_thread(chat, "A"), f"in {chat}")
+    assert manager.cached() == ["c2__A__USER", "c3__A__USER"]
+    assert (await manager.get_thread("c1", "A")).items == ["in c1"]
+    assert manager.cached() == ["c3__A__USER", "c1__A__USER"]
+    assert len(manager._locks) <= 2
+
+
+async def test_a_thread_with_unsaved_items_or_no_store_is_never_dropped() -> None:
+    """A thread whose save failed stays cached, and a memory-only manager (its only copy) drops nothing."""
+    saves = {"fail": True}
+
+    def save(thread: ConversationThread) -> None:
+        if saves["fail"]:
+            raise OSError("disk full")
+
+    def load(thread_id: str) -> ConversationThread | None:
+        return None
+
+    manager = ThreadManager(load, save, max_cached=1)
+    kept = await manager.get_thread("c1", "A")
+    with pytest.raises(ThreadPersistenceError):
+        await manager.add_item_and_save(kept, "not yet saved")
+    saves["fail"] = False
+    await manager.add_item_and_save(await manager.get_thread("c2", "A"), "saved")
+    assert "c1__A__USER" in manager.cached()
+    assert (await manager.get_thread("c1", "A")) is kept
+
+    memory_only = ThreadManager(max_cached=1)
+    for chat in ("c1", "c2", "c3"):
+        await memory_only.add_item_and_save(await memory_only.get_thread(chat, "A"), chat)
+    assert len(memory_only.cached()) == 3
