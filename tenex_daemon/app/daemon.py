@@ -327,12 +327,12 @@ class Daemon:
         await self._announce(signers)
         pubkeys = [a.pubkey for a in self.agents] + [project_signer.pubkey]
         await self.scheduler.recover()
-        for event_id in self.scheduler.dispatches_to_redo():  # a crash came mid-dispatch
-            try:
-                await self.dispatcher.redispatch(event_id)
-            except Exception:  # stays journaled: tried again at the next start
-                log.exception("redispatch_failed", event_id=event_id)
+        # a crash came mid-dispatch: events never stored are left to the relays (before the
+        # subscription delivers them again), the others are dispatched again once it runs
+        redo = await self.dispatcher.stored_dispatches(self.scheduler.dispatches_to_redo())
         await self.pool.subscribe(SUBSCRIPTION_ID, [{"kinds": INCOMING_KINDS, "#p": pubkeys}])
+        if redo:
+            self._spawn(self._redispatch(redo), "redispatch")
         await self._refresh_counts()
         self._spawn(self._status_loop(), "status writer")
         if self.embedded_relay is not None:
@@ -411,6 +411,18 @@ class Daemon:
             reason = result.reason or result.outcome.value
             self.events_ignored[reason] += 1
             self.metrics.event_rejected(reason)
+
+    async def _redispatch(self, event_ids: list[str]) -> None:
+        """Finish the dispatches a crash interrupted (each may ask the orchestrator's model)."""
+        assert self.dispatcher is not None
+        assert self.scheduler is not None
+        for event_id in event_ids:
+            try:
+                await self.dispatcher.redispatch(event_id)
+            except Exception:  # not retried at every start: logged and dropped
+                self.errors["handler"] += 1
+                log.exception("redispatch_failed", event_id=event_id, action="dropped")
+                self.scheduler.dispatched(event_id, at_once=True)
 
     async def _after_reply(self, conversation_id: str, reply: Any) -> None:
         if self.dispatcher is not None:

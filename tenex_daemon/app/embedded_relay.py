@@ -53,6 +53,7 @@ class EmbeddedRelay:
         """Where the relay process's error output goes (read back when it fails to start)."""
         self.restarts = 0
         """How many times :meth:`supervise` started the relay again after it died."""
+        self._stopped = False
 
     @property
     def url(self) -> str:
@@ -66,6 +67,7 @@ class EmbeddedRelay:
 
     async def start(self) -> None:
         """Start the relay process; returns once the port accepts connections."""
+        self._stopped = False
         self.db_path.mkdir(parents=True, exist_ok=True)
         command = [
             sys.executable, "-m", "tenex_daemon.app.embedded_relay",
@@ -122,7 +124,7 @@ class EmbeddedRelay:
         while True:
             await asyncio.sleep(poll_s)
             process = self._process
-            if process is None:
+            if process is None or self._stopped:
                 return  # stopped on purpose
             status = process.poll()
             if status is None:
@@ -141,6 +143,8 @@ class EmbeddedRelay:
             while True:
                 wait_s = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
                 await asyncio.sleep(wait_s)
+                if self._stopped:
+                    return
                 failures += 1
                 try:
                     await self.start()
@@ -153,7 +157,8 @@ class EmbeddedRelay:
 
     def stop(self) -> None:
         """Stop the relay process (the LMDB files stay); waits for it to exit (blocking: from a
-        coroutine, call it in a thread)."""
+        coroutine, call it in a thread). A :meth:`supervise` running meanwhile starts nothing."""
+        self._stopped = True
         process, self._process = self._process, None
         if process is None:
             return

@@ -182,6 +182,19 @@ class EventDispatcher:
         self._scheduler.dispatched(reply.id, at_once=result.outcome is not Outcome.SCHEDULED)
         return result
 
+    async def stored_dispatches(self, event_ids: list[str]) -> list[str]:
+        """Of the dispatches a crash interrupted, those whose event is stored (to :meth:`redispatch`);
+        the others leave the journal: their events were never accepted, the relays deliver them
+        again."""
+        stored = []
+        for event_id in event_ids:
+            if await self._manager.store.find_event(event_id) is not None:
+                stored.append(event_id)
+            else:
+                self._scheduler.dispatched(event_id, at_once=True)
+                log.info("dispatch_dropped", event_id=event_id, reason="not stored")
+        return stored
+
     async def redispatch(self, event_id: str) -> HandleResult:
         """Finish dispatching an event a previous process accepted but crashed before its runs
         were scheduled (:meth:`RunScheduler.dispatches_to_redo`).

@@ -67,8 +67,6 @@ class RunScheduler:
         self._journal_lock = asyncio.Lock()
         self._journal_version = 0
         """Bumped by every change to ``_pending`` or ``_dispatching``."""
-        self._journal_started = 0
-        """The version of the newest journal write handed to the store."""
         self._journal_written = 0
         """The version the stored journal holds."""
         self._start_waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -101,7 +99,6 @@ class RunScheduler:
             entries: list[dict[str, object]] = [{"dispatch": event_id} for event_id in self._dispatching]
             entries.extend(asdict(r) for r in self._pending.values())
             payload = json.dumps(entries, separators=(",", ":"))
-            self._journal_started = version
             waiters, self._start_waiters = self._start_waiters, []
             for at, future in waiters:
                 if at > version:
@@ -110,12 +107,15 @@ class RunScheduler:
                     future.set_result(None)
             # the store takes the write in before this task yields: the waiters just woken
             # run after it, so what they store next is ordered behind it
-            try:
-                await self._store.set_meta(PENDING_RUNS_KEY, payload)
-            except BaseException:
-                self._journal_started = self._journal_written
-                raise
+            await self._store.set_meta(PENDING_RUNS_KEY, payload)
             self._journal_written = version
+
+    async def _write_journal_logged(self, wanted: int) -> None:
+        try:
+            await self._write_journal(wanted)
+        except Exception:
+            log.exception("run_journal_write_failed")
+            raise
 
     async def accept(self, event_id: str) -> None:
         """Journal ``event_id`` as being dispatched; on return, anything the caller stores next
@@ -123,8 +123,9 @@ class RunScheduler:
         entry lost).
 
         With a store that commits in order (``commits_in_order``) this waits only until the
-        journal write is handed to the store; otherwise until it is durable. Raises when the
-        write fails (the event is then not to be stored).
+        journal write is handed to the store (a write that fails later fails its group, or is
+        logged); otherwise until it is durable, and raises when it fails (the event is then not
+        to be stored: the relays deliver it again).
         """
         self._dispatching[event_id] = None
         self._journal_version += 1
@@ -134,7 +135,7 @@ class RunScheduler:
             return
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._start_waiters.append((wanted, started))
-        write = asyncio.create_task(self._write_journal(wanted), name="run journal write")
+        write = asyncio.create_task(self._write_journal_logged(wanted), name="run journal write")
         self._writes.add(write)
         write.add_done_callback(self._writes.discard)
         write.add_done_callback(lambda done: _fail_waiter(done, started))
@@ -142,8 +143,9 @@ class RunScheduler:
 
     def dispatched(self, event_id: str, *, at_once: bool = False) -> None:
         """The dispatch of ``event_id`` is over (its runs, if any, are scheduled): its entry
-        leaves the journal with the next write, or at once with ``at_once``."""
-        if event_id not in self._dispatching:
+        leaves the journal with the next write, or at once with ``at_once``. While shutting down
+        it stays (a run it asked for was refused): the next start dispatches it again."""
+        if event_id not in self._dispatching or not self._accepting:
             return
         del self._dispatching[event_id]
         if at_once:
@@ -189,7 +191,7 @@ class RunScheduler:
     async def journaled(self) -> None:
         """Return once every run submitted so far is in the stored journal (or its write failed)."""
         if self._writes:
-            await asyncio.gather(*self._writes)
+            await asyncio.gather(*self._writes, return_exceptions=True)  # failures were logged
 
     def _spawn(self, request: RunRequest) -> None:
         task = asyncio.create_task(
@@ -277,11 +279,12 @@ class RunScheduler:
 
 def _fail_waiter(write: asyncio.Task[None], started: asyncio.Future[None]) -> None:
     """A journal write that failed before reaching the store fails the caller waiting on it."""
+    error = None if write.cancelled() else write.exception()  # retrieved: it was logged
     if started.done():
         return
     if write.cancelled():
         started.cancel()
-    elif write.exception() is not None:
-        started.set_exception(write.exception() or RuntimeError("journal write failed"))
+    elif error is not None:
+        started.set_exception(error)
     else:
         started.set_result(None)  # covered by a newer write that started first

@@ -48,7 +48,10 @@ class ThreadManager:
         if max_cached < 1:
             raise ValueError("max_cached must be at least 1")
         self._threads: OrderedDict[str, ConversationThread] = OrderedDict()
-        loadable = load_callback is not None or (store is not None and save_callback is None)
+        # a dropped thread must load back what was saved: both callbacks, or the store alone
+        loadable = (load_callback is not None and save_callback is not None) or (
+            store is not None and load_callback is None and save_callback is None
+        )
         self._max_cached = max_cached if loadable else None
         self._load_callback = load_callback
         self._save_callback = save_callback
@@ -137,11 +140,11 @@ class ThreadManager:
             if len(self._threads) <= self._max_cached:
                 break
             lock = self._locks.get(thread_id)
-            if thread_id in self.unsaved or (lock is not None and lock.locked()):
+            if thread_id in self.unsaved or (lock is not None and not _idle(lock)):
                 continue
             del self._threads[thread_id]
         for thread_id, lock in list(self._locks.items()):
-            if thread_id not in self._threads and not lock.locked():
+            if thread_id not in self._threads and _idle(lock):
                 del self._locks[thread_id]
 
     async def add_item_and_save(self, thread: ConversationThread, item: Any) -> None:
@@ -157,3 +160,8 @@ class ThreadManager:
     def cached(self) -> list[str]:
         """Return the ids of the threads held in memory."""
         return list(self._threads)
+
+
+def _idle(lock: asyncio.Lock) -> bool:
+    """Nobody holds ``lock`` or waits for it (a waiter just woken does not hold it yet)."""
+    return not lock.locked() and not getattr(lock, "_waiters", None)

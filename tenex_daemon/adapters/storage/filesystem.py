@@ -425,17 +425,20 @@ def _apply_ops(ops: list[_Op], aux: dict[Path, list[bytes]]) -> None:
 
 
 def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
-    """``batch``'s group commit: write every op to its file, then fsync one journal for all.
+    """``batch``'s group commit: one fsync of one journal makes every op of the group durable.
 
-    Appends to one file are one write (not fsynced); a new conversation is a temp folder (not
-    fsynced). A frame per op records what it wrote (a replacement's frame holds the new
-    content), and the one fsync of the journal makes the whole group durable; only then are
-    new folders and replacements' temp files renamed into place, so a file on disk is never
-    newer than the journal. If the journal cannot be made durable, every op fails:
-    logs written are cut back (through the same open file, wherever its folder moved), temp
-    files and folders are removed; nothing is acknowledged before the fsync that covers it. Bucket
-    files are not cut back: derived lines are written to them concurrently, and a stray id
-    line there only marks an id processed.
+    A frame per op records what it writes (an append's offset and bytes, a replacement's new
+    content, a new folder), and the one fsync of the journal makes the whole group durable.
+    New conversations are temp folders and replacements temp files (not fsynced), renamed into
+    place only after that fsync; appends to a conversation's log are written (one write per
+    file, not fsynced) only after it too. So a file on disk is never newer than the journal: a
+    kill mid-group leaves nothing of it visible, or all of it journaled (open replays what is
+    missing), never a later op without an earlier one. If the journal cannot be made durable,
+    every op fails: temp files and folders are removed, no log was touched; nothing is
+    acknowledged before the fsync that covers it. Event-id bucket lines are written before
+    the journal and not cut back (derived lines are written to them concurrently, and a stray
+    id line there only marks an id processed). A log write that fails after the journal
+    (a full disk) fails its ops and is cut back; a later open would replay it from the journal.
     """
     appends: dict[Path, list[_Op]] = {}
     replaces: dict[Path, list[_Op]] = {}
@@ -446,6 +449,8 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
         elif op.kind != "forget":
             (appends if op.kind == "append" else replaces).setdefault(op.path, []).append(op)
     written: list[tuple[int, int, list[_Op], bool]] = []
+    logs: list[tuple[int, int, list[_Op], bytes]] = []
+    """Conversation logs to append to once the journal is durable: (fd, size before, ops, bytes)."""
     frames: list[bytes] = []
     relpaths: list[str] = []
     created: list[tuple[_Op, Path, tuple[int, int]]] = []
@@ -484,17 +489,18 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
                 for op in group:
                     op.error = exc
                 continue
-            try:
-                _write_all(fd, b"".join(op.data for op in group))
-            except OSError as exc:
-                if is_log:
-                    with contextlib.suppress(OSError):
-                        os.ftruncate(fd, before)
-                os.close(fd)
-                for op in group:
-                    op.error = exc
-                continue
-            written.append((fd, before, group, is_log))
+            data = b"".join(op.data for op in group)
+            if is_log:
+                logs.append((fd, before, group, data))
+            else:
+                try:
+                    _write_all(fd, data)
+                except OSError as exc:
+                    os.close(fd)
+                    for op in group:
+                        op.error = exc
+                    continue
+                written.append((fd, before, group, is_log))
             relpaths.append(relpath)
             offset = before
             for op in group:
@@ -516,12 +522,14 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
             try:
                 journal.write(frames, relpaths, [op.data.decode("utf-8") for op in forgotten])
             except Exception as exc:
-                for fd, before, group, is_log in written:
-                    if is_log:
-                        with contextlib.suppress(OSError):
-                            os.ftruncate(fd, before)
+                for _, _, group, _ in written:
                     for op in group:
                         op.error = exc
+                for fd, _, group, _ in logs:
+                    os.close(fd)
+                    for op in group:
+                        op.error = exc
+                logs = []
                 for op in forgotten:
                     op.error = exc
                 for op, tmp, _ in created:
@@ -533,13 +541,31 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
                     for op in group:
                         op.error = exc
                 created, replaced = [], []
+    except BaseException:
+        for fd, _, _, _ in logs:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
     finally:
         for fd, _, _, _ in written:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    # journaled: now the new folders and snapshots take their places by rename (a crash before a
-    # rename is repaired from the journal on open; a reader sees the old file or the new, never a
-    # mix; a write that fails, a full disk, fails before the journal and leaves the old file)
+    # journaled: now the logs get their lines (a kill before is repaired from the journal on open)
+    for fd, before, group, data in logs:
+        try:
+            _write_all(fd, data)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, before)
+            log.error("log_write_failed", path=str(group[0].path), error=str(exc), note="journaled")
+            for op in group:
+                op.error = exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    # and the new folders and snapshots take their places by rename (a crash before a rename is
+    # repaired from the journal on open; a reader sees the old file or the new, never a mix; a
+    # write that fails, a full disk, fails before the journal and leaves the old file)
     for op, tmp, sig in created:
         try:
             os.rename(tmp, op.path)

@@ -22,6 +22,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.services import runs
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
 from tenex_daemon.services.orchestrator import LLMOrchestrator, RuleBasedOrchestrator
@@ -107,15 +108,21 @@ async def restart(cast: Cast, store: ConversationStore, model: Any, **backends: 
     """Start again on ``store`` and redo what the journal holds, as the daemon does at start."""
     services = start(cast, store, model, **backends)
     await services.scheduler.recover()
-    results = [await services.dispatcher.redispatch(e) for e in services.scheduler.dispatches_to_redo()]
+    redo = await services.dispatcher.stored_dispatches(services.scheduler.dispatches_to_redo())
+    results = [await services.dispatcher.redispatch(e) for e in redo]
     return services, results
 
 
-async def crash(*tasks: asyncio.Task[Any]) -> None:
-    """Cancel what a killed process was doing (nothing of it runs on)."""
-    for task in tasks:
+async def crash(services: Services, *tasks: asyncio.Task[Any]) -> None:
+    """Cancel everything a killed process was doing: ``tasks``, its runs, journal writes and
+    flush timer, its publications (nothing of it runs on into the next process)."""
+    scheduler = services.scheduler
+    doomed = [*tasks, *scheduler._tasks, *scheduler._writes, *services.runner._outbox]
+    if scheduler._flush_task is not None:
+        doomed.append(scheduler._flush_task)
+    for task in doomed:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*doomed, return_exceptions=True)
 
 
 async def settle(services: Services) -> None:
@@ -141,7 +148,7 @@ async def test_an_event_whose_routing_a_crash_interrupted_is_routed_at_the_next_
     root = cast.user_says("Build a bridge", kind=11)
     handling = asyncio.create_task(first.dispatcher.handle(root))
     await asyncio.wait_for(stuck.asked.wait(), 5)
-    await crash(handling)
+    await crash(first, handling)
     assert await store.find_event(root.id) is not None  # accepted: stored before the crash
     assert {"dispatch": root.id} in await journal_entries(store)
 
@@ -166,6 +173,7 @@ async def test_a_direct_event_stored_before_the_crash_runs_its_agent_once(cast: 
     root = cast.user_says("Hello Alice", kind=11, tags=[["p", cast.alice.pubkey]])
     await first.scheduler.accept(root.id)
     await first.manager.create_conversation(root)  # the crash comes here, before the run is submitted
+    await crash(first)
 
     alice = ScriptedBackend([text("alice here")])
     second, results = await restart(cast, store, StuckBackend(), alice=alice)
@@ -175,6 +183,7 @@ async def test_a_direct_event_stored_before_the_crash_runs_its_agent_once(cast: 
     assert [e.content for e in second.publisher.published] == ["alice here"]
     # killed again before the entry left the journal: the dispatch is redone, Alice is not run
     # again, her saved reply goes out again (relays keep one copy per id)
+    await crash(second)
     third, again = await restart(cast, store, StuckBackend(), alice=alice)
     await settle(third)
     assert [(r.outcome, r.agents) for r in again] == [(Outcome.SCHEDULED, ("alice",))]
@@ -194,6 +203,7 @@ async def test_a_turn_started_before_the_crash_is_resumed_without_asking_again(c
     await first.scheduler.accept(root.id)
     await first.manager.create_conversation(root)
     await first.manager.start_orchestrator_turn(root.id, Phase.CHAT, ("bob",), "review", trigger_id=root.id)
+    await crash(first)
 
     model = answers('{"agents": ["alice"], "reason": "would be a second routing"}')
     second, results = await restart(cast, store, model)
@@ -210,11 +220,12 @@ async def test_an_entry_for_an_event_never_stored_is_dropped(cast: Cast) -> None
     first = start(cast, store, StuckBackend())
     root = cast.user_says("Hello", kind=11, tags=[["p", cast.alice.pubkey]])
     await first.scheduler.accept(root.id)
+    await crash(first)
 
     second, results = await restart(cast, store, StuckBackend())
     await second.scheduler.journaled()
 
-    assert [(r.outcome, r.reason) for r in results] == [(Outcome.IGNORED, "not stored")]
+    assert results == []
     assert await journal_entries(store) == []
     assert second.publisher.published == []
 
@@ -239,7 +250,7 @@ async def test_a_completion_saved_before_the_crash_is_routed_at_the_next_start(c
     root = cast.user_says("Build a bridge", kind=11)
     await first.dispatcher.handle(root)
     await asyncio.wait_for(gate.wait(), 5)
-    await crash(*first.scheduler._tasks)  # the killed process's runs
+    await crash(first)
     conversation = await first.manager.get_conversation(root.id)
     assert conversation is not None
     completion = conversation.history[-1]
@@ -260,8 +271,9 @@ async def test_a_completion_saved_before_the_crash_is_routed_at_the_next_start(c
 
 @pytest.mark.parametrize("fsync", ["batch", "always"])
 async def test_the_journal_entry_is_on_disk_once_the_event_is(tmp_path: Path, cast: Cast, fsync: str) -> None:
-    """accept() orders the entry's write before the event's, even behind a journal write in flight:
-    when the event's write returns, the entry is on disk."""
+    """With either fsync policy, once the event's write (after accept()) returns, the entry is in the
+    journal file on disk. (The order at a crash: test_accept_hands_the_entry_to_the_store_before_...
+    here, and the store's group commit in test_journal.py.)"""
     store = FileSystemStore(tmp_path, fsync=fsync)  # type: ignore[arg-type]
     await store.open()
     try:
@@ -340,3 +352,24 @@ async def test_only_replies_that_target_an_agent_are_journaled(cast: Cast) -> No
     assert replies["hi there"] not in journaled
     assert replies["alice built"] in journaled
     assert await journal_entries(store) == []
+
+
+async def test_an_event_whose_run_was_refused_at_shutdown_stays_journaled(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An event handled while the scheduler drains (its run refused) keeps its entry: the next start runs it."""
+    monkeypatch.setattr(runs, "FINISHED_FLUSH_S", 0.01)
+    store = MemoryStore()
+    first = start(cast, store, StuckBackend())
+    await first.scheduler.drain(1.0)  # SIGTERM: runs are no longer accepted
+    root = cast.user_says("Hello Alice", kind=11, tags=[["p", cast.alice.pubkey]])
+    await first.dispatcher.handle(root)  # an intake lane still busy when the drain began
+    await asyncio.sleep(0.1)  # any flush of finished entries has run
+    await first.scheduler.journaled()
+    assert {"dispatch": root.id} in await journal_entries(store)
+    assert first.publisher.published == []
+
+    second, results = await restart(cast, store, StuckBackend())
+    await settle(second)
+    assert [(r.outcome, r.agents) for r in results] == [(Outcome.SCHEDULED, ("alice",))]
+    assert [e.content for e in second.publisher.published] == ["alice here"]

@@ -11,6 +11,7 @@ import asyncio
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -532,3 +533,32 @@ async def test_readers_never_see_a_value_being_replaced(tmp_path: Path) -> None:
     assert seen <= set(values)
     assert [a for a in store.recovery if a.kind == "moved_to_corrupt"] == []
     await store.close()
+
+
+async def test_a_log_gets_its_lines_only_after_the_journal_holds_them(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill just before the journal write would find neither the appends nor a value replaced in
+    the same group on disk: no op of a group is visible before the group is durable."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    log_path = home / "conversations" / conversation.id / LOG_NAME
+    seen_at_journal_write: list[bytes] = []
+    real_write = journal.Journal.write
+
+    def watched(self: journal.Journal, *args: Any, **kwargs: Any) -> None:
+        seen_at_journal_write.append(log_path.read_bytes())
+        real_write(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(journal.Journal, "write", watched)
+        reply = cast.alice_says("written after the journal")
+        await asyncio.gather(store.set_meta("marker", "1"), store.append_event(conversation.id, reply))
+    assert seen_at_journal_write
+    assert all(reply.id.encode() not in seen for seen in seen_at_journal_write)
+    assert reply.id.encode() in log_path.read_bytes()
+    await store.close()
+
+    ids, _ = await history_ids(home, conversation.id)
+    assert ids == [conversation.id, reply.id]
