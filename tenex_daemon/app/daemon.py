@@ -56,7 +56,7 @@ from tenex_daemon.core.vocabulary import (
 from tenex_daemon.services.agent_runner import AgentRunner
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
-from tenex_daemon.services.runs import RunScheduler
+from tenex_daemon.services.runs import RunScheduler, journal_key_for
 
 log = structlog.get_logger(__name__)
 
@@ -307,7 +307,10 @@ class Daemon:
         async def run(request: Any) -> None:
             await runner.run(request)
 
-        self.scheduler = RunScheduler(self.store, run, settings.daemon.max_concurrent_runs)
+        self.scheduler = RunScheduler(
+            self.store, run, settings.daemon.max_concurrent_runs,
+            journal_key=journal_key_for(project_signer.pubkey),
+        )
         self.dispatcher = EventDispatcher(
             manager,
             self.scheduler,

@@ -9,6 +9,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import structlog
 
@@ -18,6 +19,12 @@ from tenex_daemon.services.locks import KeyedLock
 log = structlog.get_logger(__name__)
 
 PENDING_RUNS_KEY = "runs.pending"
+
+
+def journal_key_for(daemon_id: str) -> str:
+    """The run journal's key of one daemon (its project key), so daemons sharing a store keep apart."""
+    return f"{PENDING_RUNS_KEY}.{daemon_id}"
+
 FINISHED_FLUSH_S = 1.0
 """A finished run is dropped from the stored journal within this long (with any write sooner)."""
 
@@ -51,10 +58,22 @@ class RunScheduler:
     already replied to its trigger is skipped. Journal writes are coalesced: a change waits
     for the write in flight, then one write covers every change made meanwhile. At most
     ``max_concurrent`` runs execute at once.
+
+    ``journal_key`` names the journal: daemons sharing one store (PostgreSQL) each need their
+    own (:func:`journal_key_for`). :meth:`recover` also takes over a journal left under the
+    shared ``runs.pending`` of earlier versions.
     """
 
-    def __init__(self, store: ConversationStore, run: RunFunction, max_concurrent: int = 8) -> None:
+    def __init__(
+        self,
+        store: ConversationStore,
+        run: RunFunction,
+        max_concurrent: int = 8,
+        *,
+        journal_key: str = PENDING_RUNS_KEY,
+    ) -> None:
         self._store = store
+        self.journal_key = journal_key
         self._run = run
         self._semaphore = asyncio.Semaphore(max_concurrent)
         self._conversation_locks = KeyedLock()
@@ -107,7 +126,7 @@ class RunScheduler:
                     future.set_result(None)
             # the store takes the write in before this task yields: the waiters just woken
             # run after it, so what they store next is ordered behind it
-            await self._store.set_meta(PENDING_RUNS_KEY, payload)
+            await self._store.set_meta(self.journal_key, payload)
             self._journal_written = version
 
     async def _write_journal_logged(self, wanted: int) -> None:
@@ -230,18 +249,26 @@ class RunScheduler:
 
     async def recover(self) -> list[RunRequest]:
         """Schedule the runs a previous process journaled but did not finish; return them."""
-        raw = await self._store.get_meta(PENDING_RUNS_KEY)
-        if not raw:
-            return []
+        entries = await self._read_journal(self.journal_key)
+        legacy = self.journal_key != PENDING_RUNS_KEY and bool(await self._store.get_meta(PENDING_RUNS_KEY))
+        if legacy:
+            entries += await self._read_journal(PENDING_RUNS_KEY)
         try:
-            entries = json.loads(raw)
-            redo = [str(item["dispatch"]) for item in entries if "dispatch" in item]
+            redo = list(dict.fromkeys(str(item["dispatch"]) for item in entries if "dispatch" in item))
             requests = [
                 replace(RunRequest(**item), recovered=True) for item in entries if "dispatch" not in item
             ]
         except (ValueError, TypeError, KeyError):
-            log.error("run_journal_unreadable", key=PENDING_RUNS_KEY)
+            log.error("run_journal_unreadable", key=self.journal_key)
             return []
+        if legacy:  # moved to this daemon's own journal, then the shared one is emptied
+            for event_id in redo:
+                self._dispatching[event_id] = None
+            for request in requests:
+                self._pending[self._key(request)] = request
+            await self._persist_journal()
+            await self._store.set_meta(PENDING_RUNS_KEY, "[]")
+            log.info("run_journal_moved", source=PENDING_RUNS_KEY, key=self.journal_key)
         for event_id in redo:
             self._dispatching[event_id] = None
         self._redo = redo
@@ -253,6 +280,19 @@ class RunScheduler:
         if redo:
             log.info("dispatches_recovered", count=len(redo))
         return requests
+
+    async def _read_journal(self, key: str) -> list[dict[str, Any]]:
+        raw = await self._store.get_meta(key)
+        if not raw:
+            return []
+        try:
+            entries = json.loads(raw)
+        except ValueError:
+            entries = None
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            log.error("run_journal_unreadable", key=key)
+            return []
+        return entries
 
     async def drain(self, grace_s: float) -> int:
         """Stop accepting, wait up to ``grace_s`` for runs, cancel the rest; return how many were cancelled.
