@@ -11,6 +11,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,6 +47,17 @@ async def wait_running(home: Path, proc: subprocess.Popen[bytes], log: Path, wit
     raise AssertionError(f"the daemon did not report running within {within}s:\n{output(log)}")
 
 
+async def send(home: Path, text: str, log: Path) -> list[dict[str, Any]]:
+    """`tenexd send TEXT --to planner --json`; assert it exits 0 and return its JSON lines."""
+    sender = await asyncio.create_subprocess_exec(
+        str(TENEXD), "--home", str(home), "send", text, "--to", "planner", "--timeout", "90", "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(sender.communicate(), 120)
+    assert sender.returncode == 0, err.decode() + output(log)
+    return [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+
+
 async def test_scripts_run_serves_a_demo_home_that_answers_tenexd_send(tmp_path: Path) -> None:
     """scripts/run creates the demo home, serves its embedded relay, and a planner reply reaches `tenexd send`;
     after the relay process is killed, the daemon starts it again and the next `send` is answered too."""
@@ -64,14 +76,7 @@ async def test_scripts_run_serves_a_demo_home_that_answers_tenexd_send(tmp_path:
         assert "tenexd --home" in printed
         assert "send" in printed
 
-        sender = await asyncio.create_subprocess_exec(
-            str(TENEXD), "--home", str(home), "send", "Plan a picnic for Saturday", "--to", "planner",
-            "--timeout", "90", "--json",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(sender.communicate(), 120)
-        assert sender.returncode == 0, err.decode() + output(log)
-        lines = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+        lines = await send(home, "Plan a picnic for Saturday", log)
         replies = [line for line in lines if "reply" in line]
         assert [r["agent"] for r in replies] == ["planner"]
         assert replies[0]["reply"]["content"]
@@ -92,14 +97,7 @@ async def test_scripts_run_serves_a_demo_home_that_answers_tenexd_send(tmp_path:
             await asyncio.sleep(0.2)
         assert status.get("embedded_relay_restarts") == 1, output(log)
         assert status.get("embedded_relay_pid") not in (None, relay_pid)
-        again = await asyncio.create_subprocess_exec(
-            str(TENEXD), "--home", str(home), "send", "And on Sunday?", "--to", "planner",
-            "--timeout", "90", "--json",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(again.communicate(), 120)
-        assert again.returncode == 0, err.decode() + output(log)
-        lines = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+        lines = await send(home, "And on Sunday?", log)
         assert [line["agent"] for line in lines if "reply" in line] == ["planner"]
 
         proc.send_signal(signal.SIGTERM)
