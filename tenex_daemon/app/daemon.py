@@ -35,7 +35,7 @@ from tenex_daemon.app.nostr_io import (
     profile_event,
 )
 from tenex_daemon.app.notify import SystemdNotifier
-from tenex_daemon.app.settings import Settings
+from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.app.status import write_status
 from tenex_daemon.app.wiring import (
     build_agent_profile,
@@ -56,9 +56,12 @@ from tenex_daemon.core.vocabulary import (
 from tenex_daemon.services.agent_runner import AgentRunner
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
-from tenex_daemon.services.runs import RunScheduler, journal_key_for
+from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler, journal_key_for
 
 log = structlog.get_logger(__name__)
+
+REDISPATCH_RETRY_S = (1.0, 10.0, 60.0)
+"""Waits before each retry of a dispatch interrupted by a crash that fails again."""
 
 SUBSCRIPTION_ID = "tenexd-mentions"
 RECEIVED_MEMORY = 10_000
@@ -307,9 +310,11 @@ class Daemon:
         async def run(request: Any) -> None:
             await runner.run(request)
 
+        # a home's files have one daemon (its lock); daemons sharing a database keep apart
+        shared = settings.storage.kind is StorageKind.POSTGRES
         self.scheduler = RunScheduler(
             self.store, run, settings.daemon.max_concurrent_runs,
-            journal_key=journal_key_for(project_signer.pubkey),
+            journal_key=journal_key_for(project_signer.pubkey) if shared else PENDING_RUNS_KEY,
         )
         self.dispatcher = EventDispatcher(
             manager,
@@ -416,16 +421,23 @@ class Daemon:
             self.metrics.event_rejected(reason)
 
     async def _redispatch(self, event_ids: list[str]) -> None:
-        """Finish the dispatches a crash interrupted (each may ask the orchestrator's model)."""
+        """Finish the dispatches a crash interrupted (each may ask the orchestrator's model); one
+        that keeps failing (``REDISPATCH_RETRY_S``) is logged and dropped, not retried at every start."""
         assert self.dispatcher is not None
         assert self.scheduler is not None
         for event_id in event_ids:
-            try:
-                await self.dispatcher.redispatch(event_id)
-            except Exception:  # not retried at every start: logged and dropped
-                self.errors["handler"] += 1
-                log.exception("redispatch_failed", event_id=event_id, action="dropped")
-                self.scheduler.dispatched(event_id, at_once=True)
+            for attempt, wait_s in enumerate((*REDISPATCH_RETRY_S, None), start=1):
+                try:
+                    await self.dispatcher.redispatch(event_id)
+                    break
+                except Exception:
+                    self.errors["handler"] += 1
+                    action = "dropped" if wait_s is None else f"retry in {wait_s:g} s"
+                    log.exception("redispatch_failed", event_id=event_id, attempt=attempt, action=action)
+                if wait_s is None:
+                    self.scheduler.dispatched(event_id, at_once=True)
+                else:
+                    await asyncio.sleep(wait_s)
 
     async def _after_reply(self, conversation_id: str, reply: Any) -> None:
         if self.dispatcher is not None:

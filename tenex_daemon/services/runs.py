@@ -22,7 +22,7 @@ PENDING_RUNS_KEY = "runs.pending"
 
 
 def journal_key_for(daemon_id: str) -> str:
-    """The run journal's key of one daemon (its project key), so daemons sharing a store keep apart."""
+    """The run journal's key of one daemon (its project key) in a store daemons share (PostgreSQL)."""
     return f"{PENDING_RUNS_KEY}.{daemon_id}"
 
 FINISHED_FLUSH_S = 1.0
@@ -60,8 +60,7 @@ class RunScheduler:
     ``max_concurrent`` runs execute at once.
 
     ``journal_key`` names the journal: daemons sharing one store (PostgreSQL) each need their
-    own (:func:`journal_key_for`). :meth:`recover` also takes over a journal left under the
-    shared ``runs.pending`` of earlier versions.
+    own (:func:`journal_key_for`).
     """
 
     def __init__(
@@ -250,9 +249,6 @@ class RunScheduler:
     async def recover(self) -> list[RunRequest]:
         """Schedule the runs a previous process journaled but did not finish; return them."""
         entries = await self._read_journal(self.journal_key)
-        legacy = self.journal_key != PENDING_RUNS_KEY and bool(await self._store.get_meta(PENDING_RUNS_KEY))
-        if legacy:
-            entries += await self._read_journal(PENDING_RUNS_KEY)
         try:
             redo = list(dict.fromkeys(str(item["dispatch"]) for item in entries if "dispatch" in item))
             requests = [
@@ -261,14 +257,7 @@ class RunScheduler:
         except (ValueError, TypeError, KeyError):
             log.error("run_journal_unreadable", key=self.journal_key)
             return []
-        if legacy:  # moved to this daemon's own journal, then the shared one is emptied
-            for event_id in redo:
-                self._dispatching[event_id] = None
-            for request in requests:
-                self._pending[self._key(request)] = request
-            await self._persist_journal()
-            await self._store.set_meta(PENDING_RUNS_KEY, "[]")
-            log.info("run_journal_moved", source=PENDING_RUNS_KEY, key=self.journal_key)
+        requests = list({self._key(r): r for r in requests}.values())
         for event_id in redo:
             self._dispatching[event_id] = None
         self._redo = redo

@@ -93,6 +93,8 @@ INDEX_FORMAT = 1
 BUCKET_CHARS = 3
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_BATCH_DELAY = 0.0
+LOAD_ATTEMPTS = 5
+"""Reads of a conversation folder before a load gives up on appends that keep landing."""
 AUX_FLUSH_INTERVAL = 2.0
 """Seconds between writes of derived lines (index records, event-id buckets): they are not
 needed for durability, and one write per file per round keeps them off the commit path."""
@@ -438,7 +440,8 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
     acknowledged before the fsync that covers it. Event-id bucket lines are written before
     the journal and not cut back (derived lines are written to them concurrently, and a stray
     id line there only marks an id processed). A log write that fails after the journal
-    (a full disk) fails its ops and is cut back; a later open would replay it from the journal.
+    (a full disk) fails its ops and is cut back; its frame stays, so a crash before the next
+    checkpoint would bring those ops back on open (appended, rescanned).
     """
     appends: dict[Path, list[_Op]] = {}
     replaces: dict[Path, list[_Op]] = {}
@@ -525,11 +528,12 @@ def _apply_journaled(journal: Journal, ops: list[_Op]) -> None:
                 for _, _, group, _ in written:
                     for op in group:
                         op.error = exc
-                for fd, _, group, _ in logs:
-                    os.close(fd)
+                unwritten, logs = logs, []
+                for fd, _, group, _ in unwritten:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
                     for op in group:
                         op.error = exc
-                logs = []
                 for op in forgotten:
                     op.error = exc
                 for op, tmp, _ in created:
@@ -1309,7 +1313,10 @@ class FileSystemStore:
                     future.set_result(None)
             if self._journal is not None and self._journal.size > JOURNAL_LIMIT:
                 try:
-                    await asyncio.to_thread(self._journal.checkpoint)
+                    # on the commit thread: never beside a commit made while closing
+                    await asyncio.get_running_loop().run_in_executor(
+                        _commit_thread(), self._journal.checkpoint
+                    )
                 except OSError:
                     log.exception("journal_checkpoint_failed")  # the journal keeps covering them
             if self._queue:
@@ -1553,18 +1560,24 @@ class FileSystemStore:
         entry = self._entries.get(conversation_id)
         if entry is None:
             return None
-        folder = self._folder(conversation_id, entry.archived)
-        try:
-            scanned = await asyncio.to_thread(
-                _scan_folder, folder, conversation_id, self.corrupt_dir, parse_events=True
-            )
-        except FileNotFoundError:
-            log.error("conversation_files_missing", conversation_id=conversation_id)
-            return None
-        # a racing load may have filled the cache while this one read the disk
-        cached = self._cache.get(conversation_id)
-        if cached is not None:
-            return cached
+        for _ in range(LOAD_ATTEMPTS):
+            folder = self._folder(conversation_id, entry.archived)
+            try:
+                scanned = await asyncio.to_thread(
+                    _scan_folder, folder, conversation_id, self.corrupt_dir, parse_events=True
+                )
+            except FileNotFoundError:
+                log.error("conversation_files_missing", conversation_id=conversation_id)
+                return None
+            # a racing load may have filled the cache while this one read the disk
+            cached = self._cache.get(conversation_id)
+            if cached is not None:
+                return cached
+            if scanned.actions or scanned.log_size >= entry.log_size:
+                break
+            # an append was acknowledged after its line was read past: read the folder again
+        else:
+            raise OSError(errno.EAGAIN, f"conversation {conversation_id} kept changing while it was read")
         assert scanned.state is not None
         self.recovery.extend(scanned.actions)
         conversation = Conversation.from_state(scanned.state, scanned.events)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -562,3 +563,38 @@ async def test_a_log_gets_its_lines_only_after_the_journal_holds_them(
 
     ids, _ = await history_ids(home, conversation.id)
     assert ids == [conversation.id, reply.id]
+
+
+async def test_a_load_racing_an_append_never_caches_a_history_without_it(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that reads the log during an append's journal fsync reads it again: the event acknowledged meanwhile is kept."""
+    store = await open_batch(tmp_path / "home")
+    conversation = await start(store, cast)
+    store._cache.clear()  # the next load reads the folder
+    real_write, real_scan = journal.Journal.write, filesystem._scan_folder
+    reads = [0]
+
+    def slow_write(self: journal.Journal, *args: Any, **kwargs: Any) -> None:
+        time.sleep(0.2)  # a slow journal fsync
+        real_write(self, *args, **kwargs)
+
+    def slow_scan(*args: Any, **kwargs: Any) -> Any:
+        reads[0] += 1
+        scanned = real_scan(*args, **kwargs)
+        time.sleep(0.4)  # a long log being parsed
+        return scanned
+
+    monkeypatch.setattr(journal.Journal, "write", slow_write)
+    monkeypatch.setattr(filesystem, "_scan_folder", slow_scan)
+    second = cast.alice_says("acknowledged while the log was read")
+    appending = asyncio.create_task(store.append_event(conversation.id, second))
+    await asyncio.sleep(0.05)  # the group is in its journal fsync
+    loaded = await store.load(conversation.id)
+    await appending
+    again = await store.load(conversation.id)
+    assert loaded is not None
+    assert again is not None
+    assert second.id in [e.id for e in again.history]
+    assert reads[0] == 2
+    await store.close()
