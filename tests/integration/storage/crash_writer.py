@@ -46,7 +46,9 @@ async def main(home: str, policy: FsyncPolicy) -> None:
         n = int(conversation.metadata.extra.get("n", 0))
         while True:
             n += 1
-            event = sign_event(keys, f"{conversation_id[:8]} #{n} " + "x" * (n % 300))
+            # the pid: a writer restarted within the same second (ids have whole-second times)
+            # from an older snapshot's n must not make the previous writer's events again
+            event = sign_event(keys, f"{conversation_id[:8]} #{n} {os.getpid()} " + "x" * (n % 300))
             await store.append_event(conversation_id, event)
             say(f"A {conversation_id} {event.id}")
             if n % 7 == 0:
