@@ -104,11 +104,6 @@ class RunScheduler:
         """Runs scheduled and not finished (waiting or running)."""
         return len(self._tasks)
 
-    async def _persist_journal(self) -> None:
-        """Return once the stored journal holds every change made before this call."""
-        self._journal_version += 1
-        await self._write_journal(self._journal_version)
-
     async def _write_journal(self, wanted: int) -> None:
         async with self._journal_lock:
             if self._journal_written >= wanted:
@@ -153,9 +148,7 @@ class RunScheduler:
             return
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._start_waiters.append((wanted, started))
-        write = asyncio.create_task(self._write_journal_logged(wanted), name="run journal write")
-        self._writes.add(write)
-        write.add_done_callback(self._writes.discard)
+        write = self._start_write(wanted)
         write.add_done_callback(lambda done: _fail_waiter(done, started))
         await started
 
@@ -196,15 +189,16 @@ class RunScheduler:
         return True
 
     def _write_journal_soon(self) -> None:
-        task = asyncio.create_task(self._persist_journal_logged(), name="run journal write")
+        """Start a write covering every change made so far (tracked: :meth:`journaled` waits for it)."""
+        self._journal_version += 1
+        self._start_write(self._journal_version)
+
+    def _start_write(self, wanted: int) -> asyncio.Task[None]:
+        task = asyncio.create_task(self._write_journal_logged(wanted), name="run journal write")
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
-
-    async def _persist_journal_logged(self) -> None:
-        try:
-            await self._persist_journal()
-        except Exception:
-            log.exception("run_journal_write_failed")
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())  # logged already
+        return task
 
     async def journaled(self) -> None:
         """Return once every run submitted so far is in the stored journal (or its write failed)."""

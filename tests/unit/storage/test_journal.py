@@ -54,6 +54,17 @@ def crash_copy(home: Path, target: Path) -> Path:
     return target
 
 
+async def title_after_reopening(home: Path, conversation_id: str) -> str | None:
+    """Open ``home`` (a crash copy: its journal is replayed) and return the conversation's title."""
+    reopened = FileSystemStore(home, fsync="batch")
+    await reopened.open()
+    try:
+        loaded = await reopened.load(conversation_id)
+        return None if loaded is None else loaded.title
+    finally:
+        await reopened.close()
+
+
 def journal_files(home: Path) -> list[str]:
     """Names of the journal files present."""
     folder = home / "conversations" / JOURNAL_DIR
@@ -433,14 +444,7 @@ async def test_a_stale_snapshot_is_restored_from_the_journal(tmp_path: Path, cas
     await store.close()
     (copy / "conversations" / conversation.id / "state.json").write_bytes(old_state)
 
-    reopened = FileSystemStore(copy, fsync="batch")
-    await reopened.open()
-    try:
-        loaded = await reopened.load(conversation.id)
-        assert loaded is not None
-        assert loaded.title == "Newest title"
-    finally:
-        await reopened.close()
+    assert await title_after_reopening(copy, conversation.id) == "Newest title"
 
 
 async def test_a_failed_journal_write_removes_the_created_folder(
@@ -504,14 +508,7 @@ async def test_a_snapshot_saved_while_closing_is_not_undone_by_replay(tmp_path: 
     store._closing = False
     await store.close()
 
-    reopened = FileSystemStore(copy, fsync="batch")
-    await reopened.open()
-    try:
-        loaded = await reopened.load(conversation.id)
-        assert loaded is not None
-        assert loaded.title == "saved while closing"
-    finally:
-        await reopened.close()
+    assert await title_after_reopening(copy, conversation.id) == "saved while closing"
 
 
 async def test_readers_never_see_a_value_being_replaced(tmp_path: Path) -> None:
