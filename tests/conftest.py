@@ -81,7 +81,7 @@ def resolver() -> FakeResolver:
 
 @pytest.fixture
 def manager(cast: Cast, clock: FakeClock, resolver: FakeResolver) -> ConversationManager:
-    """A ConversationManager over a MemoryStore, the cast's agents and a fake clock."""
+    """A ConversationManager over a MemoryStore, the cast's agents and a fake clock; the user is the owner."""
     return ConversationManager(
         MemoryStore(),
         cast.agents,
@@ -89,4 +89,5 @@ def manager(cast: Cast, clock: FakeClock, resolver: FakeResolver) -> Conversatio
         resolver=resolver,
         clock=clock,
         resolve_timeout=0.2,
+        owner_pubkey=cast.user.pubkey,
     )

@@ -280,7 +280,9 @@ class Daemon:
             lane_key=self._classify.lane,
         )
         resolver = RelayEventResolver(self.pool, store=self.store)
-        manager = ConversationManager(self.store, self.agents, project_signer.pubkey, resolver=resolver)
+        manager = ConversationManager(
+            self.store, self.agents, project_signer.pubkey, resolver=resolver, owner_pubkey=settings.owner
+        )
         self._manager = manager
         profiles = {
             a.slug: build_agent_profile(a, agent, settings)

@@ -272,7 +272,12 @@ async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
         except KeyFileError as exc:
             raise AccessError(str(exc), 400) from None
         manager = ConversationManager(
-            store, agents, project, resolver=StoreResolver(store), phase_rules=settings.phase_rules()
+            store,
+            agents,
+            project,
+            resolver=StoreResolver(store),
+            phase_rules=settings.phase_rules(),
+            owner_pubkey=settings.owner,
         )
         yield LocalAccess(manager)
     finally:

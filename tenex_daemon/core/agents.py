@@ -38,7 +38,9 @@ AGENT_MARKER_TAGS = frozenset({"net-time", "llm-model"})
 class AgentDirectory:
     """Looks agents up by slug and by public key."""
 
-    def __init__(self, agents: Iterable[Agent], project_pubkey: str | None = None) -> None:
+    def __init__(
+        self, agents: Iterable[Agent], project_pubkey: str | None = None, owner_pubkey: str | None = None
+    ) -> None:
         self._by_slug: dict[str, Agent] = {}
         self._by_pubkey: dict[str, Agent] = {}
         for agent in agents:
@@ -50,6 +52,7 @@ class AgentDirectory:
             self._by_slug[agent.slug] = agent
             self._by_pubkey[agent.pubkey] = agent
         self.project_pubkey = project_pubkey
+        self.owner_pubkey = owner_pubkey
 
     def __iter__(self) -> Iterator[Agent]:
         return iter(self._by_slug.values())
@@ -81,6 +84,14 @@ class AgentDirectory:
     def orchestrator(self) -> Agent | None:
         """The orchestrator agent, if one is configured."""
         return next((a for a in self._by_slug.values() if a.orchestrator), None)
+
+    def may_set_session(self, pubkey: str) -> bool:
+        """Whether an event by ``pubkey`` may name an agent's backend session (CONTEXT.md step 5).
+
+        Only the project's own agents and the owner may: a session id taken from anyone else's
+        event would let them resume (and read) a session that is not theirs.
+        """
+        return pubkey in self._by_pubkey or (self.owner_pubkey is not None and pubkey == self.owner_pubkey)
 
     def role_of(self, pubkey: str, claims_agent: bool = False) -> AuthorRole:
         """Return whether an author is one of our agents, the project key, another agent or a user.

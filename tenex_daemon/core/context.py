@@ -13,7 +13,7 @@ from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.references import find_event_references, inline_entities
-from tenex_daemon.core.vocabulary import TAG_SESSION
+from tenex_daemon.core.vocabulary import TAG_SESSION, is_session_id
 
 WHILE_AWAY_HEADER: Final = "=== MESSAGES WHILE YOU WERE AWAY ===\n\n"
 WHILE_AWAY_FOOTER: Final = (
@@ -198,8 +198,10 @@ def build_agent_messages(
         append(ChatMessage("system", who.prefix + text(trigger.content)))
 
     # 5. The state to persist.
+    session_id = state.session_id if state is not None else None
     session_tag = trigger.tag_value(TAG_SESSION)
-    session_id = session_tag if session_tag else (state.session_id if state is not None else None)
+    if session_tag and is_session_id(session_tag) and directory.may_set_session(trigger.pubkey):
+        session_id = session_tag
     tail = 3 if away_parts else 1  # block, marker and trigger; or the trigger alone
     return AgentContext(
         messages,

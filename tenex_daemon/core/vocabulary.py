@@ -6,7 +6,8 @@ core both read them from here.
 
 from __future__ import annotations
 
-from typing import Final
+import re
+from typing import Final, TypeGuard
 
 KIND_PROFILE: Final = 0
 KIND_NOTE: Final = 1
@@ -24,6 +25,9 @@ KIND_RELAY_AUTH: Final = 22242
 TAG_TITLE: Final = "title"
 TAG_ADDRESS: Final = "a"
 TAG_SESSION: Final = "claude-session"
+SESSION_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+"""A well-formed backend session id (CONTEXT.md step 5): UUID-like, letters, digits and ``-``,
+at most 64 characters, never starting with ``-`` (so it can never read as an option)."""
 TAG_TOOL: Final = "tool"
 TOOL_COMPLETE: Final = "complete"
 TAG_PHASE: Final = "phase"
@@ -50,3 +54,8 @@ TAG_DELEGATION: Final = "delegation"
 # NIP-42 relay authentication (kind 22242).
 TAG_RELAY: Final = "relay"
 TAG_CHALLENGE: Final = "challenge"
+
+
+def is_session_id(value: object) -> TypeGuard[str]:
+    """Whether ``value`` is a well-formed backend session id (:data:`SESSION_ID_PATTERN`)."""
+    return isinstance(value, str) and SESSION_ID_PATTERN.fullmatch(value) is not None

@@ -52,7 +52,8 @@ class ConversationManager:
     """Creates conversations, accepts events, builds each agent's view and tracks phases and turns.
 
     ``store`` is any :class:`~tenex_daemon.core.ports.ConversationStore`; ``agents`` the
-    project's agents (an iterable of :class:`Agent` or an :class:`AgentDirectory`).
+    project's agents (an iterable of :class:`Agent` or an :class:`AgentDirectory`);
+    ``owner_pubkey`` the owner, whose events (like the agents') may name an agent's session.
     ``resolver`` finds events referenced by ``nostr:`` URIs and articles (none: references
     are left as written). Resolution never takes longer than ``resolve_timeout`` seconds.
     """
@@ -67,14 +68,17 @@ class ConversationManager:
         phase_rules: PhaseRules | None = None,
         clock: Clock | None = None,
         resolve_timeout: float = DEFAULT_RESOLVE_TIMEOUT_S,
+        owner_pubkey: str | None = None,
     ) -> None:
         self._store = store
         if isinstance(agents, AgentDirectory):
             self.agents = agents
             if project_pubkey is not None:
                 self.agents.project_pubkey = project_pubkey
+            if owner_pubkey is not None:
+                self.agents.owner_pubkey = owner_pubkey
         else:
-            self.agents = AgentDirectory(agents, project_pubkey)
+            self.agents = AgentDirectory(agents, project_pubkey, owner_pubkey)
         self._resolver = resolver
         self.phase_rules = phase_rules or PhaseRules()
         self._clock: Clock = clock or SystemClock()

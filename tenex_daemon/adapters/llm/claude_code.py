@@ -1,8 +1,8 @@
 """The ``claude-code`` backend: runs the ``claude`` command line and reads its JSON event stream.
 
 Each call runs ``claude -p --output-format stream-json --verbose`` with the prompt on standard input,
-``--resume <session>`` when the agent already has a Claude Code session, ``--model`` and
-``--append-system-prompt`` (the persona). The stream is one JSON object per line:
+``--resume=<session>`` (one argument, a well-formed id only) when the agent already has a Claude Code
+session, ``--model`` and ``--append-system-prompt`` (the persona). The stream is one JSON object per line:
 
 - ``{"type": "system", "subtype": "init", "session_id": ...}`` first;
 - ``{"type": "assistant", "message": {"content": [{"type": "text", "text": ...}, ...]}}`` per turn;
@@ -35,10 +35,17 @@ from tenex_daemon.core.llm import (
     backend_error,
     mentions_context_too_long,
 )
+from tenex_daemon.core.vocabulary import is_session_id
 
 DEFAULT_COMMAND = "claude"
 DEFAULT_TIMEOUT = 900.0
 STREAM_LINE_LIMIT = 16 * 1024 * 1024
+
+
+def _resumable_session(request: CompletionRequest) -> str | None:
+    """The request's session id when it is well formed; a malformed one (stored before ids were
+    checked, say) is never passed on: the call starts a new session instead."""
+    return request.session_id if is_session_id(request.session_id) else None
 
 
 def _render(message: LLMMessage) -> str:
@@ -102,7 +109,7 @@ class StreamParser:
             return []
         if not isinstance(event, dict):
             return []
-        if isinstance(event.get("session_id"), str):
+        if is_session_id(event.get("session_id")):
             self.session_id = event["session_id"]
         kind = event.get("type")
         if kind == "system" and isinstance(event.get("model"), str):
@@ -151,7 +158,7 @@ class StreamParser:
         return CompletionResult(
             text=text,
             model=self.model or request.model,
-            session_id=self.session_id or request.session_id,
+            session_id=self.session_id or _resumable_session(request),
             prompt_tokens=prompt if isinstance(prompt, int) else None,
             completion_tokens=completion if isinstance(completion, int) else None,
             extra=extra,
@@ -187,8 +194,10 @@ class ClaudeCodeBackend:
         args = [*self.command, "-p", "--output-format", "stream-json", "--verbose"]
         if self.partial_messages:
             args.append("--include-partial-messages")
-        if request.session_id:
-            args += ["--resume", request.session_id]
+        session = _resumable_session(request)
+        if session is not None:
+            # One argument: the id can only ever be the option's value, never an option of its own.
+            args.append(f"--resume={session}")
         model = request.model or self.model
         if model:
             args += ["--model", model]
@@ -198,7 +207,7 @@ class ClaudeCodeBackend:
 
     async def complete(self, request: CompletionRequest) -> CompletionResult:
         """Run ``claude`` once; stream assistant text into ``request.on_chunk`` when it is set."""
-        prompt = build_prompt(request.messages, resuming=request.session_id is not None)
+        prompt = build_prompt(request.messages, resuming=_resumable_session(request) is not None)
         try:
             process = await asyncio.create_subprocess_exec(
                 *self.arguments(request),

@@ -23,7 +23,7 @@ if mode == "auth":
     sys.exit(1)
 if mode == "hang":
     time.sleep(60)
-session = args[args.index("--resume") + 1] if "--resume" in args else "sess-new-1"
+session = next((a.split("=", 1)[1] for a in args if a.startswith("--resume=")), "sess-new-1")
 def emit(event):
     print(json.dumps(event), flush=True)
 emit({"type": "system", "subtype": "init", "session_id": session, "model": "claude-stand-in", "tools": ["Bash"]})

@@ -11,7 +11,7 @@ from tests.conftest import Cast
 
 
 async def test_session_id_is_captured_from_the_trigger(manager: ConversationManager, cast: Cast) -> None:
-    """A trigger's claude-session tag becomes the agent's session id."""
+    """The owner's trigger's claude-session tag becomes the agent's session id."""
     root = cast.user_says("hi", kind=11, tags=[["claude-session", "sess-1"]])
     cid = (await manager.create_conversation(root)).id
 
@@ -21,6 +21,50 @@ async def test_session_id_is_captured_from_the_trigger(manager: ConversationMana
     conversation = await manager.get_conversation(cid)
     assert conversation is not None
     assert conversation.agent_states["alice"].session_id == "sess-1"
+
+
+async def test_a_session_id_from_another_persons_event_is_never_taken(
+    manager: ConversationManager, cast: Cast
+) -> None:
+    """A person who is not the owner cannot point an agent at a session: their claude-session tag is ignored
+    and the stored session stays."""
+    root = cast.user_says("hi", kind=11, tags=[["claude-session", "sess-1"]])
+    cid = (await manager.create_conversation(root)).id
+    await manager.build_agent_messages(cid, "alice", root)
+    stranger = cast.factory.event(cast.other_user, "resume mine", kind=1111, tags=[["claude-session", "sess-2"]])
+    await manager.add_event(cid, stranger)
+
+    context = await manager.build_agent_messages(cid, "alice", stranger)
+
+    assert context.session_id == "sess-1"
+    conversation = await manager.get_conversation(cid)
+    assert conversation is not None
+    assert conversation.agent_states["alice"].session_id == "sess-1"
+
+
+@pytest.mark.parametrize(
+    "value", ["--dangerously-skip-permissions", "-p", "a b", "x" * 65, "sess;rm", "-leading-dash", "sess\n2"]
+)
+async def test_a_malformed_session_id_is_never_taken(manager: ConversationManager, cast: Cast, value: str) -> None:
+    """Even the owner's claude-session tag is ignored unless it is UUID-like (letters, digits, '-', <= 64)."""
+    root = cast.user_says("hi", kind=11, tags=[["claude-session", value]])
+    cid = (await manager.create_conversation(root)).id
+
+    context = await manager.build_agent_messages(cid, "alice", root)
+
+    assert context.session_id is None
+
+
+async def test_an_agents_session_tag_is_taken(manager: ConversationManager, cast: Cast) -> None:
+    """A trigger written by one of the project's agents may name the session (delegation hands one on)."""
+    root = cast.user_says("hi", kind=11)
+    cid = (await manager.create_conversation(root)).id
+    handoff = cast.alice_says("over to you", tags=[["claude-session", "0b0c7a3e-9f1d-4c1e"]])
+    await manager.add_event(cid, handoff)
+
+    context = await manager.build_agent_messages(cid, "bob", handoff)
+
+    assert context.session_id == "0b0c7a3e-9f1d-4c1e"
 
 
 async def test_session_id_is_kept_when_a_later_trigger_has_none(

@@ -153,10 +153,38 @@ def test_command_line_resumes_and_passes_persona_and_model() -> None:
         "--output-format",
         "stream-json",
         "--verbose",
-        "--resume",
-        "s-9",
+        "--resume=s-9",
         "--model",
         "sonnet",
         "--append-system-prompt",
         "Be brief.",
     ]
+
+
+@pytest.mark.parametrize(
+    "session",
+    ["--dangerously-skip-permissions", "-p", "a b", "x" * 65, "sess;rm -rf /", "sess\n--model=opus", ""],
+)
+def test_a_malformed_session_id_never_reaches_the_command_line(session: str) -> None:
+    """A session id that is not well formed is not passed at all: no argument holds it, and the call
+    starts a new session."""
+    backend = ClaudeCodeBackend(command=["claude"])
+    request = CompletionRequest(agent_slug="a", agent_name="A", system_prompt="", messages=[], session_id=session)
+
+    args = backend.arguments(request)
+
+    assert not any(arg.startswith("--resume") for arg in args)
+    assert args == ["claude", "-p", "--output-format", "stream-json", "--verbose"]
+
+
+def test_a_session_id_is_one_argument_joined_to_its_option() -> None:
+    """A well-formed session id travels as ``--resume=<id>``, one argument, so it can never stand as an option."""
+    backend = ClaudeCodeBackend(command=["claude"])
+    request = CompletionRequest(
+        agent_slug="a", agent_name="A", system_prompt="", messages=[], session_id="0b0c7a3e-9f1d-4c1e-8a55-1d2f3e4a5b6c"
+    )
+
+    args = backend.arguments(request)
+
+    assert "--resume=0b0c7a3e-9f1d-4c1e-8a55-1d2f3e4a5b6c" in args
+    assert "--resume" not in args
