@@ -1,16 +1,30 @@
-"""Benchmark: tenexd's reply overhead (event in -> reply out, offline backend) over a real relay.
+"""Benchmark: what tenexd costs per reply (CPU, and latency over the relay's own round trip).
 
-The daemon runs as deployed with ``--embedded-relay``: a process of its own, nostr-sdk's LocalRelay in a
-child of it; the clients run in the benchmark's process. One run measures, through that relay on
-127.0.0.1:
+The relay is nostr-sdk's LocalRelay with its in-memory database, in a process of its own
+(``benchmarks/memory_relay.py``): no Python runs in it, so it is the floor, not the bottleneck
+(the embedded relay's LMDB database calls back into Python for every event, which at 100
+concurrent conversations measured the relay rather than tenexd). The daemon runs in a process
+of its own, as ``tenexd run`` does (default settings, offline backend, a fresh home), connected
+to that relay; a person's clients run in the benchmark's process, kept lean
+(``benchmarks/relay_client.py``: events signed before the clock starts, no signature checks), so
+that the round trips measure the relay and not the client. Each run starts a fresh relay and
+daemon and measures, through 127.0.0.1:
+
 - the relay's own round trip: a client publishes an event and receives it back on its
-  subscription (the floor every reply pays twice: request in, reply out);
-- the reply latency: a client publishes a kind-11 p-tagging an agent and waits for the
-  agent's kind-1111 reply, with 1 conversation at a time and with 100 at once.
-Overhead = reply latency - 2 x the relay round trip (p50 and p99). Targets: p50 < 10 ms,
-p99 < 50 ms over that floor. The same runs also give the time spent inside tenexd, from the
-trigger taken in from the relay to the reply sent to it (the daemon's own reply-latency
-measure, also in `tenexd status` and /metrics), which leaves the relay out entirely.
+  subscription (the floor every reply pays twice: request in, reply out), one at a time and
+  ``--concurrent`` at once; also publish -> another connection;
+- the reply latency: a client publishes a kind 11 p-tagging an agent and waits for the agent's
+  kind-1111 reply, one conversation at a time and ``--concurrent`` at once;
+- overhead = reply latency - 2 x relay round trip at the same load (p50 and p99 each);
+- daemon CPU per reply: the daemon process's CPU time (every thread), read by the process
+  itself before and after each batch of replies, over the replies; the relay's likewise, from
+  /proc (10 ms ticks);
+- inside tenexd: trigger taken in from the relay -> reply sent to it, the daemon's own measure
+  (``tenexd status``, /metrics), which leaves the relay out entirely.
+
+Targets: daemon CPU per reply <= 2 ms; overhead at 1 conversation p50 < 5 ms, p99 < 20 ms; at
+100 concurrent p50 < 20 ms, p99 < 80 ms. ``--runs N`` (default 3) repeats the whole, printing
+each run, then each figure of every run and their median.
 """
 
 from __future__ import annotations
@@ -18,85 +32,63 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
+import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from benchmarks.common import print_table
-from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool
+import tenex_daemon
+from benchmarks.common import emit_figures, print_table
+from benchmarks.memory_relay import MemoryRelay
+from benchmarks.relay_client import BenchClient, Prepared
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.daemon import Daemon
-from tenex_daemon.app.embedded_relay import EmbeddedRelay
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.settings import load_settings
 
 LOG_LEVEL = 40
-TIMEOUT_S = 30.0
 FSYNC = "batch"
+SETTLE_S = 0.2
+"""Wait after a batch's last reply: its OK, typing indicator and journal writes count in the batch's CPU."""
 
 
 def percentile(samples: list[float], q: float) -> float:
-    """Return the q-quantile (0..1) of the samples, nearest rank."""
+    """Return the q-quantile (0..1) of the samples, nearest rank (the median for 0.5)."""
+    if q == 0.5:
+        return statistics.median(samples)
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-class Client:
-    """A person's client: publishes and waits for events by id (roots) or by thread (replies)."""
-
-    def __init__(self, url: str, signer: Signer) -> None:
-        self.signer = signer
-        self.waiters: dict[str, asyncio.Future[float]] = {}
-        self.sent = 0
-        self.pool = RelayPool([url], on_event=self._on_event, settings=PoolSettings(publish_timeout=30.0))
-
-    async def _on_event(self, received: ReceivedEvent) -> None:
-        event = received.event
-        key = event.tag_value("E") if event.kind == 1111 else event.id
-        future = self.waiters.get(key or "")
-        if future is not None and not future.done():
-            future.set_result(time.perf_counter())
-
-    async def round_trip(
-        self, kind: int, content: str, tags: list[list[str]], *, listener: Client | None = None
-    ) -> float:
-        """Publish and return seconds until the answer arrives: the echo, or a reply in its thread.
-
-        With ``listener`` the echo is awaited on that client's own connection instead.
-        """
-        self.sent += 1  # identical events in one second would share an id
-        event = self.signer.sign(kind, f"{content} #{self.sent}", tags)
-        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        waiters = (listener or self).waiters
-        waiters[event.id] = future
-        started = time.perf_counter()
-        await self.pool.publish(event)
-        answered = await asyncio.wait_for(future, TIMEOUT_S)
-        del waiters[event.id]
-        return answered - started
-
-
 class DaemonProcess:
-    """The daemon as deployed (``tenexd run --embedded-relay``): a process of its own, its relay
-    in a child of that, and the bench's clients in this one; a pipe asks it for its latencies."""
+    """The daemon in a process of its own (as ``tenexd run``), connected to the benchmark's relay;
+    the benchmark's clients run in this one and a pipe asks the daemon for its own figures."""
 
-    def __init__(self, home_parent: Path, fsync: str) -> None:
+    def __init__(self, home_parent: Path, relay_url: str, fsync: str) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=_daemon_main, args=(child, str(home_parent), fsync), daemon=True
+            target=_daemon_main, args=(child, str(home_parent), relay_url, fsync), daemon=True
         )
+        self.code = ""
+        """Where the daemon process imported tenexd from (a before/after comparison checks it)."""
 
-    async def start(self) -> tuple[str, Path, str]:
-        """Start it; return the relay URL, the owner's key file and the planner's pubkey."""
+    async def start(self) -> tuple[Path, str]:
+        """Start it; return the owner's key file and the planner's pubkey once it serves."""
         self._process.start()
-        url, key_file, planner = await self._ask(None)
-        return str(url), Path(key_file), str(planner)
+        answer = await self._ask(None)
+        if isinstance(answer, str):
+            raise RuntimeError(answer)
+        key_file, planner, self.code = answer
+        return Path(key_file), str(planner)
 
     async def _ask(self, command: str | None) -> Any:
         if command is not None:
@@ -108,132 +100,248 @@ class DaemonProcess:
         found: list[float] = await self._ask("latencies")
         return found
 
+    async def cpu_seconds(self) -> float:
+        """CPU time the daemon process has used so far (user + system, every thread)."""
+        found: float = await self._ask("cpu")
+        return found
+
     async def stop(self) -> None:
         """Stop the daemon (it drains) and wait for the process."""
         await self._ask("stop")
         await asyncio.to_thread(self._process.join, 30)
 
 
-def _daemon_main(conn: Connection, home_parent: str, fsync: str) -> None:
+def _daemon_main(conn: Connection, home_parent: str, relay_url: str, fsync: str) -> None:
+    profile_to = os.environ.get("TENEX_BENCH_PROFILE")
+    if not profile_to:
+        asyncio.run(_run_daemon(conn, Path(home_parent), relay_url, fsync))
+        return
+    import cProfile  # the daemon's own profile, for finding where its CPU per reply goes
 
-    asyncio.run(_run_daemon(conn, Path(home_parent), fsync))
+    with cProfile.Profile() as profile:
+        asyncio.run(_run_daemon(conn, Path(home_parent), relay_url, fsync))
+    profile.dump_stats(profile_to)
 
 
-async def _run_daemon(conn: Connection, home_parent: Path, fsync: str) -> None:
+async def _run_daemon(conn: Connection, home_parent: Path, relay_url: str, fsync: str) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(LOG_LEVEL))
-    relay = EmbeddedRelay(home_parent / "relay", port=_free_port())
-    await relay.start()
-    result = init_home(home_parent / "home", relays=[relay.url])
+    result = init_home(home_parent / "home", relays=[relay_url])
     env = {"TENEX_DAEMON__HEARTBEAT_INTERVAL_S": "3600", "TENEX_STORAGE__FSYNC": f'"{fsync}"'}
     daemon = Daemon(load_settings(result.home, env))
     task = asyncio.create_task(daemon.run())
-    await daemon.wait_ready()
+    ready = asyncio.create_task(daemon.wait_ready())
+    await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        ready.cancel()
+        conn.send(f"the daemon stopped before serving: {task.exception()!r}")
+        return
     planner = next(a.pubkey for a in result.agents if a.label == "planner")
-    conn.send((relay.url, str(result.owner.key_file), planner))
+    conn.send((str(result.owner.key_file), planner, str(Path(tenex_daemon.__file__).parent)))
     while True:
         command = await asyncio.to_thread(conn.recv)
         if command == "latencies":
             conn.send(daemon.reply_latencies())
-            continue
-        daemon.request_stop()
-        await task
-        await asyncio.to_thread(relay.stop)
-        conn.send("stopped")
-        return
+        elif command == "cpu":
+            conn.send(time.process_time())
+        else:
+            daemon.request_stop()
+            await task
+            conn.send("stopped")
+            return
 
 
-async def main(samples: int, concurrent: int, fsync: str = FSYNC) -> None:
-    """Start a daemon (and its relay) in a process of their own, measure from here, print the table."""
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(LOG_LEVEL))
+@dataclass
+class Load:
+    """One load level: the relay's round trips and the replies measured at it."""
+
+    label: str
+    floor: list[float] = field(default_factory=list)
+    replies: list[float] = field(default_factory=list)
+    inside: list[float] = field(default_factory=list)
+    daemon_cpu_s: float = 0.0
+    relay_cpu_s: float = 0.0
+
+    def overhead(self, q: float) -> float:
+        """Reply latency over twice the relay round trip at quantile ``q``, seconds."""
+        return percentile(self.replies, q) - 2 * percentile(self.floor, q)
+
+
+@dataclass
+class Run:
+    """What one run measured."""
+
+    apart: list[float]
+    loads: tuple[Load, Load]
+    code: str = ""
+
+    def figures(self) -> dict[str, float]:
+        """The headline figures of this run, in milliseconds."""
+        single, many = self.loads
+        replies = len(single.replies) + len(many.replies)
+        found = {
+            "daemon CPU per reply": (single.daemon_cpu_s + many.daemon_cpu_s) / replies * 1e3,
+            "relay CPU per reply": (single.relay_cpu_s + many.relay_cpu_s) / replies * 1e3,
+        }
+        for load in self.loads:
+            found[f"overhead p50, {load.label}"] = load.overhead(0.5) * 1e3
+            found[f"overhead p99, {load.label}"] = load.overhead(0.99) * 1e3
+        for load in self.loads:
+            found[f"relay round trip p50, {load.label}"] = percentile(load.floor, 0.5) * 1e3
+            found[f"relay round trip p99, {load.label}"] = percentile(load.floor, 0.99) * 1e3
+        for load in (each for each in self.loads if each.inside):
+            found[f"inside tenexd p50, {load.label}"] = percentile(load.inside, 0.5) * 1e3
+            found[f"inside tenexd p99, {load.label}"] = percentile(load.inside, 0.99) * 1e3
+        return found
+
+
+TARGETS_MS = {
+    "daemon CPU per reply": 2.0,
+    "overhead p50, 1 conversation": 5.0,
+    "overhead p99, 1 conversation": 20.0,
+    "overhead p50, 100 concurrent": 20.0,
+    "overhead p99, 100 concurrent": 80.0,
+}
+"""Figure name -> the most it may be (ms); the concurrent ones hold for 100 conversations at once."""
+
+
+async def measure(samples: int, concurrent: int, fsync: str) -> Run:
+    """One run: a fresh relay and daemon, the clients here; measure every load level."""
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = DaemonProcess(Path(tmp), fsync)
-        url, key_file, planner = await daemon.start()
-        owner = Signer.from_file(key_file)
-        client = Client(url, owner)
-        listener = Client(url, owner)  # a second connection: a publish seen by another client
-        for each in (client, listener):
-            await each.pool.start()
-            await each.pool.subscribe("bench", [{"kinds": [1, 1111], "authors": [owner.pubkey, planner]}])
-            await each.pool.wait_connected(within=10)
-        await asyncio.sleep(0.2)
+        relay = MemoryRelay(_free_port())
+        await relay.start()
+        try:
+            daemon = DaemonProcess(Path(tmp), relay.url, fsync)
+            key_file, planner = await daemon.start()
+            try:
+                run = await _measure_through(relay, daemon, key_file, planner, samples, concurrent)
+                run.code = daemon.code
+                return run
+            finally:
+                await daemon.stop()
+        finally:
+            await asyncio.to_thread(relay.stop)
 
-        async def echo() -> float:
-            return await client.round_trip(1, "ping", [])
 
-        async def reply() -> float:
-            return await client.round_trip(11, "hello planner", [["p", planner]])
+async def _measure_through(
+    relay: MemoryRelay, daemon: DaemonProcess, key_file: Path, planner: str, samples: int, concurrent: int
+) -> Run:
+    owner = Signer.from_file(key_file)
+    client = BenchClient(relay.url, owner)
+    listener = BenchClient(relay.url, owner)  # a second connection: a publish seen by another client
+    for each in (client, listener):
+        await each.start([{"kinds": [1, 1111], "authors": [owner.pubkey, planner]}])
 
-        for _ in range(5):
-            await echo()
-            await reply()
-        floor = [await echo() for _ in range(samples)]
-        apart = [await client.round_trip(1, "ping", [], listener=listener) for _ in range(samples)]
+    def ping() -> Prepared:
+        return client.prepare(1, "ping", [])
+
+    def request() -> Prepared:
+        return client.prepare(11, "hello planner", [["p", planner]])
+
+    async def sequential(make: Callable[[], Prepared], seen_by: BenchClient | None = None) -> list[float]:
+        found = []
+        for _ in range(samples):
+            found.append(await client.round_trip(make(), listener=seen_by))
+        return found
+
+    async def together(make: Callable[[], Prepared]) -> list[float]:
+        prepared = [make() for _ in range(concurrent)]  # all signed before the first is sent
+        return list(await asyncio.gather(*(client.round_trip(each) for each in prepared)))
+
+    async def replies(load: Load, batch: Callable[[], Awaitable[list[float]]]) -> None:
+        """Time one batch of replies, with the daemon's and the relay's CPU over it."""
         before = len(await daemon.latencies())
-        single = [await reply() for _ in range(samples)]
-        await asyncio.sleep(0.2)  # the last reply's OK
-        single_inside = (await daemon.latencies())[before:]
-        many: list[float] = []
-        many_floor: list[float] = []
-        many_inside: list[float] = []
-        rounds = max(1, samples // concurrent) + 1
-        for _ in range(rounds):
-            many_floor.extend(await asyncio.gather(*(echo() for _ in range(concurrent))))
-            before = len(await daemon.latencies())
-            many.extend(await asyncio.gather(*(reply() for _ in range(concurrent))))
-            await asyncio.sleep(0.5)
-            many_inside.extend((await daemon.latencies())[before:])
+        cpu, relay_cpu = await daemon.cpu_seconds(), relay.cpu_seconds()
+        load.replies.extend(await batch())
+        await asyncio.sleep(SETTLE_S)
+        load.daemon_cpu_s += await daemon.cpu_seconds() - cpu
+        load.relay_cpu_s += relay.cpu_seconds() - relay_cpu
+        load.inside.extend((await daemon.latencies())[before:])
 
-        await client.pool.stop()
-        await listener.pool.stop()
-        await daemon.stop()
+    try:
+        for _ in range(5):
+            await client.round_trip(ping())
+            await client.round_trip(request())
+        single, many = Load("1 conversation"), Load(f"{concurrent} concurrent")
+        single.floor = await sequential(ping)
+        apart = await sequential(ping, listener)
+        await replies(single, lambda: sequential(request))
+        for _ in range(max(1, samples // concurrent) + 1):
+            many.floor.extend(await together(ping))
+            await replies(many, lambda: together(request))
+    finally:
+        await client.stop()
+        await listener.stop()
+    return Run(apart, (single, many))
 
-    rows: list[list[object]] = []
-    measures = (
-        ("1 conversation", floor, single, single_inside),
-        (f"{concurrent} concurrent", many_floor, many, many_inside),
-    )
-    rows.append([
-        "relay publish -> another connection", len(apart), f"{statistics.median(apart) * 1e3:.2f}",
-        f"{percentile(apart, 0.99) * 1e3:.2f}", "", "",
-    ])
-    for label, base, data, inside in measures:
-        rtt50, rtt99 = statistics.median(base), percentile(base, 0.99)
-        rows.append(
-            [f"relay round trip, {label}", len(base), f"{rtt50 * 1e3:.2f}", f"{rtt99 * 1e3:.2f}", "", ""]
-        )
-        p50, p99 = statistics.median(data), percentile(data, 0.99)
-        rows.append(
-            [
-                f"reply, {label}",
-                len(data),
-                f"{p50 * 1e3:.2f}",
-                f"{p99 * 1e3:.2f}",
-                f"{(p50 - 2 * rtt50) * 1e3:.2f}",
-                f"{(p99 - 2 * rtt99) * 1e3:.2f}",
-            ]
-        )
-        if inside:
-            rows.append([
-                f"inside tenexd, {label}", len(inside), f"{statistics.median(inside) * 1e3:.2f}",
-                f"{percentile(inside, 0.99) * 1e3:.2f}", "", "",
-            ])
+
+def print_run(run: Run, title: str) -> None:
+    """One run's table: every measure with its p50 and p99, overheads and CPU per reply."""
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.2f}"
+
+    def row(label: str, samples: list[float], *rest: str) -> list[object]:
+        return [label, len(samples), ms(percentile(samples, 0.5)), ms(percentile(samples, 0.99)), *rest]
+
+    rows = [row("relay publish -> another connection", run.apart, "", "", "", "")]
+    for load in run.loads:
+        per_reply = len(load.replies)
+        rows.append(row(f"relay round trip, {load.label}", load.floor, "", "", "", ""))
+        rows.append(row(
+            f"reply, {load.label}", load.replies, ms(load.overhead(0.5)), ms(load.overhead(0.99)),
+            ms(load.daemon_cpu_s / per_reply), ms(load.relay_cpu_s / per_reply),
+        ))
+        if load.inside:
+            rows.append(row(f"inside tenexd, {load.label}", load.inside, "", "", "", ""))
     print_table(
-        "tenexd reply overhead through a real relay (offline backend; ms)",
-        ["measure", "n", "p50", "p99", "overhead p50", "overhead p99"],
+        title,
+        ["measure", "n", "p50", "p99", "overhead p50", "overhead p99", "daemon CPU/reply", "relay CPU/reply"],
         rows,
     )
-    print(
-        "overhead = latency - 2 x relay round trip (request in, reply out); targets: p50 < 10 ms, p99 < 50 ms"
+
+
+def print_summary(runs: list[Run]) -> dict[str, float]:
+    """Each headline figure of every run and their median, against its target; returns the medians."""
+    figures = [run.figures() for run in runs]
+    limits = TARGETS_MS
+    medians: dict[str, float] = {}
+    rows: list[list[object]] = []
+    for name in figures[0]:
+        values = [each[name] for each in figures]
+        medians[name] = statistics.median(values)
+        limit = limits.get(name)
+        verdict = "" if limit is None else ("met" if medians[name] <= limit else "MISSED")
+        target = "" if limit is None else f"<= {limit:g}" if name.startswith("daemon CPU") else f"< {limit:g}"
+        rows.append([name, *(f"{v:.2f}" for v in values), f"{medians[name]:.2f}", target, verdict])
+    print_table(
+        f"tenexd per reply, median of {len(runs)} runs (ms; offline backend, in-memory relay)",
+        ["figure", *(f"run {n}" for n in range(1, len(runs) + 1)), "median", "target", ""],
+        rows,
     )
+    return medians
+
+
+async def main(samples: int, concurrent: int, runs: int, fsync: str = FSYNC) -> None:
+    """Measure ``runs`` times (fresh relay and daemon each), print each run, then the medians."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(LOG_LEVEL))
+    measured: list[Run] = []
+    for n in range(1, runs + 1):
+        run = await measure(samples, concurrent, fsync)
+        print_run(run, f"run {n} of {runs}: tenexd replies through an in-memory relay (offline backend; ms)")
+        measured.append(run)
+    medians = print_summary(measured)
+    emit_figures("daemon", medians)
+    print("overhead = reply latency - 2 x relay round trip at the same load (request in, reply out)")
+    print("CPU per reply = process CPU time (user + system) over the reply batches / replies")
     print("inside tenexd = trigger taken in from the relay -> reply sent to it (store fsyncs included)")
     print(
-        f"store policy: storage.fsync = {fsync!r}; relay connections ACK every frame at once (TCP_QUICKACK)"
+        f"relay: nostr-sdk LocalRelay, in-memory database, own process; store policy: "
+        f"storage.fsync = {fsync!r}; relay connections ACK every frame at once (TCP_QUICKACK)"
     )
+    print(f"tenexd code: {', '.join(sorted({run.code for run in measured}))}")
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -242,8 +350,9 @@ def _free_port() -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--samples", type=int, default=100)
-    parser.add_argument("--concurrent", type=int, default=100)
+    parser.add_argument("--samples", type=int, default=100, help="replies and round trips per load level")
+    parser.add_argument("--concurrent", type=int, default=100, help="conversations at once")
+    parser.add_argument("--runs", type=int, default=3, help="fresh relay and daemon each; medians printed")
     parser.add_argument("--fsync", choices=["always", "batch"], default=FSYNC, help="store fsync policy")
     args = parser.parse_args()
-    asyncio.run(main(args.samples, args.concurrent, args.fsync))
+    asyncio.run(main(args.samples, args.concurrent, args.runs, args.fsync))

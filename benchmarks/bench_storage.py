@@ -37,15 +37,18 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from benchmarks.common import emit_figures
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore, FsyncPolicy
 from tenex_daemon.adapters.storage.postgres import PostgresStore
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent, compute_event_id
-from tenex_daemon.core.ports import ConversationStore
+
+if TYPE_CHECKING:  # annotations only: the A/B script runs this file against older trees too
+    from tenex_daemon.core.ports import Store
 
 WRITERS = 16
 CONTENT = "Please look at the relay reconnect logic; it drops subscriptions after a timeout. " * 2
@@ -103,13 +106,13 @@ class Contender:
 
 
 class TenexContender(Contender):
-    """A tenexd ConversationStore."""
+    """A tenexd Store."""
 
-    def __init__(self, name: str, factory: Callable[[Path], Awaitable[ConversationStore]]) -> None:
+    def __init__(self, name: str, factory: Callable[[Path], Awaitable[Store]]) -> None:
         self.name = name
         self._factory = factory
         self._folder = Path()
-        self.store: ConversationStore | None = None
+        self.store: Store | None = None
 
     async def open(self, folder: Path) -> None:
         """Open a store in ``folder``."""
@@ -461,8 +464,8 @@ async def run(args: argparse.Namespace) -> None:
     server: Any = None
     contenders: list[Contender] = []
 
-    def fs(policy: FsyncPolicy) -> Callable[[Path], Awaitable[ConversationStore]]:
-        async def factory(folder: Path) -> ConversationStore:
+    def fs(policy: FsyncPolicy) -> Callable[[Path], Awaitable[Store]]:
+        async def factory(folder: Path) -> Store:
             return FileSystemStore(folder, fsync=policy)
         return factory
 
@@ -473,7 +476,7 @@ async def run(args: argparse.Namespace) -> None:
 
         server = PostgresServer.start()
 
-        async def pg(folder: Path) -> ConversationStore:
+        async def pg(folder: Path) -> Store:
             marker = folder / "dsn"
             if not marker.exists():
                 marker.write_text(await server.create_database())
@@ -558,6 +561,17 @@ async def run(args: argparse.Namespace) -> None:
           f"batch >= 2x every peer ({WRITERS} writers): "
           f"{'met' if all(batch.conc_per_s >= 2 * (p.conc_per_s or 0) for p in peers) else 'MISSED'}")
     print(f"(bench process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
+    figures: dict[str, float | None] = {}
+    for row in rows:
+        figures[f"{row.name}: appends/s, 1 writer"] = row.seq_per_s
+        figures[f"{row.name}: appends/s, {WRITERS} writers"] = row.conc_per_s
+        figures[f"{row.name}: read 1,000 events, ms"] = row.read_ms
+    figures["home: bytes/event"] = sizes[-1][1] / sizes[-1][0]
+    figures["home: start-up open, s"] = open_s
+    figures["home: imports, s"] = import_s
+    figures["home: first search+load, ms"] = load_s * 1000
+    figures["home: peak RSS, MiB"] = rss / 2**20
+    emit_figures("storage", figures)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
 

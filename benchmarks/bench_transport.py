@@ -25,7 +25,7 @@ from collections.abc import Callable
 import pydantic_core
 from coincurve import PrivateKey, PublicKeyXOnly
 
-from benchmarks.common import print_table
+from benchmarks.common import emit_figures, print_table
 from tenex_daemon.adapters.nostr.codec import (
     EventMessage,
     PublicKeyCache,
@@ -123,6 +123,9 @@ def main() -> None:
     )
     verdict = "meets" if ratio >= TARGET else "BELOW"
     print(f"ratio full path / raw verify: {ratio:.2f} ({verdict} target >= {TARGET})")
+    figures: dict[str, float | None] = {f"{name.strip()}: events/s": rate[name] for name in timed}
+    figures["ratio full path / raw verify"] = ratio
+    emit_figures("transport", figures)
 
 
 if __name__ == "__main__":

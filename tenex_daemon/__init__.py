@@ -1,6 +1,6 @@
 """tenexd: the conversation brain of a team of AI agents living on Nostr.
 
-The stable public API (ARCHITECTURE.md)::
+The stable public API (docs/ARCHITECTURE.md, "Public Python API")::
 
     from tenex_daemon import NostrEvent, Agent, Phase, ConversationManager, MemoryStore
     from tenex_daemon import FileSystemStore, PostgresStore, ThreadManager

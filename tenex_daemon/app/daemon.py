@@ -1,6 +1,6 @@
 """The daemon: relays in, conversations kept, agents run, replies out; health written for `tenexd status`.
 
-Lifecycle (STYLE.md): signals only set an event; on stop, intake stops, in-flight runs get a
+Lifecycle (docs/STYLE.md): signals only set an event; on stop, intake stops, in-flight runs get a
 grace period, then the control API, relay connections and the store close, in that order.
 """
 
@@ -13,11 +13,16 @@ import signal
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Coroutine
+from functools import partial
 from typing import Any
 
 import structlog
 
 from tenex_daemon import __version__
+from tenex_daemon.adapters.nostr.announcements import heartbeat_event, profile_event
+from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
+from tenex_daemon.adapters.nostr.composer import SignedReplyComposer
+from tenex_daemon.adapters.nostr.publisher import PoolPublisher
 from tenex_daemon.adapters.nostr.relay_pool import (
     PoolSettings,
     ReceivedEvent,
@@ -27,36 +32,39 @@ from tenex_daemon.adapters.nostr.relay_pool import (
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.embedded_relay import EmbeddedRelay
 from tenex_daemon.app.metrics import Metrics
-from tenex_daemon.app.nostr_io import (
-    ClassifyOnce,
-    PoolPublisher,
-    SignedReplyComposer,
-    heartbeat_event,
-    profile_event,
-)
 from tenex_daemon.app.notify import SystemdNotifier
-from tenex_daemon.app.settings import Settings, StorageKind
-from tenex_daemon.app.status import write_status
+from tenex_daemon.app.settings import Settings
+from tenex_daemon.app.status import (
+    AgentEntry,
+    ConversationCounts,
+    LatencySummary,
+    RelayStatus,
+    StatusData,
+    write_status,
+)
 from tenex_daemon.app.wiring import (
+    Pipeline,
+    PipelineOptions,
+    PipelinePorts,
     build_agent_profile,
     build_agents,
     build_orchestrator,
+    build_pipeline,
     build_store,
-    build_thread_manager,
     load_signers,
 )
 from tenex_daemon.core.agents import Agent
-from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.ports import Store
 from tenex_daemon.core.vocabulary import (
     KIND_COMMENT,
     KIND_CONVERSATION_ROOT,
     KIND_NOTE,
     KIND_TASK,
 )
-from tenex_daemon.services.agent_runner import AgentRunner
+from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
-from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler, journal_key_for
+from tenex_daemon.services.dispatcher import HandleResult, Outcome
+from tenex_daemon.services.runs import RunRequest
 
 log = structlog.get_logger(__name__)
 
@@ -92,22 +100,22 @@ class _MetricsObserver:
         if len(self.received_at) > RECEIVED_MEMORY:
             self.received_at.popitem(last=False)
 
-    def latency_summary(self) -> dict[str, float | int | None]:
+    def latency_summary(self) -> LatencySummary:
         """p50/p99 (ms) of the recent reply latencies, for the status document."""
         recent = sorted(self.reply_latencies)
         if not recent:
-            return {"count": 0, "p50_ms": None, "p99_ms": None}
+            return LatencySummary(count=0, p50_ms=None, p99_ms=None)
 
         def at(q: float) -> float:
             return round(recent[min(len(recent) - 1, round(q * (len(recent) - 1)))] * 1000, 2)
 
-        return {"count": len(recent), "p50_ms": at(0.5), "p99_ms": at(0.99)}
+        return LatencySummary(count=len(recent), p50_ms=at(0.5), p99_ms=at(0.99))
 
-    def run_finished(self, agent_slug: str, seconds: float, error: str | None) -> None:
+    def run_finished(self, request: RunRequest, seconds: float, error: str | None) -> None:
         """Record a run's latency and failure kind."""
-        self._metrics.observe_agent_run(agent_slug, seconds)
+        self._metrics.observe_agent_run(request.agent_slug, seconds)
         if error is not None:
-            self._metrics.agent_run_error(agent_slug, error)
+            self._metrics.agent_run_error(request.agent_slug, error)
 
     def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:
         """Count a published reply and record how long after its trigger arrived it was sent."""
@@ -136,43 +144,53 @@ class Daemon:
         self._stop_requested: asyncio.Event | None = None
         self._ready = asyncio.Event()
         self._stopping = False
-        self._background: set[asyncio.Task[Any]] = set()
-        self._conversation_counts: dict[str, Any] = {"total": 0, "by_phase": {}}
+        self._background = BackgroundTasks("daemon")
+        self._conversation_counts = ConversationCounts(total=0, archived=0, by_phase={})
         self.embedded_relay: EmbeddedRelay | None = None
-        self.store: ConversationStore | None = None
+        self.store: Store | None = None
         self.pool: RelayPool | None = None
-        self._manager: ConversationManager | None = None
-        self.scheduler: RunScheduler | None = None
-        self.runner: AgentRunner | None = None
-        self.dispatcher: EventDispatcher | None = None
+        self.pipeline: Pipeline | None = None
+        """Manager, runner, dispatcher and scheduler (:func:`build_pipeline`), once started."""
         self.agents: list[Agent] = []
         self.project_signer: Signer | None = None
         self._observer = _MetricsObserver(self.metrics)
-        self._classify = ClassifyOnce()
 
     # --- the ControlTarget protocol -------------------------------------------------------
 
     @property
     def manager(self) -> ConversationManager:
         """The conversation manager (available once the daemon has started)."""
-        if self._manager is None:
+        if self.pipeline is None:
             raise RuntimeError("the daemon has not started yet")
-        return self._manager
+        return self.pipeline.manager
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusData:
         """Return the health snapshot written to the status file and served by the control API."""
         now = time.time()
         pool_health = self.pool.health() if self.pool is not None else None
-        relays = []
+        relays: list[RelayStatus] = []
         if pool_health is not None:
             for relay in pool_health.relays:
-                data = relay.to_dict()
-                data["state"] = str(data.get("state"))
-                relays.append(data)
-        scheduler = self.scheduler
+                relays.append(
+                    RelayStatus(
+                        url=relay.url,
+                        state=relay.state.value,
+                        read=relay.read,
+                        write=relay.write,
+                        connected_since=relay.connected_since,
+                        reconnects=relay.reconnects,
+                        last_event_at=relay.last_event_at,
+                        events_received=relay.events_received,
+                        rejects=dict(relay.rejects),
+                        notices=relay.notices,
+                        authenticated=relay.authenticated,
+                        last_error=relay.last_error,
+                    )
+                )
+        scheduler = self.pipeline.scheduler if self.pipeline is not None else None
         ignored = dict(self.events_ignored)
         rejected = {**(dict(pool_health.rejects) if pool_health is not None else {}), **ignored}
-        return {
+        return StatusData({
             "version": __version__,
             "pid": os.getpid(),
             "state": self.state,
@@ -200,8 +218,8 @@ class Daemon:
             "embedded_relay_pid": self.embedded_relay.pid if self.embedded_relay is not None else None,
             "embedded_relay_restarts": self.embedded_relay.restarts if self.embedded_relay is not None else 0,
             "control_socket": str(self.settings.control_socket_path),
-            "agents": [{"slug": a.slug, "name": a.name, "pubkey": a.pubkey} for a in self.agents],
-        }
+            "agents": [AgentEntry(slug=a.slug, name=a.name, pubkey=a.pubkey) for a in self.agents],
+        })
 
     def reply_latencies(self) -> list[float]:
         """Seconds from each recent trigger taken in to its reply sent (oldest first, the newest 1,000)."""
@@ -277,69 +295,48 @@ class Daemon:
             settings=PoolSettings(
                 since_window=settings.relays.since_window_s, delivery_lanes=settings.daemon.intake_lanes
             ),
-            lane_key=self._classify.lane,
+            lane_key=conversation_lane,
         )
-        resolver = RelayEventResolver(self.pool, store=self.store)
-        manager = ConversationManager(
-            self.store, self.agents, project_signer.pubkey, resolver=resolver, owner_pubkey=settings.owner
-        )
-        self._manager = manager
         profiles = {
             a.slug: build_agent_profile(a, agent, settings)
             for a, agent in zip(settings.agents, self.agents, strict=True)
         }
         project = (settings.owner, settings.project.d_tag) if settings.owner else None
-        composer = SignedReplyComposer(signers, project)
         publisher = PoolPublisher(
             self.pool,
             signers,
             {a.slug: a for a in self.agents},
             typing_min_interval_s=settings.daemon.typing_min_interval_s,
         )
-        runner = AgentRunner(
-            manager,
-            profiles,
-            composer,
-            publisher,
-            observer=self._observer,
-            typing_delay_s=settings.daemon.typing_delay_s,
+        ports = PipelinePorts(
+            store=self.store,
+            composer=SignedReplyComposer(signers, project),
+            publisher=publisher,
+            classify=classify_event,
             partials=publisher if settings.daemon.stream_partials else None,
-            partial_interval_s=settings.daemon.partial_interval_s,
-            threads=build_thread_manager(self.store),
-        )
-        self.runner = runner
-
-        async def run(request: Any) -> None:
-            await runner.run(request)
-
-        # a home's files have one daemon (its lock); daemons sharing a database keep apart
-        shared = settings.storage.kind is StorageKind.POSTGRES
-        self.scheduler = RunScheduler(
-            self.store, run, settings.daemon.max_concurrent_runs,
-            journal_key=journal_key_for(project_signer.pubkey) if shared else PENDING_RUNS_KEY,
-        )
-        self.dispatcher = EventDispatcher(
-            manager,
-            self.scheduler,
-            self._classify,
-            build_orchestrator(settings, manager, {slug: p.backend for slug, p in profiles.items()}),
-            owner=settings.owner,
-            whitelist=settings.whitelist,
-            hop_limit=settings.daemon.hop_limit,
-            turn_limit=settings.daemon.orchestrator_turn_limit,
+            resolver=RelayEventResolver(self.pool, store=self.store),
             fetcher=self.pool,
+            observer=self._observer,
         )
-        runner.set_reply_hook(self._after_reply, self.dispatcher.before_reply_saved)
+        backends = {slug: p.backend for slug, p in profiles.items()}
+        self.pipeline = build_pipeline(
+            self.agents,
+            profiles,
+            ports,
+            PipelineOptions.from_settings(settings, project_signer.pubkey),
+            orchestrator=partial(build_orchestrator, settings, backends=backends),
+        )
 
         await self.pool.start()
         if not await self.pool.wait_connected(count=1, within=10.0):
             log.warning("no_relay_connected_yet", relays=self.relay_urls)
         await self._announce(signers)
         pubkeys = [a.pubkey for a in self.agents] + [project_signer.pubkey]
-        await self.scheduler.recover()
+        pipeline = self.pipeline
+        await pipeline.scheduler.recover()
         # a crash came mid-dispatch: events never stored are left to the relays (before the
         # subscription delivers them again), the others are dispatched again once it runs
-        redo = await self.dispatcher.stored_dispatches(self.scheduler.dispatches_to_redo())
+        redo = await pipeline.dispatcher.stored_dispatches(pipeline.scheduler.dispatches_to_redo())
         await self.pool.subscribe(SUBSCRIPTION_ID, [{"kinds": INCOMING_KINDS, "#p": pubkeys}])
         if redo:
             self._spawn(self._redispatch(redo), "redispatch")
@@ -370,19 +367,17 @@ class Daemon:
         if self.pool is not None:
             with contextlib.suppress(Exception):
                 await self.pool.unsubscribe(SUBSCRIPTION_ID)
-        if self.scheduler is not None:
-            cancelled = await self.scheduler.drain(self.settings.daemon.grace_period_s)
+        if self.pipeline is not None:
+            cancelled = await self.pipeline.scheduler.drain(self.settings.daemon.grace_period_s)
             if cancelled:
                 log.warning("runs_cancelled_at_shutdown", count=cancelled, note="redone at next start")
-        if self.runner is not None:
-            unsent = await self.runner.flush(5.0)
+        if self.pipeline is not None:
+            unsent = await self.pipeline.runner.flush(5.0)
             if unsent:
                 log.warning("replies_unpublished_at_shutdown", count=unsent, note="saved in history")
         if control is not None:
             await control.stop()
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self._background.cancel_all()
         if self.pool is not None:
             await self.pool.stop()
         if self.store is not None:
@@ -398,13 +393,13 @@ class Daemon:
 
     async def _on_event(self, received: ReceivedEvent) -> None:
         """Handle one validated, new event from the relays; raising leaves it unprocessed."""
-        if self._stopping or self.dispatcher is None:
+        if self._stopping or self.pipeline is None:
             raise ShuttingDownError("shutting down; the event will be delivered again after restart")
         event = received.event
         self._observer.event_received(event.id, received.received_at)
         structlog.contextvars.bind_contextvars(event_id=event.id)
         try:
-            result = await self.dispatcher.handle(event)
+            result = await self.pipeline.dispatcher.handle(event)
         except Exception:
             self.errors["handler"] += 1
             raise
@@ -425,38 +420,26 @@ class Daemon:
     async def _redispatch(self, event_ids: list[str]) -> None:
         """Finish the dispatches a crash interrupted (each may ask the orchestrator's model); one
         that keeps failing (``REDISPATCH_RETRY_S``) is logged and dropped, not retried at every start."""
-        assert self.dispatcher is not None
-        assert self.scheduler is not None
+        assert self.pipeline is not None
+        dispatcher, scheduler = self.pipeline.dispatcher, self.pipeline.scheduler
         for event_id in event_ids:
             for attempt, wait_s in enumerate((*REDISPATCH_RETRY_S, None), start=1):
                 try:
-                    await self.dispatcher.redispatch(event_id)
+                    await dispatcher.redispatch(event_id)
                     break
                 except Exception:
                     self.errors["handler"] += 1
                     action = "dropped" if wait_s is None else f"retry in {wait_s:g} s"
                     log.exception("redispatch_failed", event_id=event_id, attempt=attempt, action=action)
                 if wait_s is None:
-                    self.scheduler.dispatched(event_id, at_once=True)
+                    scheduler.dispatched(event_id, at_once=True)
                 else:
                     await asyncio.sleep(wait_s)
-
-    async def _after_reply(self, conversation_id: str, reply: Any) -> None:
-        if self.dispatcher is not None:
-            await self.dispatcher.after_reply(conversation_id, reply)
 
     # --- background loops -----------------------------------------------------------------
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._background.add(task)
-
-        def done(finished: asyncio.Task[Any]) -> None:
-            self._background.discard(finished)
-            if not finished.cancelled() and finished.exception() is not None:
-                log.error("background_task_failed", task=name, error=repr(finished.exception()))
-
-        task.add_done_callback(done)
+        self._background.spawn(coro, name)
 
     async def _refresh_counts(self) -> None:
         if self.store is None:
@@ -465,11 +448,11 @@ class Daemon:
         by_phase: Counter[str] = Counter()
         for (phase, _), n in counts.items():
             by_phase[phase] += n
-        self._conversation_counts = {
-            "total": sum(counts.values()),
-            "archived": sum(n for (_, archived), n in counts.items() if archived),
-            "by_phase": dict(by_phase),
-        }
+        self._conversation_counts = ConversationCounts(
+            total=sum(counts.values()),
+            archived=sum(n for (_, archived), n in counts.items() if archived),
+            by_phase=dict(by_phase),
+        )
 
     async def _write_status(self) -> None:
         await asyncio.to_thread(write_status, self.settings.status_path, self.status())
@@ -483,8 +466,8 @@ class Daemon:
                 if self.pool is not None:
                     for relay in self.pool.health().relays:
                         self.metrics.set_relay_connected(relay.url, relay.state.value == "connected")
-                if self.scheduler is not None:
-                    self.metrics.set_runs_in_flight(self.scheduler.in_flight)
+                if self.pipeline is not None:
+                    self.metrics.set_runs_in_flight(self.pipeline.scheduler.in_flight)
             except Exception:
                 self.errors["status"] += 1
                 log.exception("status_write_failed")

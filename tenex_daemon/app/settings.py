@@ -53,7 +53,7 @@ class BackendSettings(_Section):
     context_window: int | None = Field(default=None, ge=1)
     """The model's context window in tokens; None: unknown (no budget, except local: its n_ctx)."""
     budget_strategy: BudgetStrategy = BudgetStrategy.SLIDING_WINDOW
-    """What replaces older messages over budget: sliding_window | summarize (CONTEXT.md, seed 003)."""
+    """What replaces older messages over budget: sliding_window | summarize (docs/CONTEXT.md)."""
     budget_ratio: float = Field(default=DEFAULT_BUDGET_RATIO, gt=0, le=1)
     """The share of the context window the persona and messages may use."""
     options: dict[str, Any] = Field(default_factory=dict)
@@ -166,7 +166,7 @@ class Settings(_Section):
     control: ControlSettings = Field(default_factory=ControlSettings)
     daemon: DaemonSettings = Field(default_factory=DaemonSettings)
     phases: dict[str, list[str]] = Field(default_factory=dict)
-    """Allowed phase transitions, ``from = [to, ...]``; empty keeps ARCHITECTURE.md's default table."""
+    """Allowed phase transitions, ``from = [to, ...]``; empty keeps docs/ARCHITECTURE.md's default table."""
 
     @field_validator("phases")
     @classmethod

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import Any, TypedDict
 
 from tenex_daemon.app.files import write_text_atomic
 
@@ -41,64 +41,106 @@ class Health(StrEnum):
 
 
 class RelayStatus(TypedDict):
-    """One relay in the status file (``RelayHealth.to_dict()`` fits: extra keys are kept)."""
+    """One relay in the status file (the pool's ``RelayHealth.to_dict()``)."""
 
     url: str
     state: str
     """idle | connecting | connected | backoff | stopped."""
+    read: bool
+    write: bool
+    connected_since: float | None
+    reconnects: int
+    last_event_at: float | None
+    events_received: int
+    rejects: dict[str, int]
+    notices: int
+    authenticated: bool
+    last_error: str | None
 
 
 class ConversationCounts(TypedDict):
     """Conversations known to the daemon."""
 
     total: int
+    archived: int
     by_phase: dict[str, int]
 
 
 class EventCounts(TypedDict):
-    """Incoming events: accepted, and rejected by reason."""
+    """Incoming events: accepted, rejected by reason, and copies of events already taken in."""
 
     accepted: int
     rejected: dict[str, int]
+    duplicates: int
+
+
+class RunCounts(TypedDict):
+    """Agent runs finished since start."""
+
+    completed: int
+    failed: int
+
+
+class LatencySummary(TypedDict):
+    """Recent reply latencies (trigger taken in to reply sent), in milliseconds."""
+
+    count: int
+    p50_ms: float | None
+    p99_ms: float | None
+
+
+class AgentEntry(TypedDict):
+    """One configured agent."""
+
+    slug: str
+    name: str
+    pubkey: str
 
 
 class StatusData(TypedDict):
-    """The status file's contract. Times are Unix seconds (float); the daemon fills every key.
+    """The status file's contract (what ``tenexd status`` and ``GET /api/v1/status`` read).
 
-    Example::
+    Times are Unix seconds (float); the daemon fills every key. Example::
 
-        {"version": "0.1.0", "pid": 4242, "started_at": 1.7e9, "updated_at": 1.7e9, "uptime_s": 12.5,
-         "state": "running",
-         "relays": [{"url": "ws://127.0.0.1:7777", "state": "connected", "reconnects": 0}],
-         "conversations": {"total": 3, "by_phase": {"chat": 2, "plan": 1}},
-         "runs_in_flight": 1, "last_event_at": 1.7e9,
-         "errors": {"agent_run": 0, "publish": 1},
-         "events": {"accepted": 10, "rejected": {"not_allowed": 2}},
-         "replies": 7}
+        {"version": "0.1.0", "pid": 4242, "state": "running", "started_at": 1.7e9, "updated_at": 1.7e9,
+         "uptime_s": 12.5, "home": "/srv/tenex", "relays": [{"url": "ws://127.0.0.1:7777",
+         "state": "connected", "reconnects": 0, ...}], "conversations": {"total": 3, "archived": 0,
+         "by_phase": {"chat": 2, "plan": 1}}, "runs_in_flight": 1, "runs": {"completed": 9, "failed": 0},
+         "last_event_at": 1.7e9, "events": {"accepted": 10, "rejected": {"author_not_allowed": 2},
+         "duplicates": 4}, "replies": 7, "reply_latency": {"count": 7, "p50_ms": 8.1, "p99_ms": 20.3},
+         "errors": {}, "embedded_relay": "ws://127.0.0.1:7777", "embedded_relay_pid": 4243,
+         "embedded_relay_restarts": 0, "control_socket": "/srv/tenex/run/control.sock",
+         "agents": [{"slug": "planner", "name": "Planner", "pubkey": "..."}]}
     """
 
     version: str
     pid: int
+    state: str
+    """A :class:`DaemonState` value."""
     started_at: float
     updated_at: float
     uptime_s: float
-    state: str
-    """A :class:`DaemonState` value."""
+    home: str
     relays: list[RelayStatus]
     conversations: ConversationCounts
     runs_in_flight: int
+    runs: RunCounts
     last_event_at: float | None
-    errors: dict[str, int]
     events: EventCounts
     replies: int
-    embedded_relay: NotRequired[str | None]
+    reply_latency: LatencySummary
+    errors: dict[str, int]
+    embedded_relay: str | None
     """The embedded relay's URL when it runs."""
-    control_socket: NotRequired[str | None]
+    embedded_relay_pid: int | None
+    embedded_relay_restarts: int
+    control_socket: str
     """The control API's Unix socket."""
+    agents: list[AgentEntry]
 
 
 def new_status(
-    version: str, *, pid: int | None = None, started_at: float | None = None
+    version: str, *, pid: int | None = None, started_at: float | None = None, home: str = ""
 ) -> StatusData:
     """Return a status in state ``starting`` with every counter at zero (the daemon updates it)."""
     now = time.time()
@@ -106,21 +148,29 @@ def new_status(
     return StatusData(
         version=version,
         pid=os.getpid() if pid is None else pid,
+        state=DaemonState.STARTING.value,
         started_at=start,
         updated_at=now,
         uptime_s=max(0.0, now - start),
-        state=DaemonState.STARTING.value,
+        home=home,
         relays=[],
-        conversations=ConversationCounts(total=0, by_phase={}),
+        conversations=ConversationCounts(total=0, archived=0, by_phase={}),
         runs_in_flight=0,
+        runs=RunCounts(completed=0, failed=0),
         last_event_at=None,
-        errors={},
-        events=EventCounts(accepted=0, rejected={}),
+        events=EventCounts(accepted=0, rejected={}, duplicates=0),
         replies=0,
+        reply_latency=LatencySummary(count=0, p50_ms=None, p99_ms=None),
+        errors={},
+        embedded_relay=None,
+        embedded_relay_pid=None,
+        embedded_relay_restarts=0,
+        control_socket="",
+        agents=[],
     )
 
 
-def write_status(path: str | os.PathLike[str], data: StatusData | dict[str, Any]) -> None:
+def write_status(path: str | os.PathLike[str], data: StatusData) -> None:
     """Write ``data`` as JSON atomically: temp file beside it, fsync, ``os.replace``, fsync the folder.
 
     ``updated_at`` (and ``uptime_s`` when ``started_at`` is known) are set to now. The

@@ -1,8 +1,11 @@
-"""The one place that picks concrete adapters from Settings."""
+"""The composition root: the one place that picks concrete adapters from Settings and builds the
+pipeline (manager, runner, dispatcher and its scheduler) that the daemon runs and every service test
+builds the same way (:func:`build_pipeline`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES, UnknownBackendError, make_backend
@@ -11,17 +14,37 @@ from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.settings import AgentSettings, BackendSettings, Settings, SettingsError, StorageKind
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.budget import TokenBudget, TokenCounter, estimate_tokens
+from tenex_daemon.core.classify import EventClassifier
 from tenex_daemon.core.llm import BackendError, LLMBackend
-from tenex_daemon.core.ports import ConversationStore
-from tenex_daemon.services.agent_runner import AgentProfile
+from tenex_daemon.core.phases import PhaseRules
+from tenex_daemon.core.ports import (
+    Clock,
+    EventFetcher,
+    EventResolver,
+    PartialTextPublisher,
+    Publisher,
+    ReplyComposer,
+    Store,
+)
+from tenex_daemon.services.agent_runner import (
+    DEFAULT_MAX_TOOL_ROUNDS,
+    DEFAULT_PARTIAL_INTERVAL_S,
+    AgentProfile,
+    AgentRunner,
+    RunObserver,
+)
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.dispatcher import EventDispatcher, ReplyObserver
 from tenex_daemon.services.orchestrator import LLMOrchestrator, Orchestrator, RuleBasedOrchestrator
+from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT
+from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler, journal_key_for
 from tenex_daemon.services.threads import ThreadManager
+from tenex_daemon.services.tools import ToolRegistry
 
 AVAILABLE_BACKENDS = BACKEND_NAMES
 
 
-def build_store(settings: Settings) -> ConversationStore:
+def build_store(settings: Settings) -> Store:
     """Return the configured conversation store (not yet opened)."""
     kind = settings.storage.kind
     if kind is StorageKind.MEMORY:
@@ -40,7 +63,7 @@ def build_store(settings: Settings) -> ConversationStore:
     return FileSystemStore(home, fsync=settings.storage.fsync, cache_size=settings.storage.cache_size)
 
 
-def build_thread_manager(store: ConversationStore) -> ThreadManager:
+def build_thread_manager(store: Store) -> ThreadManager:
     """Return the agent-to-agent threads (``send_message``), persisted in ``store``'s meta space."""
     return ThreadManager(store=store)
 
@@ -160,3 +183,143 @@ def build_agent_profile(agent_settings: AgentSettings, agent: Agent, settings: S
         max_tokens=backend_settings.options.get("max_tokens"),
         budget=build_token_budget(backend_settings, backend),
     )
+
+
+# --- the pipeline ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineOptions:
+    """The settings the pipeline is built with (:meth:`from_settings` reads them from a home's Settings)."""
+
+    owner: str | None
+    project_pubkey: str | None = None
+    whitelist: Collection[str] = ()
+    default_agent: str | None = None
+    hop_limit: int = 6
+    turn_limit: int = DEFAULT_TURN_LIMIT
+    max_concurrent_runs: int = 8
+    journal_key: str = PENDING_RUNS_KEY
+    typing_delay_s: float = 0.0
+    partial_interval_s: float = DEFAULT_PARTIAL_INTERVAL_S
+    max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS
+    phase_rules: PhaseRules | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, project_pubkey: str) -> PipelineOptions:
+        """The options of a home: its owner, allow-list, limits, phases and run journal key.
+
+        A home's files have one daemon (the store's lock); daemons sharing a PostgreSQL database
+        each keep their run journal under a key of their own (their project key).
+        """
+        shared = settings.storage.kind is StorageKind.POSTGRES
+        return cls(
+            owner=settings.owner,
+            project_pubkey=project_pubkey,
+            whitelist=tuple(settings.whitelist),
+            default_agent=settings.default_agent_slug,
+            hop_limit=settings.daemon.hop_limit,
+            turn_limit=settings.daemon.orchestrator_turn_limit,
+            max_concurrent_runs=settings.daemon.max_concurrent_runs,
+            journal_key=journal_key_for(project_pubkey) if shared else PENDING_RUNS_KEY,
+            typing_delay_s=settings.daemon.typing_delay_s,
+            partial_interval_s=settings.daemon.partial_interval_s,
+            phase_rules=settings.phase_rules(),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePorts:
+    """What the pipeline talks to: the store, the Nostr edge (composer, publisher, partials, resolver,
+    fetcher), the classifier, a clock and the run observer. Production passes the real adapters; tests
+    pass the fakes of :mod:`tenex_daemon.testing`."""
+
+    store: Store
+    composer: ReplyComposer
+    publisher: Publisher
+    classify: EventClassifier
+    partials: PartialTextPublisher | None = None
+    resolver: EventResolver | None = None
+    fetcher: EventFetcher | None = None
+    clock: Clock | None = None
+    observer: RunObserver | None = None
+    reply_observer: ReplyObserver | None = None
+
+
+OrchestratorFactory = Callable[[ConversationManager], Orchestrator]
+"""Builds the orchestrator once the manager exists (it reads the conversations it routes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """The whole event-to-reply pipeline, built once by :func:`build_pipeline`."""
+
+    manager: ConversationManager
+    runner: AgentRunner
+    dispatcher: EventDispatcher
+    orchestrator: Orchestrator
+    threads: ThreadManager
+
+    @property
+    def scheduler(self) -> RunScheduler:
+        """The dispatcher's run scheduler (journal, concurrency, recovery, drain)."""
+        return self.dispatcher.scheduler
+
+
+def build_pipeline(
+    agents: Sequence[Agent],
+    profiles: Mapping[str, AgentProfile],
+    ports: PipelinePorts,
+    options: PipelineOptions,
+    *,
+    orchestrator: OrchestratorFactory | None = None,
+    tools: ToolRegistry | None = None,
+) -> Pipeline:
+    """Build the pipeline the daemon runs: manager, runner, orchestrator, dispatcher and scheduler.
+
+    Everything is passed to constructors; nothing is wired after construction. ``orchestrator``
+    defaults to the rule-based router (``@slug`` mentions, else ``options.default_agent``).
+    """
+    manager = ConversationManager(
+        ports.store,
+        agents,
+        options.project_pubkey,
+        resolver=ports.resolver,
+        phase_rules=options.phase_rules,
+        clock=ports.clock,
+        owner_pubkey=options.owner,
+    )
+    threads = build_thread_manager(ports.store)  # agents may ask each other (send_message)
+    runner = AgentRunner(
+        manager,
+        profiles,
+        ports.composer,
+        ports.publisher,
+        observer=ports.observer,
+        typing_delay_s=options.typing_delay_s,
+        tools=tools,
+        max_tool_rounds=options.max_tool_rounds,
+        partials=ports.partials,
+        partial_interval_s=options.partial_interval_s,
+        threads=threads,
+    )
+    router = (
+        orchestrator(manager)
+        if orchestrator is not None
+        else RuleBasedOrchestrator(manager.agents, options.default_agent)
+    )
+    dispatcher = EventDispatcher(
+        manager,
+        runner,
+        ports.classify,
+        router,
+        owner=options.owner,
+        whitelist=options.whitelist,
+        hop_limit=options.hop_limit,
+        turn_limit=options.turn_limit,
+        fetcher=ports.fetcher,
+        max_concurrent_runs=options.max_concurrent_runs,
+        journal_key=options.journal_key,
+        observer=ports.reply_observer,
+    )
+    return Pipeline(manager, runner, dispatcher, router, threads)

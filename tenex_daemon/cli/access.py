@@ -16,15 +16,10 @@ import aiohttp
 
 from tenex_daemon.adapters.nostr.signer import KeyFileError
 from tenex_daemon.adapters.storage.filesystem import StoreLockedError
-from tenex_daemon.app.control_api import (
-    API_PREFIX,
-    ApiError,
-    check_id,
-    conversation_json,
-    parse_search,
-    preview_context,
-    summary_json,
-)
+from tenex_daemon.app.control.errors import ApiError
+from tenex_daemon.app.control.parsing import check_id, parse_search
+from tenex_daemon.app.control.paths import API_PREFIX
+from tenex_daemon.app.control.views import conversation_json, preview_context, summary_json
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.app.wiring import build_store
@@ -37,7 +32,7 @@ from tenex_daemon.core.errors import (
 )
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.nip19 import Entity
-from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.ports import Store
 from tenex_daemon.services.conversation_manager import ConversationManager
 
 API_TIMEOUT_S = 30.0
@@ -157,7 +152,7 @@ class ApiAccess:
 class StoreResolver:
     """Resolves ``note``/``nevent`` references from the store alone (no relays without the daemon)."""
 
-    def __init__(self, store: ConversationStore) -> None:
+    def __init__(self, store: Store) -> None:
         """Look events up in ``store``."""
         self._store = store
 

@@ -3,7 +3,7 @@
 A convenience for trying a home: any Nostr client does the same. A new message is a kind-11
 conversation root; ``--reply-to`` makes a kind-1111 reply with NIP-22 tags (root ``E``/``K``/``P``
 copied from the conversation root, parent ``e``/``k``/``p``). The addressed agent is p-tagged
-first, so it is the one targeted (PROTOCOL.md).
+first, so it is the one targeted (docs/PROTOCOL.md).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from tenex_daemon.adapters.nostr.codec import conversation_root_tags, person_reply_tags, refers_to_root
 from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, PublishError, ReceivedEvent, RelayPool
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.settings import Settings
@@ -20,18 +21,7 @@ from tenex_daemon.app.status import read_status
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.vocabulary import (
-    KIND_COMMENT,
-    KIND_CONVERSATION_ROOT,
-    KIND_PROJECT,
-    TAG_ADDRESS,
-    TAG_PARENT_KIND,
-    TAG_PUBKEY,
-    TAG_ROOT_AUTHOR,
-    TAG_ROOT_EVENT,
-    TAG_ROOT_KIND,
-    TAG_TITLE,
-)
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_CONVERSATION_ROOT
 
 TITLE_MAX = 80
 
@@ -92,47 +82,22 @@ def reply_tags(
 ) -> tuple[str, list[list[str]]]:
     """Return (conversation root id, NIP-22 tags) for a reply to ``parent`` addressed to ``target``.
 
-    The root is the parent's ``E`` when it has one (a reply), else the parent itself. The
-    target is p-tagged first; the parent's author is p-tagged too when it is a person other
-    than the owner (an agent author would otherwise be targeted instead).
+    The root is the parent's ``E`` when it has one (a reply), else the parent itself
+    (:func:`~tenex_daemon.adapters.nostr.codec.person_reply_tags`). The target is p-tagged
+    first; the parent's author is p-tagged too when it is a person other than the owner (an
+    agent author would otherwise be targeted instead).
     """
-    root_id = parent.tag_value(TAG_ROOT_EVENT)
-    if root_id is not None:
-        root_kind = parent.tag_value(TAG_ROOT_KIND) or str(KIND_CONVERSATION_ROOT)
-        root_author = parent.tag_value(TAG_ROOT_AUTHOR) or ""
-    else:
-        root_id, root_kind, root_author = parent.id, str(parent.kind), parent.pubkey
-    tags: list[list[str]] = [
-        [TAG_ROOT_EVENT, root_id, "", root_author],
-        [TAG_ROOT_KIND, root_kind],
-        [TAG_ROOT_AUTHOR, root_author],
-        ["e", parent.id, "", parent.pubkey],
-        [TAG_PARENT_KIND, str(parent.kind)],
-        [TAG_PUBKEY, target.pubkey],
-    ]
+    destinations = [target.pubkey]
     if parent.pubkey not in agent_keys and parent.pubkey not in (owner, target.pubkey):
-        tags.append([TAG_PUBKEY, parent.pubkey])
-    if not root_author:
-        tags = [t for t in tags if t[0] != TAG_ROOT_AUTHOR]
-    return root_id, tags
+        destinations.append(parent.pubkey)
+    return person_reply_tags(parent, destinations)
 
 
 def root_tags(text: str, target: Agent, owner: str, project_d: str, title: str | None) -> list[list[str]]:
     """Return the tags of a new conversation root: title, the target's ``p``, the project's ``a``."""
     first_line = text.strip().splitlines()[0] if text.strip() else "Untitled"
     chosen = title or (first_line[: TITLE_MAX - 1] + "…" if len(first_line) > TITLE_MAX else first_line)
-    return [
-        [TAG_TITLE, chosen],
-        [TAG_PUBKEY, target.pubkey],
-        [TAG_ADDRESS, f"{KIND_PROJECT}:{owner}:{project_d}"],
-    ]
-
-
-def is_reply_in(event: NostrEvent, conversation_id: str) -> bool:
-    """Whether ``event`` belongs to the conversation (NIP-22 ``E`` or NIP-10 ``e`` root)."""
-    if event.tag_value(TAG_ROOT_EVENT) == conversation_id:
-        return True
-    return any(len(tag) > 1 and tag[0] == "e" and tag[1] == conversation_id for tag in event.tags)
+    return conversation_root_tags(chosen, [target.pubkey], (owner, project_d))
 
 
 async def send_message(
@@ -179,7 +144,7 @@ async def send_message(
     async def handle(received: ReceivedEvent) -> None:
         event = received.event
         agent = by_key.get(event.pubkey)
-        if agent is None or "id" not in conversation or not is_reply_in(event, conversation["id"]):
+        if agent is None or "id" not in conversation or not refers_to_root(event, conversation["id"]):
             return
         replies.append((agent, event))
         if on_reply is not None:

@@ -32,7 +32,7 @@ class AuthorRole(Enum):
 
 
 AGENT_MARKER_TAGS = frozenset({"net-time", "llm-model"})
-"""Tags only agent replies carry (PROTOCOL.md); an unknown author using them claims to be an agent."""
+"""Tags only agent replies carry (docs/PROTOCOL.md); an unknown author using them claims to be an agent."""
 
 
 class AgentDirectory:
@@ -86,7 +86,7 @@ class AgentDirectory:
         return next((a for a in self._by_slug.values() if a.orchestrator), None)
 
     def may_set_session(self, pubkey: str) -> bool:
-        """Whether an event by ``pubkey`` may name an agent's backend session (CONTEXT.md step 5).
+        """Whether an event by ``pubkey`` may name an agent's backend session (docs/CONTEXT.md step 5).
 
         Only the project's own agents and the owner may: a session id taken from anyone else's
         event would let them resume (and read) a session that is not theirs.

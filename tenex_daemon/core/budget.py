@@ -1,4 +1,4 @@
-"""Token budgets: which of a run's messages are sent when they do not fit (CONTEXT.md, seed 003).
+"""Token budgets: which of a run's messages are sent when they do not fit (docs/CONTEXT.md).
 
 Full history is the rule. Only when the persona prompt plus the messages exceed the budget are
 older messages left out, and the context says so: ``sliding_window`` puts a truncation note where

@@ -29,7 +29,11 @@ class Classification:
 
 
 class EventClassifier(Protocol):
-    """Reads an event's kind and threading tags (implemented with the Nostr codec)."""
+    """Reads an event's kind and threading tags (implemented with the Nostr codec).
+
+    A pure function of the event: the relay pool's delivery lanes and the dispatcher each
+    classify the same event, and both get the same answer without sharing any state.
+    """
 
     def __call__(self, event: NostrEvent) -> Classification:
         """Return the event's classification."""

@@ -1,4 +1,4 @@
-"""What an agent sees: the context-building contract of CONTEXT.md, as pure functions.
+"""What an agent sees: the context-building contract of docs/CONTEXT.md, as pure functions.
 
 The exact strings here are part of the contract; clients and prompts depend on them.
 """
@@ -122,7 +122,7 @@ def build_agent_messages(
     resolved_entities: Mapping[str, str] | None = None,
     view: HistoryView | None = None,
 ) -> AgentContext:
-    """Build the chat messages ``agent`` is sent to respond to ``trigger`` (CONTEXT.md).
+    """Build the chat messages ``agent`` is sent to respond to ``trigger`` (docs/CONTEXT.md).
 
     Pure with respect to the conversation: it is not changed. The caller persists the
     returned ``last_processed_index``, ``session_id`` and ``transitions_seen`` before
@@ -198,10 +198,7 @@ def build_agent_messages(
         append(ChatMessage("system", who.prefix + text(trigger.content)))
 
     # 5. The state to persist.
-    session_id = state.session_id if state is not None else None
-    session_tag = trigger.tag_value(TAG_SESSION)
-    if session_tag and is_session_id(session_tag) and directory.may_set_session(trigger.pubkey):
-        session_id = session_tag
+    session_id = _session_for(trigger, state.session_id if state is not None else None, directory)
     tail = 3 if away_parts else 1  # block, marker and trigger; or the trigger alone
     return AgentContext(
         messages,
@@ -214,12 +211,21 @@ def build_agent_messages(
     )
 
 
+def _session_for(trigger: NostrEvent, stored: str | None, directory: AgentDirectory) -> str | None:
+    """Step 5's session id: the trigger's well-formed ``claude-session`` tag when the owner or one of
+    the project's agents wrote it, else the stored one."""
+    tagged = trigger.tag_value(TAG_SESSION)
+    if tagged and is_session_id(tagged) and directory.may_set_session(trigger.pubkey):
+        return tagged
+    return stored
+
+
 def _history_messages(
     events: list[NostrEvent],
     sender: Callable[[str], _Sender],
     text: Callable[[str], str] | None,
 ) -> list[ChatMessage]:
-    """Map history events to messages (step 1 of CONTEXT.md); empty events are skipped."""
+    """Map history events to messages (step 1 of docs/CONTEXT.md); empty events are skipped."""
     new_message = tuple.__new__  # ChatMessage(role, content) without an extra Python frame
     messages: list[ChatMessage] = []
     append = messages.append
@@ -254,7 +260,7 @@ def _handoff_summary_since(conversation: Conversation, transitions_seen: int) ->
 def build_routing_context(
     conversation: Conversation, completion_preview: tuple[str, str, int] | None = None
 ) -> dict[str, Any]:
-    """Return the orchestrator's routing context (CONTEXT.md, seed 001).
+    """Return the orchestrator's routing context (docs/CONTEXT.md, "The orchestrator's view").
 
     ``completion_preview`` (agent slug, message, timestamp) shows a completion that is
     arriving with the trigger but is not recorded yet; it is shown once, like any other.

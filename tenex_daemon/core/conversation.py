@@ -20,7 +20,7 @@ class AgentState(BaseModel):
     """One agent's view of one conversation."""
 
     last_processed_index: int = 0
-    """How much of history the agent has been shown (the LPI of CONTEXT.md)."""
+    """How much of history the agent has been shown (the LPI of docs/CONTEXT.md)."""
     session_id: str | None = None
     """The backend session to resume (the ``claude-session`` tag), if any."""
     transitions_seen: int = 0

@@ -1,4 +1,4 @@
-"""Execution time: how long agents actually worked on a conversation (seed 001).
+"""Execution time: how long agents actually worked on a conversation (docs/ARCHITECTURE.md).
 
 Times are milliseconds since the epoch, passed in by the caller (the core reads no clock).
 """
@@ -43,6 +43,14 @@ class ExecutionTime(BaseModel):
         self.is_active = False
         self.current_session_start = None
         self.last_updated = now_ms
+        return added
+
+    def add_run(self, started_ms: int, now_ms: int) -> int:
+        """Add the working time of one run that started at ``started_ms`` and ends now (rounded half
+        up to seconds, as :meth:`stop`); return the seconds added. A live session is left as it is."""
+        added = _round_half_up_seconds(now_ms - started_ms)
+        self.total_seconds += added
+        self.last_updated = max(self.last_updated, now_ms)
         return added
 
     def touch(self, now_ms: int) -> None:

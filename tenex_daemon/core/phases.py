@@ -11,7 +11,7 @@ from tenex_daemon.core.errors import PhaseTransitionError
 
 
 class Phase(StrEnum):
-    """The operational phase a conversation is in (seed 001)."""
+    """The operational phase a conversation is in (docs/ARCHITECTURE.md)."""
 
     CHAT = "chat"
     BRAINSTORM = "brainstorm"
@@ -31,7 +31,7 @@ DEFAULT_TRANSITIONS: Mapping[Phase, frozenset[Phase]] = {
     Phase.CHORES: frozenset({Phase.REFLECTION, Phase.CHAT}),
     Phase.REFLECTION: frozenset({Phase.CHAT}),
 }
-"""Seed 001's rules plus the way back to chat that TENEX clients expect."""
+"""TENEX's phase rules plus the way back to chat that TENEX clients expect (docs/ARCHITECTURE.md)."""
 
 
 class PhaseRules:

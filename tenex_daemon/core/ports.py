@@ -15,7 +15,7 @@ from tenex_daemon.core.search import ConversationSummary, SearchQuery
 
 @runtime_checkable
 class ConversationStore(Protocol):
-    """Durable conversations (ARCHITECTURE.md's durability contract).
+    """Durable conversations (docs/ARCHITECTURE.md, "Durability contract").
 
     The manager serializes writers per conversation; a store may assume that no two
     calls change the same conversation at once. Every method that changes data has
@@ -37,10 +37,15 @@ class ConversationStore(Protocol):
     async def load(self, conversation_id: str) -> Conversation | None:
         """Return the conversation, or None when it is not stored (or unreadable)."""
 
-    async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
+    async def append_event(
+        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
+    ) -> None:
         """Append one event to a stored conversation's history; O(size of the event).
 
-        The event is accepted (and counted as processed) once this returns.
+        The event is accepted (and counted as processed) once this returns. With ``state`` (the
+        conversation, its history not yet holding ``event``), everything but history is replaced
+        in the same durable write, as :meth:`save_state` would (an agent's reply and what its run
+        changed: one commit).
         """
 
     async def save_state(self, conversation: Conversation) -> None:
@@ -58,17 +63,28 @@ class ConversationStore(Protocol):
     async def phase_counts(self) -> dict[tuple[str, bool], int]:
         """Count conversations by (phase, archived), from the index (no rows built)."""
 
+    async def find_event(self, event_id: str) -> tuple[str, NostrEvent] | None:
+        """Return (conversation id, event) for a stored event id, if any."""
+
+
+@runtime_checkable
+class ProcessedEvents(Protocol):
+    """The ledger of event ids tenexd has handled (accepted into a conversation, or not)."""
+
     async def is_processed(self, event_id: str) -> bool:
         """Return whether this event id was ever accepted or marked processed."""
 
     async def mark_processed(self, event_id: str) -> None:
         """Remember an event id that was handled without joining a conversation."""
 
-    async def find_event(self, event_id: str) -> tuple[str, NostrEvent] | None:
-        """Return (conversation id, event) for a stored event id, if any."""
+
+@runtime_checkable
+class SmallValues(Protocol):
+    """Small values kept beside the conversations (relay cursors, the run journal, delegation threads)
+    and the per-conversation lease; writes are durable when they return, like the conversations'."""
 
     async def get_meta(self, key: str) -> str | None:
-        """Return a small value the daemon keeps beside conversations (relay cursors...)."""
+        """Return the value stored under ``key``, if any."""
 
     async def set_meta(self, key: str, value: str) -> None:
         """Durably store a small value under ``key``."""
@@ -80,6 +96,11 @@ class ConversationStore(Protocol):
     def commits_in_order(self) -> bool:
         """Whether writes become durable in the order they are issued: a write whose call has
         started (run up to its first wait) is durable no later than any write started after it."""
+
+
+@runtime_checkable
+class Store(ConversationStore, ProcessedEvents, SmallValues, Protocol):
+    """Every port a storage adapter implements (memory, files, PostgreSQL); callers name the one they need."""
 
 
 class EventFetcher(Protocol):
@@ -134,7 +155,7 @@ class ReplySpec:
 
 
 class ReplyComposer(Protocol):
-    """Builds and signs an agent's kind-1111 reply with the tags of PROTOCOL.md."""
+    """Builds and signs an agent's kind-1111 reply with the tags of docs/PROTOCOL.md."""
 
     def compose(self, spec: ReplySpec) -> NostrEvent:
         """Return the signed reply event."""

@@ -1,4 +1,4 @@
-"""Who answers an incoming event (PROTOCOL.md): allow-listing, targeting and the hop limit.
+"""Who answers an incoming event (docs/PROTOCOL.md): allow-listing, targeting and the hop limit.
 
 Pure functions over an event, the agent directory and the conversation's history.
 """

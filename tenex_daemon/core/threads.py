@@ -1,4 +1,4 @@
-"""Conversation threads per communication pair (seed 002): the thread model and its keys."""
+"""Conversation threads per communication pair (docs/ARCHITECTURE.md): the thread model and its keys."""
 
 from __future__ import annotations
 

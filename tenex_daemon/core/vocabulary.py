@@ -1,4 +1,4 @@
-"""The Nostr kinds and tag names tenexd speaks (PROTOCOL.md).
+"""The Nostr kinds and tag names tenexd speaks (docs/PROTOCOL.md).
 
 This is the one place that names these numbers and tag shapes; the codec and the
 core both read them from here.
@@ -26,7 +26,7 @@ TAG_TITLE: Final = "title"
 TAG_ADDRESS: Final = "a"
 TAG_SESSION: Final = "claude-session"
 SESSION_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
-"""A well-formed backend session id (CONTEXT.md step 5): UUID-like, letters, digits and ``-``,
+"""A well-formed backend session id (docs/CONTEXT.md step 5): UUID-like, letters, digits and ``-``,
 at most 64 characters, never starting with ``-`` (so it can never read as an option)."""
 TAG_TOOL: Final = "tool"
 TOOL_COMPLETE: Final = "complete"
@@ -41,7 +41,7 @@ TAG_ROOT_KIND: Final = "K"
 TAG_ROOT_AUTHOR: Final = "P"
 TAG_PARENT_KIND: Final = "k"
 
-# Tags on an agent reply (PROTOCOL.md, "Tags tenexd writes on an agent reply").
+# Tags on an agent reply (docs/PROTOCOL.md, "Tags tenexd writes on an agent reply").
 TAG_NET_TIME: Final = "net-time"
 TAG_LLM_MODEL: Final = "llm-model"
 TAG_LLM_PROMPT_TOKENS: Final = "llm-prompt-tokens"

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -29,7 +30,7 @@ from tenex_daemon.core.conversation import UNTITLED, AgentState, Conversation, R
 from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase, PhaseRules, PhaseTransition
-from tenex_daemon.core.ports import Clock, ConversationStore, EventResolver, SystemClock
+from tenex_daemon.core.ports import Clock, EventResolver, Store, SystemClock
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.core.turns import OrchestratorTurn
 from tenex_daemon.core.vocabulary import (
@@ -48,10 +49,25 @@ RESOLVED_CACHE_SIZE = 1024
 HISTORY_VIEW_CACHE_SIZE = 256
 
 
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """What an agent run changes besides its reply (:meth:`ConversationManager.append_reply`)."""
+
+    agent_slug: str
+    context: AgentContext
+    """The context the agent answered from (its last processed index, session, transitions seen)."""
+    started_ms: int
+    """When the run started (its working time counts until the reply is saved)."""
+    session_id: str | None = None
+    """The backend's new session, if it reported one (None keeps the context's)."""
+    add_tokens: tuple[int, int] | None = None
+    """The run's (prompt, completion) token usage."""
+
+
 class ConversationManager:
     """Creates conversations, accepts events, builds each agent's view and tracks phases and turns.
 
-    ``store`` is any :class:`~tenex_daemon.core.ports.ConversationStore`; ``agents`` the
+    ``store`` is any :class:`~tenex_daemon.core.ports.Store`; ``agents`` the
     project's agents (an iterable of :class:`Agent` or an :class:`AgentDirectory`);
     ``owner_pubkey`` the owner, whose events (like the agents') may name an agent's session.
     ``resolver`` finds events referenced by ``nostr:`` URIs and articles (none: references
@@ -60,7 +76,7 @@ class ConversationManager:
 
     def __init__(
         self,
-        store: ConversationStore,
+        store: Store,
         agents: Iterable[Agent] | AgentDirectory,
         project_pubkey: str | None = None,
         *,
@@ -88,7 +104,7 @@ class ConversationManager:
         self._views: OrderedDict[tuple[str, str], HistoryView] = OrderedDict()
 
     @property
-    def store(self) -> ConversationStore:
+    def store(self) -> Store:
         """The store this manager persists through."""
         return self._store
 
@@ -192,29 +208,83 @@ class ConversationManager:
     # --- what an agent sees -------------------------------------------------------------
 
     async def build_agent_messages(
-        self, conversation_id: str, agent_slug: str, trigger: NostrEvent, *, start_execution: bool = False
+        self,
+        conversation_id: str,
+        agent_slug: str,
+        trigger: NostrEvent,
+        *,
+        start_execution: bool = False,
+        persist: bool = True,
     ) -> AgentContext:
-        """Return the messages ``agent_slug`` is sent to respond to ``trigger`` (CONTEXT.md).
+        """Return the messages ``agent_slug`` is sent to respond to ``trigger`` (docs/CONTEXT.md).
 
         The agent's last processed index and session id are persisted before this returns.
-        ``start_execution`` also starts timing work on the conversation, in the same save (an
-        agent run about to begin: one durable write instead of two).
+        ``start_execution`` also starts timing work on the conversation, in the same save.
+        ``persist=False`` (an agent run) changes nothing stored: the run's reply records what the
+        agent saw, with itself, in one durable write (:meth:`append_reply`); a run lost to a crash
+        is built again from the state before it.
         """
         agent = self.agents.get(agent_slug)
         async with self._locks.hold(conversation_id):
             references = conversation_event_references(await self._load_required(conversation_id), trigger)
         resolved = await self._resolve_references(references)
+        if not persist:
+            async with self._locks.hold(conversation_id):
+                conversation = await self._load_required(conversation_id)
+                view = self._history_view(conversation_id, agent.slug)
+                return build_agent_messages(conversation, agent, trigger, self.agents, resolved, view)
         async with self._locked(conversation_id) as conversation:
             view = self._history_view(conversation_id, agent.slug)
             context = build_agent_messages(conversation, agent, trigger, self.agents, resolved, view)
-            state = conversation.agent_state(agent.slug)
-            state.last_processed_index = context.last_processed_index
-            state.session_id = context.session_id
-            state.transitions_seen = context.transitions_seen
+            _record_context(conversation.agent_state(agent.slug), context)
             if start_execution:
                 conversation.execution_time.start(self._clock.now_ms())
             await self._save(conversation)
             return context
+
+    async def append_reply(
+        self,
+        conversation_id: str,
+        compose: Callable[[Conversation], Awaitable[NostrEvent]],
+        run: RunRecord,
+    ) -> NostrEvent:
+        """Save an agent run's reply and what the run changed, in one durable write.
+
+        Under the conversation's lock, with the conversation loaded once: ``compose`` builds the
+        signed reply from it (it may journal the reply before it is saved); the agent's last
+        processed index, session and phase transitions seen (from the run's context), its token
+        usage and the run's working time are recorded, and the reply is appended with that state.
+        A reply tagged ``["tool", "complete"]`` counts as the agent's completion of the open turn.
+        """
+        agent = self.agents.get(run.agent_slug)
+        async with self._locked(conversation_id) as conversation:
+            if conversation.archived:
+                raise ConversationArchivedError(conversation_id)
+            now = self._clock.now_ms()
+            conversation.execution_time.add_run(run.started_ms, now)
+            reply = await compose(conversation)
+            reply.require_valid_id()
+            state = conversation.agent_state(agent.slug)
+            _record_context(state, run.context)
+            _record_run(state, run.session_id, run.add_tokens)
+            turn = conversation.open_turn()
+            completes = reply.has_tag(TAG_TOOL, TOOL_COMPLETE)
+            if turn is not None and completes and turn.answers_trigger(reply.tags):
+                turn.add_completion(agent.slug, reply.content, now)
+            conversation.updated_at = now
+            await self._store.append_event(conversation_id, reply, state=conversation)
+            conversation.append(reply)
+            return reply
+
+    async def add_run_time(self, conversation_id: str, started_ms: int) -> None:
+        """Count a run that ended without a reply (it failed) in the conversation's working time."""
+        async with self._locked(conversation_id) as conversation:
+            conversation.execution_time.add_run(started_ms, self._clock.now_ms())
+            await self._save(conversation)
+
+    def now_ms(self) -> int:
+        """The manager's clock (a run's start is taken from it)."""
+        return self._clock.now_ms()
 
     def _history_view(self, conversation_id: str, agent_slug: str) -> HistoryView:
         """Return the memo of this agent's history messages (bounded LRU)."""
@@ -431,7 +501,7 @@ class ConversationManager:
     async def build_orchestrator_routing_context(
         self, conversation_id: str, trigger: NostrEvent | None = None
     ) -> dict[str, Any]:
-        """Return the orchestrator's routing context JSON object (CONTEXT.md).
+        """Return the orchestrator's routing context JSON object (docs/CONTEXT.md).
 
         A ``trigger`` that is a completion not yet recorded shows in ``current_routing``.
         """
@@ -588,6 +658,13 @@ class ConversationManager:
             trigger = conversation.history[-1]
         resolved = await self._resolve_references(conversation_event_references(conversation, trigger))
         return build_agent_messages(conversation, agent, trigger, self.agents, resolved)
+
+
+def _record_context(state: AgentState, context: AgentContext) -> None:
+    """What the agent has now been shown: its last processed index, session and phase transitions."""
+    state.last_processed_index = context.last_processed_index
+    state.session_id = context.session_id
+    state.transitions_seen = context.transitions_seen
 
 
 def _record_run(state: AgentState, session_id: str | None, add_tokens: tuple[int, int] | None) -> None:

@@ -1,4 +1,4 @@
-"""Delegation: one agent asks another through ``send_message`` in their own thread (seed 002).
+"""Delegation: one agent asks another through ``send_message`` in their own thread (docs/ARCHITECTURE.md).
 
 :class:`Delegation` lives as long as the runner; :meth:`Delegation.for_run` binds it to
 one agent's run (the asker and the event it answers), giving the run's
@@ -23,9 +23,9 @@ previous exchange.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
@@ -36,13 +36,12 @@ from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec
 from tenex_daemon.core.threads import ConversationThread, ThreadPersistenceError
+from tenex_daemon.runtime.background import BackgroundTasks
+from tenex_daemon.services.answering import AgentProfile
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import RunEffects, ToolContext, ToolRefusedError
-
-if TYPE_CHECKING:
-    from tenex_daemon.services.agent_runner import AgentProfile
 
 log = structlog.get_logger(__name__)
 
@@ -51,10 +50,8 @@ DELEGATED_TOOLS = ("get_conversation",)
 (no recursion) nor those that end or steer the conversation (``complete``, ``end_conversation``,
 ``switch_phase``), which belong to the conversation's own runs."""
 
-Answer = Callable[["AgentProfile", AgentContext, ToolContext], Awaitable[tuple[CompletionResult, str | None]]]
-"""The runner's tool loop: (profile, context, tools) -> (answer, error kind or None)."""
-Schedule = Callable[[Coroutine[Any, Any, None]], object]
-"""Runs a coroutine as a tracked background task (the runner's outbox)."""
+Answer = Callable[[AgentProfile, AgentContext, ToolContext], Awaitable[tuple[CompletionResult, str | None]]]
+"""The tool loop (:meth:`AnswerLoop.answer`): (profile, context, tools) -> (answer, error kind or None)."""
 
 
 def delegation_note(asker: Agent) -> str:
@@ -88,7 +85,7 @@ class Delegation:
         publisher: Publisher,
         *,
         answer: Answer,
-        schedule: Schedule,
+        tasks: BackgroundTasks,
     ) -> None:
         self._manager = manager
         self._profiles = profiles
@@ -96,7 +93,7 @@ class Delegation:
         self._composer = composer
         self._publisher = publisher
         self._answer = answer
-        self._schedule = schedule
+        self._tasks = tasks
         self._locks = KeyedLock()
 
     def askable(self, asker: Agent) -> list[Agent]:
@@ -210,7 +207,7 @@ class Delegation:
         )
         event = self._composer.compose(spec)
         await self._manager.add_event(cid, event)
-        self._schedule(self._publish(author.slug, event))
+        self._tasks.spawn(self._publish(author.slug, event), "publish delegation")
         return event
 
     async def _publish(self, agent_slug: str, event: NostrEvent) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 import structlog
 
@@ -25,7 +26,7 @@ from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.orchestrator import Orchestrator, RoutingDecision, RoutingStop
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT, RoutingLimits
-from tenex_daemon.services.runs import RunRequest, RunScheduler
+from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +56,20 @@ class HandleResult:
 Handler = Callable[[NostrEvent, Classification], Awaitable[HandleResult]]
 
 
+class ReplyObserver(Protocol):
+    """Told how each saved agent reply was targeted (the tests' window on routing; metrics may listen)."""
+
+    def reply_targeted(self, conversation_id: str, reply: NostrEvent, result: HandleResult) -> None:
+        """``reply`` was saved and targeted with ``result``."""
+
+
+class AgentRuns(Protocol):
+    """Carries out one agent run and tells ``routing`` about its reply (the agent runner)."""
+
+    async def run(self, request: RunRequest, routing: EventDispatcher | None = None) -> object:
+        """Run the agent; the reply is told to ``routing`` before and after it is saved."""
+
+
 class EventDispatcher:
     """Accepts events into conversations and decides which agent answers.
 
@@ -70,12 +85,17 @@ class EventDispatcher:
     again. Routing stops on an END decision, after ``turn_limit`` turns without a new user
     message, and on a decision repeated with no new completion (:class:`RoutingLimits`).
     The ``hop_limit`` bounds chains of agents p-tagging each other directly.
+
+    The dispatcher owns the :class:`RunScheduler` (:attr:`scheduler`) that carries its runs out
+    through ``runs`` (at most ``max_concurrent_runs`` at once, journaled under ``journal_key``),
+    and targets each saved reply of those runs in turn: that loop (events schedule runs, runs
+    save replies, replies are targeted) is closed here, with nothing wired after construction.
     """
 
     def __init__(
         self,
         manager: ConversationManager,
-        scheduler: RunScheduler,
+        runs: AgentRuns,
         classify: EventClassifier,
         orchestrator: Orchestrator,
         *,
@@ -84,9 +104,17 @@ class EventDispatcher:
         hop_limit: int = 6,
         turn_limit: int = DEFAULT_TURN_LIMIT,
         fetcher: EventFetcher | None = None,
+        max_concurrent_runs: int = 8,
+        journal_key: str = PENDING_RUNS_KEY,
+        observer: ReplyObserver | None = None,
     ) -> None:
         self._manager = manager
-        self._scheduler = scheduler
+        self._runs = runs
+        self._observer = observer
+        self.scheduler = RunScheduler(
+            manager.store, self._execute, max_concurrent_runs, journal_key=journal_key
+        )
+        self._scheduler = self.scheduler
         self._classify = classify
         self._orchestrator = orchestrator
         self._owner = owner
@@ -101,6 +129,10 @@ class EventDispatcher:
             EventClass.REPLY: self._on_reply,
             EventClass.IGNORED: self._on_ignored,
         }
+
+    async def _execute(self, request: RunRequest) -> None:
+        """One scheduled run; its reply comes back to :meth:`before_reply_saved` and :meth:`after_reply`."""
+        await self._runs.run(request, self)
 
     async def handle(self, event: NostrEvent) -> HandleResult:
         """Classify ``event`` once and run its handler."""
@@ -180,6 +212,8 @@ class EventDispatcher:
         with a completion), ending its dispatch (:meth:`before_reply_saved`)."""
         result = await self._target(conversation_id, reply)
         self._scheduler.dispatched(reply.id, at_once=result.outcome is not Outcome.SCHEDULED)
+        if self._observer is not None:
+            self._observer.reply_targeted(conversation_id, reply, result)
         return result
 
     async def stored_dispatches(self, event_ids: list[str]) -> list[str]:

@@ -1,4 +1,22 @@
-"""Per-key asyncio locks: one writer per conversation, no unbounded growth."""
+"""Per-key asyncio locks (one writer per conversation, no unbounded growth), and the lock order.
+
+The lock order, the one place it is written down. A task that holds a lock may take only locks
+further down this list, so no two tasks ever wait on each other:
+
+1. ``RunScheduler``'s per-conversation run slot (one agent run at a time in a conversation), then
+   its global cap (a semaphore).
+2. ``Delegation``'s per-thread lock (one ``send_message`` exchange at a time between two agents in
+   a conversation), taken inside a run.
+3. ``ThreadManager``'s per-thread load lock (loading a delegation thread once).
+4. ``EventDispatcher``'s per-conversation routing lock (one orchestrator decision at a time), taken
+   when an event or a saved reply is routed, inside a run for replies.
+5. ``ConversationManager``'s per-conversation lock, around one load -> change -> save step.
+6. The store's lease on the conversation (``SmallValues.lease``: exclusive across daemons sharing a
+   PostgreSQL database), always taken inside the manager's lock and held only for that step.
+
+``RunScheduler``'s journal lock is a leaf: it is held only around one store write of the journal
+and nothing is taken under it but the store's own internal locks.
+"""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ class LLMOrchestrator:
     """Routes with the orchestrator agent's language model.
 
     The model is sent the system prompt (:func:`orchestrator_system_prompt`) and one ``user``
-    message holding the routing context JSON (CONTEXT.md). An invalid answer (no JSON object,
+    message holding the routing context JSON (docs/CONTEXT.md). An invalid answer (no JSON object,
     not a decision, an unknown slug) is fed back once with what is wrong; a second invalid
     answer routes to the default agent. END in answer to a person's message is invalid: a
     person who writes gets an answer (the feedback quotes their message, which the routing

@@ -1,4 +1,4 @@
-"""Loop limits of orchestrator routing (ARCHITECTURE.md: "routing loops stop at a hop limit and on
+"""Loop limits of orchestrator routing (docs/ARCHITECTURE.md: "routing loops stop at a hop limit and on
 a repeated identical routing decision"), per conversation.
 
 A user message resets a conversation's limits. The state lives in memory: a restart forgets it,

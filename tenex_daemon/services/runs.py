@@ -13,7 +13,8 @@ from typing import Any
 
 import structlog
 
-from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.ports import SmallValues
+from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.locks import KeyedLock
 
 log = structlog.get_logger(__name__)
@@ -65,7 +66,7 @@ class RunScheduler:
 
     def __init__(
         self,
-        store: ConversationStore,
+        store: SmallValues,
         run: RunFunction,
         max_concurrent: int = 8,
         *,
@@ -76,7 +77,8 @@ class RunScheduler:
         self._run = run
         self._semaphore = asyncio.Semaphore(max_concurrent)
         self._conversation_locks = KeyedLock()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks("run scheduler")
+        """The runs scheduled and not finished (each logs its own failure)."""
         self._pending: dict[str, RunRequest] = {}
         self._dispatching: dict[str, None] = {}
         """Event ids accepted and not yet dispatched (insertion order)."""
@@ -90,7 +92,7 @@ class RunScheduler:
         self._start_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._accepting = True
         self._flush_task: asyncio.Task[None] | None = None
-        self._writes: set[asyncio.Task[None]] = set()
+        self._writes = BackgroundTasks("run journal")
         self.running = 0
         self.completed = 0
         self.failed = 0
@@ -194,23 +196,15 @@ class RunScheduler:
         self._start_write(self._journal_version)
 
     def _start_write(self, wanted: int) -> asyncio.Task[None]:
-        task = asyncio.create_task(self._write_journal_logged(wanted), name="run journal write")
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-        task.add_done_callback(lambda done: done.cancelled() or done.exception())  # logged already
-        return task
+        return self._writes.spawn(self._write_journal_logged(wanted), "write", log_failure=False)
 
     async def journaled(self) -> None:
         """Return once every run submitted so far is in the stored journal (or its write failed)."""
-        if self._writes:
-            await asyncio.gather(*self._writes, return_exceptions=True)  # failures were logged
+        await self._writes.gather()  # failures were logged
 
     def _spawn(self, request: RunRequest) -> None:
-        task = asyncio.create_task(
-            self._execute(request), name=f"run {request.agent_slug} {request.conversation_id[:8]}"
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        name = f"run {request.agent_slug} {request.conversation_id[:8]}"
+        self._tasks.spawn(self._execute(request), name, log_failure=False)
 
     async def _execute(self, request: RunRequest) -> None:
         log_ctx = log.bind(
@@ -284,20 +278,16 @@ class RunScheduler:
         """
         self._accepting = False
         await self.journaled()
-        pending: set[asyncio.Task[None]] = set()
-        if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+        cancelled = 0
+        if await self._tasks.wait(grace_s):
+            cancelled = await self._tasks.cancel_all()
         flush, self._flush_task = self._flush_task, None
         if flush is not None:
             flush.cancel()
             await asyncio.gather(flush, return_exceptions=True)
             self._write_journal_soon()  # the runs finished since the last write leave it now
         await self.journaled()
-        return len(pending)
+        return cancelled
 
 
 def _fail_waiter(write: asyncio.Task[None], started: asyncio.Future[None]) -> None:

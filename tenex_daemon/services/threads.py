@@ -1,4 +1,4 @@
-"""ThreadManager: isolated, persistent threads per communication pair within a chat (seed 002).
+"""ThreadManager: isolated, persistent threads per communication pair within a chat (docs/ARCHITECTURE.md).
 
 Threads are cached in memory, the most recently used ``max_cached`` of them when they can be
 loaded again (saved threads only: one with items not yet persisted stays). Persistence uses the
@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.ports import SmallValues
 from tenex_daemon.core.threads import ConversationThread, ThreadPersistenceError, thread_key
 
 log = structlog.get_logger(__name__)
@@ -42,7 +42,7 @@ class ThreadManager:
         self,
         load_callback: ThreadLoadCallback | None = None,
         save_callback: ThreadSaveCallback | None = None,
-        store: ConversationStore | None = None,
+        store: SmallValues | None = None,
         max_cached: int = DEFAULT_MAX_CACHED,
     ) -> None:
         if max_cached < 1:

@@ -220,7 +220,7 @@ class EndConversationArguments(_Arguments):
 
 
 class EndConversationTool:
-    """Ends (archives) the conversation once the reply is saved (seed 004)."""
+    """Ends (archives) the conversation once the reply is saved (docs/ARCHITECTURE.md)."""
 
     spec = ToolSpec(
         name="end_conversation",
@@ -273,7 +273,7 @@ async def mark_conversation_ended(
 
 
 class GetConversationArguments(_Arguments):
-    """``get_conversation``'s arguments: ``id`` (or seed 004's ``conversation_id``), or ``list_recent``."""
+    """``get_conversation``'s arguments: ``id`` (or its alias ``conversation_id``), or ``list_recent``."""
 
     id: str | None = None
     conversation_id: str | None = None
@@ -301,7 +301,7 @@ def _ended_at(conversation: Conversation) -> str | None:
 
 
 class GetConversationTool:
-    """Reads another conversation of the project: one by id, or summaries of the recent ones (seed 004)."""
+    """Reads another conversation of the project: one by id, or summaries of the recent ones."""
 
     spec = ToolSpec(
         name="get_conversation",
@@ -416,7 +416,7 @@ class SendMessageArguments(_Arguments):
 
 
 class SendMessageTool:
-    """Asks another agent and returns its answer (delegation, seed 002's ``send_message``).
+    """Asks another agent and returns its answer (``send_message``, docs/ARCHITECTURE.md).
 
     The two agents talk in their own thread, ``<conversation id>__<a>__<b>`` (slugs
     sorted), kept by the ThreadManager and persisted, so the next ``send_message``

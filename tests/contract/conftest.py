@@ -11,7 +11,7 @@ import pytest
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore, FsyncPolicy
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.adapters.storage.postgres import PostgresStore
-from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.ports import Store
 from tests.contract.postgres_server import PostgresServer, find_bin_dir, shared_server
 
 STORE_KINDS = ["memory", "fs-always", "fs-batch", "postgres"]
@@ -36,18 +36,18 @@ class StoreHarness:
     """Opens stores of one kind over the same data, so a test can close and reopen."""
 
     kind: str
-    make_store: Callable[[], ConversationStore]
+    make_store: Callable[[], Store]
     durable: bool
-    opened: list[ConversationStore] = field(default_factory=list)
+    opened: list[Store] = field(default_factory=list)
 
-    async def open(self) -> ConversationStore:
+    async def open(self) -> Store:
         """Open a new store instance over the harness's data."""
         store = self.make_store()
         await store.open()
         self.opened.append(store)
         return store
 
-    async def reopen(self, store: ConversationStore) -> ConversationStore:
+    async def reopen(self, store: Store) -> Store:
         """Close ``store`` and open a fresh instance (the same one for a memory store)."""
         if not self.durable:
             return store
@@ -59,7 +59,7 @@ class StoreHarness:
 async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[StoreHarness]:
     """One harness per store kind."""
     kind: str = request.param
-    maker: Callable[[], ConversationStore]
+    maker: Callable[[], Store]
     if kind == "memory":
         memory = MemoryStore()
         maker = lambda: memory  # noqa: E731
@@ -77,9 +77,9 @@ async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
 
 @pytest.fixture
-async def store(harness: StoreHarness) -> ConversationStore:
+async def store(harness: StoreHarness) -> Store:
     """An opened store of the harness's kind."""
     return await harness.open()
 
 
-OpenStore = Callable[[], Awaitable[ConversationStore]]
+OpenStore = Callable[[], Awaitable[Store]]

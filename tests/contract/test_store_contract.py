@@ -1,4 +1,9 @@
-"""The ConversationStore contract: every store (memory, filesystem both fsync policies, PostgreSQL)."""
+"""The store contract, port by port, for every store (memory, filesystem both fsync policies, PostgreSQL).
+
+The ports (``tenex_daemon.core.ports``): ``ConversationStore`` (conversations: the tests from the
+first to the search), ``ProcessedEvents`` (the processed-ids tests), ``SmallValues`` (meta values and
+leases); ``Store`` is all three, what every adapter implements.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from tenex_daemon.core.errors import (
 )
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase, PhaseTransition
-from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.ports import ConversationStore, ProcessedEvents, SmallValues, Store
 from tenex_daemon.core.search import SearchQuery
 from tenex_daemon.core.turns import OrchestratorTurn
 from tests.conftest import Cast
@@ -38,7 +43,7 @@ def new_conversation(cast: Cast, title: str, *, created_at: int = T0, phase: Pha
 
 
 async def stored(
-    store: ConversationStore, cast: Cast, title: str = "Build a relay", *, created_at: int = T0
+    store: Store, cast: Cast, title: str = "Build a relay", *, created_at: int = T0
 ) -> Conversation:
     """Create and return a conversation in ``store``."""
     conversation = new_conversation(cast, title, created_at=created_at)
@@ -52,7 +57,16 @@ def ids(conversation: Conversation | None) -> list[str]:
     return [event.id for event in conversation.history]
 
 
-async def test_create_then_load_returns_history_and_state(store: ConversationStore, cast: Cast) -> None:
+@pytest.mark.parametrize("port", [ConversationStore, ProcessedEvents, SmallValues, Store])
+def test_every_store_implements_each_port(store: Store, port: type) -> None:
+    """Each store has every method of each port (a caller may be given it as any one of them)."""
+    assert isinstance(store, port)
+
+
+# --- ConversationStore ----------------------------------------------------------------------
+
+
+async def test_create_then_load_returns_history_and_state(store: Store, cast: Cast) -> None:
     """A created conversation loads with the same history and state."""
     conversation = await stored(store, cast)
     loaded = await store.load(conversation.id)
@@ -61,14 +75,14 @@ async def test_create_then_load_returns_history_and_state(store: ConversationSto
     assert loaded.state_dict() == conversation.state_dict()
 
 
-async def test_create_twice_raises_exists(store: ConversationStore, cast: Cast) -> None:
+async def test_create_twice_raises_exists(store: Store, cast: Cast) -> None:
     """Creating a conversation whose id is taken raises ConversationExistsError."""
     conversation = await stored(store, cast)
     with pytest.raises(ConversationExistsError):
         await store.create(conversation.model_copy(deep=True))
 
 
-async def test_load_unknown_returns_none(store: ConversationStore) -> None:
+async def test_load_unknown_returns_none(store: Store) -> None:
     """Loading an id that was never stored returns None."""
     assert await store.load("f" * 64) is None
 
@@ -88,7 +102,7 @@ async def test_append_keeps_order_across_reopen(harness: StoreHarness, cast: Cas
     assert [(r.id, r.event_count) for r in rows] == [(conversation.id, 26)]
 
 
-async def test_append_same_event_twice_stores_it_once(store: ConversationStore, cast: Cast) -> None:
+async def test_append_same_event_twice_stores_it_once(store: Store, cast: Cast) -> None:
     """Appending an already accepted event id changes nothing."""
     conversation = await stored(store, cast)
     event = cast.bob_says("only once")
@@ -97,7 +111,7 @@ async def test_append_same_event_twice_stores_it_once(store: ConversationStore, 
     assert ids(await store.load(conversation.id)).count(event.id) == 1
 
 
-async def test_append_to_unknown_conversation_raises(store: ConversationStore, cast: Cast) -> None:
+async def test_append_to_unknown_conversation_raises(store: Store, cast: Cast) -> None:
     """Appending to a conversation that is not stored raises ConversationNotFoundError."""
     with pytest.raises(ConversationNotFoundError):
         await store.append_event("e" * 64, cast.user_says("lost?"))
@@ -132,7 +146,30 @@ async def test_save_state_round_trips_after_reopen(harness: StoreHarness, cast: 
     assert (row.agent_count, row.updated_at) == (1, T0 + 8)
 
 
-async def test_save_state_of_unknown_conversation_raises(store: ConversationStore, cast: Cast) -> None:
+async def test_append_with_state_stores_both_in_one_write(harness: StoreHarness, cast: Cast) -> None:
+    """append_event(state=...) stores the event and the new state together: both come back after a
+    reopen (an agent's reply with what its run changed)."""
+    store = await harness.open()
+    conversation = await stored(store, cast)
+    live = await store.load(conversation.id)
+    assert live is not None
+    live.agent_states["alice"] = AgentState(last_processed_index=1, session_id="sess-9", prompt_tokens=12)
+    live.execution_time.total_seconds = 3
+    live.updated_at = T0 + 9
+    reply = cast.alice_says("the reply", tags=[["e", conversation.id]])
+    await store.append_event(conversation.id, reply, state=live)
+    expected = live.state_dict()
+    reopened = await harness.reopen(store)
+    loaded = await reopened.load(conversation.id)
+    assert loaded is not None
+    assert ids(loaded) == [conversation.id, reply.id]
+    assert loaded.state_dict() == expected
+    assert await reopened.is_processed(reply.id)
+    [row] = await reopened.search(SearchQuery())
+    assert (row.event_count, row.updated_at) == (2, T0 + 9)
+
+
+async def test_save_state_of_unknown_conversation_raises(store: Store, cast: Cast) -> None:
     """Saving the state of a conversation that was never created raises ConversationNotFoundError."""
     with pytest.raises(ConversationNotFoundError):
         await store.save_state(new_conversation(cast, "ghost"))
@@ -180,7 +217,7 @@ async def test_delete_forgets_conversation_but_keeps_ids_processed(
     assert await store.search(SearchQuery()) == []
 
 
-async def test_search_filters(store: ConversationStore, cast: Cast) -> None:
+async def test_search_filters(store: Store, cast: Cast) -> None:
     """Search filters by title (substring and fuzzy), phase, dates, archived and participant, newest
     first; phase_counts counts the same rows by phase and archived."""
     relay = await stored(store, cast, "Build a Nostr relay", created_at=T0)
@@ -216,6 +253,9 @@ async def test_search_filters(store: ConversationStore, cast: Cast) -> None:
     assert await store.phase_counts() == {("chat", False): 1, ("plan", False): 1, ("chat", True): 1}
 
 
+# --- ProcessedEvents ------------------------------------------------------------------------
+
+
 async def test_processed_ids_survive_reopen(harness: StoreHarness, cast: Cast) -> None:
     """Marked and accepted event ids are still processed after a reopen; others are not."""
     store = await harness.open()
@@ -244,6 +284,9 @@ async def test_find_event_returns_conversation_and_event(harness: StoreHarness, 
     assert await store.find_event("1" * 64) is None
 
 
+# --- SmallValues ----------------------------------------------------------------------------
+
+
 async def test_meta_values_overwrite_and_survive_reopen(harness: StoreHarness) -> None:
     """set_meta overwrites, get_meta returns the latest value or None, and values survive a reopen."""
     store = await harness.open()
@@ -256,7 +299,7 @@ async def test_meta_values_overwrite_and_survive_reopen(harness: StoreHarness) -
     assert await store.get_meta("thread:chat__a__b") == '{"items": ["é", "\\n"]}'
 
 
-async def test_lease_is_granted_released_and_independent(store: ConversationStore) -> None:
+async def test_lease_is_granted_released_and_independent(store: Store) -> None:
     """A lease is granted, released when its block ends, and leases on other conversations do not wait."""
     steps: list[str] = []
     async with asyncio.timeout(10):

@@ -100,7 +100,7 @@ async def test_agent_replies_within_5s_with_the_protocol_tags(
 async def test_second_agent_mid_conversation_sees_the_context_md_view(
     relay: LocalRelayServer, home: Home, daemon: DaemonProcess
 ) -> None:
-    """`tenexd context` shows a not-yet-involved agent the CONTEXT.md view; p-tagged, it answers from exactly 5 messages."""
+    """`tenexd context` shows a not-yet-involved agent the docs/CONTEXT.md view; p-tagged, it answers from exactly 5 messages."""
     planner, executor = home.agent("planner"), home.agent("executor")
     first = await converse(
         relay,

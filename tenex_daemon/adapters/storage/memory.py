@@ -49,8 +49,10 @@ class MemoryStore:
         """Return the live conversation object, or None."""
         return self._conversations.get(conversation_id)
 
-    async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
-        """Append an event to history; an archived conversation is read-only."""
+    async def append_event(
+        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
+    ) -> None:
+        """Append an event to history (and adopt ``state``); an archived conversation is read-only."""
         conversation = self._conversations.get(conversation_id)
         if conversation is None:
             raise ConversationNotFoundError(conversation_id)
@@ -59,6 +61,9 @@ class MemoryStore:
         conversation.append(event)
         self._event_index[event.id] = conversation_id
         self._processed.add(event.id)
+        if state is not None:
+            state.append(event)
+            self._conversations[conversation_id] = state  # adopted, as save_state does
 
     async def save_state(self, conversation: Conversation) -> None:
         """Adopt ``conversation`` as the stored object (it usually already is)."""

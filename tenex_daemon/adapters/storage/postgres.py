@@ -181,9 +181,14 @@ class PostgresStore:
         conversation.archived = row["archived"]
         return conversation
 
-    async def append_event(self, conversation_id: str, event: NostrEvent) -> None:
-        """Insert the event (committed, so durable, when this returns); a known id changes nothing."""
+    async def append_event(
+        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
+    ) -> None:
+        """Insert the event (committed, so durable, when this returns); a known id changes nothing.
+        With ``state``, the conversation's state is replaced in the same transaction."""
         async with self.pool.acquire() as conn, conn.transaction():
+            if state is not None:
+                await _save_state_on(conn, state)
             fresh = await conn.fetchval(
                 "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING true",
                 event.id,
@@ -210,17 +215,8 @@ class PostgresStore:
 
     async def save_state(self, conversation: Conversation) -> None:
         """Replace the state JSONB and the index columns derived from it."""
-        summary = ConversationSummary.of(conversation)
         async with self.pool.acquire() as conn:
-            status = await conn.execute(
-                """UPDATE conversations SET title = $2, phase = $3, created_at = $4, updated_at = $5,
-                          agent_count = $6, state = $7::jsonb
-                    WHERE id = $1""",
-                conversation.id, summary.title, summary.phase.value, summary.created_at,
-                summary.updated_at, summary.agent_count, json.dumps(conversation.state_dict()),
-            )
-        if status.endswith(" 0"):
-            raise ConversationNotFoundError(conversation.id)
+            await _save_state_on(conn, conversation)
 
     async def set_archived(self, conversation_id: str, archived: bool) -> None:
         """Set the archived flag."""
@@ -343,3 +339,17 @@ class PostgresStore:
             finally:
                 if not conn.is_closed():
                     await conn.execute(_UNLEASE_SQL, conversation_id)
+
+
+async def _save_state_on(conn: Any, conversation: Conversation) -> None:
+    """Replace a conversation's state JSONB and the index columns derived from it, on ``conn``."""
+    summary = ConversationSummary.of(conversation)
+    status = await conn.execute(
+        """UPDATE conversations SET title = $2, phase = $3, created_at = $4, updated_at = $5,
+                  agent_count = $6, state = $7::jsonb
+            WHERE id = $1""",
+        conversation.id, summary.title, summary.phase.value, summary.created_at,
+        summary.updated_at, summary.agent_count, json.dumps(conversation.state_dict()),
+    )
+    if status.endswith(" 0"):
+        raise ConversationNotFoundError(conversation.id)

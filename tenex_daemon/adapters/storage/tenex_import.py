@@ -1,4 +1,4 @@
-"""Import conversations from a TENEX TypeScript-era home into any ConversationStore.
+"""Import conversations from a TENEX TypeScript-era home into any Store.
 
 The source layout (TENEX's ``FileSystemAdapter``)::
 
@@ -36,7 +36,7 @@ from tenex_daemon.core.errors import ConversationExistsError
 from tenex_daemon.core.events import NostrEvent, compute_event_id
 from tenex_daemon.core.execution_time import ExecutionTime
 from tenex_daemon.core.phases import Phase, PhaseTransition
-from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.ports import Store
 from tenex_daemon.core.turns import Completion, OrchestratorTurn
 from tenex_daemon.core.vocabulary import TAG_TITLE
 
@@ -321,7 +321,7 @@ def _index_rows(folder: Path, report: ImportReport) -> dict[str, dict[str, Any]]
         return {}
 
 
-async def import_tenex_home(src_dir: str | Path, store: ConversationStore) -> ImportReport:
+async def import_tenex_home(src_dir: str | Path, store: Store) -> ImportReport:
     """Import every conversation of a TENEX TypeScript-era home into ``store``.
 
     ``src_dir`` is the project folder, its ``.tenex`` folder, or the ``conversations`` folder.

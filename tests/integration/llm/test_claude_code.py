@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tenex_daemon import ConversationManager, MemoryStore
 from tenex_daemon.adapters.llm.claude_code import ClaudeCodeBackend
-from tenex_daemon.adapters.nostr.signer import Signer
-from tenex_daemon.app.nostr_io import SignedReplyComposer
 from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.llm import (
     BackendAuthError,
@@ -19,11 +16,10 @@ from tenex_daemon.core.llm import (
     BackendUnreachableError,
     CompletionRequest,
 )
-from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.agent_runner import AgentProfile
 from tenex_daemon.services.runs import RunRequest
-from tenex_daemon.testing import FakeClock
+from tests import pipeline
 from tests.conftest import Cast
-from tests.unit.services.test_daemon_services import FakePublisher
 
 pytestmark = [pytest.mark.integration]
 
@@ -137,13 +133,11 @@ async def test_agent_runs_keep_and_resume_the_claude_session(
     the reply; the agent's next run in the conversation resumes it."""
     command, log = stand_in
     backend = ClaudeCodeBackend(command=command, model="sonnet")
-    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
-    signers = {
-        slug: Signer(bytes.fromhex(keys.secret), label=slug)
-        for slug, keys in (("alice", cast.alice_keys), ("bob", cast.bob_keys))
-    }
-    profiles = {a.slug: AgentProfile(a, "", backend) for a in cast.agents if a.slug in signers}
-    runner = AgentRunner(manager, profiles, SignedReplyComposer(signers, None), FakePublisher())
+    profiles = {a.slug: AgentProfile(a, "", backend) for a in cast.agents if a.slug in ("alice", "bob")}
+    rig = pipeline.build_rig(
+        cast, profiles=profiles, agents=[cast.alice, cast.bob], composer=pipeline.real_composer(cast)
+    )
+    manager, runner = rig.manager, rig.runner
     root = cast.user_says("Hi Alice", kind=11, tags=[["p", cast.alice.pubkey]])
     await manager.create_conversation(root)
 

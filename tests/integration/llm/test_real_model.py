@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tenex_daemon import ConversationManager, MemoryStore
 from tenex_daemon.adapters.llm.local import LocalBackend
 from tenex_daemon.adapters.llm.openai import OpenAIBackend
 from tenex_daemon.core.context import ChatMessage
@@ -23,12 +22,10 @@ from tenex_daemon.core.llm import (
     ToolSpec,
 )
 from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
-from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.agent_runner import AgentProfile
 from tenex_daemon.services.runs import RunRequest
-from tenex_daemon.testing import FakeClock
+from tests import pipeline
 from tests.conftest import Cast
-from tests.unit.services.test_daemon_services import FakePublisher
-from tests.unit.services.test_tool_loop import TagComposer
 
 from .conftest import LlamaServer
 
@@ -131,12 +128,10 @@ class ForcedFirstTool:
 async def test_forced_tool_call_runs_the_tool_in_an_agent_run(served: OpenAIBackend, cast: Cast) -> None:
     """A run whose first call forces `complete` makes the served model call it; the runner runs the tool
     and the saved reply is a completion (tagged ["tool", "complete"], addressed to the orchestrator)."""
-    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
     backend = ForcedFirstTool(served, "complete")
-    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
     profiles = {a.slug: AgentProfile(a, "", backend, temperature=0.0, max_tokens=64) for a in cast.agents}
-    publisher = FakePublisher()
-    runner = AgentRunner(manager, profiles, TagComposer(keys), publisher)
+    rig = pipeline.build_rig(cast, profiles=profiles, composer=pipeline.real_composer(cast))
+    manager, runner, publisher = rig.manager, rig.runner, rig.publisher
     root = cast.user_says("Say that the task is done.", kind=11, tags=[["p", cast.alice.pubkey]])
     await manager.create_conversation(root)
 
@@ -154,11 +149,12 @@ async def test_forced_tool_call_runs_the_tool_in_an_agent_run(served: OpenAIBack
 
 async def test_tool_result_goes_back_to_the_served_model(served: OpenAIBackend, cast: Cast) -> None:
     """A forced get_conversation call runs, and its result is sent back to the model right after the call."""
-    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
     backend = ForcedFirstTool(served, "get_conversation")
-    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
     profiles = {a.slug: AgentProfile(a, "", backend, temperature=0.0, max_tokens=48) for a in cast.agents}
-    runner = AgentRunner(manager, profiles, TagComposer(keys), FakePublisher(), max_tool_rounds=3)
+    rig = pipeline.build_rig(
+        cast, profiles=profiles, composer=pipeline.real_composer(cast), max_tool_rounds=3
+    )
+    manager, runner = rig.manager, rig.runner
     root = cast.user_says("What did we talk about recently?", kind=11, tags=[["p", cast.alice.pubkey]])
     await manager.create_conversation(root)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.client import connect
 
-from tenex_daemon.adapters.nostr.relay_pool import _no_ack, _quick_ack
+from tenex_daemon.adapters.nostr.relay_pool.connection import _no_ack, _quick_ack
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.embedded_relay import EmbeddedRelay, EmbeddedRelayError
 

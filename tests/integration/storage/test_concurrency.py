@@ -10,7 +10,7 @@ import pytest
 
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore, FsyncPolicy
 from tenex_daemon.adapters.storage.postgres import PostgresStore
-from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.ports import Store
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tests.conftest import Cast
 from tests.contract.postgres_server import PostgresServer
@@ -21,14 +21,14 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(params=["fs-always", "fs-batch", "postgres"])
 async def durable_store(
     request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[tuple[ConversationStore, ConversationStore]]:
+) -> AsyncIterator[tuple[Store, Store]]:
     """A durable store and a second, unopened instance over the same data (for the reopen check)."""
     kind: str = request.param
     if kind == "postgres":
         server: PostgresServer = request.getfixturevalue("postgres_server")
         dsn = await server.create_database()
-        first: ConversationStore = PostgresStore(dsn)
-        second: ConversationStore = PostgresStore(dsn)
+        first: Store = PostgresStore(dsn)
+        second: Store = PostgresStore(dsn)
     else:
         policy: FsyncPolicy = "always" if kind == "fs-always" else "batch"
         first = FileSystemStore(tmp_path / "home", fsync=policy)
@@ -40,7 +40,7 @@ async def durable_store(
 
 
 async def test_200_concurrent_add_events_over_10_conversations(
-    durable_store: tuple[ConversationStore, ConversationStore], cast: Cast
+    durable_store: tuple[Store, Store], cast: Cast
 ) -> None:
     """200 concurrent add_event calls over 10 conversations are all accepted, in submission order, durably."""
     store, reopened = durable_store

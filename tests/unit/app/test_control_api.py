@@ -15,7 +15,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tenex_daemon import ConversationManager, NostrEvent
-from tenex_daemon.app.control_api import ControlServer, ControlSocketInUseError, create_app
+from tenex_daemon.app.control_api import ControlServer, ControlSocketInUseError, create_app, openapi_document
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.core.vocabulary import KIND_TASK
 from tests.conftest import Cast
@@ -92,6 +92,21 @@ async def test_openapi_document_lists_every_endpoint(client: TestClient[Any, Any
         "/api/v1/tasks/{id}/conversation", "/metrics",
     }
     assert set(doc["paths"]["/api/v1/conversations/{id}"]) == {"get", "delete"}
+
+
+def test_openapi_document_describes_exactly_the_served_routes(target: FakeTarget) -> None:
+    """Every (method, path) the app routes is in the OpenAPI document, and the document names no other."""
+    app = create_app(target)
+    served = {
+        (route.method.lower(), route.resource.canonical)
+        for route in app.router.routes()
+        if route.method != "HEAD" and route.resource is not None
+    }
+    documented = {
+        (method, path) for path, operations in openapi_document()["paths"].items() for method in operations
+    }
+
+    assert served == documented
 
 
 async def test_status_is_the_targets_snapshot(client: TestClient[Any, Any], target: FakeTarget) -> None:

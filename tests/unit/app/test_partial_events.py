@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tenex_daemon.adapters.nostr.codec import verify_event
+from tenex_daemon.adapters.nostr.publisher import PoolPublisher
 from tenex_daemon.adapters.nostr.signer import Signer
-from tenex_daemon.app.nostr_io import PoolPublisher
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import KIND_STREAMING
 from tests.conftest import Cast
@@ -29,7 +29,7 @@ async def test_partial_is_a_signed_ephemeral_event_tagged_with_conversation_and_
     """A partial is kind 21111, signed by the agent, tagged with the conversation, trigger and sequence."""
     signer = Signer(os.urandom(32), label="alice")
     pool = RecordingPool()
-    publisher = PoolPublisher(pool, {"alice": signer}, {"alice": cast.alice})  # type: ignore[arg-type]
+    publisher = PoolPublisher(pool, {"alice": signer}, {"alice": cast.alice})
     await publisher.partial("alice", "c" * 64, "t" * 64, "Once upon", 3)
 
     [(event, options)] = pool.published

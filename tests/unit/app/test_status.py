@@ -8,7 +8,7 @@ import stat
 import time
 from pathlib import Path
 
-from tenex_daemon.app.status import Health, new_status, read_status, write_status
+from tenex_daemon.app.status import Health, RelayStatus, new_status, read_status, write_status
 
 
 def test_written_status_reads_back_as_running_and_healthy(tmp_path: Path) -> None:
@@ -16,13 +16,18 @@ def test_written_status_reads_back_as_running_and_healthy(tmp_path: Path) -> Non
     path = tmp_path / "run" / "status.json"
     data = new_status("0.1.0")
     data["state"] = "running"
-    data["relays"] = [{"url": "ws://127.0.0.1:7777", "state": "connected"}]
+    relay = RelayStatus(
+        url="ws://127.0.0.1:7777", state="connected", read=True, write=True, connected_since=None,
+        reconnects=0, last_event_at=None, events_received=0, rejects={}, notices=0,
+        authenticated=False, last_error=None,
+    )
+    data["relays"] = [relay]
     write_status(path, data)
     report = read_status(path, stale_after_s=30)
     assert report.state is Health.RUNNING
     assert report.healthy
     assert report.data is not None
-    assert report.data["relays"][0] == {"url": "ws://127.0.0.1:7777", "state": "connected"}
+    assert report.data["relays"][0] == relay
     assert report.data["pid"] == os.getpid()
     assert report.age_s is not None
     assert report.age_s < 5

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.status import DaemonState, new_status, write_status
 from tenex_daemon.app.wiring import build_store
 from tenex_daemon.cli.main import app
 from tenex_daemon.core import nip19
@@ -25,6 +27,13 @@ USER = KeyPair.from_seed(901)
 def tenexd(home: Path, *args: str) -> tuple[int, str]:
     """Run ``tenexd --home HOME ARGS`` in-process; return (exit code, stdout)."""
     result = CliRunner().invoke(app, ["--home", str(home), *args], catch_exceptions=False)
+    return result.exit_code, result.stdout
+
+
+def tenexd_home_after(home: Path, *args: str, before: Path | None = None) -> tuple[int, str]:
+    """Run ``tenexd [--home BEFORE] ARGS --home HOME`` in-process; return (exit code, stdout)."""
+    leading = [] if before is None else ["--home", str(before)]
+    result = CliRunner().invoke(app, [*leading, *args, "--home", str(home)], catch_exceptions=False)
     return result.exit_code, result.stdout
 
 
@@ -210,3 +219,71 @@ def test_conversations_show_reports_token_usage(home: Path) -> None:
     code, text = tenexd(home, "conversations", "show", conversation)
     assert code == 0
     assert "tokens: 1,200 prompt + 80 completion" in text
+
+
+def _leaf_commands(command: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """Every runnable command under ``command`` with its path of names (groups walked into)."""
+    subcommands = getattr(command, "commands", None)
+    if subcommands is None:
+        return [(path, command)]
+    return [leaf for name, sub in subcommands.items() for leaf in _leaf_commands(sub, (*path, name))]
+
+
+def test_every_command_accepts_home_after_its_name() -> None:
+    """Each command of tenexd, in every group, declares its own --home option."""
+    leaves = _leaf_commands(typer.main.get_command(app))
+
+    assert len(leaves) >= 14
+    missing = [
+        " ".join(path) for path, command in leaves
+        if "--home" not in [opt for param in command.params for opt in getattr(param, "opts", [])]
+    ]
+    assert missing == []
+
+
+def test_status_reads_the_home_given_after_the_command(home: Path) -> None:
+    """`status --json --home H` judges H's status file: a fresh running status there is healthy (exit 0)."""
+    settings = load_settings(home)
+    data = new_status("0.0.0", home=str(home))
+    data["state"] = DaemonState.RUNNING.value
+    write_status(settings.status_path, data)
+
+    code, out = tenexd_home_after(home, "status", "--json")
+
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["healthy"] is True
+    assert report["path"] == str(settings.status_path)
+
+
+def test_conversations_list_reads_the_home_given_after_the_command(home: Path) -> None:
+    """`conversations list --json --home H` lists H's conversations."""
+    seed_conversation(home, "Picnic plans", "Plan a picnic")
+
+    code, out = tenexd_home_after(home, "conversations", "list", "--json")
+
+    assert code == 0, out
+    assert [r["title"] for r in json.loads(out)] == ["Picnic plans"]
+
+
+def test_context_reads_the_home_given_after_the_command(home: Path) -> None:
+    """`context ID --agent SLUG --json --home H` previews the agent's context from H's store."""
+    conversation = seed_conversation(home, "Picnic", "Plan a picnic", "Saturday works")
+
+    code, out = tenexd_home_after(home, "context", conversation, "--agent", "executor", "--json")
+
+    assert code == 0, out
+    context = json.loads(out)
+    assert context["conversation_id"] == conversation
+    assert context["messages"][-1]["content"] == "Saturday works"
+
+
+def test_home_after_the_command_wins_over_home_before_it(home: Path, tmp_path: Path) -> None:
+    """Given both, the --home nearest the command is used (the one before it names no home here)."""
+    seed_conversation(home, "Picnic plans", "Plan a picnic")
+
+    code, out = tenexd_home_after(home, "conversations", "list", "--json", before=tmp_path / "elsewhere")
+
+    assert code == 0, out
+    assert [r["title"] for r in json.loads(out)] == ["Picnic plans"]
+    assert not (tmp_path / "elsewhere").exists()

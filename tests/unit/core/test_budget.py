@@ -1,4 +1,4 @@
-"""Token budgets as pure functions (CONTEXT.md "When history does not fit", seed 003)."""
+"""Token budgets as pure functions (docs/CONTEXT.md "When history does not fit")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Seed 000's testing scenarios and CONTEXT.md's consequences, with exact expected messages."""
+"""What docs/CONTEXT.md says the tests pin down, with exact expected messages."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Execution time: rounding, totals, and the stale-session reset of seed 001."""
+"""Execution time: rounding, totals, and the stale-session reset of docs/ARCHITECTURE.md ("Execution time")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The orchestrator's routing context and turn bookkeeping (seed 001, CONTEXT.md)."""
+"""The orchestrator's routing context and turn bookkeeping (docs/CONTEXT.md, "The orchestrator's view")."""
 
 from __future__ import annotations
 

@@ -224,7 +224,7 @@ async def test_reflection_to_chat_clears_read_files(manager: ConversationManager
 
 
 def test_every_default_transition_and_only_those_are_allowed() -> None:
-    """The default table is exactly ARCHITECTURE.md's, plus same-phase handoffs."""
+    """The default table is exactly docs/ARCHITECTURE.md's, plus same-phase handoffs."""
     rules = PhaseRules()
     expected = {
         "chat": {"execute", "plan", "brainstorm"},

@@ -20,6 +20,7 @@ from tenex_daemon.adapters.nostr.codec import (
     PublicKeyCache,
     Rejection,
     RejectReason,
+    ReplyDetails,
     ThreadRoot,
     ThreadStyle,
     build_reply_tags,
@@ -287,11 +288,10 @@ def test_reply_tags_follow_protocol() -> None:
     trigger = sign_event(USER, "do it", tags=[
         ["E", root.id, "", USER.pubkey], ["K", "11"], ["P", USER.pubkey],
         ["e", root.id, "", USER.pubkey], ["k", "11"], ["p", AGENT.pubkey]])
-    tags = build_reply_tags(
-        trigger, [USER.pubkey, USER.pubkey], project=(OTHER.pubkey, "proj"), phase="chat",
-        net_time_seconds=42, session_id="sess-1", complete=True, llm_model="m", prompt_tokens=10,
-        completion_tokens=5, error=True,
-    )
+    tags = build_reply_tags(trigger, [USER.pubkey, USER.pubkey], details=ReplyDetails(
+        project=(OTHER.pubkey, "proj"), phase="chat", net_time_seconds=42, session_id="sess-1",
+        complete=True, llm_model="m", prompt_tokens=10, completion_tokens=5, error=True,
+    ))
     assert tags == [
         ["E", root.id, "", USER.pubkey], ["K", "11"], ["P", USER.pubkey],
         ["e", trigger.id, "", USER.pubkey], ["k", "1111"],

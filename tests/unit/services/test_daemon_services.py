@@ -3,119 +3,42 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 import pytest
 
-from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
+from tenex_daemon import MemoryStore
 from tenex_daemon.adapters.llm.offline import OfflineBackend
-from tenex_daemon.app.nostr_io import classify_event
+from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
 from tenex_daemon.core.agents import AgentDirectory
-from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult
-from tenex_daemon.core.ports import ReplySpec
+from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.targeting import SkipReason, agent_chain_length, choose_target, mentioned_agent
-from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
-from tenex_daemon.services.dispatcher import EventDispatcher, Outcome
+from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
-from tenex_daemon.testing import FakeClock, KeyPair, sign_event
+from tenex_daemon.testing.fakes import FailingBackend
+from tests import pipeline
 from tests.conftest import Cast
 
-
-@dataclass
-class FakeComposer:
-    """Signs replies with the agent's test key, with the tags a real composer would put that matter here."""
-
-    keys: dict[str, KeyPair]
-
-    def compose(self, spec: ReplySpec) -> NostrEvent:
-        """Return a signed kind-1111 reply to the trigger."""
-        tags = [["e", spec.trigger.id], *(["p", p] for p in spec.destinations)]
-        if spec.root is not None:
-            tags.insert(0, ["E", spec.root.id, "", spec.root.pubkey])
-        if spec.error:
-            tags.append(["error", "system"])
-        return sign_event(self.keys[spec.agent_slug], spec.content, tags=tags)
-
-
-@dataclass
-class FakePublisher:
-    """Records what would go to the relays."""
-
-    published: list[NostrEvent] = field(default_factory=list)
-    typing_events: list[tuple[str, bool]] = field(default_factory=list)
-    fail: bool = False
-
-    async def publish(self, event: NostrEvent) -> None:
-        """Record the event (or fail like a relay that refuses)."""
-        if self.fail:
-            raise RuntimeError("no relay accepted the event")
-        self.published.append(event)
-
-    async def typing(self, agent_slug: str, conversation_id: str, active: bool) -> None:
-        """Record a typing indicator."""
-        self.typing_events.append((agent_slug, active))
-
-
-class FailingBackend:
-    """A backend that always fails the way a provider does."""
-
-    name = "failing"
-
-    async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Raise a rate-limit error."""
-        raise BackendError("rate_limit", "429 Too Many Requests")
-
-
-@dataclass
-class Rig:
-    """A dispatcher wired to a manager, a scheduler, a runner and fake I/O."""
-
-    manager: ConversationManager
-    store: MemoryStore
-    scheduler: RunScheduler
-    dispatcher: EventDispatcher
-    publisher: FakePublisher
-    runner: AgentRunner
+Rig = pipeline.Rig
 
 
 def make_rig(
     cast: Cast,
     *,
     hop_limit: int = 3,
-    backend: object | None = None,
+    backend: LLMBackend | None = None,
     owner: str | None = None,
     typing_delay_s: float = 0.0,
 ) -> Rig:
-    """Wire the services the way the daemon does, with fakes at the Nostr edge."""
-    store = MemoryStore()
-    manager = ConversationManager(store, cast.agents, cast.project.pubkey, clock=FakeClock())
-    publisher = FakePublisher()
-    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
-    chosen = backend or OfflineBackend()
-    profiles = {a.slug: AgentProfile(a, f"You are {a.name}.", chosen) for a in cast.agents}  # type: ignore[arg-type]
-    runner = AgentRunner(manager, profiles, FakeComposer(keys), publisher, typing_delay_s=typing_delay_s)
-
-    async def run(request: RunRequest) -> None:
-        await runner.run(request)
-
-    scheduler = RunScheduler(store, run, max_concurrent=4)
-    dispatcher = EventDispatcher(
-        manager,
-        scheduler,
-        classify_event,
-        RuleBasedOrchestrator(manager.agents, "alice"),
-        owner=owner or cast.user.pubkey,
-        hop_limit=hop_limit,
+    """The daemon's pipeline (build_pipeline) with fakes at the Nostr edge."""
+    return pipeline.build_rig(
+        cast, backend=backend, owner=owner, hop_limit=hop_limit, typing_delay_s=typing_delay_s
     )
-    runner.set_reply_hook(dispatcher.after_reply)
-    return Rig(manager, store, scheduler, dispatcher, publisher, runner)
 
 
 async def settle(rig: Rig) -> None:
     """Wait for every scheduled run to finish and its reply to be published."""
-    await rig.scheduler.drain(10.0)
-    await rig.runner.flush(10.0)
+    await rig.settle()
 
 
 def test_choose_target_rules(cast: Cast) -> None:
@@ -185,7 +108,7 @@ async def test_user_message_to_agent_gets_one_saved_and_published_reply(cast: Ca
 
 async def test_unaddressed_message_is_routed_by_the_orchestrator(cast: Cast) -> None:
     """With nobody p-tagged, an @mention picks the agent, else the default; a plain reply (no `complete`)
-    is not a completion (CONTEXT.md), so the turn stays open."""
+    is not a completion (docs/CONTEXT.md), so the turn stays open."""
     rig = make_rig(cast)
     root = cast.user_says("Plan this, @bob", kind=11)
 
@@ -501,20 +424,14 @@ async def test_token_usage_is_added_up_per_agent_and_conversation(cast: Cast) ->
     }
 
 
-def test_events_through_the_pool_are_classified_once(cast: Cast) -> None:
-    """The pool's lane key classifies an event and the dispatcher reuses that result; others are classified fresh."""
-    from tenex_daemon.app.nostr_io import ClassifyOnce
-
-    classify = ClassifyOnce(keep=2)
+def test_the_pool_lane_and_the_dispatcher_classify_alike_from_the_event_alone(cast: Cast) -> None:
+    """The pool's lane key is the conversation the dispatcher's classification names, computed from the
+    event alone (no cache shared between them): a reply's lane is its root, a root's lane itself."""
     root = cast.user_says("Hello", kind=11)
     reply = cast.user_says("re", tags=[["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]])
-
-    assert classify.lane(reply) == root.id
-    first = classify(reply)
-    assert classify(reply) is not first  # taken: a second ask classifies again
-    assert classify(reply) == first
-    assert classify(root) == classify_event(root)
     notes = [cast.user_says(f"note {n}", kind=1) for n in range(3)]
-    for note in notes:
-        classify.lane(note)  # keep=2: the oldest pending result is forgotten
-    assert [classify(note) == classify_event(note) for note in notes] == [True, True, True]
+
+    assert conversation_lane(reply) == root.id == classify_event(reply).conversation_id
+    assert classify_event(reply) == classify_event(reply)
+    assert conversation_lane(root) == root.id
+    assert [conversation_lane(note) for note in notes] == [note.id for note in notes]

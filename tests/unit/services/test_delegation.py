@@ -9,7 +9,6 @@ from pathlib import Path
 from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
 from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
-from tenex_daemon.app.nostr_io import classify_event
 from tenex_daemon.core.agents import AgentDirectory
 from tenex_daemon.core.budget import BudgetStrategy, TokenBudget
 from tenex_daemon.core.context import ChatMessage
@@ -21,26 +20,25 @@ from tenex_daemon.core.llm import (
     LLMBackend,
     ToolResult,
 )
-from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.ports import Store
 from tenex_daemon.core.targeting import SkipReason, agent_chain_length, choose_target
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.delegation import DELEGATED_TOOLS
 from tenex_daemon.services.dispatcher import EventDispatcher, Outcome
-from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
 from tenex_daemon.services.runs import RunRequest, RunScheduler
 from tenex_daemon.services.threads import META_PREFIX, ThreadManager
 from tenex_daemon.services.tools import SEND_MESSAGE
-from tenex_daemon.testing import FakeClock
+from tenex_daemon.testing.fakes import FakePublisher, RunLog, ScriptedBackend
+from tests import pipeline
 from tests.conftest import Cast
-from tests.unit.services.test_daemon_services import FakePublisher
-from tests.unit.services.test_tool_loop import ScriptedBackend, TagComposer, calls, text
+from tests.unit.services.test_tool_loop import calls, text
 
 
 @dataclass
 class Rig:
     """The daemon's services over one store, with Alice and Bob thinking through their own scripted backends."""
 
-    store: ConversationStore
+    store: Store
     manager: ConversationManager
     threads: ThreadManager
     runner: AgentRunner
@@ -57,17 +55,16 @@ def make_rig(
     alice: ScriptedBackend,
     bob: ScriptedBackend | None = None,
     *,
-    store: ConversationStore | None = None,
+    store: Store | None = None,
     delegation: bool = True,
     agents: list[str] | None = None,
     orchestrator: ScriptedBackend | None = None,
     budgets: dict[str, TokenBudget] | None = None,
 ) -> Rig:
-    """Wire manager, threads, runner, scheduler and dispatcher the way the daemon does."""
+    """The daemon's pipeline (build_pipeline); ``delegation=False`` runs a bare runner without threads
+    (the one case production never builds: it is the runner's own option)."""
     store = MemoryStore() if store is None else store
     chosen = [a for a in cast.agents if agents is None or a.slug in agents]
-    manager = ConversationManager(store, chosen, cast.project.pubkey, clock=FakeClock())
-    threads = ThreadManager(store=store)
     bob = bob or ScriptedBackend([text("Bob here.")])
     backends: dict[str, LLMBackend] = {
         "alice": alice,
@@ -80,27 +77,23 @@ def make_rig(
         )
         for a in chosen
     }
-    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
-    publisher = FakePublisher()
-    runner = AgentRunner(
-        manager, profiles, TagComposer(keys), publisher, threads=threads if delegation else None
+    log = RunLog()
+    base = pipeline.build_rig(
+        cast,
+        profiles=profiles,
+        agents=chosen,
+        store=store,
+        composer=pipeline.real_composer(cast),
+        observer=log,
+        hop_limit=6,
     )
-    runs: list[RunRequest] = []
-
-    async def run(request: RunRequest) -> None:
-        runs.append(request)
-        await runner.run(request)
-
-    scheduler = RunScheduler(store, run, max_concurrent=4)
-    dispatcher = EventDispatcher(
-        manager,
-        scheduler,
-        classify_event,
-        RuleBasedOrchestrator(manager.agents, "alice"),
-        owner=cast.user.pubkey,
+    runner = base.runner
+    if not delegation:
+        runner = AgentRunner(base.manager, profiles, pipeline.real_composer(cast), base.publisher)
+    threads = base.pipeline.threads
+    return Rig(
+        store, base.manager, threads, runner, base.scheduler, base.dispatcher, base.publisher, alice, bob, log.runs
     )
-    runner.set_reply_hook(dispatcher.after_reply)
-    return Rig(store, manager, threads, runner, scheduler, dispatcher, publisher, alice, bob, runs)
 
 
 async def settle(rig: Rig) -> None:
@@ -394,7 +387,9 @@ async def test_the_asked_agent_is_not_offered_send_message_and_calling_it_is_ref
 async def test_send_message_is_offered_only_when_someone_can_be_asked(cast: Cast) -> None:
     """No ThreadManager, a lone agent, or the orchestrator: send_message is not offered; with Alice and Bob it is."""
     without = make_rig(cast, ScriptedBackend([text("hi")]), delegation=False)
-    await start(without, cast)
+    lone_root = cast.user_says("Hi", kind=11, tags=[["p", cast.alice.pubkey]])
+    await without.manager.create_conversation(lone_root)
+    await without.runner.run(RunRequest(lone_root.id, lone_root.id, "alice"))  # the bare runner
     alone = make_rig(cast, ScriptedBackend([text("hi")]), agents=["alice", "orchestrator"])
     await start(alone, cast)
     orchestrator_backend = ScriptedBackend([text("routing")])

@@ -11,7 +11,6 @@ import pytest
 
 from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
 from tenex_daemon.adapters.llm.offline import OfflineBackend
-from tenex_daemon.app.nostr_io import classify_event
 from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.phases import Phase
@@ -28,11 +27,12 @@ from tenex_daemon.services.orchestrator import (
     parse_routing_answer,
 )
 from tenex_daemon.services.routing_limits import RoutingLimits
-from tenex_daemon.services.runs import RunRequest, RunScheduler
+from tenex_daemon.services.runs import RunScheduler
 from tenex_daemon.testing import FakeClock
+from tenex_daemon.testing.fakes import FakePublisher, ScriptedBackend, TargetingLog
+from tests import pipeline
 from tests.conftest import Cast
-from tests.unit.services.test_daemon_services import FakePublisher
-from tests.unit.services.test_tool_loop import ScriptedBackend, TagComposer, calls, text
+from tests.unit.services.test_tool_loop import calls, text
 
 CONTEXT_KEYS = {"user_request", "routing_history", "current_routing"}
 ENTRY_KEYS = {"phase", "agents", "completions", "reason", "timestamp"}
@@ -66,15 +66,41 @@ class BrokenBackend:
 
 @dataclass
 class Rig:
-    """A dispatcher routing with the LLM orchestrator, a runner with scripted agents, and fake I/O."""
+    """The daemon's pipeline routing with the LLM orchestrator; agents think through scripts."""
 
-    manager: ConversationManager
-    scheduler: RunScheduler
-    dispatcher: EventDispatcher
-    runner: AgentRunner
-    publisher: FakePublisher
+    base: pipeline.Rig
     orchestrator: LLMOrchestrator
-    after_reply: list[HandleResult] = field(default_factory=list)
+    targeting: TargetingLog
+
+    @property
+    def manager(self) -> ConversationManager:
+        """The pipeline's manager."""
+        return self.base.manager
+
+    @property
+    def scheduler(self) -> RunScheduler:
+        """The pipeline's scheduler."""
+        return self.base.scheduler
+
+    @property
+    def dispatcher(self) -> EventDispatcher:
+        """The pipeline's dispatcher."""
+        return self.base.dispatcher
+
+    @property
+    def runner(self) -> AgentRunner:
+        """The pipeline's runner."""
+        return self.base.runner
+
+    @property
+    def publisher(self) -> FakePublisher:
+        """What went to the relays."""
+        return self.base.publisher
+
+    @property
+    def after_reply(self) -> list[HandleResult]:
+        """How each saved agent reply was targeted, in order."""
+        return self.targeting.results
 
 
 def make_rig(
@@ -86,40 +112,39 @@ def make_rig(
     turn_limit: int = 10,
     default_agent: str = "alice",
 ) -> Rig:
-    """Wire the services as the daemon does with an LLM orchestrator; agents think through scripts."""
-    store = MemoryStore()
-    manager = ConversationManager(store, cast.agents, cast.project.pubkey, clock=FakeClock())
+    """The daemon's pipeline with an LLM orchestrator over ``orchestrator_backend``; agents think through scripts."""
     backends: dict[str, LLMBackend] = {
         "alice": alice or completes("done"),
         "bob": bob or completes("done"),
         "orchestrator": OfflineBackend(),
     }
     profiles = {a.slug: AgentProfile(a, "", backends[a.slug]) for a in cast.agents}
-    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
-    publisher = FakePublisher()
-    runner = AgentRunner(manager, profiles, TagComposer(keys), publisher)
+    made: list[LLMOrchestrator] = []
 
-    async def run(request: RunRequest) -> None:
-        await runner.run(request)
+    def llm_orchestrator(manager: ConversationManager) -> LLMOrchestrator:
+        made.append(
+            LLMOrchestrator(
+                manager,
+                orchestrator_backend,
+                RuleBasedOrchestrator(manager.agents, default_agent),
+                default_agent=default_agent,
+                roles={"alice": "builds things", "bob": "reviews things"},
+            )
+        )
+        return made[0]
 
-    scheduler = RunScheduler(store, run, max_concurrent=4)
-    orchestrator = LLMOrchestrator(
-        manager,
-        orchestrator_backend,
-        RuleBasedOrchestrator(manager.agents, default_agent),
+    targeting = TargetingLog()
+    base = pipeline.build_rig(
+        cast,
+        profiles=profiles,
+        composer=pipeline.real_composer(cast),
+        orchestrator=llm_orchestrator,
+        reply_observer=targeting,
         default_agent=default_agent,
-        roles={"alice": "builds things", "bob": "reviews things"},
+        turn_limit=turn_limit,
+        hop_limit=6,
     )
-    dispatcher = EventDispatcher(
-        manager, scheduler, classify_event, orchestrator, owner=cast.user.pubkey, turn_limit=turn_limit
-    )
-    rig = Rig(manager, scheduler, dispatcher, runner, publisher, orchestrator)
-
-    async def hook(conversation_id: str, reply: NostrEvent) -> None:
-        rig.after_reply.append(await dispatcher.after_reply(conversation_id, reply))
-
-    runner.set_reply_hook(hook)
-    return rig
+    return Rig(base, made[0], targeting)
 
 
 async def settle(rig: Rig) -> None:
@@ -426,7 +451,7 @@ async def test_a_follow_up_after_end_reaches_an_agent(cast: Cast) -> None:
 
 
 async def test_a_plain_reply_is_not_a_completion(cast: Cast) -> None:
-    """A routed agent answering without `complete` does not complete its part of the turn (CONTEXT.md):
+    """A routed agent answering without `complete` does not complete its part of the turn (docs/CONTEXT.md):
     the turn waits for a real completion and nothing is routed on the plain reply."""
     model = answers('{"agents": ["alice", "bob"], "reason": "both"}', '{"agents": ["END"], "reason": "done"}')
     rig = make_rig(cast, model, alice=completes("alice done"), bob=replies("I only talk"))

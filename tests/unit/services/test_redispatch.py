@@ -8,30 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tenex_daemon import ConversationManager, FileSystemStore, MemoryStore, NostrEvent
+from tenex_daemon import ConversationManager, FileSystemStore, MemoryStore
 from tenex_daemon.adapters.llm.offline import OfflineBackend
-from tenex_daemon.app.nostr_io import classify_event
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.phases import Phase
-from tenex_daemon.core.ports import ConversationStore
+from tenex_daemon.core.ports import Store
 from tenex_daemon.services import runs
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
 from tenex_daemon.services.orchestrator import LLMOrchestrator, RuleBasedOrchestrator
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
 from tenex_daemon.testing import FakeClock
+from tenex_daemon.testing.fakes import FakePublisher, ScriptedBackend
+from tests import pipeline
 from tests.conftest import Cast
-from tests.unit.services.test_daemon_services import FakePublisher
 from tests.unit.services.test_orchestration import answers, completes
-from tests.unit.services.test_tool_loop import ScriptedBackend, TagComposer, text
+from tests.unit.services.test_tool_loop import text
 
 
 class StuckBackend:
@@ -60,51 +59,37 @@ class Services:
     publisher: FakePublisher
 
 
-Hook = Callable[[EventDispatcher, str, NostrEvent], Awaitable[object]]
-
-
-async def _after_reply(dispatcher: EventDispatcher, conversation_id: str, reply: NostrEvent) -> object:
-    return await dispatcher.after_reply(conversation_id, reply)
-
-
 def start(
     cast: Cast,
-    store: ConversationStore,
+    store: Store,
     model: Any,
     *,
     alice: LLMBackend | None = None,
     bob: LLMBackend | None = None,
-    hook: Hook = _after_reply,
 ) -> Services:
-    """Wire the services as the daemon does (the runner journals replies before saving them)."""
-    manager = ConversationManager(store, cast.agents, cast.project.pubkey, clock=FakeClock())
+    """The daemon's pipeline (build_pipeline) on ``store`` with the LLM orchestrator over ``model``."""
     backends: dict[str, LLMBackend] = {
         "alice": alice or ScriptedBackend([text("alice here")]),
         "bob": bob or ScriptedBackend([text("bob here")]),
         "orchestrator": OfflineBackend(),
     }
     profiles = {a.slug: AgentProfile(a, "", backends[a.slug]) for a in cast.agents}
-    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
-    publisher = FakePublisher()
-    runner = AgentRunner(manager, profiles, TagComposer(keys), publisher)
 
-    async def run(request: RunRequest) -> None:
-        await runner.run(request)
+    def orchestrator(manager: ConversationManager) -> LLMOrchestrator:
+        return LLMOrchestrator(manager, model, RuleBasedOrchestrator(manager.agents, "alice"), default_agent="alice")
 
-    scheduler = RunScheduler(store, run, max_concurrent=4)
-    orchestrator = LLMOrchestrator(
-        manager, model, RuleBasedOrchestrator(manager.agents, "alice"), default_agent="alice"
+    base = pipeline.build_rig(
+        cast,
+        store=store,
+        profiles=profiles,
+        composer=pipeline.real_composer(cast),
+        orchestrator=orchestrator,
+        hop_limit=6,
     )
-    dispatcher = EventDispatcher(manager, scheduler, classify_event, orchestrator, owner=cast.user.pubkey)
-
-    async def reply_hook(conversation_id: str, reply: NostrEvent) -> object:
-        return await hook(dispatcher, conversation_id, reply)
-
-    runner.set_reply_hook(reply_hook, dispatcher.before_reply_saved)
-    return Services(manager, scheduler, dispatcher, runner, publisher)
+    return Services(base.manager, base.scheduler, base.dispatcher, base.runner, base.publisher)
 
 
-async def restart(cast: Cast, store: ConversationStore, model: Any, **backends: Any) -> tuple[Services, list[HandleResult]]:
+async def restart(cast: Cast, store: Store, model: Any, **backends: Any) -> tuple[Services, list[HandleResult]]:
     """Start again on ``store`` and redo what the journal holds, as the daemon does at start."""
     services = start(cast, store, model, **backends)
     await services.scheduler.recover()
@@ -117,7 +102,9 @@ async def crash(services: Services, *tasks: asyncio.Task[Any]) -> None:
     """Cancel everything a killed process was doing: ``tasks``, its runs, journal writes and
     flush timer, its publications (nothing of it runs on into the next process)."""
     scheduler = services.scheduler
-    doomed = [*tasks, *scheduler._tasks, *scheduler._writes, *services.runner._outbox]
+    doomed = [
+        *tasks, *scheduler._tasks.snapshot(), *scheduler._writes.snapshot(), *services.runner._outbox.snapshot()
+    ]
     if scheduler._flush_task is not None:
         doomed.append(scheduler._flush_task)
     for task in doomed:
@@ -133,7 +120,7 @@ async def settle(services: Services) -> None:
     await services.runner.flush(5.0)
 
 
-async def journal_entries(store: ConversationStore) -> list[dict[str, Any]]:
+async def journal_entries(store: Store) -> list[dict[str, Any]]:
     """The stored run journal."""
     raw = await store.get_meta(PENDING_RUNS_KEY)
     entries: list[dict[str, Any]] = json.loads(raw) if raw else []
@@ -235,17 +222,22 @@ async def test_a_completion_saved_before_the_crash_is_routed_at_the_next_start(c
     store = MemoryStore()
     gate = asyncio.Event()
 
-    async def dies_before_routing(dispatcher: EventDispatcher, cid: str, reply: NostrEvent) -> object:
-        gate.set()
-        await asyncio.Event().wait()  # the process dies before targeting the saved reply
-        return None
+    class DiesWhileRoutingTheCompletion(ScriptedBackend):
+        """Routes the person's message, then the process dies before the completion is routed."""
+
+        async def complete(self, request: CompletionRequest) -> CompletionResult:
+            if self.requests:
+                gate.set()
+                await asyncio.Event().wait()
+            return await super().complete(request)
 
     first = start(
         cast,
         store,
-        answers('{"agents": ["alice"], "phase": "execute", "reason": "build it"}'),
+        DiesWhileRoutingTheCompletion(
+            [CompletionResult(text='{"agents": ["alice"], "phase": "execute", "reason": "build it"}')]
+        ),
         alice=completes("alice built"),
-        hook=dies_before_routing,
     )
     root = cast.user_says("Build a bridge", kind=11)
     await first.dispatcher.handle(root)
@@ -286,7 +278,7 @@ async def test_the_journal_entry_is_on_disk_once_the_event_is(tmp_path: Path, ca
         await scheduler.accept(root.id)
         await manager.create_conversation(root)
         await earlier
-        meta_file = store._meta_path(PENDING_RUNS_KEY)  # read back from disk, not the cache
+        meta_file = store._layout.meta_path(PENDING_RUNS_KEY)  # read back from disk, not the cache
         on_disk = json.loads(meta_file.read_text("utf-8"))
         assert {"dispatch": root.id} in json.loads(on_disk["value"])
     finally:

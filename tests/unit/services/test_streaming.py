@@ -6,15 +6,14 @@ import asyncio
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
+from tenex_daemon import NostrEvent
 from tenex_daemon.core.budget import SUMMARIZER_PROMPT, BudgetStrategy, TokenBudget
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
-from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
+from tenex_daemon.services.agent_runner import AgentProfile
 from tenex_daemon.services.runs import RunRequest
-from tenex_daemon.testing import FakeClock
+from tenex_daemon.testing.fakes import FakePublisher
+from tests import pipeline
 from tests.conftest import Cast
-from tests.unit.services.test_daemon_services import FakePublisher
-from tests.unit.services.test_tool_loop import TagComposer
 
 INTERVAL = 0.02
 
@@ -72,17 +71,16 @@ class RecordingPartials:
 
 async def run_once(cast: Cast, backend: object, partials: RecordingPartials) -> tuple[NostrEvent, NostrEvent]:
     """Run Alice once on a fresh conversation; return (trigger, reply)."""
-    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
-    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
     profiles = {a.slug: AgentProfile(a, "", backend) for a in cast.agents}  # type: ignore[arg-type]
-    runner = AgentRunner(
-        manager,
-        profiles,
-        TagComposer(keys),
-        partials.publisher,
+    rig = pipeline.build_rig(
+        cast,
+        profiles=profiles,
+        composer=pipeline.real_composer(cast),
+        publisher=partials.publisher,
         partials=partials,
         partial_interval_s=INTERVAL,
     )
+    manager, runner = rig.manager, rig.runner
     root = cast.user_says("Tell me a story", kind=11, tags=[["p", cast.alice.pubkey]])
     await manager.create_conversation(root)
     reply = await runner.run(RunRequest(root.id, root.id, "alice"))
@@ -149,13 +147,17 @@ async def test_summary_calls_publish_no_partials(cast: Cast) -> None:
     backend = SummaryAwareBackend()
     publisher = FakePublisher()
     partials = RecordingPartials(publisher)
-    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
-    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
     budget = TokenBudget(300, BudgetStrategy.SUMMARIZE)
     profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
-    runner = AgentRunner(
-        manager, profiles, TagComposer(keys), publisher, partials=partials, partial_interval_s=INTERVAL
+    rig = pipeline.build_rig(
+        cast,
+        profiles=profiles,
+        composer=pipeline.real_composer(cast),
+        publisher=publisher,
+        partials=partials,
+        partial_interval_s=INTERVAL,
     )
+    manager, runner = rig.manager, rig.runner
     root = cast.user_says("Let us talk at length. " * 10, kind=11, tags=[["p", cast.alice.pubkey]])
     await manager.create_conversation(root)
     thread = [["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
+from tenex_daemon import ConversationManager, NostrEvent
 from tenex_daemon.core.budget import (
     SUMMARIZER_PROMPT,
     BudgetStrategy,
@@ -28,10 +28,9 @@ from tenex_daemon.core.llm import (
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.services.token_budget import RunBudget
-from tenex_daemon.testing import FakeClock
+from tests import pipeline
 from tests.conftest import Cast
-from tests.unit.services.test_daemon_services import FakePublisher
-from tests.unit.services.test_tool_loop import TagComposer, calls, text
+from tests.unit.services.test_tool_loop import calls, text
 
 
 @dataclass
@@ -78,12 +77,10 @@ class Rig:
 
 
 def make_rig(cast: Cast, backend: RecordingBackend, budget: TokenBudget | None) -> Rig:
-    """Wire a runner whose agents all have ``budget``."""
-    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
-    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    """The daemon's pipeline whose agents all think through ``backend`` under ``budget``."""
     profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
-    runner = AgentRunner(manager, profiles, TagComposer(keys), FakePublisher())
-    return Rig(manager, runner, backend, profiles["alice"].system_prompt)
+    base = pipeline.build_rig(cast, profiles=profiles, composer=pipeline.real_composer(cast))
+    return Rig(base.manager, base.runner, backend, profiles["alice"].system_prompt)
 
 
 def line(tag: str) -> str:

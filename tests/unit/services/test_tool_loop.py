@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import pytest
 
 from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
 from tenex_daemon.adapters.llm.offline import OfflineBackend
-from tenex_daemon.adapters.nostr.codec import build_reply_tags
+from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
     BackendError,
@@ -21,35 +21,12 @@ from tenex_daemon.core.llm import (
     ToolResult,
 )
 from tenex_daemon.core.phases import Phase
-from tenex_daemon.core.ports import ReplySpec
 from tenex_daemon.services.agent_runner import DEFAULT_TOOLS, AgentProfile, AgentRunner
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.services.tools import END_REASON_KEY, ENDED_BY_KEY
-from tenex_daemon.testing import FakeClock, KeyPair, sign_event
+from tenex_daemon.testing.fakes import FakePublisher, RecordingRouting, ScriptedBackend
+from tests import pipeline
 from tests.conftest import Cast
-from tests.unit.services.test_daemon_services import FakePublisher
-
-
-@dataclass
-class TagComposer:
-    """Signs replies with the real reply tags (PROTOCOL.md): completions carry ["tool", "complete"],
-    delegation exchanges ["delegation", <thread id>]."""
-
-    keys: dict[str, KeyPair]
-
-    def compose(self, spec: ReplySpec) -> NostrEvent:
-        """Return the signed reply with the codec's tags."""
-        tags = build_reply_tags(
-            spec.trigger,
-            spec.destinations,
-            root=spec.root,
-            phase=spec.phase,
-            complete=spec.complete,
-            llm_model=spec.model,
-            error=spec.error,
-            delegation=spec.delegation,
-        )
-        return sign_event(self.keys[spec.agent_slug], spec.content, tags=tags)
 
 
 def calls(*items: tuple[str, str, dict[str, object]]) -> CompletionResult:
@@ -65,24 +42,6 @@ def text(content: str) -> CompletionResult:
 
 
 @dataclass
-class ScriptedBackend:
-    """Returns the scripted answers in order (the last one again when the script runs out); records requests."""
-
-    script: list[CompletionResult]
-    name: str = "scripted"
-    requests: list[CompletionRequest] = field(default_factory=list)
-
-    async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Return the next scripted answer."""
-        self.requests.append(request)
-        return self.script[min(len(self.requests), len(self.script)) - 1]
-
-    def tool_results(self) -> list[ToolResult]:
-        """Every tool result the backend was sent in its last request."""
-        return [m for m in self.requests[-1].messages if isinstance(m, ToolResult)]
-
-
-@dataclass
 class Rig:
     """A manager, a runner with one scripted agent (Alice), and fake I/O."""
 
@@ -90,28 +49,26 @@ class Rig:
     runner: AgentRunner
     publisher: FakePublisher
     backend: ScriptedBackend
-    hooked: list[NostrEvent]
+    routing: RecordingRouting
+    """Stands in for the dispatcher: the replies a run tells it about."""
+
+    @property
+    def hooked(self) -> list[NostrEvent]:
+        """The saved replies the run told its routing about."""
+        return self.routing.saved
 
 
 def make_rig(cast: Cast, backend: ScriptedBackend | OfflineBackend, max_tool_rounds: int = 8) -> Rig:
-    """Wire a runner whose agents all think through ``backend``."""
-    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
-    keys = {"alice": cast.alice_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    """The daemon's pipeline whose agents all think through ``backend``, with the real reply composer."""
     profiles = {
         a.slug: AgentProfile(a, "", backend, temperature=0.2, max_tokens=64)
         for a in cast.agents
     }
-    publisher = FakePublisher()
-    hooked: list[NostrEvent] = []
-
-    async def hook(_cid: str, reply: NostrEvent) -> None:
-        hooked.append(reply)
-
-    runner = AgentRunner(
-        manager, profiles, TagComposer(keys), publisher, on_reply=hook, max_tool_rounds=max_tool_rounds
+    base = pipeline.build_rig(
+        cast, profiles=profiles, composer=pipeline.real_composer(cast), max_tool_rounds=max_tool_rounds
     )
     scripted = backend if isinstance(backend, ScriptedBackend) else ScriptedBackend([])
-    return Rig(manager, runner, publisher, scripted, hooked)
+    return Rig(base.manager, base.runner, base.publisher, scripted, RecordingRouting())
 
 
 async def start(rig: Rig, cast: Cast, content: str = "Hello Alice") -> NostrEvent:
@@ -124,7 +81,7 @@ async def start(rig: Rig, cast: Cast, content: str = "Hello Alice") -> NostrEven
 async def run(rig: Rig, root: NostrEvent, trigger: NostrEvent | None = None, **options: bool) -> NostrEvent:
     """Run Alice on ``trigger`` (default: the root) and wait for the publication."""
     trigger = trigger or root
-    reply = await rig.runner.run(RunRequest(root.id, trigger.id, "alice", **options))
+    reply = await rig.runner.run(RunRequest(root.id, trigger.id, "alice", **options), rig.routing)
     assert reply is not None
     await rig.runner.flush(5.0)
     return reply
@@ -157,7 +114,7 @@ async def test_tool_results_follow_their_calls_and_the_backend_is_asked_again(ca
 
     assert len(backend.requests) == 3
     first, last = backend.requests[0], backend.requests[-1]
-    assert {spec.name for spec in first.tools} == set(DEFAULT_TOOLS)
+    assert {spec.name for spec in first.tools} == {*DEFAULT_TOOLS, "send_message"}  # Bob can be asked
     assert list(last.messages[: len(first.messages)]) == list(first.messages)
     assert tail_pairs(last.messages[len(first.messages) :]) == [
         ("assistant", "c1,c2"), ("tool", "c1"), ("tool", "c2"), ("assistant", "c3"), ("tool", "c3"),
@@ -402,7 +359,65 @@ async def test_offline_backend_answers_as_before_with_tools_offered(cast: Cast) 
 
 def test_profiles_naming_unknown_tools_are_refused(cast: Cast) -> None:
     """A profile offering a tool the registry does not have is a configuration error at start."""
-    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey)
     profile = AgentProfile(cast.alice, "", OfflineBackend(), tools=("complete", "teleport"))
     with pytest.raises(ValueError, match="teleport"):
-        AgentRunner(manager, {"alice": profile}, TagComposer({}), FakePublisher())
+        pipeline.build_rig(cast, profiles={"alice": profile}, agents=[cast.alice])
+
+
+class CountingStore(MemoryStore):
+    """A memory store that records every write it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    async def append_event(
+        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
+    ) -> None:
+        """Record the append (and whether it carried a state)."""
+        self.writes.append("append+state" if state is not None else "append")
+        await super().append_event(conversation_id, event, state=state)
+
+    async def save_state(self, conversation: Conversation) -> None:
+        """Record the save."""
+        self.writes.append("save_state")
+        await super().save_state(conversation)
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Record the small value."""
+        self.writes.append(f"set_meta:{key}")
+        await super().set_meta(key, value)
+
+
+async def test_a_reply_and_what_its_run_changed_are_one_durable_write(cast: Cast) -> None:
+    """An agent run writes once: its reply appended together with the agent's processed index, its new
+    session, its token usage and the run's working time (nothing is written before the reply)."""
+    store = CountingStore()
+    backend = ScriptedBackend([
+        CompletionResult(text="Hi!", model="scripted", session_id="sess-7", prompt_tokens=10, completion_tokens=5)
+    ])
+    profiles = {a.slug: AgentProfile(a, "", backend) for a in cast.agents}
+    rig = pipeline.build_rig(cast, profiles=profiles, store=store, composer=pipeline.real_composer(cast))
+    root = cast.user_says("Hello Alice", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    rig.clock.advance(1_000)
+    store.writes.clear()
+
+    async def slow_answer(request: CompletionRequest) -> CompletionResult:
+        rig.clock.advance(2_000)  # the model thinks for two seconds
+        return await ScriptedBackend.complete(backend, request)
+
+    backend.complete = slow_answer  # type: ignore[method-assign]
+    reply = await rig.runner.run(RunRequest(root.id, root.id, "alice"))
+
+    assert reply is not None
+    assert store.writes == ["append+state"]
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    state = conversation.agent_states["alice"]
+    assert (state.last_processed_index, state.session_id) == (1, "sess-7")
+    assert (state.prompt_tokens, state.completion_tokens) == (10, 5)
+    assert conversation.execution_time.total_seconds == 2
+    assert not conversation.execution_time.is_active
+    assert reply.tag_value("net-time") == "2"  # the tag counts the run that the reply ends
+    assert [e.id for e in conversation.history] == [root.id, reply.id]

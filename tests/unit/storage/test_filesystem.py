@@ -269,7 +269,7 @@ async def test_index_grows_by_appends_and_compacts(tmp_path: Path, cast: Cast) -
     snapshot_before = (index_dir / "snapshot.json").stat().st_mtime_ns
     for i in range(20):
         await store.append_event(root.id, cast.alice_says(f"n{i}"))
-    await store._flush_aux_loop()
+    await store._derived.run()
     assert (index_dir / "snapshot.json").stat().st_mtime_ns == snapshot_before
     [log_file] = list(index_dir.glob("log.*"))
     records = scan_log(log_file.read_bytes()).payloads

@@ -16,17 +16,17 @@ from typing import Any
 
 import pytest
 
-import tenex_daemon.adapters.storage.filesystem as filesystem
-from tenex_daemon.adapters.storage import journal
-from tenex_daemon.adapters.storage.filesystem import LOG_NAME, FileSystemStore
-from tenex_daemon.adapters.storage.journal import (
-    JOURNAL_DIR,
+import tenex_daemon.adapters.storage.filesystem.store as store_module
+from tenex_daemon.adapters.storage.filesystem import LOG_NAME, FileSystemStore, committer, journal
+from tenex_daemon.adapters.storage.filesystem.folder import scan_folder
+from tenex_daemon.adapters.storage.filesystem.journal import (
     append_frame,
     create_frame,
     forget_frame,
     read_journal,
     replace_frame,
 )
+from tenex_daemon.adapters.storage.filesystem.layout import JOURNAL_DIR
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationExistsError
 from tests.conftest import Cast
@@ -235,19 +235,19 @@ async def test_checkpoint_starts_a_new_journal_and_keeps_everything(
     tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Past the size limit the logs are fsynced and a new journal replaces the old one."""
-    monkeypatch.setattr(filesystem, "JOURNAL_LIMIT", 2_000)
+    monkeypatch.setattr(committer, "JOURNAL_LIMIT", 2_000)
     home = tmp_path / "home"
     store = await open_batch(home)
     conversation = await start(store, cast)
     events = [cast.alice_says(f"reply {i} " + "x" * 300) for i in range(12)]
     for event in events:
         await store.append_event(conversation.id, event)
-    assert store._journal is not None
+    assert store._committer.journal is not None
     for _ in range(500):  # the last checkpoint may still be running after the last acknowledgement
-        if store._journal.generation >= 2 and len(journal_files(home)) == 1:
+        if store._committer.journal.generation >= 2 and len(journal_files(home)) == 1:
             break
         await asyncio.sleep(0.01)
-    assert store._journal.generation >= 2
+    assert store._committer.journal.generation >= 2
     assert len(journal_files(home)) == 1
     copy = crash_copy(home, tmp_path / "copy")
     await store.close()
@@ -329,7 +329,7 @@ async def test_failed_new_journal_at_checkpoint_keeps_the_old_one_working(
     tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """If the next journal cannot be created, commits go on in the current one and nothing is lost."""
-    monkeypatch.setattr(filesystem, "JOURNAL_LIMIT", 1)
+    monkeypatch.setattr(committer, "JOURNAL_LIMIT", 1)
     home = tmp_path / "home"
     store = await open_batch(home)
     conversation = await start(store, cast)
@@ -362,8 +362,8 @@ async def test_replayed_conversation_is_rescanned_whole_when_its_buckets_were_lo
     events = [cast.alice_says(f"reply {i}") for i in range(5)]
     for event in events[:3]:
         await store.append_event(conversation.id, event)
-    async with store._aux_lock:
-        await store._flush_aux_locked()  # the index log now counts three replies
+    async with store._derived.lock:
+        await store._derived.flush_locked()  # the index log now counts three replies
     for event in events[3:]:
         await store.append_event(conversation.id, event)
     copy = crash_copy(home, tmp_path / "copy")
@@ -456,12 +456,12 @@ async def test_a_failed_journal_write_removes_the_created_folder(
     root = cast.user_says("never made", kind=11)
     conversation = Conversation(id=root.id, title="x", created_at=1, updated_at=1)
     conversation.append(root)
-    assert store._journal is not None
+    assert store._committer.journal is not None
 
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError(5, "journal disk gone")
 
-    monkeypatch.setattr(store._journal, "write", broken)
+    monkeypatch.setattr(store._committer.journal, "write", broken)
     with pytest.raises(OSError, match="journal disk gone"):
         await store.create(conversation)
     assert not (home / "conversations" / root.id).exists()
@@ -501,11 +501,11 @@ async def test_a_snapshot_saved_while_closing_is_not_undone_by_replay(tmp_path: 
     conversation = await start(store, cast)
     conversation.title = "journaled before closing"
     await store.save_state(conversation)
-    store._closing = True  # as close() sets it, before its final checkpoint
+    store._committer.closing = True  # as close() sets it, before its final checkpoint
     conversation.title = "saved while closing"
     await store.save_state(conversation)
     copy = crash_copy(home, tmp_path / "copy")
-    store._closing = False
+    store._committer.closing = False
     await store.close()
 
     assert await title_after_reopening(copy, conversation.id) == "saved while closing"
@@ -569,7 +569,7 @@ async def test_a_load_racing_an_append_never_caches_a_history_without_it(
     store = await open_batch(tmp_path / "home")
     conversation = await start(store, cast)
     store._cache.clear()  # the next load reads the folder
-    real_write, real_scan = journal.Journal.write, filesystem._scan_folder
+    real_write, real_scan = journal.Journal.write, scan_folder
     reads = [0]
 
     def slow_write(self: journal.Journal, *args: Any, **kwargs: Any) -> None:
@@ -583,7 +583,7 @@ async def test_a_load_racing_an_append_never_caches_a_history_without_it(
         return scanned
 
     monkeypatch.setattr(journal.Journal, "write", slow_write)
-    monkeypatch.setattr(filesystem, "_scan_folder", slow_scan)
+    monkeypatch.setattr(store_module, "scan_folder", slow_scan)
     second = cast.alice_says("acknowledged while the log was read")
     appending = asyncio.create_task(store.append_event(conversation.id, second))
     await asyncio.sleep(0.05)  # the group is in its journal fsync

@@ -1,4 +1,4 @@
-"""ThreadManager (seed 002): pair keys, isolation, caching, callbacks, store persistence, failures."""
+"""ThreadManager (docs/ARCHITECTURE.md): pair keys, isolation, caching, callbacks, store persistence, failures."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""The Nostr wire codec: relay frames in, validated events out, reply tags built.
+"""NIP-01 relay frames: what a relay sends parsed into typed messages, what tenexd sends encoded.
 
-This is the only module that knows NIP-01 message shapes and the tag shapes of
-threading (NIP-10, NIP-22); kind numbers and tag names come from
-:mod:`tenex_daemon.core.vocabulary`. Nothing here does I/O: the relay pool feeds
-frames in and acts on the typed messages that come out.
-
-Every frame that cannot be used becomes a :class:`Rejection` carrying a
-:class:`RejectReason`; no exception escapes :func:`parse_relay_frame`.
+Incoming events are validated here (shape, sizes, id, signature); nothing here does I/O:
+the relay pool feeds frames in and acts on the typed messages that come out. Every frame
+that cannot be used becomes a :class:`Rejection` carrying a :class:`RejectReason`; no
+exception escapes :func:`parse_relay_frame`.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, Literal, TypeAlias
@@ -25,30 +22,6 @@ from coincurve import PublicKeyXOnly
 from pydantic import TypeAdapter, ValidationError
 
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.vocabulary import (
-    ERROR_SYSTEM,
-    KIND_PROJECT,
-    KIND_RELAY_AUTH,
-    TAG_ADDRESS,
-    TAG_CHALLENGE,
-    TAG_DELEGATION,
-    TAG_ERROR,
-    TAG_EVENT,
-    TAG_LLM_COMPLETION_TOKENS,
-    TAG_LLM_MODEL,
-    TAG_LLM_PROMPT_TOKENS,
-    TAG_NET_TIME,
-    TAG_PARENT_KIND,
-    TAG_PHASE,
-    TAG_PUBKEY,
-    TAG_RELAY,
-    TAG_ROOT_AUTHOR,
-    TAG_ROOT_EVENT,
-    TAG_ROOT_KIND,
-    TAG_SESSION,
-    TAG_TOOL,
-    TOOL_COMPLETE,
-)
 
 DEFAULT_MAX_CONTENT_BYTES: Final = 256 * 1024
 DEFAULT_MAX_FRAME_CHARS: Final = 1024 * 1024
@@ -203,7 +176,8 @@ def _prefix(message: str) -> str:
     return head.strip() if sep else ""
 
 
-def _is_hex(value: object, length: int) -> bool:
+def is_hex(value: object, length: int) -> bool:
+    """Whether ``value`` is a string of exactly ``length`` lower-case hex characters."""
     return isinstance(value, str) and len(value) == length and _HEX.issuperset(value)
 
 
@@ -385,7 +359,6 @@ def parse_relay_frame(
     except RecursionError:
         return Rejection(RejectReason.INVALID_JSON, "nesting too deep")
 
-
 def _parse(text: str | bytes, limits: Limits, key_cache: PublicKeyCache | None) -> RelayMessage | Rejection:
     if len(text) > limits.max_frame_chars:
         return Rejection(
@@ -400,58 +373,92 @@ def _parse(text: str | bytes, limits: Limits, key_cache: PublicKeyCache | None) 
     if not isinstance(message, list) or not message:
         return Rejection(RejectReason.NOT_AN_ARRAY, "frame is not a non-empty JSON array")
     kind = message[0]
-    n = len(message)
-    if kind == "EVENT":
-        if n != 3:
-            return Rejection(RejectReason.WRONG_ARITY, f"EVENT has {n} elements, expected 3")
-        sub_id = message[1]
-        if not isinstance(sub_id, str):
-            return Rejection(RejectReason.BAD_FIELD, "subscription id is not a string")
-        raw = message[2]
-        try:
-            event = validate_event_dict(raw, limits=limits, key_cache=key_cache)
-        except EventRejectedError as exc:
-            raw_id = raw.get("id") if isinstance(raw, dict) else None
-            return Rejection(
-                exc.reason, exc.detail, sub_id, raw_id if _is_hex(raw_id, 64) else None
-            )
-        return EventMessage(sub_id, event)
-    if kind == "OK":
-        if n != 4:
-            return Rejection(RejectReason.WRONG_ARITY, f"OK has {n} elements, expected 4")
-        event_id, accepted, text_message = message[1], message[2], message[3]
-        if not isinstance(event_id, str) or not (event_id == "" or _is_hex(event_id, 64)):
-            return Rejection(RejectReason.BAD_FIELD, "OK event id is not 64 hex characters")
-        if not isinstance(accepted, bool) or not isinstance(text_message, str):
-            return Rejection(RejectReason.BAD_FIELD, "OK needs a boolean and a message")
-        return OkMessage(event_id, accepted, text_message)
-    if kind == "EOSE":
-        if n != 2:
-            return Rejection(RejectReason.WRONG_ARITY, f"EOSE has {n} elements, expected 2")
-        if not isinstance(message[1], str):
-            return Rejection(RejectReason.BAD_FIELD, "subscription id is not a string")
-        return EoseMessage(message[1])
-    if kind == "CLOSED":
-        if n not in (2, 3):
-            return Rejection(RejectReason.WRONG_ARITY, f"CLOSED has {n} elements, expected 3")
-        reason_text = message[2] if n == 3 else ""
-        if not isinstance(message[1], str) or not isinstance(reason_text, str):
-            return Rejection(RejectReason.BAD_FIELD, "CLOSED fields must be strings")
-        return ClosedMessage(message[1], reason_text)
-    if kind == "NOTICE":
-        if n != 2:
-            return Rejection(RejectReason.WRONG_ARITY, f"NOTICE has {n} elements, expected 2")
-        if not isinstance(message[1], str):
-            return Rejection(RejectReason.BAD_FIELD, "NOTICE message is not a string")
-        return NoticeMessage(message[1])
-    if kind == "AUTH":
-        if n != 2:
-            return Rejection(RejectReason.WRONG_ARITY, f"AUTH has {n} elements, expected 2")
-        if not isinstance(message[1], str):
-            return Rejection(RejectReason.BAD_FIELD, "AUTH challenge is not a string")
-        return AuthMessage(message[1])
-    shown = kind[:20] if isinstance(kind, str) else type(kind).__name__
-    return Rejection(RejectReason.UNKNOWN_TYPE, f"unknown message type {shown!r}")
+    parser = _PARSERS.get(kind) if isinstance(kind, str) else None
+    if parser is None:
+        shown = kind[:20] if isinstance(kind, str) else type(kind).__name__
+        return Rejection(RejectReason.UNKNOWN_TYPE, f"unknown message type {shown!r}")
+    return parser(message, limits, key_cache)
+
+
+def _wrong_arity(message: list[Any], expected: int) -> Rejection:
+    detail = f"{message[0]} has {len(message)} elements, expected {expected}"
+    return Rejection(RejectReason.WRONG_ARITY, detail)
+
+
+def _parse_event(
+    message: list[Any], limits: Limits, key_cache: PublicKeyCache | None
+) -> EventMessage | Rejection:
+    if len(message) != 3:
+        return _wrong_arity(message, 3)
+    sub_id = message[1]
+    if not isinstance(sub_id, str):
+        return Rejection(RejectReason.BAD_FIELD, "subscription id is not a string")
+    raw = message[2]
+    try:
+        event = validate_event_dict(raw, limits=limits, key_cache=key_cache)
+    except EventRejectedError as exc:
+        raw_id = raw.get("id") if isinstance(raw, dict) else None
+        return Rejection(exc.reason, exc.detail, sub_id, raw_id if is_hex(raw_id, 64) else None)
+    return EventMessage(sub_id, event)
+
+
+def _parse_ok(message: list[Any], _limits: Limits, _keys: PublicKeyCache | None) -> OkMessage | Rejection:
+    if len(message) != 4:
+        return _wrong_arity(message, 4)
+    event_id, accepted, text_message = message[1], message[2], message[3]
+    if not isinstance(event_id, str) or not (event_id == "" or is_hex(event_id, 64)):
+        return Rejection(RejectReason.BAD_FIELD, "OK event id is not 64 hex characters")
+    if not isinstance(accepted, bool) or not isinstance(text_message, str):
+        return Rejection(RejectReason.BAD_FIELD, "OK needs a boolean and a message")
+    return OkMessage(event_id, accepted, text_message)
+
+
+def _parse_eose(message: list[Any], _limits: Limits, _keys: PublicKeyCache | None) -> EoseMessage | Rejection:
+    if len(message) != 2:
+        return _wrong_arity(message, 2)
+    if not isinstance(message[1], str):
+        return Rejection(RejectReason.BAD_FIELD, "subscription id is not a string")
+    return EoseMessage(message[1])
+
+
+def _parse_closed(
+    message: list[Any], _limits: Limits, _keys: PublicKeyCache | None
+) -> ClosedMessage | Rejection:
+    if len(message) not in (2, 3):
+        return _wrong_arity(message, 3)
+    reason_text = message[2] if len(message) == 3 else ""
+    if not isinstance(message[1], str) or not isinstance(reason_text, str):
+        return Rejection(RejectReason.BAD_FIELD, "CLOSED fields must be strings")
+    return ClosedMessage(message[1], reason_text)
+
+
+def _parse_notice(
+    message: list[Any], _limits: Limits, _keys: PublicKeyCache | None
+) -> NoticeMessage | Rejection:
+    if len(message) != 2:
+        return _wrong_arity(message, 2)
+    if not isinstance(message[1], str):
+        return Rejection(RejectReason.BAD_FIELD, "NOTICE message is not a string")
+    return NoticeMessage(message[1])
+
+
+def _parse_auth(message: list[Any], _limits: Limits, _keys: PublicKeyCache | None) -> AuthMessage | Rejection:
+    if len(message) != 2:
+        return _wrong_arity(message, 2)
+    if not isinstance(message[1], str):
+        return Rejection(RejectReason.BAD_FIELD, "AUTH challenge is not a string")
+    return AuthMessage(message[1])
+
+
+_PARSERS: Final[dict[str, Callable[[list[Any], Limits, PublicKeyCache | None], RelayMessage | Rejection]]] = {
+    "EVENT": _parse_event,
+    "OK": _parse_ok,
+    "EOSE": _parse_eose,
+    "CLOSED": _parse_closed,
+    "NOTICE": _parse_notice,
+    "AUTH": _parse_auth,
+}
+"""One parser per message type a relay sends (NIP-01, NIP-42)."""
 
 
 # --- frames we send -------------------------------------------------------------------------
@@ -476,223 +483,3 @@ def encode_auth(event: NostrEvent) -> str:
     """Return ``["AUTH", event]`` as JSON text."""
     return json.dumps(["AUTH", event.to_dict()], ensure_ascii=False, separators=(",", ":"))
 
-
-def auth_event_template(relay_url: str, challenge: str) -> tuple[int, list[list[str]], str]:
-    """Return (kind, tags, content) of the NIP-42 event that answers ``challenge``."""
-    return KIND_RELAY_AUTH, [[TAG_RELAY, relay_url], [TAG_CHALLENGE, challenge]], ""
-
-
-# --- threading -------------------------------------------------------------------------------
-
-
-class ThreadStyle(StrEnum):
-    """Which convention an event's threading tags follow."""
-
-    NONE = "none"
-    NIP22 = "nip22"
-    NIP10_MARKED = "nip10-marked"
-    NIP10_POSITIONAL = "nip10-positional"
-
-
-@dataclass(frozen=True, slots=True)
-class Threading:
-    """Where an event sits in a thread.
-
-    ``root_id`` is None for an event that is itself a root (then the conversation id
-    is the event's own id: :func:`conversation_id`). ``root_kind`` is known for
-    NIP-22 (``K``) only. ``parent_id`` is the event replied to.
-    """
-
-    style: ThreadStyle
-    root_id: str | None = None
-    root_kind: int | None = None
-    root_author: str | None = None
-    parent_id: str | None = None
-    parent_kind: int | None = None
-    parent_author: str | None = None
-
-    @property
-    def is_root(self) -> bool:
-        """Whether the event starts a thread (no root reference)."""
-        return self.root_id is None
-
-
-def _int_or_none(value: str | None) -> int | None:
-    if value is None or not value.isdigit() or len(value) > 10:
-        return None
-    return int(value)
-
-
-def _first(tags: list[list[str]], name: str) -> list[str] | None:
-    for tag in tags:
-        if len(tag) > 1 and tag[0] == name:
-            return tag
-    return None
-
-
-def _author_hint(tag: list[str] | None) -> str | None:
-    if tag is not None and len(tag) > 3 and _is_hex(tag[3], 64):
-        return tag[3]
-    return None
-
-
-def read_threading(event: NostrEvent) -> Threading:
-    """Read the thread position of ``event`` from NIP-22 tags, else NIP-10 ``e`` tags.
-
-    NIP-22: ``E``/``K``/``P`` name the root, ``e``/``k``/``p`` the parent (a reply
-    straight to the root may omit ``e``). NIP-10 marked: ``e`` with ``root`` /
-    ``reply`` markers (a lone ``root`` is also the parent). NIP-10 positional: the
-    first ``e`` is the root and the last the parent; ``mention`` tags are skipped.
-    Ids that are not 64 hex characters are ignored.
-    """
-    tags = event.tags
-    root_tag = _first(tags, TAG_ROOT_EVENT)
-    if root_tag is not None and _is_hex(root_tag[1], 64):
-        root_kind_tag = _first(tags, TAG_ROOT_KIND)
-        root_author_tag = _first(tags, TAG_ROOT_AUTHOR)
-        parent_tag = _first(tags, TAG_EVENT)
-        if parent_tag is not None and not _is_hex(parent_tag[1], 64):
-            parent_tag = None
-        parent_kind_tag = _first(tags, TAG_PARENT_KIND)
-        parent_author_tag = _first(tags, TAG_PUBKEY)
-        root_kind = _int_or_none(root_kind_tag[1]) if root_kind_tag else None
-        root_author = root_author_tag[1] if root_author_tag and _is_hex(root_author_tag[1], 64) else None
-        if parent_tag is None:
-            return Threading(
-                ThreadStyle.NIP22, root_tag[1], root_kind, root_author or _author_hint(root_tag),
-                root_tag[1], root_kind, root_author or _author_hint(root_tag),
-            )
-        parent_author = _author_hint(parent_tag) or (
-            parent_author_tag[1] if parent_author_tag and _is_hex(parent_author_tag[1], 64) else None
-        )
-        return Threading(
-            ThreadStyle.NIP22, root_tag[1], root_kind, root_author or _author_hint(root_tag),
-            parent_tag[1], _int_or_none(parent_kind_tag[1]) if parent_kind_tag else None, parent_author,
-        )
-    e_tags = [t for t in tags if len(t) > 1 and t[0] == TAG_EVENT and _is_hex(t[1], 64)]
-    if not e_tags:
-        return Threading(ThreadStyle.NONE)
-    marked_root = next((t for t in e_tags if len(t) > 3 and t[3] == "root"), None)
-    marked_reply = next((t for t in e_tags if len(t) > 3 and t[3] == "reply"), None)
-    if marked_root is not None or marked_reply is not None:
-        root: list[str] = marked_root or marked_reply  # type: ignore[assignment]  # one is set
-        parent: list[str] = marked_reply or marked_root  # type: ignore[assignment]  # one is set
-        return Threading(
-            ThreadStyle.NIP10_MARKED, root[1], None, _nip10_author(root),
-            parent[1], None, _nip10_author(parent),
-        )
-    positional = [t for t in e_tags if not (len(t) > 3 and t[3] == "mention")]
-    if not positional:
-        return Threading(ThreadStyle.NONE)
-    return Threading(
-        ThreadStyle.NIP10_POSITIONAL, positional[0][1], None, None, positional[-1][1], None, None
-    )
-
-
-def _nip10_author(tag: list[str]) -> str | None:
-    # NIP-10 marked tags: ["e", id, relay, marker, pubkey]
-    if len(tag) > 4 and _is_hex(tag[4], 64):
-        return tag[4]
-    return None
-
-
-def conversation_id(event: NostrEvent) -> str:
-    """Return the id of the conversation ``event`` belongs to: its root, or itself when it is one."""
-    return read_threading(event).root_id or event.id
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadRoot:
-    """The conversation root a reply points at: id, kind and author."""
-
-    id: str
-    kind: int
-    pubkey: str
-
-    @classmethod
-    def of(cls, event: NostrEvent) -> ThreadRoot:
-        """The root fields of an event that is itself the root."""
-        return cls(event.id, event.kind, event.pubkey)
-
-
-def root_of(event: NostrEvent) -> ThreadRoot:
-    """Return the conversation root of ``event`` as far as its tags tell.
-
-    A root event is its own root; a NIP-22 reply names root id, kind and author;
-    for NIP-10 replies the kind is unknown and taken as the reply's own kind.
-    """
-    threading = read_threading(event)
-    if threading.root_id is None:
-        return ThreadRoot.of(event)
-    return ThreadRoot(
-        threading.root_id,
-        threading.root_kind if threading.root_kind is not None else event.kind,
-        threading.root_author or "",
-    )
-
-
-def build_reply_tags(
-    trigger: NostrEvent,
-    destinations: Iterable[str],
-    *,
-    root: ThreadRoot | NostrEvent | None = None,
-    project: tuple[str, str] | None = None,
-    phase: str | None = None,
-    net_time_seconds: int | None = None,
-    session_id: str | None = None,
-    complete: bool = False,
-    llm_model: str | None = None,
-    prompt_tokens: int | None = None,
-    completion_tokens: int | None = None,
-    error: bool = False,
-    delegation: str | None = None,
-    relay_hint: str = "",
-) -> list[list[str]]:
-    """Return the tags of an agent's kind-1111 reply to ``trigger`` (PROTOCOL.md).
-
-    Root ``E``/``K``/``P`` come from the conversation root (``root``, else read from
-    the trigger's tags, else the trigger itself), parent ``e``/``k`` from the
-    trigger; every ``p`` is then replaced by one per destination. ``project`` is
-    ``(owner pubkey, project d-tag)`` for the ``a`` tag. Optional tags follow in the
-    order PROTOCOL.md lists them; ``delegation`` (a ``send_message`` exchange's thread
-    id) adds ``["delegation", <thread id>]`` last.
-    """
-    thread_root = root_of(trigger) if root is None else (
-        ThreadRoot.of(root) if isinstance(root, NostrEvent) else root
-    )
-    tags: list[list[str]] = [
-        [TAG_ROOT_EVENT, thread_root.id, relay_hint, thread_root.pubkey]
-        if thread_root.pubkey else [TAG_ROOT_EVENT, thread_root.id, relay_hint],
-        [TAG_ROOT_KIND, str(thread_root.kind)],
-    ]
-    if thread_root.pubkey:
-        tags.append([TAG_ROOT_AUTHOR, thread_root.pubkey])
-    tags.append([TAG_EVENT, trigger.id, relay_hint, trigger.pubkey])
-    tags.append([TAG_PARENT_KIND, str(trigger.kind)])
-    seen: set[str] = set()
-    for pubkey in destinations:
-        if pubkey not in seen:
-            seen.add(pubkey)
-            tags.append([TAG_PUBKEY, pubkey])
-    if project is not None:
-        owner, identifier = project
-        tags.append([TAG_ADDRESS, f"{KIND_PROJECT}:{owner}:{identifier}"])
-    if phase is not None:
-        tags.append([TAG_PHASE, phase])
-    if net_time_seconds is not None:
-        tags.append([TAG_NET_TIME, str(net_time_seconds)])
-    if session_id is not None:
-        tags.append([TAG_SESSION, session_id])
-    if complete:
-        tags.append([TAG_TOOL, TOOL_COMPLETE])
-    if llm_model is not None:
-        tags.append([TAG_LLM_MODEL, llm_model])
-    if prompt_tokens is not None:
-        tags.append([TAG_LLM_PROMPT_TOKENS, str(prompt_tokens)])
-    if completion_tokens is not None:
-        tags.append([TAG_LLM_COMPLETION_TOKENS, str(completion_tokens)])
-    if error:
-        tags.append([TAG_ERROR, ERROR_SYSTEM])
-    if delegation is not None:
-        tags.append([TAG_DELEGATION, delegation])
-    return tags

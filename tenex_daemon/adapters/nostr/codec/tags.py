@@ -1,0 +1,371 @@
+"""Nostr tag shapes: every tag list tenexd writes, and the threading tags it reads.
+
+Kind numbers and most tag names come from :mod:`tenex_daemon.core.vocabulary`; the shapes
+(which tags, in which order, with which positional fields) are those of docs/PROTOCOL.md, NIP-10,
+NIP-22 and NIP-42. Nothing here does I/O or signs: callers sign the tags they get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.vocabulary import (
+    ERROR_SYSTEM,
+    KIND_CONVERSATION_ROOT,
+    KIND_PROJECT,
+    KIND_RELAY_AUTH,
+    TAG_ADDRESS,
+    TAG_CHALLENGE,
+    TAG_DELEGATION,
+    TAG_ERROR,
+    TAG_EVENT,
+    TAG_LLM_COMPLETION_TOKENS,
+    TAG_LLM_MODEL,
+    TAG_LLM_PROMPT_TOKENS,
+    TAG_NET_TIME,
+    TAG_PARENT_KIND,
+    TAG_PHASE,
+    TAG_PUBKEY,
+    TAG_RELAY,
+    TAG_ROOT_AUTHOR,
+    TAG_ROOT_EVENT,
+    TAG_ROOT_KIND,
+    TAG_SESSION,
+    TAG_TITLE,
+    TAG_TOOL,
+    TOOL_COMPLETE,
+)
+
+from .frames import is_hex
+
+TAG_AGENT: Final = "agent"
+"""``["agent", <pubkey>, <slug>]`` on the project's kind-24010 heartbeat, one per agent."""
+TAG_STREAMING: Final = "streaming"
+"""``["streaming", <sequence>]`` on a kind-21111 partial reply."""
+MARKER_ROOT: Final = "root"
+MARKER_REPLY: Final = "reply"
+MARKER_MENTION: Final = "mention"
+"""NIP-10 markers, the fourth field of an ``e`` tag."""
+
+Tags = list[list[str]]
+
+
+def project_address(owner: str, identifier: str) -> str:
+    """The ``a`` tag value of the project ``identifier`` owned by ``owner``: ``31933:<owner>:<d>``."""
+    return f"{KIND_PROJECT}:{owner}:{identifier}"
+
+
+def _pubkey_tags(destinations: Iterable[str]) -> Tags:
+    """One ``p`` tag per distinct pubkey, in the order given."""
+    return [[TAG_PUBKEY, pubkey] for pubkey in dict.fromkeys(destinations)]
+
+
+def _parent_tags(parent: NostrEvent, relay_hint: str = "") -> Tags:
+    """NIP-22 parent tags: ``["e", id, hint, author]`` and ``["k", kind]``."""
+    return [[TAG_EVENT, parent.id, relay_hint, parent.pubkey], [TAG_PARENT_KIND, str(parent.kind)]]
+
+
+# --- reading threading (NIP-22, NIP-10) -------------------------------------------------------
+
+
+class ThreadStyle(StrEnum):
+    """Which convention an event's threading tags follow."""
+
+    NONE = "none"
+    NIP22 = "nip22"
+    NIP10_MARKED = "nip10-marked"
+    NIP10_POSITIONAL = "nip10-positional"
+
+
+@dataclass(frozen=True, slots=True)
+class Threading:
+    """Where an event sits in a thread.
+
+    ``root_id`` is None for an event that is itself a root (then the conversation id
+    is the event's own id: :func:`conversation_id`). ``root_kind`` is known for
+    NIP-22 (``K``) only. ``parent_id`` is the event replied to.
+    """
+
+    style: ThreadStyle
+    root_id: str | None = None
+    root_kind: int | None = None
+    root_author: str | None = None
+    parent_id: str | None = None
+    parent_kind: int | None = None
+    parent_author: str | None = None
+
+    @property
+    def is_root(self) -> bool:
+        """Whether the event starts a thread (no root reference)."""
+        return self.root_id is None
+
+
+def _int_or_none(value: str | None) -> int | None:
+    if value is None or not value.isdigit() or len(value) > 10:
+        return None
+    return int(value)
+
+
+def _first(tags: list[list[str]], name: str) -> list[str] | None:
+    for tag in tags:
+        if len(tag) > 1 and tag[0] == name:
+            return tag
+    return None
+
+
+def _kind_of(tag: list[str] | None) -> int | None:
+    """The kind a ``K``/``k`` tag names, when it is a plain number."""
+    return _int_or_none(tag[1]) if tag is not None else None
+
+
+def _hex_value(tag: list[str] | None) -> str | None:
+    """The tag's value when it is a 64-hex id or key."""
+    return tag[1] if tag is not None and is_hex(tag[1], 64) else None
+
+
+def _author_hint(tag: list[str] | None) -> str | None:
+    """The author's pubkey in the fourth field of an ``E``/``e`` tag, when there is one."""
+    if tag is not None and len(tag) > 3 and is_hex(tag[3], 64):
+        return tag[3]
+    return None
+
+
+def _nip10_author(tag: list[str]) -> str | None:
+    # NIP-10 marked tags: ["e", id, relay, marker, pubkey]
+    if len(tag) > 4 and is_hex(tag[4], 64):
+        return tag[4]
+    return None
+
+
+def _marker(tag: list[str]) -> str | None:
+    return tag[3] if len(tag) > 3 else None
+
+
+def read_threading(event: NostrEvent) -> Threading:
+    """Read the thread position of ``event`` from NIP-22 tags, else NIP-10 ``e`` tags.
+
+    NIP-22: ``E``/``K``/``P`` name the root, ``e``/``k``/``p`` the parent (a reply
+    straight to the root may omit ``e``). NIP-10 marked: ``e`` with ``root`` /
+    ``reply`` markers (a lone ``root`` is also the parent). NIP-10 positional: the
+    first ``e`` is the root and the last the parent; ``mention`` tags are skipped.
+    Ids that are not 64 hex characters are ignored.
+    """
+    root_tag = _first(event.tags, TAG_ROOT_EVENT)
+    if root_tag is not None and is_hex(root_tag[1], 64):
+        return _nip22_threading(event.tags, root_tag)
+    return _nip10_threading(event.tags)
+
+
+def _nip22_threading(tags: list[list[str]], root_tag: list[str]) -> Threading:
+    """NIP-22: the root from ``E``/``K``/``P``, the parent from ``e``/``k``/``p`` (else the root)."""
+    root_id = root_tag[1]
+    root_kind = _kind_of(_first(tags, TAG_ROOT_KIND))
+    root_author = _hex_value(_first(tags, TAG_ROOT_AUTHOR)) or _author_hint(root_tag)
+    parent_tag = _first(tags, TAG_EVENT)
+    if parent_tag is None or not is_hex(parent_tag[1], 64):
+        return Threading(ThreadStyle.NIP22, root_id, root_kind, root_author, root_id, root_kind, root_author)
+    parent_author = _author_hint(parent_tag) or _hex_value(_first(tags, TAG_PUBKEY))
+    return Threading(
+        ThreadStyle.NIP22, root_id, root_kind, root_author,
+        parent_tag[1], _kind_of(_first(tags, TAG_PARENT_KIND)), parent_author,
+    )
+
+
+def _nip10_threading(tags: list[list[str]]) -> Threading:
+    """NIP-10: marked ``root``/``reply`` ``e`` tags, else positional ones (first root, last parent)."""
+    e_tags = [t for t in tags if len(t) > 1 and t[0] == TAG_EVENT and is_hex(t[1], 64)]
+    marked_root = next((t for t in e_tags if _marker(t) == MARKER_ROOT), None)
+    marked_reply = next((t for t in e_tags if _marker(t) == MARKER_REPLY), None)
+    root = marked_root or marked_reply
+    parent = marked_reply or marked_root
+    if root is not None and parent is not None:
+        return Threading(
+            ThreadStyle.NIP10_MARKED, root[1], None, _nip10_author(root),
+            parent[1], None, _nip10_author(parent),
+        )
+    positional = [t for t in e_tags if _marker(t) != MARKER_MENTION]
+    if not positional:
+        return Threading(ThreadStyle.NONE)
+    return Threading(
+        ThreadStyle.NIP10_POSITIONAL, positional[0][1], None, None, positional[-1][1], None, None
+    )
+
+
+def conversation_id(event: NostrEvent) -> str:
+    """Return the id of the conversation ``event`` belongs to: its root, or itself when it is one."""
+    return read_threading(event).root_id or event.id
+
+
+def refers_to_root(event: NostrEvent, root_id: str) -> bool:
+    """Whether ``event`` names ``root_id`` as its root: a NIP-22 ``E``, or any NIP-10 ``e`` tag."""
+    if event.tag_value(TAG_ROOT_EVENT) == root_id:
+        return True
+    return any(len(tag) > 1 and tag[0] == TAG_EVENT and tag[1] == root_id for tag in event.tags)
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadRoot:
+    """The conversation root a reply points at: id, kind and author."""
+
+    id: str
+    kind: int
+    pubkey: str
+
+    @classmethod
+    def of(cls, event: NostrEvent) -> ThreadRoot:
+        """The root fields of an event that is itself the root."""
+        return cls(event.id, event.kind, event.pubkey)
+
+
+def root_of(event: NostrEvent) -> ThreadRoot:
+    """Return the conversation root of ``event`` as far as its tags tell.
+
+    A root event is its own root; a NIP-22 reply names root id, kind and author;
+    for NIP-10 replies the kind is unknown and taken as the reply's own kind.
+    """
+    threading = read_threading(event)
+    if threading.root_id is None:
+        return ThreadRoot.of(event)
+    return ThreadRoot(
+        threading.root_id,
+        threading.root_kind if threading.root_kind is not None else event.kind,
+        threading.root_author or "",
+    )
+
+
+# --- tags tenexd writes ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyDetails:
+    """What an agent's reply carries besides its threading: docs/PROTOCOL.md's optional reply tags.
+
+    ``project`` is ``(owner pubkey, project d-tag)`` for the ``a`` tag; ``delegation`` is a
+    ``send_message`` exchange's thread id. A None (or False) field writes no tag.
+    """
+
+    project: tuple[str, str] | None = None
+    phase: str | None = None
+    net_time_seconds: int | None = None
+    session_id: str | None = None
+    complete: bool = False
+    llm_model: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: bool = False
+    delegation: str | None = None
+
+    def tags(self) -> Tags:
+        """The optional tags, in the order docs/PROTOCOL.md lists them (``delegation`` last)."""
+        values: list[tuple[str, str | None]] = [
+            (TAG_ADDRESS, project_address(*self.project) if self.project is not None else None),
+            (TAG_PHASE, self.phase),
+            (TAG_NET_TIME, _text(self.net_time_seconds)),
+            (TAG_SESSION, self.session_id),
+            (TAG_TOOL, TOOL_COMPLETE if self.complete else None),
+            (TAG_LLM_MODEL, self.llm_model),
+            (TAG_LLM_PROMPT_TOKENS, _text(self.prompt_tokens)),
+            (TAG_LLM_COMPLETION_TOKENS, _text(self.completion_tokens)),
+            (TAG_ERROR, ERROR_SYSTEM if self.error else None),
+            (TAG_DELEGATION, self.delegation),
+        ]
+        return [[name, value] for name, value in values if value is not None]
+
+
+NO_DETAILS: Final = ReplyDetails()
+
+
+def _text(number: int | None) -> str | None:
+    return str(number) if number is not None else None
+
+
+def build_reply_tags(
+    trigger: NostrEvent,
+    destinations: Iterable[str],
+    *,
+    root: ThreadRoot | NostrEvent | None = None,
+    details: ReplyDetails = NO_DETAILS,
+    relay_hint: str = "",
+) -> Tags:
+    """Return the tags of an agent's kind-1111 reply to ``trigger`` (docs/PROTOCOL.md).
+
+    Root ``E``/``K``/``P`` come from the conversation root (``root``, else read from
+    the trigger's tags, else the trigger itself), parent ``e``/``k`` from the
+    trigger; every ``p`` is then replaced by one per destination. ``details`` adds
+    the optional tags after them (:meth:`ReplyDetails.tags`).
+    """
+    thread_root = root_of(trigger) if root is None else (
+        ThreadRoot.of(root) if isinstance(root, NostrEvent) else root
+    )
+    tags: Tags = [
+        [TAG_ROOT_EVENT, thread_root.id, relay_hint, thread_root.pubkey]
+        if thread_root.pubkey else [TAG_ROOT_EVENT, thread_root.id, relay_hint],
+        [TAG_ROOT_KIND, str(thread_root.kind)],
+    ]
+    if thread_root.pubkey:
+        tags.append([TAG_ROOT_AUTHOR, thread_root.pubkey])
+    return tags + _parent_tags(trigger, relay_hint) + _pubkey_tags(destinations) + details.tags()
+
+
+def person_reply_tags(parent: NostrEvent, destinations: Iterable[str]) -> tuple[str, Tags]:
+    """Return (conversation root id, tags) of a person's kind-1111 reply to ``parent`` (``tenexd send``).
+
+    The root is copied from the parent's ``E``/``K``/``P`` values as written (``K``
+    defaulting to 11) when it has an ``E``, else the root is the parent itself; then the
+    parent's ``e``/``k`` and one ``p`` per destination. ``P`` is left out when the root's
+    author is unknown (``E`` then carries an empty author field).
+    """
+    root_id = parent.tag_value(TAG_ROOT_EVENT)
+    if root_id is not None:
+        root_kind = parent.tag_value(TAG_ROOT_KIND) or str(KIND_CONVERSATION_ROOT)
+        root_author = parent.tag_value(TAG_ROOT_AUTHOR) or ""
+    else:
+        root_id, root_kind, root_author = parent.id, str(parent.kind), parent.pubkey
+    tags: Tags = [[TAG_ROOT_EVENT, root_id, "", root_author], [TAG_ROOT_KIND, root_kind]]
+    if root_author:
+        tags.append([TAG_ROOT_AUTHOR, root_author])
+    return root_id, tags + _parent_tags(parent) + _pubkey_tags(destinations)
+
+
+def conversation_root_tags(title: str, destinations: Iterable[str], project: tuple[str, str]) -> Tags:
+    """Return the tags of a new kind-11 conversation root: title, one ``p`` per destination, the ``a``."""
+    return [[TAG_TITLE, title], *_pubkey_tags(destinations), [TAG_ADDRESS, project_address(*project)]]
+
+
+def typing_tags(conversation_id: str) -> Tags:
+    """Return the tags of a typing indicator (kinds 24111/24112): ``["e", <conversation id>]``."""
+    return [[TAG_EVENT, conversation_id]]
+
+
+def streaming_tags(conversation_id: str, trigger_id: str, sequence: int) -> Tags:
+    """Return the tags of a kind-21111 partial reply.
+
+    ``["e", <conversation id>]`` (as typing indicators), ``["e", <trigger id>, "", "reply"]``
+    and ``["streaming", <sequence>]``.
+    """
+    return [
+        [TAG_EVENT, conversation_id],
+        [TAG_EVENT, trigger_id, "", MARKER_REPLY],
+        [TAG_STREAMING, str(sequence)],
+    ]
+
+
+def heartbeat_tags(agents: Iterable[tuple[str, str]], project: tuple[str, str] | None) -> Tags:
+    """Return the tags of the project's kind-24010 heartbeat.
+
+    One ``["agent", <pubkey>, <slug>]`` per ``(pubkey, slug)`` pair, then the project's ``a``
+    when there is a project.
+    """
+    tags: Tags = [[TAG_AGENT, pubkey, slug] for pubkey, slug in agents]
+    if project is not None:
+        tags.append([TAG_ADDRESS, project_address(*project)])
+    return tags
+
+
+def auth_event_template(relay_url: str, challenge: str) -> tuple[int, Tags, str]:
+    """Return (kind, tags, content) of the NIP-42 event that answers ``challenge``."""
+    return KIND_RELAY_AUTH, [[TAG_RELAY, relay_url], [TAG_CHALLENGE, challenge]], ""

@@ -1,0 +1,469 @@
+"""One relay's connection: its socket and reader, NIP-42 auth, reconnects with backoff, publishes
+and one-off fetches.
+
+A connection is given what it needs explicitly: the pool's settings, the live subscriptions
+(with their cursors), where to hand events (an :class:`EventSink`), the key cache, the auth
+signer and a way to run background tasks. Its reader never awaits an ``OK``: ``OK`` frames
+resolve futures that publishers wait on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, WebSocketException
+
+from tenex_daemon.core.events import NostrEvent
+
+from ..codec import (
+    AuthMessage,
+    ClosedMessage,
+    EoseMessage,
+    EventMessage,
+    KnownEventMessage,
+    NoticeMessage,
+    OkMessage,
+    PublicKeyCache,
+    Rejection,
+    RejectReason,
+    encode_auth,
+    encode_close,
+    encode_event,
+    encode_req,
+    parse_relay_frame,
+    verify_event,
+)
+from ..signer import Signer
+from .subscriptions import Subscription, Subscriptions
+from .types import Filter, PoolSettings, RelayHealth, RelaySpec, RelayState, Spawn
+
+log = structlog.get_logger(__name__)
+
+
+def _quick_ack(ws: ClientConnection) -> Callable[[], None]:
+    """Return a call that acknowledges what the connection's socket received so far, at once.
+
+    Linux only (``TCP_QUICKACK``; elsewhere, or for a socket that refuses it, a no-op). Made
+    per connection: the option is not sticky, so it is set again after every frame read.
+    """
+    option = getattr(socket, "TCP_QUICKACK", None)
+    sock = ws.transport.get_extra_info("socket") if ws.transport is not None else None
+    if option is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return _no_ack
+
+    def ack() -> None:
+        with contextlib.suppress(OSError):  # closed meanwhile: the read loop sees it next
+            sock.setsockopt(socket.IPPROTO_TCP, option, 1)
+
+    return ack
+
+
+def _no_ack() -> None:
+    return None
+
+
+def backoff_delay(
+    attempt: int, base: float, cap: float, rng: Callable[[float, float], float] = random.uniform
+) -> float:
+    """Return the wait before reconnect ``attempt`` (0-based): ``base * 2**attempt`` capped, jittered.
+
+    The jitter draws from the upper half (``[d/2, d]``) so relays that dropped
+    together do not reconnect in lockstep, while the wait still grows.
+    """
+    delay = min(cap, base * (2 ** min(attempt, 60)))
+    return rng(delay / 2, delay)
+
+
+class EventSink(Protocol):
+    """Where a connection hands the events of live subscriptions (the pool's delivery)."""
+
+    @property
+    def seen(self) -> Container[str]:
+        """Ids of events already verified and taken in: their copies skip the signature check."""
+
+    async def intake(self, event: NostrEvent, url: str, sub_id: str) -> None:
+        """Take a validated event in."""
+
+    def count_known_copy(self, event: NostrEvent, url: str, sub_id: str) -> None:
+        """Count a relay's copy of an event already taken in."""
+
+
+@dataclass
+class _Fetch:
+    """A one-off REQ in progress: what came so far, and its end (EOSE or CLOSED)."""
+
+    events: list[NostrEvent] = field(default_factory=list)
+    done: asyncio.Future[str] | None = None
+    filters: list[Filter] = field(default_factory=list)
+    auth_retried: bool = False
+
+
+class RelayConnection:
+    """One relay connection: its reader task, pending OKs, fetches and counters."""
+
+    def __init__(
+        self,
+        spec: RelaySpec,
+        settings: PoolSettings,
+        *,
+        subscriptions: Subscriptions,
+        sink: EventSink,
+        key_cache: PublicKeyCache,
+        auth_signer: Signer | None,
+        spawn: Spawn,
+    ) -> None:
+        """Connect to ``spec.url`` once :meth:`run` runs; hand live events to ``sink``."""
+        self.spec = spec
+        self.url = spec.url
+        self.settings = settings
+        self.subscriptions = subscriptions
+        self.sink = sink
+        self.key_cache = key_cache
+        self.auth_signer = auth_signer
+        self.spawn = spawn
+        self.log = log.bind(relay=spec.url)
+        self.ws: ClientConnection | None = None
+        self.state = RelayState.IDLE
+        self.connected_since: float | None = None
+        self.reconnects = 0
+        self.connects = 0
+        self.last_event_at: float | None = None
+        self.events_received = 0
+        self.rejects: Counter[str] = Counter()
+        self.notices = 0
+        self.last_error: str | None = None
+        self.connected = asyncio.Event()
+        self.authenticated = asyncio.Event()
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.pending_ok: dict[str, list[asyncio.Future[OkMessage]]] = {}
+        self.fetches: dict[str, _Fetch] = {}
+        self.auth_retried_subs: set[str] = set()
+        self.task: asyncio.Task[None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect, read, and reconnect with backoff until cancelled."""
+        settings = self.settings
+        attempt = 0
+        while True:
+            self.state = RelayState.CONNECTING
+            opened_at: float | None = None
+            try:
+                async with connect(
+                    self.url,
+                    max_size=settings.max_message_bytes,
+                    open_timeout=settings.open_timeout,
+                    ping_interval=settings.ping_interval,
+                    close_timeout=1.0,
+                    proxy=None,
+                    compression=None,
+                ) as ws:
+                    opened_at = time.monotonic()
+                    await self._on_open(ws)
+                    ack_now = _quick_ack(ws)
+                    async for raw in ws:
+                        ack_now()
+                        await self._on_frame(raw)
+                self.last_error = "closed by relay"
+            except asyncio.CancelledError:
+                self._on_close()
+                self.state = RelayState.STOPPED
+                raise
+            except (OSError, WebSocketException, TimeoutError) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                if isinstance(exc, ConnectionClosed) and exc.sent is not None and exc.sent.code == 1009:
+                    # websockets closed the connection on a frame over max_message_bytes
+                    self.reject(RejectReason.OVERSIZED_FRAME, "frame over the websocket size limit")
+            self._on_close()
+            if opened_at is not None and time.monotonic() - opened_at >= settings.stable_after:
+                attempt = 0
+            delay = backoff_delay(attempt, settings.backoff_base, settings.backoff_cap)
+            attempt = min(attempt + 1, 30)
+            self.state = RelayState.BACKOFF
+            self.log.info("relay disconnected", error=self.last_error, retry_in=round(delay, 2))
+            await asyncio.sleep(delay)
+
+    async def _on_open(self, ws: ClientConnection) -> None:
+        self.ws = ws
+        if self.connects:
+            self.reconnects += 1
+        self.connects += 1
+        self.state = RelayState.CONNECTED
+        self.connected_since = time.time()
+        self.closed = asyncio.get_running_loop().create_future()
+        self.auth_retried_subs.clear()
+        self.log.info("relay connected", reconnects=self.reconnects)
+        if self.spec.read:
+            for sub in self.subscriptions.live():
+                await self.send_req(sub)
+        for fetch_id, fetch in self.fetches.items():
+            await self.send(encode_req(fetch_id, fetch.filters))
+        self.connected.set()
+
+    def _on_close(self) -> None:
+        self.ws = None
+        self.connected.clear()
+        self.authenticated.clear()
+        self.connected_since = None
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    async def send(self, text: str) -> bool:
+        """Send a frame if connected; return whether it went out."""
+        ws = self.ws
+        if ws is None:
+            return False
+        try:
+            await ws.send(text)
+        except ConnectionClosed:
+            return False
+        return True
+
+    async def send_req(self, sub: Subscription) -> None:
+        """Send (or re-send) a subscription with ``since`` moved to this relay's cursor."""
+        await self.send(encode_req(sub.sub_id, self.subscriptions.filters_for(sub, self.url)))
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def _on_frame(self, raw: str | bytes) -> None:
+        message = parse_relay_frame(
+            raw, limits=self.settings.limits, key_cache=self.key_cache, known=self.sink.seen
+        )
+        try:
+            await self._dispatch(message)
+        except Exception:
+            self.log.exception("relay frame handling failed")
+
+    def reject(self, reason: RejectReason, detail: str, event_id: str | None = None) -> None:
+        """Count and log a refused frame."""
+        self.rejects[reason.value] += 1
+        self.log.warning("frame rejected", reason=reason.value, detail=detail[:200], event_id=event_id)
+
+    async def _dispatch(self, message: EventMessage | Rejection | object) -> None:
+        if isinstance(message, EventMessage):
+            await self._on_event(message)
+        elif isinstance(message, KnownEventMessage):
+            await self._on_known_event(message)
+        elif isinstance(message, OkMessage):
+            self._on_ok(message)
+        elif isinstance(message, EoseMessage):
+            fetch = self.fetches.get(message.subscription_id)
+            if fetch is not None and fetch.done is not None and not fetch.done.done():
+                fetch.done.set_result("eose")
+        elif isinstance(message, ClosedMessage):
+            self._on_closed(message)
+        elif isinstance(message, AuthMessage):
+            self.spawn(self._authenticate(message.challenge), f"auth {self.url}")
+        elif isinstance(message, NoticeMessage):
+            self.notices += 1
+            self.log.info("relay notice", message=message.message[:300])
+        elif isinstance(message, Rejection):
+            self.reject(message.reason, message.detail, message.event_id)
+
+    async def _on_event(self, message: EventMessage) -> None:
+        fetch = self.fetches.get(message.subscription_id)
+        if fetch is not None:
+            fetch.events.append(message.event)
+            return
+        sub = self._live_subscription(message.subscription_id, message.event.id)
+        if sub is not None:
+            await self.sink.intake(message.event, self.url, sub.sub_id)
+
+    def _live_subscription(self, sub_id: str, event_id: str) -> Subscription | None:
+        """The live subscription an event came on (counted as received), or None (rejected as unknown)."""
+        sub = self.subscriptions.get(sub_id)
+        if sub is None:
+            self.reject(RejectReason.UNKNOWN_SUBSCRIPTION, sub_id[:64], event_id)
+            return None
+        self.events_received += 1
+        self.last_event_at = time.time()
+        return sub
+
+    async def _on_known_event(self, message: KnownEventMessage) -> None:
+        # A copy of an event this pool already verified: its id hashes every signed field.
+        if message.subscription_id in self.fetches:
+            if verify_event(message.event, key_cache=self.key_cache):
+                await self._on_event(EventMessage(message.subscription_id, message.event))
+            else:
+                self.reject(RejectReason.BAD_SIGNATURE, "copy of a known event", message.event.id)
+            return
+        sub = self._live_subscription(message.subscription_id, message.event.id)
+        if sub is not None:
+            self.sink.count_known_copy(message.event, self.url, sub.sub_id)
+
+    def _on_ok(self, message: OkMessage) -> None:
+        if not message.event_id:
+            # nostr-relay answers some rejections with an empty id: nothing to match, the
+            # publisher's timeout covers it.
+            self.log.warning("OK without event id", accepted=message.accepted, message=message.message)
+            return
+        for future in self.pending_ok.pop(message.event_id, []):
+            if not future.done():
+                future.set_result(message)
+
+    def _on_closed(self, message: ClosedMessage) -> None:
+        sub_id = message.subscription_id
+        fetch = self.fetches.get(sub_id)
+        auth_required = message.prefix == "auth-required"
+        if fetch is not None:
+            if auth_required and not fetch.auth_retried:
+                fetch.auth_retried = True
+                self.spawn(self._resend_after_auth(encode_req(sub_id, fetch.filters)), "fetch auth")
+            elif fetch.done is not None and not fetch.done.done():
+                fetch.done.set_result(f"closed: {message.message}")
+            return
+        sub = self.subscriptions.get(sub_id)
+        if sub is None:
+            return
+        if auth_required and sub_id not in self.auth_retried_subs:
+            self.auth_retried_subs.add(sub_id)
+            self.log.info("subscription needs auth; re-sending after AUTH", subscription=sub_id)
+            self.spawn(self._resend_req_after_auth(sub), f"resubscribe {self.url}")
+        else:
+            self.log.warning("subscription closed by relay", subscription=sub_id, message=message.message)
+
+    # -- auth ------------------------------------------------------------------------------
+
+    async def _authenticate(self, challenge: str) -> None:
+        signer = self.auth_signer
+        if signer is None:
+            self.log.warning("relay asked for AUTH but the pool has no auth signer")
+            return
+        event = signer.sign_auth(self.url, challenge)
+        future = self.expect_ok(event.id)
+        if not await self.send(encode_auth(event)):
+            return
+        try:
+            answer = await asyncio.wait_for(future, self.settings.auth_timeout)
+        except TimeoutError:
+            # nostr-relay never answers AUTH with OK: go on as authenticated; a later
+            # auth-required answer shows if it was not.
+            self.log.info("no OK for AUTH; assuming accepted")
+            self.authenticated.set()
+            return
+        if answer.accepted:
+            self.log.info("authenticated", pubkey=signer.pubkey)
+            self.authenticated.set()
+        else:
+            self.log.warning("AUTH refused", message=answer.message)
+
+    async def wait_authenticated(self, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` seconds until this connection has authenticated."""
+        try:
+            await asyncio.wait_for(self.authenticated.wait(), wait_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _resend_req_after_auth(self, sub: Subscription) -> None:
+        if await self.wait_authenticated(self.settings.auth_timeout):
+            await self.send_req(sub)
+        else:
+            self.log.warning("subscription not re-sent: not authenticated", subscription=sub.sub_id)
+
+    async def _resend_after_auth(self, frame: str) -> None:
+        if await self.wait_authenticated(self.settings.auth_timeout):
+            await self.send(frame)
+
+    # -- publishing and fetching -----------------------------------------------------------
+
+    def expect_ok(self, event_id: str) -> asyncio.Future[OkMessage]:
+        """Register interest in the relay's ``OK`` for an event id."""
+        future: asyncio.Future[OkMessage] = asyncio.get_running_loop().create_future()
+        self.pending_ok.setdefault(event_id, []).append(future)
+        return future
+
+    def _forget_ok(self, event_id: str, future: asyncio.Future[OkMessage]) -> None:
+        waiting = self.pending_ok.get(event_id)
+        if waiting and future in waiting:
+            waiting.remove(future)
+            if not waiting:
+                del self.pending_ok[event_id]
+
+    async def wait_connected(self, deadline: float) -> bool:
+        """Wait for a connection until the loop-time ``deadline``."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return self.connected.is_set()
+        try:
+            await asyncio.wait_for(self.connected.wait(), remaining)
+        except TimeoutError:
+            return False
+        return True
+
+    async def publish(self, event: NostrEvent, deadline: float) -> OkMessage | None:
+        """Send the event until this relay answers or the deadline passes (None: no answer).
+
+        A dropped connection means sending again on the next one; an
+        ``auth-required:`` answer means one more try after authenticating.
+        """
+        loop = asyncio.get_running_loop()
+        frame = encode_event(event)
+        auth_retry_used = False
+        while await self.wait_connected(deadline):
+            future = self.expect_ok(event.id)
+            closed = self.closed
+            try:
+                if not await self.send(frame):
+                    await asyncio.sleep(0.05)
+                    continue
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return None
+                waiters: set[asyncio.Future[Any]] = {future, closed}
+                done, _ = await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._forget_ok(event.id, future)
+            if future in done:
+                answer = future.result()
+                if (not answer.accepted and answer.prefix == "auth-required" and not auth_retry_used
+                        and self.auth_signer is not None):
+                    auth_retry_used = True
+                    remaining = deadline - loop.time()
+                    if await self.wait_authenticated(max(0.0, remaining)):
+                        continue
+                return answer
+            if not done:
+                return None
+            # the connection dropped before an answer: wait for the next one and send again
+        return None
+
+    async def fetch(self, fetch_id: str, filters: list[Filter], wait_s: float) -> list[NostrEvent]:
+        """Run a one-off REQ until EOSE (or CLOSED, or ``wait_s`` seconds); return what came."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        fetch = _Fetch(done=loop.create_future(), filters=filters)
+        self.fetches[fetch_id] = fetch
+        try:
+            if not await self.wait_connected(deadline):
+                return fetch.events
+            await self.send(encode_req(fetch_id, filters))
+            assert fetch.done is not None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(fetch.done), max(0.0, deadline - loop.time()))
+            await self.send(encode_close(fetch_id))
+            return fetch.events
+        finally:
+            self.fetches.pop(fetch_id, None)
+
+    def health(self) -> RelayHealth:
+        """Snapshot this connection's health."""
+        return RelayHealth(
+            url=self.url, state=self.state, read=self.spec.read, write=self.spec.write,
+            connected_since=self.connected_since, reconnects=self.reconnects,
+            last_event_at=self.last_event_at, events_received=self.events_received,
+            rejects=dict(self.rejects), notices=self.notices,
+            authenticated=self.authenticated.is_set(), last_error=self.last_error,
+        )
+

@@ -1,0 +1,86 @@
+"""The pool's live subscriptions and their cursors: per subscription and relay, the last accepted
+``created_at``, kept in the store so a restarted daemon asks only for what it may have missed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .types import CURSOR_META_PREFIX, Filter, PoolStore
+
+
+@dataclass
+class Subscription:
+    """A live subscription: its id and the filters it was made with."""
+
+    sub_id: str
+    filters: list[Filter]
+
+
+def cursor_key(sub_id: str, url: str) -> str:
+    """The store meta key of a subscription's cursor on a relay."""
+    return f"{CURSOR_META_PREFIX}:{sub_id}:{url}"
+
+
+class Subscriptions:
+    """Live subscriptions by id, and their cursors per relay (moved up as events are accepted)."""
+
+    def __init__(self, since_window: int) -> None:
+        """``since_window``: seconds subtracted from a cursor when (re)subscribing."""
+        self._since_window = since_window
+        self._subs: dict[str, Subscription] = {}
+        self._cursors: dict[tuple[str, str], int] = {}
+        self._dirty: set[tuple[str, str]] = set()
+
+    def get(self, sub_id: str) -> Subscription | None:
+        """The live subscription with this id, or None."""
+        return self._subs.get(sub_id)
+
+    def live(self) -> list[Subscription]:
+        """Every live subscription (a copy: safe to iterate while subscribing)."""
+        return list(self._subs.values())
+
+    async def add(self, sub: Subscription, urls: Iterable[str], store: PoolStore | None) -> None:
+        """Add (or replace) a subscription, first loading its stored cursor for each relay url."""
+        if store is not None:
+            for url in urls:
+                stored = await store.get_meta(cursor_key(sub.sub_id, url))
+                if stored is not None and stored.isdigit():
+                    key = (sub.sub_id, url)
+                    self._cursors[key] = max(self._cursors.get(key, 0), int(stored))
+        self._subs[sub.sub_id] = sub
+
+    def remove(self, sub_id: str) -> bool:
+        """Drop a subscription; return whether it was live."""
+        return self._subs.pop(sub_id, None) is not None
+
+    def filters_for(self, sub: Subscription, url: str) -> list[Filter]:
+        """Return the filters with ``since`` moved up to this relay's cursor minus the window."""
+        cursor = self._cursors.get((sub.sub_id, url))
+        if cursor is None:
+            return sub.filters
+        since = max(0, cursor - self._since_window)
+        return [{**f, "since": max(int(f.get("since", 0)), since)} for f in sub.filters]
+
+    def cursor(self, sub_id: str, url: str) -> int | None:
+        """Return the last accepted ``created_at`` for a subscription on a relay."""
+        return self._cursors.get((sub_id, url))
+
+    def advance(self, sub_id: str, url: str, created_at: int) -> None:
+        """Move a cursor up to an accepted event's ``created_at`` (never past now)."""
+        # An event dated in the future must not push the cursor past now.
+        created_at = min(created_at, int(time.time()))
+        key = (sub_id, url)
+        if created_at > self._cursors.get(key, -1):
+            self._cursors[key] = created_at
+            self._dirty.add(key)
+
+    async def flush(self, store: PoolStore | None) -> None:
+        """Write the cursors moved since the last flush to the store."""
+        if store is None:
+            self._dirty.clear()
+            return
+        dirty, self._dirty = self._dirty, set()
+        for sub_id, url in dirty:
+            await store.set_meta(cursor_key(sub_id, url), str(self._cursors[(sub_id, url)]))

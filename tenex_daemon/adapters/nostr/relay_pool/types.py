@@ -1,0 +1,180 @@
+"""The relay pool's values: settings, relay descriptions, received events, health snapshots, results."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Final, Protocol
+
+from tenex_daemon.core.errors import TenexError
+from tenex_daemon.core.events import NostrEvent
+
+from ..codec import DEFAULT_LIMITS, Limits
+
+CURSOR_META_PREFIX: Final = "nostr.cursor"
+"""Store meta keys ``nostr.cursor:<subscription id>:<relay url>`` hold the last accepted created_at."""
+
+Filter = dict[str, Any]
+
+
+class PoolStore(Protocol):
+    """What the pool needs from a store: the processed-id set and small metadata.
+
+    :class:`~tenex_daemon.core.ports.ConversationStore` satisfies it.
+    """
+
+    async def is_processed(self, event_id: str) -> bool:
+        """Return whether the event id was handled before (in this or an earlier run)."""
+
+    async def mark_processed(self, event_id: str) -> None:
+        """Remember a handled event id durably."""
+
+    async def get_meta(self, key: str) -> str | None:
+        """Return a stored small value."""
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Durably store a small value."""
+
+
+class RelayState(StrEnum):
+    """Where one relay connection stands."""
+
+    IDLE = "idle"
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    BACKOFF = "backoff"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySpec:
+    """One relay and what it is used for."""
+
+    url: str
+    read: bool = True
+    write: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """Tunables of the pool; the defaults suit a daemon, tests shorten the delays."""
+
+    limits: Limits = DEFAULT_LIMITS
+    max_message_bytes: int = 4 * 1024 * 1024
+    """Hard websocket frame limit (``max_size``): a larger frame closes the connection."""
+    open_timeout: float = 10.0
+    ping_interval: float | None = 20.0
+    backoff_base: float = 0.5
+    backoff_cap: float = 30.0
+    stable_after: float = 10.0
+    """A connection that stayed up this long resets the backoff."""
+    since_window: int = 120
+    """Seconds subtracted from the cursor when (re)subscribing; dedupe absorbs the overlap."""
+    publish_timeout: float = 10.0
+    fetch_timeout: float = 5.0
+    auth_timeout: float = 5.0
+    seen_cache_size: int = 100_000
+    intake_queue_size: int = 10_000
+    delivery_lanes: int = 1
+    """Keys delivered at once when the pool has a ``lane_key``; one key's events always go in order."""
+    cursor_flush_interval: float = 1.0
+    drain_timeout: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedEvent:
+    """An accepted event handed to the consumer, with where it came from."""
+
+    event: NostrEvent
+    relay_url: str
+    subscription_id: str
+    received_at: float
+    """Epoch seconds when the pool took the event in from the relay (before any queueing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RelayHealth:
+    """A snapshot of one relay connection, for ``tenexd status``."""
+
+    url: str
+    state: RelayState
+    read: bool
+    write: bool
+    connected_since: float | None
+    reconnects: int
+    last_event_at: float | None
+    events_received: int
+    rejects: dict[str, int]
+    notices: int
+    authenticated: bool
+    last_error: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the snapshot as JSON-ready data."""
+        return {
+            "url": self.url, "state": self.state.value, "read": self.read, "write": self.write,
+            "connected_since": self.connected_since, "reconnects": self.reconnects,
+            "last_event_at": self.last_event_at, "events_received": self.events_received,
+            "rejects": dict(self.rejects), "notices": self.notices,
+            "authenticated": self.authenticated, "last_error": self.last_error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PoolHealth:
+    """A snapshot of the whole pool: every relay plus delivery counters."""
+
+    relays: tuple[RelayHealth, ...]
+    delivered: int
+    duplicates: int
+    consumer_errors: int
+    queued: int
+    rejects: dict[str, int]
+
+    @property
+    def connected(self) -> int:
+        """How many relays are connected now."""
+        return sum(1 for r in self.relays if r.state is RelayState.CONNECTED)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the snapshot as JSON-ready data."""
+        return {
+            "relays": [r.to_dict() for r in self.relays], "connected": self.connected,
+            "delivered": self.delivered, "duplicates": self.duplicates,
+            "consumer_errors": self.consumer_errors, "queued": self.queued, "rejects": dict(self.rejects),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    """How the relays answered one publish (as known when it returned)."""
+
+    event_id: str
+    accepted_by: tuple[str, ...] = ()
+    rejected: Mapping[str, str] = field(default_factory=dict)
+    timed_out: tuple[str, ...] = ()
+    pending: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether at least one relay has the event."""
+        return bool(self.accepted_by)
+
+
+class PublishError(TenexError):
+    """No relay accepted an event before the timeout."""
+
+    def __init__(self, result: PublishResult) -> None:
+        parts = [f"{url}: {msg}" for url, msg in result.rejected.items()]
+        parts += [f"{url}: no answer" for url in result.timed_out]
+        super().__init__(f"no relay accepted event {result.event_id} ({'; '.join(parts) or 'no relay'})")
+        self.result = result
+
+
+EventHandler = Callable[[ReceivedEvent], Awaitable[None]]
+"""The pool's consumer: awaited once per new event."""
+LaneKey = Callable[[NostrEvent], str]
+"""Maps an event to the key whose events must reach the consumer in order."""
+Spawn = Callable[[Coroutine[Any, Any, Any], str], None]
+"""Runs a named, tracked background task (the pool's :meth:`~RelayPool.spawn`)."""

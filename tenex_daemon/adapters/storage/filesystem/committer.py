@@ -1,0 +1,167 @@
+"""Commits: every durable write of the store goes through :class:`Committer`.
+
+``always``: each call's ops are written and fsynced on a worker thread (``direct.py``).
+``batch``: ops join a queue; one task takes everything queued while the previous group was
+being committed (plus up to ``batch_delay`` seconds) and commits it as one group through the
+journal (``group_commit.py``), on one thread: groups are durable in call order. While the store
+closes, commits go straight to that thread, journaled while the journal is open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+from collections.abc import Callable
+
+import structlog
+
+from tenex_daemon.adapters.storage.filesystem.direct import apply_ops
+from tenex_daemon.adapters.storage.filesystem.group_commit import apply_journaled
+from tenex_daemon.adapters.storage.filesystem.journal import JOURNAL_LIMIT, Journal
+from tenex_daemon.adapters.storage.filesystem.ops import Op, commit_thread
+
+log = structlog.get_logger(__name__)
+
+
+async def _on_commit_thread(work: Callable[[], None]) -> None:
+    """Run blocking commit work on the one commit thread (commits and checkpoints never overlap)."""
+    await asyncio.get_running_loop().run_in_executor(commit_thread(), work)
+
+
+def _apply_closing(journal: Journal, ops: list[Op]) -> None:
+    """A commit while the store closes: journaled while the journal is open (a direct write could be
+    undone by an older journaled snapshot on replay), durable file by file once it is gone."""
+    if journal.is_open:
+        apply_journaled(journal, ops)
+    else:
+        apply_ops(ops)
+
+
+class Committer:
+    """The store's commits, per its fsync policy (``batched``: ``batch``)."""
+
+    def __init__(self, *, batched: bool, batch_delay: float) -> None:
+        self.batched = batched
+        self.batch_delay = batch_delay
+        self.closing = False
+        """Set when the store starts closing: commits no longer wait in the queue."""
+        self.journal: Journal | None = None
+        self._queue: list[tuple[Op, asyncio.Future[None]]] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def reset(self) -> None:
+        """Get ready for commits (the store is opening)."""
+        self.closing = False
+        self._wakeup = asyncio.Event()
+
+    async def start(self, journal: Journal) -> None:
+        """Start ``batch``'s journal and the group committer."""
+        self.journal = journal
+        await asyncio.to_thread(journal.start)
+        self._task = asyncio.create_task(self._run(), name="fs-store-commit")
+
+    async def commit(self, ops: list[Op]) -> None:
+        """Make ``ops`` durable per the fsync policy; raise the first op's error."""
+        if self.batched and not self.closing:
+            loop = asyncio.get_running_loop()
+            futures = []
+            for op in ops:
+                future: asyncio.Future[None] = loop.create_future()
+                self._queue.append((op, future))
+                futures.append(future)
+            self._wakeup.set()
+            if len(futures) == 1:
+                await futures[0]
+            else:
+                await asyncio.gather(*futures)
+            return
+        if self.journal is not None:  # closing: serial with the final checkpoint, on its thread
+            await _on_commit_thread(functools.partial(_apply_closing, self.journal, ops))
+        else:
+            await asyncio.to_thread(apply_ops, ops)
+        for op in ops:
+            if op.error is not None:
+                raise op.error
+
+    async def stop(self) -> None:
+        """Commit what is queued, then checkpoint the journal a last time (it is deleted).
+
+        A failed final checkpoint keeps the journal: the next open replays it.
+        """
+        self.closing = True
+        if self._task is not None:
+            self._wakeup.set()
+            await self._task
+            self._task = None
+        if self.journal is not None:
+            journal = self.journal
+            try:
+                await _on_commit_thread(functools.partial(journal.checkpoint, final=True))
+            except OSError:
+                log.exception("journal_checkpoint_failed")  # kept: the next open replays it
+                journal.close()
+            self.journal = None
+
+    async def _run(self) -> None:
+        """Group commit: appends arriving while a commit is in flight share the next one.
+
+        A waiting append is delayed by at most the commit in flight plus ``batch_delay``;
+        each batch costs one fsync of the journal.
+        """
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._queue:
+                if self.closing:
+                    return
+                continue
+            if self.batch_delay > 0 and not self.closing:
+                await asyncio.sleep(self.batch_delay)
+            batch, self._queue = self._queue, []
+            if await self._commit_group(batch):
+                await self._checkpoint_if_full()
+            if self._queue:
+                self._wakeup.set()
+
+    async def _commit_group(self, batch: list[tuple[Op, asyncio.Future[None]]]) -> bool:
+        """Commit one group and settle its waiters; False when the group failed as a whole."""
+        ops = [op for op, _ in batch]
+        try:
+            if self.journal is not None:
+                # a thread of its own: never queued behind other to_thread work
+                await _on_commit_thread(functools.partial(apply_journaled, self.journal, ops))
+            else:
+                await asyncio.to_thread(apply_ops, ops)
+        except asyncio.CancelledError:
+            # Stopped mid-commit: the group's fate is unknown, so none of it is acknowledged.
+            stopped = OSError(errno.ECANCELED, "the store's group committer was stopped mid-commit")
+            _settle(batch, stopped)
+            raise
+        except Exception as exc:  # a bug in a commit stage: fail every waiter, keep committing
+            log.exception("group_commit_failed")
+            _settle(batch, exc)
+            return False
+        for op, future in batch:
+            if not future.done():
+                if op.error is not None:
+                    future.set_exception(op.error)
+                else:
+                    future.set_result(None)
+        return True
+
+    async def _checkpoint_if_full(self) -> None:
+        if self.journal is not None and self.journal.size > JOURNAL_LIMIT:
+            try:
+                # on the commit thread: never beside a commit made while closing
+                await _on_commit_thread(self.journal.checkpoint)
+            except OSError:
+                log.exception("journal_checkpoint_failed")  # the journal keeps covering them
+
+
+def _settle(batch: list[tuple[Op, asyncio.Future[None]]], exc: BaseException) -> None:
+    """Fail every waiter of the group not yet answered."""
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(exc)

@@ -1,0 +1,139 @@
+"""Derived lines (index records, event-id bucket lines), written in rounds off the commit path.
+
+They are not needed for durability (open rebuilds them from the logs), so they wait in memory
+and are written every ``FLUSH_INTERVAL`` seconds, many lines per file per write, not fsynced;
+the index compaction fsyncs the files written before its snapshot says the logs are complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import structlog
+
+from tenex_daemon.adapters.storage.atomic import fsync_dir, fsync_file, write_all
+from tenex_daemon.adapters.storage.filesystem.layout import INDEX_DIR
+from tenex_daemon.adapters.storage.filesystem.ops import fsync_pool
+
+log = structlog.get_logger(__name__)
+
+FLUSH_INTERVAL = 2.0
+"""Seconds between writes of derived lines (index records, event-id buckets): they are not
+needed for durability, and one write per file per round keeps them off the commit path."""
+MAX_PENDING = 20_000
+"""Lines waiting after which a round starts at once."""
+
+
+def write_lines(pending: dict[Path, list[bytes]]) -> None:
+    """Append derived lines; event-id buckets first, the index last.
+
+    An index record saying "the log is N bytes" is what makes open skip a rescan, so it
+    must never reach the disk before the bucket lines of the events it counts.
+    """
+    ordered = sorted(pending.items(), key=lambda item: item[0].parent.name == INDEX_DIR)
+    for path, lines in ordered:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                write_all(fd, b"".join(lines))
+            finally:
+                os.close(fd)
+        except OSError:
+            log.exception("derived_write_failed", path=str(path))
+
+
+def sync_files(paths: set[Path]) -> None:
+    """fsync files (in parallel) and then their folders; files gone meanwhile are skipped."""
+
+    def sync(path: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            fsync_file(path)
+
+    list(fsync_pool().map(sync, paths))
+    for folder in {path.parent for path in paths}:
+        with contextlib.suppress(FileNotFoundError):
+            fsync_dir(folder)
+
+
+class DerivedLines:
+    """The derived lines waiting to be written, and the task that writes them."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        """Held while lines are written (and by the index compaction around its flush)."""
+        self.closing = False
+        """Set by the store's close: a round then starts without waiting."""
+        self._pending: dict[Path, list[bytes]] = {}
+        self._count = 0
+        self._inflight: dict[Path, list[bytes]] = {}
+        self._written: set[Path] = set()
+        """Files written since the last :meth:`sync_written` (fsynced before the next index snapshot)."""
+        self._watchers: dict[Path, list[bytes]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def add(self, path: Path, line: bytes) -> None:
+        """Queue one line for ``path`` (the writing task starts if it is not running)."""
+        self._pending.setdefault(path, []).append(line)
+        self._count += 1
+        if self._count >= MAX_PENDING:
+            self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self.run(), name="fs-store-derived")
+
+    def queued(self, path: Path) -> Iterable[bytes]:
+        """The lines for ``path`` not yet on disk: being written, then waiting."""
+        return itertools.chain(self._inflight.get(path, ()), self._pending.get(path, ()))
+
+    @contextlib.contextmanager
+    def watch(self, path: Path) -> Iterator[list[bytes]]:
+        """Collect the lines for ``path`` written while the body runs: a reader of the file may
+        have read it before they landed."""
+        written: list[bytes] = []
+        self._watchers[path] = written
+        try:
+            yield written
+        finally:
+            del self._watchers[path]
+
+    async def run(self) -> None:
+        """Write the lines every ``FLUSH_INTERVAL`` (sooner past ``MAX_PENDING`` lines, at once
+        while closing) until none is left: each file is touched once a round."""
+        while self._pending:
+            if not self.closing:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), FLUSH_INTERVAL)
+            self._wake.clear()
+            async with self.lock:
+                await self.flush_locked()
+
+    async def flush_locked(self) -> None:
+        """Write every waiting line now (the caller holds :attr:`lock`)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        self._count = 0
+        self._written.update(pending)
+        self._inflight = pending
+        try:
+            await asyncio.to_thread(write_lines, pending)
+        finally:
+            self._inflight = {}
+            for path, written in self._watchers.items():
+                written.extend(pending.get(path, ()))
+
+    async def sync_written(self) -> None:
+        """fsync the files written since the last call, and their folders."""
+        written, self._written = self._written, set()
+        await asyncio.to_thread(sync_files, written)
+
+    async def stop(self) -> None:
+        """Write what is left at once and wait for the writing task (the store is closing)."""
+        if self._task is not None:
+            self._wake.set()
+            await self._task

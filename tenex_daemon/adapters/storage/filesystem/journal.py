@@ -1,0 +1,317 @@
+"""The commit journal of the ``batch`` policy: one fsync makes a whole group durable.
+
+A group commit appends each op's bytes to its own file (a conversation's ``events.log``, an
+event-id bucket) without fsyncing it, then writes one frame per op to the home's journal
+(``conversations/.journal/<generation>``) and fsyncs that one file: the group is durable once
+the journal is. Every ``JOURNAL_LIMIT`` bytes a checkpoint fsyncs the files written since the
+last one and starts a new journal, so the journal stays small. On open, a journal left behind
+(a crash, or a power loss that kept the journal but not a log's page cache) is replayed
+(``journal_replay.py``).
+
+Frame: ``<crc32 of body: u32 LE><body length: u32 LE><body>``; body is one of
+- ``b"A" + relpath + b"\\0" + offset + b"\\0" + data``: ``data`` was written at ``offset`` of
+  ``relpath`` (relative to ``conversations/``);
+- ``b"R" + relpath + b"\\0" + data``: ``relpath`` was replaced (temp file renamed over it) and
+  now holds ``data`` (a state snapshot, a meta value);
+- ``b"C" + relpath``: the conversation folder ``relpath`` was created (renamed into place);
+- ``b"F" + conversation id``: the conversation was deleted: forget its earlier records, so a new
+  conversation with the same id never receives them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import struct
+import zlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tenex_daemon.adapters.storage.atomic import fsync_dir, write_all
+from tenex_daemon.adapters.storage.filesystem.layout import ARCHIVE_DIR, JOURNAL_DIR
+
+JOURNAL_LIMIT = 16 * 1024 * 1024
+"""Journal bytes after which the committer checkpoints (fsyncs the files written, starts anew)."""
+
+_FRAME = struct.Struct("<II")
+_ARCHIVE_PREFIX = ARCHIVE_DIR + "/"
+
+
+def _frame(body: bytes) -> bytes:
+    return _FRAME.pack(zlib.crc32(body), len(body)) + body
+
+
+def append_frame(relpath: str, offset: int, data: bytes) -> bytes:
+    """Return the journal frame saying ``data`` was appended at ``offset`` of ``relpath``."""
+    return _frame(b"A%s\0%d\0%s" % (relpath.encode("utf-8"), offset, data))
+
+
+def replace_frame(relpath: str, data: bytes) -> bytes:
+    """Return the journal frame saying ``relpath`` now holds ``data`` (replaced whole)."""
+    return _frame(b"R%s\0%s" % (relpath.encode("utf-8"), data))
+
+
+def create_frame(relpath: str) -> bytes:
+    """Return the journal frame saying the conversation folder ``relpath`` was created."""
+    return _frame(b"C" + relpath.encode("utf-8"))
+
+
+def forget_frame(conversation_id: str) -> bytes:
+    """Return the journal frame saying the conversation was deleted."""
+    return _frame(b"F" + conversation_id.encode("utf-8"))
+
+
+# --- relpaths ------------------------------------------------------------------------------------
+
+
+def is_log_of(relpath: str, conversation_id: str) -> bool:
+    """Whether ``relpath`` is in the conversation's folder (archived or not)."""
+    bare = relpath[len(_ARCHIVE_PREFIX):] if relpath.startswith(_ARCHIVE_PREFIX) else relpath
+    return bare.split("/", 1)[0] == conversation_id
+
+
+def conversation_of(relpath: str) -> str | None:
+    """The conversation a relpath belongs to (None for the event-id buckets and meta values)."""
+    if relpath.startswith("."):
+        return None
+    return relpath.removeprefix(_ARCHIVE_PREFIX).split("/", 1)[0]
+
+
+def _alternate(relpath: str) -> str | None:
+    """A conversation log moves between ``<id>/`` and ``archive/<id>/``; buckets never move."""
+    if relpath.startswith("."):
+        return None
+    if relpath.startswith(_ARCHIVE_PREFIX):
+        return relpath[len(_ARCHIVE_PREFIX):]
+    return _ARCHIVE_PREFIX + relpath
+
+
+def resolve(root: Path, relpath: str) -> Path | None:
+    """Where ``relpath``'s file lives now: its own folder or the archive twin; None when deleted."""
+    path = root / relpath
+    if path.parent.is_dir():
+        return path
+    alternate = _alternate(relpath)
+    if alternate is not None and (root / alternate).parent.is_dir():
+        return root / alternate
+    return None
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+@dataclass
+class JournalRead:
+    """What one journal file holds."""
+
+    appends: list[tuple[str, int, bytes]]
+    """``(relpath, offset, data)`` in commit order; forgotten records already dropped."""
+    replaces: dict[str, bytes]
+    """Each replaced file's last content; forgotten ones dropped."""
+    created: list[str]
+    """Conversation folders created (relpaths); forgotten ones dropped."""
+    forgotten: set[str]
+    """Conversations deleted in this file: appends in older journal files are dropped too."""
+    good_end: int
+    size: int
+    corrupt: bool
+    """A complete frame failed its checksum (more than a torn tail)."""
+
+    def forget(self, conversation_id: str) -> None:
+        """Drop the conversation's records read so far."""
+        self.appends = [record for record in self.appends if not is_log_of(record[0], conversation_id)]
+        self.replaces = {p: data for p, data in self.replaces.items() if not is_log_of(p, conversation_id)}
+        self.created = [p for p in self.created if not is_log_of(p, conversation_id)]
+        self.forgotten.add(conversation_id)
+
+    def take(self, body: bytes) -> bool:
+        """Apply one frame's body; False when it is not a valid record."""
+        kind, rest = body[:1], body[1:]
+        if kind == b"F":
+            self.forget(rest.decode("utf-8", "replace"))
+        elif kind == b"A":
+            parts = rest.split(b"\0", 2)
+            if len(parts) != 3 or not parts[1].isdigit():
+                return False
+            self.appends.append((parts[0].decode("utf-8"), int(parts[1]), parts[2]))
+        elif kind == b"R":
+            relpath, sep, content = rest.partition(b"\0")
+            if not sep or not relpath:
+                return False
+            self.replaces.pop(relpath.decode("utf-8"), None)  # keeps commit order: the last one last
+            self.replaces[relpath.decode("utf-8")] = content
+        elif kind == b"C" and rest:
+            self.created.append(rest.decode("utf-8"))
+        else:
+            return False
+        return True
+
+
+def read_journal(data: bytes) -> JournalRead:
+    """Decode frames up to the first bad one; a ``F`` frame drops the conversation's earlier appends."""
+    read = JournalRead([], {}, [], set(), 0, len(data), False)
+    pos = 0
+    while pos + _FRAME.size <= read.size:
+        crc, length = _FRAME.unpack_from(data, pos)
+        end = pos + _FRAME.size + length
+        if end > read.size:
+            break  # torn: the frame was being written
+        body = data[pos + _FRAME.size:end]
+        if zlib.crc32(body) != crc or not body or not read.take(body):
+            read.corrupt = True
+            break
+        pos = end
+    read.good_end = pos
+    return read
+
+
+def journal_files(root: Path) -> list[tuple[int, Path]]:
+    """The journal files under ``root/.journal``, oldest first."""
+    folder = root / JOURNAL_DIR
+    if not folder.is_dir():
+        return []
+    found = [(int(p.name), p) for p in folder.iterdir() if p.name.isdigit()]
+    return sorted(found)
+
+
+# --- the live journal ----------------------------------------------------------------------------
+
+
+class FsyncError(OSError):
+    """fsync itself failed: the kernel may have dropped the pages it could not write."""
+
+
+class Journal:
+    """The live journal of a store opened with ``batch``; its methods run on the committer's thread."""
+
+    def __init__(self, root: Path, pool: Callable[[], ThreadPoolExecutor]) -> None:
+        self.root = root
+        self.folder = root / JOURNAL_DIR
+        self._pool = pool
+        self.generation = 0
+        self.size = 0
+        self._fd: int | None = None
+        self._dirty: set[str] = set()
+        self._relpaths: dict[Path, str] = {}
+        self.poisoned = False
+        """A checkpoint's fsync failed: the kernel may since have dropped those pages and a
+        retry would wrongly succeed, so no journal is deleted any more (the next open replays;
+        the journal grows until then; the failure was logged when it happened)."""
+
+    def relpath(self, path: Path) -> str:
+        """``path`` relative to the conversations folder, as frames name it (remembered)."""
+        found = self._relpaths.get(path)
+        if found is None:
+            if len(self._relpaths) >= 4096:
+                self._relpaths.clear()
+            found = self._relpaths[path] = path.relative_to(self.root).as_posix()
+        return found
+
+    @property
+    def is_open(self) -> bool:
+        """Whether frames can still be written (not after the final checkpoint or a close)."""
+        return self._fd is not None
+
+    def start(self) -> None:
+        """Create the first journal file (after the replay removed any old one)."""
+        self.folder.mkdir(exist_ok=True)
+        fsync_dir(self.root)
+        self._fd = self._create(self.generation)
+
+    def _create(self, generation: int) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+        fd = os.open(self.folder / str(generation), flags, 0o600)
+        try:
+            fsync_dir(self.folder)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    def write(self, frames: list[bytes], relpaths: Iterable[str], forgotten: Iterable[str] = ()) -> None:
+        """Append frames and fsync: on return they are durable. On error the journal is cut back.
+
+        ``relpaths`` are the files the frames wrote (fsynced at the next checkpoint);
+        ``forgotten`` the conversations deleted (their files need no checkpoint any more).
+        """
+        if self._fd is None:
+            raise OSError(errno.EBADF, "the commit journal is closed")
+        data = b"".join(frames)
+        try:
+            write_all(self._fd, data)
+            os.fsync(self._fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self.size)
+            raise
+        self.size += len(data)
+        self._dirty.update(relpaths)
+        for conversation_id in forgotten:
+            self._dirty = {p for p in self._dirty if not is_log_of(p, conversation_id)}
+
+    def _sync(self, relpath: str) -> Path | None:
+        """fsync ``relpath`` where it is now; a folder moved meanwhile (archive) is followed."""
+        previous: Path | None = None
+        for _ in range(5):
+            path = resolve(self.root, relpath)
+            if path is None:
+                return None  # deleted
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                if path == previous:
+                    return None  # its folder stays but the file is gone (moved to corrupt/)
+                previous = path
+                continue  # moved between resolve and open: look again
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise FsyncError(exc.errno, f"fsync of {relpath}: {exc.strerror}") from exc
+            finally:
+                os.close(fd)
+            return path
+        raise OSError(errno.EAGAIN, f"{relpath} kept moving while being checkpointed")
+
+    def checkpoint(self, *, final: bool = False) -> None:
+        """fsync every file written since the last checkpoint, then start a new journal.
+
+        ``final`` (a clean close) deletes the journal instead of starting one. After a failed
+        fsync the journal is never deleted (see :attr:`poisoned`).
+        """
+        if self.poisoned:
+            if final:
+                self.close()
+            return
+        dirty, self._dirty = self._dirty, set()
+        try:
+            synced = [p for p in self._pool().map(self._sync, sorted(dirty)) if p is not None]
+            # the files' folders (names replaced or created), then the folders holding those
+            # (conversation folders created or moved since the last checkpoint)
+            for parent in {p.parent for p in synced} | {self.root, self.root / ARCHIVE_DIR}:
+                with contextlib.suppress(FileNotFoundError):
+                    fsync_dir(parent)
+        except OSError as exc:
+            self._dirty |= dirty  # the journal keeps covering them
+            if isinstance(exc, FsyncError):
+                self.poisoned = True
+            raise
+        old_fd, old = self._fd, self.folder / str(self.generation)
+        if final:
+            self._fd = None
+        else:
+            self._fd = self._create(self.generation + 1)  # fails before anything is given up
+            self.generation += 1
+            self.size = 0
+        if old_fd is not None:
+            os.close(old_fd)
+        old.unlink()
+        fsync_dir(self.folder)
+
+    def close(self) -> None:
+        """Close the file without a checkpoint (the journal stays for the next open to replay)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

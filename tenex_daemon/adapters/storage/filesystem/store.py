@@ -1,0 +1,487 @@
+"""FileSystemStore: the conversation store on plain files (the package's doc describes the home)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Literal
+
+import structlog
+
+from tenex_daemon.adapters.storage.filesystem.committer import Committer
+from tenex_daemon.adapters.storage.filesystem.derived import DerivedLines
+from tenex_daemon.adapters.storage.filesystem.folder import (
+    delete_folder,
+    keep_after_failed_delete,
+    move_folder,
+    scan_folder,
+    state_bytes,
+)
+from tenex_daemon.adapters.storage.filesystem.index import COMPACT_MIN_RECORDS, Index, IndexEntry
+from tenex_daemon.adapters.storage.filesystem.journal import Journal
+from tenex_daemon.adapters.storage.filesystem.journal_replay import discard
+from tenex_daemon.adapters.storage.filesystem.layout import (
+    LOG_NAME,
+    STATE_NAME,
+    Layout,
+    check_event_id,
+    check_id,
+)
+from tenex_daemon.adapters.storage.filesystem.lock import lock_home, unlock_home
+from tenex_daemon.adapters.storage.filesystem.logfile import encode_event
+from tenex_daemon.adapters.storage.filesystem.ops import Op, fsync_pool
+from tenex_daemon.adapters.storage.filesystem.processed import ProcessedIds, bucket_line
+from tenex_daemon.adapters.storage.filesystem.recovery import recover
+from tenex_daemon.adapters.storage.filesystem.repairs import RecoveryAction, move_to_corrupt
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import (
+    ConversationArchivedError,
+    ConversationExistsError,
+    ConversationNotFoundError,
+)
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.search import ConversationSummary, SearchQuery, apply_query
+
+log = structlog.get_logger(__name__)
+
+FsyncPolicy = Literal["always", "batch"]
+
+DEFAULT_CACHE_SIZE = 256
+DEFAULT_BATCH_DELAY = 0.0
+DEFAULT_BUCKET_CACHE = 512
+LOAD_ATTEMPTS = 5
+"""Reads of a conversation folder before a load gives up on appends that keep landing."""
+
+
+def _log_failed_deletion(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("delete_failed", error=str(task.exception()))
+
+
+class FileSystemStore:
+    """A :class:`~tenex_daemon.core.ports.Store` on plain files (see the package doc).
+
+    ``path`` is the home folder; data lives in ``path/conversations``. ``fsync`` is ``"always"``
+    (every file written is fsynced, with its folder, before the write returns) or ``"batch"``
+    (group commit through the commit journal: the writes waiting while a commit is in flight, plus
+    up to ``batch_delay`` seconds, share one fsync of the journal; the daemon's default).
+    ``cache_size`` bounds the conversations kept loaded in memory.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fsync: FsyncPolicy = "always",
+        batch_delay: float = DEFAULT_BATCH_DELAY,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        bucket_cache_size: int = DEFAULT_BUCKET_CACHE,
+    ) -> None:
+        if fsync not in ("always", "batch"):
+            raise ValueError(f"fsync policy must be 'always' or 'batch', not {fsync!r}")
+        if cache_size < 1:
+            raise ValueError("cache_size must be at least 1")
+        self.home = Path(path)
+        self.root = self.home / "conversations"
+        self.fsync: FsyncPolicy = fsync
+        self.batch_delay = batch_delay
+        self.cache_size = cache_size
+        self.bucket_cache_size = bucket_cache_size
+        self.recovery: list[RecoveryAction] = []
+        """What the last :meth:`open` (and later loads) repaired on their own."""
+        self._layout = Layout(self.root)
+        self._derived = DerivedLines()
+        self._index = Index(self._layout, self._derived)
+        self._processed = ProcessedIds(self._layout.events_dir, self._derived, bucket_cache_size)
+        self._committer = Committer(batched=fsync == "batch", batch_delay=batch_delay)
+        self._cache: OrderedDict[str, Conversation] = OrderedDict()
+        self._log_paths: dict[str, Path] = {}
+        self._lock_fd: int | None = None
+        self._opened = False
+
+    @property
+    def corrupt_dir(self) -> Path:
+        """Where unreadable files are moved (never deleted)."""
+        return self._layout.corrupt_dir
+
+    def _log_path(self, conversation_id: str) -> Path:
+        """The live (not archived) log's path, remembered: appends never build paths anew."""
+        path = self._log_paths.get(conversation_id)
+        if path is None:
+            if len(self._log_paths) >= 4 * self.cache_size:
+                self._log_paths.clear()
+            path = self._log_paths[conversation_id] = self._layout.folder(conversation_id, False) / LOG_NAME
+        return path
+
+    # --- open / close --------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Take the home's lock, read the index (never the logs), check it and repair it."""
+        if self._opened:
+            return
+        self._lock_fd = await asyncio.to_thread(lock_home, self.root)
+        try:
+            result = await asyncio.to_thread(recover, self._layout)
+        except BaseException:
+            await asyncio.to_thread(self._unlock)
+            raise
+        self._index.reset(result.index)
+        self.recovery = result.actions
+        self._processed.reset(result.absent_buckets)
+        for conversation_id, ids in result.rebuilt_ids.items():
+            for event_id in ids:
+                self._processed.add(event_id, conversation_id)
+        self._derived.closing = False
+        self._committer.reset()
+        self._opened = True
+        if self.fsync == "batch":
+            journal = Journal(self.root, fsync_pool)
+            journal.generation = result.journal.next_generation
+            await self._committer.start(journal)
+        if (
+            result.actions or result.index.records > COMPACT_MIN_RECORDS or not result.has_snapshot
+            or result.journal.files
+        ):
+            await self._index.compact()  # fsyncs the rescans' derived data before the replayed journal goes
+        if result.journal.files:
+            await asyncio.to_thread(discard, result.journal.files)
+        log.info(
+            "store_opened", path=str(self.root), conversations=len(self._index.entries),
+            repairs=len(result.actions),
+        )
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            unlock_home(self._lock_fd)
+            self._lock_fd = None
+
+    async def close(self) -> None:
+        """Finish pending commits, write the index snapshot, release the lock. Safe to call twice."""
+        if not self._opened:
+            return
+        self._derived.closing = True
+        await self._committer.stop()
+        await self._index.wait_compacted()
+        await self._index.compact()
+        await self._derived.stop()
+        await asyncio.to_thread(self._unlock)
+        self._cache.clear()
+        self._processed.clear()
+        self._opened = False
+        log.info("store_closed", path=str(self.root))
+
+    # --- conversations -------------------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if not self._opened:
+            raise RuntimeError("FileSystemStore is not open; call open() first")
+
+    def _cache_put(self, conversation: Conversation) -> None:
+        self._cache[conversation.id] = conversation
+        self._cache.move_to_end(conversation.id)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    async def create(self, conversation: Conversation) -> None:
+        """Store a new conversation: both files are written in a temp folder renamed into place."""
+        self._require_open()
+        check_id(conversation.id)
+        if conversation.id in self._index.entries:
+            raise ConversationExistsError(conversation.id)
+        log_data = b"".join(encode_event(event) for event in conversation.history)
+        data = state_bytes(conversation, conversation.archived)
+        op = Op("create", self._layout.folder(conversation.id, conversation.archived), log_data, extra=data)
+        await self._committer.commit([op])
+        assert op.result is not None
+        entry = IndexEntry(id=conversation.id)
+        entry.apply_state(conversation.state_dict(), conversation.archived)
+        entry.event_count = len(conversation.history)
+        entry.participants = conversation.participants()
+        entry.log_size = len(log_data)
+        entry.state_stamp = op.result
+        self._index.entries[conversation.id] = entry
+        self._index.put(entry)
+        for event in conversation.history:
+            self._processed.add(event.id, conversation.id)
+        self._cache_put(conversation)
+
+    async def load(self, conversation_id: str) -> Conversation | None:
+        """Return the conversation (the cached live object when loaded), or None.
+
+        A first load reads the snapshot and the log, cutting a torn tail and moving
+        unreadable files to ``corrupt/``.
+        """
+        self._require_open()
+        cached = self._cache.get(conversation_id)
+        if cached is not None:
+            self._cache.move_to_end(conversation_id)
+            return cached
+        entry = self._index.entries.get(conversation_id)
+        if entry is None:
+            return None
+        for _ in range(LOAD_ATTEMPTS):
+            folder = self._layout.folder(conversation_id, entry.archived)
+            try:
+                scanned = await asyncio.to_thread(
+                    scan_folder, folder, conversation_id, self.corrupt_dir, parse_events=True
+                )
+            except FileNotFoundError:
+                log.error("conversation_files_missing", conversation_id=conversation_id)
+                return None
+            # a racing load may have filled the cache while this one read the disk
+            cached = self._cache.get(conversation_id)
+            if cached is not None:
+                return cached
+            if scanned.actions or scanned.log_size >= entry.log_size:
+                break
+            # an append was acknowledged after its line was read past: read the folder again
+        else:
+            raise OSError(errno.EAGAIN, f"conversation {conversation_id} kept changing while it was read")
+        self.recovery.extend(scanned.actions)
+        conversation = Conversation.from_state(scanned.state, scanned.events)
+        conversation.archived = entry.archived
+        if scanned.actions:
+            entry.absorb(scanned, entry.archived, full=True)
+            self._index.put(entry)
+            for event in scanned.events:
+                self._processed.add(event.id, conversation_id)
+        self._cache_put(conversation)
+        return conversation
+
+    def _entry_required(self, conversation_id: str) -> IndexEntry:
+        self._require_open()
+        entry = self._index.entries.get(conversation_id)
+        if entry is None:
+            raise ConversationNotFoundError(conversation_id)
+        return entry
+
+    def _writable_entry(self, conversation_id: str) -> IndexEntry:
+        entry = self._entry_required(conversation_id)
+        if entry.archived:
+            raise ConversationArchivedError(conversation_id)
+        return entry
+
+    async def append_event(
+        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
+    ) -> None:
+        """Append one event line to the conversation's log; durable when this returns.
+
+        With ``state``, the conversation's snapshot is replaced in the same commit (one group
+        commit with ``batch``; with ``always`` the log line is made durable first, then the
+        snapshot). A duplicate event id changes nothing. An archived conversation is read-only.
+        """
+        entry = self._writable_entry(conversation_id)
+        if await self._processed.contains(event.id):
+            return
+        line = encode_event(event)
+        if self._index.entries.get(conversation_id) is not entry:  # deleted while the bucket was read
+            raise ConversationNotFoundError(conversation_id)
+        ops = [Op("append", self._log_path(conversation_id), line)]
+        if state is not None:
+            folder = self._layout.folder(conversation_id, entry.archived)
+            ops.append(Op("replace", folder / STATE_NAME, state_bytes(state, entry.archived)))
+        try:
+            await self._committer.commit(ops)
+        except BaseException:
+            if state is not None:
+                self._cache.pop(conversation_id, None)
+            raise
+        entry.event_count += 1
+        entry.log_size += len(line)
+        new_participant = event.pubkey not in entry.participants
+        entry.participants.add(event.pubkey)
+        self._processed.add(event.id, conversation_id)
+        self._index.counted(conversation_id, entry, event.pubkey if new_participant else None)
+        if state is not None:
+            self._state_saved(state, entry, ops[1])
+            state.append(event)
+        cached = self._cache.get(conversation_id)
+        if cached is not None:
+            cached.append(event)
+
+    async def append_events(self, conversation_id: str, events: Iterable[NostrEvent]) -> None:
+        """Append several events with one durable write (imports, bulk loads)."""
+        entry = self._writable_entry(conversation_id)
+        fresh: list[NostrEvent] = []
+        seen: set[str] = set()
+        for event in events:
+            if event.id not in seen and not await self._processed.contains(event.id):
+                fresh.append(event)
+                seen.add(event.id)
+        if not fresh:
+            return
+        data = b"".join(encode_event(event) for event in fresh)
+        if self._index.entries.get(conversation_id) is not entry:  # deleted while buckets were read
+            raise ConversationNotFoundError(conversation_id)
+        await self._committer.commit([Op("append", self._log_path(conversation_id), data)])
+        entry.event_count += len(fresh)
+        entry.log_size += len(data)
+        added = {e.pubkey for e in fresh} - entry.participants
+        entry.participants |= added
+        cached = self._cache.get(conversation_id)
+        for event in fresh:
+            self._processed.add(event.id, conversation_id)
+            if cached is not None:
+                cached.append(event)
+        self._index.record({
+            "op": "ev", "id": conversation_id, "n": entry.event_count, "s": entry.log_size,
+            "p": sorted(added),
+        })
+
+    async def save_state(self, conversation: Conversation) -> None:
+        """Atomically replace the conversation's snapshot (temp file, fsync, rename, fsync folder)."""
+        entry = self._entry_required(conversation.id)
+        data = state_bytes(conversation, entry.archived)
+        op = Op("replace", self._layout.folder(conversation.id, entry.archived) / STATE_NAME, data)
+        try:
+            await self._committer.commit([op])
+        except BaseException:
+            self._cache.pop(conversation.id, None)
+            raise
+        self._state_saved(conversation, entry, op)
+
+    def _state_saved(self, conversation: Conversation, entry: IndexEntry, op: Op) -> None:
+        """Bookkeeping once a snapshot replacement is durable: index row, stamp, cache."""
+        entry.apply_state(conversation.state_dict(), entry.archived)
+        assert op.result is not None
+        entry.state_stamp = op.result
+        self._index.put(entry)
+        conversation.archived = entry.archived
+        self._cache_put(conversation)
+
+    async def set_archived(self, conversation_id: str, archived: bool) -> None:
+        """Move the conversation's folder into ``archive/`` (or back); rename is atomic."""
+        entry = self._entry_required(conversation_id)
+        if entry.archived != archived:
+            source = self._layout.folder(conversation_id, entry.archived)
+            target = self._layout.folder(conversation_id, archived)
+            await asyncio.to_thread(move_folder, source, target)
+            entry.archived = archived
+            self._index.put(entry)
+        cached = self._cache.get(conversation_id)
+        if cached is not None:
+            cached.archived = archived
+
+    async def delete(self, conversation_id: str) -> bool:
+        """Remove a conversation's files; its event ids stay processed."""
+        self._require_open()
+        entry = self._index.entries.get(conversation_id)
+        if entry is None:
+            return False
+        folder = self._layout.folder(conversation_id, entry.archived)
+        del self._index.entries[conversation_id]  # from now on appends to it are refused
+        # shielded: once the forget frame is queued, the deletion must finish even if the caller
+        # is cancelled (a committed forget over a kept folder would drop its journaled appends)
+        deletion = asyncio.ensure_future(self._delete_files(conversation_id, folder))
+        deletion.add_done_callback(_log_failed_deletion)
+        try:
+            await asyncio.shield(deletion)
+        except asyncio.CancelledError:
+            raise  # the deletion goes on; a folder it leaves behind is re-indexed on open
+        except BaseException:
+            if await asyncio.to_thread(keep_after_failed_delete, folder):
+                self._index.entries[conversation_id] = entry
+            raise
+        self._cache.pop(conversation_id, None)
+        self._index.record({"op": "del", "id": conversation_id})
+        return True
+
+    async def _delete_files(self, conversation_id: str, folder: Path) -> None:
+        if self._committer.journal is not None:
+            # batch: the journal must never replay this conversation's appends into a new one
+            await self._committer.commit([Op("forget", folder, conversation_id.encode("utf-8"))])
+        await asyncio.to_thread(delete_folder, folder)
+
+    async def search(self, query: SearchQuery) -> list[ConversationSummary]:
+        """Filter the in-memory index (no log is read), newest update first."""
+        self._require_open()
+        rows = []
+        for entry in self._index.entries.values():
+            if query.archived is not None and entry.archived != query.archived:
+                continue
+            if query.phase is not None and entry.phase != query.phase.value:
+                continue
+            if query.participant is not None and query.participant not in entry.participants:
+                continue
+            rows.append(entry.summary())
+        return apply_query(rows, query)
+
+    async def phase_counts(self) -> dict[tuple[str, bool], int]:
+        """Count conversations by (phase, archived) from the in-memory index."""
+        self._require_open()
+        return dict(Counter((entry.phase, entry.archived) for entry in self._index.entries.values()))
+
+    async def find_event(self, event_id: str) -> tuple[str, NostrEvent] | None:
+        """Return (conversation id, event) for a stored event id."""
+        self._require_open()
+        conversation_id = (await self._processed.table(event_id)).get(event_id)
+        if not conversation_id:
+            return None
+        conversation = await self.load(conversation_id)
+        if conversation is None:
+            return None
+        for event in conversation.history:
+            if event.id == event_id:
+                return conversation_id, event
+        return None
+
+    def __len__(self) -> int:
+        return len(self._index.entries)
+
+    # --- the processed set ---------------------------------------------------------------------
+
+    async def is_processed(self, event_id: str) -> bool:
+        """Return whether this event id was ever accepted or marked processed."""
+        return await self._processed.contains(event_id)
+
+    async def mark_processed(self, event_id: str) -> None:
+        """Durably remember an event id handled without joining a conversation."""
+        check_event_id(event_id)
+        bucket = await self._processed.table(event_id)
+        if event_id in bucket:
+            return
+        path = self._processed.path_of(event_id)
+        await self._committer.commit([Op("append", path, bucket_line(event_id, ""), create=True)])
+        bucket[event_id] = ""
+
+    # --- small values --------------------------------------------------------------------------
+
+    async def get_meta(self, key: str) -> str | None:
+        """Return the value stored under ``key``, if any."""
+        self._require_open()
+        path = self._layout.meta_path(key)
+        try:
+            data = await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            return None
+        try:
+            record = json.loads(data)
+        except ValueError:
+            await asyncio.to_thread(move_to_corrupt, self.corrupt_dir, path, f"meta.{path.name}")
+            self.recovery.append(RecoveryAction("moved_to_corrupt", None, f"meta value {key!r}"))
+            return None
+        return str(record["value"]) if record.get("key") == key else None
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Durably store ``value`` under ``key`` (one small file, replaced atomically)."""
+        self._require_open()
+        data = json.dumps({"key": key, "value": value}, ensure_ascii=False).encode("utf-8")
+        await self._committer.commit([Op("replace", self._layout.meta_path(key), data)])
+
+    @asynccontextmanager
+    async def lease(self, conversation_id: str) -> AsyncIterator[None]:
+        """One process owns a home (its lock), so the lease is always granted."""
+        yield
+
+    @property
+    def commits_in_order(self) -> bool:
+        """With ``batch`` yes: writes join the group-commit queue in call order, and a group is
+        durable (journal fsync) before the next is written; while closing, on one thread, in
+        order too. With ``always`` each write fsyncs on a thread of its own: no order."""
+        return self.fsync == "batch"

@@ -1,0 +1,115 @@
+"""The control API's inputs checked: ids, query parameters and request bodies (400 on anything malformed)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from tenex_daemon.app.control.errors import ApiError
+from tenex_daemon.app.home import parse_pubkey
+from tenex_daemon.core.phases import Phase
+
+MAX_LIMIT: Final = 10_000
+SEARCH_PARAMETERS: Final = frozenset(
+    {"title", "phase", "archived", "date_from", "date_to", "participant", "limit"}
+)
+_HEX_ID = re.compile(r"^[0-9a-f]{64}$")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def check_id(value: str, what: str = "conversation id") -> str:
+    """Return ``value`` if it is 64 lowercase hex characters, else raise :class:`ApiError` 400."""
+    if not _HEX_ID.match(value):
+        raise ApiError(400, f"{what} must be 64 lowercase hex characters, got {value[:80]!r}")
+    return value
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ApiError(400, f"{name} must be true or false, got {value!r}")
+
+
+def parse_datetime(name: str, value: str) -> datetime:
+    """Parse ISO 8601 (date or date-time; naive means UTC) or Unix seconds; raise ApiError 400."""
+    text = value.strip()
+    try:
+        if re.fullmatch(r"\d+(\.\d+)?", text):
+            return datetime.fromtimestamp(float(text), UTC)
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except (ValueError, OverflowError, OSError):
+        raise ApiError(400, f"{name} must be an ISO 8601 date or Unix seconds, got {value!r}") from None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def _parse_phase(value: str) -> Phase:
+    try:
+        return Phase(value.strip().lower())
+    except ValueError:
+        names = ", ".join(p.value for p in Phase)
+        raise ApiError(400, f"phase must be one of {names}, got {value!r}") from None
+
+
+def _parse_participant(value: str) -> str:
+    try:
+        return parse_pubkey(value)
+    except ValueError as exc:
+        raise ApiError(400, f"participant: {exc}") from None
+
+
+def _parse_limit(raw: str) -> int:
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        raise ApiError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, got {raw!r}")
+    return int(raw)
+
+
+def parse_search(query: Mapping[str, str]) -> dict[str, Any]:
+    """Turn query parameters into keyword arguments of ``search_conversations``; raise ApiError 400."""
+    unknown = sorted(set(query) - SEARCH_PARAMETERS)
+    if unknown:
+        known = ", ".join(sorted(SEARCH_PARAMETERS))
+        raise ApiError(400, f"unknown parameter(s): {', '.join(unknown)} (known: {known})")
+    args: dict[str, Any] = {}
+    if query.get("title"):
+        args["title"] = query["title"]
+    if query.get("phase"):
+        args["phase"] = _parse_phase(query["phase"])
+    if query.get("archived"):
+        args["archived"] = _parse_bool("archived", query["archived"])
+    for name in ("date_from", "date_to"):
+        if query.get(name):
+            args[name] = parse_datetime(name, query[name])
+    if query.get("participant"):
+        args["participant"] = _parse_participant(query["participant"])
+    if query.get("limit"):
+        args["limit"] = _parse_limit(query["limit"])
+    return args
+
+
+def parse_reset_body(body: object) -> bool:
+    """Return ``keep_system_message`` of a reset's decoded JSON body (None: no body); raise ApiError 400."""
+    if body is None:
+        return False
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    value = body.get("keep_system_message", False)
+    if not isinstance(value, bool):
+        raise ApiError(400, "keep_system_message must be true or false")
+    return value
+
+
+def parse_context_query(query: Mapping[str, str]) -> tuple[str, str | None]:
+    """Return the (agent slug, trigger event id or None) of a context request; raise ApiError 400."""
+    agent = query.get("agent")
+    if not agent:
+        raise ApiError(400, "the agent query parameter is required (?agent=SLUG)")
+    trigger = query.get("trigger")
+    if trigger is not None:
+        check_id(trigger, "trigger event id")
+    return agent, trigger

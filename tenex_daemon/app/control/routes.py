@@ -1,0 +1,185 @@
+"""The control API's aiohttp application: one handler per endpoint and errors answered as JSON.
+
+Errors are JSON ``{"error": "..."}``: 400 for a malformed id or parameter, 404 for an unknown
+conversation, event or agent, 409 for a change to an archived conversation, 500 for anything
+else (logged).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, Protocol
+
+import structlog
+from aiohttp import web
+
+from tenex_daemon.app.control import paths
+from tenex_daemon.app.control.errors import ApiError
+from tenex_daemon.app.control.openapi import openapi_document
+from tenex_daemon.app.control.parsing import check_id, parse_context_query, parse_reset_body, parse_search
+from tenex_daemon.app.control.views import conversation_json, preview_context, summary_json
+from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.core.errors import (
+    ConversationArchivedError,
+    ConversationNotFoundError,
+    UnknownAgentError,
+)
+from tenex_daemon.services.conversation_manager import ConversationManager
+
+log = structlog.get_logger(__name__)
+
+MAX_BODY_BYTES: Final = 64 * 1024
+
+
+class ControlTarget(Protocol):
+    """What the control API serves: the daemon satisfies it (so does a test fake)."""
+
+    @property
+    def manager(self) -> ConversationManager:
+        """The daemon's conversation manager."""
+
+    @property
+    def metrics(self) -> Metrics:
+        """The daemon's metrics."""
+
+    def status(self) -> Mapping[str, Any]:
+        """A JSON-ready status snapshot (the status file's data)."""
+
+
+TARGET_KEY: Final[web.AppKey[ControlTarget]] = web.AppKey("target")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda obj: json.dumps(obj, ensure_ascii=False))
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _json({"error": message}, status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answer every error as JSON ``{"error": ...}``."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _error(exc.status, exc.message)
+    except (ConversationNotFoundError, UnknownAgentError) as exc:
+        return _error(404, str(exc))
+    except ConversationArchivedError as exc:
+        return _error(409, str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason)
+    except Exception:
+        log.exception("control_api_error", method=request.method, path=request.path)
+        return _error(500, "internal error (see the daemon's log)")
+
+
+def _target(request: web.Request) -> ControlTarget:
+    return request.app[TARGET_KEY]
+
+
+def _conversation_id(request: web.Request) -> str:
+    return check_id(request.match_info["id"])
+
+
+async def _json_body(request: web.Request) -> object:
+    """The request's decoded JSON body, or None when it has none."""
+    if not request.can_read_body:
+        return None
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the body must be JSON: {\"keep_system_message\": true|false}") from None
+
+
+async def _status(request: web.Request) -> web.Response:
+    return _json(dict(_target(request).status()))
+
+
+async def _list(request: web.Request) -> web.Response:
+    args = parse_search(request.query)
+    rows = await _target(request).manager.search_conversations(**args)
+    return _json({"count": len(rows), "conversations": [summary_json(r) for r in rows]})
+
+
+async def _get(request: web.Request) -> web.Response:
+    conversation_id = _conversation_id(request)
+    conversation = await _target(request).manager.get_conversation(conversation_id)
+    if conversation is None:
+        raise ConversationNotFoundError(conversation_id)
+    return _json(conversation_json(conversation))
+
+
+async def _delete(request: web.Request) -> web.Response:
+    conversation_id = _conversation_id(request)
+    if not await _target(request).manager.delete_conversation(conversation_id):
+        raise ConversationNotFoundError(conversation_id)
+    return _json({"id": conversation_id, "deleted": True})
+
+
+async def _reset(request: web.Request) -> web.Response:
+    conversation_id = _conversation_id(request)
+    keep = parse_reset_body(await _json_body(request))
+    slugs = await _target(request).manager.reset_agent_states(conversation_id, keep_system_message=keep)
+    return _json({"id": conversation_id, "reset_agents": slugs, "keep_system_message": keep})
+
+
+async def _archive(request: web.Request) -> web.Response:
+    conversation_id = _conversation_id(request)
+    await _target(request).manager.archive_conversation(conversation_id)
+    return _json({"id": conversation_id, "archived": True})
+
+
+async def _restore(request: web.Request) -> web.Response:
+    conversation_id = _conversation_id(request)
+    await _target(request).manager.restore_conversation(conversation_id)
+    return _json({"id": conversation_id, "archived": False})
+
+
+async def _context(request: web.Request) -> web.Response:
+    conversation_id = _conversation_id(request)
+    agent, trigger = parse_context_query(request.query)
+    return _json(await preview_context(_target(request).manager, conversation_id, agent, trigger))
+
+
+async def _task(request: web.Request) -> web.Response:
+    task_id = check_id(request.match_info["id"], "task id")
+    manager = _target(request).manager
+    conversation_id = await manager.find_conversation_of_event(task_id)
+    conversation = None if conversation_id is None else await manager.get_conversation(conversation_id)
+    if conversation is None:
+        raise ApiError(404, f"no conversation holds task {task_id}")
+    return _json(conversation_json(conversation))
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    metrics = _target(request).metrics
+    return web.Response(body=metrics.render(), headers={"Content-Type": metrics.content_type})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return _json(openapi_document())
+
+
+def create_app(target: ControlTarget) -> web.Application:
+    """Return the aiohttp application serving ``target``."""
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    app[TARGET_KEY] = target
+    app.router.add_get(paths.OPENAPI, _openapi)
+    app.router.add_get(paths.STATUS, _status)
+    app.router.add_get(paths.CONVERSATIONS, _list)
+    app.router.add_get(paths.CONVERSATION, _get)
+    app.router.add_delete(paths.CONVERSATION, _delete)
+    app.router.add_post(paths.CONVERSATION_RESET, _reset)
+    app.router.add_post(paths.CONVERSATION_ARCHIVE, _archive)
+    app.router.add_post(paths.CONVERSATION_RESTORE, _restore)
+    app.router.add_get(paths.CONVERSATION_CONTEXT, _context)
+    app.router.add_get(paths.TASK_CONVERSATION, _task)
+    app.router.add_get(paths.METRICS, _metrics)
+    return app

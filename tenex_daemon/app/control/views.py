@@ -1,0 +1,101 @@
+"""Conversations, token counts and agent contexts as JSON-ready data (the API's and the CLI's shapes)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from tenex_daemon.app.control.errors import ApiError
+from tenex_daemon.core.context import AgentContext
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import ConversationNotFoundError
+from tenex_daemon.core.search import ConversationSummary
+from tenex_daemon.core.vocabulary import KIND_TASK
+from tenex_daemon.services.conversation_manager import ConversationManager
+
+
+def summary_json(summary: ConversationSummary) -> dict[str, Any]:
+    """Return a conversation's summary row as JSON-ready data."""
+    return summary.model_dump(mode="json")
+
+
+def conversation_json(conversation: Conversation, now_ms: int | None = None) -> dict[str, Any]:
+    """Return a conversation in full: summary, metadata, history, agent states, phase, transitions, turns."""
+    now = int(datetime.now(UTC).timestamp() * 1000) if now_ms is None else now_ms
+    state = conversation.state_dict()
+    return {
+        "id": conversation.id,
+        "title": conversation.title,
+        "phase": conversation.phase.value,
+        "archived": conversation.archived,
+        "root_kind": conversation.root_kind,
+        "is_task": conversation.root_kind == KIND_TASK,
+        "created_at": conversation.created_at,
+        "updated_at": conversation.updated_at,
+        "phase_started_at": conversation.phase_started_at,
+        "summary": summary_json(ConversationSummary.of(conversation)),
+        "metadata": state["metadata"],
+        "agent_states": state["agent_states"],
+        "transitions": state["phase_transitions"],
+        "turns": state["orchestrator_turns"],
+        "execution_time": state["execution_time"],
+        "execution_seconds": conversation.execution_time.total(now),
+        "tokens": tokens_json(conversation),
+        "history": [event.to_dict() for event in conversation.history],
+    }
+
+
+def tokens_json(conversation: Conversation) -> dict[str, Any]:
+    """Tokens the agents' backends reported for the conversation: totals and per agent."""
+    by_agent = {
+        slug: {"prompt": state.prompt_tokens, "completion": state.completion_tokens}
+        for slug, state in sorted(conversation.agent_states.items())
+        if state.prompt_tokens or state.completion_tokens
+    }
+    return {
+        "prompt": sum(t["prompt"] for t in by_agent.values()),
+        "completion": sum(t["completion"] for t in by_agent.values()),
+        "by_agent": by_agent,
+    }
+
+
+def context_json(
+    conversation_id: str, agent_slug: str, trigger_id: str, context: AgentContext, stored_index: int
+) -> dict[str, Any]:
+    """Return a context preview: the messages, in order, exactly as the agent would be sent them."""
+    return {
+        "conversation_id": conversation_id,
+        "agent": agent_slug,
+        "trigger": trigger_id,
+        "messages": [{"role": m.role, "content": m.content} for m in context.messages],
+        "session_id": context.session_id,
+        "last_processed_index": stored_index,
+        "next_last_processed_index": context.last_processed_index,
+    }
+
+
+async def preview_context(
+    manager: ConversationManager, conversation_id: str, agent_slug: str, trigger_id: str | None = None
+) -> dict[str, Any]:
+    """Build an agent's context without changing its state (the trigger defaults to the newest event).
+
+    Raises :class:`ConversationNotFoundError`, :class:`UnknownAgentError`, or :class:`ApiError`
+    (404) for a trigger that is not in the conversation.
+    """
+    manager.agents.get(agent_slug)
+    conversation = await manager.get_conversation(conversation_id)
+    if conversation is None:
+        raise ConversationNotFoundError(conversation_id)
+    if not conversation.history:
+        raise ApiError(409, f"conversation {conversation_id} has no events")
+    if trigger_id is None:
+        trigger = conversation.history[-1]
+    else:
+        index = conversation.index_of(trigger_id)
+        if index is None:
+            raise ApiError(404, f"event {trigger_id} is not in conversation {conversation_id}")
+        trigger = conversation.history[index]
+    context = await manager.preview_agent_messages(conversation_id, agent_slug, trigger)
+    state = conversation.agent_states.get(agent_slug)
+    stored_index = state.last_processed_index if state is not None else 0
+    return context_json(conversation_id, agent_slug, trigger.id, context, stored_index)

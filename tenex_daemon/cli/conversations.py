@@ -1,0 +1,256 @@
+"""The conversation commands: ``conversations list|search|show|archive|restore|export`` and ``context``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from tenex_daemon.app.home import agent_identities
+from tenex_daemon.app.settings import Settings
+from tenex_daemon.cli.invocation import HomeOption, event_id_argument, settings_of, with_access
+from tenex_daemon.cli.output import JsonOption, err, ms_time, out, print_json, s_time
+from tenex_daemon.core import nip19
+from tenex_daemon.core.phases import Phase
+
+conversations_app = typer.Typer(
+    help="List, show, search, archive, restore and export conversations.", no_args_is_help=True
+)
+
+PhaseOption = Annotated[
+    str | None, typer.Option(help=f"Only this phase ({', '.join(p.value for p in Phase)}).")
+]
+LimitOption = Annotated[int | None, typer.Option(min=1, help="At most this many rows.")]
+IdArgument = Annotated[str, typer.Argument(metavar="ID")]
+
+
+def _names(settings: Settings) -> dict[str, str]:
+    """Public key -> a label for people reading history (agents by name, the project, the owner)."""
+    names: dict[str, str] = {}
+    for agent, info, _problem in agent_identities(settings):
+        if info is not None:
+            names[info.pubkey] = agent.name
+    if settings.owner is not None:
+        names.setdefault(settings.owner, "owner")
+    return names
+
+
+def _author(pubkey: str, names: dict[str, str]) -> str:
+    return names.get(pubkey) or nip19.encode_npub(pubkey)[:16] + "…"
+
+
+def _conversation_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("id", "title", "phase", "events", "agents", "updated (UTC)", "archived"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(
+            str(row["id"]), str(row["title"]), str(row["phase"]), str(row["event_count"]),
+            str(row["agent_count"]), ms_time(row.get("updated_at")), "yes" if row.get("archived") else "",
+        )
+    return table
+
+
+def _search_query(
+    title: str | None, phase: str | None, archived: bool | None, date_from: str | None,
+    date_to: str | None, participant: str | None, limit: int | None,
+) -> dict[str, str]:
+    """The query parameters of ``GET /api/v1/conversations`` for the options given."""
+    query: dict[str, str] = {}
+    if title:
+        query["title"] = title
+    if phase:
+        query["phase"] = phase
+    if archived is not None:
+        query["archived"] = "true" if archived else "false"
+    if date_from:
+        query["date_from"] = date_from
+    if date_to:
+        query["date_to"] = date_to
+    if participant:
+        query["participant"] = participant
+    if limit is not None:
+        query["limit"] = str(limit)
+    return query
+
+
+def _list_rows(ctx: typer.Context, query: dict[str, str]) -> list[dict[str, Any]]:
+    return with_access(ctx, lambda access: access.search(query))
+
+
+@conversations_app.command("list")
+def conversations_list(
+    ctx: typer.Context,
+    archived: Annotated[bool, typer.Option("--archived", help="Archived conversations only.")] = False,
+    all_: Annotated[bool, typer.Option("--all", help="Active and archived conversations.")] = False,
+    phase: PhaseOption = None,
+    limit: LimitOption = None,
+    as_json: JsonOption = False,
+    home: HomeOption = None,
+) -> None:
+    """List conversations, newest update first (active ones unless --archived or --all)."""
+    which: bool | None = None if all_ else archived
+    rows = _list_rows(ctx, _search_query(None, phase, which, None, None, None, limit))
+    if as_json:
+        print_json(rows)
+        return
+    out.print(_conversation_table(rows, f"{len(rows)} conversation(s)"))
+
+
+@conversations_app.command("search")
+def conversations_search(
+    ctx: typer.Context,
+    title: Annotated[str | None, typer.Argument(help="Words of the title (fuzzy, case-insensitive).")] = None,
+    phase: PhaseOption = None,
+    archived: Annotated[
+        bool | None, typer.Option("--archived/--active", help="Archived only / active only (default both).")
+    ] = None,
+    date_from: Annotated[str | None, typer.Option("--from", help="Created at/after (ISO 8601).")] = None,
+    date_to: Annotated[str | None, typer.Option("--to", help="Created at/before (ISO 8601).")] = None,
+    participant: Annotated[str | None, typer.Option(help="An author (npub or hex).")] = None,
+    limit: LimitOption = None,
+    as_json: JsonOption = False,
+    home: HomeOption = None,
+) -> None:
+    """Search conversations by title, phase, dates, participant."""
+    rows = _list_rows(ctx, _search_query(title, phase, archived, date_from, date_to, participant, limit))
+    if as_json:
+        print_json(rows)
+        return
+    out.print(_conversation_table(rows, f"{len(rows)} match(es)"))
+
+
+def _print_history(history: list[dict[str, Any]], names: dict[str, str]) -> None:
+    table = Table(title="History")
+    for column in ("#", "time (UTC)", "author", "kind", "content"):
+        table.add_column(column, overflow="fold")
+    for index, event in enumerate(history):
+        table.add_row(
+            str(index), s_time(event["created_at"]), _author(event["pubkey"], names), str(event["kind"]),
+            Text(event["content"]),
+        )
+    out.print(table)
+
+
+def _print_agent_states(agent_states: dict[str, Any]) -> None:
+    table = Table(title="Agent states")
+    for column in ("agent", "last processed index", "session", "tokens (prompt + completion)"):
+        table.add_column(column)
+    for slug, state in sorted(agent_states.items()):
+        used = f"{state.get('prompt_tokens', 0):,} + {state.get('completion_tokens', 0):,}"
+        table.add_row(slug, str(state["last_processed_index"]), str(state.get("session_id") or "-"), used)
+    out.print(table)
+
+
+def _print_transitions(transitions: list[dict[str, Any]]) -> None:
+    table = Table(title="Phase transitions")
+    for column in ("time (UTC)", "from", "to", "agent", "reason"):
+        table.add_column(column, overflow="fold")
+    for t in transitions:
+        table.add_row(
+            ms_time(t.get("timestamp")), str(t.get("from_phase")), str(t.get("to_phase")),
+            str(t.get("agent_slug")), str(t.get("reason") or t.get("message") or ""),
+        )
+    out.print(table)
+
+
+@conversations_app.command("show")
+def conversations_show(
+    ctx: typer.Context,
+    conversation_id: Annotated[
+        str, typer.Argument(metavar="ID", help="Conversation id (hex, note1 or nevent1).")
+    ],
+    as_json: JsonOption = False,
+    home: HomeOption = None,
+) -> None:
+    """Show a conversation: summary, history, agent states, phase transitions."""
+    cid = event_id_argument(conversation_id)
+    data: dict[str, Any] = with_access(ctx, lambda access: access.get(cid))
+    if as_json:
+        print_json(data)
+        return
+    names = _names(settings_of(ctx))
+    out.print(Text(str(data["title"]), style="bold"))
+    out.print(
+        f"id {data['id']}\nphase {data['phase']}, {len(data['history'])} events, "
+        f"created {ms_time(data.get('created_at'))}, updated {ms_time(data.get('updated_at'))}, "
+        f"execution {data.get('execution_seconds', 0)} s{', archived' if data.get('archived') else ''}"
+    )
+    tokens = data.get("tokens") or {}
+    if tokens.get("by_agent"):
+        out.print(f"tokens: {tokens['prompt']:,} prompt + {tokens['completion']:,} completion")
+    _print_history(data["history"], names)
+    if data["agent_states"]:
+        _print_agent_states(data["agent_states"])
+    if data["transitions"]:
+        _print_transitions(data["transitions"])
+
+
+@conversations_app.command("archive")
+def conversations_archive(ctx: typer.Context, conversation_id: IdArgument, home: HomeOption = None) -> None:
+    """Archive a conversation: it stays readable and becomes read-only."""
+    cid = event_id_argument(conversation_id)
+    with_access(ctx, lambda access: access.archive(cid))
+    out.print(f"archived {cid}")
+
+
+@conversations_app.command("restore")
+def conversations_restore(ctx: typer.Context, conversation_id: IdArgument, home: HomeOption = None) -> None:
+    """Restore an archived conversation."""
+    cid = event_id_argument(conversation_id)
+    with_access(ctx, lambda access: access.restore(cid))
+    out.print(f"restored {cid}")
+
+
+@conversations_app.command("export")
+def conversations_export(
+    ctx: typer.Context,
+    conversation_id: IdArgument,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write to this file (default: stdout).")
+    ] = None,
+    home: HomeOption = None,
+) -> None:
+    """Export a conversation as JSON (history as NIP-01 events, state, transitions, turns)."""
+    cid = event_id_argument(conversation_id)
+    data: dict[str, Any] = with_access(ctx, lambda access: access.get(cid))
+    text = json.dumps(data, ensure_ascii=False, indent=2) + "\n"
+    if output is None:
+        sys.stdout.write(text)
+        return
+    output.write_text(text, encoding="utf-8")
+    err.print(f"wrote {output} ({len(data['history'])} events)")
+
+
+def context(
+    ctx: typer.Context,
+    conversation_id: Annotated[str, typer.Argument(metavar="ID", help="Conversation id.")],
+    agent: Annotated[str, typer.Option("--agent", help="Agent slug.")],
+    trigger: Annotated[
+        str | None, typer.Option(help="Event the agent responds to (default: the newest event).")
+    ] = None,
+    as_json: JsonOption = False,
+    home: HomeOption = None,
+) -> None:
+    """Print exactly the messages AGENT would be sent now, without changing any state."""
+    cid = event_id_argument(conversation_id)
+    trigger_id = event_id_argument(trigger, "trigger event id") if trigger is not None else None
+    data: dict[str, Any] = with_access(ctx, lambda access: access.context(cid, agent, trigger_id))
+    if as_json:
+        print_json(data)
+        return
+    for index, message in enumerate(data["messages"]):
+        out.print(Text(f"--- [{index}] {message['role']} ---", style="bold cyan"))
+        sys.stdout.flush()
+        out.file.flush()
+        sys.stdout.write(message["content"] + "\n")
+        sys.stdout.flush()
+    out.print(Text(
+        f"--- {len(data['messages'])} message(s) for {agent}; trigger {data['trigger']}; "
+        f"session {data['session_id'] or '-'} ---", style="dim",
+    ))

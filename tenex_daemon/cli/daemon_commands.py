@@ -1,0 +1,264 @@
+"""The commands about the daemon and its home: version, init, run, status and migrate."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from tenex_daemon import __version__
+from tenex_daemon.adapters.nostr.signer import KeyFileError
+from tenex_daemon.app.home import HomeError, init_home
+from tenex_daemon.app.logging import configure_logging
+from tenex_daemon.app.settings import Settings, SettingsError, load_settings
+from tenex_daemon.app.status import StatusReport, read_status
+from tenex_daemon.cli.access import AccessError
+from tenex_daemon.cli.invocation import HomeOption, home_of, run_async, settings_of
+from tenex_daemon.cli.output import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    JsonOption,
+    duration,
+    fail,
+    out,
+    print_json,
+    s_time,
+)
+from tenex_daemon.core import nip19
+from tenex_daemon.core.errors import TenexError
+
+if TYPE_CHECKING:
+    from tenex_daemon.adapters.storage.tenex_import import ImportReport
+
+DEFAULT_STALE_S = 30.0
+
+
+def version(home: HomeOption = None) -> None:
+    """Print the tenexd version."""
+    typer.echo(__version__)
+
+
+def init(
+    ctx: typer.Context,
+    owner: Annotated[
+        str | None, typer.Option(help="Your public key (npub or hex); generated when left out.")
+    ] = None,
+    whitelist: Annotated[
+        list[str] | None, typer.Option(help="Another public key allowed to talk to the agents (repeatable).")
+    ] = None,
+    relay: Annotated[list[str] | None, typer.Option(help="Relay URL to use (repeatable).")] = None,
+    force: Annotated[bool, typer.Option(help="Rewrite an existing config.toml (keys are kept).")] = False,
+    project: Annotated[str, typer.Option(help="Project name.")] = "demo",
+    backend: Annotated[
+        str, typer.Option(help="LLM backend of the demo agents: offline, or local (SmolLM2, in-process).")
+    ] = "offline",
+    as_json: JsonOption = False,
+    home: HomeOption = None,
+) -> None:
+    """Create a project home: config.toml, keys/ (0700) with one key file (0600) per agent and the project."""
+    try:
+        result = init_home(
+            home_of(ctx), owner, whitelist or (), relay or (),
+            force=force, project_name=project, backend=backend,
+        )
+    except (HomeError, KeyFileError) as exc:
+        fail(str(exc), EXIT_USAGE)
+    if as_json:
+        print_json(result.to_dict())
+        return
+    out.print(f"Initialized tenexd home [bold]{result.home}[/bold]")
+    table = Table(title="Identities (public keys)")
+    for column in ("who", "npub", "hex"):
+        table.add_column(column, overflow="fold")
+    owner_label = "owner (generated)" if result.owner_generated else "owner"
+    table.add_row(owner_label, result.owner.npub, result.owner.pubkey)
+    table.add_row("project", result.project.npub, result.project.pubkey)
+    for info in result.agents:
+        table.add_row(f"agent {info.label}", info.npub, info.pubkey)
+    for key in result.whitelist:
+        table.add_row("whitelisted", nip19.encode_npub(key), key)
+    out.print(table)
+    if result.owner_generated:
+        out.print(
+            f"The owner's secret key was saved in {result.owner.key_file} (mode 0600) and is not shown; "
+            "`tenexd send` signs with it. Pass --owner NPUB to use your own key instead."
+        )
+    out.print(f"Next: tenexd --home {result.home} run --embedded-relay")
+
+
+def _run_settings(
+    settings: Settings, relay: list[str] | None, embedded_relay: bool,
+    log_format: str | None, log_level: str | None,
+) -> Settings:
+    """The settings with the command line's relays and logging applied; exit 2 on a bad relay URL."""
+    relays = settings.relays
+    if relay:
+        bad = [url for url in relay if not url.startswith(("ws://", "wss://"))]
+        if bad:
+            fail(f"relay URL {bad[0]!r} must start with ws:// or wss://", EXIT_USAGE)
+        relays = relays.model_copy(update={"urls": list(dict.fromkeys(relay))})
+    if embedded_relay:
+        relays = relays.model_copy(update={"embedded": True})
+    daemon_settings = settings.daemon
+    if log_format is not None or log_level is not None:
+        daemon_settings = daemon_settings.model_copy(update={
+            "log_format": log_format or daemon_settings.log_format,
+            "log_level": log_level or daemon_settings.log_level,
+        })
+    return settings.model_copy(update={"relays": relays, "daemon": daemon_settings})
+
+
+def run(
+    ctx: typer.Context,
+    relay: Annotated[
+        list[str] | None, typer.Option(help="Relay URL (repeatable); replaces relays.urls of config.toml.")
+    ] = None,
+    embedded_relay: Annotated[
+        bool, typer.Option("--embedded-relay", help="Run a relay inside the daemon on 127.0.0.1.")
+    ] = False,
+    log_format: Annotated[str | None, typer.Option(help="auto | json | console.")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug | info | warning | error.")] = None,
+    home: HomeOption = None,
+) -> None:
+    """Run the daemon in the foreground until SIGTERM or SIGINT (what systemd runs)."""
+    settings = _run_settings(settings_of(ctx), relay, embedded_relay, log_format, log_level)
+    if not settings.relays.urls and not settings.relays.embedded:
+        fail("no relay configured: pass --relay URL or --embedded-relay, or set relays.urls", EXIT_USAGE)
+    try:
+        configure_logging(settings.daemon.log_format, settings.daemon.log_level)
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
+    from tenex_daemon.app.daemon import Daemon
+
+    try:
+        asyncio.run(Daemon(settings).run())
+    except KeyboardInterrupt:
+        pass
+    except (TenexError, OSError) as exc:
+        fail(str(exc), EXIT_FAILURE)
+
+
+def _status_report(ctx: typer.Context) -> StatusReport:
+    """Read the status file; works with a broken config (falls back to the default paths)."""
+    home = home_of(ctx)
+    try:
+        settings = load_settings(home)
+    except SettingsError:
+        return read_status(home / "run" / "status.json", DEFAULT_STALE_S)
+    return read_status(settings.status_path, settings.daemon.stale_after_s)
+
+
+def _print_status_data(data: dict[str, Any]) -> None:
+    """Print a running (or stale) daemon's status data: process, counters and relays."""
+    uptime = data.get("uptime_s")
+    lines = [
+        f"version {data.get('version', '?')}, pid {data.get('pid', '?')}, state {data.get('state', '?')}",
+        f"up {duration(float(uptime))}" if isinstance(uptime, int | float) else "",
+        f"last event {s_time(data.get('last_event_at'))}",
+    ]
+    out.print(", ".join(line for line in lines if line))
+    conversations = data.get("conversations") or {}
+    events = data.get("events") or {}
+    out.print(
+        f"conversations {conversations.get('total', 0)} {conversations.get('by_phase', {})}; "
+        f"runs in flight {data.get('runs_in_flight', 0)}; replies {data.get('replies', 0)}; "
+        f"events accepted {events.get('accepted', 0)}, rejected {events.get('rejected', {})}; "
+        f"errors {data.get('errors', {})}"
+    )
+    relays = data.get("relays") or []
+    if relays:
+        table = Table(title="Relays")
+        for column in ("url", "state", "reconnects", "last event"):
+            table.add_column(column, overflow="fold")
+        for relay in relays:
+            table.add_row(
+                str(relay.get("url")), str(relay.get("state")), str(relay.get("reconnects", "-")),
+                s_time(relay.get("last_event_at")),
+            )
+        out.print(table)
+
+
+def status(ctx: typer.Context, as_json: JsonOption = False, home: HomeOption = None) -> None:
+    """Say whether the daemon is running; exit 0 when healthy, 1 when not running or stale."""
+    report = _status_report(ctx)
+    if as_json:
+        print_json(report.to_dict())
+        raise typer.Exit(0 if report.healthy else EXIT_FAILURE)
+    style = "green" if report.healthy else ("yellow" if report.state.value == "running" else "red")
+    out.print(Text(f"tenexd: {report.reason}", style=f"bold {style}"))
+    if report.data is not None and report.state.value != "stopped":
+        _print_status_data(report.data)
+    raise typer.Exit(0 if report.healthy else EXIT_FAILURE)
+
+
+def migrate(
+    ctx: typer.Context,
+    source: Annotated[
+        Path, typer.Option("--from", help="TENEX project folder, its .tenex folder or conversations folder.")
+    ] = Path("."),
+    as_json: JsonOption = False,
+    home: HomeOption = None,
+) -> None:
+    """Import TENEX's TypeScript-era conversations (.tenex/conversations/*.json) into this home's store."""
+    settings = settings_of(ctx)
+    from tenex_daemon.adapters.storage.filesystem import StoreLockedError
+    from tenex_daemon.adapters.storage.tenex_import import import_tenex_home
+    from tenex_daemon.app.wiring import build_store
+
+    async def go() -> ImportReport:
+        store = build_store(settings)
+        try:
+            await store.open()
+        except StoreLockedError as exc:
+            raise AccessError(f"{exc} (stop the daemon before migrating)", 503) from None
+        try:
+            return await import_tenex_home(source, store)
+        finally:
+            await store.close()
+
+    try:
+        report = run_async(go())
+    except FileNotFoundError as exc:
+        fail(str(exc), EXIT_USAGE)
+    if as_json:
+        print_json(_import_report_json(report))
+    else:
+        _print_import_report(report)
+    raise typer.Exit(0 if not report.failed else EXIT_FAILURE)
+
+
+def _import_report_json(report: ImportReport) -> dict[str, Any]:
+    """An import report as JSON (the raw source data of each problem left out)."""
+    return {
+        "imported": report.imported,
+        "already_present": report.already_present,
+        "events_imported": report.events_imported,
+        "duplicate_events": report.duplicate_events,
+        "failed": [vars(p) | {"raw": None} for p in report.failed],
+        "rejected_events": [vars(p) | {"raw": None} for p in report.rejected_events],
+        "notes": [vars(p) | {"raw": None} for p in report.notes],
+        "clean": report.clean,
+    }
+
+
+def _print_import_report(report: ImportReport) -> None:
+    """Print an import report: the counts, then a table of its problems if any."""
+    out.print(
+        f"imported {len(report.imported)} conversation(s) ({report.events_imported} events), "
+        f"{len(report.already_present)} already present, "
+        f"{report.duplicate_events} duplicate event(s) skipped"
+    )
+    if not [*report.failed, *report.rejected_events, *report.notes]:
+        return
+    table = Table(title="Problems (source files were not changed)")
+    for column in ("what", "file", "conversation", "reason"):
+        table.add_column(column, overflow="fold")
+    for label, items in (("failed", report.failed), ("rejected event", report.rejected_events),
+                         ("repaired", report.notes)):
+        for problem in items:
+            table.add_row(label, problem.path, str(problem.conversation_id or "-"), problem.reason)
+    out.print(table)

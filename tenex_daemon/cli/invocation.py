@@ -1,0 +1,74 @@
+"""What a command takes from its invocation: the home, the settings, and async work run to an exit code.
+
+``--home`` is accepted before the command (an option of ``tenexd`` itself) and after it (an
+option of every command, :data:`HomeOption`); the one nearest the command wins. Without
+either, the home is ``$TENEX_HOME``, else ``./.tenex``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from tenex_daemon.app.settings import DEFAULT_HOME, Settings, SettingsError, load_settings, resolve_home
+from tenex_daemon.cli.access import AccessError, ConversationAccess, normalize_event_id, open_access
+from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, fail
+from tenex_daemon.core.errors import TenexError
+
+T = TypeVar("T")
+
+HOME_HELP = f"Project home (default: $TENEX_HOME, else ./{DEFAULT_HOME})."
+
+HomeOption = Annotated[
+    str | None,
+    typer.Option("--home", help=f"{HOME_HELP} Also accepted before the command.", show_default=False),
+]
+"""The ``--home`` every command declares; :func:`home_of` reads it (the parameter itself goes unused)."""
+
+
+def home_of(ctx: typer.Context) -> Path:
+    """Return the home of the command's ``--home``, else tenexd's, else ``$TENEX_HOME``, else ``./.tenex``."""
+    after: str | None = ctx.params.get("home")
+    before: str | None = ctx.find_root().params.get("home")
+    return resolve_home(after if after is not None else before)
+
+
+def settings_of(ctx: typer.Context) -> Settings:
+    """Load the home's settings; exit 2 naming the problem when they are invalid."""
+    try:
+        return load_settings(home_of(ctx))
+    except SettingsError as exc:
+        fail(str(exc), EXIT_USAGE)
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro``; an :class:`AccessError` exits 2 (bad input) or 1; other TenexError, ValueError 2."""
+    try:
+        return asyncio.run(coro)
+    except AccessError as exc:
+        fail(exc.message, EXIT_USAGE if exc.status == 400 else EXIT_FAILURE)
+    except (TenexError, ValueError) as exc:
+        fail(str(exc), EXIT_USAGE)
+
+
+def with_access(ctx: typer.Context, action: Callable[[ConversationAccess], Awaitable[T]]) -> T:
+    """Run ``action`` on the conversations: through the daemon's control API if it answers, else the store."""
+    settings = settings_of(ctx)
+
+    async def go() -> T:
+        async with open_access(settings) as access:
+            return await action(access)
+
+    return run_async(go())
+
+
+def event_id_argument(value: str, what: str = "conversation id") -> str:
+    """Return the hex id of a hex, ``note1`` or ``nevent1`` argument; exit 2 when it is malformed."""
+    try:
+        return normalize_event_id(value, what)
+    except AccessError as exc:
+        fail(exc.message, EXIT_USAGE)

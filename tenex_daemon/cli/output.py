@@ -1,0 +1,74 @@
+"""What the CLI prints: the consoles, JSON, times and durations, and failures with their exit codes.
+
+Exit codes: 0 success, 1 not found / not running / no answer, 2 bad input or configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime
+from typing import Annotated, Any, Final, NoReturn
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+EXIT_FAILURE: Final = 1
+EXIT_USAGE: Final = 2
+
+WIDE: Final = 220
+"""Console width when output is not a terminal: ids and npubs are never cut."""
+
+
+def _console_width(stream: Any) -> int | None:
+    try:
+        return None if stream.isatty() else WIDE
+    except (AttributeError, ValueError):
+        return WIDE
+
+
+out = Console(soft_wrap=True, width=_console_width(sys.stdout))
+err = Console(stderr=True, soft_wrap=True, width=_console_width(sys.stderr))
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
+    """Print ``error: message`` on stderr and exit with ``code``."""
+    err.print(Text(f"error: {message}", style="bold red"))
+    raise typer.Exit(code)
+
+
+def print_json(data: Any) -> None:
+    """Write ``data`` to stdout as indented JSON (non-ASCII kept as is)."""
+    sys.stdout.write(json.dumps(data, ensure_ascii=False, indent=2) + "\n")
+
+
+def ms_time(ms: int | float | None) -> str:
+    """A time in milliseconds since the epoch as ``YYYY-MM-DD HH:MM:SS`` (UTC), ``-`` when unset."""
+    if not ms:
+        return "-"
+    return datetime.fromtimestamp(float(ms) / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def s_time(seconds: float | None) -> str:
+    """A time in seconds since the epoch as ``YYYY-MM-DD HH:MM:SSZ``, ``-`` when unset."""
+    if seconds is None:
+        return "-"
+    return datetime.fromtimestamp(float(seconds), UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def duration(seconds: float) -> str:
+    """A duration in its two largest units: ``2d 3h 4m``, ``3h 4m``, ``4m 5s`` or ``5s``."""
+    total = int(seconds)
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m"
+    if minutes:
+        return f"{minutes}m {secs}s"
+    return f"{secs}s"

@@ -1,0 +1,120 @@
+"""The ``send`` command: publish as the owner and print the agents' replies (the work is in ``send``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.text import Text
+
+from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
+from tenex_daemon.app.home import load_agents
+from tenex_daemon.app.settings import Settings
+from tenex_daemon.cli.access import open_access
+from tenex_daemon.cli.invocation import HomeOption, event_id_argument, settings_of
+from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, err, fail, out
+from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.errors import TenexError
+from tenex_daemon.core.events import NostrEvent
+
+if TYPE_CHECKING:
+    from tenex_daemon.cli.send import SendResult
+
+
+def _reply_printer(agents: list[Agent], as_json: bool) -> Callable[[Agent, NostrEvent], None]:
+    """A callback printing each reply as it arrives: a JSON line, or ``[Name] text``."""
+    names = {a.pubkey: a.name for a in agents}
+
+    def show(agent: Agent, event: NostrEvent) -> None:
+        if as_json:
+            line = json.dumps({"reply": event.to_dict(), "agent": agent.slug}, ensure_ascii=False)
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+            return
+        out.print(Text(f"[{names.get(event.pubkey, agent.slug)}] ", style="bold green"), end="")
+        out.print(Text(event.content))
+
+    return show
+
+
+def _local_event_finder(settings: Settings) -> Callable[[str], Awaitable[NostrEvent | None]]:
+    """A lookup of an event in this home's conversations (daemon or store), None when not there."""
+
+    async def find_local(event_id: str) -> NostrEvent | None:
+        try:
+            async with open_access(settings) as access:
+                data = await access.conversation_of_event(event_id)
+        except TenexError:
+            return None
+        for raw in data.get("history", []):
+            if raw.get("id") == event_id:
+                return NostrEvent.model_validate(raw)
+        return None
+
+    return find_local
+
+
+def send(
+    ctx: typer.Context,
+    text: Annotated[str, typer.Argument(help="What to say.")],
+    to: Annotated[str | None, typer.Option(help="Agent slug to address (default: the orchestrator).")] = None,
+    reply_to: Annotated[
+        str | None, typer.Option(help="Event id to reply to (a kind-1111 reply in its conversation).")
+    ] = None,
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for replies.")] = 30.0,
+    relay: Annotated[list[str] | None, typer.Option(help="Relay URL (repeatable).")] = None,
+    title: Annotated[str | None, typer.Option(help="Title of a new conversation.")] = None,
+    as_json: JsonOption = False,
+    home: HomeOption = None,
+) -> None:
+    """Publish TEXT as the owner (keys/owner.key) and print the agents' replies as they arrive.
+
+    Ends at the addressed agent's reply (exit 0) or at the timeout (exit 1).
+    """
+    from tenex_daemon.cli.send import SendError, send_message
+
+    settings = settings_of(ctx)
+    if not settings.owner_key_path.exists():
+        fail(
+            f"this home has no owner secret ({settings.owner_key_path}): the owner was given by public key "
+            "at init, so publish from your own Nostr client (p-tag an agent), or re-run init without --owner",
+            EXIT_USAGE,
+        )
+    try:
+        owner = Signer.from_file(settings.owner_key_path, label="owner")
+        agents = load_agents(settings)
+    except KeyFileError as exc:
+        fail(str(exc), EXIT_USAGE)
+    parent_id = event_id_argument(reply_to, "reply-to event id") if reply_to is not None else None
+
+    async def go() -> SendResult:
+        return await send_message(
+            settings, owner, agents, text, to=to, reply_to=parent_id, relays=relay or (),
+            timeout=timeout, title=title, on_reply=_reply_printer(agents, as_json),
+            find_event=_local_event_finder(settings),
+        )
+
+    try:
+        result = asyncio.run(go())
+    except SendError as exc:
+        fail(str(exc), EXIT_FAILURE)
+    except (TenexError, ValueError) as exc:
+        fail(str(exc), EXIT_USAGE)
+    if as_json:
+        sys.stdout.write(json.dumps({
+            "sent": result.event.to_dict(), "conversation_id": result.conversation_id,
+            "addressed": result.addressed.slug, "relays": result.relays, "answered": result.answered,
+            "replies": len(result.replies),
+        }, ensure_ascii=False) + "\n")
+    else:
+        err.print(
+            f"sent {result.event.id} (conversation {result.conversation_id}) to {result.addressed.slug} "
+            f"via {', '.join(result.relays)}"
+        )
+        if not result.answered:
+            err.print(f"no reply from {result.addressed.slug if to else 'the agents'} within {timeout:g} s")
+    raise typer.Exit(0 if result.answered else EXIT_FAILURE)

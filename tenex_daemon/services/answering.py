@@ -1,0 +1,294 @@
+"""How an agent answers: ask its backend, run the tools it calls, ask again until it answers with text.
+
+The loop is shared by a conversation's runs (:mod:`~tenex_daemon.services.agent_runner`) and by the
+answers of delegated requests (:mod:`~tenex_daemon.services.delegation`); each fits what it sends
+to the agent's token budget (docs/CONTEXT.md, "When history does not fit").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import structlog
+
+from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.budget import TokenBudget
+from tenex_daemon.core.context import AgentContext
+from tenex_daemon.core.llm import (
+    AssistantToolCalls,
+    BackendError,
+    CompletionRequest,
+    CompletionResult,
+    ContextTooLongError,
+    LLMBackend,
+    LLMMessage,
+)
+from tenex_daemon.core.ports import PartialTextPublisher
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.token_budget import RETRY_SHARES, RunBudget
+from tenex_daemon.services.tools import ToolContext, ToolRegistry
+
+DEFAULT_MAX_TOOL_ROUNDS = 8
+"""How many times one run may ask its backend before an answer without tool calls is required."""
+TOOL_LOOP_ERROR = "tool_loop"
+"""The error kind of a run stopped because its backend kept calling tools."""
+DEFAULT_TOOLS = ("complete", "switch_phase", "end_conversation", "get_conversation")
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentProfile:
+    """What an agent run needs besides the conversation: persona, backend and the tools it is offered."""
+
+    agent: Agent
+    instructions: str
+    backend: LLMBackend
+    model: str | None = None
+    temperature: float | None = None
+    max_tokens: int | None = None
+    tools: tuple[str, ...] = DEFAULT_TOOLS
+    """Names of the tools offered to the model (from the runner's registry)."""
+    budget: TokenBudget | None = None
+    """The agent's token budget (docs/CONTEXT.md); None sends full history."""
+
+    @property
+    def system_prompt(self) -> str:
+        """The persona put before the agent's messages."""
+        base = f"You are {self.agent.name} ({self.agent.slug}), an agent of a TENEX project."
+        return f"{base}\n\n{self.instructions}" if self.instructions else base
+
+
+class AnswerLoop:
+    """The tool loop: at most ``max_tool_rounds`` backend calls per answer, tools from ``tools``."""
+
+    def __init__(self, manager: ConversationManager, tools: ToolRegistry, max_tool_rounds: int) -> None:
+        if max_tool_rounds < 1:
+            raise ValueError("max_tool_rounds must be at least 1")
+        self._manager = manager
+        self._tools = tools
+        self._max_tool_rounds = max_tool_rounds
+
+    async def answer(
+        self, profile: AgentProfile, context: AgentContext, tools: ToolContext
+    ) -> tuple[CompletionResult, str | None]:
+        """Ask the backend, run the tools it calls, ask again until it answers; return (answer, error kind).
+
+        Each assistant message with tool calls is followed at once by one result per call,
+        so a call and its result are never separated in what the backend is sent. A
+        ``complete`` call ends the loop without another backend call. Before each backend
+        call what is sent is fitted to the agent's token budget (:meth:`_complete_within_budget`).
+        """
+        offered = profile.tools
+        specs = self._tools.specs(offered)
+        messages: list[LLMMessage] = list(context.messages)
+        session_id = context.session_id
+        model: str | None = None
+        prompt_tokens: int | None = None
+        completion_tokens: int | None = None
+        cid = tools.conversation_id
+        slug = profile.agent.slug
+
+        async def save_summary(summary: str, covers: int) -> None:
+            await self._manager.update_agent_state(cid, slug, summary=(summary, covers))
+
+        budget = RunBudget(
+            context,
+            profile.system_prompt,
+            profile.budget,
+            profile.backend.inner if isinstance(profile.backend, PartialStreamer) else profile.backend,
+            slug,
+            profile.agent.name,
+            save_summary,
+            model=profile.model,
+            conversation_id=cid,
+        )
+        try:
+            for _ in range(self._max_tool_rounds):
+                result = await self._complete_within_budget(
+                    profile,
+                    budget,
+                    messages,
+                    CompletionRequest(
+                        agent_slug=profile.agent.slug,
+                        agent_name=profile.agent.name,
+                        system_prompt=profile.system_prompt,
+                        messages=(),
+                        session_id=session_id,
+                        model=profile.model,
+                        tools=specs,
+                        temperature=profile.temperature,
+                        max_tokens=profile.max_tokens,
+                    ),
+                )
+                model = result.model or model
+                session_id = result.session_id or session_id
+                prompt_tokens = _add(prompt_tokens, result.prompt_tokens)
+                completion_tokens = _add(completion_tokens, result.completion_tokens)
+                usage = CompletionResult(
+                    text="",
+                    model=model,
+                    session_id=session_id,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    extra=result.extra,
+                )
+                if not result.tool_calls:
+                    if len(messages) == len(context.messages):
+                        return result, None  # no tool was called: the backend's answer as it is
+                    return replace(usage, text=result.text, finish_reason=result.finish_reason), None
+                messages.append(AssistantToolCalls(result.tool_calls, result.text))
+                for call in result.tool_calls:
+                    messages.append(await self._tools.execute(call, tools, offered))
+                if tools.effects.complete:
+                    text = tools.effects.completion_summary or result.text.strip() or "Done."
+                    return replace(usage, text=text), None
+            log.warning(
+                "tool_loop_stopped",
+                agent=profile.agent.slug,
+                conversation_id=tools.conversation_id,
+                rounds=self._max_tool_rounds,
+            )
+            text = (
+                f"I could not answer: I kept calling tools and reached the limit of "
+                f"{self._max_tool_rounds} model calls for one reply."
+            )
+            return replace(usage, text=text, extra={}), TOOL_LOOP_ERROR
+        except BackendError as exc:
+            text = f"I could not answer: the {profile.backend.name} backend failed ({exc.kind}): {exc}"
+            # Tokens spent by earlier rounds of this run were still spent.
+            spent = CompletionResult(
+                text=text, model=model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+            )
+            return spent, exc.kind
+        except Exception as exc:
+            log.exception("backend_crashed", agent=profile.agent.slug, conversation_id=tools.conversation_id)
+            text = f"I could not answer: internal error ({type(exc).__name__})."
+            return CompletionResult(text=text), "internal"
+
+    async def _complete_within_budget(
+        self,
+        profile: AgentProfile,
+        budget: RunBudget,
+        messages: Sequence[LLMMessage],
+        request: CompletionRequest,
+    ) -> CompletionResult:
+        """Send ``request`` with ``messages`` fitted to the agent's budget (docs/CONTEXT.md).
+
+        When the provider still answers that the context is too long, retry with 50%, then 25%,
+        then none of the middle messages (each try that would send the same as the one before is
+        skipped); the last try's error is raised. Summary calls' tokens are added to the result.
+        """
+        sent = await budget.fit(messages)
+        failure: ContextTooLongError | None = None
+        for share in (None, *RETRY_SHARES):
+            if share is not None:
+                shrunk = budget.shrink(messages, share)
+                if shrunk == list(sent):
+                    continue
+                log.warning(
+                    "context_too_long_retry",
+                    agent=profile.agent.slug,
+                    share=share,
+                    messages=len(shrunk),
+                    error=str(failure),
+                )
+                sent = shrunk
+            try:
+                result = await profile.backend.complete(replace(request, messages=tuple(sent)))
+                break
+            except ContextTooLongError as exc:
+                failure = exc
+        else:
+            assert failure is not None
+            raise failure
+        prompt, completion = budget.take_usage()
+        if prompt or completion:
+            result = replace(
+                result,
+                prompt_tokens=_add(result.prompt_tokens, prompt),
+                completion_tokens=_add(result.completion_tokens, completion),
+            )
+        return result
+
+
+class PartialStreamer:
+    """Wraps a run's backend so the text it streams is published as it grows (kind 21111).
+
+    The text streamed so far is published by a ticker at most once per ``interval_s``, and
+    only when it changed; the ticker stops when the backend call returns, so a backend that
+    cannot stream (it hands over the whole text once, at the end) publishes no partial, and
+    the final reply is never preceded by a partial of the same text. Partials are best
+    effort: a failed publication is logged and the run goes on.
+    """
+
+    def __init__(
+        self,
+        backend: LLMBackend,
+        sink: PartialTextPublisher,
+        interval_s: float,
+        agent_slug: str,
+        conversation_id: str,
+        trigger_id: str,
+    ) -> None:
+        self.name = backend.name
+        self.inner = backend
+        """The wrapped backend (summary calls go to it directly: they are not the agent's reply)."""
+        self._sink = sink
+        self._interval = interval_s
+        self._agent = agent_slug
+        self._conversation = conversation_id
+        self._trigger = trigger_id
+        self._text = ""
+        self._published = ""
+        self.sequence = 0
+        """How many partials this run published."""
+        self._publishing: asyncio.Task[None] | None = None
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Call the backend with a chunk callback; publish the growing text while it runs."""
+        self._text = ""
+        self._published = ""
+        outer = request.on_chunk
+
+        async def on_chunk(piece: str) -> None:
+            self._text += piece
+            if outer is not None:
+                await outer(piece)
+
+        ticker = asyncio.create_task(self._tick())
+        try:
+            return await self.inner.complete(replace(request, on_chunk=on_chunk))
+        finally:
+            ticker.cancel()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            text = self._text
+            if text.strip() and text != self._published and self._publishing is None:
+                self._published = text
+                self.sequence += 1
+                self._publishing = asyncio.create_task(self._publish(text, self.sequence))
+
+    async def _publish(self, text: str, sequence: int) -> None:
+        try:
+            await self._sink.partial(self._agent, self._conversation, self._trigger, text, sequence)
+        except Exception as exc:
+            log.info("partial_not_published", agent=self._agent, error=str(exc))
+        finally:
+            self._publishing = None
+
+    async def close(self) -> None:
+        """Wait for a partial still being published (so it goes out before the final reply)."""
+        if self._publishing is not None:
+            await asyncio.gather(self._publishing, return_exceptions=True)
+
+
+def _add(total: int | None, more: int | None) -> int | None:
+    """Sum token counts over a run's backend calls (None while none was reported)."""
+    if more is None:
+        return total
+    return more if total is None else total + more

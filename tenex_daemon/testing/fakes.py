@@ -1,0 +1,134 @@
+"""Fakes for the pipeline's ports, for unit tests that build the pipeline the daemon builds.
+
+Service tests call :func:`tenex_daemon.app.wiring.build_pipeline` with these in place of the Nostr
+edge (composer, publisher, partial publisher) and of language models; everything between them is
+the production code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, ToolResult
+from tenex_daemon.core.ports import ReplySpec
+from tenex_daemon.testing import KeyPair, sign_event
+
+
+def signers_for(keys: Mapping[str, KeyPair]) -> dict[str, Signer]:
+    """Real signers (the daemon's) over test key pairs, by agent slug."""
+    return {slug: Signer.from_text(pair.secret, label=slug) for slug, pair in keys.items()}
+
+
+@dataclass
+class PlainComposer:
+    """Signs replies with the few tags that matter to targeting: ``E`` root, ``e`` trigger, ``p`` each
+    destination, and ``["error", "system"]`` on errors. Use the real composer where tags matter."""
+
+    keys: dict[str, KeyPair]
+
+    def compose(self, spec: ReplySpec) -> NostrEvent:
+        """Return a signed kind-1111 reply to the trigger."""
+        tags = [["e", spec.trigger.id], *(["p", p] for p in spec.destinations)]
+        if spec.root is not None:
+            tags.insert(0, ["E", spec.root.id, "", spec.root.pubkey])
+        if spec.error:
+            tags.append(["error", "system"])
+        return sign_event(self.keys[spec.agent_slug], spec.content, tags=tags)
+
+
+@dataclass
+class FakePublisher:
+    """Records what would go to the relays (or fails like a relay that refuses, with ``fail``)."""
+
+    published: list[NostrEvent] = field(default_factory=list)
+    typing_events: list[tuple[str, bool]] = field(default_factory=list)
+    fail: bool = False
+
+    async def publish(self, event: NostrEvent) -> None:
+        """Record the event (or fail like a relay that refuses)."""
+        if self.fail:
+            raise RuntimeError("no relay accepted the event")
+        self.published.append(event)
+
+    async def typing(self, agent_slug: str, conversation_id: str, active: bool) -> None:
+        """Record a typing indicator."""
+        self.typing_events.append((agent_slug, active))
+
+
+@dataclass
+class ScriptedBackend:
+    """Returns the scripted answers in order (the last one again when the script runs out); records
+    requests."""
+
+    script: list[CompletionResult]
+    name: str = "scripted"
+    requests: list[CompletionRequest] = field(default_factory=list)
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Return the next scripted answer."""
+        self.requests.append(request)
+        return self.script[min(len(self.requests), len(self.script)) - 1]
+
+    def tool_results(self) -> list[ToolResult]:
+        """Every tool result the backend was sent in its last request."""
+        return [m for m in self.requests[-1].messages if isinstance(m, ToolResult)]
+
+
+class FailingBackend:
+    """A backend that always fails the way a provider does (HTTP 429)."""
+
+    name = "failing"
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Raise a rate-limit error."""
+        raise BackendError("rate_limit", "429 Too Many Requests")
+
+
+@dataclass
+class RecordingRouting:
+    """Stands in for the dispatcher when a test runs the runner alone: records the replies it is told of."""
+
+    before_save: list[NostrEvent] = field(default_factory=list)
+    saved: list[NostrEvent] = field(default_factory=list)
+
+    async def before_reply_saved(self, conversation_id: str, reply: NostrEvent) -> None:
+        """Record a reply about to be saved."""
+        self.before_save.append(reply)
+
+    async def after_reply(self, conversation_id: str, reply: NostrEvent) -> None:
+        """Record a saved reply."""
+        self.saved.append(reply)
+
+
+@dataclass
+class TargetingLog:
+    """Records how each saved agent reply was targeted (a dispatcher's ``ReplyObserver``)."""
+
+    results: list[Any] = field(default_factory=list)
+    """The dispatcher's ``HandleResult`` per reply, in order."""
+
+    def reply_targeted(self, conversation_id: str, reply: NostrEvent, result: Any) -> None:
+        """Record the result."""
+        self.results.append(result)
+
+
+@dataclass
+class RunLog:
+    """Records every finished agent run (a runner's ``RunObserver``)."""
+
+    runs: list[Any] = field(default_factory=list)
+    """The ``RunRequest`` of each finished run, in the order they finished."""
+    published: list[tuple[str, str]] = field(default_factory=list)
+    """(agent slug, trigger id) of each reply a relay accepted."""
+
+    def run_finished(self, request: Any, seconds: float, error: str | None) -> None:
+        """Record the run."""
+        self.runs.append(request)
+
+    def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:
+        """Record the publication."""
+        self.published.append((agent_slug, trigger_id))
