@@ -115,6 +115,8 @@ class Reply:
     body: Any = None
     headers: dict[str, str] = field(default_factory=dict)
     hang: bool = False
+    delay_s: float = 0.0
+    """Seconds the server waits before answering (a model that thinks)."""
     events: list[tuple[str | None, Any]] | None = None
     """When set, the answer is a server-sent event stream of (event name, JSON data) pairs."""
 
@@ -143,6 +145,8 @@ async def scripted_server() -> AsyncIterator[ScriptedServer]:
         reply = server.replies.get(request.path, Reply(404, {"error": {"message": "no route"}}))
         if reply.hang:
             await asyncio.Event().wait()  # never answers; cleanup cancels the handler
+        if reply.delay_s:
+            await asyncio.sleep(reply.delay_s)
         if reply.events is not None:
             stream = web.StreamResponse(status=reply.status, headers={"content-type": "text/event-stream"})
             await stream.prepare(request)

@@ -21,6 +21,7 @@ import structlog
 from tenex_daemon import __version__
 from tenex_daemon.adapters.nostr.announcements import heartbeat_event, profile_event
 from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
+from tenex_daemon.adapters.nostr.codec import Limits
 from tenex_daemon.adapters.nostr.composer import SignedReplyComposer
 from tenex_daemon.adapters.nostr.publisher import PoolPublisher
 from tenex_daemon.adapters.nostr.relay_pool import (
@@ -38,6 +39,7 @@ from tenex_daemon.app.status import (
     AgentEntry,
     ConversationCounts,
     LatencySummary,
+    OutboxStatus,
     RelayStatus,
     StatusData,
     write_status,
@@ -213,6 +215,7 @@ class Daemon:
             },
             "replies": self._observer.replies,
             "reply_latency": self._observer.latency_summary(),
+            "outbox": self._outbox_status(now),
             "errors": dict(self.errors),
             "embedded_relay": self.embedded_relay.url if self.embedded_relay is not None else None,
             "embedded_relay_pid": self.embedded_relay.pid if self.embedded_relay is not None else None,
@@ -220,6 +223,18 @@ class Daemon:
             "control_socket": str(self.settings.control_socket_path),
             "agents": [AgentEntry(slug=a.slug, name=a.name, pubkey=a.pubkey) for a in self.agents],
         })
+
+    def _outbox_status(self, now: float) -> OutboxStatus:
+        outbox = self.pipeline.outbox if self.pipeline is not None else None
+        if outbox is None:
+            return OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0)
+        age = outbox.oldest_age_s(now)
+        return OutboxStatus(
+            depth=outbox.depth,
+            oldest_age_s=None if age is None else round(age, 3),
+            delivered=outbox.delivered,
+            retries=outbox.retries,
+        )
 
     def reply_latencies(self) -> list[float]:
         """Seconds from each recent trigger taken in to its reply sent (oldest first, the newest 1,000)."""
@@ -293,9 +308,12 @@ class Daemon:
             store=self.store,
             auth_signer=project_signer,
             settings=PoolSettings(
-                since_window=settings.relays.since_window_s, delivery_lanes=settings.daemon.intake_lanes
+                since_window=settings.relays.since_window_s,
+                delivery_lanes=settings.daemon.intake_lanes,
+                limits=Limits(max_content_bytes=settings.daemon.max_content_bytes),
             ),
             lane_key=conversation_lane,
+            on_connect=self._relay_connected,
         )
         profiles = {
             a.slug: build_agent_profile(a, agent, settings)
@@ -307,6 +325,7 @@ class Daemon:
             signers,
             {a.slug: a for a in self.agents},
             typing_min_interval_s=settings.daemon.typing_min_interval_s,
+            publish_timeout_s=settings.relays.publish_timeout_s,
         )
         ports = PipelinePorts(
             store=self.store,
@@ -334,6 +353,7 @@ class Daemon:
         pubkeys = [a.pubkey for a in self.agents] + [project_signer.pubkey]
         pipeline = self.pipeline
         await pipeline.scheduler.recover()
+        await pipeline.outbox.recover(self.store.find_event)
         # a crash came mid-dispatch: events never stored are left to the relays (before the
         # subscription delivers them again), the others are dispatched again once it runs
         redo = await pipeline.dispatcher.stored_dispatches(pipeline.scheduler.dispatches_to_redo())
@@ -373,8 +393,10 @@ class Daemon:
                 log.warning("runs_cancelled_at_shutdown", count=cancelled, note="redone at next start")
         if self.pipeline is not None:
             unsent = await self.pipeline.runner.flush(5.0)
+            await self.pipeline.outbox.close()
             if unsent:
-                log.warning("replies_unpublished_at_shutdown", count=unsent, note="saved in history")
+                note = "kept in the outbox for the next start"
+                log.warning("replies_unpublished_at_shutdown", count=unsent, note=note)
         if control is not None:
             await control.stop()
         await self._background.cancel_all()
@@ -390,6 +412,11 @@ class Daemon:
         log.info("daemon_stopped")
 
     # --- events ---------------------------------------------------------------------------
+
+    def _relay_connected(self, url: str) -> None:
+        """A relay (re)connected: what waits in the outbox is published again at once."""
+        if self.pipeline is not None:
+            self.pipeline.outbox.wake()
 
     async def _on_event(self, received: ReceivedEvent) -> None:
         """Handle one validated, new event from the relays; raising leaves it unprocessed."""
@@ -468,6 +495,8 @@ class Daemon:
                         self.metrics.set_relay_connected(relay.url, relay.state.value == "connected")
                 if self.pipeline is not None:
                     self.metrics.set_runs_in_flight(self.pipeline.scheduler.in_flight)
+                    outbox = self.pipeline.outbox
+                    self.metrics.set_outbox(outbox.depth, outbox.oldest_age_s())
             except Exception:
                 self.errors["status"] += 1
                 log.exception("status_write_failed")

@@ -61,6 +61,14 @@ class Metrics:
             "relay_connected", "1 when the relay is connected, else 0.",
             ["url"], namespace=NAMESPACE, registry=self.registry,
         )
+        self.outbox_depth = Gauge(
+            "outbox_depth", "Signed events waiting for a relay to accept them.",
+            namespace=NAMESPACE, registry=self.registry,
+        )
+        self.outbox_oldest_age = Gauge(
+            "outbox_oldest_age_seconds", "Age of the oldest signed event waiting for a relay (0: none).",
+            namespace=NAMESPACE, registry=self.registry,
+        )
 
     def event_accepted(self, kind: int) -> None:
         """Count an accepted incoming event of this kind."""
@@ -103,6 +111,11 @@ class Metrics:
     def set_runs_in_flight(self, count: int) -> None:
         """Set the in-flight gauge (for a daemon that counts runs itself)."""
         self.runs_in_flight.set(count)
+
+    def set_outbox(self, depth: int, oldest_age_s: float | None) -> None:
+        """Signed events waiting for a relay, and the age of the oldest (0 when none waits)."""
+        self.outbox_depth.set(depth)
+        self.outbox_oldest_age.set(oldest_age_s or 0.0)
 
     def set_relay_connected(self, url: str, connected: bool) -> None:
         """Set one relay's connection gauge."""

@@ -102,6 +102,8 @@ class RelaySettings(_Section):
     embedded_host: str = "127.0.0.1"
     embedded_port: int = Field(default=7777, ge=0, le=65535)
     since_window_s: int = Field(default=300, ge=0)
+    publish_timeout_s: float = Field(default=10.0, gt=0)
+    """How long one publish waits for a relay's answer (a failed one is tried again by the outbox)."""
 
     @field_validator("urls")
     @classmethod
@@ -145,6 +147,9 @@ class DaemonSettings(_Section):
     stale_after_s: float = Field(default=30.0, gt=0)
     """`tenexd status` calls a status file older than this stale."""
     max_content_bytes: int = Field(default=256 * 1024, ge=1)
+    outbox_warn_after_s: float = Field(default=300.0, gt=0)
+    """A signed event still waiting for a relay after this long is logged (``outbox_entry_old``); it is
+    never dropped: the outbox keeps trying."""
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: str = "info"
 

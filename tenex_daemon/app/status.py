@@ -89,6 +89,17 @@ class LatencySummary(TypedDict):
     p99_ms: float | None
 
 
+class OutboxStatus(TypedDict):
+    """Signed events waiting for a relay's ``OK true`` (the durable outbox)."""
+
+    depth: int
+    oldest_age_s: float | None
+    delivered: int
+    """Events delivered since start."""
+    retries: int
+    """Publish attempts that no relay accepted, since start (each was tried again)."""
+
+
 class AgentEntry(TypedDict):
     """One configured agent."""
 
@@ -108,6 +119,7 @@ class StatusData(TypedDict):
          "by_phase": {"chat": 2, "plan": 1}}, "runs_in_flight": 1, "runs": {"completed": 9, "failed": 0},
          "last_event_at": 1.7e9, "events": {"accepted": 10, "rejected": {"author_not_allowed": 2},
          "duplicates": 4}, "replies": 7, "reply_latency": {"count": 7, "p50_ms": 8.1, "p99_ms": 20.3},
+         "outbox": {"depth": 0, "oldest_age_s": null, "delivered": 7, "retries": 0},
          "errors": {}, "embedded_relay": "ws://127.0.0.1:7777", "embedded_relay_pid": 4243,
          "embedded_relay_restarts": 0, "control_socket": "/srv/tenex/run/control.sock",
          "agents": [{"slug": "planner", "name": "Planner", "pubkey": "..."}]}
@@ -129,6 +141,7 @@ class StatusData(TypedDict):
     events: EventCounts
     replies: int
     reply_latency: LatencySummary
+    outbox: OutboxStatus
     errors: dict[str, int]
     embedded_relay: str | None
     """The embedded relay's URL when it runs."""
@@ -161,6 +174,7 @@ def new_status(
         events=EventCounts(accepted=0, rejected={}, duplicates=0),
         replies=0,
         reply_latency=LatencySummary(count=0, p50_ms=None, p99_ms=None),
+        outbox=OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0),
         errors={},
         embedded_relay=None,
         embedded_relay_pid=None,

@@ -36,6 +36,7 @@ from tenex_daemon.services.agent_runner import (
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.dispatcher import EventDispatcher, ReplyObserver
 from tenex_daemon.services.orchestrator import LLMOrchestrator, Orchestrator, RuleBasedOrchestrator
+from tenex_daemon.services.outbox import DEFAULT_WARN_AFTER_S, OUTBOX_KEY, Outbox, outbox_key_for
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler, journal_key_for
 from tenex_daemon.services.threads import ThreadManager
@@ -203,6 +204,8 @@ class PipelineOptions:
     typing_delay_s: float = 0.0
     partial_interval_s: float = DEFAULT_PARTIAL_INTERVAL_S
     max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS
+    outbox_key: str = OUTBOX_KEY
+    outbox_warn_after_s: float = DEFAULT_WARN_AFTER_S
     phase_rules: PhaseRules | None = None
 
     @classmethod
@@ -222,6 +225,8 @@ class PipelineOptions:
             turn_limit=settings.daemon.orchestrator_turn_limit,
             max_concurrent_runs=settings.daemon.max_concurrent_runs,
             journal_key=journal_key_for(project_pubkey) if shared else PENDING_RUNS_KEY,
+            outbox_key=outbox_key_for(project_pubkey) if shared else OUTBOX_KEY,
+            outbox_warn_after_s=settings.daemon.outbox_warn_after_s,
             typing_delay_s=settings.daemon.typing_delay_s,
             partial_interval_s=settings.daemon.partial_interval_s,
             phase_rules=settings.phase_rules(),
@@ -259,6 +264,7 @@ class Pipeline:
     dispatcher: EventDispatcher
     orchestrator: Orchestrator
     threads: ThreadManager
+    outbox: Outbox
 
     @property
     def scheduler(self) -> RunScheduler:
@@ -290,6 +296,13 @@ def build_pipeline(
         owner_pubkey=options.owner,
     )
     threads = build_thread_manager(ports.store)  # agents may ask each other (send_message)
+    outbox = Outbox(
+        ports.store,
+        ports.publisher,
+        key=options.outbox_key,
+        warn_after_s=options.outbox_warn_after_s,
+        observer=ports.observer,
+    )
     runner = AgentRunner(
         manager,
         profiles,
@@ -302,6 +315,7 @@ def build_pipeline(
         partials=ports.partials,
         partial_interval_s=options.partial_interval_s,
         threads=threads,
+        outbox=outbox,
     )
     router = (
         orchestrator(manager)
@@ -322,4 +336,4 @@ def build_pipeline(
         journal_key=options.journal_key,
         observer=ports.reply_observer,
     )
-    return Pipeline(manager, runner, dispatcher, router, threads)
+    return Pipeline(manager, runner, dispatcher, router, threads, outbox)

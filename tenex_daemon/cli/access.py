@@ -37,6 +37,7 @@ from tenex_daemon.services.conversation_manager import ConversationManager
 
 API_TIMEOUT_S = 30.0
 PROBE_TIMEOUT_S = 3.0
+REBUILD_TIMEOUT_S = 600.0
 
 
 class AccessError(TenexError):
@@ -97,11 +98,13 @@ class ApiAccess:
         self._session = session
 
     async def _call(
-        self, method: str, path: str, *, params: Mapping[str, str] | None = None, body: Any = None
+        self, method: str, path: str, *, params: Mapping[str, str] | None = None, body: Any = None,
+        timeout: float = API_TIMEOUT_S,  # noqa: ASYNC109 - aiohttp's per-request timeout
     ) -> dict[str, Any]:
         try:
             async with self._session.request(
-                method, f"http://tenexd{API_PREFIX}{path}", params=params, json=body
+                method, f"http://tenexd{API_PREFIX}{path}", params=params, json=body,
+                timeout=aiohttp.ClientTimeout(total=timeout),
             ) as response:
                 text = await response.text()
                 status = response.status
@@ -147,6 +150,10 @@ class ApiAccess:
     async def conversation_of_event(self, event_id: str) -> dict[str, Any]:
         """``GET /api/v1/tasks/{id}/conversation`` (it finds the conversation holding any event)."""
         return await self._call("GET", f"/tasks/{event_id}/conversation")
+
+    async def rebuild(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``POST /api/v1/conversations/rebuild`` (the daemon fetches from its relays: minutes allowed)."""
+        return await self._call("POST", "/conversations/rebuild", body=dict(body), timeout=REBUILD_TIMEOUT_S)
 
 
 class StoreResolver:

@@ -1,4 +1,5 @@
-"""The conversation commands: ``conversations list|search|show|archive|restore|export`` and ``context``."""
+"""The conversation commands: ``conversations list|search|show|archive|restore|export|rebuild`` and
+``context``."""
 
 from __future__ import annotations
 
@@ -8,18 +9,24 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 from rich.text import Text
 
+from tenex_daemon.app.control.errors import ApiError
+from tenex_daemon.app.control.parsing import parse_datetime
 from tenex_daemon.app.home import agent_identities
+from tenex_daemon.app.rebuild import RebuildError, RebuildRequest, rebuild_from_relays, report_rows
 from tenex_daemon.app.settings import Settings
-from tenex_daemon.cli.invocation import HomeOption, event_id_argument, settings_of, with_access
-from tenex_daemon.cli.output import JsonOption, err, ms_time, out, print_json, s_time
+from tenex_daemon.cli.access import AccessError, ApiAccess, LocalAccess, open_access
+from tenex_daemon.cli.invocation import HomeOption, event_id_argument, run_async, settings_of, with_access
+from tenex_daemon.cli.output import EXIT_USAGE, JsonOption, err, fail, ms_time, out, print_json, s_time
 from tenex_daemon.core import nip19
+from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.phases import Phase
 
 conversations_app = typer.Typer(
-    help="List, show, search, archive, restore and export conversations.", no_args_is_help=True
+    help="List, show, search, archive, restore, export and rebuild conversations.", no_args_is_help=True
 )
 
 PhaseOption = Annotated[
@@ -225,6 +232,91 @@ def conversations_export(
         return
     output.write_text(text, encoding="utf-8")
     err.print(f"wrote {output} ({len(data['history'])} events)")
+
+
+def _rebuild_body(request: RebuildRequest) -> dict[str, Any]:
+    """The body of ``POST /api/v1/conversations/rebuild`` for ``request``."""
+    body: dict[str, Any] = {"id": request.conversation_id} if request.conversation_id else {"all": True}
+    if request.since is not None:
+        body["since"] = request.since
+    return body
+
+
+async def _rebuild(settings: Settings, request: RebuildRequest, progress: Progress | None) -> dict[str, Any]:
+    """Rebuild through the daemon's control API when it runs, else with the store and relays opened here."""
+    task = progress.add_task("fetching from the relays", total=None) if progress is not None else None
+
+    def merged(done: int, total: int) -> None:
+        if progress is not None and task is not None:
+            progress.update(task, description="merging conversations", completed=done, total=total)
+
+    async with open_access(settings) as access:
+        if isinstance(access, ApiAccess):
+            return await access.rebuild(_rebuild_body(request))
+        assert isinstance(access, LocalAccess)
+        try:
+            report = await rebuild_from_relays(settings, access.manager, request, merged)
+        except ConversationNotFoundError:
+            raise AccessError(f"no relay has conversation {request.conversation_id}", 404) from None
+        except RebuildError as exc:
+            raise AccessError(str(exc), 503) from None
+        return report.to_dict()
+
+
+def _progress_bar() -> Progress | None:
+    """A progress bar on stdout when it is a terminal, else None."""
+    if not out.is_terminal:
+        return None
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    return Progress(*columns, console=out, transient=True)
+
+
+@conversations_app.command("rebuild")
+def conversations_rebuild(
+    ctx: typer.Context,
+    conversation_id: Annotated[
+        str | None, typer.Argument(metavar="[ID]", help="Conversation id (hex, note1 or nevent1).")
+    ] = None,
+    all_: Annotated[
+        bool, typer.Option("--all", help="Every conversation the project's agents took part in.")
+    ] = False,
+    since: Annotated[
+        str | None, typer.Option("--since", help="Only events created at/after (ISO 8601 or Unix seconds).")
+    ] = None,
+    as_json: JsonOption = False,
+    home: HomeOption = None,
+) -> None:
+    """Fetch conversations back from the relays, verify every event and merge what the store lacks.
+
+    Through the daemon when it runs, else with the store and the relays of config.toml. Nothing
+    already stored is added twice and no agent is run.
+    """
+    if (conversation_id is None) == (not all_):
+        fail("name one conversation ID or pass --all", EXIT_USAGE)
+    cid = event_id_argument(conversation_id) if conversation_id is not None else None
+    since_s: int | None = None
+    if since is not None:
+        try:
+            since_s = int(parse_datetime("--since", since).timestamp())
+        except ApiError as exc:
+            fail(exc.message, EXIT_USAGE)
+    request = RebuildRequest(conversation_id=cid, all_=all_, since=since_s)
+    settings = settings_of(ctx)
+    progress = None if as_json else _progress_bar()
+    if progress is None:
+        report = run_async(_rebuild(settings, request, None))
+    else:
+        with progress:
+            report = run_async(_rebuild(settings, request, progress))
+    if as_json:
+        print_json(report)
+        return
+    table = Table(title="Rebuilt from the relays")
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    for label, count in report_rows(report):
+        table.add_row(label, str(count))
+    out.print(table)
 
 
 def context(

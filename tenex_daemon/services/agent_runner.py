@@ -28,6 +28,7 @@ from tenex_daemon.services.answering import (
 )
 from tenex_daemon.services.conversation_manager import ConversationManager, RunRecord
 from tenex_daemon.services.delegation import Delegation, RunDelegator
+from tenex_daemon.services.outbox import Outbox
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import (
@@ -127,6 +128,7 @@ class AgentRunner:
         partials: PartialTextPublisher | None = None,
         partial_interval_s: float = DEFAULT_PARTIAL_INTERVAL_S,
         threads: ThreadManager | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self._manager = manager
         self._profiles = profiles
@@ -144,12 +146,14 @@ class AgentRunner:
             unknown = set(profile.tools) - set(self._tools.names)
             if unknown:
                 raise ValueError(f"agent {profile.agent.slug}: unknown tools {', '.join(sorted(unknown))}")
-        self._outbox = BackgroundTasks("agent runner")
+        self._tasks = BackgroundTasks("agent runner")
+        self.outbox = outbox if outbox is not None else Outbox(manager.store, publisher, observer=observer)
+        """Where replies go to be published (kept until a relay accepts them)."""
         self._delegation = (
             None
             if threads is None
             else Delegation(
-                manager, profiles, threads, composer, publisher, answer=self._loop.answer, tasks=self._outbox
+                manager, profiles, threads, composer, answer=self._loop.answer, outbox=self.outbox
             )
         )
 
@@ -183,7 +187,7 @@ class AgentRunner:
             # Redone after a crash that came between the reply and the run's end: the reply is
             # saved, maybe never published. It goes out again (relays keep one copy per id).
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="already answered")
-            self._send(self._deliver(profile.agent.slug, cid, saved, False, trigger.id), "republish")
+            await self.outbox.add(cid, saved, agent_slug=profile.agent.slug, trigger_id=trigger.id)
             return None
         typing_started: list[bool] = [self._typing_delay <= 0]  # no delay: the start is as good as sent
         typing = self._send(
@@ -221,7 +225,9 @@ class AgentRunner:
                 await mark_conversation_ended(
                     self._manager, cid, slug, effects.end_reason, time.time_ns() // 1_000_000
                 )
-            self._send(self._deliver(slug, cid, reply, typing_started[0], request.trigger_id), "publish")
+            await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
+            if typing_started[0]:
+                self._send(self._typing(slug, cid, active=False), "typing stop")
         except BaseException:
             await self._count_run_time(cid, started_ms)
             raise
@@ -293,18 +299,13 @@ class AgentRunner:
             typing.cancel()  # still waiting out the delay: nothing was sent
 
     def _send(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        return self._outbox.spawn(coro, name)
+        return self._tasks.spawn(coro, name)
 
     async def flush(self, timeout_s: float) -> int:
-        """Wait up to ``timeout_s`` for pending publications; return how many are still pending."""
-        return await self._outbox.wait(timeout_s)
-
-    async def _deliver(
-        self, agent_slug: str, conversation_id: str, reply: NostrEvent, typing: bool, trigger_id: str
-    ) -> None:
-        await self._publish(agent_slug, reply, trigger_id)
-        if typing:
-            await self._typing(agent_slug, conversation_id, active=False)
+        """Wait up to ``timeout_s`` for pending publications (typing indicators included); return how
+        many replies still wait for a relay (they stay in the outbox for the next start)."""
+        await self._tasks.wait(timeout_s)
+        return await self.outbox.flush(timeout_s)
 
     async def _typing_after(
         self, delay_s: float, agent_slug: str, conversation_id: str, started: list[bool]
@@ -313,17 +314,6 @@ class AgentRunner:
             await asyncio.sleep(delay_s)
         started[0] = True
         await self._typing(agent_slug, conversation_id, active=True)
-
-    async def _publish(self, agent_slug: str, reply: NostrEvent, trigger_id: str) -> None:
-        sent_at = time.time()
-        try:
-            await self._publisher.publish(reply)
-        except Exception as exc:
-            # The reply is saved; a relay that comes back can be given it again by `rebuild`.
-            log.error("reply_not_published", agent=agent_slug, event_id=reply.id, error=str(exc))
-            return
-        if self._observer is not None:
-            self._observer.reply_published(agent_slug, trigger_id, sent_at)
 
     async def _typing(self, agent_slug: str, conversation_id: str, *, active: bool) -> None:
         try:

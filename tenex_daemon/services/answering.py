@@ -16,6 +16,7 @@ import structlog
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.context import AgentContext
+from tenex_daemon.core.conversation import ReferencedArticle
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
     BackendError,
@@ -27,7 +28,7 @@ from tenex_daemon.core.llm import (
 )
 from tenex_daemon.core.ports import PartialTextPublisher
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.token_budget import RETRY_SHARES, RunBudget
+from tenex_daemon.services.token_budget import RETRY_SHARES, RunBudget, article_tokens, cut_to_tokens
 from tenex_daemon.services.tools import ToolContext, ToolRegistry
 
 DEFAULT_MAX_TOOL_ROUNDS = 8
@@ -56,9 +57,20 @@ class AgentProfile:
 
     @property
     def system_prompt(self) -> str:
-        """The persona put before the agent's messages."""
+        """The persona put before the agent's messages (without a conversation's referenced article)."""
         base = f"You are {self.agent.name} ({self.agent.slug}), an agent of a TENEX project."
         return f"{base}\n\n{self.instructions}" if self.instructions else base
+
+    def persona(self, article: ReferencedArticle | None = None) -> str:
+        """The persona of a run in a conversation whose root references ``article`` (docs/CONTEXT.md,
+        "The persona prompt"): :attr:`system_prompt`, then the article section, its content cut to
+        25% of the agent's token budget when it has one."""
+        if article is None:
+            return self.system_prompt
+        content = article.content
+        if self.budget is not None:
+            content = cut_to_tokens(content, article_tokens(self.budget), self.budget.count)
+        return f"{self.system_prompt}\n\n## Referenced article: {article.title}\n{content}\n"
 
 
 class AnswerLoop:
@@ -94,9 +106,11 @@ class AnswerLoop:
         async def save_summary(summary: str, covers: int) -> None:
             await self._manager.update_agent_state(cid, slug, summary=(summary, covers))
 
+        conversation = await self._manager.get_conversation(cid)
+        persona = profile.persona(None if conversation is None else conversation.metadata.referenced_article)
         budget = RunBudget(
             context,
-            profile.system_prompt,
+            persona,
             profile.budget,
             profile.backend.inner if isinstance(profile.backend, PartialStreamer) else profile.backend,
             slug,
@@ -114,7 +128,7 @@ class AnswerLoop:
                     CompletionRequest(
                         agent_slug=profile.agent.slug,
                         agent_name=profile.agent.name,
-                        system_prompt=profile.system_prompt,
+                        system_prompt=persona,
                         messages=(),
                         session_id=session_id,
                         model=profile.model,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -462,12 +462,14 @@ class ConversationManager:
         reason: str | None = None,
         *,
         trigger_id: str | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
         """Record a routing decision and return its turn id.
 
         A turn still open is closed first (superseded) so its partial completions stay
         visible in the routing history. ``trigger_id``: the event the routed agents answer
-        (only completions replying to it count for the turn).
+        (only completions replying to it count for the turn). ``extra``: values set in the
+        conversation's ``metadata.extra`` in the same save (the routing limits).
         """
         if not agents:
             raise ValueError("a turn routes to at least one agent")
@@ -486,8 +488,15 @@ class ConversationManager:
                 trigger_id=trigger_id,
             )
             conversation.orchestrator_turns.append(turn)
+            conversation.metadata.extra.update(extra or {})
             await self._save(conversation)
             return turn.turn_id
+
+    async def set_extra(self, conversation_id: str, key: str, value: Any) -> None:
+        """Set one value of the conversation's ``metadata.extra`` (the others are kept)."""
+        async with self._locked(conversation_id) as conversation:
+            conversation.metadata.extra[key] = value
+            await self._save(conversation)
 
     async def add_completion_to_turn(self, conversation_id: str, agent_slug: str, message: str) -> bool:
         """Record ``agent_slug``'s completion of the open turn; False if none is open or it already did."""

@@ -34,12 +34,12 @@ from tenex_daemon.core.budget import BudgetStrategy
 from tenex_daemon.core.context import AgentContext, ChatMessage
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
-from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec
+from tenex_daemon.core.ports import ReplyComposer, ReplySpec
 from tenex_daemon.core.threads import ConversationThread, ThreadPersistenceError
-from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.answering import AgentProfile
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.locks import KeyedLock
+from tenex_daemon.services.outbox import Outbox
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import RunEffects, ToolContext, ToolRefusedError
 
@@ -82,18 +82,16 @@ class Delegation:
         profiles: Mapping[str, AgentProfile],
         threads: ThreadManager,
         composer: ReplyComposer,
-        publisher: Publisher,
         *,
         answer: Answer,
-        tasks: BackgroundTasks,
+        outbox: Outbox,
     ) -> None:
         self._manager = manager
         self._profiles = profiles
         self._threads = threads
         self._composer = composer
-        self._publisher = publisher
         self._answer = answer
-        self._tasks = tasks
+        self._outbox = outbox
         self._locks = KeyedLock()
 
     def askable(self, asker: Agent) -> list[Agent]:
@@ -187,7 +185,7 @@ class Delegation:
         result: CompletionResult | None = None,
         error_kind: str | None = None,
     ) -> NostrEvent:
-        """Compose one side of the exchange, add it to history, then publish it in the background."""
+        """Compose one side of the exchange, add it to history, then hand it to the outbox to publish."""
         conversation = await self._manager.get_conversation(cid)
         if conversation is None:
             raise ToolRefusedError("the conversation is gone")
@@ -207,15 +205,8 @@ class Delegation:
         )
         event = self._composer.compose(spec)
         await self._manager.add_event(cid, event)
-        self._tasks.spawn(self._publish(author.slug, event), "publish delegation")
+        await self._outbox.add(cid, event, agent_slug=author.slug)
         return event
-
-    async def _publish(self, agent_slug: str, event: NostrEvent) -> None:
-        try:
-            await self._publisher.publish(event)
-        except Exception as exc:
-            # Saved in history; a relay that comes back can be given it again by `rebuild`.
-            log.error("delegation_not_published", agent=agent_slug, event_id=event.id, error=str(exc))
 
 
 def _item(author: Agent, other: Agent, event: NostrEvent) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -25,7 +25,7 @@ from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.orchestrator import Orchestrator, RoutingDecision, RoutingStop
-from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT, RoutingLimits
+from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT, ROUTING_LIMITS_KEY, RoutingLimits
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
 
 log = structlog.get_logger(__name__)
@@ -83,7 +83,8 @@ class EventDispatcher:
     and runs the agents it names. Their completions close the turn; a completion that arrives
     while the turn still waits for others is only recorded, the one that closes it is routed
     again. Routing stops on an END decision, after ``turn_limit`` turns without a new user
-    message, and on a decision repeated with no new completion (:class:`RoutingLimits`).
+    message, and on a decision repeated with no new completion (:class:`RoutingLimits`, stored
+    with the conversation: a restart keeps them).
     The ``hop_limit`` bounds chains of agents p-tagging each other directly.
 
     The dispatcher owns the :class:`RunScheduler` (:attr:`scheduler`) that carries its runs out
@@ -328,6 +329,7 @@ class EventDispatcher:
         self, conversation: Conversation, event: NostrEvent, author: Agent | None
     ) -> HandleResult:
         cid = conversation.id
+        stored = self._limits.load(conversation)
         if author is None:
             self._limits.user_message(cid)
         else:
@@ -354,6 +356,7 @@ class EventDispatcher:
             return HandleResult(Outcome.STORED, stop.value, cid)
         decision = await self._orchestrator.route(conversation, event)
         if decision is None:
+            await self._save_limits(cid, stored)  # a user message's reset
             return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, cid)
         completions = sum(len(turn.completions) for turn in conversation.orchestrator_turns)
         stop = self._limits.record(cid, decision, completions)
@@ -376,14 +379,27 @@ class EventDispatcher:
         )
         if decision.is_end:
             log.info("routing_ended", conversation_id=cid, reason=decision.reason)
+            await self._save_limits(cid, stored)
             return HandleResult(Outcome.STORED, RoutingStop.END.value, cid)
         phase = await self._apply_phase(conversation, decision)
+        # the limits are saved with the turn: a crash before it leaves neither (redispatch decides again)
         await self._manager.start_orchestrator_turn(
-            cid, phase, decision.agents, decision.reason, trigger_id=event.id
+            cid,
+            phase,
+            decision.agents,
+            decision.reason,
+            trigger_id=event.id,
+            extra={ROUTING_LIMITS_KEY: self._limits.snapshot(cid)},
         )
         for slug in decision.agents:
             await self._scheduler.submit(RunRequest(cid, event.id, slug, via_orchestrator=True))
         return HandleResult(Outcome.SCHEDULED, decision.reason, cid, decision.agents)
+
+    async def _save_limits(self, conversation_id: str, stored: dict[str, Any]) -> None:
+        """Store the conversation's routing limits when they differ from ``stored`` (as loaded)."""
+        limits = self._limits.snapshot(conversation_id)
+        if limits != stored:
+            await self._manager.set_extra(conversation_id, ROUTING_LIMITS_KEY, limits)
 
     async def _apply_phase(self, conversation: Conversation, decision: RoutingDecision) -> Phase:
         """Move to the decision's phase when the rules allow it; return the phase the turn runs in."""

@@ -32,6 +32,8 @@ from tenex_daemon.core.llm import BackendError, CompletionRequest, LLMBackend, L
 
 RETRY_SHARES = (0.5, 0.25, 0.0)
 """After a context-too-long answer, the shares of the middle messages kept by each retry."""
+ARTICLE_SHARE = 0.25
+"""The most of an agent's budget a referenced article may take in its persona (docs/CONTEXT.md)."""
 
 SaveSummary = Callable[[str, int], Awaitable[None]]
 """Stores a summary and how many leading history messages it covers."""
@@ -202,3 +204,22 @@ class RunBudget:
         used = (self.prompt_tokens, self.completion_tokens)
         self.prompt_tokens = self.completion_tokens = 0
         return used
+
+
+def cut_to_tokens(text: str, max_tokens: int, count: Callable[[str], int]) -> str:
+    """Return the longest start of ``text`` counting at most ``max_tokens`` (``text`` itself when it fits)."""
+    if count(text) <= max_tokens:
+        return text
+    low, high = 0, len(text)  # count(text[:low]) fits, count(text[:high]) does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if count(text[:middle]) <= max_tokens:
+            low = middle
+        else:
+            high = middle
+    return text[:low]
+
+
+def article_tokens(budget: TokenBudget) -> int:
+    """The most tokens a referenced article may take in the persona of an agent with ``budget``."""
+    return int(budget.limit * ARTICLE_SHARE)

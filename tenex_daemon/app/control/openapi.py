@@ -89,6 +89,31 @@ def _conversations_path() -> Json:
     }}
 
 
+def _rebuild_path() -> Json:
+    return {"post": {
+        "summary": (
+            "Fetch conversations back from the relays (one by id, or all the agents took part in), "
+            "verify every event (NIP-01 id, signature) and merge what the store lacks, in history "
+            "order; a second rebuild adds nothing. No agent is run."
+        ),
+        "operationId": "rebuildConversations",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string", "pattern": _HEX_PATTERN, "description": "One conversation."},
+                "all": {"type": "boolean", "description": "Every conversation of the project's agents."},
+                "since": {"type": "string",
+                          "description": "Only events created at/after (ISO 8601 or Unix seconds)."},
+            },
+        }}}},
+        "responses": {
+            "200": _ok("What the rebuild did.", _ref("RebuildReport")),
+            **_ERRORS,
+            "503": _error_response("The daemon has no relay connections."),
+        },
+    }}
+
+
 def _conversation_path() -> Json:
     return {
         "get": _on_conversation(
@@ -185,6 +210,7 @@ def _paths() -> Json:
     return {
         paths.STATUS: _status_path(),
         paths.CONVERSATIONS: _conversations_path(),
+        paths.CONVERSATIONS_REBUILD: _rebuild_path(),
         paths.CONVERSATION: _conversation_path(),
         paths.CONVERSATION_RESET: _reset_path(),
         paths.CONVERSATION_ARCHIVE: _archive_path(),
@@ -268,6 +294,18 @@ def _agent_schemas() -> Json:
     }
 
 
+def _rebuild_schema() -> Json:
+    count = {"type": "integer"}
+    return {"type": "object", "properties": {
+        "conversations": {"type": "object", "properties": {
+            "found": count, "created": count, "updated": count}},
+        "events": {"type": "object", "properties": {
+            "fetched": count, "added": count, "already_present": count, "invalid": count,
+            "skipped": {"type": "object", "additionalProperties": count,
+                        "description": "Events not merged, by reason."}}},
+    }}
+
+
 def _error_response(description: str) -> Json:
     return {"description": description, "content": {"application/json": {"schema": _ref("Error")}}}
 
@@ -279,6 +317,7 @@ def _components() -> Json:
             "Status": _status_schema(),
             **_conversation_schemas(),
             **_agent_schemas(),
+            "RebuildReport": _rebuild_schema(),
         },
         "responses": {
             "BadRequest": _error_response("A malformed id or parameter."),

@@ -9,11 +9,14 @@ from typing import Any, Final
 
 from tenex_daemon.app.control.errors import ApiError
 from tenex_daemon.app.home import parse_pubkey
+from tenex_daemon.app.rebuild import RebuildRequest
 from tenex_daemon.core.phases import Phase
 
 MAX_LIMIT: Final = 10_000
+DATE_ALIASES: Final = {"from": "date_from", "to": "date_to"}
+"""Other spellings of the date filters (``from``/``to``), accepted as the same parameters."""
 SEARCH_PARAMETERS: Final = frozenset(
-    {"title", "phase", "archived", "date_from", "date_to", "participant", "limit"}
+    {"title", "phase", "archived", "date_from", "date_to", "participant", "limit", *DATE_ALIASES}
 )
 _HEX_ID = re.compile(r"^[0-9a-f]{64}$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -82,9 +85,12 @@ def parse_search(query: Mapping[str, str]) -> dict[str, Any]:
         args["phase"] = _parse_phase(query["phase"])
     if query.get("archived"):
         args["archived"] = _parse_bool("archived", query["archived"])
-    for name in ("date_from", "date_to"):
-        if query.get(name):
-            args[name] = parse_datetime(name, query[name])
+    for alias, name in DATE_ALIASES.items():
+        if query.get(alias) and query.get(name):
+            raise ApiError(400, f"give {name} or {alias}, not both")
+        spelled = alias if query.get(alias) else name
+        if query.get(spelled):
+            args[name] = parse_datetime(spelled, query[spelled])
     if query.get("participant"):
         args["participant"] = _parse_participant(query["participant"])
     if query.get("limit"):
@@ -113,3 +119,31 @@ def parse_context_query(query: Mapping[str, str]) -> tuple[str, str | None]:
     if trigger is not None:
         check_id(trigger, "trigger event id")
     return agent, trigger
+
+
+REBUILD_FIELDS: Final = frozenset({"id", "all", "since"})
+
+
+def parse_rebuild_body(body: object) -> RebuildRequest:
+    """Return the request of a rebuild's decoded JSON body: ``{"id": ...}`` or ``{"all": true}``, with an
+    optional ``"since"`` (ISO 8601 or Unix seconds); raise ApiError 400."""
+    if not isinstance(body, dict):
+        raise ApiError(400, 'the body must be a JSON object: {"id": "<conversation id>"} or {"all": true}')
+    unknown = sorted(set(body) - REBUILD_FIELDS)
+    if unknown:
+        raise ApiError(400, f"unknown field(s): {', '.join(unknown)} (known: all, id, since)")
+    conversation_id, all_, since = body.get("id"), body.get("all", False), body.get("since")
+    if conversation_id is not None and not isinstance(conversation_id, str):
+        raise ApiError(400, "id must be a string")
+    if not isinstance(all_, bool):
+        raise ApiError(400, "all must be true or false")
+    if (conversation_id is None) == (not all_):
+        raise ApiError(400, 'name one conversation ("id") or ask for all ("all": true), not both')
+    if conversation_id is not None:
+        check_id(conversation_id)
+    since_s: int | None = None
+    if since is not None:
+        if isinstance(since, bool) or not isinstance(since, str | int | float):
+            raise ApiError(400, "since must be an ISO 8601 date or Unix seconds")
+        since_s = int(parse_datetime("since", str(since)).timestamp())
+    return RebuildRequest(conversation_id=conversation_id, all_=all_, since=since_s)

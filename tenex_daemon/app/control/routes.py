@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, runtime_checkable
 
 import structlog
 from aiohttp import web
@@ -17,9 +17,17 @@ from aiohttp import web
 from tenex_daemon.app.control import paths
 from tenex_daemon.app.control.errors import ApiError
 from tenex_daemon.app.control.openapi import openapi_document
-from tenex_daemon.app.control.parsing import check_id, parse_context_query, parse_reset_body, parse_search
+from tenex_daemon.app.control.parsing import (
+    check_id,
+    parse_context_query,
+    parse_rebuild_body,
+    parse_reset_body,
+    parse_search,
+)
 from tenex_daemon.app.control.views import conversation_json, preview_context, summary_json
 from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.app.rebuild import EventSource, Rebuilder
+from tenex_daemon.app.settings import Settings
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationNotFoundError,
@@ -45,6 +53,22 @@ class ControlTarget(Protocol):
 
     def status(self) -> Mapping[str, Any]:
         """A JSON-ready status snapshot (the status file's data)."""
+
+
+@runtime_checkable
+class RelayTarget(Protocol):
+    """A target that also reaches the relays and has its settings (the daemon): what a rebuild needs.
+
+    Kept apart from :class:`ControlTarget` so that a target without relays serves every other endpoint.
+    """
+
+    @property
+    def pool(self) -> EventSource | None:
+        """The relay pool (None until the daemon has started)."""
+
+    @property
+    def settings(self) -> Settings:
+        """The home's settings (the whitelist: whose events are taken in)."""
 
 
 TARGET_KEY: Final[web.AppKey[ControlTarget]] = web.AppKey("target")
@@ -88,14 +112,14 @@ def _conversation_id(request: web.Request) -> str:
     return check_id(request.match_info["id"])
 
 
-async def _json_body(request: web.Request) -> object:
-    """The request's decoded JSON body, or None when it has none."""
+async def _json_body(request: web.Request, shape: str = '{"keep_system_message": true|false}') -> object:
+    """The request's decoded JSON body, or None when it has none (400 naming ``shape`` if not JSON)."""
     if not request.can_read_body:
         return None
     try:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the body must be JSON: {\"keep_system_message\": true|false}") from None
+        raise ApiError(400, f"the body must be JSON: {shape}") from None
 
 
 async def _status(request: web.Request) -> web.Response:
@@ -142,6 +166,19 @@ async def _restore(request: web.Request) -> web.Response:
     return _json({"id": conversation_id, "archived": False})
 
 
+async def _rebuild(request: web.Request) -> web.Response:
+    wanted = parse_rebuild_body(await _json_body(request, '{"id": "<conversation id>"} or {"all": true}'))
+    target = _target(request)
+    if not isinstance(target, RelayTarget) or target.pool is None:
+        raise ApiError(503, "the daemon has no relay connections to rebuild from")
+    rebuilder = Rebuilder(target.manager, target.pool, allowed_authors=target.settings.whitelist)
+    try:
+        report = await rebuilder.rebuild(wanted)
+    except ConversationNotFoundError:
+        raise ApiError(404, f"no relay has conversation {wanted.conversation_id}") from None
+    return _json(report.to_dict())
+
+
 async def _context(request: web.Request) -> web.Response:
     conversation_id = _conversation_id(request)
     agent, trigger = parse_context_query(request.query)
@@ -174,6 +211,7 @@ def create_app(target: ControlTarget) -> web.Application:
     app.router.add_get(paths.OPENAPI, _openapi)
     app.router.add_get(paths.STATUS, _status)
     app.router.add_get(paths.CONVERSATIONS, _list)
+    app.router.add_post(paths.CONVERSATIONS_REBUILD, _rebuild)
     app.router.add_get(paths.CONVERSATION, _get)
     app.router.add_delete(paths.CONVERSATION, _delete)
     app.router.add_post(paths.CONVERSATION_RESET, _reset)

@@ -14,6 +14,7 @@ from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.ports import Store
 from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
@@ -26,7 +27,7 @@ from tenex_daemon.services.orchestrator import (
     RuleBasedOrchestrator,
     parse_routing_answer,
 )
-from tenex_daemon.services.routing_limits import RoutingLimits
+from tenex_daemon.services.routing_limits import ROUTING_LIMITS_KEY, RoutingLimits
 from tenex_daemon.services.runs import RunScheduler
 from tenex_daemon.testing import FakeClock
 from tenex_daemon.testing.fakes import FakePublisher, ScriptedBackend, TargetingLog
@@ -111,8 +112,10 @@ def make_rig(
     bob: ScriptedBackend | None = None,
     turn_limit: int = 10,
     default_agent: str = "alice",
+    store: Store | None = None,
 ) -> Rig:
-    """The daemon's pipeline with an LLM orchestrator over ``orchestrator_backend``; agents think through scripts."""
+    """The daemon's pipeline with an LLM orchestrator over ``orchestrator_backend``; agents think through scripts
+    (over ``store``: a rig built again on the same store is the daemon after a restart)."""
     backends: dict[str, LLMBackend] = {
         "alice": alice or completes("done"),
         "bob": bob or completes("done"),
@@ -143,6 +146,7 @@ def make_rig(
         default_agent=default_agent,
         turn_limit=turn_limit,
         hop_limit=6,
+        store=store,
     )
     return Rig(base, made[0], targeting)
 
@@ -285,6 +289,61 @@ def test_a_repeated_decision_without_a_new_completion_is_refused() -> None:
     limits.user_message("c")
     assert limits.record("c", RoutingDecision(("alice",), "again", "chat"), completions=2) is None
     assert limits.turns("c") == 1
+
+
+async def test_the_turn_limit_survives_a_restart(cast: Cast) -> None:
+    """A daemon restarted on the same store still refuses the turn past the limit (the model is not asked
+    again), until the user writes; the count is kept in the conversation's metadata."""
+    store = MemoryStore()
+    model = answers('{"agents": ["alice"], "reason": "once more"}')
+    rig = make_rig(cast, model, alice=completes("did it"), turn_limit=3, store=store)
+    root = cast.user_says("Loop forever", kind=11)
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+    assert rig.after_reply[-1].reason == RoutingStop.TURN_LIMIT.value
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    last = conversation.history[-1]
+
+    restarted_model = answers('{"agents": ["alice"], "reason": "after the restart"}')
+    restarted = make_rig(cast, restarted_model, alice=completes("again"), turn_limit=3, store=store)
+    again = await restarted.dispatcher.after_reply(root.id, last)
+
+    assert (again.outcome, again.reason) == (Outcome.STORED, RoutingStop.TURN_LIMIT.value)
+    assert restarted_model.requests == []
+    assert conversation.metadata.extra[ROUTING_LIMITS_KEY]["turns"] == 3
+    follow = await restarted.dispatcher.handle(cast.user_says("Go on", tags=thread(root)))
+    assert (follow.outcome, follow.agents) == (Outcome.SCHEDULED, ("alice",))
+
+
+async def test_the_last_decision_and_an_end_survive_a_restart(cast: Cast) -> None:
+    """After a restart the stored last decision still refuses its repetition with no new completion, and an
+    END still ends routing: the completion that got END is not routed again."""
+    store = MemoryStore()
+    model = answers('{"agents": ["alice"], "phase": "execute", "reason": "build"}')
+    rig = make_rig(cast, model, alice=replies("working on it"), store=store)
+    root = cast.user_says("Build a shed", kind=11)
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    restarted = make_rig(cast, answers('{"agents": ["END"], "reason": "done"}'), store=store)
+    conversation = await restarted.manager.get_conversation(root.id)
+    assert conversation is not None
+    limits = RoutingLimits()
+    limits.load(conversation)
+    same = RoutingDecision(("alice",), "build again", "execute")
+    assert limits.record(root.id, same, completions=0) is RoutingStop.REPEATED_DECISION
+    assert limits.turns(root.id) == 1
+
+    completion = cast.alice_says("built", tags=[*thread(root), ["e", root.id], [TAG_TOOL, TOOL_COMPLETE]])
+    ended = await restarted.dispatcher.handle(completion)
+    assert ended.reason == RoutingStop.END.value
+    third_model = answers('{"agents": ["bob"], "reason": "paint"}')
+    again = make_rig(cast, third_model, store=store)
+    after = await again.dispatcher.after_reply(root.id, completion)
+
+    assert (after.outcome, after.reason) == (Outcome.STORED, RoutingStop.ENDED.value)
+    assert third_model.requests == []
 
 
 async def test_invalid_answers_are_retried_once_then_the_default_agent_is_used(cast: Cast) -> None:

@@ -102,8 +102,14 @@ async def crash(services: Services, *tasks: asyncio.Task[Any]) -> None:
     """Cancel everything a killed process was doing: ``tasks``, its runs, journal writes and
     flush timer, its publications (nothing of it runs on into the next process)."""
     scheduler = services.scheduler
+    outbox = services.runner.outbox
     doomed = [
-        *tasks, *scheduler._tasks.snapshot(), *scheduler._writes.snapshot(), *services.runner._outbox.snapshot()
+        *tasks,
+        *scheduler._tasks.snapshot(),
+        *scheduler._writes.snapshot(),
+        *services.runner._tasks.snapshot(),
+        *outbox._deliveries.snapshot(),
+        *outbox._writes.snapshot(),
     ]
     if scheduler._flush_task is not None:
         doomed.append(scheduler._flush_task)

@@ -390,8 +390,9 @@ class CountingStore(MemoryStore):
 
 
 async def test_a_reply_and_what_its_run_changed_are_one_durable_write(cast: Cast) -> None:
-    """An agent run writes once: its reply appended together with the agent's processed index, its new
-    session, its token usage and the run's working time (nothing is written before the reply)."""
+    """An agent run writes its reply once, together with the agent's processed index, its new session, its
+    token usage and the run's working time (nothing is written before the reply); the only other write is
+    the outbox's record that the reply waits for a relay."""
     store = CountingStore()
     backend = ScriptedBackend([
         CompletionResult(text="Hi!", model="scripted", session_id="sess-7", prompt_tokens=10, completion_tokens=5)
@@ -411,7 +412,7 @@ async def test_a_reply_and_what_its_run_changed_are_one_durable_write(cast: Cast
     reply = await rig.runner.run(RunRequest(root.id, root.id, "alice"))
 
     assert reply is not None
-    assert store.writes == ["append+state"]
+    assert store.writes == ["append+state", "set_meta:outbox.pending"]
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
     state = conversation.agent_states["alice"]

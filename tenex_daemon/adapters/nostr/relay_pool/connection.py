@@ -45,7 +45,7 @@ from ..codec import (
 )
 from ..signer import Signer
 from .subscriptions import Subscription, Subscriptions
-from .types import Filter, PoolSettings, RelayHealth, RelaySpec, RelayState, Spawn
+from .types import ConnectHandler, Filter, PoolSettings, RelayHealth, RelaySpec, RelayState, Spawn
 
 log = structlog.get_logger(__name__)
 
@@ -121,6 +121,7 @@ class RelayConnection:
         key_cache: PublicKeyCache,
         auth_signer: Signer | None,
         spawn: Spawn,
+        on_connect: ConnectHandler | None = None,
     ) -> None:
         """Connect to ``spec.url`` once :meth:`run` runs; hand live events to ``sink``."""
         self.spec = spec
@@ -131,6 +132,7 @@ class RelayConnection:
         self.key_cache = key_cache
         self.auth_signer = auth_signer
         self.spawn = spawn
+        self.on_connect = on_connect
         self.log = log.bind(relay=spec.url)
         self.ws: ClientConnection | None = None
         self.state = RelayState.IDLE
@@ -210,6 +212,11 @@ class RelayConnection:
         for fetch_id, fetch in self.fetches.items():
             await self.send(encode_req(fetch_id, fetch.filters))
         self.connected.set()
+        if self.on_connect is not None:
+            try:
+                self.on_connect(self.url)
+            except Exception:
+                self.log.exception("connect handler failed")
 
     def _on_close(self) -> None:
         self.ws = None

@@ -19,6 +19,7 @@ from .connection import RelayConnection
 from .delivery import Delivery
 from .subscriptions import Subscription, Subscriptions
 from .types import (
+    ConnectHandler,
     EventHandler,
     Filter,
     LaneKey,
@@ -59,8 +60,12 @@ class RelayPool:
         auth_signer: Signer | None = None,
         settings: PoolSettings | None = None,
         lane_key: LaneKey | None = None,
+        on_connect: ConnectHandler | None = None,
     ) -> None:
         """Describe the pool; nothing connects until :meth:`start`.
+
+        ``on_connect`` is told each relay's URL whenever it (re)connects and its subscriptions are
+        sent again (the daemon's outbox publishes what waits, at once).
 
         ``lane_key`` maps an event to the key whose events must reach ``on_event`` in
         order (with ``settings.delivery_lanes`` > 1, different keys are delivered concurrently).
@@ -70,6 +75,7 @@ class RelayPool:
         if len(set(urls)) != len(urls):
             raise ValueError("a relay url is listed twice")
         self.store = store
+        self._on_connect = on_connect
         self.auth_signer = auth_signer
         self.settings = settings or PoolSettings()
         if self.settings.delivery_lanes < 1:
@@ -124,6 +130,7 @@ class RelayPool:
                 key_cache=self.key_cache,
                 auth_signer=self.auth_signer,
                 spawn=self.spawn,
+                on_connect=self._on_connect,
             )
             self._relays[spec.url] = relay
             relay.task = asyncio.create_task(relay.run(), name=f"relay {spec.url}")

@@ -176,5 +176,7 @@ EventHandler = Callable[[ReceivedEvent], Awaitable[None]]
 """The pool's consumer: awaited once per new event."""
 LaneKey = Callable[[NostrEvent], str]
 """Maps an event to the key whose events must reach the consumer in order."""
+ConnectHandler = Callable[[str], None]
+"""Told a relay's URL each time it (re)connects."""
 Spawn = Callable[[Coroutine[Any, Any, Any], str], None]
 """Runs a named, tracked background task (the pool's :meth:`~RelayPool.spawn`)."""

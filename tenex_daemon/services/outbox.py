@@ -1,0 +1,266 @@
+"""The durable outbox: every event tenexd signs for a conversation reaches a relay, however long it takes.
+
+An event is added once it is saved in its conversation (an agent's reply, a delegation request or
+answer). Delivery starts at once; the entry is recorded durably in the store's small values (the
+key :data:`OUTBOX_KEY`, or a key per daemon when several share a database) before :meth:`Outbox.add`
+returns. A publish that no relay accepts is tried again with a capped backoff (``backoff_start_s``, 1 s,
+doubling up to ``backoff_cap_s``), at once whenever a relay (re)connects (:meth:`Outbox.wake`), and after a
+restart (:meth:`Outbox.recover`); an entry is never dropped for its age, only logged
+(``outbox_entry_old``) once it is older than ``warn_after_s``. A relay's ``OK true`` (a
+``duplicate:`` answer counts as one) ends it; the store forgets it with the next write (coalesced).
+
+Until the entry is durable the run journal covers the event (a run whose reply is saved is
+redone after a crash by publishing that reply again), so nothing signed is ever lost on its way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.ports import Publisher, SmallValues
+from tenex_daemon.runtime.background import BackgroundTasks
+
+log = structlog.get_logger(__name__)
+
+OUTBOX_KEY = "outbox.pending"
+DEFAULT_WARN_AFTER_S = 300.0
+DEFAULT_BACKOFF_CAP_S = 60.0
+FORGET_FLUSH_S = 1.0
+"""A delivered entry leaves the stored outbox within this long (with any write sooner)."""
+
+
+def outbox_key_for(daemon_id: str) -> str:
+    """The outbox's key of one daemon (its project key) in a store daemons share (PostgreSQL)."""
+    return f"{OUTBOX_KEY}.{daemon_id}"
+
+
+@dataclass(slots=True)
+class OutboxEntry:
+    """One event waiting for a relay's ``OK true``."""
+
+    event: NostrEvent
+    conversation_id: str
+    agent_slug: str
+    trigger_id: str | None
+    first_at: float
+    """When it was first added (epoch seconds; kept across restarts)."""
+    attempts: int = 0
+    last_error: str | None = None
+    warned: bool = False
+
+    def record(self) -> dict[str, object]:
+        """The stored form (the event itself is in its conversation)."""
+        return {
+            "id": self.event.id, "c": self.conversation_id, "a": self.agent_slug,
+            "t": self.trigger_id, "at": self.first_at,
+        }
+
+
+class DeliveryObserver(Protocol):
+    """Told when an agent's reply reached a relay (the run observer: reply latency, metrics)."""
+
+    def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:
+        """A reply to ``trigger_id`` reached a relay; ``sent_at``: when that publish was sent (epoch s)."""
+
+
+FindEvent = Callable[[str], Awaitable[tuple[str, NostrEvent] | None]]
+
+
+@dataclass
+class _Wakeup:
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Outbox:
+    """Keeps every signed conversation event until a relay accepted it (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: SmallValues,
+        publisher: Publisher,
+        *,
+        key: str = OUTBOX_KEY,
+        warn_after_s: float = DEFAULT_WARN_AFTER_S,
+        backoff_cap_s: float = DEFAULT_BACKOFF_CAP_S,
+        backoff_start_s: float = 1.0,
+        observer: DeliveryObserver | None = None,
+    ) -> None:
+        self.key = key
+        self._store = store
+        self._publisher = publisher
+        self._warn_after = warn_after_s
+        self._backoff_cap = backoff_cap_s
+        self._backoff_start = backoff_start_s
+        self._observer = observer
+        self._entries: dict[str, OutboxEntry] = {}
+        self._deliveries = BackgroundTasks("outbox")
+        self._writes = BackgroundTasks("outbox store")
+        self._write_lock = asyncio.Lock()
+        self._version = 0
+        self._written = 0
+        self._flush: asyncio.Task[None] | None = None
+        self._wakeup: _Wakeup | None = None
+        self.delivered = 0
+        self.retries = 0
+
+    # --- what status and metrics read ---------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        """Events waiting for a relay."""
+        return len(self._entries)
+
+    def oldest_age_s(self, now: float | None = None) -> float | None:
+        """Seconds since the oldest waiting event was added, or None when none waits."""
+        if not self._entries:
+            return None
+        oldest = min(entry.first_at for entry in self._entries.values())
+        return max(0.0, (time.time() if now is None else now) - oldest)
+
+    # --- adding and delivering ------------------------------------------------------------------
+
+    async def add(
+        self, conversation_id: str, event: NostrEvent, *, agent_slug: str, trigger_id: str | None = None
+    ) -> None:
+        """Deliver ``event`` (saved in ``conversation_id``) until a relay accepts it; on return the
+        entry is durable (delivery has started already). Adding an event already waiting does nothing."""
+        if event.id in self._entries:
+            return
+        entry = OutboxEntry(event, conversation_id, agent_slug, trigger_id, time.time())
+        self._entries[event.id] = entry
+        self._version += 1
+        self._deliveries.spawn(self._deliver(entry), f"deliver {event.id[:12]}")
+        try:
+            await self._write(self._version)
+        except Exception:  # delivery goes on in memory; the next write stores the entry
+            log.exception("outbox_write_failed", event_id=event.id, conversation_id=conversation_id)
+
+    def wake(self) -> None:
+        """A relay (re)connected: every waiting event is tried again now."""
+        wakeup = self._wakeup
+        self._wakeup = None
+        if wakeup is not None:
+            wakeup.event.set()
+
+    async def _deliver(self, entry: OutboxEntry) -> None:
+        delay = self._backoff_start
+        while True:
+            sent_at = time.time()
+            try:
+                await self._publisher.publish(entry.event)
+                break
+            except Exception as exc:
+                entry.attempts += 1
+                entry.last_error = str(exc) or type(exc).__name__
+                self.retries += 1
+                self._warn_if_old(entry)
+                log.info(
+                    "outbox_retry",
+                    event_id=entry.event.id,
+                    conversation_id=entry.conversation_id,
+                    attempt=entry.attempts,
+                    retry_in=delay,
+                    error=entry.last_error,
+                )
+                await self._sleep(delay)
+                delay = min(delay * 2, self._backoff_cap)
+        self._entries.pop(entry.event.id, None)
+        self.delivered += 1
+        if entry.attempts:
+            log.info("outbox_delivered", event_id=entry.event.id, attempts=entry.attempts + 1)
+        if self._observer is not None and entry.trigger_id is not None:
+            self._observer.reply_published(entry.agent_slug, entry.trigger_id, sent_at)
+        self._version += 1
+        if self._flush is None:
+            self._flush = asyncio.create_task(self._forget_soon(), name="outbox forget")
+
+    def _warn_if_old(self, entry: OutboxEntry) -> None:
+        if entry.warned or time.time() - entry.first_at < self._warn_after:
+            return
+        entry.warned = True
+        log.warning(
+            "outbox_entry_old",
+            event_id=entry.event.id,
+            conversation_id=entry.conversation_id,
+            age_s=round(time.time() - entry.first_at, 1),
+            attempts=entry.attempts,
+            error=entry.last_error,
+            action="kept; tried again with backoff and on every relay (re)connect",
+        )
+
+    async def _sleep(self, delay: float) -> None:
+        """Wait ``delay`` seconds, or less when a relay (re)connects meanwhile."""
+        if self._wakeup is None:
+            self._wakeup = _Wakeup()
+        wakeup = self._wakeup
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wakeup.event.wait(), delay)
+
+    # --- the stored form --------------------------------------------------------------------------
+
+    async def _forget_soon(self) -> None:
+        await asyncio.sleep(FORGET_FLUSH_S)
+        self._flush = None
+        self._writes.spawn(self._write(self._version), "forget delivered")
+
+    async def _write(self, wanted: int) -> None:
+        """Store the outbox as it is now, unless a write since ``wanted`` was made already covers it."""
+        async with self._write_lock:
+            if self._written >= wanted:
+                return
+            version = self._version
+            payload = json.dumps([e.record() for e in self._entries.values()], separators=(",", ":"))
+            await self._store.set_meta(self.key, payload)
+            self._written = version
+
+    async def recover(self, find_event: FindEvent) -> int:
+        """Deliver what a previous process left in the stored outbox; return how many entries.
+
+        Each entry's event is read back from its conversation; one whose conversation is gone
+        (deleted) is dropped and logged.
+        """
+        raw = await self._store.get_meta(self.key)
+        try:
+            records = json.loads(raw) if raw else []
+            pending = [(str(r["id"]), str(r["c"]), str(r["a"]), r.get("t"), float(r["at"])) for r in records]
+        except (ValueError, TypeError, KeyError):
+            log.error("outbox_unreadable", key=self.key)
+            return 0
+        restored = 0
+        for event_id, conversation_id, agent_slug, trigger_id, first_at in pending:
+            found = await find_event(event_id)
+            if found is None:
+                log.warning("outbox_entry_dropped", event_id=event_id, reason="event no longer stored")
+                self._version += 1
+                continue
+            entry = OutboxEntry(found[1], conversation_id, agent_slug, trigger_id, first_at)
+            if event_id not in self._entries:
+                self._entries[event_id] = entry
+                self._deliveries.spawn(self._deliver(entry), f"deliver {event_id[:12]}")
+                restored += 1
+        if restored:
+            log.info("outbox_recovered", count=restored)
+        return restored
+
+    async def flush(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the deliveries under way; return how many events still wait."""
+        await self._deliveries.wait(timeout_s)
+        return self.depth
+
+    async def close(self) -> None:
+        """Stop delivering (what waits stays stored for the next start) and store the outbox as it is."""
+        await self._deliveries.cancel_all()
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        await self._writes.gather()
+        await self._write(self._version)

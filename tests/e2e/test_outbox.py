@@ -1,0 +1,144 @@
+"""Nothing said is lost on its way out: a reply saved while the relay is down reaches the person once,
+whether the relay comes back while the daemon runs or the daemon is killed before it could publish."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import pytest
+
+from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool
+from tenex_daemon.adapters.nostr.signer import Signer
+from tests.e2e.harness import DaemonProcess, Home, set_agent_backend
+from tests.integration.nostr.harness import LocalRelayServer
+from tests.llm_servers import Reply, ScriptedServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+OPENAI_PATH = "/v1/chat/completions"
+THINK_S = 2.0
+DAEMON_ENV = {"TENEX_DAEMON__STREAM_PARTIALS": "false", "TENEX_RELAYS__PUBLISH_TIMEOUT_S": "2"}
+"""No partials (the scripted model answers whole); a publish gives up after 2 s, so a relay down for 8 s
+makes it fail and the outbox try again."""
+
+
+def answer(text: str) -> dict[str, object]:
+    """An OpenAI chat completion saying ``text``."""
+    return {
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "scripted",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+    }
+
+
+def slow_planner(home: Home, server: ScriptedServer) -> None:
+    """The planner thinks THINK_S seconds through a scripted OpenAI-compatible server."""
+    server.replies[OPENAI_PATH] = Reply(body=answer("Here is the plan."), delay_s=THINK_S)
+    set_agent_backend(
+        home,
+        "planner",
+        f"""
+kind = "openai"
+model = "scripted"
+base_url = "{server.url("/v1")}"
+options = {{ timeout = 30, max_retries = 0 }}
+""",
+    )
+
+
+class Person:
+    """A client on the relay: asks the planner and counts the planner's replies per question."""
+
+    def __init__(self, relay: LocalRelayServer, home: Home) -> None:
+        self.home = home
+        self.owner = Signer.from_text(home.owner_secret)
+        self.replies: defaultdict[str, set[str]] = defaultdict(set)
+        self.client = RelayPool(
+            [relay.url], on_event=self._on_event, settings=PoolSettings(publish_timeout=10.0)
+        )
+
+    async def _on_event(self, received: ReceivedEvent) -> None:
+        parent = received.event.tag_value("e")
+        if parent is not None:
+            self.replies[parent].add(received.event.id)
+
+    async def start(self) -> None:
+        """Connect and subscribe to the planner's replies."""
+        await self.client.start()
+        await self.client.subscribe("replies", [{"kinds": [1111], "authors": [self.home.agent("planner")]}])
+        assert await self.client.wait_connected(within=10)
+
+    async def ask(self, text: str) -> str:
+        """Publish a question to the planner; return its id."""
+        event = self.owner.sign(11, text, [["p", self.home.agent("planner")]])
+        await self.client.publish(event)
+        return event.id
+
+    async def wait_for_reply(self, question: str, within: float) -> None:
+        """Wait until at least one reply to ``question`` arrived, then a moment for a second one."""
+        async with asyncio.timeout(within):
+            while not self.replies[question]:  # noqa: ASYNC110 - the pool's callback fills it
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(1.5)
+
+
+async def until_asked(server: ScriptedServer, count: int) -> None:
+    """Wait until the model has been asked ``count`` times."""
+    async with asyncio.timeout(30):
+        while len([p for p, _ in server.requests if p == OPENAI_PATH]) < count:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+async def test_a_reply_made_while_the_relay_is_down_arrives_once_when_it_is_back(
+    relay: LocalRelayServer, home: Home, scripted_server: ScriptedServer
+) -> None:
+    """The relay dies while the agent thinks and comes back 8 s later: the reply, saved meanwhile and kept
+    in the outbox, reaches the person exactly once."""
+    slow_planner(home, scripted_server)
+    daemon = DaemonProcess(home, env=DAEMON_ENV)
+    await daemon.start()
+    person = Person(relay, home)
+    await person.start()
+    try:
+        question = await person.ask("Plan the launch")
+        await until_asked(scripted_server, 1)  # the agent thinks
+        await relay.restart(down_for=8.0)
+        await person.wait_for_reply(question, within=60)
+    finally:
+        await person.client.stop()
+        await daemon.stop()
+        daemon.kill()
+
+    assert len(person.replies[question]) == 1, daemon.log_tail()
+    assert "outbox_retry" in daemon.log_path.read_text()
+
+
+async def test_a_reply_saved_but_not_published_before_a_sigkill_arrives_once_after_restart(
+    relay: LocalRelayServer, home: Home, scripted_server: ScriptedServer
+) -> None:
+    """The daemon saves the reply while the relay is down and is SIGKILLed before any relay took it; after
+    the relay and the daemon start again, the reply reaches the person exactly once."""
+    slow_planner(home, scripted_server)
+    daemon = DaemonProcess(home, env=DAEMON_ENV)
+    await daemon.start()
+    person = Person(relay, home)
+    await person.start()
+    try:
+        question = await person.ask("Plan the retrospective")
+        await until_asked(scripted_server, 1)
+        relay.stop()
+        await asyncio.sleep(THINK_S + 2.0)  # the model answered; the reply is saved, its publish failed
+        assert "outbox_retry" in daemon.log_path.read_text(), daemon.log_tail()
+        daemon.kill()  # SIGKILL: the reply is saved and was never published
+        await relay.start()
+        await daemon.start()
+        await person.wait_for_reply(question, within=60)
+    finally:
+        await person.client.stop()
+        await daemon.stop()
+        daemon.kill()
+
+    assert len(person.replies[question]) == 1, daemon.log_tail()
+    asked = len([p for p, _ in scripted_server.requests if p == OPENAI_PATH])
+    assert asked == 1, "the saved reply is published again, the model is not asked again"

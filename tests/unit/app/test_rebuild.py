@@ -1,0 +1,260 @@
+"""Rebuilding conversations from the relays: history order, idempotent merging, verification, the endpoint."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from tenex_daemon import ConversationManager, NostrEvent
+from tenex_daemon.adapters.nostr.relay_pool import Filter
+from tenex_daemon.app.control_api import create_app
+from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.app.rebuild import Rebuilder, RebuildRequest, history_order
+from tenex_daemon.app.settings import Settings
+from tenex_daemon.core.errors import ConversationNotFoundError
+from tenex_daemon.testing import sign_event
+from tests.conftest import Cast
+
+
+def _matches(event: NostrEvent, f: Filter) -> bool:
+    """NIP-01 filter matching, for the fields a rebuild uses."""
+    checks = [
+        "ids" not in f or event.id in f["ids"],
+        "kinds" not in f or event.kind in f["kinds"],
+        "authors" not in f or event.pubkey in f["authors"],
+        "since" not in f or event.created_at >= f["since"],
+        "until" not in f or event.created_at <= f["until"],
+    ]
+    for key, values in f.items():
+        if key.startswith("#"):
+            checks.append(any(t[0] == key[1:] and t[1] in values for t in event.tags if len(t) > 1))
+    return all(checks)
+
+
+@dataclass
+class FakeRelays:
+    """An EventSource over fixed events; ``cap`` limits each answer to the newest events, as relays do."""
+
+    events: list[NostrEvent]
+    cap: int | None = None
+    refuse_once: str | None = None
+    """A reason the relays refuse one frame for during the first fetch (counted in ``rejects``)."""
+    rejects: dict[str, int] = field(default_factory=dict)
+
+    async def fetch(self, filters: Sequence[Filter], *, timeout: float | None = None) -> list[NostrEvent]:  # noqa: ASYNC109 - the EventSource signature
+        """Return the matching events, newest first (at most ``cap``)."""
+        if self.refuse_once is not None:
+            self.rejects[self.refuse_once] = self.rejects.get(self.refuse_once, 0) + 1
+            self.refuse_once = None
+        found = [e for e in self.events if any(_matches(e, f) for f in filters)]
+        found.sort(key=lambda e: (-e.created_at, e.id))
+        return found[: self.cap] if self.cap is not None else found
+
+    def rejects_by_reason(self) -> dict[str, int]:
+        """Frames refused so far (a test sets them)."""
+        return dict(self.rejects)
+
+
+@dataclass
+class Thread:
+    """A conversation on the relays: a root, the alice/user/bob chain, and a stranger's reply."""
+
+    root: NostrEvent
+    replies: list[NostrEvent]
+    stranger: NostrEvent
+
+    @property
+    def allowed(self) -> list[NostrEvent]:
+        """The events the daemon would have taken in, in history order."""
+        return [self.root, *self.replies]
+
+
+def _reply(cast: Cast, say: Any, parent: NostrEvent, root: NostrEvent, text: str, p: str) -> NostrEvent:
+    tags = [["E", root.id, "", root.pubkey], ["K", str(root.kind)], ["P", root.pubkey],
+            ["e", parent.id, "", parent.pubkey], ["p", p]]
+    event: NostrEvent = say(text, tags=tags)
+    return event
+
+
+@pytest.fixture
+def thread(cast: Cast) -> Thread:
+    """A kind-11 root to Alice, Alice's answer, the user's follow-up to Bob, Bob's answer."""
+    root = cast.user_says("Plan the trip", kind=11, tags=[["title", "Trip"], ["p", cast.alice.pubkey]])
+    alice = _reply(cast, cast.alice_says, root, root, "A plan", cast.user.pubkey)
+    user = _reply(cast, cast.user_says, alice, root, "Bob, check it", cast.bob.pubkey)
+    bob = _reply(cast, cast.bob_says, user, root, "Checked", cast.user.pubkey)
+    stranger = cast.factory.event(cast.other_user, "spam", tags=[["E", root.id], ["p", cast.alice.pubkey]])
+    return Thread(root, [alice, user, bob], stranger)
+
+
+async def _history(manager: ConversationManager, conversation_id: str) -> list[str]:
+    conversation = await manager.get_conversation(conversation_id)
+    assert conversation is not None
+    return [e.id for e in conversation.history]
+
+
+def test_history_order_puts_each_reply_after_its_parent_then_orders_by_time_then_id(cast: Cast) -> None:
+    """A reply comes after the event it replies to even when dated earlier; the rest go by
+    created_at, then id, whatever order they came in."""
+    root = sign_event(cast.user, "root", kind=11, created_at=1_000)
+    late = sign_event(cast.alice_keys, "late answer", tags=[["E", root.id], ["e", root.id]], created_at=1_009)
+    early_child = sign_event(cast.bob_keys, "child", tags=[["E", root.id], ["e", late.id]], created_at=1_001)
+    twins = [
+        sign_event(cast.user, f"twin {n}", tags=[["E", root.id], ["e", root.id]], created_at=1_002)
+        for n in range(2)
+    ]
+    events = [root, late, early_child, *twins]
+    expected = [root, *sorted(twins, key=lambda e: e.id), late, early_child]
+
+    for seed in range(5):
+        random.Random(seed).shuffle(events)
+        assert history_order(events) == expected
+
+
+def _rebuilder(manager: ConversationManager, relays: FakeRelays) -> Rebuilder:
+    return Rebuilder(manager, relays)
+
+
+async def test_rebuilding_twice_adds_nothing_the_second_time(manager: ConversationManager, thread: Thread) -> None:
+    """A rebuild into an empty store creates the conversation in history order; a second one adds
+    nothing and finds every event already present."""
+    relays = FakeRelays([*reversed(thread.allowed), thread.stranger])
+
+    first = await _rebuilder(manager, relays).rebuild(RebuildRequest(all_=True))
+    second = await _rebuilder(manager, relays).rebuild(RebuildRequest(all_=True))
+
+    assert await _history(manager, thread.root.id) == [e.id for e in thread.allowed]
+    assert first.to_dict()["conversations"] == {"found": 1, "created": 1, "updated": 0}
+    assert (first.events_added, first.events_present) == (4, 0)
+    assert second.to_dict()["conversations"] == {"found": 1, "created": 0, "updated": 0}
+    assert (second.events_added, second.events_present) == (0, 4)
+    assert await _history(manager, thread.root.id) == [e.id for e in thread.allowed]
+
+
+async def test_a_partial_conversation_gets_only_what_it_lacks(manager: ConversationManager, thread: Thread) -> None:
+    """A stored conversation holding its root and first reply gets the two later replies appended,
+    in order, and counts as updated."""
+    await manager.create_conversation(thread.root)
+    await manager.add_event(thread.root.id, thread.replies[0])
+
+    report = await _rebuilder(manager, FakeRelays(thread.allowed)).rebuild(RebuildRequest(thread.root.id))
+
+    assert await _history(manager, thread.root.id) == [e.id for e in thread.allowed]
+    assert report.to_dict()["conversations"] == {"found": 1, "created": 0, "updated": 1}
+    assert (report.events_added, report.events_present) == (2, 2)
+
+
+async def test_invalid_events_and_strangers_are_skipped_and_counted(
+    manager: ConversationManager, thread: Thread
+) -> None:
+    """An event whose content no longer matches its id is counted invalid, one by an author the daemon
+    would not take in is skipped with that reason, and neither is stored; relay refusals count as invalid."""
+    tampered = thread.replies[2].model_copy(update={"content": "forged"})
+    relays = FakeRelays([*thread.allowed[:3], tampered, thread.stranger], refuse_once="bad_signature")
+    relays.rejects = {"bad_signature": 4, "unknown_subscription": 7}
+
+    report = await _rebuilder(manager, relays).rebuild(RebuildRequest(all_=True))
+
+    assert report.events_invalid == 2
+    assert report.events_skipped["author_not_allowed"] == 1
+    assert await _history(manager, thread.root.id) == [e.id for e in thread.allowed[:3]]
+
+
+async def test_pages_are_read_until_nothing_new_comes(manager: ConversationManager, thread: Thread) -> None:
+    """A relay that answers at most two events per request still gives the whole conversation."""
+    relays = FakeRelays(thread.allowed, cap=2)
+
+    report = await _rebuilder(manager, relays).rebuild(RebuildRequest(thread.root.id))
+
+    assert report.events_added == 4
+    assert await _history(manager, thread.root.id) == [e.id for e in thread.allowed]
+
+
+async def test_since_leaves_older_events_out_but_fetches_the_root(
+    manager: ConversationManager, thread: Thread
+) -> None:
+    """With since after the first reply, the root (whatever its date) and the later replies are merged."""
+    since = thread.replies[1].created_at
+
+    await _rebuilder(manager, FakeRelays(thread.allowed)).rebuild(RebuildRequest(thread.root.id, since=since))
+
+    assert await _history(manager, thread.root.id) == [thread.root.id, thread.replies[1].id, thread.replies[2].id]
+
+
+async def test_a_deleted_conversation_stays_deleted(manager: ConversationManager, thread: Thread) -> None:
+    """A conversation deleted from the store (its ids still processed) is not brought back."""
+    await manager.create_conversation(thread.root)
+    assert await manager.delete_conversation(thread.root.id)
+
+    report = await _rebuilder(manager, FakeRelays(thread.allowed)).rebuild(RebuildRequest(all_=True))
+
+    assert await manager.get_conversation(thread.root.id) is None
+    assert report.events_skipped["conversation_deleted"] == 4
+
+
+async def test_an_archived_conversation_gets_its_events_and_stays_archived(
+    manager: ConversationManager, thread: Thread
+) -> None:
+    """Missing events are merged into an archived conversation, which is archived again afterwards."""
+    await manager.create_conversation(thread.root)
+    await manager.archive_conversation(thread.root.id)
+
+    await _rebuilder(manager, FakeRelays(thread.allowed)).rebuild(RebuildRequest(thread.root.id))
+
+    conversation = await manager.get_conversation(thread.root.id)
+    assert conversation is not None
+    assert conversation.archived
+    assert [e.id for e in conversation.history] == [e.id for e in thread.allowed]
+
+
+async def test_one_conversation_no_relay_has_is_not_found(manager: ConversationManager) -> None:
+    """Asking for a conversation no relay has any event of raises ConversationNotFoundError."""
+    with pytest.raises(ConversationNotFoundError):
+        await _rebuilder(manager, FakeRelays([])).rebuild(RebuildRequest("ab" * 32))
+
+
+def test_a_request_names_one_conversation_or_all() -> None:
+    """A request with both an id and all, or with neither, is refused."""
+    with pytest.raises(ValueError, match="not both"):
+        RebuildRequest("ab" * 32, all_=True)
+    with pytest.raises(ValueError, match="not both"):
+        RebuildRequest()
+
+
+@dataclass
+class RelayTargetFake:
+    """A daemon for the control API: the manager, metrics, a status, relays and settings."""
+
+    manager: ConversationManager
+    pool: FakeRelays | None
+    settings: Settings = field(default_factory=lambda: Settings.model_construct(home=Path("unused"), whitelist=[]))
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def status(self) -> dict[str, Any]:
+        """A fixed status."""
+        return {"state": "running"}
+
+
+async def test_the_rebuild_endpoint_merges_and_reports(manager: ConversationManager, thread: Thread) -> None:
+    """POST /api/v1/conversations/rebuild merges through the daemon's manager and answers the report;
+    a bad body is 400, an unknown conversation 404, a daemon without relays 503."""
+    target = RelayTargetFake(manager, FakeRelays(thread.allowed))
+    async with TestClient(TestServer(create_app(target))) as client:
+        ok = await client.post("/api/v1/conversations/rebuild", json={"id": thread.root.id, "since": "0"})
+        report = await ok.json()
+        bad = await client.post("/api/v1/conversations/rebuild", json={"id": thread.root.id, "all": True})
+        unknown = await client.post("/api/v1/conversations/rebuild", json={"id": "cd" * 32})
+        target.pool = None
+        offline = await client.post("/api/v1/conversations/rebuild", json={"all": True})
+
+    assert ok.status == 200
+    assert report["conversations"] == {"found": 1, "created": 1, "updated": 0}
+    assert report["events"]["added"] == 4
+    assert await _history(manager, thread.root.id) == [e.id for e in thread.allowed]
+    assert (bad.status, unknown.status, offline.status) == (400, 404, 503)

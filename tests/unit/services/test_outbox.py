@@ -1,0 +1,161 @@
+"""The durable outbox: signed events are published until a relay accepts them, across failures and restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import structlog
+
+from tenex_daemon import MemoryStore
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.services.outbox import OUTBOX_KEY, Outbox
+from tenex_daemon.testing.fakes import FakePublisher
+from tests.conftest import Cast
+
+
+class Observer:
+    """Records the replies the outbox reports delivered."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, str]] = []
+
+    def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:
+        """Record (agent, trigger)."""
+        self.published.append((agent_slug, trigger_id))
+
+
+async def saved_reply(store: MemoryStore, cast: Cast) -> tuple[NostrEvent, NostrEvent]:
+    """A conversation in ``store`` with a person's root and Alice's reply; return (root, reply)."""
+    root = cast.user_says("Hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    conversation = Conversation(id=root.id, created_at=0, updated_at=0, phase_started_at=0)
+    conversation.append(root)
+    await store.create(conversation)
+    reply = cast.alice_says("Hi!", tags=[["e", root.id]])
+    await store.append_event(root.id, reply)
+    return root, reply
+
+
+async def stored_ids(store: MemoryStore) -> list[str]:
+    """The event ids the stored outbox holds."""
+    raw = await store.get_meta(OUTBOX_KEY)
+    return [record["id"] for record in json.loads(raw or "[]")]
+
+
+async def until(predicate: object, timeout_s: float = 5.0) -> None:
+    """Wait until ``predicate()`` holds."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate():  # type: ignore[operator]  # noqa: ASYNC110 - polls the outbox's counters
+            await asyncio.sleep(0.005)
+
+
+async def test_an_added_event_is_stored_until_a_relay_accepts_it(cast: Cast) -> None:
+    """add() returns once the entry is stored; after the relay's OK the event is reported once and the
+    stored outbox empties."""
+    store, publisher, observer = MemoryStore(), FakePublisher(), Observer()
+    root, reply = await saved_reply(store, cast)
+    publisher.fail = True
+    outbox = Outbox(store, publisher, backoff_start_s=0.01, backoff_cap_s=0.02, observer=observer)
+
+    await outbox.add(root.id, reply, agent_slug="alice", trigger_id=root.id)
+
+    assert await stored_ids(store) == [reply.id]
+    assert outbox.depth == 1
+    publisher.fail = False
+    await until(lambda: outbox.depth == 0)
+    assert [e.id for e in publisher.published] == [reply.id]
+    assert observer.published == [("alice", root.id)]
+    await outbox.close()
+    assert await stored_ids(store) == []
+
+
+async def test_failed_publishes_are_retried_with_backoff_and_nothing_is_dropped(cast: Cast) -> None:
+    """A relay that refuses for a while is tried again and again (backoff capped); the event goes out once."""
+    store, publisher = MemoryStore(), FakePublisher()
+    root, reply = await saved_reply(store, cast)
+    publisher.fail = True
+    outbox = Outbox(store, publisher, backoff_start_s=0.005, backoff_cap_s=0.01)
+    await outbox.add(root.id, reply, agent_slug="alice")
+
+    await until(lambda: outbox.retries >= 5)
+    assert outbox.depth == 1
+    publisher.fail = False
+    await until(lambda: outbox.depth == 0)
+
+    assert [e.id for e in publisher.published] == [reply.id]
+    await outbox.close()
+
+
+async def test_a_relay_reconnecting_wakes_the_retry_at_once(cast: Cast) -> None:
+    """wake() (a relay reconnected) retries a waiting event now, not after its backoff."""
+    store, publisher = MemoryStore(), FakePublisher()
+    root, reply = await saved_reply(store, cast)
+    publisher.fail = True
+    outbox = Outbox(store, publisher, backoff_start_s=30.0)
+    await outbox.add(root.id, reply, agent_slug="alice")
+    await until(lambda: outbox.retries == 1)
+
+    publisher.fail = False
+    outbox.wake()
+
+    await until(lambda: outbox.depth == 0, timeout_s=2.0)
+    assert [e.id for e in publisher.published] == [reply.id]
+    await outbox.close()
+
+
+async def test_what_waits_at_a_stop_is_delivered_after_the_restart(cast: Cast) -> None:
+    """An event still waiting when the process stops stays stored; the next process reads it back from
+    its conversation and delivers it."""
+    store, publisher = MemoryStore(), FakePublisher()
+    root, reply = await saved_reply(store, cast)
+    publisher.fail = True
+    first = Outbox(store, publisher, backoff_start_s=30.0)
+    await first.add(root.id, reply, agent_slug="alice", trigger_id=root.id)
+    await first.close()
+    assert await stored_ids(store) == [reply.id]
+
+    publisher.fail = False
+    observer = Observer()
+    second = Outbox(store, publisher, observer=observer)
+    assert await second.recover(store.find_event) == 1
+    await until(lambda: second.depth == 0)
+
+    assert [e.id for e in publisher.published] == [reply.id]
+    assert observer.published == [("alice", root.id)]
+    await second.close()
+    assert await stored_ids(store) == []
+
+
+async def test_an_old_entry_is_logged_once_and_kept(cast: Cast) -> None:
+    """An event older than warn_after_s is logged once (outbox_entry_old) and still tried, never dropped."""
+    store, publisher = MemoryStore(), FakePublisher()
+    root, reply = await saved_reply(store, cast)
+    publisher.fail = True
+    outbox = Outbox(store, publisher, warn_after_s=0.01, backoff_start_s=0.005, backoff_cap_s=0.005)
+
+    with structlog.testing.capture_logs() as logs:
+        await outbox.add(root.id, reply, agent_slug="alice")
+        await asyncio.sleep(0.02)
+        await until(lambda: outbox.retries >= 6)
+
+    assert [entry["event"] for entry in logs].count("outbox_entry_old") == 1
+    assert outbox.depth == 1
+    await outbox.close()
+    assert await stored_ids(store) == [reply.id]
+
+
+@pytest.mark.parametrize("times", [1, 2])
+async def test_adding_the_same_event_again_changes_nothing(cast: Cast, times: int) -> None:
+    """A republished reply (a recovered run) already waiting is not added twice."""
+    store, publisher = MemoryStore(), FakePublisher()
+    root, reply = await saved_reply(store, cast)
+    publisher.fail = True
+    outbox = Outbox(store, publisher, backoff_start_s=30.0)
+    for _ in range(times + 1):
+        await outbox.add(root.id, reply, agent_slug="alice")
+
+    assert outbox.depth == 1
+    assert await stored_ids(store) == [reply.id]
+    await outbox.close()

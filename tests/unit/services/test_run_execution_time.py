@@ -1,0 +1,98 @@
+"""A run's working time is added with its reply (``ExecutionTime.add_run``), not by marking the conversation
+active in the store: a run longer than the 30-minute stale window keeps its time, and a crash followed by a
+quick restart does not count the downtime (docs/ARCHITECTURE.md, "Execution time")."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from tenex_daemon import MemoryStore
+from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
+from tenex_daemon.services.agent_runner import AgentProfile
+from tenex_daemon.testing import FakeClock
+from tests import pipeline
+from tests.conftest import Cast
+
+MINUTE_MS = 60_000
+
+
+class SlowModel:
+    """A model that takes ``minutes`` of the fake clock to answer."""
+
+    name = "slow"
+
+    def __init__(self, clock: FakeClock, minutes: int) -> None:
+        self.clock = clock
+        self.minutes = minutes
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Move the clock on by the time the answer takes, then answer."""
+        self.clock.advance(self.minutes * MINUTE_MS)
+        return CompletionResult(text=f"Took {self.minutes} minutes.", model="slow")
+
+
+class StuckModel:
+    """A model that never answers (the process dies while it thinks)."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Signal the request, then wait until cancelled."""
+        self.asked.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+def rig_with(cast: Cast, model: LLMBackend, store: MemoryStore, clock: FakeClock) -> pipeline.Rig:
+    """The daemon's pipeline on ``store`` and ``clock``; every agent thinks through ``model``."""
+    profiles = {a.slug: AgentProfile(a, "", model) for a in cast.agents}
+    return pipeline.build_rig(cast, profiles=profiles, store=store, clock=clock)
+
+
+async def test_a_45_minute_run_adds_2700_seconds(cast: Cast) -> None:
+    """A run longer than the 30-minute stale window adds all of its 45 minutes (2,700 s) with its reply."""
+    store, clock = MemoryStore(), FakeClock()
+    rig = rig_with(cast, SlowModel(clock, 45), store, clock)
+    root = cast.user_says("Think hard", kind=11, tags=[["p", cast.alice.pubkey]])
+
+    await rig.dispatcher.handle(root)
+    await rig.settle()
+
+    assert await rig.manager.execution_seconds(root.id) == 2700
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.pubkey for e in conversation.history] == [cast.user.pubkey, cast.alice.pubkey]
+
+
+async def test_a_crashed_run_redone_after_a_restart_counts_only_the_redone_run(cast: Cast) -> None:
+    """A run cut off by a crash counts nothing; after a restart 20 minutes later (within the stale window)
+    the redone 1-minute run adds 60 s: neither the lost run nor the downtime is counted."""
+    store, clock = MemoryStore(), FakeClock()
+    stuck = StuckModel()
+    first = rig_with(cast, stuck, store, clock)
+    root = cast.user_says("Think hard", kind=11, tags=[["p", cast.alice.pubkey]])
+    await first.dispatcher.handle(root)
+    await asyncio.wait_for(stuck.asked.wait(), 5)
+    await first.scheduler.journaled()
+    # The crash: the first process writes nothing more (its stuck run is left as it is until the end).
+    zombies = first.scheduler._tasks.snapshot()
+    try:
+        clock.advance(20 * MINUTE_MS)
+        restarted = rig_with(cast, SlowModel(clock, 1), store, clock)
+        await restarted.scheduler.recover()  # as the daemon starts: journaled runs, then dispatches
+        redo = await restarted.dispatcher.stored_dispatches(restarted.scheduler.dispatches_to_redo())
+        results = [await restarted.dispatcher.redispatch(event_id) for event_id in redo]
+        await restarted.settle()
+
+        assert [r.agents for r in results] == [("alice",)]
+        assert await restarted.manager.execution_seconds(root.id) == 60
+    finally:
+        for task in zombies:
+            task.cancel()
+        for task in zombies:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
