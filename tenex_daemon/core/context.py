@@ -121,8 +121,14 @@ def build_agent_messages(
     directory: AgentDirectory,
     resolved_entities: Mapping[str, str] | None = None,
     view: HistoryView | None = None,
+    *,
+    burst: bool = False,
 ) -> AgentContext:
     """Build the chat messages ``agent`` is sent to respond to ``trigger`` (docs/CONTEXT.md).
+
+    ``burst``: the trigger is the newest of several messages to the agent answered by one run
+    (docs/CONTEXT.md, "Bursts"): step 1 then shows all of history but the trigger, so the agent's own
+    answers saved after an earlier message of the burst are shown too, and the trigger comes last.
 
     Pure with respect to the conversation: it is not changed. The caller persists the
     returned ``last_processed_index``, ``session_id`` and ``transitions_seen`` before
@@ -157,14 +163,9 @@ def build_agent_messages(
         conversation.claimant_count(),
         tuple(sorted(resolved.items())),
     )
-    if view is None or stop < view.upto:
-        messages = _history_messages(history[:stop], sender, text if resolved else None)
-    else:
-        if view.fingerprint != fingerprint:
-            view.messages, view.upto, view.fingerprint = [], 0, fingerprint
-        view.messages.extend(_history_messages(history[view.upto : stop], sender, text if resolved else None))
-        view.upto = stop
-        messages = view.messages.copy()
+    messages = _history_prefix(history, stop, view, fingerprint, sender, text if resolved else None)
+    if burst and trigger_index is not None:  # a burst's trigger goes last: what follows it is shown too
+        messages.extend(_history_messages(history[trigger_index + 1 :], sender, text if resolved else None))
     append = messages.append
 
     # 2. The while-away block: what others said since the agent was last built for.
@@ -218,6 +219,24 @@ def _session_for(trigger: NostrEvent, stored: str | None, directory: AgentDirect
     if tagged and is_session_id(tagged) and directory.may_set_session(trigger.pubkey):
         return tagged
     return stored
+
+
+def _history_prefix(
+    history: list[NostrEvent],
+    stop: int,
+    view: HistoryView | None,
+    fingerprint: tuple[object, ...],
+    sender: Callable[[str], _Sender],
+    text: Callable[[str], str] | None,
+) -> list[ChatMessage]:
+    """Step 1's messages for ``history[:stop]``, from the memo ``view`` when it holds them."""
+    if view is None or stop < view.upto:
+        return _history_messages(history[:stop], sender, text)
+    if view.fingerprint != fingerprint:
+        view.messages, view.upto, view.fingerprint = [], 0, fingerprint
+    view.messages.extend(_history_messages(history[view.upto : stop], sender, text))
+    view.upto = stop
+    return view.messages.copy()
 
 
 def _history_messages(

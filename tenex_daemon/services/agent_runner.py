@@ -204,7 +204,9 @@ class AgentRunner:
         started_ms = self._manager.now_ms()
         try:
             # nothing is stored before the reply: what the agent saw is saved with it, in one write
-            context = await self._manager.build_agent_messages(cid, slug, trigger, persist=False)
+            # a run's trigger goes last: what was saved after it while it waited (the agent's own answer
+            # to an earlier message, others of a burst) is shown too (docs/CONTEXT.md, "Bursts")
+            context = await self._manager.build_agent_messages(cid, slug, trigger, persist=False, burst=True)
             offered, delegator = self._delegating(profile, cid, trigger)
             tool_context = ToolContext(self._manager, cid, profile.agent, effects, delegator)
             result, error_kind = await self._loop.answer(offered, context, tool_context)

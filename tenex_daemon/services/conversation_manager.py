@@ -215,6 +215,7 @@ class ConversationManager:
         *,
         start_execution: bool = False,
         persist: bool = True,
+        burst: bool = False,
     ) -> AgentContext:
         """Return the messages ``agent_slug`` is sent to respond to ``trigger`` (docs/CONTEXT.md).
 
@@ -222,7 +223,8 @@ class ConversationManager:
         ``start_execution`` also starts timing work on the conversation, in the same save.
         ``persist=False`` (an agent run) changes nothing stored: the run's reply records what the
         agent saw, with itself, in one durable write (:meth:`append_reply`); a run lost to a crash
-        is built again from the state before it.
+        is built again from the state before it. ``burst``: the trigger is the newest of several
+        messages answered by one run (docs/CONTEXT.md, "Bursts").
         """
         agent = self.agents.get(agent_slug)
         async with self._locks.hold(conversation_id):
@@ -232,10 +234,14 @@ class ConversationManager:
             async with self._locks.hold(conversation_id):
                 conversation = await self._load_required(conversation_id)
                 view = self._history_view(conversation_id, agent.slug)
-                return build_agent_messages(conversation, agent, trigger, self.agents, resolved, view)
+                return build_agent_messages(
+                    conversation, agent, trigger, self.agents, resolved, view, burst=burst
+                )
         async with self._locked(conversation_id) as conversation:
             view = self._history_view(conversation_id, agent.slug)
-            context = build_agent_messages(conversation, agent, trigger, self.agents, resolved, view)
+            context = build_agent_messages(
+                conversation, agent, trigger, self.agents, resolved, view, burst=burst
+            )
             _record_context(conversation.agent_state(agent.slug), context)
             if start_execution:
                 conversation.execution_time.start(self._clock.now_ms())

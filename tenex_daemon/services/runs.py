@@ -40,6 +40,8 @@ class RunRequest:
     via_orchestrator: bool = False
     recovered: bool = False
     """Redone after a restart: the previous process may have saved its reply already."""
+    burst: tuple[str, ...] = ()
+    """The earlier triggers this run answers together with its own (docs/CONTEXT.md, "Bursts")."""
 
 
 RunFunction = Callable[[RunRequest], Awaitable[None]]
@@ -80,6 +82,8 @@ class RunScheduler:
         self._tasks = BackgroundTasks("run scheduler")
         """The runs scheduled and not finished (each logs its own failure)."""
         self._pending: dict[str, RunRequest] = {}
+        self._covered: set[str] = set()
+        """Requests taken into a burst run: their own turn finds them answered."""
         self._dispatching: dict[str, None] = {}
         """Event ids accepted and not yet dispatched (insertion order)."""
         self._redo: list[str] = []
@@ -212,12 +216,16 @@ class RunScheduler:
         )
         try:
             async with self._conversation_locks.hold(request.conversation_id), self._semaphore:
-                self.running += 1
-                try:
-                    await self._run(request)
-                    self.completed += 1
-                finally:
-                    self.running -= 1
+                if self._key(request) in self._covered:
+                    self._covered.discard(self._key(request))
+                    log_ctx.info("run_answered_in_burst")
+                else:
+                    self.running += 1
+                    try:
+                        await self._run(self._take_burst(request))
+                        self.completed += 1
+                    finally:
+                        self.running -= 1
         except asyncio.CancelledError:
             log_ctx.warning("run_cancelled", reason="shutdown")
             raise
@@ -227,6 +235,36 @@ class RunScheduler:
         self._pending.pop(self._key(request), None)
         if self._flush_task is None:
             self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
+
+    def _take_burst(self, request: RunRequest) -> RunRequest:
+        """The request to run now: when more messages to the same agent in the conversation wait
+        (direct ones, not routed by the orchestrator), the newest of them, answering the others too
+        (docs/CONTEXT.md, "Bursts"); their own turns then find them answered."""
+        if request.via_orchestrator:
+            return request
+        key = self._key(request)
+        waiting = [
+            (k, r)
+            for k, r in self._pending.items()
+            if k != key
+            and k not in self._covered
+            and r.conversation_id == request.conversation_id
+            and r.agent_slug == request.agent_slug
+            and not r.via_orchestrator
+        ]
+        if not waiting:
+            return request
+        self._covered.update(k for k, _ in waiting)
+        newest = waiting[-1][1]
+        earlier = (request.trigger_id, *(r.trigger_id for _, r in waiting[:-1]))
+        log.info(
+            "run_burst",
+            conversation_id=request.conversation_id,
+            agent=request.agent_slug,
+            trigger=newest.trigger_id,
+            answers_too=list(earlier),
+        )
+        return replace(newest, burst=earlier)
 
     async def _flush_finished(self) -> None:
         """Write the journal without the runs finished lately (they need no write of their own)."""
@@ -240,7 +278,9 @@ class RunScheduler:
         try:
             redo = list(dict.fromkeys(str(item["dispatch"]) for item in entries if "dispatch" in item))
             requests = [
-                replace(RunRequest(**item), recovered=True) for item in entries if "dispatch" not in item
+                replace(RunRequest(**item), recovered=True, burst=tuple(item.get("burst", ())))
+                for item in entries
+                if "dispatch" not in item
             ]
         except (ValueError, TypeError, KeyError):
             log.error("run_journal_unreadable", key=self.journal_key)

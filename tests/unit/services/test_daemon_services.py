@@ -296,8 +296,8 @@ async def test_runs_are_serial_within_a_conversation_and_capped(cast: Cast) -> N
 
     scheduler = RunScheduler(store, run, max_concurrent=3)
     for c in range(6):
-        for n in range(4):
-            await scheduler.submit(RunRequest(f"c{c}", f"t{n}", "alice"))
+        for n in range(4):  # four agents: messages to one agent waiting together would be one burst run
+            await scheduler.submit(RunRequest(f"c{c}", f"t{n}", f"agent{n}"))
     await scheduler.drain(10.0)
 
     assert overlaps == []

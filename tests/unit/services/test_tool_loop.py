@@ -78,10 +78,13 @@ async def start(rig: Rig, cast: Cast, content: str = "Hello Alice") -> NostrEven
     return root
 
 
-async def run(rig: Rig, root: NostrEvent, trigger: NostrEvent | None = None, **options: bool) -> NostrEvent:
+async def run(
+    rig: Rig, root: NostrEvent, trigger: NostrEvent | None = None, *, via_orchestrator: bool = False
+) -> NostrEvent:
     """Run Alice on ``trigger`` (default: the root) and wait for the publication."""
     trigger = trigger or root
-    reply = await rig.runner.run(RunRequest(root.id, trigger.id, "alice", **options), rig.routing)
+    request = RunRequest(root.id, trigger.id, "alice", via_orchestrator=via_orchestrator)
+    reply = await rig.runner.run(request, rig.routing)
     assert reply is not None
     await rig.runner.flush(5.0)
     return reply

@@ -1,0 +1,114 @@
+"""Bursts: messages that wait while an agent is busy are answered together by its next run (docs/CONTEXT.md)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tenex_daemon.core.context import NEW_INTERACTION
+from tenex_daemon.core.llm import CompletionRequest, CompletionResult
+from tests import pipeline
+from tests.conftest import Cast
+
+
+class GatedBackend:
+    """Holds its first answer until released, answers "answer N" to the Nth call, records every request."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        self.requests: list[CompletionRequest] = []
+        self.asked = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Answer; the first call waits for ``release``."""
+        self.requests.append(request)
+        number = len(self.requests)
+        if number == 1:
+            self.asked.set()
+            await self.release.wait()
+        return CompletionResult(text=f"answer {number}", model="gated")
+
+
+async def test_a_burst_is_answered_once_by_a_run_that_sees_every_message_and_its_earlier_answer(
+    cast: Cast,
+) -> None:
+    """Two messages sent while the agent answers a first one cost one more call, not two: its trigger is
+    the newest, it shows both messages in order and the agent's answer to the first, and nothing is
+    answered twice."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    second = cast.user_says("second", tags=thread)
+    third = cast.user_says("third", tags=thread)
+    await rig.dispatcher.handle(second)
+    await rig.dispatcher.handle(third)
+
+    backend.release.set()
+    await rig.settle()
+
+    assert len(backend.requests) == 2
+    shown = [(m.role, m.content) for m in backend.requests[1].messages]
+    assert shown[:3] == [("user", "first"), ("user", "second"), ("assistant", "answer 1")]
+    assert shown[-2:] == [("system", NEW_INTERACTION), ("user", "third")]
+    assert "second" in shown[-3][1]  # the while-away block holds what came since the first answer
+    replies = rig.publisher.published
+    assert [(r.content, r.tag_value("e")) for r in replies] == [("answer 1", root.id), ("answer 2", third.id)]
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.content for e in conversation.history] == ["first", "second", "third", "answer 1", "answer 2"]
+    assert conversation.agent_states["alice"].last_processed_index == 4
+
+
+async def test_a_message_that_arrives_during_a_run_gets_the_next_run_which_sees_the_reply(cast: Cast) -> None:
+    """One message waiting alone is not a burst: it gets its own run, after the busy one, shown the reply."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    second = cast.user_says("second", tags=thread)
+    await rig.dispatcher.handle(second)
+
+    backend.release.set()
+    await rig.settle()
+
+    shown = [(m.role, m.content) for m in backend.requests[1].messages]
+    assert ("assistant", "answer 1") in shown
+    assert shown[-1] == ("user", "second")
+    assert len(rig.publisher.published) == 2
+
+
+async def test_the_scheduler_runs_the_newest_waiting_request_once_for_a_burst(cast: Cast) -> None:
+    """Three requests for one agent waiting behind a busy run become one run (the newest trigger, the
+    other two named as answered with it); the other agent's request still gets its own run."""
+    from tenex_daemon import MemoryStore
+    from tenex_daemon.services.runs import RunRequest, RunScheduler
+
+    ran: list[RunRequest] = []
+    gate = asyncio.Event()
+
+    async def run(request: RunRequest) -> None:
+        ran.append(request)
+        if len(ran) == 1:
+            await gate.wait()
+
+    scheduler = RunScheduler(MemoryStore(), run)
+    await scheduler.submit(RunRequest("c", "t0", "alice"))
+    await asyncio.sleep(0)
+    for trigger in ("t1", "t2", "t3"):
+        await scheduler.submit(RunRequest("c", trigger, "alice"))
+    await scheduler.submit(RunRequest("c", "t4", "bob"))
+    gate.set()
+    await scheduler.drain(5.0)
+
+    assert [(r.trigger_id, r.agent_slug, r.burst) for r in ran] == [
+        ("t0", "alice", ()),
+        ("t3", "alice", ("t1", "t2")),
+        ("t4", "bob", ()),
+    ]
+    assert scheduler.completed == 3
