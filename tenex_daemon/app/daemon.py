@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Coroutine
 from functools import partial
@@ -34,7 +35,7 @@ from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.embedded_relay import EmbeddedRelay
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.notify import SystemdNotifier
-from tenex_daemon.app.settings import Settings
+from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.app.status import (
     AgentEntry,
     ConversationCounts,
@@ -53,10 +54,11 @@ from tenex_daemon.app.wiring import (
     build_orchestrator,
     build_pipeline,
     build_store,
+    instance_keys,
     load_signers,
 )
 from tenex_daemon.core.agents import Agent
-from tenex_daemon.core.ports import Store
+from tenex_daemon.core.ports import Peers, Store
 from tenex_daemon.core.vocabulary import (
     KIND_COMMENT,
     KIND_CONVERSATION_ROOT,
@@ -66,7 +68,8 @@ from tenex_daemon.core.vocabulary import (
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.dispatcher import HandleResult, Outcome
-from tenex_daemon.services.runs import RunRequest
+from tenex_daemon.services.outbox import outbox_key_for
+from tenex_daemon.services.runs import RunRequest, journal_key_for
 
 log = structlog.get_logger(__name__)
 
@@ -151,6 +154,10 @@ class Daemon:
         self.embedded_relay: EmbeddedRelay | None = None
         self.store: Store | None = None
         self.pool: RelayPool | None = None
+        self.instance = settings.daemon.instance_id or uuid.uuid4().hex[:12]
+        """This daemon's name among those sharing a PostgreSQL database."""
+        self._peers: Peers | None = None
+        self._lifetime = contextlib.AsyncExitStack()
         self.pipeline: Pipeline | None = None
         """Manager, runner, dispatcher and scheduler (:func:`build_pipeline`), once started."""
         self.agents: list[Agent] = []
@@ -301,6 +308,9 @@ class Daemon:
         self.agents = build_agents(settings, signers)
         self.store = build_store(settings)
         await self.store.open()
+        if isinstance(self.store, Peers) and settings.storage.kind is StorageKind.POSTGRES:
+            self._peers = self.store  # daemons sharing the database: hold this one's name while it lives
+            await self._lifetime.enter_async_context(self.store.alive(self._peer_name(self.instance)))
 
         self.pool = RelayPool(
             self.relay_urls,
@@ -342,7 +352,9 @@ class Daemon:
             self.agents,
             profiles,
             ports,
-            PipelineOptions.from_settings(settings, project_signer.pubkey),
+            PipelineOptions.from_settings(
+                settings, project_signer.pubkey, self.instance if self._peers is not None else None
+            ),
             orchestrator=partial(build_orchestrator, settings, backends=backends),
         )
 
@@ -360,6 +372,9 @@ class Daemon:
         await self.pool.subscribe(SUBSCRIPTION_ID, [{"kinds": INCOMING_KINDS, "#p": pubkeys}])
         if redo:
             self._spawn(self._redispatch(redo), "redispatch")
+        if self._peers is not None:
+            await self._take_over_dead_peers()
+            self._spawn(self._takeover_loop(), "takeover of dead daemons")
         await self._refresh_counts()
         self._spawn(self._status_loop(), "status writer")
         if self.embedded_relay is not None:
@@ -402,6 +417,7 @@ class Daemon:
         await self._background.cancel_all()
         if self.pool is not None:
             await self.pool.stop()
+        await self._lifetime.aclose()
         if self.store is not None:
             await self.store.close()
         if self.embedded_relay is not None:
@@ -443,6 +459,52 @@ class Daemon:
             reason = result.reason or result.outcome.value
             self.events_ignored[reason] += 1
             self.metrics.event_rejected(reason)
+
+    def _peer_name(self, instance: str) -> str:
+        assert self.project_signer is not None
+        return f"instance:{self.project_signer.pubkey}.{instance}"
+
+    async def _takeover_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.daemon.takeover_interval_s)
+            try:
+                await self._take_over_dead_peers()
+            except Exception:
+                self.errors["takeover"] += 1
+                log.exception("takeover_failed")
+
+    async def _take_over_dead_peers(self) -> None:
+        """Answer what a daemon that died on the shared database held: for each other daemon's run
+        journal or outbox whose daemon no longer holds its name, take both over (runs and dispatches
+        into this daemon's journal, entries into its outbox), then forget its keys."""
+        assert self._peers is not None
+        assert self.pipeline is not None
+        assert self.project_signer is not None
+        project = self.project_signer.pubkey
+        own = instance_keys(project, self.instance)
+        found: set[str] = set()
+        for base in (journal_key_for(project), outbox_key_for(project)):
+            for key in await self._peers.keys_with_prefix(base + "."):
+                found.add(key[len(base) + 1 :])
+        legacy = await self._peers.keys_with_prefix(journal_key_for(project))
+        if journal_key_for(project) in legacy:
+            found.add("")  # a journal left by a daemon of a version without instance names
+        for instance in sorted(found):
+            keys = instance_keys(project, instance or None)
+            if keys == own:
+                continue
+            async with self._peers.try_take(self._peer_name(instance)) as gone:
+                if not gone:
+                    continue
+                redo = await self.pipeline.scheduler.adopt(keys[0])
+                assert self.store is not None
+                await self.pipeline.outbox.recover(self.store.find_event, key=keys[1])
+                for key in keys:
+                    await self._peers.forget(key)
+            log.warning("dead_daemon_taken_over", instance=instance or "(unnamed)", dispatches=len(redo))
+            stored = await self.pipeline.dispatcher.stored_dispatches(redo)
+            if stored:
+                self._spawn(self._redispatch(stored), f"redispatch of {instance or 'unnamed'}")
 
     async def _redispatch(self, event_ids: list[str]) -> None:
         """Finish the dispatches a crash interrupted (each may ask the orchestrator's model); one

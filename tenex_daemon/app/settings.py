@@ -147,6 +147,12 @@ class DaemonSettings(_Section):
     stale_after_s: float = Field(default=30.0, gt=0)
     """`tenexd status` calls a status file older than this stale."""
     max_content_bytes: int = Field(default=256 * 1024, ge=1)
+    instance_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    """This daemon's name among daemons sharing a PostgreSQL database (default: a new one at each
+    start). Its run journal and outbox are kept under it; a daemon that died is taken over by the
+    others (its lock released), what it held is answered by them."""
+    takeover_interval_s: float = Field(default=5.0, gt=0)
+    """How often a daemon on a shared database looks for dead daemons to take over."""
     outbox_warn_after_s: float = Field(default=300.0, gt=0)
     """A signed event still waiting for a relay after this long is logged (``outbox_entry_old``); it is
     never dropped: the outbox keeps trying."""

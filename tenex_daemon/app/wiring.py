@@ -189,6 +189,13 @@ def build_agent_profile(agent_settings: AgentSettings, agent: Agent, settings: S
 # --- the pipeline ---------------------------------------------------------------------------
 
 
+def instance_keys(project_pubkey: str, instance: str | None) -> tuple[str, str]:
+    """(run journal key, outbox key) of one daemon among those sharing a database: its project key and
+    its instance name (``daemon.instance_id``, else a new name at each start)."""
+    name = f"{project_pubkey}.{instance}" if instance else project_pubkey
+    return journal_key_for(name), outbox_key_for(name)
+
+
 @dataclass(frozen=True, slots=True)
 class PipelineOptions:
     """The settings the pipeline is built with (:meth:`from_settings` reads them from a home's Settings)."""
@@ -209,13 +216,16 @@ class PipelineOptions:
     phase_rules: PhaseRules | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings, project_pubkey: str) -> PipelineOptions:
+    def from_settings(
+        cls, settings: Settings, project_pubkey: str, instance: str | None = None
+    ) -> PipelineOptions:
         """The options of a home: its owner, allow-list, limits, phases and run journal key.
 
         A home's files have one daemon (the store's lock); daemons sharing a PostgreSQL database
-        each keep their run journal under a key of their own (their project key).
+        each keep their run journal and outbox under keys of their own (:func:`instance_keys`).
         """
         shared = settings.storage.kind is StorageKind.POSTGRES
+        journal_key, outbox_key = instance_keys(project_pubkey, instance)
         return cls(
             owner=settings.owner,
             project_pubkey=project_pubkey,
@@ -224,8 +234,8 @@ class PipelineOptions:
             hop_limit=settings.daemon.hop_limit,
             turn_limit=settings.daemon.orchestrator_turn_limit,
             max_concurrent_runs=settings.daemon.max_concurrent_runs,
-            journal_key=journal_key_for(project_pubkey) if shared else PENDING_RUNS_KEY,
-            outbox_key=outbox_key_for(project_pubkey) if shared else OUTBOX_KEY,
+            journal_key=journal_key if shared else PENDING_RUNS_KEY,
+            outbox_key=outbox_key if shared else OUTBOX_KEY,
             outbox_warn_after_s=settings.daemon.outbox_warn_after_s,
             typing_delay_s=settings.daemon.typing_delay_s,
             partial_interval_s=settings.daemon.partial_interval_s,

@@ -103,6 +103,24 @@ class Store(ConversationStore, ProcessedEvents, SmallValues, Protocol):
     """Every port a storage adapter implements (memory, files, PostgreSQL); callers name the one they need."""
 
 
+@runtime_checkable
+class Peers(Protocol):
+    """Daemons sharing one store (PostgreSQL): each holds a lock on its own name while it lives, so the
+    others can tell a dead one and take over what it left (its run journal and outbox)."""
+
+    def alive(self, name: str) -> AbstractAsyncContextManager[None]:
+        """Hold ``name``'s lock for as long as the block runs (a dead holder's lock is released)."""
+
+    def try_take(self, name: str) -> AbstractAsyncContextManager[bool]:
+        """Take ``name``'s lock if nobody holds it (its daemon is gone): True inside the block then."""
+
+    async def keys_with_prefix(self, prefix: str) -> list[str]:
+        """The small values' keys that start with ``prefix``."""
+
+    async def forget(self, key: str) -> None:
+        """Remove a small value (a dead daemon's journal once it is taken over)."""
+
+
 class EventFetcher(Protocol):
     """Fetches one event by id from the relays (for replies whose root is unknown)."""
 

@@ -27,7 +27,11 @@ from tenex_daemon.core.context import (
     conversation_event_references,
 )
 from tenex_daemon.core.conversation import UNTITLED, AgentState, Conversation, ReferencedArticle
-from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
+from tenex_daemon.core.errors import (
+    ConversationArchivedError,
+    ConversationExistsError,
+    ConversationNotFoundError,
+)
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase, PhaseRules, PhaseTransition
 from tenex_daemon.core.ports import Clock, EventResolver, Store, SystemClock
@@ -141,16 +145,20 @@ class ConversationManager:
 
     # --- events ---------------------------------------------------------------------------
 
-    async def create_conversation(self, event: NostrEvent) -> Conversation:
+    async def create_conversation(self, event: NostrEvent, *, exclusive: bool = False) -> Conversation:
         """Create a conversation whose root (and id) is ``event``; idempotent by id.
 
         Title: the ``title`` tag, else "Untitled Conversation". Summary: the content.
         An ``a`` tag ``30023:<pubkey>:<d>`` makes the article the referenced article.
+        ``exclusive``: raise :class:`ConversationExistsError` when it exists already (another daemon
+        on a shared database created it), instead of returning it: only its creator acts on it.
         """
         event.require_valid_id()
         async with self._locks.hold(event.id):
             existing = await self._load(event.id)
             if existing is not None:
+                if exclusive:
+                    raise ConversationExistsError(event.id)
                 return existing
             now = self._clock.now_ms()
             conversation = Conversation(

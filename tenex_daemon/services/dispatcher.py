@@ -12,6 +12,7 @@ import structlog
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.classify import Classification, EventClass, EventClassifier
 from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import ConversationExistsError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.core.ports import EventFetcher
@@ -167,7 +168,10 @@ class EventDispatcher:
         existing = await self._manager.get_conversation(event.id)
         if existing is not None:
             return HandleResult(Outcome.DUPLICATE, conversation_id=event.id)
-        conversation = await self._manager.create_conversation(event)
+        try:
+            conversation = await self._manager.create_conversation(event, exclusive=True)
+        except ConversationExistsError:  # another daemon on the shared database created it first
+            return HandleResult(Outcome.DUPLICATE, conversation_id=event.id)
         return await self._target(conversation.id, event)
 
     async def _on_reply(self, event: NostrEvent, classification: Classification) -> HandleResult:
@@ -175,9 +179,16 @@ class EventDispatcher:
         assert cid is not None
         conversation = await self._manager.get_conversation(cid)
         if conversation is None:
-            conversation = await self._adopt_root(cid, event)
-            if conversation.id == event.id:
-                return await self._target(conversation.id, event)
+            try:
+                conversation = await self._adopt_root(cid, event)
+            except ConversationExistsError:  # another daemon on the shared database started it first
+                found = await self._manager.get_conversation(cid)
+                conversation = found or await self._manager.get_conversation(event.id)
+                if conversation is None or conversation.id == event.id:
+                    return HandleResult(Outcome.DUPLICATE, conversation_id=cid)
+            else:
+                if conversation.id == event.id:
+                    return await self._target(conversation.id, event)
         if conversation.archived:
             await self._manager.restore_conversation(cid)
             log.info("conversation_restored", conversation_id=cid, reason="new_activity")
@@ -190,14 +201,14 @@ class EventDispatcher:
         root = await self._fetcher.fetch_event(root_id) if self._fetcher is not None else None
         if root is not None and root.id == root_id and root.has_valid_id():
             log.info("conversation_root_fetched", conversation_id=root_id)
-            return await self._manager.create_conversation(root)
+            return await self._manager.create_conversation(root, exclusive=True)
         log.warning(
             "conversation_root_missing",
             conversation_id=root_id,
             event_id=reply.id,
             action="reply starts the conversation",
         )
-        return await self._manager.create_conversation(reply)
+        return await self._manager.create_conversation(reply, exclusive=True)
 
     async def before_reply_saved(self, conversation_id: str, reply: NostrEvent) -> None:
         """Journal an agent's reply that targets an agent (or the orchestrator) as being

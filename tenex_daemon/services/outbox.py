@@ -222,18 +222,21 @@ class Outbox:
             await self._store.set_meta(self.key, payload)
             self._written = version
 
-    async def recover(self, find_event: FindEvent) -> int:
+    async def recover(self, find_event: FindEvent, *, key: str | None = None) -> int:
         """Deliver what a previous process left in the stored outbox; return how many entries.
 
         Each entry's event is read back from its conversation; one whose conversation is gone
-        (deleted) is dropped and logged.
+        (deleted) is dropped and logged. With ``key``, the outbox another daemon left (it died) is
+        taken over: its entries are in this outbox's stored form when this returns, so the caller
+        may then forget ``key``.
         """
-        raw = await self._store.get_meta(self.key)
+        source = self.key if key is None else key
+        raw = await self._store.get_meta(source)
         try:
             records = json.loads(raw) if raw else []
             pending = [(str(r["id"]), str(r["c"]), str(r["a"]), r.get("t"), float(r["at"])) for r in records]
         except (ValueError, TypeError, KeyError):
-            log.error("outbox_unreadable", key=self.key)
+            log.error("outbox_unreadable", key=source)
             return 0
         restored = 0
         for event_id, conversation_id, agent_slug, trigger_id, first_at in pending:
@@ -248,7 +251,10 @@ class Outbox:
                 self._deliveries.spawn(self._deliver(entry), f"deliver {event_id[:12]}")
                 restored += 1
         if restored:
-            log.info("outbox_recovered", count=restored)
+            log.info("outbox_recovered", count=restored, key=source)
+        if key is not None:
+            self._version += 1
+            await self._write(self._version)
         return restored
 
     async def flush(self, timeout_s: float) -> int:

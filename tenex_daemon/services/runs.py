@@ -274,7 +274,27 @@ class RunScheduler:
 
     async def recover(self) -> list[RunRequest]:
         """Schedule the runs a previous process journaled but did not finish; return them."""
-        entries = await self._read_journal(self.journal_key)
+        redo, requests = await self._take_in(self.journal_key)
+        self._redo = redo
+        if requests:
+            log.info("runs_recovered", count=len(requests))
+        if redo:
+            log.info("dispatches_recovered", count=len(redo))
+        return requests
+
+    async def adopt(self, key: str) -> list[str]:
+        """Take over the journal another daemon left under ``key`` (it died): its runs are scheduled
+        here (as recovered) and, with its dispatches, are in this daemon's own journal when this
+        returns; the caller may then forget ``key``. Returns the event ids whose dispatch to finish."""
+        redo, requests = await self._take_in(key)
+        self._journal_version += 1
+        await self._write_journal(self._journal_version)
+        log.info("run_journal_adopted", key=key, runs=len(requests), dispatches=len(redo))
+        return redo
+
+    async def _take_in(self, key: str) -> tuple[list[str], list[RunRequest]]:
+        """Read the journal under ``key`` and schedule its runs; return (dispatch ids, run requests)."""
+        entries = await self._read_journal(key)
         try:
             redo = list(dict.fromkeys(str(item["dispatch"]) for item in entries if "dispatch" in item))
             requests = [
@@ -283,20 +303,16 @@ class RunScheduler:
                 if "dispatch" not in item
             ]
         except (ValueError, TypeError, KeyError):
-            log.error("run_journal_unreadable", key=self.journal_key)
-            return []
-        requests = list({self._key(r): r for r in requests}.values())
+            log.error("run_journal_unreadable", key=key)
+            return [], []
+        unique = {self._key(r): r for r in requests}
+        requests = [r for key, r in unique.items() if key not in self._pending]
         for event_id in redo:
             self._dispatching[event_id] = None
-        self._redo = redo
         for request in requests:
             self._pending[self._key(request)] = request
             self._spawn(request)
-        if requests:
-            log.info("runs_recovered", count=len(requests))
-        if redo:
-            log.info("dispatches_recovered", count=len(redo))
-        return requests
+        return redo, requests
 
     async def _read_journal(self, key: str) -> list[dict[str, Any]]:
         raw = await self._store.get_meta(key)

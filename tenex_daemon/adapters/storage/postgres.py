@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -70,6 +70,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
 
 _MIGRATION_LOCK = 0x7465_6E65_7864  # "tenexd": serializes migrations across daemons
 _LEASE_SQL = "SELECT pg_advisory_lock(hashtextextended($1, 0))"
+_TRY_LEASE_SQL = "SELECT pg_try_advisory_lock(hashtextextended($1, 0))"
 _UNLEASE_SQL = "SELECT pg_advisory_unlock(hashtextextended($1, 0))"
 
 
@@ -339,6 +340,36 @@ class PostgresStore:
             finally:
                 if not conn.is_closed():
                     await conn.execute(_UNLEASE_SQL, conversation_id)
+
+    def alive(self, name: str) -> AbstractAsyncContextManager[None]:
+        """Hold ``name``'s advisory lock (a daemon's own name, for its whole life)."""
+        return self.lease(name)
+
+    @asynccontextmanager
+    async def try_take(self, name: str) -> AsyncIterator[bool]:
+        """Take ``name``'s advisory lock if it is free (its holder is gone); yield whether it was."""
+        if self._lease_pool is None:
+            raise RuntimeError("PostgresStore is not open; call open() first")
+        async with self._lease_pool.acquire() as conn:
+            taken = bool(await conn.fetchval(_TRY_LEASE_SQL, name))
+            try:
+                yield taken
+            finally:
+                if taken and not conn.is_closed():
+                    await conn.execute(_UNLEASE_SQL, name)
+
+    async def keys_with_prefix(self, prefix: str) -> list[str]:
+        """The meta keys starting with ``prefix``."""
+        async with self.pool.acquire() as conn:
+            rows = await conn.fetch(
+                "SELECT key FROM meta WHERE left(key, length($1)) = $1 ORDER BY key", prefix
+            )
+        return [str(row["key"]) for row in rows]
+
+    async def forget(self, key: str) -> None:
+        """Delete a meta value."""
+        async with self.pool.acquire() as conn:
+            await conn.execute("DELETE FROM meta WHERE key = $1", key)
 
 
 async def _save_state_on(conn: Any, conversation: Conversation) -> None:

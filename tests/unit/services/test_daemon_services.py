@@ -435,3 +435,18 @@ def test_the_pool_lane_and_the_dispatcher_classify_alike_from_the_event_alone(ca
     assert classify_event(reply) == classify_event(reply)
     assert conversation_lane(root) == root.id
     assert [conversation_lane(note) for note in notes] == [note.id for note in notes]
+
+
+async def test_two_daemons_racing_for_one_new_conversation_both_succeed_and_one_answers(cast: Cast) -> None:
+    """Two pipelines on one store (two daemons on one database) handle the same new root at once: no
+    error, one schedules the run and the other reports a duplicate, so the agent answers once."""
+    store = MemoryStore()
+    first, second = pipeline.build_rig(cast, store=store), pipeline.build_rig(cast, store=store)
+    root = cast.user_says("Hello", kind=11, tags=[["p", cast.alice.pubkey]])
+
+    results = await asyncio.gather(first.dispatcher.handle(root), second.dispatcher.handle(root))
+    await first.settle()
+    await second.settle()
+
+    assert sorted(r.outcome.value for r in results) == ["duplicate", "scheduled"]
+    assert len(first.publisher.published) + len(second.publisher.published) == 1
