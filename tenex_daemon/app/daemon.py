@@ -364,8 +364,9 @@ class Daemon:
         await self._announce(signers)
         pubkeys = [a.pubkey for a in self.agents] + [project_signer.pubkey]
         pipeline = self.pipeline
-        await pipeline.scheduler.recover()
+        # the outbox first: a recovered run that publishes a saved reply again adds to it
         await pipeline.outbox.recover(self.store.find_event)
+        await pipeline.scheduler.recover()
         # a crash came mid-dispatch: events never stored are left to the relays (before the
         # subscription delivers them again), the others are dispatched again once it runs
         redo = await pipeline.dispatcher.stored_dispatches(pipeline.scheduler.dispatches_to_redo())

@@ -182,6 +182,8 @@ class AgentRunner:
             log.error("run_trigger_missing", conversation_id=cid, event_id=request.trigger_id)
             return None
         trigger = conversation.history[index]
+        if request.recovered:
+            await self._republish_saved(conversation, request, profile.agent.pubkey)
         saved = _answer_to(conversation.history, index, profile.agent.pubkey) if request.recovered else None
         if saved is not None:
             # Redone after a crash that came between the reply and the run's end: the reply is
@@ -240,6 +242,26 @@ class AgentRunner:
             await routing.after_reply(cid, reply)
         return reply
 
+    async def _republish_saved(
+        self, conversation: Conversation, request: RunRequest, agent_pubkey: str
+    ) -> None:
+        """A run redone after a crash: what the previous process saved for it but may never have
+        published goes out again (the outbox keeps one entry per event; relays one copy per id): the
+        agent's saved answers to the earlier messages of its burst, and both sides of the
+        ``send_message`` exchanges saved after its trigger."""
+        history = conversation.history
+        cid = conversation.id
+        for earlier in request.burst:
+            index = conversation.index_of(earlier)
+            answer = None if index is None else _answer_to(history, index, agent_pubkey)
+            if answer is not None:
+                await self.outbox.add(cid, answer, agent_slug=request.agent_slug, trigger_id=earlier)
+        start = conversation.index_of(request.trigger_id)
+        for event in history[(start or 0) + 1 :]:
+            author = self._manager.agents.by_pubkey(event.pubkey)
+            if author is not None and event.tag_value(TAG_DELEGATION) is not None:
+                await self.outbox.add(cid, event, agent_slug=author.slug)
+
     async def _count_run_time(self, conversation_id: str, started_ms: int) -> None:
         """A run that ends without a saved reply still worked: its time is counted (best effort)."""
         try:
@@ -263,7 +285,7 @@ class AgentRunner:
         complete = effects.complete and error_kind is None
         orchestrator = self._manager.agents.orchestrator
 
-        async def compose(conversation: Conversation) -> NostrEvent:
+        async def compose(conversation: Conversation, net_time_seconds: int) -> NostrEvent:
             destinations = [user_destination(conversation, trigger, self._manager)]
             if complete and orchestrator is not None and orchestrator.slug != profile.agent.slug:
                 destinations.append(orchestrator.pubkey)
@@ -274,7 +296,7 @@ class AgentRunner:
                 content=result.text,
                 destinations=tuple(destinations),
                 phase=conversation.phase.value,
-                net_time_seconds=conversation.execution_time.total(self._manager.now_ms()),
+                net_time_seconds=net_time_seconds,
                 session_id=result.session_id or record.context.session_id,
                 complete=complete,
                 model=result.model,

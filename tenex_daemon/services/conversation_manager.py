@@ -33,6 +33,7 @@ from tenex_daemon.core.errors import (
     ConversationNotFoundError,
 )
 from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.execution_time import ExecutionTime
 from tenex_daemon.core.phases import Phase, PhaseRules, PhaseTransition
 from tenex_daemon.core.ports import Clock, EventResolver, Store, SystemClock
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
@@ -51,6 +52,38 @@ log = structlog.get_logger(__name__)
 DEFAULT_RESOLVE_TIMEOUT_S = 2.0
 RESOLVED_CACHE_SIZE = 1024
 HISTORY_VIEW_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class _StateBeforeReply:
+    """What :meth:`ConversationManager.append_reply` changes, kept to put back when its save fails."""
+
+    execution_time: ExecutionTime
+    agent_state: AgentState | None
+    open_turn: OrchestratorTurn | None
+    """The open turn as it was (a completion may close it)."""
+    updated_at: int
+
+    @classmethod
+    def of(cls, conversation: Conversation, agent_slug: str) -> _StateBeforeReply:
+        state = conversation.agent_states.get(agent_slug)
+        turn = conversation.open_turn()
+        return cls(
+            conversation.execution_time,
+            None if state is None else state.model_copy(),
+            None if turn is None else turn.model_copy(deep=True),
+            conversation.updated_at,
+        )
+
+    def restore(self, conversation: Conversation, agent_slug: str) -> None:
+        conversation.execution_time = self.execution_time
+        if self.agent_state is None:
+            conversation.agent_states.pop(agent_slug, None)
+        else:
+            conversation.agent_states[agent_slug] = self.agent_state
+        if self.open_turn is not None:
+            conversation.orchestrator_turns[-1] = self.open_turn
+        conversation.updated_at = self.updated_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,25 +292,30 @@ class ConversationManager:
     async def append_reply(
         self,
         conversation_id: str,
-        compose: Callable[[Conversation], Awaitable[NostrEvent]],
+        compose: Callable[[Conversation, int], Awaitable[NostrEvent]],
         run: RunRecord,
     ) -> NostrEvent:
         """Save an agent run's reply and what the run changed, in one durable write.
 
         Under the conversation's lock, with the conversation loaded once: ``compose`` builds the
-        signed reply from it (it may journal the reply before it is saved); the agent's last
-        processed index, session and phase transitions seen (from the run's context), its token
-        usage and the run's working time are recorded, and the reply is appended with that state.
-        A reply tagged ``["tool", "complete"]`` counts as the agent's completion of the open turn.
+        signed reply from it and the conversation's working time with this run (seconds; it may
+        journal the reply before it is saved); the agent's last processed index, session and phase
+        transitions seen (from the run's context), its token usage and the run's working time are
+        recorded, and the reply is appended with that state. A reply tagged ``["tool", "complete"]``
+        counts as the agent's completion of the open turn. Nothing of this changes the conversation
+        (in memory either) when composing or saving fails.
         """
         agent = self.agents.get(run.agent_slug)
         async with self._locked(conversation_id) as conversation:
             if conversation.archived:
                 raise ConversationArchivedError(conversation_id)
             now = self._clock.now_ms()
-            conversation.execution_time.add_run(run.started_ms, now)
-            reply = await compose(conversation)
+            with_run = conversation.execution_time.model_copy()
+            with_run.add_run(run.started_ms, now)
+            reply = await compose(conversation, with_run.total(now))
             reply.require_valid_id()
+            kept = _StateBeforeReply.of(conversation, agent.slug)
+            conversation.execution_time = with_run
             state = conversation.agent_state(agent.slug)
             _record_context(state, run.context)
             _record_run(state, run.session_id, run.add_tokens)
@@ -286,7 +324,11 @@ class ConversationManager:
             if turn is not None and completes and turn.answers_trigger(reply.tags):
                 turn.add_completion(agent.slug, reply.content, now)
             conversation.updated_at = now
-            await self._store.append_event(conversation_id, reply, state=conversation)
+            try:
+                await self._store.append_event(conversation_id, reply, state=conversation)
+            except BaseException:
+                kept.restore(conversation, agent.slug)
+                raise
             conversation.append(reply)
             return reply
 

@@ -3,7 +3,8 @@
 An event is added once it is saved in its conversation (an agent's reply, a delegation request or
 answer). Delivery starts at once; the entry is recorded durably in the store's small values (the
 key :data:`OUTBOX_KEY`, or a key per daemon when several share a database) before :meth:`Outbox.add`
-returns. A publish that no relay accepts is tried again with a capped backoff (``backoff_start_s``, 1 s,
+returns (a failed write is tried again until it succeeds: the run that saved the event does not end
+before). A publish that no relay accepts is tried again with a capped backoff (``backoff_start_s``, 1 s,
 doubling up to ``backoff_cap_s``), at once whenever a relay (re)connects (:meth:`Outbox.wake`), and after a
 restart (:meth:`Outbox.recover`); an entry is never dropped for its age, only logged
 (``outbox_entry_old``) once it is older than ``warn_after_s``. A relay's ``OK true`` (a
@@ -139,10 +140,17 @@ class Outbox:
         self._entries[event.id] = entry
         self._version += 1
         self._deliveries.spawn(self._deliver(entry), f"deliver {event.id[:12]}")
-        try:
-            await self._write(self._version)
-        except Exception:  # delivery goes on in memory; the next write stores the entry
-            log.exception("outbox_write_failed", event_id=event.id, conversation_id=conversation_id)
+        delay = 0.1
+        while True:  # the run that saved the event ends only once its entry is stored
+            try:
+                await self._write(self._version)
+                return
+            except Exception:
+                log.exception(
+                    "outbox_write_failed", event_id=event.id, conversation_id=conversation_id, retry_in=delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._backoff_cap)
 
     def wake(self) -> None:
         """A relay (re)connected: every waiting event is tried again now."""
@@ -252,9 +260,8 @@ class Outbox:
                 restored += 1
         if restored:
             log.info("outbox_recovered", count=restored, key=source)
-        if key is not None:
-            self._version += 1
-            await self._write(self._version)
+        self._version += 1
+        await self._write(self._version)  # what was added meanwhile is stored with what was restored
         return restored
 
     async def flush(self, timeout_s: float) -> int:

@@ -221,9 +221,13 @@ class RunScheduler:
                     log_ctx.info("run_answered_in_burst")
                 else:
                     self.running += 1
+                    run, covered = self._take_burst(request)
                     try:
-                        await self._run(self._take_burst(request))
+                        await self._run(run)
                         self.completed += 1
+                    except BaseException:
+                        self._covered.difference_update(covered)  # no reply: each gets its own turn
+                        raise
                     finally:
                         self.running -= 1
         except asyncio.CancelledError:
@@ -236,12 +240,13 @@ class RunScheduler:
         if self._flush_task is None:
             self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
 
-    def _take_burst(self, request: RunRequest) -> RunRequest:
+    def _take_burst(self, request: RunRequest) -> tuple[RunRequest, list[str]]:
         """The request to run now: when more messages to the same agent in the conversation wait
         (direct ones, not routed by the orchestrator), the newest of them, answering the others too
-        (docs/CONTEXT.md, "Bursts"); their own turns then find them answered."""
+        (docs/CONTEXT.md, "Bursts"); their own turns then find them answered. Returns the request to
+        run and the keys it covers. Recovered when any of them is (its saved answers go out again)."""
         if request.via_orchestrator:
-            return request
+            return request, []
         key = self._key(request)
         waiting = [
             (k, r)
@@ -253,8 +258,9 @@ class RunScheduler:
             and not r.via_orchestrator
         ]
         if not waiting:
-            return request
-        self._covered.update(k for k, _ in waiting)
+            return request, []
+        covered = [k for k, _ in waiting]
+        self._covered.update(covered)
         newest = waiting[-1][1]
         earlier = (request.trigger_id, *(r.trigger_id for _, r in waiting[:-1]))
         log.info(
@@ -264,7 +270,8 @@ class RunScheduler:
             trigger=newest.trigger_id,
             answers_too=list(earlier),
         )
-        return replace(newest, burst=earlier)
+        recovered = request.recovered or any(r.recovered for _, r in waiting)
+        return replace(newest, burst=earlier, recovered=recovered), covered
 
     async def _flush_finished(self) -> None:
         """Write the journal without the runs finished lately (they need no write of their own)."""

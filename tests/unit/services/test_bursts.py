@@ -112,3 +112,67 @@ async def test_the_scheduler_runs_the_newest_waiting_request_once_for_a_burst(ca
         ("t4", "bob", ()),
     ]
     assert scheduler.completed == 3
+
+
+async def test_a_recovered_burst_publishes_the_saved_answer_to_its_earlier_message(cast: Cast) -> None:
+    """After a crash that came between saving the answer to a first message and publishing it, with a
+    second message waiting: the redone runs coalesce, the saved answer goes out again and the second
+    message is answered; nothing is lost."""
+    from tenex_daemon.core.llm import CompletionResult as Result
+    from tenex_daemon.services.runs import PENDING_RUNS_KEY
+    from tenex_daemon.testing.fakes import ScriptedBackend
+
+    backend = ScriptedBackend([Result(text="answer to second", model="s")])
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
+    await rig.manager.create_conversation(root)
+    second = cast.user_says("second", tags=thread)
+    await rig.manager.add_event(root.id, second)
+    saved = cast.alice_says("answer to first", tags=[["e", root.id], ["p", cast.user.pubkey]])
+    await rig.manager.add_event(root.id, saved)  # saved before the crash, never published
+    journal = [
+        {"conversation_id": root.id, "trigger_id": root.id, "agent_slug": "alice"},
+        {"conversation_id": root.id, "trigger_id": second.id, "agent_slug": "alice"},
+    ]
+    import json
+
+    await rig.store.set_meta(PENDING_RUNS_KEY, json.dumps(journal))
+
+    await rig.scheduler.recover()
+    await rig.settle()
+
+    published = [(e.content, e.tag_value("e")) for e in rig.publisher.published]
+    assert ("answer to first", root.id) in published
+    assert ("answer to second", second.id) in published
+    assert len(published) == 2
+    assert len(backend.requests) == 1
+
+
+async def test_a_burst_run_that_fails_leaves_each_covered_message_its_own_turn(cast: Cast) -> None:
+    """When the run answering a burst fails, the messages it covered are not taken as answered: they get
+    a run of their own (the failed one counts as the turn of the request that started it, as any failed
+    run does; its message stands in history before the next run's trigger)."""
+    from tenex_daemon import MemoryStore
+    from tenex_daemon.services.runs import RunRequest, RunScheduler
+
+    ran: list[str] = []
+    gate = asyncio.Event()
+
+    async def run(request: RunRequest) -> None:
+        ran.append(request.trigger_id)
+        if len(ran) == 1:
+            await gate.wait()
+        elif request.burst:
+            raise RuntimeError("the burst run fails")
+
+    scheduler = RunScheduler(MemoryStore(), run)
+    await scheduler.submit(RunRequest("c", "t0", "alice"))
+    await asyncio.sleep(0)
+    for trigger in ("t1", "t2"):
+        await scheduler.submit(RunRequest("c", trigger, "alice"))
+    gate.set()
+    await scheduler.drain(5.0)
+
+    assert ran == ["t0", "t2", "t2"]
+    assert scheduler.failed == 1

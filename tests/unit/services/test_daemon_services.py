@@ -260,7 +260,8 @@ async def test_a_recovered_run_whose_reply_was_saved_is_not_answered_again(cast:
 
 
 async def test_a_recovered_run_that_had_only_asked_another_agent_answers(cast: Cast) -> None:
-    """A send_message request the agent made (delegation-tagged) is not its answer: the recovered run replies."""
+    """A send_message request the agent made (delegation-tagged) is not its answer: the recovered run
+    replies; the saved request, maybe never published before the crash, goes out again."""
     rig = make_rig(cast)
     root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
     await rig.manager.create_conversation(root)
@@ -272,9 +273,11 @@ async def test_a_recovered_run_that_had_only_asked_another_agent_answers(cast: C
     await rig.scheduler.recover()
     await settle(rig)
 
-    assert len(rig.publisher.published) == 1
-    assert rig.publisher.published[0].id != asked.id
-    assert rig.publisher.published[0].pubkey == cast.alice.pubkey
+    replies = [e for e in rig.publisher.published if e.id != asked.id]
+    assert len(replies) == 1
+    assert replies[0].pubkey == cast.alice.pubkey
+    assert replies[0].tag_value("e") == root.id
+    assert [e.id for e in rig.publisher.published].count(asked.id) == 1
 
 
 async def test_runs_are_serial_within_a_conversation_and_capped(cast: Cast) -> None:

@@ -425,3 +425,45 @@ async def test_a_reply_and_what_its_run_changed_are_one_durable_write(cast: Cast
     assert not conversation.execution_time.is_active
     assert reply.tag_value("net-time") == "2"  # the tag counts the run that the reply ends
     assert [e.id for e in conversation.history] == [root.id, reply.id]
+
+
+class FailingAppendStore(CountingStore):
+    """A memory store whose next append fails (a full disk, say)."""
+
+    fail_next = True
+
+    async def append_event(
+        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
+    ) -> None:
+        """Fail once, then append."""
+        if self.fail_next:
+            self.fail_next = False
+            raise OSError(28, "No space left on device")
+        await super().append_event(conversation_id, event, state=state)
+
+
+async def test_a_reply_that_cannot_be_saved_changes_nothing_and_its_time_counts_once(cast: Cast) -> None:
+    """When saving the reply fails, the agent's processed index, session and tokens stay as they were
+    (in memory too) and the run's working time is counted once."""
+    store = FailingAppendStore()
+    backend = ScriptedBackend([
+        CompletionResult(text="Hi!", model="scripted", session_id="sess-7", prompt_tokens=10, completion_tokens=5)
+    ])
+    profiles = {a.slug: AgentProfile(a, "", backend) for a in cast.agents}
+    rig = pipeline.build_rig(cast, profiles=profiles, store=store)
+    root = cast.user_says("Hello Alice", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+
+    async def slow_answer(request: CompletionRequest) -> CompletionResult:
+        rig.clock.advance(3_000)
+        return await ScriptedBackend.complete(backend, request)
+
+    backend.complete = slow_answer  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="No space"):
+        await rig.runner.run(RunRequest(root.id, root.id, "alice"))
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert "alice" not in conversation.agent_states
+    assert conversation.execution_time.total_seconds == 3
+    assert [e.id for e in conversation.history] == [root.id]
