@@ -533,6 +533,32 @@ async def test_readers_never_see_a_value_being_replaced(tmp_path: Path) -> None:
     await store.close()
 
 
+async def test_loads_never_see_a_snapshot_being_replaced(tmp_path: Path, cast: Cast) -> None:
+    """Loads from disk racing batch's replacements of a conversation's snapshot (its temp file
+    reused from one swap to the next) always read a whole snapshot: none is taken for corrupt."""
+    store = await open_batch(tmp_path / "home")
+    conversation = await start(store, cast)
+    titles = ["t" * 3000, "short", "u" * 700]
+    seen: set[str] = set()
+
+    async def write() -> None:
+        for i in range(200):
+            conversation.title = titles[i % 3]
+            await store.save_state(conversation)
+
+    async def read() -> None:
+        for _ in range(200):
+            store._cache.clear()  # the load reads the folder
+            loaded = await store.load(conversation.id)
+            assert loaded is not None
+            seen.add(loaded.title)
+
+    await asyncio.gather(write(), read(), read())
+    assert seen <= {*titles, "Journal drill"}
+    assert [a for a in store.recovery if a.kind in ("moved_to_corrupt", "state_rebuilt")] == []
+    await store.close()
+
+
 async def test_a_log_gets_its_lines_only_after_the_journal_holds_them(
     tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
 ) -> None:

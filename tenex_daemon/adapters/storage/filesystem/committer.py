@@ -47,7 +47,8 @@ class Committer:
         self.closing = False
         """Set when the store starts closing: commits no longer wait in the queue."""
         self.journal: Journal | None = None
-        self._queue: list[tuple[Op, asyncio.Future[None]]] = []
+        self._queue: list[tuple[list[Op], asyncio.Future[None]]] = []
+        """Each waiting call's ops and the future it awaits (one per call, not per op)."""
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -65,17 +66,10 @@ class Committer:
     async def commit(self, ops: list[Op]) -> None:
         """Make ``ops`` durable per the fsync policy; raise the first op's error."""
         if self.batched and not self.closing:
-            loop = asyncio.get_running_loop()
-            futures = []
-            for op in ops:
-                future: asyncio.Future[None] = loop.create_future()
-                self._queue.append((op, future))
-                futures.append(future)
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._queue.append((ops, future))
             self._wakeup.set()
-            if len(futures) == 1:
-                await futures[0]
-            else:
-                await asyncio.gather(*futures)
+            await future
             return
         if self.journal is not None:  # closing: serial with the final checkpoint, on its thread
             await _on_commit_thread(functools.partial(_apply_closing, self.journal, ops))
@@ -125,9 +119,9 @@ class Committer:
             if self._queue:
                 self._wakeup.set()
 
-    async def _commit_group(self, batch: list[tuple[Op, asyncio.Future[None]]]) -> bool:
+    async def _commit_group(self, batch: list[tuple[list[Op], asyncio.Future[None]]]) -> bool:
         """Commit one group and settle its waiters; False when the group failed as a whole."""
-        ops = [op for op, _ in batch]
+        ops = [op for call, _ in batch for op in call]
         try:
             if self.journal is not None:
                 # a thread of its own: never queued behind other to_thread work
@@ -143,10 +137,11 @@ class Committer:
             log.exception("group_commit_failed")
             _settle(batch, exc)
             return False
-        for op, future in batch:
+        for call, future in batch:
             if not future.done():
-                if op.error is not None:
-                    future.set_exception(op.error)
+                error = next((op.error for op in call if op.error is not None), None)
+                if error is not None:
+                    future.set_exception(error)
                 else:
                     future.set_result(None)
         return True
@@ -160,7 +155,7 @@ class Committer:
                 log.exception("journal_checkpoint_failed")  # the journal keeps covering them
 
 
-def _settle(batch: list[tuple[Op, asyncio.Future[None]]], exc: BaseException) -> None:
+def _settle(batch: list[tuple[list[Op], asyncio.Future[None]]], exc: BaseException) -> None:
     """Fail every waiter of the group not yet answered."""
     for _, future in batch:
         if not future.done():

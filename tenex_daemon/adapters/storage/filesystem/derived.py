@@ -18,7 +18,7 @@ import structlog
 
 from tenex_daemon.adapters.storage.atomic import fsync_dir, fsync_file, write_all
 from tenex_daemon.adapters.storage.filesystem.layout import INDEX_DIR
-from tenex_daemon.adapters.storage.filesystem.ops import fsync_pool
+from tenex_daemon.adapters.storage.filesystem.ops import run_parallel
 
 log = structlog.get_logger(__name__)
 
@@ -54,7 +54,7 @@ def sync_files(paths: set[Path]) -> None:
         with contextlib.suppress(FileNotFoundError):
             fsync_file(path)
 
-    list(fsync_pool().map(sync, paths))
+    run_parallel(sync, sorted(paths))
     for folder in {path.parent for path in paths}:
         with contextlib.suppress(FileNotFoundError):
             fsync_dir(folder)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tenex_daemon.adapters.storage.atomic import Stamp, fsync_dir, replace_file, write_all
 from tenex_daemon.adapters.storage.filesystem.folder import create_folder
-from tenex_daemon.adapters.storage.filesystem.ops import Op, Partition, append_flags, fail, fsync_pool
+from tenex_daemon.adapters.storage.filesystem.ops import Op, Partition, append_flags, fail, run_parallel
 from tenex_daemon.core.errors import ConversationExistsError
 
 
@@ -62,17 +62,11 @@ def _apply_replaces(replaces: dict[Path, list[Op]]) -> None:
     their fsyncs together, as it does for appends.
     """
     items = list(replaces.items())
-    if len(items) > 1:
-        stamps = list(fsync_pool().map(_replace_durably, items))
-    else:
-        stamps = [_replace_durably(item) for item in items]
+    stamps = run_parallel(_replace_durably, items)
     renamed = [(path, group, stamp) for (path, group), stamp in zip(items, stamps, strict=True)
                if stamp is not None]
     folders = sorted({path.parent for path, _, _ in renamed})
-    if len(folders) > 1:
-        outcomes = list(fsync_pool().map(_sync_folder, folders))
-    else:
-        outcomes = [_sync_folder(folder) for folder in folders]
+    outcomes = run_parallel(_sync_folder, folders)
     errors = dict(zip(folders, outcomes, strict=True))
     for path, group, stamp in renamed:
         failed = errors.get(path.parent)
@@ -97,11 +91,6 @@ def apply_ops(ops: list[Op]) -> None:
             op.result = create_folder(op.path, op.data, op.extra)
         except (OSError, ConversationExistsError) as exc:
             op.error = exc
-    if len(parts.appends) > 1:
-        # fsyncs of different files run at once: the filesystem's journal commits them together
-        # (measured here: 16 files fsynced from 16 threads cost a third of 16 fsyncs in a row).
-        list(fsync_pool().map(_append_durably, parts.appends.items()))
-    else:
-        for item in parts.appends.items():
-            _append_durably(item)
+    # fsyncs of different files run at once: the filesystem commits them together (run_parallel)
+    run_parallel(_append_durably, list(parts.appends.items()))
     _apply_replaces(parts.replaces)

@@ -25,13 +25,13 @@ import errno
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tenex_daemon.adapters.storage.atomic import fsync_dir, write_all
 from tenex_daemon.adapters.storage.filesystem.layout import ARCHIVE_DIR, JOURNAL_DIR
+from tenex_daemon.adapters.storage.filesystem.ops import run_parallel
 
 JOURNAL_LIMIT = 16 * 1024 * 1024
 """Journal bytes after which the committer checkpoints (fsyncs the files written, starts anew)."""
@@ -187,10 +187,9 @@ class FsyncError(OSError):
 class Journal:
     """The live journal of a store opened with ``batch``; its methods run on the committer's thread."""
 
-    def __init__(self, root: Path, pool: Callable[[], ThreadPoolExecutor]) -> None:
+    def __init__(self, root: Path) -> None:
         self.root = root
         self.folder = root / JOURNAL_DIR
-        self._pool = pool
         self.generation = 0
         self.size = 0
         self._fd: int | None = None
@@ -287,7 +286,7 @@ class Journal:
             return
         dirty, self._dirty = self._dirty, set()
         try:
-            synced = [p for p in self._pool().map(self._sync, sorted(dirty)) if p is not None]
+            synced = [p for p in run_parallel(self._sync, sorted(dirty)) if p is not None]
             # the files' folders (names replaced or created), then the folders holding those
             # (conversation folders created or moved since the last checkpoint)
             for parent in {p.parent for p in synced} | {self.root, self.root / ARCHIVE_DIR}:

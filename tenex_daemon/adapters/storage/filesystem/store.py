@@ -35,7 +35,7 @@ from tenex_daemon.adapters.storage.filesystem.layout import (
 )
 from tenex_daemon.adapters.storage.filesystem.lock import lock_home, unlock_home
 from tenex_daemon.adapters.storage.filesystem.logfile import encode_event
-from tenex_daemon.adapters.storage.filesystem.ops import Op, fsync_pool
+from tenex_daemon.adapters.storage.filesystem.ops import Op
 from tenex_daemon.adapters.storage.filesystem.processed import ProcessedIds, bucket_line
 from tenex_daemon.adapters.storage.filesystem.recovery import recover
 from tenex_daemon.adapters.storage.filesystem.repairs import RecoveryAction, move_to_corrupt
@@ -101,7 +101,8 @@ class FileSystemStore:
         self._processed = ProcessedIds(self._layout.events_dir, self._derived, bucket_cache_size)
         self._committer = Committer(batched=fsync == "batch", batch_delay=batch_delay)
         self._cache: OrderedDict[str, Conversation] = OrderedDict()
-        self._log_paths: dict[str, Path] = {}
+        self._live_paths: dict[str, tuple[Path, Path]] = {}
+        self._meta_paths: dict[str, Path] = {}
         self._lock_fd: int | None = None
         self._opened = False
 
@@ -110,13 +111,24 @@ class FileSystemStore:
         """Where unreadable files are moved (never deleted)."""
         return self._layout.corrupt_dir
 
-    def _log_path(self, conversation_id: str) -> Path:
-        """The live (not archived) log's path, remembered: appends never build paths anew."""
-        path = self._log_paths.get(conversation_id)
+    def _paths(self, conversation_id: str) -> tuple[Path, Path]:
+        """The live (not archived) log's and snapshot's paths, remembered: appends never build
+        paths anew (and the commit finds them by their cached hashes)."""
+        paths = self._live_paths.get(conversation_id)
+        if paths is None:
+            if len(self._live_paths) >= 4 * self.cache_size:
+                self._live_paths.clear()
+            folder = self._layout.folder(conversation_id, False)
+            paths = self._live_paths[conversation_id] = (folder / LOG_NAME, folder / STATE_NAME)
+        return paths
+
+    def _meta_path(self, key: str) -> Path:
+        """A meta value's path, remembered (the run journal's key is written at every reply)."""
+        path = self._meta_paths.get(key)
         if path is None:
-            if len(self._log_paths) >= 4 * self.cache_size:
-                self._log_paths.clear()
-            path = self._log_paths[conversation_id] = self._layout.folder(conversation_id, False) / LOG_NAME
+            if len(self._meta_paths) >= 1024:
+                self._meta_paths.clear()
+            path = self._meta_paths[key] = self._layout.meta_path(key)
         return path
 
     # --- open / close --------------------------------------------------------------------------
@@ -141,7 +153,7 @@ class FileSystemStore:
         self._committer.reset()
         self._opened = True
         if self.fsync == "batch":
-            journal = Journal(self.root, fsync_pool)
+            journal = Journal(self.root)
             journal.generation = result.journal.next_generation
             await self._committer.start(journal)
         if (
@@ -282,10 +294,10 @@ class FileSystemStore:
         line = encode_event(event)
         if self._index.entries.get(conversation_id) is not entry:  # deleted while the bucket was read
             raise ConversationNotFoundError(conversation_id)
-        ops = [Op("append", self._log_path(conversation_id), line)]
+        log_path, state_path = self._paths(conversation_id)  # live ones: archived is refused above
+        ops = [Op("append", log_path, line)]
         if state is not None:
-            folder = self._layout.folder(conversation_id, entry.archived)
-            ops.append(Op("replace", folder / STATE_NAME, state_bytes(state, entry.archived)))
+            ops.append(Op("replace", state_path, state_bytes(state, entry.archived)))
         try:
             await self._committer.commit(ops)
         except BaseException:
@@ -319,7 +331,7 @@ class FileSystemStore:
         data = b"".join(encode_event(event) for event in fresh)
         if self._index.entries.get(conversation_id) is not entry:  # deleted while buckets were read
             raise ConversationNotFoundError(conversation_id)
-        await self._committer.commit([Op("append", self._log_path(conversation_id), data)])
+        await self._committer.commit([Op("append", self._paths(conversation_id)[0], data)])
         entry.event_count += len(fresh)
         entry.log_size += len(data)
         added = {e.pubkey for e in fresh} - entry.participants
@@ -455,7 +467,7 @@ class FileSystemStore:
     async def get_meta(self, key: str) -> str | None:
         """Return the value stored under ``key``, if any."""
         self._require_open()
-        path = self._layout.meta_path(key)
+        path = self._meta_path(key)
         try:
             data = await asyncio.to_thread(path.read_bytes)
         except FileNotFoundError:
@@ -472,7 +484,7 @@ class FileSystemStore:
         """Durably store ``value`` under ``key`` (one small file, replaced atomically)."""
         self._require_open()
         data = json.dumps({"key": key, "value": value}, ensure_ascii=False).encode("utf-8")
-        await self._committer.commit([Op("replace", self._layout.meta_path(key), data)])
+        await self._committer.commit([Op("replace", self._meta_path(key), data)])
 
     @asynccontextmanager
     async def lease(self, conversation_id: str) -> AsyncIterator[None]:
