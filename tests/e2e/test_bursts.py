@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from tests.e2e.harness import DaemonProcess, Home
-from tests.e2e.test_outbox import DAEMON_ENV, OPENAI_PATH, Person, slow_planner, until_asked
+from tests.e2e.harness import Home
+from tests.e2e.test_outbox import OPENAI_PATH, slow_planner_running, until_asked
 from tests.integration.nostr.harness import LocalRelayServer
 from tests.llm_servers import ScriptedServer
 
@@ -20,12 +20,7 @@ async def test_three_quick_messages_cost_two_calls_and_the_second_holds_everythi
     """Three messages sent while the agent thinks about the first: the model is asked twice, the second
     request (recorded by the scripted server) holds all three messages in order and the agent's first
     answer, and the person gets one reply to the first message and one to the last, none twice."""
-    slow_planner(home, scripted_server)
-    daemon = DaemonProcess(home, env=DAEMON_ENV)
-    await daemon.start()
-    person = Person(relay, home)
-    await person.start()
-    try:
+    async with slow_planner_running(relay, home, scripted_server) as (daemon, person):
         first = await person.ask("Plan a picnic")
         await until_asked(scripted_server, 1)
         root_tags = [["E", first, "", person.owner.pubkey], ["K", "11"], ["e", first], ["p", home.agent("planner")]]
@@ -36,10 +31,6 @@ async def test_three_quick_messages_cost_two_calls_and_the_second_holds_everythi
         await person.wait_for_reply(first, within=30)
         await person.wait_for_reply(third.id, within=30)
         await asyncio.sleep(2.0)  # a third call, if any, would come now
-    finally:
-        await person.client.stop()
-        await daemon.stop()
-        daemon.kill()
 
     calls = [body for path, body in scripted_server.requests if path == OPENAI_PATH]
     assert len(calls) == 2, daemon.log_tail()

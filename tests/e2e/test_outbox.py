@@ -4,7 +4,9 @@ whether the relay comes back while the daemon runs or the daemon is killed befor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import defaultdict
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -83,6 +85,25 @@ class Person:
         await asyncio.sleep(1.5)
 
 
+@contextlib.asynccontextmanager
+async def slow_planner_running(
+    relay: LocalRelayServer, home: Home, server: ScriptedServer
+) -> AsyncIterator[tuple[DaemonProcess, Person]]:
+    """A daemon whose planner thinks through ``server`` (slow_planner), and a person on the relay;
+    both stopped at the end."""
+    slow_planner(home, server)
+    daemon = DaemonProcess(home, env=DAEMON_ENV)
+    await daemon.start()
+    person = Person(relay, home)
+    await person.start()
+    try:
+        yield daemon, person
+    finally:
+        await person.client.stop()
+        await daemon.stop()
+        daemon.kill()
+
+
 async def until_asked(server: ScriptedServer, count: int) -> None:
     """Wait until the model has been asked ``count`` times."""
     async with asyncio.timeout(30):
@@ -95,20 +116,11 @@ async def test_a_reply_made_while_the_relay_is_down_arrives_once_when_it_is_back
 ) -> None:
     """The relay dies while the agent thinks and comes back 8 s later: the reply, saved meanwhile and kept
     in the outbox, reaches the person exactly once."""
-    slow_planner(home, scripted_server)
-    daemon = DaemonProcess(home, env=DAEMON_ENV)
-    await daemon.start()
-    person = Person(relay, home)
-    await person.start()
-    try:
+    async with slow_planner_running(relay, home, scripted_server) as (daemon, person):
         question = await person.ask("Plan the launch")
         await until_asked(scripted_server, 1)  # the agent thinks
         await relay.restart(down_for=8.0)
         await person.wait_for_reply(question, within=60)
-    finally:
-        await person.client.stop()
-        await daemon.stop()
-        daemon.kill()
 
     assert len(person.replies[question]) == 1, daemon.log_tail()
     assert "outbox_retry" in daemon.log_path.read_text()
@@ -119,12 +131,7 @@ async def test_a_reply_saved_but_not_published_before_a_sigkill_arrives_once_aft
 ) -> None:
     """The daemon saves the reply while the relay is down and is SIGKILLed before any relay took it; after
     the relay and the daemon start again, the reply reaches the person exactly once."""
-    slow_planner(home, scripted_server)
-    daemon = DaemonProcess(home, env=DAEMON_ENV)
-    await daemon.start()
-    person = Person(relay, home)
-    await person.start()
-    try:
+    async with slow_planner_running(relay, home, scripted_server) as (daemon, person):
         question = await person.ask("Plan the retrospective")
         await until_asked(scripted_server, 1)
         relay.stop()
@@ -134,10 +141,6 @@ async def test_a_reply_saved_but_not_published_before_a_sigkill_arrives_once_aft
         await relay.start()
         await daemon.start()
         await person.wait_for_reply(question, within=60)
-    finally:
-        await person.client.stop()
-        await daemon.stop()
-        daemon.kill()
 
     assert len(person.replies[question]) == 1, daemon.log_tail()
     asked = len([p for p, _ in scripted_server.requests if p == OPENAI_PATH])
