@@ -346,6 +346,7 @@ class Daemon:
             resolver=RelayEventResolver(self.pool, store=self.store),
             fetcher=self.pool,
             observer=self._observer,
+            peers=self._peers,
         )
         backends = {slug: p.backend for slug, p in profiles.items()}
         self.pipeline = build_pipeline(

@@ -22,6 +22,7 @@ from tenex_daemon.core.ports import (
     EventFetcher,
     EventResolver,
     PartialTextPublisher,
+    Peers,
     Publisher,
     ReplyComposer,
     Store,
@@ -259,6 +260,8 @@ class PipelinePorts:
     clock: Clock | None = None
     observer: RunObserver | None = None
     reply_observer: ReplyObserver | None = None
+    peers: Peers | None = None
+    """Daemons sharing the store (PostgreSQL): runs then hold their conversation's run lease."""
 
 
 OrchestratorFactory = Callable[[ConversationManager], Orchestrator]
@@ -345,5 +348,6 @@ def build_pipeline(
         max_concurrent_runs=options.max_concurrent_runs,
         journal_key=options.journal_key,
         observer=ports.reply_observer,
+        peers=ports.peers,
     )
     return Pipeline(manager, runner, dispatcher, router, threads, outbox)

@@ -15,7 +15,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationExistsError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase
-from tenex_daemon.core.ports import EventFetcher
+from tenex_daemon.core.ports import EventFetcher, Peers
 from tenex_daemon.core.targeting import (
     SkipReason,
     agent_chain_length,
@@ -89,7 +89,8 @@ class EventDispatcher:
     The ``hop_limit`` bounds chains of agents p-tagging each other directly.
 
     The dispatcher owns the :class:`RunScheduler` (:attr:`scheduler`) that carries its runs out
-    through ``runs`` (at most ``max_concurrent_runs`` at once, journaled under ``journal_key``),
+    through ``runs`` (at most ``max_concurrent_runs`` at once, journaled under ``journal_key``; with
+    ``peers``, daemons sharing the database, each run holds its conversation's run lease),
     and targets each saved reply of those runs in turn: that loop (events schedule runs, runs
     save replies, replies are targeted) is closed here, with nothing wired after construction.
     """
@@ -109,12 +110,13 @@ class EventDispatcher:
         max_concurrent_runs: int = 8,
         journal_key: str = PENDING_RUNS_KEY,
         observer: ReplyObserver | None = None,
+        peers: Peers | None = None,
     ) -> None:
         self._manager = manager
         self._runs = runs
         self._observer = observer
         self.scheduler = RunScheduler(
-            manager.store, self._execute, max_concurrent_runs, journal_key=journal_key
+            manager.store, self._execute, max_concurrent_runs, journal_key=journal_key, peers=peers
         )
         self._scheduler = self.scheduler
         self._classify = classify

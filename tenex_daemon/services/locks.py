@@ -3,8 +3,9 @@
 The lock order, the one place it is written down. A task that holds a lock may take only locks
 further down this list, so no two tasks ever wait on each other:
 
-1. ``RunScheduler``'s per-conversation run slot (one agent run at a time in a conversation), then
-   its global cap (a semaphore).
+1. ``RunScheduler``'s per-conversation run slot (one agent run at a time in a conversation), then,
+   with daemons sharing a database, the conversation's run lease across daemons (``run:<id>``,
+   taken by polling, so a run waiting for it holds no connection), then the global cap (a semaphore).
 2. ``Delegation``'s per-thread lock (one ``send_message`` exchange at a time between two agents in
    a conversation), taken inside a run.
 3. ``ThreadManager``'s per-thread load lock (loading a delegation thread once).

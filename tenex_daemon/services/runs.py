@@ -6,20 +6,23 @@ scheduled before it is carried out, after the restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import structlog
 
-from tenex_daemon.core.ports import SmallValues
+from tenex_daemon.core.ports import Peers, SmallValues
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.locks import KeyedLock
 
 log = structlog.get_logger(__name__)
 
 PENDING_RUNS_KEY = "runs.pending"
+RUN_LEASE_PREFIX = "run:"
+"""The lease a run holds on its conversation across daemons (the manager's steps use the bare id)."""
 
 
 def journal_key_for(daemon_id: str) -> str:
@@ -73,9 +76,11 @@ class RunScheduler:
         max_concurrent: int = 8,
         *,
         journal_key: str = PENDING_RUNS_KEY,
+        peers: Peers | None = None,
     ) -> None:
         self._store = store
         self.journal_key = journal_key
+        self._peers = peers
         self._run = run
         self._semaphore = asyncio.Semaphore(max_concurrent)
         self._conversation_locks = KeyedLock()
@@ -215,7 +220,11 @@ class RunScheduler:
             conversation_id=request.conversation_id, event_id=request.trigger_id, agent=request.agent_slug
         )
         try:
-            async with self._conversation_locks.hold(request.conversation_id), self._semaphore:
+            async with (
+                self._conversation_locks.hold(request.conversation_id),
+                self._conversation_run_lease(request.conversation_id),
+                self._semaphore,
+            ):
                 if self._key(request) in self._covered:
                     self._covered.discard(self._key(request))
                     log_ctx.info("run_answered_in_burst")
@@ -239,6 +248,25 @@ class RunScheduler:
         self._pending.pop(self._key(request), None)
         if self._flush_task is None:
             self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
+
+    @contextlib.asynccontextmanager
+    async def _conversation_run_lease(self, conversation_id: str) -> AsyncIterator[None]:
+        """With daemons sharing a database (``peers``): hold the conversation's run lease for the whole
+        run and the routing of its reply, so two daemons never run one conversation's agents at once.
+        It is taken without waiting on a connection (tried again every 50 ms to 1 s), so runs waiting
+        for another daemon's hold no database connection; steps of the run take their own short
+        lease (the manager's), which intake takes too, so intake never waits for a run."""
+        if self._peers is None:
+            yield
+            return
+        delay = 0.05
+        while True:
+            async with self._peers.try_take(f"{RUN_LEASE_PREFIX}{conversation_id}") as taken:
+                if taken:
+                    yield
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     def _take_burst(self, request: RunRequest) -> tuple[RunRequest, list[str]]:
         """The request to run now: when more messages to the same agent in the conversation wait

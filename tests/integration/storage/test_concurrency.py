@@ -122,3 +122,50 @@ async def test_two_daemons_accept_each_event_exactly_once(postgres_server: Postg
     assert sum(results) == len(events)
     assert conversation is not None
     assert sorted(e.id for e in conversation.history[1:]) == sorted(e.id for e in events)
+
+
+async def test_two_daemons_never_run_one_conversations_agents_at_once(postgres_server: PostgresServer) -> None:
+    """With daemons sharing PostgreSQL, a run holds its conversation's run lease: another daemon's run in
+    that conversation waits until it ends (holding no connection meanwhile), a run in another
+    conversation does not wait, and the short step lease intake uses stays free during the run."""
+    from tenex_daemon.services.runs import RunRequest, RunScheduler
+
+    dsn = await postgres_server.create_database()
+    clients = [PostgresStore(dsn), PostgresStore(dsn)]
+    for client in clients:
+        await client.open()
+    events: list[str] = []
+    release = asyncio.Event()
+
+    async def run_first(request: RunRequest) -> None:
+        events.append(f"start {request.trigger_id}")
+        await release.wait()
+        events.append(f"end {request.trigger_id}")
+
+    async def run_second(request: RunRequest) -> None:
+        events.append(f"start {request.trigger_id}")
+
+    first = RunScheduler(clients[0], run_first, peers=clients[0])
+    second = RunScheduler(clients[1], run_second, peers=clients[1])
+    try:
+        await first.submit(RunRequest("c1", "a1", "alice"))
+        while "start a1" not in events:  # noqa: ASYNC110 - the run has taken its lease
+            await asyncio.sleep(0.01)
+        await second.submit(RunRequest("c1", "b1", "bob"))
+        await second.submit(RunRequest("c2", "b2", "bob"))
+        async with asyncio.timeout(10):
+            while "start b2" not in events:  # noqa: ASYNC110 - another conversation runs at once
+                await asyncio.sleep(0.01)
+            async with clients[1].lease("c1"):  # intake's step lease is not the run's
+                events.append("step c1")
+        await asyncio.sleep(0.3)
+        assert "start b1" not in events
+        release.set()
+        await first.drain(10.0)
+        await second.drain(10.0)
+    finally:
+        for client in clients:
+            await client.close()
+
+    assert events.index("end a1") < events.index("start b1")
+    assert events.index("step c1") < events.index("end a1")
