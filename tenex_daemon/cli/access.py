@@ -81,6 +81,9 @@ class ConversationAccess(Protocol):
     async def restore(self, conversation_id: str) -> None:
         """Restore an archived conversation."""
 
+    async def end(self, conversation_id: str, reason: str | None) -> None:
+        """End a conversation (by the owner): recorded in its metadata, then archived."""
+
     async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
         """Return what the agent would be sent now, without changing its state."""
 
@@ -139,6 +142,11 @@ class ApiAccess:
     async def restore(self, conversation_id: str) -> None:
         """``POST /api/v1/conversations/{id}/restore``."""
         await self._call("POST", f"/conversations/{conversation_id}/restore")
+
+    async def end(self, conversation_id: str, reason: str | None) -> None:
+        """``POST /api/v1/conversations/{id}/end``."""
+        body = {"reason": reason} if reason else None
+        await self._call("POST", f"/conversations/{conversation_id}/end", body=body)
 
     async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
         """``GET /api/v1/conversations/{id}/context``."""
@@ -202,6 +210,11 @@ class LocalAccess:
     async def restore(self, conversation_id: str) -> None:
         """Restore a conversation."""
         await _mapped(self.manager.restore_conversation(conversation_id))
+
+    async def end(self, conversation_id: str, reason: str | None) -> None:
+        """End a conversation (by the owner)."""
+        if not await _mapped(self.manager.end_conversation(conversation_id, by="owner", reason=reason)):
+            raise AccessError(f"conversation {conversation_id} is archived (ended) already", 409)
 
     async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
         """Preview an agent's context without changing its state."""

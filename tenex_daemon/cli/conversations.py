@@ -1,4 +1,4 @@
-"""The conversation commands: ``conversations list|search|show|archive|restore|export|rebuild`` and
+"""The conversation commands: ``conversations list|search|show|archive|end|restore|export|rebuild`` and
 ``context``."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.phases import Phase
 
 conversations_app = typer.Typer(
-    help="List, show, search, archive, restore, export and rebuild conversations.", no_args_is_help=True
+    help="List, show, search, archive, end, restore, export and rebuild conversations.", no_args_is_help=True
 )
 
 PhaseOption = Annotated[
@@ -204,6 +204,20 @@ def conversations_archive(ctx: typer.Context, conversation_id: IdArgument, home:
     cid = event_id_argument(conversation_id)
     with_access(ctx, lambda access: access.archive(cid))
     out.print(f"archived {cid}")
+
+
+@conversations_app.command("end")
+def conversations_end(
+    ctx: typer.Context,
+    conversation_id: IdArgument,
+    reason: Annotated[str | None, typer.Option("--reason", help="Why, recorded with the end.")] = None,
+    home: HomeOption = None,
+) -> None:
+    """End a conversation: when, by whom (owner) and why are recorded, and it is archived (a new
+    message reopens it)."""
+    cid = event_id_argument(conversation_id)
+    with_access(ctx, lambda access: access.end(cid, reason))
+    out.print(f"ended {cid}")
 
 
 @conversations_app.command("restore")

@@ -50,6 +50,12 @@ from tenex_daemon.services.locks import KeyedLock
 log = structlog.get_logger(__name__)
 
 DEFAULT_RESOLVE_TIMEOUT_S = 2.0
+ENDED_AT_KEY = "ended_at"
+"""Metadata ``extra`` key: when the conversation was ended (ms since the epoch)."""
+ENDED_BY_KEY = "ended_by"
+"""Metadata ``extra`` key: who ended it (an agent's slug, or ``owner`` from the CLI and the API)."""
+END_REASON_KEY = "end_reason"
+"""Metadata ``extra`` key: why, when a reason was given."""
 RESOLVED_CACHE_SIZE = 1024
 HISTORY_VIEW_CACHE_SIZE = 256
 
@@ -615,6 +621,30 @@ class ConversationManager:
         return conversation.execution_time.total(self._clock.now_ms())
 
     # --- lifecycle and search -------------------------------------------------------------
+
+    async def end_conversation(
+        self, conversation_id: str, *, by: str, reason: str | None = None
+    ) -> bool:
+        """End the conversation: record when, by whom (an agent's slug, ``owner``...) and why in its
+        metadata (``extra``: :data:`ENDED_AT_KEY`, :data:`ENDED_BY_KEY`, :data:`END_REASON_KEY`), then
+        archive it (read-only; a new message reopens it). False when it is archived already."""
+        async with self._locked(conversation_id) as conversation:
+            if conversation.archived:
+                return False
+            now = self._clock.now_ms()
+            extra = dict(conversation.metadata.extra)
+            extra[ENDED_AT_KEY] = now
+            extra[ENDED_BY_KEY] = by
+            if reason:
+                extra[END_REASON_KEY] = reason
+            else:
+                extra.pop(END_REASON_KEY, None)
+            conversation.metadata.extra = extra
+            await self._save(conversation)
+            await self._store.set_archived(conversation_id, True)
+            conversation.archived = True
+        log.info("conversation_ended", conversation_id=conversation_id, by=by, reason=reason)
+        return True
 
     async def archive_conversation(self, conversation_id: str) -> None:
         """Archive the conversation: it stays readable and becomes read-only."""

@@ -30,7 +30,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationArchivedError, PhaseTransitionError
 from tenex_daemon.core.llm import ToolCall, ToolResult, ToolSpec
 from tenex_daemon.core.phases import Phase
-from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.conversation_manager import ENDED_AT_KEY, ConversationManager
 
 log = structlog.get_logger(__name__)
 
@@ -42,10 +42,6 @@ SUMMARY_PREVIEW_CHARS = 300
 DEFAULT_RECENT_CONVERSATIONS = 10
 MAX_RECENT_CONVERSATIONS = 20
 
-ENDED_AT_KEY = "ended_at"
-"""Metadata ``extra`` key: when an agent ended the conversation (ms since the epoch)."""
-ENDED_BY_KEY = "ended_by"
-END_REASON_KEY = "end_reason"
 
 
 class ToolRefusedError(Exception):
@@ -253,20 +249,10 @@ class EndConversationTool:
 async def mark_conversation_ended(
     manager: ConversationManager, conversation_id: str, agent_slug: str, reason: str | None, now_ms: int
 ) -> None:
-    """Record who ended the conversation, when and why (metadata ``extra``), then archive it."""
-    conversation = await manager.get_conversation(conversation_id)
-    if conversation is None or conversation.archived:
-        return
-    extra = dict(conversation.metadata.extra)
-    extra[ENDED_AT_KEY] = now_ms
-    extra[ENDED_BY_KEY] = agent_slug
-    if reason:
-        extra[END_REASON_KEY] = reason
-    else:
-        extra.pop(END_REASON_KEY, None)
-    await manager.update_metadata(conversation_id, extra=extra)
-    await manager.archive_conversation(conversation_id)
-    log.info("conversation_ended", conversation_id=conversation_id, agent=agent_slug, reason=reason)
+    """Record who ended the conversation, when and why (metadata ``extra``), then archive it
+    (:meth:`ConversationManager.end_conversation`; ``now_ms`` is the manager's clock's)."""
+    del now_ms  # the manager's clock stamps it, under the conversation's lock
+    await manager.end_conversation(conversation_id, by=agent_slug, reason=reason)
 
 
 # --- get_conversation -----------------------------------------------------------------------

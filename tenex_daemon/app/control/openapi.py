@@ -156,6 +156,25 @@ def _archive_path() -> Json:
     )}
 
 
+def _end_path() -> Json:
+    operation = _on_conversation(
+        (
+            "End the conversation: when, by whom (owner) and why are recorded in its metadata and it is "
+            "archived (read-only); a new message reopens it."
+        ),
+        "endConversation",
+        _ok("Ended.", {"type": "object", "properties": {
+            "id": {"type": "string"}, "ended": {"type": "boolean"}, "ended_by": {"type": "string"},
+            "reason": {"type": ["string", "null"]},
+        }}),
+        requestBody={"required": False, "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"reason": {"type": "string"}},
+        }}}},
+    )
+    operation["responses"]["409"] = _CONFLICT
+    return {"post": operation}
+
+
 def _restore_path() -> Json:
     return {"post": _on_conversation(
         "Restore an archived conversation.", "restoreConversation", _ok("Restored.", {"type": "object"}),
@@ -214,6 +233,7 @@ def _paths() -> Json:
         paths.CONVERSATION: _conversation_path(),
         paths.CONVERSATION_RESET: _reset_path(),
         paths.CONVERSATION_ARCHIVE: _archive_path(),
+        paths.CONVERSATION_END: _end_path(),
         paths.CONVERSATION_RESTORE: _restore_path(),
         paths.CONVERSATION_CONTEXT: _context_path(),
         paths.TASK_CONVERSATION: _task_path(),

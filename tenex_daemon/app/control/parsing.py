@@ -110,6 +110,19 @@ def parse_reset_body(body: object) -> bool:
     return value
 
 
+def parse_end_body(body: object) -> str | None:
+    """Return the ``reason`` of an end request's decoded JSON body (None: no body, no reason); raise
+    ApiError 400."""
+    if body is None:
+        return None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    reason = body.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise ApiError(400, "reason must be a string")
+    return reason or None
+
+
 def parse_context_query(query: Mapping[str, str]) -> tuple[str, str | None]:
     """Return the (agent slug, trigger event id or None) of a context request; raise ApiError 400."""
     agent = query.get("agent")

@@ -20,6 +20,7 @@ from tenex_daemon.app.control.openapi import openapi_document
 from tenex_daemon.app.control.parsing import (
     check_id,
     parse_context_query,
+    parse_end_body,
     parse_rebuild_body,
     parse_reset_body,
     parse_search,
@@ -160,6 +161,15 @@ async def _archive(request: web.Request) -> web.Response:
     return _json({"id": conversation_id, "archived": True})
 
 
+async def _end(request: web.Request) -> web.Response:
+    conversation_id = _conversation_id(request)
+    reason = parse_end_body(await _json_body(request, '{"reason": "<why>"}'))
+    ended = await _target(request).manager.end_conversation(conversation_id, by="owner", reason=reason)
+    if not ended:
+        raise ApiError(409, f"conversation {conversation_id} is archived (ended) already")
+    return _json({"id": conversation_id, "ended": True, "ended_by": "owner", "reason": reason})
+
+
 async def _restore(request: web.Request) -> web.Response:
     conversation_id = _conversation_id(request)
     await _target(request).manager.restore_conversation(conversation_id)
@@ -216,6 +226,7 @@ def create_app(target: ControlTarget) -> web.Application:
     app.router.add_delete(paths.CONVERSATION, _delete)
     app.router.add_post(paths.CONVERSATION_RESET, _reset)
     app.router.add_post(paths.CONVERSATION_ARCHIVE, _archive)
+    app.router.add_post(paths.CONVERSATION_END, _end)
     app.router.add_post(paths.CONVERSATION_RESTORE, _restore)
     app.router.add_get(paths.CONVERSATION_CONTEXT, _context)
     app.router.add_get(paths.TASK_CONVERSATION, _task)

@@ -321,3 +321,24 @@ async def test_tcp_is_loopback_only(target: FakeTarget) -> None:
             assert response.status == 200
     with pytest.raises(ValueError, match="loopback"):
         ControlServer(target, None, tcp_port=0, tcp_host="0.0.0.0")
+
+
+async def test_end_records_who_and_why_archives_and_refuses_a_second_end(
+    client: TestClient[Any, Any], world: World, manager: ConversationManager
+) -> None:
+    """POST end records ended_at, ended_by owner and the reason, archives the conversation; a second end
+    answers 409, a reason that is not a string 400, an unknown conversation 404."""
+    ended = await client.post(f"/api/v1/conversations/{world.root.id}/end", json={"reason": "done for today"})
+
+    assert ended.status == 200
+    assert (await ended.json())["ended_by"] == "owner"
+    conversation = await manager.get_conversation(world.root.id)
+    assert conversation is not None
+    assert conversation.archived
+    assert conversation.metadata.extra["ended_by"] == "owner"
+    assert conversation.metadata.extra["end_reason"] == "done for today"
+    assert isinstance(conversation.metadata.extra["ended_at"], int)
+    assert (await client.post(f"/api/v1/conversations/{world.root.id}/end")).status == 409
+    bad = await client.post(f"/api/v1/conversations/{world.root.id}/end", json={"reason": 7})
+    assert bad.status == 400
+    assert (await client.post(f"/api/v1/conversations/{'f' * 64}/end")).status == 404

@@ -22,8 +22,8 @@ from tenex_daemon.core.llm import (
 )
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.services.agent_runner import DEFAULT_TOOLS, AgentProfile, AgentRunner
+from tenex_daemon.services.conversation_manager import END_REASON_KEY, ENDED_BY_KEY
 from tenex_daemon.services.runs import RunRequest
-from tenex_daemon.services.tools import END_REASON_KEY, ENDED_BY_KEY
 from tenex_daemon.testing.fakes import FakePublisher, RecordingRouting, ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
