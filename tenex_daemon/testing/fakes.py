@@ -7,6 +7,7 @@ the production code.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,21 @@ class ScriptedBackend:
     def tool_results(self) -> list[ToolResult]:
         """Every tool result the backend was sent in its last request."""
         return [m for m in self.requests[-1].messages if isinstance(m, ToolResult)]
+
+
+class StuckBackend:
+    """A model that never answers (the process dies while it thinks): ``asked`` is set on the first call."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Signal the request, then wait until cancelled."""
+        self.asked.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
 
 class FailingBackend:

@@ -26,26 +26,11 @@ from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outc
 from tenex_daemon.services.orchestrator import LLMOrchestrator, RuleBasedOrchestrator
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
 from tenex_daemon.testing import FakeClock
-from tenex_daemon.testing.fakes import FakePublisher, ScriptedBackend
+from tenex_daemon.testing.fakes import FakePublisher, ScriptedBackend, StuckBackend
 from tests import pipeline
 from tests.conftest import Cast
 from tests.unit.services.test_orchestration import answers, completes
 from tests.unit.services.test_tool_loop import text
-
-
-class StuckBackend:
-    """A model that never answers (the process dies while it thinks)."""
-
-    name = "stuck"
-
-    def __init__(self) -> None:
-        self.asked = asyncio.Event()
-
-    async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Signal the request, then wait forever."""
-        self.asked.set()
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
 
 
 @dataclass

@@ -11,6 +11,7 @@ from tenex_daemon import MemoryStore
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.services.agent_runner import AgentProfile
 from tenex_daemon.testing import FakeClock
+from tenex_daemon.testing.fakes import StuckBackend
 from tests import pipeline
 from tests.conftest import Cast
 
@@ -30,21 +31,6 @@ class SlowModel:
         """Move the clock on by the time the answer takes, then answer."""
         self.clock.advance(self.minutes * MINUTE_MS)
         return CompletionResult(text=f"Took {self.minutes} minutes.", model="slow")
-
-
-class StuckModel:
-    """A model that never answers (the process dies while it thinks)."""
-
-    name = "stuck"
-
-    def __init__(self) -> None:
-        self.asked = asyncio.Event()
-
-    async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Signal the request, then wait until cancelled."""
-        self.asked.set()
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
 
 
 def rig_with(cast: Cast, model: LLMBackend, store: MemoryStore, clock: FakeClock) -> pipeline.Rig:
@@ -72,7 +58,7 @@ async def test_a_crashed_run_redone_after_a_restart_counts_only_the_redone_run(c
     """A run cut off by a crash counts nothing; after a restart 20 minutes later (within the stale window)
     the redone 1-minute run adds 60 s: neither the lost run nor the downtime is counted."""
     store, clock = MemoryStore(), FakeClock()
-    stuck = StuckModel()
+    stuck = StuckBackend()
     first = rig_with(cast, stuck, store, clock)
     root = cast.user_says("Think hard", kind=11, tags=[["p", cast.alice.pubkey]])
     await first.dispatcher.handle(root)
