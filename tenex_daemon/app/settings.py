@@ -160,6 +160,40 @@ class DaemonSettings(_Section):
     log_level: str = "info"
 
 
+class ConversationSettings(_Section):
+    """``[conversations]``: how conversations end, are described, remembered and expire
+    (docs/ARCHITECTURE.md, "Conversation lifecycle")."""
+
+    idle_timeout_min: float = Field(default=30.0, gt=0)
+    """A conversation idle this long is ended (by the sweeper, or when a kind-1 channel's next note
+    comes); a person's top-level kind-1 note to an agent continues their open conversation younger
+    than this, else starts a new one."""
+    sweep_interval_min: float = Field(default=5.0, gt=0)
+    """How often the sweeper ends idle conversations, archives and deletes by the policies below."""
+    archive_after_days: float | None = Field(default=30.0, gt=0)
+    """Archive (read-only until a new message or a restore) conversations inactive this long; None: never."""
+    max_retained: int = Field(default=1000, ge=1)
+    """Delete the oldest ended conversations beyond this many (active ones are never deleted)."""
+    delete_after_days: float | None = Field(default=None, gt=0)
+    """Also delete ended conversations inactive this long; None: only ``max_retained`` deletes."""
+    recent_in_persona: int = Field(default=2, ge=0)
+    """How many of the person's latest ended conversations with the agent the persona recalls (0: off)."""
+    list_recent: int = Field(default=10, ge=1)
+    """How many conversations ``get_conversation``'s ``list_recent`` lists by default."""
+    describe_after_exchanges: int = Field(default=3, ge=1)
+    """A titleless active conversation is given a title and summary once it has this many exchanges
+    (a person's message and an agent's answer)."""
+    summarizer: BackendSettings | None = None
+    """The backend that writes titles and summaries; None: the conversation's first agent's own."""
+
+
+class TaskSettings(_Section):
+    """``[tasks]``: task sessions (kind 1934, docs/ARCHITECTURE.md)."""
+
+    session_ttl_h: float = Field(default=24.0, gt=0)
+    """A task's session expires this long after its last activity; the next event starts a new one."""
+
+
 class Settings(_Section):
     """Everything the daemon is configured with."""
 
@@ -176,6 +210,8 @@ class Settings(_Section):
     relays: RelaySettings = Field(default_factory=RelaySettings)
     control: ControlSettings = Field(default_factory=ControlSettings)
     daemon: DaemonSettings = Field(default_factory=DaemonSettings)
+    conversations: ConversationSettings = Field(default_factory=ConversationSettings)
+    tasks: TaskSettings = Field(default_factory=TaskSettings)
     phases: dict[str, list[str]] = Field(default_factory=dict)
     """Allowed phase transitions, ``from = [to, ...]``; empty keeps docs/ARCHITECTURE.md's default table."""
 

@@ -214,7 +214,7 @@ class LocalAccess:
     async def end(self, conversation_id: str, reason: str | None) -> None:
         """End a conversation (by the owner)."""
         if not await _mapped(self.manager.end_conversation(conversation_id, by="owner", reason=reason)):
-            raise AccessError(f"conversation {conversation_id} is archived (ended) already", 409)
+            raise AccessError(f"conversation {conversation_id} is ended already", 409)
 
     async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
         """Preview an agent's context without changing its state."""

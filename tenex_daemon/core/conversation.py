@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, Field, PrivateAttr
@@ -14,6 +15,15 @@ from tenex_daemon.core.references import find_event_references
 from tenex_daemon.core.turns import OrchestratorTurn
 
 UNTITLED = "Untitled Conversation"
+
+
+class TitleSource(StrEnum):
+    """Where a conversation's title came from; a person's ``title`` tag is never overwritten."""
+
+    TAG = "tag"
+    MODEL = "model"
+    FALLBACK = "fallback"
+    IMPORT = "import"
 
 
 class AgentState(BaseModel):
@@ -78,6 +88,31 @@ class Conversation(BaseModel):
     orchestrator_turns: list[OrchestratorTurn] = Field(default_factory=list)
     execution_time: ExecutionTime = Field(default_factory=ExecutionTime)
     archived: bool = False
+    # --- lifecycle (docs/ARCHITECTURE.md, "Conversation lifecycle") ---------------------------
+    activity_at: int = 0
+    """Milliseconds since the epoch when the conversation last accepted an event (its idle clock;
+    0 for conversations stored before it was kept: their ``updated_at`` stands in)."""
+    ended_at: int | None = None
+    """When it was ended (idle timeout, the agent's tool, the CLI or the API); None while active.
+    A new message reopens it (clears the three end fields)."""
+    ended_by: str | None = None
+    """Who ended it: ``idle``, an agent's slug, or ``owner`` (the CLI and the API)."""
+    end_reason: str | None = None
+    summary: str | None = None
+    """A model's summary of the conversation (2-3 sentences), or the fallback text."""
+    title_source: TitleSource | None = None
+    """Where ``title`` came from; None: still "Untitled Conversation"."""
+    described_at: int | None = None
+    """The ``activity_at`` the title and summary were made for (None: never made)."""
+    description_published: bool = True
+    """False while the kind-513 event of the newest title and summary is not yet in the outbox."""
+    channel: str | None = None
+    """A kind-1 channel's key (``<agent slug>:<person pubkey>``): top-level notes from that person
+    to that agent continue this conversation while it is younger than the idle timeout."""
+    task_id: str | None = None
+    """The kind-1934 task this conversation is a session of (its id, for every session)."""
+    previous_session: str | None = None
+    """The task session this one follows (that one expired and was archived)."""
 
     _event_index: dict[str, int] = PrivateAttr(default_factory=dict)
     _agent_claimants: set[str] = PrivateAttr(default_factory=set)
@@ -138,6 +173,20 @@ class Conversation(BaseModel):
         if self.orchestrator_turns and not self.orchestrator_turns[-1].is_completed:
             return self.orchestrator_turns[-1]
         return None
+
+    @property
+    def is_ended(self) -> bool:
+        """Whether the conversation is ended (and not reopened since)."""
+        return self.ended_at is not None
+
+    @property
+    def last_activity(self) -> int:
+        """When it last accepted an event (ms; ``updated_at`` for data stored before that was kept)."""
+        return self.activity_at or self.updated_at
+
+    def token_count(self) -> int:
+        """Every token its agents' backends reported for it (prompt and completion, all agents)."""
+        return sum(s.prompt_tokens + s.completion_tokens for s in self.agent_states.values())
 
     def participants(self) -> set[str]:
         """Return the public keys of every author in history."""

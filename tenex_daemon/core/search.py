@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import difflib
 from datetime import datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.conversation import Conversation, TitleSource
 from tenex_daemon.core.phases import Phase
 
 FUZZY_THRESHOLD = 0.6
@@ -26,6 +27,12 @@ class SearchQuery(BaseModel):
     archived: bool | None = None
     participant: str | None = None
     """A hex public key that authored at least one event."""
+    participants: tuple[str, ...] = ()
+    """Hex public keys that all authored at least one event (a person and an agent, say)."""
+    ended: bool | None = None
+    """True: only ended conversations; False: only active ones."""
+    inactive_before: int | None = None
+    """Only conversations whose last activity (ms since the epoch) is older than this."""
     limit: int | None = None
 
 
@@ -42,6 +49,19 @@ class ConversationSummary(BaseModel):
     agent_count: int
     archived: bool = False
     participants: list[str] = Field(default_factory=list)
+    activity_at: int = 0
+    """When it last accepted an event (ms; ``updated_at`` for rows stored before that was kept)."""
+    ended_at: int | None = None
+    summary: str | None = None
+    title_source: TitleSource | None = None
+    described_at: int | None = None
+    description_published: bool = True
+    task_id: str | None = None
+
+    @property
+    def last_activity(self) -> int:
+        """When it last accepted an event (ms)."""
+        return self.activity_at or self.updated_at
 
     @classmethod
     def of(cls, conversation: Conversation) -> ConversationSummary:
@@ -56,7 +76,27 @@ class ConversationSummary(BaseModel):
             agent_count=len(conversation.agent_states),
             archived=conversation.archived,
             participants=sorted(conversation.participants()),
+            **lifecycle_fields(conversation.model_dump(mode="json", include=set(LIFECYCLE_FIELDS))),
         )
+
+
+LIFECYCLE_FIELDS = (
+    "activity_at", "ended_at", "summary", "title_source", "described_at", "description_published", "task_id"
+)
+"""The lifecycle fields an index row copies from a conversation's state (docs/ARCHITECTURE.md)."""
+
+
+def lifecycle_fields(state: dict[str, Any]) -> dict[str, Any]:
+    """The lifecycle fields of a conversation's state snapshot (JSON), defaults for absent ones."""
+    return {
+        "activity_at": int(state.get("activity_at") or 0),
+        "ended_at": state.get("ended_at"),
+        "summary": state.get("summary"),
+        "title_source": state.get("title_source"),
+        "described_at": state.get("described_at"),
+        "description_published": bool(state.get("description_published", True)),
+        "task_id": state.get("task_id"),
+    }
 
 
 def title_matches(title: str, query: str) -> bool:
@@ -91,6 +131,12 @@ def summary_matches(summary: ConversationSummary, query: SearchQuery) -> bool:
     if query.date_to is not None and summary.created_at > _ms(query.date_to):
         return False
     if query.participant is not None and query.participant not in summary.participants:
+        return False
+    if query.participants and not set(query.participants) <= set(summary.participants):
+        return False
+    if query.ended is not None and (summary.ended_at is not None) != query.ended:
+        return False
+    if query.inactive_before is not None and summary.last_activity >= query.inactive_before:
         return False
     return query.title is None or title_matches(summary.title, query.title)
 

@@ -26,7 +26,8 @@ from tenex_daemon.services.answering import (
     AnswerLoop,
     PartialStreamer,
 )
-from tenex_daemon.services.conversation_manager import ConversationManager, RunRecord
+from tenex_daemon.services.conversation_changes import RunRecord
+from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.delegation import Delegation, RunDelegator
 from tenex_daemon.services.outbox import Outbox
 from tenex_daemon.services.runs import RunRequest

@@ -11,14 +11,13 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import structlog
 
 from tenex_daemon.core import nip19
-from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole
+from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole, claims_agent
 from tenex_daemon.core.context import (
     AgentContext,
     HistoryView,
@@ -26,14 +25,18 @@ from tenex_daemon.core.context import (
     build_routing_context,
     conversation_event_references,
 )
-from tenex_daemon.core.conversation import UNTITLED, AgentState, Conversation, ReferencedArticle
+from tenex_daemon.core.conversation import (
+    UNTITLED,
+    Conversation,
+    ReferencedArticle,
+    TitleSource,
+)
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
     ConversationNotFoundError,
 )
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.execution_time import ExecutionTime
 from tenex_daemon.core.phases import Phase, PhaseRules, PhaseTransition
 from tenex_daemon.core.ports import Clock, EventResolver, Store, SystemClock
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
@@ -45,66 +48,21 @@ from tenex_daemon.core.vocabulary import (
     TAG_TOOL,
     TOOL_COMPLETE,
 )
+from tenex_daemon.services.conversation_changes import (
+    LifecycleBefore,
+    RunRecord,
+    StateBeforeReply,
+    clear_end,
+    record_context,
+    record_run,
+)
 from tenex_daemon.services.locks import KeyedLock
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_RESOLVE_TIMEOUT_S = 2.0
-ENDED_AT_KEY = "ended_at"
-"""Metadata ``extra`` key: when the conversation was ended (ms since the epoch)."""
-ENDED_BY_KEY = "ended_by"
-"""Metadata ``extra`` key: who ended it (an agent's slug, or ``owner`` from the CLI and the API)."""
-END_REASON_KEY = "end_reason"
-"""Metadata ``extra`` key: why, when a reason was given."""
 RESOLVED_CACHE_SIZE = 1024
 HISTORY_VIEW_CACHE_SIZE = 256
-
-
-@dataclass(frozen=True, slots=True)
-class _StateBeforeReply:
-    """What :meth:`ConversationManager.append_reply` changes, kept to put back when its save fails."""
-
-    execution_time: ExecutionTime
-    agent_state: AgentState | None
-    open_turn: OrchestratorTurn | None
-    """The open turn as it was (a completion may close it)."""
-    updated_at: int
-
-    @classmethod
-    def of(cls, conversation: Conversation, agent_slug: str) -> _StateBeforeReply:
-        state = conversation.agent_states.get(agent_slug)
-        turn = conversation.open_turn()
-        return cls(
-            conversation.execution_time,
-            None if state is None else state.model_copy(),
-            None if turn is None else turn.model_copy(deep=True),
-            conversation.updated_at,
-        )
-
-    def restore(self, conversation: Conversation, agent_slug: str) -> None:
-        conversation.execution_time = self.execution_time
-        if self.agent_state is None:
-            conversation.agent_states.pop(agent_slug, None)
-        else:
-            conversation.agent_states[agent_slug] = self.agent_state
-        if self.open_turn is not None:
-            conversation.orchestrator_turns[-1] = self.open_turn
-        conversation.updated_at = self.updated_at
-
-
-@dataclass(frozen=True, slots=True)
-class RunRecord:
-    """What an agent run changes besides its reply (:meth:`ConversationManager.append_reply`)."""
-
-    agent_slug: str
-    context: AgentContext
-    """The context the agent answered from (its last processed index, session, transitions seen)."""
-    started_ms: int
-    """When the run started (its working time counts until the reply is saved)."""
-    session_id: str | None = None
-    """The backend's new session, if it reported one (None keeps the context's)."""
-    add_tokens: tuple[int, int] | None = None
-    """The run's (prompt, completion) token usage."""
 
 
 class ConversationManager:
@@ -145,6 +103,7 @@ class ConversationManager:
         self._locks = KeyedLock()
         self._resolved: OrderedDict[str, str] = OrderedDict()
         self._views: OrderedDict[tuple[str, str], HistoryView] = OrderedDict()
+        self._on_ended: list[Callable[[str], None]] = []
 
     @property
     def store(self) -> Store:
@@ -184,13 +143,23 @@ class ConversationManager:
 
     # --- events ---------------------------------------------------------------------------
 
-    async def create_conversation(self, event: NostrEvent, *, exclusive: bool = False) -> Conversation:
+    async def create_conversation(
+        self,
+        event: NostrEvent,
+        *,
+        exclusive: bool = False,
+        channel: str | None = None,
+        task_id: str | None = None,
+        previous_session: str | None = None,
+    ) -> Conversation:
         """Create a conversation whose root (and id) is ``event``; idempotent by id.
 
-        Title: the ``title`` tag, else "Untitled Conversation". Summary: the content.
-        An ``a`` tag ``30023:<pubkey>:<d>`` makes the article the referenced article.
+        Title: the ``title`` tag (the person's: never replaced by a model's), else "Untitled
+        Conversation". An ``a`` tag ``30023:<pubkey>:<d>`` makes the article the referenced article.
         ``exclusive``: raise :class:`ConversationExistsError` when it exists already (another daemon
         on a shared database created it), instead of returning it: only its creator acts on it.
+        ``channel``, ``task_id`` and ``previous_session``: a kind-1 channel's key, the task this is a
+        session of and the expired session it follows (docs/ARCHITECTURE.md, "Conversation lifecycle").
         """
         event.require_valid_id()
         async with self._locks.hold(event.id):
@@ -200,17 +169,22 @@ class ConversationManager:
                     raise ConversationExistsError(event.id)
                 return existing
             now = self._clock.now_ms()
+            title = event.tag_value(TAG_TITLE)
             conversation = Conversation(
                 id=event.id,
-                title=event.tag_value(TAG_TITLE) or UNTITLED,
+                title=title or UNTITLED,
+                title_source=TitleSource.TAG if title else None,
                 root_kind=event.kind,
                 phase=Phase.CHAT,
                 phase_started_at=now,
                 created_at=now,
                 updated_at=now,
+                activity_at=now,
+                channel=channel,
+                task_id=task_id,
+                previous_session=previous_session,
             )
             conversation.append(event)
-            conversation.metadata.summary = event.content
             self._note_user_message(conversation, event)
             conversation.metadata.referenced_article = await self._referenced_article(event)
             await self._store.create(conversation)
@@ -220,8 +194,10 @@ class ConversationManager:
     async def add_event(self, conversation_id: str, event: NostrEvent) -> bool:
         """Append ``event`` to the conversation; return False for a duplicate id.
 
-        The event is accepted (durable) when this returns True. An agent event tagged
-        ``["tool", "complete"]`` also counts as that agent's completion of the open turn.
+        The event is accepted (durable) when this returns True, with the conversation's new last
+        activity in the same write. An ended conversation is reopened by it (docs/ARCHITECTURE.md,
+        "Conversation lifecycle"). An agent event tagged ``["tool", "complete"]`` also counts as that
+        agent's completion of the open turn.
         """
         event.require_valid_id()
         async with self._locked(conversation_id) as conversation:
@@ -229,21 +205,36 @@ class ConversationManager:
                 raise ConversationArchivedError(conversation_id)
             if conversation.contains_event(event.id) or await self._store.is_processed(event.id):
                 return False
-            await self._store.append_event(conversation_id, event)
-            conversation.append(event)
-            state_changed = self._note_user_message(conversation, event)
+            now = self._clock.now_ms()
+            before = LifecycleBefore.of(conversation)
+            reopened = conversation.is_ended
+            if reopened:
+                clear_end(conversation)
+            conversation.activity_at = conversation.updated_at = now
+            claims = conversation.claims_agent(event.pubkey) or claims_agent(event.tags)
+            if self.agents.role_of(event.pubkey, claims) is AuthorRole.USER and event.content:
+                conversation.metadata.last_user_message = event.content
             agent = self.agents.by_pubkey(event.pubkey)
             turn = conversation.open_turn()
+            kept_turn = None if turn is None else turn.model_copy(deep=True)
             if (
                 agent is not None
                 and turn is not None
                 and event.has_tag(TAG_TOOL, TOOL_COMPLETE)
                 and turn.answers_trigger(event.tags)
             ):
-                state_changed |= turn.add_completion(agent.slug, event.content, self._clock.now_ms())
-            if state_changed:
-                await self._save(conversation)
-            return True
+                turn.add_completion(agent.slug, event.content, now)
+            try:
+                await self._store.append_event(conversation_id, event, state=conversation)
+            except BaseException:
+                before.restore(conversation)
+                if kept_turn is not None:
+                    conversation.orchestrator_turns[-1] = kept_turn
+                raise
+            conversation.append(event)
+        if reopened:
+            log.info("conversation_reopened", conversation_id=conversation_id, event_id=event.id)
+        return True
 
     def _note_user_message(self, conversation: Conversation, event: NostrEvent) -> bool:
         claims = conversation.claims_agent(event.pubkey)
@@ -289,7 +280,7 @@ class ConversationManager:
             context = build_agent_messages(
                 conversation, agent, trigger, self.agents, resolved, view, burst=burst
             )
-            _record_context(conversation.agent_state(agent.slug), context)
+            record_context(conversation.agent_state(agent.slug), context)
             if start_execution:
                 conversation.execution_time.start(self._clock.now_ms())
             await self._save(conversation)
@@ -320,20 +311,23 @@ class ConversationManager:
             with_run.add_run(run.started_ms, now)
             reply = await compose(conversation, with_run.total(now))
             reply.require_valid_id()
-            kept = _StateBeforeReply.of(conversation, agent.slug)
+            kept = StateBeforeReply.of(conversation, agent.slug)
             conversation.execution_time = with_run
             state = conversation.agent_state(agent.slug)
-            _record_context(state, run.context)
-            _record_run(state, run.session_id, run.add_tokens)
+            record_context(state, run.context)
+            record_run(state, run.session_id, run.add_tokens)
             turn = conversation.open_turn()
             completes = reply.has_tag(TAG_TOOL, TOOL_COMPLETE)
             if turn is not None and completes and turn.answers_trigger(reply.tags):
                 turn.add_completion(agent.slug, reply.content, now)
             conversation.updated_at = now
+            kept_activity = conversation.activity_at
+            conversation.activity_at = now
             try:
                 await self._store.append_event(conversation_id, reply, state=conversation)
             except BaseException:
                 kept.restore(conversation, agent.slug)
+                conversation.activity_at = kept_activity
                 raise
             conversation.append(reply)
             return reply
@@ -387,7 +381,7 @@ class ConversationManager:
                         f"(0..{len(conversation.history)})"
                     )
                 state.last_processed_index = last_processed_index
-            _record_run(state, session_id, add_tokens)
+            record_run(state, session_id, add_tokens)
             if summary is not None:
                 text, covers = summary
                 if covers < 0:
@@ -610,7 +604,7 @@ class ConversationManager:
             added = conversation.execution_time.stop(self._clock.now_ms())
             if agent_slug is not None:
                 state = conversation.agent_state(self.agents.get(agent_slug).slug)
-                _record_run(state, session_id, add_tokens)
+                record_run(state, session_id, add_tokens)
             await self._save(conversation)
             return added
 
@@ -623,28 +617,72 @@ class ConversationManager:
     # --- lifecycle and search -------------------------------------------------------------
 
     async def end_conversation(
-        self, conversation_id: str, *, by: str, reason: str | None = None
+        self, conversation_id: str, *, by: str, reason: str | None = None, idle_before: int | None = None
     ) -> bool:
-        """End the conversation: record when, by whom (an agent's slug, ``owner``...) and why in its
-        metadata (``extra``: :data:`ENDED_AT_KEY`, :data:`ENDED_BY_KEY`, :data:`END_REASON_KEY`), then
-        archive it (read-only; a new message reopens it). False when it is archived already."""
+        """End the conversation: record when, by whom (``idle``, an agent's slug, ``owner``...) and why.
+
+        It stays writable: a new message reopens it. Its title and summary are made afterwards, off
+        the request path (:mod:`~tenex_daemon.services.descriptions`). False when it is ended already,
+        or (``idle_before``, the idle timeout's check) when it had activity at or after that moment.
+        """
         async with self._locked(conversation_id) as conversation:
-            if conversation.archived:
+            if conversation.is_ended:
                 return False
-            now = self._clock.now_ms()
-            extra = dict(conversation.metadata.extra)
-            extra[ENDED_AT_KEY] = now
-            extra[ENDED_BY_KEY] = by
-            if reason:
-                extra[END_REASON_KEY] = reason
-            else:
-                extra.pop(END_REASON_KEY, None)
-            conversation.metadata.extra = extra
-            await self._save(conversation)
-            await self._store.set_archived(conversation_id, True)
-            conversation.archived = True
+            if idle_before is not None and conversation.last_activity >= idle_before:
+                return False
+            before = LifecycleBefore.of(conversation)
+            conversation.ended_at = self._clock.now_ms()
+            conversation.ended_by = by
+            conversation.end_reason = reason or None
+            try:
+                await self._save(conversation)
+            except BaseException:
+                before.restore(conversation)
+                raise
         log.info("conversation_ended", conversation_id=conversation_id, by=by, reason=reason)
+        for listener in self._on_ended:
+            listener(conversation_id)
         return True
+
+    def on_ended(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(conversation_id)`` after each conversation this manager ends (its title
+        and summary job listens; it must not block)."""
+        self._on_ended.append(listener)
+
+    async def describe(
+        self, conversation_id: str, *, title: str | None, summary: str, source: TitleSource, for_activity: int
+    ) -> Conversation:
+        """Store a title and summary made for the conversation as it was at ``for_activity`` (its last
+        activity then). A title from the person's ``title`` tag is kept; ``title=None`` keeps the
+        title. The description is marked unpublished until :meth:`description_published`."""
+        async with self._locked(conversation_id) as conversation:
+            before = LifecycleBefore.of(conversation)
+            if title and conversation.title_source is not TitleSource.TAG:
+                conversation.title = title
+                conversation.title_source = source
+            conversation.summary = summary
+            conversation.described_at = for_activity
+            conversation.description_published = False
+            try:
+                await self._save(conversation)
+            except BaseException:
+                before.restore(conversation)
+                raise
+            log.info(
+                "conversation_described",
+                conversation_id=conversation_id,
+                title=conversation.title,
+                source=conversation.title_source,
+            )
+            return conversation
+
+    async def description_published(self, conversation_id: str) -> None:
+        """Record that the kind-513 event of the conversation's title and summary is in the outbox."""
+        async with self._locked(conversation_id) as conversation:
+            if conversation.description_published:
+                return
+            conversation.description_published = True
+            await self._store.save_state(conversation)
 
     async def archive_conversation(self, conversation_id: str) -> None:
         """Archive the conversation: it stays readable and becomes read-only."""
@@ -753,22 +791,3 @@ class ConversationManager:
             trigger = conversation.history[-1]
         resolved = await self._resolve_references(conversation_event_references(conversation, trigger))
         return build_agent_messages(conversation, agent, trigger, self.agents, resolved)
-
-
-def _record_context(state: AgentState, context: AgentContext) -> None:
-    """What the agent has now been shown: its last processed index, session and phase transitions."""
-    state.last_processed_index = context.last_processed_index
-    state.session_id = context.session_id
-    state.transitions_seen = context.transitions_seen
-
-
-def _record_run(state: AgentState, session_id: str | None, add_tokens: tuple[int, int] | None) -> None:
-    """Set the agent's new session id (None leaves it) and add a run's token usage (prompt, completion)."""
-    if session_id is not None:
-        state.session_id = session_id
-    if add_tokens is not None:
-        prompt, completion = add_tokens
-        if prompt < 0 or completion < 0:
-            raise ValueError(f"token counts cannot be negative: {add_tokens}")
-        state.prompt_tokens += prompt
-        state.completion_tokens += completion

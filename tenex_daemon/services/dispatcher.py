@@ -258,9 +258,9 @@ class EventDispatcher:
             log.info("dispatch_dropped", event_id=event_id, reason="not stored")
             return HandleResult(Outcome.IGNORED, "not stored")
         event = found[1]
-        if conversation.archived and self._manager.agents.by_pubkey(event.pubkey) is not None:
+        if conversation.is_ended and self._manager.agents.by_pubkey(event.pubkey) is not None:
             # an agent's reply that ended its conversation targets nobody
-            result = HandleResult(Outcome.STORED, "conversation archived", conversation.id)
+            result = HandleResult(Outcome.STORED, "conversation ended", conversation.id)
         else:
             result = await self._target(conversation.id, event, recovered=True)
         self._scheduler.dispatched(event_id, at_once=result.outcome is not Outcome.SCHEDULED)

@@ -30,7 +30,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationArchivedError, PhaseTransitionError
 from tenex_daemon.core.llm import ToolCall, ToolResult, ToolSpec
 from tenex_daemon.core.phases import Phase
-from tenex_daemon.services.conversation_manager import ENDED_AT_KEY, ConversationManager
+from tenex_daemon.services.conversation_manager import ConversationManager
 
 log = structlog.get_logger(__name__)
 
@@ -200,7 +200,7 @@ class SwitchPhaseTool:
         except PhaseTransitionError as exc:
             raise ToolRefusedError(str(exc)) from None
         except ConversationArchivedError:
-            raise ToolRefusedError("the conversation is archived (ended); its phase cannot change") from None
+            raise ToolRefusedError("the conversation is archived; its phase cannot change") from None
         if transition.is_handoff:
             return f"Handoff recorded; the conversation stays in {transition.to_phase.value}."
         return f"Phase changed from {transition.from_phase.value} to {transition.to_phase.value}."
@@ -235,13 +235,13 @@ class EndConversationTool:
     arguments = EndConversationArguments
 
     async def run(self, arguments: EndConversationArguments, context: ToolContext) -> str:
-        """Record the wish to end; the runner archives the conversation after saving the reply."""
+        """Record the wish to end; the runner ends the conversation after saving the reply."""
         effects = context.effects
         effects.end_conversation = True
         reason = (arguments.reason or "").strip()
         effects.end_reason = reason or effects.end_reason
         return (
-            "The conversation will be ended (archived) after your reply is sent. "
+            "The conversation will be ended after your reply is sent. "
             "A new message in it reopens it."
         )
 
@@ -249,8 +249,8 @@ class EndConversationTool:
 async def mark_conversation_ended(
     manager: ConversationManager, conversation_id: str, agent_slug: str, reason: str | None, now_ms: int
 ) -> None:
-    """Record who ended the conversation, when and why (metadata ``extra``), then archive it
-    (:meth:`ConversationManager.end_conversation`; ``now_ms`` is the manager's clock's)."""
+    """Record who ended the conversation, when and why (:meth:`ConversationManager.end_conversation`;
+    ``now_ms`` is the manager's clock's)."""
     del now_ms  # the manager's clock stamps it, under the conversation's lock
     await manager.end_conversation(conversation_id, by=agent_slug, reason=reason)
 
@@ -282,8 +282,7 @@ def _cut(text: str, limit: int) -> str:
 
 
 def _ended_at(conversation: Conversation) -> str | None:
-    value = conversation.metadata.extra.get(ENDED_AT_KEY)
-    return _iso(value) if isinstance(value, int) else None
+    return None if conversation.ended_at is None else _iso(conversation.ended_at)
 
 
 class GetConversationTool:
@@ -347,7 +346,7 @@ class GetConversationTool:
         body = {
             "id": conversation.id,
             "title": conversation.title,
-            "summary": _cut(conversation.metadata.summary or "", SUMMARY_PREVIEW_CHARS) or None,
+            "summary": _cut(conversation.summary or "", SUMMARY_PREVIEW_CHARS) or None,
             "phase": conversation.phase.value,
             "started_at": _iso(conversation.created_at),
             "ended_at": _ended_at(conversation),
@@ -364,7 +363,7 @@ class GetConversationTool:
             if row.id == context.conversation_id:
                 continue  # the current conversation is what the agent is already looking at
             conversation = await context.manager.get_conversation(row.id)
-            summary = conversation.metadata.summary if conversation is not None else None
+            summary = conversation.summary if conversation is not None else None
             listed.append(
                 {
                     "id": row.id,

@@ -25,7 +25,14 @@ from tenex_daemon.core.errors import (
 )
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase
-from tenex_daemon.core.search import ConversationSummary, SearchQuery, apply_query, title_matches
+from tenex_daemon.core.search import (
+    LIFECYCLE_FIELDS,
+    ConversationSummary,
+    SearchQuery,
+    apply_query,
+    lifecycle_fields,
+    title_matches,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +70,16 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
             key   text PRIMARY KEY,
             value text NOT NULL
         );
+        """,
+    ),
+    (
+        2,
+        "conversation lifecycle: last activity, end, title and summary state",
+        """
+        ALTER TABLE conversations ADD COLUMN activity_at bigint NOT NULL DEFAULT 0;
+        ALTER TABLE conversations ADD COLUMN ended_at bigint;
+        ALTER TABLE conversations ADD COLUMN lifecycle jsonb NOT NULL DEFAULT '{}'::jsonb;
+        CREATE INDEX conversations_ended ON conversations (ended_at) WHERE ended_at IS NOT NULL;
         """,
     ),
 )
@@ -146,11 +163,12 @@ class PostgresStore:
             try:
                 await conn.execute(
                     """INSERT INTO conversations (id, title, phase, created_at, updated_at, event_count,
-                           agent_count, archived, participants, state)
-                       VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb)""",
+                           agent_count, archived, participants, state, activity_at, ended_at, lifecycle)
+                       VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11, $12, $13::jsonb)""",
                     conversation.id, summary.title, summary.phase.value, summary.created_at,
                     summary.updated_at, summary.event_count, summary.agent_count, summary.archived,
                     summary.participants, json.dumps(conversation.state_dict()),
+                    summary.activity_at, summary.ended_at, _lifecycle_json(summary),
                 )
             except asyncpg.UniqueViolationError:
                 raise ConversationExistsError(conversation.id) from None
@@ -253,9 +271,16 @@ class PostgresStore:
             clauses.append(f"created_at <= {arg(int(query.date_to.timestamp() * 1000))}")
         if query.participant is not None:
             clauses.append(f"participants @> ARRAY[{arg(query.participant)}]::text[]")
+        if query.participants:
+            clauses.append(f"participants @> {arg(list(query.participants))}::text[]")
+        if query.ended is not None:
+            clauses.append("ended_at IS NOT NULL" if query.ended else "ended_at IS NULL")
+        if query.inactive_before is not None:
+            at = arg(query.inactive_before)
+            clauses.append(f"(CASE WHEN activity_at > 0 THEN activity_at ELSE updated_at END) < {at}")
         sql = (
             "SELECT id, title, phase, created_at, updated_at, event_count, agent_count, archived, "
-            "participants FROM conversations"
+            "participants, activity_at, ended_at, lifecycle FROM conversations"
         )
         if clauses:
             sql += " WHERE " + " AND ".join(clauses)
@@ -269,6 +294,9 @@ class PostgresStore:
                 id=r["id"], title=r["title"], phase=Phase(r["phase"]), created_at=r["created_at"],
                 updated_at=r["updated_at"], event_count=r["event_count"], agent_count=r["agent_count"],
                 archived=r["archived"], participants=sorted(r["participants"]),
+                **lifecycle_fields(
+                    {**json.loads(r["lifecycle"]), "activity_at": r["activity_at"], "ended_at": r["ended_at"]}
+                ),
             )
             for r in rows
             if query.title is None or title_matches(r["title"], query.title)
@@ -372,15 +400,23 @@ class PostgresStore:
             await conn.execute("DELETE FROM meta WHERE key = $1", key)
 
 
+def _lifecycle_json(summary: ConversationSummary) -> str:
+    """The lifecycle fields an index row keeps in its ``lifecycle`` column (the others have columns)."""
+    kept = {*LIFECYCLE_FIELDS} - {"activity_at", "ended_at"}
+    return json.dumps(summary.model_dump(mode="json", include=kept))
+
+
 async def _save_state_on(conn: Any, conversation: Conversation) -> None:
     """Replace a conversation's state JSONB and the index columns derived from it, on ``conn``."""
     summary = ConversationSummary.of(conversation)
     status = await conn.execute(
         """UPDATE conversations SET title = $2, phase = $3, created_at = $4, updated_at = $5,
-                  agent_count = $6, state = $7::jsonb
+                  agent_count = $6, state = $7::jsonb, activity_at = $8, ended_at = $9,
+                  lifecycle = $10::jsonb
             WHERE id = $1""",
         conversation.id, summary.title, summary.phase.value, summary.created_at,
         summary.updated_at, summary.agent_count, json.dumps(conversation.state_dict()),
+        summary.activity_at, summary.ended_at, _lifecycle_json(summary),
     )
     if status.endswith(" 0"):
         raise ConversationNotFoundError(conversation.id)

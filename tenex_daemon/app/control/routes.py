@@ -166,7 +166,7 @@ async def _end(request: web.Request) -> web.Response:
     reason = parse_end_body(await _json_body(request, '{"reason": "<why>"}'))
     ended = await _target(request).manager.end_conversation(conversation_id, by="owner", reason=reason)
     if not ended:
-        raise ApiError(409, f"conversation {conversation_id} is archived (ended) already")
+        raise ApiError(409, f"conversation {conversation_id} is ended already")
     return _json({"id": conversation_id, "ended": True, "ended_by": "owner", "reason": reason})
 
 

@@ -323,10 +323,10 @@ async def test_tcp_is_loopback_only(target: FakeTarget) -> None:
         ControlServer(target, None, tcp_port=0, tcp_host="0.0.0.0")
 
 
-async def test_end_records_who_and_why_archives_and_refuses_a_second_end(
+async def test_end_records_who_and_why_and_refuses_a_second_end(
     client: TestClient[Any, Any], world: World, manager: ConversationManager
 ) -> None:
-    """POST end records ended_at, ended_by owner and the reason, archives the conversation; a second end
+    """POST end records ended_at, ended_by owner and the reason (not archived: it stays writable); a second end
     answers 409, a reason that is not a string 400, an unknown conversation 404."""
     ended = await client.post(f"/api/v1/conversations/{world.root.id}/end", json={"reason": "done for today"})
 
@@ -334,10 +334,11 @@ async def test_end_records_who_and_why_archives_and_refuses_a_second_end(
     assert (await ended.json())["ended_by"] == "owner"
     conversation = await manager.get_conversation(world.root.id)
     assert conversation is not None
-    assert conversation.archived
-    assert conversation.metadata.extra["ended_by"] == "owner"
-    assert conversation.metadata.extra["end_reason"] == "done for today"
-    assert isinstance(conversation.metadata.extra["ended_at"], int)
+    assert conversation.is_ended
+    assert not conversation.archived
+    assert conversation.ended_by == "owner"
+    assert conversation.end_reason == "done for today"
+    assert isinstance(conversation.ended_at, int)
     assert (await client.post(f"/api/v1/conversations/{world.root.id}/end")).status == 409
     bad = await client.post(f"/api/v1/conversations/{world.root.id}/end", json={"reason": 7})
     assert bad.status == 400

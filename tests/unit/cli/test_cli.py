@@ -289,15 +289,16 @@ def test_home_after_the_command_wins_over_home_before_it(home: Path, tmp_path: P
     assert not (tmp_path / "elsewhere").exists()
 
 
-def test_conversations_end_records_the_owner_and_the_reason_and_archives(home: Path) -> None:
-    """`tenexd conversations end ID --reason ...` (no daemon: the store) ends the conversation: archived,
-    ended by the owner with the reason; a second end exits 1 (it is archived already)."""
+def test_conversations_end_records_the_owner_and_the_reason(home: Path) -> None:
+    """`tenexd conversations end ID --reason ...` (no daemon: the store) ends the conversation, ended by
+    the owner with the reason, not archived; a second end exits 1 (it is ended already)."""
     picnic = seed_conversation(home, "Picnic plans", "Plan a picnic")
 
     assert tenexd(home, "conversations", "end", picnic, "--reason", "picnic happened")[0] == 0
 
     shown = tenexd_json(home, "conversations", "show", picnic)
-    assert shown["archived"] is True
-    assert shown["metadata"]["extra"]["ended_by"] == "owner"
-    assert shown["metadata"]["extra"]["end_reason"] == "picnic happened"
+    assert shown["archived"] is False
+    assert shown["status"] == "ended"
+    assert shown["ended_by"] == "owner"
+    assert shown["end_reason"] == "picnic happened"
     assert tenexd(home, "conversations", "end", picnic)[0] == 1

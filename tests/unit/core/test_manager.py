@@ -16,19 +16,21 @@ from tenex_daemon import (
     Phase,
     UnknownAgentError,
 )
+from tenex_daemon.core.conversation import TitleSource
 from tenex_daemon.testing import FakeClock, FakeResolver
 from tests.conftest import Cast
 
 
 async def test_title_comes_from_the_title_tag(manager: ConversationManager, cast: Cast) -> None:
-    """A root's title tag names the conversation; its content is the summary; the phase is chat."""
+    """A root's title tag names the conversation (the person's title: source "tag"); no summary yet; chat."""
     root = cast.user_says("Let's design the API", kind=11, tags=[["title", "API design"]])
 
     conversation = await manager.create_conversation(root)
 
     assert conversation.id == root.id
     assert conversation.title == "API design"
-    assert conversation.metadata.summary == "Let's design the API"
+    assert conversation.title_source is TitleSource.TAG
+    assert conversation.summary is None
     assert conversation.phase is Phase.CHAT
     assert conversation.history == [root]
 

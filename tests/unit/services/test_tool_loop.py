@@ -22,7 +22,6 @@ from tenex_daemon.core.llm import (
 )
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.services.agent_runner import DEFAULT_TOOLS, AgentProfile, AgentRunner
-from tenex_daemon.services.conversation_manager import END_REASON_KEY, ENDED_BY_KEY
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.testing.fakes import FakePublisher, RecordingRouting, ScriptedBackend
 from tests import pipeline
@@ -219,8 +218,8 @@ async def test_forbidden_phase_switch_is_reported_to_the_model(cast: Cast) -> No
     assert not reply.has_tag("error", "system")
 
 
-async def test_end_conversation_sends_the_reply_then_archives(cast: Cast) -> None:
-    """`end_conversation` lets the reply go out, then archives the conversation and records who ended it and why."""
+async def test_end_conversation_sends_the_reply_then_ends_it(cast: Cast) -> None:
+    """`end_conversation` lets the reply go out, then ends the conversation (not archived) and records who and why."""
     backend = ScriptedBackend([calls(("c1", "end_conversation", {"reason": "user is done"})), text("Goodbye!")])
     rig = make_rig(cast, backend)
     root = await start(rig, cast)
@@ -231,10 +230,11 @@ async def test_end_conversation_sends_the_reply_then_archives(cast: Cast) -> Non
     assert reply.content == "Goodbye!"
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
-    assert conversation.archived
+    assert conversation.is_ended
+    assert not conversation.archived
     assert conversation.history[-1].id == reply.id
-    assert conversation.metadata.extra[END_REASON_KEY] == "user is done"
-    assert conversation.metadata.extra[ENDED_BY_KEY] == "alice"
+    assert conversation.end_reason == "user is done"
+    assert conversation.ended_by == "alice"
     assert rig.hooked == []  # an ended conversation's last reply targets nobody
 
 

@@ -156,10 +156,9 @@ def _default_state(conversation_id: str, events: list[NostrEvent]) -> dict[str, 
         root_kind=root.kind if root else 11,
         created_at=created,
         updated_at=updated,
+        activity_at=updated,
         phase_started_at=created,
     )
-    if root is not None:
-        conversation.metadata.summary = root.content
     return conversation.state_dict()
 
 

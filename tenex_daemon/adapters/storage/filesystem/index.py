@@ -22,7 +22,7 @@ from tenex_daemon.adapters.storage.filesystem.logfile import cut_tail, encode_li
 from tenex_daemon.adapters.storage.filesystem.repairs import RecoveryAction, move_to_corrupt
 from tenex_daemon.core.conversation import UNTITLED
 from tenex_daemon.core.phases import Phase
-from tenex_daemon.core.search import ConversationSummary
+from tenex_daemon.core.search import ConversationSummary, lifecycle_fields
 
 INDEX_FORMAT = 1
 COMPACT_MIN_RECORDS = 20_000
@@ -43,6 +43,8 @@ class IndexEntry:
     agent_count: int = 0
     archived: bool = False
     participants: set[str] = field(default_factory=set)
+    lifecycle: dict[str, Any] = field(default_factory=dict)
+    """The row's lifecycle fields (:func:`~tenex_daemon.core.search.lifecycle_fields`)."""
     log_size: int = 0
     state_stamp: Stamp = (0, 0)
     """(size, mtime_ns) of state.json when the entry was last made to agree with it."""
@@ -53,7 +55,7 @@ class IndexEntry:
             "id": self.id, "t": self.title, "ph": self.phase, "ca": self.created_at,
             "ua": self.updated_at, "n": self.event_count, "ac": self.agent_count,
             "ar": self.archived, "p": sorted(self.participants), "s": self.log_size,
-            "ss": list(self.state_stamp),
+            "ss": list(self.state_stamp), "lc": self.lifecycle,
         }
 
     @classmethod
@@ -65,6 +67,7 @@ class IndexEntry:
             created_at=int(data["ca"]), updated_at=int(data["ua"]), event_count=int(data["n"]),
             agent_count=int(data["ac"]), archived=bool(data["ar"]), participants=set(data["p"]),
             log_size=int(data["s"]), state_stamp=(int(size), int(mtime)),
+            lifecycle=lifecycle_fields(data.get("lc") or {}),
         )
 
     def apply_state(self, state: dict[str, Any], archived: bool) -> None:
@@ -75,6 +78,7 @@ class IndexEntry:
         self.updated_at = int(state.get("updated_at", 0))
         self.agent_count = len(state.get("agent_states") or {})
         self.archived = archived
+        self.lifecycle = lifecycle_fields(state)
 
     def absorb(self, scanned: ScannedFolder, archived: bool, *, full: bool) -> None:
         """Agree with a folder just read: whole (``full``), or adding a log's scanned tail."""
@@ -94,6 +98,7 @@ class IndexEntry:
             id=self.id, title=self.title, phase=Phase(self.phase), created_at=self.created_at,
             updated_at=self.updated_at, event_count=self.event_count, agent_count=self.agent_count,
             archived=self.archived, participants=sorted(self.participants),
+            **(self.lifecycle or lifecycle_fields({})),
         )
 
 

@@ -1,0 +1,106 @@
+"""What the conversation manager keeps to put a conversation back when a save fails, and what an
+agent run records besides its reply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tenex_daemon.core.context import AgentContext
+from tenex_daemon.core.conversation import AgentState, Conversation
+from tenex_daemon.core.execution_time import ExecutionTime
+from tenex_daemon.core.turns import OrchestratorTurn
+
+
+@dataclass(frozen=True, slots=True)
+class StateBeforeReply:
+    """What :meth:`ConversationManager.append_reply` changes, kept to put back when its save fails."""
+
+    execution_time: ExecutionTime
+    agent_state: AgentState | None
+    open_turn: OrchestratorTurn | None
+    """The open turn as it was (a completion may close it)."""
+    updated_at: int
+
+    @classmethod
+    def of(cls, conversation: Conversation, agent_slug: str) -> StateBeforeReply:
+        state = conversation.agent_states.get(agent_slug)
+        turn = conversation.open_turn()
+        return cls(
+            conversation.execution_time,
+            None if state is None else state.model_copy(),
+            None if turn is None else turn.model_copy(deep=True),
+            conversation.updated_at,
+        )
+
+    def restore(self, conversation: Conversation, agent_slug: str) -> None:
+        conversation.execution_time = self.execution_time
+        if self.agent_state is None:
+            conversation.agent_states.pop(agent_slug, None)
+        else:
+            conversation.agent_states[agent_slug] = self.agent_state
+        if self.open_turn is not None:
+            conversation.orchestrator_turns[-1] = self.open_turn
+        conversation.updated_at = self.updated_at
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleBefore:
+    """A conversation's lifecycle fields and clocks, kept to put back when a save fails."""
+
+    values: dict[str, Any]
+
+    @classmethod
+    def of(cls, conversation: Conversation) -> LifecycleBefore:
+        return cls({name: getattr(conversation, name) for name in LIFECYCLE_ATTRS})
+
+    def restore(self, conversation: Conversation) -> None:
+        for name, value in self.values.items():
+            setattr(conversation, name, value)
+
+
+LIFECYCLE_ATTRS = (
+    "activity_at", "updated_at", "ended_at", "ended_by", "end_reason", "title", "title_source",
+    "summary", "described_at", "description_published", "metadata",
+)
+
+
+def clear_end(conversation: Conversation) -> None:
+    conversation.ended_at = None
+    conversation.ended_by = None
+    conversation.end_reason = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """What an agent run changes besides its reply (:meth:`ConversationManager.append_reply`)."""
+
+    agent_slug: str
+    context: AgentContext
+    """The context the agent answered from (its last processed index, session, transitions seen)."""
+    started_ms: int
+    """When the run started (its working time counts until the reply is saved)."""
+    session_id: str | None = None
+    """The backend's new session, if it reported one (None keeps the context's)."""
+    add_tokens: tuple[int, int] | None = None
+    """The run's (prompt, completion) token usage."""
+
+
+
+def record_context(state: AgentState, context: AgentContext) -> None:
+    """What the agent has now been shown: its last processed index, session and phase transitions."""
+    state.last_processed_index = context.last_processed_index
+    state.session_id = context.session_id
+    state.transitions_seen = context.transitions_seen
+
+
+def record_run(state: AgentState, session_id: str | None, add_tokens: tuple[int, int] | None) -> None:
+    """Set the agent's new session id (None leaves it) and add a run's token usage (prompt, completion)."""
+    if session_id is not None:
+        state.session_id = session_id
+    if add_tokens is not None:
+        prompt, completion = add_tokens
+        if prompt < 0 or completion < 0:
+            raise ValueError(f"token counts cannot be negative: {add_tokens}")
+        state.prompt_tokens += prompt
+        state.completion_tokens += completion
