@@ -113,6 +113,9 @@ class Conversation(BaseModel):
     """The kind-1934 task this conversation is a session of (its id, for every session)."""
     previous_session: str | None = None
     """The task session this one follows (that one expired and was archived)."""
+    tools_used: dict[str, list[str]] = Field(default_factory=dict)
+    """The tools an agent called for each of its replies (reply event id -> tool names, in call order);
+    replies that called none are not listed."""
 
     _event_index: dict[str, int] = PrivateAttr(default_factory=dict)
     _agent_claimants: set[str] = PrivateAttr(default_factory=set)

@@ -220,7 +220,12 @@ class AgentRunner:
         await self._stop_typing(streamer, typing, typing_started)
         used = (result.prompt_tokens or 0, result.completion_tokens or 0)
         record = RunRecord(
-            slug, context, started_ms, session_id=result.session_id, add_tokens=used if any(used) else None
+            slug,
+            context,
+            started_ms,
+            session_id=result.session_id,
+            add_tokens=used if any(used) else None,
+            tools_used=tuple(effects.tools_used),
         )
         try:
             reply = await self._save_reply(

@@ -84,6 +84,8 @@ class RunRecord:
     """The backend's new session, if it reported one (None keeps the context's)."""
     add_tokens: tuple[int, int] | None = None
     """The run's (prompt, completion) token usage."""
+    tools_used: tuple[str, ...] = ()
+    """The tools the agent called in the run, in call order (kept with its reply)."""
 
 
 

@@ -104,6 +104,7 @@ class ConversationManager:
         self._resolved: OrderedDict[str, str] = OrderedDict()
         self._views: OrderedDict[tuple[str, str], HistoryView] = OrderedDict()
         self._on_ended: list[Callable[[str], None]] = []
+        self._on_reply: list[Callable[[str], None]] = []
 
     @property
     def store(self) -> Store:
@@ -323,14 +324,19 @@ class ConversationManager:
             conversation.updated_at = now
             kept_activity = conversation.activity_at
             conversation.activity_at = now
+            if run.tools_used:
+                conversation.tools_used[reply.id] = list(run.tools_used)
             try:
                 await self._store.append_event(conversation_id, reply, state=conversation)
             except BaseException:
                 kept.restore(conversation, agent.slug)
                 conversation.activity_at = kept_activity
+                conversation.tools_used.pop(reply.id, None)
                 raise
             conversation.append(reply)
-            return reply
+        for listener in self._on_reply:
+            listener(conversation_id)
+        return reply
 
     async def add_run_time(self, conversation_id: str, started_ms: int) -> None:
         """Count a run that ended without a reply (it failed) in the conversation's working time."""
@@ -587,24 +593,10 @@ class ConversationManager:
             conversation.execution_time.start(self._clock.now_ms())
             await self._save(conversation)
 
-    async def stop_execution(
-        self,
-        conversation_id: str,
-        *,
-        agent_slug: str | None = None,
-        session_id: str | None = None,
-        add_tokens: tuple[int, int] | None = None,
-    ) -> int:
-        """Stop timing and return the seconds added (0 when not timing).
-
-        With ``agent_slug``, the finished run's new ``session_id`` and token usage
-        (``add_tokens``: prompt, completion) are recorded in the same save.
-        """
+    async def stop_execution(self, conversation_id: str) -> int:
+        """Stop timing and return the seconds added (0 when not timing)."""
         async with self._locked(conversation_id) as conversation:
             added = conversation.execution_time.stop(self._clock.now_ms())
-            if agent_slug is not None:
-                state = conversation.agent_state(self.agents.get(agent_slug).slug)
-                record_run(state, session_id, add_tokens)
             await self._save(conversation)
             return added
 
@@ -648,6 +640,10 @@ class ConversationManager:
         """Call ``listener(conversation_id)`` after each conversation this manager ends (its title
         and summary job listens; it must not block)."""
         self._on_ended.append(listener)
+
+    def on_reply(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(conversation_id)`` after each agent reply this manager saves (must not block)."""
+        self._on_reply.append(listener)
 
     async def describe(
         self, conversation_id: str, *, title: str | None, summary: str, source: TitleSource, for_activity: int
