@@ -3,6 +3,7 @@ fakes of ``tenex_daemon.testing.fakes`` at the Nostr edge and scripted language 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -33,7 +34,9 @@ from tenex_daemon.services.agent_runner import (
     AgentRunner,
     RunObserver,
 )
+from tenex_daemon.services.conversation_manager import DEFAULT_TASK_SESSION_TTL_H
 from tenex_daemon.services.dispatcher import EventDispatcher, ReplyObserver
+from tenex_daemon.services.lifecycle import DEFAULT_IDLE_TIMEOUT_MIN
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler
 from tenex_daemon.services.tools import ToolRegistry
@@ -72,8 +75,17 @@ class Rig:
         return self.pipeline.scheduler
 
     async def settle(self, timeout_s: float = 10.0) -> None:
-        """Wait for every scheduled run to finish and its reply to be published."""
+        """Wait for every scheduled run to finish and its reply to be published (the scheduler then
+        accepts no more runs: the end of a test)."""
         await self.scheduler.drain(timeout_s)
+        await self.runner.flush(timeout_s)
+
+    async def quiet(self, timeout_s: float = 10.0) -> None:
+        """Wait until no run is scheduled or running and the replies are published; runs are still
+        accepted afterwards (a test that goes on)."""
+        async with asyncio.timeout(timeout_s):
+            while self.scheduler.in_flight:  # noqa: ASYNC110 (a test helper polling a counter)
+                await asyncio.sleep(0.002)
         await self.runner.flush(timeout_s)
 
 
@@ -115,6 +127,8 @@ def build_rig(
     partial_interval_s: float = DEFAULT_PARTIAL_INTERVAL_S,
     max_tool_rounds: int = 8,
     phase_rules: PhaseRules | None = None,
+    idle_timeout_min: float = DEFAULT_IDLE_TIMEOUT_MIN,
+    task_session_ttl_h: float = DEFAULT_TASK_SESSION_TTL_H,
 ) -> Rig:
     """Build the daemon's pipeline for the cast (every agent thinks through ``backend`` unless
     ``profiles`` are given), with fake Nostr I/O; the user is the owner unless ``owner`` says otherwise."""
@@ -150,6 +164,8 @@ def build_rig(
         partial_interval_s=partial_interval_s,
         max_tool_rounds=max_tool_rounds,
         phase_rules=phase_rules,
+        idle_timeout_min=idle_timeout_min,
+        task_session_ttl_h=task_session_ttl_h,
     )
     pipeline = build_pipeline(chosen_agents, profiles, ports, options, orchestrator=orchestrator, tools=tools)
     return Rig(pipeline, the_store, the_publisher, the_clock)

@@ -39,10 +39,13 @@ from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.app.status import (
     AgentEntry,
     ConversationCounts,
+    DescriptionStatus,
     LatencySummary,
     OutboxStatus,
     RelayStatus,
     StatusData,
+    no_descriptions,
+    retention_status,
     write_status,
 )
 from tenex_daemon.app.wiring import (
@@ -51,6 +54,7 @@ from tenex_daemon.app.wiring import (
     PipelinePorts,
     build_agent_profile,
     build_agents,
+    build_descriptions,
     build_orchestrator,
     build_pipeline,
     build_store,
@@ -67,8 +71,10 @@ from tenex_daemon.core.vocabulary import (
 )
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.descriptions import DescriptionJobs
 from tenex_daemon.services.dispatcher import HandleResult, Outcome
 from tenex_daemon.services.outbox import outbox_key_for
+from tenex_daemon.services.retention import RetentionPolicy, Sweeper
 from tenex_daemon.services.runs import RunRequest, journal_key_for
 
 log = structlog.get_logger(__name__)
@@ -163,6 +169,10 @@ class Daemon:
         self.agents: list[Agent] = []
         self.project_signer: Signer | None = None
         self._observer = _MetricsObserver(self.metrics)
+        self.descriptions: DescriptionJobs | None = None
+        """Titles, summaries and their kind-513 events (:func:`build_descriptions`), once started."""
+        self.sweeper: Sweeper | None = None
+        """The retention sweeper (idle ending, archiving, deleting), once started."""
 
     # --- the ControlTarget protocol -------------------------------------------------------
 
@@ -223,6 +233,8 @@ class Daemon:
             "replies": self._observer.replies,
             "reply_latency": self._observer.latency_summary(),
             "outbox": self._outbox_status(now),
+            "descriptions": self._descriptions_status(),
+            "retention": retention_status(self.sweeper),
             "errors": dict(self.errors),
             "embedded_relay": self.embedded_relay.url if self.embedded_relay is not None else None,
             "embedded_relay_pid": self.embedded_relay.pid if self.embedded_relay is not None else None,
@@ -241,6 +253,19 @@ class Daemon:
             oldest_age_s=None if age is None else round(age, 3),
             delivered=outbox.delivered,
             retries=outbox.retries,
+        )
+
+    def _descriptions_status(self) -> DescriptionStatus:
+        jobs = self.descriptions
+        if jobs is None:
+            return no_descriptions()
+        return DescriptionStatus(
+            queued=jobs.queued,
+            described=sum(jobs.described.values()),
+            fallbacks=jobs.described["fallback"],
+            unpublished=jobs.unpublished,
+            published=jobs.published,
+            retries=jobs.retries,
         )
 
     def reply_latencies(self) -> list[float]:
@@ -358,6 +383,10 @@ class Daemon:
             ),
             orchestrator=partial(build_orchestrator, settings, backends=backends),
         )
+        self.descriptions = build_descriptions(
+            settings, self.pipeline, profiles, project_signer, publisher,
+            on_described=self.metrics.description_made,
+        )
 
         await self.pool.start()
         if not await self.pool.wait_connected(count=1, within=10.0):
@@ -368,6 +397,8 @@ class Daemon:
         # the outbox first: a recovered run that publishes a saved reply again adds to it
         await pipeline.outbox.recover(self.store.find_event)
         await pipeline.scheduler.recover()
+        self.descriptions.start()  # titles and summaries: what a crash left is found in the store
+        await self.descriptions.recover()
         # a crash came mid-dispatch: events never stored are left to the relays (before the
         # subscription delivers them again), the others are dispatched again once it runs
         redo = await pipeline.dispatcher.stored_dispatches(pipeline.scheduler.dispatches_to_redo())
@@ -382,6 +413,12 @@ class Daemon:
         if self.embedded_relay is not None:
             self._spawn(self.embedded_relay.supervise(), "embedded relay supervisor")
         self._spawn(self._heartbeat_loop(), "heartbeat")
+        self.sweeper = Sweeper(
+            pipeline.manager, RetentionPolicy.of(settings.conversations), threads=pipeline.threads,
+            on_sweep=self.metrics.retention_swept,
+        )
+        sweep_every_s = settings.conversations.sweep_interval_min * 60
+        self._spawn(self.sweeper.run_forever(sweep_every_s), "retention sweeper")
         interval = self.notifier.watchdog_interval_s()
         if interval:
             self._spawn(self._watchdog_loop(interval / 2), "watchdog")
@@ -404,6 +441,8 @@ class Daemon:
         if self.pool is not None:
             with contextlib.suppress(Exception):
                 await self.pool.unsubscribe(SUBSCRIPTION_ID)
+        if self.descriptions is not None:
+            await self.descriptions.stop()  # what is left is found in the store at next start
         if self.pipeline is not None:
             cancelled = await self.pipeline.scheduler.drain(self.settings.daemon.grace_period_s)
             if cancelled:
@@ -561,6 +600,8 @@ class Daemon:
                     self.metrics.set_runs_in_flight(self.pipeline.scheduler.in_flight)
                     outbox = self.pipeline.outbox
                     self.metrics.set_outbox(outbox.depth, outbox.oldest_age_s())
+                if (jobs := self.descriptions) is not None:
+                    self.metrics.set_descriptions_pending(jobs.queued + jobs.unpublished)
             except Exception:
                 self.errors["status"] += 1
                 log.exception("status_write_failed")

@@ -3,7 +3,10 @@
 Names carry the ``tenexd_`` namespace: ``tenexd_events_accepted_total{kind}``,
 ``tenexd_events_rejected_total{reason}``, ``tenexd_replies_published_total{agent}``,
 ``tenexd_agent_run_errors_total{agent,error}``, ``tenexd_agent_run_seconds{agent}`` (histogram),
-``tenexd_runs_in_flight`` and ``tenexd_relay_connected{url}`` (gauges).
+``tenexd_runs_in_flight`` and ``tenexd_relay_connected{url}`` (gauges), ``tenexd_descriptions_total{source}``
+and ``tenexd_descriptions_pending`` (conversations' titles and summaries),
+``tenexd_retention_sweeps_total``, ``tenexd_retention_conversations_total{action}`` (``ended_idle``,
+``archived``, ``deleted``) and ``tenexd_retention_errors_total`` (the retention sweeper).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from tenex_daemon.services.retention import SweepReport
 
 NAMESPACE = "tenexd"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
@@ -70,6 +75,29 @@ class Metrics:
             namespace=NAMESPACE, registry=self.registry,
         )
 
+        self.descriptions = Counter(
+            "descriptions", "Conversation titles and summaries made, by source (model, fallback).",
+            ["source"], namespace=NAMESPACE, registry=self.registry,
+        )
+        self.descriptions_pending = Gauge(
+            "descriptions_pending",
+            "Conversations waiting to be described or for a relay to accept their kind-513 event.",
+            namespace=NAMESPACE, registry=self.registry,
+        )
+
+        self.retention_sweeps = Counter(
+            "retention_sweeps", "Retention sweeps made.", namespace=NAMESPACE, registry=self.registry,
+        )
+        self.retention_conversations = Counter(
+            "retention_conversations",
+            "Conversations the retention sweeper changed, by action (ended_idle, archived, deleted).",
+            ["action"], namespace=NAMESPACE, registry=self.registry,
+        )
+        self.retention_errors = Counter(
+            "retention_errors", "Retention sweep steps that failed (the sweep went on).",
+            namespace=NAMESPACE, registry=self.registry,
+        )
+
     def event_accepted(self, kind: int) -> None:
         """Count an accepted incoming event of this kind."""
         self.events_accepted.labels(kind=str(kind)).inc()
@@ -116,6 +144,21 @@ class Metrics:
         """Signed events waiting for a relay, and the age of the oldest (0 when none waits)."""
         self.outbox_depth.set(depth)
         self.outbox_oldest_age.set(oldest_age_s or 0.0)
+
+    def description_made(self, source: str) -> None:
+        """Count a conversation's title and summary made (``source``: model or fallback)."""
+        self.descriptions.labels(source=source).inc()
+
+    def set_descriptions_pending(self, count: int) -> None:
+        """Conversations waiting to be described or published."""
+        self.descriptions_pending.set(count)
+
+    def retention_swept(self, report: SweepReport) -> None:
+        """Count one retention sweep and what it did."""
+        self.retention_sweeps.inc()
+        for action in ("ended_idle", "archived", "deleted"):
+            self.retention_conversations.labels(action=action).inc(getattr(report, action))
+        self.retention_errors.inc(report.errors)
 
     def set_relay_connected(self, url: str, connected: bool) -> None:
         """Set one relay's connection gauge."""

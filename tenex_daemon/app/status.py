@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from tenex_daemon.app.files import write_text_atomic
+from tenex_daemon.services.retention import Sweeper, SweepReport, SweepTotals
 
 
 class DaemonState(StrEnum):
@@ -100,6 +101,68 @@ class OutboxStatus(TypedDict):
     """Publish attempts that no relay accepted, since start (each was tried again)."""
 
 
+class DescriptionStatus(TypedDict):
+    """Conversations' titles and summaries (docs/ARCHITECTURE.md, "Conversation lifecycle")."""
+
+    queued: int
+    """Conversations waiting to be described (with the one being described)."""
+    described: int
+    """Descriptions made since start."""
+    fallbacks: int
+    """Of those, made with the fallback text (the model failed, timed out or answered unreadably)."""
+    unpublished: int
+    """Descriptions whose kind-513 event no relay has accepted yet (tried again with backoff)."""
+    published: int
+    retries: int
+
+
+def no_descriptions() -> DescriptionStatus:
+    """The descriptions' counters before the service runs: every one at zero."""
+    return DescriptionStatus(queued=0, described=0, fallbacks=0, unpublished=0, published=0, retries=0)
+
+
+class SweepCounts(TypedDict):
+    """What retention sweeps did to conversations."""
+
+    ended_idle: int
+    archived: int
+    deleted: int
+    errors: int
+
+
+class RetentionStatus(TypedDict):
+    """The retention sweeper (docs/ARCHITECTURE.md, "Conversation lifecycle"): its sweeps since start."""
+
+    sweeps: int
+    last_sweep_at: float | None
+    """When the newest sweep started (Unix seconds; None before the first)."""
+    last_duration_s: float | None
+    last: SweepCounts
+    """The newest sweep's counts (zeros before the first)."""
+    totals: SweepCounts
+    """Every sweep's counts added up since start."""
+
+
+def _sweep_counts(source: SweepReport | SweepTotals | None) -> SweepCounts:
+    if source is None:
+        return SweepCounts(ended_idle=0, archived=0, deleted=0, errors=0)
+    return SweepCounts(
+        ended_idle=source.ended_idle, archived=source.archived, deleted=source.deleted, errors=source.errors
+    )
+
+
+def retention_status(sweeper: Sweeper | None) -> RetentionStatus:
+    """The sweeper's part of the status: its newest report and totals (zeros without a sweeper)."""
+    last = None if sweeper is None else sweeper.last
+    return RetentionStatus(
+        sweeps=0 if sweeper is None else sweeper.totals.sweeps,
+        last_sweep_at=None if last is None else last.started_at / 1000,
+        last_duration_s=None if last is None else last.duration_s,
+        last=_sweep_counts(last),
+        totals=_sweep_counts(None if sweeper is None else sweeper.totals),
+    )
+
+
 class AgentEntry(TypedDict):
     """One configured agent."""
 
@@ -120,6 +183,10 @@ class StatusData(TypedDict):
          "last_event_at": 1.7e9, "events": {"accepted": 10, "rejected": {"author_not_allowed": 2},
          "duplicates": 4}, "replies": 7, "reply_latency": {"count": 7, "p50_ms": 8.1, "p99_ms": 20.3},
          "outbox": {"depth": 0, "oldest_age_s": null, "delivered": 7, "retries": 0},
+         "descriptions": {"queued": 0, "described": 2, "fallbacks": 0, "unpublished": 0, "published": 2,
+         "retries": 0},
+         "retention": {"sweeps": 12, "last_sweep_at": 1.7e9, "last_duration_s": 0.004, "last": {"ended_idle":
+         1, "archived": 0, "deleted": 0, "errors": 0}, "totals": {"ended_idle": 3, ...}},
          "errors": {}, "embedded_relay": "ws://127.0.0.1:7777", "embedded_relay_pid": 4243,
          "embedded_relay_restarts": 0, "control_socket": "/srv/tenex/run/control.sock",
          "agents": [{"slug": "planner", "name": "Planner", "pubkey": "..."}]}
@@ -142,6 +209,8 @@ class StatusData(TypedDict):
     replies: int
     reply_latency: LatencySummary
     outbox: OutboxStatus
+    descriptions: DescriptionStatus
+    retention: RetentionStatus
     errors: dict[str, int]
     embedded_relay: str | None
     """The embedded relay's URL when it runs."""
@@ -175,6 +244,8 @@ def new_status(
         replies=0,
         reply_latency=LatencySummary(count=0, p50_ms=None, p99_ms=None),
         outbox=OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0),
+        descriptions=no_descriptions(),
+        retention=retention_status(None),
         errors={},
         embedded_relay=None,
         embedded_relay_pid=None,

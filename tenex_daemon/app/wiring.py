@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES, UnknownBackendError, make_backend
+from tenex_daemon.adapters.nostr.metadata_event import ConversationMetadataComposer
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.settings import AgentSettings, BackendSettings, Settings, SettingsError, StorageKind
@@ -34,8 +35,10 @@ from tenex_daemon.services.agent_runner import (
     AgentRunner,
     RunObserver,
 )
-from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.conversation_manager import DEFAULT_TASK_SESSION_TTL_H, ConversationManager
+from tenex_daemon.services.descriptions import DescriptionJobs, EventPublisher
 from tenex_daemon.services.dispatcher import EventDispatcher, ReplyObserver
+from tenex_daemon.services.lifecycle import DEFAULT_IDLE_TIMEOUT_MIN, ConversationLifecycle
 from tenex_daemon.services.orchestrator import LLMOrchestrator, Orchestrator, RuleBasedOrchestrator
 from tenex_daemon.services.outbox import DEFAULT_WARN_AFTER_S, OUTBOX_KEY, Outbox, outbox_key_for
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT
@@ -87,12 +90,15 @@ def build_agents(settings: Settings, signers: dict[str, Signer]) -> list[Agent]:
     ]
 
 
-def build_backend(slug: str, backend: BackendSettings, settings: Settings) -> LLMBackend:
-    """Return the LLM backend an agent is configured with; a bad configuration names its key.
+def build_backend(
+    slug: str, backend: BackendSettings, settings: Settings, *, key: str | None = None
+) -> LLMBackend:
+    """Return the LLM backend an agent is configured with; a bad configuration names its key
+    (``agents.<slug>.backend``, or ``key``).
 
     A relative ``api_key_file`` or local model path is taken relative to the home.
     """
-    where = f"{settings.config_path}: agents.{slug}.backend"
+    where = f"{settings.config_path}: {key or f'agents.{slug}.backend'}"
     if backend.kind not in AVAILABLE_BACKENDS:
         raise SettingsError(
             f"{where}.kind: unknown backend {backend.kind!r} (available: {', '.join(AVAILABLE_BACKENDS)})"
@@ -118,6 +124,39 @@ def build_backend(slug: str, backend: BackendSettings, settings: Settings) -> LL
         raise SettingsError(f"{where}: {exc}") from None
     except TypeError as exc:  # an option the backend does not take
         raise SettingsError(f"{where}.options: {exc}") from None
+
+
+def build_summarizer(settings: Settings) -> LLMBackend | None:
+    """Return the backend that writes conversations' titles and summaries (``[conversations.summarizer]``),
+    or None: each conversation's first agent's own backend writes them."""
+    summarizer = settings.conversations.summarizer
+    if summarizer is None:
+        return None
+    return build_backend("summarizer", summarizer, settings, key="conversations.summarizer")
+
+
+def build_descriptions(
+    settings: Settings,
+    pipeline: Pipeline,
+    profiles: Mapping[str, AgentProfile],
+    project_signer: Signer,
+    publisher: EventPublisher,
+    *,
+    on_described: Callable[[str], None] | None = None,
+) -> DescriptionJobs:
+    """Return the service that describes conversations (titles, summaries, kind 513), told by the manager
+    of each ended conversation and saved reply; it asks models only while no agent run is in flight."""
+    project = (settings.owner, settings.project.d_tag) if settings.owner else None
+    return DescriptionJobs(
+        pipeline.manager,
+        ConversationMetadataComposer(project_signer, project),
+        publisher,
+        backends={slug: profile.backend for slug, profile in profiles.items()},
+        summarizer=build_summarizer(settings),
+        describe_after_exchanges=settings.conversations.describe_after_exchanges,
+        idle=lambda: pipeline.scheduler.in_flight == 0,
+        on_described=on_described,
+    )
 
 
 def build_orchestrator(
@@ -152,11 +191,12 @@ def build_orchestrator(
     )
 
 
-def build_token_budget(backend_settings: BackendSettings, backend: LLMBackend) -> TokenBudget | None:
+def build_token_budget(backend_settings: BackendSettings, backend: LLMBackend | None) -> TokenBudget | None:
     """Return an agent's token budget, or None (full history) when its context window is unknown.
 
     The window is ``context_window``, else the local backend's ``n_ctx``. Tokens are counted by
-    the local backend's own tokenizer (once its model is loaded), else as characters/4.
+    the local backend's own tokenizer (once its model is loaded), else as characters/4 (also
+    without a ``backend``: the CLI's context preview builds none).
     """
     window = backend_settings.context_window
     count: TokenCounter = estimate_tokens
@@ -184,6 +224,8 @@ def build_agent_profile(agent_settings: AgentSettings, agent: Agent, settings: S
         temperature=backend_settings.temperature,
         max_tokens=backend_settings.options.get("max_tokens"),
         budget=build_token_budget(backend_settings, backend),
+        recent_in_persona=settings.conversations.recent_in_persona,
+        list_recent=settings.conversations.list_recent,
     )
 
 
@@ -215,6 +257,8 @@ class PipelineOptions:
     outbox_key: str = OUTBOX_KEY
     outbox_warn_after_s: float = DEFAULT_WARN_AFTER_S
     phase_rules: PhaseRules | None = None
+    idle_timeout_min: float = DEFAULT_IDLE_TIMEOUT_MIN
+    task_session_ttl_h: float = DEFAULT_TASK_SESSION_TTL_H
 
     @classmethod
     def from_settings(
@@ -241,6 +285,8 @@ class PipelineOptions:
             typing_delay_s=settings.daemon.typing_delay_s,
             partial_interval_s=settings.daemon.partial_interval_s,
             phase_rules=settings.phase_rules(),
+            idle_timeout_min=settings.conversations.idle_timeout_min,
+            task_session_ttl_h=settings.tasks.session_ttl_h,
         )
 
 
@@ -278,6 +324,7 @@ class Pipeline:
     orchestrator: Orchestrator
     threads: ThreadManager
     outbox: Outbox
+    lifecycle: ConversationLifecycle
 
     @property
     def scheduler(self) -> RunScheduler:
@@ -307,6 +354,7 @@ def build_pipeline(
         phase_rules=options.phase_rules,
         clock=ports.clock,
         owner_pubkey=options.owner,
+        task_session_ttl_h=options.task_session_ttl_h,
     )
     threads = build_thread_manager(ports.store)  # agents may ask each other (send_message)
     outbox = Outbox(
@@ -335,6 +383,7 @@ def build_pipeline(
         if orchestrator is not None
         else RuleBasedOrchestrator(manager.agents, options.default_agent)
     )
+    lifecycle = ConversationLifecycle(manager, idle_timeout_min=options.idle_timeout_min)
     dispatcher = EventDispatcher(
         manager,
         runner,
@@ -349,5 +398,6 @@ def build_pipeline(
         journal_key=options.journal_key,
         observer=ports.reply_observer,
         peers=ports.peers,
+        lifecycle=lifecycle,
     )
-    return Pipeline(manager, runner, dispatcher, router, threads, outbox)
+    return Pipeline(manager, runner, dispatcher, router, threads, outbox, lifecycle)

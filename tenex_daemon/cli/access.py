@@ -21,6 +21,7 @@ from tenex_daemon.app.control.parsing import check_id, parse_search
 from tenex_daemon.app.control.paths import API_PREFIX
 from tenex_daemon.app.control.views import conversation_json, preview_context, summary_json
 from tenex_daemon.app.home import load_agents, load_project_pubkey
+from tenex_daemon.app.personas import persona_specs
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.app.wiring import build_store
 from tenex_daemon.core import nip19
@@ -34,6 +35,7 @@ from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.nip19 import Entity
 from tenex_daemon.core.ports import Store
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.persona import PersonaSpec
 
 API_TIMEOUT_S = 30.0
 PROBE_TIMEOUT_S = 3.0
@@ -184,9 +186,12 @@ class LocalAccess:
 
     via = "store"
 
-    def __init__(self, manager: ConversationManager) -> None:
-        """Use ``manager`` (over an opened store)."""
+    def __init__(
+        self, manager: ConversationManager, personas: Mapping[str, PersonaSpec] | None = None
+    ) -> None:
+        """Use ``manager`` (over an opened store); ``personas``: the agents' persona specs by slug."""
         self.manager = manager
+        self.personas = personas
 
     async def search(self, query: Mapping[str, str]) -> list[dict[str, Any]]:
         """Search with the control API's parameter rules."""
@@ -201,7 +206,7 @@ class LocalAccess:
         conversation = await self.manager.get_conversation(conversation_id)
         if conversation is None:
             raise AccessError(f"conversation {conversation_id} not found", 404)
-        return conversation_json(conversation)
+        return conversation_json(conversation, expires_at=self.manager.expires_at(conversation))
 
     async def archive(self, conversation_id: str) -> None:
         """Archive a conversation."""
@@ -218,7 +223,9 @@ class LocalAccess:
 
     async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
         """Preview an agent's context without changing its state."""
-        result: dict[str, Any] = await _mapped(preview_context(self.manager, conversation_id, agent, trigger))
+        result: dict[str, Any] = await _mapped(
+            preview_context(self.manager, conversation_id, agent, trigger, self.personas)
+        )
         return result
 
     async def conversation_of_event(self, event_id: str) -> dict[str, Any]:
@@ -293,7 +300,8 @@ async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
             resolver=StoreResolver(store),
             phase_rules=settings.phase_rules(),
             owner_pubkey=settings.owner,
+            task_session_ttl_h=settings.tasks.session_ttl_h,
         )
-        yield LocalAccess(manager)
+        yield LocalAccess(manager, persona_specs(settings, agents))
     finally:
         await store.close()

@@ -343,20 +343,27 @@ def context(
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
-    """Print exactly the messages AGENT would be sent now, without changing any state."""
+    """Print exactly what AGENT would be sent now: its persona (the system message sent first), then
+    the messages; no state changes."""
     cid = event_id_argument(conversation_id)
     trigger_id = event_id_argument(trigger, "trigger event id") if trigger is not None else None
     data: dict[str, Any] = with_access(ctx, lambda access: access.context(cid, agent, trigger_id))
     if as_json:
         print_json(data)
         return
+    _print_message("--- [persona] system ---", data["persona"])
     for index, message in enumerate(data["messages"]):
-        out.print(Text(f"--- [{index}] {message['role']} ---", style="bold cyan"))
-        sys.stdout.flush()
-        out.file.flush()
-        sys.stdout.write(message["content"] + "\n")
-        sys.stdout.flush()
+        _print_message(f"--- [{index}] {message['role']} ---", message["content"])
     out.print(Text(
         f"--- {len(data['messages'])} message(s) for {agent}; trigger {data['trigger']}; "
         f"session {data['session_id'] or '-'} ---", style="dim",
     ))
+
+
+def _print_message(heading: str, content: str) -> None:
+    """Print a heading, then the content as it is (no markup, no wrapping) and a line break."""
+    out.print(Text(heading, style="bold cyan"))
+    sys.stdout.flush()
+    out.file.flush()
+    sys.stdout.write(content + "\n")
+    sys.stdout.flush()

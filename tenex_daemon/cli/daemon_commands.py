@@ -24,6 +24,7 @@ from tenex_daemon.cli.output import (
     JsonOption,
     duration,
     fail,
+    ms_time,
     out,
     print_json,
     s_time,
@@ -32,9 +33,13 @@ from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import TenexError
 
 if TYPE_CHECKING:
+    from tenex_daemon.adapters.storage.smarthole_import import SmartHoleIdentities, SmartHoleImportReport
     from tenex_daemon.adapters.storage.tenex_import import ImportReport
+    from tenex_daemon.core.ports import Store
 
 DEFAULT_STALE_S = 30.0
+IMPORT_KEY = "import"
+"""``keys/import.key``: signs imported messages of the person when the home has no owner key."""
 
 
 def version(home: HomeOption = None) -> None:
@@ -169,6 +174,20 @@ def _print_status_data(data: dict[str, Any]) -> None:
         f"events accepted {events.get('accepted', 0)}, rejected {events.get('rejected', {})}; "
         f"errors {data.get('errors', {})}"
     )
+    described = data.get("descriptions") or {}
+    if described:
+        out.print(
+            f"descriptions: {described.get('queued', 0)} queued, {described.get('described', 0)} made "
+            f"({described.get('fallbacks', 0)} fallback), {described.get('unpublished', 0)} unpublished"
+        )
+    retention = data.get("retention") or {}
+    if retention:
+        totals = retention.get("totals") or {}
+        out.print(
+            f"retention: {retention.get('sweeps', 0)} sweeps, last {s_time(retention.get('last_sweep_at'))}; "
+            f"since start ended idle {totals.get('ended_idle', 0)}, archived {totals.get('archived', 0)}, "
+            f"deleted {totals.get('deleted', 0)}, errors {totals.get('errors', 0)}"
+        )
     relays = data.get("relays") or []
     if relays:
         table = Table(title="Relays")
@@ -198,16 +217,38 @@ def status(ctx: typer.Context, as_json: JsonOption = False, home: HomeOption = N
 def migrate(
     ctx: typer.Context,
     source: Annotated[
-        Path, typer.Option("--from", help="TENEX project folder, its .tenex folder or conversations folder.")
-    ] = Path("."),
+        Path | None,
+        typer.Option(
+            "--from", help="TENEX project folder, its .tenex folder or conversations folder (default: .)."
+        ),
+    ] = None,
+    smarthole: Annotated[
+        Path | None,
+        typer.Option(
+            "--from-smarthole", help="A SmartHole plugin's data.json: its conversations and legacy history."
+        ),
+    ] = None,
+    agent: Annotated[
+        str | None,
+        typer.Option(help="With --from-smarthole: the agent the assistant's messages are attributed to "
+                          "(default: the home's default agent)."),
+    ] = None,
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
-    """Import TENEX's TypeScript-era conversations (.tenex/conversations/*.json) into this home's store."""
+    """Import TENEX's TypeScript-era conversations (.tenex/conversations/*.json), or with --from-smarthole a
+    SmartHole data.json, into this home's store; the daemon must be stopped. Exit 1 when a conversation
+    could not be imported."""
     settings = settings_of(ctx)
+    if source is not None and smarthole is not None:
+        fail("give one of --from and --from-smarthole", EXIT_USAGE)
+    if agent is not None and smarthole is None:
+        fail("--agent goes with --from-smarthole", EXIT_USAGE)
     from tenex_daemon.adapters.storage.filesystem import StoreLockedError
     from tenex_daemon.adapters.storage.tenex_import import import_tenex_home
     from tenex_daemon.app.wiring import build_store
+
+    identities = _smarthole_identities(settings, agent) if smarthole is not None else None
 
     async def go() -> ImportReport:
         store = build_store(settings)
@@ -216,7 +257,9 @@ def migrate(
         except StoreLockedError as exc:
             raise AccessError(f"{exc} (stop the daemon before migrating)", 503) from None
         try:
-            return await import_tenex_home(source, store)
+            if smarthole is not None and identities is not None:
+                return await _import_smarthole(smarthole, store, identities, settings)
+            return await import_tenex_home(source if source is not None else Path("."), store)
         finally:
             await store.close()
 
@@ -231,9 +274,48 @@ def migrate(
     raise typer.Exit(0 if not report.failed else EXIT_FAILURE)
 
 
+def _smarthole_identities(settings: Settings, agent: str | None) -> SmartHoleIdentities:
+    """Who signs a SmartHole import: the agent's key, and the owner's key if the home has it, else
+    ``keys/import.key`` (made on first use, 0600); exit 2 on an unknown agent or a bad key file."""
+    from tenex_daemon.adapters.nostr.signer import Signer, write_key_file
+    from tenex_daemon.adapters.storage.smarthole_import import SmartHoleIdentities
+
+    slug = agent or settings.default_agent_slug
+    if slug is None or all(a.slug != slug for a in settings.agents):
+        known = ", ".join(a.slug for a in settings.agents) or "none"
+        fail(f"no agent {slug!r} to attribute the assistant's messages to (agents: {known})", EXIT_USAGE)
+    try:
+        agent_signer = Signer.from_file(settings.agent_key_path(slug), label=slug)
+        if settings.owner_key_path.exists():
+            user = Signer.from_file(settings.owner_key_path, label="owner")
+        elif (settings.keys_dir / f"{IMPORT_KEY}.key").exists():
+            user = Signer.from_file(settings.keys_dir / f"{IMPORT_KEY}.key", label=IMPORT_KEY)
+        else:
+            user = Signer.generate(label=IMPORT_KEY)
+            settings.keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            write_key_file(settings.keys_dir / f"{IMPORT_KEY}.key", user)
+    except (KeyFileError, OSError) as exc:
+        fail(str(exc), EXIT_USAGE)
+    project = (settings.owner, settings.project.d_tag) if settings.owner else None
+    return SmartHoleIdentities(user=user, agent=agent_signer, agent_slug=slug, project=project)
+
+
+async def _import_smarthole(
+    path: Path, store: Store, identities: SmartHoleIdentities, settings: Settings
+) -> SmartHoleImportReport:
+    """Run the SmartHole import with the home's idle timeout and the system clock."""
+    from tenex_daemon.adapters.storage.smarthole_import import import_smarthole_file
+    from tenex_daemon.core.ports import SystemClock
+
+    idle_ms = round(settings.conversations.idle_timeout_min * 60_000)
+    return await import_smarthole_file(path, store, identities, clock=SystemClock(), idle_timeout_ms=idle_ms)
+
+
 def _import_report_json(report: ImportReport) -> dict[str, Any]:
     """An import report as JSON (the raw source data of each problem left out)."""
-    return {
+    from tenex_daemon.adapters.storage.smarthole_import import SmartHoleImportReport
+
+    data: dict[str, Any] = {
         "imported": report.imported,
         "already_present": report.already_present,
         "events_imported": report.events_imported,
@@ -243,10 +325,25 @@ def _import_report_json(report: ImportReport) -> dict[str, Any]:
         "notes": [vars(p) | {"raw": None} for p in report.notes],
         "clean": report.clean,
     }
+    if isinstance(report, SmartHoleImportReport):
+        data |= {
+            "source": report.source, "sha256": report.sha256, "already_imported": report.already_imported,
+        }
+    return data
 
 
 def _print_import_report(report: ImportReport) -> None:
     """Print an import report: the counts, then a table of its problems if any."""
+    from tenex_daemon.adapters.storage.smarthole_import import SmartHoleImportReport
+
+    if isinstance(report, SmartHoleImportReport) and report.already_imported is not None:
+        record = report.already_imported
+        out.print(
+            f"{report.source} was already imported at {ms_time(record.get('at'))} "
+            f"({record.get('imported', 0)} conversation(s), {record.get('events', 0)} events); "
+            "nothing changed"
+        )
+        return
     out.print(
         f"imported {len(report.imported)} conversation(s) ({report.events_imported} events), "
         f"{len(report.already_present)} already present, "

@@ -105,7 +105,7 @@ class Conversation(BaseModel):
     described_at: int | None = None
     """The ``activity_at`` the title and summary were made for (None: never made)."""
     description_published: bool = True
-    """False while the kind-513 event of the newest title and summary is not yet in the outbox."""
+    """False until a relay has accepted the kind-513 event of the newest title and summary."""
     channel: str | None = None
     """A kind-1 channel's key (``<agent slug>:<person pubkey>``): top-level notes from that person
     to that agent continue this conversation while it is younger than the idle timeout."""

@@ -14,6 +14,8 @@ KIND_NOTE: Final = 1
 KIND_CONVERSATION_ROOT: Final = 11
 KIND_COMMENT: Final = 1111
 KIND_TASK: Final = 1934
+KIND_CONVERSATION_METADATA: Final = 513
+"""A conversation's title and summary, published by the project key (docs/PROTOCOL.md)."""
 KIND_STREAMING: Final = 21111
 KIND_PROJECT_STATUS: Final = 24010
 KIND_TYPING_START: Final = 24111
@@ -34,6 +36,8 @@ TAG_PHASE: Final = "phase"
 TAG_PUBKEY: Final = "p"
 TAG_EVENT: Final = "e"
 TAG_IDENTIFIER: Final = "d"
+TAG_SUMMARY: Final = "summary"
+TAG_STATUS: Final = "status"
 
 # NIP-22 threading: upper case names the root, lower case the parent.
 TAG_ROOT_EVENT: Final = "E"

@@ -158,6 +158,11 @@ class AgentRunner:
             )
         )
 
+    @property
+    def profiles(self) -> Mapping[str, AgentProfile]:
+        """The agents' profiles by slug (the context preview builds their personas the way runs do)."""
+        return self._profiles
+
     def _delegating(
         self, profile: AgentProfile, cid: str, trigger: NostrEvent
     ) -> tuple[AgentProfile, RunDelegator | None]:
@@ -211,7 +216,16 @@ class AgentRunner:
             # to an earlier message, others of a burst) is shown too (docs/CONTEXT.md, "Bursts")
             context = await self._manager.build_agent_messages(cid, slug, trigger, persist=False, burst=True)
             offered, delegator = self._delegating(profile, cid, trigger)
-            tool_context = ToolContext(self._manager, cid, profile.agent, effects, delegator)
+            tool_context = ToolContext(
+                self._manager,
+                cid,
+                profile.agent,
+                effects,
+                delegator,
+                trigger=trigger,
+                budget=profile.budget,
+                list_recent=profile.list_recent,
+            )
             result, error_kind = await self._loop.answer(offered, context, tool_context)
         except BaseException:
             await self._stop_typing(streamer, typing, typing_started)

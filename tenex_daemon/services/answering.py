@@ -16,7 +16,6 @@ import structlog
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.context import AgentContext
-from tenex_daemon.core.conversation import ReferencedArticle
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
     BackendError,
@@ -28,8 +27,9 @@ from tenex_daemon.core.llm import (
 )
 from tenex_daemon.core.ports import PartialTextPublisher
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.token_budget import RETRY_SHARES, RunBudget, article_tokens, cut_to_tokens
-from tenex_daemon.services.tools import ToolContext, ToolRegistry
+from tenex_daemon.services.persona import DEFAULT_RECENT_IN_PERSONA, PersonaSpec, build_persona, persona_text
+from tenex_daemon.services.token_budget import RETRY_SHARES, RunBudget
+from tenex_daemon.services.tools import DEFAULT_RECENT_CONVERSATIONS, ToolContext, ToolRegistry
 
 DEFAULT_MAX_TOOL_ROUNDS = 8
 """How many times one run may ask its backend before an answer without tool calls is required."""
@@ -54,23 +54,20 @@ class AgentProfile:
     """Names of the tools offered to the model (from the runner's registry)."""
     budget: TokenBudget | None = None
     """The agent's token budget (docs/CONTEXT.md); None sends full history."""
+    recent_in_persona: int = DEFAULT_RECENT_IN_PERSONA
+    """How many of the person's recent ended conversations with the agent its persona recalls (0: none)."""
+    list_recent: int = DEFAULT_RECENT_CONVERSATIONS
+    """How many conversations ``get_conversation``'s ``list_recent`` lists by default."""
+
+    @property
+    def persona_spec(self) -> PersonaSpec:
+        """What the agent's persona is made of (:mod:`~tenex_daemon.services.persona`)."""
+        return PersonaSpec(self.agent, self.instructions, self.budget, self.recent_in_persona)
 
     @property
     def system_prompt(self) -> str:
-        """The persona put before the agent's messages (without a conversation's referenced article)."""
-        base = f"You are {self.agent.name} ({self.agent.slug}), an agent of a TENEX project."
-        return f"{base}\n\n{self.instructions}" if self.instructions else base
-
-    def persona(self, article: ReferencedArticle | None = None) -> str:
-        """The persona of a run in a conversation whose root references ``article`` (docs/CONTEXT.md,
-        "The persona prompt"): :attr:`system_prompt`, then the article section, its content cut to
-        25% of the agent's token budget when it has one."""
-        if article is None:
-            return self.system_prompt
-        content = article.content
-        if self.budget is not None:
-            content = cut_to_tokens(content, article_tokens(self.budget), self.budget.count)
-        return f"{self.system_prompt}\n\n## Referenced article: {article.title}\n{content}\n"
+        """The persona without a conversation: no referenced article, no recent conversations."""
+        return persona_text(self.persona_spec)
 
 
 class AnswerLoop:
@@ -107,7 +104,10 @@ class AnswerLoop:
             await self._manager.update_agent_state(cid, slug, summary=(summary, covers))
 
         conversation = await self._manager.get_conversation(cid)
-        persona = profile.persona(None if conversation is None else conversation.metadata.referenced_article)
+        # built before the budget is applied: the budget counts the whole persona
+        persona = await build_persona(
+            self._manager.store, self._manager.agents, profile.persona_spec, conversation, tools.trigger
+        )
         budget = RunBudget(
             context,
             persona,

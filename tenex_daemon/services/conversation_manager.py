@@ -61,6 +61,7 @@ from tenex_daemon.services.locks import KeyedLock
 log = structlog.get_logger(__name__)
 
 DEFAULT_RESOLVE_TIMEOUT_S = 2.0
+DEFAULT_TASK_SESSION_TTL_H = 24.0
 RESOLVED_CACHE_SIZE = 1024
 HISTORY_VIEW_CACHE_SIZE = 256
 
@@ -86,6 +87,7 @@ class ConversationManager:
         clock: Clock | None = None,
         resolve_timeout: float = DEFAULT_RESOLVE_TIMEOUT_S,
         owner_pubkey: str | None = None,
+        task_session_ttl_h: float = DEFAULT_TASK_SESSION_TTL_H,
     ) -> None:
         self._store = store
         if isinstance(agents, AgentDirectory):
@@ -104,6 +106,8 @@ class ConversationManager:
         self._resolved: OrderedDict[str, str] = OrderedDict()
         self._views: OrderedDict[tuple[str, str], HistoryView] = OrderedDict()
         self._on_ended: list[Callable[[str], None]] = []
+        self.task_session_ttl_ms = int(task_session_ttl_h * 3_600_000)
+        """How long a task session lives after its last activity (docs/ARCHITECTURE.md)."""
         self._on_reply: list[Callable[[str], None]] = []
 
     @property
@@ -155,12 +159,10 @@ class ConversationManager:
     ) -> Conversation:
         """Create a conversation whose root (and id) is ``event``; idempotent by id.
 
-        Title: the ``title`` tag (the person's: never replaced by a model's), else "Untitled
-        Conversation". An ``a`` tag ``30023:<pubkey>:<d>`` makes the article the referenced article.
-        ``exclusive``: raise :class:`ConversationExistsError` when it exists already (another daemon
-        on a shared database created it), instead of returning it: only its creator acts on it.
-        ``channel``, ``task_id`` and ``previous_session``: a kind-1 channel's key, the task this is a
-        session of and the expired session it follows (docs/ARCHITECTURE.md, "Conversation lifecycle").
+        Title: the ``title`` tag (never replaced by a model's), else "Untitled Conversation". An ``a``
+        tag ``30023:<pubkey>:<d>`` makes the article the referenced article. ``exclusive``: raise
+        :class:`ConversationExistsError` when it exists (another daemon created it) instead of
+        returning it. ``channel``, ``task_id``, ``previous_session``: docs/ARCHITECTURE.md, lifecycle.
         """
         event.require_valid_id()
         async with self._locks.hold(event.id):
@@ -612,11 +614,8 @@ class ConversationManager:
         self, conversation_id: str, *, by: str, reason: str | None = None, idle_before: int | None = None
     ) -> bool:
         """End the conversation: record when, by whom (``idle``, an agent's slug, ``owner``...) and why.
-
-        It stays writable: a new message reopens it. Its title and summary are made afterwards, off
-        the request path (:mod:`~tenex_daemon.services.descriptions`). False when it is ended already,
-        or (``idle_before``, the idle timeout's check) when it had activity at or after that moment.
-        """
+        It stays writable (a new message reopens it). False when it is ended already, or (``idle_before``,
+        the idle timeout's check) when it had activity at or after that moment."""
         async with self._locked(conversation_id) as conversation:
             if conversation.is_ended:
                 return False
@@ -641,8 +640,14 @@ class ConversationManager:
         and summary job listens; it must not block)."""
         self._on_ended.append(listener)
 
+    def expires_at(self, conversation: Conversation) -> int | None:
+        """When a task session expires (ms since the epoch); None for a conversation that is no task's."""
+        if conversation.task_id is None:
+            return None
+        return conversation.last_activity + self.task_session_ttl_ms
+
     def on_reply(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(conversation_id)`` after each agent reply this manager saves (must not block)."""
+        """Call ``listener(conversation_id)`` after each agent reply saved here (must not block)."""
         self._on_reply.append(listener)
 
     async def describe(
@@ -718,13 +723,18 @@ class ConversationManager:
 
     # --- operator actions (control API) ---------------------------------------------------
 
-    async def delete_conversation(self, conversation_id: str) -> bool:
-        """Remove a conversation from the store; return whether it existed.
+    async def delete_conversation(self, conversation_id: str, *, only_ended: bool = False) -> bool:
+        """Remove a conversation from the store; return whether it existed (and was deleted).
 
-        An operator's explicit request (``DELETE /api/v1/conversations/{id}``): its event
+        An operator's explicit request (``DELETE /api/v1/conversations/{id}``), or retention: its event
         ids stay processed, so a relay replaying them never re-creates it or triggers agents.
+        ``only_ended`` (retention): checked under the lock, a conversation reopened meanwhile is kept.
         """
         async with self._locks.hold(conversation_id), self._store.lease(conversation_id):
+            if only_ended:
+                current = await self._store.load(conversation_id)
+                if current is None or not current.is_ended:
+                    return False
             deleted = await self._store.delete(conversation_id)
         for key in [key for key in self._views if key[0] == conversation_id]:
             del self._views[key]

@@ -152,10 +152,16 @@ class Delegation:
             budget = target.budget
             if budget is not None and budget.strategy is not BudgetStrategy.SLIDING_WINDOW:
                 budget = replace(budget, strategy=BudgetStrategy.SLIDING_WINDOW)
-            profile = replace(target, instructions=instructions, tools=tools, budget=budget)
-            result, error_kind = await self._answer(
-                profile, context, ToolContext(self._manager, cid, asked, RunEffects())
+            # A thread's persona is the agent's, who asks, and the conversation's article: it recalls no
+            # recent conversations (docs/CONTEXT.md, "The persona prompt").
+            profile = replace(
+                target, instructions=instructions, tools=tools, budget=budget, recent_in_persona=0
             )
+            tool_context = ToolContext(
+                self._manager, cid, asked, RunEffects(), trigger=trigger, budget=budget,
+                list_recent=target.list_recent,
+            )
+            result, error_kind = await self._answer(profile, context, tool_context)
             answer = await self._save(
                 asked, request, result.text, (asker.pubkey,), thread_id, cid, result, error_kind
             )

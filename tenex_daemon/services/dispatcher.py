@@ -24,6 +24,7 @@ from tenex_daemon.core.targeting import (
 )
 from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.lifecycle import ConversationLifecycle
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.orchestrator import Orchestrator, RoutingDecision, RoutingStop
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT, ROUTING_LIMITS_KEY, RoutingLimits
@@ -86,7 +87,9 @@ class EventDispatcher:
     again. Routing stops on an END decision, after ``turn_limit`` turns without a new user
     message, and on a decision repeated with no new completion (:class:`RoutingLimits`, stored
     with the conversation: a restart keeps them).
-    The ``hop_limit`` bounds chains of agents p-tagging each other directly.
+    The ``hop_limit`` bounds chains of agents p-tagging each other directly. With ``lifecycle``, a
+    person's top-level kind-1 note joins their open channel conversation and an event for a task its
+    current session (:class:`ConversationLifecycle`).
 
     The dispatcher owns the :class:`RunScheduler` (:attr:`scheduler`) that carries its runs out
     through ``runs`` (at most ``max_concurrent_runs`` at once, journaled under ``journal_key``; with
@@ -111,6 +114,7 @@ class EventDispatcher:
         journal_key: str = PENDING_RUNS_KEY,
         observer: ReplyObserver | None = None,
         peers: Peers | None = None,
+        lifecycle: ConversationLifecycle | None = None,
     ) -> None:
         self._manager = manager
         self._runs = runs
@@ -126,6 +130,7 @@ class EventDispatcher:
         self._hop_limit = hop_limit
         self._fetcher = fetcher
         self._limits = RoutingLimits(turn_limit)
+        self._lifecycle = lifecycle
         self._routing = KeyedLock()
         self._handlers: dict[EventClass, Handler] = {
             EventClass.NEW_CONVERSATION: self._on_root,
@@ -170,8 +175,23 @@ class EventDispatcher:
         existing = await self._manager.get_conversation(event.id)
         if existing is not None:
             return HandleResult(Outcome.DUPLICATE, conversation_id=event.id)
+        lifecycle = self._lifecycle
+        channel = None
+        if lifecycle is not None and classification.kind is EventClass.NEW_CONVERSATION:
+            channel = lifecycle.channel_of(event)
         try:
-            conversation = await self._manager.create_conversation(event, exclusive=True)
+            if channel is not None:
+                assert lifecycle is not None
+                if await self._manager.store.is_processed(event.id):
+                    holder = await self._manager.find_conversation_of_event(event.id)
+                    return HandleResult(Outcome.DUPLICATE, conversation_id=holder)
+                joined = await lifecycle.join_channel(channel, event)
+                if not joined.added:
+                    return HandleResult(Outcome.DUPLICATE, conversation_id=joined.conversation.id)
+                conversation = joined.conversation
+            else:
+                task_id = event.id if classification.kind is EventClass.TASK else None
+                conversation = await self._manager.create_conversation(event, exclusive=True, task_id=task_id)
         except ConversationExistsError:  # another daemon on the shared database created it first
             return HandleResult(Outcome.DUPLICATE, conversation_id=event.id)
         return await self._target(conversation.id, event)
@@ -181,11 +201,29 @@ class EventDispatcher:
         assert cid is not None
         conversation = await self._manager.get_conversation(cid)
         if conversation is None:
+            # a reply that names an event inside a conversation (a kind-1 channel's later note) as root
+            found = await self._manager.store.find_event(cid)
+            if found is not None:
+                cid = found[0]
+                conversation = await self._manager.get_conversation(cid)
+        task_id = conversation.task_id if conversation is not None else None
+        if task_id is not None and self._lifecycle is not None:
+            joined = await self._lifecycle.task_session(task_id, event)
+            if joined is not None:
+                if not joined.added:
+                    return HandleResult(Outcome.DUPLICATE, conversation_id=joined.conversation.id)
+                return await self._target(joined.conversation.id, event)
+        if conversation is None and await self._manager.store.is_processed(cid):
+            # its root was accepted once and the conversation deleted since (retention, an operator):
+            # a late reply does not bring it back
+            await self._manager.store.mark_processed(event.id)
+            return HandleResult(Outcome.IGNORED, "conversation_deleted", cid)
+        if conversation is None:
             try:
                 conversation = await self._adopt_root(cid, event)
             except ConversationExistsError:  # another daemon on the shared database started it first
-                found = await self._manager.get_conversation(cid)
-                conversation = found or await self._manager.get_conversation(event.id)
+                found_again = await self._manager.get_conversation(cid)
+                conversation = found_again or await self._manager.get_conversation(event.id)
                 if conversation is None or conversation.id == event.id:
                     return HandleResult(Outcome.DUPLICATE, conversation_id=cid)
             else:

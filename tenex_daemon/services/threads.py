@@ -4,7 +4,8 @@ Threads are cached in memory, the most recently used ``max_cached`` of them when
 loaded again (saved threads only: one with items not yet persisted stays). Persistence uses the
 user's ``load_callback(thread_id)`` and ``save_callback(thread)`` (plain functions or coroutines)
 or, when none are given, the conversation store's small-value space (``get_meta``/``set_meta``
-under ``thread:<id>``).
+under ``thread:<id>``). Deleting a conversation erases its stored threads in every store
+(:mod:`~tenex_daemon.core.erasure`); :meth:`ThreadManager.forget_conversation` drops the cached ones.
 A failing callback raises :class:`ThreadPersistenceError` and loses nothing: the items stay
 in the cached thread and go out with the next successful save.
 """
@@ -19,15 +20,17 @@ from typing import Any
 
 import structlog
 
+from tenex_daemon.core.erasure import THREAD_VALUE_PREFIX
 from tenex_daemon.core.ports import SmallValues
-from tenex_daemon.core.threads import ConversationThread, ThreadPersistenceError, thread_key
+from tenex_daemon.core.threads import KEY_SEPARATOR, ConversationThread, ThreadPersistenceError, thread_key
 
 log = structlog.get_logger(__name__)
 
 ThreadLoadCallback = Callable[[str], "ConversationThread | Awaitable[ConversationThread | None] | None"]
 ThreadSaveCallback = Callable[[ConversationThread], "Awaitable[None] | None"]
 
-META_PREFIX = "thread:"
+META_PREFIX = THREAD_VALUE_PREFIX
+"""The small values of threads are kept under ``thread:<thread id>``."""
 DEFAULT_MAX_CACHED = 1_000
 """Threads kept in memory at most (when they can be loaded again): a daemon runs for months."""
 
@@ -156,6 +159,24 @@ class ThreadManager:
         """Append ``items`` in order and save the thread."""
         thread.add_items(items)
         await self.save_thread(thread)
+
+    def forget_conversation(self, chat_id: str) -> list[str]:
+        """Drop every cached thread of the conversation (it was deleted); return their ids.
+
+        Its stored threads are erased by the store's ``delete`` (:mod:`~tenex_daemon.core.erasure`);
+        with user callbacks, erasing what they stored is theirs to do.
+        """
+        prefix = f"{chat_id}{KEY_SEPARATOR}"
+        dropped = [thread_id for thread_id in self._threads if thread_id.startswith(prefix)]
+        for thread_id in dropped:
+            del self._threads[thread_id]
+            self.unsaved.discard(thread_id)
+            lock = self._locks.get(thread_id)
+            if lock is not None and _idle(lock):
+                del self._locks[thread_id]
+        if dropped:
+            log.info("threads_forgotten", conversation_id=chat_id, threads=len(dropped))
+        return dropped
 
     def cached(self) -> list[str]:
         """Return the ids of the threads held in memory."""

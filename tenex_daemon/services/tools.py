@@ -26,22 +26,27 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tenex_daemon.core.agents import Agent, AuthorRole
+from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationArchivedError, PhaseTransitionError
+from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import ToolCall, ToolResult, ToolSpec
 from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.persona import asking_person
+from tenex_daemon.services.token_budget import cut_to_tokens
 
 log = structlog.get_logger(__name__)
 
-RECENT_MESSAGES = 20
-"""How many of a conversation's newest messages ``get_conversation`` returns."""
-MESSAGE_PREVIEW_CHARS = 500
-"""Longer message contents are cut to this many characters in ``get_conversation``."""
-SUMMARY_PREVIEW_CHARS = 300
 DEFAULT_RECENT_CONVERSATIONS = 10
-MAX_RECENT_CONVERSATIONS = 20
-
+"""How many conversations ``get_conversation``'s ``list_recent`` lists by default
+(``conversations.list_recent``)."""
+MAX_RECENT_CONVERSATIONS = 50
+"""The most conversations one ``list_recent`` call lists."""
+PAGE_SHARE = 0.5
+"""The share of the asking agent's token budget one page of ``get_conversation`` may take, so the
+persona and the conversation the agent is in still fit beside it."""
 
 
 class ToolRefusedError(Exception):
@@ -69,6 +74,13 @@ class ToolContext:
     effects: RunEffects
     delegator: Delegator | None = None
     """How ``send_message`` reaches another agent; None in runs that may not delegate."""
+    trigger: NostrEvent | None = None
+    """The event the run answers: its author, or the person who started the conversation, is the
+    person whose conversations ``get_conversation`` may read (:func:`asking_person`)."""
+    budget: TokenBudget | None = None
+    """The running agent's token budget: one ``get_conversation`` page fits in a share of it."""
+    list_recent: int = DEFAULT_RECENT_CONVERSATIONS
+    """How many conversations ``list_recent: true`` lists."""
 
 
 class Delegator(Protocol):
@@ -259,10 +271,12 @@ async def mark_conversation_ended(
 
 
 class GetConversationArguments(_Arguments):
-    """``get_conversation``'s arguments: ``id`` (or its alias ``conversation_id``), or ``list_recent``."""
+    """``get_conversation``'s arguments: ``conversation_id`` (or its alias ``id``) with an optional
+    ``before`` cursor, or ``list_recent``."""
 
-    id: str | None = None
     conversation_id: str | None = None
+    id: str | None = None
+    before: int | None = Field(default=None, ge=0)
     list_recent: bool | int | None = None
 
     @field_validator("list_recent")
@@ -281,29 +295,131 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def _ended_at(conversation: Conversation) -> str | None:
-    return None if conversation.ended_at is None else _iso(conversation.ended_at)
+def _not_found(conversation_id: str) -> str:
+    """The refusal for an unknown id and for a conversation the person took no part in: the same
+    words, so the tool never tells that another person's conversation exists."""
+    return f"no conversation with id {conversation_id!r} that you can read; list_recent shows the ids"
+
+
+def _status(conversation: Conversation) -> str:
+    if conversation.archived:
+        return "archived"
+    return "ended" if conversation.is_ended else "active"
+
+
+def _role(event: NostrEvent, conversation: Conversation, context: ToolContext) -> str:
+    """``assistant`` for the asking agent's own messages, ``user`` for a person's, else the author's label."""
+    directory = context.manager.agents
+    agent = directory.by_pubkey(event.pubkey)
+    if agent is not None:
+        return "assistant" if agent.slug == context.agent.slug else agent.name
+    role = directory.role_of(event.pubkey, conversation.claims_agent(event.pubkey))
+    if role is AuthorRole.USER:
+        return "user"
+    return "Project" if role is AuthorRole.PROJECT else "Another agent"
+
+
+def _messages(conversation: Conversation, context: ToolContext) -> list[dict[str, Any]]:
+    """Every event with content, in history order, numbered from 0 (the numbers ``before`` takes)."""
+    messages: list[dict[str, Any]] = []
+    for event in conversation.history:
+        if not event.content:
+            continue
+        message: dict[str, Any] = {
+            "index": len(messages),
+            "timestamp": _iso(event.created_at * 1000),
+            "role": _role(event, conversation, context),
+            "content": event.content,
+        }
+        tools_used = conversation.tools_used.get(event.id)
+        if tools_used:
+            message["tools_used"] = list(tools_used)
+        messages.append(message)
+    return messages
+
+
+def _left_out_note(left_out: int) -> str:
+    return (
+        f"{left_out} older messages were left out to fit your token budget; call get_conversation with "
+        f"this conversation_id and before={left_out} for the previous page."
+    )
+
+
+def _page(
+    messages: list[dict[str, Any]], before: int | None, budget: TokenBudget | None, header: dict[str, Any]
+) -> tuple[int, list[dict[str, Any]]]:
+    """(index of the page's first message, the page): the newest messages before ``before`` (default:
+    all) that fit in :data:`PAGE_SHARE` of ``budget`` with ``header``; all of them without a budget. A
+    newest message that does not fit alone is shown with its content cut, marked ``truncated``."""
+    end = len(messages) if before is None else min(before, len(messages))
+    if budget is None:
+        return 0, messages[:end]
+    count = budget.count
+    limit = max(int(budget.limit * PAGE_SHARE), 1)
+    # the header as it is at most: the page's fields with the biggest values they can take
+    worst = {**header, "messages": [], "messages_left_out": end, "next_before": end}
+    worst["note"] = _left_out_note(end)
+    used = count(json.dumps(worst, ensure_ascii=False))
+    start = end
+    while start > 0:
+        cost = count(json.dumps(messages[start - 1], ensure_ascii=False)) + 1
+        if used + cost > limit:
+            break
+        used += cost
+        start -= 1
+    if start == end and end > 0:
+        start = end - 1
+        newest = {**messages[start], "truncated": True}
+        room = limit - used - count(json.dumps({**newest, "content": ""}, ensure_ascii=False))
+
+        def escaped(content: str) -> int:
+            return count(json.dumps(content, ensure_ascii=False))
+
+        newest["content"] = cut_to_tokens(newest["content"], max(room, 0), escaped)
+        return start, [newest]
+    return start, messages[start:end]
 
 
 class GetConversationTool:
-    """Reads another conversation of the project: one by id, or summaries of the recent ones."""
+    """Reads the conversations the person the agent works for took part in: one in full (paged to the
+    agent's token budget), or the recently ended ones with their titles and summaries.
+
+    The person is the trigger's author when a person wrote it, else the person who started the current
+    conversation (:func:`~tenex_daemon.services.persona.asking_person`); the owner is a person like any
+    other. A conversation that person did not write in is never listed, and asking for it by id is
+    refused with the words used for an unknown id, so a person cannot read, or learn of, another
+    person's conversation through an agent. A run with no person (its trigger and root by agents)
+    reads nothing.
+    """
 
     spec = ToolSpec(
         name="get_conversation",
         description=(
-            "Look up past conversations of this project. With `id`: that conversation's summary and its "
-            "most recent messages. With `list_recent` (true, or how many): summaries of the most recent "
-            "other conversations, newest first."
+            "Read past conversations that the person you are working for took part in. With "
+            "`conversation_id`: its title, summary, status, start and end, and its full history in order: "
+            "each message's index, timestamp, role (`assistant`: you, `user`: a person, else the author's "
+            "name), content and `tools_used` (the tools an agent called for it). A history too long for "
+            "your context comes in pages, newest first: the result says how many older messages were left "
+            "out and the `before` value that fetches the previous page. With `list_recent` (true, or how "
+            "many): the most recently ended conversations, newest first, with their titles and summaries."
         ),
         parameters={
             "type": "object",
             "properties": {
-                "id": _text_property("The id of the conversation to read."),
+                "conversation_id": _text_property(
+                    "The id of the conversation to read (also accepted as `id`)."
+                ),
+                "before": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "With conversation_id: show only messages with an index below this "
+                    "(the previous page's `next_before`).",
+                },
                 "list_recent": {
                     "type": ["boolean", "integer"],
                     "description": (
-                        f"true (or a number up to {MAX_RECENT_CONVERSATIONS}) to list recent "
-                        f"conversations; default {DEFAULT_RECENT_CONVERSATIONS}."
+                        f"true (or a number up to {MAX_RECENT_CONVERSATIONS}) to list recently ended "
+                        "conversations."
                     ),
                 },
             },
@@ -314,70 +430,55 @@ class GetConversationTool:
 
     async def run(self, arguments: GetConversationArguments, context: ToolContext) -> str:
         """Return the conversation (by id) or the recent list, as JSON."""
-        wanted = (arguments.id or arguments.conversation_id or "").strip()
+        current = await context.manager.get_conversation(context.conversation_id)
+        person = asking_person(current, context.trigger, context.manager.agents)
+        wanted = (arguments.conversation_id or arguments.id or "").strip()
         if wanted:
-            return await self._one(wanted, context)
-        count = DEFAULT_RECENT_CONVERSATIONS
+            return await self._one(wanted, arguments.before, person, context)
+        count = context.list_recent
         if isinstance(arguments.list_recent, int) and not isinstance(arguments.list_recent, bool):
-            count = min(arguments.list_recent, MAX_RECENT_CONVERSATIONS)
-        return await self._recent(count, context)
+            count = arguments.list_recent
+        return await self._recent(min(count, MAX_RECENT_CONVERSATIONS), person, context)
 
-    async def _one(self, conversation_id: str, context: ToolContext) -> str:
+    async def _one(
+        self, conversation_id: str, before: int | None, person: str | None, context: ToolContext
+    ) -> str:
         conversation = await context.manager.get_conversation(conversation_id)
-        if conversation is None:
-            raise ToolRefusedError(f"no conversation with id {conversation_id!r}; list_recent shows the ids")
-        directory = context.manager.agents
-        messages = []
-        shown = [event for event in conversation.history if event.content][-RECENT_MESSAGES:]
-        for event in shown:
-            agent = directory.by_pubkey(event.pubkey)
-            role = directory.role_of(event.pubkey, conversation.claims_agent(event.pubkey))
-            if agent is not None:
-                author = "you" if agent.slug == context.agent.slug else agent.name
-            else:
-                author = "user" if role is AuthorRole.USER else "another agent"
-            messages.append(
-                {
-                    "timestamp": _iso(event.created_at * 1000),
-                    "from": author,
-                    "content": _cut(event.content, MESSAGE_PREVIEW_CHARS),
-                }
-            )
-        body = {
+        if conversation is None or person is None or person not in conversation.participants():
+            raise ToolRefusedError(_not_found(conversation_id))
+        messages = _messages(conversation, context)
+        header: dict[str, Any] = {
             "id": conversation.id,
             "title": conversation.title,
-            "summary": _cut(conversation.summary or "", SUMMARY_PREVIEW_CHARS) or None,
-            "phase": conversation.phase.value,
+            "summary": conversation.summary,
+            "status": _status(conversation),
             "started_at": _iso(conversation.created_at),
-            "ended_at": _ended_at(conversation),
-            "archived": conversation.archived,
-            "message_count": len(conversation.history),
-            "messages": messages,
+            "ended_at": None if conversation.ended_at is None else _iso(conversation.ended_at),
+            "message_count": len(messages),
         }
+        start, page = _page(messages, before, context.budget, header)
+        body = {**header, "messages": page, "messages_left_out": start, "next_before": start or None}
+        if start:
+            body["note"] = _left_out_note(start)
         return json.dumps(body, ensure_ascii=False)
 
-    async def _recent(self, count: int, context: ToolContext) -> str:
-        rows = await context.manager.search_conversations(limit=count + 1)
-        listed = []
-        for row in rows:
-            if row.id == context.conversation_id:
-                continue  # the current conversation is what the agent is already looking at
-            conversation = await context.manager.get_conversation(row.id)
-            summary = conversation.summary if conversation is not None else None
-            listed.append(
-                {
-                    "id": row.id,
-                    "title": row.title,
-                    "summary": _cut(summary, SUMMARY_PREVIEW_CHARS) if summary else None,
-                    "phase": row.phase.value,
-                    "started_at": _iso(row.created_at),
-                    "ended_at": _ended_at(conversation) if conversation is not None else None,
-                    "archived": row.archived,
-                    "message_count": row.event_count,
-                }
-            )
-            if len(listed) == count:
-                break
+    async def _recent(self, count: int, person: str | None, context: ToolContext) -> str:
+        rows: list[ConversationSummary] = []
+        if person is not None:
+            rows = await context.manager.store.search(SearchQuery(ended=True, participants=(person,)))
+        ended = [row for row in rows if row.id != context.conversation_id and row.ended_at is not None]
+        ended.sort(key=lambda row: (row.ended_at or 0, row.id), reverse=True)
+        listed = [
+            {
+                "id": row.id,
+                "title": row.title,
+                "summary": row.summary,
+                "started_at": _iso(row.created_at),
+                "ended_at": _iso(row.ended_at or 0),
+                "message_count": row.event_count,
+            }
+            for row in ended[:count]
+        ]
         return json.dumps({"conversations": listed}, ensure_ascii=False)
 
 

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tenex_daemon.core.conversation import AgentState, Conversation
+from tenex_daemon.core.conversation import AgentState, Conversation, TitleSource
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
@@ -251,6 +251,62 @@ async def test_search_filters(store: Store, cast: Cast) -> None:
     assert row.event_count == 2
     assert row.title == "Build a Nostr relay"
     assert await store.phase_counts() == {("chat", False): 1, ("plan", False): 1, ("chat", True): 1}
+
+
+async def test_lifecycle_fields_are_kept_in_state_and_index_rows_and_filtered(
+    harness: StoreHarness, cast: Cast
+) -> None:
+    """The lifecycle state (last activity, end, title source, summary, description state, task) survives a
+    reopen, shows in the index rows, and search filters by ended, by every participant, and by inactivity."""
+    store = await harness.open()
+    old = await stored(store, cast, "Old chat", created_at=T0)
+    fresh = await stored(store, cast, "Fresh chat", created_at=T0)
+    live = await store.load(old.id)
+    assert live is not None
+    live.activity_at = T0 + 1_000
+    live.ended_at = T0 + 5_000
+    live.ended_by = "idle"
+    live.end_reason = "idle_timeout"
+    live.summary = "They talked about a vet visit. \u00e9t\u00e9 \U0001f408"
+    live.title = "A vet visit for Miso"
+    live.title_source = TitleSource.MODEL
+    live.described_at = T0 + 1_000
+    live.description_published = False
+    live.task_id = old.id
+    await store.save_state(live)
+    await store.append_event(fresh.id, cast.alice_says("hi"), state=_touched(await store.load(fresh.id), T0 + 9_000))
+    store = await harness.reopen(store)
+
+    reloaded = await store.load(old.id)
+    assert reloaded is not None
+    assert (reloaded.ended_at, reloaded.ended_by, reloaded.end_reason) == (T0 + 5_000, "idle", "idle_timeout")
+    assert reloaded.summary == live.summary
+    assert reloaded.title_source is TitleSource.MODEL
+    assert reloaded.description_published is False
+    rows = {row.id: row for row in await store.search(SearchQuery())}
+    assert rows[old.id].ended_at == T0 + 5_000
+    assert rows[old.id].summary == live.summary
+    assert rows[old.id].title_source is TitleSource.MODEL
+    assert rows[old.id].described_at == T0 + 1_000
+    assert rows[old.id].description_published is False
+    assert rows[old.id].task_id == old.id
+    assert rows[fresh.id].activity_at == T0 + 9_000
+    assert rows[fresh.id].ended_at is None
+
+    async def found(**filters: object) -> list[str]:
+        return sorted(row.id for row in await store.search(SearchQuery.model_validate(filters)))
+
+    assert await found(ended=True) == [old.id]
+    assert await found(ended=False) == [fresh.id]
+    assert await found(participants=(cast.user.pubkey, cast.alice.pubkey)) == [fresh.id]
+    assert await found(inactive_before=T0 + 5_000) == [old.id]
+    assert await found(inactive_before=T0 + 10_000) == sorted([old.id, fresh.id])
+
+
+def _touched(conversation: Conversation | None, at: int) -> Conversation:
+    assert conversation is not None
+    conversation.activity_at = at
+    return conversation
 
 
 # --- ProcessedEvents ------------------------------------------------------------------------

@@ -166,3 +166,9 @@ def set_agent_backend(home: Home, slug: str, backend_toml: str) -> None:
     else:
         raise KeyError(f"no agent {slug!r} in {config}")
     config.write_text("[[agents]]".join(blocks))
+
+
+def set_summarizer_backend(home: Home, backend_toml: str) -> None:
+    """Add a ``[conversations.summarizer]`` table (the backend of titles and summaries) to the home's config."""
+    config = home.path / "config.toml"
+    config.write_text(f"{config.read_text()}\n[conversations.summarizer]\n{backend_toml.strip()}\n")

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.erasure import owned_value_prefixes
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
@@ -79,12 +80,16 @@ class MemoryStore:
         conversation.archived = archived
 
     async def delete(self, conversation_id: str) -> bool:
-        """Forget a conversation; its event ids stay processed."""
+        """Forget a conversation and the small values that belong to it (its delegation threads,
+        :mod:`~tenex_daemon.core.erasure`); its event ids stay processed."""
         conversation = self._conversations.pop(conversation_id, None)
         if conversation is None:
             return False
         for event in conversation.history:
             self._event_index.pop(event.id, None)
+        prefixes = owned_value_prefixes(conversation_id)
+        for key in [key for key in self._meta if key.startswith(prefixes)]:
+            del self._meta[key]
         return True
 
     async def search(self, query: SearchQuery) -> list[ConversationSummary]:

@@ -18,6 +18,7 @@ import asyncpg
 import structlog
 
 from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.erasure import owned_value_prefixes
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
@@ -247,9 +248,17 @@ class PostgresStore:
             raise ConversationNotFoundError(conversation_id)
 
     async def delete(self, conversation_id: str) -> bool:
-        """Delete the conversation and its events; the ids stay in ``processed_events``."""
-        async with self.pool.acquire() as conn:
+        """Delete the conversation, its events (the rows cascade) and the small values that belong to
+        it (its delegation threads, :mod:`~tenex_daemon.core.erasure`), in one transaction; the ids
+        stay in ``processed_events``.
+
+        The rows are gone for every query at once; their bytes stay in the table files as dead tuples
+        until (auto)vacuum reclaims them, and in the write-ahead log and backups as PostgreSQL keeps them.
+        """
+        async with self.pool.acquire() as conn, conn.transaction():
             status = await conn.execute("DELETE FROM conversations WHERE id = $1", conversation_id)
+            for prefix in owned_value_prefixes(conversation_id):
+                await conn.execute("DELETE FROM meta WHERE left(key, length($1)) = $1", prefix)
         return not status.endswith(" 0")
 
     async def search(self, query: SearchQuery) -> list[ConversationSummary]:

@@ -184,8 +184,8 @@ def _restore_path() -> Json:
 def _context_path() -> Json:
     return {"get": {
         "summary": (
-            "Exactly the messages the agent would be sent if triggered now, without changing its "
-            "state. The trigger defaults to the newest event of the conversation."
+            "Exactly the persona and the messages the agent would be sent if triggered now, without "
+            "changing its state. The trigger defaults to the newest event of the conversation."
         ),
         "operationId": "getAgentContext",
         "parameters": [
@@ -304,6 +304,7 @@ def _agent_schemas() -> Json:
         "AgentContext": {"type": "object", "properties": {
             "conversation_id": {"type": "string"}, "agent": {"type": "string"},
             "trigger": {"type": "string"},
+            "persona": {"type": "string", "description": "The persona: the system message sent first."},
             "messages": {"type": "array", "items": {"type": "object", "properties": {
                 "role": {"type": "string", "enum": ["system", "user", "assistant"]},
                 "content": {"type": "string"}}}},

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 import structlog
 from aiohttp import web
@@ -35,6 +35,11 @@ from tenex_daemon.core.errors import (
     UnknownAgentError,
 )
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.lifecycle import task_meta_key
+from tenex_daemon.services.persona import PersonaSpec
+
+if TYPE_CHECKING:
+    from tenex_daemon.app.wiring import Pipeline
 
 log = structlog.get_logger(__name__)
 
@@ -70,6 +75,16 @@ class RelayTarget(Protocol):
     @property
     def settings(self) -> Settings:
         """The home's settings (the whitelist: whose events are taken in)."""
+
+
+@runtime_checkable
+class PipelineTarget(Protocol):
+    """A target that runs the pipeline (the daemon): the context preview builds an agent's persona from
+    the profile its runs use, so it shows what the model is sent."""
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """Manager, runner, dispatcher (None until the daemon has started)."""
 
 
 TARGET_KEY: Final[web.AppKey[ControlTarget]] = web.AppKey("target")
@@ -138,7 +153,8 @@ async def _get(request: web.Request) -> web.Response:
     conversation = await _target(request).manager.get_conversation(conversation_id)
     if conversation is None:
         raise ConversationNotFoundError(conversation_id)
-    return _json(conversation_json(conversation))
+    manager = _target(request).manager
+    return _json(conversation_json(conversation, expires_at=manager.expires_at(conversation)))
 
 
 async def _delete(request: web.Request) -> web.Response:
@@ -192,17 +208,28 @@ async def _rebuild(request: web.Request) -> web.Response:
 async def _context(request: web.Request) -> web.Response:
     conversation_id = _conversation_id(request)
     agent, trigger = parse_context_query(request.query)
-    return _json(await preview_context(_target(request).manager, conversation_id, agent, trigger))
+    target = _target(request)
+    personas = _personas(target)
+    return _json(await preview_context(target.manager, conversation_id, agent, trigger, personas))
+
+
+def _personas(target: ControlTarget) -> Mapping[str, PersonaSpec] | None:
+    """The persona specs of a daemon's agents, from the profiles its runs use (None for other targets)."""
+    if isinstance(target, PipelineTarget) and target.pipeline is not None:
+        return {slug: p.persona_spec for slug, p in target.pipeline.runner.profiles.items()}
+    return None
 
 
 async def _task(request: web.Request) -> web.Response:
     task_id = check_id(request.match_info["id"], "task id")
     manager = _target(request).manager
-    conversation_id = await manager.find_conversation_of_event(task_id)
+    conversation_id = await manager.store.get_meta(task_meta_key(task_id))  # its current session
+    if conversation_id is None:
+        conversation_id = await manager.find_conversation_of_event(task_id)
     conversation = None if conversation_id is None else await manager.get_conversation(conversation_id)
     if conversation is None:
         raise ApiError(404, f"no conversation holds task {task_id}")
-    return _json(conversation_json(conversation))
+    return _json(conversation_json(conversation, expires_at=manager.expires_at(conversation)))
 
 
 async def _metrics(request: web.Request) -> web.Response:

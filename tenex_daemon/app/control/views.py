@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -12,6 +13,7 @@ from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.search import ConversationSummary
 from tenex_daemon.core.vocabulary import KIND_TASK
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.persona import PersonaSpec, build_persona
 
 
 def summary_json(summary: ConversationSummary) -> dict[str, Any]:
@@ -19,8 +21,11 @@ def summary_json(summary: ConversationSummary) -> dict[str, Any]:
     return summary.model_dump(mode="json")
 
 
-def conversation_json(conversation: Conversation, now_ms: int | None = None) -> dict[str, Any]:
-    """Return a conversation in full: summary, metadata, history, agent states, phase, transitions, turns."""
+def conversation_json(
+    conversation: Conversation, now_ms: int | None = None, *, expires_at: int | None = None
+) -> dict[str, Any]:
+    """Return a conversation in full: summary, metadata, history, agent states, phase, transitions, turns;
+    ``expires_at``: when a task session expires (:meth:`ConversationManager.expires_at`)."""
     now = int(datetime.now(UTC).timestamp() * 1000) if now_ms is None else now_ms
     state = conversation.state_dict()
     return {
@@ -43,6 +48,8 @@ def conversation_json(conversation: Conversation, now_ms: int | None = None) -> 
         "channel": conversation.channel,
         "task_id": conversation.task_id,
         "previous_session": conversation.previous_session,
+        "expires_at": expires_at,
+        "token_count": conversation.token_count(),
         "summary": summary_json(ConversationSummary.of(conversation)),
         "metadata": state["metadata"],
         "agent_states": state["agent_states"],
@@ -70,13 +77,20 @@ def tokens_json(conversation: Conversation) -> dict[str, Any]:
 
 
 def context_json(
-    conversation_id: str, agent_slug: str, trigger_id: str, context: AgentContext, stored_index: int
+    conversation_id: str,
+    agent_slug: str,
+    trigger_id: str,
+    context: AgentContext,
+    stored_index: int,
+    persona: str,
 ) -> dict[str, Any]:
-    """Return a context preview: the messages, in order, exactly as the agent would be sent them."""
+    """Return a context preview: the persona (the ``system`` message sent first) and the messages, in
+    order, exactly as the agent would be sent them."""
     return {
         "conversation_id": conversation_id,
         "agent": agent_slug,
         "trigger": trigger_id,
+        "persona": persona,
         "messages": [{"role": m.role, "content": m.content} for m in context.messages],
         "session_id": context.session_id,
         "last_processed_index": stored_index,
@@ -85,14 +99,20 @@ def context_json(
 
 
 async def preview_context(
-    manager: ConversationManager, conversation_id: str, agent_slug: str, trigger_id: str | None = None
+    manager: ConversationManager,
+    conversation_id: str,
+    agent_slug: str,
+    trigger_id: str | None = None,
+    personas: Mapping[str, PersonaSpec] | None = None,
 ) -> dict[str, Any]:
     """Build an agent's context without changing its state (the trigger defaults to the newest event).
 
+    Its persona is built as a run builds it (:func:`~tenex_daemon.services.persona.build_persona`)
+    from ``personas[agent_slug]``; an agent not in ``personas`` gets a persona without instructions.
     Raises :class:`ConversationNotFoundError`, :class:`UnknownAgentError`, or :class:`ApiError`
     (404) for a trigger that is not in the conversation.
     """
-    manager.agents.get(agent_slug)
+    agent = manager.agents.get(agent_slug)
     conversation = await manager.get_conversation(conversation_id)
     if conversation is None:
         raise ConversationNotFoundError(conversation_id)
@@ -108,4 +128,6 @@ async def preview_context(
     context = await manager.preview_agent_messages(conversation_id, agent_slug, trigger)
     state = conversation.agent_states.get(agent_slug)
     stored_index = state.last_processed_index if state is not None else 0
-    return context_json(conversation_id, agent_slug, trigger.id, context, stored_index)
+    spec = (personas or {}).get(agent_slug) or PersonaSpec(agent)
+    persona = await build_persona(manager.store, manager.agents, spec, conversation, trigger)
+    return context_json(conversation_id, agent_slug, trigger.id, context, stored_index, persona)

@@ -18,6 +18,7 @@ from tenex_daemon import ConversationManager, NostrEvent
 from tenex_daemon.app.control_api import ControlServer, ControlSocketInUseError, create_app, openapi_document
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.core.vocabulary import KIND_TASK
+from tenex_daemon.services.lifecycle import task_meta_key
 from tests.conftest import Cast
 
 
@@ -55,7 +56,7 @@ async def world(cast: Cast, manager: ConversationManager) -> World:
     bob_reply = cast.user_says("Bob, check it", tags=[["E", root.id], ["K", "11"], ["p", cast.bob.pubkey]])
     await manager.add_event(root.id, bob_reply)
     task = cast.user_says("Write the changelog", kind=KIND_TASK, tags=[["p", cast.bob.pubkey]])
-    await manager.create_conversation(task)
+    await manager.create_conversation(task, task_id=task.id)
     task_reply = cast.bob_says("Done", tags=[["E", task.id], ["K", str(KIND_TASK)]])
     await manager.add_event(task.id, task_reply)
     return World(root, alice_reply, bob_reply, task, task_reply)
@@ -269,6 +270,27 @@ async def test_task_conversation_by_task_id_or_any_event_in_it(client: TestClien
     assert by_root["is_task"] is True
     by_reply = await get_json(client, f"/api/v1/tasks/{world.task_reply.id}/conversation")
     assert by_reply["id"] == world.task.id
+
+
+async def test_a_task_conversation_shows_its_expiry_token_count_and_current_session(
+    client: TestClient[Any, Any], world: World, manager: ConversationManager, cast: Cast
+) -> None:
+    """The task's conversation carries expires_at (last activity + the 24 h TTL) and token_count; once a
+    newer session is current (the task.<id> small value), the task's URL serves that session."""
+    shown = await get_json(client, f"/api/v1/tasks/{world.task.id}/conversation")
+    task = await manager.get_conversation(world.task.id)
+    assert task is not None
+    assert shown["expires_at"] == task.last_activity + 24 * 3_600_000
+    assert shown["token_count"] == 0
+    assert shown["task_id"] == world.task.id
+    later = cast.user_says("Again, please", tags=[["E", world.task.id], ["K", str(KIND_TASK)]])
+    await manager.create_conversation(later, task_id=world.task.id, previous_session=world.task.id)
+    await manager.store.set_meta(task_meta_key(world.task.id), later.id)
+
+    current = await get_json(client, f"/api/v1/tasks/{world.task.id}/conversation")
+
+    assert current["id"] == later.id
+    assert current["previous_session"] == world.task.id
 
 
 async def test_metrics_endpoint_serves_prometheus_text(client: TestClient[Any, Any], target: FakeTarget) -> None:

@@ -41,8 +41,8 @@ async def test_the_referenced_article_follows_the_persona(cast: Cast) -> None:
 
     [request] = backend.requests
     assert request.system_prompt == (
-        "You are Alice (alice), an agent of a TENEX project.\n\nYou are Alice."
-        "\n\n## Referenced article: Release notes\nWe shipped the bridge.\n"
+        "You are Alice.\nYou are Alice.\n"
+        "\n## Referenced article: Release notes\nWe shipped the bridge.\n"
     )
 
 

@@ -76,9 +76,14 @@ class Rig:
     persona: str
 
 
+INSTRUCTIONS = "You are an agent of a TENEX team."
+"""Instructions that make Alice's persona 13 tokens and Bob's 12 (characters/4): the sizes the expected
+cuts of these tests are counted with."""
+
+
 def make_rig(cast: Cast, backend: RecordingBackend, budget: TokenBudget | None) -> Rig:
     """The daemon's pipeline whose agents all think through ``backend`` under ``budget``."""
-    profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
+    profiles = {a.slug: AgentProfile(a, INSTRUCTIONS, backend, budget=budget) for a in cast.agents}
     base = pipeline.build_rig(cast, profiles=profiles, composer=pipeline.real_composer(cast))
     return Rig(base.manager, base.runner, backend, profiles["alice"].system_prompt)
 

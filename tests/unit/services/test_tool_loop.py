@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -236,37 +235,6 @@ async def test_end_conversation_sends_the_reply_then_ends_it(cast: Cast) -> None
     assert conversation.end_reason == "user is done"
     assert conversation.ended_by == "alice"
     assert rig.hooked == []  # an ended conversation's last reply targets nobody
-
-
-async def test_get_conversation_by_id_and_list_recent(cast: Cast) -> None:
-    """By id the tool returns that conversation's summary and messages; list_recent lists the others, not this one."""
-    backend = ScriptedBackend([text("placeholder")])
-    rig = make_rig(cast, backend)
-    earlier = await start(rig, cast, "Earlier topic: the database")
-    await rig.manager.add_event(earlier.id, cast.alice_says("Use PostgreSQL.", tags=[["E", earlier.id]]))
-    root = await start(rig, cast, "Now: what did we decide?")
-    backend.script = [
-        calls(("c1", "get_conversation", {"id": earlier.id}), ("c2", "get_conversation", {"list_recent": 5})),
-        calls(("c3", "get_conversation", {"id": "nope"})),
-        text("We chose PostgreSQL."),
-    ]
-
-    reply = await run(rig, root)
-
-    one, recent, missing = backend.tool_results()
-    body = json.loads(one.content)
-    assert body["id"] == earlier.id
-    assert body["message_count"] == 2
-    assert [(m["from"], m["content"]) for m in body["messages"]] == [
-        ("user", "Earlier topic: the database"), ("you", "Use PostgreSQL."),
-    ]
-    listed = json.loads(recent.content)["conversations"]
-    assert [row["id"] for row in listed] == [earlier.id]
-    assert listed[0]["summary"] == "Earlier topic: the database"
-    assert listed[0]["message_count"] == 2
-    assert missing.is_error
-    assert "nope" in missing.content
-    assert reply.content == "We chose PostgreSQL."
 
 
 async def test_unknown_tools_and_bad_arguments_become_error_results(cast: Cast) -> None:

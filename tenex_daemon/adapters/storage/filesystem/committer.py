@@ -79,6 +79,15 @@ class Committer:
             if op.error is not None:
                 raise op.error
 
+    async def checkpoint(self) -> None:
+        """``batch``: checkpoint the journal now (the files written are fsynced and the journal file
+        that recorded their bytes is deleted); nothing without a journal open."""
+        journal = self.journal
+        if journal is None or not journal.is_open:
+            return
+        # on the commit thread: never beside a group commit
+        await _on_commit_thread(journal.checkpoint)
+
     async def stop(self) -> None:
         """Commit what is queued, then checkpoint the journal a last time (it is deleted).
 

@@ -177,9 +177,14 @@ def read_index(layout: Layout, actions: list[RecoveryAction]) -> IndexRead:
     return IndexRead(entries, generation, records, True)
 
 
-def _write_snapshot(path: Path, data: bytes, old_log: Path) -> None:
-    replace_file(path, data)
-    old_log.unlink(missing_ok=True)
+def _write_snapshot(layout: Layout, data: bytes, generation: int) -> None:
+    """Replace the snapshot, then remove every log older than it (a deleted conversation's title
+    and summary are in no index file once this returns)."""
+    replace_file(layout.snapshot, data)
+    for path in layout.index_dir.glob("log.*"):
+        suffix = path.name.split(".", 1)[1]
+        if suffix.isdigit() and int(suffix) < generation:
+            path.unlink(missing_ok=True)
 
 
 # --- the live index ------------------------------------------------------------------------------
@@ -238,7 +243,6 @@ class Index:
             # snapshot counts has its bucket line queued already, so this flush writes it
             generation = self._generation + 1
             rows = [entry.to_json() for entry in self.entries.values()]
-            old = self.layout.index_log(self._generation)
             self._generation = generation
             self._log = None
             self._records = 0
@@ -250,7 +254,7 @@ class Index:
                 {"format": INDEX_FORMAT, "generation": generation, "entries": rows},
                 separators=(",", ":"), ensure_ascii=False,
             ).encode("utf-8")
-            await asyncio.to_thread(_write_snapshot, self.layout.snapshot, data, old)
+            await asyncio.to_thread(_write_snapshot, self.layout, data, generation)
 
     async def wait_compacted(self) -> None:
         """Wait for a compaction started by the log's growth, if one runs."""

@@ -77,6 +77,11 @@ class Layout:
         """The event-id buckets (the processed set)."""
         return self.root / EVENTS_DIR
 
+    @property
+    def meta_dir(self) -> Path:
+        """The small values."""
+        return self.root / META_DIR
+
     def folder(self, conversation_id: str, archived: bool) -> Path:
         """A conversation's folder, under ``archive/`` when archived."""
         return (self.root / ARCHIVE_DIR / conversation_id) if archived else (self.root / conversation_id)
@@ -87,7 +92,7 @@ class Layout:
 
     def meta_path(self, key: str) -> Path:
         """The file of one small value."""
-        return self.root / META_DIR / (hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".json")
+        return self.meta_dir / (hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".json")
 
     def make_folders(self) -> None:
         """Create the home's fixed folders (the root must exist)."""

@@ -16,6 +16,13 @@ import structlog
 
 from tenex_daemon.adapters.storage.filesystem.committer import Committer
 from tenex_daemon.adapters.storage.filesystem.derived import DerivedLines
+from tenex_daemon.adapters.storage.filesystem.erasure import (
+    SharedRounds,
+    corrupt_copies,
+    remove_leftovers,
+    scan_owned_values,
+    tombstone,
+)
 from tenex_daemon.adapters.storage.filesystem.folder import (
     delete_folder,
     keep_after_failed_delete,
@@ -40,6 +47,7 @@ from tenex_daemon.adapters.storage.filesystem.processed import ProcessedIds, buc
 from tenex_daemon.adapters.storage.filesystem.recovery import recover
 from tenex_daemon.adapters.storage.filesystem.repairs import RecoveryAction, move_to_corrupt
 from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.erasure import value_owner
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
@@ -103,6 +111,11 @@ class FileSystemStore:
         self._cache: OrderedDict[str, Conversation] = OrderedDict()
         self._live_paths: dict[str, tuple[Path, Path]] = {}
         self._meta_paths: dict[str, Path] = {}
+        self._owned_values: dict[str, set[str]] = {}
+        """Conversation id -> keys of the small values that belong to it (its delegation threads):
+        those set since open, and (once a deletion needed them) those found on disk."""
+        self._owned_values_scanned = False
+        self._erasure = SharedRounds(self._rewrite_after_deletions)
         self._lock_fd: int | None = None
         self._opened = False
 
@@ -144,6 +157,8 @@ class FileSystemStore:
             await asyncio.to_thread(self._unlock)
             raise
         self._index.reset(result.index)
+        self._owned_values.clear()  # another process may have written small values while closed
+        self._owned_values_scanned = False
         self.recovery = result.actions
         self._processed.reset(result.absent_buckets)
         for conversation_id, ids in result.rebuilt_ids.items():
@@ -381,16 +396,24 @@ class FileSystemStore:
             cached.archived = archived
 
     async def delete(self, conversation_id: str) -> bool:
-        """Remove a conversation's files; its event ids stay processed."""
+        """Remove a conversation's files and erase everything else of it in the home: the small values
+        that belong to it (:mod:`~tenex_daemon.core.erasure`), its copies in ``corrupt/``, its index
+        rows (a compaction rewrites the index) and, with ``batch``, the journal that recorded its
+        writes (a checkpoint renews it). Its event ids stay processed (the buckets hold ids only)."""
         self._require_open()
         entry = self._index.entries.get(conversation_id)
         if entry is None:
             return False
         folder = self._layout.folder(conversation_id, entry.archived)
         del self._index.entries[conversation_id]  # from now on appends to it are refused
+        try:
+            values = await self._values_of(conversation_id)
+        except BaseException:
+            self._index.entries[conversation_id] = entry
+            raise
         # shielded: once the forget frame is queued, the deletion must finish even if the caller
         # is cancelled (a committed forget over a kept folder would drop its journaled appends)
-        deletion = asyncio.ensure_future(self._delete_files(conversation_id, folder))
+        deletion = asyncio.ensure_future(self._delete_files(conversation_id, folder, values))
         deletion.add_done_callback(_log_failed_deletion)
         try:
             await asyncio.shield(deletion)
@@ -399,16 +422,51 @@ class FileSystemStore:
         except BaseException:
             if await asyncio.to_thread(keep_after_failed_delete, folder):
                 self._index.entries[conversation_id] = entry
+                self._owned_values.setdefault(conversation_id, set()).update(values)
             raise
         self._cache.pop(conversation_id, None)
         self._index.record({"op": "del", "id": conversation_id})
+        # shielded too: the traces are erased even when the caller stops waiting
+        await asyncio.shield(asyncio.ensure_future(self._erase_traces(conversation_id, values)))
         return True
 
-    async def _delete_files(self, conversation_id: str, folder: Path) -> None:
+    async def _values_of(self, conversation_id: str) -> set[str]:
+        """The keys of the small values that belong to the conversation (forgotten here: it is being
+        deleted). The first call reads every small value's key once."""
+        if not self._owned_values_scanned:
+            found = await asyncio.to_thread(scan_owned_values, self._layout.meta_dir)
+            for owner, keys in found.items():
+                self._owned_values.setdefault(owner, set()).update(keys)
+            self._owned_values_scanned = True
+        return self._owned_values.pop(conversation_id, set())
+
+    async def _delete_files(self, conversation_id: str, folder: Path, values: set[str]) -> None:
+        ops = [Op("replace", self._meta_path(key), tombstone(key)) for key in sorted(values)]
         if self._committer.journal is not None:
             # batch: the journal must never replay this conversation's appends into a new one
-            await self._committer.commit([Op("forget", folder, conversation_id.encode("utf-8"))])
+            ops.append(Op("forget", folder, conversation_id.encode("utf-8")))
+        if ops:
+            await self._committer.commit(ops)
         await asyncio.to_thread(delete_folder, folder)
+
+    async def _erase_traces(self, conversation_id: str, values: set[str]) -> None:
+        """After a deletion: remove the tombstoned small values and the copies in ``corrupt/``, rewrite
+        the index and checkpoint the journal (one rewrite and checkpoint for deletions made together).
+        A failure is logged: the deletion stands, and the next compaction and checkpoint (at the latest
+        the store's close) erase what is left."""
+        try:
+            leftovers = [self._meta_path(key) for key in values]
+            leftovers += await asyncio.to_thread(corrupt_copies, self.corrupt_dir, conversation_id)
+            await asyncio.to_thread(remove_leftovers, leftovers)
+            await self._erasure.request()
+        except Exception:
+            log.exception("delete_traces_left", conversation_id=conversation_id)
+
+    async def _rewrite_after_deletions(self) -> None:
+        """A new index snapshot without the deleted conversations (every older index file removed), then
+        a journal checkpoint (the journal file that recorded their writes is deleted)."""
+        await self._index.compact()
+        await self._committer.checkpoint()
 
     async def search(self, query: SearchQuery) -> list[ConversationSummary]:
         """Filter the in-memory index (no log is read), newest update first."""
@@ -478,13 +536,18 @@ class FileSystemStore:
             await asyncio.to_thread(move_to_corrupt, self.corrupt_dir, path, f"meta.{path.name}")
             self.recovery.append(RecoveryAction("moved_to_corrupt", None, f"meta value {key!r}"))
             return None
-        return str(record["value"]) if record.get("key") == key else None
+        if record.get("key") != key or record.get("value") is None:
+            return None  # another key's file (a hash collision), or an erased value's tombstone
+        return str(record["value"])
 
     async def set_meta(self, key: str, value: str) -> None:
         """Durably store ``value`` under ``key`` (one small file, replaced atomically)."""
         self._require_open()
         data = json.dumps({"key": key, "value": value}, ensure_ascii=False).encode("utf-8")
         await self._committer.commit([Op("replace", self._meta_path(key), data)])
+        owner = value_owner(key)
+        if owner is not None:
+            self._owned_values.setdefault(owner, set()).add(key)
 
     @asynccontextmanager
     async def lease(self, conversation_id: str) -> AsyncIterator[None]:

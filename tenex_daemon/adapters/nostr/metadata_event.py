@@ -1,0 +1,54 @@
+"""A conversation's title and summary as a signed kind-513 event (docs/PROTOCOL.md).
+
+Tags: ``["e", <root id>]``, ``["title", …]``, ``["summary", …]``, ``["status", "active"|"ended"]`` and,
+when the project is known, ``["a", "31933:<owner pubkey>:<project d-tag>"]``; signed by the project key.
+The content is empty: everything is in the tags.
+"""
+
+from __future__ import annotations
+
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.vocabulary import (
+    KIND_CONVERSATION_METADATA,
+    TAG_ADDRESS,
+    TAG_EVENT,
+    TAG_STATUS,
+    TAG_SUMMARY,
+    TAG_TITLE,
+)
+
+from .codec import Tags, project_address
+from .signer import Signer
+
+STATUS_ACTIVE = "active"
+STATUS_ENDED = "ended"
+
+
+def metadata_tags(
+    conversation_id: str, title: str, summary: str, *, ended: bool, project: tuple[str, str] | None
+) -> Tags:
+    """The tags of a conversation's kind-513 metadata event (see the module docstring)."""
+    tags: Tags = [
+        [TAG_EVENT, conversation_id],
+        [TAG_TITLE, title],
+        [TAG_SUMMARY, summary],
+        [TAG_STATUS, STATUS_ENDED if ended else STATUS_ACTIVE],
+    ]
+    if project is not None:
+        tags.append([TAG_ADDRESS, project_address(*project)])
+    return tags
+
+
+class ConversationMetadataComposer:
+    """Builds and signs the kind-513 event of a conversation's title and summary with the project key."""
+
+    def __init__(self, project_signer: Signer, project: tuple[str, str] | None) -> None:
+        """Sign with ``project_signer``; ``project`` is (owner pubkey, d-tag) for the ``a`` tag (None: no
+        ``a`` tag, a home without an owner)."""
+        self._signer = project_signer
+        self._project = project
+
+    def compose(self, conversation_id: str, title: str, summary: str, *, ended: bool) -> NostrEvent:
+        """Return the signed kind-513 event for the conversation rooted at ``conversation_id``."""
+        tags = metadata_tags(conversation_id, title, summary, ended=ended, project=self._project)
+        return self._signer.sign(KIND_CONVERSATION_METADATA, "", tags)

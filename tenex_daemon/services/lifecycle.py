@@ -1,0 +1,160 @@
+"""Which conversation an incoming event joins when its threading alone does not say: kind-1 channels
+and task sessions (docs/ARCHITECTURE.md, "Conversation lifecycle").
+
+- **Kind-1 channels.** A person's top-level kind-1 note (no ``e`` tags) to an agent continues that
+  person's open conversation with that agent (the channel ``<agent slug>:<person pubkey>``, or
+  ``*:<person pubkey>`` for notes the orchestrator routes) while its last activity is younger than
+  the idle timeout; otherwise the open one is ended (``by="idle"``) and the note starts a new one.
+  The channel's current conversation is kept in the store's small values (``channel.<key>``).
+- **Task sessions.** A task (kind 1934) is worked on in sessions: its first session is the
+  conversation rooted at the task. A session expires ``tasks.session_ttl_h`` after its last
+  activity (``ConversationManager.expires_at``); the next event for the task ends and archives it
+  and starts a new session rooted at that event, linked to the old one (``previous_session``; the
+  current one is kept under ``task.<task id>``). The new session starts fresh, as an expired session
+  is gone.
+
+Both decisions are made under a lock per channel or task, and (with daemons sharing a database) the
+store's lease on the same key, so two notes that arrive together never start two conversations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import structlog
+
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import ConversationExistsError
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.targeting import choose_target
+from tenex_daemon.core.vocabulary import KIND_NOTE
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.locks import KeyedLock
+
+log = structlog.get_logger(__name__)
+
+MS_PER_MINUTE = 60_000
+DEFAULT_IDLE_TIMEOUT_MIN = 30.0
+IDLE = "idle"
+"""``ended_by`` of a conversation ended because it was idle."""
+IDLE_TIMEOUT = "idle_timeout"
+TASK_SESSION_EXPIRED = "task_session_expired"
+
+
+def channel_meta_key(channel: str) -> str:
+    """The small value holding a channel's current conversation id."""
+    return f"channel.{channel}"
+
+
+def task_meta_key(task_id: str) -> str:
+    """The small value holding a task's current session (a conversation id)."""
+    return f"task.{task_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """Where an event went: the conversation, whether the event started it, and whether it was new."""
+
+    conversation: Conversation
+    created: bool
+    added: bool = True
+    """False when the event was there already (a duplicate delivery)."""
+
+
+class ConversationLifecycle:
+    """Kind-1 channels and task sessions for the dispatcher; times come from the manager's clock."""
+
+    def __init__(
+        self,
+        manager: ConversationManager,
+        *,
+        idle_timeout_min: float = DEFAULT_IDLE_TIMEOUT_MIN,
+    ) -> None:
+        if idle_timeout_min <= 0:
+            raise ValueError("the idle timeout must be positive")
+        self._manager = manager
+        self.idle_timeout_ms = int(idle_timeout_min * MS_PER_MINUTE)
+        self._locks = KeyedLock()
+
+    @asynccontextmanager
+    async def _holding(self, key: str) -> AsyncIterator[None]:
+        async with self._locks.hold(key), self._manager.store.lease(key):
+            yield
+
+    # --- kind-1 channels ------------------------------------------------------------------
+
+    def channel_of(self, event: NostrEvent) -> str | None:
+        """The channel of a person's top-level kind-1 note to an agent (None for anything else)."""
+        directory = self._manager.agents
+        if event.kind != KIND_NOTE or directory.by_pubkey(event.pubkey) is not None:
+            return None
+        target = choose_target(event, directory)
+        if target.agent is None:
+            return None
+        slug = "*" if target.via_orchestrator or target.agent.orchestrator else target.agent.slug
+        return f"{slug}:{event.pubkey}"
+
+    async def join_channel(self, channel: str, event: NostrEvent) -> Joined:
+        """Add the note to the channel's open conversation, or start a new one (ending the old)."""
+        key = channel_meta_key(channel)
+        async with self._holding(key):
+            store = self._manager.store
+            current_id = await store.get_meta(key)
+            current = None if current_id is None else await self._manager.get_conversation(current_id)
+            now = self._manager.now_ms()
+            idle_before = now - self.idle_timeout_ms
+            if current is not None and not current.archived and not current.is_ended:
+                if current.last_activity > idle_before:
+                    added = await self._manager.add_event(current.id, event)
+                    return Joined(current, created=False, added=added)
+                await self._manager.end_conversation(
+                    current.id, by=IDLE, reason=IDLE_TIMEOUT, idle_before=idle_before
+                )
+            conversation = await self._manager.create_conversation(event, exclusive=True, channel=channel)
+            await store.set_meta(key, conversation.id)
+            log.info(
+                "channel_conversation_started",
+                channel=channel,
+                conversation_id=conversation.id,
+                previous=current_id,
+            )
+            return Joined(conversation, created=True)
+
+    # --- task sessions --------------------------------------------------------------------
+
+    async def task_session(self, task_id: str, event: NostrEvent) -> Joined | None:
+        """Add an event for task ``task_id`` to its current session, or start a new session when that
+        one expired; None when the task has no session here (its root is unknown)."""
+        key = task_meta_key(task_id)
+        async with self._holding(key):
+            store = self._manager.store
+            current_id = await store.get_meta(key) or task_id
+            current = await self._manager.get_conversation(current_id)
+            if current is None:
+                return None
+            now = self._manager.now_ms()
+            expires = self._manager.expires_at(current)
+            if expires is None or now < expires:
+                if current.archived:
+                    await self._manager.restore_conversation(current.id)
+                added = await self._manager.add_event(current.id, event)
+                return Joined(current, created=False, added=added)
+            if await self._manager.store.is_processed(event.id):
+                return Joined(current, created=False, added=False)
+            if not current.is_ended:
+                await self._manager.end_conversation(current.id, by=IDLE, reason=TASK_SESSION_EXPIRED)
+            if not current.archived:
+                await self._manager.archive_conversation(current.id)
+            try:
+                session = await self._manager.create_conversation(
+                    event, exclusive=True, task_id=task_id, previous_session=current.id
+                )
+            except ConversationExistsError:
+                return Joined(current, created=False, added=False)
+            await store.set_meta(key, session.id)
+            log.info(
+                "task_session_started", task_id=task_id, conversation_id=session.id, previous=current.id
+            )
+            return Joined(session, created=True)

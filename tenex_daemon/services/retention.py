@@ -1,0 +1,336 @@
+"""The retention sweeper: ends idle conversations, archives old ones and deletes the oldest ended ones
+(docs/ARCHITECTURE.md, "Conversation lifecycle").
+
+The daemon runs :meth:`Sweeper.run_forever` (a sweep at start, then every
+``conversations.sweep_interval_min``). One sweep, with the time of the manager's clock:
+
+1. **Idle.** Every conversation not ended whose last activity is older than the idle timeout is ended
+   by ``idle`` (reason ``idle_timeout``). The manager checks the last activity again under the
+   conversation's lock, so a message that arrived meanwhile wins and it stays open. Conversations
+   archived by hand without being ended are ended this way too, so they count as ended below.
+2. **Archive.** Every conversation not archived whose last activity is older than
+   ``archive_after_days`` is archived. One still active is ended first (by ``idle``, with the same
+   check), so an archived conversation is always an ended one for the retention below; one that
+   turns out to have new activity is left alone.
+3. **Delete.** Only ended conversations (archived or not) are deleted, never an active one: those
+   whose last activity is older than ``delete_after_days`` (when set), then, while more than
+   ``max_retained`` conversations are kept (active ones count, but are never deleted), the oldest
+   ended ones (by when they ended, then last activity). Each is loaded again just before its
+   deletion and skipped if it was reopened or had activity since the sweep looked. Deleting erases
+   the conversation on every store (its events, state, title and summary, index rows, delegation
+   threads); its event ids stay processed, so relays cannot bring it back.
+
+An error on one conversation is logged and counted and the sweep goes on with the next. Each sweep
+is logged (``retention_sweep``, with its counts) and reported to ``on_sweep`` (the daemon's metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+import structlog
+
+from tenex_daemon.core.search import ConversationSummary, SearchQuery
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.lifecycle import IDLE, IDLE_TIMEOUT
+from tenex_daemon.services.threads import ThreadManager
+
+log = structlog.get_logger(__name__)
+
+MS_PER_MINUTE = 60_000
+MS_PER_DAY = 24 * 60 * MS_PER_MINUTE
+DELETE_BATCH = 16
+"""Conversations deleted at once (the filesystem store rewrites its index once for them)."""
+
+
+class RetentionSettings(Protocol):
+    """The ``[conversations]`` values a :class:`RetentionPolicy` is made of."""
+
+    @property
+    def idle_timeout_min(self) -> float: ...
+
+    @property
+    def archive_after_days(self) -> float | None: ...
+
+    @property
+    def max_retained(self) -> int: ...
+
+    @property
+    def delete_after_days(self) -> float | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """When conversations are ended, archived and deleted (the ``[conversations]`` settings)."""
+
+    idle_timeout_min: float = 30.0
+    """An active conversation idle this long is ended (by ``idle``)."""
+    archive_after_days: float | None = 30.0
+    """Archive conversations inactive this long; None: never."""
+    max_retained: int = 1000
+    """Delete the oldest ended conversations while more than this many are kept."""
+    delete_after_days: float | None = None
+    """Also delete ended conversations inactive this long; None: only ``max_retained`` deletes."""
+
+    def __post_init__(self) -> None:
+        if self.idle_timeout_min <= 0:
+            raise ValueError("idle_timeout_min must be positive")
+        if self.max_retained < 1:
+            raise ValueError("max_retained must be at least 1")
+        for name in ("archive_after_days", "delete_after_days"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive (or unset)")
+
+    @classmethod
+    def of(cls, settings: RetentionSettings) -> RetentionPolicy:
+        """The policy of a ``[conversations]`` settings section."""
+        return cls(
+            idle_timeout_min=settings.idle_timeout_min,
+            archive_after_days=settings.archive_after_days,
+            max_retained=settings.max_retained,
+            delete_after_days=settings.delete_after_days,
+        )
+
+    @property
+    def idle_ms(self) -> int:
+        """The idle timeout in milliseconds."""
+        return round(self.idle_timeout_min * MS_PER_MINUTE)
+
+    @property
+    def archive_after_ms(self) -> int | None:
+        """``archive_after_days`` in milliseconds (None: never)."""
+        return None if self.archive_after_days is None else round(self.archive_after_days * MS_PER_DAY)
+
+    @property
+    def delete_after_ms(self) -> int | None:
+        """``delete_after_days`` in milliseconds (None: not by age)."""
+        return None if self.delete_after_days is None else round(self.delete_after_days * MS_PER_DAY)
+
+
+@dataclass(frozen=True, slots=True)
+class SweepReport:
+    """What one sweep did."""
+
+    started_at: int
+    """When it started (ms since the epoch, the manager's clock)."""
+    ended_idle: int = 0
+    archived: int = 0
+    deleted: int = 0
+    errors: int = 0
+    """Conversations (or steps) that failed; the sweep went on."""
+    duration_s: float = 0.0
+
+
+@dataclass(slots=True)
+class SweepTotals:
+    """Every sweep's counts added up since the sweeper was made."""
+
+    sweeps: int = 0
+    ended_idle: int = 0
+    archived: int = 0
+    deleted: int = 0
+    errors: int = 0
+
+    def add(self, report: SweepReport) -> None:
+        """Count one sweep."""
+        self.sweeps += 1
+        self.ended_idle += report.ended_idle
+        self.archived += report.archived
+        self.deleted += report.deleted
+        self.errors += report.errors
+
+
+@dataclass(slots=True)
+class _Counts:
+    ended_idle: int = 0
+    archived: int = 0
+    deleted: int = 0
+    errors: int = 0
+    deleted_ids: set[str] = field(default_factory=set)
+
+
+class Deletion(StrEnum):
+    """What became of a conversation the delete step chose."""
+
+    DELETED = "deleted"
+    GONE = "gone"
+    """Deleted by someone else meanwhile (another daemon sharing the database, the owner)."""
+    KEPT = "kept"
+    """Still there: reopened, changed since the search, or its deletion failed."""
+
+
+def _deletion_order(row: ConversationSummary) -> tuple[int, int, str]:
+    """Oldest first: by when it ended, then by last activity."""
+    return (row.ended_at or 0, row.last_activity, row.id)
+
+
+class Sweeper:
+    """Applies a :class:`RetentionPolicy` to the conversations of ``manager``'s store.
+
+    ``threads``: the delegation threads, whose cached copies of a deleted conversation are dropped
+    (the store's ``delete`` erases the stored ones). ``on_sweep``: called with each sweep's report
+    (it must not block).
+    """
+
+    def __init__(
+        self,
+        manager: ConversationManager,
+        policy: RetentionPolicy,
+        *,
+        threads: ThreadManager | None = None,
+        on_sweep: Callable[[SweepReport], None] | None = None,
+    ) -> None:
+        self._manager = manager
+        self.policy = policy
+        self._threads = threads
+        self._on_sweep = on_sweep
+        self.last: SweepReport | None = None
+        """The newest sweep's report (None before the first)."""
+        self.totals = SweepTotals()
+
+    async def run_forever(self, interval_s: float) -> None:
+        """Sweep now, then every ``interval_s`` seconds, until cancelled."""
+        if interval_s <= 0:
+            raise ValueError("the sweep interval must be positive")
+        while True:
+            try:
+                await self.sweep_once()
+            except Exception:  # a bug in a sweep: logged, and the next sweep comes anyway
+                log.exception("retention_sweep_failed")
+            await asyncio.sleep(interval_s)
+
+    async def sweep_once(self) -> SweepReport:
+        """End idle conversations, archive old ones, delete beyond the limits; return the counts."""
+        started = time.monotonic()
+        now = self._manager.now_ms()
+        counts = _Counts()
+        await self._end_idle(now, counts)
+        await self._archive(now, counts)
+        await self._delete(now, counts)
+        report = SweepReport(
+            started_at=now,
+            ended_idle=counts.ended_idle,
+            archived=counts.archived,
+            deleted=counts.deleted,
+            errors=counts.errors,
+            duration_s=round(time.monotonic() - started, 6),
+        )
+        self.last = report
+        self.totals.add(report)
+        log.info(
+            "retention_sweep",
+            ended_idle=report.ended_idle,
+            archived=report.archived,
+            deleted=report.deleted,
+            errors=report.errors,
+            duration_s=report.duration_s,
+        )
+        if self._on_sweep is not None:
+            self._on_sweep(report)
+        return report
+
+    async def _search(self, query: SearchQuery, counts: _Counts, step: str) -> list[ConversationSummary]:
+        """Search the store; a failure is logged and counted, and the step finds nothing."""
+        try:
+            return await self._manager.store.search(query)
+        except Exception:
+            counts.errors += 1
+            log.exception("retention_search_failed", step=step)
+            return []
+
+    async def _end_idle(self, now: int, counts: _Counts) -> None:
+        idle_before = now - self.policy.idle_ms
+        for row in await self._search(SearchQuery(ended=False, inactive_before=idle_before), counts, "idle"):
+            try:
+                if await self._manager.end_conversation(
+                    row.id, by=IDLE, reason=IDLE_TIMEOUT, idle_before=idle_before
+                ):
+                    counts.ended_idle += 1
+            except Exception:
+                counts.errors += 1
+                log.exception("retention_failed", conversation_id=row.id, action="end_idle")
+
+    async def _archive(self, now: int, counts: _Counts) -> None:
+        after_ms = self.policy.archive_after_ms
+        if after_ms is None:
+            return
+        inactive_before = now - after_ms
+        query = SearchQuery(archived=False, inactive_before=inactive_before)
+        for row in await self._search(query, counts, "archive"):
+            try:
+                ended_now = row.ended_at is None and await self._manager.end_conversation(
+                    row.id, by=IDLE, reason=IDLE_TIMEOUT, idle_before=inactive_before
+                )
+                if ended_now:
+                    counts.ended_idle += 1
+                elif not await self._still_ended_before(row.id, inactive_before):
+                    continue  # a message came meanwhile (it stays open), or it is gone
+                await self._manager.archive_conversation(row.id)
+                counts.archived += 1
+            except Exception:
+                counts.errors += 1
+                log.exception("retention_failed", conversation_id=row.id, action="archive")
+
+    async def _still_ended_before(self, conversation_id: str, inactive_before: int) -> bool:
+        """Whether the conversation is still stored, ended and without activity since ``inactive_before``."""
+        conversation = await self._manager.get_conversation(conversation_id)
+        return (
+            conversation is not None
+            and conversation.is_ended
+            and conversation.last_activity < inactive_before
+        )
+
+    async def _delete(self, now: int, counts: _Counts) -> None:
+        ended = await self._search(SearchQuery(ended=True), counts, "delete")
+        if not ended:
+            return
+        ended.sort(key=_deletion_order)
+        delete_after_ms = self.policy.delete_after_ms
+        if delete_after_ms is not None:
+            too_old = now - delete_after_ms
+            old = [row for row in ended if row.last_activity < too_old]
+            for start in range(0, len(old), DELETE_BATCH):
+                await self._delete_batch(old[start:start + DELETE_BATCH], counts)
+        try:
+            kept = sum((await self._manager.store.phase_counts()).values())
+        except Exception:
+            counts.errors += 1
+            log.exception("retention_count_failed")
+            return
+        candidates = [row for row in ended if row.id not in counts.deleted_ids]
+        while kept > self.policy.max_retained and candidates:
+            batch = candidates[:min(kept - self.policy.max_retained, DELETE_BATCH)]
+            candidates = candidates[len(batch):]
+            outcomes = await self._delete_batch(batch, counts)
+            # deleted, or gone already (another daemon sharing the database deleted it)
+            kept -= sum(1 for outcome in outcomes if outcome is not Deletion.KEPT)
+
+    async def _delete_batch(self, rows: list[ConversationSummary], counts: _Counts) -> list[Deletion]:
+        """Delete several conversations at once (a store shares its work between deletions made together)."""
+        return list(await asyncio.gather(*(self._delete_one(row, counts) for row in rows)))
+
+    async def _delete_one(self, row: ConversationSummary, counts: _Counts) -> Deletion:
+        """Delete one ended conversation if it still is (unchanged since the search)."""
+        try:
+            conversation = await self._manager.get_conversation(row.id)
+            if conversation is None:
+                return Deletion.GONE
+            if not conversation.is_ended or conversation.last_activity != row.last_activity:
+                return Deletion.KEPT  # reopened, or changed since the search: the next sweep decides
+            if not await self._manager.delete_conversation(row.id, only_ended=True):
+                return Deletion.GONE
+            if self._threads is not None:
+                self._threads.forget_conversation(row.id)
+        except Exception:
+            counts.errors += 1
+            log.exception("retention_failed", conversation_id=row.id, action="delete")
+            return Deletion.KEPT
+        counts.deleted += 1
+        counts.deleted_ids.add(row.id)
+        return Deletion.DELETED

@@ -1,0 +1,69 @@
+"""The retention sweeper in the daemon's health data: Prometheus counters, the status document's
+``retention`` part and the line `tenexd status` prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from tenex_daemon import ConversationManager, MemoryStore
+from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.app.status import new_status, retention_status
+from tenex_daemon.cli.daemon_commands import _print_status_data
+from tenex_daemon.services.retention import RetentionPolicy, Sweeper, SweepReport
+from tenex_daemon.testing import FakeClock
+from tests.conftest import Cast
+
+
+def test_each_sweep_is_counted_in_the_metrics() -> None:
+    """A sweep's report adds to the sweeps, to the conversations by action and to the errors."""
+    metrics = Metrics()
+    metrics.retention_swept(SweepReport(started_at=0, ended_idle=2, archived=1, deleted=3, errors=1))
+    metrics.retention_swept(SweepReport(started_at=1, deleted=1))
+
+    text = metrics.render().decode()
+
+    assert "tenexd_retention_sweeps_total 2.0" in text
+    assert 'tenexd_retention_conversations_total{action="ended_idle"} 2.0' in text
+    assert 'tenexd_retention_conversations_total{action="archived"} 1.0' in text
+    assert 'tenexd_retention_conversations_total{action="deleted"} 4.0' in text
+    assert "tenexd_retention_errors_total 1.0" in text
+
+
+async def test_the_status_part_shows_the_last_sweep_and_the_totals(cast: Cast) -> None:
+    """Before a sweep the retention part is all zeros; after two it has the newest sweep's time (seconds),
+    duration and counts, and the totals."""
+    clock = FakeClock()
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=clock)
+    sweeper = Sweeper(manager, RetentionPolicy(idle_timeout_min=1, archive_after_days=None))
+    assert retention_status(sweeper) == new_status("0")["retention"]
+    await manager.create_conversation(cast.user_says("hello", kind=11))
+    clock.advance(2 * 60_000)
+    await sweeper.sweep_once()
+    clock.advance(1000)
+    await sweeper.sweep_once()
+
+    part = retention_status(sweeper)
+
+    assert part["sweeps"] == 2
+    assert part["last_sweep_at"] == clock.now / 1000
+    assert part["last"] == {"ended_idle": 0, "archived": 0, "deleted": 0, "errors": 0}
+    assert part["totals"] == {"ended_idle": 1, "archived": 0, "deleted": 0, "errors": 0}
+    assert part["last_duration_s"] is not None
+
+
+def test_tenexd_status_prints_the_retention_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`tenexd status` prints the sweeps, the last one's time and what they did since start."""
+    data = dict(new_status("0.1.0"))
+    data["retention"] = {
+        "sweeps": 7, "last_sweep_at": 0.0, "last_duration_s": 0.01,
+        "last": {"ended_idle": 0, "archived": 0, "deleted": 0, "errors": 0},
+        "totals": {"ended_idle": 3, "archived": 2, "deleted": 1, "errors": 0},
+    }
+
+    _print_status_data(data)
+
+    printed = " ".join(capsys.readouterr().out.split())
+    assert (
+        "retention: 7 sweeps, last 1970-01-01 00:00:00Z; since start ended idle 3, archived 2, "
+        "deleted 1, errors 0"
+    ) in printed

@@ -1,0 +1,89 @@
+"""`tenexd context` shows the persona first: the system message the agent's model is sent, built as its runs
+build it (instructions from the home, the person's recent conversations with the agent)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.app.home import load_agents, load_project_pubkey
+from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.wiring import build_store
+from tenex_daemon.core.conversation import TitleSource
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.testing import EventFactory, FakeClock
+from tests.unit.cli.test_cli import USER, tenexd
+
+PLANNER_PERSONA = (
+    "You are Planner.\nYou turn requests into short, concrete plans.\n"
+    "\n## Recent conversations\n- 2023-11-14 · Picnic plans: They chose Saturday.\n"
+)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    """A home made by ``tenexd init`` with USER as the owner."""
+    path = tmp_path / "home"
+    code, out = tenexd(path, "init", "--owner", USER.npub, "--relay", "ws://127.0.0.1:1")
+    assert code == 0, out
+    return path
+
+
+def seed(home: Path) -> str:
+    """Store an ended, described conversation of USER with the planner (ended 2023-11-14 UTC) and a new one;
+    return the new one's id."""
+
+    async def go() -> str:
+        settings = load_settings(home)
+        store = build_store(settings)
+        await store.open()
+        try:
+            agents = load_agents(settings)
+            manager = ConversationManager(store, agents, load_project_pubkey(settings), clock=FakeClock())
+            planner = next(a for a in agents if a.slug == "planner")
+            planner_key = Signer.from_file(settings.agent_key_path("planner"))
+            events = EventFactory()
+            earlier = events.event(USER, "Plan a picnic", kind=11, tags=[["p", planner.pubkey]])
+            await manager.create_conversation(earlier)
+            await manager.add_event(earlier.id, planner_key.sign(1111, "Saturday.", [["E", earlier.id]]))
+            assert await manager.end_conversation(earlier.id, by="owner")
+            await manager.describe(
+                earlier.id,
+                title="Picnic plans",
+                summary="They chose Saturday.",
+                source=TitleSource.MODEL,
+                for_activity=0,
+            )
+            now = events.event(USER, "What next?", kind=11, tags=[["p", planner.pubkey]])
+            await manager.create_conversation(now)
+            return now.id
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def test_context_json_has_the_persona_the_model_is_sent(home: Path) -> None:
+    """`context --json` gives the planner's persona exactly: name, instructions, the recent conversation."""
+    conversation = seed(home)
+
+    code, out = tenexd(home, "context", conversation, "--agent", "planner", "--json")
+
+    assert code == 0, out
+    context = json.loads(out)
+    assert context["persona"] == PLANNER_PERSONA
+    assert context["messages"] == [{"role": "user", "content": "What next?"}]
+
+
+def test_context_prints_the_persona_first_as_the_system_message(home: Path) -> None:
+    """`context` prints the persona under a system heading before the first message."""
+    conversation = seed(home)
+
+    code, out = tenexd(home, "context", conversation, "--agent", "planner")
+
+    assert code == 0, out
+    assert out.startswith("--- [persona] system ---\n" + PLANNER_PERSONA + "\n--- [0] user ---\nWhat next?\n")

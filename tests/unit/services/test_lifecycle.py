@@ -1,0 +1,311 @@
+"""Kind-1 channels and task sessions: which conversation an event joins, at every time boundary
+(docs/ARCHITECTURE.md, "Conversation lifecycle"), with a controllable clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.llm import CompletionResult
+from tenex_daemon.core.vocabulary import KIND_TASK
+from tenex_daemon.services.dispatcher import Outcome
+from tenex_daemon.services.lifecycle import channel_meta_key, task_meta_key
+from tenex_daemon.testing.fakes import ScriptedBackend
+from tests import pipeline
+from tests.conftest import Cast
+
+MINUTE = 60_000
+HOUR = 60 * MINUTE
+
+
+def rig_for(cast: Cast, **options: float) -> tuple[pipeline.Rig, ScriptedBackend]:
+    backend = ScriptedBackend([CompletionResult(text="noted", model="scripted")])
+    return pipeline.build_rig(cast, backend=backend, **options), backend  # type: ignore[arg-type]
+
+
+def note_to(cast: Cast, content: str, pubkey: str) -> NostrEvent:
+    return cast.user_says(content, kind=1, tags=[["p", pubkey]])
+
+
+async def conversation(rig: pipeline.Rig, cid: str | None) -> Conversation:
+    assert cid is not None
+    found = await rig.manager.get_conversation(cid)
+    assert found is not None
+    return found
+
+
+async def test_a_note_29_minutes_after_the_last_activity_continues_the_conversation(cast: Cast) -> None:
+    """A person's second top-level note to an agent, 29 minutes after the agent's answer, joins the same
+    conversation, and the agent's request shows the first note and its own answer before it."""
+    rig, backend = rig_for(cast)
+    first = await rig.dispatcher.handle(note_to(cast, "my cat is called Miso", cast.alice.pubkey))
+    await rig.quiet()
+    rig.clock.advance(29 * MINUTE)
+
+    second = await rig.dispatcher.handle(note_to(cast, "what is my cat called?", cast.alice.pubkey))
+    await rig.quiet()
+
+    assert second.outcome is Outcome.SCHEDULED
+    assert second.conversation_id == first.conversation_id
+    shown = [(m.role, m.content) for m in backend.requests[-1].messages]
+    assert shown[:2] == [("user", "my cat is called Miso"), ("assistant", "noted")]
+    assert shown[-1] == ("user", "what is my cat called?")
+    assert len((await conversation(rig, first.conversation_id)).history) == 4
+
+
+async def test_a_note_31_minutes_after_the_last_activity_ends_the_old_and_starts_a_new_one(cast: Cast) -> None:
+    """After 31 idle minutes the open conversation is ended by "idle" and the note starts a new one that
+    the channel now points at; the agent's request holds only the new note."""
+    rig, backend = rig_for(cast)
+    first = await rig.dispatcher.handle(note_to(cast, "my cat is called Miso", cast.alice.pubkey))
+    await rig.quiet()
+    rig.clock.advance(31 * MINUTE)
+
+    second = await rig.dispatcher.handle(note_to(cast, "new topic: taxes", cast.alice.pubkey))
+    await rig.quiet()
+
+    assert second.conversation_id != first.conversation_id
+    old = await conversation(rig, first.conversation_id)
+    assert old.is_ended
+    assert old.ended_by == "idle"
+    assert old.end_reason == "idle_timeout"
+    new = await conversation(rig, second.conversation_id)
+    assert new.channel == f"alice:{cast.user.pubkey}"
+    assert [(m.role, m.content) for m in backend.requests[-1].messages] == [("user", "new topic: taxes")]
+    key = channel_meta_key(f"alice:{cast.user.pubkey}")
+    assert await rig.store.get_meta(key) == second.conversation_id
+
+
+async def test_the_idle_clock_counts_from_the_last_activity_not_the_start(cast: Cast) -> None:
+    """Notes every 20 minutes keep one conversation open for an hour: activity, not age, decides."""
+    rig, _ = rig_for(cast)
+    ids = []
+    for n in range(4):
+        ids.append((await rig.dispatcher.handle(note_to(cast, f"note {n}", cast.alice.pubkey))).conversation_id)
+        await rig.quiet()
+        rig.clock.advance(20 * MINUTE)
+
+    assert len(set(ids)) == 1
+
+
+async def test_channels_are_per_person_and_per_agent(cast: Cast) -> None:
+    """A note to another agent, or from another person, starts its own conversation: channels never mix."""
+    rig, _ = rig_for(cast, idle_timeout_min=30)
+    to_alice = await rig.dispatcher.handle(note_to(cast, "hello alice", cast.alice.pubkey))
+    to_bob = await rig.dispatcher.handle(note_to(cast, "hello bob", cast.bob.pubkey))
+    other = cast.factory.event(cast.other_user, "hello alice, from someone else", kind=1, tags=[["p", cast.alice.pubkey]])
+    rig_other = pipeline.build_rig(cast, whitelist=[cast.other_user.pubkey], store=rig.store, clock=rig.clock)
+    from_other = await rig_other.dispatcher.handle(other)
+    await rig.quiet()
+    await rig_other.quiet()
+
+    assert len({to_alice.conversation_id, to_bob.conversation_id, from_other.conversation_id}) == 3
+
+
+async def test_after_an_ended_conversation_the_next_note_starts_a_new_one(cast: Cast) -> None:
+    """A conversation ended by its agent or the owner is not continued, even one minute later."""
+    rig, _ = rig_for(cast)
+    first = await rig.dispatcher.handle(note_to(cast, "one", cast.alice.pubkey))
+    await rig.quiet()
+    assert first.conversation_id is not None
+    await rig.manager.end_conversation(first.conversation_id, by="owner", reason="done")
+    rig.clock.advance(MINUTE)
+
+    second = await rig.dispatcher.handle(note_to(cast, "two", cast.alice.pubkey))
+
+    assert second.conversation_id != first.conversation_id
+    assert (await conversation(rig, first.conversation_id)).ended_by == "owner"
+
+
+async def test_a_reply_into_an_ended_conversation_reopens_it(cast: Cast) -> None:
+    """A NIP-10 reply to an ended conversation's root reopens it: the end fields are cleared and the agent answers."""
+    rig, _ = rig_for(cast)
+    first = await rig.dispatcher.handle(note_to(cast, "one", cast.alice.pubkey))
+    await rig.quiet()
+    cid = first.conversation_id
+    assert cid is not None
+    await rig.manager.end_conversation(cid, by="alice", reason="finished")
+    rig.clock.advance(3 * HOUR)
+
+    reply = cast.user_says("one more thing", kind=1, tags=[["e", cid, "", "root"], ["p", cast.alice.pubkey]])
+    result = await rig.dispatcher.handle(reply)
+    await rig.quiet()
+
+    assert result.outcome is Outcome.SCHEDULED
+    assert result.conversation_id == cid
+    reopened = await conversation(rig, cid)
+    assert not reopened.is_ended
+    assert reopened.ended_by is None
+    assert reopened.end_reason is None
+    assert reopened.last_activity > rig.clock.now_ms() - MINUTE
+
+
+async def test_a_note_delivered_twice_is_stored_once(cast: Cast) -> None:
+    """A relay delivering a channel's second note again adds nothing and runs nobody."""
+    rig, _ = rig_for(cast)
+    await rig.dispatcher.handle(note_to(cast, "one", cast.alice.pubkey))
+    second = note_to(cast, "two", cast.alice.pubkey)
+    await rig.dispatcher.handle(second)
+    await rig.quiet()
+
+    again = await rig.dispatcher.handle(second)
+
+    assert again.outcome is Outcome.DUPLICATE
+    assert len((await conversation(rig, again.conversation_id)).history) == 4
+
+
+async def test_two_notes_arriving_together_join_one_conversation(cast: Cast) -> None:
+    """Two notes handled at once (different relay lanes) start one conversation, not two."""
+    rig, _ = rig_for(cast)
+    results = await asyncio.gather(
+        rig.dispatcher.handle(note_to(cast, "one", cast.alice.pubkey)),
+        rig.dispatcher.handle(note_to(cast, "two", cast.alice.pubkey)),
+    )
+    await rig.quiet()
+
+    assert results[0].conversation_id == results[1].conversation_id
+
+
+async def test_notes_to_nobody_form_the_persons_channel_with_the_orchestrator(cast: Cast) -> None:
+    """Top-level notes that name no agent (routed by the orchestrator) share the person's "*" channel."""
+    rig, _ = rig_for(cast)
+    first = await rig.dispatcher.handle(cast.user_says("plan my week", kind=1))
+    second = await rig.dispatcher.handle(cast.user_says("and the weekend", kind=1))
+    await rig.quiet()
+
+    assert first.conversation_id == second.conversation_id
+    assert (await conversation(rig, first.conversation_id)).channel == f"*:{cast.user.pubkey}"
+
+
+async def test_a_reply_naming_a_later_channel_note_as_root_joins_that_conversation(cast: Cast) -> None:
+    """A client that threads under the channel's second note (not its root) still reaches the conversation."""
+    rig, _ = rig_for(cast)
+    first = await rig.dispatcher.handle(note_to(cast, "one", cast.alice.pubkey))
+    second = note_to(cast, "two", cast.alice.pubkey)
+    await rig.dispatcher.handle(second)
+    await rig.quiet()
+
+    reply = cast.user_says("three", kind=1, tags=[["e", second.id, "", "root"], ["p", cast.alice.pubkey]])
+    result = await rig.dispatcher.handle(reply)
+
+    assert result.conversation_id == first.conversation_id
+
+
+async def test_a_kind_11_thread_is_its_own_conversation_and_never_merges(cast: Cast) -> None:
+    """Threads stay conversations by their root: two kind-11 roots a minute apart are two conversations."""
+    rig, _ = rig_for(cast)
+    first = await rig.dispatcher.handle(cast.user_says("thread one", kind=11, tags=[["p", cast.alice.pubkey]]))
+    rig.clock.advance(MINUTE)
+    second = await rig.dispatcher.handle(cast.user_says("thread two", kind=11, tags=[["p", cast.alice.pubkey]]))
+    await rig.quiet()
+
+    assert first.conversation_id != second.conversation_id
+    assert (await conversation(rig, first.conversation_id)).channel is None
+
+
+# --- task sessions ----------------------------------------------------------------------------
+
+
+def task_reply(cast: Cast, task: NostrEvent, content: str) -> NostrEvent:
+    tags = [["E", task.id, "", task.pubkey], ["K", str(KIND_TASK)], ["e", task.id], ["p", cast.alice.pubkey]]
+    return cast.user_says(content, tags=tags)
+
+
+async def test_activity_keeps_a_task_session_alive_past_24_hours_from_its_start(cast: Cast) -> None:
+    """Events 23 hours apart stay in the task's first session: the TTL runs from the last activity."""
+    rig, _ = rig_for(cast, task_session_ttl_h=24)
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(task)
+    await rig.quiet()
+    results = []
+    for n in range(2):
+        rig.clock.advance(23 * HOUR)
+        results.append(await rig.dispatcher.handle(task_reply(cast, task, f"update {n}")))
+        await rig.quiet()
+
+    assert [r.conversation_id for r in results] == [task.id, task.id]
+    session = await conversation(rig, task.id)
+    assert session.task_id == task.id
+    assert rig.manager.expires_at(session) == session.last_activity + 24 * HOUR
+
+
+async def test_an_expired_task_session_is_archived_and_the_next_event_starts_a_linked_one(cast: Cast) -> None:
+    """25 hours after the last activity the next event starts a new session linked to the old, which is
+    ended and archived; later events for the task go to the new session."""
+    rig, backend = rig_for(cast, task_session_ttl_h=24)
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(task)
+    await rig.quiet()
+    rig.clock.advance(25 * HOUR)
+
+    result = await rig.dispatcher.handle(task_reply(cast, task, "is it fixed?"))
+    await rig.quiet()
+    rig.clock.advance(HOUR)
+    later = await rig.dispatcher.handle(task_reply(cast, task, "thanks"))
+    await rig.quiet()
+
+    assert result.outcome is Outcome.SCHEDULED
+    assert result.conversation_id != task.id
+    new = await conversation(rig, result.conversation_id)
+    assert new.task_id == task.id
+    assert new.previous_session == task.id
+    old = await conversation(rig, task.id)
+    assert old.archived
+    assert old.end_reason == "task_session_expired"
+    assert later.conversation_id == result.conversation_id
+    assert await rig.store.get_meta(task_meta_key(task.id)) == result.conversation_id
+    assert [(m.role, m.content) for m in backend.requests[1].messages] == [("user", "is it fixed?")]
+
+
+@pytest.mark.parametrize(("hours", "same"), [(23.9, True), (24.1, False)])
+async def test_the_task_ttl_boundary(cast: Cast, hours: float, same: bool) -> None:
+    """Just under the TTL the session continues; just over it a new one starts."""
+    rig, _ = rig_for(cast, task_session_ttl_h=24)
+    task = cast.user_says("Write the docs", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(task)
+    await rig.quiet()
+    session = await conversation(rig, task.id)
+    rig.clock.advance(int(hours * HOUR) - (rig.clock.now_ms() - session.last_activity))
+
+    result = await rig.dispatcher.handle(task_reply(cast, task, "status?"))
+
+    assert (result.conversation_id == task.id) is same
+
+
+async def test_a_late_reply_to_a_deleted_conversation_does_not_bring_it_back(cast: Cast) -> None:
+    """Once a conversation is deleted (retention, an operator), a reply to its root is ignored with the
+    reason, marked processed, and the conversation stays gone."""
+    rig, backend = rig_for(cast)
+    root = cast.user_says("old topic", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    await rig.manager.end_conversation(root.id, by="owner")
+    assert await rig.manager.delete_conversation(root.id, only_ended=True)
+
+    late = cast.user_says("one more", kind=1, tags=[["e", root.id, "", "root"], ["p", cast.alice.pubkey]])
+    result = await rig.dispatcher.handle(late)
+
+    assert result.outcome is Outcome.IGNORED
+    assert result.reason == "conversation_deleted"
+    assert await rig.manager.get_conversation(root.id) is None
+    assert await rig.store.is_processed(late.id)
+    assert len(backend.requests) == 1
+
+
+async def test_retention_never_deletes_a_conversation_reopened_meanwhile(cast: Cast) -> None:
+    """delete_conversation(only_ended=True) checks under the lock: a conversation a message reopened is kept."""
+    rig, _ = rig_for(cast)
+    first = await rig.dispatcher.handle(note_to(cast, "one", cast.alice.pubkey))
+    await rig.quiet()
+    cid = first.conversation_id
+    assert cid is not None
+    await rig.manager.end_conversation(cid, by="owner")
+    reply = cast.user_says("back again", kind=1, tags=[["e", cid, "", "root"], ["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(reply)
+    await rig.quiet()
+
+    assert not await rig.manager.delete_conversation(cid, only_ended=True)
+    assert await rig.manager.get_conversation(cid) is not None
