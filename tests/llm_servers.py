@@ -107,6 +107,18 @@ def llama_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -
                 process.wait()
 
 
+OPENAI_PATH = "/v1/chat/completions"
+
+
+def openai_answer(text: str) -> dict[str, object]:
+    """An OpenAI chat completion saying ``text``."""
+    return {
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "scripted",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+    }
+
+
 @dataclass
 class Reply:
     """What the scripted server answers: a status and a JSON body, or nothing at all (``hang``)."""

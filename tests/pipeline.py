@@ -26,6 +26,7 @@ from tenex_daemon.core.ports import (
     EventResolver,
     PartialTextPublisher,
     ReplyComposer,
+    RunStatus,
     Store,
 )
 from tenex_daemon.services.agent_runner import (
@@ -113,6 +114,7 @@ def build_rig(
     fetcher: EventFetcher | None = None,
     observer: RunObserver | None = None,
     reply_observer: ReplyObserver | None = None,
+    status: RunStatus | None = None,
     clock: FakeClock | None = None,
     orchestrator: OrchestratorFactory | None = None,
     tools: ToolRegistry | None = None,
@@ -150,6 +152,7 @@ def build_rig(
         clock=the_clock,
         observer=observer,
         reply_observer=reply_observer,
+        status=status,
     )
     options = PipelineOptions(
         owner=owner if owner is not None else cast.user.pubkey,

@@ -20,10 +20,11 @@ from typing import Any
 import structlog
 
 from tenex_daemon import __version__
-from tenex_daemon.adapters.nostr.announcements import heartbeat_event, profile_event
+from tenex_daemon.adapters.nostr.announcements import AgentCapabilities, heartbeat_event, profile_event
 from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
 from tenex_daemon.adapters.nostr.codec import Limits
 from tenex_daemon.adapters.nostr.composer import SignedReplyComposer
+from tenex_daemon.adapters.nostr.private import GiftWrapPublisher, GiftWraps, PrivateReplyComposer
 from tenex_daemon.adapters.nostr.publisher import PoolPublisher
 from tenex_daemon.adapters.nostr.relay_pool import (
     PoolSettings,
@@ -32,6 +33,7 @@ from tenex_daemon.adapters.nostr.relay_pool import (
     RelayPool,
 )
 from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.adapters.nostr.status_events import StatusEventPublisher
 from tenex_daemon.app.embedded_relay import EmbeddedRelay
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.notify import SystemdNotifier
@@ -66,7 +68,9 @@ from tenex_daemon.core.ports import Peers, Store
 from tenex_daemon.core.vocabulary import (
     KIND_COMMENT,
     KIND_CONVERSATION_ROOT,
+    KIND_GIFT_WRAP,
     KIND_NOTE,
+    KIND_STOP,
     KIND_TASK,
 )
 from tenex_daemon.runtime.background import BackgroundTasks
@@ -74,6 +78,7 @@ from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.descriptions import DescriptionJobs
 from tenex_daemon.services.dispatcher import HandleResult, Outcome
 from tenex_daemon.services.outbox import outbox_key_for
+from tenex_daemon.services.private_messages import Intake
 from tenex_daemon.services.retention import RetentionPolicy, Sweeper
 from tenex_daemon.services.runs import RunRequest, journal_key_for
 
@@ -83,6 +88,10 @@ REDISPATCH_RETRY_S = (1.0, 10.0, 60.0)
 """Waits before each retry of a dispatch interrupted by a crash that fails again."""
 
 SUBSCRIPTION_ID = "tenexd-mentions"
+PRIVATE_SUBSCRIPTION_ID = "tenexd-private"
+"""Gift wraps (kind 1059) p-tagging an agent: private messages (NIP-17)."""
+WRAP_LOOKBACK_S = 2 * 24 * 3600
+"""A gift wrap is dated up to two days in the past (NIP-59): a re-subscription asks that much further back."""
 RECEIVED_MEMORY = 10_000
 """Arrival times kept for reply latency (triggers older than the newest 10,000 are not timed)."""
 LATENCY_MEMORY = 1_000
@@ -173,6 +182,8 @@ class Daemon:
         """Titles, summaries and their kind-513 events (:func:`build_descriptions`), once started."""
         self.sweeper: Sweeper | None = None
         """The retention sweeper (idle ending, archiving, deleting), once started."""
+        self.intake: Intake | None = None
+        """Gift wraps opened, the answer setting applied, before the dispatcher (once started)."""
 
     # --- the ControlTarget protocol -------------------------------------------------------
 
@@ -362,16 +373,22 @@ class Daemon:
             typing_min_interval_s=settings.daemon.typing_min_interval_s,
             publish_timeout_s=settings.relays.publish_timeout_s,
         )
+        wraps = GiftWraps(signers)  # NIP-17: private messages opened, replies wrapped, with the agents' keys
+        pubkeys_by_slug = {a.slug: a.pubkey for a in self.agents}
+        composer = PrivateReplyComposer(SignedReplyComposer(signers, project), pubkeys_by_slug)
         ports = PipelinePorts(
             store=self.store,
-            composer=SignedReplyComposer(signers, project),
-            publisher=publisher,
+            composer=composer,
+            publisher=GiftWrapPublisher(publisher, wraps),  # a private conversation's replies: wrapped
             classify=classify_event,
             partials=publisher if settings.daemon.stream_partials else None,
             resolver=RelayEventResolver(self.pool, store=self.store),
             fetcher=self.pool,
             observer=self._observer,
             peers=self._peers,
+            status=StatusEventPublisher(
+                self.pool, project_signer, project, publish_timeout_s=settings.relays.publish_timeout_s
+            ),
         )
         backends = {slug: p.backend for slug, p in profiles.items()}
         self.pipeline = build_pipeline(
@@ -383,6 +400,9 @@ class Daemon:
             ),
             orchestrator=partial(build_orchestrator, settings, backends=backends),
         )
+        answer = settings.daemon.answer
+        directory = self.pipeline.manager.agents
+        self.intake = Intake(wraps, directory, public=answer.public, private=answer.private)
         self.descriptions = build_descriptions(
             settings, self.pipeline, profiles, project_signer, publisher,
             on_described=self.metrics.description_made,
@@ -402,7 +422,10 @@ class Daemon:
         # a crash came mid-dispatch: events never stored are left to the relays (before the
         # subscription delivers them again), the others are dispatched again once it runs
         redo = await pipeline.dispatcher.stored_dispatches(pipeline.scheduler.dispatches_to_redo())
-        await self.pool.subscribe(SUBSCRIPTION_ID, [{"kinds": INCOMING_KINDS, "#p": pubkeys}])
+        await self.pool.subscribe(SUBSCRIPTION_ID, self._filters(pubkeys))
+        if answer.private:
+            wrapped = [{"kinds": [KIND_GIFT_WRAP], "#p": [a.pubkey for a in self.agents]}]
+            await self.pool.subscribe(PRIVATE_SUBSCRIPTION_ID, wrapped, lookback_s=WRAP_LOOKBACK_S)
         if redo:
             self._spawn(self._redispatch(redo), "redispatch")
         if self._peers is not None:
@@ -415,7 +438,7 @@ class Daemon:
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self.sweeper = Sweeper(
             pipeline.manager, RetentionPolicy.of(settings.conversations), threads=pipeline.threads,
-            on_sweep=self.metrics.retention_swept,
+            on_sweep=self.metrics.retention_swept, undelivered=pipeline.outbox.holds,
         )
         sweep_every_s = settings.conversations.sweep_interval_min * 60
         self._spawn(self.sweeper.run_forever(sweep_every_s), "retention sweeper")
@@ -423,12 +446,26 @@ class Daemon:
         if interval:
             self._spawn(self._watchdog_loop(interval / 2), "watchdog")
 
+    def _filters(self, pubkeys: list[str]) -> list[dict[str, Any]]:
+        """What the daemon subscribes to: events p-tagging its agents or its project key, and stop
+        requests (kind 24134) from the people who may stop runs, or p-tagging an agent (a stranger's is
+        then counted as refused)."""
+        people = [p for p in (self.settings.owner, *self.settings.whitelist) if p]
+        filters: list[dict[str, Any]] = [
+            {"kinds": INCOMING_KINDS, "#p": pubkeys},
+            {"kinds": [KIND_STOP], "#p": pubkeys},
+        ]
+        if people:
+            filters.append({"kinds": [KIND_STOP], "authors": sorted(set(people))})
+        return filters
+
     async def _announce(self, signers: dict[str, Signer]) -> None:
         """Publish each agent's profile (kind 0); failures are logged, never fatal."""
         assert self.pool is not None
         by_slug = {a.slug: a for a in self.settings.agents}
         for agent in self.agents:
-            event = profile_event(signers[agent.slug], agent, by_slug[agent.slug].instructions)
+            about = by_slug[agent.slug].instructions
+            event = profile_event(signers[agent.slug], agent, about, self.settings.owner)
             result = await self.pool.publish(event, timeout=5.0, raise_on_failure=False)
             if not result.ok:
                 log.warning("profile_not_published", agent=agent.slug)
@@ -441,12 +478,15 @@ class Daemon:
         if self.pool is not None:
             with contextlib.suppress(Exception):
                 await self.pool.unsubscribe(SUBSCRIPTION_ID)
+                await self.pool.unsubscribe(PRIVATE_SUBSCRIPTION_ID)
         if self.descriptions is not None:
             await self.descriptions.stop()  # what is left is found in the store at next start
         if self.pipeline is not None:
             cancelled = await self.pipeline.scheduler.drain(self.settings.daemon.grace_period_s)
             if cancelled:
                 log.warning("runs_cancelled_at_shutdown", count=cancelled, note="redone at next start")
+            if self.pipeline.live_status is not None:
+                await self.pipeline.live_status.close(2.0)  # the "idle" statuses of the runs that ended
         if self.pipeline is not None:
             unsent = await self.pipeline.runner.flush(5.0)
             await self.pipeline.outbox.close()
@@ -479,7 +519,11 @@ class Daemon:
         """Handle one validated, new event from the relays; raising leaves it unprocessed."""
         if self._stopping or self.pipeline is None:
             raise ShuttingDownError("shutting down; the event will be delivered again after restart")
-        event = received.event
+        admitted = self.intake.admit(received.event) if self.intake is not None else received.event
+        if isinstance(admitted, str):  # a wrap that does not open, or what daemon.answer excludes
+            self._count(received.event.kind, HandleResult(Outcome.IGNORED, admitted))
+            return
+        event = admitted  # a gift wrap's rumor in its place
         self._observer.event_received(event.id, received.received_at)
         structlog.contextvars.bind_contextvars(event_id=event.id)
         try:
@@ -611,8 +655,14 @@ class Daemon:
         assert self.pool is not None
         assert self.project_signer is not None
         project = (self.settings.owner, self.settings.project.d_tag) if self.settings.owner else None
+        assert self.pipeline is not None
+        runner = self.pipeline.runner
+        capabilities = {
+            slug: AgentCapabilities(p.model or p.backend.name, runner.offered_tools(slug))
+            for slug, p in runner.profiles.items()
+        }
         while True:
-            event = heartbeat_event(self.project_signer, self.agents, project)
+            event = heartbeat_event(self.project_signer, self.agents, project, capabilities)
             await self.pool.publish(event, timeout=5.0, raise_on_failure=False)
             await asyncio.sleep(self.settings.daemon.heartbeat_interval_s)
 

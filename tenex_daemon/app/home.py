@@ -174,6 +174,9 @@ def _agent_block(agent: DemoAgent | AgentSettings, backend_kind: str = "offline"
     ]
     if agent.orchestrator:
         lines.append("orchestrator = true")
+    if isinstance(agent, AgentSettings):
+        recorded = (("role", agent.role), ("source", agent.source))
+        lines += [f"{key} = {toml_string(value)}" for key, value in recorded if value]
     lines += ["", "[agents.backend]"]
     if agent.orchestrator and backend_kind == "local":
         # The bundled 135M model cannot produce routing decisions; the rules route instead.
@@ -303,6 +306,8 @@ def add_agent(
     *,
     orchestrator: bool = False,
     backend_kind: str = "offline",
+    role: str | None = None,
+    source: str | None = None,
 ) -> KeyInfo:
     """Create ``keys/<slug>.key`` (0600) and append the agent to ``config.toml``.
 
@@ -310,7 +315,10 @@ def add_agent(
     for the slug (it may belong to an agent removed from the config by hand).
     """
     try:
-        agent = AgentSettings(slug=slug, name=name, instructions=instructions, orchestrator=orchestrator)
+        agent = AgentSettings(
+            slug=slug, name=name, instructions=instructions, orchestrator=orchestrator,
+            role=role, source=source,
+        )
     except ValueError as exc:
         raise HomeError(f"invalid agent: {exc}") from None
     if any(a.slug == slug for a in settings.agents):

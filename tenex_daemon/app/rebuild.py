@@ -31,9 +31,11 @@ import structlog
 
 from tenex_daemon.adapters.nostr.classifier import classify_event
 from tenex_daemon.adapters.nostr.codec import RejectReason, read_threading, verify_event
+from tenex_daemon.adapters.nostr.private import GiftWraps
 from tenex_daemon.adapters.nostr.relay_pool import Filter, PoolSettings, RelayPool
-from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
 from tenex_daemon.app.settings import Settings
+from tenex_daemon.app.wiring import load_signers
 from tenex_daemon.core.classify import EventClass
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationNotFoundError, TenexError
@@ -41,12 +43,14 @@ from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import (
     KIND_COMMENT,
     KIND_CONVERSATION_ROOT,
+    KIND_GIFT_WRAP,
     KIND_NOTE,
     KIND_TASK,
     TAG_EVENT,
     TAG_ROOT_EVENT,
 )
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.private_messages import Opened, WrapOpener, plan_private_conversations
 
 log = structlog.get_logger(__name__)
 
@@ -140,6 +144,8 @@ class ConversationPlan:
     conversation_id: str
     root: NostrEvent | None
     events: tuple[NostrEvent, ...]
+    channel: str | None = None
+    """A private conversation's channel (``dm:<agent slug>:<person>``)."""
 
     @property
     def in_order(self) -> list[NostrEvent]:
@@ -233,6 +239,27 @@ def _since(filters: Iterable[Filter], since: int | None) -> list[Filter]:
     return [dict(f) if since is None else {**f, "since": since} for f in filters]
 
 
+@dataclass(frozen=True, slots=True)
+class PrivateRebuild:
+    """How private conversations (NIP-17) are found again: every gift wrap p-tagging an agent, opened with
+    that agent's key (the person's messages, and the copy of each answer the daemon wrapped for the agent
+    itself), replayed into conversations with the idle timeout (:func:`plan_private_conversations`)."""
+
+    opener: WrapOpener
+    idle_timeout_ms: int
+
+
+def private_rebuild(settings: Settings) -> PrivateRebuild | None:
+    """The home's :class:`PrivateRebuild` (its agents' keys, its idle timeout); None, logged, when the
+    keys cannot be read: public conversations are rebuilt all the same."""
+    try:
+        signers, _ = load_signers(settings)
+    except KeyFileError as exc:
+        log.warning("rebuild_without_private_conversations", reason=str(exc))
+        return None
+    return PrivateRebuild(GiftWraps(signers), int(settings.conversations.idle_timeout_min * 60_000))
+
+
 class Rebuilder:
     """Rebuilds conversations from ``source`` into ``manager``'s store (see the module's doc).
 
@@ -248,9 +275,12 @@ class Rebuilder:
         *,
         allowed_authors: Collection[str] = (),
         fetch_timeout: float | None = None,
+        private: PrivateRebuild | None = None,
     ) -> None:
-        """Merge through ``manager``, fetch from ``source`` (each round within ``fetch_timeout`` s)."""
+        """Merge through ``manager``, fetch from ``source`` (each round within ``fetch_timeout`` s); with
+        ``private``, private conversations too (for ``--all``, or an id no public event has)."""
         self._manager = manager
+        self._private = private
         self._source = source
         self._fetch_timeout = fetch_timeout
         agents = manager.agents
@@ -277,6 +307,8 @@ class Rebuilder:
         verified = self._verified(fetched, report)
         report.events_fetched = len({e.id for e in fetched})
         plans = plan_conversations(verified, set(wanted), self._allowed, report, request.since)
+        if self._private is not None and (request.all_ or not plans):
+            plans += await self._private_plans(self._private, request, report)
         report.events_invalid += max(0, self._invalid_so_far() - invalid_before)
         report.conversations_found = len(plans)
         if request.conversation_id is not None and not plans:
@@ -329,6 +361,35 @@ class Rebuilder:
             until = min(e.created_at for e in page)
         return list(seen.values())
 
+    async def _private_plans(
+        self, private: PrivateRebuild, request: RebuildRequest, report: RebuildReport
+    ) -> list[ConversationPlan]:
+        """The private conversations in the agents' gift wraps (all of them: a wrap's date is random)."""
+        if not self._agent_keys:
+            return []
+        wraps = await self._fetch_pages([{"kinds": [KIND_GIFT_WRAP], "#p": self._agent_keys}])
+        report.events_fetched += len(wraps)
+        opened: list[Opened] = []
+        for wrap in self._verified(wraps, report):
+            result = private.opener.open(wrap)
+            if isinstance(result, str):
+                report.events_skipped[result] += 1
+            else:
+                opened.append(result)
+        directory = self._manager.agents
+        threads = plan_private_conversations(
+            opened, directory, self._allowed, private.idle_timeout_ms, report.events_skipped
+        )
+        plans = []
+        for thread in threads:
+            root, *rest = thread.events
+            if request.conversation_id not in (None, root.id):
+                continue
+            kept = tuple(e for e in rest if request.since is None or e.created_at >= request.since)
+            report.events_skipped["before_since"] += len(rest) - len(kept)
+            plans.append(ConversationPlan(root.id, root, kept, thread.channel))
+        return plans
+
     def _invalid_so_far(self) -> int:
         rejects = self._source.rejects_by_reason()
         return sum(n for reason, n in rejects.items() if reason in INVALID_REASONS)
@@ -361,7 +422,7 @@ class Rebuilder:
                 report.events_skipped["conversation_deleted"] += len(events)
                 log.info("rebuild_conversation_deleted", conversation_id=plan.conversation_id)
                 return
-            conversation = await self._manager.create_conversation(events[0])
+            conversation = await self._manager.create_conversation(events[0], channel=plan.channel)
             report.conversations_created += 1
             report.events_added += 1
             events = events[1:]
@@ -425,7 +486,9 @@ async def rebuild_from_relays(
     try:
         if not await pool.wait_connected(1, CONNECT_WITHIN_S):
             raise RebuildError(f"no relay answered within {CONNECT_WITHIN_S:g} s: {', '.join(urls)}")
-        rebuilder = Rebuilder(manager, pool, allowed_authors=settings.whitelist)
+        rebuilder = Rebuilder(
+            manager, pool, allowed_authors=settings.whitelist, private=private_rebuild(settings)
+        )
         return await rebuilder.rebuild(request, progress)
     finally:
         await pool.stop()

@@ -36,6 +36,24 @@ class StorageKind(StrEnum):
     POSTGRES = "postgres"
 
 
+class AnswerMode(StrEnum):
+    """What agents answer (``daemon.answer``): public mentions, NIP-17 private messages, or both."""
+
+    BOTH = "both"
+    PUBLIC = "public"
+    PRIVATE = "private"
+
+    @property
+    def public(self) -> bool:
+        """Whether public mentions (kinds 1, 11, 1111, 1934) are answered."""
+        return self is not AnswerMode.PRIVATE
+
+    @property
+    def private(self) -> bool:
+        """Whether private messages (gift-wrapped kind 14) are answered."""
+        return self is not AnswerMode.PUBLIC
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -56,6 +74,9 @@ class BackendSettings(_Section):
     """What replaces older messages over budget: sliding_window | summarize (docs/CONTEXT.md)."""
     budget_ratio: float = Field(default=DEFAULT_BUDGET_RATIO, gt=0, le=1)
     """The share of the context window the persona and messages may use."""
+    price_per_million_input_tokens: float | None = Field(default=None, ge=0)
+    price_per_million_output_tokens: float | None = Field(default=None, ge=0)
+    """US dollars per million prompt / completion tokens; when set, replies carry ``llm-cost-usd``."""
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -66,6 +87,10 @@ class AgentSettings(_Section):
     name: str
     instructions: str = ""
     orchestrator: bool = False
+    role: str | None = None
+    """The role of the kind-4199 definition it was installed from (its instructions begin with it)."""
+    source: str | None = None
+    """The ``nevent``/``naddr`` of the kind-4199 definition it was installed from (``agents add --from``)."""
     backend: BackendSettings = Field(default_factory=BackendSettings)
 
 
@@ -128,6 +153,9 @@ class DaemonSettings(_Section):
 
     hop_limit: int = Field(default=6, ge=0)
     """Agent-to-agent replies in a row before agents stop answering agents."""
+    answer: AnswerMode = AnswerMode.BOTH
+    """What agents answer: ``both``, ``public`` mentions only, or ``private`` messages (NIP-17) only; the
+    rest is ignored with its reason (``public_mentions_off``, ``private_messages_off``)."""
     orchestrator_turn_limit: int = Field(default=10, ge=1)
     """Orchestrator turns without a new user message before routing stops (a routing loop)."""
     max_concurrent_runs: int = Field(default=8, ge=1)

@@ -26,8 +26,10 @@ from tenex_daemon.core.ports import (
     Peers,
     Publisher,
     ReplyComposer,
+    RunStatus,
     Store,
 )
+from tenex_daemon.core.pricing import TokenPrices
 from tenex_daemon.services.agent_runner import (
     DEFAULT_MAX_TOOL_ROUNDS,
     DEFAULT_PARTIAL_INTERVAL_S,
@@ -39,10 +41,12 @@ from tenex_daemon.services.conversation_manager import DEFAULT_TASK_SESSION_TTL_
 from tenex_daemon.services.descriptions import DescriptionJobs, EventPublisher
 from tenex_daemon.services.dispatcher import EventDispatcher, ReplyObserver
 from tenex_daemon.services.lifecycle import DEFAULT_IDLE_TIMEOUT_MIN, ConversationLifecycle
+from tenex_daemon.services.live_status import LiveStatus
 from tenex_daemon.services.orchestrator import LLMOrchestrator, Orchestrator, RuleBasedOrchestrator
 from tenex_daemon.services.outbox import DEFAULT_WARN_AFTER_S, OUTBOX_KEY, Outbox, outbox_key_for
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler, journal_key_for
+from tenex_daemon.services.stopping import Stopper
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import ToolRegistry
 
@@ -226,6 +230,9 @@ def build_agent_profile(agent_settings: AgentSettings, agent: Agent, settings: S
         budget=build_token_budget(backend_settings, backend),
         recent_in_persona=settings.conversations.recent_in_persona,
         list_recent=settings.conversations.list_recent,
+        prices=TokenPrices.of(
+            backend_settings.price_per_million_input_tokens, backend_settings.price_per_million_output_tokens
+        ),
     )
 
 
@@ -308,6 +315,8 @@ class PipelinePorts:
     reply_observer: ReplyObserver | None = None
     peers: Peers | None = None
     """Daemons sharing the store (PostgreSQL): runs then hold their conversation's run lease."""
+    status: RunStatus | None = None
+    """Where the live status of each conversation goes (kind 24133) as runs start and end."""
 
 
 OrchestratorFactory = Callable[[ConversationManager], Orchestrator]
@@ -325,6 +334,8 @@ class Pipeline:
     threads: ThreadManager
     outbox: Outbox
     lifecycle: ConversationLifecycle
+    live_status: LiveStatus | None = None
+    """Which agents work where now (told by the scheduler); None without a ``status`` port."""
 
     @property
     def scheduler(self) -> RunScheduler:
@@ -384,6 +395,8 @@ def build_pipeline(
         else RuleBasedOrchestrator(manager.agents, options.default_agent)
     )
     lifecycle = ConversationLifecycle(manager, idle_timeout_min=options.idle_timeout_min)
+    live_status = LiveStatus(manager, ports.status) if ports.status is not None else None
+    stopper = Stopper(manager, ports.composer, outbox, owner=options.owner, whitelist=options.whitelist)
     dispatcher = EventDispatcher(
         manager,
         runner,
@@ -399,5 +412,7 @@ def build_pipeline(
         observer=ports.reply_observer,
         peers=ports.peers,
         lifecycle=lifecycle,
+        run_listener=live_status,
+        stopper=stopper,
     )
-    return Pipeline(manager, runner, dispatcher, router, threads, outbox, lifecycle)
+    return Pipeline(manager, runner, dispatcher, router, threads, outbox, lifecycle, live_status)

@@ -36,6 +36,7 @@ from tenex_daemon.core.nip19 import Entity
 from tenex_daemon.core.ports import Store
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.persona import PersonaSpec
+from tenex_daemon.services.stopping import stop_without_daemon
 
 API_TIMEOUT_S = 30.0
 PROBE_TIMEOUT_S = 3.0
@@ -85,6 +86,10 @@ class ConversationAccess(Protocol):
 
     async def end(self, conversation_id: str, reason: str | None) -> None:
         """End a conversation (by the owner): recorded in its metadata, then archived."""
+
+    async def stop(self, conversation_id: str, agent: str | None) -> dict[str, Any]:
+        """Stop the agents working on a conversation (``agent`` only, when given), as the owner; return
+        ``{"id", "stopped": [slugs], "notice": id | None}``."""
 
     async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
         """Return what the agent would be sent now, without changing its state."""
@@ -150,6 +155,11 @@ class ApiAccess:
         body = {"reason": reason} if reason else None
         await self._call("POST", f"/conversations/{conversation_id}/end", body=body)
 
+    async def stop(self, conversation_id: str, agent: str | None) -> dict[str, Any]:
+        """``POST /api/v1/conversations/{id}/stop``."""
+        body = {"agent": agent} if agent else None
+        return await self._call("POST", f"/conversations/{conversation_id}/stop", body=body)
+
     async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
         """``GET /api/v1/conversations/{id}/context``."""
         params = {"agent": agent}
@@ -178,7 +188,8 @@ class StoreResolver:
         if entity.kind_name not in ("note", "nevent"):
             return None
         found = await self._store.find_event(entity.value)
-        return None if found is None else found[1]
+        # a private conversation's message (unsigned) is never shown outside it
+        return None if found is None or not found[1].is_signed else found[1]
 
 
 class LocalAccess:
@@ -220,6 +231,11 @@ class LocalAccess:
         """End a conversation (by the owner)."""
         if not await _mapped(self.manager.end_conversation(conversation_id, by="owner", reason=reason)):
             raise AccessError(f"conversation {conversation_id} is ended already", 409)
+
+    async def stop(self, conversation_id: str, agent: str | None) -> dict[str, Any]:
+        """No daemon runs: remove the conversation's journaled runs (a crashed daemon's), record the stop."""
+        report = await _mapped(stop_without_daemon(self.manager, conversation_id, agent, by="owner"))
+        return {"id": conversation_id, "stopped": list(report.agents), "notice": None}
 
     async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
         """Preview an agent's context without changing its state."""

@@ -1,24 +1,32 @@
-"""The agent commands: ``agents list`` and ``agents add``."""
+"""The agent commands: ``agents list`` and ``agents add`` (new, or ``--from`` a kind-4199 definition)."""
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
+from tenex_daemon.adapters.nostr.agent_definition import (
+    DefinitionError,
+    DefinitionReferenceError,
+    parse_reference,
+)
 from tenex_daemon.adapters.nostr.signer import KeyFileError
 from tenex_daemon.app.home import HomeError, add_agent, agent_identities
-from tenex_daemon.app.settings import SettingsError
+from tenex_daemon.app.settings import Settings, SettingsError
 from tenex_daemon.cli.invocation import HomeOption, settings_of
-from tenex_daemon.cli.output import EXIT_USAGE, JsonOption, fail, out, print_json
+from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, fail, out, print_json
+from tenex_daemon.core import nip19
 
 agents_app = typer.Typer(help="List and add the project's agents.", no_args_is_help=True)
 
 
 @agents_app.command("list")
 def agents_list(ctx: typer.Context, as_json: JsonOption = False, home: HomeOption = None) -> None:
-    """List the agents: slug, name, npub and hex public key."""
+    """List the agents: slug, name, npub and hex public key (and, in JSON, the definition installed from)."""
     settings = settings_of(ctx)
     rows: list[dict[str, Any]] = []
     for agent, info, problem in agent_identities(settings):
@@ -30,6 +38,7 @@ def agents_list(ctx: typer.Context, as_json: JsonOption = False, home: HomeOptio
             "npub": info.npub if info is not None else None,
             "pubkey": info.pubkey if info is not None else None,
             "problem": problem,
+            "source": agent.source,
         })
     if as_json:
         print_json(rows)
@@ -48,17 +57,48 @@ def agents_list(ctx: typer.Context, as_json: JsonOption = False, home: HomeOptio
 @agents_app.command("add")
 def agents_add(
     ctx: typer.Context,
-    slug: Annotated[str, typer.Argument(help="Stable id: lowercase letters, digits, - and _.")],
+    slug: Annotated[
+        str | None,
+        typer.Argument(help="Stable id: lowercase letters, digits, - and _ (--from: made from the name)."),
+    ] = None,
     name: Annotated[str | None, typer.Option(help="Display name (default: the slug, capitalized).")] = None,
-    instructions: Annotated[str, typer.Option(help="Role instructions.")] = "",
+    instructions: Annotated[str | None, typer.Option(help="Role instructions.")] = None,
     orchestrator: Annotated[bool, typer.Option("--orchestrator", help="Make it the orchestrator.")] = False,
+    source: Annotated[
+        str | None,
+        typer.Option("--from", help="Install the kind-4199 agent definition an nevent1/naddr1 points to."),
+    ] = None,
+    slug_option: Annotated[
+        str | None, typer.Option("--slug", help="The slug (same as the SLUG argument).")
+    ] = None,
+    relay: Annotated[
+        list[str] | None,
+        typer.Option(help="Relay to fetch the definition from (repeatable; default: the home's)."),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds the relays get to answer (--from).")
+    ] = 10.0,
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
-    """Add an agent: a new key file (0600) and an [[agents]] entry appended to config.toml."""
+    """Add an agent: a new key file (0600) and an [[agents]] entry appended to config.toml.
+
+    With --from, the kind-4199 definition is fetched, verified and installed (name, role,
+    instructions), its reference recorded as the agent's source.
+    """
+    if slug is not None and slug_option is not None and slug != slug_option:
+        fail(f"two slugs given ({slug!r} and --slug {slug_option!r}); give one", EXIT_USAGE)
+    slug = slug if slug is not None else slug_option
     settings = settings_of(ctx)
+    if source is not None:
+        if instructions is not None:
+            fail("--instructions cannot go with --from: the definition gives the instructions", EXIT_USAGE)
+        _add_from(settings, source, _AddFrom(slug, name, orchestrator, relay or [], timeout), as_json)
+        return
+    if slug is None:
+        fail("give the new agent's SLUG (or --from nevent1.../naddr1... to install a definition)", EXIT_USAGE)
     try:
-        info = add_agent(settings, slug, name or slug.replace("-", " ").title(), instructions,
+        info = add_agent(settings, slug, name or slug.replace("-", " ").title(), instructions or "",
                          orchestrator=orchestrator)
     except (HomeError, KeyFileError, SettingsError) as exc:
         fail(str(exc), EXIT_USAGE)
@@ -66,3 +106,43 @@ def agents_add(
         print_json(info.to_dict())
         return
     out.print(f"added agent {slug}: {info.npub} ({info.pubkey}); restart the daemon to load it")
+
+
+@dataclass(frozen=True, slots=True)
+class _AddFrom:
+    """The options of ``agents add --from`` besides the reference."""
+
+    slug: str | None
+    name: str | None
+    orchestrator: bool
+    relays: list[str]
+    timeout_s: float
+
+
+def _add_from(settings: Settings, text: str, options: _AddFrom, as_json: bool) -> None:
+    """Install the definition ``text`` names; exit 2 on a usage error, 1 when it is not found or invalid."""
+    from tenex_daemon.app.agent_install import add_agent_from
+    from tenex_daemon.cli.send import send_relays
+
+    try:
+        reference = parse_reference(text)
+        installed = asyncio.run(add_agent_from(
+            settings, reference, send_relays(settings, options.relays),
+            slug=options.slug, name=options.name, orchestrator=options.orchestrator,
+            timeout_s=options.timeout_s,
+        ))
+    except DefinitionError as exc:
+        fail(str(exc), EXIT_FAILURE)
+    except (DefinitionReferenceError, HomeError, KeyFileError, SettingsError) as exc:
+        fail(str(exc), EXIT_USAGE)
+    if as_json:
+        print_json(installed.to_dict())
+        return
+    definition = installed.definition
+    out.print(
+        f"installed agent {installed.slug} ({installed.name}) from agent definition {definition.event_id} "
+        f"by {nip19.encode_npub(definition.author)}"
+    )
+    if definition.role:
+        out.print(f"role: {definition.role}")
+    out.print(f"key: {installed.key.npub} ({installed.key.pubkey}); restart the daemon to load it")

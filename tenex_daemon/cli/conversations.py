@@ -1,5 +1,5 @@
-"""The conversation commands: ``conversations list|search|show|archive|end|restore|export|rebuild`` and
-``context``."""
+"""The conversation commands: ``conversations list|search|show|archive|end|stop|restore|export|rebuild``
+and ``context``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.phases import Phase
 
 conversations_app = typer.Typer(
-    help="List, show, search, archive, end, restore, export and rebuild conversations.", no_args_is_help=True
+    help="List, show, search, archive, end, stop, restore, export and rebuild conversations.",
+    no_args_is_help=True,
 )
 
 PhaseOption = Annotated[
@@ -53,12 +54,14 @@ def _author(pubkey: str, names: dict[str, str]) -> str:
 
 def _conversation_table(rows: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
-    for column in ("id", "title", "phase", "events", "agents", "updated (UTC)", "archived"):
+    for column in ("id", "title", "phase", "events", "agents", "updated (UTC)", "status"):
         table.add_column(column, overflow="fold")
     for row in rows:
+        status = "ended" if row.get("ended_at") is not None else "active"
         table.add_row(
             str(row["id"]), str(row["title"]), str(row["phase"]), str(row["event_count"]),
-            str(row["agent_count"]), ms_time(row.get("updated_at")), "yes" if row.get("archived") else "",
+            str(row["agent_count"]), ms_time(row.get("updated_at")),
+            f"{status}, archived" if row.get("archived") else status,
         )
     return table
 
@@ -191,11 +194,29 @@ def conversations_show(
     tokens = data.get("tokens") or {}
     if tokens.get("by_agent"):
         out.print(f"tokens: {tokens['prompt']:,} prompt + {tokens['completion']:,} completion")
+    _print_lifecycle(data)
     _print_history(data["history"], names)
     if data["agent_states"]:
         _print_agent_states(data["agent_states"])
     if data["transitions"]:
         _print_transitions(data["transitions"])
+
+
+def _print_lifecycle(data: dict[str, Any]) -> None:
+    """The conversation's life: ended (when, by whom, why) or active, its summary, its task session."""
+    if data.get("ended_at") is not None:
+        why = f": {data['end_reason']}" if data.get("end_reason") else ""
+        out.print(f"ended {ms_time(data['ended_at'])} by {data.get('ended_by')}{why}")
+    else:
+        out.print(f"active, last activity {ms_time(data.get('activity_at'))}")
+    if data.get("description"):
+        out.print(Text(f"summary ({data.get('title_source')}): {data['description']}", style="italic"))
+    if data.get("task_id"):
+        previous = f", follows session {data['previous_session']}" if data.get("previous_session") else ""
+        out.print(
+            f"task {data['task_id']}: session expires {ms_time(data.get('expires_at'))}, "
+            f"{data.get('token_count', 0):,} tokens{previous}"
+        )
 
 
 @conversations_app.command("archive")
@@ -218,6 +239,22 @@ def conversations_end(
     cid = event_id_argument(conversation_id)
     with_access(ctx, lambda access: access.end(cid, reason))
     out.print(f"ended {cid}")
+
+
+@conversations_app.command("stop")
+def conversations_stop(
+    ctx: typer.Context,
+    conversation_id: IdArgument,
+    agent: Annotated[str | None, typer.Option("--agent", help="Stop only this agent (its slug).")] = None,
+    home: HomeOption = None,
+) -> None:
+    """Stop the agents working on a conversation, as the owner: their running and waiting runs are
+    cancelled, nothing half-written is published, and the stop is recorded (without a daemon: the runs
+    a crash left journaled are not redone)."""
+    cid = event_id_argument(conversation_id)
+    result: dict[str, Any] = with_access(ctx, lambda access: access.stop(cid, agent))
+    stopped = result.get("stopped") or []
+    out.print(f"stopped {', '.join(stopped)} in {cid}" if stopped else f"nothing was running in {cid}")
 
 
 @conversations_app.command("restore")

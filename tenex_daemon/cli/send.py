@@ -2,8 +2,11 @@
 
 A convenience for trying a home: any Nostr client does the same. A new message is a kind-11
 conversation root; ``--reply-to`` makes a kind-1111 reply with NIP-22 tags (root ``E``/``K``/``P``
-copied from the conversation root, parent ``e``/``k``/``p``). The addressed agent is p-tagged
-first, so it is the one targeted (docs/PROTOCOL.md).
+copied from the conversation root, parent ``e``/``k``/``p``), or a kind-1 reply with NIP-10 marked
+``e`` tags when the parent is a kind 1 (NIP-22 forbids a comment on a note). ``--kind 1`` sends
+what an ordinary kind-1 client sends: a top-level note (it joins the person's open channel
+conversation with the agent, or starts one), or a NIP-10 reply; the agents answer with kind 1.
+The addressed agent is p-tagged first, so it is the one targeted (docs/PROTOCOL.md).
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from tenex_daemon.adapters.nostr.codec import conversation_root_tags, person_reply_tags, refers_to_root
+from tenex_daemon.adapters.nostr.codec import (
+    conversation_id,
+    conversation_root_tags,
+    note_tags,
+    person_note_reply_tags,
+    person_reply_tags,
+    refers_to_root,
+)
 from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, PublishError, ReceivedEvent, RelayPool
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.settings import Settings
@@ -21,9 +31,11 @@ from tenex_daemon.app.status import read_status
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_CONVERSATION_ROOT
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_CONVERSATION_ROOT, KIND_NOTE
 
 TITLE_MAX = 80
+SEND_KINDS = (KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT)
+"""What ``--kind`` may name: a kind-1 note or NIP-10 reply, a kind-11 root, a kind-1111 reply."""
 
 
 class SendError(TenexError):
@@ -77,19 +89,46 @@ def addressed_agent(agents: Sequence[Agent], to: str | None, default_agent: str 
     raise SendError("the home has no agents (see `tenexd agents add`)")
 
 
-def reply_tags(
-    parent: NostrEvent, target: Agent, agent_keys: set[str], owner: str
-) -> tuple[str, list[list[str]]]:
-    """Return (conversation root id, NIP-22 tags) for a reply to ``parent`` addressed to ``target``.
+def check_kind(kind: int | None, replying: bool) -> None:
+    """Refuse a ``--kind`` that is not one of :data:`SEND_KINDS` or does not fit ``--reply-to``."""
+    if kind is None:
+        return
+    if kind not in SEND_KINDS:
+        raise SendError(f"--kind must be one of {', '.join(map(str, SEND_KINDS))}, not {kind}")
+    if kind == KIND_COMMENT and not replying:
+        raise SendError("--kind 1111 is a reply: name its parent with --reply-to")
+    if kind == KIND_CONVERSATION_ROOT and replying:
+        raise SendError("--kind 11 starts a conversation: it cannot reply (leave out --reply-to)")
 
-    The root is the parent's ``E`` when it has one (a reply), else the parent itself
-    (:func:`~tenex_daemon.adapters.nostr.codec.person_reply_tags`). The target is p-tagged
+
+def message_kind(kind: int | None, parent: NostrEvent | None) -> int:
+    """The kind to send: ``kind`` when given (:func:`check_kind`), else kind 11 for a new message,
+    kind 1 for a reply to a kind 1 (NIP-22 forbids a comment on a note), else kind 1111."""
+    check_kind(kind, parent is not None)
+    if kind is not None:
+        return kind
+    if parent is None:
+        return KIND_CONVERSATION_ROOT
+    return KIND_NOTE if parent.kind == KIND_NOTE else KIND_COMMENT
+
+
+def reply_tags(
+    parent: NostrEvent, target: Agent, agent_keys: set[str], owner: str, kind: int = KIND_COMMENT
+) -> tuple[str, list[list[str]]]:
+    """Return (conversation root id, tags) for a reply of ``kind`` to ``parent`` addressed to ``target``.
+
+    Kind 1111: NIP-22 tags, the root the parent's ``E`` when it has one (a reply), else the parent
+    itself (:func:`~tenex_daemon.adapters.nostr.codec.person_reply_tags`). Kind 1: NIP-10 marked ``e``
+    tags, the root the one the parent's tags name, else the parent
+    (:func:`~tenex_daemon.adapters.nostr.codec.person_note_reply_tags`). The target is p-tagged
     first; the parent's author is p-tagged too when it is a person other than the owner (an
     agent author would otherwise be targeted instead).
     """
     destinations = [target.pubkey]
     if parent.pubkey not in agent_keys and parent.pubkey not in (owner, target.pubkey):
         destinations.append(parent.pubkey)
+    if kind == KIND_NOTE:
+        return person_note_reply_tags(parent, destinations)
     return person_reply_tags(parent, destinations)
 
 
@@ -100,6 +139,59 @@ def root_tags(text: str, target: Agent, owner: str, project_d: str, title: str |
     return conversation_root_tags(chosen, [target.pubkey], (owner, project_d))
 
 
+def compose_message(
+    settings: Settings,
+    owner: Signer,
+    text: str,
+    target: Agent,
+    agent_keys: set[str],
+    *,
+    parent: NostrEvent | None,
+    kind: int | None,
+    title: str | None,
+) -> tuple[NostrEvent, str]:
+    """Sign what ``send`` publishes; return (event, the root id of its thread as far as it knows).
+
+    A top-level kind-1 note names no root: the daemon may join it to the person's open channel
+    conversation, whose root only the agent's answer tells (its ``root`` ``e`` tag).
+    """
+    chosen = message_kind(kind, parent)
+    if parent is not None:
+        root_id, tags = reply_tags(parent, target, agent_keys, owner.pubkey, chosen)
+        return owner.sign(chosen, text, tags), root_id
+    if chosen == KIND_NOTE:
+        event = owner.sign(KIND_NOTE, text, note_tags([target.pubkey]))
+    else:
+        event = owner.sign(
+            KIND_CONVERSATION_ROOT, text, root_tags(text, target, owner.pubkey, settings.project.d_tag, title)
+        )
+    return event, event.id
+
+
+@dataclass
+class ReplyWatch:
+    """Which agent events answer the message sent: one naming it (an ``e``/``E`` tag), or one in its
+    thread (naming the root) that is not older than it and is not the parent replied to (a relay
+    returns the thread's earlier answers too: the subscription reaches back a few seconds)."""
+
+    sent: NostrEvent | None = None
+    root_id: str = ""
+    parent_id: str | None = None
+
+    def ids(self) -> list[str]:
+        """The ids an answer may name in an ``e`` tag: the root, and the message sent."""
+        return list(dict.fromkeys([self.root_id, *([self.sent.id] if self.sent is not None else [])]))
+
+    def answers(self, event: NostrEvent) -> bool:
+        """Whether ``event`` (by an agent) answers the message sent."""
+        sent = self.sent
+        if sent is None or event.id == self.parent_id:
+            return False
+        if refers_to_root(event, sent.id):
+            return True
+        return refers_to_root(event, self.root_id) and event.created_at >= sent.created_at
+
+
 async def send_message(
     settings: Settings,
     owner: Signer,
@@ -108,6 +200,7 @@ async def send_message(
     *,
     to: str | None = None,
     reply_to: str | None = None,
+    kind: int | None = None,
     relays: Sequence[str] = (),
     timeout: float = 30.0,  # noqa: ASYNC109 - the whole wait for replies, not one call's timeout
     title: str | None = None,
@@ -119,7 +212,9 @@ async def send_message(
 
     Without ``to`` the orchestrator is addressed, and the first reply from an agent other
     than the orchestrator (it routes) ends the wait; with ``to`` that agent's reply does.
-    ``find_event`` looks the parent of ``reply_to`` up locally when no relay has it.
+    ``find_event`` looks the parent of ``reply_to`` up locally when no relay has it. ``kind``
+    picks what is sent (:func:`message_kind`); replies of kind 1111 and 1 are both collected: those
+    naming the thread's root, or the event sent (a kind-1 answer's ``reply`` ``e`` tag).
     """
     urls = send_relays(settings, relays)
     if not urls:
@@ -129,12 +224,13 @@ async def send_message(
         )
     if not agents:
         raise SendError("the home has no agents (see `tenexd agents add`)")
+    check_kind(kind, reply_to is not None)
     target = addressed_agent(agents, to, settings.default_agent_slug)
     by_key = {a.pubkey: a for a in agents}
     others_exist = any(not a.orchestrator for a in agents)
     done = asyncio.Event()
     replies: list[tuple[Agent, NostrEvent]] = []
-    conversation: dict[str, str] = {}
+    watch = ReplyWatch()
 
     def finishes(agent: Agent) -> bool:
         if to is not None:
@@ -144,7 +240,7 @@ async def send_message(
     async def handle(received: ReceivedEvent) -> None:
         event = received.event
         agent = by_key.get(event.pubkey)
-        if agent is None or "id" not in conversation or not refers_to_root(event, conversation["id"]):
+        if agent is None or not watch.answers(event):
             return
         replies.append((agent, event))
         if on_reply is not None:
@@ -159,25 +255,23 @@ async def send_message(
         if not await pool.wait_connected(1, min(10.0, max(1.0, timeout))):
             raise SendError(f"no relay answered: {', '.join(urls)}")
         since = int(time.time()) - 5
+        parent = None
         if reply_to is not None:
             parent = await pool.fetch_event(reply_to, timeout=min(5.0, timeout))
             if parent is None and find_event is not None:
                 parent = await find_event(reply_to)
             if parent is None:
                 raise SendError(f"event {reply_to} was found neither on the relays nor in the home")
-            root_id, tags = reply_tags(parent, target, set(by_key), owner.pubkey)
-            event = owner.sign(KIND_COMMENT, text, tags)
-        else:
-            tags = root_tags(text, target, owner.pubkey, settings.project.d_tag, title)
-            event = owner.sign(KIND_CONVERSATION_ROOT, text, tags)
-            root_id = event.id
-        conversation["id"] = root_id
+        event, root_id = compose_message(
+            settings, owner, text, target, set(by_key), parent=parent, kind=kind, title=title
+        )
+        watch.sent, watch.root_id, watch.parent_id = event, root_id, reply_to
         authors = sorted(by_key)
         await pool.subscribe(
             "tenexd-send",
             [
                 {"kinds": [KIND_COMMENT], "#E": [root_id], "authors": authors, "since": since},
-                {"kinds": [KIND_COMMENT, 1], "#e": [root_id], "authors": authors, "since": since},
+                {"kinds": [KIND_COMMENT, KIND_NOTE], "#e": watch.ids(), "authors": authors, "since": since},
             ],
         )
         try:
@@ -191,6 +285,9 @@ async def send_message(
         except TimeoutError:
             pass
         result.answered = done.is_set()
+        if event.kind == KIND_NOTE and replies:
+            # a top-level note may have joined an open channel conversation: its answers name the root
+            result.conversation_id = conversation_id(replies[0][1])
         return result
     finally:
         await pool.stop()

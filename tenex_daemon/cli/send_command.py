@@ -63,7 +63,15 @@ def send(
     text: Annotated[str, typer.Argument(help="What to say.")],
     to: Annotated[str | None, typer.Option(help="Agent slug to address (default: the orchestrator).")] = None,
     reply_to: Annotated[
-        str | None, typer.Option(help="Event id to reply to (a kind-1111 reply in its conversation).")
+        str | None,
+        typer.Option(help="Event id to reply to (kind 1111 in its conversation; kind 1 to a kind-1 note)."),
+    ] = None,
+    kind: Annotated[
+        int | None,
+        typer.Option(
+            help="1: a kind-1 note (a NIP-10 reply with --reply-to), answered with kind 1; "
+            "11: a new conversation root (the default); 1111: a NIP-22 reply."
+        ),
     ] = None,
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for replies.")] = 30.0,
     relay: Annotated[list[str] | None, typer.Option(help="Relay URL (repeatable).")] = None,
@@ -75,9 +83,13 @@ def send(
 
     Ends at the addressed agent's reply (exit 0) or at the timeout (exit 1).
     """
-    from tenex_daemon.cli.send import SendError, send_message
+    from tenex_daemon.cli.send import SendError, check_kind, send_message
 
     settings = settings_of(ctx)
+    try:
+        check_kind(kind, reply_to is not None)
+    except SendError as exc:
+        fail(str(exc), EXIT_USAGE)
     if not settings.owner_key_path.exists():
         fail(
             f"this home has no owner secret ({settings.owner_key_path}): the owner was given by public key "
@@ -93,7 +105,7 @@ def send(
 
     async def go() -> SendResult:
         return await send_message(
-            settings, owner, agents, text, to=to, reply_to=parent_id, relays=relay or (),
+            settings, owner, agents, text, to=to, reply_to=parent_id, kind=kind, relays=relay or (),
             timeout=timeout, title=title, on_reply=_reply_printer(agents, as_json),
             find_event=_local_event_finder(settings),
         )

@@ -15,6 +15,11 @@ class EventClass(StrEnum):
     NEW_CONVERSATION = "new_conversation"
     REPLY = "reply"
     TASK = "task"
+    STOP = "stop"
+    """A request to stop the runs of a conversation (kind 24134): ``conversation_id`` names it."""
+    PRIVATE = "private"
+    """A NIP-17 private message (the kind-14 rumor of a gift wrap): it joins the person's private
+    conversation with the agent."""
     IGNORED = "ignored"
 
 

@@ -13,6 +13,7 @@ from tenex_daemon.core.execution_time import ExecutionTime
 from tenex_daemon.core.phases import Phase, PhaseTransition
 from tenex_daemon.core.references import find_event_references
 from tenex_daemon.core.turns import OrchestratorTurn
+from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE
 
 UNTITLED = "Untitled Conversation"
 
@@ -176,6 +177,12 @@ class Conversation(BaseModel):
         if self.orchestrator_turns and not self.orchestrator_turns[-1].is_completed:
             return self.orchestrator_turns[-1]
         return None
+
+    @property
+    def private(self) -> bool:
+        """Whether it is a NIP-17 private conversation (its root a kind-14 rumor): its history is stored
+        decrypted, and nothing of it is published in the clear (replies go out gift-wrapped)."""
+        return self.root_kind == KIND_PRIVATE_MESSAGE
 
     @property
     def is_ended(self) -> bool:

@@ -13,6 +13,9 @@ from tenex_daemon.core.errors import InvalidEventError
 
 Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 Hex128 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+Signature = Annotated[str, StringConstraints(pattern=r"^(?:[0-9a-f]{128})?$")]
+"""A Schnorr signature, or empty for a NIP-17 rumor (an unsigned kind-14 message unwrapped from its
+gift wrap, whose seal's signature was checked): never published, never taken from a relay as is."""
 
 
 def serialize_for_id(pubkey: str, created_at: int, kind: int, tags: list[list[str]], content: str) -> bytes:
@@ -48,7 +51,12 @@ class NostrEvent(BaseModel):
     kind: Annotated[int, Field(ge=0, le=65535)]
     tags: list[list[str]]
     content: str
-    sig: Hex128
+    sig: Signature
+
+    @property
+    def is_signed(self) -> bool:
+        """Whether the event carries a signature (False: a rumor, see :data:`Signature`)."""
+        return bool(self.sig)
 
     def compute_id(self) -> str:
         """Return the id these fields hash to."""

@@ -170,10 +170,13 @@ class ReplySpec:
     delegation: str | None = None
     """The agent-to-agent thread id when the reply is one side of a ``send_message`` exchange;
     the composer then tags it ``["delegation", <thread id>]`` so that nobody is run for it."""
+    cost_usd: float | None = None
+    """What the reply's tokens cost in US dollars when the agent's prices are configured
+    (``llm-cost-usd``)."""
 
 
 class ReplyComposer(Protocol):
-    """Builds and signs an agent's kind-1111 reply with the tags of docs/PROTOCOL.md."""
+    """Builds and signs an agent's reply (the kind its conversation speaks) with docs/PROTOCOL.md's tags."""
 
     def compose(self, spec: ReplySpec) -> NostrEvent:
         """Return the signed reply event."""
@@ -187,6 +190,16 @@ class Publisher(Protocol):
 
     async def typing(self, agent_slug: str, conversation_id: str, active: bool) -> None:
         """Publish a typing start (active) or stop indicator for an agent in a conversation."""
+
+
+class RunStatus(Protocol):
+    """Tells clients which agents work on a conversation now (kind 24133, docs/PROTOCOL.md)."""
+
+    async def working(
+        self, conversation_id: str, root_id: str, person: str | None, agents: tuple[str, ...]
+    ) -> None:
+        """Publish that ``agents`` (public keys; none: idle) work on the conversation rooted at ``root_id``
+        for ``person`` (the conversation's person, if known)."""
 
 
 class PartialTextPublisher(Protocol):

@@ -30,7 +30,7 @@ from tenex_daemon.services.conversation_changes import RunRecord
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.delegation import Delegation, RunDelegator
 from tenex_daemon.services.outbox import Outbox
-from tenex_daemon.services.runs import RunRequest
+from tenex_daemon.services.runs import RunRequest, saving_reply
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import (
     SEND_MESSAGE,
@@ -163,6 +163,14 @@ class AgentRunner:
         """The agents' profiles by slug (the context preview builds their personas the way runs do)."""
         return self._profiles
 
+    def offered_tools(self, slug: str) -> tuple[str, ...]:
+        """The tools a run of ``slug`` is offered: its profile's, plus ``send_message`` if it may delegate."""
+        profile = self._profiles[slug]
+        delegation = self._delegation
+        if delegation is None or SEND_MESSAGE in profile.tools or not delegation.can_delegate(profile.agent):
+            return profile.tools
+        return (*profile.tools, SEND_MESSAGE)
+
     def _delegating(
         self, profile: AgentProfile, cid: str, trigger: NostrEvent
     ) -> tuple[AgentProfile, RunDelegator | None]:
@@ -197,13 +205,14 @@ class AgentRunner:
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="already answered")
             await self.outbox.add(cid, saved, agent_slug=profile.agent.slug, trigger_id=trigger.id)
             return None
-        typing_started: list[bool] = [self._typing_delay <= 0]  # no delay: the start is as good as sent
+        private = conversation.private  # nothing of a private conversation goes out in the clear
+        typing_started: list[bool] = [self._typing_delay <= 0 and not private]  # no delay: as good as sent
         typing = self._send(
-            self._typing_after(self._typing_delay, profile.agent.slug, cid, typing_started), "typing"
+            self._typing_after(self._typing_delay, profile.agent.slug, cid, typing_started, private), "typing"
         )
         effects = RunEffects()
         streamer: PartialStreamer | None = None
-        if self._partials is not None:
+        if self._partials is not None and not private:
             streamer = PartialStreamer(
                 profile.backend, self._partials, self._partial_interval, profile.agent.slug, cid, trigger.id
             )
@@ -227,10 +236,13 @@ class AgentRunner:
                 list_recent=profile.list_recent,
             )
             result, error_kind = await self._loop.answer(offered, context, tool_context)
-        except BaseException:
+        except BaseException:  # a stop or a shutdown cancelled it: nothing is saved, typing stops
             await self._stop_typing(streamer, typing, typing_started)
+            if typing_started[0]:
+                self._send(self._typing(slug, cid, active=False), "typing stop")
             await self._count_run_time(cid, started_ms)
             raise
+        saving_reply()  # from here a stop lets the run finish: its reply goes out whole
         await self._stop_typing(streamer, typing, typing_started)
         used = (result.prompt_tokens or 0, result.completion_tokens or 0)
         record = RunRecord(
@@ -323,6 +335,7 @@ class AgentRunner:
                 prompt_tokens=result.prompt_tokens,
                 completion_tokens=result.completion_tokens,
                 error=error_kind is not None,
+                cost_usd=profile.cost_usd(result),
             )
             reply = self._composer.compose(spec)
             if routing is not None and not effects.end_conversation:
@@ -352,8 +365,10 @@ class AgentRunner:
         return await self.outbox.flush(timeout_s)
 
     async def _typing_after(
-        self, delay_s: float, agent_slug: str, conversation_id: str, started: list[bool]
+        self, delay_s: float, agent_slug: str, conversation_id: str, started: list[bool], private: bool
     ) -> None:
+        if private:
+            return  # no typing indicator for a private conversation
         if delay_s > 0:
             await asyncio.sleep(delay_s)
         started[0] = True

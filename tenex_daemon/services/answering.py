@@ -26,6 +26,7 @@ from tenex_daemon.core.llm import (
     LLMMessage,
 )
 from tenex_daemon.core.ports import PartialTextPublisher
+from tenex_daemon.core.pricing import TokenPrices
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.persona import DEFAULT_RECENT_IN_PERSONA, PersonaSpec, build_persona, persona_text
 from tenex_daemon.services.token_budget import RETRY_SHARES, RunBudget
@@ -58,6 +59,14 @@ class AgentProfile:
     """How many of the person's recent ended conversations with the agent its persona recalls (0: none)."""
     list_recent: int = DEFAULT_RECENT_CONVERSATIONS
     """How many conversations ``get_conversation``'s ``list_recent`` lists by default."""
+    prices: TokenPrices | None = None
+    """What the agent's model costs per token; None: its replies carry no ``llm-cost-usd``."""
+
+    def cost_usd(self, result: CompletionResult) -> float | None:
+        """What ``result``'s tokens cost at the agent's prices (None when unpriced or unknown)."""
+        if self.prices is None:
+            return None
+        return self.prices.cost_usd(result.prompt_tokens, result.completion_tokens)
 
     @property
     def persona_spec(self) -> PersonaSpec:

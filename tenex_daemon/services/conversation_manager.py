@@ -191,7 +191,8 @@ class ConversationManager:
             self._note_user_message(conversation, event)
             conversation.metadata.referenced_article = await self._referenced_article(event)
             await self._store.create(conversation)
-            log.info("conversation_created", conversation_id=event.id, title=conversation.title)
+            title_shown = None if conversation.private else conversation.title
+            log.info("conversation_created", conversation_id=event.id, title=title_shown)
             return conversation
 
     async def add_event(self, conversation_id: str, event: NostrEvent) -> bool:

@@ -208,6 +208,7 @@ class Delegation:
             completion_tokens=result.completion_tokens if result is not None else None,
             error=error_kind is not None,
             delegation=thread_id,
+            cost_usd=self._profiles[author.slug].cost_usd(result) if result is not None else None,
         )
         event = self._composer.compose(spec)
         await self._manager.add_event(cid, event)

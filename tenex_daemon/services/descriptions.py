@@ -288,6 +288,9 @@ class DescriptionJobs:
         conversation = await self._manager.get_conversation(conversation_id)
         if conversation is None:
             return
+        if conversation.private:  # no title, summary or kind 513 for a private conversation
+            self._settle(conversation_id)
+            return
         if self._needs(conversation):
             await self._wait_idle()
             conversation = await self._manager.get_conversation(conversation_id)
@@ -459,6 +462,8 @@ class DescriptionJobs:
         """One try: compose from the stored description and publish; True when nothing is left to do."""
         conversation = await self._manager.get_conversation(conversation_id)
         if conversation is None or conversation.description_published or not conversation.summary:
+            return True
+        if conversation.private:  # never published in the clear
             return True
         event = self._composer.compose(
             conversation_id, conversation.title, conversation.summary, ended=conversation.is_ended

@@ -27,8 +27,10 @@ from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import ConversationLifecycle
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.orchestrator import Orchestrator, RoutingDecision, RoutingStop
+from tenex_daemon.services.private_messages import PrivateConversations
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT, ROUTING_LIMITS_KEY, RoutingLimits
-from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
+from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunListener, RunRequest, RunScheduler
+from tenex_daemon.services.stopping import Stopper, StopReport
 
 log = structlog.get_logger(__name__)
 
@@ -115,13 +117,21 @@ class EventDispatcher:
         observer: ReplyObserver | None = None,
         peers: Peers | None = None,
         lifecycle: ConversationLifecycle | None = None,
+        run_listener: RunListener | None = None,
+        stopper: Stopper | None = None,
     ) -> None:
         self._manager = manager
         self._runs = runs
         self._observer = observer
         self.scheduler = RunScheduler(
-            manager.store, self._execute, max_concurrent_runs, journal_key=journal_key, peers=peers
+            manager.store,
+            self._execute,
+            max_concurrent_runs,
+            journal_key=journal_key,
+            peers=peers,
+            listener=run_listener,
         )
+        self._stopper = stopper
         self._scheduler = self.scheduler
         self._classify = classify
         self._orchestrator = orchestrator
@@ -131,11 +141,14 @@ class EventDispatcher:
         self._fetcher = fetcher
         self._limits = RoutingLimits(turn_limit)
         self._lifecycle = lifecycle
+        self._private = None if lifecycle is None else PrivateConversations(manager, lifecycle)
         self._routing = KeyedLock()
         self._handlers: dict[EventClass, Handler] = {
             EventClass.NEW_CONVERSATION: self._on_root,
             EventClass.TASK: self._on_root,
+            EventClass.PRIVATE: self._on_private,
             EventClass.REPLY: self._on_reply,
+            EventClass.STOP: self._on_stop,
             EventClass.IGNORED: self._on_ignored,
         }
 
@@ -149,8 +162,8 @@ class EventDispatcher:
         if not is_allowed_author(event.pubkey, directory, self._owner, self._whitelist):
             return HandleResult(Outcome.IGNORED, SkipReason.AUTHOR_NOT_ALLOWED.value)
         classification = self._classify(event)
-        if classification.kind is EventClass.IGNORED:
-            result = await self._on_ignored(event, classification)
+        if classification.kind in (EventClass.IGNORED, EventClass.STOP):  # nothing stored: no journal entry
+            result = await self._handlers[classification.kind](event, classification)
         else:
             await self._scheduler.accept(event.id)
             # raising leaves the entry journaled: the next start finishes the dispatch
@@ -170,6 +183,23 @@ class EventDispatcher:
 
     async def _on_ignored(self, event: NostrEvent, classification: Classification) -> HandleResult:
         return HandleResult(Outcome.IGNORED, classification.reason or "unclassified")
+
+    async def _on_stop(self, event: NostrEvent, classification: Classification) -> HandleResult:
+        """A stop request (kind 24134): only the owner's or a whitelisted person's is carried out."""
+        assert classification.conversation_id is not None
+        if self._stopper is None:
+            return HandleResult(Outcome.IGNORED, "stop_not_handled")
+        report = await self._stopper.on_request(event, classification.conversation_id, self.scheduler)
+        outcome = Outcome.STORED if report.accepted else Outcome.IGNORED
+        return HandleResult(outcome, report.reason, report.conversation_id, report.agents)
+
+    async def stop(self, conversation_id: str, agent_slug: str | None, *, by: str) -> StopReport:
+        """Stop ``agent_slug``'s runs (every agent's when None) in a conversation, as ``by`` asks (the
+        control API: the owner); raise ConversationNotFoundError or UnknownAgentError."""
+        if self._stopper is None:
+            raise RuntimeError("this pipeline has no stopper")
+        agents = None if agent_slug is None else (self._manager.agents.get(agent_slug).slug,)
+        return await self._stopper.stop(self.scheduler, conversation_id, agents, by=by)
 
     async def _on_root(self, event: NostrEvent, classification: Classification) -> HandleResult:
         existing = await self._manager.get_conversation(event.id)
@@ -229,12 +259,29 @@ class EventDispatcher:
             else:
                 if conversation.id == event.id:
                     return await self._target(conversation.id, event)
+        if conversation.private:  # only the person's gift-wrapped messages join a private conversation
+            return HandleResult(Outcome.IGNORED, "private_conversation", conversation.id)
         if conversation.archived:
             await self._manager.restore_conversation(cid)
             log.info("conversation_restored", conversation_id=cid, reason="new_activity")
         if not await self._manager.add_event(conversation.id, event):
             return HandleResult(Outcome.DUPLICATE, conversation_id=conversation.id)
         return await self._target(conversation.id, event)
+
+    async def _on_private(self, event: NostrEvent, classification: Classification) -> HandleResult:
+        """A person's private message (an unwrapped kind-14 rumor): it joins their private conversation
+        with the agent (:class:`PrivateConversations`)."""
+        if self._private is None:
+            return HandleResult(Outcome.IGNORED, "private_messages_off")
+        if await self._manager.store.is_processed(event.id):  # the same rumor in another wrap
+            holder = await self._manager.find_conversation_of_event(event.id)
+            return HandleResult(Outcome.DUPLICATE, conversation_id=holder)
+        joined = await self._private.join(event)
+        if joined is None:
+            return HandleResult(Outcome.IGNORED, SkipReason.NOT_ADDRESSED.value)
+        if not joined.added:
+            return HandleResult(Outcome.DUPLICATE, conversation_id=joined.conversation.id)
+        return await self._target(joined.conversation.id, event)
 
     async def _adopt_root(self, root_id: str, reply: NostrEvent) -> Conversation:
         """Start the conversation of a reply with an unknown root: the fetched root, else the reply."""

@@ -3,6 +3,8 @@
 The lock order, the one place it is written down. A task that holds a lock may take only locks
 further down this list, so no two tasks ever wait on each other:
 
+0. ``Stopper``'s per-conversation lock (one stop at a time), taken outside any run: a stop waits
+   under it for the runs it cancels to end, and no run ever takes it.
 1. ``RunScheduler``'s per-conversation run slot (one agent run at a time in a conversation), then,
    with daemons sharing a database, the conversation's run lease across daemons (``run:<id>``,
    taken by polling, so a run waiting for it holds no connection), then the global cap (a semaphore).

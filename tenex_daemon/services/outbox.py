@@ -115,6 +115,10 @@ class Outbox:
 
     # --- what status and metrics read ---------------------------------------------------------
 
+    def holds(self, conversation_id: str) -> bool:
+        """Whether an event of this conversation still waits for a relay (retention keeps it)."""
+        return any(entry.conversation_id == conversation_id for entry in self._entries.values())
+
     @property
     def depth(self) -> int:
         """Events waiting for a relay."""

@@ -185,8 +185,12 @@ class Sweeper:
         *,
         threads: ThreadManager | None = None,
         on_sweep: Callable[[SweepReport], None] | None = None,
+        undelivered: Callable[[str], bool] | None = None,
     ) -> None:
+        """``undelivered(conversation_id)``: whether an event of it still waits for a relay (the outbox);
+        such a conversation is not deleted yet (a reply is never lost to retention)."""
         self._manager = manager
+        self._undelivered = undelivered
         self.policy = policy
         self._threads = threads
         self._on_sweep = on_sweep
@@ -323,6 +327,8 @@ class Sweeper:
                 return Deletion.GONE
             if not conversation.is_ended or conversation.last_activity != row.last_activity:
                 return Deletion.KEPT  # reopened, or changed since the search: the next sweep decides
+            if self._undelivered is not None and self._undelivered(row.id):
+                return Deletion.KEPT  # an event of it still waits for a relay
             if not await self._manager.delete_conversation(row.id, only_ended=True):
                 return Deletion.GONE
             if self._threads is not None:

@@ -9,8 +9,9 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Protocol
 
 import structlog
 
@@ -50,6 +51,37 @@ class RunRequest:
 RunFunction = Callable[[RunRequest], Awaitable[None]]
 
 
+class RunListener(Protocol):
+    """Told when a run starts and ends (the live status, kind 24133); must return at once and never raise."""
+
+    def run_started(self, request: RunRequest) -> None:
+        """``request``'s agent starts working (it held its conversation's slot)."""
+
+    def run_ended(self, request: RunRequest) -> None:
+        """``request``'s run is over (answered, failed, stopped or cancelled)."""
+
+
+@dataclass(slots=True)
+class _Running:
+    """A run being carried out, as :meth:`RunScheduler.cancel` sees it."""
+
+    covers: list[str] = field(default_factory=list)
+    """The keys of the burst it answers too."""
+    saving: bool = False
+    """Its answer is in and its reply is being saved: a stop lets it finish."""
+
+
+_CURRENT_RUN: ContextVar[_Running | None] = ContextVar("tenexd_current_run", default=None)
+
+
+def saving_reply() -> None:
+    """Tell the scheduler that the calling run's answer is in and its reply is being saved: a stop
+    (:meth:`RunScheduler.cancel`) then lets it finish, so a reply is never left half-saved."""
+    running = _CURRENT_RUN.get()
+    if running is not None:
+        running.saving = True
+
+
 class RunScheduler:
     """Runs agents concurrently across conversations and serially within one.
 
@@ -77,8 +109,10 @@ class RunScheduler:
         *,
         journal_key: str = PENDING_RUNS_KEY,
         peers: Peers | None = None,
+        listener: RunListener | None = None,
     ) -> None:
         self._store = store
+        self._listener = listener
         self.journal_key = journal_key
         self._peers = peers
         self._run = run
@@ -89,6 +123,11 @@ class RunScheduler:
         self._pending: dict[str, RunRequest] = {}
         self._covered: set[str] = set()
         """Requests taken into a burst run: their own turn finds them answered."""
+        self._task_of: dict[str, asyncio.Task[None]] = {}
+        self._running: dict[str, _Running] = {}
+        """The requests whose run is being carried out now, by key."""
+        self._stopping: set[str] = set()
+        """Requests :meth:`cancel` is stopping."""
         self._dispatching: dict[str, None] = {}
         """Event ids accepted and not yet dispatched (insertion order)."""
         self._redo: list[str] = []
@@ -213,7 +252,14 @@ class RunScheduler:
 
     def _spawn(self, request: RunRequest) -> None:
         name = f"run {request.agent_slug} {request.conversation_id[:8]}"
-        self._tasks.spawn(self._execute(request), name, log_failure=False)
+        key = self._key(request)
+        task = self._tasks.spawn(self._execute(request), name, log_failure=False)
+        self._task_of[key] = task
+        task.add_done_callback(lambda done: self._forget_task(key, done))
+
+    def _forget_task(self, key: str, task: asyncio.Task[None]) -> None:
+        if self._task_of.get(key) is task:
+            del self._task_of[key]
 
     async def _execute(self, request: RunRequest) -> None:
         log_ctx = log.bind(
@@ -231,6 +277,9 @@ class RunScheduler:
                 else:
                     self.running += 1
                     run, covered = self._take_burst(request)
+                    running = self._running[self._key(request)] = _Running(covered)
+                    token = _CURRENT_RUN.set(running)
+                    self._tell(run, started=True)
                     try:
                         await self._run(run)
                         self.completed += 1
@@ -239,8 +288,14 @@ class RunScheduler:
                         raise
                     finally:
                         self.running -= 1
+                        _CURRENT_RUN.reset(token)
+                        self._running.pop(self._key(request), None)
+                        self._tell(run, started=False)
         except asyncio.CancelledError:
-            log_ctx.warning("run_cancelled", reason="shutdown")
+            if self._key(request) in self._stopping:
+                log_ctx.info("run_stopped")
+            else:
+                log_ctx.warning("run_cancelled", reason="shutdown")
             raise
         except Exception:
             self.failed += 1
@@ -248,6 +303,56 @@ class RunScheduler:
         self._pending.pop(self._key(request), None)
         if self._flush_task is None:
             self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
+
+    def _tell(self, run: RunRequest, *, started: bool) -> None:
+        """Tell the listener (best effort: a listener's failure never touches the run)."""
+        if self._listener is None:
+            return
+        try:
+            if started:
+                self._listener.run_started(run)
+            else:
+                self._listener.run_ended(run)
+        except Exception:
+            log.exception("run_listener_failed", conversation_id=run.conversation_id, agent=run.agent_slug)
+
+    async def cancel(self, conversation_id: str, agent_slug: str | None = None) -> list[RunRequest]:
+        """Stop the runs of ``conversation_id`` (only ``agent_slug``'s when given): running ones are
+        cancelled, waiting ones dropped; when this returns they have ended and the stored journal no
+        longer holds them (a restart does not redo them). A run whose reply is already being saved
+        (:func:`saving_reply`), and the burst it answers, are let finish: a stop never leaves a reply
+        half-saved. Returns the requests stopped, oldest first."""
+        finishing: set[str] = set()
+        in_bursts: set[str] = set()
+        for key, running in self._running.items():
+            in_bursts.update(running.covers)
+            if running.saving:
+                finishing.update((key, *running.covers))
+        finishing.update(self._covered - in_bursts)  # answered by a burst run that is over
+        chosen = [
+            (key, request)
+            for key, request in self._pending.items()
+            if request.conversation_id == conversation_id
+            and (agent_slug is None or request.agent_slug == agent_slug)
+            and key not in finishing
+        ]
+        tasks = []
+        for key, _ in chosen:
+            del self._pending[key]
+            self._covered.discard(key)
+            self._stopping.add(key)
+            task = self._task_of.get(key)
+            if task is not None:
+                task.cancel()
+                tasks.append(task)
+        try:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self._stopping.difference_update(key for key, _ in chosen)
+        if chosen:
+            self._write_journal_soon()
+            await self.journaled()
+        return [request for _, request in chosen]
 
     @contextlib.asynccontextmanager
     async def _conversation_run_lease(self, conversation_id: str) -> AsyncIterator[None]:
@@ -379,6 +484,39 @@ class RunScheduler:
             self._write_journal_soon()  # the runs finished since the last write leave it now
         await self.journaled()
         return cancelled
+
+
+async def forget_journaled(
+    store: SmallValues,
+    conversation_id: str,
+    agent_slug: str | None = None,
+    *,
+    journal_key: str = PENDING_RUNS_KEY,
+) -> list[RunRequest]:
+    """With no daemon running on the journal: remove the runs of ``conversation_id`` (only
+    ``agent_slug``'s when given) from it, so the next start does not redo them; return them."""
+    raw = await store.get_meta(journal_key)
+    try:
+        entries = json.loads(raw) if raw else []
+    except ValueError:
+        return []
+    if not isinstance(entries, list):
+        return []
+
+    def chosen(item: object) -> bool:
+        return (
+            isinstance(item, dict)
+            and "dispatch" not in item
+            and item.get("conversation_id") == conversation_id
+            and (agent_slug is None or item.get("agent_slug") == agent_slug)
+        )
+
+    dropped = [item for item in entries if chosen(item)]
+    if dropped:
+        kept = [item for item in entries if not chosen(item)]
+        await store.set_meta(journal_key, json.dumps(kept, separators=(",", ":")))
+    fields = set(RunRequest.__dataclass_fields__)
+    return [RunRequest(**{k: v for k, v in item.items() if k in fields}) for item in dropped]
 
 
 def _fail_waiter(write: asyncio.Task[None], started: asyncio.Future[None]) -> None:

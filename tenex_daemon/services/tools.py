@@ -33,6 +33,7 @@ from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import ToolCall, ToolResult, ToolSpec
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
+from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.persona import asking_person
 from tenex_daemon.services.token_budget import cut_to_tokens
@@ -295,6 +296,16 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+async def _hidden_here(context: ToolContext, conversation_id: str) -> bool:
+    """Whether a private conversation (NIP-17) is asked for from a public one: it is not readable there
+    (what the agent reads could be published in the clear), with the words of an unknown id."""
+    found = await context.manager.store.find_event(conversation_id)
+    if found is None or found[1].kind != KIND_PRIVATE_MESSAGE:
+        return False
+    here = await context.manager.get_conversation(context.conversation_id)
+    return here is None or not here.private
+
+
 def _not_found(conversation_id: str) -> str:
     """The refusal for an unknown id and for a conversation the person took no part in: the same
     words, so the tool never tells that another person's conversation exists."""
@@ -446,6 +457,8 @@ class GetConversationTool:
         conversation = await context.manager.get_conversation(conversation_id)
         if conversation is None or person is None or person not in conversation.participants():
             raise ToolRefusedError(_not_found(conversation_id))
+        if conversation.private and await _hidden_here(context, conversation.id):
+            raise ToolRefusedError(_not_found(conversation_id))
         messages = _messages(conversation, context)
         header: dict[str, Any] = {
             "id": conversation.id,
@@ -467,6 +480,7 @@ class GetConversationTool:
         if person is not None:
             rows = await context.manager.store.search(SearchQuery(ended=True, participants=(person,)))
         ended = [row for row in rows if row.id != context.conversation_id and row.ended_at is not None]
+        ended = [row for row in ended if not await _hidden_here(context, row.id)]
         ended.sort(key=lambda row: (row.ended_at or 0, row.id), reverse=True)
         listed = [
             {
@@ -511,7 +525,7 @@ class SendMessageTool:
     ``assistant``; it is offered no ``send_message`` (no recursion). Its answer is this
     tool's result.
 
-    On Nostr the exchange is two kind-1111 replies in the conversation: the request,
+    On Nostr the exchange is two replies in the conversation (of its kind: 1111, or 1): the request,
     signed by the asker and p-tagging the asked agent, and the answer, signed by the
     asked agent, replying to the request and p-tagging the asker. Both carry
     ``["delegation", "<thread id>"]``: they are added to history before they are

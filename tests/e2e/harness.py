@@ -17,6 +17,7 @@ from typing import Any
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.home import InitResult, init_home
 from tenex_daemon.app.status import read_status
+from tests.llm_servers import OPENAI_PATH, Reply, ScriptedServer, openai_answer
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_CLIENT = REPO / "tests" / "node" / "conversation_client.mjs"
@@ -172,3 +173,21 @@ def set_summarizer_backend(home: Home, backend_toml: str) -> None:
     """Add a ``[conversations.summarizer]`` table (the backend of titles and summaries) to the home's config."""
     config = home.path / "config.toml"
     config.write_text(f"{config.read_text()}\n[conversations.summarizer]\n{backend_toml.strip()}\n")
+
+
+def scripted_agent(
+    home: Home, slug: str, server: ScriptedServer, text: str, *, delay_s: float = 0.0, timeout_s: float = 30
+) -> None:
+    """The agent answers ``text`` (after ``delay_s``) through ``server``, an OpenAI-compatible scripted
+    model (its ``/v1/chat/completions`` reply is set here)."""
+    server.replies[OPENAI_PATH] = Reply(body=openai_answer(text), delay_s=delay_s)
+    set_agent_backend(
+        home,
+        slug,
+        f"""
+kind = "openai"
+model = "scripted"
+base_url = "{server.url("/v1")}"
+options = {{ timeout = {timeout_s}, max_retries = 0 }}
+""",
+    )

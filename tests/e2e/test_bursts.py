@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from tests.e2e.harness import Home
-from tests.e2e.test_outbox import OPENAI_PATH, slow_planner_running, until_asked
+from tests.e2e.test_outbox import slow_planner_running, until_asked
 from tests.integration.nostr.harness import LocalRelayServer
-from tests.llm_servers import ScriptedServer
+from tests.llm_servers import OPENAI_PATH, ScriptedServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

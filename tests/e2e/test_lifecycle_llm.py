@@ -14,10 +14,9 @@ from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, 
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.core.conversation import UNTITLED
 from tenex_daemon.core.events import NostrEvent
-from tests.e2e.harness import DaemonProcess, Home, run_cli, set_agent_backend, set_summarizer_backend
-from tests.e2e.test_outbox import OPENAI_PATH, answer
+from tests.e2e.harness import DaemonProcess, Home, run_cli, scripted_agent, set_summarizer_backend
 from tests.integration.nostr.harness import LocalRelayServer
-from tests.llm_servers import LlamaServer, Reply, ScriptedServer
+from tests.llm_servers import LlamaServer, ScriptedServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -100,17 +99,7 @@ async def test_an_idle_conversation_is_titled_by_smollm2_published_and_recalled_
     """The idle timeout ends a kind-1 conversation; SmolLM2 gives it a title (not "Untitled Conversation")
     and a summary; a kind-513 event with both is published; the person's next note starts a new
     conversation whose model request carries "## Recent conversations" with that title."""
-    scripted_server.replies[OPENAI_PATH] = Reply(body=answer("Noted: Miso goes to the vet on Friday."))
-    set_agent_backend(
-        home,
-        "planner",
-        f"""
-kind = "openai"
-model = "scripted"
-base_url = "{scripted_server.url("/v1")}"
-options = {{ timeout = 30, max_retries = 0 }}
-""",
-    )
+    scripted_agent(home, "planner", scripted_server, "Noted: Miso goes to the vet on Friday.")
     use_summarizer(home, llama_server)
     daemon = DaemonProcess(home, env=DAEMON_ENV)
     await daemon.start()

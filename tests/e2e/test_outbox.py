@@ -12,41 +12,21 @@ import pytest
 
 from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool
 from tenex_daemon.adapters.nostr.signer import Signer
-from tests.e2e.harness import DaemonProcess, Home, set_agent_backend
+from tests.e2e.harness import DaemonProcess, Home, scripted_agent
 from tests.integration.nostr.harness import LocalRelayServer
-from tests.llm_servers import Reply, ScriptedServer
+from tests.llm_servers import OPENAI_PATH, ScriptedServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-OPENAI_PATH = "/v1/chat/completions"
 THINK_S = 2.0
 DAEMON_ENV = {"TENEX_DAEMON__STREAM_PARTIALS": "false", "TENEX_RELAYS__PUBLISH_TIMEOUT_S": "2"}
 """No partials (the scripted model answers whole); a publish gives up after 2 s, so a relay down for 8 s
 makes it fail and the outbox try again."""
 
 
-def answer(text: str) -> dict[str, object]:
-    """An OpenAI chat completion saying ``text``."""
-    return {
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "scripted",
-        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
-    }
-
-
 def slow_planner(home: Home, server: ScriptedServer) -> None:
     """The planner thinks THINK_S seconds through a scripted OpenAI-compatible server."""
-    server.replies[OPENAI_PATH] = Reply(body=answer("Here is the plan."), delay_s=THINK_S)
-    set_agent_backend(
-        home,
-        "planner",
-        f"""
-kind = "openai"
-model = "scripted"
-base_url = "{server.url("/v1")}"
-options = {{ timeout = 30, max_retries = 0 }}
-""",
-    )
+    scripted_agent(home, "planner", server, "Here is the plan.", delay_s=THINK_S)
 
 
 class Person:

@@ -1,4 +1,6 @@
-"""Signed agent replies: a :class:`~tenex_daemon.core.ports.ReplySpec` made into a kind-1111 event."""
+"""Signed agent replies: a :class:`~tenex_daemon.core.ports.ReplySpec` made into an event of the kind its
+conversation speaks (kind 1 with NIP-10 tags in a kind-1 conversation, kind 1111 with NIP-22 tags in
+the others: docs/PROTOCOL.md, "Tags tenexd writes on an agent reply")."""
 
 from __future__ import annotations
 
@@ -6,14 +8,13 @@ from collections.abc import Mapping
 
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplySpec
-from tenex_daemon.core.vocabulary import KIND_COMMENT
 
-from .codec import ReplyDetails, ThreadRoot, build_reply_tags
+from .codec import ReplyDetails, ThreadRoot, build_agent_reply
 from .signer import Signer
 
 
 class SignedReplyComposer:
-    """Builds an agent's kind-1111 reply with docs/PROTOCOL.md's tags and signs it with the agent's key."""
+    """Builds an agent's reply with docs/PROTOCOL.md's kind and tags and signs it with the agent's key."""
 
     def __init__(self, signers: Mapping[str, Signer], project: tuple[str, str] | None) -> None:
         """Sign with ``signers`` by agent slug; ``project`` is (owner pubkey, d-tag) for the ``a`` tag."""
@@ -21,7 +22,10 @@ class SignedReplyComposer:
         self._project = project
 
     def compose(self, spec: ReplySpec) -> NostrEvent:
-        """Return the signed reply."""
+        """Return the signed reply: kind 1 when the conversation's root is a kind 1, else kind 1111.
+
+        Without a root (not stored) the root is the one the trigger's tags name, else the trigger.
+        """
         root = ThreadRoot.of(spec.root) if spec.root is not None else None
         details = ReplyDetails(
             project=self._project,
@@ -32,8 +36,9 @@ class SignedReplyComposer:
             llm_model=spec.model,
             prompt_tokens=spec.prompt_tokens,
             completion_tokens=spec.completion_tokens,
+            cost_usd=spec.cost_usd,
             error=spec.error,
             delegation=spec.delegation,
         )
-        tags = build_reply_tags(spec.trigger, spec.destinations, root=root, details=details)
-        return self._signers[spec.agent_slug].sign(KIND_COMMENT, spec.content, tags)
+        kind, tags = build_agent_reply(spec.trigger, spec.destinations, root=root, details=details)
+        return self._signers[spec.agent_slug].sign(kind, spec.content, tags)

@@ -74,7 +74,7 @@ class PoolPublisher:
         """Publish an agent's streamed text so far as an ephemeral kind-21111 event.
 
         Tagged by :func:`~tenex_daemon.adapters.nostr.codec.streaming_tags`; the final
-        kind-1111 reply replaces it in clients.
+        reply (kind 1111, or kind 1 in a kind-1 conversation) replaces it in clients.
         """
         tags = streaming_tags(conversation_id, trigger_id, sequence)
         event = self._signers[agent_slug].sign(KIND_STREAMING, text, tags)

@@ -93,8 +93,13 @@ class MemoryStore:
         return True
 
     async def search(self, query: SearchQuery) -> list[ConversationSummary]:
-        """Filter every conversation's summary row."""
-        rows = [ConversationSummary.of(c) for c in self._conversations.values()]
+        """Filter every conversation's summary row (the cheap filters first, before a row is built)."""
+        rows = [
+            ConversationSummary.of(c)
+            for c in self._conversations.values()
+            if (query.ended is None or c.is_ended == query.ended)
+            and (query.archived is None or c.archived == query.archived)
+        ]
         return apply_query(rows, query)
 
     async def phase_counts(self) -> dict[tuple[str, bool], int]:

@@ -175,6 +175,29 @@ def _end_path() -> Json:
     return {"post": operation}
 
 
+def _stop_path() -> Json:
+    operation = _on_conversation(
+        (
+            "Stop the agents working on the conversation (one agent with {\"agent\": slug}): their running "
+            "and waiting runs are cancelled, nothing half-written is published, the stop is recorded and "
+            "answered in the conversation with a notice (docs/PROTOCOL.md, kind 24134)."
+        ),
+        "stopConversation",
+        _ok("Stopped (the agents whose runs were stopped; none when nothing ran).", {
+            "type": "object", "properties": {
+                "id": {"type": "string"},
+                "stopped": {"type": "array", "items": {"type": "string"}},
+                "notice": {"type": ["string", "null"], "description": "The id of the notice published."},
+            },
+        }),
+        requestBody={"required": False, "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"agent": {"type": "string", "description": "Agent slug."}},
+        }}}},
+    )
+    operation["responses"]["503"] = {"description": "The daemon runs no agents."}
+    return {"post": operation}
+
+
 def _restore_path() -> Json:
     return {"post": _on_conversation(
         "Restore an archived conversation.", "restoreConversation", _ok("Restored.", {"type": "object"}),
@@ -234,6 +257,7 @@ def _paths() -> Json:
         paths.CONVERSATION_RESET: _reset_path(),
         paths.CONVERSATION_ARCHIVE: _archive_path(),
         paths.CONVERSATION_END: _end_path(),
+        paths.CONVERSATION_STOP: _stop_path(),
         paths.CONVERSATION_RESTORE: _restore_path(),
         paths.CONVERSATION_CONTEXT: _context_path(),
         paths.TASK_CONVERSATION: _task_path(),

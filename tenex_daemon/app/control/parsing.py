@@ -123,6 +123,19 @@ def parse_end_body(body: object) -> str | None:
     return reason or None
 
 
+def parse_stop_body(body: object) -> str | None:
+    """Return the ``agent`` slug of a stop request's decoded JSON body (None: every agent); raise
+    ApiError 400."""
+    if body is None:
+        return None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    agent = body.get("agent")
+    if agent is not None and not isinstance(agent, str):
+        raise ApiError(400, "agent must be a string (an agent's slug)")
+    return agent or None
+
+
 def parse_context_query(query: Mapping[str, str]) -> tuple[str, str | None]:
     """Return the (agent slug, trigger event id or None) of a context request; raise ApiError 400."""
     agent = query.get("agent")

@@ -24,10 +24,11 @@ from tenex_daemon.app.control.parsing import (
     parse_rebuild_body,
     parse_reset_body,
     parse_search,
+    parse_stop_body,
 )
 from tenex_daemon.app.control.views import conversation_json, preview_context, summary_json
 from tenex_daemon.app.metrics import Metrics
-from tenex_daemon.app.rebuild import EventSource, Rebuilder
+from tenex_daemon.app.rebuild import EventSource, Rebuilder, private_rebuild
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
@@ -186,6 +187,17 @@ async def _end(request: web.Request) -> web.Response:
     return _json({"id": conversation_id, "ended": True, "ended_by": "owner", "reason": reason})
 
 
+async def _stop(request: web.Request) -> web.Response:
+    conversation_id = _conversation_id(request)
+    agent = parse_stop_body(await _json_body(request, '{"agent": "<slug>"}'))
+    target = _target(request)
+    if not isinstance(target, PipelineTarget) or target.pipeline is None:
+        raise ApiError(503, "the daemon runs no agents here: there is nothing to stop")
+    report = await target.pipeline.dispatcher.stop(conversation_id, agent, by="owner")
+    notice = report.notice.id if report.notice is not None else None
+    return _json({"id": conversation_id, "stopped": list(report.agents), "notice": notice})
+
+
 async def _restore(request: web.Request) -> web.Response:
     conversation_id = _conversation_id(request)
     await _target(request).manager.restore_conversation(conversation_id)
@@ -197,7 +209,10 @@ async def _rebuild(request: web.Request) -> web.Response:
     target = _target(request)
     if not isinstance(target, RelayTarget) or target.pool is None:
         raise ApiError(503, "the daemon has no relay connections to rebuild from")
-    rebuilder = Rebuilder(target.manager, target.pool, allowed_authors=target.settings.whitelist)
+    settings = target.settings
+    rebuilder = Rebuilder(
+        target.manager, target.pool, allowed_authors=settings.whitelist, private=private_rebuild(settings)
+    )
     try:
         report = await rebuilder.rebuild(wanted)
     except ConversationNotFoundError:
@@ -254,6 +269,7 @@ def create_app(target: ControlTarget) -> web.Application:
     app.router.add_post(paths.CONVERSATION_RESET, _reset)
     app.router.add_post(paths.CONVERSATION_ARCHIVE, _archive)
     app.router.add_post(paths.CONVERSATION_END, _end)
+    app.router.add_post(paths.CONVERSATION_STOP, _stop)
     app.router.add_post(paths.CONVERSATION_RESTORE, _restore)
     app.router.add_get(paths.CONVERSATION_CONTEXT, _context)
     app.router.add_get(paths.TASK_CONVERSATION, _task)

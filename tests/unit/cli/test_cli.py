@@ -289,6 +289,21 @@ def test_home_after_the_command_wins_over_home_before_it(home: Path, tmp_path: P
     assert not (tmp_path / "elsewhere").exists()
 
 
+def test_conversations_show_and_list_say_whether_it_ended_by_whom_and_why(home: Path) -> None:
+    """`conversations show` prints the end (when, by whom, why) and `list` a status column: ended, then active."""
+    picnic = seed_conversation(home, "Picnic plans", "Plan a picnic")
+    code, shown = tenexd(home, "conversations", "show", picnic)
+    assert code == 0
+    assert "active, last activity" in shown
+
+    tenexd(home, "conversations", "end", picnic, "--reason", "picnic happened")
+    shown = tenexd(home, "conversations", "show", picnic)[1]
+    listed = tenexd(home, "conversations", "list")[1]
+
+    assert "by owner: picnic happened" in shown
+    assert "ended" in listed
+
+
 def test_conversations_end_records_the_owner_and_the_reason(home: Path) -> None:
     """`tenexd conversations end ID --reason ...` (no daemon: the store) ends the conversation, ended by
     the owner with the reason, not archived; a second end exits 1 (it is ended already)."""

@@ -211,6 +211,28 @@ async def test_max_retained_keeps_n_and_deletes_the_oldest_ended_beyond(cast: Ca
     assert await manager.store.is_processed(second.id)
 
 
+async def test_a_conversation_whose_reply_still_waits_for_a_relay_is_not_deleted(cast: Cast) -> None:
+    """Beyond max_retained, the oldest ended conversation is kept while the outbox still holds an event of
+    it (a reply is never lost to retention: a newer one goes instead), and deleted once it was delivered."""
+    clock = FakeClock()
+    manager = make_manager(cast, clock)
+    oldest = await ended_one(manager, clock, cast, "reply still on its way")
+    await ended_one(manager, clock, cast, "newer")
+    waiting = {oldest}
+    sweep = Sweeper(
+        manager, RetentionPolicy(archive_after_days=None, max_retained=1), undelivered=waiting.__contains__
+    )
+
+    await sweep.sweep_once()
+    kept_while_waiting = oldest in await kept_ids(manager)
+    waiting.clear()
+    await ended_one(manager, clock, cast, "newest")
+    await sweep.sweep_once()
+
+    assert kept_while_waiting
+    assert oldest not in await kept_ids(manager)
+
+
 async def test_the_default_limit_1000_deletes_one_of_1001(cast: Cast) -> None:
     """At the default max_retained (1000), 1000 ended conversations are kept and the 1001st ended makes
     the sweep delete exactly the oldest one (memory store)."""

@@ -15,7 +15,9 @@ from typing import Final
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import (
     ERROR_SYSTEM,
+    KIND_COMMENT,
     KIND_CONVERSATION_ROOT,
+    KIND_NOTE,
     KIND_PROJECT,
     KIND_RELAY_AUTH,
     TAG_ADDRESS,
@@ -24,6 +26,7 @@ from tenex_daemon.core.vocabulary import (
     TAG_ERROR,
     TAG_EVENT,
     TAG_LLM_COMPLETION_TOKENS,
+    TAG_LLM_COST_USD,
     TAG_LLM_MODEL,
     TAG_LLM_PROMPT_TOKENS,
     TAG_NET_TIME,
@@ -150,9 +153,10 @@ def read_threading(event: NostrEvent) -> Threading:
 
     NIP-22: ``E``/``K``/``P`` name the root, ``e``/``k``/``p`` the parent (a reply
     straight to the root may omit ``e``). NIP-10 marked: ``e`` with ``root`` /
-    ``reply`` markers (a lone ``root`` is also the parent). NIP-10 positional: the
-    first ``e`` is the root and the last the parent; ``mention`` tags are skipped.
-    Ids that are not 64 hex characters are ignored.
+    ``reply`` markers (a lone ``root`` is also the parent; of several ``reply`` markers the last
+    one, as NDK writes a reply to a reply: the parent's marked tags copied, then its own). NIP-10
+    positional: the first ``e`` is the root and the last the parent; ``mention`` tags are
+    skipped. Ids that are not 64 hex characters are ignored.
     """
     root_tag = _first(event.tags, TAG_ROOT_EVENT)
     if root_tag is not None and is_hex(root_tag[1], 64):
@@ -179,7 +183,7 @@ def _nip10_threading(tags: list[list[str]]) -> Threading:
     """NIP-10: marked ``root``/``reply`` ``e`` tags, else positional ones (first root, last parent)."""
     e_tags = [t for t in tags if len(t) > 1 and t[0] == TAG_EVENT and is_hex(t[1], 64)]
     marked_root = next((t for t in e_tags if _marker(t) == MARKER_ROOT), None)
-    marked_reply = next((t for t in e_tags if _marker(t) == MARKER_REPLY), None)
+    marked_reply = next((t for t in reversed(e_tags) if _marker(t) == MARKER_REPLY), None)
     root = marked_root or marked_reply
     parent = marked_reply or marked_root
     if root is not None and parent is not None:
@@ -244,7 +248,8 @@ def root_of(event: NostrEvent) -> ThreadRoot:
 class ReplyDetails:
     """What an agent's reply carries besides its threading: docs/PROTOCOL.md's optional reply tags.
 
-    ``project`` is ``(owner pubkey, project d-tag)`` for the ``a`` tag; ``delegation`` is a
+    ``project`` is ``(owner pubkey, project d-tag)`` for the ``a`` tag; ``cost_usd`` is what the
+    reply's tokens cost (written with at most 6 decimals, never an exponent); ``delegation`` is a
     ``send_message`` exchange's thread id. A None (or False) field writes no tag.
     """
 
@@ -256,6 +261,7 @@ class ReplyDetails:
     llm_model: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cost_usd: float | None = None
     error: bool = False
     delegation: str | None = None
 
@@ -270,6 +276,7 @@ class ReplyDetails:
             (TAG_LLM_MODEL, self.llm_model),
             (TAG_LLM_PROMPT_TOKENS, _text(self.prompt_tokens)),
             (TAG_LLM_COMPLETION_TOKENS, _text(self.completion_tokens)),
+            (TAG_LLM_COST_USD, usd_text(self.cost_usd)),
             (TAG_ERROR, ERROR_SYSTEM if self.error else None),
             (TAG_DELEGATION, self.delegation),
         ]
@@ -281,6 +288,77 @@ NO_DETAILS: Final = ReplyDetails()
 
 def _text(number: int | None) -> str | None:
     return str(number) if number is not None else None
+
+
+def usd_text(amount: float | None) -> str | None:
+    """An amount of US dollars as an ``llm-cost-usd`` value: at most 6 decimals, no exponent, no
+    trailing zeros (``0.0015``, ``2``, ``0`` for less than half a millionth)."""
+    if amount is None:
+        return None
+    text = f"{amount:.6f}".rstrip("0").rstrip(".")
+    return "0" if text in ("", "-0") else text
+
+
+def _thread_root(trigger: NostrEvent, root: ThreadRoot | NostrEvent | None) -> ThreadRoot:
+    """The conversation root given (an event or its fields), else the one the trigger's tags name."""
+    if root is None:
+        return root_of(trigger)
+    return ThreadRoot.of(root) if isinstance(root, NostrEvent) else root
+
+
+def reply_kind(root_kind: int) -> int:
+    """The kind of an agent's reply in a conversation whose root has ``root_kind``: kind 1 (NIP-10)
+    in a kind-1 conversation, where NIP-22 forbids a comment and kind-1 clients would not show it;
+    kind 1111 (NIP-22) in every other one."""
+    return KIND_NOTE if root_kind == KIND_NOTE else KIND_COMMENT
+
+
+def build_agent_reply(
+    trigger: NostrEvent,
+    destinations: Iterable[str],
+    *,
+    root: ThreadRoot | NostrEvent | None = None,
+    details: ReplyDetails = NO_DETAILS,
+) -> tuple[int, Tags]:
+    """Return (kind, tags) of an agent's reply to ``trigger``: the kind its conversation speaks
+    (:func:`reply_kind`), with :func:`build_note_reply_tags` or :func:`build_reply_tags`."""
+    thread_root = _thread_root(trigger, root)
+    kind = reply_kind(thread_root.kind)
+    if kind == KIND_NOTE:
+        return kind, build_note_reply_tags(trigger, destinations, root=thread_root, details=details)
+    return kind, build_reply_tags(trigger, destinations, root=thread_root, details=details)
+
+
+def note_thread_tags(root_id: str, parent_id: str, relay_hint: str = "") -> Tags:
+    """NIP-10 marked ``e`` tags of a kind-1 reply to ``parent_id`` in the thread of ``root_id``:
+    ``["e", <root>, hint, "root"]``, then ``["e", <parent>, hint, "reply"]`` unless the parent is
+    the root (one ``e`` marked ``root`` then)."""
+    tags: Tags = [[TAG_EVENT, root_id, relay_hint, MARKER_ROOT]]
+    if parent_id != root_id:
+        tags.append([TAG_EVENT, parent_id, relay_hint, MARKER_REPLY])
+    return tags
+
+
+def build_note_reply_tags(
+    trigger: NostrEvent,
+    destinations: Iterable[str],
+    *,
+    root: ThreadRoot | NostrEvent | None = None,
+    details: ReplyDetails = NO_DETAILS,
+    relay_hint: str = "",
+) -> Tags:
+    """Return the tags of an agent's kind-1 reply to ``trigger`` in a kind-1 conversation (NIP-10).
+
+    The marked ``e`` tags of :func:`note_thread_tags` (the conversation root, else the root the
+    trigger's tags name, else the trigger), one ``p`` per destination (the person and every agent
+    addressed), then ``details``' tags as on a kind-1111 reply.
+    """
+    thread_root = _thread_root(trigger, root)
+    return (
+        note_thread_tags(thread_root.id, trigger.id, relay_hint)
+        + _pubkey_tags(destinations)
+        + details.tags()
+    )
 
 
 def build_reply_tags(
@@ -298,9 +376,7 @@ def build_reply_tags(
     trigger; every ``p`` is then replaced by one per destination. ``details`` adds
     the optional tags after them (:meth:`ReplyDetails.tags`).
     """
-    thread_root = root_of(trigger) if root is None else (
-        ThreadRoot.of(root) if isinstance(root, NostrEvent) else root
-    )
+    thread_root = _thread_root(trigger, root)
     tags: Tags = [
         [TAG_ROOT_EVENT, thread_root.id, relay_hint, thread_root.pubkey]
         if thread_root.pubkey else [TAG_ROOT_EVENT, thread_root.id, relay_hint],
@@ -329,6 +405,21 @@ def person_reply_tags(parent: NostrEvent, destinations: Iterable[str]) -> tuple[
     if root_author:
         tags.append([TAG_ROOT_AUTHOR, root_author])
     return root_id, tags + _parent_tags(parent) + _pubkey_tags(destinations)
+
+
+def person_note_reply_tags(parent: NostrEvent, destinations: Iterable[str]) -> tuple[str, Tags]:
+    """Return (thread root id, tags) of a person's kind-1 reply to ``parent`` (``tenexd send --kind 1``).
+
+    NIP-10 marked ``e`` tags (:func:`note_thread_tags`): the root the parent's tags name, else the
+    parent itself; then one ``p`` per destination.
+    """
+    root_id = read_threading(parent).root_id or parent.id
+    return root_id, note_thread_tags(root_id, parent.id) + _pubkey_tags(destinations)
+
+
+def note_tags(destinations: Iterable[str]) -> Tags:
+    """Return the tags of a person's top-level kind-1 note: one ``p`` per destination."""
+    return _pubkey_tags(destinations)
 
 
 def conversation_root_tags(title: str, destinations: Iterable[str], project: tuple[str, str]) -> Tags:

@@ -162,17 +162,18 @@ class RelayPool:
 
     # -- subscriptions ---------------------------------------------------------------------
 
-    async def subscribe(self, sub_id: str, filters: Sequence[Filter]) -> None:
+    async def subscribe(self, sub_id: str, filters: Sequence[Filter], *, lookback_s: int = 0) -> None:
         """Add (or replace) a live subscription on every readable relay.
 
         Its cursor is loaded from the store, so after a restart only what may have
-        been missed is asked for.
+        been missed is asked for. ``lookback_s``: seconds a re-subscription asks further back than
+        the cursor, for events dated in the past (NIP-59 gift wraps: up to two days).
         """
         if not 0 < len(sub_id) <= 64:
             raise ValueError("a subscription id must be 1 to 64 characters")
         if sub_id.startswith("fetch-"):
             raise ValueError("subscription ids starting with 'fetch-' are reserved")
-        sub = Subscription(sub_id, [dict(f) for f in filters])
+        sub = Subscription(sub_id, [dict(f) for f in filters], lookback_s)
         await self._subscriptions.add(sub, [spec.url for spec in self.specs], self.store)
         for relay in self._relays.values():
             if relay.spec.read:

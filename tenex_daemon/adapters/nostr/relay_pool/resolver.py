@@ -36,7 +36,8 @@ class RelayEventResolver:
             if self.store is not None:
                 found = await self.store.find_event(entity.value)
                 if found is not None:
-                    return found[1]
+                    # a private conversation's message (unsigned) is never shown outside it
+                    return found[1] if found[1].is_signed else None
             return await self.pool.fetch_event(entity.value, timeout=self.timeout)
         if entity.kind_name == "naddr" and entity.author is not None and entity.kind is not None:
             events = await self.pool.fetch(

@@ -16,6 +16,8 @@ class Subscription:
 
     sub_id: str
     filters: list[Filter]
+    lookback_s: int = 0
+    """Seconds asked for before the cursor beyond the window (events dated in the past)."""
 
 
 def cursor_key(sub_id: str, url: str) -> str:
@@ -60,7 +62,7 @@ class Subscriptions:
         cursor = self._cursors.get((sub.sub_id, url))
         if cursor is None:
             return sub.filters
-        since = max(0, cursor - self._since_window)
+        since = max(0, cursor - self._since_window - sub.lookback_s)
         return [{**f, "since": max(int(f.get("since", 0)), since)} for f in sub.filters]
 
     def cursor(self, sub_id: str, url: str) -> int | None:

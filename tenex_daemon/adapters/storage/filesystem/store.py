@@ -479,6 +479,10 @@ class FileSystemStore:
                 continue
             if query.participant is not None and query.participant not in entry.participants:
                 continue
+            if query.participants and not entry.participants.issuperset(query.participants):
+                continue
+            if query.ended is not None and (entry.lifecycle.get("ended_at") is not None) != query.ended:
+                continue
             rows.append(entry.summary())
         return apply_query(rows, query)
 

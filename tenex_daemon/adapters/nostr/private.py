@@ -1,0 +1,255 @@
+"""NIP-17 private messages at the Nostr edge: gift wraps opened and made by nostr-sdk (NIP-44 encryption,
+NIP-59 seal and gift wrap), never by hand-written crypto (docs/PROTOCOL.md, "Private conversations").
+
+- :class:`GiftWraps` opens a kind-1059 wrap addressed to one of the agents with that agent's key and
+  returns its kind-14 rumor as a :class:`~tenex_daemon.core.events.NostrEvent` with an empty ``sig``
+  (a rumor is unsigned: its authenticity is the seal's signature, which nostr-sdk checks, and the seal's
+  author must be the rumor's: checked here too). Its id must be the NIP-01 hash of its fields. It
+  also wraps an agent's rumor for one recipient (sealed by the agent, wrapped by a one-time key).
+- :class:`PrivateReplyComposer` composes an agent's reply in a private conversation (its root a kind-14
+  rumor) as an unsigned kind-14 rumor; every other reply is the inner composer's.
+- :class:`GiftWrapPublisher` never puts a rumor on a relay: it publishes one gift wrap per recipient
+  (the rumor's ``p`` tags and its author, so the agent's own copy survives a rebuild), made once per
+  rumor and kept until a relay accepted each; signed events go to the inner publisher unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+import structlog
+from nostr_sdk import (
+    Event,
+    Keys,
+    NostrSdkError,
+    PublicKey,
+    UnsignedEvent,
+    UnwrappedGift,
+    nip59_make_gift_wrap,
+)
+from pydantic import ValidationError
+
+from tenex_daemon.core.events import NostrEvent, compute_event_id
+from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec
+from tenex_daemon.core.vocabulary import (
+    ERROR_SYSTEM,
+    KIND_GIFT_WRAP,
+    KIND_PRIVATE_MESSAGE,
+    TAG_DELEGATION,
+    TAG_ERROR,
+    TAG_EVENT,
+    TAG_PUBKEY,
+    TAG_SUBJECT,
+    TAG_TOOL,
+    TOOL_COMPLETE,
+)
+
+from .signer import Signer
+
+log = structlog.get_logger(__name__)
+
+PENDING_WRAPS_MEMORY: Final = 10_000
+"""Rumors whose wraps are kept for a retry (a rumor leaves once a relay accepted each of its wraps)."""
+
+
+class WrapRefusal(StrEnum):
+    """Why a gift wrap gives no private message (counted and logged by the daemon)."""
+
+    NOT_A_WRAP = "not_a_gift_wrap"
+    NOT_FOR_AN_AGENT = "wrap_not_for_an_agent"
+    UNREADABLE = "wrap_unreadable"
+    """It does not decrypt with the agent's key, or its seal does not verify (nostr-sdk refused it)."""
+    SEAL_AUTHOR_MISMATCH = "seal_author_mismatch"
+    BAD_RUMOR = "bad_rumor"
+    """The rumor is not a NIP-01 event (shape), or its id is not the hash of its fields."""
+    UNSUPPORTED_KIND = "private_kind_unsupported"
+    """A rumor of another kind than 14 (a file message, a reaction...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedWrap:
+    """A gift wrap's rumor and the agent it was addressed to (its public key)."""
+
+    rumor: NostrEvent
+    recipient: str
+
+
+class GiftWrapError(RuntimeError):
+    """A rumor could not be wrapped, or not every wrap of it reached a relay (the outbox tries again)."""
+
+
+def _keys_of(signer: Signer) -> Keys:
+    return Keys.parse(signer.secret_hex())
+
+
+def rumor_from_json(text: str) -> NostrEvent:
+    """The rumor in ``text`` (NIP-01 fields, no signature) as an event with an empty ``sig``; raise
+    ValueError when a field is missing or malformed, or when a given id is not the hash of the fields."""
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("a rumor is a JSON object")
+    try:
+        fields = (data["pubkey"], data["created_at"], data["kind"], data["tags"], data["content"])
+        computed = compute_event_id(*fields)
+        given = data.get("id") or computed
+        if given != computed:
+            raise ValueError(f"rumor id {given} is not the hash of its fields ({computed})")
+        return NostrEvent.model_validate({**data, "id": computed, "sig": ""})
+    except (KeyError, TypeError, ValidationError) as exc:
+        raise ValueError(f"malformed rumor: {exc}") from None
+
+
+def rumor_json(rumor: NostrEvent) -> str:
+    """The rumor's NIP-01 fields as JSON, without any signature (what is sealed)."""
+    data = rumor.to_dict()
+    del data["sig"]
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+class GiftWraps:
+    """Opens the gift wraps addressed to the agents and wraps the agents' rumors (nostr-sdk, NIP-59)."""
+
+    def __init__(self, signers: Mapping[str, Signer]) -> None:
+        """Use ``signers`` (the agents' keys, by slug)."""
+        self._keys = {signer.pubkey: _keys_of(signer) for signer in signers.values()}
+
+    def open(self, wrap: NostrEvent) -> OpenedWrap | WrapRefusal:
+        """Open a kind-1059 wrap (its id and signature were checked at intake): its rumor, or why not."""
+        if wrap.kind != KIND_GIFT_WRAP:
+            return WrapRefusal.NOT_A_WRAP
+        recipient = wrap.tag_value(TAG_PUBKEY)
+        keys = self._keys.get(recipient) if recipient is not None else None
+        if keys is None or recipient is None:
+            return WrapRefusal.NOT_FOR_AN_AGENT
+        try:
+            unwrapped = UnwrappedGift.from_gift_wrap(keys, Event.from_json(json.dumps(wrap.to_dict())))
+            sender = unwrapped.sender().to_hex()
+            rumor_text = unwrapped.rumor().as_json()
+        except NostrSdkError as exc:  # not for this key (HMAC), bad padding, a seal that does not verify...
+            return _refused(wrap, WrapRefusal.UNREADABLE, str(exc))
+        try:
+            rumor = rumor_from_json(rumor_text)
+        except ValueError as exc:
+            return _refused(wrap, WrapRefusal.BAD_RUMOR, str(exc))
+        if rumor.pubkey != sender:  # nostr-sdk refuses this too ("sender mismatch"); checked again here
+            detail = f"sealed by {sender}, written by {rumor.pubkey}"
+            return _refused(wrap, WrapRefusal.SEAL_AUTHOR_MISMATCH, detail)
+        if rumor.kind != KIND_PRIVATE_MESSAGE:
+            return WrapRefusal.UNSUPPORTED_KIND
+        return OpenedWrap(rumor, recipient)
+
+    def wrap(self, rumor: NostrEvent, recipient: str) -> NostrEvent:
+        """Seal ``rumor`` with its author's key (one of the agents) and gift-wrap it for ``recipient``."""
+        keys = self._keys.get(rumor.pubkey)
+        if keys is None:
+            raise GiftWrapError(f"no key for the rumor's author {rumor.pubkey}")
+        try:
+            unsigned = UnsignedEvent.from_json(rumor_json(rumor))
+            wrapped = nip59_make_gift_wrap(keys, PublicKey.parse(recipient), unsigned)
+            return NostrEvent.model_validate_json(wrapped.as_json())
+        except Exception as exc:  # NostrSdkError: a malformed recipient key...
+            raise GiftWrapError(f"rumor {rumor.id} cannot be wrapped for {recipient}: {exc}") from None
+
+
+def _refused(wrap: NostrEvent, reason: WrapRefusal, error: str) -> WrapRefusal:
+    log.info("gift_wrap_refused", event_id=wrap.id, reason=reason.value, error=error)
+    return reason
+
+
+def wrap_recipients(rumor: NostrEvent) -> list[str]:
+    """Who gets a wrap of ``rumor``: every ``p`` it tags, then its author (their own copy), once each."""
+    return list(dict.fromkeys([*rumor.tag_values(TAG_PUBKEY), rumor.pubkey]))
+
+
+def private_reply_tags(spec: ReplySpec) -> list[list[str]]:
+    """The tags of an agent's rumor: one ``p`` per destination, ``e`` replying to the trigger, the
+    conversation's ``subject`` if it has one, and the tags the daemon reads back (completion, error,
+    delegation). Nothing else: the rumor is private, and clients show only these."""
+    tags = [[TAG_PUBKEY, pubkey] for pubkey in dict.fromkeys(spec.destinations)]
+    tags.append([TAG_EVENT, spec.trigger.id, "", "reply"])
+    subject = spec.trigger.tag_value(TAG_SUBJECT) or (spec.root.tag_value(TAG_SUBJECT) if spec.root else None)
+    if subject:
+        tags.append([TAG_SUBJECT, subject])
+    if spec.complete:
+        tags.append([TAG_TOOL, TOOL_COMPLETE])
+    if spec.error:
+        tags.append([TAG_ERROR, ERROR_SYSTEM])
+    if spec.delegation is not None:
+        tags.append([TAG_DELEGATION, spec.delegation])
+    return tags
+
+
+def make_rumor(pubkey: str, content: str, tags: list[list[str]], created_at: int) -> NostrEvent:
+    """An unsigned kind-14 rumor by ``pubkey`` (its id the NIP-01 hash, its ``sig`` empty)."""
+    event_id = compute_event_id(pubkey, created_at, KIND_PRIVATE_MESSAGE, tags, content)
+    return NostrEvent(
+        id=event_id, pubkey=pubkey, created_at=created_at, kind=KIND_PRIVATE_MESSAGE, tags=tags,
+        content=content, sig="",
+    )
+
+
+class PrivateReplyComposer:
+    """Replies in a private conversation are kind-14 rumors (:func:`private_reply_tags`); the others are
+    composed by ``inner``."""
+
+    def __init__(
+        self, inner: ReplyComposer, pubkeys: Mapping[str, str], *, clock: Callable[[], float] = time.time
+    ) -> None:
+        """``pubkeys``: each agent's public key by slug."""
+        self._inner = inner
+        self._pubkeys = pubkeys
+        self._clock = clock
+
+    def compose(self, spec: ReplySpec) -> NostrEvent:
+        """Return the rumor of a reply in a private conversation, else the inner composer's event."""
+        if spec.root is None or spec.root.kind != KIND_PRIVATE_MESSAGE:
+            return self._inner.compose(spec)
+        tags = private_reply_tags(spec)
+        return make_rumor(self._pubkeys[spec.agent_slug], spec.content, tags, int(self._clock()))
+
+
+class GiftWrapPublisher:
+    """Publishes through ``inner``, except that a kind-14 rumor is never published itself: each recipient
+    (:func:`wrap_recipients`) gets a gift wrap, made once and kept until a relay accepted it, so that a
+    retry (the outbox's) sends the same wraps again and a person sees one message, not one per try."""
+
+    def __init__(self, inner: Publisher, wraps: GiftWraps) -> None:
+        self._inner = inner
+        self._wraps = wraps
+        self._pending: OrderedDict[str, dict[str, NostrEvent]] = OrderedDict()
+        self.wraps_published = 0
+
+    async def publish(self, event: NostrEvent) -> None:
+        """Publish a signed event as it is; a rumor as its gift wraps (raise unless each reached a relay)."""
+        if event.kind != KIND_PRIVATE_MESSAGE and event.is_signed:
+            await self._inner.publish(event)
+            return
+        pending = self._pending.get(event.id)
+        if pending is None:
+            pending = {recipient: self._wraps.wrap(event, recipient) for recipient in wrap_recipients(event)}
+            self._pending[event.id] = pending
+            while len(self._pending) > PENDING_WRAPS_MEMORY:
+                self._pending.popitem(last=False)
+        failed: list[str] = []
+        for recipient, wrap in list(pending.items()):
+            try:
+                await self._inner.publish(wrap)
+            except Exception as exc:
+                failed.append(f"{recipient[:12]}: {exc}")
+                continue
+            pending.pop(recipient, None)
+            self.wraps_published += 1
+        if failed:
+            raise GiftWrapError(f"wraps of {event.id} not accepted by any relay ({'; '.join(failed)})")
+        self._pending.pop(event.id, None)
+
+    async def typing(self, agent_slug: str, conversation_id: str, active: bool) -> None:
+        """Typing indicators go to the inner publisher (the runner sends none for private conversations)."""
+        await self._inner.typing(agent_slug, conversation_id, active)
+

@@ -1,0 +1,84 @@
+"""A conversation's live status as a signed kind-24133 event (ephemeral, docs/PROTOCOL.md).
+
+Tags: ``["e", <conversation root>]`` (the root, never the event that triggered a run), one
+``["p", <agent pubkey>]`` per agent working now (none when idle), ``["P", <person>]`` when the
+conversation's person is known and, when the project is known, ``["a", "31933:<owner>:<d>"]``; signed by
+the project key. The content is empty: everything is in the tags.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.vocabulary import (
+    KIND_OPERATIONS_STATUS,
+    TAG_ADDRESS,
+    TAG_EVENT,
+    TAG_PUBKEY,
+    TAG_ROOT_AUTHOR,
+)
+
+from .codec import Tags, project_address
+from .publisher import EventPublishing
+from .signer import Signer
+
+REMEMBERED_ROOTS = 1024
+"""Conversations whose last status time is remembered (so a newer status never looks older)."""
+
+
+def status_tags(
+    root_id: str, person: str | None, agents: Iterable[str], project: tuple[str, str] | None
+) -> Tags:
+    """The tags of a kind-24133 status event (see the module docstring)."""
+    tags: Tags = [[TAG_EVENT, root_id]]
+    tags.extend([TAG_PUBKEY, pubkey] for pubkey in dict.fromkeys(agents))
+    if person is not None:
+        tags.append([TAG_ROOT_AUTHOR, person])
+    if project is not None:
+        tags.append([TAG_ADDRESS, project_address(*project)])
+    return tags
+
+
+class StatusEventPublisher:
+    """Signs each conversation's live status with the project key and publishes it (a :class:`RunStatus`).
+
+    A status published right after another of the same conversation is dated at least one second
+    later, so clients that keep the newest status by ``created_at`` keep the right one.
+    """
+
+    def __init__(
+        self,
+        pool: EventPublishing,
+        project_signer: Signer,
+        project: tuple[str, str] | None,
+        *,
+        publish_timeout_s: float = 10.0,
+    ) -> None:
+        """Publish through ``pool``; ``project`` is (owner pubkey, d-tag) for the ``a`` tag (None: none)."""
+        self._pool = pool
+        self._signer = project_signer
+        self._project = project
+        self._timeout = publish_timeout_s
+        self._last: OrderedDict[str, int] = OrderedDict()
+
+    def compose(self, root_id: str, person: str | None, agents: tuple[str, ...]) -> NostrEvent:
+        """Return the signed status event of the conversation rooted at ``root_id``."""
+        created_at = int(time.time())
+        last = self._last.pop(root_id, None)
+        if last is not None:
+            created_at = max(created_at, last + 1)
+        self._last[root_id] = created_at
+        while len(self._last) > REMEMBERED_ROOTS:
+            self._last.popitem(last=False)
+        tags = status_tags(root_id, person, agents, self._project)
+        return self._signer.sign(KIND_OPERATIONS_STATUS, "", tags, created_at=created_at)
+
+    async def working(
+        self, conversation_id: str, root_id: str, person: str | None, agents: tuple[str, ...]
+    ) -> None:
+        """Publish the status (best effort: a relay that refuses it is not an error)."""
+        event = self.compose(root_id, person, agents)
+        await self._pool.publish(event, timeout=self._timeout, raise_on_failure=False)

@@ -1,0 +1,234 @@
+"""Stopping agents: a person's stop request (kind 24134), ``tenexd conversations stop`` or the control API
+cancels the runs of a conversation, running and waiting, and nothing half-written goes out
+(docs/PROTOCOL.md).
+
+A stopped run saves no reply and publishes nothing more (its partial texts and typing stop with it); it
+leaves the run journal, so a restart does not redo it. A run whose answer is already being saved is let
+finish (:func:`~tenex_daemon.services.runs.saving_reply`): its reply is whole, not half-written. The stop
+is recorded in the conversation's metadata (``metadata.extra["stops"]``: who, when, which agents, the
+request's event id), a stopped agent that the orchestrator's open turn waits for counts as having
+completed it (:data:`STOPPED_COMPLETION`: the turn no longer waits), and, when runs were stopped, the
+stop is answered by a short notice ("Stopped: Alice.") saved in history and published like a reply,
+tagged ``["error", "system"]`` and addressed to the person only, so it runs nobody. The request event
+itself is not added to history (it is ephemeral and says nothing to the agents); its id is remembered
+as processed like any handled event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.ports import ReplyComposer, ReplySpec
+from tenex_daemon.core.vocabulary import TAG_PUBKEY
+from tenex_daemon.services.agent_runner import user_destination
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.locks import KeyedLock
+from tenex_daemon.services.outbox import Outbox
+from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, forget_journaled
+
+log = structlog.get_logger(__name__)
+
+STOPS_KEY = "stops"
+"""Where a conversation records its stops (``metadata.extra``): a list of ``{"by", "at", "agents",
+"event_id"}``, newest last."""
+STOPS_KEPT = 20
+"""How many stops a conversation remembers (the oldest leave first)."""
+STOPPED_COMPLETION = "Stopped before answering."
+"""What a stopped agent counts as having answered in the orchestrator's open turn."""
+STOP_NOT_ALLOWED = "stop_not_allowed"
+UNKNOWN_CONVERSATION = "unknown_conversation"
+STOPPED = "stopped"
+NOTHING_TO_STOP = "nothing_to_stop"
+
+
+@dataclass(frozen=True, slots=True)
+class StopReport:
+    """What a stop did: the conversation, the agents whose runs it stopped, and the notice it published."""
+
+    conversation_id: str | None
+    agents: tuple[str, ...] = ()
+    accepted: bool = True
+    """False for a request that was not carried out (``reason`` says why)."""
+    reason: str | None = None
+    notice: NostrEvent | None = None
+
+
+class Stopper:
+    """Carries out stops for the owner and the whitelisted people (agents cannot stop anyone).
+
+    One stop at a time per conversation (its lock is taken before any run's: a stop waits under it for
+    the runs it cancels to end, and no run ever takes it).
+    """
+
+    def __init__(
+        self,
+        manager: ConversationManager,
+        composer: ReplyComposer,
+        outbox: Outbox,
+        *,
+        owner: str | None,
+        whitelist: Collection[str] = (),
+    ) -> None:
+        self._manager = manager
+        self._composer = composer
+        self._outbox = outbox
+        self._owner = owner
+        self._whitelist = frozenset(whitelist)
+        self._locks = KeyedLock()
+
+    def may_stop(self, pubkey: str) -> bool:
+        """Whether ``pubkey`` may stop runs: the owner or a whitelisted person, never an agent."""
+        if self._manager.agents.by_pubkey(pubkey) is not None:
+            return False
+        return pubkey == self._owner or pubkey in self._whitelist
+
+    async def on_request(
+        self, event: NostrEvent, conversation_id: str, scheduler: RunScheduler
+    ) -> StopReport:
+        """Carry out a kind-24134 request naming ``conversation_id`` (its root; an event inside a
+        conversation is taken for that conversation): the agents it p-tags, else every agent."""
+        if not self.may_stop(event.pubkey):
+            log.warning("stop_refused", event_id=event.id, author=event.pubkey, reason=STOP_NOT_ALLOWED)
+            return StopReport(conversation_id, accepted=False, reason=STOP_NOT_ALLOWED)
+        cid = await self._conversation_of(conversation_id)
+        if cid is None:
+            reason = UNKNOWN_CONVERSATION
+            log.info("stop_ignored", event_id=event.id, conversation_id=conversation_id, reason=reason)
+            return StopReport(conversation_id, accepted=False, reason=UNKNOWN_CONVERSATION)
+        return await self.stop(scheduler, cid, self._named_agents(event), by=event.pubkey, request=event)
+
+    async def stop(
+        self,
+        scheduler: RunScheduler,
+        conversation_id: str,
+        agents: Sequence[str] | None,
+        *,
+        by: str,
+        request: NostrEvent | None = None,
+    ) -> StopReport:
+        """Stop the runs of ``agents`` (slugs; None: every agent) in a conversation, record the stop (by
+        ``by``: a pubkey, or ``owner`` from the CLI and the API) and, when runs were stopped, save and
+        publish the notice; raise ConversationNotFoundError for an unknown conversation."""
+        if await self._manager.get_conversation(conversation_id) is None:
+            raise ConversationNotFoundError(conversation_id)
+        async with self._locks.hold(conversation_id):
+            stopped: list[RunRequest] = []
+            for slug in agents if agents is not None else (None,):
+                stopped.extend(await scheduler.cancel(conversation_id, slug))
+            slugs = tuple(dict.fromkeys(r.agent_slug for r in stopped))
+            for routed in dict.fromkeys(r.agent_slug for r in stopped if r.via_orchestrator):
+                # the orchestrator's open turn no longer waits for an agent that will not answer
+                await self._manager.add_completion_to_turn(conversation_id, routed, STOPPED_COMPLETION)
+            await _record(self._manager, conversation_id, by, slugs, request)
+            notice = await self._notify(conversation_id, stopped) if stopped else None
+        log.info(
+            "conversation_stopped",
+            conversation_id=conversation_id,
+            by=by,
+            agents=list(slugs),
+            runs=len(stopped),
+            request=request.id if request is not None else None,
+            notice=notice.id if notice is not None else None,
+        )
+        return StopReport(conversation_id, slugs, reason=STOPPED if slugs else NOTHING_TO_STOP, notice=notice)
+
+    async def _conversation_of(self, event_id: str) -> str | None:
+        if await self._manager.get_conversation(event_id) is not None:
+            return event_id
+        return await self._manager.find_conversation_of_event(event_id)
+
+    def _named_agents(self, event: NostrEvent) -> tuple[str, ...] | None:
+        """The agents a request p-tags (None when it names none: every agent is stopped)."""
+        named = (self._manager.agents.by_pubkey(p) for p in event.tag_values(TAG_PUBKEY))
+        slugs = tuple(dict.fromkeys(agent.slug for agent in named if agent is not None))
+        return slugs or None
+
+    async def _notify(self, conversation_id: str, stopped: list[RunRequest]) -> NostrEvent | None:
+        """Save and publish the notice of a stop ("Stopped: <names>."), a reply to the newest stopped
+        trigger from the stopped agent (several: the orchestrator, else the first of them)."""
+        conversation = await self._manager.get_conversation(conversation_id)
+        if conversation is None:
+            return None
+        trigger = _newest_trigger(conversation, stopped)
+        if trigger is None:
+            return None
+        directory = self._manager.agents
+        slugs = list(dict.fromkeys(r.agent_slug for r in stopped))
+        orchestrator = directory.orchestrator
+        author = slugs[0] if len(slugs) == 1 or orchestrator is None else orchestrator.slug
+        names = ", ".join(directory.get(slug).name for slug in slugs)
+        spec = ReplySpec(
+            agent_slug=author,
+            trigger=trigger,
+            root=conversation.root,
+            content=f"Stopped: {names}.",
+            destinations=(user_destination(conversation, trigger, self._manager),),
+            phase=conversation.phase.value,
+            net_time_seconds=conversation.execution_time.total(self._manager.now_ms()),
+            error=True,
+        )
+        notice = self._composer.compose(spec)
+        try:
+            await self._manager.add_event(conversation_id, notice)
+        except ConversationArchivedError:
+            log.info("stop_notice_not_saved", conversation_id=conversation_id, reason="archived")
+            return None
+        await self._outbox.add(conversation_id, notice, agent_slug=author, trigger_id=trigger.id)
+        return notice
+
+
+async def stop_without_daemon(
+    manager: ConversationManager,
+    conversation_id: str,
+    agent_slug: str | None,
+    *,
+    by: str,
+    journal_key: str = PENDING_RUNS_KEY,
+) -> StopReport:
+    """A stop while no daemon runs (the CLI on the store): nothing runs, but the runs a crashed daemon
+    journaled for the conversation (``agent_slug``'s only, when given) are removed, so its next start
+    does not redo them; the stop is recorded. No notice: nothing is published without the daemon."""
+    if await manager.get_conversation(conversation_id) is None:
+        raise ConversationNotFoundError(conversation_id)
+    if agent_slug is not None:
+        manager.agents.get(agent_slug)  # UnknownAgentError for a slug that names no agent
+    dropped = await forget_journaled(manager.store, conversation_id, agent_slug, journal_key=journal_key)
+    slugs = tuple(dict.fromkeys(r.agent_slug for r in dropped))
+    await _record(manager, conversation_id, by, slugs, None)
+    log.info("conversation_stopped", conversation_id=conversation_id, by=by, agents=list(slugs), daemon=False)
+    return StopReport(conversation_id, slugs, reason=STOPPED if slugs else NOTHING_TO_STOP)
+
+
+async def _record(
+    manager: ConversationManager,
+    conversation_id: str,
+    by: str,
+    agents: tuple[str, ...],
+    request: NostrEvent | None,
+) -> None:
+    """Add a stop to the conversation's record (``metadata.extra["stops"]``, the newest STOPS_KEPT)."""
+    conversation = await manager.get_conversation(conversation_id)
+    if conversation is None:  # deleted meanwhile
+        return
+    kept = conversation.metadata.extra.get(STOPS_KEY)
+    stops = list(kept)[-(STOPS_KEPT - 1) :] if isinstance(kept, list) else []
+    stops.append({
+        "by": by,
+        "at": manager.now_ms(),
+        "agents": list(agents),
+        "event_id": request.id if request is not None else None,
+    })
+    await manager.set_extra(conversation_id, STOPS_KEY, stops)
+
+
+def _newest_trigger(conversation: Conversation, stopped: list[RunRequest]) -> NostrEvent | None:
+    """The stopped request's trigger that stands last in history."""
+    indexes = [conversation.index_of(r.trigger_id) for r in stopped]
+    found = [i for i in indexes if i is not None]
+    return conversation.history[max(found)] if found else None

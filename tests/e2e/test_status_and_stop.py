@@ -1,0 +1,165 @@
+"""Live status and stop, end to end: a real relay, the daemon as a subprocess, a model that thinks for a
+while (a scripted OpenAI-compatible server), and a person's client on the relay watching kind 24133 and
+sending kind 24134 (docs/PROTOCOL.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool
+from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.app.status import read_status
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.testing import KeyPair
+from tests.e2e.harness import DaemonProcess, Home, run_cli, scripted_agent
+from tests.e2e.test_outbox import until_asked
+from tests.integration.nostr.harness import LocalRelayServer
+from tests.llm_servers import ScriptedServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+DAEMON_ENV = {"TENEX_DAEMON__STREAM_PARTIALS": "false"}
+STRANGER = KeyPair.from_seed(4242)
+
+
+def thinking_planner(home: Home, server: ScriptedServer, think_s: float) -> None:
+    """The planner answers "Here is the plan." after ``think_s`` seconds, through ``server``."""
+    scripted_agent(home, "planner", server, "Here is the plan.", delay_s=think_s, timeout_s=60)
+
+
+class Person:
+    """The owner's client on the relay: asks the planner, sends stops, records replies and statuses."""
+
+    def __init__(self, relay: LocalRelayServer, home: Home) -> None:
+        self.home = home
+        self.owner = Signer.from_text(home.owner_secret)
+        self.replies: list[NostrEvent] = []
+        self.statuses: list[NostrEvent] = []
+        self.client = RelayPool([relay.url], on_event=self._on_event, settings=PoolSettings(publish_timeout=10.0))
+
+    async def _on_event(self, received: ReceivedEvent) -> None:
+        event = received.event
+        (self.statuses if event.kind == 24133 else self.replies).append(event)
+
+    async def start(self) -> None:
+        """Connect; subscribe to the planner's replies and the project's statuses."""
+        await self.client.start()
+        await self.client.subscribe("watch", [
+            {"kinds": [1111], "authors": [self.home.agent("planner")]},
+            {"kinds": [24133], "authors": [self.home.project]},
+        ])
+        assert await self.client.wait_connected(within=10)
+
+    async def ask(self, text: str) -> NostrEvent:
+        """Publish a new conversation to the planner; return its root."""
+        event = self.owner.sign(11, text, [["p", self.home.agent("planner")]])
+        await self.client.publish(event)
+        return event
+
+    async def stop(self, root: NostrEvent, signer: Signer | None = None) -> None:
+        """Publish a stop request for the conversation (as the owner unless ``signer`` is given)."""
+        stop = (signer or self.owner).sign(24134, "", [["e", root.id], ["p", self.home.agent("planner")]])
+        await self.client.publish(stop)
+
+    def replies_to(self, root: NostrEvent) -> list[NostrEvent]:
+        """The planner's replies in the conversation."""
+        return [e for e in self.replies if e.tag_value("E") == root.id]
+
+    def statuses_of(self, root: NostrEvent) -> list[NostrEvent]:
+        """The statuses naming the conversation, oldest first."""
+        return sorted((e for e in self.statuses if e.tag_value("e") == root.id), key=lambda e: e.created_at)
+
+    async def until(self, check: Callable[[], bool], within: float) -> None:
+        """Wait until ``check()`` holds."""
+        async with asyncio.timeout(within):
+            while not check():  # noqa: ASYNC110 - the pool's callback fills the lists
+                await asyncio.sleep(0.05)
+
+
+@dataclass
+class Running:
+    """The daemon and the person's client."""
+
+    daemon: DaemonProcess
+    person: Person
+
+
+@contextlib.asynccontextmanager
+async def running(
+    relay: LocalRelayServer, home: Home, server: ScriptedServer, think_s: float
+) -> AsyncIterator[Running]:
+    """A daemon whose planner thinks ``think_s`` seconds, and the person's client; both stopped at the end."""
+    thinking_planner(home, server, think_s)
+    daemon = DaemonProcess(home, env=DAEMON_ENV)
+    await daemon.start()
+    person = Person(relay, home)
+    await person.start()
+    try:
+        yield Running(daemon, person)
+    finally:
+        await person.client.stop()
+        await daemon.stop()
+        daemon.kill()
+
+
+async def test_a_client_sees_the_agent_working_then_idle_and_a_strangers_stop_does_nothing(
+    relay: LocalRelayServer, home: Home, scripted_server: ScriptedServer
+) -> None:
+    """While the planner thinks, a kind-24133 status signed by the project names the conversation's root,
+    the planner and the person; once it answered, a status names nobody. A stranger's stop meanwhile is
+    refused and counted: the planner's answer still arrives."""
+    async with running(relay, home, scripted_server, think_s=3.0) as live:
+        person = live.person
+        root = await person.ask("Plan the launch")
+        await until_asked(scripted_server, 1)
+        await person.stop(root, Signer.from_text(STRANGER.secret))
+        await person.until(lambda: bool(person.replies_to(root)), within=30)
+        await person.until(lambda: len(person.statuses_of(root)) >= 2, within=10)
+        status = read_status(home.path / "run" / "status.json", stale_after_s=30).data
+
+    assert [e.content for e in person.replies_to(root)] == ["Here is the plan."], live.daemon.log_tail()
+    busy, idle = person.statuses_of(root)[:2]
+    assert busy.pubkey == home.project
+    assert busy.has_valid_id()
+    assert busy.tag_values("p") == [home.agent("planner")]
+    assert busy.tag_value("P") == home.owner
+    assert busy.tag_value("a") is not None
+    assert idle.tag_values("p") == []
+    assert idle.tag_value("e") == root.id
+    assert status is not None
+    assert status["events"]["rejected"].get("author_not_allowed", 0) >= 1
+
+
+async def test_the_owners_stop_cancels_the_thinking_agent_and_only_the_notice_is_published(
+    relay: LocalRelayServer, home: Home, scripted_server: ScriptedServer
+) -> None:
+    """A kind-24134 stop from the owner while the planner thinks cancels its run: the only reply is the
+    notice ("Stopped: Planner.", a system error) and the status goes idle; `tenexd conversations stop` does
+    the same through the running daemon's control API."""
+    think_s = 6.0
+    async with running(relay, home, scripted_server, think_s=think_s) as live:
+        person = live.person
+        root = await person.ask("Plan the launch")
+        await until_asked(scripted_server, 1)
+        await person.stop(root)
+        await person.until(lambda: bool(person.replies_to(root)), within=15)
+
+        second = await person.ask("Plan the retrospective")
+        await until_asked(scripted_server, 2)
+        code, out = await run_cli(home, "conversations", "stop", second.id)
+        await person.until(lambda: bool(person.replies_to(second)), within=15)
+        await asyncio.sleep(think_s)  # long enough for the model's answers, had the runs gone on
+        await person.until(lambda: any(not e.tag_values("p") for e in person.statuses_of(root)), within=10)
+
+    for conversation in (root, second):
+        replies = person.replies_to(conversation)
+        assert [e.content for e in replies] == ["Stopped: Planner."], live.daemon.log_tail()
+        assert replies[0].has_tag("error", "system")
+    assert code == 0, out
+    assert "stopped planner" in out
+    assert person.statuses_of(root)[0].tag_values("p") == [home.agent("planner")]

@@ -1,0 +1,310 @@
+"""Stopping agents (kind 24134, docs/PROTOCOL.md): the owner's or a whitelisted person's stop cancels the
+conversation's runs, nothing half-written goes out, the stop is recorded and answered, and a stopped run
+is not redone after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import pytest
+
+from tenex_daemon import MemoryStore, NostrEvent
+from tenex_daemon.core.llm import CompletionRequest, CompletionResult
+from tenex_daemon.core.vocabulary import KIND_STOP
+from tenex_daemon.services.dispatcher import Outcome
+from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, saving_reply
+from tenex_daemon.services.stopping import STOPS_KEY
+from tenex_daemon.testing import KeyPair
+from tests import pipeline
+from tests.conftest import Cast
+
+
+class GatedBackend:
+    """Streams "Thinking" and holds its first answer until released (or cancelled); answers "answer N"
+    to the Nth call; records every request."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        self.requests: list[CompletionRequest] = []
+        self.asked = asyncio.Event()
+        self.release = asyncio.Event()
+        self.cancelled = False
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Answer; the first call streams a little, then waits for ``release``."""
+        self.requests.append(request)
+        number = len(self.requests)
+        if number == 1:
+            if request.on_chunk is not None:
+                await request.on_chunk("Thinking")
+            self.asked.set()
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+        return CompletionResult(text=f"answer {number}", model="gated")
+
+
+@dataclass
+class Partials:
+    """Records the partial texts a run streams (the kind-21111 publisher)."""
+
+    texts: list[str] = field(default_factory=list)
+
+    async def partial(
+        self, agent_slug: str, conversation_id: str, trigger_id: str, text: str, sequence: int
+    ) -> None:
+        """Record the text."""
+        self.texts.append(text)
+
+
+def stop_request(cast: Cast, keys: KeyPair, root: NostrEvent, agents: Iterable[str] = ()) -> NostrEvent:
+    """A signed kind-24134 stop request for the conversation rooted at ``root``."""
+    tags = [["e", root.id], *(["p", pubkey] for pubkey in agents)]
+    return cast.factory.event(keys, "", kind=KIND_STOP, tags=tags)
+
+
+def thread_of(root: NostrEvent) -> list[list[str]]:
+    """The NIP-22 tags of a reply in the conversation rooted at ``root``."""
+    return [["E", root.id, "", root.pubkey], ["K", str(root.kind)], ["e", root.id]]
+
+
+async def journaled_runs(rig: pipeline.Rig) -> list[dict[str, object]]:
+    """The run entries of the stored run journal."""
+    raw = await rig.store.get_meta(PENDING_RUNS_KEY)
+    return [e for e in json.loads(raw or "[]") if "dispatch" not in e]
+
+
+async def test_the_owners_stop_cancels_the_run_and_only_the_notice_is_published(cast: Cast) -> None:
+    """A stop from the owner while Alice thinks cancels her run: her answer is never saved or published, its
+    partial texts and typing stop, the run leaves the journal, the stop is recorded (who, which agents, the
+    request) and answered by one notice from Alice, tagged as a system error and addressed to the person."""
+    backend = GatedBackend()
+    partials = Partials()
+    rig = pipeline.build_rig(cast, backend=backend, partials=partials, partial_interval_s=0.01)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    await asyncio.sleep(0.05)  # a partial goes out
+    stop = stop_request(cast, cast.user, root)
+
+    result = await rig.dispatcher.handle(stop)
+    streamed = len(partials.texts)
+    await rig.quiet()
+    backend.release.set()
+    await asyncio.sleep(0.05)
+    await rig.settle()
+
+    assert result.outcome is Outcome.STORED
+    assert result.agents == ("alice",)
+    assert backend.cancelled
+    assert streamed >= 1
+    assert len(partials.texts) == streamed  # nothing streamed after the stop
+    assert [(e.pubkey, e.content) for e in rig.publisher.published] == [(cast.alice.pubkey, "Stopped: Alice.")]
+    notice = rig.publisher.published[0]
+    assert notice.has_tag("error", "system")
+    assert notice.tag_values("p") == [cast.user.pubkey]
+    assert rig.publisher.typing_events == [("alice", True), ("alice", False)]
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.id for e in conversation.history] == [root.id, notice.id]
+    stops = conversation.metadata.extra[STOPS_KEY]
+    assert [(s["by"], s["agents"], s["event_id"]) for s in stops] == [(cast.user.pubkey, ["alice"], stop.id)]
+    assert await journaled_runs(rig) == []
+    assert rig.scheduler.completed == 0
+    assert len(backend.requests) == 1
+
+
+async def test_only_the_owner_and_whitelisted_people_may_stop(cast: Cast) -> None:
+    """A stranger's stop is refused before anything (author not allowed) and an agent's is refused as not
+    allowed to stop: the run goes on and answers; a whitelisted person's stop is carried out."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+
+    stranger = await rig.dispatcher.handle(stop_request(cast, cast.other_user, root))
+    agent = await rig.dispatcher.handle(stop_request(cast, cast.bob_keys, root))
+    backend.release.set()
+    await rig.settle()
+
+    assert (stranger.outcome, stranger.reason) == (Outcome.IGNORED, "author_not_allowed")
+    assert (agent.outcome, agent.reason) == (Outcome.IGNORED, "stop_not_allowed")
+    assert [e.content for e in rig.publisher.published] == ["answer 1"]
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert STOPS_KEY not in conversation.metadata.extra
+
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend, whitelist=[cast.other_user.pubkey])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    whitelisted = await rig.dispatcher.handle(stop_request(cast, cast.other_user, root))
+    await rig.settle()
+    assert whitelisted.agents == ("alice",)
+    assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]
+
+
+async def test_a_stop_naming_one_agent_stops_only_that_agent(cast: Cast) -> None:
+    """With Alice running and Bob waiting in one conversation, a stop p-tagging Alice cancels her run only:
+    Bob then runs and answers; the notice names Alice alone."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    to_bob = cast.user_says("Bob, check the numbers", tags=[*thread_of(root), ["p", cast.bob.pubkey]])
+    await rig.dispatcher.handle(to_bob)
+
+    result = await rig.dispatcher.handle(stop_request(cast, cast.user, root, [cast.alice.pubkey]))
+    await rig.settle()
+
+    assert result.agents == ("alice",)
+    assert {(e.pubkey, e.content) for e in rig.publisher.published} == {
+        (cast.alice.pubkey, "Stopped: Alice."),
+        (cast.bob.pubkey, "answer 2"),
+    }
+
+
+async def test_a_stop_drops_waiting_runs_and_every_agent_by_default(cast: Cast) -> None:
+    """A stop naming nobody cancels Alice's running run and drops Bob's waiting one: nobody answers, and one
+    notice (from the orchestrator, several agents being stopped) names both."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    await rig.dispatcher.handle(cast.user_says("Bob too", tags=[*thread_of(root), ["p", cast.bob.pubkey]]))
+
+    result = await rig.dispatcher.handle(stop_request(cast, cast.user, root))
+    await rig.settle()
+
+    assert result.agents == ("alice", "bob")
+    assert [(e.pubkey, e.content) for e in rig.publisher.published] == [
+        (cast.orchestrator.pubkey, "Stopped: Alice, Bob.")
+    ]
+    assert len(backend.requests) == 1
+
+
+async def test_a_stop_with_nothing_running_is_recorded_without_a_notice(cast: Cast) -> None:
+    """A stop for a conversation where nothing runs publishes nothing and is recorded with no agents; a stop
+    naming an unknown conversation is ignored."""
+    rig = pipeline.build_rig(cast)
+    root = cast.user_says("Hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    published = len(rig.publisher.published)
+
+    result = await rig.dispatcher.handle(stop_request(cast, cast.user, root))
+    unknown = await rig.dispatcher.handle(
+        cast.factory.event(cast.user, "", kind=KIND_STOP, tags=[["e", "f" * 64]])
+    )
+    await rig.settle()
+
+    assert (result.outcome, result.reason, result.agents) == (Outcome.STORED, "nothing_to_stop", ())
+    assert (unknown.outcome, unknown.reason) == (Outcome.IGNORED, "unknown_conversation")
+    assert len(rig.publisher.published) == published
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [s["agents"] for s in conversation.metadata.extra[STOPS_KEY]] == [[]]
+
+
+async def test_a_stopped_run_is_not_redone_after_a_restart(cast: Cast) -> None:
+    """A daemon stops a run and dies before its runs finish (no drain): the next one, on the same store,
+    finds neither the stopped run nor the dropped waiting one in the journal and asks no model."""
+    store = MemoryStore()
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend, store=store)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    await rig.dispatcher.handle(cast.user_says("Bob too", tags=[*thread_of(root), ["p", cast.bob.pubkey]]))
+    await rig.scheduler.journaled()
+    assert await journaled_runs(rig) != []
+
+    await rig.dispatcher.handle(stop_request(cast, cast.user, root))
+
+    assert await journaled_runs(rig) == []
+    after = GatedBackend()
+    restarted = pipeline.build_rig(cast, backend=after, store=store)
+    assert await restarted.scheduler.recover() == []
+    assert restarted.scheduler.dispatches_to_redo() == []
+    await restarted.settle()
+    assert after.requests == []
+    await rig.settle()
+
+
+async def test_the_scheduler_lets_a_run_that_is_saving_its_reply_finish() -> None:
+    """A run that said it is saving its reply (``saving_reply``) is not cancelled by a stop and is not
+    reported as stopped; a waiting run of the same conversation is dropped."""
+    gate = asyncio.Event()
+    ran: list[str] = []
+
+    async def run(request: RunRequest) -> None:
+        ran.append(request.trigger_id)
+        saving_reply()
+        await gate.wait()
+
+    scheduler = RunScheduler(MemoryStore(), run)
+    await scheduler.submit(RunRequest("c", "t1", "alice"))
+    await asyncio.sleep(0.01)
+    await scheduler.submit(RunRequest("c", "t2", "bob"))
+
+    stopped = await scheduler.cancel("c")
+    gate.set()
+    await scheduler.drain(5.0)
+
+    assert [(r.trigger_id, r.agent_slug) for r in stopped] == [("t2", "bob")]
+    assert ran == ["t1"]
+    assert scheduler.completed == 1
+
+
+@pytest.mark.parametrize("agent", [None, "alice"])
+async def test_the_scheduler_cancels_a_burst_with_the_run_that_answers_it(agent: str | None) -> None:
+    """Messages waiting to be answered together with a running run (a burst) are dropped with it: none of
+    them runs afterwards."""
+    started = asyncio.Event()
+    ran: list[str] = []
+
+    async def run(request: RunRequest) -> None:
+        ran.append(request.trigger_id)
+        started.set()
+        await asyncio.Event().wait()
+
+    scheduler = RunScheduler(MemoryStore(), run)
+    await scheduler.submit(RunRequest("c", "t0", "alice"))
+    await started.wait()
+    for trigger in ("t1", "t2"):
+        await scheduler.submit(RunRequest("c", trigger, "alice"))
+
+    stopped = await scheduler.cancel("c", agent)
+    await scheduler.drain(1.0)
+
+    assert [r.trigger_id for r in stopped] == ["t0", "t1", "t2"]
+    assert ran == ["t0"]
+    assert scheduler.in_flight == 0
+
+
+async def test_a_stopped_routed_agent_no_longer_holds_the_orchestrators_turn_open(cast: Cast) -> None:
+    """When the agent the orchestrator routed a message to is stopped, its turn counts the agent as done
+    ("Stopped before answering."), so no turn stays open waiting for an answer that will not come."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("Write the report", kind=11)  # nobody p-tagged: the orchestrator routes it
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+
+    await rig.dispatcher.handle(stop_request(cast, cast.user, root))
+    await rig.settle()
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.open_turn() is None
+    turn = conversation.orchestrator_turns[-1]
+    assert [(c.agent, c.message) for c in turn.completions] == [("alice", "Stopped before answering.")]
