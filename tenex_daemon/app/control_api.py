@@ -16,7 +16,8 @@ Endpoints (the OpenAPI 3 document is served at ``GET /api/v1/openapi.json``)::
 
 Errors are JSON ``{"error": "..."}``: 400 for a malformed id or parameter, 404 for an unknown
 conversation, event or agent, 409 for a change to an archived conversation. The socket file
-is created with mode 0600; TCP listens on a loopback address only.
+is created with mode 0600; TCP listens on a loopback address only and asks for a bearer token,
+its own Host and no other origin (:mod:`tenex_daemon.app.control.guard`).
 
 The pieces live in :mod:`tenex_daemon.app.control` (paths, errors, parsing, views, routes,
 openapi, server); this module names what callers use.

@@ -27,10 +27,12 @@ from tenex_daemon.adapters.nostr.composer import SignedReplyComposer
 from tenex_daemon.adapters.nostr.private import GiftWrapPublisher, GiftWraps, PrivateReplyComposer
 from tenex_daemon.adapters.nostr.publisher import PoolPublisher
 from tenex_daemon.adapters.nostr.relay_pool import (
+    PoolHealth,
     PoolSettings,
     ReceivedEvent,
     RelayEventResolver,
     RelayPool,
+    Remember,
 )
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.nostr.status_events import StatusEventPublisher
@@ -64,7 +66,9 @@ from tenex_daemon.app.wiring import (
     load_signers,
 )
 from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import Peers, Store
+from tenex_daemon.core.targeting import SkipReason
 from tenex_daemon.core.vocabulary import (
     KIND_COMMENT,
     KIND_CONVERSATION_ROOT,
@@ -97,6 +101,31 @@ RECEIVED_MEMORY = 10_000
 LATENCY_MEMORY = 1_000
 """Reply latencies kept for the status document's p50/p99."""
 INCOMING_KINDS = [KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT, KIND_TASK]
+
+
+class RefusalLog:
+    """Logs refused events at most once per author per ``every_s`` seconds, with the count suppressed
+    in between (a stranger's flood costs one line a minute); remembers the newest ``memory`` authors."""
+
+    def __init__(self, every_s: float = 60.0, memory: int = 1_000) -> None:
+        self.every_s = every_s
+        self.memory = memory
+        self.clock = time.monotonic
+        self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        """Author -> (when last logged, lines suppressed since)."""
+
+    def refused(self, event_id: str, author: str, kind: int, reason: str) -> None:
+        """Log one refused event, unless this author was logged less than ``every_s`` ago."""
+        now = self.clock()
+        last = self._last.pop(author, None)
+        if last is not None and now - last[0] < self.every_s:
+            self._last[author] = (last[0], last[1] + 1)
+            return
+        self._last[author] = (now, 0)
+        if len(self._last) > self.memory:
+            self._last.popitem(last=False)
+        log.info("event_refused", reason=reason, author=author, event_id=event_id, kind=kind,
+                 suppressed=0 if last is None else last[1])
 
 
 class ShuttingDownError(RuntimeError):
@@ -184,6 +213,8 @@ class Daemon:
         """The retention sweeper (idle ending, archiving, deleting), once started."""
         self.intake: Intake | None = None
         """Gift wraps opened, the answer setting applied, before the dispatcher (once started)."""
+        self.stranger_log = RefusalLog()
+        self.metrics.watch_pool(lambda: self.pool.health() if self.pool is not None else None)
 
     # --- the ControlTarget protocol -------------------------------------------------------
 
@@ -247,12 +278,21 @@ class Daemon:
             "descriptions": self._descriptions_status(),
             "retention": retention_status(self.sweeper),
             "errors": dict(self.errors),
+            "degraded": self._degraded(pool_health),
             "embedded_relay": self.embedded_relay.url if self.embedded_relay is not None else None,
             "embedded_relay_pid": self.embedded_relay.pid if self.embedded_relay is not None else None,
             "embedded_relay_restarts": self.embedded_relay.restarts if self.embedded_relay is not None else 0,
             "control_socket": str(self.settings.control_socket_path),
             "agents": [AgentEntry(slug=a.slug, name=a.name, pubkey=a.pubkey) for a in self.agents],
         })
+
+    @staticmethod
+    def _degraded(pool_health: PoolHealth | None) -> str | None:
+        """Why the daemon is degraded (incoming events it failed to handle, retried), or None."""
+        if pool_health is None or not pool_health.retrying:
+            return None
+        return (f"intake: {pool_health.retrying} incoming events failed to be handled and are retried "
+                f"with backoff (last error: {pool_health.last_consumer_error})")
 
     def _outbox_status(self, now: float) -> OutboxStatus:
         outbox = self.pipeline.outbox if self.pipeline is not None else None
@@ -314,7 +354,10 @@ class Daemon:
             await self._start()
             from tenex_daemon.app.control_api import ControlServer
 
-            control = ControlServer(self, self.settings.control_socket_path, self.settings.control.tcp_port)
+            control = ControlServer(
+                self, self.settings.control_socket_path, self.settings.control.tcp_port,
+                token_path=self.settings.control_token_path,
+            )
             await control.start()
             self.state = "running"
             self._ready.set()
@@ -515,14 +558,14 @@ class Daemon:
         if self.pipeline is not None:
             self.pipeline.outbox.wake()
 
-    async def _on_event(self, received: ReceivedEvent) -> None:
-        """Handle one validated, new event from the relays; raising leaves it unprocessed."""
+    async def _on_event(self, received: ReceivedEvent) -> Remember | None:
+        """Handle one validated, new event from the relays; raising leaves it unprocessed (the pool
+        retries it); a stranger's event is remembered in memory only (no disk for strangers)."""
         if self._stopping or self.pipeline is None:
             raise ShuttingDownError("shutting down; the event will be delivered again after restart")
         admitted = self.intake.admit(received.event) if self.intake is not None else received.event
         if isinstance(admitted, str):  # a wrap that does not open, or what daemon.answer excludes
-            self._count(received.event.kind, HandleResult(Outcome.IGNORED, admitted))
-            return
+            return self._count(received.event, HandleResult(Outcome.IGNORED, admitted))
         event = admitted  # a gift wrap's rumor in its place
         self._observer.event_received(event.id, received.received_at)
         structlog.contextvars.bind_contextvars(event_id=event.id)
@@ -534,16 +577,20 @@ class Daemon:
         finally:
             structlog.contextvars.unbind_contextvars("event_id")
         self.last_event_at = time.time()
-        self._count(event.kind, result)
+        return self._count(event, result)
 
-    def _count(self, kind: int, result: HandleResult) -> None:
+    def _count(self, event: NostrEvent, result: HandleResult) -> Remember | None:
         if result.outcome in (Outcome.SCHEDULED, Outcome.STORED):
-            self.events_accepted[str(kind)] += 1
-            self.metrics.event_accepted(kind)
-        else:
-            reason = result.reason or result.outcome.value
-            self.events_ignored[reason] += 1
-            self.metrics.event_rejected(reason)
+            self.events_accepted[str(event.kind)] += 1
+            self.metrics.event_accepted(event.kind)
+            return None
+        reason = result.reason or result.outcome.value
+        self.events_ignored[reason] += 1
+        self.metrics.event_rejected(reason)
+        if reason == SkipReason.AUTHOR_NOT_ALLOWED.value:
+            self.stranger_log.refused(event.id, event.pubkey, event.kind, reason)
+            return Remember.IN_MEMORY
+        return None
 
     def _peer_name(self, instance: str) -> str:
         assert self.project_signer is not None

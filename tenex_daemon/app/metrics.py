@@ -7,22 +7,69 @@ Names carry the ``tenexd_`` namespace: ``tenexd_events_accepted_total{kind}``,
 and ``tenexd_descriptions_pending`` (conversations' titles and summaries),
 ``tenexd_retention_sweeps_total``, ``tenexd_retention_conversations_total{action}`` (``ended_idle``,
 ``archived``, ``deleted``) and ``tenexd_retention_errors_total`` (the retention sweeper).
+The relay pool's own counters are read from its health at scrape time (:meth:`Metrics.watch_pool`):
+``tenexd_frames_rejected_total{reason}``, ``tenexd_events_duplicate_total``,
+``tenexd_intake_handler_errors_total``, ``tenexd_intake_retries_total``, ``tenexd_intake_retry_pending``
+and ``tenexd_relay_reconnects_total{url}``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 
+from tenex_daemon.adapters.nostr.relay_pool import PoolHealth
 from tenex_daemon.services.retention import SweepReport
 
 NAMESPACE = "tenexd"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 RUN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _PoolCollector(Collector):
+    """The relay pool's counters, read from its health snapshot at each scrape (nothing to keep in step)."""
+
+    def __init__(self, source: Callable[[], PoolHealth | None]) -> None:
+        self._source = source
+
+    def describe(self) -> Iterable[Metric]:
+        """Nothing described up front: the families depend on the snapshot."""
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        """One family per pool counter, from the current health snapshot (none before the pool exists)."""
+        health = self._source()
+        if health is None:
+            return []
+        rejected = CounterMetricFamily(
+            f"{NAMESPACE}_frames_rejected", "Relay frames refused by the codec or the pool, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(health.rejects.items()):
+            rejected.add_metric([reason], count)
+        reconnects = CounterMetricFamily(
+            f"{NAMESPACE}_relay_reconnects", "Reconnections to a relay, by url.", labels=["url"]
+        )
+        for relay in health.relays:
+            reconnects.add_metric([relay.url], relay.reconnects)
+        duplicates = "Copies of events already taken in or processed, dropped."
+        errors = "Incoming events whose handling raised (each is retried)."
+        retries = "Incoming events handed to the handler again after an error."
+        pending = "Incoming events waiting for another try after an error."
+        return [
+            rejected,
+            CounterMetricFamily(f"{NAMESPACE}_events_duplicate", duplicates, value=health.duplicates),
+            CounterMetricFamily(f"{NAMESPACE}_intake_handler_errors", errors, value=health.consumer_errors),
+            CounterMetricFamily(f"{NAMESPACE}_intake_retries", retries, value=health.retries),
+            GaugeMetricFamily(f"{NAMESPACE}_intake_retry_pending", pending, value=health.retrying),
+            reconnects,
+        ]
 
 
 class Metrics:
@@ -97,6 +144,10 @@ class Metrics:
             "retention_errors", "Retention sweep steps that failed (the sweep went on).",
             namespace=NAMESPACE, registry=self.registry,
         )
+        self.control_requests_refused = Counter(
+            "control_requests_refused", "Control API requests on the TCP port refused, by reason.",
+            ["reason"], namespace=NAMESPACE, registry=self.registry,
+        )
 
     def event_accepted(self, kind: int) -> None:
         """Count an accepted incoming event of this kind."""
@@ -105,6 +156,10 @@ class Metrics:
     def event_rejected(self, reason: str) -> None:
         """Count an incoming event refused or ignored for ``reason``."""
         self.events_rejected.labels(reason=reason).inc()
+
+    def control_request_refused(self, reason: str) -> None:
+        """Count a control API request refused for ``reason`` (bad_host, cross_origin, no/bad_token)."""
+        self.control_requests_refused.labels(reason=reason).inc()
 
     def reply_published(self, agent: str) -> None:
         """Count a reply published by ``agent``."""
@@ -168,6 +223,10 @@ class Metrics:
         """Set every relay's gauge from (url, connected) pairs."""
         for url, connected in states:
             self.set_relay_connected(url, connected)
+
+    def watch_pool(self, source: Callable[[], PoolHealth | None]) -> None:
+        """Export the relay pool's counters, read from ``source`` (its health; None before it exists)."""
+        self.registry.register(_PoolCollector(source))
 
     def render(self) -> bytes:
         """Return every metric in the Prometheus text exposition format."""

@@ -112,7 +112,8 @@ class StorageSettings(_Section):
 
     kind: StorageKind = StorageKind.FILESYSTEM
     path: str | None = None
-    """Folder of the filesystem store; default ``<home>/conversations``."""
+    """Home of the filesystem store: its conversations (and its lock) are kept in
+    ``<path>/conversations``; default: the daemon's home (``<home>/conversations``)."""
     fsync: Literal["always", "batch"] = "batch"
     dsn: str | None = None
     """PostgreSQL DSN when kind = postgres."""
@@ -145,7 +146,9 @@ class ControlSettings(_Section):
     socket: str | None = None
     """Unix socket path; default ``<home>/run/control.sock``."""
     tcp_port: int | None = Field(default=None, ge=1, le=65535)
-    """Optional loopback TCP port (127.0.0.1 only)."""
+    """Optional loopback TCP port (127.0.0.1 only). It asks for ``Authorization: Bearer <token>``, the
+    token in ``<home>/run/control.token`` (0600, made at start when missing), and refuses other Host
+    headers and cross-origin requests."""
 
 
 class DaemonSettings(_Section):
@@ -153,6 +156,9 @@ class DaemonSettings(_Section):
 
     hop_limit: int = Field(default=6, ge=0)
     """Agent-to-agent replies in a row before agents stop answering agents."""
+    whitelist_may_join: bool = False
+    """Whether a whitelisted person may write into a conversation someone else started (and read it through
+    the agents); off: only into their own, or one the owner p-tagged them in (``not_a_participant``)."""
     answer: AnswerMode = AnswerMode.BOTH
     """What agents answer: ``both``, ``public`` mentions only, or ``private`` messages (NIP-17) only; the
     rest is ignored with its reason (``public_mentions_off``, ``private_messages_off``)."""
@@ -328,9 +334,14 @@ class Settings(_Section):
         return Path(self.control.socket) if self.control.socket else self.run_dir / "control.sock"
 
     @property
+    def control_token_path(self) -> Path:
+        """The control API's TCP token (0600), made at the daemon's start when ``control.tcp_port`` is set."""
+        return self.run_dir / "control.token"
+
+    @property
     def conversations_path(self) -> Path:
-        """The filesystem store's folder."""
-        return Path(self.storage.path) if self.storage.path else self.home / "conversations"
+        """The filesystem store's folder, ``<storage.path or home>/conversations``: build_store's."""
+        return (Path(self.storage.path) if self.storage.path else self.home) / "conversations"
 
     @property
     def embedded_relay_path(self) -> Path:

@@ -187,7 +187,7 @@ class StatusData(TypedDict):
          "retries": 0},
          "retention": {"sweeps": 12, "last_sweep_at": 1.7e9, "last_duration_s": 0.004, "last": {"ended_idle":
          1, "archived": 0, "deleted": 0, "errors": 0}, "totals": {"ended_idle": 3, ...}},
-         "errors": {}, "embedded_relay": "ws://127.0.0.1:7777", "embedded_relay_pid": 4243,
+         "errors": {}, "degraded": null, "embedded_relay": "ws://127.0.0.1:7777", "embedded_relay_pid": 4243,
          "embedded_relay_restarts": 0, "control_socket": "/srv/tenex/run/control.sock",
          "agents": [{"slug": "planner", "name": "Planner", "pubkey": "..."}]}
     """
@@ -212,6 +212,8 @@ class StatusData(TypedDict):
     descriptions: DescriptionStatus
     retention: RetentionStatus
     errors: dict[str, int]
+    degraded: str | None
+    """Why the daemon serves but is not healthy (incoming events it could not store, retried), or None."""
     embedded_relay: str | None
     """The embedded relay's URL when it runs."""
     embedded_relay_pid: int | None
@@ -247,6 +249,7 @@ def new_status(
         descriptions=no_descriptions(),
         retention=retention_status(None),
         errors={},
+        degraded=None,
         embedded_relay=None,
         embedded_relay_pid=None,
         embedded_relay_restarts=0,
@@ -296,8 +299,15 @@ class StatusReport:
 
     @property
     def healthy(self) -> bool:
-        """Whether the daemon is up and serving: a fresh file in state ``running``."""
-        return self.state is Health.RUNNING and self.daemon_state == DaemonState.RUNNING.value
+        """Whether the daemon is up and serving: a fresh file in state ``running``, not degraded."""
+        return (self.state is Health.RUNNING and self.daemon_state == DaemonState.RUNNING.value
+                and not self.degraded)
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the daemon said it is degraded (it serves, but e.g. cannot store what arrives), or None."""
+        value = None if self.data is None else self.data.get("degraded")
+        return value if isinstance(value, str) and value else None
 
     def to_dict(self) -> dict[str, Any]:
         """Return JSON-ready data: verdict, health, age, reason, path and the daemon's own status."""
@@ -370,7 +380,10 @@ def read_status(
             "the daemon may be stuck",
             target,
         )
-    if daemon_state == DaemonState.RUNNING.value:
+    degraded = data.get("degraded")
+    if daemon_state == DaemonState.RUNNING.value and isinstance(degraded, str) and degraded:
+        reason = f"degraded: pid {pid}, status updated {age:.1f} s ago: {degraded}"
+    elif daemon_state == DaemonState.RUNNING.value:
         reason = f"running: pid {pid}, status updated {age:.1f} s ago"
     else:
         reason = f"{daemon_state}: pid {pid}, status updated {age:.1f} s ago"

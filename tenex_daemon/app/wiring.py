@@ -253,6 +253,7 @@ class PipelineOptions:
     owner: str | None
     project_pubkey: str | None = None
     whitelist: Collection[str] = ()
+    whitelist_may_join: bool = False
     default_agent: str | None = None
     hop_limit: int = 6
     turn_limit: int = DEFAULT_TURN_LIMIT
@@ -282,6 +283,7 @@ class PipelineOptions:
             owner=settings.owner,
             project_pubkey=project_pubkey,
             whitelist=tuple(settings.whitelist),
+            whitelist_may_join=settings.daemon.whitelist_may_join,
             default_agent=settings.default_agent_slug,
             hop_limit=settings.daemon.hop_limit,
             turn_limit=settings.daemon.orchestrator_turn_limit,
@@ -404,6 +406,7 @@ def build_pipeline(
         router,
         owner=options.owner,
         whitelist=options.whitelist,
+        whitelist_may_join=options.whitelist_may_join,
         hop_limit=options.hop_limit,
         turn_limit=options.turn_limit,
         fetcher=ports.fetcher,

@@ -1,8 +1,11 @@
 """How the CLI reaches conversations: the daemon's control API when it runs, else the store itself.
 
 A running daemon holds the filesystem home's lock, so the CLI asks it over the control
-socket (aiohttp's ``UnixConnector``). When nobody answers there, the CLI opens the store
-named by the settings directly. Both paths return the same JSON shapes (the control API's).
+socket (aiohttp's ``UnixConnector``). When nobody answers there and ``control.tcp_port`` is set,
+it asks ``127.0.0.1:PORT`` with ``Authorization: Bearer`` and the token of ``run/control.token``
+(no readable token file: TCP is not tried; a refused token is an error naming the file). When nobody
+answers, the CLI opens the store named by the settings directly. Both paths return the same JSON
+shapes (the control API's).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import aiohttp
 from tenex_daemon.adapters.nostr.signer import KeyFileError
 from tenex_daemon.adapters.storage.filesystem import StoreLockedError
 from tenex_daemon.app.control.errors import ApiError
+from tenex_daemon.app.control.guard import read_token
 from tenex_daemon.app.control.parsing import check_id, parse_search
 from tenex_daemon.app.control.paths import API_PREFIX
 from tenex_daemon.app.control.views import conversation_json, preview_context, summary_json
@@ -103,9 +107,10 @@ class ApiAccess:
 
     via = "control API"
 
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        """Use ``session`` (bound to the control socket)."""
+    def __init__(self, session: aiohttp.ClientSession, base_url: str = "http://tenexd") -> None:
+        """Use ``session`` (bound to the control socket, or carrying the TCP token) at ``base_url``."""
         self._session = session
+        self._base_url = base_url
 
     async def _call(
         self, method: str, path: str, *, params: Mapping[str, str] | None = None, body: Any = None,
@@ -113,7 +118,7 @@ class ApiAccess:
     ) -> dict[str, Any]:
         try:
             async with self._session.request(
-                method, f"http://tenexd{API_PREFIX}{path}", params=params, json=body,
+                method, f"{self._base_url}{API_PREFIX}{path}", params=params, json=body,
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as response:
                 text = await response.text()
@@ -264,7 +269,20 @@ async def _mapped(awaitable: Any) -> Any:
         raise AccessError(str(exc), 409) from None
 
 
-async def _daemon_session(settings: Settings) -> aiohttp.ClientSession | None:
+async def _probe(session: aiohttp.ClientSession, base_url: str) -> int | None:
+    """Return the status of ``GET /api/v1/status`` (None: nobody answers)."""
+    try:
+        async with session.get(
+            f"{base_url}{API_PREFIX}/status", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+        ) as response:
+            await response.read()
+            status = response.status
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+    return status
+
+
+async def _socket_session(settings: Settings) -> aiohttp.ClientSession | None:
     """Return a session on the control socket if a daemon answers there, else None."""
     path = settings.control_socket_path
     if not path.is_socket():
@@ -273,24 +291,53 @@ async def _daemon_session(settings: Settings) -> aiohttp.ClientSession | None:
         connector=aiohttp.UnixConnector(path=str(path)),
         timeout=aiohttp.ClientTimeout(total=API_TIMEOUT_S),
     )
-    try:
-        async with session.get(
-            f"http://tenexd{API_PREFIX}/status", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-        ) as response:
-            await response.read()
-    except (aiohttp.ClientError, TimeoutError, OSError):
+    if await _probe(session, "http://tenexd") is None:
         await session.close()
         return None
     return session
 
 
+async def _tcp_session(settings: Settings) -> tuple[aiohttp.ClientSession, str] | None:
+    """Return a session (carrying the token) and base URL on ``control.tcp_port`` if a daemon answers."""
+    port = settings.control.tcp_port
+    if port is None:
+        return None
+    token_path = settings.control_token_path
+    try:
+        token = read_token(token_path)
+    except (ValueError, OSError):
+        token = None  # a daemon refuses to start on a bad token file: none answers with it
+    if token is None:
+        return None
+    base_url = f"http://127.0.0.1:{port}"
+    session = aiohttp.ClientSession(
+        headers={"Authorization": f"Bearer {token}"}, timeout=aiohttp.ClientTimeout(total=API_TIMEOUT_S)
+    )
+    status = await _probe(session, base_url)
+    if status == 200:
+        return session, base_url
+    await session.close()
+    if status in (401, 403):
+        raise AccessError(f"the daemon on {base_url} refused the token in {token_path} (HTTP {status})", 503)
+    return None
+
+
+async def _daemon_session(settings: Settings) -> tuple[aiohttp.ClientSession, str] | None:
+    """Return a session and base URL on the daemon's control API (the socket, else TCP), else None."""
+    session = await _socket_session(settings)
+    if session is not None:
+        return session, "http://tenexd"
+    return await _tcp_session(settings)
+
+
 @asynccontextmanager
 async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
     """Yield access through the daemon's control API if it answers, else through the store itself."""
-    session = await _daemon_session(settings)
-    if session is not None:
+    daemon = await _daemon_session(settings)
+    if daemon is not None:
+        session, base_url = daemon
         try:
-            yield ApiAccess(session)
+            yield ApiAccess(session, base_url)
         finally:
             await session.close()
         return

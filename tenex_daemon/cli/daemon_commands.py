@@ -143,6 +143,8 @@ def run(
         asyncio.run(Daemon(settings).run())
     except KeyboardInterrupt:
         pass
+    except KeyFileError as exc:  # a key file or folder missing or too open: configuration (README: exit 2)
+        fail(str(exc), EXIT_USAGE)
     except (TenexError, OSError) as exc:
         fail(str(exc), EXIT_FAILURE)
 

@@ -49,14 +49,20 @@ def ms_time(ms: int | float | None) -> str:
     """A time in milliseconds since the epoch as ``YYYY-MM-DD HH:MM:SS`` (UTC), ``-`` when unset."""
     if not ms:
         return "-"
-    return datetime.fromtimestamp(float(ms) / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.fromtimestamp(float(ms) / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError):  # past what a calendar shows: say the number
+        return f"{ms} ms (out of range)"
 
 
 def s_time(seconds: float | None) -> str:
     """A time in seconds since the epoch as ``YYYY-MM-DD HH:MM:SSZ``, ``-`` when unset."""
     if seconds is None:
         return "-"
-    return datetime.fromtimestamp(float(seconds), UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    try:
+        return datetime.fromtimestamp(float(seconds), UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    except (OverflowError, ValueError, OSError):  # past what a calendar shows: say the number
+        return f"{seconds} s (out of range)"
 
 
 def duration(seconds: float) -> str:

@@ -12,6 +12,7 @@ from typing import Any, Final, Literal, NamedTuple
 from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.nip19 import encode_npub
 from tenex_daemon.core.references import find_event_references, inline_entities
 from tenex_daemon.core.vocabulary import TAG_SESSION, is_session_id
 
@@ -24,6 +25,8 @@ USER_LABEL: Final = "🟢 USER"
 AGENT_LABEL_PREFIX: Final = "💬 "
 UNKNOWN_AGENT_NAME: Final = "Another agent"
 PROJECT_NAME: Final = "Project"
+SHORT_NPUB_CHARS: Final = 13
+"""A person's label is the first this many characters of their npub (``npub1`` and 8 more), then ``…``."""
 
 Role = Literal["system", "user", "assistant"]
 
@@ -72,6 +75,15 @@ class HistoryView:
     messages: list[ChatMessage] = field(default_factory=list)
     upto: int = 0
     fingerprint: tuple[object, ...] = ()
+    authors: set[str] = field(default_factory=set)
+    """Every author of ``history[:authors_upto]`` (to tell whether more than one person wrote)."""
+    authors_upto: int = 0
+
+
+def person_label(pubkey: str) -> str:
+    """Return the label a person's messages carry when several people write (docs/CONTEXT.md step 1):
+    the short npub. tenexd keeps no profiles (kind 0), so there is no profile name to prefer."""
+    return encode_npub(pubkey)[:SHORT_NPUB_CHARS] + "…"
 
 
 def previous_context_line(summary: str) -> str:
@@ -93,17 +105,21 @@ def conversation_event_references(conversation: Conversation, trigger: NostrEven
 class _Sender(NamedTuple):
     role: Role
     prefix: str | None
-    """``"[Name]: "`` for system attribution; None for the agent itself and for users."""
+    """``"[Name]: "`` for attribution (agents; people when several wrote); None for the agent itself
+    and for the only person."""
     label: str
     """The sender label of the while-away block."""
 
 
-def _sender_for(pubkey: str, conversation: Conversation, agent: Agent, directory: AgentDirectory) -> _Sender:
+def _sender_for(
+    pubkey: str, conversation: Conversation, agent: Agent, directory: AgentDirectory, people: bool = False
+) -> _Sender:
+    """How ``pubkey``'s events are shown to ``agent``; ``people``: more than one person wrote."""
     if pubkey == agent.pubkey:
         return _Sender("assistant", None, AGENT_LABEL_PREFIX + agent.name)
     role = directory.role_of(pubkey, conversation.claims_agent(pubkey))
     if role is AuthorRole.USER:
-        return _Sender("user", None, USER_LABEL)
+        return _Sender("user", f"[{person_label(pubkey)}]: " if people else None, USER_LABEL)
     if role is AuthorRole.AGENT:
         other = directory.by_pubkey(pubkey)
         name = other.name if other is not None else UNKNOWN_AGENT_NAME
@@ -145,11 +161,12 @@ def build_agent_messages(
     trigger_id = trigger.id
     trigger_index = conversation.index_of(trigger_id)
     senders: dict[str, _Sender] = {}
+    people = _several_people(conversation, agent, trigger, directory, view)
 
     def sender(pubkey: str) -> _Sender:
         found = senders.get(pubkey)
         if found is None:
-            found = senders[pubkey] = _sender_for(pubkey, conversation, agent, directory)
+            found = senders[pubkey] = _sender_for(pubkey, conversation, agent, directory, people)
         return found
 
     def text(content: str) -> str:
@@ -161,6 +178,7 @@ def build_agent_messages(
         id(directory),
         agent.pubkey,
         conversation.claimant_count(),
+        people,
         tuple(sorted(resolved.items())),
     )
     messages = _history_prefix(history, stop, view, fingerprint, sender, text if resolved else None)
@@ -196,7 +214,7 @@ def build_agent_messages(
     if who.prefix is None:
         append(ChatMessage(who.role, text(trigger.content)))
     else:
-        append(ChatMessage("system", who.prefix + text(trigger.content)))
+        append(ChatMessage(who.role, who.prefix + text(trigger.content)))
 
     # 5. The state to persist.
     session_id = _session_for(trigger, state.session_id if state is not None else None, directory)
@@ -210,6 +228,35 @@ def build_agent_messages(
         summary=state.summary if state is not None else None,
         summary_covers=state.summary_covers if state is not None else 0,
     )
+
+
+def _several_people(
+    conversation: Conversation,
+    agent: Agent,
+    trigger: NostrEvent,
+    directory: AgentDirectory,
+    view: HistoryView | None,
+) -> bool:
+    """Whether more than one person wrote in the conversation (its history and the trigger): then each
+    person's messages carry their label. With ``view`` the authors are collected incrementally."""
+    history = conversation.history
+    if view is None:
+        authors: set[str] = {event.pubkey for event in history}
+    else:
+        if view.authors_upto > len(history):  # not the history the memo was made from
+            view.authors, view.authors_upto = set(), 0
+        view.authors.update(event.pubkey for event in history[view.authors_upto :])
+        view.authors_upto = len(history)
+        authors = view.authors
+    found: set[str] = set()
+    for pubkey in (*authors, trigger.pubkey):
+        if pubkey in found or pubkey == agent.pubkey:
+            continue
+        if directory.role_of(pubkey, conversation.claims_agent(pubkey)) is AuthorRole.USER:
+            found.add(pubkey)
+            if len(found) > 1:
+                return True
+    return False
 
 
 def _session_for(trigger: NostrEvent, stored: str | None, directory: AgentDirectory) -> str | None:
@@ -261,7 +308,7 @@ def _history_messages(
         if who.prefix is None:
             append(new_message(ChatMessage, (who.role, content)))
         else:
-            append(new_message(ChatMessage, ("system", who.prefix + content)))
+            append(new_message(ChatMessage, (who.role, who.prefix + content)))
     return messages
 
 

@@ -23,6 +23,8 @@ class SkipReason(StrEnum):
     HOP_LIMIT = "hop_limit"
     NO_AGENT = "no_agent"
     NOT_ADDRESSED = "not_addressed"
+    NOT_A_PARTICIPANT = "not_a_participant"
+    """A whitelisted person's event into a conversation they did not start and were not invited to."""
     DELEGATION = "delegation"
     """One side of a ``send_message`` exchange: the tool already carried it out."""
 
@@ -42,6 +44,16 @@ def is_allowed_author(
 ) -> bool:
     """Return whether ``pubkey`` may trigger agents: the owner, a whitelisted key or one of our agents."""
     return pubkey == owner or pubkey in whitelist or directory.by_pubkey(pubkey) is not None
+
+
+def may_join(person: str, history: Sequence[NostrEvent], owner: str | None) -> bool:
+    """Whether a whitelisted ``person`` may write into the conversation with ``history``: the owner may
+    write anywhere; anyone else only where they wrote the root or the owner p-tagged them (an invitation)."""
+    if person == owner or not history or history[0].pubkey == person:
+        return True
+    return owner is not None and any(
+        event.pubkey == owner and event.has_tag(TAG_PUBKEY, person) for event in history
+    )
 
 
 def choose_target(event: NostrEvent, directory: AgentDirectory) -> Target:

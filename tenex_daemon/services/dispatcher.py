@@ -21,6 +21,7 @@ from tenex_daemon.core.targeting import (
     agent_chain_length,
     choose_target,
     is_allowed_author,
+    may_join,
 )
 from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.conversation_manager import ConversationManager
@@ -89,9 +90,11 @@ class EventDispatcher:
     again. Routing stops on an END decision, after ``turn_limit`` turns without a new user
     message, and on a decision repeated with no new completion (:class:`RoutingLimits`, stored
     with the conversation: a restart keeps them).
-    The ``hop_limit`` bounds chains of agents p-tagging each other directly. With ``lifecycle``, a
-    person's top-level kind-1 note joins their open channel conversation and an event for a task its
-    current session (:class:`ConversationLifecycle`).
+    A whitelisted person writes only into conversations they started or the owner p-tagged them in
+    (:func:`may_join`; ``not_a_participant``) unless ``whitelist_may_join``: the agents would read anyone
+    else's conversation to them. The ``hop_limit`` bounds chains of agents p-tagging each other
+    directly. With ``lifecycle``, a person's top-level kind-1 note joins their open channel
+    conversation and an event for a task its current session (:class:`ConversationLifecycle`).
 
     The dispatcher owns the :class:`RunScheduler` (:attr:`scheduler`) that carries its runs out
     through ``runs`` (at most ``max_concurrent_runs`` at once, journaled under ``journal_key``; with
@@ -109,6 +112,7 @@ class EventDispatcher:
         *,
         owner: str | None,
         whitelist: Collection[str] = (),
+        whitelist_may_join: bool = False,
         hop_limit: int = 6,
         turn_limit: int = DEFAULT_TURN_LIMIT,
         fetcher: EventFetcher | None = None,
@@ -137,6 +141,7 @@ class EventDispatcher:
         self._orchestrator = orchestrator
         self._owner = owner
         self._whitelist = frozenset(whitelist)
+        self._whitelist_may_join = whitelist_may_join
         self._hop_limit = hop_limit
         self._fetcher = fetcher
         self._limits = RoutingLimits(turn_limit)
@@ -236,6 +241,9 @@ class EventDispatcher:
             if found is not None:
                 cid = found[0]
                 conversation = await self._manager.get_conversation(cid)
+        refused = self._refuse_joining(conversation, event)
+        if refused is not None:
+            return refused
         task_id = conversation.task_id if conversation is not None else None
         if task_id is not None and self._lifecycle is not None:
             joined = await self._lifecycle.task_session(task_id, event)
@@ -261,12 +269,32 @@ class EventDispatcher:
                     return await self._target(conversation.id, event)
         if conversation.private:  # only the person's gift-wrapped messages join a private conversation
             return HandleResult(Outcome.IGNORED, "private_conversation", conversation.id)
+        refused = self._refuse_joining(conversation, event)  # a root adopted just now
+        if refused is not None:
+            return refused
         if conversation.archived:
             await self._manager.restore_conversation(cid)
             log.info("conversation_restored", conversation_id=cid, reason="new_activity")
         if not await self._manager.add_event(conversation.id, event):
             return HandleResult(Outcome.DUPLICATE, conversation_id=conversation.id)
         return await self._target(conversation.id, event)
+
+    def _refuse_joining(self, conversation: Conversation | None, event: NostrEvent) -> HandleResult | None:
+        """Refuse a whitelisted person's event into a conversation they may not join (:func:`may_join`)."""
+        if conversation is None or self._whitelist_may_join or event.pubkey not in self._whitelist:
+            return None
+        if self._manager.agents.by_pubkey(event.pubkey) is not None:  # agents are never refused
+            return None
+        if may_join(event.pubkey, conversation.history, self._owner):
+            return None
+        log.info(
+            "join_refused",
+            conversation_id=conversation.id,
+            event_id=event.id,
+            author=event.pubkey,
+            reason=SkipReason.NOT_A_PARTICIPANT.value,
+        )
+        return HandleResult(Outcome.IGNORED, SkipReason.NOT_A_PARTICIPANT.value, conversation.id)
 
     async def _on_private(self, event: NostrEvent, classification: Classification) -> HandleResult:
         """A person's private message (an unwrapped kind-14 rumor): it joins their private conversation

@@ -289,7 +289,11 @@ class GetConversationArguments(_Arguments):
 
 
 def _iso(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    """An ISO-8601 UTC time; a moment no calendar holds (an absurd stored date) as its number."""
+    try:
+        return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    except (ValueError, OverflowError, OSError):
+        return f"{ms} ms (out of range)"
 
 
 def _cut(text: str, limit: int) -> str:

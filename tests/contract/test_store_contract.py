@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime
 
+import asyncpg
 import pytest
 
+from tenex_daemon.adapters.storage.postgres import MIGRATIONS, PostgresStore
 from tenex_daemon.core.conversation import AgentState, Conversation, TitleSource
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
@@ -167,6 +169,37 @@ async def test_append_with_state_stores_both_in_one_write(harness: StoreHarness,
     assert await reopened.is_processed(reply.id)
     [row] = await reopened.search(SearchQuery())
     assert (row.event_count, row.updated_at) == (2, T0 + 9)
+
+
+async def test_nul_characters_round_trip_exactly(harness: StoreHarness, cast: Cast) -> None:
+    """Content, tags, title, summary and last user message holding U+0000 are stored and read back exactly."""
+    store = await harness.open()
+    root = cast.user_says("root\u0000 with a NUL", kind=11, tags=[["title", "nul\u0000title"], ["t", "x\u0000y"]])
+    conversation = Conversation(id=root.id, title="nul\u0000title", created_at=T0, updated_at=T0)
+    conversation.append(root)
+    await store.create(conversation)
+    reply = cast.user_says("\u0000reply\u0000", tags=[["e", root.id], ["nul\u0000", "\u0000"]])
+    live = await store.load(conversation.id)
+    assert live is not None
+    live.metadata.last_user_message = reply.content
+    live.summary = "a summary\u0000with a NUL"
+    live.metadata.summary = "\u0000"
+    await store.append_event(conversation.id, reply, state=live)
+    expected = live.state_dict()
+    reopened = await harness.reopen(store)
+    loaded = await reopened.load(conversation.id)
+    assert loaded is not None
+    assert [e.model_dump_json() for e in loaded.history] == [root.model_dump_json(), reply.model_dump_json()]
+    assert loaded.history[1].content == "\u0000reply\u0000"
+    assert loaded.history[1].tags == [["e", root.id], ["nul\u0000", "\u0000"]]
+    assert loaded.history[1].has_valid_id()
+    assert loaded.state_dict() == expected
+    assert loaded.metadata.last_user_message == "\u0000reply\u0000"
+    found = await reopened.find_event(reply.id)
+    assert found is not None
+    assert found[1].content == reply.content
+    [row] = await reopened.search(SearchQuery())
+    assert (row.title, row.summary) == ("nul\u0000title", "a summary\u0000with a NUL")
 
 
 async def test_save_state_of_unknown_conversation_raises(store: Store, cast: Cast) -> None:
@@ -372,3 +405,43 @@ def test_event_round_trip_is_exact(cast: Cast) -> None:
     """The event model used by every store round-trips through JSON unchanged (unicode included)."""
     event = cast.user_says("emoji 🎉, U+2028 \u2028 and quotes \" \\")
     assert NostrEvent.model_validate_json(event.model_dump_json()) == event
+
+
+async def test_postgres_migration_keeps_rows_stored_as_jsonb(postgres_dsn: str, cast: Cast) -> None:
+    """Rows written under migrations 1-2 (jsonb columns) load, search and take NUL text after migration 3."""
+    conversation = new_conversation(cast, "Before the upgrade")
+    conn = await asyncpg.connect(postgres_dsn)
+    try:
+        await conn.execute(
+            "CREATE TABLE schema_migrations (version integer PRIMARY KEY, description text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        for version, description, sql in MIGRATIONS[:2]:
+            await conn.execute(sql)
+            await conn.execute("INSERT INTO schema_migrations VALUES ($1, $2)", version, description)
+        await conn.execute(
+            """INSERT INTO conversations (id, title, phase, created_at, updated_at, event_count, state, lifecycle)
+               VALUES ($1, $2, 'chat', $3, $3, 1, $4::jsonb, '{"summary": "old"}'::jsonb)""",
+            conversation.id, conversation.title, T0, conversation.model_dump_json(exclude={"history"}),
+        )
+        await conn.execute(
+            "INSERT INTO events (event_id, conversation_id, seq, body) VALUES ($1, $1, 0, $2::jsonb)",
+            conversation.id, conversation.history[0].model_dump_json(),
+        )
+    finally:
+        await conn.close()
+    store = PostgresStore(postgres_dsn)
+    await store.open()
+    try:
+        loaded = await store.load(conversation.id)
+        assert loaded is not None
+        assert ids(loaded) == ids(conversation)
+        [row] = await store.search(SearchQuery(title="upgrade"))
+        assert (row.title, row.summary) == ("Before the upgrade", "old")
+        reply = cast.user_says("after\u0000the upgrade")
+        await store.append_event(conversation.id, reply)
+        again = await store.load(conversation.id)
+        assert again is not None
+        assert again.history[-1].content == "after\u0000the upgrade"
+    finally:
+        await store.close()

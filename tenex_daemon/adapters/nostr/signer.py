@@ -1,9 +1,9 @@
 """Signing keys: one :class:`Signer` per agent plus the project key.
 
-Keys are read from files that only their owner may read (mode 0600 or stricter),
-written as 64 hex characters or as an ``nsec``. A secret never appears in a log
-line, a ``repr`` or an exception message: errors name the file and what is wrong
-with it, never its content.
+Keys are read from files that only their owner may read (mode 0600 or stricter), in a folder
+only their owner may enter (0700 or stricter), written as 64 hex characters or as an ``nsec``.
+A secret never appears in a log line, a ``repr`` or an exception message: errors name the file
+and what is wrong with it, never its content.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ class Signer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], *, label: str = "") -> Signer:
-        """Load a key file (hex or nsec). Refuse files that group or others may access.
+        """Load a key file (hex or nsec). Refuse files that group or others may access, and files in a
+        folder that group or others may access (they could list, replace or watch the keys there).
 
-        Raises :class:`KeyFileError` naming the file and its mode.
+        Raises :class:`KeyFileError` naming the file (or folder) and its mode.
         """
         file = Path(path)
         try:
@@ -94,6 +95,13 @@ class Signer:
             raise KeyFileError(
                 f"key file {file} has mode {mode:04o}; it must be 0600 or stricter "
                 f"(run: chmod 600 {file})"
+            )
+        folder = file.absolute().parent
+        folder_mode = stat.S_IMODE(folder.stat().st_mode)
+        if folder_mode & _GROUP_OTHER_BITS:
+            raise KeyFileError(
+                f"key folder {folder} has mode {folder_mode:04o}; it must be 0700 or stricter "
+                f"(run: chmod 700 {folder})"
             )
         try:
             text = file.read_text(encoding="utf-8")

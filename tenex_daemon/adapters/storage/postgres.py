@@ -1,8 +1,11 @@
 """PostgresStore: conversations in PostgreSQL, shared safely by several daemons.
 
-Events are JSONB rows with the event id as primary key (an event is accepted exactly once,
-whichever daemon sees it first); the state snapshot is JSONB beside the index columns that
-search filters in SQL. ``lease`` takes a session-level advisory lock on a dedicated
+Events are JSON rows with the event id as primary key (an event is accepted exactly once,
+whichever daemon sees it first); the state snapshot is JSON beside the index columns that
+search filters in SQL. JSON is kept as ``text``, never ``jsonb``: jsonb refuses ``\\u0000``, which
+an event may hold (nothing queries inside the JSON), and ``text`` refuses the NUL character itself,
+so the ``title`` column holds the title with NUL replaced (the exact one is in the state and, when it
+differs, in the ``lifecycle`` JSON). ``lease`` takes a session-level advisory lock on a dedicated
 connection, so two daemons never work on one conversation at once. Numbered migrations
 are applied on :meth:`PostgresStore.open` under an advisory lock.
 """
@@ -81,6 +84,17 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         ALTER TABLE conversations ADD COLUMN ended_at bigint;
         ALTER TABLE conversations ADD COLUMN lifecycle jsonb NOT NULL DEFAULT '{}'::jsonb;
         CREATE INDEX conversations_ended ON conversations (ended_at) WHERE ended_at IS NOT NULL;
+        """,
+    ),
+    (
+        3,
+        "JSON kept as text: jsonb refuses \\u0000, which an event's content, tags and the state may hold",
+        """
+        ALTER TABLE events ALTER COLUMN body TYPE text USING body::text;
+        ALTER TABLE conversations ALTER COLUMN state TYPE text USING state::text;
+        ALTER TABLE conversations ALTER COLUMN lifecycle DROP DEFAULT;
+        ALTER TABLE conversations ALTER COLUMN lifecycle TYPE text USING lifecycle::text;
+        ALTER TABLE conversations ALTER COLUMN lifecycle SET DEFAULT '{}';
         """,
     ),
 )
@@ -165,8 +179,8 @@ class PostgresStore:
                 await conn.execute(
                     """INSERT INTO conversations (id, title, phase, created_at, updated_at, event_count,
                            agent_count, archived, participants, state, activity_at, ended_at, lifecycle)
-                       VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11, $12, $13::jsonb)""",
-                    conversation.id, summary.title, summary.phase.value, summary.created_at,
+                       VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)""",
+                    conversation.id, _title_column(summary.title), summary.phase.value, summary.created_at,
                     summary.updated_at, summary.event_count, summary.agent_count, summary.archived,
                     summary.participants, json.dumps(conversation.state_dict()),
                     summary.activity_at, summary.ended_at, _lifecycle_json(summary),
@@ -176,7 +190,7 @@ class PostgresStore:
             if conversation.history:
                 await conn.executemany(
                     """INSERT INTO events (event_id, conversation_id, seq, body)
-                       VALUES ($1, $2, $3, $4::jsonb)""",
+                       VALUES ($1, $2, $3, $4)""",
                     [(e.id, conversation.id, i, _event_json(e)) for i, e in enumerate(conversation.history)],
                 )
                 await conn.executemany(
@@ -188,12 +202,12 @@ class PostgresStore:
         """Read the state row and the events in order."""
         async with self.pool.acquire() as conn:
             row = await conn.fetchrow(
-                "SELECT state::text AS state, archived FROM conversations WHERE id = $1", conversation_id
+                "SELECT state, archived FROM conversations WHERE id = $1", conversation_id
             )
             if row is None:
                 return None
             bodies = await conn.fetch(
-                "SELECT body::text AS body FROM events WHERE conversation_id = $1 ORDER BY seq",
+                "SELECT body FROM events WHERE conversation_id = $1 ORDER BY seq",
                 conversation_id,
             )
         history = [NostrEvent.model_validate_json(r["body"]) for r in bodies]
@@ -229,12 +243,12 @@ class PostgresStore:
             if not fresh:
                 return
             await conn.execute(
-                "INSERT INTO events (event_id, conversation_id, seq, body) VALUES ($1, $2, $3, $4::jsonb)",
+                "INSERT INTO events (event_id, conversation_id, seq, body) VALUES ($1, $2, $3, $4)",
                 event.id, conversation_id, row["event_count"] - 1, _event_json(event),
             )
 
     async def save_state(self, conversation: Conversation) -> None:
-        """Replace the state JSONB and the index columns derived from it."""
+        """Replace the state JSON and the index columns derived from it."""
         async with self.pool.acquire() as conn:
             await _save_state_on(conn, conversation)
 
@@ -298,18 +312,9 @@ class PostgresStore:
             sql += f" LIMIT {arg(query.limit)}"
         async with self.pool.acquire() as conn:
             rows = await conn.fetch(sql, *args)
-        found = [
-            ConversationSummary(
-                id=r["id"], title=r["title"], phase=Phase(r["phase"]), created_at=r["created_at"],
-                updated_at=r["updated_at"], event_count=r["event_count"], agent_count=r["agent_count"],
-                archived=r["archived"], participants=sorted(r["participants"]),
-                **lifecycle_fields(
-                    {**json.loads(r["lifecycle"]), "activity_at": r["activity_at"], "ended_at": r["ended_at"]}
-                ),
-            )
-            for r in rows
-            if query.title is None or title_matches(r["title"], query.title)
-        ]
+        found = [_summary_of_row(r) for r in rows]
+        if query.title is not None:
+            found = [s for s in found if title_matches(s.title, query.title)]
         return apply_query(found, query)
 
     async def phase_counts(self) -> dict[tuple[str, bool], int]:
@@ -335,7 +340,7 @@ class PostgresStore:
         """Look the event up by its primary key."""
         async with self.pool.acquire() as conn:
             row = await conn.fetchrow(
-                "SELECT conversation_id, body::text AS body FROM events WHERE event_id = $1", event_id
+                "SELECT conversation_id, body FROM events WHERE event_id = $1", event_id
             )
         if row is None:
             return None
@@ -409,21 +414,44 @@ class PostgresStore:
             await conn.execute("DELETE FROM meta WHERE key = $1", key)
 
 
+def _title_column(title: str) -> str:
+    """The title as the ``title`` column holds it: ``text`` refuses NUL, so it is replaced there."""
+    return title.replace("\x00", "\ufffd")
+
+
 def _lifecycle_json(summary: ConversationSummary) -> str:
-    """The lifecycle fields an index row keeps in its ``lifecycle`` column (the others have columns)."""
+    """The lifecycle fields an index row keeps in its ``lifecycle`` column (the others have columns),
+    and the exact title when the ``title`` column cannot hold it."""
     kept = {*LIFECYCLE_FIELDS} - {"activity_at", "ended_at"}
-    return json.dumps(summary.model_dump(mode="json", include=kept))
+    fields = summary.model_dump(mode="json", include=kept)
+    if "\x00" in summary.title:
+        fields[_EXACT_TITLE] = summary.title
+    return json.dumps(fields)
+
+
+_EXACT_TITLE = "exact_title"
+"""The ``lifecycle`` key holding a title with NUL in it (the ``title`` column has it replaced)."""
+
+
+def _summary_of_row(r: Any) -> ConversationSummary:
+    """A search row as a summary (the exact title from ``lifecycle`` when the column's differs)."""
+    lifecycle: dict[str, Any] = json.loads(r["lifecycle"])
+    return ConversationSummary(
+        id=r["id"], title=lifecycle.get(_EXACT_TITLE, r["title"]), phase=Phase(r["phase"]),
+        created_at=r["created_at"], updated_at=r["updated_at"], event_count=r["event_count"],
+        agent_count=r["agent_count"], archived=r["archived"], participants=sorted(r["participants"]),
+        **lifecycle_fields({**lifecycle, "activity_at": r["activity_at"], "ended_at": r["ended_at"]}),
+    )
 
 
 async def _save_state_on(conn: Any, conversation: Conversation) -> None:
-    """Replace a conversation's state JSONB and the index columns derived from it, on ``conn``."""
+    """Replace a conversation's state JSON and the index columns derived from it, on ``conn``."""
     summary = ConversationSummary.of(conversation)
     status = await conn.execute(
         """UPDATE conversations SET title = $2, phase = $3, created_at = $4, updated_at = $5,
-                  agent_count = $6, state = $7::jsonb, activity_at = $8, ended_at = $9,
-                  lifecycle = $10::jsonb
+                  agent_count = $6, state = $7, activity_at = $8, ended_at = $9, lifecycle = $10
             WHERE id = $1""",
-        conversation.id, summary.title, summary.phase.value, summary.created_at,
+        conversation.id, _title_column(summary.title), summary.phase.value, summary.created_at,
         summary.updated_at, summary.agent_count, json.dumps(conversation.state_dict()),
         summary.activity_at, summary.ended_at, _lifecycle_json(summary),
     )

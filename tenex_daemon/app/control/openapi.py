@@ -364,6 +364,15 @@ def _components() -> Json:
             **_agent_schemas(),
             "RebuildReport": _rebuild_schema(),
         },
+        "securitySchemes": {
+            "tcpToken": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "On the TCP port only: the token in the home's run/control.token (401 "
+                "without it); a Host other than 127.0.0.1:PORT or localhost:PORT, or another origin, "
+                "is refused (403).",
+            },
+        },
         "responses": {
             "BadRequest": _error_response("A malformed id or parameter."),
             "NotFound": _error_response("No such conversation, event or agent."),
@@ -379,7 +388,8 @@ def openapi_document() -> Json:
         "info": {
             "title": "tenexd control API",
             "version": __version__,
-            "description": "Local control of a tenexd daemon, on a Unix socket (mode 0600) in its home.",
+            "description": "Local control of a tenexd daemon, on a Unix socket (mode 0600) in its home, "
+            "and optionally a loopback TCP port that asks for a bearer token (securitySchemes.tcpToken).",
         },
         "paths": _paths(),
         "components": _components(),

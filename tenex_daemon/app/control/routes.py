@@ -2,7 +2,8 @@
 
 Errors are JSON ``{"error": "..."}``: 400 for a malformed id or parameter, 404 for an unknown
 conversation, event or agent, 409 for a change to an archived conversation, 500 for anything
-else (logged).
+else (logged). On the TCP port a guard answers 401 (no or wrong token) and 403 (another Host, another
+origin) first (:mod:`tenex_daemon.app.control.guard`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from tenex_daemon.app.control import paths
 from tenex_daemon.app.control.errors import ApiError
@@ -135,6 +137,8 @@ async def _json_body(request: web.Request, shape: str = '{"keep_system_message":
         return None
     try:
         return await request.json()
+    except RecursionError:  # nested deeper than the decoder recurses: malformed input, not a fault
+        raise ApiError(400, f"the body must be JSON nested less deeply: {shape}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ApiError(400, f"the body must be JSON: {shape}") from None
 
@@ -256,9 +260,11 @@ async def _openapi(request: web.Request) -> web.Response:
     return _json(openapi_document())
 
 
-def create_app(target: ControlTarget) -> web.Application:
-    """Return the aiohttp application serving ``target``."""
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+def create_app(target: ControlTarget, *, guard: Middleware | None = None) -> web.Application:
+    """Return the aiohttp application serving ``target``; ``guard`` (the TCP port's checks, see
+    :mod:`tenex_daemon.app.control.guard`) runs before anything else."""
+    middlewares = [_errors] if guard is None else [guard, _errors]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[TARGET_KEY] = target
     app.router.add_get(paths.OPENAPI, _openapi)
     app.router.add_get(paths.STATUS, _status)

@@ -1,5 +1,9 @@
 """The control API's listeners: a Unix socket (mode 0600) in the home and, optionally, loopback TCP.
 
+The TCP port is served by its own application, guarded (:mod:`tenex_daemon.app.control.guard`):
+a bearer token from a 0600 file, its own Host only, no cross-origin request. The socket's file
+mode is its protection, so it asks for none of these.
+
 A stale socket file (nobody answers on it) is replaced; one a process still answers on is
 refused with :class:`ControlSocketInUseError`. The socket file is removed on stop only when it
 is still the one this server bound.
@@ -10,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import secrets
 import socket
 import stat
 from pathlib import Path
@@ -19,6 +24,7 @@ import structlog
 from aiohttp import web
 
 from tenex_daemon.app.control.errors import ControlSocketInUseError
+from tenex_daemon.app.control.guard import TOKEN_BYTES, TcpGuard, load_or_create_token
 from tenex_daemon.app.control.routes import ControlTarget, create_app
 
 log = structlog.get_logger(__name__)
@@ -62,8 +68,9 @@ def _clear_stale_socket(path: Path) -> None:
 class ControlServer:
     """Serves :func:`create_app` on a Unix socket (mode 0600) and, optionally, loopback TCP.
 
-    ``tcp_port=0`` picks a free port (see :attr:`tcp_address`). Use ``await start()`` and
-    ``await stop()``, or ``async with``.
+    ``tcp_port=0`` picks a free port (see :attr:`tcp_address`). TCP asks for the token in
+    ``token_path`` (created 0600 when missing); without a path, a new token for this run only
+    (:attr:`token`). Use ``await start()`` and ``await stop()``, or ``async with``.
     """
 
     def __init__(
@@ -73,6 +80,7 @@ class ControlServer:
         tcp_port: int | None = None,
         *,
         tcp_host: str = "127.0.0.1",
+        token_path: str | os.PathLike[str] | None = None,
     ) -> None:
         """Describe the server; nothing listens until :meth:`start`."""
         if socket_path is None and tcp_port is None:
@@ -85,7 +93,10 @@ class ControlServer:
         self.tcp_host = tcp_host
         self.tcp_address: tuple[str, int] | None = None
         """The bound TCP (host, port) once started."""
-        self._runner: web.AppRunner | None = None
+        self.token_path = Path(token_path) if token_path is not None else None
+        self.token: str | None = None
+        """The token TCP asks for, once started (None without TCP)."""
+        self._runners: list[web.AppRunner] = []
         self._socket_inode: tuple[int, int] | None = None
 
     async def __aenter__(self) -> ControlServer:
@@ -97,29 +108,46 @@ class ControlServer:
 
     async def start(self) -> None:
         """Bind the socket (0600) and the TCP port, and start serving."""
-        if self._runner is not None:
+        if self._runners:
             return
-        runner = web.AppRunner(create_app(self.target), access_log=None, handle_signals=False)
-        await runner.setup()
         try:
             if self.socket_path is not None:
+                runner = await self._runner_for(create_app(self.target))
                 await web.SockSite(runner, self._bind_unix(self.socket_path)).start()
             if self.tcp_port is not None:
-                site = web.TCPSite(runner, self.tcp_host, self.tcp_port, reuse_address=True)
-                await site.start()
-                for address in runner.addresses:
-                    if isinstance(address, tuple):
-                        self.tcp_address = (str(address[0]), int(address[1]))
+                await self._start_tcp(self.tcp_port)
         except BaseException:
-            await runner.cleanup()
-            self._remove_socket()
+            await self.stop()
             raise
-        self._runner = runner
         log.info(
             "control_api_started",
             socket=str(self.socket_path) if self.socket_path else None,
             tcp=f"{self.tcp_address[0]}:{self.tcp_address[1]}" if self.tcp_address else None,
+            token=str(self.token_path) if self.tcp_address and self.token_path else None,
         )
+
+    async def _runner_for(self, app: web.Application) -> web.AppRunner:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        self._runners.append(runner)
+        return runner
+
+    async def _start_tcp(self, port: int) -> None:
+        """Serve the guarded application on ``tcp_host:port`` (the guard passes nothing before it knows
+        the port)."""
+        if self.token_path is not None:
+            self.token = load_or_create_token(self.token_path)
+        else:
+            self.token = secrets.token_urlsafe(TOKEN_BYTES)
+        guard = TcpGuard(self.token, self.tcp_host)
+        runner = await self._runner_for(create_app(self.target, guard=guard.middleware()))
+        await web.TCPSite(runner, self.tcp_host, port, reuse_address=True).start()
+        for address in runner.addresses:
+            if isinstance(address, tuple):
+                self.tcp_address = (str(address[0]), int(address[1]))
+        if self.tcp_address is None:
+            raise OSError(f"the control API's TCP port {self.tcp_host}:{port} reported no address")
+        guard.bind(self.tcp_address[1])
 
     def _bind_unix(self, path: Path) -> socket.socket:
         if len(os.fsencode(path)) > _UNIX_PATH_MAX:
@@ -157,8 +185,8 @@ class ControlServer:
 
     async def stop(self) -> None:
         """Stop serving and remove the socket file. Safe to call twice."""
-        runner, self._runner = self._runner, None
-        if runner is not None:
+        runners, self._runners = self._runners, []
+        for runner in reversed(runners):
             await runner.cleanup()
         self._remove_socket()
         self.tcp_address = None

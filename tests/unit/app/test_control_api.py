@@ -334,12 +334,15 @@ async def test_stale_socket_file_is_replaced(tmp_path: Path, target: FakeTarget)
 
 
 async def test_tcp_is_loopback_only(target: FakeTarget) -> None:
-    """tcp_port=0 serves on a free 127.0.0.1 port; a non-loopback host is refused."""
+    """tcp_port=0 serves on a free 127.0.0.1 port (with its token); a non-loopback host is refused."""
     async with ControlServer(target, None, tcp_port=0) as server:
         assert server.tcp_address is not None
         host, port = server.tcp_address
         assert host == "127.0.0.1"
-        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as response:
+        headers = {"Authorization": f"Bearer {server.token}"}
+        async with aiohttp.ClientSession(headers=headers) as session, session.get(
+            f"http://127.0.0.1:{port}/metrics"
+        ) as response:
             assert response.status == 200
     with pytest.raises(ValueError, match="loopback"):
         ControlServer(target, None, tcp_port=0, tcp_host="0.0.0.0")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ DEFAULT_MAX_CONTENT_BYTES: Final = 256 * 1024
 DEFAULT_MAX_FRAME_CHARS: Final = 1024 * 1024
 DEFAULT_MAX_TAGS: Final = 2000
 DEFAULT_MAX_SUBSCRIPTION_ID: Final = 64
+MAX_FUTURE_S: Final = 86_400
+"""An event may be dated at most this far (one day) past now: later is refused (docs/PROTOCOL.md)."""
 
 _HEX: Final = frozenset("0123456789abcdef")
 _ID_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -49,6 +52,7 @@ class RejectReason(StrEnum):
     BAD_ID = "bad_id"
     BAD_PUBKEY = "bad_pubkey"
     BAD_SIGNATURE = "bad_signature"
+    BAD_CREATED_AT = "bad_created_at"
     UNKNOWN_SUBSCRIPTION = "unknown_subscription"
 
 
@@ -235,6 +239,13 @@ def _check_sizes(content: object, tags: object, limits: Limits) -> None:
         raise EventRejectedError(RejectReason.TOO_MANY_TAGS, f"{len(tags)} tags (limit {limits.max_tags})")
 
 
+def _created_at_problem(created_at: int) -> str | None:
+    """Why ``created_at`` is refused (more than a day past now), None when it is fine."""
+    if created_at > time.time() + MAX_FUTURE_S:
+        return f"created_at {created_at} is more than {MAX_FUTURE_S} s in the future"
+    return None
+
+
 def _check_id_and_signature(event: NostrEvent, key_cache: PublicKeyCache | None) -> None:
     try:
         digest = event_id_digest(event.pubkey, event.created_at, event.kind, event.tags, event.content)
@@ -275,6 +286,9 @@ def validate_event_dict(
         where = ".".join(str(part) for part in first["loc"]) or "event"
         raise EventRejectedError(RejectReason.BAD_SHAPE, f"{where}: {first['msg']}") from None
     _check_id_and_signature(event, key_cache)
+    problem = _created_at_problem(event.created_at)
+    if problem is not None:
+        raise EventRejectedError(RejectReason.BAD_CREATED_AT, problem)
     return event
 
 
@@ -325,6 +339,9 @@ def _fast_event_frame(
     if not valid:
         detail = f"signature of {event.id} does not verify"
         return Rejection(RejectReason.BAD_SIGNATURE, detail, sub_id, event.id)
+    problem = _created_at_problem(event.created_at)
+    if problem is not None:
+        return Rejection(RejectReason.BAD_CREATED_AT, problem, sub_id, event.id)
     return EventMessage(sub_id, event)
 
 

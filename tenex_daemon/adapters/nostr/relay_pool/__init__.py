@@ -52,6 +52,7 @@ from .types import (
     RelayHealth,
     RelaySpec,
     RelayState,
+    Remember,
 )
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "RelayPool",
     "RelaySpec",
     "RelayState",
+    "Remember",
     "SeenIds",
     "backoff_delay",
 ]

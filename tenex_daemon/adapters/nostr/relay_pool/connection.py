@@ -185,8 +185,7 @@ class RelayConnection:
             except (OSError, WebSocketException, TimeoutError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 if isinstance(exc, ConnectionClosed) and exc.sent is not None and exc.sent.code == 1009:
-                    # websockets closed the connection on a frame over max_message_bytes
-                    self.reject(RejectReason.OVERSIZED_FRAME, "frame over the websocket size limit")
+                    self._skip_oversized()
             self._on_close()
             if opened_at is not None and time.monotonic() - opened_at >= settings.stable_after:
                 attempt = 0
@@ -195,6 +194,17 @@ class RelayConnection:
             self.state = RelayState.BACKOFF
             self.log.info("relay disconnected", error=self.last_error, retry_in=round(delay, 2))
             await asyncio.sleep(delay)
+
+    def _skip_oversized(self) -> None:
+        """websockets closed the connection on a frame over ``max_message_bytes`` (unread, so its
+        event is unknown): count it, and ask this relay only for what is dated after now, or it
+        sends the frame again on every resubscription and the connection never stays up."""
+        since = self.subscriptions.skip_past(self.url, time.time())
+        self.reject(
+            RejectReason.OVERSIZED_FRAME,
+            f"frame over the websocket limit of {self.settings.max_message_bytes} bytes; "
+            f"this relay is now asked only for events since {since}",
+        )
 
     async def _on_open(self, ws: ClientConnection) -> None:
         self.ws = ws

@@ -5,6 +5,12 @@ LRU of ids), and so are events the store marked processed before; after the cons
 an event is marked processed and its relay's cursor moves. With ``delivery_lanes`` > 1 and a
 lane key, events with different keys are delivered concurrently and events with the same key
 in arrival order.
+
+An event whose consumer call raised (a store that cannot write: a full disk, a read-only file
+system) is kept in memory, bounded, and handed to the consumer again with capped exponential
+backoff until it goes through: it does not wait for a relay to send it again or for a restart.
+A consumer that answers :attr:`Remember.IN_MEMORY` (a stranger's event) leaves the store alone:
+the bounded seen-id set dedupes it.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -21,7 +28,7 @@ import structlog
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.runtime.background import BackgroundTasks
 
-from .types import EventHandler, LaneKey, PoolSettings, PoolStore, ReceivedEvent
+from .types import EventHandler, LaneKey, PoolSettings, PoolStore, ReceivedEvent, Remember
 
 log = structlog.get_logger(__name__)
 
@@ -78,9 +85,23 @@ class Delivery:
         self.delivered = 0
         self.duplicates = 0
         self.consumer_errors = 0
+        self.retries = 0
+        """Consumer calls made again for events whose earlier call raised."""
+        self.retry_dropped = 0
+        self.last_error: str | None = None
+        """The newest consumer error (``Type: message``), kept while events wait for a retry."""
+        self._retry: OrderedDict[str, tuple[_Intake, int, float]] = OrderedDict()
+        """Event id -> (the event as taken in, failed attempts, loop time it is due again)."""
+        self._retry_wake = asyncio.Event()
+        self._retry_task: asyncio.Task[None] | None = None
         self._queue: asyncio.Queue[_Intake] | None = None
         self._task: asyncio.Task[None] | None = None
         self._lanes = BackgroundTasks("nostr delivery")
+
+    @property
+    def retrying(self) -> int:
+        """Events whose consumer call raised, waiting to be handed over again."""
+        return len(self._retry)
 
     @property
     def queued(self) -> int:
@@ -91,18 +112,27 @@ class Delivery:
         """Open the intake queue and start the delivery task."""
         self._queue = asyncio.Queue(self._settings.intake_queue_size)
         self._task = asyncio.create_task(self._deliver_loop(), name="nostr delivery")
+        self._retry_task = asyncio.create_task(self._retry_loop(), name="nostr delivery retry")
 
     async def drain(self) -> None:
-        """Wait (up to ``drain_timeout``) until every event taken in has reached the consumer."""
+        """Wait (up to ``drain_timeout``) until every event taken in has reached the consumer.
+
+        Failed events waiting for a retry are not waited for (they are left to the relays and
+        the next start): their retries stop here.
+        """
+        if self._retry_task is not None:
+            self._retry_task.cancel()
+            await asyncio.gather(self._retry_task, return_exceptions=True)
         if self._queue is not None and self._task is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._queue.join(), self._settings.drain_timeout)
 
     async def stop(self) -> None:
         """Cancel the delivery task and the lane workers, and wait for them."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._retry_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._lanes.cancel_all()
 
     # -- intake ----------------------------------------------------------------------------
@@ -186,19 +216,62 @@ class Delivery:
             self._lanes.spawn(drain_key(key), f"lane {key[:16]}")
 
     async def _deliver(self, event: NostrEvent, url: str, sub_id: str, received_at: float) -> None:
-        if self._store is not None and await self._store.is_processed(event.id):
-            self.duplicates += 1
-            self._advance_cursor(sub_id, url, event.created_at)
-            return
-        if self._on_event is not None:
-            try:
-                await self._on_event(ReceivedEvent(event, url, sub_id, received_at))
-            except Exception:
-                self.consumer_errors += 1
-                self.seen.discard(event.id)
-                log.exception("event handler failed", event_id=event.id, kind=event.kind)
+        try:
+            if self._store is not None and await self._store.is_processed(event.id):
+                self.duplicates += 1
+                self._retry.pop(event.id, None)
+                self._advance_cursor(sub_id, url, event.created_at)
                 return
-        if self._store is not None:
-            await self._store.mark_processed(event.id)
+            remember = None
+            if self._on_event is not None:
+                remember = await self._on_event(ReceivedEvent(event, url, sub_id, received_at))
+            if self._store is not None and remember is not Remember.IN_MEMORY:
+                await self._store.mark_processed(event.id)
+        except Exception as exc:
+            self.consumer_errors += 1
+            self.seen.discard(event.id)  # a copy from another relay may go through before the retry
+            self._keep_for_retry((event, url, sub_id, received_at), exc)
+            log.exception("event handler failed", event_id=event.id, kind=event.kind, retrying=self.retrying)
+            return
+        self._retry.pop(event.id, None)
         self.delivered += 1
         self._advance_cursor(sub_id, url, event.created_at)
+
+    # -- retry -----------------------------------------------------------------------------
+
+    def _keep_for_retry(self, item: _Intake, exc: Exception) -> None:
+        """Keep a failed event to hand over again later (backoff doubles per failure, capped)."""
+        self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+        event_id = item[0].id
+        _, failures, _ = self._retry.pop(event_id, (item, 0, 0.0))
+        settings = self._settings
+        wait = min(settings.retry_cap, settings.retry_base * 2 ** min(failures, 30))
+        self._retry[event_id] = (item, failures + 1, asyncio.get_running_loop().time() + wait)
+        if len(self._retry) > settings.retry_capacity:
+            dropped, _ = self._retry.popitem(last=False)
+            self.retry_dropped += 1
+            log.warning("event dropped from the retry set", event_id=dropped, reason="retry_set_full",
+                        note="left to the relays and the next start")
+        self._retry_wake.set()
+
+    async def _retry_loop(self) -> None:
+        """Hand every failed event whose wait is over to the delivery queue again."""
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            self._retry_wake.clear()
+            now = loop.time()
+            due = [(event_id, entry[0]) for event_id, entry in self._retry.items() if entry[2] <= now]
+            for event_id, item in due:
+                entry = self._retry.get(event_id)
+                if entry is None:
+                    continue
+                self._retry[event_id] = (entry[0], entry[1], math.inf)  # in the queue: not due again
+                self.retries += 1
+                self.seen.add_if_new(event_id)
+                await self._queue.put(item)
+            if not self._retry:
+                self.last_error = None
+            wait = min((entry[2] for entry in self._retry.values()), default=math.inf) - loop.time()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._retry_wake.wait(), None if wait == math.inf else max(0.0, wait))

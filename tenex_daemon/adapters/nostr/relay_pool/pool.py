@@ -47,8 +47,9 @@ class RelayPool:
 
     ``on_event`` is awaited once per new event, one at a time, in arrival order; a
     slow handler should hand work to its own tasks. When it returns, the event id
-    is marked processed in the store; when it raises, the error is logged and the
-    event may be delivered again by a later copy.
+    is marked processed in the store (unless it returns :attr:`Remember.IN_MEMORY`); when it
+    raises, the error is logged and the event is handed over again with backoff (or by a
+    later copy).
     """
 
     def __init__(
@@ -322,9 +323,12 @@ class RelayPool:
         rejects: Counter[str] = Counter()
         for relay in relays:
             rejects.update(relay.rejects)
+        delivery = self._delivery
         return PoolHealth(
-            relays, self.delivered, self.duplicates, self.consumer_errors, self._delivery.queued,
-            dict(rejects),
+            relays, self.delivered, self.duplicates, self.consumer_errors, delivery.queued,
+            dict(rejects), retrying=delivery.retrying, retries=delivery.retries,
+            retry_dropped=delivery.retry_dropped,
+            last_consumer_error=delivery.last_error if delivery.retrying else None,
         )
 
     def rejects_by_reason(self) -> dict[str, int]:

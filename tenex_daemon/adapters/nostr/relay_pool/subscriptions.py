@@ -34,6 +34,8 @@ class Subscriptions:
         self._subs: dict[str, Subscription] = {}
         self._cursors: dict[tuple[str, str], int] = {}
         self._dirty: set[tuple[str, str]] = set()
+        self._floors: dict[str, int] = {}
+        """Per relay url: a ``since`` no REQ to it goes below (set past a frame too big to read)."""
 
     def get(self, sub_id: str) -> Subscription | None:
         """The live subscription with this id, or None."""
@@ -60,10 +62,23 @@ class Subscriptions:
     def filters_for(self, sub: Subscription, url: str) -> list[Filter]:
         """Return the filters with ``since`` moved up to this relay's cursor minus the window."""
         cursor = self._cursors.get((sub.sub_id, url))
-        if cursor is None:
+        floor = self._floors.get(url)
+        if cursor is None and floor is None:
             return sub.filters
-        since = max(0, cursor - self._since_window - sub.lookback_s)
+        since = 0 if cursor is None else max(0, cursor - self._since_window - sub.lookback_s)
+        since = max(since, floor or 0)
         return [{**f, "since": max(int(f.get("since", 0)), since)} for f in sub.filters]
+
+    def skip_past(self, url: str, moment: float) -> int:
+        """Make every later REQ to ``url`` ask ``since`` after ``moment`` (for this run); return it.
+
+        What that relay dated earlier and has not sent yet is then not asked of it again: other
+        relays still deliver it. Used when the relay sent a frame over the websocket limit, which
+        it would otherwise replay on every resubscription (docs/PROTOCOL.md, "Relays").
+        """
+        floor = int(moment) + 1
+        self._floors[url] = max(self._floors.get(url, 0), floor)
+        return self._floors[url]
 
     def cursor(self, sub_id: str, url: str) -> int | None:
         """Return the last accepted ``created_at`` for a subscription on a relay."""

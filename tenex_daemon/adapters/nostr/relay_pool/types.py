@@ -61,8 +61,10 @@ class PoolSettings:
     """Tunables of the pool; the defaults suit a daemon, tests shorten the delays."""
 
     limits: Limits = DEFAULT_LIMITS
-    max_message_bytes: int = 4 * 1024 * 1024
-    """Hard websocket frame limit (``max_size``): a larger frame closes the connection."""
+    max_message_bytes: int = 16 * 1024 * 1024
+    """Hard websocket frame limit (``max_size``): a larger frame closes the connection, and the relay's
+    subscriptions then ask ``since`` past that moment so the relay does not replay it. Frames under it
+    reach the codec, whose limits (``limits.max_frame_chars``) reject them without a reconnect."""
     open_timeout: float = 10.0
     ping_interval: float | None = 20.0
     backoff_base: float = 0.5
@@ -80,6 +82,20 @@ class PoolSettings:
     """Keys delivered at once when the pool has a ``lane_key``; one key's events always go in order."""
     cursor_flush_interval: float = 1.0
     drain_timeout: float = 5.0
+    retry_base: float = 1.0
+    """First wait before handing an event whose consumer call raised to the consumer again (doubles)."""
+    retry_cap: float = 60.0
+    retry_capacity: int = 1_000
+    """Failed events kept in memory for retry; past it the oldest is dropped (left to the relays)."""
+
+
+class Remember(StrEnum):
+    """What the consumer asks the pool to do with an event it handled (``None`` means ``DURABLY``)."""
+
+    DURABLY = "durably"
+    """Mark it processed in the store: never handed over again, across restarts."""
+    IN_MEMORY = "in_memory"
+    """Dedupe it in memory only (the bounded seen-id set): nothing written, e.g. a stranger's event."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +147,13 @@ class PoolHealth:
     consumer_errors: int
     queued: int
     rejects: dict[str, int]
+    retrying: int = 0
+    """Events whose consumer call raised, kept for another try."""
+    retries: int = 0
+    """Consumer calls made again for such events, since start."""
+    retry_dropped: int = 0
+    """Failed events dropped from the retry set when it was full."""
+    last_consumer_error: str | None = None
 
     @property
     def connected(self) -> int:
@@ -143,6 +166,8 @@ class PoolHealth:
             "relays": [r.to_dict() for r in self.relays], "connected": self.connected,
             "delivered": self.delivered, "duplicates": self.duplicates,
             "consumer_errors": self.consumer_errors, "queued": self.queued, "rejects": dict(self.rejects),
+            "retrying": self.retrying, "retries": self.retries, "retry_dropped": self.retry_dropped,
+            "last_consumer_error": self.last_consumer_error,
         }
 
 
@@ -172,8 +197,8 @@ class PublishError(TenexError):
         self.result = result
 
 
-EventHandler = Callable[[ReceivedEvent], Awaitable[None]]
-"""The pool's consumer: awaited once per new event."""
+EventHandler = Callable[[ReceivedEvent], Awaitable["Remember | None"]]
+"""The pool's consumer: awaited once per new event; it may say how the event is remembered."""
 LaneKey = Callable[[NostrEvent], str]
 """Maps an event to the key whose events must reach the consumer in order."""
 ConnectHandler = Callable[[str], None]

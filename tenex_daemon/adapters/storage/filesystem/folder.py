@@ -47,10 +47,31 @@ log = structlog.get_logger(__name__)
 STATE_FORMAT = 1
 
 
-def state_bytes(conversation: Conversation, archived: bool) -> bytes:
-    """The ``state.json`` of a conversation: everything but its history."""
+LAST_USER_EVENT = "last_user_event"
+"""The state key naming the event whose content is ``metadata.last_user_message``: the snapshot
+refers to that event instead of repeating its content (the log holds it already)."""
+
+
+def _newest_event_with(content: str, conversation: Conversation, appended: NostrEvent | None) -> str | None:
+    """The id of the newest event (``appended`` first, then history from the end) holding ``content``."""
+    if appended is not None and appended.content == content:
+        return appended.id
+    for event in reversed(conversation.history):
+        if event.content == content:
+            return event.id
+    return None
+
+
+def state_bytes(conversation: Conversation, archived: bool, appended: NostrEvent | None = None) -> bytes:
+    """The ``state.json`` of a conversation: everything but its history, which it never repeats: the
+    last user message is the id of the event holding it (``appended``: the event written with it)."""
     state = conversation.state_dict()
     state["archived"] = archived
+    message = conversation.metadata.last_user_message
+    event_id = None if not message else _newest_event_with(message, conversation, appended)
+    if event_id is not None:
+        state["metadata"]["last_user_message"] = None
+        state[LAST_USER_EVENT] = event_id
     return json.dumps(
         {"format": STATE_FORMAT, "state": state}, separators=(",", ":"), ensure_ascii=False
     ).encode("utf-8")
@@ -180,28 +201,54 @@ def _read_state(path: Path) -> tuple[dict[str, Any] | None, Stamp]:
     return state, (st.st_size, st.st_mtime_ns)
 
 
+def _salvage(
+    log_path: Path, keep: list[bytes], bad: int, conversation_id: str, corrupt_dir: Path,
+    actions: list[RecoveryAction],
+) -> LogScan:
+    """Copy the log to ``corrupt/`` as it is, then rewrite it with the ``keep`` payloads only.
+
+    Return the scan of the salvaged log (from its start).
+    """
+    saved = copy_to_corrupt(corrupt_dir, log_path, f"{conversation_id}.events.log")
+    good = b"".join(encode_line(p) for p in keep)
+    replace_file(log_path, good)
+    detail = f"{bad} corrupt line(s); original kept at {saved.name}"
+    actions.append(RecoveryAction("log_salvaged", conversation_id, detail))
+    log.error("event_log_salvaged", conversation_id=conversation_id, detail=detail)
+    return scan_log(good)
+
+
 def _repair_log(
     log_path: Path, data: bytes, scan: LogScan, conversation_id: str, corrupt_dir: Path,
     actions: list[RecoveryAction],
 ) -> LogScan | None:
-    """Salvage a log with corrupt lines (the original copied to ``corrupt/``) or cut its torn tail.
+    """Salvage a log with corrupt complete lines (the original copied to ``corrupt/`` first, torn
+    tail and all) or cut its torn tail (an unterminated last line, nothing else).
 
     Return the scan of the salvaged log (from its start), None when no salvage was needed.
     """
     if scan.bad_lines:
-        saved = copy_to_corrupt(corrupt_dir, log_path, f"{conversation_id}.events.log")
-        good = b"".join(encode_line(p) for p in scan_log(data).payloads)
-        replace_file(log_path, good)
-        detail = f"{scan.bad_lines} corrupt line(s); original kept at {saved.name}"
-        actions.append(RecoveryAction("log_salvaged", conversation_id, detail))
-        log.error("event_log_salvaged", conversation_id=conversation_id, detail=detail)
-        return scan_log(good)
+        every = scan_log(data).payloads
+        return _salvage(log_path, every, scan.bad_lines, conversation_id, corrupt_dir, actions)
     if scan.torn:
         cut_tail(log_path, scan.good_end, durable=True)
         detail = f"cut {scan.size - scan.good_end} byte(s) after offset {scan.good_end}"
         actions.append(RecoveryAction("torn_tail_cut", conversation_id, detail))
         log.warning("torn_tail_cut", conversation_id=conversation_id, detail=detail)
     return None
+
+
+def _restore_last_user_message(state: dict[str, Any], events: list[NostrEvent]) -> None:
+    """Put back the last user message a snapshot refers to by event id (absent event: none)."""
+    event_id = state.pop(LAST_USER_EVENT, None)
+    if event_id is None:
+        return
+    for event in reversed(events):
+        if event.id == event_id:
+            metadata = state.setdefault("metadata", {})
+            if isinstance(metadata, dict):
+                metadata["last_user_message"] = event.content
+            return
 
 
 def _rebuild_state(
@@ -220,6 +267,46 @@ def _rebuild_state(
     actions.append(RecoveryAction("state_rebuilt", conversation_id, detail))
     log.error("state_rebuilt", conversation_id=conversation_id, detail=detail)
     return state, stamp
+
+
+@dataclass
+class _Payloads:
+    """What a log's good lines hold."""
+
+    events: list[NostrEvent]
+    event_ids: list[str]
+    participants: set[str]
+    good: list[bytes]
+    """The payloads that are events."""
+    unreadable: int
+
+
+def _read_payloads(payloads: list[bytes], parse_events: bool) -> _Payloads:
+    """Read each payload as an event (whole with ``parse_events``, else its id and pubkey only);
+    one that is not an event is counted in ``unreadable``, not skipped silently."""
+    read = _Payloads([], [], set(), [], 0)
+    for payload in payloads:
+        if parse_events:
+            event = parse_event(payload)
+            if event is None:
+                read.unreadable += 1
+                continue
+            event_id, pubkey = event.id, event.pubkey
+            read.events.append(event)
+        else:
+            try:
+                raw = json.loads(payload)
+                event_id, pubkey = raw["id"], raw["pubkey"]
+            except (ValueError, KeyError, TypeError):
+                read.unreadable += 1
+                continue
+            if not isinstance(event_id, str) or not isinstance(pubkey, str):
+                read.unreadable += 1
+                continue
+        read.event_ids.append(event_id)
+        read.participants.add(pubkey)
+        read.good.append(payload)
+    return read
 
 
 def scan_folder(
@@ -242,25 +329,21 @@ def scan_folder(
     salvaged = _repair_log(log_path, data, scan, conversation_id, corrupt_dir, actions)
     if salvaged is not None:
         scan, start = salvaged, 0
-    events: list[NostrEvent] = []
-    event_ids: list[str] = []
-    participants: set[str] = set()
-    for payload in scan.payloads:
-        if parse_events:
-            event = parse_event(payload)
-            if event is None:
-                continue
-            events.append(event)
-            event_ids.append(event.id)
-            participants.add(event.pubkey)
-        else:
-            raw = json.loads(payload)
-            event_ids.append(raw["id"])
-            participants.add(raw["pubkey"])
+    read = _read_payloads(scan.payloads, parse_events)
+    if read.unreadable:
+        # checksummed lines that are no event: corruption too, kept in corrupt/ and reported
+        every = scan.payloads if start == 0 else scan_log(data).payloads
+        keep = _read_payloads(every, parse_events).good
+        scan = _salvage(log_path, keep, len(every) - len(keep), conversation_id, corrupt_dir, actions)
+        data, start = log_path.read_bytes(), 0
+        read = _read_payloads(scan.payloads, parse_events)
+    events, event_ids, participants = read.events, read.event_ids, read.participants
     state_path = folder / STATE_NAME
     state, stamp = _read_state(state_path)
     if state is None:
         every = scan.payloads if start == 0 else scan_log(data).payloads
         history = events or [e for e in (parse_event(p) for p in every[:1] + every[-1:]) if e]
         state, stamp = _rebuild_state(state_path, conversation_id, corrupt_dir, history, actions)
+    if parse_events:
+        _restore_last_user_message(state, events)
     return ScannedFolder(state, events, scan.good_end, event_ids, participants, stamp, actions)

@@ -1,8 +1,9 @@
 """Checksummed append-only logs: one conversation's ``events.log``, the index logs.
 
 A line is ``<crc32 of the payload: 8 hex digits> <payload>\\n``. A crash can leave a torn
-tail (bytes after the last complete line), cut on the next read; a line whose checksum fails
-before good lines is corruption, not a torn tail.
+tail (bytes after the last newline: an unterminated line), cut on the next read; a complete line
+whose checksum fails is corruption, never a torn tail, even when it is the last one: the log is
+copied to ``corrupt/`` before anything is cut.
 """
 
 from __future__ import annotations
@@ -53,22 +54,27 @@ class LogScan:
 
     payloads: list[bytes]
     good_end: int
-    """Offset just after the last good line: everything after it is a torn tail."""
+    """Offset just after the last good line."""
     size: int
     bad_lines: int
-    """Bad lines before ``good_end`` (corruption, not a torn tail)."""
+    """Complete lines whose checksum fails, wherever they are (corruption, not a torn tail)."""
+    line_end: int = -1
+    """Offset just after the last complete line (-1: ``good_end``); what follows is the torn tail."""
+
+    def __post_init__(self) -> None:
+        if self.line_end < 0:
+            self.line_end = self.good_end
 
     @property
     def torn(self) -> bool:
-        """Whether bytes follow the last good line."""
-        return self.good_end < self.size
+        """Whether bytes follow the last complete line (an unterminated line)."""
+        return self.line_end < self.size
 
 
 def scan_log(data: bytes, start: int = 0) -> LogScan:
-    """Split ``data`` (from ``start``) into good payloads, a torn tail and corrupt lines."""
+    """Split ``data`` (from ``start``) into good payloads, corrupt lines and a torn tail."""
     payloads: list[bytes] = []
     good_end = start
-    bad_since_good = 0
     bad_lines = 0
     pos = start
     size = len(data)
@@ -78,14 +84,12 @@ def scan_log(data: bytes, start: int = 0) -> LogScan:
             break
         payload = _check_line(data[pos:end])
         if payload is None:
-            bad_since_good += 1
+            bad_lines += 1
         else:
             payloads.append(payload)
-            bad_lines += bad_since_good
-            bad_since_good = 0
             good_end = end + 1
         pos = end + 1
-    return LogScan(payloads, good_end, size, bad_lines)
+    return LogScan(payloads, good_end, size, bad_lines, pos)
 
 
 def cut_tail(path: Path, end: int, *, durable: bool) -> None:

@@ -312,7 +312,7 @@ class FileSystemStore:
         log_path, state_path = self._paths(conversation_id)  # live ones: archived is refused above
         ops = [Op("append", log_path, line)]
         if state is not None:
-            ops.append(Op("replace", state_path, state_bytes(state, entry.archived)))
+            ops.append(Op("replace", state_path, state_bytes(state, entry.archived, event)))
         try:
             await self._committer.commit(ops)
         except BaseException:

@@ -1,0 +1,177 @@
+"""Intake on a bad day: store writes that fail are retried and reported as ``degraded``; strangers'
+events cost no disk and are logged rate-limited; /metrics shows the pool's counters."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from structlog.testing import capture_logs
+
+from tenex_daemon import MemoryStore
+from tenex_daemon.adapters.nostr.relay_pool import PoolHealth, PoolSettings, RelayPool
+from tenex_daemon.app.daemon import Daemon
+from tenex_daemon.app.home import init_home
+from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.status import read_status, write_status
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.events import NostrEvent
+from tests.conftest import Cast
+from tests.pipeline import build_rig
+
+RETRY_FAST = PoolSettings(retry_base=0.05, retry_cap=0.2, cursor_flush_interval=0.05)
+
+
+class FlakyStore(MemoryStore):
+    """A memory store whose writes fail with ENOSPC while ``failing`` is set (a full disk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = False
+        self.processed_writes = 0
+
+    def _check(self) -> None:
+        if self.failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def create(self, conversation: Conversation) -> None:
+        """Create, unless writes fail."""
+        self._check()
+        await super().create(conversation)
+
+    async def save_state(self, conversation: Conversation) -> None:
+        """Save, unless writes fail."""
+        self._check()
+        await super().save_state(conversation)
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Set a small value, unless writes fail."""
+        self._check()
+        await super().set_meta(key, value)
+
+    async def mark_processed(self, event_id: str) -> None:
+        """Mark processed (counted), unless writes fail."""
+        self._check()
+        self.processed_writes += 1
+        await super().mark_processed(event_id)
+
+
+@asynccontextmanager
+async def daemon_with_pool(tmp_path: Path, cast: Cast, store: FlakyStore) -> AsyncIterator[Daemon]:
+    """A Daemon whose intake (``_on_event``) runs the real pipeline over ``store``, fed by a relay-less pool."""
+    init_home(tmp_path / "h", owner=cast.user.pubkey, relays=["ws://127.0.0.1:9"])
+    daemon = Daemon(load_settings(tmp_path / "h"))
+    rig = build_rig(cast, store=store)
+    daemon.pipeline = rig.pipeline
+    daemon.state = "running"
+    pool = RelayPool([], on_event=daemon._on_event, store=store, settings=RETRY_FAST)
+    daemon.pool = pool
+    await pool.start()
+    try:
+        yield daemon
+    finally:
+        await pool.stop()
+        await rig.settle()
+
+
+async def wait_until(predicate: Callable[[], bool], within: float = 10.0) -> bool:
+    """Poll ``predicate`` until it holds or ``within`` seconds pass."""
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def test_events_whose_store_writes_failed_are_retried_once_writes_work(tmp_path: Path, cast: Cast) -> None:
+    """While writes fail the event is kept, the daemon reports ``degraded`` with the reason (not healthy)
+    and counts it; once writes work it is accepted without any relay sending it again."""
+    store = FlakyStore()
+    store.failing = True
+    event = cast.user_says("hello while the disk is full", kind=11, tags=[["p", cast.alice.pubkey]])
+    async with daemon_with_pool(tmp_path, cast, store) as daemon:
+        assert daemon.pool is not None
+        await daemon.pool.intake(event, "ws://relay", "tenexd-mentions")
+        assert await wait_until(lambda: daemon.pool is not None and daemon.pool.health().retries >= 1)
+        status = daemon.status()
+        assert status["degraded"] is not None
+        assert "No space left on device" in status["degraded"]
+        write_status(tmp_path / "status.json", status)
+        report = read_status(tmp_path / "status.json", 60)
+        assert not report.healthy
+        assert "degraded" in report.reason
+        assert b"tenexd_intake_retries_total" in daemon.metrics.render()
+
+        store.failing = False
+        assert await wait_until(lambda: store.processed_writes >= 1)
+        assert await wait_until(lambda: daemon.status()["degraded"] is None)
+        assert daemon.status()["events"]["accepted"] == 1
+        assert await store.load(event.id) is not None
+
+
+async def test_a_strangers_event_is_not_written_to_the_processed_ledger(tmp_path: Path, cast: Cast) -> None:
+    """An event refused as ``author_not_allowed`` is deduped in memory, never marked processed in the
+    store; a copy of it is dropped as a duplicate."""
+    store = FlakyStore()
+    stranger = cast.factory.event(cast.other_user, "let me in", kind=1111, tags=[["p", cast.alice.pubkey]])
+    async with daemon_with_pool(tmp_path, cast, store) as daemon:
+        assert daemon.pool is not None
+        await daemon.pool.intake(stranger, "ws://relay", "tenexd-mentions")
+        assert await wait_until(lambda: daemon.events_ignored["author_not_allowed"] == 1)
+        await daemon.pool.intake(stranger, "ws://other", "tenexd-mentions")
+        await asyncio.sleep(0.1)
+        assert daemon.events_ignored["author_not_allowed"] == 1
+        assert daemon.pool.duplicates == 1
+    assert store.processed_writes == 0
+    assert not await store.is_processed(stranger.id)
+
+
+async def test_author_not_allowed_is_logged_once_per_author_per_minute(tmp_path: Path, cast: Cast) -> None:
+    """Three events from one stranger log one ``author_not_allowed`` line; a minute later the next one
+    logs again with the count of lines suppressed in between."""
+    store = FlakyStore()
+    events: list[NostrEvent] = [
+        cast.factory.event(cast.other_user, f"spam {n}", kind=1111, tags=[["p", cast.alice.pubkey]])
+        for n in range(4)
+    ]
+    async with daemon_with_pool(tmp_path, cast, store) as daemon:
+        assert daemon.pool is not None
+        with capture_logs() as logs:
+            for event in events[:3]:
+                await daemon.pool.intake(event, "ws://relay", "tenexd-mentions")
+            assert await wait_until(lambda: daemon.events_ignored["author_not_allowed"] == 3)
+            daemon.stranger_log.clock = lambda: time.monotonic() + 61
+            await daemon.pool.intake(events[3], "ws://relay", "tenexd-mentions")
+            assert await wait_until(lambda: daemon.events_ignored["author_not_allowed"] == 4)
+    lines = [entry for entry in logs if entry["event"] == "event_refused"]
+    assert [entry["author"] for entry in lines] == [cast.other_user.pubkey] * 2
+    assert [entry["suppressed"] for entry in lines] == [0, 2]
+    assert all(entry["reason"] == "author_not_allowed" for entry in lines)
+
+
+def test_metrics_show_frame_rejects_duplicates_handler_errors_and_reconnects() -> None:
+    """/metrics carries the pool's frame rejections by reason, duplicates, handler errors, retries and
+    each relay's reconnects, read from its health at scrape time."""
+    pool = RelayPool(["ws://127.0.0.1:9"], settings=PoolSettings())
+    base = pool.health()
+    relay = base.relays[0]
+    health = PoolHealth(
+        (type(relay)(**{**relay.to_dict(), "state": relay.state, "reconnects": 3}),),
+        delivered=5, duplicates=7, consumer_errors=2, queued=0, rejects={"bad_signature": 4},
+        retrying=1, retries=6,
+    )
+    metrics = Metrics()
+    metrics.watch_pool(lambda: health)
+    text = metrics.render().decode()
+    assert 'tenexd_frames_rejected_total{reason="bad_signature"} 4.0' in text
+    assert "tenexd_events_duplicate_total 7.0" in text
+    assert "tenexd_intake_handler_errors_total 2.0" in text
+    assert "tenexd_intake_retries_total 6.0" in text
+    assert "tenexd_intake_retry_pending 1.0" in text
+    assert 'tenexd_relay_reconnects_total{url="ws://127.0.0.1:9"} 3.0' in text

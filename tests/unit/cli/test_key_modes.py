@@ -1,0 +1,61 @@
+"""Key files and the keys/ folder too open are refused, and the command line says so with exit 2 (README:
+"2 bad input or configuration")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer, write_key_file
+from tests.unit.cli.test_cli import USER, tenexd
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    """A home made by ``tenexd init`` with USER as the owner."""
+    path = tmp_path / "home"
+    code, out = tenexd(path, "init", "--owner", USER.npub, "--relay", "ws://127.0.0.1:1")
+    assert code == 0, out
+    return path
+
+
+def test_run_refuses_a_key_file_readable_by_others_with_exit_2(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tenexd run`` with a 0644 agent key exits 2 (a configuration problem), naming the file and its mode."""
+    key = home / "keys" / "project.key"
+    key.chmod(0o644)
+
+    code, _ = tenexd(home, "run", "--relay", "ws://127.0.0.1:1")
+
+    assert code == 2
+
+
+def test_run_refuses_a_keys_folder_others_may_enter_with_exit_2(home: Path) -> None:
+    """``tenexd run`` with a 0755 keys/ folder exits 2: the folder must be 0700 like the files are 0600."""
+    (home / "keys").chmod(0o755)
+
+    code, _ = tenexd(home, "run", "--relay", "ws://127.0.0.1:1")
+
+    assert code == 2
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o750, 0o701, 0o770])
+def test_a_key_in_a_folder_open_to_others_is_refused_naming_the_folder(tmp_path: Path, mode: int) -> None:
+    """Signer.from_file refuses a 0600 key file whose folder group or others may access; the error names the
+    folder and its mode, never the key."""
+    folder = tmp_path / "keys"
+    folder.mkdir(mode=0o700)
+    signer = Signer.generate()
+    path = folder / "agent.key"
+    write_key_file(path, signer)
+    folder.chmod(mode)
+
+    with pytest.raises(KeyFileError) as caught:
+        Signer.from_file(path)
+
+    message = str(caught.value)
+    assert str(folder) in message
+    assert f"{mode:04o}" in message
+    assert signer.secret_hex() not in message
+    folder.chmod(0o700)
+    assert Signer.from_file(path).pubkey == signer.pubkey

@@ -1,0 +1,101 @@
+"""People told apart (docs/CONTEXT.md step 1): once more than one person has written in a conversation,
+each person's message carries their label; with one person the messages stay byte-exact as before."""
+
+from __future__ import annotations
+
+from tenex_daemon import ConversationManager
+from tenex_daemon.core.agents import AgentDirectory
+from tenex_daemon.core.context import (
+    NEW_INTERACTION,
+    USER_LABEL,
+    ChatMessage,
+    build_agent_messages,
+    person_label,
+)
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.nip19 import encode_npub
+from tests.conftest import Cast
+
+
+def test_person_label_is_the_short_npub() -> None:
+    """A person's label is the first 13 characters of their npub followed by an ellipsis."""
+    pubkey = "ab" * 32
+    assert person_label(pubkey) == encode_npub(pubkey)[:13] + "…"
+    assert person_label(pubkey).startswith("npub1")
+
+
+async def test_two_people_are_labelled_in_history_and_trigger(manager: ConversationManager, cast: Cast) -> None:
+    """With two people in the conversation, both people's messages (history and trigger) read
+    ``[<label>]: <content>`` as ``user``; the agent's own stays ``assistant``; the block keeps ``🟢 USER``."""
+    root = cast.user_says("Plan my trip", kind=11, tags=[["p", cast.alice.pubkey]])
+    conversation = await manager.create_conversation(root)
+    await manager.build_agent_messages(conversation.id, "alice", root)
+    answer = cast.alice_says("Where to?")
+    await manager.add_event(conversation.id, answer)
+    hello = cast.factory.event(cast.other_user, "Hi all", tags=[["E", root.id]])
+    await manager.add_event(conversation.id, hello)
+    other = cast.factory.event(cast.other_user, "Tell me everything", tags=[["E", root.id]])
+    await manager.add_event(conversation.id, other)
+
+    context = await manager.build_agent_messages(conversation.id, "alice", other)
+
+    me, them = person_label(cast.user.pubkey), person_label(cast.other_user.pubkey)
+    assert context.messages[:3] == [
+        ChatMessage("user", f"[{me}]: Plan my trip"),
+        ChatMessage("assistant", "Where to?"),
+        ChatMessage("user", f"[{them}]: Hi all"),
+    ]
+    assert context.messages[-2:] == [
+        ChatMessage("system", NEW_INTERACTION),
+        ChatMessage("user", f"[{them}]: Tell me everything"),
+    ]
+    assert f"{USER_LABEL}:\nHi all\n\n" in context.messages[-3].content
+
+
+async def test_one_person_stays_unlabelled(manager: ConversationManager, cast: Cast) -> None:
+    """With one person and several agents, a person's messages stay plain ``user`` content, byte for byte."""
+    root = cast.user_says("Hello ✨", kind=11, tags=[["p", cast.alice.pubkey]])
+    conversation = await manager.create_conversation(root)
+    await manager.add_event(conversation.id, cast.bob_says("Bob here"))
+    follow = cast.user_says("Again", tags=[["E", root.id]])
+    await manager.add_event(conversation.id, follow)
+
+    context = await manager.build_agent_messages(conversation.id, "alice", follow)
+
+    assert context.messages[0] == ChatMessage("user", "Hello ✨")
+    assert context.messages[1] == ChatMessage("system", "[Bob]: Bob here")
+    assert context.messages[-1] == ChatMessage("user", "Again")
+
+
+async def test_memoized_history_is_relabelled_when_a_second_person_writes(
+    manager: ConversationManager, cast: Cast
+) -> None:
+    """History built (and memoized) while one person wrote is shown labelled once a second person writes."""
+    root = cast.user_says("First", kind=11, tags=[["p", cast.alice.pubkey]])
+    conversation = await manager.create_conversation(root)
+    second = cast.user_says("Second", tags=[["E", root.id]])
+    await manager.add_event(conversation.id, second)
+    before = await manager.build_agent_messages(conversation.id, "alice", second)
+    other = cast.factory.event(cast.other_user, "Third", tags=[["E", root.id]])
+    await manager.add_event(conversation.id, other)
+
+    after = await manager.build_agent_messages(conversation.id, "alice", other)
+
+    assert before.messages[0] == ChatMessage("user", "First")
+    assert after.messages[:2] == [
+        ChatMessage("user", f"[{person_label(cast.user.pubkey)}]: First"),
+        ChatMessage("user", f"[{person_label(cast.user.pubkey)}]: Second"),
+    ]
+
+
+def test_a_trigger_from_a_second_person_not_yet_in_history_labels_everyone(cast: Cast) -> None:
+    """The trigger's author counts as a person who has written even before the trigger is stored."""
+    root = cast.user_says("Mine", kind=11)
+    conversation = Conversation(id=root.id, history=[root])
+    trigger = cast.factory.event(cast.other_user, "Theirs", tags=[["E", root.id]])
+    directory = AgentDirectory(cast.agents)
+
+    context = build_agent_messages(conversation, cast.alice, trigger, directory)
+
+    assert context.messages[0] == ChatMessage("user", f"[{person_label(cast.user.pubkey)}]: Mine")
+    assert context.messages[-1] == ChatMessage("user", f"[{person_label(cast.other_user.pubkey)}]: Theirs")
