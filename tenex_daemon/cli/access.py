@@ -89,7 +89,7 @@ class ConversationAccess(Protocol):
         """Restore an archived conversation."""
 
     async def end(self, conversation_id: str, reason: str | None) -> None:
-        """End a conversation (by the owner): recorded in its metadata, then archived."""
+        """End a conversation (by the owner): recorded with it (when, who, why); it stays writable."""
 
     async def stop(self, conversation_id: str, agent: str | None) -> dict[str, Any]:
         """Stop the agents working on a conversation (``agent`` only, when given), as the owner; return

@@ -234,8 +234,8 @@ def conversations_end(
     reason: Annotated[str | None, typer.Option("--reason", help="Why, recorded with the end.")] = None,
     home: HomeOption = None,
 ) -> None:
-    """End a conversation: when, by whom (owner) and why are recorded, and it is archived (a new
-    message reopens it)."""
+    """End a conversation: when, by whom (owner) and why are recorded; it stays writable (a new message
+    reopens it)."""
     cid = event_id_argument(conversation_id)
     with_access(ctx, lambda access: access.end(cid, reason))
     out.print(f"ended {cid}")

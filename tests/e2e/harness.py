@@ -124,20 +124,25 @@ class DaemonProcess:
             self.proc.wait()
 
 
-async def node_client(request: dict[str, Any], within: float = 60.0) -> dict[str, Any]:
-    """Run the nostr-tools client with one request and return its JSON answer."""
+async def node_script(script: Path, request: dict[str, Any], within: float = 60.0) -> dict[str, Any]:
+    """Run a Node client script of tests/node with one JSON request on stdin; return its last JSON line."""
     proc = await asyncio.create_subprocess_exec(
         "node",
-        str(NODE_CLIENT),
+        str(script),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()), within)
     if proc.returncode != 0:
-        raise RuntimeError(f"node client failed ({proc.returncode}): {err.decode()}")
+        raise RuntimeError(f"{script.name} failed ({proc.returncode}): {err.decode()}")
     answer: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     return answer
+
+
+async def node_client(request: dict[str, Any], within: float = 60.0) -> dict[str, Any]:
+    """Run the nostr-tools client with one request and return its JSON answer."""
+    return await node_script(NODE_CLIENT, request, within)
 
 
 async def run_cli(home: Home, *args: str, within: float = 60.0) -> tuple[int, str]:

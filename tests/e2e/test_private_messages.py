@@ -3,7 +3,6 @@ a real daemon through a real relay, and the relay never holds a word of it in th
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import stat
@@ -16,7 +15,7 @@ import pytest
 from tenex_daemon.app.status import read_status
 from tenex_daemon.core.events import compute_event_id
 from tenex_daemon.testing import KeyPair
-from tests.e2e.harness import REPO, DaemonProcess, Home, run_cli
+from tests.e2e.harness import REPO, DaemonProcess, Home, node_script, run_cli
 from tests.integration.nostr.harness import LocalRelayServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -28,18 +27,7 @@ OFFLINE_ANSWER = "(offline backend) received"
 
 async def nip17(request: dict[str, Any], within: float = 60.0) -> dict[str, Any]:
     """Run the nostr-tools NIP-17 client with one request and return its JSON answer."""
-    proc = await asyncio.create_subprocess_exec(
-        "node",
-        str(NIP17_CLIENT),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()), within)
-    if proc.returncode != 0:
-        raise RuntimeError(f"nip17 client failed ({proc.returncode}): {err.decode()}")
-    answer: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
-    return answer
+    return await node_script(NIP17_CLIENT, request, within)
 
 
 def rumor_ok(rumor: dict[str, Any]) -> bool:
