@@ -91,6 +91,8 @@ log = structlog.get_logger(__name__)
 REDISPATCH_RETRY_S = (1.0, 10.0, 60.0)
 """Waits before each retry of a dispatch interrupted by a crash that fails again."""
 
+PEER_GRACE_S = 5.0
+"""How long another daemon's name must stay free before it is believed dead and taken over."""
 SUBSCRIPTION_ID = "tenexd-mentions"
 PRIVATE_SUBSCRIPTION_ID = "tenexd-private"
 """Gift wraps (kind 1059) p-tagging an agent: private messages (NIP-17)."""
@@ -201,6 +203,8 @@ class Daemon:
         self.instance = settings.daemon.instance_id or uuid.uuid4().hex[:12]
         """This daemon's name among those sharing a PostgreSQL database."""
         self._peers: Peers | None = None
+        self._peer_free_since: dict[str, float] = {}
+        """Peers whose name was found free, and since when (monotonic); see ``_believed_dead``."""
         self._lifetime = contextlib.AsyncExitStack()
         self.pipeline: Pipeline | None = None
         """Manager, runner, dispatcher and scheduler (:func:`build_pipeline`), once started."""
@@ -565,7 +569,10 @@ class Daemon:
             raise ShuttingDownError("shutting down; the event will be delivered again after restart")
         admitted = self.intake.admit(received.event) if self.intake is not None else received.event
         if isinstance(admitted, str):  # a wrap that does not open, or what daemon.answer excludes
-            return self._count(received.event, HandleResult(Outcome.IGNORED, admitted))
+            remember = self._count(received.event, HandleResult(Outcome.IGNORED, admitted))
+            # A refused wrap is signed by a one-time key the allow-list cannot judge: anyone can send them,
+            # so, like a stranger's event, it is deduplicated in memory only (no disk for strangers).
+            return Remember.IN_MEMORY if received.event.kind == KIND_GIFT_WRAP else remember
         event = admitted  # a gift wrap's rumor in its place
         self._observer.event_received(event.id, received.received_at)
         structlog.contextvars.bind_contextvars(event_id=event.id)
@@ -625,8 +632,8 @@ class Daemon:
             keys = instance_keys(project, instance or None)
             if keys == own:
                 continue
-            async with self._peers.try_take(self._peer_name(instance)) as gone:
-                if not gone:
+            async with self._peers.try_take(self._peer_name(instance)) as free:
+                if not self._believed_dead(instance, free):
                     continue
                 redo = await self.pipeline.scheduler.adopt(keys[0])
                 assert self.store is not None
@@ -637,6 +644,19 @@ class Daemon:
             stored = await self.pipeline.dispatcher.stored_dispatches(redo)
             if stored:
                 self._spawn(self._redispatch(stored), f"redispatch of {instance or 'unnamed'}")
+
+    def _believed_dead(self, instance: str, free: bool) -> bool:
+        """Whether a peer whose name is ``free`` now is dead: its name must have been free for
+        ``PEER_GRACE_S`` (a database restart frees every name at once; live daemons take theirs again
+        within about a second)."""
+        if not free:
+            self._peer_free_since.pop(instance, None)
+            return False
+        now = time.monotonic()
+        if now - self._peer_free_since.setdefault(instance, now) < PEER_GRACE_S:
+            return False
+        del self._peer_free_since[instance]
+        return True
 
     async def _redispatch(self, event_ids: list[str]) -> None:
         """Finish the dispatches a crash interrupted (each may ask the orchestrator's model); one

@@ -58,6 +58,11 @@ def _server_user() -> str | None:
     return SERVER_USERS[1]
 
 
+def _server_options(port: int, data_dir: Path) -> str:
+    """The server's command-line options (pg_ctl -o): loopback TCP on ``port``, its socket in ``data_dir``."""
+    return f"-p {port} -k {data_dir} -c listen_addresses=127.0.0.1 -c fsync=on -c max_connections=200"
+
+
 @dataclass
 class PostgresServer:
     """A running cluster: connect as ``postgres`` over TCP on 127.0.0.1 (trust auth)."""
@@ -94,7 +99,7 @@ class PostgresServer:
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         port = _free_port()
-        options = f"-p {port} -k {data_dir} -c listen_addresses=127.0.0.1 -c fsync=on -c max_connections=200"
+        options = _server_options(port, data_dir)
         subprocess.run(
             [*prefix, str(bin_dir / "pg_ctl"), "-D", str(cluster), "-o", options,
              "-l", str(data_dir / "server.log"), "-w", "-t", "60", "start"],
@@ -104,6 +109,24 @@ class PostgresServer:
         server = cls(data_dir, port, pid, bin_dir, user)
         atexit.register(server.stop)
         return server
+
+    def restart(self, *, crash: bool = True) -> None:
+        """Stop the server (``crash``: immediate mode, as a crash: no checkpoint, recovery on start;
+        else fast) and start it again on the same port and data; :attr:`pid` follows."""
+        prefix = ["runuser", "-u", self.user, "--"] if self.user is not None else []
+        cluster = self.data_dir / "cluster"
+        pg_ctl = str(self.bin_dir / "pg_ctl")
+        subprocess.run(
+            [*prefix, pg_ctl, "-D", str(cluster), "-m", "immediate" if crash else "fast", "-w", "stop"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        options = _server_options(self.port, self.data_dir)
+        subprocess.run(
+            [*prefix, pg_ctl, "-D", str(cluster), "-o", options,
+             "-l", str(self.data_dir / "server.log"), "-w", "-t", "60", "start"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        self.pid = int((cluster / "postmaster.pid").read_text().split("\n", 1)[0])
 
     def stop(self) -> None:
         """Stop the server by its pid (fast shutdown) and remove its folder."""

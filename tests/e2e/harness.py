@@ -58,6 +58,12 @@ class Home:
         return self.init.project.pubkey
 
 
+def tenexd_environment() -> dict[str, str]:
+    """This process's environment for a ``tenexd`` child, less the fault runs' own variables
+    (tests/evidence.py): they are no settings, and tenexd refuses unknown ``TENEX_`` names."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TENEX_FAULTS_")}
+
+
 def make_home(path: Path, relay_url: str) -> Home:
     """Initialize a home (tenexd init) that talks to ``relay_url``."""
     return Home(path, init_home(path, relays=[relay_url]))
@@ -69,7 +75,7 @@ class DaemonProcess:
     def __init__(self, home: Home, *extra: str, env: dict[str, str] | None = None) -> None:
         self.home = home
         self.extra = extra
-        self.env = {**os.environ, "TENEX_DAEMON__STATUS_INTERVAL_S": "0.3", **(env or {})}
+        self.env = {**tenexd_environment(), "TENEX_DAEMON__STATUS_INTERVAL_S": "0.3", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = home.path / "daemon.log"
 
@@ -154,6 +160,7 @@ async def run_cli(home: Home, *args: str, within: float = 60.0) -> tuple[int, st
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env=tenexd_environment(),
     )
     out, _ = await asyncio.wait_for(proc.communicate(), within)
     assert proc.returncode is not None

@@ -125,5 +125,5 @@ async function publishOnly(req) {
 const req = await readStdin()
 const ops = { converse, publish: publishOnly, query }
 const result = await (ops[req.op] ?? publishOnly)(req)
-process.stdout.write(JSON.stringify(result) + '\n')
-process.exit(0)
+// exit once the answer is written: a pipe takes 64 KiB at a time, and exiting earlier cuts a long answer
+process.stdout.write(JSON.stringify(result) + '\n', () => process.exit(0))

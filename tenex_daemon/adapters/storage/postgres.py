@@ -12,9 +12,11 @@ are applied on :meth:`PostgresStore.open` under an advisory lock.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -104,6 +106,18 @@ _MIGRATION_LOCK = 0x7465_6E65_7864  # "tenexd": serializes migrations across dae
 _LEASE_SQL = "SELECT pg_advisory_lock(hashtextextended($1, 0))"
 _TRY_LEASE_SQL = "SELECT pg_try_advisory_lock(hashtextextended($1, 0))"
 _UNLEASE_SQL = "SELECT pg_advisory_unlock(hashtextextended($1, 0))"
+_NAME_CHECK_S = 1.0
+"""How often the connection holding a daemon's name is checked (a broken one is replaced)."""
+_NAME_RETRY_S = 0.5
+"""How soon a daemon tries to take its name again after its connection broke."""
+
+
+async def _unlock(conn: Any, name: str) -> None:
+    """Release ``name``'s advisory lock on ``conn``; a broken connection already dropped it."""
+    try:
+        await conn.execute(_UNLEASE_SQL, name)
+    except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError):
+        log.info("postgres_unlock_skipped", name=name, reason="connection_broken")
 
 
 def _event_json(event: NostrEvent) -> str:
@@ -380,12 +394,51 @@ class PostgresStore:
             try:
                 yield
             finally:
-                if not conn.is_closed():
-                    await conn.execute(_UNLEASE_SQL, conversation_id)
+                await _unlock(conn, conversation_id)
 
-    def alive(self, name: str) -> AbstractAsyncContextManager[None]:
-        """Hold ``name``'s advisory lock (a daemon's own name, for its whole life)."""
-        return self.lease(name)
+    @asynccontextmanager
+    async def alive(self, name: str) -> AsyncIterator[None]:
+        """Hold ``name``'s advisory lock (a daemon's own name) for the whole block, taking it again on a
+        new connection whenever the one holding it breaks (a database restart drops every lock with its
+        connection; a peer believes a free name only after a grace time, see the daemon's takeover)."""
+        if self._lease_pool is None:
+            raise RuntimeError("PostgresStore is not open; call open() first")
+        first = asyncio.get_running_loop().create_future()
+        keeper = asyncio.create_task(self._keep_name(name, first), name=f"postgres name {name}")
+        try:
+            await asyncio.shield(first)
+            yield
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+
+    async def _keep_name(self, name: str, first: asyncio.Future[None]) -> None:
+        """Hold ``name``'s lock until cancelled; after a broken connection, take it again (every
+        ``_NAME_RETRY_S`` while the database is unreachable)."""
+        assert self._lease_pool is not None
+        while True:
+            try:
+                async with self._lease_pool.acquire() as conn:
+                    await conn.execute(_LEASE_SQL, name)
+                    if not first.done():
+                        first.set_result(None)
+                    else:
+                        log.warning("postgres_name_taken_again", name=name)
+                    try:
+                        while True:  # a broken connection shows on the next round trip
+                            await asyncio.sleep(_NAME_CHECK_S)
+                            await conn.fetchval("SELECT 1")
+                    finally:
+                        await _unlock(conn, name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the connection or the server went away: take the name again
+                if not first.done():
+                    first.set_exception(error)
+                    return
+                log.warning("postgres_name_lost", name=name, error=repr(error))
+            await asyncio.sleep(_NAME_RETRY_S)
 
     @asynccontextmanager
     async def try_take(self, name: str) -> AsyncIterator[bool]:
@@ -397,8 +450,8 @@ class PostgresStore:
             try:
                 yield taken
             finally:
-                if taken and not conn.is_closed():
-                    await conn.execute(_UNLEASE_SQL, name)
+                if taken:
+                    await _unlock(conn, name)
 
     async def keys_with_prefix(self, prefix: str) -> list[str]:
         """The meta keys starting with ``prefix``."""

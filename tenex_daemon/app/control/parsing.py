@@ -67,7 +67,8 @@ def _parse_participant(value: str) -> str:
 
 
 def _parse_limit(raw: str) -> int:
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+    # isdecimal, not isdigit: a superscript ("²") is a digit that int() cannot read (it raised: a 500)
+    if not raw.isdecimal() or not 1 <= int(raw) <= MAX_LIMIT:
         raise ApiError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, got {raw!r}")
     return int(raw)
 

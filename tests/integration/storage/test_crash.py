@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from tenex_daemon.adapters.storage.filesystem import LOG_NAME, STATE_NAME, FileSystemStore, scan_log
+from tests.evidence import record, scale
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[3]
-ROUNDS = int(os.environ.get("TENEX_CRASH_ROUNDS", "20"))
+ROUNDS = int(os.environ.get("TENEX_CRASH_ROUNDS", str(scale(20, 100))))
 # derived data (index records, event-id buckets) is written every couple of seconds: a
 # conversation created since the last write is found by its folder, one appended to by its size.
 # Under batch, a snapshot or a new folder is renamed into place, and a log gets its lines, after the
@@ -89,7 +90,7 @@ def assert_everything_readable(home: Path) -> None:
 
 
 def test_sigkill_at_random_instants_loses_no_accepted_event(tmp_path: Path) -> None:
-    """After each of 20 SIGKILLs (both fsync policies) every accepted event and snapshot is there, no manual repair."""
+    """After each SIGKILL (20; 100 in the full fault run; both fsync policies) every accepted event and snapshot is there, no manual repair."""
     rng = random.Random(int(os.environ.get("TENEX_CRASH_SEED", "3")))
     home = tmp_path / "home"
     accepted: dict[str, list[str]] = {}
@@ -109,4 +110,5 @@ def test_sigkill_at_random_instants_loses_no_accepted_event(tmp_path: Path) -> N
         repairs_seen |= asyncio.run(verify(home, accepted, snapshots))
         assert_everything_readable(home)
     assert total > ROUNDS * 10, "the writer barely wrote anything: the test proves little"
+    record("faults.storage_sigkill", kills=ROUNDS, accepted=total, lost=0, repairs=len(repairs_seen))
     print(f"{ROUNDS} kills, {total} accepted events, repairs seen: {sorted(repairs_seen)}")

@@ -387,6 +387,8 @@ def _parse(text: str | bytes, limits: Limits, key_cache: PublicKeyCache | None) 
         message: Any = pydantic_core.from_json(text)
     except ValueError as exc:
         return Rejection(RejectReason.INVALID_JSON, str(exc)[:200])
+    except TypeError:  # pydantic-core's answer to a str holding a lone surrogate: no UTF-8, so no JSON
+        return Rejection(RejectReason.BAD_ENCODING, "frame is not valid UTF-8 text")
     if not isinstance(message, list) or not message:
         return Rejection(RejectReason.NOT_AN_ARRAY, "frame is not a non-empty JSON array")
     kind = message[0]

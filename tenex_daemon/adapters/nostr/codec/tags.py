@@ -108,7 +108,8 @@ class Threading:
 
 
 def _int_or_none(value: str | None) -> int | None:
-    if value is None or not value.isdigit() or len(value) > 10:
+    # isdecimal, not isdigit: a superscript ("²") is a digit that int() cannot read (it raised)
+    if value is None or not value.isdecimal() or len(value) > 10:
         return None
     return int(value)
 

@@ -1,5 +1,6 @@
-"""Several tenexd daemons on one PostgreSQL database and one relay: every message is answered exactly
-once, and when one daemon is SIGKILLed the others answer what it held."""
+"""tenexd on PostgreSQL under faults: several daemons on one database and one relay, one of them
+SIGKILLed (the others answer what it held); and the database server itself crashed and restarted
+under load. Every message is answered exactly once."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import pytest
 from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.core.events import NostrEvent
-from tests.contract.postgres_server import find_bin_dir, shared_server
+from tests.contract.postgres_server import PostgresServer, find_bin_dir, shared_server
 from tests.e2e.harness import DaemonProcess, Home
+from tests.evidence import record, scale
+from tests.faults.harness import StreamClient, answering_agents, log_tails, message_tags, tally
 from tests.integration.nostr.harness import LocalRelayServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MESSAGES = 200
+MESSAGES = scale(200, 600)
 TAKEOVER_BOUND_S = 30.0
 """After a daemon is killed, what it held is answered within this long (takeover every 1 s here)."""
 
@@ -92,5 +95,59 @@ async def test_daemons_sharing_postgres_answer_each_message_once_and_take_over_a
             process.kill()
 
     wrong = {e.content: len(replies[e.id]) for e in sent if len(replies[e.id]) != 1}
+    record(
+        f"faults.daemon_killed_among_{daemons}", daemons=daemons, kills=1, messages=len(sent),
+        lost=sum(1 for e in sent if not replies[e.id]), doubled=sum(1 for e in sent if len(replies[e.id]) > 1),
+        answered_within_s=round(answered_within, 1),
+    )
     assert wrong == {}, (wrong, "\n".join(p.log_tail(15) for p in processes))
     assert answered_within < TAKEOVER_BOUND_S
+
+
+@pytest.mark.parametrize("daemons", [1, 2])
+async def test_postgres_crashed_and_restarted_under_load_loses_and_doubles_nothing(
+    relay: LocalRelayServer, home: Home, tmp_path: Path, daemons: int
+) -> None:
+    """The PostgreSQL server of one or two daemons is crashed (immediate stop) and started again several
+    times while a client streams messages: every message still gets exactly one reply, and no daemon
+    takes a live peer for dead (every daemon's connections broke at once)."""
+    if find_bin_dir() is None:
+        pytest.skip("PostgreSQL is not installed; scripts/setup.d/20-postgres.sh installs it")
+    server = await asyncio.to_thread(PostgresServer.start)  # its own server: this test restarts it
+    restarts = scale(2, 10)
+    rng = random.Random(23)
+    since = int(time.time()) - 5
+    env = {
+        "TENEX_STORAGE__KIND": '"postgres"', "TENEX_STORAGE__DSN": f'"{await server.create_database()}"',
+        "TENEX_DAEMON__TAKEOVER_INTERVAL_S": "1",
+    }
+    homes = [home] + [twin(home, tmp_path / f"home{n}") for n in range(1, daemons)]
+    processes = [DaemonProcess(h, env=env) for h in homes]
+    try:
+        for process in processes:
+            await process.start()
+        async with StreamClient([relay.url], home.owner_secret) as client:
+            n = 0
+            for _ in range(restarts):
+                for _ in range(rng.randint(4, 10)):
+                    await client.send(f"message {n}: plan something", message_tags(home, n))
+                    n += 1
+                    await asyncio.sleep(rng.uniform(0.0, 0.1))
+                await asyncio.to_thread(server.restart, crash=True)
+            for _ in range(5):
+                await client.send(f"message {n}: plan something", message_tags(home, n))
+                n += 1
+        result = await tally([relay.url], answering_agents(home), client.sent, since, within=120.0)
+        alive = [p.proc is not None and p.proc.poll() is None for p in processes]
+        exits = [await p.stop() for p in processes]
+    finally:
+        for process in processes:
+            process.kill()
+        await asyncio.to_thread(server.stop)
+    takeovers = sum(p.log_path.read_text().count("dead_daemon_taken_over") for p in processes)
+    record(f"faults.postgres_restart.{daemons}_daemons", restarts=restarts, takeovers=takeovers, **result.figures())
+    assert all(alive), log_tails(processes)
+    assert exits == [0] * daemons, log_tails(processes)
+    assert takeovers == 0, log_tails(processes)
+    assert result.lost == [], log_tails(processes)
+    assert result.doubled == {}, log_tails(processes)
