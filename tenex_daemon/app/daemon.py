@@ -609,6 +609,7 @@ class Daemon:
             try:
                 await self._take_over_dead_peers()
             except Exception:
+                self._peer_free_since.clear()  # a name counts as dead only when seen free at each look
                 self.errors["takeover"] += 1
                 log.exception("takeover_failed")
 
@@ -628,6 +629,8 @@ class Daemon:
         legacy = await self._peers.keys_with_prefix(journal_key_for(project))
         if journal_key_for(project) in legacy:
             found.add("")  # a journal left by a daemon of a version without instance names
+        for gone_from_view in set(self._peer_free_since) - found:
+            del self._peer_free_since[gone_from_view]
         for instance in sorted(found):
             keys = instance_keys(project, instance or None)
             if keys == own:
@@ -646,9 +649,9 @@ class Daemon:
                 self._spawn(self._redispatch(stored), f"redispatch of {instance or 'unnamed'}")
 
     def _believed_dead(self, instance: str, free: bool) -> bool:
-        """Whether a peer whose name is ``free`` now is dead: its name must have been free for
-        ``PEER_GRACE_S`` (a database restart frees every name at once; live daemons take theirs again
-        within about a second)."""
+        """Whether a peer whose name is ``free`` now is dead: its name must have been found free at
+        every look for ``PEER_GRACE_S`` (a look that failed starts the count again: a database restart
+        frees every name at once, and live daemons take theirs again within about a second)."""
         if not free:
             self._peer_free_since.pop(instance, None)
             return False

@@ -30,6 +30,8 @@ def journal_key_for(daemon_id: str) -> str:
     """The run journal's key of one daemon (its project key) in a store daemons share (PostgreSQL)."""
     return f"{PENDING_RUNS_KEY}.{daemon_id}"
 
+RUN_RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0, *(60.0,) * 25)
+"""Waits before each new try of a run that failed with an error (about 26 minutes in all)."""
 FINISHED_FLUSH_S = 1.0
 """A finished run is dropped from the stored journal within this long (with any write sooner)."""
 
@@ -262,6 +264,28 @@ class RunScheduler:
             del self._task_of[key]
 
     async def _execute(self, request: RunRequest) -> None:
+        """Run ``request``; a run that fails with an error (a store that went away: a database restart,
+        a full disk) is tried again after each of ``RUN_RETRY_S``, as recovered (a reply it saved is
+        published, not made again), and dropped after the last (``run_dropped``)."""
+        for attempt, wait_s in enumerate((*RUN_RETRY_S, None), start=1):
+            if await self._attempt(request, attempt):
+                break
+            log_ctx = log.bind(
+                conversation_id=request.conversation_id, event_id=request.trigger_id, agent=request.agent_slug
+            )
+            if wait_s is None:
+                log_ctx.error("run_dropped", attempts=attempt)
+                break
+            log_ctx.warning("run_retry", attempt=attempt, retry_in_s=wait_s)
+            await asyncio.sleep(wait_s)
+            request = replace(request, recovered=True)
+        self._pending.pop(self._key(request), None)
+        if self._flush_task is None:
+            self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
+
+    async def _attempt(self, request: RunRequest, attempt: int) -> bool:
+        """One try of a run: True when it ended (answered, or answered in a burst), False when it
+        failed with an error (logged ``run_failed``, counted)."""
         log_ctx = log.bind(
             conversation_id=request.conversation_id, event_id=request.trigger_id, agent=request.agent_slug
         )
@@ -299,10 +323,9 @@ class RunScheduler:
             raise
         except Exception:
             self.failed += 1
-            log_ctx.exception("run_failed")
-        self._pending.pop(self._key(request), None)
-        if self._flush_task is None:
-            self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
+            log_ctx.exception("run_failed", attempt=attempt)
+            return False
+        return True
 
     def _tell(self, run: RunRequest, *, started: bool) -> None:
         """Tell the listener (best effort: a listener's failure never touches the run)."""
@@ -381,21 +404,26 @@ class RunScheduler:
         if request.via_orchestrator:
             return request, []
         key = self._key(request)
-        waiting = [
+        group = [
             (k, r)
             for k, r in self._pending.items()
-            if k != key
-            and k not in self._covered
-            and r.conversation_id == request.conversation_id
-            and r.agent_slug == request.agent_slug
-            and not r.via_orchestrator
+            if k == key
+            or (
+                k not in self._covered
+                and r.conversation_id == request.conversation_id
+                and r.agent_slug == request.agent_slug
+                and not r.via_orchestrator
+            )
         ]
-        if not waiting:
+        if key not in self._pending:
+            group.insert(0, (key, request))
+        if len(group) < 2:
             return request, []
-        covered = [k for k, _ in waiting]
+        # in the order they came: a request tried again after a failure may be older than others waiting
+        covered = [k for k, _ in group if k != key]
         self._covered.update(covered)
-        newest = waiting[-1][1]
-        earlier = (request.trigger_id, *(r.trigger_id for _, r in waiting[:-1]))
+        newest = group[-1][1] if group[-1][0] != key else request
+        earlier = tuple(r.trigger_id for _, r in group[:-1])
         log.info(
             "run_burst",
             conversation_id=request.conversation_id,
@@ -403,7 +431,7 @@ class RunScheduler:
             trigger=newest.trigger_id,
             answers_too=list(earlier),
         )
-        recovered = request.recovered or any(r.recovered for _, r in waiting)
+        recovered = request.recovered or any(r.recovered for _, r in group)
         return replace(newest, burst=earlier, recovered=recovered), covered
 
     async def _flush_finished(self) -> None:

@@ -150,20 +150,22 @@ async def test_a_recovered_burst_publishes_the_saved_answer_to_its_earlier_messa
 
 
 async def test_a_burst_run_that_fails_leaves_each_covered_message_its_own_turn(cast: Cast) -> None:
-    """When the run answering a burst fails, the messages it covered are not taken as answered: they get
-    a run of their own (the failed one counts as the turn of the request that started it, as any failed
-    run does; its message stands in history before the next run's trigger)."""
+    """When the run answering a burst fails, the messages it covered are not taken as answered: the next
+    run answers them, and the failed request, tried again (as any run that failed with an error is),
+    finds its message answered and runs nothing."""
     from tenex_daemon import MemoryStore
     from tenex_daemon.services.runs import RunRequest, RunScheduler
 
     ran: list[str] = []
+    failed: list[str] = []
     gate = asyncio.Event()
 
     async def run(request: RunRequest) -> None:
         ran.append(request.trigger_id)
         if len(ran) == 1:
             await gate.wait()
-        elif request.burst:
+        elif request.burst and not failed:
+            failed.append(request.trigger_id)
             raise RuntimeError("the burst run fails")
 
     scheduler = RunScheduler(MemoryStore(), run)
@@ -176,3 +178,25 @@ async def test_a_burst_run_that_fails_leaves_each_covered_message_its_own_turn(c
 
     assert ran == ["t0", "t2", "t2"]
     assert scheduler.failed == 1
+
+
+async def test_a_run_that_fails_with_an_error_is_tried_again_as_recovered(cast: Cast) -> None:
+    """A run that fails with an error (a store gone for a moment) is not dropped: it is tried again after
+    the first retry wait, as recovered (a reply it saved is not made twice), and counted as failed once."""
+    from tenex_daemon import MemoryStore
+    from tenex_daemon.services.runs import RunRequest, RunScheduler
+
+    tries: list[RunRequest] = []
+
+    async def run(request: RunRequest) -> None:
+        tries.append(request)
+        if len(tries) == 1:
+            raise ConnectionResetError("the database went away")
+
+    scheduler = RunScheduler(MemoryStore(), run)
+    await scheduler.submit(RunRequest("c", "t0", "alice"))
+    await scheduler.drain(5.0)
+
+    assert [(r.trigger_id, r.recovered) for r in tries] == [("t0", False), ("t0", True)]
+    assert scheduler.failed == 1
+    assert scheduler.completed == 1
