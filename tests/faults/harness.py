@@ -99,18 +99,27 @@ class Tally:
         return {"messages": len(self.sent), "lost": len(self.lost), "doubled": len(self.doubled)}
 
 
-async def read_replies(relays: Sequence[str], authors: Sequence[str], since: int) -> dict[str, set[str]]:
-    """Every reply by ``authors`` since ``since`` on any of ``relays``, by the event it answers (its ``e`` tag)."""
+QUERY_IDS = 100
+"""Messages asked about per query: a relay caps what one query returns (LocalRelay at 500 events)."""
+
+
+async def read_replies(
+    relays: Sequence[str], authors: Sequence[str], sent: Sequence[str], since: int
+) -> dict[str, set[str]]:
+    """Every reply by ``authors`` since ``since`` on any of ``relays`` to a message of ``sent``, by the
+    message it answers (its ``e`` tag); asked in slices of ``QUERY_IDS`` messages."""
     replies: defaultdict[str, set[str]] = defaultdict(set)
     for url in relays:
-        answer = await node_client({
-            "op": "query", "relay": url, "timeout_ms": 20000,
-            "filters": [{"kinds": list(REPLY_KINDS), "authors": list(authors), "since": since, "limit": 100000}],
-        })
-        for event in answer["events"]:
-            parent = next((tag[1] for tag in event["tags"] if len(tag) > 1 and tag[0] == "e"), None)
-            if parent is not None:
-                replies[parent].add(event["id"])
+        for start in range(0, len(sent), QUERY_IDS):
+            ids = list(sent[start : start + QUERY_IDS])
+            answer = await node_client({
+                "op": "query", "relay": url, "timeout_ms": 20000,
+                "filters": [{"kinds": list(REPLY_KINDS), "authors": list(authors), "#e": ids, "since": since}],
+            })
+            for event in answer["events"]:
+                parent = next((tag[1] for tag in event["tags"] if len(tag) > 1 and tag[0] == "e"), None)
+                if parent is not None:
+                    replies[parent].add(event["id"])
     return dict(replies)
 
 
@@ -122,12 +131,12 @@ async def tally(
     ``quiet_for`` more (a second answer, if any, would come now), and count."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
-    result = Tally(sent, await read_replies(relays, authors, since))
+    result = Tally(sent, await read_replies(relays, authors, sent, since))
     while result.lost and loop.time() < deadline:
         await asyncio.sleep(1.0)
-        result = Tally(sent, await read_replies(relays, authors, since))
+        result = Tally(sent, await read_replies(relays, authors, sent, since))
     await asyncio.sleep(quiet_for)
-    return Tally(sent, await read_replies(relays, authors, since))
+    return Tally(sent, await read_replies(relays, authors, sent, since))
 
 
 def message_tags(home: Home, n: int) -> list[list[str]]:
