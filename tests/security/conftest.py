@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 from coincurve import PrivateKey
 from websockets.asyncio.client import connect
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from tenex_daemon.adapters.nostr.codec import event_id_digest
@@ -31,7 +31,7 @@ from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.status import read_status
 from tests.e2e.harness import DaemonProcess, Home
-from tests.integration.nostr.harness import LocalRelayServer, free_port
+from tests.integration.nostr.harness import FakeRelay, LocalRelayServer
 
 Event = dict[str, Any]
 Filter = dict[str, Any]
@@ -193,38 +193,21 @@ def matches(filter_: Filter, event: Event) -> bool:
     return True
 
 
-class OpenRelay:
+class OpenRelay(FakeRelay):
     """A websocket relay that verifies nothing: every ``EVENT`` frame is answered ``OK true``, stored as it
     came and forwarded to every matching live subscription, again for every copy (a hostile relay, or a
     replaying one). Stored events are served on ``REQ`` (filters honoured), then ``EOSE``."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        super().__init__(lambda _relay, ws: self._connection(ws))
         self.events: list[Event] = []
-        self.received = 0
         self._subs: dict[tuple[ServerConnection, str], list[Filter]] = {}
-        self._server: Server | None = None
 
-    @property
-    def url(self) -> str:
-        """The relay's websocket URL."""
-        return f"ws://127.0.0.1:{self.port}"
-
-    async def __aenter__(self) -> OpenRelay:
-        self._server = await serve(self._serve, "127.0.0.1", self.port, max_size=None)
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, ws: ServerConnection) -> None:
+    async def _connection(self, ws: ServerConnection) -> None:
         try:
-            async for raw in ws:
-                frame = json.loads(raw)
+            while True:
+                frame = await self.recv(ws)
                 if frame[0] == "EVENT" and isinstance(frame[1], dict):
-                    self.received += 1
                     await ws.send(json.dumps(["OK", frame[1].get("id", ""), True, ""]))
                     await self.inject(frame[1])
                 elif frame[0] == "REQ":
@@ -235,8 +218,6 @@ class OpenRelay:
                     await ws.send(json.dumps(["EOSE", frame[1]]))
                 elif frame[0] == "CLOSE":
                     self._subs.pop((ws, frame[1]), None)
-        except ConnectionClosed:
-            pass
         finally:
             for key in [k for k in self._subs if k[0] is ws]:
                 del self._subs[key]
@@ -253,7 +234,8 @@ class OpenRelay:
 @pytest.fixture
 async def open_relay() -> AsyncIterator[OpenRelay]:
     """A relay that checks nothing (see :class:`OpenRelay`)."""
-    async with OpenRelay() as server:
+    server = OpenRelay()
+    async with server:
         yield server
 
 
