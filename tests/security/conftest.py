@@ -30,20 +30,14 @@ from tenex_daemon.adapters.nostr.codec import event_id_digest
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.status import read_status
+from tests.e2e.conftest import relay
 from tests.e2e.harness import DaemonProcess, Home
-from tests.integration.nostr.harness import FakeRelay, LocalRelayServer
+from tests.integration.nostr.harness import FakeRelay
+
+__all__ = ["relay"]  # the real relay fixture of tests/e2e
 
 Event = dict[str, Any]
 Filter = dict[str, Any]
-
-
-@pytest.fixture
-async def relay(tmp_path: Path) -> AsyncIterator[LocalRelayServer]:
-    """A real relay (nostr-sdk LocalRelay, LMDB) that outlives daemon restarts."""
-    server = LocalRelayServer(tmp_path / "relay-lmdb")
-    await server.start()
-    yield server
-    server.stop()
 
 
 def make_home(path: Path, relays: Sequence[str], whitelist: Sequence[str] = ()) -> Home:

@@ -8,7 +8,6 @@ import stat
 from pathlib import Path
 from typing import Any
 
-import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -19,15 +18,8 @@ from tenex_daemon.app.wiring import build_store
 from tenex_daemon.cli.main import app
 from tenex_daemon.core import nip19
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.testing import EventFactory, KeyPair
-
-USER = KeyPair.from_seed(901)
-
-
-def tenexd(home: Path, *args: str) -> tuple[int, str]:
-    """Run ``tenexd --home HOME ARGS`` in-process; return (exit code, stdout)."""
-    result = CliRunner().invoke(app, ["--home", str(home), *args], catch_exceptions=False)
-    return result.exit_code, result.stdout
+from tenex_daemon.testing import EventFactory
+from tests.unit.cli.conftest import USER, tenexd
 
 
 def tenexd_home_after(home: Path, *args: str, before: Path | None = None) -> tuple[int, str]:
@@ -42,15 +34,6 @@ def tenexd_json(home: Path, *args: str) -> Any:
     code, out = tenexd(home, *args, "--json")
     assert code == 0, out
     return json.loads(out)
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    """A home made by ``tenexd init`` with USER as the owner."""
-    path = tmp_path / "home"
-    code, out = tenexd(path, "init", "--owner", USER.npub, "--relay", "ws://127.0.0.1:1")
-    assert code == 0, out
-    return path
 
 
 def seed_conversation(home: Path, title: str, *texts: str) -> str:

@@ -7,8 +7,6 @@ import asyncio
 import json
 from pathlib import Path
 
-import pytest
-
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.settings import load_settings
@@ -16,21 +14,12 @@ from tenex_daemon.app.wiring import build_store
 from tenex_daemon.core.conversation import TitleSource
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.testing import EventFactory, FakeClock
-from tests.unit.cli.test_cli import USER, tenexd
+from tests.unit.cli.conftest import USER, tenexd
 
 PLANNER_PERSONA = (
     "You are Planner.\nYou turn requests into short, concrete plans.\n"
     "\n## Recent conversations\n- 2023-11-14 · Picnic plans: They chose Saturday.\n"
 )
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    """A home made by ``tenexd init`` with USER as the owner."""
-    path = tmp_path / "home"
-    code, out = tenexd(path, "init", "--owner", USER.npub, "--relay", "ws://127.0.0.1:1")
-    assert code == 0, out
-    return path
 
 
 def seed(home: Path) -> str:

@@ -8,33 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-from typer.testing import CliRunner
-
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.wiring import build_store
-from tenex_daemon.cli.main import app
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.runs import PENDING_RUNS_KEY
-from tenex_daemon.testing import EventFactory, KeyPair
-
-USER = KeyPair.from_seed(901)
-
-
-def tenexd(home: Path, *args: str) -> tuple[int, str]:
-    """Run ``tenexd --home HOME ARGS`` in-process; return (exit code, stdout)."""
-    result = CliRunner().invoke(app, ["--home", str(home), *args], catch_exceptions=False)
-    return result.exit_code, result.stdout
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    """A home made by ``tenexd init`` with USER as the owner."""
-    path = tmp_path / "home"
-    code, out = tenexd(path, "init", "--owner", USER.npub, "--relay", "ws://127.0.0.1:1")
-    assert code == 0, out
-    return path
+from tenex_daemon.testing import EventFactory
+from tests.unit.cli.conftest import USER, tenexd
 
 
 def on_store(home: Path, action: Any) -> Any:

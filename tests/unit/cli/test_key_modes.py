@@ -8,16 +8,7 @@ from pathlib import Path
 import pytest
 
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer, write_key_file
-from tests.unit.cli.test_cli import USER, tenexd
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    """A home made by ``tenexd init`` with USER as the owner."""
-    path = tmp_path / "home"
-    code, out = tenexd(path, "init", "--owner", USER.npub, "--relay", "ws://127.0.0.1:1")
-    assert code == 0, out
-    return path
+from tests.unit.cli.conftest import tenexd
 
 
 def test_run_refuses_a_key_file_readable_by_others_with_exit_2(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
