@@ -336,6 +336,42 @@ async def test_lifecycle_fields_are_kept_in_state_and_index_rows_and_filtered(
     assert await found(inactive_before=T0 + 10_000) == sorted([old.id, fresh.id])
 
 
+async def test_search_by_participants_follows_each_way_a_participant_joins_and_a_conversation_goes(
+    harness: StoreHarness, cast: Cast
+) -> None:
+    """A search by participants finds a conversation as soon as a participant joined it, no longer once it
+    is deleted, the conversation created in its place once it is, and the same after a reopen."""
+    store = await harness.open()
+    first = await stored(store, cast, "First", created_at=T0)
+    second = await stored(store, cast, "Second", created_at=T0)
+    user, alice, bob = cast.user.pubkey, cast.alice.pubkey, cast.bob.pubkey
+
+    async def found(*pubkeys: str) -> list[str]:
+        return sorted(row.id for row in await store.search(SearchQuery(participants=pubkeys)))
+
+    assert await found(user) == sorted([first.id, second.id])
+    assert await found(user, alice) == []
+    await store.append_event(first.id, cast.alice_says("joined"))
+    assert await found(user, alice) == [first.id]
+    assert await found(alice) == [first.id]
+    await store.append_event(second.id, cast.bob_says("one"))
+    await store.append_event(second.id, cast.alice_says("two"))
+    assert await found(user, alice) == sorted([first.id, second.id])
+    assert await found(bob, alice) == [second.id]
+    assert [row.id for row in await store.search(SearchQuery(participant=bob))] == [second.id]
+    assert await store.delete(second.id)
+    assert await found(bob) == []
+    assert await found(user, alice) == [first.id]
+    again = new_conversation(cast, "Second again", created_at=T0)
+    again.append(cast.bob_says("back"))
+    await store.create(again)
+    assert await found(bob) == [again.id]
+    store = await harness.reopen(store)
+    assert await found(user, alice) == [first.id]
+    assert await found(user, bob) == [again.id]
+    assert await found(cast.other_user.pubkey) == []
+
+
 def _touched(conversation: Conversation | None, at: int) -> Conversation:
     assert conversation is not None
     conversation.activity_at = at

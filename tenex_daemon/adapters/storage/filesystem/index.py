@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,9 @@ class Index:
     def __init__(self, layout: Layout, derived: DerivedLines) -> None:
         self.layout = layout
         self.entries: dict[str, IndexEntry] = {}
+        self._by_participant: dict[str, set[str]] = {}
+        """Pubkey -> ids of the conversations it wrote in: a superset (a deleted conversation's id stays
+        until the next compaction), so :meth:`with_participants` checks each entry it finds."""
         self._derived = derived
         self._generation = 0
         self._log: Path | None = None
@@ -208,9 +212,36 @@ class Index:
         self._generation = read.generation
         self._log = None
         self._records = read.records
+        self._map_participants()
+
+    def _map_participants(self) -> None:
+        self._by_participant = {}
+        for entry in self.entries.values():
+            self.note_participants(entry.id, entry.participants)
+
+    def note_participants(self, conversation_id: str, pubkeys: Iterable[str]) -> None:
+        """Remember that ``pubkeys`` wrote in the conversation (every change that adds a participant
+        to an entry calls this, or :meth:`put`)."""
+        for pubkey in pubkeys:
+            self._by_participant.setdefault(pubkey, set()).add(conversation_id)
+
+    def with_participants(self, pubkeys: Iterable[str]) -> list[IndexEntry]:
+        """The entries in which every one of ``pubkeys`` wrote (at least one pubkey), found through
+        the participant map rather than by reading every entry."""
+        wanted = set(pubkeys)
+        found = [self._by_participant.get(pubkey, set()) for pubkey in wanted]
+        if not found:
+            raise ValueError("with_participants needs at least one pubkey")
+        entries = []
+        for conversation_id in min(found, key=len):
+            entry = self.entries.get(conversation_id)
+            if entry is not None and entry.participants.issuperset(wanted):
+                entries.append(entry)
+        return entries
 
     def put(self, entry: IndexEntry) -> None:
         """Record an entry whole."""
+        self.note_participants(entry.id, entry.participants)
         self.record({"op": "put", "e": entry.to_json()})
 
     def record(self, record: dict[str, Any]) -> None:
@@ -221,7 +252,10 @@ class Index:
         """Record one event appended (the entry's count and log size, a new participant)."""
         # the record {"op":"ev","id":…,"n":…,"s":…[,"p":[…]]}, formatted by hand: ids are plain
         # (checked by create), and this runs once per event
-        extra = f',"p":[{json.dumps(new_participant)}]' if new_participant is not None else ""
+        extra = ""
+        if new_participant is not None:
+            self.note_participants(conversation_id, (new_participant,))
+            extra = f',"p":[{json.dumps(new_participant)}]'
         self._payload(
             f'{{"op":"ev","id":"{conversation_id}","n":{entry.event_count},"s":{entry.log_size}{extra}}}'
             .encode()
@@ -243,6 +277,7 @@ class Index:
             # snapshot counts has its bucket line queued already, so this flush writes it
             generation = self._generation + 1
             rows = [entry.to_json() for entry in self.entries.values()]
+            self._map_participants()  # drops the ids of conversations deleted since the last one
             self._generation = generation
             self._log = None
             self._records = 0

@@ -351,6 +351,7 @@ class FileSystemStore:
         entry.log_size += len(data)
         added = {e.pubkey for e in fresh} - entry.participants
         entry.participants |= added
+        self._index.note_participants(conversation_id, added)
         cached = self._cache.get(conversation_id)
         for event in fresh:
             self._processed.add(event.id, conversation_id)
@@ -472,7 +473,9 @@ class FileSystemStore:
         """Filter the in-memory index (no log is read), newest update first."""
         self._require_open()
         rows = []
-        for entry in self._index.entries.values():
+        wanted = (*query.participants, *([query.participant] if query.participant is not None else []))
+        entries = self._index.with_participants(wanted) if wanted else self._index.entries.values()
+        for entry in entries:
             if query.archived is not None and entry.archived != query.archived:
                 continue
             if query.phase is not None and entry.phase != query.phase.value:
