@@ -1,0 +1,83 @@
+"""Benchmark: the persona's search in a large home.
+
+docs/BENCHMARKS.md, "search: the persona's search in a large home", shows a run.
+
+Every run looks up the person's recent ended conversations with the agent (``SearchQuery`` with
+``ended`` and both pubkeys as ``participants``). In a ``FileSystemStore`` holding 1,000 and 10,000
+conversations, each started by one of 50 people and answered by one agent, it times in the same run:
+- persona query: ``ended=True, participants=(person, agent)`` (the participant map finds the
+  person's conversations);
+- every entry: ``ended=True`` alone, which reads every index entry (what the persona query cost
+  before the map).
+Medians of ``--rounds`` calls (default 200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+
+from benchmarks.common import emit_figures, fmt_ms, median_seconds_async, print_table
+from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.search import SearchQuery
+
+SIZES = (1_000, 10_000)
+PEOPLE = 50
+
+
+async def filled_store(path: str, size: int, people: list[Signer], agent: Signer) -> FileSystemStore:
+    """A store of ``size`` conversations: a person's root and the agent's answer each."""
+    store = FileSystemStore(path, fsync="batch")
+    await store.open()
+
+    async def create(n: int) -> None:
+        root = people[n % len(people)].sign(11, f"hello {n}", [["p", agent.pubkey]])
+        conversation = Conversation(id=root.id, title=f"c{n}", created_at=n, updated_at=n, phase_started_at=n)
+        conversation.append(root)
+        conversation.append(agent.sign(1111, "answer", [["e", root.id]]))
+        await store.create(conversation)
+
+    for start in range(0, size, 200):
+        await asyncio.gather(*(create(n) for n in range(start, min(size, start + 200))))
+    return store
+
+
+async def measure(size: int, rounds: int) -> tuple[float, float]:
+    """(persona query, every entry) median seconds in a home of ``size`` conversations."""
+    people = [Signer.generate() for _ in range(PEOPLE)]
+    agent = Signer.generate()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = await filled_store(tmp, size, people, agent)
+        try:
+            persona = SearchQuery(ended=True, participants=(people[0].pubkey, agent.pubkey))
+            every = SearchQuery(ended=True)
+            mapped = await median_seconds_async(lambda: store.search(persona), rounds)
+            scanned = await median_seconds_async(lambda: store.search(every), rounds)
+        finally:
+            await store.close()
+    return mapped, scanned
+
+
+async def main(rounds: int) -> None:
+    rows = []
+    for size in SIZES:
+        mapped, scanned = await measure(size, rounds)
+        ratio = f"{scanned / mapped:.0f}x"
+        rows.append([f"{size:,}", f"{size // PEOPLE:,}", fmt_ms(mapped), fmt_ms(scanned), ratio])
+        figures = {f"persona_query_ms_{size}": mapped * 1e3, f"every_entry_ms_{size}": scanned * 1e3}
+        emit_figures("search", figures)
+    print_table(
+        f"The persona's search in a FileSystemStore, median of {rounds} calls",
+        ["conversations", "the person's", "persona query", "every entry", "ratio"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--rounds", type=int, default=200, help="calls per measurement")
+    asyncio.run(main(parser.parse_args().rounds))
