@@ -116,14 +116,16 @@ class RefusalLog:
         self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()
         """Author -> (when last logged, lines suppressed since)."""
 
-    def refused(self, event_id: str, author: str, kind: int, reason: str) -> None:
-        """Log one refused event, unless this author was logged less than ``every_s`` ago."""
+    def refused(self, event_id: str, author: str, kind: int, reason: str, *, key: str | None = None) -> None:
+        """Log one refused event, unless one of the same ``key`` (default: the author) was logged less
+        than ``every_s`` ago."""
+        key = author if key is None else key
         now = self.clock()
-        last = self._last.pop(author, None)
+        last = self._last.pop(key, None)
         if last is not None and now - last[0] < self.every_s:
-            self._last[author] = (last[0], last[1] + 1)
+            self._last[key] = (last[0], last[1] + 1)
             return
-        self._last[author] = (now, 0)
+        self._last[key] = (now, 0)
         if len(self._last) > self.memory:
             self._last.popitem(last=False)
         log.info("event_refused", reason=reason, author=author, event_id=event_id, kind=kind,
@@ -218,6 +220,8 @@ class Daemon:
         self.intake: Intake | None = None
         """Gift wraps opened, the answer setting applied, before the dispatcher (once started)."""
         self.stranger_log = RefusalLog()
+        self.wrap_refusal_log = RefusalLog()
+        """Refused gift wraps, logged once a minute per reason: each comes from a one-time key."""
         self.metrics.watch_pool(lambda: self.pool.health() if self.pool is not None else None)
 
     # --- the ControlTarget protocol -------------------------------------------------------
@@ -570,9 +574,14 @@ class Daemon:
         admitted = self.intake.admit(received.event) if self.intake is not None else received.event
         if isinstance(admitted, str):  # a wrap that does not open, or what daemon.answer excludes
             remember = self._count(received.event, HandleResult(Outcome.IGNORED, admitted))
+            if received.event.kind != KIND_GIFT_WRAP:
+                return remember
             # A refused wrap is signed by a one-time key the allow-list cannot judge: anyone can send them,
-            # so, like a stranger's event, it is deduplicated in memory only (no disk for strangers).
-            return Remember.IN_MEMORY if received.event.kind == KIND_GIFT_WRAP else remember
+            # so, like a stranger's event, it is deduplicated in memory only (no disk for strangers) and
+            # logged at most once a minute (per reason: one-time keys make per-author limits useless).
+            wrap = received.event
+            self.wrap_refusal_log.refused(wrap.id, wrap.pubkey, wrap.kind, admitted, key=admitted)
+            return Remember.IN_MEMORY
         event = admitted  # a gift wrap's rumor in its place
         self._observer.event_received(event.id, received.received_at)
         structlog.contextvars.bind_contextvars(event_id=event.id)

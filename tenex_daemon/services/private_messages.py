@@ -111,7 +111,8 @@ class Intake:
                 return opened
             refusal = refuse_private(opened.rumor, opened.recipient, self._directory)
             if refusal is not None:
-                log.info("private_message_refused", event_id=event.id, reason=refusal)
+                # debug: the daemon logs refused wraps once a minute per reason (anyone can send them)
+                log.debug("private_message_refused", event_id=event.id, reason=refusal)
                 return refusal
             return opened.rumor
         if event.kind == KIND_PRIVATE_MESSAGE:

@@ -196,11 +196,12 @@ async def test_the_owner_and_a_whitelisted_person_are_answered_the_person_only_w
 async def test_unreadable_gift_wraps_from_anyone_cost_no_disk(relay: LocalRelayServer, tmp_path: Path) -> None:
     """Gift wraps (kind 1059) p-tagging an agent that do not open, each from a one-time key the allow-list
     cannot judge, are counted (``wrap_unreadable``) and never written to the home: their ids stay out of the
-    store's processed-id ledger, like strangers' events."""
+    store's processed-id ledger, like strangers' events; the log gets one line a minute, not one per wrap."""
     count = scale(20, 500)
     home = make_home(tmp_path / "home", [relay.url])
     planner = home.agent("planner")
     wraps = [signed(Signer.generate(), 1059, f"no NIP-44 payload {i}", [["p", planner]]) for i in range(count)]
+    started = time.monotonic()
     async with running(home) as daemon:
         before = await quiet_home(home)
         assert all(answer[2] is True for answer in await publish(relay.url, wraps, within=120))
@@ -216,5 +217,11 @@ async def test_unreadable_gift_wraps_from_anyone_cost_no_disk(relay: LocalRelayS
     kept = b"\0".join(after.values())
     stored = [w["id"] for w in wraps if w["id"].encode() in kept]
     assert stored == [], f"{len(stored)} of {count} unreadable wraps were written to the home"
+    lines = [r for r in log_records(home) if r.get("event") in ("event_refused", "gift_wrap_refused")]
+    minutes = 1 + int((time.monotonic() - started) // 60)
+    assert 1 <= len(lines) <= minutes, f"{len(lines)} log lines for {count} wraps: one a minute, not one per wrap"
     grown = sum(map(len, after.values())) - sum(map(len, before.values()))
-    record("security.allow_list.wraps", wraps=count, counted=count, stored=len(stored), bytes_grown=grown)
+    record(
+        "security.allow_list.wraps", wraps=count, counted=count, stored=len(stored), bytes_grown=grown,
+        log_lines=len(lines),
+    )

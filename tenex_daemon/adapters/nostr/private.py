@@ -158,7 +158,8 @@ class GiftWraps:
 
 
 def _refused(wrap: NostrEvent, reason: WrapRefusal, error: str) -> WrapRefusal:
-    log.info("gift_wrap_refused", event_id=wrap.id, reason=reason.value, error=error)
+    # debug: anyone can send wraps that do not open; the daemon logs them once a minute per reason
+    log.debug("gift_wrap_refused", event_id=wrap.id, reason=reason.value, error=error)
     return reason
 
 

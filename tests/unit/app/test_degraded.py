@@ -13,7 +13,9 @@ from pathlib import Path
 from structlog.testing import capture_logs
 
 from tenex_daemon import MemoryStore
+from tenex_daemon.adapters.nostr.private import GiftWraps
 from tenex_daemon.adapters.nostr.relay_pool import PoolHealth, PoolSettings, RelayPool
+from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.daemon import Daemon
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.metrics import Metrics
@@ -21,8 +23,11 @@ from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.status import read_status, write_status
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.vocabulary import KIND_GIFT_WRAP
+from tenex_daemon.services.private_messages import Intake
+from tenex_daemon.testing.fakes import signers_for
 from tests.conftest import Cast
-from tests.pipeline import build_rig
+from tests.pipeline import build_rig, cast_keys
 
 RETRY_FAST = PoolSettings(retry_base=0.05, retry_cap=0.2, cursor_flush_interval=0.05)
 
@@ -153,6 +158,34 @@ async def test_author_not_allowed_is_logged_once_per_author_per_minute(tmp_path:
     assert [entry["author"] for entry in lines] == [cast.other_user.pubkey] * 2
     assert [entry["suppressed"] for entry in lines] == [0, 2]
     assert all(entry["reason"] == "author_not_allowed" for entry in lines)
+
+
+async def test_refused_gift_wraps_are_logged_once_a_minute_per_reason_whatever_their_one_time_keys(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """Five unreadable gift wraps, each signed by its own one-time key, log one ``event_refused`` line;
+    a minute later the next one logs again with the count suppressed in between; each is counted."""
+    store = FlakyStore()
+    wraps = [
+        Signer.generate().sign(KIND_GIFT_WRAP, f"no NIP-44 payload {n}", [["p", cast.alice.pubkey]])
+        for n in range(6)
+    ]
+    async with daemon_with_pool(tmp_path, cast, store) as daemon:
+        assert daemon.pool is not None
+        assert daemon.pipeline is not None
+        daemon.intake = Intake(GiftWraps(signers_for(cast_keys(cast))), daemon.pipeline.manager.agents)
+        with capture_logs() as logs:
+            for wrap in wraps[:5]:
+                await daemon.pool.intake(wrap, "ws://relay", "tenexd-wraps")
+            assert await wait_until(lambda: daemon.events_ignored["wrap_unreadable"] == 5)
+            daemon.wrap_refusal_log.clock = lambda: time.monotonic() + 61
+            await daemon.pool.intake(wraps[5], "ws://relay", "tenexd-wraps")
+            assert await wait_until(lambda: daemon.events_ignored["wrap_unreadable"] == 6)
+    lines = [entry for entry in logs if entry["event"] == "event_refused"]
+    assert [entry["reason"] for entry in lines] == ["wrap_unreadable"] * 2
+    assert [entry["suppressed"] for entry in lines] == [0, 4]
+    assert [entry for entry in logs if entry["log_level"] != "debug" and entry["event"] != "event_refused"] == []
+    assert store.processed_writes == 0
 
 
 def test_metrics_show_frame_rejects_duplicates_handler_errors_and_reconnects() -> None:
