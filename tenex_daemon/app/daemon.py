@@ -106,15 +106,16 @@ INCOMING_KINDS = [KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT, KIND_TASK]
 
 
 class RefusalLog:
-    """Logs refused events at most once per author per ``every_s`` seconds, with the count suppressed
-    in between (a stranger's flood costs one line a minute); remembers the newest ``memory`` authors."""
+    """Logs refused events at most once per author (or per key the caller gives) per ``every_s``
+    seconds, with the count suppressed in between (a stranger's flood costs one line a minute);
+    remembers the newest ``memory`` keys."""
 
     def __init__(self, every_s: float = 60.0, memory: int = 1_000) -> None:
         self.every_s = every_s
         self.memory = memory
         self.clock = time.monotonic
         self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()
-        """Author -> (when last logged, lines suppressed since)."""
+        """Key (the author, unless the caller names another) -> (when last logged, lines suppressed since)."""
 
     def refused(self, event_id: str, author: str, kind: int, reason: str, *, key: str | None = None) -> None:
         """Log one refused event, unless one of the same ``key`` (default: the author) was logged less
