@@ -18,7 +18,8 @@ daemon and measures, through 127.0.0.1:
 - overhead = reply latency - 2 x relay round trip at the same load (p50 and p99 each);
 - daemon CPU per reply: the daemon process's CPU time (every thread), read by the process
   itself before and after each batch of replies, over the replies; the relay's likewise, from
-  /proc (10 ms ticks);
+  /proc (10 ms ticks). Two parts of it are printed too: the system (kernel) time, and the time
+  in Python's cyclic garbage collector (timed by the daemon process through ``gc.callbacks``);
 - inside tenexd: trigger taken in from the relay -> reply sent to it, the daemon's own measure
   (``tenexd status``, /metrics), which leaves the relay out entirely.
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import multiprocessing
 import os
 import socket
@@ -41,7 +43,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -66,6 +68,33 @@ def percentile(samples: list[float], q: float) -> float:
         return statistics.median(samples)
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+class CpuTimes(NamedTuple):
+    """The daemon process's CPU so far, seconds: user and system (every thread), and the part of
+    it spent in the cyclic garbage collector."""
+
+    user: float
+    system: float
+    gc: float
+
+    def __sub__(self, other: tuple[float, ...]) -> CpuTimes:
+        return CpuTimes(*(mine - theirs for mine, theirs in zip(self, other, strict=True)))
+
+
+class _GcClock:
+    """Adds up the wall time of every garbage collection in this process (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._started
 
 
 class DaemonProcess:
@@ -100,9 +129,9 @@ class DaemonProcess:
         found: list[float] = await self._ask("latencies")
         return found
 
-    async def cpu_seconds(self) -> float:
-        """CPU time the daemon process has used so far (user + system, every thread)."""
-        found: float = await self._ask("cpu")
+    async def cpu_seconds(self) -> CpuTimes:
+        """CPU time the daemon process has used so far (user and system, every thread; GC)."""
+        found: CpuTimes = await self._ask("cpu")
         return found
 
     async def stop(self) -> None:
@@ -128,6 +157,7 @@ async def _run_daemon(conn: Connection, home_parent: Path, relay_url: str, fsync
     result = init_home(home_parent / "home", relays=[relay_url])
     env = {"TENEX_DAEMON__HEARTBEAT_INTERVAL_S": "3600", "TENEX_STORAGE__FSYNC": f'"{fsync}"'}
     daemon = Daemon(load_settings(result.home, env))
+    gc_clock = _GcClock()
     task = asyncio.create_task(daemon.run())
     ready = asyncio.create_task(daemon.wait_ready())
     await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
@@ -142,7 +172,8 @@ async def _run_daemon(conn: Connection, home_parent: Path, relay_url: str, fsync
         if command == "latencies":
             conn.send(daemon.reply_latencies())
         elif command == "cpu":
-            conn.send(time.process_time())
+            times = os.times()
+            conn.send(CpuTimes(times.user, times.system, gc_clock.total_s))
         else:
             daemon.request_stop()
             await task
@@ -159,6 +190,8 @@ class Load:
     replies: list[float] = field(default_factory=list)
     inside: list[float] = field(default_factory=list)
     daemon_cpu_s: float = 0.0
+    daemon_system_s: float = 0.0
+    daemon_gc_s: float = 0.0
     relay_cpu_s: float = 0.0
 
     def overhead(self, q: float) -> float:
@@ -180,6 +213,8 @@ class Run:
         replies = len(single.replies) + len(many.replies)
         found = {
             "daemon CPU per reply": (single.daemon_cpu_s + many.daemon_cpu_s) / replies * 1e3,
+            "of which system (kernel)": (single.daemon_system_s + many.daemon_system_s) / replies * 1e3,
+            "of which garbage collection": (single.daemon_gc_s + many.daemon_gc_s) / replies * 1e3,
             "relay CPU per reply": (single.relay_cpu_s + many.relay_cpu_s) / replies * 1e3,
         }
         for load in self.loads:
@@ -253,7 +288,10 @@ async def _measure_through(
         cpu, relay_cpu = await daemon.cpu_seconds(), relay.cpu_seconds()
         load.replies.extend(await batch())
         await asyncio.sleep(SETTLE_S)
-        load.daemon_cpu_s += await daemon.cpu_seconds() - cpu
+        used = await daemon.cpu_seconds() - cpu
+        load.daemon_cpu_s += used.user + used.system
+        load.daemon_system_s += used.system
+        load.daemon_gc_s += used.gc
         load.relay_cpu_s += relay.cpu_seconds() - relay_cpu
         load.inside.extend((await daemon.latencies())[before:])
 
@@ -333,6 +371,7 @@ async def main(samples: int, concurrent: int, runs: int, fsync: str = FSYNC) -> 
     emit_figures("daemon", medians)
     print("overhead = reply latency - 2 x relay round trip at the same load (request in, reply out)")
     print("CPU per reply = process CPU time (user + system) over the reply batches / replies")
+    print("of which system = the kernel's part; of which garbage collection = time in Python's cyclic GC")
     print("inside tenexd = trigger taken in from the relay -> reply sent to it (store fsyncs included)")
     print(
         f"relay: nostr-sdk LocalRelay, in-memory database, own process; store policy: "
