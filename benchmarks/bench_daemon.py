@@ -35,6 +35,7 @@ import asyncio
 import gc
 import multiprocessing
 import os
+import resource
 import socket
 import statistics
 import tempfile
@@ -172,8 +173,8 @@ async def _run_daemon(conn: Connection, home_parent: Path, relay_url: str, fsync
         if command == "latencies":
             conn.send(daemon.reply_latencies())
         elif command == "cpu":
-            times = os.times()
-            conn.send(CpuTimes(times.user, times.system, gc_clock.total_s))
+            usage = resource.getrusage(resource.RUSAGE_SELF)  # microseconds, where os.times has ticks
+            conn.send(CpuTimes(usage.ru_utime, usage.ru_stime, gc_clock.total_s))
         else:
             daemon.request_stop()
             await task
