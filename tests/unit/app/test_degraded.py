@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from structlog.testing import capture_logs
 
@@ -16,7 +17,7 @@ from tenex_daemon import MemoryStore
 from tenex_daemon.adapters.nostr.private import GiftWraps
 from tenex_daemon.adapters.nostr.relay_pool import PoolHealth, PoolSettings, RelayPool
 from tenex_daemon.adapters.nostr.signer import Signer
-from tenex_daemon.app.daemon import Daemon
+from tenex_daemon.app.daemon import Daemon, RefusalLog
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.settings import load_settings
@@ -137,6 +138,22 @@ async def test_a_strangers_event_is_not_written_to_the_processed_ledger(tmp_path
     assert not await store.is_processed(stranger.id)
 
 
+async def _refused_across_a_minute(
+    daemon: Daemon, events: list[NostrEvent], subscription: str, reason: str, refusal_log: RefusalLog
+) -> list[MutableMapping[str, Any]]:
+    """Take in all but the last of ``events`` (each refused for ``reason``), move ``refusal_log``'s clock
+    a minute on, take in the last; return every log entry made meanwhile."""
+    assert daemon.pool is not None
+    with capture_logs() as logs:
+        for event in events[:-1]:
+            await daemon.pool.intake(event, "ws://relay", subscription)
+        assert await wait_until(lambda: daemon.events_ignored[reason] == len(events) - 1)
+        refusal_log.clock = lambda: time.monotonic() + 61
+        await daemon.pool.intake(events[-1], "ws://relay", subscription)
+        assert await wait_until(lambda: daemon.events_ignored[reason] == len(events))
+    return logs
+
+
 async def test_author_not_allowed_is_logged_once_per_author_per_minute(tmp_path: Path, cast: Cast) -> None:
     """Three events from one stranger log one ``author_not_allowed`` line; a minute later the next one
     logs again with the count of lines suppressed in between."""
@@ -146,14 +163,9 @@ async def test_author_not_allowed_is_logged_once_per_author_per_minute(tmp_path:
         for n in range(4)
     ]
     async with daemon_with_pool(tmp_path, cast, store) as daemon:
-        assert daemon.pool is not None
-        with capture_logs() as logs:
-            for event in events[:3]:
-                await daemon.pool.intake(event, "ws://relay", "tenexd-mentions")
-            assert await wait_until(lambda: daemon.events_ignored["author_not_allowed"] == 3)
-            daemon.stranger_log.clock = lambda: time.monotonic() + 61
-            await daemon.pool.intake(events[3], "ws://relay", "tenexd-mentions")
-            assert await wait_until(lambda: daemon.events_ignored["author_not_allowed"] == 4)
+        logs = await _refused_across_a_minute(
+            daemon, events, "tenexd-mentions", "author_not_allowed", daemon.stranger_log
+        )
     lines = [entry for entry in logs if entry["event"] == "event_refused"]
     assert [entry["author"] for entry in lines] == [cast.other_user.pubkey] * 2
     assert [entry["suppressed"] for entry in lines] == [0, 2]
@@ -171,16 +183,9 @@ async def test_refused_gift_wraps_are_logged_once_a_minute_per_reason_whatever_t
         for n in range(6)
     ]
     async with daemon_with_pool(tmp_path, cast, store) as daemon:
-        assert daemon.pool is not None
         assert daemon.pipeline is not None
         daemon.intake = Intake(GiftWraps(signers_for(cast_keys(cast))), daemon.pipeline.manager.agents)
-        with capture_logs() as logs:
-            for wrap in wraps[:5]:
-                await daemon.pool.intake(wrap, "ws://relay", "tenexd-wraps")
-            assert await wait_until(lambda: daemon.events_ignored["wrap_unreadable"] == 5)
-            daemon.wrap_refusal_log.clock = lambda: time.monotonic() + 61
-            await daemon.pool.intake(wraps[5], "ws://relay", "tenexd-wraps")
-            assert await wait_until(lambda: daemon.events_ignored["wrap_unreadable"] == 6)
+        logs = await _refused_across_a_minute(daemon, wraps, "tenexd-wraps", "wrap_unreadable", daemon.wrap_refusal_log)
     lines = [entry for entry in logs if entry["event"] == "event_refused"]
     assert [entry["reason"] for entry in lines] == ["wrap_unreadable"] * 2
     assert [entry["suppressed"] for entry in lines] == [0, 4]
