@@ -16,6 +16,7 @@ from pathlib import Path
 
 import structlog
 from coincurve import PrivateKey, PublicKeyXOnly
+from coincurve._libsecp256k1 import ffi, lib  # the keypair API coincurve's sign_schnorr rebuilds per call
 
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import TenexError
@@ -36,11 +37,13 @@ class KeyFileError(TenexError):
 class Signer:
     """Signs events with one secp256k1 key (BIP-340 Schnorr, fresh random aux bytes per signature).
 
-    The secret is held only inside a coincurve ``PrivateKey``; ``repr`` shows the
-    public key.
+    The secret is held only inside a coincurve ``PrivateKey`` and the libsecp256k1 keypair made from
+    it once (coincurve's ``sign_schnorr`` makes that keypair again for every signature, a third of
+    its cost); every signature is verified before it is returned, as coincurve does (BIP-340's
+    defence against a fault that would leak the key). ``repr`` shows the public key.
     """
 
-    __slots__ = ("_key", "_pubkey", "_pubkey_bytes", "label")
+    __slots__ = ("_key", "_keypair", "_pubkey", "_pubkey_bytes", "_xonly", "label")
 
     def __init__(self, secret: bytes, *, label: str = "") -> None:
         """Make a signer from 32 secret bytes; ``label`` (an agent slug...) is for logs."""
@@ -50,8 +53,12 @@ class Signer:
             self._key = PrivateKey(secret)
         except ValueError:
             raise KeyFileError("the secret key is not a valid secp256k1 scalar") from None
-        self._pubkey_bytes = PublicKeyXOnly.from_secret(secret).format()
+        self._xonly = PublicKeyXOnly.from_secret(secret)
+        self._pubkey_bytes = self._xonly.format()
         self._pubkey = self._pubkey_bytes.hex()
+        self._keypair = ffi.new("secp256k1_keypair *")
+        if not lib.secp256k1_keypair_create(self._key.context.ctx, self._keypair, secret):
+            raise KeyFileError("the secret key is not a valid secp256k1 scalar")
         self.label = label
 
     @classmethod
@@ -141,11 +148,20 @@ class Signer:
         tag_list = [list(tag) for tag in tags]
         ts = int(time.time()) if created_at is None else created_at
         digest = event_id_digest(self._pubkey, ts, kind, tag_list, content)
-        sig = self._key.sign_schnorr(digest, os.urandom(32))
         return NostrEvent(
             id=digest.hex(), pubkey=self._pubkey, created_at=ts, kind=kind, tags=tag_list,
-            content=content, sig=sig.hex(),
+            content=content, sig=self._schnorr(digest).hex(),
         )
+
+    def _schnorr(self, digest: bytes) -> bytes:
+        """The BIP-340 signature of a 32-byte digest with the kept keypair, verified before it is returned."""
+        context = self._key.context.ctx
+        signature = ffi.new("unsigned char[64]")
+        if not lib.secp256k1_schnorrsig_sign32(context, signature, digest, self._keypair, os.urandom(32)):
+            raise ValueError("signing failed")
+        if not lib.secp256k1_schnorrsig_verify(context, signature, digest, 32, self._xonly.public_key):
+            raise ValueError("the signature made does not verify")
+        return bytes(ffi.buffer(signature, 64))
 
     def sign_auth(self, relay_url: str, challenge: str) -> NostrEvent:
         """Return the NIP-42 event (kind 22242) answering a relay's challenge."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import structlog
+from coincurve import PublicKeyXOnly
 from structlog.testing import capture_logs
 
 from tenex_daemon.adapters.nostr.codec import verify_event
@@ -36,6 +37,22 @@ def test_signed_events_verify_and_carry_the_pubkey() -> None:
     assert verify_event(first)
     assert verify_event(second)
     assert first.id == second.id
+
+
+def test_the_kept_keypair_signs_every_event_with_its_own_key_and_fresh_randomness() -> None:
+    """Signers that keep their keypair across calls, interleaved, each sign only with their own key
+    (coincurve's own verifier accepts every signature for its pubkey and refuses it for the other's),
+    and no two signatures of the same event are equal (fresh auxiliary bytes each time)."""
+    first, second = Signer.from_text(KEYS.secret), Signer.generate()
+    signatures: dict[str, set[str]] = {first.pubkey: set(), second.pubkey: set()}
+    for n in range(50):
+        for signer, other in ((first, second), (second, first)):
+            event = signer.sign(1, "same", [], created_at=1_700_000_000)
+            digest, sig = bytes.fromhex(event.id), bytes.fromhex(event.sig)
+            assert PublicKeyXOnly(bytes.fromhex(signer.pubkey)).verify(sig, digest), n
+            assert not PublicKeyXOnly(bytes.fromhex(other.pubkey)).verify(sig, digest), n
+            signatures[signer.pubkey].add(event.sig)
+    assert [len(each) for each in signatures.values()] == [50, 50]
 
 
 def test_auth_event_answers_the_challenge() -> None:
