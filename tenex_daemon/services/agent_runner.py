@@ -262,7 +262,9 @@ class AgentRunner:
                     self._manager, cid, slug, effects.end_reason, time.time_ns() // 1_000_000
                 )
             # the run's journal entry covers the reply until a relay took it (no outbox write then)
-            settled = self.outbox.add_journaled(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
+            settled = await self.outbox.add_journaled(
+                cid, reply, agent_slug=slug, trigger_id=request.trigger_id
+            )
             if not keep_journaled_until(settled):  # not a scheduled run: the outbox stores it now
                 await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
             if typing_started[0]:

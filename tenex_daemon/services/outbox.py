@@ -167,15 +167,18 @@ class Outbox:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._backoff_cap)
 
-    def add_journaled(
+    async def add_journaled(
         self, conversation_id: str, event: NostrEvent, *, agent_slug: str, trigger_id: str | None = None
     ) -> asyncio.Future[None]:
         """Deliver ``event`` (saved in ``conversation_id`` by a run that the run journal holds) until a
-        relay accepts it, storing nothing now. Returns a future done once a relay took it, or once the
-        entry is stored (after a failed publish, or at :meth:`close`): until then the caller keeps the
-        run journaled (:func:`~tenex_daemon.services.runs.keep_journaled_until`), which is what
-        covers the event across a crash. The future never fails."""
-        return self._enter(conversation_id, event, agent_slug, trigger_id).settled
+        relay accepts it, storing nothing now. Returns, once the first publish is sent, a future done
+        once a relay took it, or once the entry is stored (after a failed publish, or at
+        :meth:`close`): until then the caller keeps the run journaled
+        (:func:`~tenex_daemon.services.runs.keep_journaled_until`), which is what covers the event
+        across a crash. The future never fails."""
+        entry = self._enter(conversation_id, event, agent_slug, trigger_id)
+        await asyncio.sleep(0)  # the delivery sends it now, before what the caller does next
+        return entry.settled
 
     def _enter(
         self, conversation_id: str, event: NostrEvent, agent_slug: str, trigger_id: str | None

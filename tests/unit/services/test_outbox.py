@@ -183,21 +183,21 @@ async def test_a_journaled_event_is_stored_only_when_no_relay_took_it(cast: Cast
     root, reply = await saved_reply(store, cast)
     outbox = Outbox(store, publisher, backoff_start_s=30.0)
 
-    await asyncio.wait_for(outbox.add_journaled(root.id, reply, agent_slug="alice"), 5)
+    await asyncio.wait_for(await outbox.add_journaled(root.id, reply, agent_slug="alice"), 5)
     assert [e.id for e in publisher.published] == [reply.id]
     assert await store.get_meta(OUTBOX_KEY) is None
 
     failed = cast.alice_says("Failed once", tags=[["e", root.id]])
     await store.append_event(root.id, failed)
     publisher.fail = True
-    await asyncio.wait_for(outbox.add_journaled(root.id, failed, agent_slug="alice"), 5)
+    await asyncio.wait_for(await outbox.add_journaled(root.id, failed, agent_slug="alice"), 5)
     assert await stored_ids(store) == [failed.id]
     assert outbox.retries == 1
 
     waiting = cast.alice_says("Never tried", tags=[["e", root.id]])
     await store.append_event(root.id, waiting)
     publisher.fail, publisher.hang = False, True
-    settled = outbox.add_journaled(root.id, waiting, agent_slug="alice")
+    settled = await outbox.add_journaled(root.id, waiting, agent_slug="alice")
     await asyncio.sleep(0.01)
     assert not settled.done()
     await outbox.close()
