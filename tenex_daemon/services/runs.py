@@ -86,17 +86,21 @@ def saving_reply() -> None:
         running.saving = True
 
 
-def keep_journaled_until(settled: asyncio.Future[None]) -> bool:
+def within_run() -> bool:
+    """Whether the caller is a run the scheduler carries out (:func:`keep_journaled_until` may be
+    called from it)."""
+    return _CURRENT_RUN.get() is not None
+
+
+def keep_journaled_until(settled: asyncio.Future[None]) -> None:
     """Keep the calling run in the stored journal, once it is over, until ``settled`` is done: an
     event it saved is then covered by the journal until a relay took it or the outbox stored it
     (a crash meanwhile redoes the run, which publishes the saved event again, :attr:`RunRequest.recovered`).
-    Returns False when not called from a run the scheduler carries out: the caller makes the event
-    durable itself."""
+    Raises RuntimeError outside a run the scheduler carries out (:func:`within_run`)."""
     running = _CURRENT_RUN.get()
     if running is None:
-        return False
+        raise RuntimeError("keep_journaled_until is called from a run the scheduler carries out")
     running.holds.append(settled)
-    return True
 
 
 class RunScheduler:

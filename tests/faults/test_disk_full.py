@@ -45,20 +45,19 @@ def _fill(disk: Path) -> Path:
     """Write a file until the disk is full (ENOSPC); return it."""
     filler = disk / "filler"
     block = b"\0" * 65536
-    with filler.open("wb") as out:
+    # unbuffered: a buffered file keeps the bytes a full disk refused and fails again when closed
+    with filler.open("wb", buffering=0) as out:
         while True:
             try:
-                out.write(block)
-                out.flush()
+                out.write(block)  # a short write fills the disk; the next one raises ENOSPC
             except OSError as error:
                 if error.errno != errno.ENOSPC:
                     raise
                 break
     # the last partial block: the disk has no byte left
-    with contextlib.suppress(OSError), filler.open("ab") as out:
+    with contextlib.suppress(OSError), filler.open("ab", buffering=0) as out:
         while True:
             out.write(b"\0" * 512)
-            out.flush()
     return filler
 
 
