@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from enum import StrEnum
@@ -30,10 +31,19 @@ from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.orchestrator import Orchestrator, RoutingDecision, RoutingStop
 from tenex_daemon.services.private_messages import PrivateConversations
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT, ROUTING_LIMITS_KEY, RoutingLimits
-from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunListener, RunRequest, RunScheduler
+from tenex_daemon.services.runs import (
+    PENDING_RUNS_KEY,
+    RUN_RETRY_S,
+    RunListener,
+    RunRequest,
+    RunScheduler,
+)
 from tenex_daemon.services.stopping import Stopper, StopReport
 
 log = structlog.get_logger(__name__)
+
+DISPATCH_RETRY_S = RUN_RETRY_S
+"""Waits before each new try of targeting an accepted event that failed with an error."""
 
 
 class Outcome(StrEnum):
@@ -229,7 +239,7 @@ class EventDispatcher:
                 conversation = await self._manager.create_conversation(event, exclusive=True, task_id=task_id)
         except ConversationExistsError:  # another daemon on the shared database created it first
             return HandleResult(Outcome.DUPLICATE, conversation_id=event.id)
-        return await self._target(conversation.id, event)
+        return await self._target_accepted(conversation.id, event)
 
     async def _on_reply(self, event: NostrEvent, classification: Classification) -> HandleResult:
         cid = classification.conversation_id
@@ -250,7 +260,7 @@ class EventDispatcher:
             if joined is not None:
                 if not joined.added:
                     return HandleResult(Outcome.DUPLICATE, conversation_id=joined.conversation.id)
-                return await self._target(joined.conversation.id, event)
+                return await self._target_accepted(joined.conversation.id, event)
         if conversation is None and await self._manager.store.is_processed(cid):
             # its root was accepted once and the conversation deleted since (retention, an operator):
             # a late reply does not bring it back
@@ -266,7 +276,7 @@ class EventDispatcher:
                     return HandleResult(Outcome.DUPLICATE, conversation_id=cid)
             else:
                 if conversation.id == event.id:
-                    return await self._target(conversation.id, event)
+                    return await self._target_accepted(conversation.id, event)
         if conversation.private:  # only the person's gift-wrapped messages join a private conversation
             return HandleResult(Outcome.IGNORED, "private_conversation", conversation.id)
         refused = self._refuse_joining(conversation, event)  # a root adopted just now
@@ -277,7 +287,7 @@ class EventDispatcher:
             log.info("conversation_restored", conversation_id=cid, reason="new_activity")
         if not await self._manager.add_event(conversation.id, event):
             return HandleResult(Outcome.DUPLICATE, conversation_id=conversation.id)
-        return await self._target(conversation.id, event)
+        return await self._target_accepted(conversation.id, event)
 
     def _refuse_joining(self, conversation: Conversation | None, event: NostrEvent) -> HandleResult | None:
         """Refuse a whitelisted person's event into a conversation they may not join (:func:`may_join`)."""
@@ -309,7 +319,7 @@ class EventDispatcher:
             return HandleResult(Outcome.IGNORED, SkipReason.NOT_ADDRESSED.value)
         if not joined.added:
             return HandleResult(Outcome.DUPLICATE, conversation_id=joined.conversation.id)
-        return await self._target(joined.conversation.id, event)
+        return await self._target_accepted(joined.conversation.id, event)
 
     async def _adopt_root(self, root_id: str, reply: NostrEvent) -> Conversation:
         """Start the conversation of a reply with an unknown root: the fetched root, else the reply."""
@@ -386,6 +396,26 @@ class EventDispatcher:
             agents=list(result.agents),
         )
         return result
+
+    async def _target_accepted(self, conversation_id: str, event: NostrEvent) -> HandleResult:
+        """Target an event the store has just accepted. An error (its store gone for a moment: a
+        database restart) is tried again after each of ``DISPATCH_RETRY_S``, as recovered (a turn
+        already started resumes, an agent that already answered is not run again), in its lane: the
+        relays' copies of the event are duplicates from now on, so nothing else would dispatch it
+        before the next start. After the last try the error is raised; the event's entry stays
+        journaled and the next start dispatches it."""
+        for attempt, wait_s in enumerate((*DISPATCH_RETRY_S, None), start=1):
+            try:
+                return await self._target(conversation_id, event, recovered=attempt > 1)
+            except Exception:
+                if wait_s is None:
+                    raise
+                log.warning(
+                    "dispatch_retry", event_id=event.id, conversation_id=conversation_id,
+                    attempt=attempt, retry_in_s=wait_s, exc_info=True,
+                )
+                await asyncio.sleep(wait_s)
+        raise AssertionError("unreachable: the last try returns or raises")
 
     async def _target(
         self, conversation_id: str, event: NostrEvent, *, recovered: bool = False

@@ -12,10 +12,12 @@ from tenex_daemon import MemoryStore
 from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
 from tenex_daemon.core.agents import AgentDirectory
+from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.ports import SmallValues
 from tenex_daemon.core.targeting import SkipReason, agent_chain_length, choose_target, mentioned_agent
+from tenex_daemon.services import dispatcher as dispatcher_module
 from tenex_daemon.services import runs
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
@@ -368,6 +370,48 @@ async def test_a_reply_whose_publish_failed_is_stored_in_the_outbox_and_its_run_
     assert [entry["id"] for entry in stored] == [conversation.history[-1].id]
     assert await stored_journal(rig.store) == []
     await rig.runner.outbox.close()
+
+
+class LoadsFailAfterCreate(MemoryStore):
+    """A memory store whose next ``failures`` loads fail once a conversation is created (its database
+    restarting right after it accepted an event)."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self._armed = False
+
+    async def create(self, conversation: Conversation) -> None:
+        """Create it, then fail the next loads."""
+        await super().create(conversation)
+        self._armed = True
+
+    async def load(self, conversation_id: str) -> Conversation | None:
+        """Fail while armed and failures are left, else load."""
+        if self._armed and self.failures > 0:
+            self.failures -= 1
+            raise ConnectionError("the database system is starting up")
+        return await super().load(conversation_id)
+
+
+async def test_an_accepted_event_whose_dispatch_failed_is_dispatched_again_in_place(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the store fails right after accepting a new conversation's root (a database restart), its
+    dispatch is tried again where it failed and the agent answers once: the relays' later copies are
+    duplicates, so nothing else would dispatch the event before the next start."""
+    monkeypatch.setattr(dispatcher_module, "DISPATCH_RETRY_S", (0.01, 0.01, 0.01), raising=False)
+    store = LoadsFailAfterCreate(failures=2)
+    rig = pipeline.build_rig(cast, store=store)
+    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
+
+    result = await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    assert store.failures == 0
+    assert result.outcome is Outcome.SCHEDULED
+    assert [event.pubkey for event in rig.publisher.published] == [cast.alice.pubkey]
+    assert await stored_journal(store) == []
 
 
 async def test_a_recovered_run_that_had_only_asked_another_agent_answers(cast: Cast) -> None:
