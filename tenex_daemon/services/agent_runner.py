@@ -30,7 +30,7 @@ from tenex_daemon.services.conversation_changes import RunRecord
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.delegation import Delegation, RunDelegator
 from tenex_daemon.services.outbox import Outbox
-from tenex_daemon.services.runs import RunRequest, keep_journaled_until, saving_reply, within_run
+from tenex_daemon.services.runs import RunRequest, saving_reply
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import (
     SEND_MESSAGE,
@@ -261,13 +261,7 @@ class AgentRunner:
                 await mark_conversation_ended(
                     self._manager, cid, slug, effects.end_reason, time.time_ns() // 1_000_000
                 )
-            if within_run():  # its journal entry covers the reply until a relay took it: no write then
-                settled = await self.outbox.add_journaled(
-                    cid, reply, agent_slug=slug, trigger_id=request.trigger_id
-                )
-                keep_journaled_until(settled)
-            else:  # no run journal covers it: the outbox stores it now
-                await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
+            await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
             if typing_started[0]:
                 self._send(self._typing(slug, cid, active=False), "typing stop")
         except BaseException:

@@ -4,14 +4,11 @@ An event is added once it is saved in its conversation (an agent's reply, a dele
 answer). Delivery starts at once; the entry is recorded durably in the store's small values (the
 key :data:`OUTBOX_KEY`, or a key per daemon when several share a database) before :meth:`Outbox.add`
 returns (a failed write is tried again until it succeeds: the run that saved the event does not end
-before). An agent's reply is added with :meth:`Outbox.add_journaled` instead: its run stays in the
-run journal until a relay took the reply, which then needs no write here at all; only a reply still
-waiting after a failed publish (or at close) is stored. A publish that no relay accepts is tried
-again with a capped backoff (``backoff_start_s``, 1 s, doubling up to ``backoff_cap_s``), at once
-whenever a relay (re)connects (:meth:`Outbox.wake`), and after a restart (:meth:`Outbox.recover`);
-an entry is never dropped for its age, only logged (``outbox_entry_old``) once it is older than
-``warn_after_s``. A relay's ``OK true`` (a ``duplicate:`` answer counts as one) ends it; the store
-forgets a stored entry with the next write (coalesced).
+before). A publish that no relay accepts is tried again with a capped backoff (``backoff_start_s``, 1 s,
+doubling up to ``backoff_cap_s``), at once whenever a relay (re)connects (:meth:`Outbox.wake`), and after a
+restart (:meth:`Outbox.recover`); an entry is never dropped for its age, only logged
+(``outbox_entry_old``) once it is older than ``warn_after_s``. A relay's ``OK true`` (a
+``duplicate:`` answer counts as one) ends it; the store forgets it with the next write (coalesced).
 
 Until the entry is durable the run journal covers the event (a run whose reply is saved is
 redone after a crash by publishing that reply again), so nothing signed is ever lost on its way out.
@@ -57,18 +54,9 @@ class OutboxEntry:
     trigger_id: str | None
     first_at: float
     """When it was first added (epoch seconds; kept across restarts)."""
-    settled: asyncio.Future[None]
-    """Done once a relay took the event or a write stored the entry (:meth:`Outbox.add_journaled`)."""
     attempts: int = 0
     last_error: str | None = None
     warned: bool = False
-    stored: bool = False
-    """A write that succeeded holds it (its delivery then needs a write that forgets it)."""
-
-    def settle(self) -> None:
-        """It needs no run journal to cover it any longer."""
-        if not self.settled.done():
-            self.settled.set_result(None)
 
     def record(self) -> dict[str, object]:
         """The stored form (the event itself is in its conversation)."""
@@ -149,12 +137,13 @@ class Outbox:
         self, conversation_id: str, event: NostrEvent, *, agent_slug: str, trigger_id: str | None = None
     ) -> None:
         """Deliver ``event`` (saved in ``conversation_id``) until a relay accepts it; on return the
-        entry is durable, or a relay took the event already (delivery has started at once). Adding an
-        event already waiting only makes sure that it is stored."""
-        entry = self._enter(conversation_id, event, agent_slug, trigger_id)
-        if entry.settled.done():
+        entry is durable (delivery has started already). Adding an event already waiting does nothing."""
+        if event.id in self._entries:
             return
+        entry = OutboxEntry(event, conversation_id, agent_slug, trigger_id, time.time())
+        self._entries[event.id] = entry
         self._version += 1
+        self._deliveries.spawn(self._deliver(entry), f"deliver {event.id[:12]}")
         delay = 0.1
         while True:  # the run that saved the event ends only once its entry is stored
             try:
@@ -166,31 +155,6 @@ class Outbox:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._backoff_cap)
-
-    async def add_journaled(
-        self, conversation_id: str, event: NostrEvent, *, agent_slug: str, trigger_id: str | None = None
-    ) -> asyncio.Future[None]:
-        """Deliver ``event`` (saved in ``conversation_id`` by a run that the run journal holds) until a
-        relay accepts it, storing nothing now. Returns, once the first publish is sent, a future done
-        once a relay took it, or once the entry is stored (after a failed publish, or at
-        :meth:`close`): until then the caller keeps the run journaled
-        (:func:`~tenex_daemon.services.runs.keep_journaled_until`), which is what covers the event
-        across a crash. The future never fails."""
-        entry = self._enter(conversation_id, event, agent_slug, trigger_id)
-        await asyncio.sleep(0)  # the delivery sends it now, before what the caller does next
-        return entry.settled
-
-    def _enter(
-        self, conversation_id: str, event: NostrEvent, agent_slug: str, trigger_id: str | None
-    ) -> OutboxEntry:
-        """The waiting entry of ``event``: a new one starts its delivery."""
-        entry = self._entries.get(event.id)
-        if entry is None:
-            settled = asyncio.get_running_loop().create_future()
-            entry = OutboxEntry(event, conversation_id, agent_slug, trigger_id, time.time(), settled)
-            self._entries[event.id] = entry
-            self._deliveries.spawn(self._deliver(entry), f"deliver {event.id[:12]}")
-        return entry
 
     def wake(self) -> None:
         """A relay (re)connected: every waiting event is tried again now."""
@@ -211,9 +175,6 @@ class Outbox:
                 entry.last_error = str(exc) or type(exc).__name__
                 self.retries += 1
                 self._warn_if_old(entry)
-                if not entry.settled.done():  # no relay took it at once: the outbox keeps it from now
-                    self._version += 1
-                    self._writes.spawn(self._write(self._version), "store undelivered")
                 log.info(
                     "outbox_retry",
                     event_id=entry.event.id,
@@ -225,17 +186,11 @@ class Outbox:
                 await self._sleep(delay)
                 delay = min(delay * 2, self._backoff_cap)
         self._entries.pop(entry.event.id, None)
-        entry.settle()
         self.delivered += 1
         if entry.attempts:
             log.info("outbox_delivered", event_id=entry.event.id, attempts=entry.attempts + 1)
         if self._observer is not None and entry.trigger_id is not None:
             self._observer.reply_published(entry.agent_slug, entry.trigger_id, sent_at)
-        if entry.stored:  # else the stored outbox never held it: nothing to forget
-            self._forget_later()
-
-    def _forget_later(self) -> None:
-        """A stored entry was delivered: the stored outbox drops it within ``FORGET_FLUSH_S`` (coalesced)."""
         self._version += 1
         if self._flush is None:
             self._flush = asyncio.create_task(self._forget_soon(), name="outbox forget")
@@ -275,15 +230,9 @@ class Outbox:
             if self._written >= wanted:
                 return
             version = self._version
-            entries = list(self._entries.values())
-            payload = json.dumps([e.record() for e in entries], separators=(",", ":"))
+            payload = json.dumps([e.record() for e in self._entries.values()], separators=(",", ":"))
             await self._store.set_meta(self.key, payload)
             self._written = version
-            for entry in entries:
-                entry.stored = True
-                entry.settle()
-            if any(entry.event.id not in self._entries for entry in entries):
-                self._forget_later()  # delivered while this write was under way
 
     async def recover(self, find_event: FindEvent, *, key: str | None = None) -> int:
         """Deliver what a previous process left in the stored outbox; return how many entries.
@@ -308,8 +257,7 @@ class Outbox:
                 log.warning("outbox_entry_dropped", event_id=event_id, reason="event no longer stored")
                 self._version += 1
                 continue
-            settled = asyncio.get_running_loop().create_future()
-            entry = OutboxEntry(found[1], conversation_id, agent_slug, trigger_id, first_at, settled)
+            entry = OutboxEntry(found[1], conversation_id, agent_slug, trigger_id, first_at)
             if event_id not in self._entries:
                 self._entries[event_id] = entry
                 self._deliveries.spawn(self._deliver(entry), f"deliver {event_id[:12]}")
@@ -332,6 +280,4 @@ class Outbox:
             self._flush.cancel()
             self._flush = None
         await self._writes.gather()
-        if any(not entry.stored for entry in self._entries.values()):
-            self._version += 1  # what only a run journal covered is stored too
         await self._write(self._version)

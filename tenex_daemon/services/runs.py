@@ -71,8 +71,6 @@ class _Running:
     """The keys of the burst it answers too."""
     saving: bool = False
     """Its answer is in and its reply is being saved: a stop lets it finish."""
-    holds: list[asyncio.Future[None]] = field(default_factory=list)
-    """What must be done before the run may leave the journal (:func:`keep_journaled_until`)."""
 
 
 _CURRENT_RUN: ContextVar[_Running | None] = ContextVar("tenexd_current_run", default=None)
@@ -86,23 +84,6 @@ def saving_reply() -> None:
         running.saving = True
 
 
-def within_run() -> bool:
-    """Whether the caller is a run the scheduler carries out (:func:`keep_journaled_until` may be
-    called from it)."""
-    return _CURRENT_RUN.get() is not None
-
-
-def keep_journaled_until(settled: asyncio.Future[None]) -> None:
-    """Keep the calling run in the stored journal, once it is over, until ``settled`` is done: an
-    event it saved is then covered by the journal until a relay took it or the outbox stored it
-    (a crash meanwhile redoes the run, which publishes the saved event again, :attr:`RunRequest.recovered`).
-    Raises RuntimeError outside a run the scheduler carries out (:func:`within_run`)."""
-    running = _CURRENT_RUN.get()
-    if running is None:
-        raise RuntimeError("keep_journaled_until is called from a run the scheduler carries out")
-    running.holds.append(settled)
-
-
 class RunScheduler:
     """Runs agents concurrently across conversations and serially within one.
 
@@ -114,9 +95,7 @@ class RunScheduler:
     interrupted. A finished run leaves
     the journal with the next write, at the latest ``FINISHED_FLUSH_S`` later (or at
     :meth:`drain`): it needs no write of its own, because a recovered run whose agent
-    already replied to its trigger is skipped. A run whose saved reply still waits for a relay
-    stays until a relay took it or the outbox stored it (:func:`keep_journaled_until`): until
-    then the journal is what covers the reply. Journal writes are coalesced: a change waits
+    already replied to its trigger is skipped. Journal writes are coalesced: a change waits
     for the write in flight, then one write covers every change made meanwhile. At most
     ``max_concurrent`` runs execute at once.
 
@@ -144,12 +123,6 @@ class RunScheduler:
         self._tasks = BackgroundTasks("run scheduler")
         """The runs scheduled and not finished (each logs its own failure)."""
         self._pending: dict[str, RunRequest] = {}
-        self._unsettled: dict[str, RunRequest] = {}
-        """Runs over whose saved events still wait for a relay (:func:`keep_journaled_until`): journaled."""
-        self._holds: dict[str, list[asyncio.Future[None]]] = {}
-        """What each run's tries kept it journaled for, by key, until the run is over."""
-        self._settling: set[asyncio.Future[list[BaseException | None]]] = set()
-        """One future per unsettled run, done when all it waits for is."""
         self._covered: set[str] = set()
         """Requests taken into a burst run: their own turn finds them answered."""
         self._task_of: dict[str, asyncio.Task[None]] = {}
@@ -163,7 +136,7 @@ class RunScheduler:
         """Event ids a previous process accepted and did not finish dispatching."""
         self._journal_lock = asyncio.Lock()
         self._journal_version = 0
-        """Bumped by every change to ``_pending``, ``_unsettled`` or ``_dispatching``."""
+        """Bumped by every change to ``_pending`` or ``_dispatching``."""
         self._journal_written = 0
         """The version the stored journal holds."""
         self._start_waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -189,7 +162,7 @@ class RunScheduler:
                 return  # a write that started after this change already covered it
             version = self._journal_version
             entries: list[dict[str, object]] = [{"dispatch": event_id} for event_id in self._dispatching]
-            entries.extend(asdict(r) for r in {**self._unsettled, **self._pending}.values())
+            entries.extend(asdict(r) for r in self._pending.values())
             payload = json.dumps(entries, separators=(",", ":"))
             waiters, self._start_waiters = self._start_waiters, []
             for at, future in waiters:
@@ -240,8 +213,8 @@ class RunScheduler:
         del self._dispatching[event_id]
         if at_once:
             self._write_journal_soon()
-        else:
-            self._flush_soon()
+        elif self._flush_task is None:
+            self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
 
     def dispatches_to_redo(self) -> list[str]:
         """The event ids a previous process accepted and did not finish dispatching (read by
@@ -306,27 +279,7 @@ class RunScheduler:
             log_ctx.warning("run_retry", attempt=attempt, retry_in_s=wait_s)
             await asyncio.sleep(wait_s)
             request = replace(request, recovered=True)
-        key = self._key(request)
-        finished = self._pending.pop(key, None)
-        holds = [hold for hold in self._holds.pop(key, ()) if not hold.done()]
-        if finished is not None and holds:
-            self._unsettled[key] = finished
-            settled = asyncio.gather(*holds, return_exceptions=True)
-            self._settling.add(settled)
-            settled.add_done_callback(self._settling.discard)
-            settled.add_done_callback(lambda _: self._settled(key, finished))
-            return
-        self._flush_soon()
-
-    def _settled(self, key: str, request: RunRequest) -> None:
-        """What kept a finished run journaled is done: it leaves the journal with the next write."""
-        if self._unsettled.get(key) is request:
-            del self._unsettled[key]
-            if self._accepting:  # while draining, drain() makes the last write
-                self._flush_soon()
-
-    def _flush_soon(self) -> None:
-        """Write the journal without the runs finished lately within ``FINISHED_FLUSH_S`` (coalesced)."""
+        self._pending.pop(self._key(request), None)
         if self._flush_task is None:
             self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
 
@@ -361,8 +314,6 @@ class RunScheduler:
                         self.running -= 1
                         _CURRENT_RUN.reset(token)
                         self._running.pop(self._key(request), None)
-                        if running.holds:
-                            self._holds.setdefault(self._key(request), []).extend(running.holds)
                         self._tell(run, started=False)
         except asyncio.CancelledError:
             if self._key(request) in self._stopping:
@@ -547,24 +498,18 @@ class RunScheduler:
     async def drain(self, grace_s: float) -> int:
         """Stop accepting, wait up to ``grace_s`` for runs, cancel the rest; return how many were cancelled.
 
-        Within the same grace, finished runs whose replies still wait for a relay wait for them
-        (:func:`keep_journaled_until`). Cancelled runs, and finished ones still waiting, stay in the
-        journal and are redone by :meth:`recover` on the next start (a saved reply is published again).
+        Cancelled runs stay in the journal and are redone by :meth:`recover` on the next start.
         """
         self._accepting = False
         await self.journaled()
         cancelled = 0
-        deadline = asyncio.get_running_loop().time() + grace_s
         if await self._tasks.wait(grace_s):
             cancelled = await self._tasks.cancel_all()
-        left = deadline - asyncio.get_running_loop().time()
-        if self._settling and left > 0:
-            await asyncio.wait(set(self._settling), timeout=left)
         flush, self._flush_task = self._flush_task, None
         if flush is not None:
             flush.cancel()
             await asyncio.gather(flush, return_exceptions=True)
-        self._write_journal_soon()  # the runs finished since the last write leave it now
+            self._write_journal_soon()  # the runs finished since the last write leave it now
         await self.journaled()
         return cancelled
 

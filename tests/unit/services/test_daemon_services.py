@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -13,17 +12,14 @@ from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
 from tenex_daemon.core.agents import AgentDirectory
 from tenex_daemon.core.conversation import Conversation
-from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.ports import SmallValues
 from tenex_daemon.core.targeting import SkipReason, agent_chain_length, choose_target, mentioned_agent
 from tenex_daemon.services import dispatcher as dispatcher_module
-from tenex_daemon.services import runs
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
-from tenex_daemon.services.outbox import OUTBOX_KEY
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
-from tenex_daemon.testing.fakes import FailingBackend, FakePublisher
+from tenex_daemon.testing.fakes import FailingBackend
 from tests import pipeline
 from tests.conftest import Cast
 
@@ -267,109 +263,10 @@ async def test_a_recovered_run_whose_reply_was_saved_is_not_answered_again(cast:
     assert await rig.store.get_meta(PENDING_RUNS_KEY) == "[]"
 
 
-class MetaWrites(MemoryStore):
-    """A memory store that records the key of every small value written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keys_written: list[str] = []
-
-    async def set_meta(self, key: str, value: str) -> None:
-        """Record the key, then store the value."""
-        self.keys_written.append(key)
-        await super().set_meta(key, value)
-
-
-@dataclass
-class HeldPublisher(FakePublisher):
-    """A publisher whose relays take nothing until ``gate`` is set (a publish waits for it)."""
-
-    gate: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def publish(self, event: NostrEvent) -> None:
-        """Wait for the gate, then record the event."""
-        await self.gate.wait()
-        await super().publish(event)
-
-
 async def stored_journal(store: SmallValues) -> list[dict[str, object]]:
     """The stored run journal's entries."""
     entries: list[dict[str, object]] = json.loads(await store.get_meta(PENDING_RUNS_KEY) or "[]")
     return entries
-
-
-async def test_a_reply_a_relay_takes_at_once_costs_no_outbox_write(cast: Cast) -> None:
-    """A run's reply that a relay takes at once is never written to the stored outbox (its run's
-    journal entry covered it meanwhile), and the run still leaves the journal."""
-    store = MetaWrites()
-    rig = pipeline.build_rig(cast, store=store)
-    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
-
-    await rig.dispatcher.handle(root)
-    await settle(rig)
-
-    assert len(rig.publisher.published) == 1
-    assert OUTBOX_KEY not in store.keys_written
-    assert PENDING_RUNS_KEY in store.keys_written
-    assert await stored_journal(store) == []
-
-
-async def test_a_reply_no_relay_took_yet_keeps_its_run_journaled_so_a_crash_publishes_it_again(
-    cast: Cast, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """While no relay has taken a saved reply, its finished run stays in the stored run journal after
-    the journal's next write (the outbox stores nothing for it yet): a crash then redoes the run in the
-    next process, which publishes the saved reply and makes no second one."""
-    monkeypatch.setattr(runs, "FINISHED_FLUSH_S", 0.01)
-    held = HeldPublisher()
-    rig = pipeline.build_rig(cast, publisher=held)
-    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(root)
-    async with asyncio.timeout(10):
-        while rig.scheduler.in_flight:  # noqa: ASYNC110 - polls the scheduler's counter
-            await asyncio.sleep(0.005)
-    async with asyncio.timeout(10):  # the write that drops the trigger's dispatch entry is made
-        while any("dispatch" in entry for entry in await stored_journal(rig.store)):  # noqa: ASYNC110
-            await asyncio.sleep(0.005)  # (polls the stored journal: the store has no change event)
-    conversation = await rig.manager.get_conversation(root.id)
-    assert conversation is not None
-    reply = conversation.history[-1]
-    assert reply.pubkey == cast.alice.pubkey
-
-    journaled = [entry for entry in await stored_journal(rig.store) if "dispatch" not in entry]
-    assert [entry["trigger_id"] for entry in journaled] == [root.id]
-    assert await rig.store.get_meta(OUTBOX_KEY) is None
-    after_crash = pipeline.build_rig(cast, store=rig.store)  # the first process is gone
-    await after_crash.scheduler.recover()
-    await settle(after_crash)
-
-    assert [event.id for event in after_crash.publisher.published] == [reply.id]
-    again = await after_crash.manager.get_conversation(root.id)
-    assert again is not None
-    assert len(again.history) == 2
-    assert await stored_journal(rig.store) == []
-    held.gate.set()  # the first process's publish, let go so that its tasks end
-    await settle(rig)
-
-
-async def test_a_reply_whose_publish_failed_is_stored_in_the_outbox_and_its_run_leaves_the_journal(
-    cast: Cast,
-) -> None:
-    """A reply no relay accepted is taken over by the stored outbox after the failed publish, and its
-    run then leaves the journal: the outbox alone covers it from there."""
-    rig = make_rig(cast)
-    rig.publisher.fail = True
-    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
-
-    await rig.dispatcher.handle(root)
-    await rig.scheduler.drain(10.0)
-
-    conversation = await rig.manager.get_conversation(root.id)
-    assert conversation is not None
-    stored = json.loads(await rig.store.get_meta(OUTBOX_KEY) or "[]")
-    assert [entry["id"] for entry in stored] == [conversation.history[-1].id]
-    assert await stored_journal(rig.store) == []
-    await rig.runner.outbox.close()
 
 
 class LoadsFailAfterCreate(MemoryStore):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 
 import pytest
 import structlog
@@ -160,46 +159,3 @@ async def test_adding_the_same_event_again_changes_nothing(cast: Cast, times: in
     assert outbox.depth == 1
     assert await stored_ids(store) == [reply.id]
     await outbox.close()
-
-
-@dataclass
-class HangingPublisher(FakePublisher):
-    """A publisher whose publishes never end while ``hang`` is set (a relay that never answers)."""
-
-    hang: bool = False
-
-    async def publish(self, event: NostrEvent) -> None:
-        """Hang forever, or publish as the fake does."""
-        if self.hang:
-            await asyncio.Event().wait()
-        await super().publish(event)
-
-
-async def test_a_journaled_event_is_stored_only_when_no_relay_took_it(cast: Cast) -> None:
-    """add_journaled() stores nothing: its future is done once a relay took the event (the stored
-    outbox never held it); an event whose publish failed is stored after that failure, and one still
-    waiting at close() is stored then, each future done once it is stored."""
-    store, publisher = MemoryStore(), HangingPublisher()
-    root, reply = await saved_reply(store, cast)
-    outbox = Outbox(store, publisher, backoff_start_s=30.0)
-
-    await asyncio.wait_for(await outbox.add_journaled(root.id, reply, agent_slug="alice"), 5)
-    assert [e.id for e in publisher.published] == [reply.id]
-    assert await store.get_meta(OUTBOX_KEY) is None
-
-    failed = cast.alice_says("Failed once", tags=[["e", root.id]])
-    await store.append_event(root.id, failed)
-    publisher.fail = True
-    await asyncio.wait_for(await outbox.add_journaled(root.id, failed, agent_slug="alice"), 5)
-    assert await stored_ids(store) == [failed.id]
-    assert outbox.retries == 1
-
-    waiting = cast.alice_says("Never tried", tags=[["e", root.id]])
-    await store.append_event(root.id, waiting)
-    publisher.fail, publisher.hang = False, True
-    settled = await outbox.add_journaled(root.id, waiting, agent_slug="alice")
-    await asyncio.sleep(0.01)
-    assert not settled.done()
-    await outbox.close()
-    assert settled.done()
-    assert sorted(await stored_ids(store)) == sorted([failed.id, waiting.id])
