@@ -402,20 +402,18 @@ class EventDispatcher:
         database restart) is tried again after each of ``DISPATCH_RETRY_S``, as recovered (a turn
         already started resumes, an agent that already answered is not run again), in its lane: the
         relays' copies of the event are duplicates from now on, so nothing else would dispatch it
-        before the next start. After the last try the error is raised; the event's entry stays
-        journaled and the next start dispatches it."""
-        for attempt, wait_s in enumerate((*DISPATCH_RETRY_S, None), start=1):
+        before the next start. The last try's error is raised; the event's entry stays journaled
+        and the next start dispatches it."""
+        for attempt, wait_s in enumerate(DISPATCH_RETRY_S, start=1):
             try:
                 return await self._target(conversation_id, event, recovered=attempt > 1)
             except Exception:
-                if wait_s is None:
-                    raise
                 log.warning(
                     "dispatch_retry", event_id=event.id, conversation_id=conversation_id,
                     attempt=attempt, retry_in_s=wait_s, exc_info=True,
                 )
                 await asyncio.sleep(wait_s)
-        raise AssertionError("unreachable: the last try returns or raises")
+        return await self._target(conversation_id, event, recovered=True)
 
     async def _target(
         self, conversation_id: str, event: NostrEvent, *, recovered: bool = False

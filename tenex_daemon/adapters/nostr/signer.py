@@ -43,7 +43,7 @@ class Signer:
     defence against a fault that would leak the key). ``repr`` shows the public key.
     """
 
-    __slots__ = ("_key", "_keypair", "_pubkey", "_pubkey_bytes", "_xonly", "label")
+    __slots__ = ("_key", "_keypair", "_pubkey", "_xonly", "label")
 
     def __init__(self, secret: bytes, *, label: str = "") -> None:
         """Make a signer from 32 secret bytes; ``label`` (an agent slug...) is for logs."""
@@ -54,8 +54,7 @@ class Signer:
         except ValueError:
             raise KeyFileError("the secret key is not a valid secp256k1 scalar") from None
         self._xonly = PublicKeyXOnly.from_secret(secret)
-        self._pubkey_bytes = self._xonly.format()
-        self._pubkey = self._pubkey_bytes.hex()
+        self._pubkey = self._xonly.format().hex()
         self._keypair = ffi.new("secp256k1_keypair *")
         if not lib.secp256k1_keypair_create(self._key.context.ctx, self._keypair, secret):
             raise KeyFileError("the secret key is not a valid secp256k1 scalar")
