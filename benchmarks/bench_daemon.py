@@ -240,22 +240,23 @@ TARGETS_MS = {
 """Figure name -> the most it may be (ms); the concurrent ones hold for 100 conversations at once."""
 
 
-async def measure(samples: int, concurrent: int, fsync: str) -> Run:
-    """One run: a fresh relay and daemon, the clients here; measure every load level."""
-    with tempfile.TemporaryDirectory() as tmp:
-        relay = MemoryRelay(_free_port())
-        await relay.start()
+async def measure(samples: int, concurrent: int, fsync: str, home_parent: Path) -> Run:
+    """One run: a fresh relay and daemon (its home a new folder in ``home_parent``), the clients
+    here; measure every load level."""
+    home = Path(tempfile.mkdtemp(prefix="run-", dir=home_parent))
+    relay = MemoryRelay(_free_port())
+    await relay.start()
+    try:
+        daemon = DaemonProcess(home, relay.url, fsync)
+        key_file, planner = await daemon.start()
         try:
-            daemon = DaemonProcess(Path(tmp), relay.url, fsync)
-            key_file, planner = await daemon.start()
-            try:
-                run = await _measure_through(relay, daemon, key_file, planner, samples, concurrent)
-                run.code = daemon.code
-                return run
-            finally:
-                await daemon.stop()
+            run = await _measure_through(relay, daemon, key_file, planner, samples, concurrent)
+            run.code = daemon.code
+            return run
         finally:
-            await asyncio.to_thread(relay.stop)
+            await daemon.stop()
+    finally:
+        await asyncio.to_thread(relay.stop)
 
 
 async def _measure_through(
@@ -364,10 +365,16 @@ async def main(samples: int, concurrent: int, runs: int, fsync: str = FSYNC) -> 
     """Measure ``runs`` times (fresh relay and daemon each), print each run, then the medians."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(LOG_LEVEL))
     measured: list[Run] = []
-    for n in range(1, runs + 1):
-        run = await measure(samples, concurrent, fsync)
-        print_run(run, f"run {n} of {runs}: tenexd replies through an in-memory relay (offline backend; ms)")
-        measured.append(run)
+    # Every run's home is kept until the last run ends: deleting one (about a thousand files and
+    # folders) made the next run's file work cost several times the kernel time on an ext4 disk
+    # mounted with discard (docs/BENCHMARKS.md, "Why the kernel's part rose from run to run: the
+    # benchmark deleted each run's home").
+    with tempfile.TemporaryDirectory(prefix="bench-daemon-") as homes:
+        for n in range(1, runs + 1):
+            run = await measure(samples, concurrent, fsync, Path(homes))
+            title = f"run {n} of {runs}: tenexd replies through an in-memory relay (offline backend; ms)"
+            print_run(run, title)
+            measured.append(run)
     medians = print_summary(measured)
     emit_figures("daemon", medians)
     print("overhead = reply latency - 2 x relay round trip at the same load (request in, reply out)")
