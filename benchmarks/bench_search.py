@@ -4,11 +4,13 @@ docs/BENCHMARKS.md, "search: the persona's search in a large home", shows a run.
 
 Every run looks up the person's recent ended conversations with the agent (``SearchQuery`` with
 ``ended`` and both pubkeys as ``participants``). In a ``FileSystemStore`` holding 1,000 and 10,000
-conversations, each started by one of 50 people and answered by one agent, it times in the same run:
-- persona query: ``ended=True, participants=(person, agent)`` (the participant map finds the
-  person's conversations);
-- every entry: ``ended=True`` alone, which reads every index entry (what the persona query cost
-  before the map).
+conversations, each started by a person and answered by one agent, one in ten of them ended, it
+times in the same run, in two homes: 50 people (the conversations shared out among them) and one
+person (a home with one owner: every conversation has the person and the agent):
+- persona query: ``ended=True, participants=(person, agent)`` (the index starts from the smallest of
+  the person's conversations, the agent's and the ended ones);
+- every entry: ``archived=True`` (no conversation is archived): no map narrows it, so it reads every
+  index entry, the floor of any search that does.
 Medians of ``--rounds`` calls (default 200).
 """
 
@@ -25,11 +27,15 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.search import SearchQuery
 
 SIZES = (1_000, 10_000)
-PEOPLE = 50
+HOMES = (50, 1)
+"""People in each home: conversations are shared out among them."""
+ENDED_EVERY = 10
+"""One conversation in this many is ended."""
 
 
 async def filled_store(path: str, size: int, people: list[Signer], agent: Signer) -> FileSystemStore:
-    """A store of ``size`` conversations: a person's root and the agent's answer each."""
+    """A store of ``size`` conversations: a person's root and the agent's answer each; one in
+    ``ENDED_EVERY`` of each person's ended, with a summary."""
     store = FileSystemStore(path, fsync="batch")
     await store.open()
 
@@ -38,6 +44,9 @@ async def filled_store(path: str, size: int, people: list[Signer], agent: Signer
         conversation = Conversation(id=root.id, title=f"c{n}", created_at=n, updated_at=n, phase_started_at=n)
         conversation.append(root)
         conversation.append(agent.sign(1111, "answer", [["e", root.id]]))
+        if (n // len(people)) % ENDED_EVERY == 0:  # one in ten of each person's
+            conversation.ended_at = n + 1
+            conversation.summary = f"conversation {n}"
         await store.create(conversation)
 
     for start in range(0, size, 200):
@@ -45,15 +54,15 @@ async def filled_store(path: str, size: int, people: list[Signer], agent: Signer
     return store
 
 
-async def measure(size: int, rounds: int) -> tuple[float, float]:
+async def measure(size: int, people_count: int, rounds: int) -> tuple[float, float]:
     """(persona query, every entry) median seconds in a home of ``size`` conversations."""
-    people = [Signer.generate() for _ in range(PEOPLE)]
+    people = [Signer.generate() for _ in range(people_count)]
     agent = Signer.generate()
     with tempfile.TemporaryDirectory() as tmp:
         store = await filled_store(tmp, size, people, agent)
         try:
             persona = SearchQuery(ended=True, participants=(people[0].pubkey, agent.pubkey))
-            every = SearchQuery(ended=True)
+            every = SearchQuery(archived=True)
             mapped = await median_seconds_async(lambda: store.search(persona), rounds)
             scanned = await median_seconds_async(lambda: store.search(every), rounds)
         finally:
@@ -63,15 +72,21 @@ async def measure(size: int, rounds: int) -> tuple[float, float]:
 
 async def main(rounds: int) -> None:
     rows = []
-    for size in SIZES:
-        mapped, scanned = await measure(size, rounds)
-        ratio = f"{scanned / mapped:.0f}x"
-        rows.append([f"{size:,}", f"{size // PEOPLE:,}", fmt_ms(mapped), fmt_ms(scanned), ratio])
-        figures = {f"persona_query_ms_{size}": mapped * 1e3, f"every_entry_ms_{size}": scanned * 1e3}
-        emit_figures("search", figures)
+    for people in HOMES:
+        for size in SIZES:
+            mapped, scanned = await measure(size, people, rounds)
+            ratio = f"{scanned / mapped:.0f}x"
+            mine = size // people
+            rows.append([
+                f"{size:,}", f"{people}", f"{mine:,}", f"{mine // ENDED_EVERY:,}", fmt_ms(mapped),
+                fmt_ms(scanned), ratio,
+            ])
+            suffix = f"{size}" if people > 1 else f"{size}_one_person"
+            figures = {f"persona_query_ms_{suffix}": mapped * 1e3, f"every_entry_ms_{suffix}": scanned * 1e3}
+            emit_figures("search", figures)
     print_table(
         f"The persona's search in a FileSystemStore, median of {rounds} calls",
-        ["conversations", "the person's", "persona query", "every entry", "ratio"],
+        ["conversations", "people", "the person's", "ended", "persona query", "every entry", "ratio"],
         rows,
     )
 

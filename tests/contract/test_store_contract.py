@@ -372,6 +372,47 @@ async def test_search_by_participants_follows_each_way_a_participant_joins_and_a
     assert await found(cast.other_user.pubkey) == []
 
 
+async def test_search_for_ended_conversations_follows_each_end_reopening_and_deletion(
+    harness: StoreHarness, cast: Cast
+) -> None:
+    """A search for the ended conversations of some participants (the persona's) finds a conversation
+    as soon as it ends, no longer once a message reopens it or once it is deleted, and the same after
+    a reopen of the store."""
+    store = await harness.open()
+    first = await stored(store, cast, "First", created_at=T0)
+    second = await stored(store, cast, "Second", created_at=T0)
+    await stored(store, cast, "Never ended", created_at=T0)
+    user, alice = cast.user.pubkey, cast.alice.pubkey
+    for conversation in (first, second):
+        await store.append_event(conversation.id, cast.alice_says(f"in {conversation.title}"))
+
+    async def found(*pubkeys: str) -> list[str]:
+        query = SearchQuery(ended=True, participants=pubkeys)
+        return sorted(row.id for row in await store.search(query))
+
+    async def set_ended(conversation_id: str, ended_at: int | None) -> None:
+        live = await store.load(conversation_id)
+        assert live is not None
+        live.ended_at = ended_at
+        await store.save_state(live)
+
+    assert await found(user, alice) == []
+    await set_ended(first.id, T0 + 1_000)
+    assert await found(user, alice) == [first.id]
+    assert await found(user) == [first.id]
+    await set_ended(second.id, T0 + 2_000)
+    assert await found(user, alice) == sorted([first.id, second.id])
+    assert await found(cast.bob.pubkey) == []
+    await set_ended(first.id, None)  # a new message reopened it
+    assert await found(user, alice) == [second.id]
+    await set_ended(first.id, T0 + 3_000)
+    assert await store.delete(second.id)
+    assert await found(user, alice) == [first.id]
+    store = await harness.reopen(store)
+    assert await found(user, alice) == [first.id]
+    assert sorted(row.id for row in await store.search(SearchQuery(ended=True))) == [first.id]
+
+
 def _touched(conversation: Conversation | None, at: int) -> Conversation:
     assert conversation is not None
     conversation.activity_at = at

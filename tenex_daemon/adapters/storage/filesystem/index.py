@@ -199,7 +199,10 @@ class Index:
         self.entries: dict[str, IndexEntry] = {}
         self._by_participant: dict[str, set[str]] = {}
         """Pubkey -> ids of the conversations it wrote in: a superset (a deleted conversation's id stays
-        until the next compaction), so :meth:`with_participants` checks each entry it finds."""
+        until the next compaction), so :meth:`candidates` checks each entry it finds."""
+        self._ended: set[str] = set()
+        """Ids of the ended conversations (kept by :meth:`put`; a deleted one's id may stay, as above):
+        the persona's search for a person's ended conversations with an agent starts from them."""
         self._derived = derived
         self._generation = 0
         self._log: Path | None = None
@@ -212,12 +215,20 @@ class Index:
         self._generation = read.generation
         self._log = None
         self._records = read.records
-        self._map_participants()
+        self._map_entries()
 
-    def _map_participants(self) -> None:
+    def _map_entries(self) -> None:
         self._by_participant = {}
+        self._ended = set()
         for entry in self.entries.values():
             self.note_participants(entry.id, entry.participants)
+            self._note_ended(entry)
+
+    def _note_ended(self, entry: IndexEntry) -> None:
+        if entry.lifecycle.get("ended_at") is not None:
+            self._ended.add(entry.id)
+        else:
+            self._ended.discard(entry.id)
 
     def note_participants(self, conversation_id: str, pubkeys: Iterable[str]) -> None:
         """Remember that ``pubkeys`` wrote in the conversation (every change that adds a participant
@@ -225,13 +236,17 @@ class Index:
         for pubkey in pubkeys:
             self._by_participant.setdefault(pubkey, set()).add(conversation_id)
 
-    def with_participants(self, pubkeys: Iterable[str]) -> list[IndexEntry]:
-        """The entries in which every one of ``pubkeys`` wrote (at least one pubkey), found through
-        the participant map rather than by reading every entry."""
+    def candidates(self, pubkeys: Iterable[str], *, ended_only: bool = False) -> Iterable[IndexEntry]:
+        """The entries in which every one of ``pubkeys`` wrote, found through the participant map
+        (and, ``ended_only``, the ended set) rather than by reading every entry: the smallest of
+        those sets is read. Some of them may not be ended (the caller checks); none is left out.
+        No pubkey: every ended entry (``ended_only``) or every entry."""
         wanted = set(pubkeys)
         found = [self._by_participant.get(pubkey, set()) for pubkey in wanted]
+        if ended_only:
+            found.append(self._ended)
         if not found:
-            raise ValueError("with_participants needs at least one pubkey")
+            return self.entries.values()
         entries = []
         for conversation_id in min(found, key=len):
             entry = self.entries.get(conversation_id)
@@ -242,6 +257,7 @@ class Index:
     def put(self, entry: IndexEntry) -> None:
         """Record an entry whole."""
         self.note_participants(entry.id, entry.participants)
+        self._note_ended(entry)
         self.record({"op": "put", "e": entry.to_json()})
 
     def record(self, record: dict[str, Any]) -> None:
@@ -277,7 +293,7 @@ class Index:
             # snapshot counts has its bucket line queued already, so this flush writes it
             generation = self._generation + 1
             rows = [entry.to_json() for entry in self.entries.values()]
-            self._map_participants()  # drops the ids of conversations deleted since the last one
+            self._map_entries()  # drops the ids of conversations deleted since the last one
             self._generation = generation
             self._log = None
             self._records = 0

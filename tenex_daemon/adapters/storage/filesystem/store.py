@@ -474,7 +474,7 @@ class FileSystemStore:
         self._require_open()
         rows = []
         wanted = (*query.participants, *([query.participant] if query.participant is not None else []))
-        entries = self._index.with_participants(wanted) if wanted else self._index.entries.values()
+        entries = self._index.candidates(wanted, ended_only=query.ended is True)
         for entry in entries:
             if query.archived is not None and entry.archived != query.archived:
                 continue
