@@ -7,8 +7,9 @@ Every run looks up the person's recent ended conversations with the agent (``Sea
 conversations, each started by a person and answered by one agent, one in ten of them ended, it
 times in the same run, in two homes: 50 people (the conversations shared out among them) and one
 person (a home with one owner: every conversation has the person and the agent):
-- persona query: ``ended=True, participants=(person, agent)`` (the index starts from the smallest of
-  the person's conversations, the agent's and the ended ones);
+- persona query: the persona's own lookup (``services.persona.recent_conversations``, the default
+  count): the newest ended conversations with a summary in which both the person and the agent
+  wrote;
 - every entry: ``archived=True`` (no conversation is archived): no map narrows it, so it reads every
   index entry, the floor of any search that does.
 Medians of ``--rounds`` calls (default 200).
@@ -23,8 +24,10 @@ import tempfile
 from benchmarks.common import emit_figures, fmt_ms, median_seconds_async, print_table
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.search import SearchQuery
+from tenex_daemon.services.persona import DEFAULT_RECENT_IN_PERSONA, recent_conversations
 
 SIZES = (1_000, 10_000)
 HOMES = (50, 1)
@@ -61,9 +64,16 @@ async def measure(size: int, people_count: int, rounds: int) -> tuple[float, flo
     with tempfile.TemporaryDirectory() as tmp:
         store = await filled_store(tmp, size, people, agent)
         try:
-            persona = SearchQuery(ended=True, participants=(people[0].pubkey, agent.pubkey))
+            person, agent_row = people[0].pubkey, Agent(slug="agent", name="Agent", pubkey=agent.pubkey)
             every = SearchQuery(archived=True)
-            mapped = await median_seconds_async(lambda: store.search(persona), rounds)
+            recall = DEFAULT_RECENT_IN_PERSONA
+
+            async def persona() -> object:
+                found = await recent_conversations(store, person, agent_row, recall, exclude=None)
+                assert len(found) == min(recall, size // people_count // ENDED_EVERY)
+                return found
+
+            mapped = await median_seconds_async(persona, rounds)
             scanned = await median_seconds_async(lambda: store.search(every), rounds)
         finally:
             await store.close()

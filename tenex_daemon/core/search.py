@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,6 +33,11 @@ class SearchQuery(BaseModel):
     """True: only ended conversations; False: only active ones."""
     inactive_before: int | None = None
     """Only conversations whose last activity (ms since the epoch) is older than this."""
+    summarized: bool | None = None
+    """True: only conversations with a summary (not blank); False: only those without one."""
+    order: Literal["updated", "ended"] = "updated"
+    """Rows newest update first, or (``ended``) newest end first, conversations not ended after them;
+    ties by id, highest first. With ``limit``, the first rows in this order."""
     limit: int | None = None
 
 
@@ -138,11 +143,21 @@ def summary_matches(summary: ConversationSummary, query: SearchQuery) -> bool:
         return False
     if query.inactive_before is not None and summary.last_activity >= query.inactive_before:
         return False
+    if query.summarized is not None and is_summarized(summary.summary) != query.summarized:
+        return False
     return query.title is None or title_matches(summary.title, query.title)
 
 
 def apply_query(rows: list[ConversationSummary], query: SearchQuery) -> list[ConversationSummary]:
-    """Filter rows by ``query``, newest update first, cut at ``query.limit``."""
+    """Filter rows by ``query``, sort them in its order, cut at ``query.limit``."""
     found = [row for row in rows if summary_matches(row, query)]
-    found.sort(key=lambda row: (row.updated_at, row.id), reverse=True)
+    if query.order == "ended":
+        found.sort(key=lambda row: (row.ended_at is not None, row.ended_at or 0, row.id), reverse=True)
+    else:
+        found.sort(key=lambda row: (row.updated_at, row.id), reverse=True)
     return found if query.limit is None else found[: query.limit]
+
+
+def is_summarized(summary: str | None) -> bool:
+    """Whether a conversation's summary says something (not missing, not blank)."""
+    return bool((summary or "").strip())

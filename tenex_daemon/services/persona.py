@@ -100,17 +100,19 @@ async def recent_conversations(
     store: Store, person: str | None, agent: Agent, count: int, exclude: str | None = None
 ) -> list[ConversationSummary]:
     """The ``count`` latest ended conversations in which both ``person`` and ``agent`` wrote, that have
-    a summary, newest ended first, without ``exclude`` (the current one); one index search."""
+    a summary, newest ended first, without ``exclude`` (the current one); one index search, cut at
+    ``count`` by the store (its cost does not grow with the person's ended conversations)."""
     if person is None or count < 1:
         return []
-    rows = await store.search(SearchQuery(ended=True, participants=(person, agent.pubkey)))
-    kept = [
-        row
-        for row in rows
-        if row.id != exclude and row.ended_at is not None and (row.summary or "").strip()
-    ]
-    kept.sort(key=lambda row: (row.ended_at or 0, row.id), reverse=True)
-    return kept[:count]
+    query = SearchQuery(
+        ended=True,
+        participants=(person, agent.pubkey),
+        summarized=True,
+        order="ended",
+        limit=count + (exclude is not None),
+    )
+    rows = await store.search(query)
+    return [row for row in rows if row.id != exclude][:count]
 
 
 async def build_persona(

@@ -413,6 +413,45 @@ async def test_search_for_ended_conversations_follows_each_end_reopening_and_del
     assert sorted(row.id for row in await store.search(SearchQuery(ended=True))) == [first.id]
 
 
+async def test_the_newest_ended_conversations_with_a_summary_come_newest_end_first_cut_at_the_limit(
+    harness: StoreHarness, cast: Cast
+) -> None:
+    """A search ordered by end time returns the ended conversations newest end first (ties: highest id
+    first), only those with a summary that says something when asked, cut at the limit, whether the
+    ended conversations or the participants' conversations are the fewer, and the same after a reopen;
+    conversations not ended come after the ended ones when ``ended`` is not asked."""
+    store = await harness.open()
+    user, alice, bob = cast.user.pubkey, cast.alice.pubkey, cast.bob.pubkey
+    made = [await stored(store, cast, f"Chat {n}", created_at=T0) for n in range(7)]
+    ends = {0: T0 + 300, 1: T0 + 100, 2: T0 + 300, 3: T0 + 200, 4: T0 + 400, 5: None, 6: T0 + 500}
+    summaries = {0: "Zero", 1: "One", 2: "Two", 3: "  \n ", 4: None, 5: "Five", 6: "Six"}
+    for n, conversation in enumerate(made):
+        await store.append_event(conversation.id, cast.alice_says(f"in {n}"))
+        live = await store.load(conversation.id)
+        assert live is not None
+        live.ended_at, live.summary = ends[n], summaries[n]
+        await store.save_state(live)
+    await store.append_event(made[1].id, cast.bob_says("only here"))
+    tie = sorted((made[0].id, made[2].id), reverse=True)
+
+    async def found(*pubkeys: str, limit: int | None, summarized: bool | None = True) -> list[str]:
+        query = SearchQuery(
+            ended=True, participants=pubkeys, summarized=summarized, order="ended", limit=limit
+        )
+        return [row.id for row in await store.search(query)]
+
+    for _ in range(2):
+        assert await found(user, alice, limit=3) == [made[6].id, *tie]
+        assert await found(user, limit=None) == [made[6].id, *tie, made[1].id]
+        assert await found(user, limit=2, summarized=None) == [made[6].id, made[4].id]
+        assert await found(user, limit=10, summarized=False) == [made[4].id, made[3].id]
+        assert await found(user, bob, limit=5) == [made[1].id]
+        assert await found(user, limit=0) == []
+        everyone = await store.search(SearchQuery(order="ended"))
+        assert [row.id for row in everyone] == [made[6].id, made[4].id, *tie, made[3].id, made[1].id, made[5].id]
+        store = await harness.reopen(store)
+
+
 def _touched(conversation: Conversation | None, at: int) -> Conversation:
     assert conversation is not None
     conversation.activity_at = at

@@ -37,7 +37,7 @@ from tenex_daemon.core.search import (
     SearchQuery,
     apply_query,
     lifecycle_fields,
-    title_matches,
+    summary_matches,
 )
 
 log = structlog.get_logger(__name__)
@@ -290,7 +290,8 @@ class PostgresStore:
         return not status.endswith(" 0")
 
     async def search(self, query: SearchQuery) -> list[ConversationSummary]:
-        """Filter in SQL; the fuzzy title rule (core's ``title_matches``) runs on the rows found."""
+        """Filter in SQL; the fuzzy title rule and the summary's (core's ``summary_matches``) run on the
+        rows found, read through a cursor up to the limit when one is set."""
         clauses: list[str] = []
         args: list[Any] = []
 
@@ -321,14 +322,18 @@ class PostgresStore:
         )
         if clauses:
             sql += " WHERE " + " AND ".join(clauses)
-        sql += " ORDER BY updated_at DESC, id DESC"
-        if query.limit is not None and query.title is None:
+        if query.order == "ended":
+            sql += " ORDER BY ended_at DESC NULLS LAST, id DESC"
+        else:
+            sql += " ORDER BY updated_at DESC, id DESC"
+        exact = query.title is None and query.summarized is None  # SQL answers every filter
+        if query.limit is not None and exact:
             sql += f" LIMIT {arg(query.limit)}"
         async with self.pool.acquire() as conn:
-            rows = await conn.fetch(sql, *args)
-        found = [_summary_of_row(r) for r in rows]
-        if query.title is not None:
-            found = [s for s in found if title_matches(s.title, query.title)]
+            if exact or query.limit is None:
+                found = [_summary_of_row(r) for r in await conn.fetch(sql, *args)]
+            else:
+                found = await _first_matching(conn, sql, args, query, query.limit)
         return apply_query(found, query)
 
     async def phase_counts(self) -> dict[tuple[str, bool], int]:
@@ -470,6 +475,25 @@ class PostgresStore:
 def _title_column(title: str) -> str:
     """The title as the ``title`` column holds it: ``text`` refuses NUL, so it is replaced there."""
     return title.replace("\x00", "\ufffd")
+
+
+async def _first_matching(
+    conn: Any, sql: str, args: list[Any], query: SearchQuery, limit: int
+) -> list[ConversationSummary]:
+    """The first ``limit`` rows, in the query's order, that pass the filters SQL leaves to core's
+    rules (the fuzzy title, a summary that says something; the lifecycle JSON is text, which SQL
+    does not parse): read through a cursor, so the scan stops there."""
+    found: list[ConversationSummary] = []
+    if limit < 1:
+        return found
+    async with conn.transaction():
+        async for record in conn.cursor(sql, *args, prefetch=max(10, limit)):
+            row = _summary_of_row(record)
+            if summary_matches(row, query):
+                found.append(row)
+                if len(found) >= limit:
+                    break
+    return found
 
 
 def _lifecycle_json(summary: ConversationSummary) -> str:

@@ -9,8 +9,9 @@ Records of the log: ``{"op":"put","e":<entry>}`` (an entry whole), ``{"op":"ev",
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,9 +201,11 @@ class Index:
         self._by_participant: dict[str, set[str]] = {}
         """Pubkey -> ids of the conversations it wrote in: a superset (a deleted conversation's id stays
         until the next compaction), so :meth:`candidates` checks each entry it finds."""
-        self._ended: set[str] = set()
-        """Ids of the ended conversations (kept by :meth:`put`; a deleted one's id may stay, as above):
-        the persona's search for a person's ended conversations with an agent starts from them."""
+        self._ended: dict[str, int] = {}
+        """Ended conversations: id -> end time (kept by :meth:`put`; a deleted one's id may stay, as
+        above). A search for ended conversations starts from them when they are fewer."""
+        self._by_end: list[tuple[int, str]] = []
+        """``_ended`` as (end time, id), ascending: :meth:`newest_ended` walks it from the end."""
         self._derived = derived
         self._generation = 0
         self._log: Path | None = None
@@ -219,16 +222,28 @@ class Index:
 
     def _map_entries(self) -> None:
         self._by_participant = {}
-        self._ended = set()
+        self._ended = {}
         for entry in self.entries.values():
             self.note_participants(entry.id, entry.participants)
-            self._note_ended(entry)
+            ended_at = entry.lifecycle.get("ended_at")
+            if ended_at is not None:
+                self._ended[entry.id] = int(ended_at)
+        self._by_end = sorted((ended_at, cid) for cid, ended_at in self._ended.items())
 
     def _note_ended(self, entry: IndexEntry) -> None:
-        if entry.lifecycle.get("ended_at") is not None:
-            self._ended.add(entry.id)
-        else:
-            self._ended.discard(entry.id)
+        ended_at = entry.lifecycle.get("ended_at")
+        new = None if ended_at is None else int(ended_at)
+        old = self._ended.get(entry.id)
+        if new == old:
+            return
+        if old is not None:
+            at = bisect.bisect_left(self._by_end, (old, entry.id))
+            if at < len(self._by_end) and self._by_end[at] == (old, entry.id):
+                del self._by_end[at]
+            del self._ended[entry.id]
+        if new is not None:
+            bisect.insort(self._by_end, (new, entry.id))
+            self._ended[entry.id] = new
 
     def note_participants(self, conversation_id: str, pubkeys: Iterable[str]) -> None:
         """Remember that ``pubkeys`` wrote in the conversation (every change that adds a participant
@@ -242,9 +257,9 @@ class Index:
         those sets is read. Some of them may not be ended (the caller checks); none is left out.
         No pubkey: every ended entry (``ended_only``) or every entry."""
         wanted = set(pubkeys)
-        found = [self._by_participant.get(pubkey, set()) for pubkey in wanted]
+        found: list[Collection[str]] = [self._by_participant.get(pubkey, set()) for pubkey in wanted]
         if ended_only:
-            found.append(self._ended)
+            found.append(self._ended.keys())
         if not found:
             return self.entries.values()
         entries = []
@@ -253,6 +268,24 @@ class Index:
             if entry is not None and entry.participants.issuperset(wanted):
                 entries.append(entry)
         return entries
+
+    def smallest_set(self, pubkeys: Iterable[str]) -> int:
+        """How many conversations the one of ``pubkeys`` that wrote in the fewest wrote in (a bound on
+        what :meth:`candidates` reads for them); the number of entries when no pubkey is given."""
+        sizes = [len(self._by_participant.get(pubkey, ())) for pubkey in pubkeys]
+        return min(sizes) if sizes else len(self.entries)
+
+    @property
+    def ended_count(self) -> int:
+        """How many conversations are ended (an upper bound: a deleted one may count)."""
+        return len(self._ended)
+
+    def newest_ended(self) -> Iterator[IndexEntry]:
+        """The ended entries, newest end first (ties: highest id first)."""
+        for ended_at, conversation_id in reversed(self._by_end):
+            entry = self.entries.get(conversation_id)
+            if entry is not None and entry.lifecycle.get("ended_at") == ended_at:
+                yield entry
 
     def put(self, entry: IndexEntry) -> None:
         """Record an entry whole."""

@@ -7,7 +7,7 @@ import errno
 import json
 import os
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Literal
@@ -54,7 +54,7 @@ from tenex_daemon.core.errors import (
     ConversationNotFoundError,
 )
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.search import ConversationSummary, SearchQuery, apply_query
+from tenex_daemon.core.search import ConversationSummary, SearchQuery, apply_query, summary_matches
 
 log = structlog.get_logger(__name__)
 
@@ -470,24 +470,37 @@ class FileSystemStore:
         await self._committer.checkpoint()
 
     async def search(self, query: SearchQuery) -> list[ConversationSummary]:
-        """Filter the in-memory index (no log is read), newest update first."""
+        """Filter the in-memory index (no log is read), in the query's order.
+
+        The entries read are the fewest of: the conversations of the participant who wrote in the
+        fewest, and the ended ones (a search for ended conversations). The persona's search (the
+        newest ended conversations, cut at a count) walks the ended ones newest first and stops at
+        the count when they are the fewer: a home with one owner has the owner in every conversation.
+        """
         self._require_open()
-        rows = []
         wanted = (*query.participants, *([query.participant] if query.participant is not None else []))
-        entries = self._index.candidates(wanted, ended_only=query.ended is True)
-        for entry in entries:
-            if query.archived is not None and entry.archived != query.archived:
-                continue
-            if query.phase is not None and entry.phase != query.phase.value:
-                continue
-            if query.participant is not None and query.participant not in entry.participants:
-                continue
-            if query.participants and not entry.participants.issuperset(query.participants):
-                continue
-            if query.ended is not None and (entry.lifecycle.get("ended_at") is not None) != query.ended:
-                continue
-            rows.append(entry.summary())
-        return apply_query(rows, query)
+        ended_only = query.ended is True
+        if (
+            ended_only and query.order == "ended" and query.limit is not None
+            and self._index.ended_count <= self._index.smallest_set(wanted)
+        ):
+            return self._newest_ended(query)
+        entries = self._index.candidates(wanted, ended_only=ended_only)
+        return apply_query([entry.summary() for entry in _matching(entries, query)], query)
+
+    def _newest_ended(self, query: SearchQuery) -> list[ConversationSummary]:
+        """The first ``query.limit`` rows of ended conversations matching it, newest end first."""
+        rows: list[ConversationSummary] = []
+        limit = query.limit or 0
+        if limit < 1:
+            return rows
+        for entry in _matching(self._index.newest_ended(), query):
+            row = entry.summary()
+            if summary_matches(row, query):
+                rows.append(row)
+                if len(rows) >= limit:
+                    break
+        return rows
 
     async def phase_counts(self) -> dict[tuple[str, bool], int]:
         """Count conversations by (phase, archived) from the in-memory index."""
@@ -567,3 +580,21 @@ class FileSystemStore:
         durable (journal fsync) before the next is written; while closing, on one thread, in
         order too. With ``always`` each write fsyncs on a thread of its own: no order."""
         return self.fsync == "batch"
+
+
+def _matching(entries: Iterable[IndexEntry], query: SearchQuery) -> Iterator[IndexEntry]:
+    """The entries that pass the filters an index entry answers without building its row
+    (``apply_query`` and ``summary_matches`` check them all)."""
+    phase = query.phase.value if query.phase is not None else None
+    for entry in entries:
+        if query.archived is not None and entry.archived != query.archived:
+            continue
+        if phase is not None and entry.phase != phase:
+            continue
+        if query.participant is not None and query.participant not in entry.participants:
+            continue
+        if query.participants and not entry.participants.issuperset(query.participants):
+            continue
+        if query.ended is not None and (entry.lifecycle.get("ended_at") is not None) != query.ended:
+            continue
+        yield entry
