@@ -26,7 +26,7 @@ from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.conversation import Conversation, ReferencedArticle
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import Store
-from tenex_daemon.core.search import ConversationSummary, SearchQuery
+from tenex_daemon.core.search import ConversationSummary, SearchQuery, is_summarized
 from tenex_daemon.services.token_budget import article_tokens, cut_to_tokens
 
 DEFAULT_RECENT_IN_PERSONA = 2
@@ -112,7 +112,14 @@ async def recent_conversations(
         limit=count + (exclude is not None),
     )
     rows = await store.search(query)
-    return [row for row in rows if row.id != exclude][:count]
+    # a few rows at most: what a store answers is checked, not trusted
+    kept = [
+        row
+        for row in rows
+        if row.id != exclude and row.ended_at is not None and is_summarized(row.summary)
+    ]
+    kept.sort(key=lambda row: (row.ended_at or 0, row.id), reverse=True)
+    return kept[:count]
 
 
 async def build_persona(

@@ -322,15 +322,18 @@ class PostgresStore:
         )
         if clauses:
             sql += " WHERE " + " AND ".join(clauses)
-        if query.order == "ended":
-            sql += " ORDER BY ended_at DESC NULLS LAST, id DESC"
+        if query.order == "ended" and query.ended is True:
+            # no NULLs: a backward scan of ``conversations_ended`` gives this order (then ties by id)
+            sql += ' ORDER BY ended_at DESC, id COLLATE "C" DESC'
+        elif query.order == "ended":
+            sql += ' ORDER BY ended_at DESC NULLS LAST, id COLLATE "C" DESC'
         else:
             sql += " ORDER BY updated_at DESC, id DESC"
         exact = query.title is None and query.summarized is None  # SQL answers every filter
         if query.limit is not None and exact:
             sql += f" LIMIT {arg(query.limit)}"
         async with self.pool.acquire() as conn:
-            if exact or query.limit is None:
+            if exact or query.limit is None or query.limit < 0:
                 found = [_summary_of_row(r) for r in await conn.fetch(sql, *args)]
             else:
                 found = await _first_matching(conn, sql, args, query, query.limit)

@@ -9,8 +9,16 @@ from tenex_daemon import ConversationManager, NostrEvent
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.budget import TokenBudget, estimate_tokens, total_tokens
 from tenex_daemon.core.conversation import ReferencedArticle, TitleSource
+from tenex_daemon.core.ports import Store
+from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.services.answering import AgentProfile
-from tenex_daemon.services.persona import PersonaSpec, build_persona, ended_date, persona_text
+from tenex_daemon.services.persona import (
+    PersonaSpec,
+    build_persona,
+    ended_date,
+    persona_text,
+    recent_conversations,
+)
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.testing import FakeClock, KeyPair
 from tenex_daemon.testing.fakes import ScriptedBackend
@@ -19,6 +27,11 @@ from tests.conftest import Cast
 from tests.unit.services.test_tool_loop import text
 
 DAY_MS = 86_400_000
+
+
+def cast_store(store: object) -> Store:
+    """A stand-in that has only ``search``, typed as the store the recall takes."""
+    return store  # type: ignore[return-value]
 ALICE_PERSONA = "You are Alice.\nYou answer briefly.\n"
 
 
@@ -136,6 +149,26 @@ async def test_recent_conversations_are_the_persons_two_newest_with_this_agent_t
         + "- 2023-11-16 · Logo: A blue logo was picked.\n"
         + "- 2023-11-15 · Database: They chose PostgreSQL.\n"
     )
+
+
+async def test_the_recall_checks_the_rows_a_store_answers(cast: Cast) -> None:
+    """A store that answers the recall's search ignoring its order, ``summarized`` and limit (every ended
+    conversation of the two, oldest update first) gives the persona the same two conversations."""
+    rig = make_rig(cast)
+    for title, summary in (("Old topic", "The oldest."), ("Database", "PostgreSQL."), ("Logo", "Blue."),
+                           ("Unsummarized", None), ("Blank", " \n")):
+        await ended_conversation(rig, cast, cast.user, cast.alice_keys, cast.alice, title, summary)
+    store = rig.manager.store
+
+    class Careless:
+        async def search(self, query: SearchQuery) -> list[ConversationSummary]:
+            loose = query.model_copy(update={"order": "updated", "summarized": None, "limit": None})
+            return list(reversed(await store.search(loose)))
+
+    careless = await recent_conversations(cast_store(Careless()), cast.user.pubkey, cast.alice, 2)
+    careful = await recent_conversations(store, cast.user.pubkey, cast.alice, 2)
+
+    assert [row.title for row in careless] == [row.title for row in careful] == ["Logo", "Database"]
 
 
 async def test_recent_in_persona_0_recalls_nothing(cast: Cast) -> None:

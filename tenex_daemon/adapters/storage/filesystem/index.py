@@ -104,6 +104,18 @@ class IndexEntry:
         )
 
 
+def _end_time(entry: IndexEntry) -> int | None:
+    """The entry's end time as a number (ms), None when not ended (or not a number: such an entry is
+    found by a search that reads entries, never by the walk in end-time order)."""
+    value = entry.lifecycle.get("ended_at")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 # --- reading the index on open -------------------------------------------------------------------
 
 
@@ -225,14 +237,13 @@ class Index:
         self._ended = {}
         for entry in self.entries.values():
             self.note_participants(entry.id, entry.participants)
-            ended_at = entry.lifecycle.get("ended_at")
+            ended_at = _end_time(entry)
             if ended_at is not None:
-                self._ended[entry.id] = int(ended_at)
+                self._ended[entry.id] = ended_at
         self._by_end = sorted((ended_at, cid) for cid, ended_at in self._ended.items())
 
     def _note_ended(self, entry: IndexEntry) -> None:
-        ended_at = entry.lifecycle.get("ended_at")
-        new = None if ended_at is None else int(ended_at)
+        new = _end_time(entry)
         old = self._ended.get(entry.id)
         if new == old:
             return
@@ -284,7 +295,7 @@ class Index:
         """The ended entries, newest end first (ties: highest id first)."""
         for ended_at, conversation_id in reversed(self._by_end):
             entry = self.entries.get(conversation_id)
-            if entry is not None and entry.lifecycle.get("ended_at") == ended_at:
+            if entry is not None and _end_time(entry) == ended_at:
                 yield entry
 
     def put(self, entry: IndexEntry) -> None:

@@ -481,7 +481,7 @@ class FileSystemStore:
         wanted = (*query.participants, *([query.participant] if query.participant is not None else []))
         ended_only = query.ended is True
         if (
-            ended_only and query.order == "ended" and query.limit is not None
+            ended_only and query.order == "ended" and query.limit is not None and query.limit >= 0
             and self._index.ended_count <= self._index.smallest_set(wanted)
         ):
             return self._newest_ended(query)
