@@ -300,6 +300,30 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+async def _newest_ended_readable(context: ToolContext, person: str, count: int) -> list[ConversationSummary]:
+    """The ``count`` newest ended conversations of ``person`` readable here (not the current one, not a
+    private one asked for from a public one), newest end first: read a page at a time in end order,
+    doubling, so a large home costs about ``count`` checks (each may load a conversation), not one per
+    ended conversation."""
+    hidden: dict[str, bool] = {}
+    want = count + 1
+    while True:
+        query = SearchQuery(ended=True, participants=(person,), order="ended", limit=want)
+        rows = await context.manager.store.search(query)
+        kept = []
+        for row in rows:
+            if row.id == context.conversation_id or row.ended_at is None:
+                continue
+            if row.id not in hidden:
+                hidden[row.id] = await _hidden_here(context, row.id)
+            if not hidden[row.id]:
+                kept.append(row)
+        if len(kept) >= count or len(rows) < want:
+            kept.sort(key=lambda row: (row.ended_at or 0, row.id), reverse=True)
+            return kept[:count]
+        want *= 2
+
+
 async def _hidden_here(context: ToolContext, conversation_id: str) -> bool:
     """Whether a private conversation (NIP-17) is asked for from a public one: it is not readable there
     (what the agent reads could be published in the clear), with the words of an unknown id."""
@@ -480,12 +504,7 @@ class GetConversationTool:
         return json.dumps(body, ensure_ascii=False)
 
     async def _recent(self, count: int, person: str | None, context: ToolContext) -> str:
-        rows: list[ConversationSummary] = []
-        if person is not None:
-            rows = await context.manager.store.search(SearchQuery(ended=True, participants=(person,)))
-        ended = [row for row in rows if row.id != context.conversation_id and row.ended_at is not None]
-        ended = [row for row in ended if not await _hidden_here(context, row.id)]
-        ended.sort(key=lambda row: (row.ended_at or 0, row.id), reverse=True)
+        ended = [] if person is None else await _newest_ended_readable(context, person, count)
         listed = [
             {
                 "id": row.id,

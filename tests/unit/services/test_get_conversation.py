@@ -321,6 +321,31 @@ async def test_list_recent_lists_ten_ended_conversations_newest_ended_first(
     assert listed[0]["ended_at"] > listed[1]["ended_at"]
 
 
+async def test_list_recent_checks_about_as_many_conversations_as_it_lists(
+    cast: Cast, manager: ConversationManager, clock: FakeClock
+) -> None:
+    """Of 40 ended conversations, listing 3 checks whether each is readable here (a lookup that may load
+    it) for at most the first page in end order, not for all 40; the 3 are the newest ended."""
+    for i in range(40):
+        await conversation(manager, cast, cast.user, f"talk {i}", title=f"Talk {i}", summary=f"S{i}.")
+        clock.advance(MINUTE_MS)
+    current = await conversation(manager, cast, cast.user, end=False)
+    store = manager.store
+    looked_up: list[str] = []
+    find_event = store.find_event
+
+    async def counted(event_id: str) -> tuple[str, NostrEvent] | None:
+        looked_up.append(event_id)
+        return await find_event(event_id)
+
+    store.find_event = counted  # type: ignore[method-assign]
+
+    three = body(await ask(manager, cast, current.id, current, {"list_recent": 3}))["conversations"]
+
+    assert [row["title"] for row in three] == ["Talk 39", "Talk 38", "Talk 37"]
+    assert 3 <= len(looked_up) <= 4
+
+
 async def test_list_recent_takes_a_number_and_the_configured_default(
     cast: Cast, manager: ConversationManager, clock: FakeClock
 ) -> None:
