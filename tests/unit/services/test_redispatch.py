@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,10 +255,11 @@ async def test_a_completion_saved_before_the_crash_is_routed_at_the_next_start(c
 
 @pytest.mark.parametrize("fsync", ["batch", "always"])
 async def test_the_journal_entry_is_on_disk_once_the_event_is(tmp_path: Path, cast: Cast, fsync: str) -> None:
-    """With either fsync policy, once the event's write (after accept()) returns, the entry is in the
-    journal file on disk. (The order at a crash: test_accept_hands_the_entry_to_the_store_before_...
-    here, and the store's group commit in test_journal.py.)"""
-    store = FileSystemStore(tmp_path, fsync=fsync)  # type: ignore[arg-type]
+    """With either fsync policy, once the event's write (after accept()) returns, the entry is on disk:
+    a copy of the home taken at that instant (a crash) opens with it in the pending-runs value. (The
+    order at a crash: test_accept_hands_the_entry_to_the_store_before_... here, and the store's group
+    commit in test_journal.py.)"""
+    store = FileSystemStore(tmp_path / "home", fsync=fsync)  # type: ignore[arg-type]
     await store.open()
     try:
         scheduler = RunScheduler(store, _never_run)
@@ -269,11 +271,18 @@ async def test_the_journal_entry_is_on_disk_once_the_event_is(tmp_path: Path, ca
         await scheduler.accept(root.id)
         await manager.create_conversation(root)
         await earlier
-        meta_file = store._layout.meta_path(PENDING_RUNS_KEY)  # read back from disk, not the cache
-        on_disk = json.loads(meta_file.read_text("utf-8"))
-        assert {"dispatch": root.id} in json.loads(on_disk["value"])
+        copy = tmp_path / "crashed"
+        shutil.copytree(store.home, copy)  # what a kill now leaves: files and the store's journal
     finally:
         await store.close()
+    reopened = FileSystemStore(copy, fsync=fsync)  # type: ignore[arg-type]
+    await reopened.open()
+    try:
+        on_disk = await reopened.get_meta(PENDING_RUNS_KEY)
+        assert on_disk is not None
+        assert {"dispatch": root.id} in json.loads(on_disk)
+    finally:
+        await reopened.close()
 
 
 async def _never_run(request: RunRequest) -> None:

@@ -621,3 +621,59 @@ async def test_a_load_racing_an_append_never_caches_a_history_without_it(
     assert second.id in [e.id for e in again.history]
     assert reads[0] == 2
     await store.close()
+
+
+async def test_small_values_wait_in_the_journal_until_its_checkpoint(tmp_path: Path) -> None:
+    """Under batch a small value's file is not written per change: reads get the newest value from the
+    journal, a crash at that instant keeps it (replay), and the checkpoint writes the file once."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    path = store._layout.meta_path("outbox")
+    await store.set_meta("outbox", "one")
+    await store.set_meta("outbox", "two")
+    assert not path.exists()  # nor a temp file: nothing but the journal was written
+    assert list(path.parent.iterdir()) == []
+    assert await store.get_meta("outbox") == "two"
+    copy = crash_copy(home, tmp_path / "copy")
+
+    await store._committer.checkpoint()
+    assert b'"two"' in path.read_bytes()
+    await store.set_meta("outbox", "three")  # held again, newer than the file
+    assert await store.get_meta("outbox") == "three"
+    await store.close()  # the final checkpoint writes it
+    assert b'"three"' in path.read_bytes()
+
+    reopened = await open_batch(copy)
+    try:
+        assert await reopened.get_meta("outbox") == "two"
+        assert "journal_replayed" in {a.kind for a in reopened.recovery}
+    finally:
+        await reopened.close()
+
+
+async def test_an_erased_small_value_leaves_no_file_at_the_checkpoint(tmp_path: Path, cast: Cast) -> None:
+    """A conversation's small value erased before the journal's checkpoint reads as absent at once, a
+    crash then brings back no value, and the checkpoint leaves no file (no tombstone) behind."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    key = f"thread:{conversation.id}__alice__bob"
+    await store.set_meta(key, "secret")
+    await store._committer.checkpoint()
+    path = store._layout.meta_path(key)
+    assert path.exists()  # on disk from the checkpoint: the deletion must remove it
+    await store.set_meta(key, "newer secret")
+
+    assert await store.delete(conversation.id)
+    assert await store.get_meta(key) is None
+    copy = crash_copy(home, tmp_path / "copy")
+    await store._committer.checkpoint()
+    assert not path.exists()
+    assert list(path.parent.iterdir()) == []
+    await store.close()
+
+    reopened = await open_batch(copy)
+    try:
+        assert await reopened.get_meta(key) is None
+    finally:
+        await reopened.close()

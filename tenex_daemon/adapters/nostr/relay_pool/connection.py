@@ -410,6 +410,8 @@ class RelayConnection:
 
     async def wait_connected(self, deadline: float) -> bool:
         """Wait for a connection until the loop-time ``deadline``."""
+        if self.connected.is_set():  # the common case: no waiting task and timer per publish
+            return True
         remaining = deadline - asyncio.get_running_loop().time()
         if remaining <= 0:
             return self.connected.is_set()

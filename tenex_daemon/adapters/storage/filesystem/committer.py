@@ -36,6 +36,7 @@ def _apply_closing(journal: Journal, ops: list[Op]) -> None:
         apply_journaled(journal, ops)
     else:
         apply_ops(ops)
+        journal.release(op.path for op in ops if op.kind == "replace" and op.error is None)
 
 
 class Committer:

@@ -12,7 +12,8 @@ commit runs in stages over a :class:`Group`:
    folders are removed, no log was touched; nothing is acknowledged before the fsync that
    covers it;
 3. put in place: conversation logs get their lines (one write per file, not fsynced), new
-   folders and snapshots are renamed into place.
+   folders and snapshots are renamed into place, and small values are held by the journal
+   (their files are written at its checkpoint: ``journal.py``).
 
 So a file on disk is never newer than the journal: a kill mid-group leaves nothing of it
 visible, or all of it journaled (open replays what is missing), never a later op without an
@@ -38,6 +39,7 @@ from tenex_daemon.adapters.storage.filesystem.journal import (
     append_frame,
     create_frame,
     forget_frame,
+    is_held,
     replace_frame,
 )
 from tenex_daemon.adapters.storage.filesystem.layout import LOG_NAME, STATE_NAME, archive_twin
@@ -89,6 +91,8 @@ class Group:
     """Conversation logs, written once the journal is durable."""
     created: list[StagedCreate] = field(default_factory=list)
     replaced: list[StagedReplace] = field(default_factory=list)
+    held: list[tuple[list[Op], Path]] = field(default_factory=list)
+    """Small values: no temp file; the journal holds them once their frame is durable."""
     forgotten: list[Op] = field(default_factory=list)
 
 
@@ -159,7 +163,10 @@ def _stage_replaces(group: Group, replaces: dict[Path, list[Op]]) -> None:
     for path, ops in replaces.items():
         try:
             relpath = group.journal.relpath(path)
-            group.replaced.append(StagedReplace(ops, path, stage(path, ops[-1].data, durable=False)))
+            if is_held(relpath):
+                group.held.append((ops, path))
+            else:
+                group.replaced.append(StagedReplace(ops, path, stage(path, ops[-1].data, durable=False)))
         except (OSError, ValueError) as exc:
             fail(ops, exc)
             continue
@@ -200,7 +207,9 @@ def _give_up(group: Group, exc: Exception) -> None:
     for replaced in group.replaced:
         discard_staged(replaced.path)
         fail(replaced.ops, exc)
-    group.created, group.replaced = [], []
+    for ops, _ in group.held:
+        fail(ops, exc)
+    group.created, group.replaced, group.held = [], [], []
 
 
 # --- 3. put in place -----------------------------------------------------------------------------
@@ -246,6 +255,12 @@ def _put_replaced(group: Group) -> None:
             op.result = replaced.stamp
 
 
+def _hold_values(group: Group) -> None:
+    """Small values: their frames are durable; the journal holds them until its checkpoint."""
+    for ops, path in group.held:
+        group.journal.hold(path, None if ops[-1].erases else ops[-1].data)
+
+
 def _unjournal(journal: Journal, conversation_id: str) -> None:
     """A journaled creation failed after all: a forget frame keeps replay from making it."""
     try:
@@ -278,3 +293,4 @@ def apply_journaled(journal: Journal, ops: list[Op]) -> None:
     _append_logs(group)
     _put_created(group)
     _put_replaced(group)
+    _hold_values(group)

@@ -4,9 +4,16 @@ A group commit appends each op's bytes to its own file (a conversation's ``event
 event-id bucket) without fsyncing it, then writes one frame per op to the home's journal
 (``conversations/.journal/<generation>``) and fsyncs that one file: the group is durable once
 the journal is. Every ``JOURNAL_LIMIT`` bytes a checkpoint fsyncs the files written since the
-last one and starts a new journal, so the journal stays small. On open, a journal left behind
-(a crash, or a power loss that kept the journal but not a log's page cache) is replayed
-(``journal_replay.py``).
+last one and starts a new journal, so the journal stays small.
+
+Small values (``.meta/``: the run and dispatch journal, the outbox, cursors) are rewritten whole
+several times per reply. Their frames carry them whole, so their files wait for the checkpoint:
+until then the journal *holds* their newest content in memory (:attr:`Journal.held`, which readers
+look at first), and the checkpoint writes each file once (temp file and rename, so a reader of the
+folder sees an old value or a new one, never a part) or removes it when the value was erased.
+
+On open, a journal left behind (a crash, or a power loss that kept the journal but not a log's
+page cache) is replayed (``journal_replay.py``).
 
 Frame: ``<crc32 of body: u32 LE><body length: u32 LE><body>``; body is one of
 - ``b"A" + relpath + b"\\0" + offset + b"\\0" + data``: ``data`` was written at ``offset`` of
@@ -29,8 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tenex_daemon.adapters.storage.atomic import fsync_dir, write_all
-from tenex_daemon.adapters.storage.filesystem.layout import ARCHIVE_DIR, JOURNAL_DIR
+from tenex_daemon.adapters.storage.atomic import fsync_dir, put_in_place, stage, write_all
+from tenex_daemon.adapters.storage.filesystem.layout import ARCHIVE_DIR, JOURNAL_DIR, META_DIR
 from tenex_daemon.adapters.storage.filesystem.ops import run_parallel
 
 JOURNAL_LIMIT = 16 * 1024 * 1024
@@ -38,6 +45,19 @@ JOURNAL_LIMIT = 16 * 1024 * 1024
 
 _FRAME = struct.Struct("<II")
 _ARCHIVE_PREFIX = ARCHIVE_DIR + "/"
+_HELD_PREFIX = META_DIR + "/"
+
+
+def is_held(relpath: str) -> bool:
+    """Whether a replacement of ``relpath`` is held until the checkpoint (a small value)."""
+    return relpath.startswith(_HELD_PREFIX)
+
+
+class _NotHeld:
+    """The answer of :meth:`Journal.held_value` for a file whose newest content is on disk."""
+
+
+NOT_HELD = _NotHeld()
 
 
 def _frame(body: bytes) -> bytes:
@@ -195,6 +215,10 @@ class Journal:
         self._fd: int | None = None
         self._dirty: set[str] = set()
         self._relpaths: dict[Path, str] = {}
+        self.held: dict[Path, bytes | None] = {}
+        """Small values replaced since the last checkpoint -> their newest content (None: erased, the
+        file is removed at the checkpoint). Their frames are durable; their files are not written
+        yet. Changed on the commit thread only; read from any thread (one dict lookup)."""
         self.poisoned = False
         """A checkpoint's fsync failed: the kernel may since have dropped those pages and a
         retry would wrongly succeed, so no journal is deleted any more (the next open replays;
@@ -251,6 +275,37 @@ class Journal:
         for conversation_id in forgotten:
             self._dirty = {p for p in self._dirty if not is_log_of(p, conversation_id)}
 
+    def hold(self, path: Path, data: bytes | None) -> None:
+        """A small value's frame is durable: keep ``data`` (None: erased) until the checkpoint."""
+        self.held[path] = data
+
+    def held_value(self, path: Path) -> bytes | _NotHeld | None:
+        """The held content of ``path`` (None: erased), or :data:`NOT_HELD`: read the file."""
+        return self.held.get(path, NOT_HELD)
+
+    def release(self, paths: Iterable[Path]) -> None:
+        """``paths`` were written directly (the journal is closed): their files are the newest."""
+        for path in paths:
+            self.held.pop(path, None)
+
+    def _write_held(self) -> set[Path]:
+        """Write each held value to its file, or remove it when erased; return the folders changed.
+
+        An erased value's file can go: once this checkpoint deletes the journal, no frame is left
+        that could bring an older value back on replay.
+        """
+        folders: set[Path] = set()
+        for path, data in self.held.items():
+            if data is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                self._dirty.discard(self.relpath(path))
+            else:
+                stage(path, data, durable=False)
+                put_in_place(path)
+            folders.add(path.parent)
+        return folders
+
     def _sync(self, relpath: str) -> Path | None:
         """fsync ``relpath`` where it is now; a folder moved meanwhile (archive) is followed."""
         previous: Path | None = None
@@ -284,12 +339,14 @@ class Journal:
             if final:
                 self.close()
             return
+        written = dict(self.held)
+        folders = self._write_held()  # before the fsyncs: they cover these files too
         dirty, self._dirty = self._dirty, set()
         try:
             synced = [p for p in run_parallel(self._sync, sorted(dirty)) if p is not None]
-            # the files' folders (names replaced or created), then the folders holding those
+            # the files' folders (names replaced, created or removed), then the folders holding those
             # (conversation folders created or moved since the last checkpoint)
-            for parent in {p.parent for p in synced} | {self.root, self.root / ARCHIVE_DIR}:
+            for parent in {p.parent for p in synced} | folders | {self.root, self.root / ARCHIVE_DIR}:
                 with contextlib.suppress(FileNotFoundError):
                     fsync_dir(parent)
         except OSError as exc:
@@ -308,6 +365,9 @@ class Journal:
             os.close(old_fd)
         old.unlink()
         fsync_dir(self.folder)
+        for path, data in written.items():  # on disk now; nothing held changed meanwhile (one thread)
+            if self.held.get(path, NOT_HELD) is data:
+                del self.held[path]
 
     def close(self) -> None:
         """Close the file without a checkpoint (the journal stays for the next open to replay)."""

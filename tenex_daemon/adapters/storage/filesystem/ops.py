@@ -32,6 +32,9 @@ class Op:
     create: bool = False
     """An append that may create its file (an event-id bucket)."""
     extra: bytes = b""
+    erases: bool = False
+    """A replacement that erases a small value (``data`` is its tombstone): with ``batch``, its file
+    is removed at the journal's checkpoint rather than written."""
     result: Stamp | None = None
     error: BaseException | None = None
 

@@ -31,7 +31,7 @@ from tenex_daemon.adapters.storage.filesystem.folder import (
     state_bytes,
 )
 from tenex_daemon.adapters.storage.filesystem.index import COMPACT_MIN_RECORDS, Index, IndexEntry
-from tenex_daemon.adapters.storage.filesystem.journal import Journal
+from tenex_daemon.adapters.storage.filesystem.journal import NOT_HELD, Journal
 from tenex_daemon.adapters.storage.filesystem.journal_replay import discard
 from tenex_daemon.adapters.storage.filesystem.layout import (
     LOG_NAME,
@@ -442,7 +442,7 @@ class FileSystemStore:
         return self._owned_values.pop(conversation_id, set())
 
     async def _delete_files(self, conversation_id: str, folder: Path, values: set[str]) -> None:
-        ops = [Op("replace", self._meta_path(key), tombstone(key)) for key in sorted(values)]
+        ops = [Op("replace", self._meta_path(key), tombstone(key), erases=True) for key in sorted(values)]
         if self._committer.journal is not None:
             # batch: the journal must never replay this conversation's appends into a new one
             ops.append(Op("forget", folder, conversation_id.encode("utf-8")))
@@ -546,10 +546,17 @@ class FileSystemStore:
         """Return the value stored under ``key``, if any."""
         self._require_open()
         path = self._meta_path(key)
-        try:
-            data = await asyncio.to_thread(path.read_bytes)
-        except FileNotFoundError:
-            return None
+        journal = self._committer.journal
+        held = journal.held_value(path) if journal is not None else NOT_HELD
+        if held is None:
+            return None  # erased; its file goes at the journal's checkpoint
+        if isinstance(held, bytes):
+            data = held  # newer than the file: written at the journal's checkpoint
+        else:
+            try:
+                data = await asyncio.to_thread(path.read_bytes)
+            except FileNotFoundError:
+                return None
         try:
             record = json.loads(data)
         except ValueError:
