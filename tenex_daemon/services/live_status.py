@@ -86,7 +86,10 @@ class LiveStatus:
     async def _send(self, conversation_id: str, slugs: tuple[str, ...]) -> bool:
         """Publish the status; False for a private conversation (nothing of it goes out in the clear)."""
         if conversation_id not in self._parties:
-            conversation = await self._manager.get_conversation(conversation_id)
+            # from the store, without the manager's lock: a run holds that lock while its reply is
+            # saved, and the status saying it works must not wait for that. What is read here (the
+            # root, the people, privacy) is not what a change being saved changes.
+            conversation = await self._manager.store.load(conversation_id)
             if conversation is None:  # gone (deleted): nothing is known of it, a private one included
                 return False
             known = self._parties_of(conversation)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from tenex_daemon import MemoryStore
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.services.live_status import LiveStatus
 from tenex_daemon.services.runs import RunRequest
@@ -170,3 +173,44 @@ async def test_closing_cancels_a_status_that_hangs(cast: Cast) -> None:
     assert await live.flush(0) == 0
     assert status.sent == []
     await rig.settle()
+
+
+class SlowSaveStore(MemoryStore):
+    """A store whose saves of an agent's reply wait for ``release`` (a commit taking its time)."""
+
+    def __init__(self, agent_pubkey: str) -> None:
+        super().__init__()
+        self.agent_pubkey = agent_pubkey
+        self.saving = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def append_event(
+        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
+    ) -> None:
+        """Hold the agent's reply until released."""
+        if event.pubkey == self.agent_pubkey:
+            self.saving.set()
+            await self.release.wait()
+        await super().append_event(conversation_id, event, state=state)
+
+
+async def test_the_working_status_does_not_wait_for_the_reply_to_be_saved(cast: Cast) -> None:
+    """A run whose answer comes at once reaches its reply's save before anything else runs; the status
+    saying its agent works goes out while that save is under way (it does not wait for the lock the
+    save holds), so it comes before the reply rather than with it."""
+    store = SlowSaveStore(cast.alice.pubkey)
+    status = StatusLog()
+    rig = pipeline.build_rig(cast, store=store, status=status)
+    live = rig.pipeline.live_status
+    assert live is not None
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(store.saving.wait(), 5)
+
+    await asyncio.wait_for(live.flush(5), 5)
+    assert status.sent == [(root.id, root.id, cast.user.pubkey, (cast.alice.pubkey,))]
+
+    store.release.set()
+    await rig.settle()
+    await live.flush(5)
+    assert status.sent[-1] == (root.id, root.id, cast.user.pubkey, ())
