@@ -204,3 +204,21 @@ def test_storage_path_docstring_matches_where_the_store_puts_conversations(tmp_p
     assert isinstance(store, FileSystemStore)
     assert store.root == tmp_path / "data" / "conversations"
     assert settings.conversations_path == store.root
+
+
+async def test_a_store_outside_the_home_keeps_its_conversations_private(tmp_path: Path, cast: Cast) -> None:
+    """A ``storage.path`` outside the home gets a conversations folder only its owner can enter (0700),
+    so neither the conversations' folder names (their ids) nor the folders are listed to other users."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {"TENEX_STORAGE__PATH": json.dumps(str(tmp_path / "data"))})
+    store = build_store(settings)
+    assert isinstance(store, FileSystemStore)
+    await store.open()
+    try:
+        root = cast.user_says("root", kind=11)
+        conversation = Conversation(id=root.id, title="Private", created_at=1, updated_at=1)
+        conversation.append(root)
+        await store.create(conversation)
+    finally:
+        await store.close()
+    assert store.root.stat().st_mode & 0o777 == 0o700

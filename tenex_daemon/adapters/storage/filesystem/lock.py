@@ -27,8 +27,10 @@ class StoreLockedError(TenexError):
 
 def lock_home(root: Path) -> int:
     """Take the lock of ``root`` (created if missing) and write this process's pid in it; return
-    the descriptor holding the lock. Raise :class:`StoreLockedError` when another process holds it."""
-    root.mkdir(parents=True, exist_ok=True)
+    the descriptor holding the lock. Raise :class:`StoreLockedError` when another process holds it.
+    A ``root`` made here is the owner's only (0700): conversation folders and their names are private
+    wherever ``storage.path`` points, not only inside the home (itself 0700)."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
