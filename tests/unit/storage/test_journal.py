@@ -8,6 +8,7 @@ the journal then holds the acknowledged appends.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 import time
@@ -17,7 +18,9 @@ from typing import Any
 import pytest
 
 import tenex_daemon.adapters.storage.filesystem.store as store_module
+from tenex_daemon.adapters.storage import atomic
 from tenex_daemon.adapters.storage.filesystem import LOG_NAME, FileSystemStore, committer, journal
+from tenex_daemon.adapters.storage.filesystem.erasure import tombstone
 from tenex_daemon.adapters.storage.filesystem.folder import scan_folder
 from tenex_daemon.adapters.storage.filesystem.journal import (
     append_frame,
@@ -27,6 +30,7 @@ from tenex_daemon.adapters.storage.filesystem.journal import (
     replace_frame,
 )
 from tenex_daemon.adapters.storage.filesystem.layout import JOURNAL_DIR
+from tenex_daemon.adapters.storage.filesystem.ops import Op
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationExistsError
 from tests.conftest import Cast
@@ -651,29 +655,98 @@ async def test_small_values_wait_in_the_journal_until_its_checkpoint(tmp_path: P
         await reopened.close()
 
 
-async def test_an_erased_small_value_leaves_no_file_at_the_checkpoint(tmp_path: Path, cast: Cast) -> None:
-    """A conversation's small value erased before the journal's checkpoint reads as absent at once, a
-    crash then brings back no value, and the checkpoint leaves no file (no tombstone) behind."""
+async def test_an_erased_small_value_leaves_no_file_at_the_checkpoint(tmp_path: Path) -> None:
+    """A small value erased (its tombstone committed, as a conversation's deletion does) while the journal
+    holds it reads as absent at once, a crash then brings back no value, and the checkpoint removes its
+    file (written by an earlier checkpoint) rather than leaving a tombstone."""
     home = tmp_path / "home"
     store = await open_batch(home)
-    conversation = await start(store, cast)
-    key = f"thread:{conversation.id}__alice__bob"
+    key = "thread:c1__alice__bob"
+    path = store._layout.meta_path(key)
     await store.set_meta(key, "secret")
     await store._committer.checkpoint()
-    path = store._layout.meta_path(key)
-    assert path.exists()  # on disk from the checkpoint: the deletion must remove it
+    assert path.exists()  # written by the checkpoint: the erasure must remove it
     await store.set_meta(key, "newer secret")
 
-    assert await store.delete(conversation.id)
+    await store._committer.commit([Op("replace", path, tombstone(key), erases=True)])
     assert await store.get_meta(key) is None
+    assert b"newer secret" not in path.read_bytes()  # the file is the checkpoint's, untouched
     copy = crash_copy(home, tmp_path / "copy")
     await store._committer.checkpoint()
     assert not path.exists()
     assert list(path.parent.iterdir()) == []
+    await store.set_meta(key, "again")  # a value set after the erasure reads back
+    assert await store.get_meta(key) == "again"
     await store.close()
 
     reopened = await open_batch(copy)
     try:
-        assert await reopened.get_meta(key) is None
+        assert await reopened.get_meta(key) is None  # the tombstone's frame is replayed last
+    finally:
+        await reopened.close()
+
+
+async def test_a_checkpoint_fsyncs_every_value_it_writes_after_one_that_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint that fsynced its files but could not start the next journal file leaves no value for
+    the next checkpoint to write again unsynced: every value file a checkpoint writes is among the files
+    it fsyncs before it deletes the journal that covered it."""
+    store = await open_batch(tmp_path / "home")
+    live = store._committer.journal
+    assert live is not None
+    written: list[Path] = []
+    synced: list[str] = []
+    real_stage, real_sync, real_create = atomic.stage, live._sync, live._create
+
+    def record_stage(path: Path, data: bytes, *, durable: bool = True) -> tuple[int, int]:
+        written.append(path)
+        return real_stage(path, data, durable=durable)
+
+    def record_sync(relpath: str) -> Path | None:
+        synced.append(relpath)
+        return real_sync(relpath)
+
+    def fail_once(generation: int) -> int:
+        monkeypatch.setattr(live, "_create", real_create)
+        raise OSError(errno.EMFILE, "no descriptor left")
+
+    monkeypatch.setattr(journal, "stage", record_stage)
+    monkeypatch.setattr(live, "_sync", record_sync)
+    monkeypatch.setattr(live, "_create", fail_once)
+    await store.set_meta("outbox", "one")
+    with pytest.raises(OSError, match="no descriptor"):
+        await store._committer.checkpoint()
+    assert [live.relpath(p) for p in written] == [".meta/" + store._layout.meta_path("outbox").name]
+    assert set(synced) >= {live.relpath(p) for p in written}
+
+    written.clear()
+    synced.clear()
+    await store._committer.checkpoint()
+    assert {live.relpath(p) for p in written} <= set(synced)
+    assert await store.get_meta("outbox") == "one"
+    await store.close()
+
+
+async def test_held_values_stay_readable_when_the_final_checkpoint_is_skipped(tmp_path: Path) -> None:
+    """When the final checkpoint cannot write the held values (a failed fsync poisoned the journal, which
+    is kept for the next open), reads until the store is closed still get the newest value, not its
+    older file; the next open replays it."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    await store.set_meta("cursor", "1")
+    await store._committer.checkpoint()
+    await store.set_meta("cursor", "2")
+    live = store._committer.journal
+    assert live is not None
+    live.poisoned = True
+    await store._committer.stop()  # what close() does first
+    assert store._committer.journal is None
+    assert await store.get_meta("cursor") == "2"
+    await store.close()
+
+    reopened = await open_batch(home)
+    try:
+        assert await reopened.get_meta("cursor") == "2"
     finally:
         await reopened.close()

@@ -13,12 +13,13 @@ import asyncio
 import errno
 import functools
 from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 
 from tenex_daemon.adapters.storage.filesystem.direct import apply_ops
 from tenex_daemon.adapters.storage.filesystem.group_commit import apply_journaled
-from tenex_daemon.adapters.storage.filesystem.journal import JOURNAL_LIMIT, Journal
+from tenex_daemon.adapters.storage.filesystem.journal import JOURNAL_LIMIT, NOT_HELD, Journal, NotHeld
 from tenex_daemon.adapters.storage.filesystem.ops import Op, commit_thread
 
 log = structlog.get_logger(__name__)
@@ -36,7 +37,12 @@ def _apply_closing(journal: Journal, ops: list[Op]) -> None:
         apply_journaled(journal, ops)
     else:
         apply_ops(ops)
-        journal.release(op.path for op in ops if op.kind == "replace" and op.error is None)
+        journal.release(_replaced(ops))
+
+
+def _replaced(ops: list[Op]) -> list[Path]:
+    """The files ``ops`` replaced directly (their held values, if any, are older)."""
+    return [op.path for op in ops if op.kind == "replace" and op.error is None]
 
 
 class Committer:
@@ -52,15 +58,24 @@ class Committer:
         """Each waiting call's ops and the future it awaits (one per call, not per op)."""
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._held: dict[Path, bytes | None] = {}
+        """The journal's held small values; kept after the journal is gone while the store closes
+        (a final checkpoint that failed or was skipped leaves them newer than their files)."""
 
     def reset(self) -> None:
         """Get ready for commits (the store is opening)."""
         self.closing = False
         self._wakeup = asyncio.Event()
+        self._held = {}
+
+    def held_value(self, path: Path) -> bytes | NotHeld | None:
+        """A small value's newest content while its file is older (None: erased), else ``NOT_HELD``."""
+        return self._held.get(path, NOT_HELD)
 
     async def start(self, journal: Journal) -> None:
         """Start ``batch``'s journal and the group committer."""
         self.journal = journal
+        self._held = journal.held
         await asyncio.to_thread(journal.start)
         self._task = asyncio.create_task(self._run(), name="fs-store-commit")
 
@@ -76,6 +91,8 @@ class Committer:
             await _on_commit_thread(functools.partial(_apply_closing, self.journal, ops))
         else:
             await asyncio.to_thread(apply_ops, ops)
+            for path in _replaced(ops):
+                self._held.pop(path, None)
         for op in ops:
             if op.error is not None:
                 raise op.error

@@ -53,11 +53,11 @@ def is_held(relpath: str) -> bool:
     return relpath.startswith(_HELD_PREFIX)
 
 
-class _NotHeld:
-    """The answer of :meth:`Journal.held_value` for a file whose newest content is on disk."""
+class NotHeld:
+    """The type of :data:`NOT_HELD`: a small value whose newest content is in its file."""
 
 
-NOT_HELD = _NotHeld()
+NOT_HELD = NotHeld()
 
 
 def _frame(body: bytes) -> bytes:
@@ -279,10 +279,6 @@ class Journal:
         """A small value's frame is durable: keep ``data`` (None: erased) until the checkpoint."""
         self.held[path] = data
 
-    def held_value(self, path: Path) -> bytes | _NotHeld | None:
-        """The held content of ``path`` (None: erased), or :data:`NOT_HELD`: read the file."""
-        return self.held.get(path, NOT_HELD)
-
     def release(self, paths: Iterable[Path]) -> None:
         """``paths`` were written directly (the journal is closed): their files are the newest."""
         for path in paths:
@@ -296,13 +292,15 @@ class Journal:
         """
         folders: set[Path] = set()
         for path, data in self.held.items():
+            relpath = self.relpath(path)
             if data is None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-                self._dirty.discard(self.relpath(path))
+                self._dirty.discard(relpath)
             else:
                 stage(path, data, durable=False)
                 put_in_place(path)
+                self._dirty.add(relpath)  # a new file each time: this checkpoint's fsyncs must cover it
             folders.add(path.parent)
         return folders
 
@@ -354,6 +352,9 @@ class Journal:
             if isinstance(exc, FsyncError):
                 self.poisoned = True
             raise
+        for path, data in written.items():  # durable in their files now (changed on this thread only)
+            if self.held.get(path, NOT_HELD) is data:
+                del self.held[path]
         old_fd, old = self._fd, self.folder / str(self.generation)
         if final:
             self._fd = None
@@ -365,9 +366,6 @@ class Journal:
             os.close(old_fd)
         old.unlink()
         fsync_dir(self.folder)
-        for path, data in written.items():  # on disk now; nothing held changed meanwhile (one thread)
-            if self.held.get(path, NOT_HELD) is data:
-                del self.held[path]
 
     def close(self) -> None:
         """Close the file without a checkpoint (the journal stays for the next open to replay)."""

@@ -31,7 +31,7 @@ from tenex_daemon.adapters.storage.filesystem.folder import (
     state_bytes,
 )
 from tenex_daemon.adapters.storage.filesystem.index import COMPACT_MIN_RECORDS, Index, IndexEntry
-from tenex_daemon.adapters.storage.filesystem.journal import NOT_HELD, Journal
+from tenex_daemon.adapters.storage.filesystem.journal import Journal
 from tenex_daemon.adapters.storage.filesystem.journal_replay import discard
 from tenex_daemon.adapters.storage.filesystem.layout import (
     LOG_NAME,
@@ -546,8 +546,7 @@ class FileSystemStore:
         """Return the value stored under ``key``, if any."""
         self._require_open()
         path = self._meta_path(key)
-        journal = self._committer.journal
-        held = journal.held_value(path) if journal is not None else NOT_HELD
+        held = self._committer.held_value(path)
         if held is None:
             return None  # erased; its file goes at the journal's checkpoint
         if isinstance(held, bytes):
