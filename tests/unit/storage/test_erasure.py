@@ -119,7 +119,7 @@ async def test_values_stored_before_a_reopen_are_found_and_erased(tmp_path: Path
 
 
 async def test_a_tombstone_reads_as_absent(tmp_path: Path) -> None:
-    """A small value's tombstone (what a journal replay after a crash mid-deletion writes) reads as no
+    """A small value's tombstone (what a crash mid-deletion can leave in its file) reads as no
     value, and a value set again over it reads back."""
     store = FileSystemStore(tmp_path / "home")
     await store.open()

@@ -657,8 +657,8 @@ async def test_small_values_wait_in_the_journal_until_its_checkpoint(tmp_path: P
 
 async def test_an_erased_small_value_leaves_no_file_at_the_checkpoint(tmp_path: Path) -> None:
     """A small value erased (its tombstone committed, as a conversation's deletion does) while the journal
-    holds it reads as absent at once, a crash then brings back no value, and the checkpoint removes its
-    file (written by an earlier checkpoint) rather than leaving a tombstone."""
+    holds it reads as absent at once, and the checkpoint removes its file (written by an earlier
+    checkpoint) rather than leaving a tombstone; after a crash then, the replay removes it too."""
     home = tmp_path / "home"
     store = await open_batch(home)
     key = "thread:c1__alice__bob"
@@ -679,9 +679,32 @@ async def test_an_erased_small_value_leaves_no_file_at_the_checkpoint(tmp_path: 
     assert await store.get_meta(key) == "again"
     await store.close()
 
+    copied_file = copy / "conversations" / ".meta" / path.name
+    assert copied_file.exists()  # the crash copy has the older value's file and the tombstone's frame
     reopened = await open_batch(copy)
     try:
         assert await reopened.get_meta(key) is None  # the tombstone's frame is replayed last
+        assert not copied_file.exists()  # removed: no file naming what was erased
+        assert "journal_replayed" in {a.kind for a in reopened.recovery}
+    finally:
+        await reopened.close()
+
+
+async def test_a_small_values_temp_file_left_by_a_kill_is_removed_on_open(tmp_path: Path) -> None:
+    """A small value's temp file that was never renamed (the process killed while writing it) is removed
+    when the store opens; the value itself is untouched."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    await store.set_meta("cursor", "7")
+    await store.close()
+    meta = home / "conversations" / ".meta"
+    leftover = meta / (store._layout.meta_path("cursor").name + ".tmp")
+    leftover.write_bytes(b'{"key": "thread:c1__alice__bob", "value": "half writ')
+
+    reopened = await open_batch(home)
+    try:
+        assert not leftover.exists()
+        assert await reopened.get_meta("cursor") == "7"
     finally:
         await reopened.close()
 

@@ -5,7 +5,8 @@ belong to it (its delegation threads, :mod:`~tenex_daemon.core.erasure`), in cop
 to ``corrupt/`` while repairing it, in the index (its title and summary: rewritten by a compaction)
 and in ``batch``'s commit journal (renewed by a checkpoint). The first two are erased here. A small
 value is first replaced by a tombstone through the commit journal (so a journal replayed after a
-crash writes the tombstone last, never the old value back), then its file is removed.
+crash ends with the tombstone, never the old value: the replay removes the file), then its file is
+removed.
 
 Blocking file work (all but :class:`SharedRounds`): called in worker threads.
 """
@@ -27,6 +28,15 @@ from tenex_daemon.core.erasure import value_owner
 def tombstone(key: str) -> bytes:
     """The content of an erased small value's file: its key and no value (read as absent)."""
     return json.dumps({"key": key, "value": None}, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def is_tombstone(data: bytes) -> bool:
+    """Whether a small value's content is a tombstone (:func:`tombstone`)."""
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "key" in record and record.get("value", "") is None
 
 
 def scan_owned_values(meta_dir: Path) -> dict[str, set[str]]:

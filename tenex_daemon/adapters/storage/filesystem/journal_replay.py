@@ -18,8 +18,10 @@ from pathlib import Path
 import structlog
 
 from tenex_daemon.adapters.storage.atomic import fsync_dir, fsync_file, replace_file
+from tenex_daemon.adapters.storage.filesystem.erasure import is_tombstone
 from tenex_daemon.adapters.storage.filesystem.journal import (
     conversation_of,
+    is_held,
     is_log_of,
     journal_files,
     read_journal,
@@ -181,11 +183,23 @@ class _Replay:
             if conversation_id is not None:
                 self.touched.add(conversation_id)
             self.folders.add(found.parent)
-            if _restore_file(found, content):
+            if is_held(relpath) and is_tombstone(content):
+                self._erase(found, relpath)
+            elif _restore_file(found, content):
                 self.actions.append(RecoveryAction(
                     "journal_replayed", conversation_id, f"{relpath} restored to its last snapshot"
                 ))
                 log.warning("journal_replayed", path=relpath, replaced=True)
+
+    def _erase(self, path: Path, relpath: str) -> None:
+        """A small value's last record is its tombstone: the file goes (no older frame is left once
+        the journals are discarded), rather than keeping a file that names what was erased."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        self.actions.append(RecoveryAction("journal_replayed", None, f"{relpath} erased (its file removed)"))
+        log.warning("journal_replayed", path=relpath, erased=True)
 
     def sync_folders(self) -> None:
         """fsync every folder a replayed file is in, the buckets' and the root."""

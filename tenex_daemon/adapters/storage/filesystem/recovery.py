@@ -123,7 +123,11 @@ class _Recovery:
 
 
 def _sweep_leftovers(layout: Layout, actions: list[RecoveryAction]) -> None:
-    """Half-made creations go to corrupt/; half-finished deletions are finished."""
+    """Half-made creations go to corrupt/; half-finished deletions are finished; a small value's temp
+    file that was never renamed (a kill while it was written) is removed: the value it held is in
+    its file or in the journal replayed next."""
+    for temp in layout.meta_dir.glob("*.tmp"):
+        temp.unlink(missing_ok=True)
     for parent in (layout.root, layout.root / ARCHIVE_DIR):
         for item in os.scandir(parent):
             if item.name.startswith(TEMP_FOLDER_PREFIX):
