@@ -14,6 +14,7 @@ import errno
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 
@@ -23,26 +24,23 @@ from tenex_daemon.adapters.storage.filesystem.journal import JOURNAL_LIMIT, NOT_
 from tenex_daemon.adapters.storage.filesystem.ops import Op, commit_thread
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
-async def _on_commit_thread(work: Callable[[], None]) -> None:
+async def _on_commit_thread(work: Callable[[], T]) -> T:
     """Run blocking commit work on the one commit thread (commits and checkpoints never overlap)."""
-    await asyncio.get_running_loop().run_in_executor(commit_thread(), work)
+    return await asyncio.get_running_loop().run_in_executor(commit_thread(), work)
 
 
-def _apply_closing(journal: Journal, ops: list[Op]) -> None:
+def _apply_closing(journal: Journal, ops: list[Op]) -> bool:
     """A commit while the store closes: journaled while the journal is open (a direct write could be
-    undone by an older journaled snapshot on replay), durable file by file once it is gone."""
+    undone by an older journaled snapshot on replay), durable file by file once it is gone. Return
+    whether it was written directly."""
     if journal.is_open:
         apply_journaled(journal, ops)
-    else:
-        apply_ops(ops)
-        journal.release(_replaced(ops))
-
-
-def _replaced(ops: list[Op]) -> list[Path]:
-    """The files ``ops`` replaced directly (their held values, if any, are older)."""
-    return [op.path for op in ops if op.kind == "replace" and op.error is None]
+        return False
+    apply_ops(ops)
+    return True
 
 
 class Committer:
@@ -88,11 +86,14 @@ class Committer:
             await future
             return
         if self.journal is not None:  # closing: serial with the final checkpoint, on its thread
-            await _on_commit_thread(functools.partial(_apply_closing, self.journal, ops))
+            direct = await _on_commit_thread(functools.partial(_apply_closing, self.journal, ops))
         else:
             await asyncio.to_thread(apply_ops, ops)
-            for path in _replaced(ops):
-                self._held.pop(path, None)
+            direct = True
+        if direct:  # these files are newer than any value the journal held for them
+            for op in ops:
+                if op.kind == "replace" and op.error is None:
+                    self._held.pop(op.path, None)
         for op in ops:
             if op.error is not None:
                 raise op.error

@@ -218,7 +218,8 @@ class Journal:
         self.held: dict[Path, bytes | None] = {}
         """Small values replaced since the last checkpoint -> their newest content (None: erased, the
         file is removed at the checkpoint). Their frames are durable; their files are not written
-        yet. Changed on the commit thread only; read from any thread (one dict lookup)."""
+        yet. Changed on the commit thread only while the journal is open (after, by the committer's
+        direct writes); read from any thread (one dict lookup)."""
         self.poisoned = False
         """A checkpoint's fsync failed: the kernel may since have dropped those pages and a
         retry would wrongly succeed, so no journal is deleted any more (the next open replays;
@@ -278,11 +279,6 @@ class Journal:
     def hold(self, path: Path, data: bytes | None) -> None:
         """A small value's frame is durable: keep ``data`` (None: erased) until the checkpoint."""
         self.held[path] = data
-
-    def release(self, paths: Iterable[Path]) -> None:
-        """``paths`` were written directly (the journal is closed): their files are the newest."""
-        for path in paths:
-            self.held.pop(path, None)
 
     def _write_held(self) -> set[Path]:
         """Write each held value to its file, or remove it when erased; return the folders changed.
