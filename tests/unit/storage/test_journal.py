@@ -24,11 +24,13 @@ from tenex_daemon.adapters.storage.filesystem.erasure import tombstone
 from tenex_daemon.adapters.storage.filesystem.folder import scan_folder
 from tenex_daemon.adapters.storage.filesystem.journal import (
     append_frame,
+    checkpoint_frame,
     create_frame,
     forget_frame,
     read_journal,
     replace_frame,
 )
+from tenex_daemon.adapters.storage.filesystem.journal_replay import replay
 from tenex_daemon.adapters.storage.filesystem.layout import JOURNAL_DIR
 from tenex_daemon.adapters.storage.filesystem.ops import Op
 from tenex_daemon.core.conversation import Conversation
@@ -773,3 +775,88 @@ async def test_held_values_stay_readable_when_the_final_checkpoint_is_skipped(tm
         assert await reopened.get_meta("cursor") == "2"
     finally:
         await reopened.close()
+
+
+def _refuse_unlink(monkeypatch: pytest.MonkeyPatch, refused: Path) -> None:
+    """Make deleting ``refused`` fail (EIO) until the patch is undone."""
+    real = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self == refused:
+            raise OSError(errno.EIO, "Input/output error (simulated)")
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+
+
+async def test_a_journal_a_checkpoint_could_not_delete_is_never_replayed_over_newer_files(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal file whose deletion failed at its checkpoint, sealed by it, is skipped by replay: a small
+    value keeps its newest content and a conversation deleted since does not come back, after a crash and
+    after a clean close alike; the live store deletes the file at a later checkpoint once it can."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    stale = home / "conversations" / JOURNAL_DIR / "0"
+    gone = await start(store, cast, "Deleted later")
+    await store.set_meta("outbox", "old")
+    _refuse_unlink(monkeypatch, stale)
+    with pytest.raises(OSError, match="simulated"):
+        await store._committer.checkpoint()  # journal 1 started, journal 0 left behind
+    await store.set_meta("outbox", "new")
+    assert await store.delete(gone.id)  # its traces erased: another checkpoint (journal 2)
+    assert journal_files(home) == ["0", "2"]  # that checkpoint failed to delete journal 0 again
+    crashed = crash_copy(home, tmp_path / "crashed")
+    await store.close()  # journal 0 is still there
+    closed = crash_copy(home, tmp_path / "closed")
+    monkeypatch.undo()
+    store = await open_batch(home)
+    await store.set_meta("outbox", "newest")
+    _refuse_unlink(monkeypatch, home / "conversations" / JOURNAL_DIR / "1")  # the live journal
+    with pytest.raises(OSError, match="simulated"):
+        await store._committer.checkpoint()
+    monkeypatch.undo()
+    await store._committer.checkpoint()  # deletes the left-behind file too
+    assert journal_files(home) == ["3"]
+    await store.close()
+
+    assert journal_files(closed) == ["0"]
+    for copy in (crashed, closed):
+        reopened = await open_batch(copy)
+        try:
+            assert await reopened.get_meta("outbox") == "new"
+            assert await reopened.load(gone.id) is None
+            assert not (copy / "conversations" / gone.id).exists()
+            assert "journal_skipped" in {a.kind for a in reopened.recovery}
+            assert len(journal_files(copy)) == 1  # the replayed and the skipped files are gone
+        finally:
+            await reopened.close()
+
+
+def test_replay_skips_only_journals_their_checkpoint_sealed(tmp_path: Path) -> None:
+    """Replay skips a journal file whose last whole frame is a checkpoint's and replays every other: one
+    with records after that frame (a checkpoint that could not start the next journal), or whose frame
+    after it is torn, is judged by its last whole frame."""
+    root = tmp_path / "conversations"
+    folder = root / JOURNAL_DIR
+    folder.mkdir(parents=True)
+    (root / ".meta").mkdir()
+    value = root / ".meta" / "v"
+
+    def replayed(*contents: bytes) -> bytes | None:
+        for path in folder.iterdir():
+            path.unlink()
+        value.unlink(missing_ok=True)
+        for generation, content in enumerate(contents):
+            (folder / str(generation)).write_bytes(content)
+        replay(root, tmp_path / "corrupt")
+        return value.read_bytes() if value.exists() else None
+
+    old, new = replace_frame(".meta/v", b"old"), replace_frame(".meta/v", b"new")
+    assert replayed(old + checkpoint_frame(0), b"") is None
+    assert replayed(old + checkpoint_frame(0) + new[:-1]) is None  # torn: never acknowledged
+    assert replayed(old + checkpoint_frame(0) + new) == b"new"
+    assert replayed(old, new + checkpoint_frame(1)) == b"old"
+    assert replayed(checkpoint_frame(0) + old) == b"old"
+    (folder / "0").write_bytes(old + checkpoint_frame(0))
+    assert [a.kind for a in replay(root, tmp_path / "corrupt").actions] == ["journal_skipped"]

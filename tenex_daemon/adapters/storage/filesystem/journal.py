@@ -22,7 +22,11 @@ Frame: ``<crc32 of body: u32 LE><body length: u32 LE><body>``; body is one of
   now holds ``data`` (a state snapshot, a meta value);
 - ``b"C" + relpath``: the conversation folder ``relpath`` was created (renamed into place);
 - ``b"F" + conversation id``: the conversation was deleted: forget its earlier records, so a new
-  conversation with the same id never receives them.
+  conversation with the same id never receives them;
+- ``b"K" + generation``: a checkpoint made every record before it durable in its file. A journal
+  file whose last frame it is gets no more records, and replay skips it: one left behind (its
+  deletion failed) would otherwise write its old records over newer files (a file written directly
+  while the store closed included) or bring back a conversation deleted since.
 """
 
 from __future__ import annotations
@@ -84,6 +88,11 @@ def forget_frame(conversation_id: str) -> bytes:
     return _frame(b"F" + conversation_id.encode("utf-8"))
 
 
+def checkpoint_frame(generation: int) -> bytes:
+    """Return the frame that ends journal ``generation`` once a checkpoint made its records durable."""
+    return _frame(b"K%d" % generation)
+
+
 # --- relpaths ------------------------------------------------------------------------------------
 
 
@@ -139,6 +148,8 @@ class JournalRead:
     size: int
     corrupt: bool
     """A complete frame failed its checksum (more than a torn tail)."""
+    checkpointed: bool = False
+    """The file's last frame is a checkpoint's: its records are in their files (replay skips it)."""
 
     def forget(self, conversation_id: str) -> None:
         """Drop the conversation's records read so far."""
@@ -165,6 +176,8 @@ class JournalRead:
             self.replaces[relpath.decode("utf-8")] = content
         elif kind == b"C" and rest:
             self.created.append(rest.decode("utf-8"))
+        elif kind == b"K" and rest.isdigit():
+            pass  # read by :func:`read_journal` when it comes first
         else:
             return False
         return True
@@ -183,6 +196,7 @@ def read_journal(data: bytes) -> JournalRead:
         if zlib.crc32(body) != crc or not body or not read.take(body):
             read.corrupt = True
             break
+        read.checkpointed = body[:1] == b"K"  # the last whole frame decides
         pos = end
     read.good_end = pos
     return read
@@ -220,6 +234,8 @@ class Journal:
         file is removed at the checkpoint). Their frames are durable; their files are not written
         yet. Changed on the commit thread only while the journal is open (after, by the committer's
         direct writes); read from any thread (one dict lookup)."""
+        self._stale: list[Path] = []
+        """Checkpointed journal files not deleted yet (a deletion failed)."""
         self.poisoned = False
         """A checkpoint's fsync failed: the kernel may since have dropped those pages and a
         retry would wrongly succeed, so no journal is deleted any more (the next open replays;
@@ -348,6 +364,8 @@ class Journal:
             if isinstance(exc, FsyncError):
                 self.poisoned = True
             raise
+        # sealed: its records are all in their files now, so replay skips it if its deletion fails
+        self.write([checkpoint_frame(self.generation)], ())
         for path, data in written.items():  # durable in their files now (changed on this thread only)
             if self.held.get(path, NOT_HELD) is data:
                 del self.held[path]
@@ -360,8 +378,25 @@ class Journal:
             self.size = 0
         if old_fd is not None:
             os.close(old_fd)
-        old.unlink()
+        self._stale.append(old)
+        self._remove_stale()
         fsync_dir(self.folder)
+
+    def _remove_stale(self) -> None:
+        """Delete the checkpointed journal files; one whose deletion fails is tried again at the next
+        checkpoint (replay skips it, sealed, but it still holds what it recorded, an erased
+        conversation's writes included). Raise the last failure."""
+        failure: OSError | None = None
+        left: list[Path] = []
+        for path in self._stale:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                failure = exc
+                left.append(path)
+        self._stale = left
+        if failure is not None:
+            raise failure
 
     def close(self) -> None:
         """Close the file without a checkpoint (the journal stays for the next open to replay)."""

@@ -4,8 +4,9 @@ Every record missing from its file is brought back: folders re-created, appends 
 snapshots restored; then the files are fsynced. Replay never cuts a good line: a record whose
 bytes are at their offset (or anywhere after the first record's offset, if something rewrote
 the file since) is left alone; the missing ones are appended at the end, after cutting a torn
-tail from a line-terminated log. The journal files are deleted (:func:`discard`) only once open
-has made the rescans' derived data durable.
+tail from a line-terminated log. A journal file its checkpoint sealed (left behind because its
+deletion failed) is not replayed: its records are in their files already. The journal files are deleted
+(:func:`discard`) only once open has made the rescans' derived data durable.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import structlog
 from tenex_daemon.adapters.storage.atomic import fsync_dir, fsync_file, replace_file
 from tenex_daemon.adapters.storage.filesystem.erasure import is_tombstone
 from tenex_daemon.adapters.storage.filesystem.journal import (
+    JournalRead,
     conversation_of,
     is_held,
     is_log_of,
@@ -65,12 +67,27 @@ class _Records:
         self.created = [p for p in self.created if not is_log_of(p, conversation_id)]
 
 
-def _read_all(files: list[tuple[int, Path]], corrupt_dir: Path, actions: list[RecoveryAction]) -> _Records:
-    """Read the journal files oldest first; one holding a corrupt frame is copied to ``corrupt/``
-    (its good frames are still replayed)."""
-    records = _Records()
+def _current(files: list[tuple[int, Path]], actions: list[RecoveryAction]) -> list[tuple[Path, JournalRead]]:
+    """Read the journal files, oldest first, but those a checkpoint sealed: their records are in their
+    files (a deletion that failed left them), and replaying them would write old records over newer
+    ones."""
+    current = []
     for _, path in files:
         read = read_journal(path.read_bytes())
+        if not read.checkpointed or read.corrupt:  # a corrupt one is copied aside and replayed as ever
+            current.append((path, read))
+            continue
+        detail = f"journal {path.name}: sealed by its checkpoint"
+        actions.append(RecoveryAction("journal_skipped", None, detail))
+        log.warning("journal_skipped", journal=str(path))
+    return current
+
+
+def _read_all(files: list[tuple[int, Path]], corrupt_dir: Path, actions: list[RecoveryAction]) -> _Records:
+    """Read the journal files still current (:func:`_current`) oldest first; one holding a corrupt
+    frame is copied to ``corrupt/`` (its good frames are still replayed)."""
+    records = _Records()
+    for path, read in _current(files, actions):
         if read.corrupt:
             target = copy_to_corrupt(corrupt_dir, path, f"journal.{path.name}")
             actions.append(RecoveryAction(

@@ -18,7 +18,7 @@ class RecoveryAction:
     kind: str
     """``torn_tail_cut``, ``log_salvaged``, ``state_rebuilt``, ``index_rebuilt``,
     ``index_entry_repaired``, ``index_entry_added``, ``index_entry_removed``, ``moved_to_corrupt``,
-    ``journal_replayed``."""
+    ``journal_replayed``, ``journal_skipped``."""
     conversation_id: str | None
     detail: str
 
