@@ -594,7 +594,12 @@ class Daemon:
         finally:
             structlog.contextvars.unbind_contextvars("event_id")
         self.last_event_at = time.time()
-        return self._count(event, result)
+        remember = self._count(event, result)
+        if event.kind == KIND_STOP and remember is None and self._peers is not None:
+            # daemons sharing a database: each carries a stop out for its own runs, so it is not marked
+            # processed where the others would skip it (stop requests are ephemeral: relays keep none)
+            return Remember.IN_MEMORY
+        return remember
 
     def _count(self, event: NostrEvent, result: HandleResult) -> Remember | None:
         if result.outcome in (Outcome.SCHEDULED, Outcome.STORED):

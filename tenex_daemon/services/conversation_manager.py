@@ -557,10 +557,10 @@ class ConversationManager:
             await self._save(conversation)
             return turn.turn_id
 
-    async def set_extra(self, conversation_id: str, key: str, value: Any) -> None:
-        """Set one value of the conversation's ``metadata.extra`` (the others are kept)."""
+    async def update_extra(self, conversation_id: str, key: str, update: Callable[[Any], Any]) -> None:
+        """Set ``metadata.extra[key]`` to ``update(its value, None if unset)`` under the lock and lease."""
         async with self._locked(conversation_id) as conversation:
-            conversation.metadata.extra[key] = value
+            conversation.metadata.extra[key] = update(conversation.metadata.extra.get(key))
             await self._save(conversation)
 
     async def add_completion_to_turn(self, conversation_id: str, agent_slug: str, message: str) -> bool:

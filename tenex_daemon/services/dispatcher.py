@@ -553,7 +553,7 @@ class EventDispatcher:
         """Store the conversation's routing limits when they differ from ``stored`` (as loaded)."""
         limits = self._limits.snapshot(conversation_id)
         if limits != stored:
-            await self._manager.set_extra(conversation_id, ROUTING_LIMITS_KEY, limits)
+            await self._manager.update_extra(conversation_id, ROUTING_LIMITS_KEY, lambda _: limits)
 
     async def _apply_phase(self, conversation: Conversation, decision: RoutingDecision) -> Phase:
         """Move to the decision's phase when the rules allow it; return the phase the turn runs in."""

@@ -11,13 +11,15 @@ completed it (:data:`STOPPED_COMPLETION`: the turn no longer waits), and, when r
 stop is answered by a short notice ("Stopped: Alice.") saved in history and published like a reply,
 tagged ``["error", "system"]`` and addressed to the person only, so it runs nobody. The request event
 itself is not added to history (it is ephemeral and says nothing to the agents); its id is remembered
-as processed like any handled event.
+as processed like any handled event, but in memory only when daemons share a database: each of them
+carries the request out for its own runs, and the record gains the agents each stopped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -212,19 +214,29 @@ async def _record(
     agents: tuple[str, ...],
     request: NostrEvent | None,
 ) -> None:
-    """Add a stop to the conversation's record (``metadata.extra["stops"]``, the newest STOPS_KEPT)."""
-    conversation = await manager.get_conversation(conversation_id)
-    if conversation is None:  # deleted meanwhile
+    """Add a stop to the conversation's record (``metadata.extra["stops"]``, the newest STOPS_KEPT). A
+    request already recorded (daemons sharing a database each carry it out for their own runs) gains
+    the agents stopped here instead."""
+    entry = {
+        "by": by, "at": manager.now_ms(), "agents": list(agents), "event_id": request.id if request else None,
+    }
+    try:
+        await manager.update_extra(conversation_id, STOPS_KEY, lambda kept: _with_stop(kept, entry))
+    except ConversationNotFoundError:  # deleted meanwhile
         return
-    kept = conversation.metadata.extra.get(STOPS_KEY)
-    stops = list(kept)[-(STOPS_KEPT - 1) :] if isinstance(kept, list) else []
-    stops.append({
-        "by": by,
-        "at": manager.now_ms(),
-        "agents": list(agents),
-        "event_id": request.id if request is not None else None,
-    })
-    await manager.set_extra(conversation_id, STOPS_KEY, stops)
+
+
+def _with_stop(kept: object, entry: dict[str, Any]) -> list[Any]:
+    """The stops record ``kept`` with ``entry`` added, or merged into the entry of the same request."""
+    stops = list(kept) if isinstance(kept, list) else []
+    request = entry["event_id"]
+    for index, stop in enumerate(stops):
+        if request is not None and isinstance(stop, dict) and stop.get("event_id") == request:
+            known = stop.get("agents")
+            agents = list(dict.fromkeys([*(known if isinstance(known, list) else []), *entry["agents"]]))
+            stops[index] = {**stop, "agents": agents}
+            return stops
+    return [*stops[-(STOPS_KEPT - 1) :], entry]
 
 
 def _newest_trigger(conversation: Conversation, stopped: list[RunRequest]) -> NostrEvent | None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -16,8 +18,10 @@ from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.status import read_status
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.testing import KeyPair
+from tests.contract.postgres_server import find_bin_dir, shared_server
 from tests.e2e.harness import DaemonProcess, Home, run_cli, scripted_agent
-from tests.e2e.test_outbox import until_asked
+from tests.e2e.test_outbox import until_asked, until_logged
+from tests.faults.test_daemons_on_postgres import twin
 from tests.integration.nostr.harness import LocalRelayServer
 from tests.llm_servers import ScriptedServer
 
@@ -163,3 +167,60 @@ async def test_the_owners_stop_cancels_the_thinking_agent_and_only_the_notice_is
     assert code == 0, out
     assert "stopped planner" in out
     assert person.statuses_of(root)[0].tag_values("p") == [home.agent("planner")]
+
+
+async def test_a_stop_reaches_the_runs_of_every_daemon_sharing_a_database(
+    relay: LocalRelayServer, home: Home, tmp_path: Path, scripted_server: ScriptedServer
+) -> None:
+    """Two daemons on one PostgreSQL database, each reading its own relay, run the planner in two
+    conversations each; the owner's stop of each reaches first the daemon that does not run it, then the
+    one that does: every run is cancelled (each conversation's only reply is the notice), and the stop is
+    recorded once per request."""
+    if find_bin_dir() is None:
+        pytest.skip("PostgreSQL is not installed; scripts/setup.d/20-postgres.sh installs it")
+    think_s = 8.0
+    thinking_planner(home, scripted_server, think_s)
+    dsn = await shared_server().create_database()
+    env = {**DAEMON_ENV, "TENEX_STORAGE__KIND": '"postgres"', "TENEX_STORAGE__DSN": f'"{dsn}"'}
+    other_relay = LocalRelayServer(tmp_path / "relay-b-lmdb")
+    await other_relay.start()
+    other_home = twin(home, tmp_path / "home-b")
+    config = other_home.path / "config.toml"
+    config.write_text(config.read_text().replace(relay.url, other_relay.url))
+    daemons = [DaemonProcess(home, env=env), DaemonProcess(other_home, env=env)]
+    people = [Person(relay, home), Person(other_relay, home)]
+    asked: list[tuple[NostrEvent, int]] = []
+    try:
+        for daemon, person in zip(daemons, people, strict=True):
+            await daemon.start()
+            await person.start()
+        for n in range(4):
+            asked.append((await people[n % 2].ask(f"Plan launch {n}"), n % 2))
+        await until_asked(scripted_server, len(asked))
+        for root, runner in asked:
+            stop = people[0].owner.sign(24134, "", [["e", root.id], ["p", home.agent("planner")]])
+            await people[1 - runner].client.publish(stop)  # the daemon with nothing to stop takes it first
+            await until_logged(daemons[1 - runner], stop.id, within=10)
+            await asyncio.sleep(0.5)  # its handling ends (before this change: marked processed for all)
+            await people[runner].client.publish(stop)
+
+        def answered() -> bool:
+            return all(people[runner].replies_to(root) for root, runner in asked)
+
+        await people[0].until(answered, within=15)
+        await asyncio.sleep(think_s)  # long enough for the model's answers, had any run gone on
+        code, out = await run_cli(home, "conversations", "show", asked[0][0].id, "--json")
+    finally:
+        for person in people:
+            await person.client.stop()
+        for daemon in daemons:
+            await daemon.stop()
+            daemon.kill()
+        other_relay.stop()
+
+    logs = "\n".join(d.log_tail(20) for d in daemons)
+    for root, runner in asked:
+        assert [e.content for e in people[runner].replies_to(root)] == ["Stopped: Planner."], logs
+    assert code == 0, out
+    stops = json.loads(out)["metadata"]["extra"]["stops"]
+    assert [(s["agents"], s["event_id"] is not None) for s in stops] == [(["planner"], True)], stops

@@ -16,7 +16,7 @@ from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.core.vocabulary import KIND_STOP
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, saving_reply
-from tenex_daemon.services.stopping import STOPS_KEY
+from tenex_daemon.services.stopping import STOPS_KEPT, STOPS_KEY, _with_stop
 from tenex_daemon.testing import KeyPair
 from tests import pipeline
 from tests.conftest import Cast
@@ -308,3 +308,20 @@ async def test_a_stopped_routed_agent_no_longer_holds_the_orchestrators_turn_ope
     assert conversation.open_turn() is None
     turn = conversation.orchestrator_turns[-1]
     assert [(c.agent, c.message) for c in turn.completions] == [("alice", "Stopped before answering.")]
+
+
+def test_a_request_carried_out_again_joins_its_record_rather_than_adding_one() -> None:
+    """Daemons sharing a database each carry a stop request out for their own runs: the second to record it
+    adds the agents it stopped to the request's entry; another request, or one from the CLI (no event), is
+    a new entry, and the record keeps the newest STOPS_KEPT."""
+    first = {"by": "p", "at": 1, "agents": [], "event_id": "e1"}
+    again = {"by": "p", "at": 2, "agents": ["alice"], "event_id": "e1"}
+    cli = {"by": "owner", "at": 3, "agents": ["bob"], "event_id": None}
+    many = [{"event_id": f"x{n}", "agents": []} for n in range(STOPS_KEPT)]
+
+    assert _with_stop(_with_stop(None, first), again) == [{**first, "agents": ["alice"]}]
+    assert _with_stop(["junk", again], {**first, "agents": ["bob", "alice"]}) == [
+        "junk", {**again, "agents": ["alice", "bob"]},
+    ]
+    assert [s["at"] for s in _with_stop(_with_stop([first], cli), {**cli, "at": 4})] == [1, 3, 4]
+    assert [s["event_id"] for s in _with_stop(many, first)] == [f"x{n}" for n in range(1, STOPS_KEPT)] + ["e1"]
