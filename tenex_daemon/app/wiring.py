@@ -65,7 +65,14 @@ def build_store(settings: Settings) -> Store:
             )
         from tenex_daemon.adapters.storage.postgres import PostgresStore
 
-        return PostgresStore(settings.storage.dsn)
+        # leases held around another: a kind-1 channel's, at most one per intake lane (a pool larger
+        # than that never runs out for good); names: a run lease per run, the daemon's own, a takeover's
+        daemon = settings.daemon
+        return PostgresStore(
+            settings.storage.dsn,
+            lease_pool_size=daemon.intake_lanes + 4,
+            name_pool_size=daemon.max_concurrent_runs + 2,
+        )
     from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 
     home = Path(settings.storage.path) if settings.storage.path else settings.home

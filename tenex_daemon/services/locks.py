@@ -5,9 +5,10 @@ further down this list, so no two tasks ever wait on each other:
 
 0. ``Stopper``'s per-conversation lock (one stop at a time), taken outside any run: a stop waits
    under it for the runs it cancels to end, and no run ever takes it.
-1. ``RunScheduler``'s per-conversation run slot (one agent run at a time in a conversation), then,
-   with daemons sharing a database, the conversation's run lease across daemons (``run:<id>``,
-   taken by polling, so a run waiting for it holds no connection), then the global cap (a semaphore).
+1. ``RunScheduler``'s per-conversation run slot (one agent run at a time in a conversation), then the
+   global cap (a semaphore), then, with daemons sharing a database, the conversation's run lease across
+   daemons (``run:<id>``, tried without waiting: while another daemon holds it, the run gives its place
+   under the cap back and tries again, holding neither).
 2. ``Delegation``'s per-thread lock (one ``send_message`` exchange at a time between two agents in
    a conversation), taken inside a run.
 3. ``ThreadManager``'s per-thread load lock (loading a delegation thread once).
@@ -19,6 +20,11 @@ further down this list, so no two tasks ever wait on each other:
 5. ``ConversationManager``'s per-conversation lock, around one load -> change -> save step.
 6. The store's lease on the conversation (``SmallValues.lease``: exclusive across daemons sharing a
    PostgreSQL database), always taken inside the manager's lock and held only for that step.
+
+On PostgreSQL each held lease or name is a connection, so the pools follow this order too: names (a run
+lease, a daemon's own) come from a pool of their own, with a place for each run under the cap, and the
+leases of 4 and 6 from another, larger than the intake lanes (4 is the only lease held around another,
+by one intake lane at most each), so a task holding a connection never waits for good on its own pool.
 
 ``RunScheduler``'s journal lock is a leaf: it is held only around one store write of the journal
 and nothing is taken under it but the store's own internal locks.

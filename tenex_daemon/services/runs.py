@@ -290,10 +290,8 @@ class RunScheduler:
             conversation_id=request.conversation_id, event_id=request.trigger_id, agent=request.agent_slug
         )
         try:
-            async with (
-                self._conversation_locks.hold(request.conversation_id),
-                self._conversation_run_lease(request.conversation_id),
-                self._semaphore,
+            async with self._conversation_locks.hold(request.conversation_id), self._run_slot(
+                request.conversation_id
             ):
                 if self._key(request) in self._covered:
                     self._covered.discard(self._key(request))
@@ -378,18 +376,21 @@ class RunScheduler:
         return [request for _, request in chosen]
 
     @contextlib.asynccontextmanager
-    async def _conversation_run_lease(self, conversation_id: str) -> AsyncIterator[None]:
-        """With daemons sharing a database (``peers``): hold the conversation's run lease for the whole
-        run and the routing of its reply, so two daemons never run one conversation's agents at once.
-        It is taken without waiting on a connection (tried again every 50 ms to 1 s), so runs waiting
-        for another daemon's hold no database connection; steps of the run take their own short
-        lease (the manager's), which intake takes too, so intake never waits for a run."""
+    async def _run_slot(self, conversation_id: str) -> AsyncIterator[None]:
+        """A place among the ``max_concurrent`` runs and, with daemons sharing a database (``peers``),
+        the conversation's run lease, held for the whole run and the routing of its reply, so two daemons
+        never run one conversation's agents at once. The place comes first, so at most ``max_concurrent``
+        runs hold a lease's connection; while another daemon holds the lease, the run gives its place back
+        and tries again (every 50 ms to 1 s), holding neither. Steps of the run take their own short lease
+        (the manager's), which intake takes too, so intake never waits for a run."""
         if self._peers is None:
-            yield
+            async with self._semaphore:
+                yield
             return
         delay = 0.05
         while True:
-            async with self._peers.try_take(f"{RUN_LEASE_PREFIX}{conversation_id}") as taken:
+            lease = self._peers.try_take(f"{RUN_LEASE_PREFIX}{conversation_id}")
+            async with self._semaphore, lease as taken:
                 if taken:
                     yield
                     return

@@ -128,16 +128,25 @@ class PostgresStore:
     """A :class:`~tenex_daemon.core.ports.ConversationStore` in PostgreSQL (asyncpg).
 
     ``dsn`` is a libpq connection string or URL. ``pool_size`` bounds the connections used
-    for queries; leases use their own pool (``lease_pool_size``) so a held lease never
-    starves the queries made under it.
+    for queries. Each advisory lock held needs a connection of its own, and a task holding one may
+    wait for another further in: so conversations' leases (:meth:`lease`) have their own pool
+    (``lease_pool_size``), and names (:meth:`alive`, :meth:`try_take`: a daemon's name, a
+    conversation's run lease, held across a whole run) another (``name_pool_size``). A held name
+    then never starves the leases taken under it, nor a held lease the queries made under it.
+    A lease pool larger than the number of leases ever held around another (a kind-1 channel's,
+    one per intake lane) never runs out for good.
     """
 
-    def __init__(self, dsn: str, *, pool_size: int = 10, lease_pool_size: int = 20) -> None:
+    def __init__(
+        self, dsn: str, *, pool_size: int = 10, lease_pool_size: int = 20, name_pool_size: int = 10
+    ) -> None:
         self.dsn = dsn
         self.pool_size = pool_size
         self.lease_pool_size = lease_pool_size
+        self.name_pool_size = name_pool_size
         self._pool: asyncpg.Pool | None = None
         self._lease_pool: asyncpg.Pool | None = None
+        self._name_pool: asyncpg.Pool | None = None
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -152,6 +161,7 @@ class PostgresStore:
             return
         self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.pool_size)
         self._lease_pool = await asyncpg.create_pool(self.dsn, min_size=0, max_size=self.lease_pool_size)
+        self._name_pool = await asyncpg.create_pool(self.dsn, min_size=0, max_size=self.name_pool_size)
         applied = await self.migrate()
         log.info("postgres_store_opened", migrations_applied=applied)
 
@@ -179,11 +189,11 @@ class PostgresStore:
         return applied
 
     async def close(self) -> None:
-        """Close both pools. Safe to call twice."""
-        for pool in (self._pool, self._lease_pool):
+        """Close the pools. Safe to call twice."""
+        for pool in (self._pool, self._lease_pool, self._name_pool):
             if pool is not None:
                 await pool.close()
-        self._pool = self._lease_pool = None
+        self._pool = self._lease_pool = self._name_pool = None
 
     async def create(self, conversation: Conversation) -> None:
         """Insert the conversation row and its history in one transaction."""
@@ -409,7 +419,7 @@ class PostgresStore:
         """Hold ``name``'s advisory lock (a daemon's own name) for the whole block, taking it again on a
         new connection whenever the one holding it breaks (a database restart drops every lock with its
         connection; a peer believes a free name only after a grace time, see the daemon's takeover)."""
-        if self._lease_pool is None:
+        if self._name_pool is None:
             raise RuntimeError("PostgresStore is not open; call open() first")
         first = asyncio.get_running_loop().create_future()
         keeper = asyncio.create_task(self._keep_name(name, first), name=f"postgres name {name}")
@@ -424,10 +434,10 @@ class PostgresStore:
     async def _keep_name(self, name: str, first: asyncio.Future[None]) -> None:
         """Hold ``name``'s lock until cancelled; after a broken connection, take it again (every
         ``_NAME_RETRY_S`` while the database is unreachable)."""
-        assert self._lease_pool is not None
+        assert self._name_pool is not None
         while True:
             try:
-                async with self._lease_pool.acquire() as conn:
+                async with self._name_pool.acquire() as conn:
                     await conn.execute(_LEASE_SQL, name)
                     if not first.done():
                         first.set_result(None)
@@ -451,9 +461,9 @@ class PostgresStore:
     @asynccontextmanager
     async def try_take(self, name: str) -> AsyncIterator[bool]:
         """Take ``name``'s advisory lock if it is free (its holder is gone); yield whether it was."""
-        if self._lease_pool is None:
+        if self._name_pool is None:
             raise RuntimeError("PostgresStore is not open; call open() first")
-        async with self._lease_pool.acquire() as conn:
+        async with self._name_pool.acquire() as conn:
             taken = bool(await conn.fetchval(_TRY_LEASE_SQL, name))
             try:
                 yield taken

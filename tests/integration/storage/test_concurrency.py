@@ -169,3 +169,34 @@ async def test_two_daemons_never_run_one_conversations_agents_at_once(postgres_s
 
     assert events.index("end a1") < events.index("start b1")
     assert events.index("step c1") < events.index("end a1")
+
+
+async def test_runs_waiting_in_more_conversations_than_the_lease_pool_holds_all_finish(
+    postgres_server: PostgresServer,
+) -> None:
+    """With daemons sharing PostgreSQL, runs waiting in more conversations than a pool has connections
+    all finish: a waiting run holds no connection, so the running ones always get their step leases
+    (runs holding their run lease on every lease connection while waiting under the cap hung for good)."""
+    from tenex_daemon.services.runs import RunRequest, RunScheduler
+
+    dsn = await postgres_server.create_database()
+    store = PostgresStore(dsn, lease_pool_size=6, name_pool_size=4)
+    await store.open()
+    finished: list[str] = []
+
+    async def run(request: RunRequest) -> None:
+        async with store.lease(request.conversation_id):  # a step of the run
+            await asyncio.sleep(0.01)
+        finished.append(request.conversation_id)
+
+    scheduler = RunScheduler(store, run, max_concurrent=3, peers=store)
+    try:
+        for n in range(30):
+            await scheduler.submit(RunRequest(f"c{n}", f"t{n}", "alice"))
+        async with asyncio.timeout(30):
+            while len(finished) < 30:  # noqa: ASYNC110 - every run ends
+                await asyncio.sleep(0.05)
+    finally:
+        await scheduler.drain(5.0)  # a run still waiting for a connection is cancelled
+        await store.close()
+    assert sorted(finished) == sorted(f"c{n}" for n in range(30))
