@@ -65,7 +65,7 @@ def build_store(settings: Settings) -> Store:
             )
         from tenex_daemon.adapters.storage.postgres import PostgresStore
 
-        # leases held around another: a kind-1 channel's, at most one per intake lane (a pool larger
+        # leases held around another: a channel's or task's, one per intake lane at most (a pool larger
         # than that never runs out for good); names: a run lease per run, the daemon's own, a takeover's
         daemon = settings.daemon
         return PostgresStore(

@@ -133,8 +133,8 @@ class PostgresStore:
     (``lease_pool_size``), and names (:meth:`alive`, :meth:`try_take`: a daemon's name, a
     conversation's run lease, held across a whole run) another (``name_pool_size``). A held name
     then never starves the leases taken under it, nor a held lease the queries made under it.
-    A lease pool larger than the number of leases ever held around another (a kind-1 channel's,
-    one per intake lane) never runs out for good.
+    A lease pool larger than the number of leases ever held around another (a channel's or a task's,
+    taken by intake: one per intake lane) never runs out for good.
     """
 
     def __init__(

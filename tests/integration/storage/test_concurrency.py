@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -171,17 +172,47 @@ async def test_two_daemons_never_run_one_conversations_agents_at_once(postgres_s
     assert events.index("step c1") < events.index("end a1")
 
 
-async def test_runs_waiting_in_more_conversations_than_the_lease_pool_holds_all_finish(
+class CountingPeers:
+    """A store's ``Peers`` that counts the names (run leases) held at once."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.store = store
+        self.held = 0
+        self.most_held = 0
+
+    @asynccontextmanager
+    async def try_take(self, name: str) -> AsyncIterator[bool]:
+        async with self.store.try_take(name) as taken:
+            self.held += 1
+            self.most_held = max(self.most_held, self.held)
+            try:
+                yield taken
+            finally:
+                self.held -= 1
+
+    def alive(self, name: str) -> AbstractAsyncContextManager[None]:
+        return self.store.alive(name)
+
+    async def keys_with_prefix(self, prefix: str) -> list[str]:
+        return await self.store.keys_with_prefix(prefix)
+
+    async def forget(self, key: str) -> None:
+        await self.store.forget(key)
+
+
+async def test_runs_waiting_in_more_conversations_than_the_pools_hold_all_finish_holding_no_lease(
     postgres_server: PostgresServer,
 ) -> None:
-    """With daemons sharing PostgreSQL, runs waiting in more conversations than a pool has connections
-    all finish: a waiting run holds no connection, so the running ones always get their step leases
-    (runs holding their run lease on every lease connection while waiting under the cap hung for good)."""
+    """With daemons sharing PostgreSQL, runs waiting in more conversations than the pools have connections
+    all finish, and no more run leases (connections) are held at once than runs may run: a waiting run
+    holds none, so the running ones always get their step leases (runs waiting under the cap with their
+    run lease on every lease connection hung for good)."""
     from tenex_daemon.services.runs import RunRequest, RunScheduler
 
     dsn = await postgres_server.create_database()
-    store = PostgresStore(dsn, lease_pool_size=6, name_pool_size=4)
+    store = PostgresStore(dsn, lease_pool_size=6, name_pool_size=5)
     await store.open()
+    peers = CountingPeers(store)
     finished: list[str] = []
 
     async def run(request: RunRequest) -> None:
@@ -189,7 +220,7 @@ async def test_runs_waiting_in_more_conversations_than_the_lease_pool_holds_all_
             await asyncio.sleep(0.01)
         finished.append(request.conversation_id)
 
-    scheduler = RunScheduler(store, run, max_concurrent=3, peers=store)
+    scheduler = RunScheduler(store, run, max_concurrent=3, peers=peers)
     try:
         for n in range(30):
             await scheduler.submit(RunRequest(f"c{n}", f"t{n}", "alice"))
@@ -200,3 +231,52 @@ async def test_runs_waiting_in_more_conversations_than_the_lease_pool_holds_all_
         await scheduler.drain(5.0)  # a run still waiting for a connection is cancelled
         await store.close()
     assert sorted(finished) == sorted(f"c{n}" for n in range(30))
+    assert peers.most_held == 3
+
+
+async def test_a_run_waiting_for_another_daemons_run_lease_gives_its_place_back(
+    postgres_server: PostgresServer,
+) -> None:
+    """A run whose conversation another daemon is running does not keep its place under the cap while it
+    waits: with one place, a run in another conversation goes first, and the waiting one runs once the
+    other daemon's run ends."""
+    from tenex_daemon.services.runs import RunRequest, RunScheduler
+
+    dsn = await postgres_server.create_database()
+    clients = [PostgresStore(dsn), PostgresStore(dsn)]
+    for client in clients:
+        await client.open()
+    events: list[str] = []
+    release = asyncio.Event()
+
+    async def run_first(request: RunRequest) -> None:
+        events.append(f"start {request.trigger_id}")
+        await release.wait()
+
+    async def run_second(request: RunRequest) -> None:
+        events.append(f"start {request.trigger_id}")
+
+    first = RunScheduler(clients[0], run_first, peers=clients[0])
+    second = RunScheduler(clients[1], run_second, max_concurrent=1, peers=clients[1])
+    try:
+        await first.submit(RunRequest("c1", "a1", "alice"))
+        async with asyncio.timeout(10):
+            while "start a1" not in events:  # noqa: ASYNC110 - the run has taken its lease
+                await asyncio.sleep(0.01)
+            await second.submit(RunRequest("c1", "b1", "bob"))
+            await asyncio.sleep(0.2)  # b1 is polling for c1's run lease
+            await second.submit(RunRequest("c2", "b2", "bob"))
+            while "start b2" not in events:  # noqa: ASYNC110 - the one place is free for another conversation
+                await asyncio.sleep(0.01)
+        assert "start b1" not in events
+        release.set()
+        async with asyncio.timeout(10):
+            while "start b1" not in events:  # noqa: ASYNC110 - the waiting run goes once the lease is free
+                await asyncio.sleep(0.01)
+    finally:
+        release.set()
+        await first.drain(5.0)
+        await second.drain(5.0)  # a run still waiting is cancelled
+        for client in clients:
+            await client.close()
+    assert events == ["start a1", "start b2", "start b1"]
