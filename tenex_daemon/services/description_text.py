@@ -8,6 +8,7 @@ code fence, or with chatter around it), else ``Title:`` / ``Summary:`` lines; it
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import re
@@ -130,6 +131,8 @@ def user_prompt(
 _FENCE = re.compile(r"```[a-zA-Z]*\s*(.*?)```", re.DOTALL)
 _LABEL = re.compile(r"^[\s>*#_\-]*(title|summary)[\s*_]*[:：=\-–]\s*(.*)$", re.IGNORECASE)
 _QUOTES = "\"'“”‘’«»`"
+_MEMBER = re.compile(r'"([A-Za-z_]+)"\s*:\s*("(?:[^"\\]|\\.)*")')
+"""A JSON ``"key": "text"`` member, read where the object around it does not parse (cut short)."""
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=\S)")
 
 
@@ -158,6 +161,16 @@ def _json_objects(text: str) -> list[dict[str, Any]]:
             if isinstance(value, dict):
                 found += _with_nested(value)
             start = candidate.find("{", end)
+    return found
+
+
+def _members(text: str) -> dict[str, Any]:
+    """The whole ``"key": "text"`` members of a JSON object that does not parse (a model's answer cut
+    off at its token limit keeps the members written before the cut), the first of each key."""
+    found: dict[str, Any] = {}
+    for match in _MEMBER.finditer(text):
+        with contextlib.suppress(json.JSONDecodeError):
+            found.setdefault(match.group(1), json.loads(match.group(2)))
     return found
 
 
@@ -229,10 +242,11 @@ def clean_summary(text: str | None) -> str | None:
 
 def parse_description(text: str) -> Description:
     """Read a model's answer: a JSON object with ``title`` and ``summary`` (fenced or among chatter),
-    else ``Title:`` and ``Summary:`` lines; what is missing or empty is None. HTML entities some chat
-    templates leave in the text are read as the characters they stand for."""
+    else the whole members of one cut short, else ``Title:`` and ``Summary:`` lines; what is missing
+    or empty is None. HTML entities some chat templates leave in the text are read as the characters
+    they stand for."""
     text = html.unescape(text)
-    for data in _json_objects(text):
+    for data in [*_json_objects(text), _members(text)]:
         title = clean_title(_field(data, "title", "name", "heading"))
         summary = clean_summary(_field(data, "summary", "description", "abstract"))
         if title is not None or summary is not None:

@@ -118,7 +118,10 @@ async def test_an_idle_conversation_is_titled_by_smollm2_published_and_recalled_
         assert isinstance(title, str)
         assert title.strip()
         assert title != UNTITLED
-        assert shown["title_source"] == "model"  # SmolLM2 named it (the fallback would say "fallback")
+        # SmolLM2 named it (the fallback would say "fallback"; the log says why the model's answer was not used)
+        assert shown["title_source"] == "model", "\n".join([
+            line for line in daemon.log_tail(400).splitlines() if "description" in line
+        ])
         assert isinstance(summary, str)
         assert summary.strip()
         assert published.tag_value("title") == title

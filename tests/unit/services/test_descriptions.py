@@ -189,6 +189,15 @@ def test_a_small_models_escaped_and_nested_answer_is_read() -> None:
     assert parse_description(nested) == Description("Spring Launch", "A launch was planned.")
 
 
+def test_the_whole_members_of_an_answer_cut_at_its_token_limit_are_read() -> None:
+    """A JSON answer cut off at the token limit (it does not parse) still gives the members written whole
+    before the cut, escapes undone; a member cut mid-string gives nothing (SmolLM2-135M answers so)."""
+    cut = '{\n  "title": "Miso\'s \\"vet\\" visit",\n  "summary": {\n    "date": "Friday",\n  "response": {"id": "58'
+    cut_in_summary = '{"title": "Planning the spring launch", "summary": "The person asked for'
+    assert parse_description(cut) == Description('Miso\'s "vet" visit', None)
+    assert parse_description(cut_in_summary) == Description("Planning the spring launch", None)
+
+
 def test_overlong_answers_are_clipped() -> None:
     """A title is clipped to 8 words (no closing full stop), a summary to 3 sentences."""
     long_title = "One two three four five six seven eight nine ten."
