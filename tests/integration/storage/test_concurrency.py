@@ -125,16 +125,24 @@ async def test_two_daemons_accept_each_event_exactly_once(postgres_server: Postg
     assert sorted(e.id for e in conversation.history[1:]) == sorted(e.id for e in events)
 
 
-async def test_two_daemons_never_run_one_conversations_agents_at_once(postgres_server: PostgresServer) -> None:
+@pytest.fixture
+async def clients(postgres_server: PostgresServer) -> AsyncIterator[list[PostgresStore]]:
+    """Two open PostgresStore clients of one fresh database (two daemons' stores), closed afterwards."""
+    dsn = await postgres_server.create_database()
+    opened = [PostgresStore(dsn), PostgresStore(dsn)]
+    for client in opened:
+        await client.open()
+    yield opened
+    for client in opened:
+        await client.close()
+
+
+async def test_two_daemons_never_run_one_conversations_agents_at_once(clients: list[PostgresStore]) -> None:
     """With daemons sharing PostgreSQL, a run holds its conversation's run lease: another daemon's run in
     that conversation waits until it ends (holding no connection meanwhile), a run in another
     conversation does not wait, and the short step lease intake uses stays free during the run."""
     from tenex_daemon.services.runs import RunRequest, RunScheduler
 
-    dsn = await postgres_server.create_database()
-    clients = [PostgresStore(dsn), PostgresStore(dsn)]
-    for client in clients:
-        await client.open()
     events: list[str] = []
     release = asyncio.Event()
 
@@ -161,12 +169,10 @@ async def test_two_daemons_never_run_one_conversations_agents_at_once(postgres_s
                 events.append("step c1")
         await asyncio.sleep(0.3)
         assert "start b1" not in events
+    finally:
         release.set()
         await first.drain(10.0)
         await second.drain(10.0)
-    finally:
-        for client in clients:
-            await client.close()
 
     assert events.index("end a1") < events.index("start b1")
     assert events.index("step c1") < events.index("end a1")
@@ -235,17 +241,13 @@ async def test_runs_waiting_in_more_conversations_than_the_pools_hold_all_finish
 
 
 async def test_a_run_waiting_for_another_daemons_run_lease_gives_its_place_back(
-    postgres_server: PostgresServer,
+    clients: list[PostgresStore],
 ) -> None:
     """A run whose conversation another daemon is running does not keep its place under the cap while it
     waits: with one place, a run in another conversation goes first, and the waiting one runs once the
     other daemon's run ends."""
     from tenex_daemon.services.runs import RunRequest, RunScheduler
 
-    dsn = await postgres_server.create_database()
-    clients = [PostgresStore(dsn), PostgresStore(dsn)]
-    for client in clients:
-        await client.open()
     events: list[str] = []
     release = asyncio.Event()
 
@@ -277,6 +279,4 @@ async def test_a_run_waiting_for_another_daemons_run_lease_gives_its_place_back(
         release.set()
         await first.drain(5.0)
         await second.drain(5.0)  # a run still waiting is cancelled
-        for client in clients:
-            await client.close()
     assert events == ["start a1", "start b2", "start b1"]
