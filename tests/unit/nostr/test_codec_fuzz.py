@@ -14,11 +14,12 @@ from tenex_daemon.adapters.nostr.codec import (
     EventRejectedError,
     Rejection,
     RejectReason,
+    encode_event,
     event_id_digest,
     parse_relay_frame,
     validate_event_dict,
 )
-from tenex_daemon.core.events import compute_event_id
+from tenex_daemon.core.events import NostrEvent, compute_event_id
 from tenex_daemon.testing import KeyPair, sign_event
 
 USER = KeyPair.from_seed(401)
@@ -113,3 +114,20 @@ def test_fast_id_serializer_matches_the_reference(
             event_id_digest(pubkey, created_at, kind, tags, content)
         return
     assert event_id_digest(pubkey, created_at, kind, tags, content).hex() == expected
+
+
+any_text = st.text(st.characters(exclude_categories=()), max_size=200)
+"""Text of any code point, lone surrogates included."""
+
+
+@FUZZ
+@given(any_text, st.lists(st.lists(st.text(max_size=12), max_size=4), max_size=4))
+def test_the_event_frame_is_the_text_json_writes(content: str, tags: list[list[str]]) -> None:
+    """``encode_event`` writes exactly the text of ``json.dumps`` without spaces or ASCII escapes, for any
+    content and tags (lone surrogates included: orjson refuses those, and json writes the frame)."""
+    event = NostrEvent.model_construct(
+        id="ab" * 32, pubkey="cd" * 32, created_at=1_700_000_000, kind=1111, tags=tags, content=content,
+        sig="ef" * 64,
+    )
+    expected = json.dumps(["EVENT", event.to_dict()], ensure_ascii=False, separators=(",", ":"))
+    assert encode_event(event) == expected

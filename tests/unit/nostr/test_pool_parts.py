@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
+from tenex_daemon.adapters.nostr.codec import OkMessage
 from tenex_daemon.adapters.nostr.relay_pool import (
     PoolSettings,
     PublishError,
@@ -16,6 +19,7 @@ from tenex_daemon.adapters.nostr.relay_pool import (
     SeenIds,
     backoff_delay,
 )
+from tenex_daemon.testing import KeyPair, sign_event
 
 
 def test_backoff_grows_is_capped_and_jittered() -> None:
@@ -104,3 +108,52 @@ async def test_delivery_lanes_keep_order_per_key_and_run_keys_concurrently() -> 
     assert [s for s in seen if s.startswith("a")] == ["a:1", "a:2"]
     assert [s for s in seen if s.startswith("b")] == ["b:1", "b:2"]
     assert pool.delivered == 5
+
+
+class _ScriptedRelay:
+    """A writable relay connection that answers every publish as told (no socket)."""
+
+    def __init__(self, url: str, answer: OkMessage | Exception | None) -> None:
+        self.url = url
+        self.spec = RelaySpec(url)
+        self._answer = answer
+
+    async def publish(self, event: object, deadline: float) -> OkMessage | None:
+        if isinstance(self._answer, Exception):
+            raise self._answer
+        return self._answer
+
+
+@pytest.mark.parametrize("relays", [1, 2])
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        (OkMessage("x", True, ""), {"accepted_by": True}),
+        (OkMessage("x", False, "duplicate: have it"), {"accepted_by": True}),
+        (OkMessage("x", False, "blocked: no"), {"rejected": "blocked: no"}),
+        (None, {"timed_out": True}),
+        (RuntimeError("boom"), {"rejected": "error: RuntimeError"}),
+    ],
+)
+async def test_each_relay_answer_counts_the_same_with_one_relay_or_several(
+    relays: int, answer: OkMessage | Exception | None, expected: dict[str, object]
+) -> None:
+    """A publish sorts each relay's answer (accepted, duplicate, refused, none, an error raised) the same
+    way whether one relay is written to (awaited directly) or several (one task each)."""
+    pool = RelayPool([f"ws://127.0.0.1:{n}" for n in range(1, relays + 1)])
+    urls = [spec.url for spec in pool.specs]
+    pool._relays = {url: _ScriptedRelay(url, answer) for url in urls}  # type: ignore[misc]
+    event = sign_event(KeyPair.from_seed(78), "hello", kind=1)
+
+    result = await pool.publish(event, raise_on_failure=False)
+
+    if "accepted_by" in expected:
+        assert result.ok
+        assert result.accepted_by[0] in urls
+    elif "rejected" in expected:
+        assert dict(result.rejected) == dict.fromkeys(urls, expected["rejected"])
+    else:
+        assert result.timed_out == tuple(urls)
+    if not result.ok:
+        with pytest.raises(PublishError):
+            await pool.publish(event)

@@ -494,8 +494,13 @@ def encode_close(subscription_id: str) -> str:
 
 
 def encode_event(event: NostrEvent) -> str:
-    """Return ``["EVENT", event]`` as JSON text."""
-    return json.dumps(["EVENT", event.to_dict()], ensure_ascii=False, separators=(",", ":"))
+    """Return ``["EVENT", event]`` as JSON text (orjson: the same text as ``json.dumps`` without
+    spaces and ``ensure_ascii``, see :func:`event_id_digest`; json writes what orjson refuses)."""
+    frame = ["EVENT", event.to_dict()]
+    try:
+        return orjson.dumps(frame).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
 
 
 def encode_auth(event: NostrEvent) -> str:

@@ -223,29 +223,30 @@ class RelayPool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.settings.publish_timeout if timeout is None else timeout)
         writers = [r for r in self._relays.values() if r.spec.write]
-        tasks = {asyncio.create_task(r.publish(event, deadline), name=f"publish {r.url}"): r.url
-                 for r in writers}
         accepted: list[str] = []
         rejected: dict[str, str] = {}
         timed_out: list[str] = []
-        pending = set(tasks)
-        while pending and not accepted:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                url = tasks[task]
-                try:
-                    answer = task.result()
-                except Exception as exc:
-                    rejected[url] = f"error: {type(exc).__name__}"
-                    continue
-                if answer is None:
-                    timed_out.append(url)
-                elif answer.is_success:
-                    accepted.append(url)
-                else:
-                    rejected[url] = answer.message
-        for task in pending:
-            self.spawn(self._finish_publish(event.id, tasks[task], task), f"publish tail {tasks[task]}")
+        pending: set[asyncio.Task[OkMessage | None]] = set()
+        tasks: dict[asyncio.Task[OkMessage | None], str] = {}
+        if len(writers) == 1:
+            # one relay (the usual home): awaited here, without a task and a wait around it;
+            # there is no tail to leave behind
+            relay = writers[0]
+            try:
+                answer: OkMessage | BaseException | None = await relay.publish(event, deadline)
+            except Exception as exc:
+                answer = exc
+            _tally(relay.url, answer, accepted, rejected, timed_out)
+        else:
+            tasks = {asyncio.create_task(r.publish(event, deadline), name=f"publish {r.url}"): r.url
+                     for r in writers}
+            pending = set(tasks)
+            while pending and not accepted:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    _tally(tasks[task], task.exception() or task.result(), accepted, rejected, timed_out)
+            for task in pending:
+                self.spawn(self._finish_publish(event.id, tasks[task], task), f"publish tail {tasks[task]}")
         result = PublishResult(
             event.id, tuple(accepted), rejected, tuple(timed_out), tuple(tasks[t] for t in pending)
         )
@@ -349,3 +350,22 @@ class RelayPool:
                 return False
             await asyncio.sleep(0.02)
         return True
+
+
+def _tally(
+    url: str,
+    answer: OkMessage | BaseException | None,
+    accepted: list[str],
+    rejected: dict[str, str],
+    timed_out: list[str],
+) -> None:
+    """Count one relay's answer to a publish: accepted, refused (its message, or the error its
+    publish raised) or unanswered before the deadline."""
+    if isinstance(answer, BaseException):
+        rejected[url] = f"error: {type(answer).__name__}"
+    elif answer is None:
+        timed_out.append(url)
+    elif answer.is_success:
+        accepted.append(url)
+    else:
+        rejected[url] = answer.message

@@ -62,9 +62,12 @@ def _newest_event_with(content: str, conversation: Conversation, appended: Nostr
     return None
 
 
-def state_bytes(conversation: Conversation, archived: bool, appended: NostrEvent | None = None) -> bytes:
-    """The ``state.json`` of a conversation: everything but its history, which it never repeats: the
-    last user message is the id of the event holding it (``appended``: the event written with it)."""
+def state_snapshot(
+    conversation: Conversation, archived: bool, appended: NostrEvent | None = None
+) -> tuple[bytes, dict[str, Any]]:
+    """The ``state.json`` of a conversation, and the state it holds as data (the index's summary is
+    copied from it: made once per write). Everything but its history, which it never repeats: the last
+    user message is the id of the event holding it (``appended``: the event written with it)."""
     state = conversation.state_dict()
     state["archived"] = archived
     message = conversation.metadata.last_user_message
@@ -72,9 +75,8 @@ def state_bytes(conversation: Conversation, archived: bool, appended: NostrEvent
     if event_id is not None:
         state["metadata"]["last_user_message"] = None
         state[LAST_USER_EVENT] = event_id
-    return json.dumps(
-        {"format": STATE_FORMAT, "state": state}, separators=(",", ":"), ensure_ascii=False
-    ).encode("utf-8")
+    data = json.dumps({"format": STATE_FORMAT, "state": state}, separators=(",", ":"), ensure_ascii=False)
+    return data.encode("utf-8"), state
 
 
 # --- making a folder -----------------------------------------------------------------------------

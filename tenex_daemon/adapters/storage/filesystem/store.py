@@ -10,7 +10,7 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 
@@ -28,7 +28,7 @@ from tenex_daemon.adapters.storage.filesystem.folder import (
     keep_after_failed_delete,
     move_folder,
     scan_folder,
-    state_bytes,
+    state_snapshot,
 )
 from tenex_daemon.adapters.storage.filesystem.index import COMPACT_MIN_RECORDS, Index, IndexEntry
 from tenex_daemon.adapters.storage.filesystem.journal import Journal
@@ -222,12 +222,12 @@ class FileSystemStore:
         if conversation.id in self._index.entries:
             raise ConversationExistsError(conversation.id)
         log_data = b"".join(encode_event(event) for event in conversation.history)
-        data = state_bytes(conversation, conversation.archived)
+        data, state = state_snapshot(conversation, conversation.archived)
         op = Op("create", self._layout.folder(conversation.id, conversation.archived), log_data, extra=data)
         await self._committer.commit([op])
         assert op.result is not None
         entry = IndexEntry(id=conversation.id)
-        entry.apply_state(conversation.state_dict(), conversation.archived)
+        entry.apply_state(state, conversation.archived)
         entry.event_count = len(conversation.history)
         entry.participants = conversation.participants()
         entry.log_size = len(log_data)
@@ -311,8 +311,10 @@ class FileSystemStore:
             raise ConversationNotFoundError(conversation_id)
         log_path, state_path = self._paths(conversation_id)  # live ones: archived is refused above
         ops = [Op("append", log_path, line)]
+        snapshot: dict[str, Any] = {}
         if state is not None:
-            ops.append(Op("replace", state_path, state_bytes(state, entry.archived, event)))
+            data, snapshot = state_snapshot(state, entry.archived, event)
+            ops.append(Op("replace", state_path, data))
         try:
             await self._committer.commit(ops)
         except BaseException:
@@ -326,7 +328,7 @@ class FileSystemStore:
         self._processed.add(event.id, conversation_id)
         self._index.counted(conversation_id, entry, event.pubkey if new_participant else None)
         if state is not None:
-            self._state_saved(state, entry, ops[1])
+            self._state_saved(state, snapshot, entry, ops[1])
             state.append(event)
         cached = self._cache.get(conversation_id)
         if cached is not None:
@@ -365,18 +367,21 @@ class FileSystemStore:
     async def save_state(self, conversation: Conversation) -> None:
         """Atomically replace the conversation's snapshot (temp file, fsync, rename, fsync folder)."""
         entry = self._entry_required(conversation.id)
-        data = state_bytes(conversation, entry.archived)
+        data, state = state_snapshot(conversation, entry.archived)
         op = Op("replace", self._layout.folder(conversation.id, entry.archived) / STATE_NAME, data)
         try:
             await self._committer.commit([op])
         except BaseException:
             self._cache.pop(conversation.id, None)
             raise
-        self._state_saved(conversation, entry, op)
+        self._state_saved(conversation, state, entry, op)
 
-    def _state_saved(self, conversation: Conversation, entry: IndexEntry, op: Op) -> None:
-        """Bookkeeping once a snapshot replacement is durable: index row, stamp, cache."""
-        entry.apply_state(conversation.state_dict(), entry.archived)
+    def _state_saved(
+        self, conversation: Conversation, state: dict[str, Any], entry: IndexEntry, op: Op
+    ) -> None:
+        """Bookkeeping once a snapshot replacement is durable: index row (from ``state``, the snapshot
+        written), stamp, cache."""
+        entry.apply_state(state, entry.archived)
         assert op.result is not None
         entry.state_stamp = op.result
         self._index.put(entry)
