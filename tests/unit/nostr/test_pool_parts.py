@@ -153,7 +153,7 @@ async def test_each_relay_answer_counts_the_same_with_one_relay_or_several(
     elif "rejected" in expected:
         assert dict(result.rejected) == dict.fromkeys(urls, expected["rejected"])
     else:
-        assert result.timed_out == tuple(urls)
+        assert sorted(result.timed_out) == sorted(urls)  # in the order the relays answered
     if not result.ok:
         with pytest.raises(PublishError):
             await pool.publish(event)
