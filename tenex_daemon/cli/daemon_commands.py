@@ -176,6 +176,14 @@ def _print_status_data(data: dict[str, Any]) -> None:
         f"events accepted {events.get('accepted', 0)}, rejected {events.get('rejected', {})}; "
         f"errors {data.get('errors', {})}"
     )
+    outbox = data.get("outbox") or {}
+    if outbox:
+        oldest = outbox.get("oldest_age_s")
+        waiting = f" (oldest {duration(float(oldest))})" if isinstance(oldest, int | float) else ""
+        out.print(
+            f"outbox: {outbox.get('depth', 0)} waiting for a relay{waiting}; "
+            f"{outbox.get('delivered', 0)} delivered, {outbox.get('retries', 0)} retries since start"
+        )
     described = data.get("descriptions") or {}
     if described:
         out.print(

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
-from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole
+from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole, claims_agent
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.nip19 import encode_npub
@@ -323,11 +323,40 @@ def _handoff_summary_since(conversation: Conversation, transitions_seen: int) ->
 # --- the orchestrator's view ----------------------------------------------------------------
 
 
+def latest_user_message(
+    conversation: Conversation, directory: AgentDirectory, trigger: NostrEvent | None = None
+) -> str:
+    """The content of the newest event with content a person wrote, up to the trigger (the trigger itself
+    when a person wrote it, even before it is stored); the first message's when there is none."""
+
+    def by_a_person(event: NostrEvent) -> bool:
+        claims = conversation.claims_agent(event.pubkey) or claims_agent(event.tags)
+        return bool(event.content) and directory.role_of(event.pubkey, claims) is AuthorRole.USER
+
+    history = conversation.history
+    end = len(history)
+    if trigger is not None:
+        if by_a_person(trigger):
+            return trigger.content
+        index = conversation.index_of(trigger.id)
+        if index is not None:
+            end = index
+    for event in reversed(history[:end]):
+        if by_a_person(event):
+            return event.content
+    root = conversation.root
+    return root.content if root is not None else ""
+
+
 def build_routing_context(
-    conversation: Conversation, completion_preview: tuple[str, str, int] | None = None
+    conversation: Conversation,
+    directory: AgentDirectory,
+    trigger: NostrEvent | None = None,
+    completion_preview: tuple[str, str, int] | None = None,
 ) -> dict[str, Any]:
     """Return the orchestrator's routing context (docs/CONTEXT.md, "The orchestrator's view").
 
+    ``latest_user_message`` is read up to ``trigger`` (the whole history without one).
     ``completion_preview`` (agent slug, message, timestamp) shows a completion that is
     arriving with the trigger but is not recorded yet; it is shown once, like any other.
     """
@@ -343,6 +372,7 @@ def build_routing_context(
                 current["completions"].append({"agent": slug, "message": message, "timestamp": timestamp})
     return {
         "user_request": root.content if root is not None else "",
+        "latest_user_message": latest_user_message(conversation, directory, trigger),
         "routing_history": history_entries,
         "current_routing": current,
     }

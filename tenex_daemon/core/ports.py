@@ -181,6 +181,9 @@ class ReplyComposer(Protocol):
     def compose(self, spec: ReplySpec) -> NostrEvent:
         """Return the signed reply event."""
 
+    def replied_to(self, reply: NostrEvent) -> str | None:
+        """The id of the event ``reply`` (one this composer made) answers, as its tags say."""
+
 
 class Publisher(Protocol):
     """Sends events to the relays."""

@@ -16,7 +16,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import PartialTextPublisher, Publisher, ReplyComposer, ReplySpec
-from tenex_daemon.core.vocabulary import TAG_DELEGATION, TAG_EVENT
+from tenex_daemon.core.vocabulary import TAG_DELEGATION
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.answering import (
     DEFAULT_MAX_TOOL_ROUNDS,
@@ -198,7 +198,9 @@ class AgentRunner:
         trigger = conversation.history[index]
         if request.recovered:
             await self._republish_saved(conversation, request, profile.agent.pubkey)
-        saved = _answer_to(conversation.history, index, profile.agent.pubkey) if request.recovered else None
+        saved = None
+        if request.recovered:
+            saved = self._answer_to(conversation.history, index, profile.agent.pubkey)
         if saved is not None:
             # Redone after a crash that came between the reply and the run's end: the reply is
             # saved, maybe never published. It goes out again (relays keep one copy per id).
@@ -285,7 +287,7 @@ class AgentRunner:
         cid = conversation.id
         for earlier in request.burst:
             index = conversation.index_of(earlier)
-            answer = None if index is None else _answer_to(history, index, agent_pubkey)
+            answer = None if index is None else self._answer_to(history, index, agent_pubkey)
             if answer is not None:
                 await self.outbox.add(cid, answer, agent_slug=request.agent_slug, trigger_id=earlier)
         start = conversation.index_of(request.trigger_id)
@@ -293,6 +295,20 @@ class AgentRunner:
             author = self._manager.agents.by_pubkey(event.pubkey)
             if author is not None and event.tag_value(TAG_DELEGATION) is not None:
                 await self.outbox.add(cid, event, agent_slug=author.slug)
+
+    def _answer_to(self, history: Sequence[NostrEvent], index: int, agent_pubkey: str) -> NostrEvent | None:
+        """The agent's saved reply to ``history[index]``: a later event of its whose tags name it as the
+        event answered (the composer reads them: a kind-1 reply names the thread's root first), and not a
+        ``send_message`` request it made meanwhile (which carries a ``delegation`` tag)."""
+        trigger_id = history[index].id
+        for event in history[index + 1:]:
+            if (
+                event.pubkey == agent_pubkey
+                and event.tag_value(TAG_DELEGATION) is None
+                and self._composer.replied_to(event) == trigger_id
+            ):
+                return event
+        return None
 
     async def _count_run_time(self, conversation_id: str, started_ms: int) -> None:
         """A run that ends without a saved reply still worked: its time is counted (best effort)."""
@@ -379,19 +395,3 @@ class AgentRunner:
             await self._publisher.typing(agent_slug, conversation_id, active)
         except Exception as exc:
             log.info("typing_not_published", agent=agent_slug, error=str(exc))
-
-
-def _answer_to(history: Sequence[NostrEvent], index: int, agent_pubkey: str) -> NostrEvent | None:
-    """The agent's saved reply to ``history[index]``: a later event of its ``e``-tagging it (not a
-    ``send_message`` request it made meanwhile, which carries a ``delegation`` tag)."""
-    trigger_id = history[index].id
-    for event in history[index + 1:]:
-        if (
-            event.pubkey == agent_pubkey
-            and event.tag_value(TAG_EVENT) == trigger_id
-            and event.tag_value(TAG_DELEGATION) is None
-        ):
-            return event
-    return None
-
-

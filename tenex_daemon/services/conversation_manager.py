@@ -586,7 +586,7 @@ class ConversationManager:
             agent = self.agents.by_pubkey(trigger.pubkey)
             if agent is not None:
                 preview = (agent.slug, trigger.content, trigger.created_at * 1000)
-        return build_routing_context(conversation, preview)
+        return build_routing_context(conversation, self.agents, trigger, preview)
 
     # --- execution time -------------------------------------------------------------------
 
@@ -783,7 +783,7 @@ class ConversationManager:
     async def preview_agent_messages(
         self, conversation_id: str, agent_slug: str, trigger: NostrEvent | None = None
     ) -> AgentContext:
-        """Return what :meth:`build_agent_messages` would return now, persisting nothing.
+        """Return what a run for ``trigger`` would be built now (``burst``, as runs are), persisting nothing.
 
         The same pure :func:`~tenex_daemon.core.context.build_agent_messages` on the stored
         conversation, with ``nostr:`` references resolved the same way; the agent's state
@@ -797,4 +797,4 @@ class ConversationManager:
                 raise ValueError(f"conversation {conversation_id} has no events")
             trigger = conversation.history[-1]
         resolved = await self._resolve_references(conversation_event_references(conversation, trigger))
-        return build_agent_messages(conversation, agent, trigger, self.agents, resolved)
+        return build_agent_messages(conversation, agent, trigger, self.agents, resolved, burst=True)

@@ -189,6 +189,7 @@ def orchestrator_system_prompt(
         "The phases and the moves allowed from each (staying in the same phase is always allowed):\n"
         f"{phase_lines}\n\n"
         "You are sent the routing context as JSON: user_request (the conversation's first message), "
+        "latest_user_message (the newest message the user wrote, up to the event being routed), "
         "routing_history (the finished turns: phase, agents, their completions, reason) and "
         "current_routing (the open turn, or null). The conversation is in the phase of the newest turn "
         "(chat before the first).\n\n"
@@ -224,8 +225,7 @@ class LLMOrchestrator:
     message holding the routing context JSON (docs/CONTEXT.md). An invalid answer (no JSON object,
     not a decision, an unknown slug) is fed back once with what is wrong; a second invalid
     answer routes to the default agent. END in answer to a person's message is invalid: a
-    person who writes gets an answer (the feedback quotes their message, which the routing
-    context, holding the conversation's first message, does not show). A backend failure
+    person who writes gets an answer (the feedback quotes their message). A backend failure
     falls back to ``fallback``.
     """
 

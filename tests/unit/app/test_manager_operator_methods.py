@@ -56,6 +56,26 @@ async def test_preview_matches_the_build_and_persists_nothing(cast: Cast, manage
     assert preview.last_processed_index == built.last_processed_index
 
 
+async def test_a_preview_for_an_earlier_trigger_is_built_as_its_run_would_be(
+    cast: Cast, manager: ConversationManager
+) -> None:
+    """Previewed for an earlier message, the context is what a run for it is sent: what was saved after
+    that message stands before it, and it comes last (a run's trigger is always last)."""
+    root = cast.user_says("hello", kind=11)
+    await manager.create_conversation(root)
+    earlier = cast.user_says("Bob, first this", tags=[["E", root.id]])
+    later = cast.user_says("and then that", tags=[["E", root.id]])
+    for event in (earlier, later):
+        await manager.add_event(root.id, event)
+
+    preview = await manager.preview_agent_messages(root.id, "bob", earlier)
+    run = await manager.build_agent_messages(root.id, "bob", earlier, persist=False, burst=True)
+
+    assert preview.messages == run.messages
+    assert preview.messages[-1].content == "Bob, first this"
+    assert "and then that" in [m.content for m in preview.messages[:-1]]
+
+
 async def test_find_conversation_of_event_by_root_or_member(cast: Cast, manager: ConversationManager) -> None:
     """find_conversation_of_event returns the conversation id for its root or any event in it, else None."""
     root = cast.user_says("task", kind=1934)

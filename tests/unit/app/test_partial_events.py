@@ -1,8 +1,11 @@
-"""The kind-21111 partial-text event the pool publisher signs while an agent's backend streams."""
+"""The kind-21111 partial-text event the pool publisher signs while an agent's backend streams, and its
+typing indicators' rate."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +13,7 @@ from tenex_daemon.adapters.nostr.codec import verify_event
 from tenex_daemon.adapters.nostr.publisher import PoolPublisher
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.vocabulary import KIND_STREAMING
+from tenex_daemon.core.vocabulary import KIND_STREAMING, KIND_TYPING_START, KIND_TYPING_STOP
 from tests.conftest import Cast
 
 
@@ -39,3 +42,33 @@ async def test_partial_is_a_signed_ephemeral_event_tagged_with_conversation_and_
     assert event.content == "Once upon"
     assert event.tags == [["e", "c" * 64], ["e", "t" * 64, "", "reply"], ["streaming", "3"]]
     assert options["raise_on_failure"] is False
+
+
+async def test_typing_starts_are_an_interval_apart_even_across_runs(cast: Cast) -> None:
+    """A typing start within the interval of the last one (the next run, after a stop) waits out the rest
+    of it and is sent then, unless a stop comes first; stops go out at once, and another conversation
+    has its own interval."""
+    pool = RecordingPool()
+    interval = 0.2
+    publisher = PoolPublisher(
+        pool, {"alice": Signer(os.urandom(32))}, {"alice": cast.alice}, typing_min_interval_s=interval
+    )
+    one, other = "c" * 64, "d" * 64
+    first_start = time.monotonic()
+    await publisher.typing("alice", one, True)
+    await publisher.typing("alice", one, False)
+
+    stopped_run = asyncio.create_task(publisher.typing("alice", one, True))  # the next run, too soon
+    await asyncio.sleep(0)
+    await publisher.typing("alice", other, True)
+    await publisher.typing("alice", one, False)  # that run ends before its start was due
+    await asyncio.wait_for(stopped_run, interval / 2)
+    await publisher.typing("alice", one, True)  # a third run: sent once the interval has passed
+    sent_at = time.monotonic()
+
+    sent = [(event.kind, event.tags[0][1]) for event, _ in pool.published]
+    assert sent == [
+        (KIND_TYPING_START, one), (KIND_TYPING_STOP, one), (KIND_TYPING_START, other),
+        (KIND_TYPING_STOP, one), (KIND_TYPING_START, one),
+    ]
+    assert sent_at - first_start >= interval

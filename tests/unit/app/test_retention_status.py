@@ -1,5 +1,5 @@
 """The retention sweeper in the daemon's health data: Prometheus counters, the status document's
-``retention`` part and the line `tenexd status` prints."""
+``retention`` part and the line `tenexd status` prints; the outbox's line there too."""
 
 from __future__ import annotations
 
@@ -67,3 +67,18 @@ def test_tenexd_status_prints_the_retention_line(capsys: pytest.CaptureFixture[s
         "retention: 7 sweeps, last 1970-01-01 00:00:00Z; since start ended idle 3, archived 2, "
         "deleted 1, errors 0"
     ) in printed
+
+
+def test_tenexd_status_prints_the_outbox_depth_and_its_oldest_entry(capsys: pytest.CaptureFixture[str]) -> None:
+    """`tenexd status` says how many signed events wait for a relay and how long the oldest has waited;
+    an empty outbox says so without an age."""
+    data = dict(new_status("0.1.0"))
+    data["outbox"] = {"depth": 3, "oldest_age_s": 245.2, "delivered": 12, "retries": 4}
+    _print_status_data(data)
+    waiting = " ".join(capsys.readouterr().out.split())
+    data["outbox"] = {"depth": 0, "oldest_age_s": None, "delivered": 12, "retries": 4}
+    _print_status_data(data)
+    empty = " ".join(capsys.readouterr().out.split())
+
+    assert "outbox: 3 waiting for a relay (oldest 4m 5s); 12 delivered, 4 retries since start" in waiting
+    assert "outbox: 0 waiting for a relay; 12 delivered, 4 retries since start" in empty

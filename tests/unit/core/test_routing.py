@@ -17,8 +17,44 @@ async def test_routing_context_shape_with_no_turns(manager: ConversationManager,
 
     context = await manager.build_orchestrator_routing_context(cid)
 
-    assert context == {"user_request": "Build me a website", "routing_history": [], "current_routing": None}
+    assert context == {
+        "user_request": "Build me a website", "latest_user_message": "Build me a website",
+        "routing_history": [], "current_routing": None,
+    }
     assert json.loads(json.dumps(context)) == context
+
+
+async def test_latest_user_message_is_the_newest_a_person_wrote_up_to_the_trigger(
+    manager: ConversationManager, cast: Cast
+) -> None:
+    """A follow-up reaches the orchestrator: ``latest_user_message`` is the newest person's message with
+    content up to the trigger (an agent's trigger, a foreign agent's included, looks back past it; a
+    later message is not shown), while ``user_request`` stays the first message."""
+    root = cast.user_says("Build me a website", kind=11)
+    cid = (await manager.create_conversation(root)).id
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"]]
+    answer = cast.alice_says("Which colours?", tags=thread)
+    follow_up = cast.user_says("Make it blue", tags=thread)
+    empty = cast.user_says("", tags=thread)
+    completion = cast.alice_says("Done, blue", tags=[*thread, ["tool", "complete"]])
+    later = cast.user_says("And a logo", tags=thread)
+    for event in (answer, follow_up, empty, completion, later):
+        await manager.add_event(cid, event)
+    foreign_agent = cast.factory.event(cast.other_user, "Another bot here", tags=[*thread, ["net-time", "3"]])
+
+    at_answer = await manager.build_orchestrator_routing_context(cid, answer)
+    at_completion = await manager.build_orchestrator_routing_context(cid, completion)
+    at_later = await manager.build_orchestrator_routing_context(cid, later)
+    unsaved = cast.user_says("Not stored yet", tags=thread)
+    at_unsaved = await manager.build_orchestrator_routing_context(cid, unsaved)
+    at_foreign_agent = await manager.build_orchestrator_routing_context(cid, foreign_agent)
+
+    assert at_answer["latest_user_message"] == "Build me a website"
+    assert at_completion["latest_user_message"] == "Make it blue"
+    assert at_later["latest_user_message"] == "And a logo"
+    assert at_unsaved["latest_user_message"] == "Not stored yet"
+    assert at_foreign_agent["latest_user_message"] == "And a logo"
+    assert {c["user_request"] for c in (at_answer, at_completion, at_later, at_unsaved)} == {"Build me a website"}
 
 
 async def test_open_turn_is_current_and_completed_turns_are_history(

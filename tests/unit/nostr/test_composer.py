@@ -217,3 +217,31 @@ def test_of_several_reply_markers_the_last_is_the_parent() -> None:
     threading = read_threading(event)
 
     assert (threading.root_id, threading.parent_id, threading.parent_author) == (root_id, answer_id, AGENT.pubkey)
+
+
+def _replied_to_cases() -> list[tuple[str, NostrEvent, NostrEvent]]:
+    note = sign_event(USER, "hello agent", kind=1, tags=[["p", AGENT.pubkey]])
+    later_note = sign_event(USER, "and then?", kind=1, tags=[["e", note.id, "", "root"], ["p", AGENT.pubkey]])
+    thread = sign_event(USER, "a thread", kind=11, tags=[["p", AGENT.pubkey]])
+    comment = sign_event(USER, "more", tags=[["E", thread.id, "", USER.pubkey], ["K", "11"], ["e", thread.id]])
+    return [
+        ("kind 1, the root", note, note),
+        ("kind 1, a later note", later_note, note),
+        ("kind 1111, the root", thread, thread),
+        ("kind 1111, a comment", comment, thread),
+    ]
+
+
+@pytest.mark.parametrize(("case", "trigger", "root"), _replied_to_cases())
+def test_the_composer_reads_back_the_trigger_of_each_reply_it_makes(
+    case: str, trigger: NostrEvent, root: NostrEvent
+) -> None:
+    """Whatever the conversation's kind and wherever the trigger stands, ``replied_to`` of a composed reply
+    is its trigger (a run redone after a crash finds its saved reply by it), a delegation request's too."""
+    made = composer()
+
+    reply = made.compose(spec(trigger, root))
+    request = made.compose(spec(trigger, root, delegation="ask"))
+
+    assert made.replied_to(reply) == trigger.id, case
+    assert made.replied_to(request) == trigger.id, case

@@ -261,6 +261,34 @@ async def test_a_recovered_run_whose_reply_was_saved_is_not_answered_again(cast:
     assert await rig.store.get_meta(PENDING_RUNS_KEY) == "[]"
 
 
+async def test_a_recovered_run_in_a_kind_1_conversation_finds_its_saved_reply(cast: Cast) -> None:
+    """A kind-1 reply names the thread's root in its first ``e`` tag and its trigger in the one marked
+    ``reply``: a run redone after a crash still finds the reply it saved to a later message, and
+    publishes that one again instead of answering the message twice."""
+    rig = pipeline.build_rig(cast, composer=pipeline.real_composer(cast))
+    root = cast.user_says("hello", kind=1, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    first_answer = rig.publisher.published[0]
+    follow_up = cast.user_says("and then?", kind=1, tags=[
+        ["e", root.id, "", "root"], ["e", first_answer.id, "", "reply"], ["p", cast.alice.pubkey],
+    ])
+    await rig.dispatcher.handle(follow_up)
+    await rig.quiet()
+    second_answer = rig.publisher.published[1]
+    assert (second_answer.kind, second_answer.tag_value("e")) == (1, root.id)  # the root comes first
+    journal = f'[{{"conversation_id":"{root.id}","trigger_id":"{follow_up.id}","agent_slug":"alice"}}]'
+    await rig.store.set_meta(PENDING_RUNS_KEY, journal)  # as if the second run's end was never recorded
+
+    await rig.scheduler.recover()
+    await settle(rig)
+
+    assert [e.id for e in rig.publisher.published] == [first_answer.id, second_answer.id, second_answer.id]
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert len(conversation.history) == 4
+
+
 class LoadsFailAfterCreate(MemoryStore):
     """A memory store whose next ``failures`` loads fail once a conversation is created (its database
     restarting right after it accepted an event)."""

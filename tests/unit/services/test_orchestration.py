@@ -35,7 +35,7 @@ from tests import pipeline
 from tests.conftest import Cast
 from tests.unit.services.test_tool_loop import calls, text
 
-CONTEXT_KEYS = {"user_request", "routing_history", "current_routing"}
+CONTEXT_KEYS = {"user_request", "latest_user_message", "routing_history", "current_routing"}
 ENTRY_KEYS = {"phase", "agents", "completions", "reason", "timestamp"}
 COMPLETION_KEYS = {"agent", "message", "timestamp"}
 
@@ -198,7 +198,11 @@ async def test_two_agents_complete_then_verification_then_end(cast: Cast) -> Non
     assert rig.after_reply[1].agents == ("alice",)
     first_ctx, second_ctx, third_ctx = routing_contexts(model)
     assert all(len(r.messages) == 1 for r in model.requests)  # one user message holding the JSON
-    assert first_ctx == {"user_request": "Build a bridge", "routing_history": [], "current_routing": None}
+    assert first_ctx == {
+        "user_request": "Build a bridge", "latest_user_message": "Build a bridge", "routing_history": [],
+        "current_routing": None,
+    }
+    assert list(first_ctx) == ["user_request", "latest_user_message", "routing_history", "current_routing"]
     assert set(second_ctx) == CONTEXT_KEYS
     assert second_ctx["current_routing"] is None
     [built] = second_ctx["routing_history"]

@@ -44,6 +44,12 @@ class RelayEventResolver:
                 [{"kinds": [entity.kind], "authors": [entity.author], f"#{TAG_IDENTIFIER}": [entity.value]}],
                 timeout=self.timeout,
             )
-            matching = [e for e in events if e.tag_value(TAG_IDENTIFIER) == entity.value]
-            return matching[0] if matching else None
+            # a relay may answer with anything: only the address's own author, kind and d-tag count
+            # (another key's event with the same d-tag would otherwise stand in for the article)
+            matching = [
+                e for e in events
+                if (e.pubkey, e.kind) == (entity.author, entity.kind)
+                and e.tag_value(TAG_IDENTIFIER) == entity.value
+            ]
+            return matching[0] if matching else None  # fetch gives the newest first
         return None
