@@ -323,26 +323,28 @@ def _handoff_summary_since(conversation: Conversation, transitions_seen: int) ->
 # --- the orchestrator's view ----------------------------------------------------------------
 
 
+def is_person_message(conversation: Conversation, directory: AgentDirectory, event: NostrEvent) -> bool:
+    """Whether ``event`` is a message with content written by a person (a user: not one of our agents, the
+    project key, or an author that writes agent-only tags, in this event or earlier in the conversation)."""
+    claims = conversation.claims_agent(event.pubkey) or claims_agent(event.tags)
+    return bool(event.content) and directory.role_of(event.pubkey, claims) is AuthorRole.USER
+
+
 def latest_user_message(
     conversation: Conversation, directory: AgentDirectory, trigger: NostrEvent | None = None
 ) -> str:
     """The content of the newest event with content a person wrote, up to the trigger (the trigger itself
     when a person wrote it, even before it is stored); the first message's when there is none."""
-
-    def by_a_person(event: NostrEvent) -> bool:
-        claims = conversation.claims_agent(event.pubkey) or claims_agent(event.tags)
-        return bool(event.content) and directory.role_of(event.pubkey, claims) is AuthorRole.USER
-
     history = conversation.history
     end = len(history)
     if trigger is not None:
-        if by_a_person(trigger):
+        if is_person_message(conversation, directory, trigger):
             return trigger.content
         index = conversation.index_of(trigger.id)
         if index is not None:
             end = index
     for event in reversed(history[:end]):
-        if by_a_person(event):
+        if is_person_message(conversation, directory, event):
             return event.content
     root = conversation.root
     return root.content if root is not None else ""

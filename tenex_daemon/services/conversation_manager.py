@@ -17,13 +17,14 @@ from typing import Any
 import structlog
 
 from tenex_daemon.core import nip19
-from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole, claims_agent
+from tenex_daemon.core.agents import Agent, AgentDirectory
 from tenex_daemon.core.context import (
     AgentContext,
     HistoryView,
     build_agent_messages,
     build_routing_context,
     conversation_event_references,
+    is_person_message,
 )
 from tenex_daemon.core.conversation import (
     UNTITLED,
@@ -215,8 +216,7 @@ class ConversationManager:
             if reopened:
                 clear_end(conversation)
             conversation.activity_at = conversation.updated_at = now
-            claims = conversation.claims_agent(event.pubkey) or claims_agent(event.tags)
-            if self.agents.role_of(event.pubkey, claims) is AuthorRole.USER and event.content:
+            if is_person_message(conversation, self.agents, event):
                 conversation.metadata.last_user_message = event.content
             agent = self.agents.by_pubkey(event.pubkey)
             turn = conversation.open_turn()
@@ -241,8 +241,7 @@ class ConversationManager:
         return True
 
     def _note_user_message(self, conversation: Conversation, event: NostrEvent) -> bool:
-        claims = conversation.claims_agent(event.pubkey)
-        if self.agents.role_of(event.pubkey, claims) is AuthorRole.USER and event.content:
+        if is_person_message(conversation, self.agents, event):  # after append: its tags are counted
             conversation.metadata.last_user_message = event.content
             return True
         return False
