@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import NewType
+from typing import Final, NewType
+
+_HEX: Final = frozenset("0123456789abcdef")
 
 EventId = NewType("EventId", str)
 """A Nostr event id: 64 lowercase hex characters."""
@@ -18,3 +20,8 @@ AgentSlug = NewType("AgentSlug", str)
 
 TurnId = NewType("TurnId", str)
 """An orchestrator turn's id."""
+
+
+def is_hex(value: object, length: int) -> bool:
+    """Whether ``value`` is a string of exactly ``length`` lower-case hex characters."""
+    return isinstance(value, str) and len(value) == length and _HEX.issuperset(value)

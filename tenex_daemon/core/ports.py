@@ -179,10 +179,8 @@ class ReplyComposer(Protocol):
     """Builds and signs an agent's reply (the kind its conversation speaks) with docs/PROTOCOL.md's tags."""
 
     def compose(self, spec: ReplySpec) -> NostrEvent:
-        """Return the signed reply event."""
-
-    def replied_to(self, reply: NostrEvent) -> str | None:
-        """The id of the event ``reply`` (one this composer made) answers, as its tags say."""
+        """Return the signed reply event (the event it answers reads back from its tags:
+        :func:`~tenex_daemon.core.thread_tags.read_threading`)."""
 
 
 class Publisher(Protocol):

@@ -6,8 +6,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase
-from tenex_daemon.core.vocabulary import TAG_EVENT
+from tenex_daemon.core.thread_tags import read_threading
 
 
 class Completion(BaseModel):
@@ -34,11 +35,12 @@ class OrchestratorTurn(BaseModel):
     """The event the routed agents answer: a completion counts for this turn only when it replies
     to it (a late answer to an earlier, superseded turn's trigger does not close this one)."""
 
-    def answers_trigger(self, event_tags: list[list[str]]) -> bool:
-        """Whether an event with these tags replies to this turn's trigger (any ``e`` tag naming it)."""
-        if self.trigger_id is None:
-            return True
-        return any(len(tag) > 1 and tag[0] == TAG_EVENT and tag[1] == self.trigger_id for tag in event_tags)
+    def answered_by(self, event: NostrEvent) -> bool:
+        """Whether ``event`` replies to this turn's trigger: the event its threading tags name as the one
+        answered (:func:`~tenex_daemon.core.thread_tags.read_threading`). Naming the trigger is not enough:
+        a kind-1 reply names the thread's root too, and a turn the root triggered is not answered by a
+        reply to a later message."""
+        return self.trigger_id is None or read_threading(event).parent_id == self.trigger_id
 
     def has_completed(self, agent: str) -> bool:
         """Return whether ``agent`` already completed in this turn."""

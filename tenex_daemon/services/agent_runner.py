@@ -16,6 +16,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import PartialTextPublisher, Publisher, ReplyComposer, ReplySpec
+from tenex_daemon.core.thread_tags import read_threading
 from tenex_daemon.core.vocabulary import TAG_DELEGATION
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.answering import (
@@ -297,15 +298,15 @@ class AgentRunner:
                 await self.outbox.add(cid, event, agent_slug=author.slug)
 
     def _answer_to(self, history: Sequence[NostrEvent], index: int, agent_pubkey: str) -> NostrEvent | None:
-        """The agent's saved reply to ``history[index]``: a later event of its whose tags name it as the
-        event answered (the composer reads them: a kind-1 reply names the thread's root first), and not a
-        ``send_message`` request it made meanwhile (which carries a ``delegation`` tag)."""
+        """The agent's saved reply to ``history[index]``: a later event of its whose threading tags name it
+        as the event answered (a kind-1 reply names the thread's root first), and not a ``send_message``
+        request it made meanwhile (which carries a ``delegation`` tag)."""
         trigger_id = history[index].id
         for event in history[index + 1:]:
             if (
                 event.pubkey == agent_pubkey
                 and event.tag_value(TAG_DELEGATION) is None
-                and self._composer.replied_to(event) == trigger_id
+                and read_threading(event).parent_id == trigger_id
             ):
                 return event
         return None

@@ -225,7 +225,7 @@ class ConversationManager:
                 agent is not None
                 and turn is not None
                 and event.has_tag(TAG_TOOL, TOOL_COMPLETE)
-                and turn.answers_trigger(event.tags)
+                and turn.answered_by(event)
             ):
                 turn.add_completion(agent.slug, event.content, now)
             try:
@@ -321,7 +321,7 @@ class ConversationManager:
             record_run(state, run.session_id, run.add_tokens)
             turn = conversation.open_turn()
             completes = reply.has_tag(TAG_TOOL, TOOL_COMPLETE)
-            if turn is not None and completes and turn.answers_trigger(reply.tags):
+            if turn is not None and completes and turn.answered_by(reply):
                 turn.add_completion(agent.slug, reply.content, now)
             conversation.updated_at = now
             kept_activity = conversation.activity_at

@@ -40,10 +40,6 @@ class PlainComposer:
             tags.append(["error", "system"])
         return sign_event(self.keys[spec.agent_slug], spec.content, tags=tags)
 
-    def replied_to(self, reply: NostrEvent) -> str | None:
-        """The trigger: the ``e`` tag this composer writes."""
-        return reply.tag_value("e")
-
 
 @dataclass
 class FakePublisher:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplySpec
 
-from .codec import ReplyDetails, ThreadRoot, build_agent_reply, read_threading
+from .codec import ReplyDetails, ThreadRoot, build_agent_reply
 from .signer import Signer
 
 
@@ -42,8 +42,3 @@ class SignedReplyComposer:
         )
         kind, tags = build_agent_reply(spec.trigger, spec.destinations, root=root, details=details)
         return self._signers[spec.agent_slug].sign(kind, spec.content, tags)
-
-    def replied_to(self, reply: NostrEvent) -> str | None:
-        """The trigger a reply names: its NIP-22 parent ``e`` (kind 1111), or its NIP-10 ``e`` marked
-        ``reply``, else the lone one marked ``root`` (kind 1: a reply to the thread's root)."""
-        return read_threading(reply).parent_id

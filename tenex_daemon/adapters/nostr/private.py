@@ -50,7 +50,6 @@ from tenex_daemon.core.vocabulary import (
     TOOL_COMPLETE,
 )
 
-from .codec import read_threading
 from .signer import Signer
 
 log = structlog.get_logger(__name__)
@@ -214,12 +213,6 @@ class PrivateReplyComposer:
             return self._inner.compose(spec)
         tags = private_reply_tags(spec)
         return make_rumor(self._pubkeys[spec.agent_slug], spec.content, tags, int(self._clock()))
-
-    def replied_to(self, reply: NostrEvent) -> str | None:
-        """The trigger a rumor's ``e`` marked ``reply`` names; the inner composer's answer for the others."""
-        if reply.kind == KIND_PRIVATE_MESSAGE:
-            return read_threading(reply).parent_id
-        return self._inner.replied_to(reply)
 
 
 class GiftWrapPublisher:

@@ -17,11 +17,11 @@ from tenex_daemon.adapters.nostr.codec import (
     usd_text,
     verify_event,
 )
-from tenex_daemon.adapters.nostr.codec.tags import ThreadStyle
 from tenex_daemon.adapters.nostr.composer import SignedReplyComposer
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplySpec
 from tenex_daemon.core.pricing import TokenPrices
+from tenex_daemon.core.thread_tags import ThreadStyle
 from tenex_daemon.testing import KeyPair, sign_event
 from tenex_daemon.testing.fakes import signers_for
 
@@ -236,12 +236,13 @@ def _replied_to_cases() -> list[tuple[str, NostrEvent, NostrEvent]]:
 def test_the_composer_reads_back_the_trigger_of_each_reply_it_makes(
     case: str, trigger: NostrEvent, root: NostrEvent
 ) -> None:
-    """Whatever the conversation's kind and wherever the trigger stands, ``replied_to`` of a composed reply
-    is its trigger (a run redone after a crash finds its saved reply by it), a delegation request's too."""
+    """Whatever the conversation's kind and wherever the trigger stands, the threading of a composed reply
+    names its trigger as the event answered (a run redone after a crash finds its saved reply by it, an
+    orchestrator turn its completion), a delegation request's too."""
     made = composer()
 
     reply = made.compose(spec(trigger, root))
     request = made.compose(spec(trigger, root, delegation="ask"))
 
-    assert made.replied_to(reply) == trigger.id, case
-    assert made.replied_to(request) == trigger.id, case
+    assert read_threading(reply).parent_id == trigger.id, case
+    assert read_threading(request).parent_id == trigger.id, case

@@ -11,6 +11,7 @@ import pytest
 
 from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
 from tenex_daemon.adapters.llm.offline import OfflineBackend
+from tenex_daemon.adapters.nostr.codec import ReplyDetails, build_agent_reply
 from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.phases import Phase
@@ -572,6 +573,33 @@ async def test_a_late_completion_does_not_close_the_turn_that_superseded_its_own
     newest = conversation.orchestrator_turns[-1]
     assert [(c.agent, c.message) for c in newest.completions] == [("alice", "second done")]
     assert newest.is_completed
+
+
+async def test_in_a_kind_1_thread_a_reply_to_a_later_message_does_not_close_the_roots_turn(cast: Cast) -> None:
+    """A kind-1 reply names the thread's root in every reply: a completion answering a later message does
+    not close the turn the root triggered; one answering the root does."""
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=FakeClock())
+    root = cast.user_says("First ask", kind=1)
+    await manager.create_conversation(root)
+    await manager.start_orchestrator_turn(root.id, Phase.CHAT, ["alice"], "first", trigger_id=root.id)
+    later = cast.user_says("Also this", kind=1, tags=[["e", root.id, "", "root"]])
+    await manager.add_event(root.id, later)
+
+    done = ReplyDetails(complete=True)
+    to_later = cast.alice_says("later done", kind=1, tags=build_agent_reply(later, [], root=root, details=done)[1])
+    to_root = cast.alice_says("first done", kind=1, tags=build_agent_reply(root, [], root=root, details=done)[1])
+    assert ["e", root.id, "", "root"] in to_later.tags  # the root is named: the old check counted that
+    await manager.add_event(root.id, to_later)
+    conversation = await manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.orchestrator_turns[-1].completions == []
+    await manager.add_event(root.id, to_root)
+
+    conversation = await manager.get_conversation(root.id)
+    assert conversation is not None
+    turn = conversation.orchestrator_turns[-1]
+    assert [(c.agent, c.message) for c in turn.completions] == [("alice", "first done")]
+    assert turn.is_completed
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """The Nostr wire codec: relay frames in, validated events out, every tag shape tenexd writes.
 
 The one place that knows NIP-01 message shapes (:mod:`.frames`) and tag shapes (:mod:`.tags`:
-threading read by NIP-10 and NIP-22, replies, conversation roots, typing, partials, the
-heartbeat, NIP-42 auth); kind numbers and tag names come from
-:mod:`tenex_daemon.core.vocabulary`. Nothing here does I/O.
+replies, conversation roots, typing, partials, the heartbeat, NIP-42 auth; threading as read by
+NIP-10 and NIP-22, whose reader is the core's, :mod:`tenex_daemon.core.thread_tags`, re-exported
+here); kind numbers and tag names come from :mod:`tenex_daemon.core.vocabulary`. Nothing here does I/O.
 """
+
+from tenex_daemon.core.thread_tags import Threading, ThreadStyle, read_threading
 
 from .frames import (
     DEFAULT_LIMITS,
@@ -38,9 +40,7 @@ from .tags import (
     NO_DETAILS,
     ReplyDetails,
     Tags,
-    Threading,
     ThreadRoot,
-    ThreadStyle,
     auth_event_template,
     build_agent_reply,
     build_note_reply_tags,
@@ -53,7 +53,6 @@ from .tags import (
     person_note_reply_tags,
     person_reply_tags,
     project_address,
-    read_threading,
     refers_to_root,
     reply_kind,
     root_of,

@@ -23,6 +23,7 @@ from coincurve import PublicKeyXOnly
 from pydantic import TypeAdapter, ValidationError
 
 from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.ids import is_hex
 
 DEFAULT_MAX_CONTENT_BYTES: Final = 256 * 1024
 DEFAULT_MAX_FRAME_CHARS: Final = 1024 * 1024
@@ -31,7 +32,6 @@ DEFAULT_MAX_SUBSCRIPTION_ID: Final = 64
 MAX_FUTURE_S: Final = 86_400
 """An event may be dated at most this far (one day) past now: later is refused (docs/PROTOCOL.md)."""
 
-_HEX: Final = frozenset("0123456789abcdef")
 _ID_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 """The reference NIP-01 serializer (``core.events.serialize_for_id``), kept as the fallback."""
 
@@ -178,11 +178,6 @@ class EventRejectedError(Exception):
 def _prefix(message: str) -> str:
     head, sep, _ = message.partition(":")
     return head.strip() if sep else ""
-
-
-def is_hex(value: object, length: int) -> bool:
-    """Whether ``value`` is a string of exactly ``length`` lower-case hex characters."""
-    return isinstance(value, str) and len(value) == length and _HEX.issuperset(value)
 
 
 class PublicKeyCache:
