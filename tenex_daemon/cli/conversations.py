@@ -395,6 +395,15 @@ def context(
         f"--- {len(data['messages'])} message(s) for {agent}; trigger {data['trigger']}; "
         f"session {data['session_id'] or '-'} ---", style="dim",
     ))
+    budget = data.get("budget")
+    if budget:
+        line = (
+            f"--- budget {budget['limit']} tokens ({budget['strategy']}): {budget['tokens']} before cuts, "
+            f"{budget['dropped']} message(s) left out"
+        )
+        if budget["to_summarize"]:
+            line += f"; the run first adds {budget['to_summarize']} of them to the summary (shown truncated)"
+        out.print(Text(line + " ---", style="dim"))
 
 
 def _print_message(heading: str, content: str) -> None:

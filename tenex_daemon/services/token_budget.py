@@ -18,6 +18,7 @@ from tenex_daemon.core.budget import (
     SUMMARIZER_PROMPT,
     BudgetStrategy,
     TokenBudget,
+    Window,
     estimate_tokens,
     message_tokens,
     plan_window,
@@ -68,14 +69,7 @@ class RunBudget:
     _summary_sent: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        stored = self.context.summary
-        usable = stored is not None and self.context.summary_covers <= self.context.history_end
-        self.summary = stored if usable else None
-        self.covers = self.context.summary_covers if usable else 0
-        if stored is not None and not usable:
-            # A run for an older trigger sees less history than the summary covers; summarizing
-            # again from the start is what the contract forbids, so this run cuts without it.
-            self.fell_back = True
+        self.summary, self.covers, self.fell_back = _stored_summary(self.context)
 
     @property
     def _count(self) -> Callable[[str], int]:
@@ -116,20 +110,9 @@ class RunBudget:
         self, messages: Sequence[LLMMessage], budget: TokenBudget
     ) -> Sequence[LLMMessage] | None:
         """The ``summarize`` cut, extending the summary first when more history is cut; None on failure."""
-        protected = self.context.protected
-        reserve = budget.summary_tokens
-        if self.summary is not None:
-            reserve = max(reserve, message_tokens(summary_message(self.summary), budget.count))
-        window = plan_window(
-            self.persona,
-            messages,
-            protected,
-            budget.count,
-            limit=budget.limit,
-            covered=self.covers,
-            reserve=reserve,
-        )
-        until = summarized_until(window, self.context.history_end)
+        context = self.context
+        window = _summary_window(self.persona, messages, context.protected, budget, self.summary, self.covers)
+        until = summarized_until(window, context.history_end)
         if until > self.covers:
             newly = [messages[i] for i in window.dropped if self.covers <= i < until]
             try:
@@ -204,6 +187,69 @@ class RunBudget:
         used = (self.prompt_tokens, self.completion_tokens)
         self.prompt_tokens = self.completion_tokens = 0
         return used
+
+
+def _stored_summary(context: AgentContext) -> tuple[str | None, int, bool]:
+    """(summary, messages it covers, fell back) of a run starting from ``context``.
+
+    A run for an older trigger sees less history than the stored summary covers; summarizing again
+    from the start is what the contract forbids, so such a run cuts by ``sliding_window`` instead."""
+    stored = context.summary
+    if stored is None or context.summary_covers <= context.history_end:
+        return stored, context.summary_covers if stored is not None else 0, False
+    return None, 0, True
+
+
+def _summary_window(
+    persona: str,
+    messages: Sequence[LLMMessage],
+    protected: Sequence[int],
+    budget: TokenBudget,
+    summary: str | None,
+    covers: int,
+) -> Window:
+    """The ``summarize`` cut's window: room kept for the summary message, the covered messages out."""
+    reserve = budget.summary_tokens
+    if summary is not None:
+        reserve = max(reserve, message_tokens(summary_message(summary), budget.count))
+    return plan_window(
+        persona, messages, protected, budget.count, limit=budget.limit, covered=covers, reserve=reserve
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetPreview:
+    """What a run's first backend call would send under the agent's budget (``tenexd context``)."""
+
+    messages: Sequence[LLMMessage]
+    tokens: int
+    """Persona plus all the messages, before any cut, as the budget counts them."""
+    dropped: int = 0
+    """Messages left out (by the summary, or counted in a truncation note)."""
+    to_summarize: int = 0
+    """Of those, the ones the run would first add to the stored summary: a preview makes no backend
+    call, so it shows them as truncated."""
+
+
+def preview_fit(context: AgentContext, persona: str, budget: TokenBudget) -> BudgetPreview:
+    """What :meth:`RunBudget.fit` sends first for ``context``, without calling a backend or saving.
+
+    The same cut: ``sliding_window``, or ``summarize`` with the stored summary (a run that extends it
+    first sends the newer summary where this shows a truncation note: :attr:`BudgetPreview.to_summarize`).
+    """
+    messages = context.messages
+    tokens = total_tokens(persona, messages, budget.count)
+    if tokens <= budget.limit:
+        return BudgetPreview(messages, tokens)
+    summary, covers, fell_back = _stored_summary(context)
+    if budget.strategy is BudgetStrategy.SUMMARIZE and not fell_back:
+        window = _summary_window(persona, messages, context.protected, budget, summary, covers)
+        until = summarized_until(window, context.history_end)
+        newly = sum(1 for i in window.dropped if covers <= i < until)
+        fitted = render(messages, window, summary, covers)
+        return BudgetPreview(fitted, tokens, len(window.dropped), newly)
+    window = plan_window(persona, messages, context.protected, budget.count, limit=budget.limit)
+    return BudgetPreview(render(messages, window), tokens, len(window.dropped))
 
 
 def cut_to_tokens(text: str, max_tokens: int, count: Callable[[str], int]) -> str:

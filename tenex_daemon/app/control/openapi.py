@@ -335,6 +335,16 @@ def _agent_schemas() -> Json:
             "session_id": {"type": "string", "nullable": True},
             "last_processed_index": {"type": "integer"},
             "next_last_processed_index": {"type": "integer"},
+            "budget": {
+                "type": "object", "nullable": True,
+                "description": "What the agent's token budget did to the messages (null: it has none).",
+                "properties": {
+                    "limit": {"type": "integer"}, "strategy": {"type": "string"},
+                    "tokens": {"type": "integer", "description": "Persona plus messages before any cut."},
+                    "dropped": {"type": "integer", "description": "Messages left out."},
+                    "to_summarize": {"type": "integer", "description":
+                        "Of those, the ones the run first adds to the summary (shown as truncated)."},
+                }},
         }},
     }
 

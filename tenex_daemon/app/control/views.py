@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from tenex_daemon.app.control.errors import ApiError
+from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.context import AgentContext
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationNotFoundError
+from tenex_daemon.core.llm import LLMMessage
 from tenex_daemon.core.search import ConversationSummary
 from tenex_daemon.core.vocabulary import KIND_TASK
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.persona import PersonaSpec, build_persona
+from tenex_daemon.services.token_budget import preview_fit
 
 
 def summary_json(summary: ConversationSummary) -> dict[str, Any]:
@@ -83,18 +86,33 @@ def context_json(
     context: AgentContext,
     stored_index: int,
     persona: str,
+    budget: TokenBudget | None = None,
 ) -> dict[str, Any]:
     """Return a context preview: the persona (the ``system`` message sent first) and the messages, in
-    order, exactly as the agent would be sent them."""
+    order, exactly as the agent would be sent them: cut to ``budget`` as a run's first call is
+    (:func:`~tenex_daemon.services.token_budget.preview_fit`), with what the budget did."""
+    messages: Sequence[LLMMessage] = context.messages
+    cut: dict[str, Any] | None = None
+    if budget is not None:
+        fitted = preview_fit(context, persona, budget)
+        messages = fitted.messages
+        cut = {
+            "limit": budget.limit,
+            "strategy": budget.strategy.value,
+            "tokens": fitted.tokens,
+            "dropped": fitted.dropped,
+            "to_summarize": fitted.to_summarize,
+        }
     return {
         "conversation_id": conversation_id,
         "agent": agent_slug,
         "trigger": trigger_id,
         "persona": persona,
-        "messages": [{"role": m.role, "content": m.content} for m in context.messages],
+        "messages": [{"role": m.role, "content": m.content} for m in messages],
         "session_id": context.session_id,
         "last_processed_index": stored_index,
         "next_last_processed_index": context.last_processed_index,
+        "budget": cut,
     }
 
 
@@ -130,4 +148,4 @@ async def preview_context(
     stored_index = state.last_processed_index if state is not None else 0
     spec = (personas or {}).get(agent_slug) or PersonaSpec(agent)
     persona = await build_persona(manager.store, manager.agents, spec, conversation, trigger)
-    return context_json(conversation_id, agent_slug, trigger.id, context, stored_index, persona)
+    return context_json(conversation_id, agent_slug, trigger.id, context, stored_index, persona, spec.budget)

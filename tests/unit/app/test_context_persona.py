@@ -7,13 +7,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tenex_daemon import ConversationManager
 from tenex_daemon.app.control_api import create_app
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.wiring import Pipeline
+from tenex_daemon.core.budget import BudgetStrategy, TokenBudget
 from tenex_daemon.core.conversation import TitleSource
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.llm import LLMMessage
 from tenex_daemon.services.answering import AgentProfile
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.testing.fakes import ScriptedBackend
@@ -70,3 +74,101 @@ async def test_the_preview_persona_is_the_one_the_run_sends(cast: Cast) -> None:
     assert previewed == "You are Alice.\nYou answer briefly.\n" + RECENT
     assert backend.requests[0].system_prompt == previewed
     assert bare == "You are Alice.\n" + RECENT
+
+
+async def preview(target: Target, conversation_id: str) -> dict[str, Any]:
+    """GET the context preview for Alice."""
+    async with TestClient(TestServer(create_app(target))) as client:
+        response = await client.get(f"/api/v1/conversations/{conversation_id}/context", params={"agent": "alice"})
+        assert response.status == 200, await response.text()
+        found: dict[str, Any] = await response.json()
+        return found
+
+
+def sent(message: LLMMessage) -> dict[str, str]:
+    """A message as the preview writes it."""
+    return {"role": message.role, "content": message.content}
+
+
+async def long_conversation(cast: Cast, rig: pipeline.Rig) -> NostrEvent:
+    """A conversation of 30 messages between the person and Alice (far over a 200-token budget); the
+    newest is the person's, the trigger."""
+    root = cast.user_says("Hi Alice, a long story follows. " * 3, kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    event = root
+    for n in range(29):
+        say = cast.alice_says if n % 2 == 0 else cast.user_says
+        event = say(f"Message {n}: " + "words " * 12, tags=[["E", root.id], ["e", event.id]])
+        await rig.manager.add_event(root.id, event)
+    return event
+
+
+@pytest.mark.parametrize("strategy", [BudgetStrategy.SLIDING_WINDOW, BudgetStrategy.SUMMARIZE])
+async def test_the_preview_is_cut_to_the_budget_as_the_runs_first_call_is(
+    cast: Cast, strategy: BudgetStrategy
+) -> None:
+    """With a budget history does not fit, the preview's messages are exactly those the run's first call
+    sends (a stored summary that covers the cut included), and it says what the budget did."""
+    budget = TokenBudget(200, strategy)
+    backend = ScriptedBackend([text("Done.")])
+    profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
+    rig = pipeline.build_rig(cast, profiles=profiles)
+    trigger = await long_conversation(cast, rig)
+    conversation = await rig.manager.find_conversation_of_event(trigger.id)
+    assert conversation is not None
+    if strategy is BudgetStrategy.SUMMARIZE:  # a summary of everything a cut could leave out: no new call
+        await rig.manager.update_agent_state(conversation, "alice", summary=("They talked at length.", 29))
+
+    shown = await preview(Target(rig.manager, rig.pipeline), conversation)
+    assert await rig.runner.run(RunRequest(conversation, trigger.id, "alice")) is not None
+    await rig.runner.flush(5.0)
+
+    assert len(backend.requests) == 1
+    assert shown["messages"] == [sent(m) for m in backend.requests[0].messages]
+    cut = shown["budget"]
+    assert (cut["limit"], cut["strategy"], cut["to_summarize"]) == (200, strategy.value, 0)
+    assert cut["tokens"] > 200
+    assert 0 < cut["dropped"] < 30
+    first = shown["messages"][1]["content"]
+    if strategy is BudgetStrategy.SUMMARIZE:
+        assert first == "Previous conversation summary: They talked at length."
+    else:
+        assert first.startswith("[Note: ")
+        assert "older messages truncated" in first
+
+
+async def test_a_summary_the_run_would_extend_is_counted_and_shown_as_truncated(cast: Cast) -> None:
+    """Without a stored summary the run first summarizes the cut (a backend call a preview does not make):
+    the preview counts those messages in ``to_summarize`` and shows them as truncated."""
+    backend = ScriptedBackend([text("They talked."), text("Done.")])
+    budget = TokenBudget(200, BudgetStrategy.SUMMARIZE)
+    profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
+    rig = pipeline.build_rig(cast, profiles=profiles)
+    trigger = await long_conversation(cast, rig)
+    conversation = await rig.manager.find_conversation_of_event(trigger.id)
+    assert conversation is not None
+
+    shown = await preview(Target(rig.manager, rig.pipeline), conversation)
+    assert await rig.runner.run(RunRequest(conversation, trigger.id, "alice")) is not None
+    await rig.runner.flush(5.0)
+
+    cut = shown["budget"]
+    assert 0 < cut["to_summarize"] <= cut["dropped"]
+    assert shown["messages"][1]["content"].startswith("[Note: ")
+    answered = [sent(m) for m in backend.requests[1].messages]
+    assert answered[1]["content"] == "Previous conversation summary: They talked."
+    assert len(answered) == len(shown["messages"])
+
+
+async def test_without_a_budget_the_preview_says_none_applies(cast: Cast) -> None:
+    """An agent without a budget is previewed with every message its context holds, and ``budget`` null."""
+    rig = pipeline.build_rig(cast)
+    trigger = await long_conversation(cast, rig)
+    conversation = await rig.manager.find_conversation_of_event(trigger.id)
+    assert conversation is not None
+
+    shown = await preview(Target(rig.manager, rig.pipeline), conversation)
+
+    built = await rig.manager.preview_agent_messages(conversation, "alice", trigger)
+    assert shown["budget"] is None
+    assert shown["messages"] == [sent(m) for m in built.messages]

@@ -76,3 +76,24 @@ def test_context_prints_the_persona_first_as_the_system_message(home: Path) -> N
 
     assert code == 0, out
     assert out.startswith("--- [persona] system ---\n" + PLANNER_PERSONA + "\n--- [0] user ---\nWhat next?\n")
+
+
+def test_context_says_what_the_agents_budget_did(home: Path) -> None:
+    """With a context window configured, `context` ends with the budget line (limit, strategy, tokens before
+    cuts, messages left out), and `--json` carries the same figures."""
+    config = home / "config.toml"
+    planner = 'instructions = "You turn requests into short, concrete plans."\n\n[agents.backend]\nkind = "offline"\n'
+    text = config.read_text()
+    assert planner in text
+    config.write_text(text.replace(planner, planner + "context_window = 50\n"))
+    conversation = seed(home)
+
+    code, out = tenexd(home, "context", conversation, "--agent", "planner")
+    _, raw = tenexd(home, "context", conversation, "--agent", "planner", "--json")
+
+    assert code == 0, out
+    budget = json.loads(raw)["budget"]
+    assert (budget["limit"], budget["strategy"], budget["dropped"]) == (40, "sliding_window", 0)
+    assert out.rstrip().splitlines()[-1] == (
+        f"--- budget 40 tokens (sliding_window): {budget['tokens']} before cuts, 0 message(s) left out ---"
+    )
