@@ -132,6 +132,13 @@ class Conversation(BaseModel):
         """The conversation's first event."""
         return self.history[0] if self.history else None
 
+    @property
+    def thread_id(self) -> str:
+        """The Nostr thread the conversation lives in, which its typing indicators, partial replies and
+        live status name: its task for a task's session (a later session's root is the person's comment
+        in the task's thread), else its own id, its root's."""
+        return self.task_id or self.id
+
     def contains_event(self, event_id: str) -> bool:
         """Return whether an event with this id is in history."""
         return event_id in self._event_index

@@ -209,18 +209,17 @@ class AgentRunner:
             await self.outbox.add(cid, saved, agent_slug=profile.agent.slug, trigger_id=trigger.id)
             return None
         private = conversation.private  # nothing of a private conversation goes out in the clear
+        thread = conversation.thread_id  # what clients showing the thread subscribe to
         typing_started: list[bool] = [self._typing_delay <= 0 and not private]  # no delay: as good as sent
-        typing = self._send(
-            self._typing_after(self._typing_delay, profile.agent.slug, cid, typing_started, private), "typing"
-        )
+        slug = profile.agent.slug
+        delay = self._typing_delay
+        typing = self._send(self._typing_after(delay, slug, thread, typing_started, private), "typing")
         effects = RunEffects()
         streamer: PartialStreamer | None = None
         if self._partials is not None and not private:
-            streamer = PartialStreamer(
-                profile.backend, self._partials, self._partial_interval, profile.agent.slug, cid, trigger.id
-            )
+            interval = self._partial_interval
+            streamer = PartialStreamer(profile.backend, self._partials, interval, slug, thread, trigger.id)
             profile = replace(profile, backend=streamer)
-        slug = profile.agent.slug
         started_ms = self._manager.now_ms()
         try:
             # nothing is stored before the reply: what the agent saw is saved with it, in one write
@@ -242,7 +241,7 @@ class AgentRunner:
         except BaseException:  # a stop or a shutdown cancelled it: nothing is saved, typing stops
             await self._stop_typing(streamer, typing, typing_started)
             if typing_started[0]:
-                self._send(self._typing(slug, cid, active=False), "typing stop")
+                self._send(self._typing(slug, thread, active=False), "typing stop")
             await self._count_run_time(cid, started_ms)
             raise
         saving_reply()  # from here a stop lets the run finish: its reply goes out whole
@@ -266,7 +265,7 @@ class AgentRunner:
                 )
             await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
             if typing_started[0]:
-                self._send(self._typing(slug, cid, active=False), "typing stop")
+                self._send(self._typing(slug, thread, active=False), "typing stop")
         except BaseException:
             await self._count_run_time(cid, started_ms)
             raise

@@ -110,7 +110,7 @@ class LiveStatus:
             return None
         directory = self._manager.agents
         root = conversation.root
-        root_id = root.id if root is not None else conversation.id
+        root_id = conversation.thread_id  # a task's later session: the task, the thread clients show
         for event in (root, *reversed(conversation.history)):
             if event is None:
                 continue

@@ -30,6 +30,7 @@ from tenex_daemon.core.ports import ReplyComposer, ReplySpec
 from tenex_daemon.core.vocabulary import TAG_PUBKEY
 from tenex_daemon.services.agent_runner import user_destination
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.lifecycle import task_meta_key
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.outbox import Outbox
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, forget_journaled
@@ -141,6 +142,11 @@ class Stopper:
         return StopReport(conversation_id, slugs, reason=STOPPED if slugs else NOTHING_TO_STOP, notice=notice)
 
     async def _conversation_of(self, event_id: str) -> str | None:
+        """The conversation a request's ``e`` names: a task's current session for a task (clients name
+        the task's thread), the conversation rooted at it, else the one holding it."""
+        session = await self._manager.store.get_meta(task_meta_key(event_id))
+        if session is not None and await self._manager.get_conversation(session) is not None:
+            return session
         if await self._manager.get_conversation(event_id) is not None:
             return event_id
         return await self._manager.find_conversation_of_event(event_id)

@@ -47,6 +47,7 @@ class FakePublisher:
 
     published: list[NostrEvent] = field(default_factory=list)
     typing_events: list[tuple[str, bool]] = field(default_factory=list)
+    typing_threads: list[str] = field(default_factory=list)
     fail: bool = False
 
     async def publish(self, event: NostrEvent) -> None:
@@ -56,8 +57,9 @@ class FakePublisher:
         self.published.append(event)
 
     async def typing(self, agent_slug: str, conversation_id: str, active: bool) -> None:
-        """Record a typing indicator."""
+        """Record a typing indicator (and, in ``typing_threads``, the thread it names)."""
         self.typing_events.append((agent_slug, active))
+        self.typing_threads.append(conversation_id)
 
 
 @dataclass

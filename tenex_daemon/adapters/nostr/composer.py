@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplySpec
 
-from .codec import ReplyDetails, ThreadRoot, build_agent_reply
+from .codec import ReplyDetails, build_agent_reply
 from .signer import Signer
 
 
@@ -24,9 +24,9 @@ class SignedReplyComposer:
     def compose(self, spec: ReplySpec) -> NostrEvent:
         """Return the signed reply: kind 1 when the conversation's root is a kind 1, else kind 1111.
 
-        Without a root (not stored) the root is the one the trigger's tags name, else the trigger.
+        Without a root (not stored) the root is the one the trigger's tags name, else the trigger; a
+        root that is a comment (a task's later session) replies in its own root's thread, the task's.
         """
-        root = ThreadRoot.of(spec.root) if spec.root is not None else None
         details = ReplyDetails(
             project=self._project,
             phase=spec.phase,
@@ -40,5 +40,5 @@ class SignedReplyComposer:
             error=spec.error,
             delegation=spec.delegation,
         )
-        kind, tags = build_agent_reply(spec.trigger, spec.destinations, root=root, details=details)
+        kind, tags = build_agent_reply(spec.trigger, spec.destinations, root=spec.root, details=details)
         return self._signers[spec.agent_slug].sign(kind, spec.content, tags)

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 import pytest
 
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.llm import CompletionResult
-from tenex_daemon.core.vocabulary import KIND_TASK
+from tenex_daemon.core.llm import CompletionRequest, CompletionResult
+from tenex_daemon.core.vocabulary import KIND_STOP, KIND_TASK
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.lifecycle import channel_meta_key, task_meta_key
 from tenex_daemon.testing.fakes import ScriptedBackend
@@ -309,3 +310,114 @@ async def test_retention_never_deletes_a_conversation_reopened_meanwhile(cast: C
 
     assert not await rig.manager.delete_conversation(cid, only_ended=True)
     assert await rig.manager.get_conversation(cid) is not None
+
+
+class SlowStreamer:
+    """Streams "Working" at once, answers "done" a moment later, or holds its answer while ``hold`` is
+    set until ``release``; records whether a call was cancelled."""
+
+    name = "slow"
+
+    def __init__(self, hold: bool = False) -> None:
+        self.hold = hold
+        self.asked = asyncio.Event()
+        self.release = asyncio.Event()
+        self.cancelled = False
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Stream, wait, answer."""
+        if request.on_chunk is not None:
+            await request.on_chunk("Working")
+        self.asked.set()
+        try:
+            await (self.release.wait() if self.hold else asyncio.sleep(0.05))
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        return CompletionResult(text="done", model="slow")
+
+
+@dataclass
+class ThreadLog:
+    """Records the thread each partial reply and each live status names."""
+
+    partial_threads: list[str] = field(default_factory=list)
+    status_roots: list[str] = field(default_factory=list)
+
+    async def partial(
+        self, agent_slug: str, conversation_id: str, trigger_id: str, text: str, sequence: int
+    ) -> None:
+        """Record the partial's thread."""
+        self.partial_threads.append(conversation_id)
+
+    async def working(
+        self, conversation_id: str, root_id: str, person: str | None, agents: tuple[str, ...]
+    ) -> None:
+        """Record the status's root."""
+        self.status_roots.append(root_id)
+
+
+async def later_session(rig: pipeline.Rig, cast: Cast, task: NostrEvent, content: str) -> tuple[NostrEvent, str]:
+    """Start the task, let its session expire, and write ``content`` in its thread: (that message, the new
+    session's id)."""
+    await rig.dispatcher.handle(task)
+    await rig.quiet()
+    rig.clock.advance(25 * HOUR)
+    message = task_reply(cast, task, content)
+    result = await rig.dispatcher.handle(message)
+    assert result.conversation_id is not None
+    assert result.conversation_id != task.id
+    return message, result.conversation_id
+
+
+async def test_a_later_task_sessions_reply_typing_partials_and_status_stay_in_the_tasks_thread(cast: Cast) -> None:
+    """A task's later session starts at the person's comment, but the agent's reply takes the task as its
+    NIP-22 root (E, K 1934, P: it shows in the task's thread, parent e the comment), and its typing
+    indicators, partial replies and live status name the task."""
+    log = ThreadLog()
+    rig = pipeline.build_rig(
+        cast,
+        backend=SlowStreamer(),
+        composer=pipeline.real_composer(cast),
+        partials=log,
+        status=log,
+        partial_interval_s=0.01,
+        task_session_ttl_h=24,
+    )
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    message, session = await later_session(rig, cast, task, "is it fixed?")
+    await rig.settle()
+
+    reply = rig.publisher.published[-1]
+    assert reply.content == "done"
+    assert reply.kind == 1111
+    assert reply.tags[:4] == [["E", task.id, "", task.pubkey], ["K", str(KIND_TASK)], ["P", task.pubkey],
+                              ["e", message.id, "", cast.user.pubkey]]
+    assert (await conversation(rig, session)).contains_event(reply.id)
+    assert set(rig.publisher.typing_threads) == {task.id}
+    assert log.partial_threads
+    assert set(log.partial_threads) == {task.id}
+    assert set(log.status_roots) == {task.id}
+
+
+async def test_a_stop_naming_the_task_stops_the_run_of_its_current_session(cast: Cast) -> None:
+    """Clients name a task's thread: a stop whose e is the task cancels the run in the task's current
+    session (not the archived first one, where nothing runs)."""
+    backend = SlowStreamer()
+    rig = pipeline.build_rig(cast, backend=backend, task_session_ttl_h=24)
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(task)
+    await rig.quiet()
+    backend.hold = True
+    backend.asked.clear()
+    rig.clock.advance(25 * HOUR)
+    result = await rig.dispatcher.handle(task_reply(cast, task, "is it fixed?"))
+    await asyncio.wait_for(backend.asked.wait(), 5)
+
+    stop = cast.factory.event(cast.user, "", kind=KIND_STOP, tags=[["e", task.id]])
+    stopped = await rig.dispatcher.handle(stop)
+    await rig.settle()
+
+    assert stopped.agents == ("alice",)
+    assert stopped.conversation_id == result.conversation_id
+    assert backend.cancelled

@@ -170,10 +170,16 @@ def usd_text(amount: float | None) -> str | None:
 
 
 def _thread_root(trigger: NostrEvent, root: ThreadRoot | NostrEvent | None) -> ThreadRoot:
-    """The conversation root given (an event or its fields), else the one the trigger's tags name."""
+    """The conversation root given (an event or its fields), else the one the trigger's tags name.
+
+    A root that is itself a NIP-22 comment (the person's message that started a task's later session)
+    stands in the thread of its own root: a reply takes that root (NIP-22: a reply to a comment copies
+    its root scope), so it shows in the task's thread."""
     if root is None:
         return root_of(trigger)
-    return ThreadRoot.of(root) if isinstance(root, NostrEvent) else root
+    if isinstance(root, NostrEvent):
+        return root_of(root) if root.kind == KIND_COMMENT else ThreadRoot.of(root)
+    return root
 
 
 def reply_kind(root_kind: int) -> int:
