@@ -10,33 +10,10 @@ from __future__ import annotations
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import (
     KIND_CONVERSATION_METADATA,
-    TAG_ADDRESS,
-    TAG_EVENT,
-    TAG_STATUS,
-    TAG_SUMMARY,
-    TAG_TITLE,
 )
 
-from .codec import Tags, project_address
+from .codec import metadata_tags
 from .signer import Signer
-
-STATUS_ACTIVE = "active"
-STATUS_ENDED = "ended"
-
-
-def metadata_tags(
-    conversation_id: str, title: str, summary: str, *, ended: bool, project: tuple[str, str] | None
-) -> Tags:
-    """The tags of a conversation's kind-513 metadata event (see the module docstring)."""
-    tags: Tags = [
-        [TAG_EVENT, conversation_id],
-        [TAG_TITLE, title],
-        [TAG_SUMMARY, summary],
-        [TAG_STATUS, STATUS_ENDED if ended else STATUS_ACTIVE],
-    ]
-    if project is not None:
-        tags.append([TAG_ADDRESS, project_address(*project)])
-    return tags
 
 
 class ConversationMetadataComposer:

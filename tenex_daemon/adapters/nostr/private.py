@@ -38,18 +38,12 @@ from pydantic import ValidationError
 from tenex_daemon.core.events import NostrEvent, compute_event_id
 from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec
 from tenex_daemon.core.vocabulary import (
-    ERROR_SYSTEM,
     KIND_GIFT_WRAP,
     KIND_PRIVATE_MESSAGE,
-    TAG_DELEGATION,
-    TAG_ERROR,
-    TAG_EVENT,
     TAG_PUBKEY,
-    TAG_SUBJECT,
-    TAG_TOOL,
-    TOOL_COMPLETE,
 )
 
+from .codec import private_reply_tags
 from .signer import Signer
 
 log = structlog.get_logger(__name__)
@@ -166,24 +160,6 @@ def _refused(wrap: NostrEvent, reason: WrapRefusal, error: str) -> WrapRefusal:
 def wrap_recipients(rumor: NostrEvent) -> list[str]:
     """Who gets a wrap of ``rumor``: every ``p`` it tags, then its author (their own copy), once each."""
     return list(dict.fromkeys([*rumor.tag_values(TAG_PUBKEY), rumor.pubkey]))
-
-
-def private_reply_tags(spec: ReplySpec) -> list[list[str]]:
-    """The tags of an agent's rumor: one ``p`` per destination, ``e`` replying to the trigger, the
-    conversation's ``subject`` if it has one, and the tags the daemon reads back (completion, error,
-    delegation). Nothing else: the rumor is private, and clients show only these."""
-    tags = [[TAG_PUBKEY, pubkey] for pubkey in dict.fromkeys(spec.destinations)]
-    tags.append([TAG_EVENT, spec.trigger.id, "", "reply"])
-    subject = spec.trigger.tag_value(TAG_SUBJECT) or (spec.root.tag_value(TAG_SUBJECT) if spec.root else None)
-    if subject:
-        tags.append([TAG_SUBJECT, subject])
-    if spec.complete:
-        tags.append([TAG_TOOL, TOOL_COMPLETE])
-    if spec.error:
-        tags.append([TAG_ERROR, ERROR_SYSTEM])
-    if spec.delegation is not None:
-        tags.append([TAG_DELEGATION, spec.delegation])
-    return tags
 
 
 def make_rumor(pubkey: str, content: str, tags: list[list[str]], created_at: int) -> NostrEvent:

@@ -10,36 +10,18 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
 
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import (
     KIND_OPERATIONS_STATUS,
-    TAG_ADDRESS,
-    TAG_EVENT,
-    TAG_PUBKEY,
-    TAG_ROOT_AUTHOR,
 )
 
-from .codec import Tags, project_address
+from .codec import status_tags
 from .publisher import EventPublishing
 from .signer import Signer
 
 REMEMBERED_ROOTS = 1024
 """Conversations whose last status time is remembered (so a newer status never looks older)."""
-
-
-def status_tags(
-    root_id: str, person: str | None, agents: Iterable[str], project: tuple[str, str] | None
-) -> Tags:
-    """The tags of a kind-24133 status event (see the module docstring)."""
-    tags: Tags = [[TAG_EVENT, root_id]]
-    tags.extend([TAG_PUBKEY, pubkey] for pubkey in dict.fromkeys(agents))
-    if person is not None:
-        tags.append([TAG_ROOT_AUTHOR, person])
-    if project is not None:
-        tags.append([TAG_ADDRESS, project_address(*project)])
-    return tags
 
 
 class StatusEventPublisher:

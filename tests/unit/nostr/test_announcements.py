@@ -5,14 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tenex_daemon.adapters.nostr.announcements import (
-    AgentCapabilities,
-    capability_tags,
-    heartbeat_event,
-    profile_event,
-    profile_tags,
-)
-from tenex_daemon.adapters.nostr.codec import verify_event
+from tenex_daemon.adapters.nostr.announcements import AgentCapabilities, heartbeat_event, profile_event
+from tenex_daemon.adapters.nostr.codec import profile_tags, verify_event
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.testing import KeyPair
@@ -71,7 +65,7 @@ def test_heartbeat_names_each_agents_model_and_tools() -> None:
 def test_an_agent_without_model_or_capabilities_gets_no_model_tag() -> None:
     """An agent with no model gets only its tools' tags, one missing from the capabilities none, and a
     heartbeat built without capabilities has only the agent and project tags."""
-    tags = capability_tags(AGENTS, {"alice": AgentCapabilities(None, ("complete",))})
+    event = heartbeat_event(PROJECT, AGENTS, None, {"alice": AgentCapabilities(None, ("complete",))})
 
-    assert tags == [["tool", "complete", "alice"]]
+    assert event.tags[len(AGENTS):] == [["tool", "complete", "alice"]]
     assert heartbeat_event(PROJECT, AGENTS[:1], None).tags == [["agent", ALICE.pubkey, "alice"]]

@@ -1,9 +1,10 @@
 """The Nostr wire codec: relay frames in, validated events out, every tag shape tenexd writes.
 
 The one place that knows NIP-01 message shapes (:mod:`.frames`) and tag shapes (:mod:`.tags`:
-replies, conversation roots, typing, partials, the heartbeat, NIP-42 auth; threading as read by
-NIP-10 and NIP-22, whose reader is the core's, :mod:`tenex_daemon.core.thread_tags`, re-exported
-here); kind numbers and tag names come from :mod:`tenex_daemon.core.vocabulary`. Nothing here does I/O.
+replies, conversation roots, typing, partials, live status, conversation metadata, private
+rumors, profiles, the heartbeat, NIP-42 auth; threading as read by NIP-10 and NIP-22, whose reader
+is the core's, :mod:`tenex_daemon.core.thread_tags`, re-exported here); kind numbers and tag names
+come from :mod:`tenex_daemon.core.vocabulary`. Nothing here does I/O.
 """
 
 from tenex_daemon.core.thread_tags import Threading, ThreadStyle, read_threading
@@ -45,17 +46,22 @@ from .tags import (
     build_agent_reply,
     build_note_reply_tags,
     build_reply_tags,
+    capability_tags,
     conversation_id,
     conversation_root_tags,
     heartbeat_tags,
+    metadata_tags,
     note_tags,
     note_thread_tags,
     person_note_reply_tags,
     person_reply_tags,
+    private_reply_tags,
+    profile_tags,
     project_address,
     refers_to_root,
     reply_kind,
     root_of,
+    status_tags,
     streaming_tags,
     typing_tags,
     usd_text,
@@ -90,6 +96,7 @@ __all__ = [
     "build_agent_reply",
     "build_note_reply_tags",
     "build_reply_tags",
+    "capability_tags",
     "conversation_id",
     "conversation_root_tags",
     "encode_auth",
@@ -98,16 +105,20 @@ __all__ = [
     "encode_req",
     "event_id_digest",
     "heartbeat_tags",
+    "metadata_tags",
     "note_tags",
     "note_thread_tags",
     "parse_relay_frame",
     "person_note_reply_tags",
     "person_reply_tags",
+    "private_reply_tags",
+    "profile_tags",
     "project_address",
     "read_threading",
     "refers_to_root",
     "reply_kind",
     "root_of",
+    "status_tags",
     "streaming_tags",
     "typing_tags",
     "usd_text",

@@ -8,11 +8,12 @@ NIP-22 and NIP-42. Nothing here does I/O or signs: callers sign the tags they ge
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.ports import ReplySpec
 from tenex_daemon.core.thread_tags import MARKER_REPLY, MARKER_ROOT, read_threading
 from tenex_daemon.core.vocabulary import (
     ERROR_SYSTEM,
@@ -22,6 +23,7 @@ from tenex_daemon.core.vocabulary import (
     KIND_PROJECT,
     KIND_RELAY_AUTH,
     TAG_ADDRESS,
+    TAG_BOT,
     TAG_CHALLENGE,
     TAG_DELEGATION,
     TAG_ERROR,
@@ -30,6 +32,7 @@ from tenex_daemon.core.vocabulary import (
     TAG_LLM_COST_USD,
     TAG_LLM_MODEL,
     TAG_LLM_PROMPT_TOKENS,
+    TAG_MODEL,
     TAG_NET_TIME,
     TAG_PARENT_KIND,
     TAG_PHASE,
@@ -39,6 +42,9 @@ from tenex_daemon.core.vocabulary import (
     TAG_ROOT_EVENT,
     TAG_ROOT_KIND,
     TAG_SESSION,
+    TAG_STATUS,
+    TAG_SUBJECT,
+    TAG_SUMMARY,
     TAG_TITLE,
     TAG_TOOL,
     TOOL_COMPLETE,
@@ -330,6 +336,91 @@ def heartbeat_tags(agents: Iterable[tuple[str, str]], project: tuple[str, str] |
     tags: Tags = [[TAG_AGENT, pubkey, slug] for pubkey, slug in agents]
     if project is not None:
         tags.append([TAG_ADDRESS, project_address(*project)])
+    return tags
+
+
+def capability_tags(known: Sequence[tuple[str, str | None, Iterable[str]]]) -> Tags:
+    """The heartbeat's model and tool tags from each agent's (slug, model, tools), in the agents' order:
+    ``["model", <model>, <slug>...]`` per model, then ``["tool", <tool>, <slug>...]`` per tool, each
+    naming the agents that use it (an agent without a model gets no model tag)."""
+    models = _grouped((model, slug) for slug, model, _ in known if model)
+    tools = _grouped((tool, slug) for slug, _, offered in known for tool in offered)
+    return [[TAG_MODEL, model, *slugs] for model, slugs in models.items()] + [
+        [TAG_TOOL, tool, *slugs] for tool, slugs in tools.items()
+    ]
+
+
+def _grouped(pairs: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    """Value -> the slugs that have it, both in first-seen order, each slug once per value."""
+    groups: dict[str, list[str]] = {}
+    for value, slug in pairs:
+        slugs = groups.setdefault(value, [])
+        if slug not in slugs:
+            slugs.append(slug)
+    return groups
+
+
+def profile_tags(owner: str | None) -> Tags:
+    """The tags of an agent's kind-0 profile (NIP-AE draft): ``["bot"]``, then ``["p", <owner>]`` when
+    there is an owner."""
+    tags: Tags = [[TAG_BOT]]
+    if owner:
+        tags.append([TAG_PUBKEY, owner])
+    return tags
+
+
+def status_tags(
+    root_id: str, person: str | None, agents: Iterable[str], project: tuple[str, str] | None
+) -> Tags:
+    """The tags of a kind-24133 live status: ``["e", <conversation root>]`` (never the trigger), one
+    ``["p", <agent>]`` per agent working now (none when idle), ``["P", <person>]`` when known, and the
+    project's ``a`` when there is a project."""
+    tags: Tags = [[TAG_EVENT, root_id]]
+    tags.extend([TAG_PUBKEY, pubkey] for pubkey in dict.fromkeys(agents))
+    if person is not None:
+        tags.append([TAG_ROOT_AUTHOR, person])
+    if project is not None:
+        tags.append([TAG_ADDRESS, project_address(*project)])
+    return tags
+
+
+STATUS_ACTIVE: Final = "active"
+STATUS_ENDED: Final = "ended"
+"""The ``status`` tag values of a kind-513 conversation metadata event."""
+
+
+def metadata_tags(
+    conversation_id: str, title: str, summary: str, *, ended: bool, project: tuple[str, str] | None
+) -> Tags:
+    """The tags of a conversation's kind-513 metadata event: ``["e", <root id>]``, ``["title", …]``,
+    ``["summary", …]``, ``["status", "active"|"ended"]``, and the project's ``a`` when there is one."""
+    tags: Tags = [
+        [TAG_EVENT, conversation_id],
+        [TAG_TITLE, title],
+        [TAG_SUMMARY, summary],
+        [TAG_STATUS, STATUS_ENDED if ended else STATUS_ACTIVE],
+    ]
+    if project is not None:
+        tags.append([TAG_ADDRESS, project_address(*project)])
+    return tags
+
+
+def private_reply_tags(spec: ReplySpec) -> Tags:
+    """The tags of an agent's kind-14 rumor (a reply in a private conversation): one ``p`` per
+    destination, ``e`` replying to the trigger, the conversation's ``subject`` if it has one, and the
+    tags the daemon reads back (completion, error, delegation). Nothing else: the rumor is private, and
+    clients show only these."""
+    tags = _pubkey_tags(spec.destinations)
+    tags.append([TAG_EVENT, spec.trigger.id, "", MARKER_REPLY])
+    subject = spec.trigger.tag_value(TAG_SUBJECT) or (spec.root.tag_value(TAG_SUBJECT) if spec.root else None)
+    if subject:
+        tags.append([TAG_SUBJECT, subject])
+    if spec.complete:
+        tags.append([TAG_TOOL, TOOL_COMPLETE])
+    if spec.error:
+        tags.append([TAG_ERROR, ERROR_SYSTEM])
+    if spec.delegation is not None:
+        tags.append([TAG_DELEGATION, spec.delegation])
     return tags
 
 
