@@ -173,6 +173,9 @@ class ReplySpec:
     cost_usd: float | None = None
     """What the reply's tokens cost in US dollars when the agent's prices are configured
     (``llm-cost-usd``)."""
+    task_id: str | None = None
+    """The kind-1934 task the conversation is a session of: a later session's root is the person's
+    comment in the task's thread, and the reply takes the task as its root so it shows there too."""
 
 
 class ReplyComposer(Protocol):

@@ -199,6 +199,7 @@ class Delegation:
             agent_slug=author.slug,
             trigger=parent,
             root=conversation.root,
+            task_id=conversation.task_id,
             content=content,
             destinations=destinations,
             phase=conversation.phase.value,

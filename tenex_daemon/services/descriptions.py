@@ -61,6 +61,7 @@ from tenex_daemon.services.description_text import (
     parse_description,
     user_prompt,
 )
+from tenex_daemon.services.lifecycle import TASK_SESSION_EXPIRED
 from tenex_daemon.services.locks import KeyedLock
 
 log = structlog.get_logger(__name__)
@@ -465,9 +466,11 @@ class DescriptionJobs:
             return True
         if conversation.private:  # never published in the clear
             return True
-        event = self._composer.compose(
-            conversation_id, conversation.title, conversation.summary, ended=conversation.is_ended
-        )
+        # named by the thread clients show (a task's session: the task); a session that expired handed
+        # that thread to the next one, so the thread is not ended
+        ended = conversation.is_ended and conversation.end_reason != TASK_SESSION_EXPIRED
+        title, summary = conversation.title, conversation.summary
+        event = self._composer.compose(conversation.thread_id, title, summary, ended=ended)
         await self._publisher.publish(event)
         async with self._marks.hold(conversation_id):
             now = await self._manager.get_conversation(conversation_id)

@@ -175,6 +175,7 @@ class Stopper:
             agent_slug=author,
             trigger=trigger,
             root=conversation.root,
+            task_id=conversation.task_id,
             content=f"Stopped: {names}.",
             destinations=(user_destination(conversation, trigger, self._manager),),
             phase=conversation.phase.value,

@@ -34,7 +34,9 @@ class PlainComposer:
     def compose(self, spec: ReplySpec) -> NostrEvent:
         """Return a signed kind-1111 reply to the trigger."""
         tags = [["e", spec.trigger.id], *(["p", p] for p in spec.destinations)]
-        if spec.root is not None:
+        if spec.task_id is not None and (spec.root is None or spec.root.id != spec.task_id):
+            tags.insert(0, ["E", spec.task_id])  # a task's later session replies in the task's thread
+        elif spec.root is not None:
             tags.insert(0, ["E", spec.root.id, "", spec.root.pubkey])
         if spec.error:
             tags.append(["error", "system"])

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplySpec
 
-from .codec import ReplyDetails, build_agent_reply
+from .codec import ReplyDetails, build_agent_reply, task_thread_root
 from .signer import Signer
 
 
@@ -24,9 +24,10 @@ class SignedReplyComposer:
     def compose(self, spec: ReplySpec) -> NostrEvent:
         """Return the signed reply: kind 1 when the conversation's root is a kind 1, else kind 1111.
 
-        Without a root (not stored) the root is the one the trigger's tags name, else the trigger; a
-        root that is a comment (a task's later session) replies in its own root's thread, the task's.
+        Without a root (not stored) the root is the one the trigger's tags name, else the trigger; in a
+        task's session the root is the task (:func:`~.codec.task_thread_root`).
         """
+        root = task_thread_root(spec.task_id, spec.root) if spec.task_id is not None else spec.root
         details = ReplyDetails(
             project=self._project,
             phase=spec.phase,
@@ -40,5 +41,5 @@ class SignedReplyComposer:
             error=spec.error,
             delegation=spec.delegation,
         )
-        kind, tags = build_agent_reply(spec.trigger, spec.destinations, root=spec.root, details=details)
+        kind, tags = build_agent_reply(spec.trigger, spec.destinations, root=root, details=details)
         return self._signers[spec.agent_slug].sign(kind, spec.content, tags)

@@ -16,7 +16,7 @@ from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.core.conversation import Conversation, TitleSource
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.ports import Store
-from tenex_daemon.core.vocabulary import KIND_CONVERSATION_METADATA
+from tenex_daemon.core.vocabulary import KIND_CONVERSATION_METADATA, KIND_TASK
 from tenex_daemon.services.description_text import (
     NO_DESCRIPTION,
     Description,
@@ -24,6 +24,7 @@ from tenex_daemon.services.description_text import (
     transcript,
 )
 from tenex_daemon.services.descriptions import DescriptionJobs
+from tenex_daemon.services.lifecycle import TASK_SESSION_EXPIRED
 from tenex_daemon.testing.fakes import FailingBackend, FakePublisher, ScriptedBackend, StuckBackend
 from tests.conftest import Cast
 from tests.pipeline import Rig, build_rig
@@ -535,4 +536,25 @@ async def test_a_reply_is_not_delayed_by_a_summary_in_progress(cast: Cast) -> No
     gated.release.set()
     await described_and_published(rig, jobs, ended)
     await rig.settle()
+    await jobs.stop()
+
+
+async def test_a_task_sessions_513_names_the_task_and_an_expired_session_leaves_it_active(cast: Cast) -> None:
+    """Clients show a task's sessions in the task's thread: each session's kind-513 names the task; a session
+    that expired (the next message started a new one) leaves the task active, one ended otherwise ends it."""
+    rig = build_rig(cast)
+    jobs = jobs_for(rig, cast, summarizer=ScriptedBackend([said(ANSWER), said(ANSWER)]))
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(task, task_id=task.id)
+    later = cast.user_says("is it fixed?", tags=[["E", task.id, "", task.pubkey], ["K", str(KIND_TASK)], ["e", task.id]])
+    await rig.manager.create_conversation(later, task_id=task.id, previous_session=task.id)
+
+    await rig.manager.end_conversation(task.id, by="idle", reason=TASK_SESSION_EXPIRED)
+    await described_and_published(rig, jobs, task.id)
+    await rig.manager.end_conversation(later.id, by="owner")
+    await described_and_published(rig, jobs, later.id)
+
+    published = metadata_events(rig.publisher, task.id)
+    assert [tags_of(e)["status"] for e in published] == ["active", "ended"]
+    assert metadata_events(rig.publisher, later.id) == []
     await jobs.stop()

@@ -421,3 +421,28 @@ async def test_a_stop_naming_the_task_stops_the_run_of_its_current_session(cast:
     assert stopped.agents == ("alice",)
     assert stopped.conversation_id == result.conversation_id
     assert backend.cancelled
+
+
+async def test_a_conversation_started_by_a_comment_whose_root_is_unknown_keeps_the_comment_as_root(
+    cast: Cast,
+) -> None:
+    """Only a task's sessions reply under their root's root: a comment whose root cannot be fetched starts a
+    conversation rooted at itself, the agent's reply names that comment as its root, and the person's answer
+    to that reply (copying its root) continues the same conversation."""
+    rig = pipeline.build_rig(cast, backend=SlowStreamer(), composer=pipeline.real_composer(cast))
+    unknown = "ab" * 32
+    comment = cast.user_says(
+        "picking this up", tags=[["E", unknown, "", cast.user.pubkey], ["K", "11"], ["e", unknown], ["p", cast.alice.pubkey]]
+    )
+    first = await rig.dispatcher.handle(comment)
+    await rig.quiet()
+    reply = rig.publisher.published[-1]
+    answer = cast.user_says(
+        "thanks", tags=[["E", comment.id, "", cast.user.pubkey], ["K", "1111"], ["e", reply.id], ["p", cast.alice.pubkey]]
+    )
+    second = await rig.dispatcher.handle(answer)
+    await rig.settle()
+
+    assert first.conversation_id == comment.id
+    assert reply.tags[:3] == [["E", comment.id, "", cast.user.pubkey], ["K", "1111"], ["P", cast.user.pubkey]]
+    assert second.conversation_id == comment.id

@@ -63,6 +63,7 @@ from .tags import (
     root_of,
     status_tags,
     streaming_tags,
+    task_thread_root,
     typing_tags,
     usd_text,
 )
@@ -120,6 +121,7 @@ __all__ = [
     "root_of",
     "status_tags",
     "streaming_tags",
+    "task_thread_root",
     "typing_tags",
     "usd_text",
     "validate_event_dict",

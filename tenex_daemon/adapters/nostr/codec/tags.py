@@ -22,6 +22,7 @@ from tenex_daemon.core.vocabulary import (
     KIND_NOTE,
     KIND_PROJECT,
     KIND_RELAY_AUTH,
+    KIND_TASK,
     TAG_ADDRESS,
     TAG_BOT,
     TAG_CHALLENGE,
@@ -176,16 +177,21 @@ def usd_text(amount: float | None) -> str | None:
 
 
 def _thread_root(trigger: NostrEvent, root: ThreadRoot | NostrEvent | None) -> ThreadRoot:
-    """The conversation root given (an event or its fields), else the one the trigger's tags name.
-
-    A root that is itself a NIP-22 comment (the person's message that started a task's later session)
-    stands in the thread of its own root: a reply takes that root (NIP-22: a reply to a comment copies
-    its root scope), so it shows in the task's thread."""
+    """The conversation root given (an event or its fields), else the one the trigger's tags name."""
     if root is None:
         return root_of(trigger)
-    if isinstance(root, NostrEvent):
-        return root_of(root) if root.kind == KIND_COMMENT else ThreadRoot.of(root)
-    return root
+    return ThreadRoot.of(root) if isinstance(root, NostrEvent) else root
+
+
+def task_thread_root(task_id: str, session_root: NostrEvent | None) -> ThreadRoot:
+    """The root of a reply in a session of task ``task_id``: the task (kind 1934), its author as the
+    session's root names it (a later session's root is a comment in the task's thread: NIP-22 has a
+    reply to a comment keep the comment's root), else unknown (empty)."""
+    if session_root is not None and session_root.id == task_id:
+        return ThreadRoot.of(session_root)
+    named = read_threading(session_root) if session_root is not None else None
+    author = named.root_author if named is not None and named.root_id == task_id else None
+    return ThreadRoot(task_id, KIND_TASK, author or "")
 
 
 def reply_kind(root_kind: int) -> int:
