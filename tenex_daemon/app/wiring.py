@@ -42,7 +42,12 @@ from tenex_daemon.services.descriptions import DescriptionJobs, EventPublisher
 from tenex_daemon.services.dispatcher import EventDispatcher, ReplyObserver
 from tenex_daemon.services.lifecycle import DEFAULT_IDLE_TIMEOUT_MIN, ConversationLifecycle
 from tenex_daemon.services.live_status import LiveStatus
-from tenex_daemon.services.orchestrator import LLMOrchestrator, Orchestrator, RuleBasedOrchestrator
+from tenex_daemon.services.orchestrator import (
+    LLMOrchestrator,
+    Orchestrator,
+    RuleBasedOrchestrator,
+    orchestrator_system_prompt,
+)
 from tenex_daemon.services.outbox import DEFAULT_WARN_AFTER_S, OUTBOX_KEY, Outbox, outbox_key_for
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler, journal_key_for
@@ -181,25 +186,45 @@ def build_orchestrator(
     the rule-based router decides (``@slug`` mentions, else the default agent).
     """
     rules = RuleBasedOrchestrator(manager.agents, settings.default_agent_slug)
-    configured = next((a for a in settings.agents if a.orchestrator), None)
-    if configured is None or configured.backend.kind == "offline":
+    configured = _routing_model_agent(settings)
+    if configured is None:
         return rules
-    roles = {
-        a.slug: a.instructions.strip().splitlines()[0] if a.instructions.strip() else a.name
-        for a in settings.agents
-        if not a.orchestrator
-    }
     return LLMOrchestrator(
         manager,
         backends[configured.slug],
         rules,
         default_agent=settings.default_agent_slug,
-        roles=roles,
+        roles=_routing_roles(settings),
         instructions=configured.instructions,
         model=configured.backend.model,
         temperature=configured.backend.temperature,
         max_tokens=configured.backend.options.get("max_tokens"),
     )
+
+
+def _routing_model_agent(settings: Settings) -> AgentSettings | None:
+    """The orchestrator agent when it routes with a model (its backend is not ``offline``)."""
+    configured = next((a for a in settings.agents if a.orchestrator), None)
+    return None if configured is None or configured.backend.kind == "offline" else configured
+
+
+def _routing_roles(settings: Settings) -> dict[str, str]:
+    """Each routable agent's role for the orchestrator: its instructions' first line, else its name."""
+    return {
+        a.slug: a.instructions.strip().splitlines()[0] if a.instructions.strip() else a.name
+        for a in settings.agents
+        if not a.orchestrator
+    }
+
+
+def routing_system_prompt(settings: Settings) -> str | None:
+    """The system prompt the orchestrator's model routes with (None: it routes by rules, no model), as
+    :func:`build_orchestrator` builds it, for the context preview without a running daemon."""
+    configured = _routing_model_agent(settings)
+    if configured is None:
+        return None
+    roles = _routing_roles(settings)
+    return orchestrator_system_prompt(roles, settings.phase_rules(), configured.instructions)
 
 
 def build_token_budget(backend_settings: BackendSettings, backend: LLMBackend | None) -> TokenBudget | None:

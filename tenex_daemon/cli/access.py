@@ -27,7 +27,7 @@ from tenex_daemon.app.control.views import conversation_json, preview_context, s
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.personas import persona_specs
 from tenex_daemon.app.settings import Settings
-from tenex_daemon.app.wiring import build_store
+from tenex_daemon.app.wiring import build_store, routing_system_prompt
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
@@ -203,11 +203,16 @@ class LocalAccess:
     via = "store"
 
     def __init__(
-        self, manager: ConversationManager, personas: Mapping[str, PersonaSpec] | None = None
+        self,
+        manager: ConversationManager,
+        personas: Mapping[str, PersonaSpec] | None = None,
+        routing_prompt: str | None = None,
     ) -> None:
-        """Use ``manager`` (over an opened store); ``personas``: the agents' persona specs by slug."""
+        """Use ``manager`` (over an opened store); ``personas``: the agents' persona specs by slug;
+        ``routing_prompt``: the orchestrator model's system prompt (None: it routes by rules)."""
         self.manager = manager
         self.personas = personas
+        self.routing_prompt = routing_prompt
 
     async def search(self, query: Mapping[str, str]) -> list[dict[str, Any]]:
         """Search with the control API's parameter rules."""
@@ -245,7 +250,7 @@ class LocalAccess:
     async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
         """Preview an agent's context without changing its state."""
         result: dict[str, Any] = await _mapped(
-            preview_context(self.manager, conversation_id, agent, trigger, self.personas)
+            preview_context(self.manager, conversation_id, agent, trigger, self.personas, self.routing_prompt)
         )
         return result
 
@@ -365,6 +370,6 @@ async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
             owner_pubkey=settings.owner,
             task_session_ttl_h=settings.tasks.session_ttl_h,
         )
-        yield LocalAccess(manager, persona_specs(settings, agents))
+        yield LocalAccess(manager, persona_specs(settings, agents), routing_system_prompt(settings))
     finally:
         await store.close()

@@ -39,6 +39,7 @@ from tenex_daemon.core.errors import (
 )
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import task_meta_key
+from tenex_daemon.services.orchestrator import LLMOrchestrator
 from tenex_daemon.services.persona import PersonaSpec
 
 if TYPE_CHECKING:
@@ -229,7 +230,9 @@ async def _context(request: web.Request) -> web.Response:
     agent, trigger = parse_context_query(request.query)
     target = _target(request)
     personas = _personas(target)
-    return _json(await preview_context(target.manager, conversation_id, agent, trigger, personas))
+    routing = target.pipeline.orchestrator if isinstance(target, PipelineTarget) and target.pipeline else None
+    prompt = routing.system_prompt if isinstance(routing, LLMOrchestrator) else None
+    return _json(await preview_context(target.manager, conversation_id, agent, trigger, personas, prompt))
 
 
 def _personas(target: ControlTarget) -> Mapping[str, PersonaSpec] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -11,6 +12,7 @@ from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.context import AgentContext
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationNotFoundError
+from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import LLMMessage
 from tenex_daemon.core.search import ConversationSummary
 from tenex_daemon.core.vocabulary import KIND_TASK
@@ -122,11 +124,15 @@ async def preview_context(
     agent_slug: str,
     trigger_id: str | None = None,
     personas: Mapping[str, PersonaSpec] | None = None,
+    routing_prompt: str | None = None,
 ) -> dict[str, Any]:
     """Build an agent's context without changing its state (the trigger defaults to the newest event).
 
     Its persona is built as a run builds it (:func:`~tenex_daemon.services.persona.build_persona`)
     from ``personas[agent_slug]``; an agent not in ``personas`` gets a persona without instructions.
+    The orchestrator's is its routing request (docs/CONTEXT.md, "The orchestrator's view"): the system
+    prompt its model routes with (``routing_prompt``) and one ``user`` message holding the routing
+    context; 409 when it routes by rules (no model is sent anything).
     Raises :class:`ConversationNotFoundError`, :class:`UnknownAgentError`, or :class:`ApiError`
     (404) for a trigger that is not in the conversation.
     """
@@ -143,9 +149,38 @@ async def preview_context(
         if index is None:
             raise ApiError(404, f"event {trigger_id} is not in conversation {conversation_id}")
         trigger = conversation.history[index]
+    orchestrator = manager.agents.orchestrator
+    if orchestrator is not None and orchestrator.slug == agent_slug:
+        return await _routing_preview(manager, conversation, agent_slug, trigger, routing_prompt)
     context = await manager.preview_agent_messages(conversation_id, agent_slug, trigger)
     state = conversation.agent_states.get(agent_slug)
     stored_index = state.last_processed_index if state is not None else 0
     spec = (personas or {}).get(agent_slug) or PersonaSpec(agent)
     persona = await build_persona(manager.store, manager.agents, spec, conversation, trigger)
     return context_json(conversation_id, agent_slug, trigger.id, context, stored_index, persona, spec.budget)
+
+
+async def _routing_preview(
+    manager: ConversationManager,
+    conversation: Conversation,
+    agent_slug: str,
+    trigger: NostrEvent,
+    routing_prompt: str | None,
+) -> dict[str, Any]:
+    """The orchestrator's routing request for ``trigger``, shaped as :func:`context_json`."""
+    if routing_prompt is None:
+        raise ApiError(409, f"{agent_slug} routes by rules here (no model): it is sent nothing")
+    routing = await manager.build_orchestrator_routing_context(conversation.id, trigger)
+    state = conversation.agent_states.get(agent_slug)
+    index = state.last_processed_index if state is not None else 0
+    return {
+        "conversation_id": conversation.id,
+        "agent": agent_slug,
+        "trigger": trigger.id,
+        "persona": routing_prompt,
+        "messages": [{"role": "user", "content": json.dumps(routing, ensure_ascii=False)}],
+        "session_id": None,
+        "last_processed_index": index,
+        "next_last_processed_index": index,
+        "budget": None,
+    }

@@ -3,6 +3,7 @@ preview and the run cannot drift apart."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from tenex_daemon.core.conversation import TitleSource
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import LLMMessage
 from tenex_daemon.services.answering import AgentProfile
+from tenex_daemon.services.orchestrator import LLMOrchestrator, RuleBasedOrchestrator
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.testing.fakes import ScriptedBackend
 from tests import pipeline
@@ -172,3 +174,35 @@ async def test_without_a_budget_the_preview_says_none_applies(cast: Cast) -> Non
     built = await rig.manager.preview_agent_messages(conversation, "alice", trigger)
     assert shown["budget"] is None
     assert shown["messages"] == [sent(m) for m in built.messages]
+
+
+async def test_the_orchestrators_preview_is_its_routing_request(cast: Cast) -> None:
+    """For the orchestrator the preview is what its model is sent to route: its system prompt and one user
+    message holding the routing context, the same as the request routing then makes; with no model (rule-based
+    routing) it is refused with 409."""
+    model = ScriptedBackend([text('{"agents": ["alice"], "reason": "alice builds"}')])
+    profiles = {a.slug: AgentProfile(a, "", ScriptedBackend([text("On it.")])) for a in cast.agents}
+
+    def routing(manager: ConversationManager) -> LLMOrchestrator:
+        rules = RuleBasedOrchestrator(manager.agents, "alice")
+        return LLMOrchestrator(manager, model, rules, default_agent="alice", roles={"alice": "builds things"})
+
+    rig = pipeline.build_rig(cast, profiles=profiles, orchestrator=routing)
+    root = cast.user_says("Build me a shed", kind=11)
+    await rig.manager.create_conversation(root)
+
+    async with TestClient(TestServer(create_app(Target(rig.manager, rig.pipeline)))) as client:
+        response = await client.get(f"/api/v1/conversations/{root.id}/context", params={"agent": "orchestrator"})
+        assert response.status == 200, await response.text()
+        shown = await response.json()
+    async with TestClient(TestServer(create_app(Target(rig.manager)))) as client:
+        refused = await client.get(f"/api/v1/conversations/{root.id}/context", params={"agent": "orchestrator"})
+        assert refused.status == 409
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert await rig.pipeline.orchestrator.route(conversation, root) is not None  # as the dispatcher routes
+
+    [request] = model.requests
+    assert shown["persona"] == request.system_prompt
+    assert shown["messages"] == [sent(m) for m in request.messages]
+    assert json.loads(shown["messages"][0]["content"])["user_request"] == "Build me a shed"

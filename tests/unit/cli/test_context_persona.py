@@ -7,10 +7,13 @@ import asyncio
 import json
 from pathlib import Path
 
+from typer.testing import CliRunner
+
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.settings import load_settings
-from tenex_daemon.app.wiring import build_store
+from tenex_daemon.app.wiring import build_store, routing_system_prompt
+from tenex_daemon.cli.main import app
 from tenex_daemon.core.conversation import TitleSource
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.testing import EventFactory, FakeClock
@@ -97,3 +100,28 @@ def test_context_says_what_the_agents_budget_did(home: Path) -> None:
     assert out.rstrip().splitlines()[-1] == (
         f"--- budget 40 tokens (sliding_window): {budget['tokens']} before cuts, 0 message(s) left out ---"
     )
+
+
+def test_context_for_the_orchestrator_is_its_routing_request(home: Path) -> None:
+    """Without a daemon, `context --agent orchestrator` shows the routing request its model would get (the
+    routing system prompt, then the routing context as one user message); with an offline orchestrator it
+    routes by rules and the command says it is sent nothing."""
+    conversation = seed(home)
+    refused = CliRunner().invoke(app, ["--home", str(home), "context", conversation, "--agent", "orchestrator"])
+    assert refused.exit_code == 1
+    assert refused.stderr == "error: orchestrator routes by rules here (no model): it is sent nothing\n"
+
+    config = home / "config.toml"
+    offline = 'orchestrator = true\n\n[agents.backend]\nkind = "offline"\n'
+    text = config.read_text()
+    assert offline in text
+    config.write_text(text.replace(offline, offline.replace('"offline"', '"openai"\nmodel = "gpt-4o"')))
+    code, out = tenexd(home, "context", conversation, "--agent", "orchestrator", "--json")
+
+    assert code == 0, out
+    shown = json.loads(out)
+    assert shown["persona"] == routing_system_prompt(load_settings(home))
+    assert "planner" in shown["persona"]
+    [message] = shown["messages"]
+    assert message["role"] == "user"
+    assert json.loads(message["content"])["user_request"] == "What next?"
