@@ -64,6 +64,7 @@ from tenex_daemon.app.wiring import (
     build_store,
     instance_keys,
     load_signers,
+    wraps_key_for,
 )
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.events import NostrEvent
@@ -210,6 +211,7 @@ class Daemon:
         """Peers whose name was found free, and since when (monotonic); see ``_believed_dead``."""
         self._lifetime = contextlib.AsyncExitStack()
         self.pipeline: Pipeline | None = None
+        self._gift_wraps: GiftWrapPublisher | None = None
         """Manager, runner, dispatcher and scheduler (:func:`build_pipeline`), once started."""
         self.agents: list[Agent] = []
         self.project_signer: Signer | None = None
@@ -426,12 +428,18 @@ class Daemon:
             publish_timeout_s=settings.relays.publish_timeout_s,
         )
         wraps = GiftWraps(signers)  # NIP-17: private messages opened, replies wrapped, with the agents' keys
+        options = PipelineOptions.from_settings(
+            settings, project_signer.pubkey, self.instance if self._peers is not None else None
+        )
+        # a private conversation's replies: wrapped, the wraps kept until a relay took them
+        gift_wraps = GiftWrapPublisher(publisher, wraps, self.store, wraps_key_for(options.outbox_key))
+        self._gift_wraps = gift_wraps
         pubkeys_by_slug = {a.slug: a.pubkey for a in self.agents}
         composer = PrivateReplyComposer(SignedReplyComposer(signers, project), pubkeys_by_slug)
         ports = PipelinePorts(
             store=self.store,
             composer=composer,
-            publisher=GiftWrapPublisher(publisher, wraps),  # a private conversation's replies: wrapped
+            publisher=gift_wraps,
             classify=classify_event,
             partials=publisher if settings.daemon.stream_partials else None,
             resolver=RelayEventResolver(self.pool, store=self.store),
@@ -447,9 +455,7 @@ class Daemon:
             self.agents,
             profiles,
             ports,
-            PipelineOptions.from_settings(
-                settings, project_signer.pubkey, self.instance if self._peers is not None else None
-            ),
+            options,
             orchestrator=partial(build_orchestrator, settings, backends=backends),
         )
         answer = settings.daemon.answer
@@ -466,7 +472,9 @@ class Daemon:
         await self._announce(signers)
         pubkeys = [a.pubkey for a in self.agents] + [project_signer.pubkey]
         pipeline = self.pipeline
-        # the outbox first: a recovered run that publishes a saved reply again adds to it
+        # the outbox first: a recovered run that publishes a saved reply again adds to it; before it the
+        # wraps its private replies had (sent again unchanged)
+        await gift_wraps.recover()
         await pipeline.outbox.recover(self.store.find_event)
         await pipeline.scheduler.recover()
         self.descriptions.start()  # titles and summaries: what a crash left is found in the store
@@ -655,8 +663,10 @@ class Daemon:
                     continue
                 redo = await self.pipeline.scheduler.adopt(keys[0])
                 assert self.store is not None
+                assert self._gift_wraps is not None
+                await self._gift_wraps.recover(key=wraps_key_for(keys[1]))
                 await self.pipeline.outbox.recover(self.store.find_event, key=keys[1])
-                for key in keys:
+                for key in (*keys, wraps_key_for(keys[1])):
                     await self._peers.forget(key)
             log.warning("dead_daemon_taken_over", instance=instance or "(unnamed)", dispatches=len(redo))
             stored = await self.pipeline.dispatcher.stored_dispatches(redo)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES, UnknownBackendError, make_backend
 from tenex_daemon.adapters.nostr.metadata_event import ConversationMetadataComposer
+from tenex_daemon.adapters.nostr.private import WRAPS_KEY
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.settings import AgentSettings, BackendSettings, Settings, SettingsError, StorageKind
@@ -269,6 +270,12 @@ def build_agent_profile(agent_settings: AgentSettings, agent: Agent, settings: S
 
 
 # --- the pipeline ---------------------------------------------------------------------------
+
+
+def wraps_key_for(outbox_key: str) -> str:
+    """Where the gift wraps of the private replies in the outbox under ``outbox_key`` are kept (not under
+    the outbox's own prefix: a scan for daemons' outboxes does not take it for one)."""
+    return WRAPS_KEY + outbox_key.removeprefix(OUTBOX_KEY)
 
 
 def instance_keys(project_pubkey: str, instance: str | None) -> tuple[str, str]:

@@ -10,11 +10,13 @@ NIP-59 seal and gift wrap), never by hand-written crypto (docs/PROTOCOL.md, "Pri
   rumor) as an unsigned kind-14 rumor; every other reply is the inner composer's.
 - :class:`GiftWrapPublisher` never puts a rumor on a relay: it publishes one gift wrap per recipient
   (the rumor's ``p`` tags and its author, so the agent's own copy survives a rebuild), made once per
-  rumor and kept until a relay accepted each; signed events go to the inner publisher unchanged.
+  rumor and kept until a relay accepted each, in the store too (a restart sends the same wraps, so a
+  person never gets an answer twice); signed events go to the inner publisher unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import OrderedDict
@@ -36,7 +38,7 @@ from nostr_sdk import (
 from pydantic import ValidationError
 
 from tenex_daemon.core.events import NostrEvent, compute_event_id
-from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec
+from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec, SmallValues
 from tenex_daemon.core.vocabulary import (
     KIND_GIFT_WRAP,
     KIND_PRIVATE_MESSAGE,
@@ -50,6 +52,8 @@ log = structlog.get_logger(__name__)
 
 PENDING_WRAPS_MEMORY: Final = 10_000
 """Rumors whose wraps are kept for a retry (a rumor leaves once a relay accepted each of its wraps)."""
+WRAPS_KEY: Final = "outbox.wraps"
+"""Where a home keeps the wraps not accepted yet (daemons sharing a database: one key each)."""
 
 
 class WrapRefusal(StrEnum):
@@ -196,14 +200,57 @@ class GiftWrapPublisher:
     (:func:`wrap_recipients`) gets a gift wrap, made once and kept until a relay accepted it, so that a
     retry (the outbox's) sends the same wraps again and a person sees one message, not one per try."""
 
-    def __init__(self, inner: Publisher, wraps: GiftWraps) -> None:
+    def __init__(
+        self, inner: Publisher, wraps: GiftWraps, values: SmallValues | None = None, key: str = WRAPS_KEY
+    ) -> None:
+        """Wrap with ``wraps``, publish through ``inner``; the wraps not accepted yet are kept in ``values``
+        under ``key`` (none: in memory only)."""
         self._inner = inner
         self._wraps = wraps
+        self._values = values
+        self._key = key
         self._pending: OrderedDict[str, dict[str, NostrEvent]] = OrderedDict()
+        self._saving = asyncio.Lock()
         self.wraps_published = 0
 
+    async def recover(self, key: str | None = None) -> int:
+        """Take up the wraps a previous process made and no relay accepted yet (stored under ``key``, by
+        default this publisher's own; another's, a daemon taken over, are kept under its own from then
+        on); return how many rumors they are for."""
+        if self._values is None:
+            return 0
+        raw = await self._values.get_meta(key or self._key)
+        if not raw:
+            return 0
+        try:
+            stored = json.loads(raw)
+            found = {
+                rumor_id: {recipient: NostrEvent.model_validate(wrap) for recipient, wrap in wraps.items()}
+                for rumor_id, wraps in stored.items()
+            }
+        except (ValueError, AttributeError, ValidationError) as exc:
+            log.warning("stored_gift_wraps_unreadable", key=key or self._key, error=str(exc)[:200])
+            return 0
+        for rumor_id, wraps in found.items():
+            self._pending.setdefault(rumor_id, wraps)
+        if key is not None and key != self._key:
+            await self._save()
+        return len(found)
+
+    async def _save(self) -> None:
+        """Store the wraps waiting for a relay (the whole set, as it is now)."""
+        if self._values is None:
+            return
+        async with self._saving:
+            pending = self._pending.items()
+            payload = {rid: {r: w.to_dict() for r, w in wraps.items()} for rid, wraps in pending}
+            await self._values.set_meta(self._key, json.dumps(payload, separators=(",", ":")))
+
     async def publish(self, event: NostrEvent) -> None:
-        """Publish a signed event as it is; a rumor as its gift wraps (raise unless each reached a relay)."""
+        """Publish a signed event as it is; a rumor as its gift wraps (raise unless each reached a relay).
+
+        A rumor's wraps are stored before the first goes out: one that reached a relay before a crash is
+        sent again unchanged after it, and relays keep one copy of it."""
         if event.kind != KIND_PRIVATE_MESSAGE and event.is_signed:
             await self._inner.publish(event)
             return
@@ -213,6 +260,7 @@ class GiftWrapPublisher:
             self._pending[event.id] = pending
             while len(self._pending) > PENDING_WRAPS_MEMORY:
                 self._pending.popitem(last=False)
+            await self._save()
         failed: list[str] = []
         for recipient, wrap in list(pending.items()):
             try:
@@ -224,7 +272,11 @@ class GiftWrapPublisher:
             self.wraps_published += 1
         if failed:
             raise GiftWrapError(f"wraps of {event.id} not accepted by any relay ({'; '.join(failed)})")
-        self._pending.pop(event.id, None)
+        if self._pending.pop(event.id, None) is not None:
+            try:
+                await self._save()
+            except Exception as exc:  # delivered all the same: the stale entry goes with the next save
+                log.warning("gift_wraps_not_saved", event_id=event.id, error=str(exc)[:200])
 
     async def typing(self, agent_slug: str, conversation_id: str, active: bool) -> None:
         """Typing indicators go to the inner publisher (the runner sends none for private conversations)."""

@@ -4,6 +4,7 @@ taken for signed events, replies in private conversations composed as rumors and
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pytest
@@ -24,6 +25,7 @@ from nostr_sdk import (
 
 from tenex_daemon.adapters.nostr.codec import Rejection, RejectReason, parse_relay_frame, verify_event
 from tenex_daemon.adapters.nostr.private import (
+    WRAPS_KEY,
     GiftWrapError,
     GiftWrapPublisher,
     GiftWraps,
@@ -34,6 +36,7 @@ from tenex_daemon.adapters.nostr.private import (
     wrap_recipients,
 )
 from tenex_daemon.adapters.nostr.relay_pool.subscriptions import Subscription, Subscriptions
+from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.core.events import NostrEvent, compute_event_id
 from tenex_daemon.core.ports import ReplySpec
 from tenex_daemon.testing import KeyPair, sign_event
@@ -205,6 +208,49 @@ async def test_a_rumor_is_published_only_as_gift_wraps_each_kept_until_a_relay_t
     for recipient, wrap in zip((PERSON, AGENT), sent, strict=True):
         opened = UnwrappedGift.from_gift_wrap(Keys.parse(recipient.secret), sdk_event(wrap))
         assert json.loads(opened.rumor().as_json())["id"] == rumor.id
+
+
+@dataclass
+class RefusingPublisher(FakePublisher):
+    """A relay that takes nothing while ``down``; records what it was offered."""
+
+    down: bool = True
+    offered: list[str] = field(default_factory=list)
+
+    async def publish(self, event: NostrEvent) -> None:
+        """Refuse while down, else take it."""
+        self.offered.append(event.id)
+        if self.down:
+            raise RuntimeError("relay down")
+        await super().publish(event)
+
+
+async def test_wraps_not_accepted_before_a_restart_are_sent_again_unchanged_after_it() -> None:
+    """A rumor's wraps are stored before the first is sent: after a restart (a new publisher over the same
+    store) the outbox's retry sends the very same wraps, so a person whose relay took one before the crash
+    gets the answer once; once all are accepted the stored set is empty. A daemon taken over hands its
+    wraps to the one that takes over (stored under that one's key from then on)."""
+    store = MemoryStore()
+    rumor = make_rumor(AGENT.pubkey, "private answer", [["p", PERSON.pubkey]], NOW)
+    down = RefusingPublisher()
+    before = GiftWrapPublisher(down, wraps(), store)
+    with pytest.raises(GiftWrapError):
+        await before.publish(rumor)
+    first_tried = list(down.offered)
+
+    up = RefusingPublisher(down=False)
+    after = GiftWrapPublisher(up, wraps(), store)
+    assert await after.recover() == 1
+    await after.publish(rumor)
+
+    assert [w.id for w in up.published] == first_tried
+    assert json.loads(await store.get_meta(WRAPS_KEY) or "null") == {}
+    elsewhere = GiftWrapPublisher(RefusingPublisher(), wraps(), store, key="outbox.wraps.gone")
+    with pytest.raises(GiftWrapError):
+        await elsewhere.publish(rumor)
+    taker = GiftWrapPublisher(RefusingPublisher(), wraps(), store)
+    assert await taker.recover(key="outbox.wraps.gone") == 1
+    assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [rumor.id]
 
 
 def test_a_resubscription_looks_further_back_by_its_lookback() -> None:
