@@ -211,8 +211,9 @@ class Daemon:
         """Peers whose name was found free, and since when (monotonic); see ``_believed_dead``."""
         self._lifetime = contextlib.AsyncExitStack()
         self.pipeline: Pipeline | None = None
-        self._gift_wraps: GiftWrapPublisher | None = None
         """Manager, runner, dispatcher and scheduler (:func:`build_pipeline`), once started."""
+        self._gift_wraps: GiftWrapPublisher | None = None
+        """Private replies' wraps, kept until a relay took each (taken over with a dead daemon's outbox)."""
         self.agents: list[Agent] = []
         self.project_signer: Signer | None = None
         self._observer = _MetricsObserver(self.metrics)
@@ -476,6 +477,7 @@ class Daemon:
         # wraps its private replies had (sent again unchanged)
         await gift_wraps.recover()
         await pipeline.outbox.recover(self.store.find_event)
+        await gift_wraps.keep_only(pipeline.outbox.event_ids())
         await pipeline.scheduler.recover()
         self.descriptions.start()  # titles and summaries: what a crash left is found in the store
         await self.descriptions.recover()
@@ -666,6 +668,7 @@ class Daemon:
                 assert self._gift_wraps is not None
                 await self._gift_wraps.recover(key=wraps_key_for(keys[1]))
                 await self.pipeline.outbox.recover(self.store.find_event, key=keys[1])
+                await self._gift_wraps.keep_only(self.pipeline.outbox.event_ids())
                 for key in (*keys, wraps_key_for(keys[1])):
                     await self._peers.forget(key)
             log.warning("dead_daemon_taken_over", instance=instance or "(unnamed)", dispatches=len(redo))

@@ -341,7 +341,7 @@ class AgentRunner:
                 agent_slug=profile.agent.slug,
                 trigger=trigger,
                 root=conversation.root,
-            task_id=conversation.task_id,
+                task_id=conversation.task_id,
                 content=result.text,
                 destinations=tuple(destinations),
                 phase=conversation.phase.value,

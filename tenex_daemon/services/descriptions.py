@@ -466,11 +466,13 @@ class DescriptionJobs:
             return True
         if conversation.private:  # never published in the clear
             return True
-        # named by the thread clients show (a task's session: the task); a session that expired handed
-        # that thread to the next one, so the thread is not ended
-        ended = conversation.is_ended and conversation.end_reason != TASK_SESSION_EXPIRED
+        if conversation.end_reason == TASK_SESSION_EXPIRED:
+            # the task's thread goes on in the next session, whose description speaks for it: this
+            # one's, published late (it waits for that session's runs), must not replace it
+            return True
+        # named by the thread clients show (a task's session: the task)
         title, summary = conversation.title, conversation.summary
-        event = self._composer.compose(conversation.thread_id, title, summary, ended=ended)
+        event = self._composer.compose(conversation.thread_id, title, summary, ended=conversation.is_ended)
         await self._publisher.publish(event)
         async with self._marks.hold(conversation_id):
             now = await self._manager.get_conversation(conversation_id)

@@ -119,6 +119,10 @@ class Outbox:
         """Whether an event of this conversation still waits for a relay (retention keeps it)."""
         return any(entry.conversation_id == conversation_id for entry in self._entries.values())
 
+    def event_ids(self) -> frozenset[str]:
+        """The ids of the events waiting for a relay."""
+        return frozenset(self._entries)
+
     @property
     def depth(self) -> int:
         """Events waiting for a relay."""

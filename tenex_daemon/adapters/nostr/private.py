@@ -20,7 +20,7 @@ import asyncio
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
@@ -54,6 +54,8 @@ PENDING_WRAPS_MEMORY: Final = 10_000
 """Rumors whose wraps are kept for a retry (a rumor leaves once a relay accepted each of its wraps)."""
 WRAPS_KEY: Final = "outbox.wraps"
 """Where a home keeps the wraps not accepted yet (daemons sharing a database: one key each)."""
+STORED_WRAPS_BYTES: Final = 1 << 20
+"""The most the stored wraps take (a long relay outage must not make each save rewrite megabytes)."""
 
 
 class WrapRefusal(StrEnum):
@@ -233,18 +235,40 @@ class GiftWrapPublisher:
             return 0
         for rumor_id, wraps in found.items():
             self._pending.setdefault(rumor_id, wraps)
+        while len(self._pending) > PENDING_WRAPS_MEMORY:
+            self._pending.popitem(last=False)
         if key is not None and key != self._key:
             await self._save()
         return len(found)
 
+    async def keep_only(self, rumor_ids: Collection[str]) -> None:
+        """Forget the wraps of rumors that no longer wait for a relay (``rumor_ids``: those the outbox
+        holds): what a crash between the last wrap's acceptance and its save, or an outbox entry dropped
+        at recovery, left behind."""
+        stale = [rumor_id for rumor_id in self._pending if rumor_id not in rumor_ids]
+        for rumor_id in stale:
+            del self._pending[rumor_id]
+        if stale:
+            await self._save()
+
     async def _save(self) -> None:
-        """Store the wraps waiting for a relay (the whole set, as it is now)."""
+        """Store the wraps waiting for a relay, oldest first, up to :data:`STORED_WRAPS_BYTES` (those past
+        it stay in memory only, as they would without a store: each save rewrites the whole value)."""
         if self._values is None:
             return
         async with self._saving:
-            pending = self._pending.items()
-            payload = {rid: {r: w.to_dict() for r, w in wraps.items()} for rid, wraps in pending}
-            await self._values.set_meta(self._key, json.dumps(payload, separators=(",", ":")))
+            parts: list[str] = []
+            size = 0
+            for rumor_id, wraps in self._pending.items():
+                part = json.dumps(rumor_id) + ":" + json.dumps(
+                    {r: w.to_dict() for r, w in wraps.items()}, separators=(",", ":")
+                )
+                if size + len(part) > STORED_WRAPS_BYTES:
+                    log.debug("gift_wraps_kept_in_memory", left_out=len(self._pending) - len(parts))
+                    break
+                parts.append(part)
+                size += len(part) + 1
+            await self._values.set_meta(self._key, "{" + ",".join(parts) + "}")
 
     async def publish(self, event: NostrEvent) -> None:
         """Publish a signed event as it is; a rumor as its gift wraps (raise unless each reached a relay).
@@ -260,7 +284,11 @@ class GiftWrapPublisher:
             self._pending[event.id] = pending
             while len(self._pending) > PENDING_WRAPS_MEMORY:
                 self._pending.popitem(last=False)
-            await self._save()
+            try:
+                await self._save()
+            except BaseException:  # nothing sent yet: the retry makes and stores them again
+                self._pending.pop(event.id, None)
+                raise
         failed: list[str] = []
         for recipient, wrap in list(pending.items()):
             try:

@@ -132,7 +132,8 @@ async def preview_context(
     from ``personas[agent_slug]``; an agent not in ``personas`` gets a persona without instructions.
     The orchestrator's is its routing request (docs/CONTEXT.md, "The orchestrator's view"): the system
     prompt its model routes with (``routing_prompt``) and one ``user`` message holding the routing
-    context; 409 when it routes by rules (no model is sent anything).
+    context, by default for the newest event it did not write (routing never runs on its own); 409
+    when it routes by rules (no model is sent anything).
     Raises :class:`ConversationNotFoundError`, :class:`UnknownAgentError`, or :class:`ApiError`
     (404) for a trigger that is not in the conversation.
     """
@@ -142,8 +143,10 @@ async def preview_context(
         raise ConversationNotFoundError(conversation_id)
     if not conversation.history:
         raise ApiError(409, f"conversation {conversation_id} has no events")
-    if trigger_id is None:
+    if trigger_id is None:  # the newest event; for the orchestrator, the newest it did not write
         trigger = conversation.history[-1]
+        if agent.orchestrator:
+            trigger = next((e for e in reversed(conversation.history) if e.pubkey != agent.pubkey), trigger)
     else:
         index = conversation.index_of(trigger_id)
         if index is None:

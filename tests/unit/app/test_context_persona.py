@@ -177,9 +177,9 @@ async def test_without_a_budget_the_preview_says_none_applies(cast: Cast) -> Non
 
 
 async def test_the_orchestrators_preview_is_its_routing_request(cast: Cast) -> None:
-    """For the orchestrator the preview is what its model is sent to route: its system prompt and one user
-    message holding the routing context, the same as the request routing then makes; with no model (rule-based
-    routing) it is refused with 409."""
+    """For the orchestrator the preview is what its model is sent to route (by default for the newest event it
+    did not write): its system prompt and one user message holding the routing context, the same as the
+    request routing then makes; with no model (rule-based routing) it is refused with 409."""
     model = ScriptedBackend([text('{"agents": ["alice"], "reason": "alice builds"}')])
     profiles = {a.slug: AgentProfile(a, "", ScriptedBackend([text("On it.")])) for a in cast.agents}
 
@@ -190,6 +190,8 @@ async def test_the_orchestrators_preview_is_its_routing_request(cast: Cast) -> N
     rig = pipeline.build_rig(cast, profiles=profiles, orchestrator=routing)
     root = cast.user_says("Build me a shed", kind=11)
     await rig.manager.create_conversation(root)
+    # the newest event is the orchestrator's own: the preview's default trigger is the newest it did not write
+    await rig.manager.add_event(root.id, cast.factory.event(cast.orchestrator_keys, "Noted.", tags=[["E", root.id]]))
 
     async with TestClient(TestServer(create_app(Target(rig.manager, rig.pipeline)))) as client:
         response = await client.get(f"/api/v1/conversations/{root.id}/context", params={"agent": "orchestrator"})

@@ -23,6 +23,7 @@ from nostr_sdk import (
     nip59_make_seal,
 )
 
+from tenex_daemon.adapters.nostr import private
 from tenex_daemon.adapters.nostr.codec import Rejection, RejectReason, parse_relay_frame, verify_event
 from tenex_daemon.adapters.nostr.private import (
     WRAPS_KEY,
@@ -251,6 +252,53 @@ async def test_wraps_not_accepted_before_a_restart_are_sent_again_unchanged_afte
     taker = GiftWrapPublisher(RefusingPublisher(), wraps(), store)
     assert await taker.recover(key="outbox.wraps.gone") == 1
     assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [rumor.id]
+
+
+class FailingOnce(MemoryStore):
+    """A store whose first small-value write fails (the database blinked)."""
+
+    failed = False
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Fail once, then store."""
+        if not self.failed:
+            self.failed = True
+            raise OSError("store unavailable")
+        await super().set_meta(key, value)
+
+
+async def test_wraps_are_sent_only_once_stored_and_forgotten_when_no_longer_owed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rumor whose wraps could not be stored sends none (the outbox's retry makes and stores them); wraps
+    of rumors the outbox no longer holds are dropped from the store; past the byte limit, older rumors'
+    wraps are stored and newer ones kept in memory only."""
+    store = FailingOnce()
+    relay = RefusingPublisher(down=False)
+    publisher = GiftWrapPublisher(relay, wraps(), store)
+    rumor = make_rumor(AGENT.pubkey, "private answer", [["p", PERSON.pubkey]], NOW)
+    with pytest.raises(OSError, match="store unavailable"):
+        await publisher.publish(rumor)
+    assert relay.offered == []
+    relay.down = True
+    with pytest.raises(GiftWrapError):
+        await publisher.publish(rumor)
+    assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [rumor.id]
+
+    await publisher.keep_only(set())
+    assert json.loads(await store.get_meta(WRAPS_KEY) or "null") == {}
+
+    with pytest.raises(GiftWrapError):
+        await publisher.publish(rumor)
+    one = len(await store.get_meta(WRAPS_KEY) or "")
+    monkeypatch.setattr(private, "STORED_WRAPS_BYTES", one + 10)  # room for one rumor's wraps, not two
+    later = make_rumor(AGENT.pubkey, "another answer", [["p", PERSON.pubkey]], NOW + 1)
+    with pytest.raises(GiftWrapError):
+        await publisher.publish(later)
+    assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [rumor.id]
+    monkeypatch.setattr(private, "STORED_WRAPS_BYTES", 3 * one)
+    await publisher.keep_only({later.id})  # the older one delivered meanwhile: the newer is stored now
+    assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [later.id]
 
 
 def test_a_resubscription_looks_further_back_by_its_lookback() -> None:

@@ -539,9 +539,10 @@ async def test_a_reply_is_not_delayed_by_a_summary_in_progress(cast: Cast) -> No
     await jobs.stop()
 
 
-async def test_a_task_sessions_513_names_the_task_and_an_expired_session_leaves_it_active(cast: Cast) -> None:
-    """Clients show a task's sessions in the task's thread: each session's kind-513 names the task; a session
-    that expired (the next message started a new one) leaves the task active, one ended otherwise ends it."""
+async def test_a_task_sessions_513_names_the_task_and_an_expired_session_publishes_none(cast: Cast) -> None:
+    """Clients show a task's sessions in the task's thread: a session's kind-513 names the task; a session
+    that expired (the next message started a new one) is described but publishes none, so its late 513 can
+    never replace the current session's."""
     rig = build_rig(cast)
     jobs = jobs_for(rig, cast, summarizer=ScriptedBackend([said(ANSWER), said(ANSWER)]))
     task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
@@ -550,11 +551,14 @@ async def test_a_task_sessions_513_names_the_task_and_an_expired_session_leaves_
     await rig.manager.create_conversation(later, task_id=task.id, previous_session=task.id)
 
     await rig.manager.end_conversation(task.id, by="idle", reason=TASK_SESSION_EXPIRED)
-    await described_and_published(rig, jobs, task.id)
+    await until(lambda: jobs.queued == 0 and jobs.unpublished == 0)
     await rig.manager.end_conversation(later.id, by="owner")
     await described_and_published(rig, jobs, later.id)
 
+    expired = await stored(rig, task.id)
+    assert expired.described_at == expired.last_activity
     published = metadata_events(rig.publisher, task.id)
-    assert [tags_of(e)["status"] for e in published] == ["active", "ended"]
+    assert [(tags_of(e)["status"], tags_of(e)["summary"]) for e in published] == [("ended", expired.summary)]
+    assert jobs.published == 1  # the later session's
     assert metadata_events(rig.publisher, later.id) == []
     await jobs.stop()
