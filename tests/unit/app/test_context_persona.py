@@ -162,6 +162,33 @@ async def test_a_summary_the_run_would_extend_is_counted_and_shown_as_truncated(
     assert len(answered) == len(shown["messages"])
 
 
+async def test_a_stored_summary_the_run_extends_is_shown_with_the_rest_truncated(cast: Cast) -> None:
+    """With a stored summary that covers less than the cut, the preview shows that summary where it stands and
+    one truncation note for the messages the run first adds to it (``to_summarize``); the run sends the
+    extended summary there instead, and everything after the cut is the same."""
+    backend = ScriptedBackend([text("They talked more."), text("Done.")])
+    budget = TokenBudget(200, BudgetStrategy.SUMMARIZE)
+    profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
+    rig = pipeline.build_rig(cast, profiles=profiles)
+    trigger = await long_conversation(cast, rig)
+    conversation = await rig.manager.find_conversation_of_event(trigger.id)
+    assert conversation is not None
+    await rig.manager.update_agent_state(conversation, "alice", summary=("They talked.", 5))
+
+    shown = await preview(Target(rig.manager, rig.pipeline), conversation)
+    assert await rig.runner.run(RunRequest(conversation, trigger.id, "alice")) is not None
+    await rig.runner.flush(5.0)
+
+    cut = shown["budget"]
+    assert cut["to_summarize"] == cut["dropped"] - 4  # the summary covers 5, the first message always stays
+    assert cut["to_summarize"] > 0
+    assert shown["messages"][1]["content"] == "Previous conversation summary: They talked."
+    assert shown["messages"][2]["content"].startswith(f"[Note: {cut['to_summarize']} older messages truncated")
+    answered = [sent(m) for m in backend.requests[1].messages]
+    assert answered[1]["content"] == "Previous conversation summary: They talked more."
+    assert answered[2:] == shown["messages"][3:]
+
+
 async def test_without_a_budget_the_preview_says_none_applies(cast: Cast) -> None:
     """An agent without a budget is previewed with every message its context holds, and ``budget`` null."""
     rig = pipeline.build_rig(cast)
