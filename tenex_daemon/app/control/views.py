@@ -143,17 +143,17 @@ async def preview_context(
         raise ConversationNotFoundError(conversation_id)
     if not conversation.history:
         raise ApiError(409, f"conversation {conversation_id} has no events")
+    routes = manager.agents.orchestrator is agent
     if trigger_id is None:  # the newest event; for the orchestrator, the newest it did not write
         trigger = conversation.history[-1]
-        if agent.orchestrator:
+        if routes:
             trigger = next((e for e in reversed(conversation.history) if e.pubkey != agent.pubkey), trigger)
     else:
         index = conversation.index_of(trigger_id)
         if index is None:
             raise ApiError(404, f"event {trigger_id} is not in conversation {conversation_id}")
         trigger = conversation.history[index]
-    orchestrator = manager.agents.orchestrator
-    if orchestrator is not None and orchestrator.slug == agent_slug:
+    if routes:
         return await _routing_preview(manager, conversation, agent_slug, trigger, routing_prompt)
     context = await manager.preview_agent_messages(conversation_id, agent_slug, trigger)
     state = conversation.agent_states.get(agent_slug)
