@@ -6,7 +6,8 @@ copied from the conversation root, parent ``e``/``k``/``p``), or a kind-1 reply 
 ``e`` tags when the parent is a kind 1 (NIP-22 forbids a comment on a note). ``--kind 1`` sends
 what an ordinary kind-1 client sends: a top-level note (it joins the person's open channel
 conversation with the agent, or starts one), or a NIP-10 reply; the agents answer with kind 1.
-The addressed agent is p-tagged first, so it is the one targeted (docs/PROTOCOL.md).
+The addressed agent is p-tagged first, so it is the one targeted (docs/PROTOCOL.md). ``--private``
+sends a NIP-17 private message instead (:func:`send_private_message`).
 """
 
 from __future__ import annotations
@@ -24,16 +25,31 @@ from tenex_daemon.adapters.nostr.codec import (
     person_reply_tags,
     refers_to_root,
 )
-from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, PublishError, ReceivedEvent, RelayPool
+from tenex_daemon.adapters.nostr.private import GiftWraps, OpenedWrap, make_rumor, wrap_recipients
+from tenex_daemon.adapters.nostr.relay_pool import (
+    Filter,
+    PoolSettings,
+    PublishError,
+    ReceivedEvent,
+    RelayPool,
+)
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.app.status import read_status
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_CONVERSATION_ROOT, KIND_NOTE
+from tenex_daemon.core.vocabulary import (
+    KIND_COMMENT,
+    KIND_CONVERSATION_ROOT,
+    KIND_GIFT_WRAP,
+    KIND_NOTE,
+    TAG_PUBKEY,
+)
 
 TITLE_MAX = 80
+PRIVATE_LOOKBACK_S = 2 * 86_400 + 60
+"""How far back the answers' gift wraps may be dated (NIP-59 backdates them up to two days)."""
 SEND_KINDS = (KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT)
 """What ``--kind`` may name: a kind-1 note or NIP-10 reply, a kind-11 root, a kind-1111 reply."""
 
@@ -288,6 +304,90 @@ async def send_message(
         if event.kind == KIND_NOTE and replies:
             # a top-level note may have joined an open channel conversation: its answers name the root
             result.conversation_id = conversation_id(replies[0][1])
+        return result
+    finally:
+        await pool.stop()
+
+
+async def send_private_message(
+    settings: Settings,
+    owner: Signer,
+    agents: Sequence[Agent],
+    text: str,
+    *,
+    to: str | None = None,
+    relays: Sequence[str] = (),
+    timeout: float = 30.0,  # noqa: ASYNC109 - the whole wait for replies, not one call's timeout
+    on_reply: Callable[[Agent, NostrEvent], None] | None = None,
+    pool_settings: PoolSettings | None = None,
+) -> SendResult:
+    """Send ``text`` as the owner in a NIP-17 private message (docs/PROTOCOL.md, "Private conversations"),
+    then collect the agents' gift-wrapped answers to it until the addressed one answers.
+
+    The kind-14 rumor (``p``: the addressed agent) is gift-wrapped for the agent and for the owner (their
+    own copy), by nostr-sdk as the daemon does; answers are the wraps p-tagging the owner whose rumor, by
+    an agent, replies to the message sent. Gift wraps are dated up to two days back, so the subscription
+    reaches back that far and keeps only those answers. The result's ``event`` is the rumor (unsigned).
+    """
+    urls = send_relays(settings, relays)
+    if not urls:
+        raise SendError(
+            "no relay to publish to: pass --relay URL, set relays.urls in config.toml, "
+            "or run the daemon with --embedded-relay"
+        )
+    if not agents:
+        raise SendError("the home has no agents (see `tenexd agents add`)")
+    target = addressed_agent(agents, to, settings.default_agent_slug)
+    by_key = {a.pubkey: a for a in agents}
+    others_exist = any(not a.orchestrator for a in agents)
+    gift = GiftWraps({"owner": owner})
+    rumor = make_rumor(owner.pubkey, text, [[TAG_PUBKEY, target.pubkey]], int(time.time()))
+    done = asyncio.Event()
+    replies: list[tuple[Agent, NostrEvent]] = []
+    seen: set[str] = set()
+
+    async def handle(received: ReceivedEvent) -> None:
+        opened = gift.open(received.event)
+        if not isinstance(opened, OpenedWrap):
+            return
+        answer = opened.rumor
+        agent = by_key.get(answer.pubkey)
+        if agent is None or answer.id in seen or not refers_to_root(answer, rumor.id):
+            return
+        seen.add(answer.id)
+        replies.append((agent, answer))
+        if on_reply is not None:
+            on_reply(agent, answer)
+        if agent.slug == target.slug if to is not None else not (agent.orchestrator and others_exist):
+            done.set()
+
+    pool = RelayPool(
+        urls,
+        on_event=handle,
+        settings=pool_settings or PoolSettings(open_timeout=5.0, backoff_base=0.2, backoff_cap=2.0),
+    )
+    await pool.start()
+    try:
+        if not await pool.wait_connected(1, min(10.0, max(1.0, timeout))):
+            raise SendError(f"no relay answered: {', '.join(urls)}")
+        since = rumor.created_at - PRIVATE_LOOKBACK_S
+        wraps: Filter = {"kinds": [KIND_GIFT_WRAP], "#p": [owner.pubkey], "since": since}
+        await pool.subscribe("tenexd-send", [wraps])
+        accepted: list[str] = []
+        within = min(10.0, max(1.0, timeout))
+        for recipient in wrap_recipients(rumor):
+            try:
+                published = await pool.publish(gift.wrap(rumor, recipient), timeout=within)
+            except PublishError as exc:
+                raise SendError(str(exc)) from None
+            accepted = [url for url in published.accepted_by if url not in accepted] + accepted
+        result = SendResult(rumor, rumor.id, target, sorted(accepted), replies)
+        try:
+            async with asyncio.timeout(timeout):
+                await done.wait()
+        except TimeoutError:
+            pass
+        result.answered = done.is_set()
         return result
     finally:
         await pool.stop()

@@ -76,6 +76,13 @@ def send(
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for replies.")] = 30.0,
     relay: Annotated[list[str] | None, typer.Option(help="Relay URL (repeatable).")] = None,
     title: Annotated[str | None, typer.Option(help="Title of a new conversation.")] = None,
+    private: Annotated[
+        bool,
+        typer.Option(
+            "--private",
+            help="Send a NIP-17 private message (gift-wrapped kind 14) and read the agents' wrapped answers.",
+        ),
+    ] = False,
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
@@ -83,9 +90,11 @@ def send(
 
     Ends at the addressed agent's reply (exit 0) or at the timeout (exit 1).
     """
-    from tenex_daemon.cli.send import SendError, check_kind, send_message
+    from tenex_daemon.cli.send import SendError, check_kind, send_message, send_private_message
 
     settings = settings_of(ctx)
+    if private and (reply_to is not None or kind is not None or title is not None):
+        fail("--private sends a new private message: it takes no --reply-to, --kind or --title", EXIT_USAGE)
     try:
         check_kind(kind, reply_to is not None)
     except SendError as exc:
@@ -104,6 +113,11 @@ def send(
     parent_id = event_id_argument(reply_to, "reply-to event id") if reply_to is not None else None
 
     async def go() -> SendResult:
+        if private:
+            return await send_private_message(
+                settings, owner, agents, text, to=to, relays=relay or (), timeout=timeout,
+                on_reply=_reply_printer(agents, as_json),
+            )
         return await send_message(
             settings, owner, agents, text, to=to, reply_to=parent_id, kind=kind, relays=relay or (),
             timeout=timeout, title=title, on_reply=_reply_printer(agents, as_json),
@@ -123,8 +137,9 @@ def send(
             "replies": len(result.replies),
         }, ensure_ascii=False) + "\n")
     else:
+        how = "privately " if private else ""
         err.print(
-            f"sent {result.event.id} (conversation {result.conversation_id}) to {result.addressed.slug} "
+            f"sent {how}{result.event.id} (conversation {result.conversation_id}) to {result.addressed.slug} "
             f"via {', '.join(result.relays)}"
         )
         if not result.answered:

@@ -159,3 +159,38 @@ async def test_a_lost_home_gets_its_private_conversation_back_from_the_agents_gi
     code, out = await run_cli(restored, "conversations", "rebuild", "--all", "--json", within=120)
     assert code == 0, out
     assert json.loads(out)["events"]["added"] == 0
+
+
+async def test_tenexd_send_private_talks_to_an_agent_in_gift_wraps_only(relay: LocalRelayServer, home: Home) -> None:
+    """`tenexd send --private` sends the owner's message as a gift-wrapped kind-14 rumor and prints the agent's
+    answer, unwrapped from the wrap the daemon made for the owner; the relay holds neither text in the clear,
+    and the daemon keeps the exchange as a private conversation rooted at the rumor sent."""
+    daemon = DaemonProcess(home)
+    await daemon.start()
+    try:
+        question = f"private via send {uuid.uuid4().hex}"
+        code, out = await run_cli(
+            home, "send", "--private", question, "--to", "planner", "--timeout", "30", "--json", within=60
+        )
+        assert code == 0, out + daemon.log_tail()
+        *replies, summary = [json.loads(line) for line in out.splitlines() if line.strip()]
+        sent, answer = summary["sent"], replies[0]["reply"]
+        held = (await nip17({"op": "dump", "relay": relay.url}))["events"]
+        code, shown = await run_cli(home, "conversations", "show", sent["id"], "--json")
+    finally:
+        await daemon.stop()
+        daemon.kill()
+
+    assert (sent["kind"], sent["sig"], sent["tags"]) == (14, "", [["p", home.agent("planner")]])
+    assert rumor_ok(sent)
+    assert summary["answered"] is True
+    assert (answer["kind"], answer["pubkey"]) == (14, home.agent("planner"))
+    assert ["e", sent["id"], "", "reply"] in answer["tags"]
+    assert question in answer["content"]
+    assert OFFLINE_ANSWER in answer["content"]
+    text = json.dumps(held, ensure_ascii=False)
+    assert question not in text
+    assert OFFLINE_ANSWER not in text
+    assert {e["kind"] for e in held}.isdisjoint({14, 13})
+    assert code == 0, shown
+    assert [e["id"] for e in json.loads(shown)["history"]] == [sent["id"], answer["id"]]

@@ -89,11 +89,13 @@ def test_without_kind_a_new_message_is_still_a_kind_11_root(home: Path) -> None:
         (["--kind", "11", "--reply-to", "ab" * 32], "--kind 11"),
         (["--kind", "1111"], "--kind 1111"),
         (["--kind", "7"], "--kind must be one of 1, 11, 1111"),
+        (["--private", "--reply-to", "ab" * 32], "--private sends a new private message"),
+        (["--private", "--kind", "1"], "--private sends a new private message"),
     ],
 )
 def test_a_kind_that_does_not_fit_is_a_usage_error(home: Path, args: list[str], message: str) -> None:
-    """`tenexd send` with a kind that does not fit --reply-to (or no such kind) exits 2 and says why, before
-    any relay is tried."""
+    """`tenexd send` with a kind that does not fit --reply-to (or no such kind), or --private with what only a
+    public message takes, exits 2 and says why, before any relay is tried."""
     result = CliRunner().invoke(app, ["--home", str(home), "send", "hi", *args, "--timeout", "0.2"])
 
     assert result.exit_code == 2, result.output
