@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from tenex_daemon.adapters.nostr.codec import (
@@ -208,6 +209,52 @@ class ReplyWatch:
         return refers_to_root(event, self.root_id) and event.created_at >= sent.created_at
 
 
+def _relays_to_use(settings: Settings, agents: Sequence[Agent], explicit: Sequence[str]) -> list[str]:
+    """The relays to send through (:func:`send_relays`); a :class:`SendError` when there are none, or
+    when the home has no agent to address."""
+    urls = send_relays(settings, explicit)
+    if not urls:
+        raise SendError(
+            "no relay to publish to: pass --relay URL, set relays.urls in config.toml, "
+            "or run the daemon with --embedded-relay"
+        )
+    if not agents:
+        raise SendError("the home has no agents (see `tenexd agents add`)")
+    return urls
+
+
+def _ends_the_wait(agents: Sequence[Agent], target: Agent, to: str | None) -> Callable[[Agent], bool]:
+    """Whose answer ends the wait: with ``to``, that agent's; else any agent's but the orchestrator's
+    (it routes), unless it is the only agent."""
+    others_exist = any(not a.orchestrator for a in agents)
+
+    def finishes(agent: Agent) -> bool:
+        if to is not None:
+            return agent.slug == target.slug
+        return not (agent.orchestrator and others_exist)
+
+    return finishes
+
+
+@asynccontextmanager
+async def _connected_pool(
+    urls: Sequence[str],
+    handle: Callable[[ReceivedEvent], Awaitable[None]],
+    pool_settings: PoolSettings | None,
+    timeout: float,  # noqa: ASYNC109 - how long to wait for a first relay, not one call's timeout
+) -> AsyncIterator[RelayPool]:
+    """A relay pool over ``urls`` delivering to ``handle``, once one relay is connected; stopped after."""
+    settings = pool_settings or PoolSettings(open_timeout=5.0, backoff_base=0.2, backoff_cap=2.0)
+    pool = RelayPool(list(urls), on_event=handle, settings=settings)
+    await pool.start()
+    try:
+        if not await pool.wait_connected(1, min(10.0, max(1.0, timeout))):
+            raise SendError(f"no relay answered: {', '.join(urls)}")
+        yield pool
+    finally:
+        await pool.stop()
+
+
 async def send_message(
     settings: Settings,
     owner: Signer,
@@ -232,26 +279,14 @@ async def send_message(
     picks what is sent (:func:`message_kind`); replies of kind 1111 and 1 are both collected: those
     naming the thread's root, or the event sent (a kind-1 answer's ``reply`` ``e`` tag).
     """
-    urls = send_relays(settings, relays)
-    if not urls:
-        raise SendError(
-            "no relay to publish to: pass --relay URL, set relays.urls in config.toml, "
-            "or run the daemon with --embedded-relay"
-        )
-    if not agents:
-        raise SendError("the home has no agents (see `tenexd agents add`)")
+    urls = _relays_to_use(settings, agents, relays)
     check_kind(kind, reply_to is not None)
     target = addressed_agent(agents, to, settings.default_agent_slug)
     by_key = {a.pubkey: a for a in agents}
-    others_exist = any(not a.orchestrator for a in agents)
+    finishes = _ends_the_wait(agents, target, to)
     done = asyncio.Event()
     replies: list[tuple[Agent, NostrEvent]] = []
     watch = ReplyWatch()
-
-    def finishes(agent: Agent) -> bool:
-        if to is not None:
-            return agent.slug == target.slug
-        return not (agent.orchestrator and others_exist)
 
     async def handle(received: ReceivedEvent) -> None:
         event = received.event
@@ -264,12 +299,7 @@ async def send_message(
         if finishes(agent):
             done.set()
 
-    settings_for_pool = pool_settings or PoolSettings(open_timeout=5.0, backoff_base=0.2, backoff_cap=2.0)
-    pool = RelayPool(urls, on_event=handle, settings=settings_for_pool)
-    await pool.start()
-    try:
-        if not await pool.wait_connected(1, min(10.0, max(1.0, timeout))):
-            raise SendError(f"no relay answered: {', '.join(urls)}")
+    async with _connected_pool(urls, handle, pool_settings, timeout) as pool:
         since = int(time.time()) - 5
         parent = None
         if reply_to is not None:
@@ -305,8 +335,6 @@ async def send_message(
             # a top-level note may have joined an open channel conversation: its answers name the root
             result.conversation_id = conversation_id(replies[0][1])
         return result
-    finally:
-        await pool.stop()
 
 
 async def send_private_message(
@@ -329,17 +357,10 @@ async def send_private_message(
     an agent, replies to the message sent. Gift wraps are dated up to two days back, so the subscription
     reaches back that far and keeps only those answers. The result's ``event`` is the rumor (unsigned).
     """
-    urls = send_relays(settings, relays)
-    if not urls:
-        raise SendError(
-            "no relay to publish to: pass --relay URL, set relays.urls in config.toml, "
-            "or run the daemon with --embedded-relay"
-        )
-    if not agents:
-        raise SendError("the home has no agents (see `tenexd agents add`)")
+    urls = _relays_to_use(settings, agents, relays)
     target = addressed_agent(agents, to, settings.default_agent_slug)
     by_key = {a.pubkey: a for a in agents}
-    others_exist = any(not a.orchestrator for a in agents)
+    finishes = _ends_the_wait(agents, target, to)
     gift = GiftWraps({"owner": owner})
     rumor = make_rumor(owner.pubkey, text, [[TAG_PUBKEY, target.pubkey]], int(time.time()))
     done = asyncio.Event()
@@ -358,18 +379,10 @@ async def send_private_message(
         replies.append((agent, answer))
         if on_reply is not None:
             on_reply(agent, answer)
-        if agent.slug == target.slug if to is not None else not (agent.orchestrator and others_exist):
+        if finishes(agent):
             done.set()
 
-    pool = RelayPool(
-        urls,
-        on_event=handle,
-        settings=pool_settings or PoolSettings(open_timeout=5.0, backoff_base=0.2, backoff_cap=2.0),
-    )
-    await pool.start()
-    try:
-        if not await pool.wait_connected(1, min(10.0, max(1.0, timeout))):
-            raise SendError(f"no relay answered: {', '.join(urls)}")
+    async with _connected_pool(urls, handle, pool_settings, timeout) as pool:
         since = rumor.created_at - PRIVATE_LOOKBACK_S
         wraps: Filter = {"kinds": [KIND_GIFT_WRAP], "#p": [owner.pubkey], "since": since}
         await pool.subscribe("tenexd-send", [wraps])
@@ -389,5 +402,3 @@ async def send_private_message(
             pass
         result.answered = done.is_set()
         return result
-    finally:
-        await pool.stop()

@@ -105,19 +105,27 @@ async def long_conversation(cast: Cast, rig: pipeline.Rig) -> NostrEvent:
     return event
 
 
+async def budgeted(
+    cast: Cast, backend: ScriptedBackend, budget: TokenBudget
+) -> tuple[pipeline.Rig, NostrEvent, str]:
+    """A rig whose agents think through ``backend`` within ``budget``, holding :func:`long_conversation`:
+    (the rig, the trigger, the conversation's id)."""
+    profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
+    rig = pipeline.build_rig(cast, profiles=profiles)
+    trigger = await long_conversation(cast, rig)
+    conversation = await rig.manager.find_conversation_of_event(trigger.id)
+    assert conversation is not None
+    return rig, trigger, conversation
+
+
 @pytest.mark.parametrize("strategy", [BudgetStrategy.SLIDING_WINDOW, BudgetStrategy.SUMMARIZE])
 async def test_the_preview_is_cut_to_the_budget_as_the_runs_first_call_is(
     cast: Cast, strategy: BudgetStrategy
 ) -> None:
     """With a budget history does not fit, the preview's messages are exactly those the run's first call
     sends (a stored summary that covers the cut included), and it says what the budget did."""
-    budget = TokenBudget(200, strategy)
     backend = ScriptedBackend([text("Done.")])
-    profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
-    rig = pipeline.build_rig(cast, profiles=profiles)
-    trigger = await long_conversation(cast, rig)
-    conversation = await rig.manager.find_conversation_of_event(trigger.id)
-    assert conversation is not None
+    rig, trigger, conversation = await budgeted(cast, backend, TokenBudget(200, strategy))
     if strategy is BudgetStrategy.SUMMARIZE:  # a summary of everything a cut could leave out: no new call
         await rig.manager.update_agent_state(conversation, "alice", summary=("They talked at length.", 29))
 
@@ -143,12 +151,7 @@ async def test_a_summary_the_run_would_extend_is_counted_and_shown_as_truncated(
     """Without a stored summary the run first summarizes the cut (a backend call a preview does not make):
     the preview counts those messages in ``to_summarize`` and shows them as truncated."""
     backend = ScriptedBackend([text("They talked."), text("Done.")])
-    budget = TokenBudget(200, BudgetStrategy.SUMMARIZE)
-    profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
-    rig = pipeline.build_rig(cast, profiles=profiles)
-    trigger = await long_conversation(cast, rig)
-    conversation = await rig.manager.find_conversation_of_event(trigger.id)
-    assert conversation is not None
+    rig, trigger, conversation = await budgeted(cast, backend, TokenBudget(200, BudgetStrategy.SUMMARIZE))
 
     shown = await preview(Target(rig.manager, rig.pipeline), conversation)
     assert await rig.runner.run(RunRequest(conversation, trigger.id, "alice")) is not None
@@ -167,12 +170,7 @@ async def test_a_stored_summary_the_run_extends_is_shown_with_the_rest_truncated
     one truncation note for the messages the run first adds to it (``to_summarize``); the run sends the
     extended summary there instead, and everything after the cut is the same."""
     backend = ScriptedBackend([text("They talked more."), text("Done.")])
-    budget = TokenBudget(200, BudgetStrategy.SUMMARIZE)
-    profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
-    rig = pipeline.build_rig(cast, profiles=profiles)
-    trigger = await long_conversation(cast, rig)
-    conversation = await rig.manager.find_conversation_of_event(trigger.id)
-    assert conversation is not None
+    rig, trigger, conversation = await budgeted(cast, backend, TokenBudget(200, BudgetStrategy.SUMMARIZE))
     await rig.manager.update_agent_state(conversation, "alice", summary=("They talked.", 5))
 
     shown = await preview(Target(rig.manager, rig.pipeline), conversation)
