@@ -25,6 +25,7 @@ from tenex_daemon.core.ports import (
     EventFetcher,
     EventResolver,
     PartialTextPublisher,
+    PeerMessages,
     ReplyComposer,
     RunStatus,
     Store,
@@ -132,6 +133,8 @@ def build_rig(
     phase_rules: PhaseRules | None = None,
     idle_timeout_min: float = DEFAULT_IDLE_TIMEOUT_MIN,
     task_session_ttl_h: float = DEFAULT_TASK_SESSION_TTL_H,
+    messages: PeerMessages | None = None,
+    instance: str = "",
 ) -> Rig:
     """Build the daemon's pipeline for the cast (every agent thinks through ``backend`` unless
     ``profiles`` are given), with fake Nostr I/O; the user is the owner unless ``owner`` says otherwise."""
@@ -154,6 +157,7 @@ def build_rig(
         observer=observer,
         reply_observer=reply_observer,
         status=status,
+        messages=messages,
     )
     options = PipelineOptions(
         owner=owner if owner is not None else cast.user.pubkey,
@@ -171,6 +175,7 @@ def build_rig(
         phase_rules=phase_rules,
         idle_timeout_min=idle_timeout_min,
         task_session_ttl_h=task_session_ttl_h,
+        instance=instance,
     )
     pipeline = build_pipeline(chosen_agents, profiles, ports, options, orchestrator=orchestrator, tools=tools)
     return Rig(pipeline, the_store, the_publisher, the_clock)

@@ -68,7 +68,7 @@ from tenex_daemon.app.wiring import (
 )
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.ports import Peers, Store
+from tenex_daemon.core.ports import PeerMessages, Peers, Store
 from tenex_daemon.core.targeting import SkipReason
 from tenex_daemon.core.vocabulary import (
     KIND_COMMENT,
@@ -447,6 +447,7 @@ class Daemon:
             fetcher=self.pool,
             observer=self._observer,
             peers=self._peers,
+            messages=self.store if self._peers is not None and isinstance(self.store, PeerMessages) else None,
             status=StatusEventPublisher(
                 self.pool, project_signer, project, publish_timeout_s=settings.relays.publish_timeout_s
             ),
@@ -490,6 +491,8 @@ class Daemon:
             await self.pool.subscribe(PRIVATE_SUBSCRIPTION_ID, wrapped, lookback_s=WRAP_LOOKBACK_S)
         if redo:
             self._spawn(self._redispatch(redo), "redispatch")
+        # stops made through another daemon's CLI or API (daemons sharing a database)
+        await self._lifetime.enter_async_context(pipeline.stopper.hearing(pipeline.scheduler))
         if self._peers is not None:
             await self._take_over_dead_peers()
             self._spawn(self._takeover_loop(), "takeover of dead daemons")
@@ -549,6 +552,7 @@ class Daemon:
                 log.warning("runs_cancelled_at_shutdown", count=cancelled, note="redone at next start")
             if self.pipeline.live_status is not None:
                 await self.pipeline.live_status.close(2.0)  # the "idle" statuses of the runs that ended
+            await self.pipeline.stopper.close()  # runs are drained: a stop heard now has nothing to do
         if self.pipeline is not None:
             unsent = await self.pipeline.runner.flush(5.0)
             await self.pipeline.outbox.close()

@@ -24,6 +24,7 @@ from tenex_daemon.core.ports import (
     EventFetcher,
     EventResolver,
     PartialTextPublisher,
+    PeerMessages,
     Peers,
     Publisher,
     ReplyComposer,
@@ -306,6 +307,8 @@ class PipelineOptions:
     phase_rules: PhaseRules | None = None
     idle_timeout_min: float = DEFAULT_IDLE_TIMEOUT_MIN
     task_session_ttl_h: float = DEFAULT_TASK_SESSION_TTL_H
+    instance: str = ""
+    """This daemon among those sharing a PostgreSQL database (empty: alone with its store)."""
 
     @classmethod
     def from_settings(
@@ -335,6 +338,7 @@ class PipelineOptions:
             phase_rules=settings.phase_rules(),
             idle_timeout_min=settings.conversations.idle_timeout_min,
             task_session_ttl_h=settings.tasks.session_ttl_h,
+            instance=instance if shared and instance is not None else "",
         )
 
 
@@ -356,6 +360,8 @@ class PipelinePorts:
     reply_observer: ReplyObserver | None = None
     peers: Peers | None = None
     """Daemons sharing the store (PostgreSQL): runs then hold their conversation's run lease."""
+    messages: PeerMessages | None = None
+    """Messages to and from the daemons sharing the store: a stop through the CLI or API reaches them."""
     status: RunStatus | None = None
     """Where the live status of each conversation goes (kind 24133) as runs start and end."""
 
@@ -375,6 +381,8 @@ class Pipeline:
     threads: ThreadManager
     outbox: Outbox
     lifecycle: ConversationLifecycle
+    stopper: Stopper
+    """Carries out stops; hears the stops other daemons sharing the database tell."""
     live_status: LiveStatus | None = None
     """Which agents work where now (told by the scheduler); None without a ``status`` port."""
 
@@ -437,7 +445,15 @@ def build_pipeline(
     )
     lifecycle = ConversationLifecycle(manager, idle_timeout_min=options.idle_timeout_min)
     live_status = LiveStatus(manager, ports.status) if ports.status is not None else None
-    stopper = Stopper(manager, ports.composer, outbox, owner=options.owner, whitelist=options.whitelist)
+    stopper = Stopper(
+        manager,
+        ports.composer,
+        outbox,
+        owner=options.owner,
+        whitelist=options.whitelist,
+        peers=ports.messages,
+        instance=options.instance,
+    )
     dispatcher = EventDispatcher(
         manager,
         runner,
@@ -457,4 +473,4 @@ def build_pipeline(
         run_listener=live_status,
         stopper=stopper,
     )
-    return Pipeline(manager, runner, dispatcher, router, threads, outbox, lifecycle, live_status)
+    return Pipeline(manager, runner, dispatcher, router, threads, outbox, lifecycle, stopper, live_status)

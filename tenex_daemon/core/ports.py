@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -119,6 +120,20 @@ class Peers(Protocol):
 
     async def forget(self, key: str) -> None:
         """Remove a small value (a dead daemon's journal once it is taken over)."""
+
+
+@runtime_checkable
+class PeerMessages(Protocol):
+    """Short messages between the daemons sharing one store (PostgreSQL's NOTIFY): what one daemon
+    cannot do alone, such as stopping the runs another holds. Best effort: a daemon that is not
+    listening when a message is told (disconnected, restarting) never hears it."""
+
+    async def tell(self, channel: str, message: str) -> None:
+        """Send ``message`` to everyone hearing ``channel`` (the teller included)."""
+
+    def hear(self, channel: str, on_message: Callable[[str], None]) -> AbstractAsyncContextManager[None]:
+        """Call ``on_message`` with each message told on ``channel`` while the block runs (listening
+        again after a broken connection)."""
 
 
 class EventFetcher(Protocol):

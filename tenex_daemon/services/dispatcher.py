@@ -214,7 +214,7 @@ class EventDispatcher:
         if self._stopper is None:
             raise RuntimeError("this pipeline has no stopper")
         agents = None if agent_slug is None else (self._manager.agents.get(agent_slug).slug,)
-        return await self._stopper.stop(self.scheduler, conversation_id, agents, by=by)
+        return await self._stopper.stop_everywhere(self.scheduler, conversation_id, agents, by=by)
 
     async def _on_root(self, event: NostrEvent, classification: Classification) -> HandleResult:
         existing = await self._manager.get_conversation(event.id)

@@ -13,12 +13,22 @@ tagged ``["error", "system"]`` and addressed to the person only, so it runs nobo
 itself is not added to history (it is ephemeral and says nothing to the agents); its id is remembered
 as processed like any handled event, but in memory only when daemons share a database: each of them
 carries the request out for its own runs, and the record gains the agents each stopped.
+
+A stop through the CLI or the control API reaches one daemon. When daemons share a database it is told
+to the others too (:data:`STOP_CHANNEL`, a :class:`~tenex_daemon.core.ports.PeerMessages`): each stops
+its own runs, answers with the agents it stopped, and adds them to the same record (the stop's
+``stop_id``); the daemon asked reports the agents every daemon stopped within :data:`PEER_ANSWER_WAIT_S`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import uuid
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -26,8 +36,9 @@ import structlog
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.ports import ReplyComposer, ReplySpec
+from tenex_daemon.core.ports import PeerMessages, ReplyComposer, ReplySpec
 from tenex_daemon.core.vocabulary import TAG_PUBKEY
+from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.agent_runner import user_destination
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import task_meta_key
@@ -48,6 +59,47 @@ STOP_NOT_ALLOWED = "stop_not_allowed"
 UNKNOWN_CONVERSATION = "unknown_conversation"
 STOPPED = "stopped"
 NOTHING_TO_STOP = "nothing_to_stop"
+
+STOP_CHANNEL = "tenexd_stop"
+"""Where daemons sharing a database tell each other the stops made through the CLI or the API."""
+PEER_ANSWER_WAIT_S = 1.5
+"""How long a stop through the CLI or the API waits for the other daemons' answers (one that answers
+later still stops its runs and adds them to the record; the report does not name them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStop:
+    """A stop told between daemons: ``op`` ``stop`` asks, ``stopped`` answers with the agents stopped."""
+
+    op: str
+    sender: str
+    stop_id: str
+    conversation_id: str
+    agents: tuple[str, ...] | None
+    by: str = "owner"
+
+    def encode(self) -> str:
+        """The message as told on :data:`STOP_CHANNEL` (JSON)."""
+        return json.dumps({
+            "op": self.op, "from": self.sender, "id": self.stop_id, "conversation": self.conversation_id,
+            "agents": None if self.agents is None else list(self.agents), "by": self.by,
+        })
+
+    @classmethod
+    def decode(cls, message: str) -> PeerStop | None:
+        """The message read back; None when it is not one (logged)."""
+        try:
+            data = json.loads(message)
+            agents = data["agents"]
+            found = cls(
+                op=str(data["op"]), sender=str(data["from"]), stop_id=str(data["id"]),
+                conversation_id=str(data["conversation"]), by=str(data["by"]),
+                agents=None if agents is None else tuple(str(slug) for slug in agents),
+            )
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("peer_stop_unreadable", error=repr(exc), size=len(message))
+            return None
+        return found if found.op in ("stop", "stopped") else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +129,9 @@ class Stopper:
         *,
         owner: str | None,
         whitelist: Collection[str] = (),
+        peers: PeerMessages | None = None,
+        instance: str = "",
+        peer_wait_s: float = PEER_ANSWER_WAIT_S,
     ) -> None:
         self._manager = manager
         self._composer = composer
@@ -84,6 +139,14 @@ class Stopper:
         self._owner = owner
         self._whitelist = frozenset(whitelist)
         self._locks = KeyedLock()
+        self._peers = peers
+        """The other daemons sharing the database (None: this daemon is alone with its store)."""
+        self._instance = instance
+        self._peer_wait_s = peer_wait_s
+        self._answers: dict[str, list[str]] = {}
+        """Stop id -> the agents the other daemons answered they stopped, while this daemon waits."""
+        self._tasks = BackgroundTasks("peer stops")
+        self._closed = False
 
     def may_stop(self, pubkey: str) -> bool:
         """Whether ``pubkey`` may stop runs: the owner or a whitelisted person, never an agent."""
@@ -114,10 +177,12 @@ class Stopper:
         *,
         by: str,
         request: NostrEvent | None = None,
+        stop_id: str | None = None,
     ) -> StopReport:
         """Stop the runs of ``agents`` (slugs; None: every agent) in a conversation, record the stop (by
-        ``by``: a pubkey, or ``owner`` from the CLI and the API) and, when runs were stopped, save and
-        publish the notice; raise ConversationNotFoundError for an unknown conversation."""
+        ``by``: a pubkey, or ``owner`` from the CLI and the API; ``stop_id``: the stop told between
+        daemons) and, when runs were stopped, save and publish the notice; raise
+        ConversationNotFoundError for an unknown conversation."""
         if await self._manager.get_conversation(conversation_id) is None:
             raise ConversationNotFoundError(conversation_id)
         async with self._locks.hold(conversation_id):
@@ -128,7 +193,7 @@ class Stopper:
             for routed in dict.fromkeys(r.agent_slug for r in stopped if r.via_orchestrator):
                 # the orchestrator's open turn no longer waits for an agent that will not answer
                 await self._manager.add_completion_to_turn(conversation_id, routed, STOPPED_COMPLETION)
-            await _record(self._manager, conversation_id, by, slugs, request)
+            await _record(self._manager, conversation_id, by, slugs, request, stop_id)
             notice = await self._notify(conversation_id, stopped) if stopped else None
         log.info(
             "conversation_stopped",
@@ -140,6 +205,70 @@ class Stopper:
             notice=notice.id if notice is not None else None,
         )
         return StopReport(conversation_id, slugs, reason=STOPPED if slugs else NOTHING_TO_STOP, notice=notice)
+
+    async def stop_everywhere(
+        self, scheduler: RunScheduler, conversation_id: str, agents: Sequence[str] | None, *, by: str
+    ) -> StopReport:
+        """A stop through the CLI or the API: this daemon's runs and, when daemons share the database,
+        every other daemon's (told on :data:`STOP_CHANNEL`); the report names the agents stopped here
+        and those the others answered within ``peer_wait_s``."""
+        if self._peers is None:
+            return await self.stop(scheduler, conversation_id, agents, by=by)
+        if await self._manager.get_conversation(conversation_id) is None:
+            raise ConversationNotFoundError(conversation_id)
+        loop = asyncio.get_running_loop()
+        stop_id = uuid.uuid4().hex
+        answers = self._answers[stop_id] = []
+        try:
+            asked = PeerStop("stop", self._instance, stop_id, conversation_id, _slugs(agents), by)
+            try:
+                await self._peers.tell(STOP_CHANNEL, asked.encode())
+            except Exception as exc:  # the database is unreachable: this daemon's runs stop all the same
+                log.warning("peer_stop_not_told", conversation_id=conversation_id, error=repr(exc))
+            deadline = loop.time() + self._peer_wait_s
+            report = await self.stop(scheduler, conversation_id, agents, by=by, stop_id=stop_id)
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+        finally:
+            del self._answers[stop_id]
+        everywhere = tuple(dict.fromkeys([*report.agents, *answers]))
+        return replace(report, agents=everywhere, reason=STOPPED if everywhere else NOTHING_TO_STOP)
+
+    def hearing(self, scheduler: RunScheduler) -> AbstractAsyncContextManager[None]:
+        """Hear, while the block runs, the stops the other daemons sharing the database tell (and their
+        answers): each carried out for ``scheduler``'s runs. Nothing to hear for a daemon alone."""
+        if self._peers is None:
+            return contextlib.nullcontext()
+        return self._peers.hear(STOP_CHANNEL, lambda message: self.heard(message, scheduler))
+
+    def heard(self, message: str, scheduler: RunScheduler) -> None:
+        """A message another daemon told on :data:`STOP_CHANNEL`: its stop is carried out for this
+        daemon's runs (in the background) and answered; its answer is kept for the stop waiting for it."""
+        told = PeerStop.decode(message)
+        if told is None or told.sender == self._instance or self._peers is None or self._closed:
+            return
+        if told.op == "stopped":
+            answers = self._answers.get(told.stop_id)
+            if answers is not None:
+                answers.extend(told.agents or ())
+            return
+        self._tasks.spawn(self._stop_for_peer(told, scheduler), f"stop {told.conversation_id[:8]}")
+
+    async def _stop_for_peer(self, told: PeerStop, scheduler: RunScheduler) -> None:
+        assert self._peers is not None
+        cid = told.conversation_id
+        try:
+            report = await self.stop(scheduler, cid, told.agents, by=told.by, stop_id=told.stop_id)
+        except ConversationNotFoundError:  # deleted meanwhile
+            log.info("peer_stop_ignored", conversation_id=cid, reason=UNKNOWN_CONVERSATION)
+            return
+        answer = PeerStop("stopped", self._instance, told.stop_id, cid, report.agents, told.by)
+        await self._peers.tell(STOP_CHANNEL, answer.encode())
+
+    async def close(self) -> None:
+        """Hear no more stops; cancel those heard from other daemons still being carried out (at
+        shutdown, once the runs are drained)."""
+        self._closed = True
+        await self._tasks.cancel_all()
 
     async def _conversation_of(self, event_id: str) -> str | None:
         """The conversation a request's ``e`` names: a task's current session for a task (clients name
@@ -209,7 +338,7 @@ async def stop_without_daemon(
         manager.agents.get(agent_slug)  # UnknownAgentError for a slug that names no agent
     dropped = await forget_journaled(manager.store, conversation_id, agent_slug, journal_key=journal_key)
     slugs = tuple(dict.fromkeys(r.agent_slug for r in dropped))
-    await _record(manager, conversation_id, by, slugs, None)
+    await _record(manager, conversation_id, by, slugs, None, None)
     log.info("conversation_stopped", conversation_id=conversation_id, by=by, agents=list(slugs), daemon=False)
     return StopReport(conversation_id, slugs, reason=STOPPED if slugs else NOTHING_TO_STOP)
 
@@ -220,13 +349,16 @@ async def _record(
     by: str,
     agents: tuple[str, ...],
     request: NostrEvent | None,
+    stop_id: str | None,
 ) -> None:
     """Add a stop to the conversation's record (``metadata.extra["stops"]``, the newest STOPS_KEPT). A
-    request already recorded (daemons sharing a database each carry it out for their own runs) gains
-    the agents stopped here instead."""
-    entry = {
+    request or a told stop (``stop_id``) already recorded (daemons sharing a database each carry it out
+    for their own runs) gains the agents stopped here instead."""
+    entry: dict[str, Any] = {
         "by": by, "at": manager.now_ms(), "agents": list(agents), "event_id": request.id if request else None,
     }
+    if stop_id is not None:
+        entry["stop_id"] = stop_id
     try:
         await manager.update_extra(conversation_id, STOPS_KEY, lambda kept: _with_stop(kept, entry))
     except ConversationNotFoundError:  # deleted meanwhile
@@ -234,11 +366,13 @@ async def _record(
 
 
 def _with_stop(kept: object, entry: dict[str, Any]) -> list[Any]:
-    """The stops record ``kept`` with ``entry`` added, or merged into the entry of the same request."""
+    """The stops record ``kept`` with ``entry`` added, or merged into the entry of the same request (or
+    the same told stop)."""
     stops = list(kept) if isinstance(kept, list) else []
-    request = entry["event_id"]
+    key = "event_id" if entry["event_id"] is not None else "stop_id"
+    value = entry.get(key)
     for index, stop in enumerate(stops):
-        if request is not None and isinstance(stop, dict) and stop.get("event_id") == request:
+        if value is not None and isinstance(stop, dict) and stop.get(key) == value:
             known = stop.get("agents")
             agents = list(dict.fromkeys([*(known if isinstance(known, list) else []), *entry["agents"]]))
             stops[index] = {**stop, "agents": agents}
@@ -251,3 +385,8 @@ def _newest_trigger(conversation: Conversation, stopped: list[RunRequest]) -> No
     indexes = [conversation.index_of(r.trigger_id) for r in stopped]
     found = [i for i in indexes if i is not None]
     return conversation.history[max(found)] if found else None
+
+
+def _slugs(agents: Sequence[str] | None) -> tuple[str, ...] | None:
+    """The agents as a tuple (None: every agent)."""
+    return None if agents is None else tuple(agents)

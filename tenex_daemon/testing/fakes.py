@@ -8,7 +8,8 @@ the production code.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,34 @@ class ScriptedBackend:
     def tool_results(self) -> list[ToolResult]:
         """Every tool result the backend was sent in its last request."""
         return [m for m in self.requests[-1].messages if isinstance(m, ToolResult)]
+
+
+class PeerBus:
+    """Messages between daemons sharing a store, in memory (a :class:`~tenex_daemon.core.ports.PeerMessages`
+    for every pipeline of a test): a message told reaches everyone hearing its channel, the teller
+    included, on the next turn of the loop, as PostgreSQL's NOTIFY does after its commit."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[str, str]] = []
+        self._hearing: list[tuple[str, Callable[[str], None]]] = []
+
+    async def tell(self, channel: str, message: str) -> None:
+        """Record the message and hand it to everyone hearing ``channel`` now."""
+        self.told.append((channel, message))
+        loop = asyncio.get_running_loop()
+        for heard_on, on_message in list(self._hearing):
+            if heard_on == channel:
+                loop.call_soon(on_message, message)
+
+    @asynccontextmanager
+    async def hear(self, channel: str, on_message: Callable[[str], None]) -> AsyncIterator[None]:
+        """Hear ``channel`` while the block runs."""
+        entry = (channel, on_message)
+        self._hearing.append(entry)
+        try:
+            yield
+        finally:
+            self._hearing.remove(entry)
 
 
 class StuckBackend:

@@ -169,17 +169,28 @@ async def test_the_owners_stop_cancels_the_thinking_agent_and_only_the_notice_is
     assert person.statuses_of(root)[0].tag_values("p") == [home.agent("planner")]
 
 
-async def test_a_stop_reaches_the_runs_of_every_daemon_sharing_a_database(
-    relay: LocalRelayServer, home: Home, tmp_path: Path, scripted_server: ScriptedServer
-) -> None:
-    """Two daemons on one PostgreSQL database, each reading its own relay, run the planner in two
-    conversations each; the owner's stop of each reaches first the daemon that does not run it, then the
-    one that does: every run is cancelled (each conversation's only reply is the notice), and the stop is
-    recorded once per request."""
+@dataclass
+class Sharing:
+    """Two daemons on one PostgreSQL database, each reading its own relay, and the owner's client on each
+    relay (``people[n]`` talks to ``daemons[n]``)."""
+
+    daemons: list[DaemonProcess]
+    people: list[Person]
+
+    def logs(self) -> str:
+        """The tail of both daemons' logs."""
+        return "\n".join(d.log_tail(20) for d in self.daemons)
+
+
+@contextlib.asynccontextmanager
+async def sharing_a_database(
+    relay: LocalRelayServer, home: Home, tmp_path: Path, server: ScriptedServer, think_s: float
+) -> AsyncIterator[Sharing]:
+    """Two daemons (``home`` and its twin) whose planner thinks ``think_s`` seconds, sharing a new
+    database of the session's PostgreSQL server; all stopped at the end."""
     if find_bin_dir() is None:
         pytest.skip("PostgreSQL is not installed; scripts/setup.d/20-postgres.sh installs it")
-    think_s = 8.0
-    thinking_planner(home, scripted_server, think_s)
+    thinking_planner(home, server, think_s)
     dsn = await shared_server().create_database()
     env = {**DAEMON_ENV, "TENEX_STORAGE__KIND": '"postgres"', "TENEX_STORAGE__DSN": f'"{dsn}"'}
     other_relay = LocalRelayServer(tmp_path / "relay-b-lmdb")
@@ -187,13 +198,35 @@ async def test_a_stop_reaches_the_runs_of_every_daemon_sharing_a_database(
     other_home = twin(home, tmp_path / "home-b")
     config = other_home.path / "config.toml"
     config.write_text(config.read_text().replace(relay.url, other_relay.url))
-    daemons = [DaemonProcess(home, env=env), DaemonProcess(other_home, env=env)]
-    people = [Person(relay, home), Person(other_relay, home)]
-    asked: list[tuple[NostrEvent, int]] = []
+    shared = Sharing(
+        [DaemonProcess(home, env=env), DaemonProcess(other_home, env=env)],
+        [Person(relay, home), Person(other_relay, home)],
+    )
     try:
-        for daemon, person in zip(daemons, people, strict=True):
+        for daemon, person in zip(shared.daemons, shared.people, strict=True):
             await daemon.start()
             await person.start()
+        yield shared
+    finally:
+        for person in shared.people:
+            await person.client.stop()
+        for daemon in shared.daemons:
+            await daemon.stop()
+            daemon.kill()
+        other_relay.stop()
+
+
+async def test_a_stop_reaches_the_runs_of_every_daemon_sharing_a_database(
+    relay: LocalRelayServer, home: Home, tmp_path: Path, scripted_server: ScriptedServer
+) -> None:
+    """Two daemons on one PostgreSQL database, each reading its own relay, run the planner in two
+    conversations each; the owner's stop of each reaches first the daemon that does not run it, then the
+    one that does: every run is cancelled (each conversation's only reply is the notice), and the stop is
+    recorded once per request."""
+    think_s = 8.0
+    asked: list[tuple[NostrEvent, int]] = []
+    async with sharing_a_database(relay, home, tmp_path, scripted_server, think_s) as shared:
+        daemons, people = shared.daemons, shared.people
         for n in range(4):
             asked.append((await people[n % 2].ask(f"Plan launch {n}"), n % 2))
         await until_asked(scripted_server, len(asked))
@@ -210,17 +243,35 @@ async def test_a_stop_reaches_the_runs_of_every_daemon_sharing_a_database(
         await people[0].until(answered, within=15)
         await asyncio.sleep(think_s)  # long enough for the model's answers, had any run gone on
         code, out = await run_cli(home, "conversations", "show", asked[0][0].id, "--json")
-    finally:
-        for person in people:
-            await person.client.stop()
-        for daemon in daemons:
-            await daemon.stop()
-            daemon.kill()
-        other_relay.stop()
+        logs = shared.logs()
 
-    logs = "\n".join(d.log_tail(20) for d in daemons)
     for root, runner in asked:
         assert [e.content for e in people[runner].replies_to(root)] == ["Stopped: Planner."], logs
     assert code == 0, out
     stops = json.loads(out)["metadata"]["extra"]["stops"]
     assert [(s["agents"], s["event_id"] is not None) for s in stops] == [(["planner"], True)], stops
+
+
+async def test_tenexd_conversations_stop_reaches_the_run_another_daemon_holds(
+    relay: LocalRelayServer, home: Home, tmp_path: Path, scripted_server: ScriptedServer
+) -> None:
+    """Two daemons share a PostgreSQL database and the planner thinks on the second: `tenexd conversations
+    stop`, which reaches the first daemon's control API, stops it there (told through the database): the
+    only reply is the notice, the command names the planner, and the stop is recorded once."""
+    think_s = 8.0
+    async with sharing_a_database(relay, home, tmp_path, scripted_server, think_s) as shared:
+        person = shared.people[1]
+        root = await person.ask("Plan the launch")
+        await until_asked(scripted_server, 1)
+        code, out = await run_cli(home, "conversations", "stop", root.id)
+        await person.until(lambda: bool(person.replies_to(root)), within=15)
+        await asyncio.sleep(think_s)  # long enough for the model's answer, had the run gone on
+        shown, record = await run_cli(home, "conversations", "show", root.id, "--json")
+        logs = shared.logs()
+
+    assert [e.content for e in person.replies_to(root)] == ["Stopped: Planner."], logs
+    assert code == 0, out
+    assert f"stopped planner in {root.id}" in out, out
+    assert shown == 0, record
+    stops = json.loads(record)["metadata"]["extra"]["stops"]
+    assert [(s["by"], s["agents"], s["event_id"]) for s in stops] == [("owner", ["planner"], None)], stops

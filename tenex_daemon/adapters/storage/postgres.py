@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -118,6 +119,23 @@ async def _unlock(conn: Any, name: str) -> None:
         await conn.execute(_UNLEASE_SQL, name)
     except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError):
         log.info("postgres_unlock_skipped", name=name, reason="connection_broken")
+
+
+@asynccontextmanager
+async def _kept(
+    keep: Callable[[asyncio.Future[None]], Coroutine[Any, Any, None]], name: str
+) -> AsyncIterator[None]:
+    """Run ``keep`` (it keeps a connection's lock or listening until cancelled) as a task for the whole
+    block, entered once ``keep`` sets the future it is given (its exception: the first try failed)."""
+    first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    keeper = asyncio.create_task(keep(first), name=name)
+    try:
+        await asyncio.shield(first)
+        yield
+    finally:
+        keeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeper
 
 
 def _event_json(event: NostrEvent) -> str:
@@ -421,15 +439,8 @@ class PostgresStore:
         connection; a peer believes a free name only after a grace time, see the daemon's takeover)."""
         if self._name_pool is None:
             raise RuntimeError("PostgresStore is not open; call open() first")
-        first = asyncio.get_running_loop().create_future()
-        keeper = asyncio.create_task(self._keep_name(name, first), name=f"postgres name {name}")
-        try:
-            await asyncio.shield(first)
+        async with _kept(lambda first: self._keep_name(name, first), f"postgres name {name}"):
             yield
-        finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
 
     async def _keep_name(self, name: str, first: asyncio.Future[None]) -> None:
         """Hold ``name``'s lock until cancelled; after a broken connection, take it again (every
@@ -470,6 +481,57 @@ class PostgresStore:
             finally:
                 if taken:
                     await _unlock(conn, name)
+
+    async def tell(self, channel: str, message: str) -> None:
+        """NOTIFY ``channel`` with ``message``: every connection of this database listening on it hears
+        it once (a daemon not listening then never does)."""
+        async with self.pool.acquire() as conn:
+            await conn.execute("SELECT pg_notify($1, $2)", channel, message)
+
+    @asynccontextmanager
+    async def hear(self, channel: str, on_message: Callable[[str], None]) -> AsyncIterator[None]:
+        """LISTEN on ``channel`` on a connection of its own (a pool's would stop listening when given
+        back) for the whole block, listening again on a new one whenever it breaks (messages told in
+        between are not heard). Raises if the first connection cannot be made."""
+        keep = partial(self._keep_listening, channel, on_message)
+        async with _kept(keep, f"postgres listen {channel}"):
+            yield
+
+    async def _keep_listening(
+        self, channel: str, on_message: Callable[[str], None], first: asyncio.Future[None]
+    ) -> None:
+        """Listen until cancelled; after a broken connection, connect and listen again (every
+        ``_NAME_RETRY_S`` while the database is unreachable)."""
+
+        def deliver(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
+            try:
+                on_message(payload)
+            except Exception as error:  # one bad message never ends the listening
+                log.error("postgres_message_failed", channel=channel, error=repr(error))
+
+        while True:
+            conn: Any = None
+            try:
+                conn = await asyncpg.connect(self.dsn)
+                await conn.add_listener(channel, deliver)
+                if not first.done():
+                    first.set_result(None)
+                else:
+                    log.warning("postgres_listening_again", channel=channel)
+                while True:  # a broken connection shows on the next round trip
+                    await asyncio.sleep(_NAME_CHECK_S)
+                    await conn.fetchval("SELECT 1")
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the connection or the server went away: listen again
+                if not first.done():
+                    first.set_exception(error)
+                    return
+                log.warning("postgres_listening_lost", channel=channel, error=repr(error))
+            finally:
+                if conn is not None:
+                    conn.terminate()  # at once: a broken connection would make a polite close wait
+            await asyncio.sleep(_NAME_RETRY_S)
 
     async def keys_with_prefix(self, prefix: str) -> list[str]:
         """The meta keys starting with ``prefix``."""

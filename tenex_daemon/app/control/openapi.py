@@ -180,14 +180,20 @@ def _stop_path() -> Json:
         (
             "Stop the agents working on the conversation (one agent with {\"agent\": slug}): their running "
             "and waiting runs are cancelled, nothing half-written is published, the stop is recorded and "
-            "answered in the conversation with a notice (docs/PROTOCOL.md, kind 24134)."
+            "answered in the conversation with a notice (docs/PROTOCOL.md, kind 24134). Daemons sharing a "
+            "PostgreSQL database: the others are told and stop their runs too."
         ),
         "stopConversation",
-        _ok("Stopped (the agents whose runs were stopped; none when nothing ran).", {
+        _ok("Stopped (the agents whose runs were stopped, by every daemon that answered within 1.5 s; none "
+            "when nothing ran).", {
             "type": "object", "properties": {
                 "id": {"type": "string"},
                 "stopped": {"type": "array", "items": {"type": "string"}},
-                "notice": {"type": ["string", "null"], "description": "The id of the notice published."},
+                "notice": {
+                    "type": ["string", "null"],
+                    "description": "The id of the notice this daemon published (another daemon that stopped "
+                    "runs publishes its own).",
+                },
             },
         }),
         requestBody={"required": False, "content": {"application/json": {"schema": {

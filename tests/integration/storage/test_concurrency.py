@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
@@ -280,3 +280,55 @@ async def test_a_run_waiting_for_another_daemons_run_lease_gives_its_place_back(
         await first.drain(5.0)
         await second.drain(5.0)  # a run still waiting is cancelled
     assert events == ["start a1", "start b2", "start b1"]
+
+
+async def test_daemons_sharing_a_database_hear_what_each_tells_even_after_a_broken_connection(
+    postgres_server: PostgresServer,
+) -> None:
+    """Two PostgreSQL clients hear each other's messages on a channel (the teller too) and nothing told on
+    another; once the server ends the hearing connection, the client listens again on a new one and hears
+    what is told after that."""
+    dsn = await postgres_server.create_database()
+    first, second = PostgresStore(dsn), PostgresStore(dsn)
+    await first.open()
+    await second.open()
+    heard: dict[str, list[str]] = {"first": [], "second": []}
+    arrived = asyncio.Event()
+
+    def hearing(name: str) -> Callable[[str], None]:
+        def on_message(message: str) -> None:
+            heard[name].append(message)
+            arrived.set()
+
+        return on_message
+
+    async def until_heard(count: int) -> None:
+        while len(heard["first"]) < count or len(heard["second"]) < count:
+            arrived.clear()
+            await asyncio.wait_for(arrived.wait(), 10)
+
+    try:
+        async with first.hear("stops", hearing("first")), second.hear("stops", hearing("second")):
+            await first.tell("stops", "one")
+            await second.tell("other channel", "not heard")
+            await second.tell("stops", "two")
+            await until_heard(2)
+            async with first.pool.acquire() as conn:  # the server ends every listening connection
+                ended = await conn.fetchval(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = "
+                    "current_database() AND pid <> pg_backend_pid() AND (query LIKE 'LISTEN%' OR query = 'SELECT 1')"
+                )
+            assert ended == 2
+            for _ in range(100):  # each notices on its next check and listens again
+                await first.tell("stops", "three")
+                await asyncio.sleep(0.1)
+                if "three" in heard["first"] and "three" in heard["second"]:
+                    break
+    finally:
+        await first.close()
+        await second.close()
+
+    assert heard["first"][:2] == heard["second"][:2] == ["one", "two"]
+    assert "three" in heard["first"]
+    assert "three" in heard["second"]
+    assert "not heard" not in heard["first"] + heard["second"]

@@ -16,8 +16,16 @@ from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.core.vocabulary import KIND_STOP
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, saving_reply
-from tenex_daemon.services.stopping import STOPS_KEPT, STOPS_KEY, _with_stop
+from tenex_daemon.services.stopping import (
+    PEER_ANSWER_WAIT_S,
+    STOP_CHANNEL,
+    STOPS_KEPT,
+    STOPS_KEY,
+    PeerStop,
+    _with_stop,
+)
 from tenex_daemon.testing import KeyPair
+from tenex_daemon.testing.fakes import PeerBus
 from tests import pipeline
 from tests.conftest import Cast
 
@@ -308,6 +316,85 @@ async def test_a_stopped_routed_agent_no_longer_holds_the_orchestrators_turn_ope
     assert conversation.open_turn() is None
     turn = conversation.orchestrator_turns[-1]
     assert [(c.agent, c.message) for c in turn.completions] == [("alice", "Stopped before answering.")]
+
+
+async def test_a_stop_through_one_daemon_stops_the_run_another_daemon_holds(cast: Cast) -> None:
+    """Two daemons share a store: Alice thinks on the second when the owner stops the conversation through
+    the first (the CLI and the API): the first tells the second, which cancels the run and publishes the
+    notice; the first reports Alice stopped, and the record holds the stop once, with her."""
+    store, bus = MemoryStore(), PeerBus()
+    backend = GatedBackend()
+    idle = pipeline.build_rig(cast, store=store, messages=bus, instance="a")
+    busy = pipeline.build_rig(cast, backend=backend, store=store, messages=bus, instance="b")
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    async with idle.pipeline.stopper.hearing(idle.scheduler), busy.pipeline.stopper.hearing(busy.scheduler):
+        await busy.dispatcher.handle(root)
+        await asyncio.wait_for(backend.asked.wait(), 5)
+
+        report = await idle.dispatcher.stop(root.id, None, by="owner")
+        await busy.quiet()
+    backend.release.set()
+    await busy.settle()
+    await idle.settle()
+
+    assert report.agents == ("alice",)
+    assert backend.cancelled
+    assert idle.publisher.published == []
+    assert [(e.pubkey, e.content) for e in busy.publisher.published] == [(cast.alice.pubkey, "Stopped: Alice.")]
+    told = [PeerStop.decode(message) for channel, message in bus.told if channel == STOP_CHANNEL]
+    assert [(t.op, t.sender, t.agents) for t in told if t is not None] == [
+        ("stop", "a", None), ("stopped", "b", ("alice",)),
+    ]
+    conversation = await busy.manager.get_conversation(root.id)
+    assert conversation is not None
+    stops = conversation.metadata.extra[STOPS_KEY]
+    assert [(s["by"], s["agents"], s["event_id"], s.get("stop_id")) for s in stops] == [
+        ("owner", ["alice"], None, told[0].stop_id if told[0] is not None else None),
+    ]
+
+
+async def test_a_daemon_alone_stops_without_telling_anyone(cast: Cast) -> None:
+    """Without daemons sharing its store, a stop through the CLI or the API waits for nobody and records no
+    stop id: the record is as it always was."""
+    rig = pipeline.build_rig(cast)
+    root = cast.user_says("Hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+
+    started = asyncio.get_running_loop().time()
+    report = await rig.dispatcher.stop(root.id, None, by="owner")
+    waited = asyncio.get_running_loop().time() - started
+    await rig.settle()
+
+    assert report.agents == ()
+    assert waited < PEER_ANSWER_WAIT_S
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    stops = conversation.metadata.extra[STOPS_KEY]
+    assert [(s["by"], s["agents"], s["event_id"], "stop_id" in s) for s in stops] == [("owner", [], None, False)]
+
+
+def test_peer_stop_messages_read_back_and_others_are_refused() -> None:
+    """A stop told between daemons reads back as written; a message that is not one is refused (None)."""
+    asked = PeerStop("stop", "a", "id1", "c" * 64, ("alice",), "owner")
+    every = PeerStop("stop", "a", "id2", "c" * 64, None, "owner")
+
+    assert PeerStop.decode(asked.encode()) == asked
+    assert PeerStop.decode(every.encode()) == every
+    assert PeerStop.decode("not json") is None
+    assert PeerStop.decode('{"op": "stop"}') is None
+    assert PeerStop.decode(asked.encode().replace('"stop"', '"go"', 1)) is None
+
+
+def test_a_stop_told_between_daemons_is_recorded_once_with_every_daemons_agents() -> None:
+    """A stop through the CLI or the API carried out by several daemons is one entry (its stop id) that
+    gains each daemon's agents; another told stop is an entry of its own."""
+    here = {"by": "owner", "at": 1, "agents": [], "event_id": None, "stop_id": "s1"}
+    there = {"by": "owner", "at": 2, "agents": ["alice"], "event_id": None, "stop_id": "s1"}
+    other = {"by": "owner", "at": 3, "agents": [], "event_id": None, "stop_id": "s2"}
+
+    assert _with_stop(_with_stop(None, here), there) == [{**here, "agents": ["alice"]}]
+    assert [s["stop_id"] for s in _with_stop([here], other)] == ["s1", "s2"]
 
 
 def test_a_request_carried_out_again_joins_its_record_rather_than_adding_one() -> None:
