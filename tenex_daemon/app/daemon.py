@@ -480,6 +480,8 @@ class Daemon:
         await pipeline.outbox.recover(self.store.find_event)
         await gift_wraps.keep_only(pipeline.outbox.event_ids())
         await pipeline.scheduler.recover()
+        # stops made through another daemon's CLI or API (daemons sharing a database), from now on
+        await self._lifetime.enter_async_context(pipeline.stopper.hearing(pipeline.scheduler))
         self.descriptions.start()  # titles and summaries: what a crash left is found in the store
         await self.descriptions.recover()
         # a crash came mid-dispatch: events never stored are left to the relays (before the
@@ -491,8 +493,6 @@ class Daemon:
             await self.pool.subscribe(PRIVATE_SUBSCRIPTION_ID, wrapped, lookback_s=WRAP_LOOKBACK_S)
         if redo:
             self._spawn(self._redispatch(redo), "redispatch")
-        # stops made through another daemon's CLI or API (daemons sharing a database)
-        await self._lifetime.enter_async_context(pipeline.stopper.hearing(pipeline.scheduler))
         if self._peers is not None:
             await self._take_over_dead_peers()
             self._spawn(self._takeover_loop(), "takeover of dead daemons")

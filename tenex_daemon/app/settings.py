@@ -187,6 +187,9 @@ class DaemonSettings(_Section):
     others (its lock released), what it held is answered by them."""
     takeover_interval_s: float = Field(default=5.0, gt=0)
     """How often a daemon on a shared database looks for dead daemons to take over."""
+    stop_wait_s: float = Field(default=1.5, ge=0)
+    """How long a stop through the CLI or the API waits for the other daemons on a shared database to
+    answer which agents they stopped (one answering later still stops them)."""
     outbox_warn_after_s: float = Field(default=300.0, gt=0)
     """A signed event still waiting for a relay after this long is logged (``outbox_entry_old``); it is
     never dropped: the outbox keeps trying."""

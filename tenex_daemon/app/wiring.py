@@ -53,7 +53,7 @@ from tenex_daemon.services.orchestrator import (
 from tenex_daemon.services.outbox import DEFAULT_WARN_AFTER_S, OUTBOX_KEY, Outbox, outbox_key_for
 from tenex_daemon.services.routing_limits import DEFAULT_TURN_LIMIT
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler, journal_key_for
-from tenex_daemon.services.stopping import Stopper
+from tenex_daemon.services.stopping import PEER_ANSWER_WAIT_S, Stopper
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import ToolRegistry
 
@@ -309,6 +309,8 @@ class PipelineOptions:
     task_session_ttl_h: float = DEFAULT_TASK_SESSION_TTL_H
     instance: str = ""
     """This daemon among those sharing a PostgreSQL database (empty: alone with its store)."""
+    stop_wait_s: float = PEER_ANSWER_WAIT_S
+    """How long a stop through the CLI or the API waits for the other daemons' answers."""
 
     @classmethod
     def from_settings(
@@ -339,6 +341,7 @@ class PipelineOptions:
             idle_timeout_min=settings.conversations.idle_timeout_min,
             task_session_ttl_h=settings.tasks.session_ttl_h,
             instance=instance if shared and instance is not None else "",
+            stop_wait_s=settings.daemon.stop_wait_s,
         )
 
 
@@ -451,8 +454,9 @@ def build_pipeline(
         outbox,
         owner=options.owner,
         whitelist=options.whitelist,
-        peers=ports.messages,
+        messages=ports.messages,
         instance=options.instance,
+        wait_s=options.stop_wait_s,
     )
     dispatcher = EventDispatcher(
         manager,

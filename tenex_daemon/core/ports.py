@@ -135,6 +135,9 @@ class PeerMessages(Protocol):
         """Call ``on_message`` with each message told on ``channel`` while the block runs (listening
         again after a broken connection)."""
 
+    async def hearers(self, channel: str) -> int:
+        """How many hear ``channel`` now (the asker included when it does): how many answers to expect."""
+
 
 class EventFetcher(Protocol):
     """Fetches one event by id from the relays (for replies whose root is unknown)."""

@@ -15,9 +15,10 @@ as processed like any handled event, but in memory only when daemons share a dat
 carries the request out for its own runs, and the record gains the agents each stopped.
 
 A stop through the CLI or the control API reaches one daemon. When daemons share a database it is told
-to the others too (:data:`STOP_CHANNEL`, a :class:`~tenex_daemon.core.ports.PeerMessages`): each stops
-its own runs, answers with the agents it stopped, and adds them to the same record (the stop's
-``stop_id``); the daemon asked reports the agents every daemon stopped within :data:`PEER_ANSWER_WAIT_S`.
+to the others too (the project's stop channel, :func:`stop_channel`, through a
+:class:`~tenex_daemon.core.ports.PeerMessages`): each stops its own runs, answers with the agents it
+stopped, and adds them to the same record (the stop's ``stop_id``); the daemon asked reports the agents
+every daemon stopped within ``daemon.stop_wait_s``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import json
 import uuid
 from collections.abc import Collection, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 import structlog
@@ -60,18 +62,37 @@ UNKNOWN_CONVERSATION = "unknown_conversation"
 STOPPED = "stopped"
 NOTHING_TO_STOP = "nothing_to_stop"
 
-STOP_CHANNEL = "tenexd_stop"
-"""Where daemons sharing a database tell each other the stops made through the CLI or the API."""
+STOP_CHANNEL_PREFIX = "tenexd_stop_"
+"""Where daemons sharing a database tell each other the stops made through the CLI or the API: this
+prefix and the first 16 hex digits of the project's key (:func:`stop_channel`)."""
 PEER_ANSWER_WAIT_S = 1.5
-"""How long a stop through the CLI or the API waits for the other daemons' answers (one that answers
-later still stops its runs and adds them to the record; the report does not name them)."""
+"""How long a stop through the CLI or the API waits for the other daemons' answers by default
+(``daemon.stop_wait_s``; one that answers later still stops its runs and adds them to the record, the
+report does not name them)."""
+
+
+ANSWER_TELL_S = 5.0
+"""How long a daemon that carried out another's stop tries to tell its answer."""
+
+
+def stop_channel(project_pubkey: str | None) -> str:
+    """The channel one project's daemons tell each other stops on (a database may hold several projects;
+    a channel name holds at most 63 bytes)."""
+    return f"{STOP_CHANNEL_PREFIX}{(project_pubkey or '')[:16]}"
+
+
+class PeerOp(StrEnum):
+    """What a stop told between daemons is: a request, or the answer naming the agents stopped."""
+
+    STOP = "stop"
+    STOPPED = "stopped"
 
 
 @dataclass(frozen=True, slots=True)
 class PeerStop:
     """A stop told between daemons: ``op`` ``stop`` asks, ``stopped`` answers with the agents stopped."""
 
-    op: str
+    op: PeerOp
     sender: str
     stop_id: str
     conversation_id: str
@@ -79,9 +100,10 @@ class PeerStop:
     by: str = "owner"
 
     def encode(self) -> str:
-        """The message as told on :data:`STOP_CHANNEL` (JSON)."""
+        """The message as told on the project's stop channel (JSON)."""
         return json.dumps({
-            "op": self.op, "from": self.sender, "id": self.stop_id, "conversation": self.conversation_id,
+            "op": self.op.value, "from": self.sender, "id": self.stop_id,
+            "conversation": self.conversation_id,
             "agents": None if self.agents is None else list(self.agents), "by": self.by,
         })
 
@@ -91,15 +113,32 @@ class PeerStop:
         try:
             data = json.loads(message)
             agents = data["agents"]
-            found = cls(
-                op=str(data["op"]), sender=str(data["from"]), stop_id=str(data["id"]),
+            return cls(
+                op=PeerOp(data["op"]), sender=str(data["from"]), stop_id=str(data["id"]),
                 conversation_id=str(data["conversation"]), by=str(data["by"]),
                 agents=None if agents is None else tuple(str(slug) for slug in agents),
             )
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError) as exc:  # a ValueError too for an op that is none
             log.warning("peer_stop_unreadable", error=repr(exc), size=len(message))
             return None
-        return found if found.op in ("stop", "stopped") else None
+
+
+@dataclass
+class _Answers:
+    """The answers to one stop told to the other daemons: who answered and the agents they stopped."""
+
+    expected: int
+    """How many daemons heard the stop (the count when it was told)."""
+    senders: set[str] = field(default_factory=set)
+    agents: list[str] = field(default_factory=list)
+    all_in: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, sender: str, agents: Sequence[str]) -> None:
+        """One daemon's answer."""
+        self.senders.add(sender)
+        self.agents.extend(agents)
+        if len(self.senders) >= self.expected:
+            self.all_in.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +168,9 @@ class Stopper:
         *,
         owner: str | None,
         whitelist: Collection[str] = (),
-        peers: PeerMessages | None = None,
+        messages: PeerMessages | None = None,
         instance: str = "",
-        peer_wait_s: float = PEER_ANSWER_WAIT_S,
+        wait_s: float = PEER_ANSWER_WAIT_S,
     ) -> None:
         self._manager = manager
         self._composer = composer
@@ -139,12 +178,13 @@ class Stopper:
         self._owner = owner
         self._whitelist = frozenset(whitelist)
         self._locks = KeyedLock()
-        self._peers = peers
-        """The other daemons sharing the database (None: this daemon is alone with its store)."""
+        self._messages = messages
+        """Messages to the other daemons sharing the database (None: this daemon is alone with its store)."""
+        self._channel = stop_channel(manager.agents.project_pubkey)
         self._instance = instance
-        self._peer_wait_s = peer_wait_s
-        self._answers: dict[str, list[str]] = {}
-        """Stop id -> the agents the other daemons answered they stopped, while this daemon waits."""
+        self._wait_s = wait_s
+        self._answers: dict[str, _Answers] = {}
+        """Stop id -> what the other daemons answered, while this daemon waits."""
         self._tasks = BackgroundTasks("peer stops")
         self._closed = False
 
@@ -210,63 +250,88 @@ class Stopper:
         self, scheduler: RunScheduler, conversation_id: str, agents: Sequence[str] | None, *, by: str
     ) -> StopReport:
         """A stop through the CLI or the API: this daemon's runs and, when daemons share the database,
-        every other daemon's (told on :data:`STOP_CHANNEL`); the report names the agents stopped here
-        and those the others answered within ``peer_wait_s``."""
-        if self._peers is None:
+        every other daemon's (told on the project's stop channel); the report names the agents stopped
+        here and those the others answered within ``wait_s``."""
+        if self._messages is None:
             return await self.stop(scheduler, conversation_id, agents, by=by)
         if await self._manager.get_conversation(conversation_id) is None:
             raise ConversationNotFoundError(conversation_id)
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._wait_s
         stop_id = uuid.uuid4().hex
-        answers = self._answers[stop_id] = []
+        answers = self._answers[stop_id] = _Answers(await self._others_hearing())
         try:
-            asked = PeerStop("stop", self._instance, stop_id, conversation_id, _slugs(agents), by)
-            try:
-                await self._peers.tell(STOP_CHANNEL, asked.encode())
-            except Exception as exc:  # the database is unreachable: this daemon's runs stop all the same
-                log.warning("peer_stop_not_told", conversation_id=conversation_id, error=repr(exc))
-            deadline = loop.time() + self._peer_wait_s
+            asked = PeerStop(PeerOp.STOP, self._instance, stop_id, conversation_id, _slugs(agents), by)
+            told = answers.expected > 0 and await self._tell(asked, self._wait_s)
             report = await self.stop(scheduler, conversation_id, agents, by=by, stop_id=stop_id)
-            await asyncio.sleep(max(0.0, deadline - loop.time()))
+            if told:  # until every daemon hearing has answered, or the wait is over
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(answers.all_in.wait(), max(0.0, deadline - loop.time()))
         finally:
             del self._answers[stop_id]
-        everywhere = tuple(dict.fromkeys([*report.agents, *answers]))
+        if answers.expected > len(answers.senders):
+            log.info("peer_stop_answers_missing", conversation_id=conversation_id, expected=answers.expected,
+                     answered=len(answers.senders))
+        everywhere = tuple(dict.fromkeys([*report.agents, *answers.agents]))
         return replace(report, agents=everywhere, reason=STOPPED if everywhere else NOTHING_TO_STOP)
+
+    async def _others_hearing(self) -> int:
+        """How many other daemons hear this project's stops now (their answers are waited for); when the
+        database cannot say, one is assumed, so the stop is told and answers waited for all the same."""
+        assert self._messages is not None
+        try:
+            hearing = await asyncio.wait_for(self._messages.hearers(self._channel), max(self._wait_s, 0.1))
+        except Exception as exc:
+            log.warning("peer_count_unknown", error=repr(exc))
+            return 1
+        return max(0, hearing - 1)  # this daemon hears its own channel too
+
+    async def _tell(self, told: PeerStop, within_s: float) -> bool:
+        """Tell the other daemons ``told``; False (logged) when the database did not take it in time."""
+        assert self._messages is not None
+        try:
+            await asyncio.wait_for(self._messages.tell(self._channel, told.encode()), max(within_s, 0.1))
+        except Exception as exc:  # the database is unreachable or busy: this daemon's part goes on
+            cid = told.conversation_id
+            log.warning("peer_stop_not_told", conversation_id=cid, op=told.op.value, error=repr(exc))
+            return False
+        return True
 
     def hearing(self, scheduler: RunScheduler) -> AbstractAsyncContextManager[None]:
         """Hear, while the block runs, the stops the other daemons sharing the database tell (and their
         answers): each carried out for ``scheduler``'s runs. Nothing to hear for a daemon alone."""
-        if self._peers is None:
+        if self._messages is None:
             return contextlib.nullcontext()
-        return self._peers.hear(STOP_CHANNEL, lambda message: self.heard(message, scheduler))
+        return self._messages.hear(self._channel, lambda message: self.heard(message, scheduler))
 
     def heard(self, message: str, scheduler: RunScheduler) -> None:
-        """A message another daemon told on :data:`STOP_CHANNEL`: its stop is carried out for this
+        """A message another daemon told on the project's stop channel: its stop is carried out for this
         daemon's runs (in the background) and answered; its answer is kept for the stop waiting for it."""
         told = PeerStop.decode(message)
-        if told is None or told.sender == self._instance or self._peers is None or self._closed:
+        if told is None or told.sender == self._instance or self._messages is None:
             return
-        if told.op == "stopped":
+        if told.op is PeerOp.STOPPED:
             answers = self._answers.get(told.stop_id)
             if answers is not None:
-                answers.extend(told.agents or ())
-            return
-        self._tasks.spawn(self._stop_for_peer(told, scheduler), f"stop {told.conversation_id[:8]}")
+                answers.add(told.sender, told.agents or ())
+        elif not self._closed:
+            self._tasks.spawn(self._stop_for_peer(told, scheduler), f"stop {told.conversation_id[:8]}")
 
     async def _stop_for_peer(self, told: PeerStop, scheduler: RunScheduler) -> None:
-        assert self._peers is not None
+        """Carry out another daemon's stop for this daemon's runs, then answer with the agents stopped."""
         cid = told.conversation_id
         try:
             report = await self.stop(scheduler, cid, told.agents, by=told.by, stop_id=told.stop_id)
         except ConversationNotFoundError:  # deleted meanwhile
             log.info("peer_stop_ignored", conversation_id=cid, reason=UNKNOWN_CONVERSATION)
             return
-        answer = PeerStop("stopped", self._instance, told.stop_id, cid, report.agents, told.by)
-        await self._peers.tell(STOP_CHANNEL, answer.encode())
+        answer = PeerStop(PeerOp.STOPPED, self._instance, told.stop_id, cid, report.agents, told.by)
+        await self._tell(answer, ANSWER_TELL_S)
 
     async def close(self) -> None:
-        """Hear no more stops; cancel those heard from other daemons still being carried out (at
-        shutdown, once the runs are drained)."""
+        """Carry out no more stops heard from other daemons; cancel those still being carried out (at
+        shutdown, once the runs are drained: a run cancelled by the drain stays journaled, and a stop
+        heard from now on does not remove it, so the next start redoes it)."""
         self._closed = True
         await self._tasks.cancel_all()
 

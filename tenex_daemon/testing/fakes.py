@@ -101,6 +101,10 @@ class PeerBus:
             if heard_on == channel:
                 loop.call_soon(on_message, message)
 
+    async def hearers(self, channel: str) -> int:
+        """How many hear ``channel`` now."""
+        return sum(1 for heard_on, _ in self._hearing if heard_on == channel)
+
     @asynccontextmanager
     async def hear(self, channel: str, on_message: Callable[[str], None]) -> AsyncIterator[None]:
         """Hear ``channel`` while the block runs."""

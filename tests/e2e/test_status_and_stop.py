@@ -192,7 +192,12 @@ async def sharing_a_database(
         pytest.skip("PostgreSQL is not installed; scripts/setup.d/20-postgres.sh installs it")
     thinking_planner(home, server, think_s)
     dsn = await shared_server().create_database()
-    env = {**DAEMON_ENV, "TENEX_STORAGE__KIND": '"postgres"', "TENEX_STORAGE__DSN": f'"{dsn}"'}
+    env = {
+        **DAEMON_ENV,
+        "TENEX_STORAGE__KIND": '"postgres"',
+        "TENEX_STORAGE__DSN": f'"{dsn}"',
+        "TENEX_DAEMON__STOP_WAIT_S": "6",  # a loaded machine's daemon answers a told stop in time
+    }
     other_relay = LocalRelayServer(tmp_path / "relay-b-lmdb")
     await other_relay.start()
     other_home = twin(home, tmp_path / "home-b")

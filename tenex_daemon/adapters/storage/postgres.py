@@ -111,6 +111,17 @@ _NAME_CHECK_S = 1.0
 """How often the connection holding a daemon's name is checked (a broken one is replaced)."""
 _NAME_RETRY_S = 0.5
 """How soon a daemon tries to take its name again after its connection broke."""
+_LISTEN_CHECK_TIMEOUT_S = 5.0
+"""A listening connection that does not answer a check within this long is replaced."""
+LISTENER_PREFIX = "tenexd listen "
+"""How the ``application_name`` of a connection that listens for the other daemons' messages starts
+(the channel follows, :func:`listener_name`)."""
+
+
+def listener_name(channel: str) -> str:
+    """The ``application_name`` of a connection listening on ``channel`` (what ``pg_stat_activity`` shows,
+    and how :meth:`PostgresStore.hearers` counts them)."""
+    return f"{LISTENER_PREFIX}{channel}"
 
 
 async def _unlock(conn: Any, name: str) -> None:
@@ -488,6 +499,17 @@ class PostgresStore:
         async with self.pool.acquire() as conn:
             await conn.execute("SELECT pg_notify($1, $2)", channel, message)
 
+    async def hearers(self, channel: str) -> int:
+        """How many connections of this database listen on ``channel`` now (by their ``application_name``;
+        one the server has just ended may still be counted)."""
+        async with self.pool.acquire() as conn:
+            found = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = $1",
+                listener_name(channel),
+            )
+        return int(found)
+
     @asynccontextmanager
     async def hear(self, channel: str, on_message: Callable[[str], None]) -> AsyncIterator[None]:
         """LISTEN on ``channel`` on a connection of its own (a pool's would stop listening when given
@@ -512,15 +534,16 @@ class PostgresStore:
         while True:
             conn: Any = None
             try:
-                conn = await asyncpg.connect(self.dsn)
+                name = listener_name(channel)
+                conn = await asyncpg.connect(self.dsn, server_settings={"application_name": name})
                 await conn.add_listener(channel, deliver)
                 if not first.done():
                     first.set_result(None)
                 else:
                     log.warning("postgres_listening_again", channel=channel)
-                while True:  # a broken connection shows on the next round trip
+                while True:  # a broken connection shows on the next round trip (a silent one: its timeout)
                     await asyncio.sleep(_NAME_CHECK_S)
-                    await conn.fetchval("SELECT 1")
+                    await conn.fetchval("SELECT 1", timeout=_LISTEN_CHECK_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the connection or the server went away: listen again

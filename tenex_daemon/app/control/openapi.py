@@ -184,8 +184,8 @@ def _stop_path() -> Json:
             "PostgreSQL database: the others are told and stop their runs too."
         ),
         "stopConversation",
-        _ok("Stopped (the agents whose runs were stopped, by every daemon that answered within 1.5 s; none "
-            "when nothing ran).", {
+        _ok("Stopped (the agents whose runs were stopped, by every daemon that answered within "
+            "daemon.stop_wait_s; none when nothing ran).", {
             "type": "object", "properties": {
                 "id": {"type": "string"},
                 "stopped": {"type": "array", "items": {"type": "string"}},

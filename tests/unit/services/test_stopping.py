@@ -18,11 +18,12 @@ from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, saving_reply
 from tenex_daemon.services.stopping import (
     PEER_ANSWER_WAIT_S,
-    STOP_CHANNEL,
     STOPS_KEPT,
     STOPS_KEY,
+    PeerOp,
     PeerStop,
     _with_stop,
+    stop_channel,
 )
 from tenex_daemon.testing import KeyPair
 from tenex_daemon.testing.fakes import PeerBus
@@ -341,7 +342,7 @@ async def test_a_stop_through_one_daemon_stops_the_run_another_daemon_holds(cast
     assert backend.cancelled
     assert idle.publisher.published == []
     assert [(e.pubkey, e.content) for e in busy.publisher.published] == [(cast.alice.pubkey, "Stopped: Alice.")]
-    told = [PeerStop.decode(message) for channel, message in bus.told if channel == STOP_CHANNEL]
+    told = [PeerStop.decode(message) for channel, message in bus.told if channel == stop_channel(cast.project.pubkey)]
     assert [(t.op, t.sender, t.agents) for t in told if t is not None] == [
         ("stop", "a", None), ("stopped", "b", ("alice",)),
     ]
@@ -374,10 +375,29 @@ async def test_a_daemon_alone_stops_without_telling_anyone(cast: Cast) -> None:
     assert [(s["by"], s["agents"], s["event_id"], "stop_id" in s) for s in stops] == [("owner", [], None, False)]
 
 
+async def test_a_daemon_alone_on_a_shared_store_tells_nobody_and_waits_for_nobody(cast: Cast) -> None:
+    """A daemon that is the only one hearing its project's stops (alone on its database) does not tell a
+    stop through the CLI or the API nor wait for answers: it stops its own runs at once."""
+    bus = PeerBus()
+    rig = pipeline.build_rig(cast, messages=bus, instance="a")
+    root = cast.user_says("Hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    async with rig.pipeline.stopper.hearing(rig.scheduler):
+        await rig.dispatcher.handle(root)
+        await rig.quiet()
+        started = asyncio.get_running_loop().time()
+        report = await rig.dispatcher.stop(root.id, None, by="owner")
+        waited = asyncio.get_running_loop().time() - started
+    await rig.settle()
+
+    assert report.agents == ()
+    assert bus.told == []
+    assert waited < PEER_ANSWER_WAIT_S
+
+
 def test_peer_stop_messages_read_back_and_others_are_refused() -> None:
     """A stop told between daemons reads back as written; a message that is not one is refused (None)."""
-    asked = PeerStop("stop", "a", "id1", "c" * 64, ("alice",), "owner")
-    every = PeerStop("stop", "a", "id2", "c" * 64, None, "owner")
+    asked = PeerStop(PeerOp.STOP, "a", "id1", "c" * 64, ("alice",), "owner")
+    every = PeerStop(PeerOp.STOPPED, "a", "id2", "c" * 64, None, "owner")
 
     assert PeerStop.decode(asked.encode()) == asked
     assert PeerStop.decode(every.encode()) == every
