@@ -20,7 +20,12 @@ from typing import Any
 import structlog
 
 from tenex_daemon import __version__
-from tenex_daemon.adapters.nostr.announcements import AgentCapabilities, heartbeat_event, profile_event
+from tenex_daemon.adapters.nostr.announcements import (
+    AgentCapabilities,
+    dm_relays_event,
+    heartbeat_event,
+    profile_event,
+)
 from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
 from tenex_daemon.adapters.nostr.codec import Limits
 from tenex_daemon.adapters.nostr.composer import SignedReplyComposer
@@ -525,15 +530,26 @@ class Daemon:
         return filters
 
     async def _announce(self, signers: dict[str, Signer]) -> None:
-        """Publish each agent's profile (kind 0); failures are logged, never fatal."""
-        assert self.pool is not None
+        """Publish each agent's profile (kind 0) and, when private messages are answered, its relay list
+        (kind 10050: this daemon's relays, where NIP-17 clients send it private messages), all at once;
+        failures are logged, never fatal."""
+        pool = self.pool
+        assert pool is not None
         by_slug = {a.slug: a for a in self.settings.agents}
+        announced: list[tuple[str, NostrEvent]] = []
         for agent in self.agents:
+            signer = signers[agent.slug]
             about = by_slug[agent.slug].instructions
-            event = profile_event(signers[agent.slug], agent, about, self.settings.owner)
-            result = await self.pool.publish(event, timeout=5.0, raise_on_failure=False)
+            announced.append((agent.slug, profile_event(signer, agent, about, self.settings.owner)))
+            if self.settings.daemon.answer.private:
+                announced.append((agent.slug, dm_relays_event(signer, self.relay_urls)))
+
+        async def publish(slug: str, event: NostrEvent) -> None:
+            result = await pool.publish(event, timeout=5.0, raise_on_failure=False)
             if not result.ok:
-                log.warning("profile_not_published", agent=agent.slug)
+                log.warning("announcement_not_published", agent=slug, kind=event.kind)
+
+        await asyncio.gather(*(publish(slug, event) for slug, event in announced))
 
     async def _shutdown(self, control: Any) -> None:
         self._stopping = True

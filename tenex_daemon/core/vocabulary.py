@@ -31,6 +31,8 @@ KIND_RELAY_AUTH: Final = 22242
 KIND_PRIVATE_MESSAGE: Final = 14
 KIND_SEAL: Final = 13
 KIND_GIFT_WRAP: Final = 1059
+KIND_DM_RELAYS: Final = 10050
+"""Where a key receives private messages (NIP-17): ``["relay", <url>]`` tags."""
 KIND_AGENT_DEFINITION: Final = 4199
 """An agent definition (NIP-AE draft): ``tenexd agents add --from`` installs one."""
 
@@ -78,7 +80,7 @@ TAG_ROLE: Final = "role"
 TAG_DESCRIPTION: Final = "description"
 TAG_INSTRUCTIONS: Final = "instructions"
 
-# NIP-42 relay authentication (kind 22242).
+# NIP-42 relay authentication (kind 22242); NIP-17's relay list (kind 10050) names its relays with it too.
 TAG_RELAY: Final = "relay"
 TAG_CHALLENGE: Final = "challenge"
 

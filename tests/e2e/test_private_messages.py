@@ -164,7 +164,8 @@ async def test_a_lost_home_gets_its_private_conversation_back_from_the_agents_gi
 async def test_tenexd_send_private_talks_to_an_agent_in_gift_wraps_only(relay: LocalRelayServer, home: Home) -> None:
     """`tenexd send --private` sends the owner's message as a gift-wrapped kind-14 rumor and prints the agent's
     answer, unwrapped from the wrap the daemon made for the owner; the relay holds neither text in the clear,
-    and the daemon keeps the exchange as a private conversation rooted at the rumor sent."""
+    and the daemon keeps the exchange as a private conversation rooted at the rumor sent. The relay also holds
+    the agent's NIP-17 relay list (kind 10050), naming it: where a NIP-17 client sends the agent messages."""
     daemon = DaemonProcess(home)
     await daemon.start()
     try:
@@ -192,5 +193,7 @@ async def test_tenexd_send_private_talks_to_an_agent_in_gift_wraps_only(relay: L
     assert question not in text
     assert OFFLINE_ANSWER not in text
     assert {e["kind"] for e in held}.isdisjoint({14, 13})
+    relay_lists = [e for e in held if e["kind"] == 10050 and e["pubkey"] == home.agent("planner")]
+    assert [e["tags"] for e in relay_lists] == [[["relay", relay.url]]]
     assert code == 0, shown
     assert [e["id"] for e in json.loads(shown)["history"]] == [sent["id"], answer["id"]]

@@ -1,24 +1,27 @@
-"""What the project announces about itself: each agent's kind-0 profile and the kind-24010 heartbeat.
+"""What the project announces about itself: each agent's kind-0 profile and kind-10050 relay list, and
+the kind-24010 heartbeat.
 
 Agents are Nostr citizens (NIP-AE draft): a profile says it is a bot's (``["bot"]``) and whose
 (``["p", <owner>]``); the heartbeat says which model each agent thinks with and which tools it is
-offered, in the shapes TENEX clients read (docs/PROTOCOL.md).
+offered, in the shapes TENEX clients read; the relay list tells NIP-17 clients where to send an agent
+private messages (docs/PROTOCOL.md).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import (
+    KIND_DM_RELAYS,
     KIND_PROFILE,
     KIND_PROJECT_STATUS,
 )
 
-from .codec import capability_tags, heartbeat_tags, profile_tags
+from .codec import capability_tags, dm_relay_tags, heartbeat_tags, profile_tags
 from .signer import Signer
 
 
@@ -34,6 +37,11 @@ def profile_event(signer: Signer, agent: Agent, about: str, owner: str | None = 
     """Return an agent's kind-0 profile, tagged as a bot's and (when configured) its owner's."""
     content = json.dumps({"name": agent.name, "display_name": agent.name, "about": about}, ensure_ascii=False)
     return signer.sign(KIND_PROFILE, content, profile_tags(owner))
+
+
+def dm_relays_event(signer: Signer, relays: Iterable[str]) -> NostrEvent:
+    """Return an agent's kind-10050 relay list (NIP-17): the relays its private messages are read from."""
+    return signer.sign(KIND_DM_RELAYS, "", dm_relay_tags(relays))
 
 
 def heartbeat_event(

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 
-from tenex_daemon.adapters.nostr.announcements import AgentCapabilities, heartbeat_event, profile_event
+from tenex_daemon.adapters.nostr.announcements import (
+    AgentCapabilities,
+    dm_relays_event,
+    heartbeat_event,
+    profile_event,
+)
 from tenex_daemon.adapters.nostr.codec import profile_tags, verify_event
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.core.agents import Agent
@@ -69,3 +74,15 @@ def test_an_agent_without_model_or_capabilities_gets_no_model_tag() -> None:
 
     assert event.tags[len(AGENTS):] == [["tool", "complete", "alice"]]
     assert heartbeat_event(PROJECT, AGENTS[:1], None).tags == [["agent", ALICE.pubkey, "alice"]]
+
+
+def test_an_agents_relay_list_names_each_relay_once() -> None:
+    """An agent's kind-10050 relay list (NIP-17) is signed by the agent, empty, and names each relay once
+    in the order given: where NIP-17 clients send the agent private messages."""
+    relays = ["wss://relay.one", "ws://127.0.0.1:7000", "wss://relay.one"]
+
+    event = dm_relays_event(ALICE, relays)
+
+    assert (event.kind, event.pubkey, event.content) == (10050, ALICE.pubkey, "")
+    assert verify_event(event)
+    assert event.tags == [["relay", "wss://relay.one"], ["relay", "ws://127.0.0.1:7000"]]

@@ -366,6 +366,11 @@ def _grouped(pairs: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
     return groups
 
 
+def dm_relay_tags(relays: Iterable[str]) -> Tags:
+    """The tags of a kind-10050 relay list (NIP-17): one ``["relay", <url>]`` per relay, each once."""
+    return [[TAG_RELAY, url] for url in dict.fromkeys(relays)]
+
+
 def profile_tags(owner: str | None) -> Tags:
     """The tags of an agent's kind-0 profile (NIP-AE draft): ``["bot"]``, then ``["p", <owner>]`` when
     there is an owner."""
