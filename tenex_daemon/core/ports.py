@@ -112,8 +112,12 @@ class Peers(Protocol):
     def alive(self, name: str) -> AbstractAsyncContextManager[None]:
         """Hold ``name``'s lock for as long as the block runs (a dead holder's lock is released)."""
 
-    def try_take(self, name: str) -> AbstractAsyncContextManager[bool]:
-        """Take ``name``'s lock if nobody holds it (its daemon is gone): True inside the block then."""
+    def try_take(
+        self, name: str, on_lost: Callable[[], None] | None = None
+    ) -> AbstractAsyncContextManager[bool]:
+        """Take ``name``'s lock if nobody holds it (its daemon is gone): True inside the block then. With
+        ``on_lost``, the lock is kept through a database restart (taken again), and ``on_lost`` is called
+        if another took it meanwhile."""
 
     async def keys_with_prefix(self, prefix: str) -> list[str]:
         """The small values' keys that start with ``prefix``."""

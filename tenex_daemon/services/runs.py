@@ -11,6 +11,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any, Protocol
 
 import structlog
@@ -74,6 +75,37 @@ class _Running:
 
 
 _CURRENT_RUN: ContextVar[_Running | None] = ContextVar("tenexd_current_run", default=None)
+
+
+class RunLeaseLostError(RuntimeError):
+    """Another daemon took a running run's conversation lease after a database restart: the run was
+    cancelled, to be tried again once the lease is free."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"the run lease of conversation {conversation_id} was taken by another daemon")
+
+
+class _LeaseLoss:
+    """A run's lease lost to another daemon: the task running the run is cancelled, and the
+    cancellation becomes :class:`RunLeaseLostError`."""
+
+    def __init__(self) -> None:
+        self._task = asyncio.current_task()
+        self.cancelled_run = False
+
+    def cancel_run(self) -> None:
+        """Cancel the run (its slot's block raises RunLeaseLostError in place of the cancellation)."""
+        if self._task is not None:
+            self.cancelled_run = True
+            self._task.cancel()
+
+    def only_cancellation(self) -> bool:
+        """Take back this cancellation of the run, once it has ended the run's block; return whether it
+        was the only one (no stop or shutdown asked the task to cancel too)."""
+        if not self.cancelled_run or self._task is None:
+            return False
+        self.cancelled_run = False
+        return self._task.uncancel() == 0
 
 
 def saving_reply() -> None:
@@ -290,9 +322,7 @@ class RunScheduler:
             conversation_id=request.conversation_id, event_id=request.trigger_id, agent=request.agent_slug
         )
         try:
-            async with self._conversation_locks.hold(request.conversation_id), self._run_slot(
-                request.conversation_id
-            ):
+            async with self._conversation_locks.hold(request.conversation_id), self._run_slot(request):
                 if self._key(request) in self._covered:
                     self._covered.discard(self._key(request))
                     log_ctx.info("run_answered_in_burst")
@@ -319,6 +349,10 @@ class RunScheduler:
             else:
                 log_ctx.warning("run_cancelled", reason="shutdown")
             raise
+        except RunLeaseLostError as error:  # expected after a database restart: no traceback
+            self.failed += 1
+            log_ctx.warning("run_failed", attempt=attempt, error=str(error))
+            return False
         except Exception:
             self.failed += 1
             log_ctx.exception("run_failed", attempt=attempt)
@@ -376,26 +410,53 @@ class RunScheduler:
         return [request for _, request in chosen]
 
     @contextlib.asynccontextmanager
-    async def _run_slot(self, conversation_id: str) -> AsyncIterator[None]:
+    async def _run_slot(self, request: RunRequest) -> AsyncIterator[None]:
         """A place among the ``max_concurrent`` runs and, with daemons sharing a database (``peers``),
         the conversation's run lease, held for the whole run and the routing of its reply, so two daemons
         never run one conversation's agents at once. The place comes first, so at most ``max_concurrent``
         runs hold a lease's connection; while another daemon holds the lease, the run gives its place back
         and tries again (every 50 ms to 1 s), holding neither. Steps of the run take their own short lease
-        (the manager's), which intake takes too, so intake never waits for a run."""
+        (the manager's), which intake takes too, so intake never waits for a run.
+
+        A database restart drops the lease with its connection: it is taken again once the database
+        answers. If another daemon took it first, the run is cancelled (unless its reply is being saved:
+        that finishes) and fails with :class:`RunLeaseLostError`, so it is tried again, as recovered,
+        once the lease is free; a stop or a shutdown cancelling it at the same time still wins."""
         if self._peers is None:
             async with self._semaphore:
                 yield
             return
         delay = 0.05
         while True:
-            lease = self._peers.try_take(f"{RUN_LEASE_PREFIX}{conversation_id}")
+            loss = _LeaseLoss()
+            name = f"{RUN_LEASE_PREFIX}{request.conversation_id}"
+            lease = self._peers.try_take(name, on_lost=partial(self._lease_lost, request, loss))
             async with self._semaphore, lease as taken:
                 if taken:
-                    yield
+                    try:
+                        yield
+                    except asyncio.CancelledError:
+                        if loss.only_cancellation():  # no stop or shutdown cancels the run too
+                            raise RunLeaseLostError(request.conversation_id) from None
+                        raise
+                    except BaseException:
+                        loss.only_cancellation()  # the run made the cancellation an error of its own
+                        raise
                     return
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+    def _lease_lost(self, request: RunRequest, loss: _LeaseLoss) -> None:
+        """Another daemon took the running ``request``'s lease: cancel the run, to be tried again, unless
+        its reply is being saved (it finishes) or a stop cancels it already."""
+        key = self._key(request)
+        running = self._running.get(key)
+        cid = request.conversation_id
+        if running is not None and running.saving:
+            log.warning("run_lease_lost", conversation_id=cid, action="finish", reason="saving its reply")
+        elif key not in self._stopping:
+            log.warning("run_lease_lost", conversation_id=cid, action="retry")
+            loss.cancel_run()
 
     def _take_burst(self, request: RunRequest) -> tuple[RunRequest, list[str]]:
         """The request to run now: when more messages to the same agent in the conversation wait

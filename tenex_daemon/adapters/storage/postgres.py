@@ -13,10 +13,10 @@ are applied on :meth:`PostgresStore.open` under an advisory lock.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -107,12 +107,22 @@ _MIGRATION_LOCK = 0x7465_6E65_7864  # "tenexd": serializes migrations across dae
 _LEASE_SQL = "SELECT pg_advisory_lock(hashtextextended($1, 0))"
 _TRY_LEASE_SQL = "SELECT pg_try_advisory_lock(hashtextextended($1, 0))"
 _UNLEASE_SQL = "SELECT pg_advisory_unlock(hashtextextended($1, 0))"
+_TRY_KEPT_LEASE_SQL = (
+    "SELECT pg_try_advisory_lock(hashtextextended($1, 0)) AS taken, pg_backend_pid() AS pid, "
+    "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS started"
+)
+"""Take a lock to keep, and say which session holds it (its process and start: a pid can be reused)."""
+_END_SESSION_SQL = (
+    "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2"
+)
+"""End a session and wait (up to 5 s) until it has exited, its locks released (PostgreSQL 14 and later)."""
 _NAME_CHECK_S = 1.0
 """How often the connection holding a daemon's name is checked (a broken one is replaced)."""
 _NAME_RETRY_S = 0.5
 """How soon a daemon tries to take its name again after its connection broke."""
-_LISTEN_CHECK_TIMEOUT_S = 5.0
-"""A listening connection that does not answer a check within this long is replaced."""
+_CHECK_TIMEOUT_S = 5.0
+"""A connection kept for listening or for a run's lease that does not answer a check within this long
+is replaced."""
 LISTENER_PREFIX = "tenexd listen "
 """How the ``application_name`` of a connection that listens for the other daemons' messages starts
 (the channel follows, :func:`listener_name`)."""
@@ -132,6 +142,17 @@ async def _unlock(conn: Any, name: str) -> None:
         log.info("postgres_unlock_skipped", name=name, reason="connection_broken")
 
 
+@dataclass
+class _KeptLock:
+    """Where a kept lock is held now: the pool's connection it was taken on, or one of its own after
+    a break (``own``, terminated at the end); ``conn`` None once lost. ``session``: the server process
+    of the session holding it and when that started."""
+
+    conn: Any
+    session: tuple[int, Any]
+    own: Any = None
+
+
 @asynccontextmanager
 async def _kept(
     keep: Callable[[asyncio.Future[None]], Coroutine[Any, Any, None]], name: str
@@ -144,9 +165,24 @@ async def _kept(
         await asyncio.shield(first)
         yield
     finally:
-        keeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await keeper
+        await _cancelled(keeper)
+
+
+def _terminate(conn: Any) -> None:
+    """Close a connection at once, from this side; one the pool already took back (its server session
+    ended) is left to the pool."""
+    try:
+        conn.terminate()
+    except asyncpg.InterfaceError:
+        log.debug("postgres_connection_already_released")
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait until it has ended (a cancellation of the caller meanwhile still raises)."""
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("postgres_keeper_failed", task=task.get_name(), error=repr(task.exception()))
 
 
 def _event_json(event: NostrEvent) -> str:
@@ -481,17 +517,93 @@ class PostgresStore:
             await asyncio.sleep(_NAME_RETRY_S)
 
     @asynccontextmanager
-    async def try_take(self, name: str) -> AsyncIterator[bool]:
-        """Take ``name``'s advisory lock if it is free (its holder is gone); yield whether it was."""
+    async def try_take(self, name: str, on_lost: Callable[[], None] | None = None) -> AsyncIterator[bool]:
+        """Take ``name``'s advisory lock if it is free (its holder is gone); yield whether it was.
+
+        With ``on_lost`` (a run's lease), a lock taken is kept for the whole block: a database restart
+        drops it with its connection, so it is then taken again on a new connection as soon as the
+        database answers, and ``on_lost`` is called (once) if another took it first.
+        """
         if self._name_pool is None:
             raise RuntimeError("PostgresStore is not open; call open() first")
         async with self._name_pool.acquire() as conn:
-            taken = bool(await conn.fetchval(_TRY_LEASE_SQL, name))
+            if on_lost is None:
+                taken, session = bool(await conn.fetchval(_TRY_LEASE_SQL, name)), None
+            else:
+                row: Any = await conn.fetchrow(_TRY_KEPT_LEASE_SQL, name)
+                taken, session = bool(row["taken"]), (int(row["pid"]), row["started"])
+            if not taken or session is None or on_lost is None:
+                try:
+                    yield taken
+                finally:
+                    if taken:
+                        await _unlock(conn, name)
+                return
+            kept = _KeptLock(conn, session)
+            keeper = asyncio.create_task(self._keep_taken(name, kept, on_lost), name=f"postgres lock {name}")
             try:
-                yield taken
+                yield True
             finally:
-                if taken:
-                    await _unlock(conn, name)
+                try:
+                    await _cancelled(keeper)
+                finally:
+                    if kept.own is not None:
+                        kept.own.terminate()  # its session ends, and the lock with it
+                    elif kept.conn is not None:
+                        await _unlock(kept.conn, name)
+
+    async def _keep_taken(self, name: str, kept: _KeptLock, on_lost: Callable[[], None]) -> None:
+        """Check the connection holding ``name``'s lock every ``_NAME_CHECK_S``; once it is broken (or
+        silent for ``_CHECK_TIMEOUT_S``), take the lock again on a connection of its own, or call
+        ``on_lost`` when another session holds it now."""
+        assert kept.conn is not None
+        while True:
+            await asyncio.sleep(_NAME_CHECK_S)
+            try:
+                await kept.conn.fetchval("SELECT 1", timeout=_CHECK_TIMEOUT_S)
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the lock went with its connection (or will, once it is ended)
+                log.warning("postgres_lock_connection_lost", name=name, error=repr(error))
+            _terminate(kept.conn)
+            if not await self._take_again(name, kept):
+                log.error("postgres_lock_lost", name=name, reason="taken by another")
+                on_lost()
+                return
+            log.warning("postgres_lock_taken_again", name=name)
+
+    async def _take_again(self, name: str, kept: _KeptLock) -> bool:
+        """Take ``name``'s lock on a new connection of its own once the database answers (trying every
+        ``_NAME_RETRY_S`` until then); return whether it was free (the connection then holds it).
+
+        The session that held it is ended first and waited for, so a lock it still holds (a silent
+        connection, a backend still exiting) is never taken for another daemon's.
+        """
+        while True:
+            conn: Any = None
+            try:
+                conn = await asyncpg.connect(self.dsn)
+                await conn.fetch(_END_SESSION_SQL, *kept.session, timeout=2 * _CHECK_TIMEOUT_S)
+                row: Any = await conn.fetchrow(_TRY_KEPT_LEASE_SQL, name, timeout=_CHECK_TIMEOUT_S)
+                taken = bool(row["taken"])
+            except asyncio.CancelledError:
+                if conn is not None:
+                    conn.terminate()
+                raise
+            except Exception as error:  # the database is not back yet
+                if conn is not None:
+                    conn.terminate()
+                log.info("postgres_lock_retake_waits", name=name, error=repr(error))
+                await asyncio.sleep(_NAME_RETRY_S)
+                continue
+            if not taken:
+                conn.terminate()
+                kept.conn = None
+                return False
+            kept.conn = kept.own = conn
+            kept.session = (int(row["pid"]), row["started"])
+            return True
 
     async def tell(self, channel: str, message: str) -> None:
         """NOTIFY ``channel`` with ``message``: every connection of this database listening on it hears
@@ -543,7 +655,7 @@ class PostgresStore:
                     log.warning("postgres_listening_again", channel=channel)
                 while True:  # a broken connection shows on the next round trip (a silent one: its timeout)
                     await asyncio.sleep(_NAME_CHECK_S)
-                    await conn.fetchval("SELECT 1", timeout=_LISTEN_CHECK_TIMEOUT_S)
+                    await conn.fetchval("SELECT 1", timeout=_CHECK_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the connection or the server went away: listen again

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore, FsyncPolicy
@@ -187,8 +188,8 @@ class CountingPeers:
         self.most_held = 0
 
     @asynccontextmanager
-    async def try_take(self, name: str) -> AsyncIterator[bool]:
-        async with self.store.try_take(name) as taken:
+    async def try_take(self, name: str, on_lost: Callable[[], None] | None = None) -> AsyncIterator[bool]:
+        async with self.store.try_take(name, on_lost) as taken:
             self.held += 1
             self.most_held = max(self.most_held, self.held)
             try:
@@ -339,3 +340,62 @@ async def listeners(store: PostgresStore) -> list[int]:
             listener_name("stops"),
         )
     return [int(row["pid"]) for row in rows]
+
+
+async def test_a_run_lease_is_taken_again_after_a_broken_connection_or_reported_lost(
+    postgres_server: PostgresServer,
+) -> None:
+    """A run lease kept through a broken connection (``try_take`` with ``on_lost``): when the server ends
+    the session holding it, it is taken again on a new one (another client cannot take it then); when
+    another session gets it first (it was waiting for it), the holder is told it is lost."""
+    dsn = await postgres_server.create_database()
+    mine, theirs = PostgresStore(dsn), PostgresStore(dsn)
+    await mine.open()
+    await theirs.open()
+    lost = asyncio.Event()
+    try:
+        async with mine.try_take("run:c", on_lost=lost.set) as taken:
+            first = await lock_holders(theirs)
+            await end_backends(theirs, first)
+            async with asyncio.timeout(20):  # the keeper notices on its next check and takes it again
+                while (await lock_holders(theirs)) in ([], first):  # noqa: ASYNC110 - polls the server
+                    await asyncio.sleep(0.05)
+            async with theirs.try_take("run:c") as taken_by_them:
+                pass
+            kept_through_a_break = not lost.is_set()
+            waiter = await asyncpg.connect(dsn)  # another session waits for the lock: it gets it first
+            waiting = asyncio.create_task(waiter.execute("SELECT pg_advisory_lock(hashtextextended('run:c', 0))"))
+            async with asyncio.timeout(10):
+                while not await lock_holders(theirs, granted=False):  # noqa: ASYNC110 - polls the server
+                    await asyncio.sleep(0.02)
+            await end_backends(theirs, await lock_holders(theirs))
+            await asyncio.wait_for(waiting, 10)
+            await asyncio.wait_for(lost.wait(), 15)
+            await waiter.close()
+    finally:
+        await mine.close()
+        await theirs.close()
+
+    assert taken
+    assert len(first) == 1
+    assert not taken_by_them
+    assert kept_through_a_break
+    assert lost.is_set()
+
+
+async def lock_holders(store: PostgresStore, *, granted: bool = True) -> list[int]:
+    """The server processes holding (or, not ``granted``, waiting for) an advisory lock in the store's
+    database (only the test takes any)."""
+    async with store.pool.acquire() as conn:
+        rows = await conn.fetch(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted = $1 AND database = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY pid",
+            granted,
+        )
+    return [int(row["pid"]) for row in rows]
+
+
+async def end_backends(store: PostgresStore, pids: list[int]) -> None:
+    """Have the server end these processes (as a restart ends every connection)."""
+    async with store.pool.acquire() as conn:
+        await conn.execute("SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS pid", pids)
