@@ -6,7 +6,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.text import Text
@@ -41,16 +41,21 @@ def _reply_printer(agents: list[Agent], as_json: bool) -> Callable[[Agent, Nostr
     return show
 
 
+async def _local_conversation_of(settings: Settings, event_id: str) -> dict[str, Any] | None:
+    """The conversation of this home (daemon or store) that holds the event, None when none does."""
+    try:
+        async with open_access(settings) as access:
+            return await access.conversation_of_event(event_id)
+    except TenexError:
+        return None
+
+
 def _local_event_finder(settings: Settings) -> Callable[[str], Awaitable[NostrEvent | None]]:
     """A lookup of an event in this home's conversations (daemon or store), None when not there."""
 
     async def find_local(event_id: str) -> NostrEvent | None:
-        try:
-            async with open_access(settings) as access:
-                data = await access.conversation_of_event(event_id)
-        except TenexError:
-            return None
-        for raw in data.get("history", []):
+        data = await _local_conversation_of(settings, event_id)
+        for raw in (data or {}).get("history", []):
             if raw.get("id") == event_id:
                 return NostrEvent.model_validate(raw)
         return None
@@ -114,10 +119,16 @@ def send(
 
     async def go() -> SendResult:
         if private:
-            return await send_private_message(
+            sent = await send_private_message(
                 settings, owner, agents, text, to=to, relays=relay or (), timeout=timeout,
                 on_reply=_reply_printer(agents, as_json),
             )
+            # a private message may join the owner's open private conversation with the agent: its id
+            # is the conversation's first message, which no answer names; the home knows it
+            kept = await _local_conversation_of(settings, sent.event.id)
+            if kept is not None and isinstance(kept.get("id"), str):
+                sent.conversation_id = kept["id"]
+            return sent
         return await send_message(
             settings, owner, agents, text, to=to, reply_to=parent_id, kind=kind, relays=relay or (),
             timeout=timeout, title=title, on_reply=_reply_printer(agents, as_json),

@@ -164,8 +164,9 @@ async def test_a_lost_home_gets_its_private_conversation_back_from_the_agents_gi
 async def test_tenexd_send_private_talks_to_an_agent_in_gift_wraps_only(relay: LocalRelayServer, home: Home) -> None:
     """`tenexd send --private` sends the owner's message as a gift-wrapped kind-14 rumor and prints the agent's
     answer, unwrapped from the wrap the daemon made for the owner; the relay holds neither text in the clear,
-    and the daemon keeps the exchange as a private conversation rooted at the rumor sent. The relay also holds
-    the agent's NIP-17 relay list (kind 10050), naming it: where a NIP-17 client sends the agent messages."""
+    and the daemon keeps the exchange as a private conversation rooted at the rumor sent. A second message
+    joins that conversation, and the command names it (not the second rumor). The relay also holds the
+    agent's NIP-17 relay list (kind 10050), naming it: where a NIP-17 client sends the agent messages."""
     daemon = DaemonProcess(home)
     await daemon.start()
     try:
@@ -176,6 +177,10 @@ async def test_tenexd_send_private_talks_to_an_agent_in_gift_wraps_only(relay: L
         assert code == 0, out + daemon.log_tail()
         *replies, summary = [json.loads(line) for line in out.splitlines() if line.strip()]
         sent, answer = summary["sent"], replies[0]["reply"]
+        again_code, again_out = await run_cli(
+            home, "send", "--private", "and one more", "--to", "planner", "--timeout", "30", "--json", within=60
+        )
+        again = json.loads(again_out.splitlines()[-1]) if again_code == 0 else {}
         held = (await nip17({"op": "dump", "relay": relay.url}))["events"]
         code, shown = await run_cli(home, "conversations", "show", sent["id"], "--json")
     finally:
@@ -195,5 +200,9 @@ async def test_tenexd_send_private_talks_to_an_agent_in_gift_wraps_only(relay: L
     assert {e["kind"] for e in held}.isdisjoint({14, 13})
     relay_lists = [e for e in held if e["kind"] == 10050 and e["pubkey"] == home.agent("planner")]
     assert [e["tags"] for e in relay_lists] == [[["relay", relay.url]]]
+    assert summary["conversation_id"] == sent["id"]
+    assert again_code == 0, again_out
+    assert again["sent"]["id"] != sent["id"]
+    assert again["conversation_id"] == sent["id"]  # it joined the open private conversation
     assert code == 0, shown
-    assert [e["id"] for e in json.loads(shown)["history"]] == [sent["id"], answer["id"]]
+    assert [e["id"] for e in json.loads(shown)["history"]][:3] == [sent["id"], answer["id"], again["sent"]["id"]]
