@@ -13,6 +13,7 @@ sends a NIP-17 private message instead (:func:`send_private_message`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -223,17 +224,43 @@ def _relays_to_use(settings: Settings, agents: Sequence[Agent], explicit: Sequen
     return urls
 
 
-def _ends_the_wait(agents: Sequence[Agent], target: Agent, to: str | None) -> Callable[[Agent], bool]:
-    """Whose answer ends the wait: with ``to``, that agent's; else any agent's but the orchestrator's
-    (it routes), unless it is the only agent."""
-    others_exist = any(not a.orchestrator for a in agents)
+class _Answers:
+    """The agents' answers as they come, and the wait for the one that ends it: with ``to``, that agent's;
+    else any agent's but the orchestrator's (it routes), unless it is the only agent."""
 
-    def finishes(agent: Agent) -> bool:
-        if to is not None:
-            return agent.slug == target.slug
-        return not (agent.orchestrator and others_exist)
+    def __init__(
+        self,
+        agents: Sequence[Agent],
+        target: Agent,
+        to: str | None,
+        on_reply: Callable[[Agent, NostrEvent], None] | None,
+    ) -> None:
+        self._target = target
+        self._to = to
+        self._others_exist = any(not a.orchestrator for a in agents)
+        self._on_reply = on_reply
+        self.replies: list[tuple[Agent, NostrEvent]] = []
+        self._done = asyncio.Event()
 
-    return finishes
+    def add(self, agent: Agent, event: NostrEvent) -> None:
+        """One agent's answer: kept, shown, and the end of the wait when it is the awaited one."""
+        self.replies.append((agent, event))
+        if self._on_reply is not None:
+            self._on_reply(agent, event)
+        if self._ends_the_wait(agent):
+            self._done.set()
+
+    def _ends_the_wait(self, agent: Agent) -> bool:
+        if self._to is not None:
+            return agent.slug == self._target.slug
+        return not (agent.orchestrator and self._others_exist)
+
+    async def wait(self, timeout: float) -> bool:  # noqa: ASYNC109 - the whole wait for the answer
+        """Wait up to ``timeout`` seconds for the awaited answer; return whether it came."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._done.wait()
+        return self._done.is_set()
 
 
 @asynccontextmanager
@@ -283,21 +310,14 @@ async def send_message(
     check_kind(kind, reply_to is not None)
     target = addressed_agent(agents, to, settings.default_agent_slug)
     by_key = {a.pubkey: a for a in agents}
-    finishes = _ends_the_wait(agents, target, to)
-    done = asyncio.Event()
-    replies: list[tuple[Agent, NostrEvent]] = []
+    answers = _Answers(agents, target, to, on_reply)
     watch = ReplyWatch()
 
     async def handle(received: ReceivedEvent) -> None:
         event = received.event
         agent = by_key.get(event.pubkey)
-        if agent is None or not watch.answers(event):
-            return
-        replies.append((agent, event))
-        if on_reply is not None:
-            on_reply(agent, event)
-        if finishes(agent):
-            done.set()
+        if agent is not None and watch.answers(event):
+            answers.add(agent, event)
 
     async with _connected_pool(urls, handle, pool_settings, timeout) as pool:
         since = int(time.time()) - 5
@@ -324,16 +344,11 @@ async def send_message(
             published = await pool.publish(event, timeout=min(10.0, max(1.0, timeout)))
         except PublishError as exc:
             raise SendError(str(exc)) from None
-        result = SendResult(event, root_id, target, list(published.accepted_by), replies)
-        try:
-            async with asyncio.timeout(timeout):
-                await done.wait()
-        except TimeoutError:
-            pass
-        result.answered = done.is_set()
-        if event.kind == KIND_NOTE and replies:
+        result = SendResult(event, root_id, target, list(published.accepted_by), answers.replies)
+        result.answered = await answers.wait(timeout)
+        if event.kind == KIND_NOTE and answers.replies:
             # a top-level note may have joined an open channel conversation: its answers name the root
-            result.conversation_id = conversation_id(replies[0][1])
+            result.conversation_id = conversation_id(answers.replies[0][1])
         return result
 
 
@@ -360,11 +375,9 @@ async def send_private_message(
     urls = _relays_to_use(settings, agents, relays)
     target = addressed_agent(agents, to, settings.default_agent_slug)
     by_key = {a.pubkey: a for a in agents}
-    finishes = _ends_the_wait(agents, target, to)
+    answers = _Answers(agents, target, to, on_reply)
     gift = GiftWraps({"owner": owner})
     rumor = make_rumor(owner.pubkey, text, [[TAG_PUBKEY, target.pubkey]], int(time.time()))
-    done = asyncio.Event()
-    replies: list[tuple[Agent, NostrEvent]] = []
     seen: set[str] = set()
 
     async def handle(received: ReceivedEvent) -> None:
@@ -376,11 +389,7 @@ async def send_private_message(
         if agent is None or answer.id in seen or not refers_to_root(answer, rumor.id):
             return
         seen.add(answer.id)
-        replies.append((agent, answer))
-        if on_reply is not None:
-            on_reply(agent, answer)
-        if finishes(agent):
-            done.set()
+        answers.add(agent, answer)
 
     async with _connected_pool(urls, handle, pool_settings, timeout) as pool:
         since = rumor.created_at - PRIVATE_LOOKBACK_S
@@ -394,11 +403,6 @@ async def send_private_message(
             except PublishError as exc:
                 raise SendError(str(exc)) from None
             accepted = [url for url in published.accepted_by if url not in accepted] + accepted
-        result = SendResult(rumor, rumor.id, target, sorted(accepted), replies)
-        try:
-            async with asyncio.timeout(timeout):
-                await done.wait()
-        except TimeoutError:
-            pass
-        result.answered = done.is_set()
+        result = SendResult(rumor, rumor.id, target, sorted(accepted), answers.replies)
+        result.answered = await answers.wait(timeout)
         return result

@@ -22,6 +22,7 @@ from tenex_daemon.services.stopping import (
     STOPS_KEY,
     PeerOp,
     PeerStop,
+    StopReport,
     _with_stop,
     stop_channel,
 )
@@ -354,6 +355,14 @@ async def test_a_stop_through_one_daemon_stops_the_run_another_daemon_holds(cast
     ]
 
 
+async def timed_stop(rig: pipeline.Rig, root: NostrEvent) -> tuple[StopReport, float]:
+    """Stop the conversation as the owner through the CLI's and API's path; return the report and how
+    long the stop took (seconds)."""
+    started = asyncio.get_running_loop().time()
+    report = await rig.dispatcher.stop(root.id, None, by="owner")
+    return report, asyncio.get_running_loop().time() - started
+
+
 async def test_a_daemon_alone_stops_without_telling_anyone(cast: Cast) -> None:
     """Without daemons sharing its store, a stop through the CLI or the API waits for nobody and records no
     stop id: the record is as it always was."""
@@ -362,9 +371,7 @@ async def test_a_daemon_alone_stops_without_telling_anyone(cast: Cast) -> None:
     await rig.dispatcher.handle(root)
     await rig.quiet()
 
-    started = asyncio.get_running_loop().time()
-    report = await rig.dispatcher.stop(root.id, None, by="owner")
-    waited = asyncio.get_running_loop().time() - started
+    report, waited = await timed_stop(rig, root)
     await rig.settle()
 
     assert report.agents == ()
@@ -384,9 +391,7 @@ async def test_a_daemon_alone_on_a_shared_store_tells_nobody_and_waits_for_nobod
     async with rig.pipeline.stopper.hearing(rig.scheduler):
         await rig.dispatcher.handle(root)
         await rig.quiet()
-        started = asyncio.get_running_loop().time()
-        report = await rig.dispatcher.stop(root.id, None, by="owner")
-        waited = asyncio.get_running_loop().time() - started
+        report, waited = await timed_stop(rig, root)
     await rig.settle()
 
     assert report.agents == ()
