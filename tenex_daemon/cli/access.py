@@ -11,6 +11,7 @@ shapes (the control API's).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
@@ -68,6 +69,45 @@ def normalize_event_id(value: str, what: str = "conversation id") -> str:
         return check_id(text.lower(), what)
     except ApiError as exc:
         raise AccessError(exc.message, exc.status) from None
+
+
+MIN_ID_PREFIX = 4
+"""The fewest hex digits of a conversation id taken as a short id (``tenexd conversations show 3fa9``)."""
+SHORT_ID_SHOWN = 5
+"""How many of the conversations an ambiguous short id starts are named in the error."""
+_SHORT_ID = re.compile(rf"^[0-9a-f]{{{MIN_ID_PREFIX},63}}$")
+
+
+def conversation_reference(value: str, what: str = "conversation id") -> str:
+    """Return the hex id of a whole id (hex, ``note1``, ``nevent1``), or the lowercased hex digits a short
+    id gives (at least :data:`MIN_ID_PREFIX`, resolved by :func:`resolve_conversation`); raise
+    :class:`AccessError` 400 when it is neither."""
+    text = value.strip().removeprefix("nostr:").lower()
+    if _SHORT_ID.match(text):
+        return text
+    try:
+        return normalize_event_id(value, what)
+    except AccessError:
+        raise AccessError(
+            f"{what} must be 64 hex characters, its first {MIN_ID_PREFIX} or more, a note1 or an nevent1; "
+            f"got {value.strip()[:80]!r}"
+        ) from None
+
+
+async def resolve_conversation(access: ConversationAccess, reference: str) -> str:
+    """Return the conversation id a :func:`conversation_reference` names: itself when whole, else the one
+    conversation, archived or not, whose id starts with it; raise :class:`AccessError` 404 when none does
+    and 400 when several do (naming them)."""
+    if len(reference) == 64:
+        return reference
+    rows = await access.search({"id_prefix": reference, "limit": str(SHORT_ID_SHOWN + 1)})
+    ids = [str(row.get("id")) for row in rows]
+    if not ids:
+        raise AccessError(f"no conversation id starts with {reference}", 404)
+    if len(ids) > 1:
+        shown = ", ".join(ids[:SHORT_ID_SHOWN]) + (", ..." if len(ids) > SHORT_ID_SHOWN else "")
+        raise AccessError(f"{reference} starts more than one conversation id ({shown}): give more of it", 400)
+    return ids[0]
 
 
 class ConversationAccess(Protocol):

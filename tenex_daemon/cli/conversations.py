@@ -19,7 +19,14 @@ from tenex_daemon.app.home import agent_identities
 from tenex_daemon.app.rebuild import RebuildError, RebuildRequest, rebuild_from_relays, report_rows
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.cli.access import AccessError, ApiAccess, LocalAccess, open_access
-from tenex_daemon.cli.invocation import HomeOption, event_id_argument, run_async, settings_of, with_access
+from tenex_daemon.cli.invocation import (
+    HomeOption,
+    event_id_argument,
+    run_async,
+    settings_of,
+    with_access,
+    with_conversation,
+)
 from tenex_daemon.cli.output import EXIT_USAGE, JsonOption, err, fail, ms_time, out, print_json, s_time
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import ConversationNotFoundError
@@ -34,7 +41,11 @@ PhaseOption = Annotated[
     str | None, typer.Option(help=f"Only this phase ({', '.join(p.value for p in Phase)}).")
 ]
 LimitOption = Annotated[int | None, typer.Option(min=1, help="At most this many rows.")]
-IdArgument = Annotated[str, typer.Argument(metavar="ID")]
+ID_HELP = (
+    "Conversation id: hex (or its first 4 or more digits, when no other id starts with them), "
+    "note1 or nevent1."
+)
+IdArgument = Annotated[str, typer.Argument(metavar="ID", help=ID_HELP)]
 
 
 def _names(settings: Settings) -> dict[str, str]:
@@ -172,15 +183,12 @@ def _print_transitions(transitions: list[dict[str, Any]]) -> None:
 @conversations_app.command("show")
 def conversations_show(
     ctx: typer.Context,
-    conversation_id: Annotated[
-        str, typer.Argument(metavar="ID", help="Conversation id (hex, note1 or nevent1).")
-    ],
+    conversation_id: IdArgument,
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
     """Show a conversation: summary, history, agent states, phase transitions."""
-    cid = event_id_argument(conversation_id)
-    data: dict[str, Any] = with_access(ctx, lambda access: access.get(cid))
+    data: dict[str, Any] = with_conversation(ctx, conversation_id, lambda access, cid: access.get(cid))[1]
     if as_json:
         print_json(data)
         return
@@ -222,8 +230,7 @@ def _print_lifecycle(data: dict[str, Any]) -> None:
 @conversations_app.command("archive")
 def conversations_archive(ctx: typer.Context, conversation_id: IdArgument, home: HomeOption = None) -> None:
     """Archive a conversation: it stays readable and becomes read-only."""
-    cid = event_id_argument(conversation_id)
-    with_access(ctx, lambda access: access.archive(cid))
+    cid, _ = with_conversation(ctx, conversation_id, lambda access, cid: access.archive(cid))
     out.print(f"archived {cid}")
 
 
@@ -236,8 +243,7 @@ def conversations_end(
 ) -> None:
     """End a conversation: when, by whom (owner) and why are recorded; it stays writable (a new message
     reopens it)."""
-    cid = event_id_argument(conversation_id)
-    with_access(ctx, lambda access: access.end(cid, reason))
+    cid, _ = with_conversation(ctx, conversation_id, lambda access, cid: access.end(cid, reason))
     out.print(f"ended {cid}")
 
 
@@ -251,8 +257,7 @@ def conversations_stop(
     """Stop the agents working on a conversation, as the owner: their running and waiting runs are
     cancelled, nothing half-written is published, and the stop is recorded (without a daemon: the runs
     a crash left journaled are not redone)."""
-    cid = event_id_argument(conversation_id)
-    result: dict[str, Any] = with_access(ctx, lambda access: access.stop(cid, agent))
+    cid, result = with_conversation(ctx, conversation_id, lambda access, cid: access.stop(cid, agent))
     stopped = result.get("stopped") or []
     out.print(f"stopped {', '.join(stopped)} in {cid}" if stopped else f"nothing was running in {cid}")
 
@@ -260,8 +265,7 @@ def conversations_stop(
 @conversations_app.command("restore")
 def conversations_restore(ctx: typer.Context, conversation_id: IdArgument, home: HomeOption = None) -> None:
     """Restore an archived conversation."""
-    cid = event_id_argument(conversation_id)
-    with_access(ctx, lambda access: access.restore(cid))
+    cid, _ = with_conversation(ctx, conversation_id, lambda access, cid: access.restore(cid))
     out.print(f"restored {cid}")
 
 
@@ -275,8 +279,7 @@ def conversations_export(
     home: HomeOption = None,
 ) -> None:
     """Export a conversation as JSON (history as NIP-01 events, state, transitions, turns)."""
-    cid = event_id_argument(conversation_id)
-    data: dict[str, Any] = with_access(ctx, lambda access: access.get(cid))
+    data: dict[str, Any] = with_conversation(ctx, conversation_id, lambda access, cid: access.get(cid))[1]
     text = json.dumps(data, ensure_ascii=False, indent=2) + "\n"
     if output is None:
         sys.stdout.write(text)
@@ -372,7 +375,7 @@ def conversations_rebuild(
 
 def context(
     ctx: typer.Context,
-    conversation_id: Annotated[str, typer.Argument(metavar="ID", help="Conversation id.")],
+    conversation_id: IdArgument,
     agent: Annotated[str, typer.Option("--agent", help="Agent slug.")],
     trigger: Annotated[
         str | None, typer.Option(help="Event the agent responds to (default: the newest event).")
@@ -382,9 +385,10 @@ def context(
 ) -> None:
     """Print exactly what AGENT would be sent now: its persona (the system message sent first), then
     the messages; no state changes."""
-    cid = event_id_argument(conversation_id)
     trigger_id = event_id_argument(trigger, "trigger event id") if trigger is not None else None
-    data: dict[str, Any] = with_access(ctx, lambda access: access.context(cid, agent, trigger_id))
+    data: dict[str, Any] = with_conversation(
+        ctx, conversation_id, lambda access, cid: access.context(cid, agent, trigger_id)
+    )[1]
     if as_json:
         print_json(data)
         return

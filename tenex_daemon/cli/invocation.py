@@ -15,7 +15,14 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from tenex_daemon.app.settings import DEFAULT_HOME, Settings, SettingsError, load_settings, resolve_home
-from tenex_daemon.cli.access import AccessError, ConversationAccess, normalize_event_id, open_access
+from tenex_daemon.cli.access import (
+    AccessError,
+    ConversationAccess,
+    conversation_reference,
+    normalize_event_id,
+    open_access,
+    resolve_conversation,
+)
 from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, fail
 from tenex_daemon.core.errors import TenexError
 
@@ -64,6 +71,24 @@ def with_access(ctx: typer.Context, action: Callable[[ConversationAccess], Await
             return await action(access)
 
     return run_async(go())
+
+
+def with_conversation(
+    ctx: typer.Context, value: str, action: Callable[[ConversationAccess, str], Awaitable[T]]
+) -> tuple[str, T]:
+    """Run ``action`` on the conversation an ID argument names, a whole id or a short one (its first hex
+    digits, resolved where the conversations are); return the conversation's id and the result. Exit 2
+    when the argument is malformed or the short id starts several ids, 1 when no conversation has it."""
+    try:
+        reference = conversation_reference(value)
+    except AccessError as exc:
+        fail(exc.message, EXIT_USAGE)
+
+    async def act(access: ConversationAccess) -> tuple[str, T]:
+        conversation_id = await resolve_conversation(access, reference)
+        return conversation_id, await action(access, conversation_id)
+
+    return with_access(ctx, act)
 
 
 def event_id_argument(value: str, what: str = "conversation id") -> str:

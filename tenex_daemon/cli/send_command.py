@@ -14,8 +14,8 @@ from rich.text import Text
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
 from tenex_daemon.app.home import load_agents
 from tenex_daemon.app.settings import Settings
-from tenex_daemon.cli.access import open_access
-from tenex_daemon.cli.invocation import HomeOption, event_id_argument, settings_of
+from tenex_daemon.cli.access import AccessError, conversation_reference, open_access, resolve_conversation
+from tenex_daemon.cli.invocation import HomeOption, run_async, settings_of
 from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, err, fail, out
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.errors import TenexError
@@ -63,13 +63,33 @@ def _local_event_finder(settings: Settings) -> Callable[[str], Awaitable[NostrEv
     return find_local
 
 
+def _reply_to_argument(settings: Settings, value: str) -> str:
+    """The event id ``--reply-to`` names: a whole id, or a conversation's short id (its root's id); exit 2
+    when malformed or ambiguous, 1 when no conversation has it."""
+    try:
+        reference = conversation_reference(value, "reply-to event id")
+    except AccessError as exc:
+        fail(exc.message, EXIT_USAGE)
+    if len(reference) == 64:
+        return reference
+
+    async def resolve() -> str:
+        async with open_access(settings) as access:
+            return await resolve_conversation(access, reference)
+
+    return run_async(resolve())
+
+
 def send(
     ctx: typer.Context,
     text: Annotated[str, typer.Argument(help="What to say.")],
     to: Annotated[str | None, typer.Option(help="Agent slug to address (default: the orchestrator).")] = None,
     reply_to: Annotated[
         str | None,
-        typer.Option(help="Event id to reply to (kind 1111 in its conversation; kind 1 to a kind-1 note)."),
+        typer.Option(
+            help="Event id to reply to, or a conversation's first 4 or more hex digits (kind 1111 in its "
+            "conversation; kind 1 to a kind-1 note)."
+        ),
     ] = None,
     kind: Annotated[
         int | None,
@@ -115,7 +135,7 @@ def send(
         agents = load_agents(settings)
     except KeyFileError as exc:
         fail(str(exc), EXIT_USAGE)
-    parent_id = event_id_argument(reply_to, "reply-to event id") if reply_to is not None else None
+    parent_id = _reply_to_argument(settings, reply_to) if reply_to is not None else None
 
     async def go() -> SendResult:
         if private:

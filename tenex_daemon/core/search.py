@@ -20,6 +20,8 @@ class SearchQuery(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
+    id_prefix: str | None = None
+    """Only the conversations whose id starts with this (lowercase hex): a person types a few characters."""
     title: str | None = None
     phase: Phase | None = None
     date_from: datetime | None = None
@@ -127,6 +129,8 @@ def _ms(moment: datetime) -> int:
 
 def summary_matches(summary: ConversationSummary, query: SearchQuery) -> bool:
     """Return whether an index row passes every filter of ``query``."""
+    if query.id_prefix is not None and not summary.id.startswith(query.id_prefix):
+        return False
     if query.archived is not None and summary.archived != query.archived:
         return False
     if query.phase is not None and summary.phase != query.phase:

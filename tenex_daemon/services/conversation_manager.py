@@ -708,16 +708,12 @@ class ConversationManager:
         archived: bool | None = None,
         participant: str | None = None,
         limit: int | None = None,
+        id_prefix: str | None = None,
     ) -> list[ConversationSummary]:
         """Return summary rows matching every given filter, newest update first."""
         query = SearchQuery(
-            title=title,
-            phase=Phase(phase) if phase is not None else None,
-            date_from=date_from,
-            date_to=date_to,
-            archived=archived,
-            participant=participant,
-            limit=limit,
+            title=title, phase=Phase(phase) if phase is not None else None, date_from=date_from,
+            date_to=date_to, archived=archived, participant=participant, limit=limit, id_prefix=id_prefix,
         )
         return await self._store.search(query)
 

@@ -286,6 +286,23 @@ async def test_search_filters(store: Store, cast: Cast) -> None:
     assert await store.phase_counts() == {("chat", False): 1, ("plan", False): 1, ("chat", True): 1}
 
 
+async def test_search_by_id_prefix_finds_the_conversations_whose_id_starts_with_it(store: Store, cast: Cast) -> None:
+    """An id prefix finds every conversation, archived or not, whose id starts with it, and no other; the
+    whole id finds its conversation."""
+    rows = [await stored(store, cast, f"Chat {n}", created_at=T0 + n) for n in range(12)]
+    await store.set_archived(rows[0].id, True)
+
+    async def found(prefix: str) -> set[str]:
+        return {row.id for row in await store.search(SearchQuery(id_prefix=prefix))}
+
+    for conversation in rows:
+        for width in (1, 4, 64):
+            prefix = conversation.id[:width]
+            assert await found(prefix) == {c.id for c in rows if c.id.startswith(prefix)}
+    assert rows[0].id in await found(rows[0].id[:4])
+    assert await found("f" * 64) == set()
+
+
 async def test_lifecycle_fields_are_kept_in_state_and_index_rows_and_filtered(
     harness: StoreHarness, cast: Cast
 ) -> None:

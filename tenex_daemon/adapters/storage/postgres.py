@@ -374,6 +374,8 @@ class PostgresStore:
             args.append(value)
             return f"${len(args)}"
 
+        if query.id_prefix is not None:
+            clauses.append(f"starts_with(id, {arg(query.id_prefix)})")
         if query.archived is not None:
             clauses.append(f"archived = {arg(query.archived)}")
         if query.phase is not None:

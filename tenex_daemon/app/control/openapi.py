@@ -67,6 +67,8 @@ def _conversations_path() -> Json:
         "summary": "Search conversations, newest update first.",
         "operationId": "listConversations",
         "parameters": [
+            _query("id_prefix", "The id starts with these hex digits (the CLI's short ids).",
+                   {"type": "string", "pattern": "^[0-9a-fA-F]{1,64}$"}),
             _query("title", "Case-insensitive, fuzzy title match.", {"type": "string"}),
             _query("phase", "Current phase.", {"type": "string", "enum": [p.value for p in Phase]}),
             _query("archived", "true: archived only; false: active only.", {"type": "boolean"}),

@@ -16,9 +16,10 @@ MAX_LIMIT: Final = 10_000
 DATE_ALIASES: Final = {"from": "date_from", "to": "date_to"}
 """Other spellings of the date filters (``from``/``to``), accepted as the same parameters."""
 SEARCH_PARAMETERS: Final = frozenset(
-    {"title", "phase", "archived", "date_from", "date_to", "participant", "limit", *DATE_ALIASES}
+    {"id_prefix", "title", "phase", "archived", "date_from", "date_to", "participant", "limit", *DATE_ALIASES}
 )
 _HEX_ID = re.compile(r"^[0-9a-f]{64}$")
+_HEX_PREFIX = re.compile(r"^[0-9a-f]{1,64}$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -66,6 +67,13 @@ def _parse_participant(value: str) -> str:
         raise ApiError(400, f"participant: {exc}") from None
 
 
+def _parse_id_prefix(value: str) -> str:
+    lowered = value.lower()
+    if not _HEX_PREFIX.match(lowered):
+        raise ApiError(400, f"id_prefix must be 1 to 64 hex characters, got {value[:80]!r}")
+    return lowered
+
+
 def _parse_limit(raw: str) -> int:
     # isdecimal, not isdigit: a superscript ("²") is a digit that int() cannot read (it raised: a 500)
     if not raw.isdecimal() or not 1 <= int(raw) <= MAX_LIMIT:
@@ -80,6 +88,8 @@ def parse_search(query: Mapping[str, str]) -> dict[str, Any]:
         known = ", ".join(sorted(SEARCH_PARAMETERS))
         raise ApiError(400, f"unknown parameter(s): {', '.join(unknown)} (known: {known})")
     args: dict[str, Any] = {}
+    if query.get("id_prefix"):
+        args["id_prefix"] = _parse_id_prefix(query["id_prefix"])
     if query.get("title"):
         args["title"] = query["title"]
     if query.get("phase"):

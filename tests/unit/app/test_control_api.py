@@ -116,10 +116,13 @@ async def test_status_is_the_targets_snapshot(client: TestClient[Any, Any], targ
 
 
 async def test_list_and_filters(client: TestClient[Any, Any], world: World, cast: Cast) -> None:
-    """GET /api/v1/conversations searches by title, phase, archived, participant (npub), dates and limit."""
+    """GET /api/v1/conversations searches by id prefix (any case), title, phase, archived, participant
+    (npub), dates and limit."""
     everything = await get_json(client, "/api/v1/conversations")
     assert everything["count"] == 2
     assert {row["id"] for row in everything["conversations"]} == {world.root.id, world.task.id}
+    by_prefix = await get_json(client, "/api/v1/conversations", id_prefix=world.root.id[:5].upper())
+    assert [row["id"] for row in by_prefix["conversations"]] == [world.root.id]
     by_title = await get_json(client, "/api/v1/conversations", title="release")
     assert [row["id"] for row in by_title["conversations"]] == [world.root.id]
     by_alice = await get_json(client, "/api/v1/conversations", participant=cast.alice_keys.npub)
@@ -142,6 +145,8 @@ async def test_list_and_filters(client: TestClient[Any, Any], world: World, cast
         ({"date_from": "yesterday"}, "date_from"),
         ({"participant": "bob"}, "participant"),
         ({"colour": "red"}, "unknown parameter"),
+        ({"id_prefix": "xyz"}, "id_prefix must be 1 to 64 hex characters"),
+        ({"id_prefix": "a" * 65}, "id_prefix"),
     ],
 )
 async def test_bad_search_parameters_are_400_json(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import stat
 from pathlib import Path
@@ -147,6 +148,65 @@ def test_unknown_and_malformed_ids_exit_1_and_2(home: Path) -> None:
     """An id nobody stored exits 1; text that is no id at all exits 2."""
     assert tenexd(home, "conversations", "show", "ab" * 32)[0] == 1
     assert tenexd(home, "conversations", "show", "not-an-id")[0] == 2
+
+
+def test_a_conversation_is_named_by_the_first_hex_digits_of_its_id(home: Path) -> None:
+    """Every command taking a conversation id takes its first 4 or more hex digits (any case) when no other
+    id starts with them: show, context, archive, restore, end and stop act on it and print the whole id."""
+    picnic = seed_conversation(home, "Picnic plans", "Plan a picnic", "Saturday works")
+    short = picnic[:6]
+
+    assert tenexd_json(home, "conversations", "show", short.upper())["id"] == picnic
+    assert tenexd_json(home, "context", short, "--agent", "planner")["conversation_id"] == picnic
+    code, printed = tenexd(home, "conversations", "archive", short)
+    assert (code, printed.strip()) == (0, f"archived {picnic}")
+    assert tenexd_json(home, "conversations", "show", short)["archived"] is True  # found while archived
+    assert tenexd(home, "conversations", "restore", short) == (0, f"restored {picnic}\n")
+    assert tenexd(home, "conversations", "end", short, "--reason", "done") == (0, f"ended {picnic}\n")
+    assert tenexd(home, "conversations", "stop", short) == (0, f"nothing was running in {picnic}\n")
+    assert tenexd_json(home, "conversations", "show", picnic)["end_reason"] == "done"
+
+
+def test_a_short_id_that_names_no_conversation_or_several_fails_and_says_which(home: Path) -> None:
+    """A short id no conversation has exits 1; one that starts two ids exits 2 naming both and changes
+    nothing; fewer than 4 hex digits exit 2 saying what an id may be."""
+    first, second = _two_roots_sharing_four_digits(home)
+    one = seed_conversation(home, f"Chat {first}", f"Hello {first}")
+    other = seed_conversation(home, f"Chat {second}", f"Hello {second}")
+    shared = one[:4]
+    assert other.startswith(shared)
+    unused = next(f"{n:04x}" for n in range(1 << 16) if f"{n:04x}" != shared)
+
+    assert _failure(home, "conversations", "show", unused) == (1, f"error: no conversation id starts with {unused}")
+    code, printed = _failure(home, "conversations", "archive", shared)
+    assert code == 2
+    assert printed.startswith(f"error: {shared} starts more than one conversation id (")
+    assert one in printed
+    assert other in printed
+    assert not any(row["archived"] for row in tenexd_json(home, "conversations", "list", "--all"))
+    code, printed = _failure(home, "conversations", "show", one[:3])
+    assert code == 2
+    assert "64 hex characters, its first 4 or more, a note1 or an nevent1" in printed
+
+
+def _two_roots_sharing_four_digits(home: Path) -> tuple[int, int]:
+    """Two numbers n whose conversations ``seed_conversation(home, "Chat n", "Hello n")`` would store under
+    ids with the same first 4 hex digits (found by making the roots; a few hundred tries)."""
+    planner = next(agent for agent in load_agents(load_settings(home)) if agent.slug == "planner")
+    seen: dict[str, int] = {}
+    for n in itertools.count():
+        tags = [["title", f"Chat {n}"], ["p", planner.pubkey]]
+        prefix = EventFactory().event(USER, f"Hello {n}", kind=11, tags=tags).id[:4]
+        if prefix in seen:
+            return seen[prefix], n
+        seen[prefix] = n
+    raise AssertionError("unreachable")
+
+
+def _failure(home: Path, *args: str) -> tuple[int, str]:
+    """Run a command expected to fail; return its exit code and its one error line (stderr)."""
+    result = CliRunner().invoke(app, ["--home", str(home), *args], catch_exceptions=False)
+    return result.exit_code, result.stderr.strip()
 
 
 def test_context_shows_what_an_agent_would_be_sent_without_storing_it(home: Path) -> None:

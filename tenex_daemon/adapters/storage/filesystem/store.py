@@ -598,6 +598,8 @@ def _matching(entries: Iterable[IndexEntry], query: SearchQuery) -> Iterator[Ind
     (``apply_query`` and ``summary_matches`` check them all)."""
     phase = query.phase.value if query.phase is not None else None
     for entry in entries:
+        if query.id_prefix is not None and not entry.id.startswith(query.id_prefix):
+            continue
         if query.archived is not None and entry.archived != query.archived:
             continue
         if phase is not None and entry.phase != phase:
