@@ -159,6 +159,20 @@ def _status_report(ctx: typer.Context) -> StatusReport:
     return read_status(settings.status_path, settings.daemon.stale_after_s)
 
 
+def _breakdown(counts: object) -> str:
+    """`` (chat 2, plan 1)`` for counts by name, largest first; empty when there are none."""
+    if not isinstance(counts, dict) or not counts:
+        return ""
+    ordered = sorted(counts.items(), key=lambda item: (-int(item[1]), str(item[0])))
+    return " (" + ", ".join(f"{name} {count}" for name, count in ordered) + ")"
+
+
+def _tally(counts: object) -> str:
+    """A total and its breakdown (``3 (author_not_allowed 2, too_large 1)``), ``0`` when there are none."""
+    total = sum(int(count) for count in counts.values()) if isinstance(counts, dict) else 0
+    return f"{total}{_breakdown(counts)}"
+
+
 def _print_status_data(data: dict[str, Any]) -> None:
     """Print a running (or stale) daemon's status data: process, counters and relays."""
     uptime = data.get("uptime_s")
@@ -171,10 +185,10 @@ def _print_status_data(data: dict[str, Any]) -> None:
     conversations = data.get("conversations") or {}
     events = data.get("events") or {}
     out.print(
-        f"conversations {conversations.get('total', 0)} {conversations.get('by_phase', {})}; "
+        f"conversations {conversations.get('total', 0)}{_breakdown(conversations.get('by_phase'))}; "
         f"runs in flight {data.get('runs_in_flight', 0)}; replies {data.get('replies', 0)}; "
-        f"events accepted {events.get('accepted', 0)}, rejected {events.get('rejected', {})}; "
-        f"errors {data.get('errors', {})}"
+        f"events accepted {events.get('accepted', 0)}, rejected {_tally(events.get('rejected'))}; "
+        f"errors {_tally(data.get('errors'))}"
     )
     outbox = data.get("outbox") or {}
     if outbox:

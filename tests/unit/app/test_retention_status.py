@@ -1,5 +1,5 @@
 """The retention sweeper in the daemon's health data: Prometheus counters, the status document's
-``retention`` part and the line `tenexd status` prints; the outbox's line there too."""
+``retention`` part and the line `tenexd status` prints; the outbox's and the counters' lines there too."""
 
 from __future__ import annotations
 
@@ -82,3 +82,25 @@ def test_tenexd_status_prints_the_outbox_depth_and_its_oldest_entry(capsys: pyte
 
     assert "outbox: 3 waiting for a relay (oldest 4m 5s); 12 delivered, 4 retries since start" in waiting
     assert "outbox: 0 waiting for a relay; 12 delivered, 4 retries since start" in empty
+
+
+def test_tenexd_status_prints_counts_as_totals_with_their_breakdown(capsys: pytest.CaptureFixture[str]) -> None:
+    """`tenexd status` prints conversations by phase, rejections by reason and errors by kind as a total
+    with its parts, largest first (never a Python dict); none at all prints 0."""
+    data = dict(new_status("0.1.0"))
+    data["conversations"] = {"total": 3, "archived": 0, "by_phase": {"plan": 1, "chat": 2}}
+    data["events"] = {"accepted": 10, "rejected": {"too_large": 1, "author_not_allowed": 2}}
+    data["errors"] = {"publish": 1}
+    _print_status_data(data)
+    busy = " ".join(capsys.readouterr().out.split())
+    data["conversations"] = {"total": 0, "archived": 0, "by_phase": {}}
+    data["events"], data["errors"] = {"accepted": 0, "rejected": {}}, {}
+    _print_status_data(data)
+    quiet = " ".join(capsys.readouterr().out.split())
+
+    assert (
+        "conversations 3 (chat 2, plan 1); runs in flight 0; replies 0; events accepted 10, "
+        "rejected 3 (author_not_allowed 2, too_large 1); errors 1 (publish 1)"
+    ) in busy
+    assert "conversations 0; runs in flight 0; replies 0; events accepted 0, rejected 0; errors 0" in quiet
+    assert "{" not in busy + quiet
