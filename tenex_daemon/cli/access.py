@@ -75,7 +75,7 @@ MIN_ID_PREFIX = 4
 """The fewest hex digits of a conversation id taken as a short id (``tenexd conversations show 3fa9``)."""
 SHORT_ID_SHOWN = 5
 """How many of the conversations an ambiguous short id starts are named in the error."""
-_SHORT_ID = re.compile(rf"^[0-9a-f]{{{MIN_ID_PREFIX},63}}$")
+_SHORT_ID = re.compile(rf"[0-9a-f]{{{MIN_ID_PREFIX},63}}")
 
 
 def conversation_reference(value: str, what: str = "conversation id") -> str:
@@ -83,14 +83,16 @@ def conversation_reference(value: str, what: str = "conversation id") -> str:
     id gives (at least :data:`MIN_ID_PREFIX`, resolved by :func:`resolve_conversation`); raise
     :class:`AccessError` 400 when it is neither."""
     text = value.strip().removeprefix("nostr:").lower()
-    if _SHORT_ID.match(text):
+    if _SHORT_ID.fullmatch(text):
         return text
     try:
         return normalize_event_id(value, what)
     except AccessError:
+        if text.startswith(("note1", "nevent1")):
+            raise  # its NIP-19 error says what is wrong with it
         raise AccessError(
-            f"{what} must be 64 hex characters, its first {MIN_ID_PREFIX} or more, a note1 or an nevent1; "
-            f"got {value.strip()[:80]!r}"
+            f"{what} must be 64 hex characters, the first {MIN_ID_PREFIX} or more of a conversation's id, "
+            f"a note1 or an nevent1; got {value.strip()[:80]!r}"
         ) from None
 
 

@@ -159,18 +159,28 @@ def _status_report(ctx: typer.Context) -> StatusReport:
     return read_status(settings.status_path, settings.daemon.stale_after_s)
 
 
+def _numbers(counts: object) -> dict[str, int | float]:
+    """The numeric counts of a status file's mapping (anything else in it is left out, never raised on)."""
+    if not isinstance(counts, dict):
+        return {}
+    return {
+        str(name): count for name, count in counts.items()
+        if isinstance(count, int | float) and not isinstance(count, bool)
+    }
+
+
 def _breakdown(counts: object) -> str:
     """`` (chat 2, plan 1)`` for counts by name, largest first; empty when there are none."""
-    if not isinstance(counts, dict) or not counts:
+    found = _numbers(counts)
+    if not found:
         return ""
-    ordered = sorted(counts.items(), key=lambda item: (-int(item[1]), str(item[0])))
-    return " (" + ", ".join(f"{name} {count}" for name, count in ordered) + ")"
+    ordered = sorted(found.items(), key=lambda item: (-item[1], item[0]))
+    return " (" + ", ".join(f"{name} {count:g}" for name, count in ordered) + ")"
 
 
 def _tally(counts: object) -> str:
     """A total and its breakdown (``3 (author_not_allowed 2, too_large 1)``), ``0`` when there are none."""
-    total = sum(int(count) for count in counts.values()) if isinstance(counts, dict) else 0
-    return f"{total}{_breakdown(counts)}"
+    return f"{sum(_numbers(counts).values()):g}{_breakdown(counts)}"
 
 
 def _print_status_data(data: dict[str, Any]) -> None:

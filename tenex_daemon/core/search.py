@@ -6,7 +6,7 @@ import difflib
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tenex_daemon.core.conversation import Conversation, TitleSource
 from tenex_daemon.core.phases import Phase
@@ -21,7 +21,7 @@ class SearchQuery(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     id_prefix: str | None = None
-    """Only the conversations whose id starts with this (lowercase hex): a person types a few characters."""
+    """Only the conversations whose id starts with these hex digits (lowercased): a person types a few."""
     title: str | None = None
     phase: Phase | None = None
     date_from: datetime | None = None
@@ -41,6 +41,11 @@ class SearchQuery(BaseModel):
     """Rows newest update first, or (``ended``) newest end first, conversations not ended after them;
     ties by id, highest first. With ``limit``, the first rows in this order."""
     limit: int | None = None
+
+    @field_validator("id_prefix")
+    @classmethod
+    def _lowercase(cls, value: str | None) -> str | None:
+        return None if value is None else value.lower()
 
 
 class ConversationSummary(BaseModel):

@@ -287,8 +287,8 @@ async def test_search_filters(store: Store, cast: Cast) -> None:
 
 
 async def test_search_by_id_prefix_finds_the_conversations_whose_id_starts_with_it(store: Store, cast: Cast) -> None:
-    """An id prefix finds every conversation, archived or not, whose id starts with it, and no other; the
-    whole id finds its conversation."""
+    """An id prefix (any case) finds every conversation, archived or not, whose id starts with it, and no
+    other; the whole id finds its conversation."""
     rows = [await stored(store, cast, f"Chat {n}", created_at=T0 + n) for n in range(12)]
     await store.set_archived(rows[0].id, True)
 
@@ -300,6 +300,7 @@ async def test_search_by_id_prefix_finds_the_conversations_whose_id_starts_with_
             prefix = conversation.id[:width]
             assert await found(prefix) == {c.id for c in rows if c.id.startswith(prefix)}
     assert rows[0].id in await found(rows[0].id[:4])
+    assert await found(rows[1].id[:6].upper()) == {c.id for c in rows if c.id.startswith(rows[1].id[:6])}
     assert await found("f" * 64) == set()
 
 

@@ -375,7 +375,9 @@ class PostgresStore:
             return f"${len(args)}"
 
         if query.id_prefix is not None:
-            clauses.append(f"starts_with(id, {arg(query.id_prefix)})")
+            # the range lets the primary key's index find them under any collation (ids are lowercase hex)
+            prefix = arg(query.id_prefix)
+            clauses.append(f"id >= {prefix} AND id < {prefix} || 'g' AND starts_with(id, {prefix})")
         if query.archived is not None:
             clauses.append(f"archived = {arg(query.archived)}")
         if query.phase is not None:

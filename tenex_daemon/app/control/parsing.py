@@ -18,15 +18,15 @@ DATE_ALIASES: Final = {"from": "date_from", "to": "date_to"}
 SEARCH_PARAMETERS: Final = frozenset(
     {"id_prefix", "title", "phase", "archived", "date_from", "date_to", "participant", "limit", *DATE_ALIASES}
 )
-_HEX_ID = re.compile(r"^[0-9a-f]{64}$")
-_HEX_PREFIX = re.compile(r"^[0-9a-f]{1,64}$")
+_HEX_ID = re.compile(r"[0-9a-f]{64}")
+_HEX_PREFIX = re.compile(r"[0-9a-f]{1,64}")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def check_id(value: str, what: str = "conversation id") -> str:
     """Return ``value`` if it is 64 lowercase hex characters, else raise :class:`ApiError` 400."""
-    if not _HEX_ID.match(value):
+    if not _HEX_ID.fullmatch(value):
         raise ApiError(400, f"{what} must be 64 lowercase hex characters, got {value[:80]!r}")
     return value
 
@@ -69,7 +69,7 @@ def _parse_participant(value: str) -> str:
 
 def _parse_id_prefix(value: str) -> str:
     lowered = value.lower()
-    if not _HEX_PREFIX.match(lowered):
+    if not _HEX_PREFIX.fullmatch(lowered):
         raise ApiError(400, f"id_prefix must be 1 to 64 hex characters, got {value[:80]!r}")
     return lowered
 

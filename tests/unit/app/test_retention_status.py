@@ -104,3 +104,6 @@ def test_tenexd_status_prints_counts_as_totals_with_their_breakdown(capsys: pyte
     ) in busy
     assert "conversations 0; runs in flight 0; replies 0; events accepted 0, rejected 0; errors 0" in quiet
     assert "{" not in busy + quiet
+    data["events"] = {"accepted": 1, "rejected": {"too_large": None, "odd": "x", "bad_signature": 2}}
+    _print_status_data(data)  # a status file written by another version: what is not a number is left out
+    assert "rejected 2 (bad_signature 2)" in " ".join(capsys.readouterr().out.split())

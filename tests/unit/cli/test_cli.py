@@ -6,9 +6,11 @@ import asyncio
 import itertools
 import json
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -16,7 +18,9 @@ from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.status import DaemonState, new_status, write_status
 from tenex_daemon.app.wiring import build_store
+from tenex_daemon.cli.access import AccessError, ConversationAccess, resolve_conversation
 from tenex_daemon.cli.main import app
+from tenex_daemon.cli.send_command import _reply_to_argument
 from tenex_daemon.core import nip19
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.testing import EventFactory
@@ -151,8 +155,9 @@ def test_unknown_and_malformed_ids_exit_1_and_2(home: Path) -> None:
 
 
 def test_a_conversation_is_named_by_the_first_hex_digits_of_its_id(home: Path) -> None:
-    """Every command taking a conversation id takes its first 4 or more hex digits (any case) when no other
-    id starts with them: show, context, archive, restore, end and stop act on it and print the whole id."""
+    """The commands taking a conversation id take its first 4 or more hex digits (any case) when no other
+    id starts with them: show, context, export, archive, restore, end and stop act on it and print the whole
+    id, and send's --reply-to names the conversation's root by them."""
     picnic = seed_conversation(home, "Picnic plans", "Plan a picnic", "Saturday works")
     short = picnic[:6]
 
@@ -165,6 +170,11 @@ def test_a_conversation_is_named_by_the_first_hex_digits_of_its_id(home: Path) -
     assert tenexd(home, "conversations", "end", short, "--reason", "done") == (0, f"ended {picnic}\n")
     assert tenexd(home, "conversations", "stop", short) == (0, f"nothing was running in {picnic}\n")
     assert tenexd_json(home, "conversations", "show", picnic)["end_reason"] == "done"
+    assert json.loads(tenexd(home, "conversations", "export", short)[1])["id"] == picnic
+    assert _reply_to_argument(load_settings(home), short) == picnic
+    with pytest.raises(typer.Exit) as unknown:
+        _reply_to_argument(load_settings(home), "0000" if not picnic.startswith("0000") else "1111")
+    assert unknown.value.exit_code == 1
 
 
 def test_a_short_id_that_names_no_conversation_or_several_fails_and_says_which(home: Path) -> None:
@@ -186,7 +196,31 @@ def test_a_short_id_that_names_no_conversation_or_several_fails_and_says_which(h
     assert not any(row["archived"] for row in tenexd_json(home, "conversations", "list", "--all"))
     code, printed = _failure(home, "conversations", "show", one[:3])
     assert code == 2
-    assert "64 hex characters, its first 4 or more, a note1 or an nevent1" in printed
+    assert "64 hex characters, the first 4 or more of a conversation's id, a note1 or an nevent1" in printed
+    broken_note = nip19.encode_note(one)[:-1] + ("q" if not nip19.encode_note(one).endswith("q") else "p")
+    code, printed = _failure(home, "conversations", "show", broken_note)
+    assert code == 2
+    assert printed.startswith("error: conversation id: ")  # the NIP-19 error, not the generic one
+
+
+async def test_an_ambiguous_short_id_names_five_of_the_conversations_it_starts_and_says_there_are_more() -> None:
+    """Past five conversations starting with a short id, the error names the first five, then "..."."""
+
+    class Found:
+        via = "test"
+
+        async def search(self, query: Mapping[str, str]) -> list[dict[str, Any]]:
+            assert query == {"id_prefix": "abcd", "limit": "6"}
+            return [{"id": f"abcd{n:060x}"} for n in range(6)]
+
+    with pytest.raises(AccessError) as raised:
+        await resolve_conversation(cast(ConversationAccess, Found()), "abcd")
+
+    assert raised.value.status == 400
+    assert raised.value.message == (
+        "abcd starts more than one conversation id ("
+        + ", ".join(f"abcd{n:060x}" for n in range(5)) + ", ...): give more of it"
+    )
 
 
 def _two_roots_sharing_four_digits(home: Path) -> tuple[int, int]:
