@@ -112,6 +112,11 @@ _TRY_KEPT_LEASE_SQL = (
     "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS started"
 )
 """Take a lock to keep, and say which session holds it (its process and start: a pid can be reused)."""
+_KEPT_NAME_SQL = (
+    "SELECT pg_advisory_lock(hashtextextended($1, 0)), pg_backend_pid() AS pid, "
+    "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS started"
+)
+"""Take a lock to keep, waiting for it, and say which session holds it."""
 _END_SESSION_SQL = (
     "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2"
 )
@@ -121,8 +126,8 @@ _NAME_CHECK_S = 1.0
 _NAME_RETRY_S = 0.5
 """How soon a daemon tries to take its name again after its connection broke."""
 _CHECK_TIMEOUT_S = 5.0
-"""A connection kept for listening or for a run's lease that does not answer a check within this long
-is replaced."""
+"""A connection kept for listening, for a daemon's name or for a run's lease that does not answer a check
+within this long is replaced."""
 LISTENER_PREFIX = "tenexd listen "
 """How the ``application_name`` of a connection that listens for the other daemons' messages starts
 (the channel follows, :func:`listener_name`)."""
@@ -135,11 +140,15 @@ def listener_name(channel: str) -> str:
 
 
 async def _unlock(conn: Any, name: str) -> None:
-    """Release ``name``'s advisory lock on ``conn``; a broken connection already dropped it."""
+    """Release ``name``'s advisory lock on ``conn``; a broken connection already dropped it, and one that
+    does not answer within ``_CHECK_TIMEOUT_S`` is closed (its session ends, and the lock with it)."""
     try:
-        await conn.execute(_UNLEASE_SQL, name)
+        await conn.execute(_UNLEASE_SQL, name, timeout=_CHECK_TIMEOUT_S)
     except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError):
         log.info("postgres_unlock_skipped", name=name, reason="connection_broken")
+    except TimeoutError:
+        log.warning("postgres_unlock_skipped", name=name, reason="connection_silent")
+        _terminate(conn)
 
 
 @dataclass
@@ -254,10 +263,16 @@ class PostgresStore:
         return applied
 
     async def close(self) -> None:
-        """Close the pools. Safe to call twice."""
+        """Close the pools, each within ``_CHECK_TIMEOUT_S``: one whose connections do not answer by then
+        (a network gone silent) has them cut, so a shutdown never waits on the network. Safe to call
+        twice."""
         for pool in (self._pool, self._lease_pool, self._name_pool):
             if pool is not None:
-                await pool.close()
+                try:
+                    await asyncio.wait_for(pool.close(), _CHECK_TIMEOUT_S)
+                except TimeoutError:
+                    log.warning("postgres_pool_cut", reason="its connections did not answer the close")
+                    pool.terminate()
         self._pool = self._lease_pool = self._name_pool = None
 
     async def create(self, conversation: Conversation) -> None:
@@ -494,23 +509,34 @@ class PostgresStore:
             yield
 
     async def _keep_name(self, name: str, first: asyncio.Future[None]) -> None:
-        """Hold ``name``'s lock until cancelled; after a broken connection, take it again (every
-        ``_NAME_RETRY_S`` while the database is unreachable)."""
+        """Hold ``name``'s lock until cancelled. Once its connection is broken (or silent for
+        ``_CHECK_TIMEOUT_S``), end the session that held it and take the name again (every
+        ``_NAME_RETRY_S`` while the database is unreachable); the name waits for a silent session that
+        cannot be ended yet, so it is never free while this daemon lives."""
         assert self._name_pool is not None
+        held: tuple[int, Any] | None = None
+        """The session that held the name before its connection failed: ended before it is taken again."""
         while True:
             try:
                 async with self._name_pool.acquire() as conn:
-                    await conn.execute(_LEASE_SQL, name)
+                    if held is not None:
+                        await conn.fetch(_END_SESSION_SQL, *held, timeout=2 * _CHECK_TIMEOUT_S)
+                    row: Any = await conn.fetchrow(_KEPT_NAME_SQL, name)
+                    held = (int(row["pid"]), row["started"])
                     if not first.done():
                         first.set_result(None)
                     else:
                         log.warning("postgres_name_taken_again", name=name)
                     try:
-                        while True:  # a broken connection shows on the next round trip
+                        while True:  # a broken connection fails the next round trip, a silent one times out
                             await asyncio.sleep(_NAME_CHECK_S)
-                            await conn.fetchval("SELECT 1")
-                    finally:
+                            await conn.fetchval("SELECT 1", timeout=_CHECK_TIMEOUT_S)
+                    except asyncio.CancelledError:
                         await _unlock(conn, name)
+                        raise
+                    except Exception:
+                        _terminate(conn)  # never unlocked on a connection that may hang: its session is ended
+                        raise
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the connection or the server went away: take the name again

@@ -399,3 +399,108 @@ async def end_backends(store: PostgresStore, pids: list[int]) -> None:
     """Have the server end these processes (as a restart ends every connection)."""
     async with store.pool.acquire() as conn:
         await conn.execute("SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS pid", pids)
+
+
+async def test_a_daemons_name_is_kept_through_a_broken_and_a_silent_connection(
+    postgres_server: PostgresServer,
+) -> None:
+    """A daemon's name (``alive``) is taken again after the server ends the session holding it, and after
+    that session's connection goes silent (a network that stops carrying it): the check times out, the
+    silent session is ended and a new one holds the name, which another client never finds free
+    meanwhile but for a moment (a peer believes a name dead only once it stayed free for seconds). Closing
+    the store then takes seconds, not forever, though its connections are silent."""
+    dsn = await postgres_server.create_database()
+    proxy = FreezingProxy(postgres_server.port)
+    await proxy.start()
+    mine = PostgresStore(dsn.replace(f":{postgres_server.port}/", f":{proxy.port}/"))
+    theirs = PostgresStore(dsn)
+    await mine.open()
+    await theirs.open()
+    found_free: list[float] = []
+    watching = True
+
+    async def watch() -> None:  # another daemon asking, all along, whether the name is free
+        while watching:
+            async with theirs.try_take("daemon:a") as free:
+                if free:
+                    found_free.append(asyncio.get_running_loop().time())
+            await asyncio.sleep(0.02)
+
+    try:
+        async with mine.alive("daemon:a"):
+            first = await lock_holders(theirs)
+            await end_backends(theirs, first)
+            async with asyncio.timeout(20):
+                while (await lock_holders(theirs)) in ([], first):  # noqa: ASYNC110 - polls the server
+                    await asyncio.sleep(0.05)
+            second = await lock_holders(theirs)
+            watcher = asyncio.create_task(watch())
+            proxy.freeze()  # every connection open now stops carrying data; new ones still work
+            async with asyncio.timeout(30):  # a check times out (5 s), the silent session is ended
+                while (await lock_holders(theirs)) in ([], second):  # noqa: ASYNC110 - polls the server
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(1)
+            watching = False
+            await watcher
+            third = await lock_holders(theirs)
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(mine.close(), 30)
+        closing_took = asyncio.get_running_loop().time() - started
+    finally:
+        await proxy.close()
+        await mine.close()
+        await theirs.close()
+
+    assert len(first) == 1
+    assert len(second) == 1
+    assert second != first
+    assert len(third) == 1
+    assert third != second
+    assert max(found_free, default=0) - min(found_free, default=0) < 0.5
+    assert closing_took < 20
+
+
+class FreezingProxy:
+    """A TCP proxy to 127.0.0.1:``target`` whose open connections :meth:`freeze` stops carrying data
+    (their sockets stay open, as with a network that drops every packet); later ones carry it."""
+
+    def __init__(self, target: int) -> None:
+        self._target = target
+        self._server: asyncio.Server | None = None
+        self._pumps: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self.port = 0
+
+    async def start(self) -> None:
+        """Listen on a free port of 127.0.0.1."""
+        self._server = await asyncio.start_server(self._connected, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self._target)
+        self._writers += [writer, upstream_writer]
+        for source, sink in ((reader, upstream_writer), (upstream_reader, writer)):
+            task = asyncio.create_task(self._pump(source, sink))
+            self._pumps.add(task)
+            task.add_done_callback(self._pumps.discard)
+
+    @staticmethod
+    async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        while data := await source.read(65536):
+            sink.write(data)
+            await sink.drain()
+        sink.close()
+
+    def freeze(self) -> None:
+        """Stop carrying the data of every connection open now."""
+        for task in list(self._pumps):
+            task.cancel()
+
+    async def close(self) -> None:
+        """Stop listening and close every connection."""
+        self.freeze()
+        for writer in self._writers:
+            writer.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
