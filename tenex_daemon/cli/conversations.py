@@ -63,6 +63,10 @@ def _author(pubkey: str, names: dict[str, str]) -> str:
     return names.get(pubkey) or nip19.encode_npub(pubkey)[:16] + "…"
 
 
+SHOWN_ID_DIGITS = 12
+"""How much of each id a listing shows: a short id every command takes (``--json`` has the whole id)."""
+
+
 def _conversation_table(rows: list[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for column in ("id", "title", "phase", "events", "agents", "updated (UTC)", "status"):
@@ -70,7 +74,7 @@ def _conversation_table(rows: list[dict[str, Any]], title: str) -> Table:
     for row in rows:
         status = "ended" if row.get("ended_at") is not None else "active"
         table.add_row(
-            str(row["id"]), str(row["title"]), str(row["phase"]), str(row["event_count"]),
+            str(row["id"])[:SHOWN_ID_DIGITS], str(row["title"]), str(row["phase"]), str(row["event_count"]),
             str(row["agent_count"]), ms_time(row.get("updated_at")),
             f"{status}, archived" if row.get("archived") else status,
         )

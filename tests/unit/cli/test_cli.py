@@ -157,9 +157,13 @@ def test_unknown_and_malformed_ids_exit_1_and_2(home: Path) -> None:
 def test_a_conversation_is_named_by_the_first_hex_digits_of_its_id(home: Path) -> None:
     """The commands taking a conversation id take its first 4 or more hex digits (any case) when no other
     id starts with them: show, context, export, archive, restore, end and stop act on it and print the whole
-    id, and send's --reply-to names the conversation's root by them."""
+    id, and send's --reply-to names the conversation's root by them. Listings show the first 12."""
     picnic = seed_conversation(home, "Picnic plans", "Plan a picnic", "Saturday works")
     short = picnic[:6]
+    listed = tenexd(home, "conversations", "list")[1]
+    assert picnic[:12] in listed
+    assert picnic[:13] not in listed
+    assert tenexd_json(home, "conversations", "show", picnic[:12])["id"] == picnic
 
     assert tenexd_json(home, "conversations", "show", short.upper())["id"] == picnic
     assert tenexd_json(home, "context", short, "--agent", "planner")["conversation_id"] == picnic
