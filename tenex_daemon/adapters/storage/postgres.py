@@ -112,11 +112,11 @@ _TRY_KEPT_LEASE_SQL = (
     "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS started"
 )
 """Take a lock to keep, and say which session holds it (its process and start: a pid can be reused)."""
-_KEPT_NAME_SQL = (
-    "SELECT pg_advisory_lock(hashtextextended($1, 0)), pg_backend_pid() AS pid, "
+_SESSION_SQL = (
+    "SELECT pg_backend_pid() AS pid, "
     "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS started"
 )
-"""Take a lock to keep, waiting for it, and say which session holds it."""
+"""Which session a connection is (its process and start: a pid can be reused)."""
 _END_SESSION_SQL = (
     "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2"
 )
@@ -141,14 +141,27 @@ def listener_name(channel: str) -> str:
 
 async def _unlock(conn: Any, name: str) -> None:
     """Release ``name``'s advisory lock on ``conn``; a broken connection already dropped it, and one that
-    does not answer within ``_CHECK_TIMEOUT_S`` is closed (its session ends, and the lock with it)."""
+    does not answer within ``_CHECK_TIMEOUT_S`` is cut from this side (a server still holding its session
+    keeps the lock until it notices the connection gone: TCP keepalive)."""
     try:
         await conn.execute(_UNLEASE_SQL, name, timeout=_CHECK_TIMEOUT_S)
     except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError):
+        # broken, or busy with a statement a cancellation cut short: never given back to the pool so
         log.info("postgres_unlock_skipped", name=name, reason="connection_broken")
+        _terminate(conn)
     except TimeoutError:
         log.warning("postgres_unlock_skipped", name=name, reason="connection_silent")
         _terminate(conn)
+
+
+async def _end_session(conn: Any, session: tuple[int, Any]) -> None:
+    """End one of this daemon's sessions whose connection failed, and wait (up to 5 s) for it to exit.
+    A server that refuses (before PostgreSQL 14, or without the privilege) leaves it to end by itself:
+    a lock it holds is then waited for, never taken from it."""
+    try:
+        await conn.fetch(_END_SESSION_SQL, *session, timeout=2 * _CHECK_TIMEOUT_S)
+    except asyncpg.PostgresError as error:  # a refusal; a broken connection fails the next statement too
+        log.warning("postgres_session_not_ended", pid=session[0], error=repr(error))
 
 
 @dataclass
@@ -175,6 +188,38 @@ async def _kept(
         yield
     finally:
         await _cancelled(keeper)
+
+
+async def _hold_name(conn: Any, name: str, first: asyncio.Future[None], stale: list[tuple[int, Any]]) -> None:
+    """Lock ``name`` on ``conn`` and check the connection every ``_NAME_CHECK_S`` until a check fails
+    (raised) or the keeper is cancelled. Every statement has a timeout, and a connection that failed
+    or was cancelled is cut, never given back to the pool mid-statement."""
+    try:
+        row: Any = await conn.fetchrow(_SESSION_SQL, timeout=_CHECK_TIMEOUT_S)
+        while stale:
+            await _end_session(conn, stale[0])
+            stale.pop(0)
+        stale.append((int(row["pid"]), row["started"]))  # a wait cut short may be granted later
+        await conn.execute(_LEASE_SQL, name, timeout=2 * _CHECK_TIMEOUT_S)
+        if not first.done():
+            first.set_result(None)
+        else:
+            log.warning("postgres_name_taken_again", name=name)
+        while True:  # a broken connection fails the next round trip, a silent one times out
+            await asyncio.sleep(_NAME_CHECK_S)
+            await conn.fetchval("SELECT 1", timeout=_CHECK_TIMEOUT_S)
+    except BaseException:
+        _terminate(conn)  # its session ends with it (the name too), or is ended before the next try
+        raise
+
+
+async def _close_pool(pool: Any) -> None:
+    """Close a pool within ``_CHECK_TIMEOUT_S``; past it every connection of the pool is cut."""
+    try:
+        await asyncio.wait_for(pool.close(), _CHECK_TIMEOUT_S)
+    except TimeoutError:
+        log.warning("postgres_pool_cut", reason="its connections did not answer the close")
+        pool.terminate()
 
 
 def _terminate(conn: Any) -> None:
@@ -263,17 +308,11 @@ class PostgresStore:
         return applied
 
     async def close(self) -> None:
-        """Close the pools, each within ``_CHECK_TIMEOUT_S``: one whose connections do not answer by then
-        (a network gone silent) has them cut, so a shutdown never waits on the network. Safe to call
-        twice."""
-        for pool in (self._pool, self._lease_pool, self._name_pool):
-            if pool is not None:
-                try:
-                    await asyncio.wait_for(pool.close(), _CHECK_TIMEOUT_S)
-                except TimeoutError:
-                    log.warning("postgres_pool_cut", reason="its connections did not answer the close")
-                    pool.terminate()
+        """Close the pools at once, within ``_CHECK_TIMEOUT_S``: one whose connections do not answer by then
+        (a network gone silent) has them all cut. Safe to call twice."""
+        pools = [pool for pool in (self._pool, self._lease_pool, self._name_pool) if pool is not None]
         self._pool = self._lease_pool = self._name_pool = None
+        await asyncio.gather(*(_close_pool(pool) for pool in pools))
 
     async def create(self, conversation: Conversation) -> None:
         """Insert the conversation row and its history in one transaction."""
@@ -510,33 +549,17 @@ class PostgresStore:
 
     async def _keep_name(self, name: str, first: asyncio.Future[None]) -> None:
         """Hold ``name``'s lock until cancelled. Once its connection is broken (or silent for
-        ``_CHECK_TIMEOUT_S``), end the session that held it and take the name again (every
-        ``_NAME_RETRY_S`` while the database is unreachable); the name waits for a silent session that
-        cannot be ended yet, so it is never free while this daemon lives."""
+        ``_CHECK_TIMEOUT_S``), take the name again (every ``_NAME_RETRY_S`` while the database is
+        unreachable), first ending the session that held it or waited for it: the name waits for a silent
+        session that cannot be ended yet, and is free only for a moment once the database answers."""
         assert self._name_pool is not None
-        held: tuple[int, Any] | None = None
-        """The session that held the name before its connection failed: ended before it is taken again."""
+        stale: list[tuple[int, Any]] = []
+        """This keeper's sessions whose connection failed after asking for the name: each is ended before
+        the name is asked for again, so none holds it unseen."""
         while True:
             try:
                 async with self._name_pool.acquire() as conn:
-                    if held is not None:
-                        await conn.fetch(_END_SESSION_SQL, *held, timeout=2 * _CHECK_TIMEOUT_S)
-                    row: Any = await conn.fetchrow(_KEPT_NAME_SQL, name)
-                    held = (int(row["pid"]), row["started"])
-                    if not first.done():
-                        first.set_result(None)
-                    else:
-                        log.warning("postgres_name_taken_again", name=name)
-                    try:
-                        while True:  # a broken connection fails the next round trip, a silent one times out
-                            await asyncio.sleep(_NAME_CHECK_S)
-                            await conn.fetchval("SELECT 1", timeout=_CHECK_TIMEOUT_S)
-                    except asyncio.CancelledError:
-                        await _unlock(conn, name)
-                        raise
-                    except Exception:
-                        _terminate(conn)  # never unlocked on a connection that may hang: its session is ended
-                        raise
+                    await _hold_name(conn, name, first, stale)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the connection or the server went away: take the name again
@@ -614,7 +637,7 @@ class PostgresStore:
             conn: Any = None
             try:
                 conn = await asyncpg.connect(self.dsn)
-                await conn.fetch(_END_SESSION_SQL, *kept.session, timeout=2 * _CHECK_TIMEOUT_S)
+                await _end_session(conn, kept.session)
                 row: Any = await conn.fetchrow(_TRY_KEPT_LEASE_SQL, name, timeout=_CHECK_TIMEOUT_S)
                 taken = bool(row["taken"])
             except asyncio.CancelledError:

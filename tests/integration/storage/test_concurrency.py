@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -407,8 +408,9 @@ async def test_a_daemons_name_is_kept_through_a_broken_and_a_silent_connection(
     """A daemon's name (``alive``) is taken again after the server ends the session holding it, and after
     that session's connection goes silent (a network that stops carrying it): the check times out, the
     silent session is ended and a new one holds the name, which another client never finds free
-    meanwhile but for a moment (a peer believes a name dead only once it stayed free for seconds). Closing
-    the store then takes seconds, not forever, though its connections are silent."""
+    meanwhile but for a moment (a peer believes a name dead only once it stayed free for seconds). Once
+    every connection is silent again, the daemon still lets go of its name and closes its store in seconds,
+    not forever."""
     dsn = await postgres_server.create_database()
     proxy = FreezingProxy(postgres_server.port)
     await proxy.start()
@@ -418,6 +420,7 @@ async def test_a_daemons_name_is_kept_through_a_broken_and_a_silent_connection(
     await theirs.open()
     found_free: list[float] = []
     watching = True
+    watcher: asyncio.Task[None] | None = None
 
     async def watch() -> None:  # another daemon asking, all along, whether the name is free
         while watching:
@@ -443,10 +446,14 @@ async def test_a_daemons_name_is_kept_through_a_broken_and_a_silent_connection(
             watching = False
             await watcher
             third = await lock_holders(theirs)
-        started = asyncio.get_running_loop().time()
+            proxy.freeze()  # silent again, and the daemon shuts down meanwhile
+            started = asyncio.get_running_loop().time()
         await asyncio.wait_for(mine.close(), 30)
         closing_took = asyncio.get_running_loop().time() - started
     finally:
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
         await proxy.close()
         await mine.close()
         await theirs.close()
@@ -477,8 +484,13 @@ class FreezingProxy:
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self._target)
-        self._writers += [writer, upstream_writer]
+        self._writers.append(writer)
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self._target)
+        except OSError:
+            writer.close()
+            return
+        self._writers.append(upstream_writer)
         for source, sink in ((reader, upstream_writer), (upstream_reader, writer)):
             task = asyncio.create_task(self._pump(source, sink))
             self._pumps.add(task)
@@ -486,9 +498,10 @@ class FreezingProxy:
 
     @staticmethod
     async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        while data := await source.read(65536):
-            sink.write(data)
-            await sink.drain()
+        with contextlib.suppress(OSError):  # a side that cut its connection (a reset)
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
         sink.close()
 
     def freeze(self) -> None:
@@ -498,7 +511,9 @@ class FreezingProxy:
 
     async def close(self) -> None:
         """Stop listening and close every connection."""
+        pumps = list(self._pumps)
         self.freeze()
+        await asyncio.gather(*pumps, return_exceptions=True)
         for writer in self._writers:
             writer.close()
         if self._server is not None:
