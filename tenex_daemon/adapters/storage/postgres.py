@@ -128,6 +128,13 @@ _NAME_RETRY_S = 0.5
 _CHECK_TIMEOUT_S = 5.0
 """A connection kept for listening, for a daemon's name or for a run's lease that does not answer a check
 within this long is replaced."""
+KEEPALIVE: dict[str, str] = {
+    "tcp_keepalives_idle": "10", "tcp_keepalives_interval": "5", "tcp_keepalives_count": "3"
+}
+"""The server's TCP keepalive on every connection tenexd opens: a daemon whose machine died without
+closing its connections (power lost, network cut) has its sessions ended by the server within about
+25 s, and its locks (its name, its run and conversation leases) freed with them, where the server's
+default (the kernel's) waits over two hours. Unix-socket connections have none."""
 LISTENER_PREFIX = "tenexd listen "
 """How the ``application_name`` of a connection that listens for the other daemons' messages starts
 (the channel follows, :func:`listener_name`)."""
@@ -278,11 +285,17 @@ class PostgresStore:
         """Connect and apply pending migrations."""
         if self._pool is not None:
             return
-        self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.pool_size)
-        self._lease_pool = await asyncpg.create_pool(self.dsn, min_size=0, max_size=self.lease_pool_size)
-        self._name_pool = await asyncpg.create_pool(self.dsn, min_size=0, max_size=self.name_pool_size)
+        self._pool = await self._new_pool(1, self.pool_size)
+        self._lease_pool = await self._new_pool(0, self.lease_pool_size)
+        self._name_pool = await self._new_pool(0, self.name_pool_size)
         applied = await self.migrate()
         log.info("postgres_store_opened", migrations_applied=applied)
+
+    async def _new_pool(self, min_size: int, max_size: int) -> Any:
+        """A pool of connections with the server's keepalive (:data:`KEEPALIVE`)."""
+        return await asyncpg.create_pool(
+            self.dsn, min_size=min_size, max_size=max_size, server_settings=KEEPALIVE
+        )
 
     async def migrate(self) -> list[int]:
         """Apply every migration not yet in ``schema_migrations``; return the versions applied."""
@@ -636,7 +649,7 @@ class PostgresStore:
         while True:
             conn: Any = None
             try:
-                conn = await asyncpg.connect(self.dsn)
+                conn = await asyncpg.connect(self.dsn, server_settings=KEEPALIVE)
                 await _end_session(conn, kept.session)
                 row: Any = await conn.fetchrow(_TRY_KEPT_LEASE_SQL, name, timeout=_CHECK_TIMEOUT_S)
                 taken = bool(row["taken"])
@@ -700,7 +713,8 @@ class PostgresStore:
             conn: Any = None
             try:
                 name = listener_name(channel)
-                conn = await asyncpg.connect(self.dsn, server_settings={"application_name": name})
+                settings = {**KEEPALIVE, "application_name": name}
+                conn = await asyncpg.connect(self.dsn, server_settings=settings)
                 await conn.add_listener(channel, deliver)
                 if not first.done():
                     first.set_result(None)
