@@ -14,15 +14,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import asyncpg
 import structlog
 
+from tenex_daemon.adapters.storage.postgres_sessions import (
+    CHECK_TIMEOUT_S,
+    KEEPALIVE,
+    LEASE_SQL,
+    NAME_CHECK_S,
+    NAME_RETRY_S,
+    TRY_KEPT_LEASE_SQL,
+    TRY_LEASE_SQL,
+    KeptLock,
+    cancelled,
+    close_pool,
+    end_session,
+    hold_name,
+    keeping,
+    listener_name,
+    terminate,
+    unlock,
+)
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.erasure import owned_value_prefixes
 from tenex_daemon.core.errors import (
@@ -104,148 +121,6 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
 """(version, description, SQL) in order; a released migration is never edited, only added to."""
 
 _MIGRATION_LOCK = 0x7465_6E65_7864  # "tenexd": serializes migrations across daemons
-_LEASE_SQL = "SELECT pg_advisory_lock(hashtextextended($1, 0))"
-_TRY_LEASE_SQL = "SELECT pg_try_advisory_lock(hashtextextended($1, 0))"
-_UNLEASE_SQL = "SELECT pg_advisory_unlock(hashtextextended($1, 0))"
-_TRY_KEPT_LEASE_SQL = (
-    "SELECT pg_try_advisory_lock(hashtextextended($1, 0)) AS taken, pg_backend_pid() AS pid, "
-    "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS started"
-)
-"""Take a lock to keep, and say which session holds it (its process and start: a pid can be reused)."""
-_SESSION_SQL = (
-    "SELECT pg_backend_pid() AS pid, "
-    "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS started"
-)
-"""Which session a connection is (its process and start: a pid can be reused)."""
-_END_SESSION_SQL = (
-    "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2"
-)
-"""End a session and wait (up to 5 s) until it has exited, its locks released (PostgreSQL 14 and later)."""
-_NAME_CHECK_S = 1.0
-"""How often the connection holding a daemon's name is checked (a broken one is replaced)."""
-_NAME_RETRY_S = 0.5
-"""How soon a daemon tries to take its name again after its connection broke."""
-_CHECK_TIMEOUT_S = 5.0
-"""A connection kept for listening, for a daemon's name or for a run's lease that does not answer a check
-within this long is replaced."""
-KEEPALIVE: dict[str, str] = {
-    "tcp_keepalives_idle": "10", "tcp_keepalives_interval": "5", "tcp_keepalives_count": "3"
-}
-"""The server's TCP keepalive on every connection tenexd opens: a daemon whose machine died without
-closing its connections (power lost, network cut) has its sessions ended by the server within about
-25 s, and its locks (its name, its run and conversation leases) freed with them, where the server's
-default (the kernel's) waits over two hours. Unix-socket connections have none."""
-LISTENER_PREFIX = "tenexd listen "
-"""How the ``application_name`` of a connection that listens for the other daemons' messages starts
-(the channel follows, :func:`listener_name`)."""
-
-
-def listener_name(channel: str) -> str:
-    """The ``application_name`` of a connection listening on ``channel`` (what ``pg_stat_activity`` shows,
-    and how :meth:`PostgresStore.hearers` counts them)."""
-    return f"{LISTENER_PREFIX}{channel}"
-
-
-async def _unlock(conn: Any, name: str) -> None:
-    """Release ``name``'s advisory lock on ``conn``; a broken connection already dropped it, and one that
-    does not answer within ``_CHECK_TIMEOUT_S`` is cut from this side (a server still holding its session
-    keeps the lock until it notices the connection gone: TCP keepalive)."""
-    try:
-        await conn.execute(_UNLEASE_SQL, name, timeout=_CHECK_TIMEOUT_S)
-    except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError):
-        # broken, or busy with a statement a cancellation cut short: never given back to the pool so
-        log.info("postgres_unlock_skipped", name=name, reason="connection_broken")
-        _terminate(conn)
-    except TimeoutError:
-        log.warning("postgres_unlock_skipped", name=name, reason="connection_silent")
-        _terminate(conn)
-
-
-async def _end_session(conn: Any, session: tuple[int, Any]) -> None:
-    """End one of this daemon's sessions whose connection failed, and wait (up to 5 s) for it to exit.
-    A server that refuses (before PostgreSQL 14, or without the privilege) leaves it to end by itself:
-    a lock it holds is then waited for, never taken from it."""
-    try:
-        await conn.fetch(_END_SESSION_SQL, *session, timeout=2 * _CHECK_TIMEOUT_S)
-    except asyncpg.PostgresError as error:  # a refusal; a broken connection fails the next statement too
-        log.warning("postgres_session_not_ended", pid=session[0], error=repr(error))
-
-
-@dataclass
-class _KeptLock:
-    """Where a kept lock is held now: the pool's connection it was taken on, or one of its own after
-    a break (``own``, terminated at the end); ``conn`` None once lost. ``session``: the server process
-    of the session holding it and when that started."""
-
-    conn: Any
-    session: tuple[int, Any]
-    own: Any = None
-
-
-@asynccontextmanager
-async def _kept(
-    keep: Callable[[asyncio.Future[None]], Coroutine[Any, Any, None]], name: str
-) -> AsyncIterator[None]:
-    """Run ``keep`` (it keeps a connection's lock or listening until cancelled) as a task for the whole
-    block, entered once ``keep`` sets the future it is given (its exception: the first try failed)."""
-    first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    keeper = asyncio.create_task(keep(first), name=name)
-    try:
-        await asyncio.shield(first)
-        yield
-    finally:
-        await _cancelled(keeper)
-
-
-async def _hold_name(conn: Any, name: str, first: asyncio.Future[None], stale: list[tuple[int, Any]]) -> None:
-    """Lock ``name`` on ``conn`` and check the connection every ``_NAME_CHECK_S`` until a check fails
-    (raised) or the keeper is cancelled. Every statement has a timeout, and a connection that failed
-    or was cancelled is cut, never given back to the pool mid-statement."""
-    try:
-        row: Any = await conn.fetchrow(_SESSION_SQL, timeout=_CHECK_TIMEOUT_S)
-        while stale:
-            await _end_session(conn, stale[0])
-            stale.pop(0)
-        stale.append((int(row["pid"]), row["started"]))  # a wait cut short may be granted later
-        await conn.execute(_LEASE_SQL, name, timeout=2 * _CHECK_TIMEOUT_S)
-        if not first.done():
-            first.set_result(None)
-        else:
-            log.warning("postgres_name_taken_again", name=name)
-        while True:  # a broken connection fails the next round trip, a silent one times out
-            await asyncio.sleep(_NAME_CHECK_S)
-            await conn.fetchval("SELECT 1", timeout=_CHECK_TIMEOUT_S)
-    except BaseException:
-        _terminate(conn)  # its session ends with it (the name too), or is ended before the next try
-        raise
-
-
-async def _close_pool(pool: Any) -> None:
-    """Close a pool within ``_CHECK_TIMEOUT_S``; past it every connection of the pool is cut."""
-    try:
-        await asyncio.wait_for(pool.close(), _CHECK_TIMEOUT_S)
-    except TimeoutError:
-        log.warning("postgres_pool_cut", reason="its connections did not answer the close")
-        pool.terminate()
-
-
-def _terminate(conn: Any) -> None:
-    """Close a connection at once, from this side; one the pool already took back (its server session
-    ended) is left to the pool."""
-    try:
-        conn.terminate()
-    except asyncpg.InterfaceError:
-        log.debug("postgres_connection_already_released")
-
-
-async def _cancelled(task: asyncio.Task[None]) -> None:
-    """Cancel ``task`` and wait until it has ended (a cancellation of the caller meanwhile still raises)."""
-    task.cancel()
-    await asyncio.wait([task])
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("postgres_keeper_failed", task=task.get_name(), error=repr(task.exception()))
-
-
 def _event_json(event: NostrEvent) -> str:
     return event.model_dump_json()
 
@@ -321,11 +196,11 @@ class PostgresStore:
         return applied
 
     async def close(self) -> None:
-        """Close the pools at once, within ``_CHECK_TIMEOUT_S``: one whose connections do not answer by then
+        """Close the pools at once, within ``CHECK_TIMEOUT_S``: one whose connections do not answer by then
         (a network gone silent) has them all cut. Safe to call twice."""
         pools = [pool for pool in (self._pool, self._lease_pool, self._name_pool) if pool is not None]
         self._pool = self._lease_pool = self._name_pool = None
-        await asyncio.gather(*(_close_pool(pool) for pool in pools))
+        await asyncio.gather(*(close_pool(pool) for pool in pools))
 
     async def create(self, conversation: Conversation) -> None:
         """Insert the conversation row and its history in one transaction."""
@@ -544,11 +419,11 @@ class PostgresStore:
         if self._lease_pool is None:
             raise RuntimeError("PostgresStore is not open; call open() first")
         async with self._lease_pool.acquire() as conn:
-            await conn.execute(_LEASE_SQL, conversation_id)
+            await conn.execute(LEASE_SQL, conversation_id)
             try:
                 yield
             finally:
-                await _unlock(conn, conversation_id)
+                await unlock(conn, conversation_id)
 
     @asynccontextmanager
     async def alive(self, name: str) -> AsyncIterator[None]:
@@ -557,12 +432,12 @@ class PostgresStore:
         connection; a peer believes a free name only after a grace time, see the daemon's takeover)."""
         if self._name_pool is None:
             raise RuntimeError("PostgresStore is not open; call open() first")
-        async with _kept(lambda first: self._keep_name(name, first), f"postgres name {name}"):
+        async with keeping(lambda first: self._keep_name(name, first), f"postgres name {name}"):
             yield
 
     async def _keep_name(self, name: str, first: asyncio.Future[None]) -> None:
         """Hold ``name``'s lock until cancelled. Once its connection is broken (or silent for
-        ``_CHECK_TIMEOUT_S``), take the name again (every ``_NAME_RETRY_S`` while the database is
+        ``CHECK_TIMEOUT_S``), take the name again (every ``NAME_RETRY_S`` while the database is
         unreachable), first ending the session that held it or waited for it: the name waits for a silent
         session that cannot be ended yet, and is free only for a moment once the database answers."""
         assert self._name_pool is not None
@@ -572,7 +447,7 @@ class PostgresStore:
         while True:
             try:
                 async with self._name_pool.acquire() as conn:
-                    await _hold_name(conn, name, first, stale)
+                    await hold_name(conn, name, first, stale)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the connection or the server went away: take the name again
@@ -580,7 +455,7 @@ class PostgresStore:
                     first.set_exception(error)
                     return
                 log.warning("postgres_name_lost", name=name, error=repr(error))
-            await asyncio.sleep(_NAME_RETRY_S)
+            await asyncio.sleep(NAME_RETRY_S)
 
     @asynccontextmanager
     async def try_take(self, name: str, on_lost: Callable[[], None] | None = None) -> AsyncIterator[bool]:
@@ -594,54 +469,54 @@ class PostgresStore:
             raise RuntimeError("PostgresStore is not open; call open() first")
         async with self._name_pool.acquire() as conn:
             if on_lost is None:
-                taken, session = bool(await conn.fetchval(_TRY_LEASE_SQL, name)), None
+                taken, session = bool(await conn.fetchval(TRY_LEASE_SQL, name)), None
             else:
-                row: Any = await conn.fetchrow(_TRY_KEPT_LEASE_SQL, name)
+                row: Any = await conn.fetchrow(TRY_KEPT_LEASE_SQL, name)
                 taken, session = bool(row["taken"]), (int(row["pid"]), row["started"])
             if not taken or session is None or on_lost is None:
                 try:
                     yield taken
                 finally:
                     if taken:
-                        await _unlock(conn, name)
+                        await unlock(conn, name)
                 return
-            kept = _KeptLock(conn, session)
+            kept = KeptLock(conn, session)
             keeper = asyncio.create_task(self._keep_taken(name, kept, on_lost), name=f"postgres lock {name}")
             try:
                 yield True
             finally:
                 try:
-                    await _cancelled(keeper)
+                    await cancelled(keeper)
                 finally:
                     if kept.own is not None:
                         kept.own.terminate()  # its session ends, and the lock with it
                     elif kept.conn is not None:
-                        await _unlock(kept.conn, name)
+                        await unlock(kept.conn, name)
 
-    async def _keep_taken(self, name: str, kept: _KeptLock, on_lost: Callable[[], None]) -> None:
-        """Check the connection holding ``name``'s lock every ``_NAME_CHECK_S``; once it is broken (or
-        silent for ``_CHECK_TIMEOUT_S``), take the lock again on a connection of its own, or call
+    async def _keep_taken(self, name: str, kept: KeptLock, on_lost: Callable[[], None]) -> None:
+        """Check the connection holding ``name``'s lock every ``NAME_CHECK_S``; once it is broken (or
+        silent for ``CHECK_TIMEOUT_S``), take the lock again on a connection of its own, or call
         ``on_lost`` when another session holds it now."""
         assert kept.conn is not None
         while True:
-            await asyncio.sleep(_NAME_CHECK_S)
+            await asyncio.sleep(NAME_CHECK_S)
             try:
-                await kept.conn.fetchval("SELECT 1", timeout=_CHECK_TIMEOUT_S)
+                await kept.conn.fetchval("SELECT 1", timeout=CHECK_TIMEOUT_S)
                 continue
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the lock went with its connection (or will, once it is ended)
                 log.warning("postgres_lock_connection_lost", name=name, error=repr(error))
-            _terminate(kept.conn)
+            terminate(kept.conn)
             if not await self._take_again(name, kept):
                 log.error("postgres_lock_lost", name=name, reason="taken by another")
                 on_lost()
                 return
             log.warning("postgres_lock_taken_again", name=name)
 
-    async def _take_again(self, name: str, kept: _KeptLock) -> bool:
+    async def _take_again(self, name: str, kept: KeptLock) -> bool:
         """Take ``name``'s lock on a new connection of its own once the database answers (trying every
-        ``_NAME_RETRY_S`` until then); return whether it was free (the connection then holds it).
+        ``NAME_RETRY_S`` until then); return whether it was free (the connection then holds it).
 
         The session that held it is ended first and waited for, so a lock it still holds (a silent
         connection, a backend still exiting) is never taken for another daemon's.
@@ -650,8 +525,8 @@ class PostgresStore:
             conn: Any = None
             try:
                 conn = await asyncpg.connect(self.dsn, server_settings=KEEPALIVE)
-                await _end_session(conn, kept.session)
-                row: Any = await conn.fetchrow(_TRY_KEPT_LEASE_SQL, name, timeout=_CHECK_TIMEOUT_S)
+                await end_session(conn, kept.session)
+                row: Any = await conn.fetchrow(TRY_KEPT_LEASE_SQL, name, timeout=CHECK_TIMEOUT_S)
                 taken = bool(row["taken"])
             except asyncio.CancelledError:
                 if conn is not None:
@@ -661,7 +536,7 @@ class PostgresStore:
                 if conn is not None:
                     conn.terminate()
                 log.info("postgres_lock_retake_waits", name=name, error=repr(error))
-                await asyncio.sleep(_NAME_RETRY_S)
+                await asyncio.sleep(NAME_RETRY_S)
                 continue
             if not taken:
                 conn.terminate()
@@ -694,14 +569,14 @@ class PostgresStore:
         back) for the whole block, listening again on a new one whenever it breaks (messages told in
         between are not heard). Raises if the first connection cannot be made."""
         keep = partial(self._keep_listening, channel, on_message)
-        async with _kept(keep, f"postgres listen {channel}"):
+        async with keeping(keep, f"postgres listen {channel}"):
             yield
 
     async def _keep_listening(
         self, channel: str, on_message: Callable[[str], None], first: asyncio.Future[None]
     ) -> None:
         """Listen until cancelled; after a broken connection, connect and listen again (every
-        ``_NAME_RETRY_S`` while the database is unreachable)."""
+        ``NAME_RETRY_S`` while the database is unreachable)."""
 
         def deliver(_conn: Any, _pid: int, _channel: str, payload: str) -> None:
             try:
@@ -721,8 +596,8 @@ class PostgresStore:
                 else:
                     log.warning("postgres_listening_again", channel=channel)
                 while True:  # a broken connection shows on the next round trip (a silent one: its timeout)
-                    await asyncio.sleep(_NAME_CHECK_S)
-                    await conn.fetchval("SELECT 1", timeout=_CHECK_TIMEOUT_S)
+                    await asyncio.sleep(NAME_CHECK_S)
+                    await conn.fetchval("SELECT 1", timeout=CHECK_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the connection or the server went away: listen again
@@ -733,7 +608,7 @@ class PostgresStore:
             finally:
                 if conn is not None:
                     conn.terminate()  # at once: a broken connection would make a polite close wait
-            await asyncio.sleep(_NAME_RETRY_S)
+            await asyncio.sleep(NAME_RETRY_S)
 
     async def keys_with_prefix(self, prefix: str) -> list[str]:
         """The meta keys starting with ``prefix``."""

@@ -13,7 +13,8 @@ import asyncpg
 import pytest
 
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore, FsyncPolicy
-from tenex_daemon.adapters.storage.postgres import PostgresStore, listener_name
+from tenex_daemon.adapters.storage.postgres import PostgresStore
+from tenex_daemon.adapters.storage.postgres_sessions import listener_name
 from tenex_daemon.core.ports import Store
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tests.conftest import Cast
