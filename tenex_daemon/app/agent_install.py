@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import structlog
+from pydantic import ValidationError
 
 from tenex_daemon.adapters.nostr.agent_definition import (
     AgentDefinition,
@@ -24,7 +25,7 @@ from tenex_daemon.adapters.nostr.agent_definition import (
 )
 from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, RelayPool
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
-from tenex_daemon.app.home import HomeError, KeyInfo, add_agent
+from tenex_daemon.app.home import HomeError, KeyInfo, add_agent, invalid_agent
 from tenex_daemon.app.settings import AgentSettings, Settings
 from tenex_daemon.core import nip19
 
@@ -73,8 +74,8 @@ def check_new_slug(settings: Settings, slug: str) -> None:
     """Raise :class:`HomeError` when ``slug`` is invalid or taken (configured, or its key file exists)."""
     try:
         AgentSettings(slug=slug, name=slug)
-    except ValueError as exc:
-        raise HomeError(f"invalid agent: {exc}") from None
+    except ValidationError as exc:
+        raise invalid_agent(exc) from None
     if any(a.slug == slug for a in settings.agents):
         raise HomeError(f"agent {slug!r} already exists in {settings.config_path}")
     if settings.agent_key_path(slug).exists():

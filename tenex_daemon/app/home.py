@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+from pydantic import ValidationError
 
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer, write_key_file
@@ -298,6 +299,21 @@ def init_home(
     )
 
 
+def invalid_agent(error: ValidationError) -> HomeError:
+    """The refusal of an agent's settings, naming each bad field in words (the slug's rule spelled out)."""
+    problems = []
+    for found in error.errors():
+        field_name = ".".join(str(part) for part in found["loc"])
+        if field_name == "slug" and found["type"] == "string_pattern_mismatch":
+            problems.append(
+                f"slug {found['input']!r} must be 1 to 64 lowercase letters, digits, '-' or '_', "
+                "starting with a letter or a digit"
+            )
+        else:
+            problems.append(f"{field_name}: {found['msg']}")
+    return HomeError("invalid agent: " + "; ".join(problems))
+
+
 def add_agent(
     settings: Settings,
     slug: str,
@@ -319,8 +335,8 @@ def add_agent(
             slug=slug, name=name, instructions=instructions, orchestrator=orchestrator,
             role=role, source=source,
         )
-    except ValueError as exc:
-        raise HomeError(f"invalid agent: {exc}") from None
+    except ValidationError as exc:
+        raise invalid_agent(exc) from None
     if any(a.slug == slug for a in settings.agents):
         raise HomeError(f"agent {slug!r} already exists in {settings.config_path}")
     if orchestrator and any(a.orchestrator for a in settings.agents):

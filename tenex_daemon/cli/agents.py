@@ -81,7 +81,7 @@ def agents_add(
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
-    """Add an agent: a new key file (0600) and an [[agents]] entry appended to config.toml.
+    """Add an agent: a new key file (0600) and an \\[\\[agents]] entry appended to config.toml.
 
     With --from, the kind-4199 definition is fetched, verified and installed (name, role,
     instructions), its reference recorded as the agent's source.

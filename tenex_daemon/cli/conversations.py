@@ -112,13 +112,14 @@ def _list_rows(ctx: typer.Context, query: dict[str, str]) -> list[dict[str, Any]
 def conversations_list(
     ctx: typer.Context,
     archived: Annotated[bool, typer.Option("--archived", help="Archived conversations only.")] = False,
-    all_: Annotated[bool, typer.Option("--all", help="Active and archived conversations.")] = False,
+    all_: Annotated[bool, typer.Option("--all", help="Archived conversations and the others.")] = False,
     phase: PhaseOption = None,
     limit: LimitOption = None,
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
-    """List conversations, newest update first (active ones unless --archived or --all)."""
+    """List conversations, newest update first: those not archived (ended ones too), unless --archived or
+    --all."""
     which: bool | None = None if all_ else archived
     rows = _list_rows(ctx, _search_query(None, phase, which, None, None, None, limit))
     if as_json:
@@ -133,10 +134,13 @@ def conversations_search(
     title: Annotated[str | None, typer.Argument(help="Words of the title (fuzzy, case-insensitive).")] = None,
     phase: PhaseOption = None,
     archived: Annotated[
-        bool | None, typer.Option("--archived/--active", help="Archived only / active only (default both).")
+        bool | None,
+        typer.Option("--archived/--active", help="Archived only / not archived only (default both)."),
     ] = None,
     date_from: Annotated[str | None, typer.Option("--from", help="Created at/after (ISO 8601).")] = None,
-    date_to: Annotated[str | None, typer.Option("--to", help="Created at/before (ISO 8601).")] = None,
+    date_to: Annotated[
+        str | None, typer.Option("--to", help="Created at/before (ISO 8601; a date alone: the whole day).")
+    ] = None,
     participant: Annotated[str | None, typer.Option(help="An author (npub or hex).")] = None,
     limit: LimitOption = None,
     as_json: JsonOption = False,
@@ -382,7 +386,8 @@ def context(
     conversation_id: IdArgument,
     agent: Annotated[str, typer.Option("--agent", help="Agent slug.")],
     trigger: Annotated[
-        str | None, typer.Option(help="Event the agent responds to (default: the newest event).")
+        str | None,
+        typer.Option(help="Event the agent responds to (default: the newest event it did not write)."),
     ] = None,
     as_json: JsonOption = False,
     home: HomeOption = None,

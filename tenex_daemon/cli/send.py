@@ -226,7 +226,8 @@ def _relays_to_use(settings: Settings, agents: Sequence[Agent], explicit: Sequen
 
 class _Answers:
     """The agents' answers as they come, and the wait for the one that ends it: with ``to``, that agent's;
-    else any agent's but the orchestrator's (it routes), unless it is the only agent."""
+    else, or when ``to`` is the orchestrator, any agent's but the orchestrator's (it routes, and answers
+    only when it is the only agent)."""
 
     def __init__(
         self,
@@ -251,7 +252,7 @@ class _Answers:
             self._done.set()
 
     def _ends_the_wait(self, agent: Agent) -> bool:
-        if self._to is not None:
+        if self._to is not None and not self._target.orchestrator:
             return agent.slug == self._target.slug
         return not (agent.orchestrator and self._others_exist)
 
@@ -296,12 +297,14 @@ async def send_message(
     title: str | None = None,
     find_event: Callable[[str], Awaitable[NostrEvent | None]] | None = None,
     on_reply: Callable[[Agent, NostrEvent], None] | None = None,
+    on_sent: Callable[[NostrEvent, Agent, list[str]], None] | None = None,
     pool_settings: PoolSettings | None = None,
 ) -> SendResult:
     """Publish ``text`` as the owner, then collect agents' replies until the addressed one answers.
 
-    Without ``to`` the orchestrator is addressed, and the first reply from an agent other
-    than the orchestrator (it routes) ends the wait; with ``to`` that agent's reply does.
+    Without ``to``, or with the orchestrator's, the orchestrator is addressed, and the first reply from
+    an agent other than the orchestrator (it routes) ends the wait; with another agent's, that agent's
+    reply does. ``on_sent`` is told (event, addressed agent, relays that took it) once it is published.
     ``find_event`` looks the parent of ``reply_to`` up locally when no relay has it. ``kind``
     picks what is sent (:func:`message_kind`); replies of kind 1111 and 1 are both collected: those
     naming the thread's root, or the event sent (a kind-1 answer's ``reply`` ``e`` tag).
@@ -345,6 +348,8 @@ async def send_message(
         except PublishError as exc:
             raise SendError(str(exc)) from None
         result = SendResult(event, root_id, target, list(published.accepted_by), answers.replies)
+        if on_sent is not None:
+            on_sent(event, target, result.relays)
         result.answered = await answers.wait(timeout)
         if event.kind == KIND_NOTE and answers.replies:
             # a top-level note may have joined an open channel conversation: its answers name the root
@@ -362,6 +367,7 @@ async def send_private_message(
     relays: Sequence[str] = (),
     timeout: float = 30.0,  # noqa: ASYNC109 - the whole wait for replies, not one call's timeout
     on_reply: Callable[[Agent, NostrEvent], None] | None = None,
+    on_sent: Callable[[NostrEvent, Agent, list[str]], None] | None = None,
     pool_settings: PoolSettings | None = None,
 ) -> SendResult:
     """Send ``text`` as the owner in a NIP-17 private message (docs/PROTOCOL.md, "Private conversations"),
@@ -404,5 +410,7 @@ async def send_private_message(
                 raise SendError(str(exc)) from None
             accepted = [url for url in published.accepted_by if url not in accepted] + accepted
         result = SendResult(rumor, rumor.id, target, sorted(accepted), answers.replies)
+        if on_sent is not None:
+            on_sent(rumor, target, result.relays)
         result.answered = await answers.wait(timeout)
         return result

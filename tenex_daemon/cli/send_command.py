@@ -118,6 +118,8 @@ def send(
     from tenex_daemon.cli.send import SendError, check_kind, send_message, send_private_message
 
     settings = settings_of(ctx)
+    if not text.strip():
+        fail("TEXT is empty: give the message to send", EXIT_USAGE)
     if private and (reply_to is not None or kind is not None or title is not None):
         fail("--private sends a new private message: it takes no --reply-to, --kind or --title", EXIT_USAGE)
     try:
@@ -137,11 +139,16 @@ def send(
         fail(str(exc), EXIT_USAGE)
     parent_id = _reply_to_argument(settings, reply_to) if reply_to is not None else None
 
+    def on_sent(event: NostrEvent, addressed: Agent, relays: list[str]) -> None:
+        if not as_json:  # at once: the answers may take a while
+            how = "privately " if private else ""
+            err.print(f"sent {how}{event.id} to {addressed.slug} via {', '.join(relays)}")
+
     async def go() -> SendResult:
         if private:
             sent = await send_private_message(
                 settings, owner, agents, text, to=to, relays=relay or (), timeout=timeout,
-                on_reply=_reply_printer(agents, as_json),
+                on_reply=_reply_printer(agents, as_json), on_sent=on_sent,
             )
             # a private message may join the owner's open private conversation with the agent: its id
             # is the conversation's first message, which no answer names; the home knows it
@@ -151,7 +158,7 @@ def send(
             return sent
         return await send_message(
             settings, owner, agents, text, to=to, reply_to=parent_id, kind=kind, relays=relay or (),
-            timeout=timeout, title=title, on_reply=_reply_printer(agents, as_json),
+            timeout=timeout, title=title, on_reply=_reply_printer(agents, as_json), on_sent=on_sent,
             find_event=_local_event_finder(settings),
         )
 
@@ -168,11 +175,8 @@ def send(
             "replies": len(result.replies),
         }, ensure_ascii=False) + "\n")
     else:
-        how = "privately " if private else ""
-        err.print(
-            f"sent {how}{result.event.id} (conversation {result.conversation_id}) to {result.addressed.slug} "
-            f"via {', '.join(result.relays)}"
-        )
+        err.print(f"conversation {result.conversation_id}")
         if not result.answered:
-            err.print(f"no reply from {result.addressed.slug if to else 'the agents'} within {timeout:g} s")
+            awaited = result.addressed.slug if to and not result.addressed.orchestrator else "the agents"
+            err.print(f"no reply from {awaited} within {timeout:g} s")
     raise typer.Exit(0 if result.answered else EXIT_FAILURE)

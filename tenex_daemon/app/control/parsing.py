@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 from tenex_daemon.app.control.errors import ApiError
@@ -20,6 +20,7 @@ SEARCH_PARAMETERS: Final = frozenset(
 )
 _HEX_ID = re.compile(r"[0-9a-f]{64}")
 _HEX_PREFIX = re.compile(r"[0-9a-f]{1,64}")
+_DATE_ONLY = re.compile(r"\d{4}-\d{2}-\d{2}")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -101,7 +102,10 @@ def parse_search(query: Mapping[str, str]) -> dict[str, Any]:
             raise ApiError(400, f"give {name} or {alias}, not both")
         spelled = alias if query.get(alias) else name
         if query.get(spelled):
-            args[name] = parse_datetime(spelled, query[spelled])
+            moment = parse_datetime(spelled, query[spelled])
+            if name == "date_to" and _DATE_ONLY.fullmatch(query[spelled].strip()):
+                moment += timedelta(days=1) - timedelta(milliseconds=1)  # a day given "to" is the whole day
+            args[name] = moment
     if query.get("participant"):
         args["participant"] = _parse_participant(query["participant"])
     if query.get("limit"):

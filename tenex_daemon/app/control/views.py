@@ -126,13 +126,14 @@ async def preview_context(
     personas: Mapping[str, PersonaSpec] | None = None,
     routing_prompt: str | None = None,
 ) -> dict[str, Any]:
-    """Build an agent's context without changing its state (the trigger defaults to the newest event).
+    """Build an agent's context without changing its state (the trigger defaults to the newest event the
+    agent did not write: its own never triggers it).
 
     Its persona is built as a run builds it (:func:`~tenex_daemon.services.persona.build_persona`)
     from ``personas[agent_slug]``; an agent not in ``personas`` gets a persona without instructions.
     The orchestrator's is its routing request (docs/CONTEXT.md, "The orchestrator's view"): the system
     prompt its model routes with (``routing_prompt``) and one ``user`` message holding the routing
-    context, by default for the newest event it did not write (routing never runs on its own); 409
+    context (routing never runs on its own either); 409
     when it routes by rules (no model is sent anything).
     Raises :class:`ConversationNotFoundError`, :class:`UnknownAgentError`, or :class:`ApiError`
     (404) for a trigger that is not in the conversation.
@@ -144,10 +145,10 @@ async def preview_context(
     if not conversation.history:
         raise ApiError(409, f"conversation {conversation_id} has no events")
     routes = manager.agents.orchestrator is agent
-    if trigger_id is None:  # the newest event; for the orchestrator, the newest it did not write
-        trigger = conversation.history[-1]
-        if routes:
-            trigger = next((e for e in reversed(conversation.history) if e.pubkey != agent.pubkey), trigger)
+    if trigger_id is None:  # the newest event the agent did not write (else the newest)
+        trigger = next(
+            (e for e in reversed(conversation.history) if e.pubkey != agent.pubkey), conversation.history[-1]
+        )
     else:
         index = conversation.index_of(trigger_id)
         if index is None:

@@ -7,6 +7,7 @@ import socket
 import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tenex_daemon import ConversationManager, NostrEvent
+from tenex_daemon.app.control.parsing import parse_search
 from tenex_daemon.app.control_api import ControlServer, ControlSocketInUseError, create_app, openapi_document
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.core.vocabulary import KIND_TASK
@@ -253,6 +255,24 @@ async def test_context_is_what_the_agent_would_get_and_changes_nothing(
     contents = [m["content"] for m in preview["messages"]]
     assert any("=== MESSAGES WHILE YOU WERE AWAY ===" in c for c in contents)
     assert "=== NEW INTERACTION ===" in contents
+
+
+def test_a_date_alone_given_to_date_to_is_the_whole_day() -> None:
+    """`date_to=2026-11-25` (or `to=`) keeps what was created that day too; a moment given is kept as is."""
+    end_of_day = datetime(2026, 11, 25, 23, 59, 59, 999_000, tzinfo=UTC)
+    assert parse_search({"to": "2026-11-25"})["date_to"] == end_of_day
+    assert parse_search({"date_to": " 2026-11-25 "})["date_to"] == end_of_day
+    assert parse_search({"date_to": "2026-11-25T10:00:00Z"})["date_to"] == datetime(2026, 11, 25, 10, tzinfo=UTC)
+    assert parse_search({"date_from": "2026-11-25"})["date_from"] == datetime(2026, 11, 25, tzinfo=UTC)
+
+
+async def test_context_by_default_answers_the_newest_event_the_agent_did_not_write(
+    client: TestClient[Any, Any], world: World
+) -> None:
+    """Without trigger=, the preview answers the newest event the agent did not write: an agent's own reply
+    never triggers it (Bob's "Done" is the task's newest event; Bob is shown the task)."""
+    preview = await get_json(client, f"/api/v1/conversations/{world.task.id}/context", agent="bob")
+    assert preview["trigger"] == world.task.id
 
 
 async def test_context_with_an_explicit_trigger_and_its_errors(client: TestClient[Any, Any], world: World) -> None:

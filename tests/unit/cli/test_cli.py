@@ -398,3 +398,14 @@ def test_conversations_end_records_the_owner_and_the_reason(home: Path) -> None:
     assert shown["ended_by"] == "owner"
     assert shown["end_reason"] == "picnic happened"
     assert tenexd(home, "conversations", "end", picnic)[0] == 1
+
+
+def test_a_bad_agent_slug_is_refused_with_its_rule_in_words(home: Path) -> None:
+    """`agents add "Bad Slug"` exits 2 saying what a slug may hold, not a validation library's report."""
+    result = CliRunner().invoke(app, ["--home", str(home), "agents", "add", "Bad Slug"], catch_exceptions=False)
+
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "error: invalid agent: slug 'Bad Slug' must be 1 to 64 lowercase letters, digits, '-' or '_', "
+        "starting with a letter or a digit"
+    )

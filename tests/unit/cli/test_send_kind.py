@@ -12,7 +12,7 @@ from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.home import init_home, load_agents
 from tenex_daemon.app.settings import Settings, load_settings
 from tenex_daemon.cli.main import app
-from tenex_daemon.cli.send import ReplyWatch, SendError, check_kind, compose_message, message_kind
+from tenex_daemon.cli.send import ReplyWatch, SendError, _Answers, check_kind, compose_message, message_kind
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.testing import KeyPair, sign_event
 
@@ -119,3 +119,32 @@ def test_only_answers_to_the_message_sent_end_the_wait() -> None:
     assert [watch.answers(e) for e in (answer, chained, parent, older)] == [True, True, False, False]
     assert watch.ids() == [root.id, sent.id]
     assert not ReplyWatch().answers(answer)
+
+
+async def test_addressing_the_orchestrator_waits_for_the_agent_it_routes_to_as_the_default_does() -> None:
+    """The orchestrator routes and does not answer: `send --to orchestrator`, like `send` without --to, ends
+    its wait at the first answer of another agent; `--to planner` waits for the planner's own."""
+    orchestrator = Agent(slug="orchestrator", name="O", pubkey="0" * 64, orchestrator=True)
+    planner = Agent(slug="planner", name="P", pubkey="1" * 64)
+    executor = Agent(slug="executor", name="E", pubkey="2" * 64)
+    agents = [orchestrator, planner, executor]
+    answer = sign_event(KeyPair.from_seed(75), "done", kind=1111)
+
+    async def ended(to: Agent | None, by: Agent) -> bool:
+        answers = _Answers(agents, to or orchestrator, to.slug if to else None, None)
+        answers.add(by, answer)
+        return await answers.wait(0.01)
+
+    assert await ended(orchestrator, planner)
+    assert await ended(None, planner)
+    assert not await ended(orchestrator, orchestrator)
+    assert not await ended(planner, executor)
+    assert await ended(planner, planner)
+
+
+def test_an_empty_message_is_refused_before_anything_is_sent(home: Path) -> None:
+    """`send` with no text, or only blanks, exits 2 saying so; nothing is published."""
+    for text in ("", "   \n"):
+        result = CliRunner().invoke(app, ["--home", str(home), "send", text], catch_exceptions=False)
+        assert result.exit_code == 2
+        assert "TEXT is empty" in result.stderr
