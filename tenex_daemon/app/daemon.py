@@ -88,7 +88,7 @@ from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.descriptions import DescriptionJobs
 from tenex_daemon.services.dispatcher import HandleResult, Outcome
 from tenex_daemon.services.outbox import outbox_key_for
-from tenex_daemon.services.private_messages import Intake
+from tenex_daemon.services.private_messages import AGENT_PRIVATE_COPY, Intake
 from tenex_daemon.services.retention import RetentionPolicy, Sweeper
 from tenex_daemon.services.runs import RunRequest, journal_key_for
 
@@ -200,6 +200,7 @@ class Daemon:
         self.last_event_at: float | None = None
         self.events_accepted: Counter[str] = Counter()
         self.events_ignored: Counter[str] = Counter()
+        self.own_copies = 0
         self.errors: Counter[str] = Counter()
         self._stop_requested: asyncio.Event | None = None
         self._ready = asyncio.Event()
@@ -288,6 +289,7 @@ class Daemon:
                 "accepted": sum(self.events_accepted.values()),
                 "rejected": rejected,
                 "duplicates": pool_health.duplicates if pool_health is not None else 0,
+                "own_copies": self.own_copies,
             },
             "replies": self._observer.replies,
             "reply_latency": self._observer.latency_summary(),
@@ -603,6 +605,9 @@ class Daemon:
         if self._stopping or self.pipeline is None:
             raise ShuttingDownError("shutting down; the event will be delivered again after restart")
         admitted = self.intake.admit(received.event) if self.intake is not None else received.event
+        if admitted == AGENT_PRIVATE_COPY:  # an agent's own answer come back: stored already, not refused
+            self.own_copies += 1
+            return Remember.IN_MEMORY
         if isinstance(admitted, str):  # a wrap that does not open, or what daemon.answer excludes
             remember = self._count(received.event, HandleResult(Outcome.IGNORED, admitted))
             if received.event.kind != KIND_GIFT_WRAP:

@@ -73,6 +73,9 @@ class EventCounts(TypedDict):
     accepted: int
     rejected: dict[str, int]
     duplicates: int
+    own_copies: int
+    """Gift wraps holding an agent's own answer (the copy made for it, stored already): neither taken in
+    nor refused."""
 
 
 class RunCounts(TypedDict):
@@ -181,7 +184,8 @@ class StatusData(TypedDict):
          "state": "connected", "reconnects": 0, ...}], "conversations": {"total": 3, "archived": 0,
          "by_phase": {"chat": 2, "plan": 1}}, "runs_in_flight": 1, "runs": {"completed": 9, "failed": 0},
          "last_event_at": 1.7e9, "events": {"accepted": 10, "rejected": {"author_not_allowed": 2},
-         "duplicates": 4}, "replies": 7, "reply_latency": {"count": 7, "p50_ms": 8.1, "p99_ms": 20.3},
+         "duplicates": 4, "own_copies": 2}, "replies": 7,
+         "reply_latency": {"count": 7, "p50_ms": 8.1, "p99_ms": 20.3},
          "outbox": {"depth": 0, "oldest_age_s": null, "delivered": 7, "retries": 0},
          "descriptions": {"queued": 0, "described": 2, "fallbacks": 0, "unpublished": 0, "published": 2,
          "retries": 0},
@@ -242,7 +246,7 @@ def new_status(
         runs_in_flight=0,
         runs=RunCounts(completed=0, failed=0),
         last_event_at=None,
-        events=EventCounts(accepted=0, rejected={}, duplicates=0),
+        events=EventCounts(accepted=0, rejected={}, duplicates=0, own_copies=0),
         replies=0,
         reply_latency=LatencySummary(count=0, p50_ms=None, p99_ms=None),
         outbox=OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0),

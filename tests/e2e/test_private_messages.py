@@ -3,6 +3,7 @@ a real daemon through a real relay, and the relay never holds a word of it in th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import stat
@@ -48,7 +49,8 @@ async def test_a_nip17_client_is_answered_privately_and_the_relay_holds_no_plain
     nostr-tools client unwraps; a reply to that answer continues the same private conversation; a
     stranger's private message is never answered; every event the relay holds (a REQ for everything, and
     the raw bytes of its LMDB files) is free of both questions, both answers and the rumors' ids; the
-    home keeps the decrypted conversation in files of mode 0600."""
+    home keeps the decrypted conversation in files of mode 0600; the copies of its answers wrapped for the
+    agent come back counted as its own, not as refusals."""
     daemon = DaemonProcess(home)
     await daemon.start()
     try:
@@ -93,6 +95,14 @@ async def test_a_nip17_client_is_answered_privately_and_the_relay_holds_no_plain
         status = read_status(home.path / "run" / "status.json", stale_after_s=30.0).data
         assert status is not None
         assert status["events"]["rejected"].get("author_not_allowed", 0) >= 1
+        for _ in range(50):  # the agent's copies of its two answers come back: counted, never as refusals
+            status = read_status(home.path / "run" / "status.json", stale_after_s=30.0).data
+            if status is not None and status["events"]["own_copies"] >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert status is not None
+        assert status["events"]["own_copies"] >= 2
+        assert "agent_private_copy" not in status["events"]["rejected"]
 
         held = (await nip17({"op": "dump", "relay": relay.url}))["events"]
         secrets = [question, follow_up, OFFLINE_ANSWER, *(e["id"] for e in history)]
