@@ -99,7 +99,7 @@ async def long_conversation(cast: Cast, rig: pipeline.Rig) -> NostrEvent:
     await rig.manager.create_conversation(root)
     event = root
     for n in range(29):
-        say = cast.alice_says if n % 2 == 0 else cast.user_says
+        say = cast.alice_says if n % 2 == 1 else cast.user_says
         event = say(f"Message {n}: " + "words " * 12, tags=[["E", root.id], ["e", event.id]])
         await rig.manager.add_event(root.id, event)
     return event
