@@ -74,8 +74,8 @@ class EventCounts(TypedDict):
     rejected: dict[str, int]
     duplicates: int
     own_copies: int
-    """Gift wraps holding an agent's own answer (the copy made for it, stored already): neither taken in
-    nor refused."""
+    """Gift wraps whose rumor one of the project's agents wrote (its answers come back: stored already):
+    neither taken in nor refused."""
 
 
 class RunCounts(TypedDict):

@@ -139,7 +139,7 @@ def conversations_search(
     ] = None,
     date_from: Annotated[str | None, typer.Option("--from", help="Created at/after (ISO 8601).")] = None,
     date_to: Annotated[
-        str | None, typer.Option("--to", help="Created at/before (ISO 8601; a date alone: the whole day).")
+        str | None, typer.Option("--to", help="Created by (ISO 8601; a date alone: its whole UTC day).")
     ] = None,
     participant: Annotated[str | None, typer.Option(help="An author (npub or hex).")] = None,
     limit: LimitOption = None,

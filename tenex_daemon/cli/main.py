@@ -33,8 +33,7 @@ def main(
 ) -> None:
     """tenexd: the conversation brain of a team of AI agents on Nostr."""
     # `home` is read from the context by the commands (invocation.home_of), with theirs first.
-    # a command reports its own outcome; the libraries' warnings under it would repeat it as log lines
-    configure_logging("auto", "error")  # `run` reconfigures from the settings
+    configure_logging("auto", "warning")  # `run` reconfigures from the settings
 
 
 app.command()(daemon_commands.version)

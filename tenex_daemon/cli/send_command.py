@@ -113,7 +113,8 @@ def send(
 ) -> None:
     """Publish TEXT as the owner (keys/owner.key) and print the agents' replies as they arrive.
 
-    Ends at the addressed agent's reply (exit 0) or at the timeout (exit 1).
+    Ends at the addressed agent's reply (the orchestrator's: the reply of an agent it routes to; exit 0)
+    or at the timeout (exit 1).
     """
     from tenex_daemon.cli.send import SendError, check_kind, send_message, send_private_message
 

@@ -73,7 +73,7 @@ def _conversations_path() -> Json:
             _query("phase", "Current phase.", {"type": "string", "enum": [p.value for p in Phase]}),
             _query("archived", "true: archived only; false: active only.", {"type": "boolean"}),
             _query("date_from", "Created at/after (ISO 8601 or Unix seconds).", {"type": "string"}),
-            _query("date_to", "Created at/before (ISO 8601 or Unix seconds; a date alone: to its end).",
+            _query("date_to", "Created at/before (ISO 8601 or Unix seconds; a date alone: to its end, UTC).",
                    {"type": "string"}),
             _query("participant", "An author (npub or hex).", {"type": "string"}),
             _query("limit", "At most this many rows.",
@@ -217,7 +217,8 @@ def _context_path() -> Json:
     return {"get": {
         "summary": (
             "Exactly the persona and the messages the agent would be sent if triggered now, without "
-            "changing its state. The trigger defaults to the newest event of the conversation."
+            "changing its state. The trigger defaults to the newest event the agent did not write (else the "
+            "newest)."
         ),
         "operationId": "getAgentContext",
         "parameters": [

@@ -104,7 +104,7 @@ def parse_search(query: Mapping[str, str]) -> dict[str, Any]:
         if query.get(spelled):
             moment = parse_datetime(spelled, query[spelled])
             if name == "date_to" and _DATE_ONLY.fullmatch(query[spelled].strip()):
-                moment += timedelta(days=1) - timedelta(milliseconds=1)  # a day given "to" is the whole day
+                moment += timedelta(days=1) - timedelta(milliseconds=1)  # a day given "to": the whole UTC day
             args[name] = moment
     if query.get("participant"):
         args["participant"] = _parse_participant(query["participant"])

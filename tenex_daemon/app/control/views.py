@@ -127,7 +127,7 @@ async def preview_context(
     routing_prompt: str | None = None,
 ) -> dict[str, Any]:
     """Build an agent's context without changing its state (the trigger defaults to the newest event the
-    agent did not write: its own never triggers it).
+    agent did not write, else the newest: its own does not trigger it).
 
     Its persona is built as a run builds it (:func:`~tenex_daemon.services.persona.build_persona`)
     from ``personas[agent_slug]``; an agent not in ``personas`` gets a persona without instructions.

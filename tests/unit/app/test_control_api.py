@@ -258,12 +258,14 @@ async def test_context_is_what_the_agent_would_get_and_changes_nothing(
 
 
 def test_a_date_alone_given_to_date_to_is_the_whole_day() -> None:
-    """`date_to=2026-11-25` (or `to=`) keeps what was created that day too; a moment given is kept as is."""
+    """`date_to=2026-11-25` (or `to=`) reaches the end of that UTC day, the last day there is too (no
+    overflow); a moment given is kept as is."""
     end_of_day = datetime(2026, 11, 25, 23, 59, 59, 999_000, tzinfo=UTC)
     assert parse_search({"to": "2026-11-25"})["date_to"] == end_of_day
     assert parse_search({"date_to": " 2026-11-25 "})["date_to"] == end_of_day
     assert parse_search({"date_to": "2026-11-25T10:00:00Z"})["date_to"] == datetime(2026, 11, 25, 10, tzinfo=UTC)
     assert parse_search({"date_from": "2026-11-25"})["date_from"] == datetime(2026, 11, 25, tzinfo=UTC)
+    assert parse_search({"to": "9999-12-31"})["date_to"] == datetime(9999, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC)
 
 
 async def test_context_by_default_answers_the_newest_event_the_agent_did_not_write(

@@ -123,7 +123,8 @@ def test_only_answers_to_the_message_sent_end_the_wait() -> None:
 
 async def test_addressing_the_orchestrator_waits_for_the_agent_it_routes_to_as_the_default_does() -> None:
     """The orchestrator routes and does not answer: `send --to orchestrator`, like `send` without --to, ends
-    its wait at the first answer of another agent; `--to planner` waits for the planner's own."""
+    its wait at the first answer of another agent; `--to planner` waits for the planner's own; an
+    orchestrator that is the only agent answers itself."""
     orchestrator = Agent(slug="orchestrator", name="O", pubkey="0" * 64, orchestrator=True)
     planner = Agent(slug="planner", name="P", pubkey="1" * 64)
     executor = Agent(slug="executor", name="E", pubkey="2" * 64)
@@ -140,6 +141,9 @@ async def test_addressing_the_orchestrator_waits_for_the_agent_it_routes_to_as_t
     assert not await ended(orchestrator, orchestrator)
     assert not await ended(planner, executor)
     assert await ended(planner, planner)
+    alone = _Answers([orchestrator], orchestrator, None, None)  # the only agent: its own answer counts
+    alone.add(orchestrator, answer)
+    assert await alone.wait(0.01)
 
 
 def test_an_empty_message_is_refused_before_anything_is_sent(home: Path) -> None:

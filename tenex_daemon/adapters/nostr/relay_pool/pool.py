@@ -252,10 +252,11 @@ class RelayPool:
         )
         if accepted:
             log.debug("published", event_id=event.id, kind=event.kind, accepted_by=accepted)
+        elif raise_on_failure:  # the caller is told, and says so itself
+            log.debug("publish failed", event_id=event.id, rejected=rejected, timed_out=timed_out)
+            raise PublishError(result)
         else:
             log.warning("publish failed", event_id=event.id, rejected=rejected, timed_out=timed_out)
-            if raise_on_failure:
-                raise PublishError(result)
         return result
 
     @staticmethod
