@@ -79,16 +79,22 @@ def with_conversation(
     """Run ``action`` on the conversation an ID argument names, a whole id or a short one (its first hex
     digits, resolved where the conversations are); return the conversation's id and the result. Exit 2
     when the argument is malformed or the short id starts several ids, 1 when no conversation has it."""
-    try:
-        reference = conversation_reference(value)
-    except AccessError as exc:
-        fail(exc.message, EXIT_USAGE)
+    reference = conversation_argument(value)
 
     async def act(access: ConversationAccess) -> tuple[str, T]:
         conversation_id = await resolve_conversation(access, reference)
         return conversation_id, await action(access, conversation_id)
 
     return with_access(ctx, act)
+
+
+def conversation_argument(value: str, what: str = "conversation id") -> str:
+    """Return the whole id, or the short id's digits, a conversation argument gives
+    (:func:`~tenex_daemon.cli.access.conversation_reference`); exit 2 when it is malformed."""
+    try:
+        return conversation_reference(value, what)
+    except AccessError as exc:
+        fail(exc.message, EXIT_USAGE)
 
 
 def event_id_argument(value: str, what: str = "conversation id") -> str:

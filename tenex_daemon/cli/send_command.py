@@ -14,8 +14,8 @@ from rich.text import Text
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
 from tenex_daemon.app.home import load_agents
 from tenex_daemon.app.settings import Settings
-from tenex_daemon.cli.access import AccessError, conversation_reference, open_access, resolve_conversation
-from tenex_daemon.cli.invocation import HomeOption, run_async, settings_of
+from tenex_daemon.cli.access import open_access, resolve_conversation
+from tenex_daemon.cli.invocation import HomeOption, conversation_argument, run_async, settings_of
 from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, err, fail, out
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.errors import TenexError
@@ -66,10 +66,7 @@ def _local_event_finder(settings: Settings) -> Callable[[str], Awaitable[NostrEv
 def _reply_to_argument(settings: Settings, value: str) -> str:
     """The event id ``--reply-to`` names: a whole id, or a conversation's short id (its root's id); exit 2
     when malformed or ambiguous, 1 when no conversation has it."""
-    try:
-        reference = conversation_reference(value, "reply-to event id")
-    except AccessError as exc:
-        fail(exc.message, EXIT_USAGE)
+    reference = conversation_argument(value, "reply-to event id")
     if len(reference) == 64:
         return reference
 

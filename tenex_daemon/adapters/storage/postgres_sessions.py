@@ -18,16 +18,14 @@ log = structlog.get_logger(__name__)
 LEASE_SQL = "SELECT pg_advisory_lock(hashtextextended($1, 0))"
 TRY_LEASE_SQL = "SELECT pg_try_advisory_lock(hashtextextended($1, 0))"
 UNLEASE_SQL = "SELECT pg_advisory_unlock(hashtextextended($1, 0))"
-TRY_KEPT_LEASE_SQL = (
-    "SELECT pg_try_advisory_lock(hashtextextended($1, 0)) AS taken, pg_backend_pid() AS pid, "
+_SESSION_COLUMNS = (
+    "pg_backend_pid() AS pid, "
     "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS started"
 )
-"""Take a lock to keep, and say which session holds it (its process and start: a pid can be reused)."""
-SESSION_SQL = (
-    "SELECT pg_backend_pid() AS pid, "
-    "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()) AS started"
-)
-"""Which session a connection is (its process and start: a pid can be reused)."""
+"""Which session a connection is: its process and when it started (a pid can be reused)."""
+SESSION_SQL = f"SELECT {_SESSION_COLUMNS}"
+TRY_KEPT_LEASE_SQL = f"SELECT pg_try_advisory_lock(hashtextextended($1, 0)) AS taken, {_SESSION_COLUMNS}"
+"""Take a lock to keep, and say which session holds it."""
 END_SESSION_SQL = (
     "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE pid = $1 AND backend_start = $2"
 )
