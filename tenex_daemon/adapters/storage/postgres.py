@@ -35,6 +35,8 @@ from tenex_daemon.adapters.storage.postgres_sessions import (
     close_pool,
     end_session,
     hold_name,
+    keep_alive,
+    keep_alive_on_connect,
     keeping,
     listener_name,
     terminate,
@@ -167,9 +169,10 @@ class PostgresStore:
         log.info("postgres_store_opened", migrations_applied=applied)
 
     async def _new_pool(self, min_size: int, max_size: int) -> Any:
-        """A pool of connections with the server's keepalive (:data:`KEEPALIVE`)."""
+        """A pool of connections with keepalive on both sides (:data:`KEEPALIVE`, :func:`keep_alive`)."""
         return await asyncpg.create_pool(
-            self.dsn, min_size=min_size, max_size=max_size, server_settings=KEEPALIVE
+            self.dsn, min_size=min_size, max_size=max_size, server_settings=KEEPALIVE,
+            init=keep_alive_on_connect,
         )
 
     async def migrate(self) -> list[int]:
@@ -525,6 +528,7 @@ class PostgresStore:
             conn: Any = None
             try:
                 conn = await asyncpg.connect(self.dsn, server_settings=KEEPALIVE)
+                keep_alive(conn)
                 await end_session(conn, kept.session)
                 row: Any = await conn.fetchrow(TRY_KEPT_LEASE_SQL, name, timeout=CHECK_TIMEOUT_S)
                 taken = bool(row["taken"])
@@ -590,6 +594,7 @@ class PostgresStore:
                 name = listener_name(channel)
                 settings = {**KEEPALIVE, "application_name": name}
                 conn = await asyncpg.connect(self.dsn, server_settings=settings)
+                keep_alive(conn)
                 await conn.add_listener(channel, deliver)
                 if not first.done():
                     first.set_result(None)

@@ -5,6 +5,7 @@ and pools closed within a bound (docs/ARCHITECTURE.md, "Scale-out")."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -44,6 +45,18 @@ KEEPALIVE: dict[str, str] = {
 closing its connections (power lost, network cut) has its sessions ended by the server within about
 25 s, and its locks (its name, its run and conversation leases) freed with them, where the server's
 default (the kernel's) waits over two hours. Unix-socket connections have none."""
+SOCKET_KEEPALIVE: tuple[tuple[str, str, int], ...] = (
+    ("SOL_SOCKET", "SO_KEEPALIVE", 1),
+    ("IPPROTO_TCP", "TCP_KEEPIDLE", 10),
+    ("IPPROTO_TCP", "TCP_KEEPINTVL", 5),
+    ("IPPROTO_TCP", "TCP_KEEPCNT", 3),
+    ("IPPROTO_TCP", "TCP_USER_TIMEOUT", 25_000),
+)
+"""The same keepalive on this side's socket of every connection, with a bound (25 s) on data the server
+does not acknowledge: a statement sent over a network that stopped carrying it fails (the connection is
+closed, ``ConnectionDoesNotExistError``) within about 25 s instead of waiting for an answer forever. A
+healthy server answers the probes, so a long statement (a lock waited for) is never cut. Options the
+platform lacks are left out."""
 LISTENER_PREFIX = "tenexd listen "
 """How the ``application_name`` of a connection that listens for the other daemons' messages starts
 (the channel follows, :func:`listener_name`)."""
@@ -53,6 +66,21 @@ def listener_name(channel: str) -> str:
     """The ``application_name`` of a connection listening on ``channel`` (what ``pg_stat_activity`` shows,
     and how :meth:`PostgresStore.hearers` counts them)."""
     return f"{LISTENER_PREFIX}{channel}"
+
+
+def keep_alive(conn: Any) -> None:
+    """Set :data:`SOCKET_KEEPALIVE` on ``conn``'s socket (a TCP one: a Unix socket has none)."""
+    sock = conn._transport.get_extra_info("socket")  # asyncpg names no public way to its socket
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    for level, option, value in SOCKET_KEEPALIVE:
+        if hasattr(socket, option):
+            sock.setsockopt(getattr(socket, level), getattr(socket, option), value)
+
+
+async def keep_alive_on_connect(conn: Any) -> None:
+    """A pool's ``init``: :func:`keep_alive` on each connection it opens."""
+    keep_alive(conn)
 
 
 async def unlock(conn: Any, name: str) -> None:
