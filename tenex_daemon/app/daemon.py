@@ -607,6 +607,7 @@ class Daemon:
         admitted = self.intake.admit(received.event) if self.intake is not None else received.event
         if admitted == AGENT_PRIVATE_COPY:  # an agent's own answer come back: stored already, not refused
             self.own_copies += 1
+            self.metrics.own_copy()
             return Remember.IN_MEMORY
         if isinstance(admitted, str):  # a wrap that does not open, or what daemon.answer excludes
             remember = self._count(received.event, HandleResult(Outcome.IGNORED, admitted))

@@ -1,7 +1,8 @@
 """Prometheus metrics of one daemon, in its own registry (served at ``GET /metrics``).
 
 Names carry the ``tenexd_`` namespace: ``tenexd_events_accepted_total{kind}``,
-``tenexd_events_rejected_total{reason}``, ``tenexd_replies_published_total{agent}``,
+``tenexd_events_rejected_total{reason}``, ``tenexd_events_own_copies_total`` (the agents' own private
+answers come back, not refused), ``tenexd_replies_published_total{agent}``,
 ``tenexd_agent_run_errors_total{agent,error}``, ``tenexd_agent_run_seconds{agent}`` (histogram),
 ``tenexd_runs_in_flight`` and ``tenexd_relay_connected{url}`` (gauges), ``tenexd_descriptions_total{source}``
 and ``tenexd_descriptions_pending`` (conversations' titles and summaries),
@@ -89,6 +90,11 @@ class Metrics:
             "events_rejected", "Incoming events refused or ignored, by reason.",
             ["reason"], namespace=NAMESPACE, registry=self.registry,
         )
+        self.events_own_copies = Counter(
+            "events_own_copies",
+            "The agents' own private answers come back from the relays (stored already, not refused).",
+            namespace=NAMESPACE, registry=self.registry,
+        )
         self.replies_published = Counter(
             "replies_published", "Agent replies published to at least one relay, by agent.",
             ["agent"], namespace=NAMESPACE, registry=self.registry,
@@ -156,6 +162,10 @@ class Metrics:
     def event_rejected(self, reason: str) -> None:
         """Count an incoming event refused or ignored for ``reason``."""
         self.events_rejected.labels(reason=reason).inc()
+
+    def own_copy(self) -> None:
+        """Count an agent's own private answer come back through the subscription."""
+        self.events_own_copies.inc()
 
     def control_request_refused(self, reason: str) -> None:
         """Count a control API request refused for ``reason`` (bad_host, cross_origin, no/bad_token)."""

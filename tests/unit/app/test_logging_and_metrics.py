@@ -96,6 +96,7 @@ def test_metrics_render_every_family_in_text_format() -> None:
     metrics.event_accepted(11)
     metrics.event_rejected("not_allowed")
     metrics.event_rejected("not_allowed")
+    metrics.own_copy()
     metrics.reply_published("planner")
     metrics.agent_run_error("planner", "TimeoutError")
     metrics.observe_agent_run("planner", 0.02)
@@ -104,6 +105,7 @@ def test_metrics_render_every_family_in_text_format() -> None:
     text = metrics.render().decode()
     assert 'tenexd_events_accepted_total{kind="11"} 1.0' in text
     assert 'tenexd_events_rejected_total{reason="not_allowed"} 2.0' in text
+    assert "tenexd_events_own_copies_total 1.0" in text
     assert 'tenexd_replies_published_total{agent="planner"} 1.0' in text
     assert 'tenexd_agent_run_errors_total{agent="planner",error="TimeoutError"} 1.0' in text
     assert 'tenexd_agent_run_seconds_count{agent="planner"} 1.0' in text
