@@ -53,6 +53,8 @@ class EmbeddedRelay:
         """Where the relay process's error output goes (read back when it fails to start)."""
         self.restarts = 0
         """How many times :meth:`supervise` started the relay again after it died."""
+        self.failed_restarts = 0
+        """How many of :meth:`supervise`'s tries to start it again failed (each is tried again)."""
         self._stopped = False
 
     @property
@@ -83,19 +85,19 @@ class EmbeddedRelay:
         try:
             line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), START_TIMEOUT_S)
         except TimeoutError:
-            await asyncio.to_thread(self.stop)
+            await asyncio.to_thread(self._end)
             raise EmbeddedRelayError(
                 f"embedded relay on {self.url} did not start in {START_TIMEOUT_S:.0f} s"
             ) from None
         if line.decode("utf-8", "replace").strip() != READY:
-            await asyncio.to_thread(self.stop)
+            await asyncio.to_thread(self._end)
             raise EmbeddedRelayError(
                 f"embedded relay on {self.url} failed to start: {_last_lines(process, self.log_path)}"
             )
         try:
             await self._wait_listening()
         except BaseException:
-            await asyncio.to_thread(self.stop)
+            await asyncio.to_thread(self._end)
             raise
         log.info("embedded_relay_started", url=self.url, path=str(self.db_path), pid=process.pid)
 
@@ -149,7 +151,8 @@ class EmbeddedRelay:
                 try:
                     await self.start()
                     break
-                except EmbeddedRelayError as exc:
+                except (EmbeddedRelayError, OSError) as exc:  # the port still taken, say: tried again
+                    self.failed_restarts += 1
                     log.error("embedded_relay_restart_failed", url=self.url, error=str(exc), attempt=failures)
             self.restarts += 1
             started = time.monotonic()
@@ -159,6 +162,11 @@ class EmbeddedRelay:
         """Stop the relay process (the LMDB files stay); waits for it to exit (blocking: from a
         coroutine, call it in a thread). A :meth:`supervise` running meanwhile starts nothing."""
         self._stopped = True
+        self._end()
+
+    def _end(self) -> None:
+        """End the relay process, if any (a start that failed ends its own this way: a
+        :meth:`supervise` running tries again, where :meth:`stop` would make it give up)."""
         process, self._process = self._process, None
         if process is None:
             return

@@ -79,3 +79,43 @@ async def test_a_relay_process_that_dies_is_started_again_with_its_events(tmp_pa
         await asyncio.gather(supervisor, return_exceptions=True)
         await asyncio.to_thread(relay.stop)
     assert relay.pid is None
+
+
+async def test_a_relay_whose_restart_failed_is_started_again_once_its_port_is_free(tmp_path: Path) -> None:
+    """A restart that fails (its port taken meanwhile) is tried again with the backoff, and the relay runs
+    again once the port is free; before, the first failed try ended the supervision for good."""
+    relay = EmbeddedRelay(tmp_path / "relay", port=free_port())
+    await relay.start()
+    supervisor = asyncio.create_task(relay.supervise(poll_s=0.05))
+    squatter = socket.socket()
+    try:
+        killed = relay.pid
+        assert killed is not None
+        os.kill(killed, signal.SIGKILL)
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        async with asyncio.timeout(10):
+            while True:  # the port frees as the process dies; take it before the first try (0.5 s)
+                try:
+                    squatter.bind((relay.host, relay.port))
+                    break
+                except OSError:
+                    await asyncio.sleep(0.01)
+        squatter.listen()
+        async with asyncio.timeout(20):
+            while relay.failed_restarts < 2:  # noqa: ASYNC110 - the supervisor has no event to wait on
+                await asyncio.sleep(0.05)
+        squatter.close()
+        async with asyncio.timeout(30):
+            while relay.restarts == 0:  # noqa: ASYNC110 - the supervisor has no event to wait on
+                await asyncio.sleep(0.05)
+        assert not supervisor.done()
+        assert relay.pid not in (None, killed)
+        async with connect(relay.url) as ws:
+            await ws.send(json.dumps(["REQ", "alive", {"limit": 1}]))
+            assert json.loads(await asyncio.wait_for(ws.recv(), 10))[0] in ("EVENT", "EOSE")
+    finally:
+        squatter.close()
+        supervisor.cancel()
+        await asyncio.gather(supervisor, return_exceptions=True)
+        await asyncio.to_thread(relay.stop)
+    assert relay.pid is None
