@@ -66,6 +66,10 @@ LIFECYCLE_ATTRS = (
 
 
 def clear_end(conversation: Conversation) -> None:
+    """Reopen an ended conversation: its end is cleared, and its description is marked unpublished so that
+    its kind 513 goes out again saying ``active`` (clients kept the one that said ``ended``)."""
+    if conversation.summary:
+        conversation.description_published = False
     conversation.ended_at = None
     conversation.ended_by = None
     conversation.end_reason = None

@@ -292,15 +292,15 @@ def fallback_title(conversation: Conversation, agents: AgentDirectory) -> str:
 
 
 def fallback_summary(conversation: Conversation, agents: AgentDirectory) -> str:
-    """A plain sentence about the conversation without a model: who, how many messages, how it began."""
+    """A plain sentence about the conversation without a model: who, how many messages, how it began.
+    Whether it has ended is left to the status beside it (kind 513's ``status``, the API's): a new
+    message reopens a conversation and keeps its description."""
     names = _agent_names(conversation, agents)
     count = len(conversation.history)
     who = f"a person and {', '.join(names)}" if names else "a person"
-    state = "It has ended." if conversation.is_ended else "It is still going on."
     parts = [f"A conversation of {count} message{'' if count == 1 else 's'} between {who}."]
     words = _first_person_message(conversation, agents).split()
     if words:
         quote = " ".join(words[:FALLBACK_QUOTE_WORDS]) + ("…" if len(words) > FALLBACK_QUOTE_WORDS else "")
         parts.append(f"It began with: “{quote}”.")
-    parts.append(state)
     return " ".join(parts)

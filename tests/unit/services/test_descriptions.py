@@ -355,7 +355,7 @@ async def test_a_failing_or_unreadable_model_gives_the_fallback_text(
     assert conversation.title_source is TitleSource.FALLBACK
     assert conversation.summary == (
         "A conversation of 2 messages between a person and Alice. It began with: “Help me plan the spring "
-        "product launch for our app please”. It has ended."
+        "product launch for our app please”."
     )
     assert len(metadata_events(rig.publisher, cid)) == 1
     assert dict(jobs.described) == {"fallback": 1}
@@ -414,6 +414,37 @@ async def test_a_conversation_described_while_active_is_published_again_as_ended
 
     first, second = metadata_events(rig.publisher, cid)
     assert [tags_of(first)["status"], tags_of(second)["status"]] == ["active", "ended"]
+    assert tags_of(first)["title"] == tags_of(second)["title"] == "Planning the spring product launch"
+    assert len(summarizer.requests) == 1
+    assert (await stored(rig, cid)).description_published
+    await jobs.stop()
+
+
+async def test_a_reopened_conversation_is_published_again_as_active(cast: Cast) -> None:
+    """An ended conversation, described and published as ended, that a person writes in again is published
+    once more with the same title and status active (clients kept it as ended), the model not asked again;
+    the mark that its 513 is due is stored with the message that reopened it."""
+    rig = build_rig(cast)
+    summarizer = ScriptedBackend([said(ANSWER)])
+    jobs = jobs_for(rig, cast, summarizer=summarizer)
+    cid = await talk(rig, cast, 1)
+    await rig.manager.end_conversation(cid, by="owner")
+    await described_and_published(rig, jobs, cid)
+    await jobs.stop()  # the job is down while the person writes: only the stored mark says what is due
+    rig.clock.advance(1000)
+    thread = [["E", cid, "", cast.user.pubkey], ["K", "11"], ["e", cid], ["p", cast.alice.pubkey]]
+
+    await rig.manager.add_event(cid, cast.user_says("One more thing", tags=thread))
+
+    reopened = await rig.store.load(cid)
+    assert reopened is not None
+    assert not reopened.is_ended
+    assert not reopened.description_published
+    jobs = jobs_for(rig, cast, summarizer=summarizer)
+    assert await jobs.recover() == 1
+    await until(lambda: len(metadata_events(rig.publisher, cid)) == 2 and jobs.unpublished == 0)
+    first, second = metadata_events(rig.publisher, cid)
+    assert [tags_of(first)["status"], tags_of(second)["status"]] == ["ended", "active"]
     assert tags_of(first)["title"] == tags_of(second)["title"] == "Planning the spring product launch"
     assert len(summarizer.requests) == 1
     assert (await stored(rig, cid)).description_published
