@@ -125,10 +125,10 @@ class ConversationAccess(Protocol):
         """Return a conversation in full (raises AccessError 404 when unknown)."""
 
     async def archive(self, conversation_id: str) -> None:
-        """Archive a conversation."""
+        """Archive a conversation (raises AccessError 409 when it is archived already)."""
 
     async def restore(self, conversation_id: str) -> None:
-        """Restore an archived conversation."""
+        """Restore an archived conversation (raises AccessError 409 when it is not archived)."""
 
     async def end(self, conversation_id: str, reason: str | None) -> None:
         """End a conversation (by the owner): recorded with it (when, who, why); it stays writable."""
@@ -273,11 +273,13 @@ class LocalAccess:
 
     async def archive(self, conversation_id: str) -> None:
         """Archive a conversation."""
-        await _mapped(self.manager.archive_conversation(conversation_id))
+        if not await _mapped(self.manager.archive_conversation(conversation_id)):
+            raise AccessError(f"conversation {conversation_id} is archived already", 409)
 
     async def restore(self, conversation_id: str) -> None:
         """Restore a conversation."""
-        await _mapped(self.manager.restore_conversation(conversation_id))
+        if not await _mapped(self.manager.restore_conversation(conversation_id)):
+            raise AccessError(f"conversation {conversation_id} is not archived", 409)
 
     async def end(self, conversation_id: str, reason: str | None) -> None:
         """End a conversation (by the owner)."""

@@ -19,9 +19,10 @@ from tenex_daemon.app.home import HomeError, add_agent, agent_identities
 from tenex_daemon.app.settings import Settings, SettingsError
 from tenex_daemon.cli.invocation import HomeOption, settings_of
 from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, fail, out, print_json
+from tenex_daemon.cli.typer_app import TenexTyper
 from tenex_daemon.core import nip19
 
-agents_app = typer.Typer(help="List and add the project's agents.", no_args_is_help=True)
+agents_app = TenexTyper(help="List and add the project's agents.", no_args_is_help=True)
 
 
 @agents_app.command("list")

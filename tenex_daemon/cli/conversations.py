@@ -28,11 +28,12 @@ from tenex_daemon.cli.invocation import (
     with_conversation,
 )
 from tenex_daemon.cli.output import EXIT_USAGE, JsonOption, err, fail, ms_time, out, print_json, s_time
+from tenex_daemon.cli.typer_app import TenexTyper
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.phases import Phase
 
-conversations_app = typer.Typer(
+conversations_app = TenexTyper(
     help="List, show, search, archive, end, stop, restore, export and rebuild conversations.",
     no_args_is_help=True,
 )
@@ -237,7 +238,10 @@ def _print_lifecycle(data: dict[str, Any]) -> None:
 
 @conversations_app.command("archive")
 def conversations_archive(ctx: typer.Context, conversation_id: IdArgument, home: HomeOption = None) -> None:
-    """Archive a conversation: it stays readable and becomes read-only."""
+    """Archive a conversation: it stays readable and becomes read-only.
+
+    Exit 1 when it is archived already (as `end` does when it is ended already).
+    """
     cid, _ = with_conversation(ctx, conversation_id, lambda access, cid: access.archive(cid))
     out.print(f"archived {cid}")
 
@@ -272,7 +276,10 @@ def conversations_stop(
 
 @conversations_app.command("restore")
 def conversations_restore(ctx: typer.Context, conversation_id: IdArgument, home: HomeOption = None) -> None:
-    """Restore an archived conversation."""
+    """Restore an archived conversation.
+
+    Exit 1 when it is not archived (as `end` does when it is ended already).
+    """
     cid, _ = with_conversation(ctx, conversation_id, lambda access, cid: access.restore(cid))
     out.print(f"restored {cid}")
 
@@ -337,7 +344,7 @@ def _progress_bar() -> Progress | None:
 def conversations_rebuild(
     ctx: typer.Context,
     conversation_id: Annotated[
-        str | None, typer.Argument(metavar="[ID]", help="Conversation id (hex, note1 or nevent1).")
+        str | None, typer.Argument(metavar="ID", help="Conversation id (hex, note1 or nevent1).")
     ] = None,
     all_: Annotated[
         bool, typer.Option("--all", help="Every conversation the project's agents took part in.")

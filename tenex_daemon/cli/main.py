@@ -1,7 +1,9 @@
 """The ``tenexd`` command line (typer, rich tables, ``--json`` on every listing): the app and its commands.
 
 The home is ``--home DIR`` (before or after the command), else ``$TENEX_HOME``, else ``./.tenex``.
-Exit codes: 0 success, 1 not found / not running / no answer, 2 bad input or configuration.
+Exit codes: 0 success, 1 not found / not running / no answer, 2 bad input or configuration; a command
+whose output's reader went away (``tenexd status | head -1``) exits 0, quietly
+(:mod:`~tenex_daemon.cli.typer_app`, which also makes the help show what a person types).
 The commands live by group: :mod:`~tenex_daemon.cli.daemon_commands` (version, init, run,
 status, migrate), :mod:`~tenex_daemon.cli.conversations` (``conversations ...`` and ``context``),
 :mod:`~tenex_daemon.cli.agents` and :mod:`~tenex_daemon.cli.send_command`.
@@ -19,8 +21,9 @@ from tenex_daemon.cli.agents import agents_app
 from tenex_daemon.cli.conversations import context, conversations_app
 from tenex_daemon.cli.invocation import HOME_HELP
 from tenex_daemon.cli.send_command import send
+from tenex_daemon.cli.typer_app import TenexTyper
 
-app = typer.Typer(
+app = TenexTyper(
     help="tenexd: the conversation brain of a team of AI agents on Nostr.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

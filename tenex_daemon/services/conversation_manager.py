@@ -685,19 +685,22 @@ class ConversationManager:
             conversation.description_published = True
             await self._store.save_state(conversation)
 
-    async def archive_conversation(self, conversation_id: str) -> None:
-        """Archive the conversation: it stays readable and becomes read-only."""
-        async with self._locked(conversation_id) as conversation:
-            await self._store.set_archived(conversation_id, True)
-            conversation.archived = True
-            log.info("conversation_archived", conversation_id=conversation_id)
+    async def archive_conversation(self, conversation_id: str) -> bool:
+        """Archive the conversation: it stays readable and becomes read-only. False: archived already."""
+        return await self._set_archived(conversation_id, True)
 
-    async def restore_conversation(self, conversation_id: str) -> None:
-        """Restore an archived conversation so it accepts events again."""
+    async def restore_conversation(self, conversation_id: str) -> bool:
+        """Restore an archived conversation so it accepts events again. False: it was not archived."""
+        return await self._set_archived(conversation_id, False)
+
+    async def _set_archived(self, conversation_id: str, archived: bool) -> bool:
         async with self._locked(conversation_id) as conversation:
-            await self._store.set_archived(conversation_id, False)
-            conversation.archived = False
-            log.info("conversation_restored", conversation_id=conversation_id)
+            if conversation.archived is archived:
+                return False
+            await self._store.set_archived(conversation_id, archived)
+            conversation.archived = archived
+        log.info("conversation_" + ("archived" if archived else "restored"), conversation_id=conversation_id)
+        return True
 
     async def search_conversations(
         self,

@@ -153,17 +153,19 @@ def _reset_path() -> Json:
 
 
 def _archive_path() -> Json:
-    return {"post": _on_conversation(
-        "Archive: the conversation stays readable and becomes read-only.",
+    operation = _on_conversation(
+        "Archive: the conversation stays readable and becomes read-only (409 when it is archived already).",
         "archiveConversation", _ok("Archived.", {"type": "object"}),
-    )}
+    )
+    operation["responses"]["409"] = _CONFLICT
+    return {"post": operation}
 
 
 def _end_path() -> Json:
     operation = _on_conversation(
         (
-            "End the conversation: when, by whom (owner) and why are recorded in its metadata and it is "
-            "archived (read-only); a new message reopens it."
+            "End the conversation: when, by whom (owner) and why are recorded in its metadata (409 when it "
+            "is ended already); it stays writable and a new message reopens it."
         ),
         "endConversation",
         _ok("Ended.", {"type": "object", "properties": {
@@ -208,9 +210,12 @@ def _stop_path() -> Json:
 
 
 def _restore_path() -> Json:
-    return {"post": _on_conversation(
-        "Restore an archived conversation.", "restoreConversation", _ok("Restored.", {"type": "object"}),
-    )}
+    operation = _on_conversation(
+        "Restore an archived conversation (409 when it is not archived).",
+        "restoreConversation", _ok("Restored.", {"type": "object"}),
+    )
+    operation["responses"]["409"] = _CONFLICT
+    return {"post": operation}
 
 
 def _context_path() -> Json:

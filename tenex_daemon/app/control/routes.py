@@ -179,7 +179,8 @@ async def _reset(request: web.Request) -> web.Response:
 
 async def _archive(request: web.Request) -> web.Response:
     conversation_id = _conversation_id(request)
-    await _target(request).manager.archive_conversation(conversation_id)
+    if not await _target(request).manager.archive_conversation(conversation_id):
+        raise ApiError(409, f"conversation {conversation_id} is archived already")
     return _json({"id": conversation_id, "archived": True})
 
 
@@ -205,7 +206,8 @@ async def _stop(request: web.Request) -> web.Response:
 
 async def _restore(request: web.Request) -> web.Response:
     conversation_id = _conversation_id(request)
-    await _target(request).manager.restore_conversation(conversation_id)
+    if not await _target(request).manager.restore_conversation(conversation_id):
+        raise ApiError(409, f"conversation {conversation_id} is not archived")
     return _json({"id": conversation_id, "archived": False})
 
 

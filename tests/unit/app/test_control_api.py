@@ -237,6 +237,24 @@ async def test_archive_restore_and_archived_reset_conflict(client: TestClient[An
     assert (await get_json(client, "/api/v1/conversations", archived="true"))["count"] == 0
 
 
+async def test_a_repeated_archive_or_restore_answers_409_and_changes_nothing(
+    client: TestClient[Any, Any], world: World, manager: ConversationManager
+) -> None:
+    """Archiving an archived conversation, or restoring one that is not archived, answers 409 saying which,
+    as a second end does, and leaves the conversation as it was."""
+    path = f"/api/v1/conversations/{world.root.id}"
+    not_archived = await client.post(f"{path}/restore")
+    assert not_archived.status == 409
+    assert "is not archived" in (await not_archived.json())["error"]
+    assert (await client.post(f"{path}/archive")).status == 200
+    again = await client.post(f"{path}/archive")
+    assert again.status == 409
+    assert "is archived already" in (await again.json())["error"]
+    conversation = await manager.get_conversation(world.root.id)
+    assert conversation is not None
+    assert conversation.archived
+
+
 async def test_context_is_what_the_agent_would_get_and_changes_nothing(
     client: TestClient[Any, Any], world: World, manager: ConversationManager
 ) -> None:

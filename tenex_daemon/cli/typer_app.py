@@ -1,0 +1,193 @@
+"""The typer app tenexd's command line is made of, :class:`TenexTyper`: the app and each group of commands.
+
+Two things it does for every command, in this one place:
+
+- Its help says what a person types. Typer 0.29 labels each value with its Python type instead (``--json
+  <bool>`` for a flag that takes no value, ``--phase <str>``, ``--relay <list[str]>``, ``--limit <int
+  range>``, an argument ``{text}`` in the usage line); here a flag shows nothing, a text ``TEXT``
+  (repeatable too), a number ``INTEGER`` or ``FLOAT`` (its range after it), a file ``PATH``, a choice
+  its values, and the usage line names each argument (``ID``, ``[ID]`` when it may be left out).
+- Its entry point (the ``tenexd`` script calls the app) ends quietly when the reader of its output went
+  away, as standard Unix tools do (``tenexd status | head -1``): exit status 0 and nothing on stderr,
+  where a broken pipe made it exit 1 (Click's handler, rich's), or, when the output was still buffered
+  at exit, print ``BrokenPipeError`` and exit 120 (the interpreter's last flush).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from datetime import datetime
+from enum import Enum
+from pathlib import PurePath
+from typing import TYPE_CHECKING, Any, Final, NoReturn, get_args
+from uuid import UUID
+
+import typer
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
+
+if TYPE_CHECKING:
+    from typer._click import Context, Parameter
+    from typer.models import CommandFunctionType
+
+_TYPE_NAMES: Final[dict[type, str]] = {
+    str: "TEXT", bool: "BOOLEAN", int: "INTEGER", float: "FLOAT", datetime: "DATETIME", UUID: "UUID",
+}
+"""Click's names of the value types (what Typer showed before 0.29)."""
+_PATH_NAMES: Final = {"file": "FILE", "dir": "DIRECTORY"}
+
+
+def _type_name(annotation: Any) -> str:
+    """The name of one value of ``annotation``: TEXT, INTEGER, PATH..."""
+    if not isinstance(annotation, type):
+        return "VALUE"
+    if annotation in _TYPE_NAMES:
+        return _TYPE_NAMES[annotation]
+    if issubclass(annotation, PurePath):
+        return "PATH"
+    return annotation.__name__.upper()
+
+
+def value_metavar(param: TyperOption | TyperArgument) -> str:
+    """What a person types for one value of ``param``: ``TEXT``, ``INTEGER``, ``PATH``, ``[a|b]`` for a
+    choice (a list's or a tuple's items named the same way)."""
+    descriptor = param.type_descriptor
+    choices = descriptor.choices
+    if choices:
+        return "[" + "|".join(str(c.value if isinstance(c, Enum) else c) for c in choices) + "]"
+    if descriptor.is_path:
+        return _PATH_NAMES.get(descriptor.path_type, "PATH")
+    annotation = descriptor.annotation
+    if descriptor.is_list or descriptor.is_tuple:
+        items = [item for item in get_args(annotation) if item is not Ellipsis]
+        return " ".join(_type_name(item) for item in items) if items else "TEXT"
+    return _type_name(annotation)
+
+
+class PlainOption(TyperOption):
+    """An option whose help shows what it takes: nothing for a flag, else its metavar (given, or
+    :func:`value_metavar`)."""
+
+    def display_type_rich(self, ctx: Context) -> str | None:
+        """What the option takes, as its help shows it (None for a flag)."""
+        if self.metavar is not None:
+            return self.metavar
+        if self.is_flag or self.count:
+            return None
+        metavar = value_metavar(self)
+        return f"{metavar}..." if self.nargs != 1 else metavar
+
+
+class PlainArgument(TyperArgument):
+    """An argument whose help shows its value's type as :func:`value_metavar` names it, and whose usage
+    piece is its name (its metavar, else its name in capitals), in brackets when it may be left out; an
+    error names it the same way."""
+
+    def display_type_rich(self, ctx: Context) -> str | None:
+        """The argument's value type, as its help shows it."""
+        return value_metavar(self)
+
+    def usage_name(self) -> str:
+        """The argument's name in the usage line and in errors: its metavar, else its name in capitals."""
+        return self.metavar or (self.name or "").upper()
+
+    def get_usage_pieces(self, ctx: Context) -> list[str]:
+        """``NAME``, ``[NAME]`` when optional, ``NAME...`` when it takes several."""
+        name = self.usage_name()
+        if not self.required and not (name.startswith("[") and name.endswith("]")):
+            name = f"[{name}]"
+        return [f"{name}..." if self.nargs != 1 else name]
+
+    def get_error_hint(self, *ctx: Any) -> str:
+        """How an error names the argument (``Missing argument 'TEXT'.``): as the usage line does (Click
+        passes the context, Typer's own Click does not)."""
+        return f"'{self.usage_name()}'"
+
+
+def plain_params(params: list[Parameter]) -> list[Parameter]:
+    """Make Typer's options and arguments in ``params`` show what a person types in help (their class
+    becomes :class:`PlainOption` or :class:`PlainArgument`, which change only how they are shown)."""
+    for param in params:
+        if type(param) is TyperOption:
+            param.__class__ = PlainOption
+        elif type(param) is TyperArgument:
+            param.__class__ = PlainArgument
+    return params
+
+
+class TenexCommand(TyperCommand):
+    """A command whose help shows what a person types (its parameters and its help option)."""
+
+    def get_params(self, ctx: Context) -> list[Parameter]:
+        """The command's parameters, then its help option, shown as a person types them."""
+        return plain_params(super().get_params(ctx))
+
+
+class TenexGroup(TyperGroup):
+    """A group of commands whose own help shows what a person types."""
+
+    def get_params(self, ctx: Context) -> list[Parameter]:
+        """The group's parameters, then its help option, shown as a person types them."""
+        return plain_params(super().get_params(ctx))
+
+
+class TenexTyper(typer.Typer):
+    """A typer app (tenexd, or a group of its commands) whose commands are :class:`TenexCommand` and groups
+    :class:`TenexGroup`; called as the entry point, it ends quietly when the reader of its output went
+    away."""
+
+    def __init__(self, **settings: Any) -> None:
+        """A ``typer.Typer(**settings)``, its group a :class:`TenexGroup` unless ``cls`` says otherwise."""
+        settings.setdefault("cls", TenexGroup)
+        super().__init__(**settings)
+
+    def command(
+        self, name: str | None = None, *, cls: type[TyperCommand] | None = None, **settings: Any
+    ) -> Callable[[CommandFunctionType], CommandFunctionType]:
+        """Register a command as ``typer.Typer.command`` does, a :class:`TenexCommand` unless ``cls`` says
+        otherwise."""
+        return super().command(name, cls=cls or TenexCommand, **settings)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the command line (``sys.argv``); when its output's reader went away (a broken pipe, while it
+        wrote or when what it left buffered is flushed), exit 0 with nothing on stderr."""
+        try:
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                _flush_stdout()
+        except BrokenPipeError:
+            _reader_went_away()
+        except SystemExit as exc:
+            # Click's handler of a broken pipe exits 1, so does rich's (Console.on_broken_pipe): both
+            # while handling the BrokenPipeError
+            if isinstance(exc.__context__, BrokenPipeError):
+                _reader_went_away()
+            raise
+
+
+def _flush_stdout() -> None:
+    """Flush what stdout still buffers, as the interpreter would at exit, while a broken pipe can still be
+    handled; another failure is left to the interpreter's own flush to report."""
+    try:
+        sys.stdout.flush()
+    except (AttributeError, OSError, ValueError) as exc:  # None, a broken pipe, another failure, closed
+        if isinstance(exc, BrokenPipeError):
+            raise
+
+
+def _reader_went_away() -> NoReturn:
+    """Exit 0, stdout pointed at /dev/null first: what it still buffers then goes nowhere, rather than
+    failing again in the interpreter's last flush (which prints the error and exits 120)."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no stdout, or not a file: nothing will be flushed to it
+        pass
+    else:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, descriptor)
+        finally:
+            os.close(devnull)
+    raise SystemExit(0) from None
