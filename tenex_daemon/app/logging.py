@@ -11,6 +11,7 @@ stay intact (redaction goes by the field's name, not by the look of a hex string
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from collections.abc import MutableMapping
@@ -31,6 +32,7 @@ _KEY_NAME = re.compile(r"(?:^|_)(?:key|sk)$", re.IGNORECASE)
 _HEX64 = re.compile(r"^(?:0x)?[0-9a-fA-F]{64}$")
 _NSEC = re.compile(r"nsec1[02-9ac-hj-np-z]{20,}", re.IGNORECASE)
 _HANDLER_MARK = "_tenexd_handler"
+_OWN_STREAM_MARK = "_tenexd_own_stream"
 
 
 def _scrub_text(text: str) -> str:
@@ -117,12 +119,16 @@ def configure_logging(
         foreign_pre_chain=shared,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
     )
-    handler = logging.StreamHandler(output)
+    own = _own_stream(output)
+    handler = logging.StreamHandler(own or output)
     handler.setFormatter(formatter)
     setattr(handler, _HANDLER_MARK, True)
+    setattr(handler, _OWN_STREAM_MARK, own is not None)
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
         root.removeHandler(old)
+        if getattr(old, _OWN_STREAM_MARK, False) and isinstance(old, logging.StreamHandler):
+            old.stream.close()
     root.addHandler(handler)
     root.setLevel(numeric_level)
     structlog.configure(
@@ -138,6 +144,26 @@ def configure_logging(
         cache_logger_on_first_use=False,
     )
     return chosen
+
+
+def _own_stream(stream: TextIO) -> TextIO | None:
+    """A stream of the log's own for the process's stdout or stderr (on a duplicate of its descriptor);
+    None for any other stream (written to as it is).
+
+    A library may point descriptors 1 and 2 at /dev/null for a while, process-wide, to silence its own
+    output: llama-cpp-python does while a model loads and while it builds a tool-call grammar, in a worker
+    thread, and every line the daemon logged meanwhile was lost (``daemon_ready`` among them). The
+    duplicate keeps pointing where the descriptor pointed when logging was configured.
+    """
+    try:
+        descriptor = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's StringIO, pytest's capture)
+        return None
+    if descriptor not in (1, 2):
+        return None
+    stream.flush()
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    return os.fdopen(os.dup(descriptor), "w", encoding=encoding, errors="backslashreplace", buffering=1)
 
 
 def _colors(stream: TextIO) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 import structlog
@@ -133,3 +135,31 @@ def test_each_metrics_instance_has_its_own_registry() -> None:
     first, second = Metrics(), Metrics()
     first.reply_published("planner")
     assert "replies_published_total{" not in second.render().decode()
+
+
+SILENCED_WHILE_LOGGING = """
+import structlog
+from llama_cpp._utils import suppress_stdout_stderr
+
+from tenex_daemon.app.logging import configure_logging
+
+configure_logging("json", "info")
+log = structlog.get_logger("tenex_daemon.test")
+with suppress_stdout_stderr(disable=False):  # what llama-cpp-python does while a model loads
+    for n in range(20):
+        log.info("logged_while_silenced", n=n)
+log.info("logged_after")
+"""
+
+
+def test_no_line_is_lost_while_a_library_points_stderr_at_dev_null() -> None:
+    """Every line logged while llama-cpp-python's quiet mode has descriptors 1 and 2 on /dev/null reaches
+    the daemon's stderr, in order (they all went to /dev/null, daemon_ready among them)."""
+    done = subprocess.run(
+        [sys.executable, "-c", SILENCED_WHILE_LOGGING], capture_output=True, text=True, timeout=120, check=True
+    )
+    events = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert [(e["event"], e.get("n")) for e in events] == [
+        *(("logged_while_silenced", n) for n in range(20)),
+        ("logged_after", None),
+    ]
