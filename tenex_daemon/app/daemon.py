@@ -12,7 +12,7 @@ import os
 import signal
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from functools import partial
 from typing import Any
@@ -44,12 +44,12 @@ from tenex_daemon.adapters.nostr.status_events import StatusEventPublisher
 from tenex_daemon.app.embedded_relay import EmbeddedRelay
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.notify import SystemdNotifier
+from tenex_daemon.app.run_observer import MetricsObserver
 from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.app.status import (
     AgentEntry,
     ConversationCounts,
     DescriptionStatus,
-    LatencySummary,
     OutboxStatus,
     RelayStatus,
     StatusData,
@@ -90,7 +90,7 @@ from tenex_daemon.services.dispatcher import HandleResult, Outcome
 from tenex_daemon.services.outbox import outbox_key_for
 from tenex_daemon.services.private_messages import AGENT_PRIVATE_COPY, Intake
 from tenex_daemon.services.retention import RetentionPolicy, Sweeper
-from tenex_daemon.services.runs import RunRequest, journal_key_for
+from tenex_daemon.services.runs import journal_key_for
 
 log = structlog.get_logger(__name__)
 
@@ -104,10 +104,6 @@ PRIVATE_SUBSCRIPTION_ID = "tenexd-private"
 """Gift wraps (kind 1059) p-tagging an agent: private messages (NIP-17)."""
 WRAP_LOOKBACK_S = 2 * 24 * 3600
 """A gift wrap is dated up to two days in the past (NIP-59): a re-subscription asks that much further back."""
-RECEIVED_MEMORY = 10_000
-"""Arrival times kept for reply latency (triggers older than the newest 10,000 are not timed)."""
-LATENCY_MEMORY = 1_000
-"""Reply latencies kept for the status document's p50/p99."""
 INCOMING_KINDS = [KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT, KIND_TASK]
 
 
@@ -143,51 +139,6 @@ class ShuttingDownError(RuntimeError):
     """Raised to the relay pool for events arriving during shutdown, so they are not marked processed."""
 
 
-class _MetricsObserver:
-    """Feeds run outcomes into the Prometheus metrics; keeps recent reply latencies for the status."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
-        self.replies = 0
-        self.received_at: OrderedDict[str, float] = OrderedDict()
-        """Trigger id -> when the pool took it in (bounded: the newest RECEIVED_MEMORY)."""
-        self.reply_latencies: deque[float] = deque(maxlen=LATENCY_MEMORY)
-        """Seconds from trigger taken in to reply sent, newest last."""
-
-    def event_received(self, event_id: str, received_at: float) -> None:
-        """Remember when an event that may trigger runs arrived."""
-        self.received_at[event_id] = received_at
-        if len(self.received_at) > RECEIVED_MEMORY:
-            self.received_at.popitem(last=False)
-
-    def latency_summary(self) -> LatencySummary:
-        """p50/p99 (ms) of the recent reply latencies, for the status document."""
-        recent = sorted(self.reply_latencies)
-        if not recent:
-            return LatencySummary(count=0, p50_ms=None, p99_ms=None)
-
-        def at(q: float) -> float:
-            return round(recent[min(len(recent) - 1, round(q * (len(recent) - 1)))] * 1000, 2)
-
-        return LatencySummary(count=len(recent), p50_ms=at(0.5), p99_ms=at(0.99))
-
-    def run_finished(self, request: RunRequest, seconds: float, error: str | None) -> None:
-        """Record a run's latency and failure kind."""
-        self._metrics.observe_agent_run(request.agent_slug, seconds)
-        if error is not None:
-            self._metrics.agent_run_error(request.agent_slug, error)
-
-    def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:
-        """Count a published reply and record how long after its trigger arrived it was sent."""
-        self.replies += 1
-        self._metrics.reply_published(agent_slug)
-        received_at = self.received_at.get(trigger_id)
-        if received_at is not None:
-            latency = max(0.0, sent_at - received_at)
-            self.reply_latencies.append(latency)
-            self._metrics.observe_reply_latency(latency)
-
-
 class Daemon:
     """tenexd's long-running process for one project home."""
 
@@ -204,11 +155,15 @@ class Daemon:
         self.errors: Counter[str] = Counter()
         self._stop_requested: asyncio.Event | None = None
         self._ready = asyncio.Event()
+        self._status_writes = asyncio.Lock()
+        """One status file write at a time (the status loop's and the lifecycle's)."""
         self._stopping = False
         self._background = BackgroundTasks("daemon")
         self._conversation_counts = ConversationCounts(total=0, archived=0, by_phase={})
         self.embedded_relay: EmbeddedRelay | None = None
         self.store: Store | None = None
+        self._store_opened = False
+        """Whether the store opened (a filesystem store: its lock taken): the status file is this daemon's."""
         self.pool: RelayPool | None = None
         self.instance = settings.daemon.instance_id or uuid.uuid4().hex[:12]
         """This daemon's name among those sharing a PostgreSQL database."""
@@ -222,7 +177,7 @@ class Daemon:
         """Private replies' wraps, kept until a relay took each (taken over with a dead daemon's outbox)."""
         self.agents: list[Agent] = []
         self.project_signer: Signer | None = None
-        self._observer = _MetricsObserver(self.metrics)
+        self._observer = MetricsObserver(self.metrics)
         self.descriptions: DescriptionJobs | None = None
         """Titles, summaries and their kind-513 events (:func:`build_descriptions`), once started."""
         self.sweeper: Sweeper | None = None
@@ -393,19 +348,22 @@ class Daemon:
 
     async def _start(self) -> None:
         settings = self.settings
+        if not settings.relays.urls and not settings.relays.embedded:
+            raise RuntimeError("no relay configured: pass --relay URL or --embedded-relay")
+        signers, project_signer = load_signers(settings)
+        self.project_signer = project_signer
+        self.agents = build_agents(settings, signers)
+        # the store first: its lock says when another daemon has the home (StoreLockedError), before
+        # anything of this one (its embedded relay, its status file) touches what that daemon holds
+        self.store = build_store(settings)
+        await self.store.open()
+        self._store_opened = True
         settings.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if settings.relays.embedded:
             self.embedded_relay = EmbeddedRelay(
                 settings.embedded_relay_path, settings.relays.embedded_host, settings.relays.embedded_port
             )
             await self.embedded_relay.start()
-        if not self.relay_urls:
-            raise RuntimeError("no relay configured: pass --relay URL or --embedded-relay")
-        signers, project_signer = load_signers(settings)
-        self.project_signer = project_signer
-        self.agents = build_agents(settings, signers)
-        self.store = build_store(settings)
-        await self.store.open()
         if isinstance(self.store, Peers) and settings.storage.kind is StorageKind.POSTGRES:
             self._peers = self.store  # daemons sharing the database: hold this one's name while it lives
             await self._lifetime.enter_async_context(self.store.alive(self._peer_name(self.instance)))
@@ -588,8 +546,9 @@ class Daemon:
         if self.embedded_relay is not None:
             await asyncio.to_thread(self.embedded_relay.stop)
         self.state = "stopped"
-        with contextlib.suppress(OSError):
-            await self._write_status()
+        if self._store_opened:  # a daemon refused the home (its store in use) never writes its status file
+            with contextlib.suppress(OSError):
+                await self._write_status()
         log.info("daemon_stopped")
 
     # --- events ---------------------------------------------------------------------------
@@ -753,7 +712,8 @@ class Daemon:
         )
 
     async def _write_status(self) -> None:
-        await asyncio.to_thread(write_status, self.settings.status_path, self.status())
+        async with self._status_writes:  # each taken at its turn: the file ends with the newest state
+            await asyncio.to_thread(write_status, self.settings.status_path, self.status())
 
     async def _status_loop(self) -> None:
         interval = self.settings.daemon.status_interval_s

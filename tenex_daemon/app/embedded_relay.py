@@ -26,6 +26,8 @@ from typing import Any
 
 import structlog
 
+from tenex_daemon.core.errors import TenexError
+
 log = structlog.get_logger(__name__)
 
 READY = "ready"
@@ -37,8 +39,9 @@ STABLE_S = 60.0
 """A relay that ran this long counts as healthy again: the next restart waits the shortest time."""
 
 
-class EmbeddedRelayError(RuntimeError):
-    """The embedded relay could not be started."""
+class EmbeddedRelayError(TenexError, RuntimeError):
+    """The embedded relay could not be started (the command line says so in one line, as for any
+    :class:`TenexError`)."""
 
 
 class EmbeddedRelay:

@@ -20,7 +20,14 @@ from pydantic import ValidationError
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer, write_key_file
 from tenex_daemon.app.files import write_text_atomic
-from tenex_daemon.app.settings import CONFIG_FILE, AgentSettings, Settings, SettingsError, load_settings
+from tenex_daemon.app.settings import (
+    CONFIG_FILE,
+    AgentSettings,
+    BackendSettings,
+    Settings,
+    SettingsError,
+    load_settings,
+)
 from tenex_daemon.core import nip19
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.errors import TenexError
@@ -166,7 +173,37 @@ def _key_for(keys_dir: Path, label: str) -> tuple[Signer, bool]:
     return signer, True
 
 
-def _agent_block(agent: DemoAgent | AgentSettings, backend_kind: str = "offline") -> str:
+def _toml_value(value: object) -> str:
+    """``value`` (a settings value dumped as JSON data) as a TOML value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return toml_string(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{toml_string(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"no TOML value for {value!r}")
+
+
+def _backend_lines(backend: BackendSettings) -> list[str]:
+    """The ``[agents.backend]`` keys of ``backend``: its kind, then what it sets besides the defaults."""
+    values = backend.model_dump(mode="json", exclude_defaults=True, exclude_none=True)
+    values.pop("kind", None)
+    return [f"kind = {toml_string(backend.kind)}", *(f"{k} = {_toml_value(v)}" for k, v in values.items())]
+
+
+def shared_backend(agents: Sequence[AgentSettings]) -> BackendSettings | None:
+    """The backend every agent but the orchestrator has, when there are some and they all have the same."""
+    backends = [a.backend for a in agents if not a.orchestrator]
+    if backends and all(b == backends[0] for b in backends):
+        return backends[0]
+    return None
+
+
+def _agent_block(agent: DemoAgent | AgentSettings, backend: str | BackendSettings = "offline") -> str:
     lines = [
         "[[agents]]",
         f"slug = {toml_string(agent.slug)}",
@@ -179,7 +216,9 @@ def _agent_block(agent: DemoAgent | AgentSettings, backend_kind: str = "offline"
         recorded = (("role", agent.role), ("source", agent.source))
         lines += [f"{key} = {toml_string(value)}" for key, value in recorded if value]
     lines += ["", "[agents.backend]"]
-    if agent.orchestrator and backend_kind == "local":
+    if isinstance(backend, str):
+        backend = BackendSettings(kind=backend)
+    if agent.orchestrator and backend.kind == "local":
         # The bundled 135M model cannot produce routing decisions; the rules route instead.
         lines += [
             "# Routing by rules (@mentions, else default_agent). Give the orchestrator a capable",
@@ -188,7 +227,7 @@ def _agent_block(agent: DemoAgent | AgentSettings, backend_kind: str = "offline"
             "",
         ]
     else:
-        lines += [f"kind = {toml_string(backend_kind)}", ""]
+        lines += [*_backend_lines(backend), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -321,14 +360,16 @@ def add_agent(
     instructions: str = "",
     *,
     orchestrator: bool = False,
-    backend_kind: str = "offline",
+    backend_kind: str | None = None,
     role: str | None = None,
     source: str | None = None,
 ) -> KeyInfo:
     """Create ``keys/<slug>.key`` (0600) and append the agent to ``config.toml``.
 
-    Refuses a slug already configured, a second orchestrator, or an existing key file
-    for the slug (it may belong to an agent removed from the config by hand).
+    Its backend is ``backend_kind`` when given; else the one the other agents (the orchestrator
+    aside) all have, copied whole (kind, model, options...); else, when they differ or there are
+    none, ``offline``. Refuses a slug already configured, a second orchestrator, or an existing key
+    file for the slug (it may belong to an agent removed from the config by hand).
     """
     try:
         agent = AgentSettings(
@@ -346,17 +387,22 @@ def add_agent(
     if key_path.exists():
         raise HomeError(f"{key_path} already exists; remove it or choose another slug")
     config_text = settings.config_path.read_text(encoding="utf-8")
+    if backend_kind is not None:
+        backend = BackendSettings(kind=backend_kind)
+    else:
+        backend = shared_backend(settings.agents) or BackendSettings()
+    block = _agent_block(agent, backend)
     signer = Signer.generate(label=slug)
     write_key_file(key_path, signer)
     separator = "" if config_text.endswith("\n\n") else ("\n" if config_text.endswith("\n") else "\n\n")
     try:
-        _write_atomic(settings.config_path, config_text + separator + _agent_block(agent, backend_kind))
+        _write_atomic(settings.config_path, config_text + separator + block)
         load_settings(settings.home, {})
     except (OSError, SettingsError):
         _write_atomic(settings.config_path, config_text)
         key_path.unlink(missing_ok=True)
         raise
-    log.info("agent_added", slug=slug, pubkey=signer.pubkey)
+    log.info("agent_added", slug=slug, pubkey=signer.pubkey, backend=backend.kind)
     return KeyInfo.of(slug, signer.pubkey, key_path)
 
 

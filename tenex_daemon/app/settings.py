@@ -1,7 +1,7 @@
 """One typed Settings object: loaded once from the home's config.toml with TENEX_* overrides.
 
-Errors name the key and the file. Settings are passed through constructors, never read
-from globals.
+Errors name the key and where its value came from: the file, or the environment variable that
+set it. Settings are passed through constructors, never read from globals.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -374,31 +375,85 @@ def resolve_home(home: str | Path | None, env: Mapping[str, str] | None = None) 
     return Path(DEFAULT_HOME).resolve()
 
 
-def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    """Turn ``TENEX_SECTION__KEY=value`` variables into nested settings (``__`` separates levels).
+SECTION_SEPARATOR = "__"
 
-    Values are parsed as TOML values when they can be (numbers, booleans, arrays), else
-    taken as strings. ``TENEX_HOME`` is not an override (it picks the home).
+
+@dataclass(frozen=True)
+class _Override:
+    """One ``TENEX_`` variable that sets a setting: its name, its path of keys, its value."""
+
+    name: str
+    path: tuple[str, ...]
+    value: Any
+
+
+def _env_overrides(env: Mapping[str, str]) -> list[_Override]:
+    """The ``TENEX_`` variables that set settings, each with its path of keys and its value.
+
+    A variable is a setting when what follows ``TENEX_`` contains ``__`` (``TENEX_SECTION__KEY``,
+    ``__`` separating levels) or is a top-level key (``TENEX_OWNER``, ``TENEX_DAEMON`` as a whole
+    table); any other ``TENEX_`` variable (``TENEX_HOME``, which picks the home, and the scripts'
+    own, such as ``TENEX_BENCH_FIGURES``) is not a setting and is ignored. A ``__`` variable whose
+    first part names no top-level key is refused, naming it. Values are parsed as TOML values when
+    they can be (numbers, booleans, arrays, inline tables), else taken as strings.
     """
-    result: dict[str, Any] = {}
-    for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name == "TENEX_HOME":
+    top_level = set(Settings.model_fields) - {"home"}
+    found: list[_Override] = []
+    for name, raw in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX):
             continue
-        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__") if part]
-        if not path:
-            continue
+        rest = name[len(ENV_PREFIX) :]
+        path = tuple(part.lower() for part in rest.split(SECTION_SEPARATOR) if part)
+        if not path or (SECTION_SEPARATOR not in rest and path[0] not in top_level):
+            continue  # not a setting: TENEX_HOME, a script's own variable
+        if path[0] not in top_level:
+            raise SettingsError(
+                f"environment {name}: {path[0]}: not a section or key of the settings "
+                f"(top level: {', '.join(sorted(top_level))})"
+            )
         try:
             value: Any = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw
-        target = result
-        for part in path[:-1]:
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
-                break
-        else:
-            target[path[-1]] = value
+        found.append(_Override(name, path, value))
+    return found
+
+
+def _apply(data: dict[str, Any], overrides: list[_Override]) -> dict[str, Any]:
+    """``data`` with each override set at its path (whole tables first, their keys then merged in)."""
+    result = dict(data)
+    for override in sorted(overrides, key=lambda o: len(o.path)):
+        tables = (o for o in overrides if _within(override.path, o.path))
+        clash = next((o for o in tables if not isinstance(o.value, Mapping)), None)
+        if clash is not None:
+            raise SettingsError(
+                f"environment {override.name}: {'.'.join(override.path)}: "
+                f"{clash.name} sets {'.'.join(clash.path)} to a value that is not a table"
+            )
+        nested: dict[str, Any] = {override.path[-1]: override.value}
+        for part in reversed(override.path[:-1]):
+            nested = {part: nested}
+        result = _merge(result, nested)
     return result
+
+
+def _within(path: tuple[str, ...], table: tuple[str, ...]) -> bool:
+    """Whether ``path`` names a key inside ``table`` (at any depth)."""
+    return len(table) < len(path) and path[: len(table)] == table
+
+
+def _source(loc: tuple[str | int, ...], overrides: list[_Override], path: Path) -> str:
+    """Where the value an error is about came from: the variable that set it, else the file (naming
+    the variables that also took part when the error is about the whole settings)."""
+    keys = tuple(str(part) for part in loc)
+    setting = [
+        o for o in overrides if keys and (o.path == keys or _within(keys, o.path) or _within(o.path, keys))
+    ]
+    if setting:
+        return "environment " + ", ".join(o.name for o in setting)
+    if not keys and overrides:
+        return f"{path} with environment {', '.join(o.name for o in overrides)}"
+    return str(path)
 
 
 def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -412,9 +467,11 @@ def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_settings(home: str | Path | None = None, env: Mapping[str, str] | None = None) -> Settings:
-    """Load ``<home>/config.toml`` and apply ``TENEX_*`` environment overrides.
+    """Load ``<home>/config.toml`` and apply the ``TENEX_`` variables that set settings (see
+    :func:`_env_overrides`).
 
-    Raises :class:`SettingsError` naming the file and the key when something is wrong.
+    Raises :class:`SettingsError` naming the key, and the file or the variable its value came from,
+    when something is wrong.
     """
     environment = os.environ if env is None else env
     root = resolve_home(home, environment)
@@ -425,13 +482,16 @@ def load_settings(home: str | Path | None = None, env: Mapping[str, str] | None 
         raise SettingsError(f"{path}: not found (run `tenexd init --home {root}` first)") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"{path}: invalid TOML: {exc}") from None
-    data = _merge(data, _env_overrides(environment))
+    overrides = _env_overrides(environment)
+    data = _apply(data, overrides)
     data["home"] = root
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in error['loc']) or '(top level)'}: {error['msg']}"
-            for error in exc.errors()
-        )
-        raise SettingsError(f"{path}: {problems}") from None
+        problems: dict[str, list[str]] = {}
+        for error in exc.errors():
+            problem = f"{'.'.join(str(p) for p in error['loc']) or '(top level)'}: {error['msg']}"
+            problems.setdefault(_source(error["loc"], overrides, path), []).append(problem)
+        raise SettingsError(
+            "; ".join(f"{source}: {'; '.join(found)}" for source, found in problems.items())
+        ) from None

@@ -126,3 +126,75 @@ def test_example_home_of_the_repository_loads() -> None:
     example = Path(__file__).resolve().parents[3] / ".tenex"
     settings = load_settings(example, {})
     assert {a.slug for a in settings.agents} == {"orchestrator", "planner", "executor"}
+
+
+def test_bad_environment_value_is_reported_with_the_variable_not_the_file(tmp_path: Path) -> None:
+    """A bad value set by TENEX_DAEMON__HOP_LIMIT is reported as the environment variable's, not config.toml's."""
+    home = write_home(tmp_path)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(home, {"TENEX_DAEMON__HOP_LIMIT": "abc"})
+    message = str(caught.value)
+    assert message.startswith("environment TENEX_DAEMON__HOP_LIMIT: daemon.hop_limit: Input should be a valid integer")
+    assert "config.toml" not in message
+
+
+def test_each_bad_value_is_reported_with_its_own_source(tmp_path: Path) -> None:
+    """With a bad value in config.toml and another in the environment, each is reported with where it came from."""
+    home = write_home(tmp_path, CONFIG.format(owner=OWNER) + "[daemon]\nhop_limit = -1\n")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(home, {"TENEX_RELAYS__URLS": '["http://relay.example"]'})
+    message = str(caught.value)
+    assert f"{home.resolve() / 'config.toml'}: daemon.hop_limit: " in message
+    assert "environment TENEX_RELAYS__URLS: relays.urls: " in message
+    assert f"{home.resolve() / 'config.toml'}: relays.urls" not in message
+
+
+def test_tenex_variables_without_double_underscore_are_not_settings(tmp_path: Path) -> None:
+    """The scripts' own TENEX_ variables (and TENEX_HOME) are ignored by load_settings, not refused as unknown keys."""
+    home = write_home(tmp_path)
+    env = {
+        "TENEX_BENCH_FIGURES": "/tmp/f.jsonl",
+        "TENEX_BENCH_PROFILE": "/tmp/p.prof",
+        "TENEX_FAULTS_FULL": "1",
+        "TENEX_FAULTS_REPORT": "/tmp/r.jsonl",
+        "TENEX_CRASH_SEED": "3",
+        "TENEX_CRASH_ROUNDS": "5",
+        "TENEX_REQUIRE_TEST_PARTS": "1",
+        "TENEX_HOME": str(tmp_path / "elsewhere"),
+    }
+    assert load_settings(home, env) == load_settings(home, {})
+
+
+def test_top_level_keys_are_set_by_their_own_variable(tmp_path: Path) -> None:
+    """TENEX_<KEY> sets a top-level key (TENEX_DEFAULT_AGENT, TENEX_WHITELIST) and TENEX_<SECTION> a whole table."""
+    home = write_home(tmp_path)
+    env = {
+        "TENEX_DEFAULT_AGENT": "orchestrator",
+        "TENEX_WHITELIST": f'["{"b" * 64}"]',
+        "TENEX_DAEMON": "{ hop_limit = 2 }",
+        "TENEX_DAEMON__GRACE_PERIOD_S": "3",
+    }
+    settings = load_settings(home, env)
+    assert settings.default_agent == "orchestrator"
+    assert settings.whitelist == ["b" * 64]
+    assert (settings.daemon.hop_limit, settings.daemon.grace_period_s) == (2, 3.0)
+
+
+def test_double_underscore_variable_naming_no_setting_is_refused_with_its_name(tmp_path: Path) -> None:
+    """A TENEX_<SECTION>__<KEY> variable whose section or key the settings do not know is refused, naming the variable."""
+    home = write_home(tmp_path)
+    with pytest.raises(SettingsError, match=r"^environment TENEX_BENCH__FIGURES: bench: not a section"):
+        load_settings(home, {"TENEX_BENCH__FIGURES": "/tmp/f.jsonl"})
+    with pytest.raises(SettingsError, match=r"^environment TENEX_DAEMON__HOP_LIMT: daemon\.hop_limt: Extra inputs"):
+        load_settings(home, {"TENEX_DAEMON__HOP_LIMT": "2"})
+    with pytest.raises(SettingsError, match=r"^environment TENEX_DAEMON__HOP_LIMIT: .*TENEX_DAEMON sets daemon"):
+        load_settings(home, {"TENEX_DAEMON": "3", "TENEX_DAEMON__HOP_LIMIT": "2"})
+
+
+def test_error_about_the_whole_settings_names_the_variables_that_took_part(tmp_path: Path) -> None:
+    """An error about the settings as a whole (a default_agent that is no agent) names the file and the variables applied."""
+    home = write_home(tmp_path)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(home, {"TENEX_DEFAULT_AGENT": "nobody"})
+    assert str(caught.value).startswith(f"{home.resolve() / 'config.toml'} with environment TENEX_DEFAULT_AGENT: ")
+    assert "'nobody' is not one of the agents" in str(caught.value)
