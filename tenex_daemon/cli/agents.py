@@ -17,7 +17,7 @@ from tenex_daemon.adapters.nostr.agent_definition import (
 from tenex_daemon.adapters.nostr.signer import KeyFileError
 from tenex_daemon.app.home import HomeError, add_agent, agent_identities
 from tenex_daemon.app.settings import Settings, SettingsError
-from tenex_daemon.cli.invocation import HomeOption, settings_of
+from tenex_daemon.cli.invocation import HomeOption, relay_urls_argument, settings_of
 from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, fail, out, print_json
 from tenex_daemon.cli.typer_app import TenexTyper
 from tenex_daemon.core import nip19
@@ -94,7 +94,8 @@ def agents_add(
     if source is not None:
         if instructions is not None:
             fail("--instructions cannot go with --from: the definition gives the instructions", EXIT_USAGE)
-        _add_from(settings, source, _AddFrom(slug, name, orchestrator, relay or [], timeout), as_json)
+        relays = relay_urls_argument(relay)
+        _add_from(settings, source, _AddFrom(slug, name, orchestrator, relays, timeout), as_json)
         return
     if slug is None:
         fail("give the new agent's SLUG (or --from nevent1.../naddr1... to install a definition)", EXIT_USAGE)

@@ -4,6 +4,8 @@ and ``context``."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -220,14 +222,17 @@ def conversations_show(
 
 
 def _print_lifecycle(data: dict[str, Any]) -> None:
-    """The conversation's life: ended (when, by whom, why) or active, its summary, its task session."""
+    """The conversation's life: ended (when, by whom, why) or active, where its title came from, its
+    summary, its task session."""
     if data.get("ended_at") is not None:
         why = f": {data['end_reason']}" if data.get("end_reason") else ""
         out.print(f"ended {ms_time(data['ended_at'])} by {data.get('ended_by')}{why}")
     else:
         out.print(f"active, last activity {ms_time(data.get('activity_at'))}")
+    if data.get("title_source"):
+        out.print(f"title source: {data['title_source']}")
     if data.get("description"):
-        out.print(Text(f"summary ({data.get('title_source')}): {data['description']}", style="italic"))
+        out.print(Text(f"summary: {data['description']}", style="italic"))
     if data.get("task_id"):
         previous = f", follows session {data['previous_session']}" if data.get("previous_session") else ""
         out.print(
@@ -293,14 +298,33 @@ def conversations_export(
     ] = None,
     home: HomeOption = None,
 ) -> None:
-    """Export a conversation as JSON (history as NIP-01 events, state, transitions, turns)."""
+    """Export a conversation as JSON (history as NIP-01 events, state, transitions, turns); a file is
+    written with mode 0600 (it holds the conversation's text, a private one's decrypted)."""
     data: dict[str, Any] = with_conversation(ctx, conversation_id, lambda access, cid: access.get(cid))[1]
     text = json.dumps(data, ensure_ascii=False, indent=2) + "\n"
     if output is None:
         sys.stdout.write(text)
         return
-    output.write_text(text, encoding="utf-8")
+    try:
+        _write_private(output, text)
+    except OSError as exc:
+        fail(f"cannot write {output}: {exc.strerror or exc}", EXIT_USAGE)
     err.print(f"wrote {output} ({len(data['history'])} events)")
+
+
+EXPORT_MODE = 0o600
+"""An export file's mode: its owner's only (it holds a conversation's text)."""
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, created with mode 0600; an existing file readable by others is made 0600
+    before anything is written to it (a device such as /dev/null is written as it is)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, EXPORT_MODE)
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        found = os.fstat(fd)
+        if stat.S_ISREG(found.st_mode) and stat.S_IMODE(found.st_mode) & ~EXPORT_MODE:
+            os.fchmod(fd, EXPORT_MODE)
+        file.write(text)
 
 
 def _rebuild_body(request: RebuildRequest) -> dict[str, Any]:

@@ -14,10 +14,10 @@ from tenex_daemon import __version__
 from tenex_daemon.adapters.nostr.signer import KeyFileError
 from tenex_daemon.app.home import HomeError, init_home
 from tenex_daemon.app.logging import configure_logging
-from tenex_daemon.app.settings import Settings, SettingsError, load_settings
+from tenex_daemon.app.settings import CONFIG_FILE, Settings, SettingsError, load_settings
 from tenex_daemon.app.status import StatusReport, read_status
 from tenex_daemon.cli.access import AccessError
-from tenex_daemon.cli.invocation import HomeOption, home_of, run_async, settings_of
+from tenex_daemon.cli.invocation import HomeOption, home_of, relay_urls_argument, run_async, settings_of
 from tenex_daemon.cli.output import (
     EXIT_FAILURE,
     EXIT_USAGE,
@@ -102,10 +102,7 @@ def _run_settings(
     """The settings with the command line's relays and logging applied; exit 2 on a bad relay URL."""
     relays = settings.relays
     if relay:
-        bad = [url for url in relay if not url.startswith(("ws://", "wss://"))]
-        if bad:
-            fail(f"relay URL {bad[0]!r} must start with ws:// or wss://", EXIT_USAGE)
-        relays = relays.model_copy(update={"urls": list(dict.fromkeys(relay))})
+        relays = relays.model_copy(update={"urls": relay_urls_argument(relay)})
     if embedded_relay:
         relays = relays.model_copy(update={"embedded": True})
     daemon_settings = settings.daemon
@@ -150,12 +147,16 @@ def run(
 
 
 def _status_report(ctx: typer.Context) -> StatusReport:
-    """Read the status file; works with a broken config (falls back to the default paths)."""
+    """Read the status file; works with a broken config (falls back to the default paths). A home that is
+    missing, or has neither config.toml nor a status file, is no home: exit 2 as every command does."""
     home = home_of(ctx)
     try:
         settings = load_settings(home)
-    except SettingsError:
-        return read_status(home / "run" / "status.json", DEFAULT_STALE_S)
+    except SettingsError as exc:
+        fallback = home / "run" / "status.json"
+        if not (home / CONFIG_FILE).exists() and not fallback.exists():
+            fail(str(exc), EXIT_USAGE)
+        return read_status(fallback, DEFAULT_STALE_S)
     return read_status(settings.status_path, settings.daemon.stale_after_s)
 
 

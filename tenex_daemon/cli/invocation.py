@@ -8,7 +8,7 @@ either, the home is ``$TENEX_HOME``, else ``./.tenex``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -37,11 +37,29 @@ HomeOption = Annotated[
 """The ``--home`` every command declares; :func:`home_of` reads it (the parameter itself goes unused)."""
 
 
-def home_of(ctx: typer.Context) -> Path:
-    """Return the home of the command's ``--home``, else tenexd's, else ``$TENEX_HOME``, else ``./.tenex``."""
+def home_given(ctx: typer.Context) -> str | None:
+    """Return the ``--home`` as given, the command's else tenexd's; None when neither was given."""
     after: str | None = ctx.params.get("home")
     before: str | None = ctx.find_root().params.get("home")
-    return resolve_home(after if after is not None else before)
+    return after if after is not None else before
+
+
+def home_of(ctx: typer.Context) -> Path:
+    """Return the home of the command's ``--home``, else tenexd's, else ``$TENEX_HOME``, else ``./.tenex``."""
+    return resolve_home(home_given(ctx))
+
+
+RELAY_SCHEMES = ("ws://", "wss://")
+
+
+def relay_urls_argument(urls: Sequence[str] | None) -> list[str]:
+    """Return the ``--relay`` URLs given, each once; exit 2 naming the first that does not start with ws://
+    or wss:// (as ``init`` and config.toml's ``relays.urls`` refuse it)."""
+    given = list(dict.fromkeys(urls or ()))
+    bad = [url for url in given if not url.startswith(RELAY_SCHEMES)]
+    if bad:
+        fail(f"relay URL {bad[0]!r} must start with ws:// or wss://", EXIT_USAGE)
+    return given
 
 
 def settings_of(ctx: typer.Context) -> Settings:

@@ -42,10 +42,13 @@ from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import (
+    ERROR_SYSTEM,
     KIND_COMMENT,
     KIND_CONVERSATION_ROOT,
     KIND_GIFT_WRAP,
     KIND_NOTE,
+    KIND_PRIVATE_MESSAGE,
+    TAG_ERROR,
     TAG_PUBKEY,
 )
 
@@ -54,10 +57,17 @@ PRIVATE_LOOKBACK_S = 2 * 86_400 + 60
 """How far back the answers' gift wraps may be dated (NIP-59 backdates them up to two days)."""
 SEND_KINDS = (KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT)
 """What ``--kind`` may name: a kind-1 note or NIP-10 reply, a kind-11 root, a kind-1111 reply."""
+STOP_NOTICE_PREFIX = "Stopped: "
+"""How the daemon's stop notice begins: "Stopped: Planner, Executor." (tenex_daemon/services/stopping.py)."""
 
 
 class SendError(TenexError):
     """The message could not be sent; the message says why and what to do."""
+
+
+class PrivateConversationError(SendError):
+    """``--reply-to`` names a message of a private (NIP-17) conversation: a public reply would publish the
+    text in the clear, and the daemon takes no public event into a private conversation."""
 
 
 @dataclass
@@ -70,6 +80,8 @@ class SendResult:
     relays: list[str]
     replies: list[tuple[Agent, NostrEvent]] = field(default_factory=list)
     answered: bool = False
+    stopped: NostrEvent | None = None
+    """The daemon's stop notice that ended the wait before the awaited answer (:func:`is_stop_notice`)."""
 
 
 def send_relays(settings: Settings, explicit: Sequence[str]) -> list[str]:
@@ -117,6 +129,38 @@ def check_kind(kind: int | None, replying: bool) -> None:
         raise SendError("--kind 1111 is a reply: name its parent with --reply-to")
     if kind == KIND_CONVERSATION_ROOT and replying:
         raise SendError("--kind 11 starts a conversation: it cannot reply (leave out --reply-to)")
+
+
+def check_title(title: str | None, kind: int | None, replying: bool) -> None:
+    """Refuse ``--title`` unless the message is a new kind-11 conversation, the only one that carries a title
+    (a kind-1 note and a reply have none)."""
+    if title is not None and (replying or kind == KIND_NOTE):
+        raise SendError(
+            "--title is only for a new kind-11 conversation: leave it out with "
+            + ("--reply-to" if replying else "--kind 1")
+        )
+
+
+def is_stop_notice(event: NostrEvent) -> bool:
+    """Whether an agent's event is the daemon's notice that runs were stopped (``tenexd conversations stop``,
+    a kind-24134 request): "Stopped: <names>.", tagged ``["error", "system"]`` (docs/PROTOCOL.md)."""
+    return event.tag_value(TAG_ERROR) == ERROR_SYSTEM and event.content.startswith(STOP_NOTICE_PREFIX)
+
+
+def stopped_names(notice: NostrEvent) -> list[str]:
+    """The names of the agents a stop notice says were stopped ("Stopped: Planner, Executor.")."""
+    listed = notice.content.removeprefix(STOP_NOTICE_PREFIX).strip().removesuffix(".")
+    return [name.strip() for name in listed.split(",") if name.strip()]
+
+
+def check_public_parent(parent: NostrEvent) -> None:
+    """Refuse to reply in public to a message of a private conversation (a rumor: kind 14, unsigned)."""
+    if parent.kind == KIND_PRIVATE_MESSAGE or not parent.is_signed:
+        raise PrivateConversationError(
+            f"event {parent.id} is a message of a private conversation: a reply with --reply-to would "
+            'publish your text in the clear; `tenexd send --private --to AGENT "..."` continues your open '
+            "private conversation with that agent"
+        )
 
 
 def message_kind(kind: int | None, parent: NostrEvent | None) -> int:
@@ -171,10 +215,12 @@ def compose_message(
     """Sign what ``send`` publishes; return (event, the root id of its thread as far as it knows).
 
     A top-level kind-1 note names no root: the daemon may join it to the person's open channel
-    conversation, whose root only the agent's answer tells (its ``root`` ``e`` tag).
+    conversation, whose root only the agent's answer tells (its ``root`` ``e`` tag). A ``parent`` of a
+    private conversation is refused (:func:`check_public_parent`): nothing is signed.
     """
     chosen = message_kind(kind, parent)
     if parent is not None:
+        check_public_parent(parent)
         root_id, tags = reply_tags(parent, target, agent_keys, owner.pubkey, chosen)
         return owner.sign(chosen, text, tags), root_id
     if chosen == KIND_NOTE:
@@ -227,7 +273,8 @@ def _relays_to_use(settings: Settings, agents: Sequence[Agent], explicit: Sequen
 class _Answers:
     """The agents' answers as they come, and the wait for the one that ends it: with ``to``, that agent's;
     else, or when ``to`` is the orchestrator, any agent's but the orchestrator's (it routes, and answers
-    only when it is the only agent)."""
+    only when it is the only agent). A stop notice (:func:`is_stop_notice`), whoever signed it, ends the
+    wait too, unanswered: with ``to`` (not the orchestrator), one that names that agent; else any."""
 
     def __init__(
         self,
@@ -241,15 +288,28 @@ class _Answers:
         self._others_exist = any(not a.orchestrator for a in agents)
         self._on_reply = on_reply
         self.replies: list[tuple[Agent, NostrEvent]] = []
+        self.answered = False
+        self.stopped: NostrEvent | None = None
         self._done = asyncio.Event()
 
     def add(self, agent: Agent, event: NostrEvent) -> None:
-        """One agent's answer: kept, shown, and the end of the wait when it is the awaited one."""
+        """One agent's answer: kept, shown, and the end of the wait when it is the awaited one or a stop
+        notice."""
         self.replies.append((agent, event))
         if self._on_reply is not None:
             self._on_reply(agent, event)
-        if self._ends_the_wait(agent):
+        if is_stop_notice(event):
+            if self._stops_the_wait(event):
+                self.stopped = self.stopped or event
+                self._done.set()
+        elif self._ends_the_wait(agent):
+            self.answered = True
             self._done.set()
+
+    def _stops_the_wait(self, notice: NostrEvent) -> bool:
+        if self._to is not None and not self._target.orchestrator:
+            return self._target.name in stopped_names(notice)
+        return True
 
     def _ends_the_wait(self, agent: Agent) -> bool:
         if self._to is not None and not self._target.orchestrator:
@@ -257,11 +317,17 @@ class _Answers:
         return not (agent.orchestrator and self._others_exist)
 
     async def wait(self, timeout: float) -> bool:  # noqa: ASYNC109 - the whole wait for the answer
-        """Wait up to ``timeout`` seconds for the awaited answer; return whether it came."""
+        """Wait up to ``timeout`` seconds for the awaited answer or a stop notice; return whether the answer
+        came (after a stop notice: :attr:`stopped`)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._done.wait()
-        return self._done.is_set()
+        return self.answered
+
+    async def settle(self, result: SendResult, timeout: float) -> None:  # noqa: ASYNC109 - as wait's
+        """Wait (:meth:`wait`), then record in ``result`` whether the answer came or the runs were stopped."""
+        result.answered = await self.wait(timeout)
+        result.stopped = None if result.answered else self.stopped
 
 
 @asynccontextmanager
@@ -304,13 +370,16 @@ async def send_message(
 
     Without ``to``, or with the orchestrator's, the orchestrator is addressed, and the first reply from
     an agent other than the orchestrator (it routes) ends the wait; with another agent's, that agent's
-    reply does. ``on_sent`` is told (event, addressed agent, relays that took it) once it is published.
-    ``find_event`` looks the parent of ``reply_to`` up locally when no relay has it. ``kind``
+    reply does; a stop notice ends it unanswered (:attr:`SendResult.stopped`). ``on_sent`` is told
+    (event, addressed agent, relays that took it) once it is published.
+    ``find_event`` looks the parent of ``reply_to`` up locally when no relay has it; a parent in a private
+    conversation is refused (:class:`PrivateConversationError`) before anything is signed. ``kind``
     picks what is sent (:func:`message_kind`); replies of kind 1111 and 1 are both collected: those
     naming the thread's root, or the event sent (a kind-1 answer's ``reply`` ``e`` tag).
     """
     urls = _relays_to_use(settings, agents, relays)
     check_kind(kind, reply_to is not None)
+    check_title(title, kind, reply_to is not None)
     target = addressed_agent(agents, to, settings.default_agent_slug)
     by_key = {a.pubkey: a for a in agents}
     answers = _Answers(agents, target, to, on_reply)
@@ -350,7 +419,7 @@ async def send_message(
         result = SendResult(event, root_id, target, list(published.accepted_by), answers.replies)
         if on_sent is not None:
             on_sent(event, target, result.relays)
-        result.answered = await answers.wait(timeout)
+        await answers.settle(result, timeout)
         if event.kind == KIND_NOTE and answers.replies:
             # a top-level note may have joined an open channel conversation: its answers name the root
             result.conversation_id = conversation_id(answers.replies[0][1])
@@ -412,5 +481,5 @@ async def send_private_message(
         result = SendResult(rumor, rumor.id, target, sorted(accepted), answers.replies)
         if on_sent is not None:
             on_sent(rumor, target, result.relays)
-        result.answered = await answers.wait(timeout)
+        await answers.settle(result, timeout)
         return result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any
@@ -14,12 +15,21 @@ from rich.text import Text
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
 from tenex_daemon.app.home import load_agents
 from tenex_daemon.app.settings import Settings
-from tenex_daemon.cli.access import open_access, resolve_conversation
-from tenex_daemon.cli.invocation import HomeOption, conversation_argument, run_async, settings_of
+from tenex_daemon.cli.access import AccessError, ConversationAccess, open_access, resolve_conversation
+from tenex_daemon.cli.conversations import SHOWN_ID_DIGITS
+from tenex_daemon.cli.invocation import (
+    HomeOption,
+    conversation_argument,
+    home_given,
+    relay_urls_argument,
+    run_async,
+    settings_of,
+)
 from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, err, fail, out
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.vocabulary import KIND_NOTE, KIND_PRIVATE_MESSAGE
 
 if TYPE_CHECKING:
     from tenex_daemon.cli.send import SendResult
@@ -63,18 +73,57 @@ def _local_event_finder(settings: Settings) -> Callable[[str], Awaitable[NostrEv
     return find_local
 
 
+async def _private_conversation_of(access: ConversationAccess, event_id: str) -> dict[str, Any] | None:
+    """The private (NIP-17) conversation of this home holding the event, None when it is in none or in a
+    public one."""
+    try:
+        data = await access.conversation_of_event(event_id)
+    except AccessError as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return data if data.get("root_kind") == KIND_PRIVATE_MESSAGE else None
+
+
+def _private_reply_refusal(data: dict[str, Any]) -> str:
+    """Why ``--reply-to`` into the private conversation ``data`` is refused, and what continues it instead
+    (a private message joins the person's open private conversation with the agent: docs/PROTOCOL.md,
+    "Private conversations"; its channel ``dm:<agent slug>:<person>`` names the agent)."""
+    channel = str(data.get("channel") or "").split(":")
+    agent = channel[1] if len(channel) == 3 and channel[0] == "dm" and channel[1] else None
+    continues = f"with {agent}" if agent else "with that agent"
+    return (
+        f"conversation {data.get('id')} is private (NIP-17): a reply with --reply-to would publish your text "
+        f'in the clear, and no agent would answer it; `tenexd send --private --to {agent or "AGENT"} "..."` '
+        f"continues your open private conversation {continues} (or starts a new one)"
+    )
+
+
 def _reply_to_argument(settings: Settings, value: str) -> str:
     """The event id ``--reply-to`` names: a whole id, or a conversation's short id (its root's id); exit 2
-    when malformed or ambiguous, 1 when no conversation has it."""
+    when malformed or ambiguous, or when it is in a private conversation of this home (a public reply
+    would publish the text in the clear), 1 when no conversation has the short id.
+
+    A whole id may name an event only the relays have: when the home cannot be read now, it is taken as it
+    is (a private message found later is still refused before anything is signed: ``check_public_parent``).
+    """
     reference = conversation_argument(value, "reply-to event id")
-    if len(reference) == 64:
-        return reference
 
-    async def resolve() -> str:
+    async def resolve() -> tuple[str, dict[str, Any] | None]:
         async with open_access(settings) as access:
-            return await resolve_conversation(access, reference)
+            event_id = await resolve_conversation(access, reference)
+            return event_id, await _private_conversation_of(access, event_id)
 
-    return run_async(resolve())
+    if len(reference) == 64:
+        try:
+            event_id, private = asyncio.run(resolve())
+        except (TenexError, OSError, ValueError):
+            return reference
+    else:
+        event_id, private = run_async(resolve())
+    if private is not None:
+        fail(_private_reply_refusal(private), EXIT_USAGE)
+    return event_id
 
 
 def send(
@@ -96,8 +145,10 @@ def send(
         ),
     ] = None,
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for replies.")] = 30.0,
-    relay: Annotated[list[str] | None, typer.Option(help="Relay URL (repeatable).")] = None,
-    title: Annotated[str | None, typer.Option(help="Title of a new conversation.")] = None,
+    relay: Annotated[list[str] | None, typer.Option(help="Relay URL, ws:// or wss:// (repeatable).")] = None,
+    title: Annotated[
+        str | None, typer.Option(help="Title of a new kind-11 conversation (no --reply-to, no --kind 1).")
+    ] = None,
     private: Annotated[
         bool,
         typer.Option(
@@ -110,10 +161,17 @@ def send(
 ) -> None:
     """Publish TEXT as the owner (keys/owner.key) and print the agents' replies as they arrive.
 
-    Ends at the addressed agent's reply (the orchestrator's: the reply of an agent it routes to; exit 0)
-    or at the timeout (exit 1).
+    Ends at the addressed agent's reply (the orchestrator's: the reply of an agent it routes to; exit 0),
+    at a notice that the runs were stopped (`tenexd conversations stop`; exit 1) or at the timeout (exit 1).
     """
-    from tenex_daemon.cli.send import SendError, check_kind, send_message, send_private_message
+    from tenex_daemon.cli.send import (
+        PrivateConversationError,
+        SendError,
+        check_kind,
+        check_title,
+        send_message,
+        send_private_message,
+    )
 
     settings = settings_of(ctx)
     if not text.strip():
@@ -122,8 +180,10 @@ def send(
         fail("--private sends a new private message: it takes no --reply-to, --kind or --title", EXIT_USAGE)
     try:
         check_kind(kind, reply_to is not None)
+        check_title(title, kind, reply_to is not None)
     except SendError as exc:
         fail(str(exc), EXIT_USAGE)
+    relays = relay_urls_argument(relay)
     if not settings.owner_key_path.exists():
         fail(
             f"this home has no owner secret ({settings.owner_key_path}): the owner was given by public key "
@@ -145,7 +205,7 @@ def send(
     async def go() -> SendResult:
         if private:
             sent = await send_private_message(
-                settings, owner, agents, text, to=to, relays=relay or (), timeout=timeout,
+                settings, owner, agents, text, to=to, relays=relays, timeout=timeout,
                 on_reply=_reply_printer(agents, as_json), on_sent=on_sent,
             )
             # a private message may join the owner's open private conversation with the agent: its id
@@ -155,13 +215,15 @@ def send(
                 sent.conversation_id = kept["id"]
             return sent
         return await send_message(
-            settings, owner, agents, text, to=to, reply_to=parent_id, kind=kind, relays=relay or (),
+            settings, owner, agents, text, to=to, reply_to=parent_id, kind=kind, relays=relays,
             timeout=timeout, title=title, on_reply=_reply_printer(agents, as_json), on_sent=on_sent,
             find_event=_local_event_finder(settings),
         )
 
     try:
         result = asyncio.run(go())
+    except PrivateConversationError as exc:
+        fail(str(exc), EXIT_USAGE)
     except SendError as exc:
         fail(str(exc), EXIT_FAILURE)
     except (TenexError, ValueError) as exc:
@@ -170,11 +232,41 @@ def send(
         sys.stdout.write(json.dumps({
             "sent": result.event.to_dict(), "conversation_id": result.conversation_id,
             "addressed": result.addressed.slug, "relays": result.relays, "answered": result.answered,
-            "replies": len(result.replies),
+            "stopped": result.stopped is not None, "replies": len(result.replies),
         }, ensure_ascii=False) + "\n")
     else:
         err.print(f"conversation {result.conversation_id}")
         if not result.answered:
-            awaited = result.addressed.slug if to and not result.addressed.orchestrator else "the agents"
-            err.print(f"no reply from {awaited} within {timeout:g} s")
+            root_known = not private and (
+                parent_id is not None or result.event.kind != KIND_NOTE or bool(result.replies)
+            )
+            err.print(_unanswered(ctx, settings, result, to, timeout, root_known))
     raise typer.Exit(0 if result.answered else EXIT_FAILURE)
+
+
+def _unanswered(
+    ctx: typer.Context, settings: Settings, result: SendResult, to: str | None, timeout: float,
+    root_known: bool,
+) -> str:
+    """What ``send`` says when the awaited answer did not come: the runs were stopped (``stopped: ...``), or
+    the wait ended first, with how to read a late answer (a local model's first answer may take a minute).
+
+    ``root_known``: whether ``result.conversation_id`` surely is the conversation (a top-level kind-1 note
+    or a private message may have joined an open one, which the home tells when it took the message in).
+    """
+    from tenex_daemon.cli.send import stopped_names
+
+    awaited = result.addressed.slug if to and not result.addressed.orchestrator else "the agents"
+    if result.stopped is not None:
+        names = ", ".join(stopped_names(result.stopped))
+        return f"stopped: the runs of {names} were stopped before {awaited} answered"
+    kept = asyncio.run(_local_conversation_of(settings, result.event.id))
+    found = kept.get("id") if kept is not None else None
+    conversation = found if isinstance(found, str) else result.conversation_id if root_known else None
+    home = home_given(ctx)
+    tenexd = f"tenexd --home {shlex.quote(home)}" if home is not None else "tenexd"
+    show = f"{tenexd} conversations show {conversation[:SHOWN_ID_DIGITS]}, or " if conversation else ""
+    return (
+        f"no reply from {awaited} within {timeout:g} s "
+        f"(the answer may still come: {show}send with a longer --timeout N)"
+    )

@@ -1,0 +1,127 @@
+"""What `conversations export -o`, `status` and `conversations show` say on the edges: an export file that
+cannot be written is one error line (exit 2) and one that is written is its owner's only (0600); `status` of
+a home that does not exist says so as every command does (exit 2); `show` labels the title's source as the
+title's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tenex_daemon.app.home import load_agents, load_project_pubkey
+from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.wiring import build_store
+from tenex_daemon.cli.main import app
+from tenex_daemon.core.conversation import TitleSource
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tests.unit.cli.test_cli import seed_conversation
+from tests.unit.cli.test_send_private_reply import seed_private_conversation
+
+
+def tenexd(home: Path, *args: str) -> tuple[int, str, str]:
+    """Run ``tenexd --home HOME ARGS`` in-process; return (exit code, stdout, stderr with its lines joined)."""
+    result = CliRunner().invoke(app, ["--home", str(home), *args], catch_exceptions=False)
+    return result.exit_code, result.stdout, " ".join(result.stderr.split())
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    """The usual umask (files 0644 unless asked otherwise) while the test runs."""
+    previous = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def test_an_export_that_cannot_be_written_is_one_error_line_and_exit_2(home: Path, tmp_path: Path) -> None:
+    """`conversations export ID -o` into a folder that does not exist, or onto a folder, exits 2 with
+    `error: cannot write PATH: REASON` on stderr (no traceback) and writes nothing."""
+    picnic = seed_conversation(home, "Picnic plans", "Plan a picnic")
+    missing = tmp_path / "nowhere" / "x.json"
+    folder = tmp_path / "exports"
+    folder.mkdir()
+
+    into_missing = tenexd(home, "conversations", "export", picnic, "-o", str(missing))
+    onto_folder = tenexd(home, "conversations", "export", picnic, "-o", str(folder))
+
+    assert into_missing == (2, "", f"error: cannot write {missing}: No such file or directory")
+    assert onto_folder == (2, "", f"error: cannot write {folder}: Is a directory")
+    assert list(folder.iterdir()) == []
+    assert not missing.parent.exists()
+
+
+@pytest.mark.usefixtures("umask_022")
+def test_an_export_file_is_mode_0600_new_or_replaced(home: Path, tmp_path: Path) -> None:
+    """Exporting a private conversation (its text decrypted) creates the file with mode 0600 under umask 022,
+    and an existing 0644 file it replaces ends 0600 holding the export."""
+    conversation, _ = seed_private_conversation(home)
+    new = tmp_path / "private.json"
+    old = tmp_path / "old.json"
+    old.write_text("old, longer than nothing at all\n" * 100)
+    old.chmod(0o644)
+
+    assert tenexd(home, "conversations", "export", conversation, "-o", str(new))[0] == 0
+    assert tenexd(home, "conversations", "export", conversation[:8], "--output", str(old))[0] == 0
+
+    for path in (new, old):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        exported = json.loads(path.read_text())
+        assert exported["id"] == conversation
+        assert exported["history"][0]["content"] == "my salary is 90k"
+
+
+def test_status_of_a_home_that_does_not_exist_says_so_with_exit_2(home: Path, tmp_path: Path) -> None:
+    """`status` (and `status --json`) of a home folder that does not exist, or that has no config.toml, exits
+    2 saying its config.toml is not found and to run init, as `conversations list` does; a home that exists
+    with no status file still says `not running: no status file at ...` with exit 1."""
+    nowhere = tmp_path / "nohome"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    for path in (nowhere, empty):
+        expected = f"error: {path}/config.toml: not found (run `tenexd init --home {path}` first)"
+        assert tenexd(path, "status") == (2, "", expected)
+        assert tenexd(path, "status", "--json") == (2, "", expected)
+        assert tenexd(path, "conversations", "list")[::2] == (2, expected)
+    assert not nowhere.exists()
+    code, printed, _ = tenexd(home, "status")
+    assert (code, " ".join(printed.split())) == (1, f"tenexd: not running: no status file at {home}/run/status.json")
+
+
+def test_show_labels_the_title_source_as_the_titles_not_the_summarys(home: Path) -> None:
+    """`conversations show` of a conversation titled by the person's tag and summarized by a model prints
+    `title source: tag` and `summary: ...`, never `summary (tag): ...`."""
+    picnic = seed_conversation(home, "Picnic plans", "Plan a picnic")
+
+    async def describe() -> None:
+        settings = load_settings(home)
+        store = build_store(settings)
+        await store.open()
+        try:
+            manager = ConversationManager(store, load_agents(settings), load_project_pubkey(settings))
+            conversation = await manager.get_conversation(picnic)
+            assert conversation is not None
+            await manager.describe(
+                picnic, title="A model's title", summary="They planned a picnic.", source=TitleSource.MODEL,
+                for_activity=conversation.last_activity,
+            )
+        finally:
+            await store.close()
+
+    asyncio.run(describe())
+    code, shown, _ = tenexd(home, "conversations", "show", picnic)
+
+    lines = shown.splitlines()
+    assert code == 0
+    assert lines[0] == "Picnic plans"
+    assert "title source: tag" in lines
+    assert "summary: They planned a picnic." in lines
+    assert "summary (" not in shown

@@ -1,0 +1,82 @@
+"""`tenexd send` refuses, with exit 2 and before any relay is opened, options it would otherwise drop or try in
+vain: a --title on what is not a new kind-11 conversation, a --relay that is no ws:// or wss:// URL (as `init`,
+`run` and `agents add --from` refuse it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tenex_daemon.app.home import init_home
+from tenex_daemon.cli.main import app
+from tenex_daemon.cli.send import SendError, check_title
+from tests.unit.cli.test_send_private_reply import Touched
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    """A home made by init (its owner key generated), pointed at a relay nobody runs."""
+    path = tmp_path / "home"
+    init_home(path, relays=["ws://127.0.0.1:1"])
+    return path
+
+
+def tenexd(home: Path, *args: str) -> tuple[int, str]:
+    """Run ``tenexd --home HOME ARGS``; return (exit code, stderr with its lines joined)."""
+    result = CliRunner().invoke(app, ["--home", str(home), *args], catch_exceptions=False)
+    return result.exit_code, " ".join(result.stderr.split())
+
+
+@pytest.mark.parametrize(
+    ("args", "leave_out"),
+    [
+        (["--kind", "1", "--to", "planner"], "--kind 1"),
+        (["--reply-to", "ab" * 32], "--reply-to"),
+        (["--reply-to", "ab" * 32, "--kind", "1"], "--reply-to"),
+        (["--reply-to", "ab" * 32, "--kind", "1111"], "--reply-to"),
+    ],
+)
+def test_a_title_on_what_is_not_a_new_kind_11_conversation_is_refused(
+    home: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], leave_out: str
+) -> None:
+    """--title with --kind 1 or --reply-to (which carry no title) exits 2 saying --title is only for a new
+    kind-11 conversation and what to leave out; nothing is signed and no relay is opened."""
+    touched = Touched(monkeypatch)
+
+    code, said = tenexd(home, "send", "x", "--title", "T", *args, "--timeout", "0.2")
+
+    assert code == 2, said
+    assert f"error: --title is only for a new kind-11 conversation: leave it out with {leave_out}" in said
+    assert (touched.signed, touched.pools) == ([], [])
+
+
+def test_a_title_is_taken_for_a_new_conversation() -> None:
+    """`check_title` takes a title for a new message (kind 11, given or by default) and no title anywhere."""
+    check_title("T", None, False)
+    check_title("T", 11, False)
+    check_title(None, 1, True)
+    with pytest.raises(SendError):
+        check_title("T", 1, False)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["send", "x", "--timeout", "0.2"],
+        ["agents", "add", "--from", "nevent1qqs0000"],
+        ["run"],
+    ],
+)
+def test_a_relay_url_that_is_not_a_websocket_one_is_refused_at_once(
+    home: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    """`send --relay notaurl` (and `agents add --from`, `run`) exits 2 with init's message, `relay URL
+    'notaurl' must start with ws:// or wss://`, before any relay is opened or anything signed."""
+    touched = Touched(monkeypatch)
+
+    code, said = tenexd(home, *command, "--relay", "wss://fine.example", "--relay", "notaurl")
+
+    assert (code, said) == (2, "error: relay URL 'notaurl' must start with ws:// or wss://")
+    assert (touched.signed, touched.pools) == ([], [])
