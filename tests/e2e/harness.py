@@ -60,7 +60,7 @@ class Home:
 
 def tenexd_environment() -> dict[str, str]:
     """This process's environment for a ``tenexd`` child, less the fault runs' own variables
-    (tests/evidence.py): they are no settings, and tenexd refuses unknown ``TENEX_`` names."""
+    (tests/evidence.py): they are no settings (tenexd ignores them), nor any of the child's business."""
     return {k: v for k, v in os.environ.items() if not k.startswith("TENEX_FAULTS_")}
 
 
