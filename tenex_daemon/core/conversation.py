@@ -16,6 +16,8 @@ from tenex_daemon.core.turns import OrchestratorTurn
 from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE
 
 UNTITLED = "Untitled Conversation"
+TASK_SESSION_EXPIRED = "task_session_expired"
+"""``end_reason`` of a task session that expired: the task goes on in its next session."""
 
 
 class TitleSource(StrEnum):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenex_daemon.core.context import AgentContext
-from tenex_daemon.core.conversation import AgentState, Conversation
+from tenex_daemon.core.conversation import TASK_SESSION_EXPIRED, AgentState, Conversation
 from tenex_daemon.core.execution_time import ExecutionTime
 from tenex_daemon.core.turns import OrchestratorTurn
 
@@ -67,8 +67,9 @@ LIFECYCLE_ATTRS = (
 
 def clear_end(conversation: Conversation) -> None:
     """Reopen an ended conversation: its end is cleared, and its description is marked unpublished so that
-    its kind 513 goes out again saying ``active`` (clients kept the one that said ``ended``)."""
-    if conversation.summary:
+    its kind 513 goes out again saying ``active`` (clients kept the one that said ``ended``), unless it is
+    an expired task session's: the task's next session speaks for the task's thread."""
+    if conversation.summary and conversation.end_reason != TASK_SESSION_EXPIRED:
         conversation.description_published = False
     conversation.ended_at = None
     conversation.ended_by = None

@@ -238,6 +238,8 @@ class ConversationManager:
             conversation.append(event)
         if reopened:
             log.info("conversation_reopened", conversation_id=conversation_id, event_id=event.id)
+            for listener in self._on_reply:  # its description is published again, saying active
+                listener(conversation_id)
         return True
 
     def _note_user_message(self, conversation: Conversation, event: NostrEvent) -> bool:
@@ -636,8 +638,7 @@ class ConversationManager:
         return True
 
     def on_ended(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(conversation_id)`` after each conversation this manager ends (its title
-        and summary job listens; it must not block)."""
+        """Call ``listener(conversation_id)`` after each conversation this manager ends (must not block)."""
         self._on_ended.append(listener)
 
     def expires_at(self, conversation: Conversation) -> int | None:
@@ -647,7 +648,8 @@ class ConversationManager:
         return conversation.last_activity + self.task_session_ttl_ms
 
     def on_reply(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(conversation_id)`` after each agent reply saved here (must not block)."""
+        """Call ``listener(conversation_id)`` after each agent reply saved here and each message that reopens
+        a conversation (must not block)."""
         self._on_reply.append(listener)
 
     async def describe(

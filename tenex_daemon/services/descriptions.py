@@ -39,7 +39,7 @@ from typing import Any, Protocol, TypeVar
 import structlog
 
 from tenex_daemon.core.context import ChatMessage
-from tenex_daemon.core.conversation import Conversation, TitleSource
+from tenex_daemon.core.conversation import TASK_SESSION_EXPIRED, Conversation, TitleSource
 from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import BackendError, CompletionRequest, LLMBackend
@@ -61,7 +61,6 @@ from tenex_daemon.services.description_text import (
     parse_description,
     user_prompt,
 )
-from tenex_daemon.services.lifecycle import TASK_SESSION_EXPIRED
 from tenex_daemon.services.locks import KeyedLock
 
 log = structlog.get_logger(__name__)

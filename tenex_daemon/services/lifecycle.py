@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.conversation import TASK_SESSION_EXPIRED, Conversation
 from tenex_daemon.core.errors import ConversationExistsError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.targeting import choose_target
@@ -40,7 +40,6 @@ DEFAULT_IDLE_TIMEOUT_MIN = 30.0
 IDLE = "idle"
 """``ended_by`` of a conversation ended because it was idle."""
 IDLE_TIMEOUT = "idle_timeout"
-TASK_SESSION_EXPIRED = "task_session_expired"
 
 
 def channel_meta_key(channel: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 from tenex_daemon import MemoryStore, NostrEvent
 from tenex_daemon.adapters.nostr.metadata_event import ConversationMetadataComposer
 from tenex_daemon.adapters.nostr.signer import Signer
-from tenex_daemon.core.conversation import Conversation, TitleSource
+from tenex_daemon.core.conversation import TASK_SESSION_EXPIRED, Conversation, TitleSource
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.vocabulary import KIND_CONVERSATION_METADATA, KIND_TASK
@@ -24,7 +24,6 @@ from tenex_daemon.services.description_text import (
     transcript,
 )
 from tenex_daemon.services.descriptions import DescriptionJobs
-from tenex_daemon.services.lifecycle import TASK_SESSION_EXPIRED
 from tenex_daemon.testing.fakes import FailingBackend, FakePublisher, ScriptedBackend, StuckBackend
 from tests.conftest import Cast
 from tests.pipeline import Rig, build_rig
@@ -449,6 +448,43 @@ async def test_a_reopened_conversation_is_published_again_as_active(cast: Cast) 
     assert len(summarizer.requests) == 1
     assert (await stored(rig, cid)).description_published
     await jobs.stop()
+
+
+async def test_a_reopening_message_gets_the_description_published_as_active_without_a_reply(cast: Cast) -> None:
+    """A person's message that reopens a described conversation wakes the description job itself: its 513
+    goes out again saying active though no agent answers the message."""
+    rig = build_rig(cast)
+    jobs = jobs_for(rig, cast, summarizer=ScriptedBackend([said(ANSWER)]))
+    cid = await talk(rig, cast, 1)
+    await rig.manager.end_conversation(cid, by="owner")
+    await described_and_published(rig, jobs, cid)
+    rig.clock.advance(1000)
+    thread = [["E", cid, "", cast.user.pubkey], ["K", "11"], ["e", cid]]
+
+    await rig.manager.add_event(cid, cast.user_says("Back again", tags=thread))
+
+    await until(lambda: len(metadata_events(rig.publisher, cid)) == 2 and jobs.unpublished == 0)
+    assert [tags_of(e)["status"] for e in metadata_events(rig.publisher, cid)] == ["ended", "active"]
+    await jobs.stop()
+
+
+async def test_an_expired_task_session_written_in_again_is_not_published_again(cast: Cast) -> None:
+    """An expired task session that takes an event (a rebuild merging one it lacked) keeps its description
+    marked published: its 513 must never speak for the task's thread again (the next session does)."""
+    rig = build_rig(cast)
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(task, task_id=task.id)
+    await rig.manager.end_conversation(task.id, by="idle", reason=TASK_SESSION_EXPIRED)
+    await rig.manager.describe(
+        task.id, title=None, summary="The login bug.", source=TitleSource.FALLBACK,
+        for_activity=(await stored(rig, task.id)).last_activity,
+    )
+    await rig.manager.description_published(task.id)
+    rig.clock.advance(1000)
+
+    await rig.manager.add_event(task.id, cast.alice_says("Looking into it", tags=[["e", task.id]]))
+
+    assert (await stored(rig, task.id)).description_published
 
 
 async def test_a_refused_publish_is_retried_and_marked_only_once_accepted(cast: Cast) -> None:
