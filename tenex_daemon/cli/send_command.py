@@ -56,7 +56,7 @@ async def _local_conversation_of(settings: Settings, event_id: str) -> dict[str,
     try:
         async with open_access(settings) as access:
             return await access.conversation_of_event(event_id)
-    except TenexError:
+    except (TenexError, OSError):  # not found, or the home's store unreadable: only a hint is lost
         return None
 
 

@@ -16,6 +16,7 @@ Two things it does for every command, in this one place:
 from __future__ import annotations
 
 import os
+import select
 import sys
 from collections.abc import Callable
 from datetime import datetime
@@ -150,36 +151,72 @@ class TenexTyper(typer.Typer):
         return super().command(name, cls=cls or TenexCommand, **settings)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the command line (``sys.argv``); when its output's reader went away (a broken pipe, while it
-        wrote or when what it left buffered is flushed), exit 0 with nothing on stderr."""
-        try:
+        """Run the command line (``sys.argv``). When its output's reader went away (stdout a pipe nobody
+        reads), a broken pipe ends it with exit 0 and nothing on stderr; a status it set already (a failed
+        command's 1) is kept, and a broken pipe that is not stdout's is left to fail as any error does."""
+        with _StdoutWatch() as stdout:
             try:
-                return super().__call__(*args, **kwargs)
-            finally:
-                _flush_stdout()
-        except BrokenPipeError:
-            _reader_went_away()
-        except SystemExit as exc:
-            # Click's handler of a broken pipe exits 1, so does rich's (Console.on_broken_pipe): both
-            # while handling the BrokenPipeError
-            if isinstance(exc.__context__, BrokenPipeError):
-                _reader_went_away()
-            raise
+                result = super().__call__(*args, **kwargs)
+            except BrokenPipeError:
+                if stdout.reader_gone():
+                    _reader_went_away(0)
+                raise
+            except SystemExit as exc:
+                # Click's handler of a broken pipe exits 1, so does rich's (Console.on_broken_pipe): both
+                # while handling the BrokenPipeError; any other exit keeps its status
+                gone = isinstance(exc.__context__, BrokenPipeError) and stdout.reader_gone()
+                if gone or not _flushed():
+                    _reader_went_away(0 if gone else exc.code)
+                raise
+            if not _flushed():
+                _reader_went_away(0)
+            return result
 
 
-def _flush_stdout() -> None:
+class _StdoutWatch:
+    """Keeps a duplicate of stdout's descriptor while a command runs, to tell afterwards whether its reader
+    went away (rich points stdout at /dev/null once a write to it fails, so stdout itself no longer says)."""
+
+    def __init__(self) -> None:
+        self._descriptor: int | None = None
+
+    def __enter__(self) -> _StdoutWatch:
+        try:
+            self._descriptor = os.dup(sys.stdout.fileno())
+        except (AttributeError, OSError, ValueError):  # no stdout, or not a file: no pipe to watch
+            self._descriptor = None
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._descriptor is not None:
+            os.close(self._descriptor)
+
+    def reader_gone(self) -> bool:
+        """Whether stdout was a pipe whose reading end is closed (poll reports an error on its writing
+        end)."""
+        if self._descriptor is None:
+            return False
+        poller = select.poll()
+        poller.register(self._descriptor, 0)  # no events asked: an error or a hang-up is reported anyway
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _flushed() -> bool:
     """Flush what stdout still buffers, as the interpreter would at exit, while a broken pipe can still be
-    handled; another failure is left to the interpreter's own flush to report."""
+    handled: False when its reader went away (a broken pipe); another failure is left to the interpreter's
+    own flush to report."""
     try:
         sys.stdout.flush()
-    except (AttributeError, OSError, ValueError) as exc:  # None, a broken pipe, another failure, closed
-        if isinstance(exc, BrokenPipeError):
-            raise
+    except BrokenPipeError:
+        return False
+    except (AttributeError, OSError, ValueError):  # None, another failure, closed
+        pass
+    return True
 
 
-def _reader_went_away() -> NoReturn:
-    """Exit 0, stdout pointed at /dev/null first: what it still buffers then goes nowhere, rather than
-    failing again in the interpreter's last flush (which prints the error and exits 120)."""
+def _reader_went_away(status: int | str | None) -> NoReturn:
+    """Exit with ``status``, stdout pointed at /dev/null first: what it still buffers then goes nowhere,
+    rather than failing again in the interpreter's last flush (which prints the error and exits 120)."""
     try:
         descriptor = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):  # no stdout, or not a file: nothing will be flushed to it
@@ -190,4 +227,4 @@ def _reader_went_away() -> NoReturn:
             os.dup2(devnull, descriptor)
         finally:
             os.close(devnull)
-    raise SystemExit(0) from None
+    raise SystemExit(status) from None

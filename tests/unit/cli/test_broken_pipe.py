@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.status import DaemonState, new_status, write_status
 from tenex_daemon.cli.main import app
 from tenex_daemon.cli.output import err, out
+from tenex_daemon.cli.typer_app import TenexTyper
 from tests.unit.cli.test_cli import seed_conversation
 
 SMALL_PIPE = 4096
@@ -124,3 +126,48 @@ def first_line_then_close(read_end: int) -> bytes:
     finally:
         os.close(read_end)
     return line
+
+
+def run_app(app_: TenexTyper, monkeypatch: pytest.MonkeyPatch, *, reader_open: bool) -> int:
+    """Run ``app_`` as an entry point, its stdout a pipe whose reader is open or gone; return the exit status."""
+    read_end, write_end = os.pipe()
+    if not reader_open:
+        os.close(read_end)
+    stream = open(write_end, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(sys, "argv", ["tenexd"])
+    try:
+        app_()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    finally:
+        with contextlib.suppress(OSError):
+            stream.close()
+        if reader_open:
+            os.close(read_end)
+    return 0
+
+
+def test_a_failed_commands_status_is_kept_when_its_reader_went_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command that wrote to stdout and failed (exit 1) keeps its status 1 when the reader went away before
+    the output was flushed: only the broken pipe is made quiet, not the failure."""
+    failing = TenexTyper()
+
+    @failing.command()
+    def fail_after_output() -> None:
+        sys.stdout.write("partial output\n")  # buffered: it reaches the pipe at the flush
+        raise typer.Exit(1)
+
+    assert run_app(failing, monkeypatch, reader_open=False) == 1
+
+
+def test_a_broken_pipe_that_is_not_stdouts_is_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken pipe of something other than stdout (a socket, a child's pipe), stdout's reader still there,
+    fails the command (exit 1), never a quiet success."""
+    broken = TenexTyper()
+
+    @broken.command()
+    def lose_a_socket() -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert run_app(broken, monkeypatch, reader_open=True) == 1
