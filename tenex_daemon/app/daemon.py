@@ -713,7 +713,13 @@ class Daemon:
 
     async def _write_status(self) -> None:
         async with self._status_writes:  # each taken at its turn: the file ends with the newest state
-            await asyncio.to_thread(write_status, self.settings.status_path, self.status())
+            status = self.status()
+            write = asyncio.ensure_future(asyncio.to_thread(write_status, self.settings.status_path, status))
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:  # the thread writes on: the next write waits for it all the same
+                await write
+                raise
 
     async def _status_loop(self) -> None:
         interval = self.settings.daemon.status_interval_s

@@ -393,8 +393,9 @@ def _env_overrides(env: Mapping[str, str]) -> list[_Override]:
     A variable is a setting when what follows ``TENEX_`` contains ``__`` (``TENEX_SECTION__KEY``,
     ``__`` separating levels) or is a top-level key (``TENEX_OWNER``, ``TENEX_DAEMON`` as a whole
     table); any other ``TENEX_`` variable (``TENEX_HOME``, which picks the home, and the scripts'
-    own, such as ``TENEX_BENCH_FIGURES``) is not a setting and is ignored. A ``__`` variable whose
-    first part names no top-level key is refused, naming it. Values are parsed as TOML values when
+    own, such as ``TENEX_BENCH_FIGURES``) is not a setting and is ignored, but one that reads as a
+    section's key with a single underscore (``TENEX_DAEMON_HOP_LIMIT``) is refused. A ``__`` variable
+    whose first part names no top-level key is refused, naming it. Values are parsed as TOML values when
     they can be (numbers, booleans, arrays, inline tables), else taken as strings.
     """
     top_level = set(Settings.model_fields) - {"home"}
@@ -405,6 +406,7 @@ def _env_overrides(env: Mapping[str, str]) -> list[_Override]:
         rest = name[len(ENV_PREFIX) :]
         path = tuple(part.lower() for part in rest.split(SECTION_SEPARATOR) if part)
         if not path or (SECTION_SEPARATOR not in rest and path[0] not in top_level):
+            _refuse_one_underscore(name, rest.lower(), top_level)
             continue  # not a setting: TENEX_HOME, a script's own variable
         if path[0] not in top_level:
             raise SettingsError(
@@ -417,6 +419,18 @@ def _env_overrides(env: Mapping[str, str]) -> list[_Override]:
             value = raw
         found.append(_Override(name, path, value))
     return found
+
+
+def _refuse_one_underscore(name: str, rest: str, top_level: set[str]) -> None:
+    """Refuse ``TENEX_DAEMON_HOP_LIMIT``: a section's key with one underscore, a setting mistyped (ignored,
+    the person would believe it applies)."""
+    section = next((key for key in sorted(top_level) if rest.startswith(f"{key}_")), None)
+    if section is not None:
+        key = rest[len(section) + 1 :].upper()
+        raise SettingsError(
+            f"environment {name}: not a setting; {ENV_PREFIX}{section.upper()}{SECTION_SEPARATOR}{key} is "
+            f"(two underscores between the section and its key)"
+        )
 
 
 def _apply(data: dict[str, Any], overrides: list[_Override]) -> dict[str, Any]:

@@ -165,6 +165,14 @@ def test_tenex_variables_without_double_underscore_are_not_settings(tmp_path: Pa
     assert load_settings(home, env) == load_settings(home, {})
 
 
+def test_a_sections_key_with_one_underscore_is_refused_with_the_right_name(tmp_path: Path) -> None:
+    """TENEX_DAEMON_HOP_LIMIT (one underscore) is refused, naming TENEX_DAEMON__HOP_LIMIT: ignored, the person
+    would believe the setting applies."""
+    home = write_home(tmp_path)
+    with pytest.raises(SettingsError, match="TENEX_DAEMON_HOP_LIMIT: not a setting; TENEX_DAEMON__HOP_LIMIT is"):
+        load_settings(home, {"TENEX_DAEMON_HOP_LIMIT": "3"})
+
+
 def test_top_level_keys_are_set_by_their_own_variable(tmp_path: Path) -> None:
     """TENEX_<KEY> sets a top-level key (TENEX_DEFAULT_AGENT, TENEX_WHITELIST) and TENEX_<SECTION> a whole table."""
     home = write_home(tmp_path)
