@@ -451,9 +451,7 @@ class Rebuilder:
         conversation is restored for the merge and archived again."""
         if not events:
             return 0
-        archived = conversation.archived
-        if archived:
-            await self._manager.restore_conversation(conversation.id)
+        archived = conversation.archived and await self._manager.restore_conversation(conversation.id)
         added = 0
         try:
             for event in events:

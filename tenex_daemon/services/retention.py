@@ -275,8 +275,8 @@ class Sweeper:
                     counts.ended_idle += 1
                 elif not await self._still_ended_before(row.id, inactive_before):
                     continue  # a message came meanwhile (it stays open), or it is gone
-                await self._manager.archive_conversation(row.id)
-                counts.archived += 1
+                if await self._manager.archive_conversation(row.id):  # False: archived meanwhile
+                    counts.archived += 1
             except Exception:
                 counts.errors += 1
                 log.exception("retention_failed", conversation_id=row.id, action="archive")
