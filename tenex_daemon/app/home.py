@@ -26,6 +26,7 @@ from tenex_daemon.app.settings import (
     BackendSettings,
     Settings,
     SettingsError,
+    first_bad_relay_url,
     load_settings,
 )
 from tenex_daemon.core import nip19
@@ -288,9 +289,9 @@ def init_home(
         whitelist_hex = list(dict.fromkeys(parse_pubkey(w) for w in whitelist))
     except ValueError as exc:
         raise HomeError(str(exc)) from None
-    for url in relays:
-        if not url.startswith(("ws://", "wss://")):
-            raise HomeError(f"relay URL {url!r} must start with ws:// or wss://")
+    bad = first_bad_relay_url(relays)
+    if bad is not None:
+        raise HomeError(bad)
     if backend not in BACKEND_NAMES:
         raise HomeError(f"unknown backend {backend!r} (available: {', '.join(BACKEND_NAMES)})")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -135,10 +135,17 @@ class RelaySettings(_Section):
     @field_validator("urls")
     @classmethod
     def _ws_urls(cls, urls: list[str]) -> list[str]:
-        for url in urls:
-            if not url.startswith(("ws://", "wss://")):
-                raise ValueError(f"relay URL {url!r} must start with ws:// or wss://")
+        bad = first_bad_relay_url(urls)
+        if bad is not None:
+            raise ValueError(bad)
         return urls
+
+
+def first_bad_relay_url(urls: Sequence[str]) -> str | None:
+    """Why the first of ``urls`` that is no ws:// or wss:// URL is refused (config.toml, ``init``, the
+    command line's ``--relay``); None when all are."""
+    bad = next((url for url in urls if not url.startswith(("ws://", "wss://"))), None)
+    return None if bad is None else f"relay URL {bad!r} must start with ws:// or wss://"
 
 
 class ControlSettings(_Section):

@@ -14,7 +14,14 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from tenex_daemon.app.settings import DEFAULT_HOME, Settings, SettingsError, load_settings, resolve_home
+from tenex_daemon.app.settings import (
+    DEFAULT_HOME,
+    Settings,
+    SettingsError,
+    first_bad_relay_url,
+    load_settings,
+    resolve_home,
+)
 from tenex_daemon.cli.access import (
     AccessError,
     ConversationAccess,
@@ -49,16 +56,13 @@ def home_of(ctx: typer.Context) -> Path:
     return resolve_home(home_given(ctx))
 
 
-RELAY_SCHEMES = ("ws://", "wss://")
-
-
 def relay_urls_argument(urls: Sequence[str] | None) -> list[str]:
     """Return the ``--relay`` URLs given, each once; exit 2 naming the first that does not start with ws://
     or wss:// (as ``init`` and config.toml's ``relays.urls`` refuse it)."""
     given = list(dict.fromkeys(urls or ()))
-    bad = [url for url in given if not url.startswith(RELAY_SCHEMES)]
-    if bad:
-        fail(f"relay URL {bad[0]!r} must start with ws:// or wss://", EXIT_USAGE)
+    bad = first_bad_relay_url(given)
+    if bad is not None:
+        fail(bad, EXIT_USAGE)
     return given
 
 
