@@ -16,7 +16,9 @@ created from its root (``create_conversation``: title and the rest derived as us
 event is appended unless the conversation or the store's processed-id ledger already holds it,
 so a second rebuild adds nothing. A conversation whose root no relay has starts with its first
 event, as a reply with an unknown root does in the daemon. A missing conversation whose root id
-is in the ledger was deleted on purpose and stays deleted. No agent is run for what is merged.
+is in the ledger was deleted on purpose and stays deleted. No agent is run for what is merged, and a
+merged event counts as written when it was (``add_event(backfill=True)``): one older than a
+conversation's end leaves it ended.
 """
 
 from __future__ import annotations
@@ -455,7 +457,7 @@ class Rebuilder:
         added = 0
         try:
             for event in events:
-                added += await self._manager.add_event(conversation.id, event)
+                added += await self._manager.add_event(conversation.id, event, backfill=True)
         finally:
             if archived:
                 await self._manager.archive_conversation(conversation.id)

@@ -52,7 +52,9 @@ class LifecycleBefore:
 
     @classmethod
     def of(cls, conversation: Conversation) -> LifecycleBefore:
-        return cls({name: getattr(conversation, name) for name in LIFECYCLE_ATTRS})
+        values = {name: getattr(conversation, name) for name in LIFECYCLE_ATTRS}
+        values["metadata"] = conversation.metadata.model_copy()  # changed in place (last_user_message)
+        return cls(values)
 
     def restore(self, conversation: Conversation) -> None:
         for name, value in self.values.items():

@@ -6,7 +6,6 @@ concurrent handlers never interleave on one conversation.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -16,7 +15,6 @@ from typing import Any
 
 import structlog
 
-from tenex_daemon.core import nip19
 from tenex_daemon.core.agents import Agent, AgentDirectory
 from tenex_daemon.core.context import (
     AgentContext,
@@ -29,7 +27,6 @@ from tenex_daemon.core.context import (
 from tenex_daemon.core.conversation import (
     UNTITLED,
     Conversation,
-    ReferencedArticle,
     TitleSource,
 )
 from tenex_daemon.core.errors import (
@@ -43,8 +40,6 @@ from tenex_daemon.core.ports import Clock, EventResolver, Store, SystemClock
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.core.turns import OrchestratorTurn
 from tenex_daemon.core.vocabulary import (
-    KIND_ARTICLE,
-    TAG_ADDRESS,
     TAG_TITLE,
     TAG_TOOL,
     TOOL_COMPLETE,
@@ -58,12 +53,11 @@ from tenex_daemon.services.conversation_changes import (
     record_run,
 )
 from tenex_daemon.services.locks import KeyedLock
+from tenex_daemon.services.references import DEFAULT_RESOLVE_TIMEOUT_S, References
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_RESOLVE_TIMEOUT_S = 2.0
 DEFAULT_TASK_SESSION_TTL_H = 24.0
-RESOLVED_CACHE_SIZE = 1024
 HISTORY_VIEW_CACHE_SIZE = 256
 
 
@@ -99,12 +93,10 @@ class ConversationManager:
                 self.agents.owner_pubkey = owner_pubkey
         else:
             self.agents = AgentDirectory(agents, project_pubkey, owner_pubkey)
-        self._resolver = resolver
+        self._references = References(resolver, resolve_timeout)
         self.phase_rules = phase_rules or PhaseRules()
         self._clock: Clock = clock or SystemClock()
-        self._resolve_timeout = resolve_timeout
         self._locks = KeyedLock()
-        self._resolved: OrderedDict[str, str] = OrderedDict()
         self._views: OrderedDict[tuple[str, str], HistoryView] = OrderedDict()
         self._on_ended: list[Callable[[str], None]] = []
         self.task_session_ttl_ms = int(task_session_ttl_h * 3_600_000)
@@ -190,19 +182,22 @@ class ConversationManager:
             )
             conversation.append(event)
             self._note_user_message(conversation, event)
-            conversation.metadata.referenced_article = await self._referenced_article(event)
+            conversation.metadata.referenced_article = await self._references.article(event)
             await self._store.create(conversation)
             title_shown = None if conversation.private else conversation.title
             log.info("conversation_created", conversation_id=event.id, title=title_shown)
             return conversation
 
-    async def add_event(self, conversation_id: str, event: NostrEvent) -> bool:
+    async def add_event(self, conversation_id: str, event: NostrEvent, *, backfill: bool = False) -> bool:
         """Append ``event`` to the conversation; return False for a duplicate id.
 
         The event is accepted (durable) when this returns True, with the conversation's new last
         activity in the same write. An ended conversation is reopened by it (docs/ARCHITECTURE.md,
         "Conversation lifecycle"). An agent event tagged ``["tool", "complete"]`` also counts as that
-        agent's completion of the open turn.
+        agent's completion of the open turn. ``backfill`` (a rebuild merging what the relays kept): the
+        event counts as written when it was (``created_at``), not now: it reopens an ended conversation
+        only when written after the end, moves the last activity only forward, and is the person's latest
+        message only when nothing in history is newer.
         """
         event.require_valid_id()
         async with self._locked(conversation_id) as conversation:
@@ -211,12 +206,16 @@ class ConversationManager:
             if conversation.contains_event(event.id) or await self._store.is_processed(event.id):
                 return False
             now = self._clock.now_ms()
+            written = event.created_at * 1000 if backfill else now
+            newest = not backfill or all(e.created_at <= event.created_at for e in conversation.history)
             before = LifecycleBefore.of(conversation)
-            reopened = conversation.is_ended
+            ended_at = conversation.ended_at
+            reopened = ended_at is not None and (not backfill or written > ended_at)
             if reopened:
                 clear_end(conversation)
-            conversation.activity_at = conversation.updated_at = now
-            if is_person_message(conversation, self.agents, event):
+            conversation.updated_at = now
+            conversation.activity_at = max(conversation.activity_at, written) if backfill else now
+            if newest and is_person_message(conversation, self.agents, event):
                 conversation.metadata.last_user_message = event.content
             agent = self.agents.by_pubkey(event.pubkey)
             turn = conversation.open_turn()
@@ -272,7 +271,7 @@ class ConversationManager:
         agent = self.agents.get(agent_slug)
         async with self._locks.hold(conversation_id):
             references = conversation_event_references(await self._load_required(conversation_id), trigger)
-        resolved = await self._resolve_references(references)
+        resolved = await self._references.contents(references)
         if not persist:
             async with self._locks.hold(conversation_id):
                 conversation = await self._load_required(conversation_id)
@@ -399,64 +398,6 @@ class ConversationManager:
                 if covers >= state.summary_covers:
                     state.summary, state.summary_covers = text, covers
             await self._save(conversation)
-
-    async def _resolve_references(self, uris: Sequence[str]) -> dict[str, str]:
-        """Resolve ``nostr:`` URIs (cached); anything slower than the timeout stays unresolved."""
-        if not uris:
-            return {}
-        resolved = {uri: self._resolved[uri] for uri in uris if uri in self._resolved}
-        pending = [uri for uri in uris if uri not in resolved]
-        if not pending or self._resolver is None:
-            return resolved
-        results = await asyncio.gather(*(self._resolve_one(uri) for uri in pending))
-        for uri, content in zip(pending, results, strict=True):
-            if content is not None:
-                resolved[uri] = content
-                self._resolved[uri] = content
-                self._resolved.move_to_end(uri)
-        while len(self._resolved) > RESOLVED_CACHE_SIZE:
-            self._resolved.popitem(last=False)
-        return resolved
-
-    async def _resolve_one(self, uri: str) -> str | None:
-        event = await self._resolve_entity(nip19.decode(uri))
-        return None if event is None else event.content
-
-    async def _resolve_entity(self, entity: nip19.Entity) -> NostrEvent | None:
-        if self._resolver is None:
-            return None
-        try:
-            async with asyncio.timeout(self._resolve_timeout):
-                event = await self._resolver.resolve(entity)
-        except TimeoutError:
-            log.warning("reference_unresolved", entity=entity.kind_name, reason="timeout")
-            return None
-        except Exception:
-            log.exception("reference_unresolved", entity=entity.kind_name, reason="resolver_error")
-            return None
-        if event is not None and not event.has_valid_id():
-            log.warning("reference_unresolved", entity=entity.kind_name, reason="bad_id")
-            return None
-        return event
-
-    async def _referenced_article(self, event: NostrEvent) -> ReferencedArticle | None:
-        for value in event.tag_values(TAG_ADDRESS):
-            kind, _, rest = value.partition(":")
-            author, _, identifier = rest.partition(":")
-            if kind != str(KIND_ARTICLE) or not identifier:
-                continue
-            entity = nip19.Entity("naddr", identifier, (), author, KIND_ARTICLE)
-            article = await self._resolve_entity(entity)
-            if article is None:
-                log.info("article_unresolved", identifier=identifier)
-                return None
-            return ReferencedArticle(
-                title=article.tag_value(TAG_TITLE) or f"Context: {identifier}",
-                content=article.content,
-                identifier=identifier,
-                author=author,
-            )
-        return None
 
     # --- phases ---------------------------------------------------------------------------
 
@@ -796,5 +737,5 @@ class ConversationManager:
             if not conversation.history:
                 raise ValueError(f"conversation {conversation_id} has no events")
             trigger = conversation.history[-1]
-        resolved = await self._resolve_references(conversation_event_references(conversation, trigger))
+        resolved = await self._references.contents(conversation_event_references(conversation, trigger))
         return build_agent_messages(conversation, agent, trigger, self.agents, resolved, burst=True)

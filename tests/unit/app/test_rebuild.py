@@ -18,7 +18,7 @@ from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.rebuild import Rebuilder, RebuildRequest, history_order
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.core.errors import ConversationNotFoundError
-from tenex_daemon.testing import sign_event
+from tenex_daemon.testing import FakeClock, sign_event
 from tests.conftest import Cast
 
 
@@ -211,6 +211,50 @@ async def test_an_archived_conversation_gets_its_events_and_stays_archived(
     assert conversation is not None
     assert conversation.archived
     assert [e.id for e in conversation.history] == [e.id for e in thread.allowed]
+
+
+async def test_events_older_than_the_end_leave_an_ended_conversation_ended(
+    manager: ConversationManager, thread: Thread, clock: FakeClock
+) -> None:
+    """Events a rebuild merges that were written before the conversation ended keep it ended (nothing
+    reopens it, its end is unchanged); its last activity moves to the newest event's time, not the
+    rebuild's, and its latest person message is the newest one."""
+    clock.now = thread.root.created_at * 1000
+    await manager.create_conversation(thread.root)
+    clock.now = thread.replies[2].created_at * 1000 + 60_000
+    assert await manager.end_conversation(thread.root.id, by="owner")
+    ended_at = clock.now
+    clock.advance(3_600_000)  # the rebuild comes an hour later
+
+    report = await _rebuilder(manager, FakeRelays(thread.allowed)).rebuild(RebuildRequest(thread.root.id))
+
+    conversation = await manager.get_conversation(thread.root.id)
+    assert conversation is not None
+    assert report.events_added == 3
+    assert [e.id for e in conversation.history] == [e.id for e in thread.allowed]
+    assert (conversation.ended_at, conversation.ended_by) == (ended_at, "owner")
+    assert conversation.activity_at == thread.replies[2].created_at * 1000
+    assert conversation.metadata.last_user_message == thread.replies[1].content
+
+
+async def test_an_event_written_after_the_end_reopens_the_conversation(
+    manager: ConversationManager, thread: Thread, clock: FakeClock
+) -> None:
+    """An event a rebuild merges that was written after the conversation ended reopens it, as it would
+    have had the daemon taken it in live."""
+    clock.now = thread.root.created_at * 1000
+    await manager.create_conversation(thread.root)
+    await manager.add_event(thread.root.id, thread.replies[0])
+    clock.now = thread.replies[0].created_at * 1000 + 500  # before the person's follow-up was written
+    assert await manager.end_conversation(thread.root.id, by="idle")
+    clock.advance(3_600_000)
+
+    await _rebuilder(manager, FakeRelays(thread.allowed)).rebuild(RebuildRequest(thread.root.id))
+
+    conversation = await manager.get_conversation(thread.root.id)
+    assert conversation is not None
+    assert not conversation.is_ended
+    assert conversation.activity_at == thread.replies[2].created_at * 1000
 
 
 async def test_one_conversation_no_relay_has_is_not_found(manager: ConversationManager) -> None:

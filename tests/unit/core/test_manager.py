@@ -16,7 +16,8 @@ from tenex_daemon import (
     Phase,
     UnknownAgentError,
 )
-from tenex_daemon.core.conversation import TitleSource
+from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.core.conversation import Conversation, TitleSource
 from tenex_daemon.testing import FakeClock, FakeResolver
 from tests.conftest import Cast
 
@@ -203,6 +204,34 @@ async def test_last_user_message_is_tracked(manager: ConversationManager, cast: 
     conversation = await manager.get_conversation(cid)
     assert conversation is not None
     assert conversation.metadata.last_user_message == "second"
+
+
+async def test_a_message_whose_write_fails_leaves_the_latest_message_as_it_was(cast: Cast) -> None:
+    """When the store refuses a person's message, the conversation keeps its previous latest person
+    message (the write changed nothing, in memory either)."""
+
+    class RefusingStore(MemoryStore):
+        refuse = False
+
+        async def append_event(
+            self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
+        ) -> None:
+            if self.refuse:
+                raise OSError("disk full")
+            await super().append_event(conversation_id, event, state=state)
+
+    store = RefusingStore()
+    manager = ConversationManager(store, cast.agents, cast.project.pubkey, owner_pubkey=cast.user.pubkey)
+    cid = (await manager.create_conversation(cast.user_says("first", kind=11))).id
+    store.refuse = True
+
+    with pytest.raises(OSError, match="disk full"):
+        await manager.add_event(cid, cast.user_says("second"))
+
+    conversation = await manager.get_conversation(cid)
+    assert conversation is not None
+    assert conversation.metadata.last_user_message == "first"
+    assert len(conversation.history) == 1
 
 
 async def test_concurrent_adds_keep_every_event(manager: ConversationManager, cast: Cast) -> None:
