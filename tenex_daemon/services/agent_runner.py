@@ -16,6 +16,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import PartialTextPublisher, Publisher, ReplyComposer, ReplySpec
+from tenex_daemon.core.stops import STOPPED_COMPLETION, stopped_since
 from tenex_daemon.core.thread_tags import read_threading
 from tenex_daemon.core.vocabulary import TAG_DELEGATION
 from tenex_daemon.runtime.background import BackgroundTasks
@@ -207,6 +208,12 @@ class AgentRunner:
             # saved, maybe never published. It goes out again (relays keep one copy per id).
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="already answered")
             await self.outbox.add(cid, saved, agent_slug=profile.agent.slug, trigger_id=trigger.id)
+            return None
+        if request.recovered and stopped_since(conversation, trigger, request.agent_slug):
+            # left journaled by a crash or a dead daemon, and stopped by a person since its trigger came
+            log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="stopped")
+            if request.via_orchestrator:  # the orchestrator's open turn no longer waits for it
+                await self._manager.add_completion_to_turn(cid, request.agent_slug, STOPPED_COMPLETION)
             return None
         private = conversation.private  # nothing of a private conversation goes out in the clear
         thread = conversation.thread_id  # what clients showing the thread subscribe to

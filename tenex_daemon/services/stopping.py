@@ -3,16 +3,19 @@ cancels the runs of a conversation, running and waiting, and nothing half-writte
 (docs/PROTOCOL.md).
 
 A stopped run saves no reply and publishes nothing more (its partial texts and typing stop with it); it
-leaves the run journal, so a restart does not redo it. A run whose answer is already being saved is let
-finish (:func:`~tenex_daemon.services.runs.saving_reply`): its reply is whole, not half-written. The stop
-is recorded in the conversation's metadata (``metadata.extra["stops"]``: who, when, which agents, the
-request's event id), a stopped agent that the orchestrator's open turn waits for counts as having
-completed it (:data:`STOPPED_COMPLETION`: the turn no longer waits), and, when runs were stopped, the
-stop is answered by a short notice ("Stopped: Alice.") saved in history and published like a reply,
-tagged ``["error", "system"]`` and addressed to the person only, so it runs nobody. The request event
-itself is not added to history (it is ephemeral and says nothing to the agents); its id is remembered
-as processed like any handled event, but in memory only when daemons share a database: each of them
-carries the request out for its own runs, and the record gains the agents each stopped.
+leaves the run journal, so a restart does not redo it, and a run a dead daemon left journaled is not
+redone either by the daemon that takes it over (the runner reads the record:
+:func:`~tenex_daemon.core.stops.stopped_since`). A run whose answer is already being saved is let finish
+(:func:`~tenex_daemon.services.runs.saving_reply`): its reply is whole, not half-written. The stop is
+recorded in the conversation's metadata (``metadata.extra["stops"]``, :mod:`tenex_daemon.core.stops`:
+who, when, which agents it named and stopped, the request's event id), a stopped agent that the
+orchestrator's open turn waits for counts as having completed it (:data:`STOPPED_COMPLETION`: the turn
+no longer waits), and, when runs were stopped, the stop is answered by a short notice ("Stopped:
+Alice.") saved in history and published like a reply, tagged ``["error", "system"]`` and addressed to
+the person only, so it runs nobody. The request event itself is not added to history (it is ephemeral
+and says nothing to the agents); its id is remembered as processed like any handled event, but in
+memory only when daemons share a database: each of them carries the request out for its own runs, and
+the record gains the agents each stopped.
 
 A stop through the CLI or the control API reaches one daemon. When daemons share a database it is told
 to the others too (the project's stop channel, :func:`stop_channel`, through a
@@ -39,6 +42,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import PeerMessages, ReplyComposer, ReplySpec
+from tenex_daemon.core.stops import STOPPED_COMPLETION, STOPS_KEY, with_stop
 from tenex_daemon.core.vocabulary import TAG_PUBKEY
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.agent_runner import user_destination
@@ -50,13 +54,6 @@ from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunSchedule
 
 log = structlog.get_logger(__name__)
 
-STOPS_KEY = "stops"
-"""Where a conversation records its stops (``metadata.extra``): a list of ``{"by", "at", "agents",
-"event_id"}``, newest last."""
-STOPS_KEPT = 20
-"""How many stops a conversation remembers (the oldest leave first)."""
-STOPPED_COMPLETION = "Stopped before answering."
-"""What a stopped agent counts as having answered in the orchestrator's open turn."""
 STOP_NOT_ALLOWED = "stop_not_allowed"
 UNKNOWN_CONVERSATION = "unknown_conversation"
 STOPPED = "stopped"
@@ -233,7 +230,8 @@ class Stopper:
             for routed in dict.fromkeys(r.agent_slug for r in stopped if r.via_orchestrator):
                 # the orchestrator's open turn no longer waits for an agent that will not answer
                 await self._manager.add_completion_to_turn(conversation_id, routed, STOPPED_COMPLETION)
-            await _record(self._manager, conversation_id, by, slugs, request, stop_id)
+            named = None if agents is None else list(agents)
+            await _record(self._manager, conversation_id, by, (slugs, named), request, stop_id)
             notice = await self._notify(conversation_id, stopped) if stopped else None
         log.info(
             "conversation_stopped",
@@ -403,7 +401,8 @@ async def stop_without_daemon(
         manager.agents.get(agent_slug)  # UnknownAgentError for a slug that names no agent
     dropped = await forget_journaled(manager.store, conversation_id, agent_slug, journal_key=journal_key)
     slugs = tuple(dict.fromkeys(r.agent_slug for r in dropped))
-    await _record(manager, conversation_id, by, slugs, None, None)
+    named = None if agent_slug is None else [agent_slug]
+    await _record(manager, conversation_id, by, (slugs, named), None, None)
     log.info("conversation_stopped", conversation_id=conversation_id, by=by, agents=list(slugs), daemon=False)
     return StopReport(conversation_id, slugs, reason=STOPPED if slugs else NOTHING_TO_STOP)
 
@@ -412,37 +411,25 @@ async def _record(
     manager: ConversationManager,
     conversation_id: str,
     by: str,
-    agents: tuple[str, ...],
+    agents: tuple[tuple[str, ...], list[str] | None],
     request: NostrEvent | None,
     stop_id: str | None,
 ) -> None:
-    """Add a stop to the conversation's record (``metadata.extra["stops"]``, the newest STOPS_KEPT). A
-    request or a told stop (``stop_id``) already recorded (daemons sharing a database each carry it out
-    for their own runs) gains the agents stopped here instead."""
+    """Add a stop to the conversation's record (``metadata.extra["stops"]``, :mod:`tenex_daemon.core.stops`):
+    ``agents`` is (the slugs stopped, the slugs the stop named or None for every agent). A request or a
+    told stop (``stop_id``) already recorded (daemons sharing a database each carry it out for their own
+    runs) gains the agents stopped here instead."""
+    stopped, named = agents
     entry: dict[str, Any] = {
-        "by": by, "at": manager.now_ms(), "agents": list(agents), "event_id": request.id if request else None,
+        "by": by, "at": manager.now_ms(), "agents": list(stopped), "named": named,
+        "event_id": request.id if request else None,
     }
     if stop_id is not None:
         entry["stop_id"] = stop_id
     try:
-        await manager.update_extra(conversation_id, STOPS_KEY, lambda kept: _with_stop(kept, entry))
+        await manager.update_extra(conversation_id, STOPS_KEY, lambda kept: with_stop(kept, entry))
     except ConversationNotFoundError:  # deleted meanwhile
         return
-
-
-def _with_stop(kept: object, entry: dict[str, Any]) -> list[Any]:
-    """The stops record ``kept`` with ``entry`` added, or merged into the entry of the same request (or
-    the same told stop)."""
-    stops = list(kept) if isinstance(kept, list) else []
-    key = "event_id" if entry["event_id"] is not None else "stop_id"
-    value = entry.get(key)
-    for index, stop in enumerate(stops):
-        if value is not None and isinstance(stop, dict) and stop.get(key) == value:
-            known = stop.get("agents")
-            agents = list(dict.fromkeys([*(known if isinstance(known, list) else []), *entry["agents"]]))
-            stops[index] = {**stop, "agents": agents}
-            return stops
-    return [*stops[-(STOPS_KEPT - 1) :], entry]
 
 
 def _newest_trigger(conversation: Conversation, stopped: list[RunRequest]) -> NostrEvent | None:

@@ -12,21 +12,20 @@ from dataclasses import dataclass, field
 import pytest
 
 from tenex_daemon import MemoryStore, NostrEvent
+from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
+from tenex_daemon.core.stops import STOPS_KEPT, STOPS_KEY, stopped_since, with_stop
 from tenex_daemon.core.vocabulary import KIND_STOP
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, saving_reply
 from tenex_daemon.services.stopping import (
     PEER_ANSWER_WAIT_S,
-    STOPS_KEPT,
-    STOPS_KEY,
     PeerOp,
     PeerStop,
     StopReport,
-    _with_stop,
     stop_channel,
 )
-from tenex_daemon.testing import KeyPair
+from tenex_daemon.testing import FakeClock, KeyPair
 from tenex_daemon.testing.fakes import PeerBus
 from tests import pipeline
 from tests.conftest import Cast
@@ -355,6 +354,61 @@ async def test_a_stop_through_one_daemon_stops_the_run_another_daemon_holds(cast
     ]
 
 
+async def test_a_run_a_dead_daemon_left_is_not_redone_once_a_person_stopped_it(cast: Cast) -> None:
+    """Alice's run is journaled by a daemon that dies (no drain); the owner stops the conversation through
+    the other daemon, which has nothing of its own to stop. When that daemon takes the dead one's journal
+    over, it does not redo the stopped run: no model is asked, nothing is published or saved."""
+    store, bus = MemoryStore(), PeerBus()
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    dead_backend, live_backend = GatedBackend(), GatedBackend()
+    dead = pipeline.build_rig(cast, backend=dead_backend, store=store, messages=bus, instance="b",
+                              journal_key=f"{PENDING_RUNS_KEY}.b")
+    await dead.dispatcher.handle(root)
+    await asyncio.wait_for(dead_backend.asked.wait(), 5)
+    await dead.scheduler.journaled()
+    live = pipeline.build_rig(cast, backend=live_backend, store=store, messages=bus, instance="a",
+                              clock=FakeClock((root.created_at + 5) * 1000))
+
+    report = await live.dispatcher.stop(root.id, None, by="owner")
+    for event_id in await live.dispatcher.stored_dispatches(await live.scheduler.adopt(dead.scheduler.journal_key)):
+        await live.dispatcher.redispatch(event_id)  # as the daemon does with what it took over
+    await live.settle()
+
+    assert report.agents == ()
+    assert live_backend.requests == []
+    assert live.publisher.published == []
+    conversation = await live.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.id for e in conversation.history] == [root.id]
+    assert [(s["agents"], s["named"]) for s in conversation.metadata.extra[STOPS_KEY]] == [([], None)]
+    dead_backend.release.set()  # the dead daemon's process, gone: its run ends unseen
+    await dead.settle()
+
+
+async def test_a_run_left_journaled_is_redone_unless_a_stop_naming_its_agent_came_after_its_trigger(
+    cast: Cast,
+) -> None:
+    """stopped_since: a stop recorded after the trigger was written covers the agents it named (every
+    agent when it named none; a record from before ``named`` was kept: the agents it stopped); a stop
+    recorded before the trigger was written, or naming only others, does not."""
+    conversation = Conversation(id="c" * 64)
+    trigger = cast.user_says("Write the report")
+    after, before = (trigger.created_at + 1) * 1000, (trigger.created_at - 1) * 1000
+
+    def stopped(*stops: object) -> bool:
+        conversation.metadata.extra[STOPS_KEY] = list(stops)
+        return stopped_since(conversation, trigger, "alice")
+
+    assert stopped({"at": after, "agents": [], "named": None})
+    assert stopped({"at": after, "agents": [], "named": ["bob", "alice"]})
+    assert stopped({"at": after, "agents": ["alice"]})  # recorded before "named" was kept
+    assert not stopped({"at": after, "agents": [], "named": ["bob"]})
+    assert not stopped({"at": before, "agents": ["alice"], "named": None})
+    assert not stopped({"at": after, "agents": []}, "junk")
+    conversation.metadata.extra.clear()
+    assert not stopped_since(conversation, trigger, "alice")
+
+
 async def timed_stop(rig: pipeline.Rig, root: NostrEvent) -> tuple[StopReport, float]:
     """Stop the conversation as the owner through the CLI's and API's path; return the report and how
     long the stop took (seconds)."""
@@ -418,8 +472,8 @@ def test_a_stop_told_between_daemons_is_recorded_once_with_every_daemons_agents(
     there = {"by": "owner", "at": 2, "agents": ["alice"], "event_id": None, "stop_id": "s1"}
     other = {"by": "owner", "at": 3, "agents": [], "event_id": None, "stop_id": "s2"}
 
-    assert _with_stop(_with_stop(None, here), there) == [{**here, "agents": ["alice"]}]
-    assert [s["stop_id"] for s in _with_stop([here], other)] == ["s1", "s2"]
+    assert with_stop(with_stop(None, here), there) == [{**here, "agents": ["alice"]}]
+    assert [s["stop_id"] for s in with_stop([here], other)] == ["s1", "s2"]
 
 
 def test_a_request_carried_out_again_joins_its_record_rather_than_adding_one() -> None:
@@ -431,9 +485,9 @@ def test_a_request_carried_out_again_joins_its_record_rather_than_adding_one() -
     cli = {"by": "owner", "at": 3, "agents": ["bob"], "event_id": None}
     many = [{"event_id": f"x{n}", "agents": []} for n in range(STOPS_KEPT)]
 
-    assert _with_stop(_with_stop(None, first), again) == [{**first, "agents": ["alice"]}]
-    assert _with_stop(["junk", again], {**first, "agents": ["bob", "alice"]}) == [
+    assert with_stop(with_stop(None, first), again) == [{**first, "agents": ["alice"]}]
+    assert with_stop(["junk", again], {**first, "agents": ["bob", "alice"]}) == [
         "junk", {**again, "agents": ["alice", "bob"]},
     ]
-    assert [s["at"] for s in _with_stop(_with_stop([first], cli), {**cli, "at": 4})] == [1, 3, 4]
-    assert [s["event_id"] for s in _with_stop(many, first)] == [f"x{n}" for n in range(1, STOPS_KEPT)] + ["e1"]
+    assert [s["at"] for s in with_stop(with_stop([first], cli), {**cli, "at": 4})] == [1, 3, 4]
+    assert [s["event_id"] for s in with_stop(many, first)] == [f"x{n}" for n in range(1, STOPS_KEPT)] + ["e1"]

@@ -1,0 +1,57 @@
+"""A conversation's record of its stops (``metadata.extra["stops"]``, docs/PROTOCOL.md, kind 24134), and
+what a run redone after a crash or taken over from a dead daemon reads in it.
+
+Each entry: ``by`` (a pubkey, or ``owner`` for the CLI and the API), ``at`` (ms), ``agents`` (the slugs
+stopped), ``named`` (the slugs the stop asked for; None: every agent), ``event_id`` (the request's) and,
+for a stop told between daemons sharing a database, ``stop_id``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.events import NostrEvent
+
+STOPS_KEY = "stops"
+"""Where a conversation records its stops (``metadata.extra``), newest last."""
+STOPS_KEPT = 20
+"""How many stops a conversation remembers (the oldest leave first)."""
+STOPPED_COMPLETION = "Stopped before answering."
+"""What a stopped agent counts as having answered in the orchestrator's open turn."""
+
+
+def with_stop(kept: object, entry: dict[str, Any]) -> list[Any]:
+    """The stops record ``kept`` with ``entry`` added, or merged into the entry of the same request (or
+    the same told stop): that one gains the agents stopped."""
+    stops = list(kept) if isinstance(kept, list) else []
+    key = "event_id" if entry["event_id"] is not None else "stop_id"
+    value = entry.get(key)
+    for index, stop in enumerate(stops):
+        if value is not None and isinstance(stop, dict) and stop.get(key) == value:
+            known = stop.get("agents")
+            agents = list(dict.fromkeys([*(known if isinstance(known, list) else []), *entry["agents"]]))
+            stops[index] = {**stop, "agents": agents}
+            return stops
+    return [*stops[-(STOPS_KEPT - 1) :], entry]
+
+
+def stopped_since(conversation: Conversation, trigger: NostrEvent, agent_slug: str) -> bool:
+    """Whether a stop naming ``agent_slug`` (or every agent) was recorded after ``trigger`` was written
+    (its ``created_at``): a run for it that a crash or a dead daemon left journaled was running or waiting
+    when the person stopped it, and is not redone. A stop recorded before ``named`` was kept covers the
+    agents it stopped."""
+    stops = conversation.metadata.extra.get(STOPS_KEY)
+    if not isinstance(stops, list):
+        return False
+    written_ms = trigger.created_at * 1000
+    for stop in stops:
+        if not isinstance(stop, dict):
+            continue
+        at = stop.get("at")
+        if not isinstance(at, int) or at < written_ms:
+            continue
+        named = stop["named"] if "named" in stop else stop.get("agents")
+        if named is None or (isinstance(named, list) and agent_slug in named):
+            return True
+    return False
