@@ -33,8 +33,7 @@ and nothing is taken under it but the store's own internal locks.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from types import TracebackType
 
 
 class KeyedLock:
@@ -46,19 +45,44 @@ class KeyedLock:
     def __len__(self) -> int:
         return len(self._locks)
 
-    @asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[None]:
+    def hold(self, key: str) -> _Held:
         """Hold the lock for ``key`` for the duration of the ``async with`` block."""
-        lock, users = self._locks.get(key, (None, 0))
+        return _Held(self._locks, key)
+
+
+class _Held:
+    """One ``async with keyed.hold(key)``: a plain context manager rather than a generator's, since the
+    reply path takes these locks about ten times per reply."""
+
+    __slots__ = ("_key", "_lock", "_locks")
+
+    def __init__(self, locks: dict[str, tuple[asyncio.Lock, int]], key: str) -> None:
+        self._locks = locks
+        self._key = key
+        self._lock: asyncio.Lock | None = None
+
+    async def __aenter__(self) -> None:
+        lock, users = self._locks.get(self._key, (None, 0))
         if lock is None:
             lock = asyncio.Lock()
-        self._locks[key] = (lock, users + 1)
+        self._locks[self._key] = (lock, users + 1)  # counted while waiting too: the lock stays in the map
+        self._lock = lock
         try:
-            async with lock:
-                yield
-        finally:
-            lock, users = self._locks[key]
-            if users <= 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = (lock, users - 1)
+            await lock.acquire()
+        except BaseException:
+            self._leave()
+            raise
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        assert self._lock is not None
+        self._lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        lock, users = self._locks[self._key]
+        if users <= 1:
+            del self._locks[self._key]
+        else:
+            self._locks[self._key] = (lock, users - 1)
