@@ -23,6 +23,11 @@ daemon and measures, through 127.0.0.1:
 - inside tenexd: trigger taken in from the relay -> reply sent to it, the daemon's own measure
   (``tenexd status``, /metrics), which leaves the relay out entirely.
 
+``--calls`` measures instead how many Python function calls the daemon's event loop makes per reply
+(cProfile, on while each batch of replies runs: the commit thread is not counted, and a coroutine
+counts once per resumption). Unlike the times, the count hardly changes with the machine's load, so
+it compares two commits on a shared machine; the profiler slows the run, so no time is printed then.
+
 Targets: daemon CPU per reply <= 2 ms; overhead at 1 conversation p50 < 5 ms, p99 < 20 ms; at
 100 concurrent p50 < 20 ms, p99 < 80 ms. ``--runs N`` (default 3) repeats the whole, printing
 each run, then each figure of every run and their median.
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
 import multiprocessing
 import os
@@ -40,7 +46,8 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -61,6 +68,10 @@ LOG_LEVEL = 40
 FSYNC = "batch"
 SETTLE_S = 0.2
 """Wait after a batch's last reply: its OK, typing indicator and journal writes count in the batch's CPU."""
+QUIET_S = 0.5
+QUIET_CALLS = 500
+"""``--calls``: a load's count ends once the daemon made fewer than this many calls in ``QUIET_S`` (its
+timers only): what follows the replies (statuses, OKs, journal and outbox writes) is counted whole."""
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -108,6 +119,8 @@ class DaemonProcess:
         self._process = context.Process(
             target=_daemon_main, args=(child, str(home_parent), relay_url, fsync), daemon=True
         )
+        self.counting = False
+        """``--calls``: the daemon counts its event loop's Python calls while each batch runs."""
         self.code = ""
         """Where the daemon process imported tenexd from (a before/after comparison checks it)."""
 
@@ -135,6 +148,29 @@ class DaemonProcess:
         found: CpuTimes = await self._ask("cpu")
         return found
 
+    async def count_calls(self, on: bool | None) -> int:
+        """Turn the call count on or off (``--calls``; None: leave it); return the calls counted so far."""
+        found: int = await self._ask({True: "calls on", False: "calls off", None: "calls"}[on])
+        return found
+
+    @asynccontextmanager
+    async def counted(self, load: Load) -> AsyncIterator[None]:
+        """``--calls``: count the calls of the block and of what follows it until the daemon is quiet
+        (:data:`QUIET_CALLS`), into ``load``; nothing without ``--calls``."""
+        if not self.counting:
+            yield
+            return
+        start = await self.count_calls(True)
+        yield
+        last = await self.count_calls(None)
+        while True:
+            await asyncio.sleep(QUIET_S)
+            now = await self.count_calls(None)
+            if now - last < QUIET_CALLS:
+                break
+            last = now
+        load.calls += await self.count_calls(False) - start
+
     async def stop(self) -> None:
         """Stop the daemon (it drains) and wait for the process."""
         await self._ask("stop")
@@ -146,9 +182,7 @@ def _daemon_main(conn: Connection, home_parent: str, relay_url: str, fsync: str)
     if not profile_to:
         asyncio.run(_run_daemon(conn, Path(home_parent), relay_url, fsync))
         return
-    import cProfile  # the daemon's own profile, for finding where its CPU per reply goes
-
-    with cProfile.Profile() as profile:
+    with cProfile.Profile() as profile:  # the daemon's own profile, for finding where its CPU per reply goes
         asyncio.run(_run_daemon(conn, Path(home_parent), relay_url, fsync))
     profile.dump_stats(profile_to)
 
@@ -159,6 +193,7 @@ async def _run_daemon(conn: Connection, home_parent: Path, relay_url: str, fsync
     env = {"TENEX_DAEMON__HEARTBEAT_INTERVAL_S": "3600", "TENEX_STORAGE__FSYNC": f'"{fsync}"'}
     daemon = Daemon(load_settings(result.home, env))
     gc_clock = _GcClock()
+    counter = cProfile.Profile()  # enabled only while a batch runs with --calls
     task = asyncio.create_task(daemon.run())
     ready = asyncio.create_task(daemon.wait_ready())
     await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED)
@@ -175,6 +210,12 @@ async def _run_daemon(conn: Connection, home_parent: Path, relay_url: str, fsync
         elif command == "cpu":
             usage = resource.getrusage(resource.RUSAGE_SELF)  # microseconds, where os.times has ticks
             conn.send(CpuTimes(usage.ru_utime, usage.ru_stime, gc_clock.total_s))
+        elif command in ("calls on", "calls off", "calls"):  # on the loop's thread: the one profiled
+            if command == "calls on":
+                counter.enable()
+            elif command == "calls off":
+                counter.disable()
+            conn.send(sum(entry.callcount for entry in counter.getstats()))
         else:
             daemon.request_stop()
             await task
@@ -194,6 +235,8 @@ class Load:
     daemon_system_s: float = 0.0
     daemon_gc_s: float = 0.0
     relay_cpu_s: float = 0.0
+    calls: int = 0
+    """``--calls``: the daemon's event loop's Python calls over the batches."""
 
     def overhead(self, q: float) -> float:
         """Reply latency over twice the relay round trip at quantile ``q``, seconds."""
@@ -240,7 +283,9 @@ TARGETS_MS = {
 """Figure name -> the most it may be (ms); the concurrent ones hold for 100 conversations at once."""
 
 
-async def measure(samples: int, concurrent: int, fsync: str, home_parent: Path) -> Run:
+async def measure(
+    samples: int, concurrent: int, fsync: str, home_parent: Path, *, calls: bool = False
+) -> Run:
     """One run: a fresh relay and daemon (its home a new folder in ``home_parent``), the clients
     here; measure every load level."""
     home = Path(tempfile.mkdtemp(prefix="run-", dir=home_parent))
@@ -248,6 +293,7 @@ async def measure(samples: int, concurrent: int, fsync: str, home_parent: Path) 
     await relay.start()
     try:
         daemon = DaemonProcess(home, relay.url, fsync)
+        daemon.counting = calls
         key_file, planner = await daemon.start()
         try:
             run = await _measure_through(relay, daemon, key_file, planner, samples, concurrent)
@@ -304,10 +350,12 @@ async def _measure_through(
         single, many = Load("1 conversation"), Load(f"{concurrent} concurrent")
         single.floor = await sequential(ping)
         apart = await sequential(ping, listener)
-        await replies(single, lambda: sequential(request))
-        for _ in range(max(1, samples // concurrent) + 1):
-            many.floor.extend(await together(ping))
-            await replies(many, lambda: together(request))
+        async with daemon.counted(single):
+            await replies(single, lambda: sequential(request))
+        async with daemon.counted(many):  # pings reach no agent: the daemon does nothing for them
+            for _ in range(max(1, samples // concurrent) + 1):
+                many.floor.extend(await together(ping))
+                await replies(many, lambda: together(request))
     finally:
         await client.stop()
         await listener.stop()
@@ -361,8 +409,26 @@ def print_summary(runs: list[Run]) -> dict[str, float]:
     return medians
 
 
-async def main(samples: int, concurrent: int, runs: int, fsync: str = FSYNC) -> None:
-    """Measure ``runs`` times (fresh relay and daemon each), print each run, then the medians."""
+def print_calls(runs: list[Run]) -> dict[str, float]:
+    """``--calls``: the event loop's Python calls per reply at each load, every run and their median."""
+    figures: dict[str, list[float]] = {}
+    for run in runs:
+        for load in run.loads:
+            per_reply = load.calls / len(load.replies)
+            figures.setdefault(f"python calls per reply, {load.label}", []).append(per_reply)
+    medians = {name: statistics.median(values) for name, values in figures.items()}
+    print_table(
+        f"tenexd's event loop, Python calls per reply, median of {len(runs)} runs (cProfile; offline"
+        " backend)",
+        ["figure", *(f"run {n}" for n in range(1, len(runs) + 1)), "median"],
+        [[name, *(f"{v:,.0f}" for v in values), f"{medians[name]:,.0f}"] for name, values in figures.items()],
+    )
+    return medians
+
+
+async def main(samples: int, concurrent: int, runs: int, fsync: str = FSYNC, *, calls: bool = False) -> None:
+    """Measure ``runs`` times (fresh relay and daemon each), print each run, then the medians
+    (``calls``: the event loop's Python calls per reply instead of times)."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(LOG_LEVEL))
     measured: list[Run] = []
     # Every run's home is kept until the last run ends: deleting one (about a thousand files and
@@ -371,10 +437,16 @@ async def main(samples: int, concurrent: int, runs: int, fsync: str = FSYNC) -> 
     # benchmark deleted each run's home").
     with tempfile.TemporaryDirectory(prefix="bench-daemon-") as homes:
         for n in range(1, runs + 1):
-            run = await measure(samples, concurrent, fsync, Path(homes))
-            title = f"run {n} of {runs}: tenexd replies through an in-memory relay (offline backend; ms)"
-            print_run(run, title)
+            run = await measure(samples, concurrent, fsync, Path(homes), calls=calls)
+            if not calls:
+                title = f"run {n} of {runs}: tenexd replies through an in-memory relay (offline backend; ms)"
+                print_run(run, title)
             measured.append(run)
+    if calls:
+        emit_figures("daemon calls", print_calls(measured))
+        print("a coroutine counts once per resumption; the store's commit thread is not counted")
+        print(f"tenexd code: {', '.join(sorted({run.code for run in measured}))}")
+        return
     medians = print_summary(measured)
     emit_figures("daemon", medians)
     print("overhead = reply latency - 2 x relay round trip at the same load (request in, reply out)")
@@ -401,5 +473,8 @@ if __name__ == "__main__":
     parser.add_argument("--concurrent", type=int, default=100, help="conversations at once")
     parser.add_argument("--runs", type=int, default=3, help="fresh relay and daemon each; medians printed")
     parser.add_argument("--fsync", choices=["always", "batch"], default=FSYNC, help="store fsync policy")
+    parser.add_argument(
+        "--calls", action="store_true", help="count the event loop's Python calls per reply instead of timing"
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.samples, args.concurrent, args.runs, args.fsync))
+    asyncio.run(main(args.samples, args.concurrent, args.runs, args.fsync, calls=args.calls))
