@@ -16,7 +16,7 @@ from tenex_daemon.adapters.nostr.agent_definition import (
 )
 from tenex_daemon.adapters.nostr.signer import KeyFileError
 from tenex_daemon.app.home import HomeError, add_agent, agent_identities
-from tenex_daemon.app.settings import Settings, SettingsError
+from tenex_daemon.app.settings import Settings, SettingsError, load_settings
 from tenex_daemon.cli.invocation import HomeOption, relay_urls_argument, settings_of
 from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, fail, out, print_json
 from tenex_daemon.cli.typer_app import TenexTyper
@@ -104,10 +104,20 @@ def agents_add(
                          orchestrator=orchestrator)
     except (HomeError, KeyFileError, SettingsError) as exc:
         fail(str(exc), EXIT_USAGE)
+    backend = _backend_of(settings, slug)
     if as_json:
-        print_json(info.to_dict())
+        print_json({**info.to_dict(), "backend": backend})
         return
     out.print(f"added agent {slug}: {info.npub} ({info.pubkey}); restart the daemon to load it")
+    out.print(f"backend: {backend}")
+
+
+def _backend_of(settings: Settings, slug: str) -> str:
+    """The backend an agent just added was given (the other agents', else ``offline``), as config.toml
+    now says: its kind, and its model when it names one."""
+    added = next(a for a in load_settings(settings.home, {}).agents if a.slug == slug)
+    model = added.backend.model
+    return added.backend.kind if model is None else f"{added.backend.kind} ({model})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +147,9 @@ def _add_from(settings: Settings, text: str, options: _AddFrom, as_json: bool) -
         fail(str(exc), EXIT_FAILURE)
     except (DefinitionReferenceError, HomeError, KeyFileError, SettingsError) as exc:
         fail(str(exc), EXIT_USAGE)
+    backend = _backend_of(settings, installed.slug)
     if as_json:
-        print_json(installed.to_dict())
+        print_json({**installed.to_dict(), "backend": backend})
         return
     definition = installed.definition
     out.print(
@@ -148,3 +159,4 @@ def _add_from(settings: Settings, text: str, options: _AddFrom, as_json: bool) -
     if definition.role:
         out.print(f"role: {definition.role}")
     out.print(f"key: {installed.key.npub} ({installed.key.pubkey}); restart the daemon to load it")
+    out.print(f"backend: {backend}")

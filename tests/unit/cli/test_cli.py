@@ -101,10 +101,13 @@ def test_agents_list_shows_slug_name_npub_and_hex(home: Path) -> None:
 
 
 def test_agents_add_creates_a_key_and_lists_it(home: Path) -> None:
-    """`agents add` adds an agent with its own 0600 key file, shown by `agents list`."""
+    """`agents add` adds an agent with its own 0600 key file, shown by `agents list`, and says which
+    backend it was given (the other agents', here the offline one)."""
     code, out = tenexd(home, "agents", "add", "critic", "--name", "Critic", "--instructions", "Find flaws.")
 
     assert code == 0, out
+    assert "backend: offline" in out
+    assert tenexd_json(home, "agents", "add", "judge")["backend"] == "offline"
     agents = tenexd_json(home, "agents", "list")
     critic = next(a for a in agents if a["slug"] == "critic")
     assert critic["name"] == "Critic"
