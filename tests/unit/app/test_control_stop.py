@@ -15,7 +15,7 @@ from tenex_daemon import ConversationManager
 from tenex_daemon.app.control_api import create_app
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.wiring import Pipeline
-from tenex_daemon.services.stopping import STOPS_KEY
+from tenex_daemon.core.stops import STOPS_KEY
 from tenex_daemon.testing.fakes import StuckBackend
 from tests import pipeline
 from tests.conftest import Cast
