@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from enum import StrEnum
@@ -44,6 +45,8 @@ log = structlog.get_logger(__name__)
 
 DISPATCH_RETRY_S = RUN_RETRY_S
 """Waits before each new try of targeting an accepted event that failed with an error."""
+FAILED_KEPT = 4096
+"""Events whose handling failed remembered at most (the relay pool keeps 1,000 for its retries)."""
 
 
 class Outcome(StrEnum):
@@ -158,6 +161,8 @@ class EventDispatcher:
         self._lifecycle = lifecycle
         self._private = None if lifecycle is None else PrivateConversations(manager, lifecycle)
         self._routing = KeyedLock()
+        self._failed: OrderedDict[str, None] = OrderedDict()
+        """Events whose handling failed here once the dispatch began (the pool hands them over again)."""
         self._handlers: dict[EventClass, Handler] = {
             EventClass.NEW_CONVERSATION: self._on_root,
             EventClass.TASK: self._on_root,
@@ -181,9 +186,7 @@ class EventDispatcher:
             result = await self._handlers[classification.kind](event, classification)
         else:
             await self._scheduler.accept(event.id)
-            # raising leaves the entry journaled: the next start finishes the dispatch
-            result = await self._handlers[classification.kind](event, classification)
-            self._scheduler.dispatched(event.id, at_once=result.outcome is not Outcome.SCHEDULED)
+            result = await self._dispatch(event, classification)
         log.info(
             "event_handled",
             event_id=event.id,
@@ -194,6 +197,29 @@ class EventDispatcher:
             conversation_id=result.conversation_id,
             agents=list(result.agents),
         )
+        return result
+
+    async def _dispatch(self, event: NostrEvent, classification: Classification) -> HandleResult:
+        """Run the event's handler; raising leaves its entry journaled (the next start finishes the
+        dispatch) and the pool hands the event over again. An event found stored when it comes again
+        after a failure here was stored by that failed try (a commit whose answer a broken connection
+        lost: PostgreSQL restarting) or by another daemon meanwhile: nobody else dispatches the first, so
+        it is dispatched again as after a crash (:meth:`redispatch`: an agent that answered it already
+        is not run again; another daemon's run, started a second or more earlier, holds its
+        conversation's run lease until its answer is saved)."""
+        failed_before = event.id in self._failed
+        try:
+            result = await self._handlers[classification.kind](event, classification)
+        except Exception:
+            self._failed[event.id] = None
+            while len(self._failed) > FAILED_KEPT:
+                self._failed.popitem(last=False)
+            raise
+        self._failed.pop(event.id, None)
+        if failed_before and result.outcome is Outcome.DUPLICATE:
+            log.info("dispatch_after_failure", event_id=event.id, conversation_id=result.conversation_id)
+            return await self.redispatch(event.id)
+        self._scheduler.dispatched(event.id, at_once=result.outcome is not Outcome.SCHEDULED)
         return result
 
     async def _on_ignored(self, event: NostrEvent, classification: Classification) -> HandleResult:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tenex_daemon import ConversationManager, FileSystemStore, MemoryStore
+from tenex_daemon import ConversationManager, FileSystemStore, MemoryStore, NostrEvent
 from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
@@ -382,3 +382,59 @@ async def test_daemons_sharing_a_store_keep_their_journals_apart(cast: Cast) -> 
     again = RunScheduler(store, _never_run, journal_key=runs.journal_key_for("two"))
     await again.recover()
     assert again.dispatches_to_redo() == ["c" * 64]
+
+
+class LostCommitStore(MemoryStore):
+    """A store whose next write of a new conversation or an event is made, then answered with a broken
+    connection: a commit whose answer is lost (PostgreSQL restarting between COMMIT and its reply)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lose_next = False
+
+    def _lost(self) -> None:
+        if self.lose_next:
+            self.lose_next = False
+            raise ConnectionError("connection was closed in the middle of operation")
+
+    async def create(self, conversation: Conversation) -> None:
+        """Create, then maybe lose the answer."""
+        await super().create(conversation)
+        self._lost()
+
+    async def append_event(
+        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
+    ) -> None:
+        """Append, then maybe lose the answer."""
+        await super().append_event(conversation_id, event, state=state)
+        self._lost()
+
+
+@pytest.mark.parametrize("first", ["root", "reply"])
+async def test_an_event_whose_commit_answer_was_lost_is_answered_when_it_comes_again(
+    cast: Cast, first: str
+) -> None:
+    """The store keeps an event but the daemon is told the write failed (its handling raises, and the relay
+    pool hands the event over again): when it comes again it is found stored, and it is dispatched then,
+    as after a crash, rather than dropped as a duplicate; the agent answers it once."""
+    store = LostCommitStore()
+    rig = pipeline.build_rig(cast, store=store)
+    root = cast.user_says("Plan it", kind=11, tags=[["p", cast.alice.pubkey]])
+    event = root
+    if first == "reply":
+        await rig.dispatcher.handle(root)
+        await rig.quiet()
+        event = cast.user_says("And now?", tags=[["E", root.id], ["e", root.id], ["p", cast.alice.pubkey]])
+    answered_before = len(rig.publisher.published)
+    store.lose_next = True
+
+    with pytest.raises(ConnectionError):
+        await rig.dispatcher.handle(event)
+    again = await rig.dispatcher.handle(event)
+    await rig.settle()
+
+    assert again.outcome is Outcome.SCHEDULED
+    answers = [e for e in rig.publisher.published[answered_before:] if e.pubkey == cast.alice.pubkey]
+    assert len(answers) == 1
+    assert answers[0].tag_values("e")[-1] == event.id
+    assert await rig.store.get_meta(PENDING_RUNS_KEY) in (None, "[]")
