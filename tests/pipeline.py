@@ -26,6 +26,7 @@ from tenex_daemon.core.ports import (
     EventResolver,
     PartialTextPublisher,
     PeerMessages,
+    Peers,
     ReplyComposer,
     RunStatus,
     Store,
@@ -134,6 +135,7 @@ def build_rig(
     idle_timeout_min: float = DEFAULT_IDLE_TIMEOUT_MIN,
     task_session_ttl_h: float = DEFAULT_TASK_SESSION_TTL_H,
     messages: PeerMessages | None = None,
+    peers: Peers | None = None,
     instance: str = "",
 ) -> Rig:
     """Build the daemon's pipeline for the cast (every agent thinks through ``backend`` unless
@@ -158,6 +160,7 @@ def build_rig(
         reply_observer=reply_observer,
         status=status,
         messages=messages,
+        peers=peers,
     )
     options = PipelineOptions(
         owner=owner if owner is not None else cast.user.pubkey,

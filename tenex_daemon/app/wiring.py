@@ -440,6 +440,7 @@ def build_pipeline(
         partial_interval_s=options.partial_interval_s,
         threads=threads,
         outbox=outbox,
+        shared_store=ports.peers is not None,
     )
     router = (
         orchestrator(manager)

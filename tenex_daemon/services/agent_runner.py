@@ -115,6 +115,10 @@ class AgentRunner:
     With ``threads`` (a :class:`ThreadManager`), an agent other than the orchestrator is
     also offered ``send_message`` whenever another non-orchestrator agent is configured
     (see :mod:`~tenex_daemon.services.delegation`); without it, nobody is.
+
+    A run redone after a crash (``recovered``) whose agent already answered its trigger saves nothing
+    and publishes that answer again; with ``shared_store`` (daemons sharing a database) every run does,
+    since two daemons may dispatch one event (:meth:`EventDispatcher.handle` after a lost commit answer).
     """
 
     def __init__(
@@ -132,8 +136,10 @@ class AgentRunner:
         partial_interval_s: float = DEFAULT_PARTIAL_INTERVAL_S,
         threads: ThreadManager | None = None,
         outbox: Outbox | None = None,
+        shared_store: bool = False,
     ) -> None:
         self._manager = manager
+        self._shared_store = shared_store
         self._profiles = profiles
         self._composer = composer
         self._publisher = publisher
@@ -201,7 +207,9 @@ class AgentRunner:
         if request.recovered:
             await self._republish_saved(conversation, request, profile.agent.pubkey)
         saved = None
-        if request.recovered:
+        if request.recovered or self._shared_store:
+            # with daemons sharing a database, any run: two may dispatch one event (one of them after its
+            # store write's answer was lost); whichever runs second finds the first's answer
             saved = self._answer_to(conversation.history, index, profile.agent.pubkey)
         if saved is not None:
             # Redone after a crash that came between the reply and the run's end: the reply is

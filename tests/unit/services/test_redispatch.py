@@ -31,6 +31,7 @@ from tenex_daemon.testing.fakes import FakePublisher, ScriptedBackend, StuckBack
 from tests import pipeline
 from tests.conftest import Cast
 from tests.unit.services.test_orchestration import answers, completes
+from tests.unit.services.test_run_lease import LeasePeers
 from tests.unit.services.test_tool_loop import text
 
 
@@ -438,3 +439,23 @@ async def test_an_event_whose_commit_answer_was_lost_is_answered_when_it_comes_a
     assert len(answers) == 1
     assert answers[0].tag_values("e")[-1] == event.id
     assert await rig.store.get_meta(PENDING_RUNS_KEY) in (None, "[]")
+
+
+async def test_with_daemons_sharing_a_store_an_event_dispatched_twice_is_answered_once(cast: Cast) -> None:
+    """Daemons sharing a database may both dispatch one event (one after its store write's answer was
+    lost): there any run, not only a recovered one, whose agent answered its trigger already saves and
+    asks nothing, and its answer goes out again (the same event: relays keep one copy)."""
+    backend = ScriptedBackend([text("once"), text("twice")])
+    rig = pipeline.build_rig(cast, backend=backend, peers=LeasePeers())
+    root = cast.user_says("Plan it", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+
+    again = await rig.runner.run(RunRequest(root.id, root.id, "alice"))
+    await rig.settle()
+
+    assert again is None
+    assert len(backend.requests) == 1
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.content for e in conversation.history] == ["Plan it", "once"]
