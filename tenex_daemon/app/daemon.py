@@ -72,6 +72,7 @@ from tenex_daemon.app.wiring import (
     wraps_key_for,
 )
 from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import PeerMessages, Peers, Store
 from tenex_daemon.core.targeting import SkipReason
@@ -133,6 +134,17 @@ class RefusalLog:
             self._last.popitem(last=False)
         log.info("event_refused", reason=reason, author=author, event_id=event_id, kind=kind,
                  suppressed=0 if last is None else last[1])
+
+
+class InstanceNameTakenError(TenexError):
+    """Another daemon on the database holds this daemon's name (``daemon.instance_id``)."""
+
+    def __init__(self, instance: str) -> None:
+        super().__init__(
+            f"another daemon on this database is named {instance!r} (daemon.instance_id), or the database "
+            "does not answer: each daemon sharing a database needs its own instance_id (is this home's "
+            "daemon running already?)"
+        )
 
 
 class ShuttingDownError(RuntimeError):
@@ -366,7 +378,10 @@ class Daemon:
             await self.embedded_relay.start()
         if isinstance(self.store, Peers) and settings.storage.kind is StorageKind.POSTGRES:
             self._peers = self.store  # daemons sharing the database: hold this one's name while it lives
-            await self._lifetime.enter_async_context(self.store.alive(self._peer_name(self.instance)))
+            try:
+                await self._lifetime.enter_async_context(self.store.alive(self._peer_name(self.instance)))
+            except TimeoutError:  # the lock did not come: another session holds it (or the database is mute)
+                raise InstanceNameTakenError(self.instance) from None
 
         self.pool = RelayPool(
             self.relay_urls,

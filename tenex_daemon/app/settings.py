@@ -117,8 +117,18 @@ class StorageSettings(_Section):
     ``<path>/conversations``; default: the daemon's home (``<home>/conversations``)."""
     fsync: Literal["always", "batch"] = "batch"
     dsn: str | None = None
-    """PostgreSQL DSN when kind = postgres."""
+    """PostgreSQL DSN when kind = postgres: a ``postgresql://`` (or ``postgres://``) URI."""
     cache_size: int = Field(default=256, ge=1)
+
+    @model_validator(mode="after")
+    def _dsn_for_postgres(self) -> StorageSettings:
+        if self.kind is StorageKind.POSTGRES:
+            if not self.dsn:
+                raise ValueError("dsn is required when kind = postgres")
+            scheme = self.dsn.partition("://")[0]
+            if scheme not in ("postgresql", "postgres"):
+                raise ValueError("dsn must be a postgresql:// URI (postgresql://user@host:5432/database)")
+        return self
 
 
 class RelaySettings(_Section):

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import structlog
@@ -48,6 +49,7 @@ from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
     ConversationNotFoundError,
+    TenexError,
 )
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase
@@ -127,6 +129,24 @@ def _event_json(event: NostrEvent) -> str:
     return event.model_dump_json()
 
 
+class PostgresOpenError(TenexError):
+    """The database named by ``storage.dsn`` cannot be reached, or refuses the connection or the schema."""
+
+
+def shown_dsn(dsn: str) -> str:
+    """``dsn`` as it may be shown: a password, in the address or as a ``password`` parameter, is ``***``."""
+    parts = urlsplit(dsn)
+    shown = dsn
+    if parts.password is not None:
+        host = parts.netloc.rpartition("@")[2]
+        shown = shown.replace(parts.netloc, f"{parts.username or ''}:***@{host}", 1)
+    if parts.query:
+        pairs = parts.query.split("&")
+        query = "&".join("password=***" if p.partition("=")[0] == "password" else p for p in pairs)
+        shown = shown.replace("?" + parts.query, "?" + query, 1)
+    return shown
+
+
 class PostgresStore:
     """A :class:`~tenex_daemon.core.ports.ConversationStore` in PostgreSQL (asyncpg).
 
@@ -159,13 +179,20 @@ class PostgresStore:
         return self._pool
 
     async def open(self) -> None:
-        """Connect and apply pending migrations."""
+        """Connect and apply pending migrations; raise :class:`PostgresOpenError` (saying which database,
+        its password hidden, and why) when the database cannot be reached or refuses."""
         if self._pool is not None:
             return
-        self._pool = await self._new_pool(1, self.pool_size)
-        self._lease_pool = await self._new_pool(0, self.lease_pool_size)
-        self._name_pool = await self._new_pool(0, self.name_pool_size)
-        applied = await self.migrate()
+        try:
+            self._pool = await self._new_pool(1, self.pool_size)
+            self._lease_pool = await self._new_pool(0, self.lease_pool_size)
+            self._name_pool = await self._new_pool(0, self.name_pool_size)
+            applied = await self.migrate()
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            await self.close()
+            reason = str(exc) or type(exc).__name__
+            where = shown_dsn(self.dsn)
+            raise PostgresOpenError(f"cannot open the PostgreSQL store at {where}: {reason}") from exc
         log.info("postgres_store_opened", migrations_applied=applied)
 
     async def _new_pool(self, min_size: int, max_size: int) -> Any:

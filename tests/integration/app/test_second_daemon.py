@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from tenex_daemon.adapters.storage.filesystem import StoreLockedError
+from tenex_daemon.adapters.storage.postgres import PostgresStore
 from tenex_daemon.app.daemon import Daemon
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.status import Health, read_status
+from tests.contract.postgres_server import PostgresServer, find_bin_dir, shared_server
 from tests.e2e.harness import TENEXD, DaemonProcess, Home, tenexd_environment
 from tests.integration.nostr.harness import free_port
 
@@ -124,3 +126,65 @@ async def test_tenexd_run_whose_embedded_port_another_program_holds_says_so_with
     assert done.returncode == 1, done.stderr
     assert "embedded relay" in done.stderr
     assert "Traceback (most recent call last)" not in done.stderr + done.stdout
+
+
+@pytest.fixture
+def postgres() -> PostgresServer:
+    """The session's real PostgreSQL server (shared with the contract suite)."""
+    if find_bin_dir() is None:
+        pytest.skip("PostgreSQL is not installed; scripts/setup.d/20-postgres.sh installs it")
+    return shared_server()
+
+
+def postgres_home(tmp_path: Path, dsn: str) -> tuple[Path, str]:
+    """A fresh home on PostgreSQL at ``dsn`` named ``d1`` (daemon.instance_id); its project's pubkey."""
+    home = tmp_path / "h"
+    made = init_home(home)
+    config = home / "config.toml"
+    text = config.read_text(encoding="utf-8").replace('kind = "filesystem"', f'kind = "postgres"\ndsn = "{dsn}"')
+    config.write_text(text.replace("[daemon]\n", '[daemon]\ninstance_id = "d1"\n', 1), encoding="utf-8")
+    return home, made.project.pubkey
+
+
+async def tenexd_run(home: Path) -> subprocess.CompletedProcess[str]:
+    """`tenexd run` on ``home`` toward a relay nobody serves (what is tested fails before any relay)."""
+    return await asyncio.to_thread(
+        subprocess.run, [str(TENEXD), "--home", str(home), "run", "--relay", f"ws://127.0.0.1:{free_port()}"],
+        capture_output=True, text=True, env=tenexd_environment(), timeout=90, check=False,
+    )
+
+
+async def test_a_daemon_whose_name_another_holds_on_the_database_says_so(
+    tmp_path: Path, postgres: PostgresServer
+) -> None:
+    """`tenexd run` named like a daemon already on the database (the same daemon.instance_id) exits 1 saying
+    so and what to change, in a line, no traceback (it printed "error: " and nothing else)."""
+    dsn = await postgres.create_database()
+    home, project = postgres_home(tmp_path, dsn)
+    holder = PostgresStore(dsn)
+    await holder.open()
+    try:
+        async with holder.alive(f"instance:{project}.d1"):
+            done = await tenexd_run(home)
+    finally:
+        await holder.close()
+    assert done.returncode == 1, done.stderr
+    assert "another daemon on this database is named 'd1' (daemon.instance_id)" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+async def test_a_database_that_cannot_be_opened_is_named_with_its_password_hidden(
+    tmp_path: Path, postgres: PostgresServer
+) -> None:
+    """`tenexd run` on a database that does not exist exits 1 naming the database (its password shown as ***)
+    and the server's reason, in a line, no traceback (it printed asyncpg's 78-line traceback)."""
+    dsn = postgres.dsn("nosuchdb").replace("postgres@", "postgres:hunter2@")
+    home, _ = postgres_home(tmp_path, dsn)
+
+    done = await tenexd_run(home)
+
+    assert done.returncode == 1, done.stderr
+    shown = dsn.replace("hunter2", "***")
+    assert f"cannot open the PostgreSQL store at {shown}: database \"nosuchdb\" does not exist" in done.stderr
+    assert "hunter2" not in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr + done.stdout

@@ -79,6 +79,27 @@ def test_invalid_value_error_names_the_key_and_the_file(tmp_path: Path) -> None:
     assert str(home.resolve() / "config.toml") in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("storage", "says"),
+    [
+        ('kind = "postgres"', "dsn is required when kind = postgres"),
+        ('kind = "postgres"\ndsn = "mysql://u:hunter2@db/x"', "dsn must be a postgresql:// URI"),
+    ],
+)
+def test_a_postgres_store_needs_a_postgresql_dsn(tmp_path: Path, storage: str, says: str) -> None:
+    """storage.kind = postgres without a dsn, or with one that is no postgresql:// URI, is refused when the
+    settings are read (a configuration error, exit 2), naming the section and never echoing the dsn."""
+    home = write_home(tmp_path, CONFIG.format(owner=OWNER) + f"[storage]\n{storage}\n")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(home, {})
+    assert "storage" in str(caught.value)
+    assert says in str(caught.value)
+    assert "hunter2" not in str(caught.value)
+    (tmp_path / "ok").mkdir()
+    text = CONFIG.format(owner=OWNER) + '[storage]\nkind = "postgres"\ndsn = "postgres://h/x"\n'
+    assert load_settings(write_home(tmp_path / "ok", text), {}).storage.kind is StorageKind.POSTGRES
+
+
 def test_bad_environment_override_names_the_key(tmp_path: Path) -> None:
     """An override with a wrong type fails with the key it set."""
     home = write_home(tmp_path)
