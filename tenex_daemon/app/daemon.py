@@ -172,6 +172,8 @@ class Daemon:
         self._stopping = False
         self._background = BackgroundTasks("daemon")
         self._conversation_counts = ConversationCounts(total=0, archived=0, by_phase={})
+        self._store_error: str | None = None
+        """Why the store did not answer the status loop's last count (None: it did), shown as degraded."""
         self.embedded_relay: EmbeddedRelay | None = None
         self.store: Store | None = None
         self._store_opened = False
@@ -264,7 +266,7 @@ class Daemon:
             "descriptions": self._descriptions_status(),
             "retention": retention_status(self.sweeper),
             "errors": dict(self.errors),
-            "degraded": self._degraded(pool_health),
+            "degraded": self._degraded(pool_health, self._store_error),
             "embedded_relay": self.embedded_relay.url if self.embedded_relay is not None else None,
             "embedded_relay_pid": self.embedded_relay.pid if self.embedded_relay is not None else None,
             "embedded_relay_restarts": self.embedded_relay.restarts if self.embedded_relay is not None else 0,
@@ -273,12 +275,18 @@ class Daemon:
         })
 
     @staticmethod
-    def _degraded(pool_health: PoolHealth | None) -> str | None:
-        """Why the daemon is degraded (incoming events it failed to handle, retried), or None."""
-        if pool_health is None or not pool_health.retrying:
-            return None
-        return (f"intake: {pool_health.retrying} incoming events failed to be handled and are retried "
-                f"with backoff (last error: {pool_health.last_consumer_error})")
+    def _degraded(pool_health: PoolHealth | None, store_error: str | None) -> str | None:
+        """Why the daemon is degraded (its store does not answer; incoming events it failed to handle,
+        retried), or None."""
+        reasons = []
+        if store_error is not None:
+            reasons.append(f"store: not answering ({store_error})")
+        if pool_health is not None and pool_health.retrying:
+            reasons.append(
+                f"intake: {pool_health.retrying} incoming events failed to be handled and are retried "
+                f"with backoff (last error: {pool_health.last_consumer_error})"
+            )
+        return "; ".join(reasons) or None
 
     def _outbox_status(self, now: float) -> OutboxStatus:
         outbox = self.pipeline.outbox if self.pipeline is not None else None
@@ -741,6 +749,12 @@ class Daemon:
         while True:
             try:
                 await self._refresh_counts()
+                self._store_error = None
+            except Exception as exc:  # the store is away (a database restart): the status is still written
+                self.errors["status"] += 1
+                self._store_error = str(exc) or type(exc).__name__
+                log.warning("status_counts_failed", error=self._store_error, action="last counts shown")
+            try:
                 await self._write_status()
                 if self.pool is not None:
                     for relay in self.pool.health().relays:

@@ -213,3 +213,42 @@ def test_metrics_show_frame_rejects_duplicates_handler_errors_and_reconnects() -
     assert "tenexd_intake_retries_total 6.0" in text
     assert "tenexd_intake_retry_pending 1.0" in text
     assert 'tenexd_relay_reconnects_total{url="ws://127.0.0.1:9"} 3.0' in text
+
+
+class MuteStore(MemoryStore):
+    """A memory store that stops answering while ``mute`` is set (a database restarting)."""
+
+    mute = False
+
+    async def phase_counts(self) -> dict[tuple[str, bool], int]:
+        """Count, unless mute."""
+        if self.mute:
+            raise ConnectionError("connection was closed in the middle of operation")
+        return await super().phase_counts()
+
+
+async def test_a_store_that_does_not_answer_is_shown_as_degraded_in_the_status_file(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """While the store does not answer, the status file is still written, saying ``degraded`` and why (it
+    was not written at all: `tenexd status` said running, then stale); once it answers, it is healthy again."""
+    init_home(tmp_path / "h", owner=cast.user.pubkey, relays=["ws://127.0.0.1:9"])
+    daemon = Daemon(load_settings(tmp_path / "h", {"TENEX_DAEMON__STATUS_INTERVAL_S": "0.05"}))
+    store = MuteStore()
+    daemon.store = store
+    daemon.state = "running"
+    path = daemon.settings.status_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    store.mute = True
+    loop = asyncio.create_task(daemon._status_loop())
+    try:
+        assert await wait_until(lambda: path.exists() and read_status(path, 60).degraded is not None)
+        report = read_status(path, 60)
+        assert not report.healthy
+        assert "store: not answering (connection was closed in the middle of operation)" in report.reason
+        store.mute = False
+        assert await wait_until(lambda: read_status(path, 60).degraded is None)
+        assert read_status(path, 60).healthy
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
