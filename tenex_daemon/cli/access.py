@@ -27,7 +27,7 @@ from tenex_daemon.app.control.paths import API_PREFIX
 from tenex_daemon.app.control.views import conversation_json, preview_context, summary_json
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.personas import persona_specs
-from tenex_daemon.app.settings import Settings
+from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.app.wiring import build_store, routing_system_prompt
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import (
@@ -38,10 +38,10 @@ from tenex_daemon.core.errors import (
 )
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.nip19 import Entity
-from tenex_daemon.core.ports import Store
+from tenex_daemon.core.ports import PeerMessages, Store
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.persona import PersonaSpec
-from tenex_daemon.services.stopping import stop_without_daemon
+from tenex_daemon.services.stopping import PEER_ANSWER_WAIT_S, stop_without_daemon
 
 API_TIMEOUT_S = 30.0
 PROBE_TIMEOUT_S = 3.0
@@ -249,12 +249,19 @@ class LocalAccess:
         manager: ConversationManager,
         personas: Mapping[str, PersonaSpec] | None = None,
         routing_prompt: str | None = None,
+        *,
+        peers: PeerMessages | None = None,
+        stop_wait_s: float = PEER_ANSWER_WAIT_S,
     ) -> None:
         """Use ``manager`` (over an opened store); ``personas``: the agents' persona specs by slug;
-        ``routing_prompt``: the orchestrator model's system prompt (None: it routes by rules)."""
+        ``routing_prompt``: the orchestrator model's system prompt (None: it routes by rules); ``peers``:
+        the messages of a database other daemons share (a stop is told to them, answers awaited
+        ``stop_wait_s``)."""
         self.manager = manager
         self.personas = personas
         self.routing_prompt = routing_prompt
+        self.peers = peers
+        self.stop_wait_s = stop_wait_s
 
     async def search(self, query: Mapping[str, str]) -> list[dict[str, Any]]:
         """Search with the control API's parameter rules."""
@@ -287,8 +294,12 @@ class LocalAccess:
             raise AccessError(f"conversation {conversation_id} is ended already", 409)
 
     async def stop(self, conversation_id: str, agent: str | None) -> dict[str, Any]:
-        """No daemon runs: remove the conversation's journaled runs (a crashed daemon's), record the stop."""
-        report = await _mapped(stop_without_daemon(self.manager, conversation_id, agent, by="owner"))
+        """This home's daemon does not run: remove the conversation's journaled runs (a crashed daemon's),
+        record the stop, and tell the daemons sharing the database (their runs stop; they answer which)."""
+        stopping = stop_without_daemon(
+            self.manager, conversation_id, agent, by="owner", messages=self.peers, wait_s=self.stop_wait_s
+        )
+        report = await _mapped(stopping)
         return {"id": conversation_id, "stopped": list(report.agents), "notice": None}
 
     async def context(self, conversation_id: str, agent: str, trigger: str | None) -> dict[str, Any]:
@@ -414,6 +425,11 @@ async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
             owner_pubkey=settings.owner,
             task_session_ttl_h=settings.tasks.session_ttl_h,
         )
-        yield LocalAccess(manager, persona_specs(settings, agents), routing_system_prompt(settings))
+        peers = store if isinstance(store, PeerMessages) else None  # PostgreSQL's: other daemons may share it
+        yield LocalAccess(
+            manager, persona_specs(settings, agents), routing_system_prompt(settings),
+            peers=peers if settings.storage.kind is StorageKind.POSTGRES else None,
+            stop_wait_s=settings.daemon.stop_wait_s,
+        )
     finally:
         await store.close()

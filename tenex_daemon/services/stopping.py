@@ -391,10 +391,15 @@ async def stop_without_daemon(
     *,
     by: str,
     journal_key: str = PENDING_RUNS_KEY,
+    messages: PeerMessages | None = None,
+    wait_s: float = PEER_ANSWER_WAIT_S,
 ) -> StopReport:
-    """A stop while no daemon runs (the CLI on the store): nothing runs, but the runs a crashed daemon
+    """A stop while this home's daemon does not run (the CLI on the store): the runs a crashed daemon
     journaled for the conversation (``agent_slug``'s only, when given) are removed, so its next start
-    does not redo them; the stop is recorded. No notice: nothing is published without the daemon."""
+    does not redo them, and the stop is recorded. With ``messages`` (a database other daemons share) it
+    is also told to the daemons running on it, as a stop through a daemon is, and the agents they answer
+    within ``wait_s`` that they stopped are reported. No notice from here: nothing is published without a
+    daemon (each daemon that stopped runs publishes its own)."""
     if await manager.get_conversation(conversation_id) is None:
         raise ConversationNotFoundError(conversation_id)
     if agent_slug is not None:
@@ -402,9 +407,44 @@ async def stop_without_daemon(
     dropped = await forget_journaled(manager.store, conversation_id, agent_slug, journal_key=journal_key)
     slugs = tuple(dict.fromkeys(r.agent_slug for r in dropped))
     named = None if agent_slug is None else [agent_slug]
-    await _record(manager, conversation_id, by, (slugs, named), None, None)
+    stop_id = uuid.uuid4().hex if messages is not None else None
+    await _record(manager, conversation_id, by, (slugs, named), None, stop_id)
+    if messages is not None and stop_id is not None:
+        asked = PeerStop(PeerOp.STOP, f"cli-{stop_id[:8]}", stop_id, conversation_id, _slugs(named), by)
+        stopped = await _tell_and_wait(messages, stop_channel(manager.agents.project_pubkey), asked, wait_s)
+        slugs = tuple(dict.fromkeys([*slugs, *stopped]))
     log.info("conversation_stopped", conversation_id=conversation_id, by=by, agents=list(slugs), daemon=False)
     return StopReport(conversation_id, slugs, reason=STOPPED if slugs else NOTHING_TO_STOP)
+
+
+async def _tell_and_wait(
+    messages: PeerMessages, channel: str, asked: PeerStop, wait_s: float
+) -> tuple[str, ...]:
+    """Tell ``asked`` to the daemons hearing ``channel`` and return the agents they answer they stopped,
+    within ``wait_s`` (a database that cannot say who hears is told all the same, and waited for)."""
+    try:
+        expected = await asyncio.wait_for(messages.hearers(channel), max(wait_s, 0.1))
+    except Exception as exc:
+        log.warning("peer_count_unknown", error=repr(exc))
+        expected = 1
+    if expected == 0:
+        return ()
+    answers = _Answers(expected)
+
+    def heard(message: str) -> None:
+        told = PeerStop.decode(message)
+        if told is not None and told.op is PeerOp.STOPPED and told.stop_id == asked.stop_id:
+            answers.add(told.sender, told.agents or ())
+
+    try:
+        async with messages.hear(channel, heard):
+            await asyncio.wait_for(messages.tell(channel, asked.encode()), max(wait_s, 0.1))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(answers.all_in.wait(), wait_s)
+    except Exception as exc:  # the database went away meanwhile: the record stands, the journals redo nothing
+        cid = asked.conversation_id
+        log.warning("peer_stop_not_told", conversation_id=cid, op=asked.op.value, error=repr(exc))
+    return tuple(dict.fromkeys(answers.agents))
 
 
 async def _record(

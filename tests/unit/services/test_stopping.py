@@ -24,6 +24,7 @@ from tenex_daemon.services.stopping import (
     PeerStop,
     StopReport,
     stop_channel,
+    stop_without_daemon,
 )
 from tenex_daemon.testing import FakeClock, KeyPair
 from tenex_daemon.testing.fakes import PeerBus
@@ -383,6 +384,35 @@ async def test_a_run_a_dead_daemon_left_is_not_redone_once_a_person_stopped_it(c
     assert [(s["agents"], s["named"]) for s in conversation.metadata.extra[STOPS_KEY]] == [([], None)]
     dead_backend.release.set()  # the dead daemon's process, gone: its run ends unseen
     await dead.settle()
+
+
+async def test_a_stop_through_a_home_whose_daemon_is_down_stops_the_runs_of_the_daemons_running(
+    cast: Cast,
+) -> None:
+    """The CLI on a shared database while its own home's daemon is down: the stop is told to the daemons
+    running, which cancel their run and publish the notice; the CLI reports the agent they stopped (it
+    said nothing was running, and the run answered in full), and the record holds the stop once."""
+    store, bus = MemoryStore(), PeerBus()
+    backend = GatedBackend()
+    busy = pipeline.build_rig(cast, backend=backend, store=store, messages=bus, instance="b")
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    async with busy.pipeline.stopper.hearing(busy.scheduler):
+        await busy.dispatcher.handle(root)
+        await asyncio.wait_for(backend.asked.wait(), 5)
+
+        report = await stop_without_daemon(busy.manager, root.id, None, by="owner", messages=bus, wait_s=5)
+        await busy.quiet()
+    backend.release.set()
+    await busy.settle()
+
+    assert report.agents == ("alice",)
+    assert backend.cancelled
+    assert [(e.pubkey, e.content) for e in busy.publisher.published] == [(cast.alice.pubkey, "Stopped: Alice.")]
+    conversation = await busy.manager.get_conversation(root.id)
+    assert conversation is not None
+    stops = conversation.metadata.extra[STOPS_KEY]
+    assert [(s["by"], s["agents"], s["named"]) for s in stops] == [("owner", ["alice"], None)]
+    assert stops[0]["stop_id"] is not None
 
 
 async def test_a_run_left_journaled_is_redone_unless_a_stop_naming_its_agent_came_after_its_trigger(
