@@ -204,24 +204,7 @@ class AgentRunner:
             log.error("run_trigger_missing", conversation_id=cid, event_id=request.trigger_id)
             return None
         trigger = conversation.history[index]
-        if request.recovered:
-            await self._republish_saved(conversation, request, profile.agent.pubkey)
-        saved = None
-        if request.recovered or self._shared_store:
-            # with daemons sharing a database, any run: two may dispatch one event (one of them after its
-            # store write's answer was lost); whichever runs second finds the first's answer
-            saved = self._answer_to(conversation.history, index, profile.agent.pubkey)
-        if saved is not None:
-            # Redone after a crash that came between the reply and the run's end: the reply is
-            # saved, maybe never published. It goes out again (relays keep one copy per id).
-            log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="already answered")
-            await self.outbox.add(cid, saved, agent_slug=profile.agent.slug, trigger_id=trigger.id)
-            return None
-        if request.recovered and stopped_since(conversation, trigger, request.agent_slug):
-            # left journaled by a crash or a dead daemon, and stopped by a person since its trigger came
-            log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="stopped")
-            if request.via_orchestrator:  # the orchestrator's open turn no longer waits for it
-                await self._manager.add_completion_to_turn(cid, request.agent_slug, STOPPED_COMPLETION)
+        if await self._done_already(request, conversation, index, profile.agent.pubkey):
             return None
         private = conversation.private  # nothing of a private conversation goes out in the clear
         thread = conversation.thread_id  # what clients showing the thread subscribe to
@@ -290,6 +273,34 @@ class AgentRunner:
             # An ended conversation is read-only: nobody is targeted by its last reply.
             await routing.after_reply(cid, reply)
         return reply
+
+    async def _done_already(
+        self, request: RunRequest, conversation: Conversation, index: int, agent_pubkey: str
+    ) -> bool:
+        """Whether the run has nothing to do: its agent answered its trigger already (that answer goes
+        out again), or it was left journaled and a person stopped it since."""
+        cid = conversation.id
+        trigger = conversation.history[index]
+        if request.recovered:
+            await self._republish_saved(conversation, request, agent_pubkey)
+        saved = None
+        if request.recovered or self._shared_store:
+            # with daemons sharing a database, any run: two may dispatch one event (one of them after its
+            # store write's answer was lost); whichever runs second finds the first's answer
+            saved = self._answer_to(conversation.history, index, agent_pubkey)
+        if saved is not None:
+            # Redone after a crash that came between the reply and the run's end: the reply is
+            # saved, maybe never published. It goes out again (relays keep one copy per id).
+            log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="already answered")
+            await self.outbox.add(cid, saved, agent_slug=request.agent_slug, trigger_id=trigger.id)
+            return True
+        if request.recovered and stopped_since(conversation, trigger, request.agent_slug):
+            # left journaled by a crash or a dead daemon, and stopped by a person since its trigger came
+            log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="stopped")
+            if request.via_orchestrator:  # the orchestrator's open turn no longer waits for it
+                await self._manager.add_completion_to_turn(cid, request.agent_slug, STOPPED_COMPLETION)
+            return True
+        return False
 
     async def _republish_saved(
         self, conversation: Conversation, request: RunRequest, agent_pubkey: str
