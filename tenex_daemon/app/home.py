@@ -398,7 +398,7 @@ def add_agent(
     separator = "" if config_text.endswith("\n\n") else ("\n" if config_text.endswith("\n") else "\n\n")
     try:
         _write_atomic(settings.config_path, config_text + separator + block)
-        load_settings(settings.home, {})
+        load_settings(settings.home)  # as it will be read: with the TENEX_ variables (the dsn may be one)
     except (OSError, SettingsError):
         _write_atomic(settings.config_path, config_text)
         key_path.unlink(missing_ok=True)

@@ -115,7 +115,7 @@ def agents_add(
 def _backend_of(settings: Settings, slug: str) -> str:
     """The backend an agent just added was given (the other agents', else ``offline``), as config.toml
     now says: its kind, and its model when it names one."""
-    added = next(a for a in load_settings(settings.home, {}).agents if a.slug == slug)
+    added = next(a for a in load_settings(settings.home).agents if a.slug == slug)
     model = added.backend.model
     return added.backend.kind if model is None else f"{added.backend.kind} ({model})"
 

@@ -210,16 +210,17 @@ class EventDispatcher:
         failed_before = event.id in self._failed
         try:
             result = await self._handlers[classification.kind](event, classification)
-        except Exception:
+            if failed_before and result.outcome is Outcome.DUPLICATE:
+                log.info("dispatch_after_failure", event_id=event.id, conversation_id=result.conversation_id)
+                result = await self.redispatch(event.id)  # marks it dispatched itself
+            else:
+                self._scheduler.dispatched(event.id, at_once=result.outcome is not Outcome.SCHEDULED)
+        except Exception:  # remembered until a try succeeds: a redispatch that fails is tried again
             self._failed[event.id] = None
             while len(self._failed) > FAILED_KEPT:
                 self._failed.popitem(last=False)
             raise
         self._failed.pop(event.id, None)
-        if failed_before and result.outcome is Outcome.DUPLICATE:
-            log.info("dispatch_after_failure", event_id=event.id, conversation_id=result.conversation_id)
-            return await self.redispatch(event.id)
-        self._scheduler.dispatched(event.id, at_once=result.outcome is not Outcome.SCHEDULED)
         return result
 
     async def _on_ignored(self, event: NostrEvent, classification: Classification) -> HandleResult:

@@ -412,3 +412,20 @@ def test_a_bad_agent_slug_is_refused_with_its_rule_in_words(home: Path) -> None:
         "error: invalid agent: slug 'Bad Slug' must be 1 to 64 lowercase letters, digits, '-' or '_', "
         "starting with a letter or a digit"
     )
+
+
+def test_agents_add_on_a_postgres_home_whose_dsn_comes_from_the_environment(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A home on PostgreSQL whose dsn is a TENEX_STORAGE__DSN variable (the password kept out of
+    config.toml) adds agents: the config written is checked with the variables it will be read with (it
+    was refused, "dsn is required", and rolled back)."""
+    config = home / "config.toml"
+    config.write_text(config.read_text(encoding="utf-8").replace('kind = "filesystem"', 'kind = "postgres"'))
+    monkeypatch.setenv("TENEX_STORAGE__DSN", '"postgresql://u:secret@127.0.0.1:1/x"')
+
+    code, out = tenexd(home, "agents", "add", "critic")
+
+    assert code == 0, out
+    assert "backend: offline" in out
+    assert "critic" in config.read_text(encoding="utf-8")

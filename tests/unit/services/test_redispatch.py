@@ -392,6 +392,14 @@ class LostCommitStore(MemoryStore):
     def __init__(self) -> None:
         super().__init__()
         self.lose_next = False
+        self.find_fails = 0
+
+    async def find_event(self, event_id: str) -> tuple[str, NostrEvent] | None:
+        """Find, unless told to fail (the database still restarting)."""
+        if self.find_fails:
+            self.find_fails -= 1
+            raise ConnectionError("the database is starting up")
+        return await super().find_event(event_id)
 
     def _lost(self) -> None:
         if self.lose_next:
@@ -459,3 +467,25 @@ async def test_with_daemons_sharing_a_store_an_event_dispatched_twice_is_answere
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
     assert [e.content for e in conversation.history] == ["Plan it", "once"]
+
+
+async def test_an_event_whose_dispatch_after_a_lost_commit_answer_fails_is_tried_again(cast: Cast) -> None:
+    """The store keeps an event but answers with an error; when the event comes again, the dispatch that
+    follows fails too (the database still restarting): the third time it comes it is dispatched and
+    answered once (it was taken for a plain duplicate then, its journal entry dropped: never answered)."""
+    store = LostCommitStore()
+    rig = pipeline.build_rig(cast, store=store)
+    root = cast.user_says("Plan it", kind=11, tags=[["p", cast.alice.pubkey]])
+    store.lose_next = True
+    with pytest.raises(ConnectionError):
+        await rig.dispatcher.handle(root)
+    store.find_fails = 1
+    with pytest.raises(ConnectionError):
+        await rig.dispatcher.handle(root)
+
+    third = await rig.dispatcher.handle(root)
+    await rig.settle()
+
+    assert third.outcome is Outcome.SCHEDULED
+    assert len([e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]) == 1
+    assert await rig.store.get_meta(PENDING_RUNS_KEY) in (None, "[]")
