@@ -1,9 +1,10 @@
 """A conversation's record of its stops (``metadata.extra["stops"]``, docs/PROTOCOL.md, kind 24134), and
 what a run redone after a crash or taken over from a dead daemon reads in it.
 
-Each entry: ``by`` (a pubkey, or ``owner`` for the CLI and the API), ``at`` (ms), ``agents`` (the slugs
-stopped), ``named`` (the slugs the stop asked for; None: every agent), ``event_id`` (the request's) and,
-for a stop told between daemons sharing a database, ``stop_id``.
+Each entry: ``by`` (a pubkey, or ``owner`` for the CLI and the API), ``at`` (ms), ``history`` (how many
+events the conversation held when the stop was recorded), ``agents`` (the slugs stopped), ``named`` (the
+slugs the stop asked for; None: every agent), ``event_id`` (the request's) and, for a stop told between
+daemons sharing a database, ``stop_id``.
 """
 
 from __future__ import annotations
@@ -37,21 +38,28 @@ def with_stop(kept: object, entry: dict[str, Any]) -> list[Any]:
 
 
 def stopped_since(conversation: Conversation, trigger: NostrEvent, agent_slug: str) -> bool:
-    """Whether a stop naming ``agent_slug`` (or every agent) was recorded after ``trigger`` was written
-    (its ``created_at``): a run for it that a crash or a dead daemon left journaled was running or waiting
-    when the person stopped it, and is not redone. A stop recorded before ``named`` was kept covers the
-    agents it stopped."""
+    """Whether a stop naming ``agent_slug`` (or every agent) was recorded after ``trigger`` came: a run for
+    it that a crash or a dead daemon left journaled was running or waiting when the person stopped it, and
+    is not redone. "After" is by position in history (the trigger among the events the conversation held
+    when the stop was recorded); a record from before ``history`` was kept compares times instead (the
+    trigger's ``created_at``), and one from before ``named`` was kept covers the agents it stopped."""
     stops = conversation.metadata.extra.get(STOPS_KEY)
     if not isinstance(stops, list):
         return False
-    written_ms = trigger.created_at * 1000
+    index = conversation.index_of(trigger.id)
     for stop in stops:
-        if not isinstance(stop, dict):
-            continue
-        at = stop.get("at")
-        if not isinstance(at, int) or at < written_ms:
+        if not isinstance(stop, dict) or not _came_before(stop, trigger, index):
             continue
         named = stop["named"] if "named" in stop else stop.get("agents")
         if named is None or (isinstance(named, list) and agent_slug in named):
             return True
     return False
+
+
+def _came_before(stop: dict[str, Any], trigger: NostrEvent, index: int | None) -> bool:
+    """Whether ``trigger`` (at ``index`` in history) came before ``stop`` was recorded."""
+    held = stop.get("history")
+    if isinstance(held, int) and index is not None:
+        return index < held
+    at = stop.get("at")
+    return isinstance(at, int) and at >= trigger.created_at * 1000

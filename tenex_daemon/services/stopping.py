@@ -460,8 +460,10 @@ async def _record(
     told stop (``stop_id``) already recorded (daemons sharing a database each carry it out for their own
     runs) gains the agents stopped here instead."""
     stopped, named = agents
+    conversation = await manager.get_conversation(conversation_id)
+    held = None if conversation is None else len(conversation.history)  # the messages the stop came after
     entry: dict[str, Any] = {
-        "by": by, "at": manager.now_ms(), "agents": list(stopped), "named": named,
+        "by": by, "at": manager.now_ms(), "history": held, "agents": list(stopped), "named": named,
         "event_id": request.id if request else None,
     }
     if stop_id is not None:

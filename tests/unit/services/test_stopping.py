@@ -418,9 +418,10 @@ async def test_a_stop_through_a_home_whose_daemon_is_down_stops_the_runs_of_the_
 async def test_a_run_left_journaled_is_redone_unless_a_stop_naming_its_agent_came_after_its_trigger(
     cast: Cast,
 ) -> None:
-    """stopped_since: a stop recorded after the trigger was written covers the agents it named (every
-    agent when it named none; a record from before ``named`` was kept: the agents it stopped); a stop
-    recorded before the trigger was written, or naming only others, does not."""
+    """stopped_since: a stop recorded after the trigger came covers the agents it named (every agent when
+    it named none; a record from before ``named`` was kept: the agents it stopped); a stop recorded before
+    the trigger came, or naming only others, does not. "After" is by position in history when the record
+    keeps the history's length, else by time (the trigger's created_at)."""
     conversation = Conversation(id="c" * 64)
     trigger = cast.user_says("Write the report")
     after, before = (trigger.created_at + 1) * 1000, (trigger.created_at - 1) * 1000
@@ -437,6 +438,10 @@ async def test_a_run_left_journaled_is_redone_unless_a_stop_naming_its_agent_cam
     assert not stopped({"at": after, "agents": []}, "junk")
     conversation.metadata.extra.clear()
     assert not stopped_since(conversation, trigger, "alice")
+    # a record that keeps the history's length compares positions, whatever the clocks say
+    conversation.append(trigger)
+    assert stopped({"at": before, "history": 1, "agents": [], "named": None})
+    assert not stopped({"at": after, "history": 0, "agents": [], "named": None})
 
 
 async def timed_stop(rig: pipeline.Rig, root: NostrEvent) -> tuple[StopReport, float]:
