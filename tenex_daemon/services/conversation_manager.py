@@ -207,7 +207,7 @@ class ConversationManager:
                 return False
             now = self._clock.now_ms()
             written = event.created_at * 1000 if backfill else now
-            newest = not backfill or all(e.created_at <= event.created_at for e in conversation.history)
+            newest = not backfill or self._newest_person_message(conversation, event)
             before = LifecycleBefore.of(conversation)
             ended_at = conversation.ended_at
             reopened = ended_at is not None and (not backfill or written > ended_at)
@@ -240,6 +240,14 @@ class ConversationManager:
             for listener in self._on_reply:  # its description is published again, saying active
                 listener(conversation_id)
         return True
+
+    def _newest_person_message(self, conversation: Conversation, event: NostrEvent) -> bool:
+        """Whether no person's message in history is newer than ``event`` (its ``created_at``): a message a
+        rebuild merges becomes the latest person message only then (one scan of history, for a rebuild)."""
+        return not any(
+            e.created_at > event.created_at and is_person_message(conversation, self.agents, e)
+            for e in conversation.history
+        )
 
     def _note_user_message(self, conversation: Conversation, event: NostrEvent) -> bool:
         if is_person_message(conversation, self.agents, event):  # after append: its tags are counted

@@ -237,6 +237,31 @@ async def test_events_older_than_the_end_leave_an_ended_conversation_ended(
     assert conversation.metadata.last_user_message == thread.replies[1].content
 
 
+async def test_a_merged_person_message_is_the_latest_only_when_no_persons_message_is_newer(
+    manager: ConversationManager, thread: Thread, cast: Cast
+) -> None:
+    """A rebuild merging the person's follow-up makes it the latest person message though an agent's
+    answer in history is newer; merged into a conversation holding a newer message of the person's, it
+    leaves that one the latest."""
+    await manager.create_conversation(thread.root)
+    await manager.add_event(thread.root.id, thread.replies[2])  # Bob's answer, newer than the follow-up
+
+    await _rebuilder(manager, FakeRelays(thread.allowed)).rebuild(RebuildRequest(thread.root.id))
+
+    conversation = await manager.get_conversation(thread.root.id)
+    assert conversation is not None
+    assert conversation.metadata.last_user_message == thread.replies[1].content
+    later = _reply(cast, cast.user_says, thread.replies[2], thread.root, "One more thing", cast.alice.pubkey)
+    other = await manager.create_conversation(
+        cast.user_says("Plan the trip again", kind=11, tags=[["p", cast.alice.pubkey]])
+    )
+    await manager.add_event(other.id, later)
+    await manager.add_event(other.id, thread.replies[1], backfill=True)
+    again = await manager.get_conversation(other.id)
+    assert again is not None
+    assert again.metadata.last_user_message == "One more thing"
+
+
 async def test_an_event_written_after_the_end_reopens_the_conversation(
     manager: ConversationManager, thread: Thread, clock: FakeClock
 ) -> None:
