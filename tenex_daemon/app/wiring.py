@@ -66,10 +66,7 @@ def build_store(settings: Settings) -> Store:
     if kind is StorageKind.MEMORY:
         return MemoryStore()
     if kind is StorageKind.POSTGRES:
-        if not settings.storage.dsn:
-            raise SettingsError(
-                f"{settings.config_path}: storage.dsn is required when storage.kind = postgres"
-            )
+        assert settings.storage.dsn is not None  # the settings refuse postgres without one
         from tenex_daemon.adapters.storage.postgres import PostgresStore
 
         # leases held around another: a channel's or task's, one per intake lane at most (a pool larger

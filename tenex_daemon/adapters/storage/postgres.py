@@ -134,15 +134,17 @@ class PostgresOpenError(TenexError):
 
 
 def shown_dsn(dsn: str) -> str:
-    """``dsn`` as it may be shown: a password, in the address or as a ``password`` parameter, is ``***``."""
+    """``dsn`` as it may be shown: a password, in the address or as a parameter (``password``,
+    ``sslpassword``), is ``***``."""
     parts = urlsplit(dsn)
     shown = dsn
     if parts.password is not None:
         host = parts.netloc.rpartition("@")[2]
         shown = shown.replace(parts.netloc, f"{parts.username or ''}:***@{host}", 1)
     if parts.query:
-        pairs = parts.query.split("&")
-        query = "&".join("password=***" if p.partition("=")[0] == "password" else p for p in pairs)
+        names = [pair.partition("=")[0] for pair in parts.query.split("&")]
+        pairs = zip(names, parts.query.split("&"), strict=True)
+        query = "&".join(f"{name}=***" if "password" in name else pair for name, pair in pairs)
         shown = shown.replace("?" + parts.query, "?" + query, 1)
     return shown
 
@@ -150,7 +152,7 @@ def shown_dsn(dsn: str) -> str:
 class PostgresStore:
     """A :class:`~tenex_daemon.core.ports.ConversationStore` in PostgreSQL (asyncpg).
 
-    ``dsn`` is a libpq connection string or URL. ``pool_size`` bounds the connections used
+    ``dsn`` is a ``postgresql://`` URL. ``pool_size`` bounds the connections used
     for queries. Each advisory lock held needs a connection of its own, and a task holding one may
     wait for another further in: so conversations' leases (:meth:`lease`) have their own pool
     (``lease_pool_size``), and names (:meth:`alive`, :meth:`try_take`: a daemon's name, a
@@ -188,7 +190,8 @@ class PostgresStore:
             self._lease_pool = await self._new_pool(0, self.lease_pool_size)
             self._name_pool = await self._new_pool(0, self.name_pool_size)
             applied = await self.migrate()
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except (OSError, ValueError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            # ValueError: a dsn asyncpg cannot read (a port that is no number)
             await self.close()
             reason = str(exc) or type(exc).__name__
             where = shown_dsn(self.dsn)
