@@ -12,7 +12,7 @@ import os
 import signal
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Coroutine
 from functools import partial
 from typing import Any
@@ -44,6 +44,7 @@ from tenex_daemon.adapters.nostr.status_events import StatusEventPublisher
 from tenex_daemon.app.embedded_relay import EmbeddedRelay
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.notify import SystemdNotifier
+from tenex_daemon.app.refusals import RefusalLog
 from tenex_daemon.app.run_observer import MetricsObserver
 from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.app.status import (
@@ -100,40 +101,15 @@ REDISPATCH_RETRY_S = (1.0, 10.0, 60.0)
 
 PEER_GRACE_S = 5.0
 """How long another daemon's name must stay free before it is believed dead and taken over."""
+STATUS_COUNT_WAIT_S = 5.0
+"""How long the status loop waits for the store's conversation counts before it writes the status as
+degraded (a database that does not answer)."""
 SUBSCRIPTION_ID = "tenexd-mentions"
 PRIVATE_SUBSCRIPTION_ID = "tenexd-private"
 """Gift wraps (kind 1059) p-tagging an agent: private messages (NIP-17)."""
 WRAP_LOOKBACK_S = 2 * 24 * 3600
 """A gift wrap is dated up to two days in the past (NIP-59): a re-subscription asks that much further back."""
 INCOMING_KINDS = [KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT, KIND_TASK]
-
-
-class RefusalLog:
-    """Logs refused events at most once per author (or per key the caller gives) per ``every_s``
-    seconds, with the count suppressed in between (a stranger's flood costs one line a minute);
-    remembers the newest ``memory`` keys."""
-
-    def __init__(self, every_s: float = 60.0, memory: int = 1_000) -> None:
-        self.every_s = every_s
-        self.memory = memory
-        self.clock = time.monotonic
-        self._last: OrderedDict[str, tuple[float, int]] = OrderedDict()
-        """Key (the author, unless the caller names another) -> (when last logged, lines suppressed since)."""
-
-    def refused(self, event_id: str, author: str, kind: int, reason: str, *, key: str | None = None) -> None:
-        """Log one refused event, unless one of the same ``key`` (default: the author) was logged less
-        than ``every_s`` ago."""
-        key = author if key is None else key
-        now = self.clock()
-        last = self._last.pop(key, None)
-        if last is not None and now - last[0] < self.every_s:
-            self._last[key] = (last[0], last[1] + 1)
-            return
-        self._last[key] = (now, 0)
-        if len(self._last) > self.memory:
-            self._last.popitem(last=False)
-        log.info("event_refused", reason=reason, author=author, event_id=event_id, kind=kind,
-                 suppressed=0 if last is None else last[1])
 
 
 class InstanceNameTakenError(TenexError):
@@ -746,29 +722,53 @@ class Daemon:
 
     async def _status_loop(self) -> None:
         interval = self.settings.daemon.status_interval_s
-        while True:
-            try:
-                await self._refresh_counts()
-                self._store_error = None
-            except Exception as exc:  # the store is away (a database restart): the status is still written
-                self.errors["status"] += 1
-                self._store_error = str(exc) or type(exc).__name__
-                log.warning("status_counts_failed", error=self._store_error, action="last counts shown")
-            try:
-                await self._write_status()
-                if self.pool is not None:
-                    for relay in self.pool.health().relays:
-                        self.metrics.set_relay_connected(relay.url, relay.state.value == "connected")
-                if self.pipeline is not None:
-                    self.metrics.set_runs_in_flight(self.pipeline.scheduler.in_flight)
-                    outbox = self.pipeline.outbox
-                    self.metrics.set_outbox(outbox.depth, outbox.oldest_age_s())
-                if (jobs := self.descriptions) is not None:
-                    self.metrics.set_descriptions_pending(jobs.queued + jobs.unpublished)
-            except Exception:
-                self.errors["status"] += 1
-                log.exception("status_write_failed")
-            await asyncio.sleep(interval)
+        counting: asyncio.Task[None] | None = None
+        try:
+            while True:
+                counting = await self._count_for_status(counting)
+                await self._write_status_and_gauges()
+                await asyncio.sleep(interval)
+        finally:
+            if counting is not None:
+                counting.cancel()
+
+    async def _count_for_status(self, counting: asyncio.Task[None] | None) -> asyncio.Task[None] | None:
+        """Count the conversations for the status, waiting ``STATUS_COUNT_WAIT_S`` at most: a store that
+        fails or does not answer (a database restarting, a network gone silent) is shown as degraded and the
+        status is written all the same, with the last counts. A count still waiting goes on, and is not
+        started again; returned so, else None."""
+        if counting is None:
+            counting = asyncio.create_task(self._refresh_counts(), name="status counts")
+        done, _ = await asyncio.wait({counting}, timeout=STATUS_COUNT_WAIT_S)
+        if not done:
+            self._store_error = f"no answer within {STATUS_COUNT_WAIT_S:g} s"
+            return counting
+        exc = counting.exception()
+        if exc is None:
+            self._store_error = None
+        else:  # the store is away: the status is still written
+            self.errors["status"] += 1
+            self._store_error = str(exc) or type(exc).__name__
+        if self._store_error is not None:
+            log.warning("status_counts_failed", error=self._store_error, action="last counts shown")
+        return None
+
+    async def _write_status_and_gauges(self) -> None:
+        """Write the status file and refresh the gauges /metrics reads (an error is counted and logged)."""
+        try:
+            await self._write_status()
+            if self.pool is not None:
+                for relay in self.pool.health().relays:
+                    self.metrics.set_relay_connected(relay.url, relay.state.value == "connected")
+            if self.pipeline is not None:
+                self.metrics.set_runs_in_flight(self.pipeline.scheduler.in_flight)
+                outbox = self.pipeline.outbox
+                self.metrics.set_outbox(outbox.depth, outbox.oldest_age_s())
+            if (jobs := self.descriptions) is not None:
+                self.metrics.set_descriptions_pending(jobs.queued + jobs.unpublished)
+        except Exception:
+            self.errors["status"] += 1
+            log.exception("status_write_failed")
 
     async def _heartbeat_loop(self) -> None:
         assert self.pool is not None

@@ -11,15 +11,18 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from structlog.testing import capture_logs
 
 from tenex_daemon import MemoryStore
 from tenex_daemon.adapters.nostr.private import GiftWraps
 from tenex_daemon.adapters.nostr.relay_pool import PoolHealth, PoolSettings, RelayPool
 from tenex_daemon.adapters.nostr.signer import Signer
-from tenex_daemon.app.daemon import Daemon, RefusalLog
+from tenex_daemon.app import daemon as daemon_module
+from tenex_daemon.app.daemon import Daemon
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.app.refusals import RefusalLog
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.status import read_status, write_status
 from tenex_daemon.core.conversation import Conversation
@@ -249,6 +252,45 @@ async def test_a_store_that_does_not_answer_is_shown_as_degraded_in_the_status_f
         store.mute = False
         assert await wait_until(lambda: read_status(path, 60).degraded is None)
         assert read_status(path, 60).healthy
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+
+class SilentStore(MemoryStore):
+    """A memory store whose counts never answer while ``silent`` is set (a network gone silent)."""
+
+    silent = False
+    asked = 0
+
+    async def phase_counts(self) -> dict[tuple[str, bool], int]:
+        """Count, unless silent: then wait forever (until cancelled)."""
+        self.asked += 1
+        if self.silent:
+            await asyncio.Event().wait()
+        return await super().phase_counts()
+
+
+async def test_a_store_that_never_answers_is_shown_as_degraded_in_the_status_file(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose count hangs (no error, no answer) does not stop the status file being written: it says
+    ``degraded``, no answer within the wait, and the count is not started again while one waits."""
+    monkeypatch.setattr(daemon_module, "STATUS_COUNT_WAIT_S", 0.05)
+    init_home(tmp_path / "h", owner=cast.user.pubkey, relays=["ws://127.0.0.1:9"])
+    daemon = Daemon(load_settings(tmp_path / "h", {"TENEX_DAEMON__STATUS_INTERVAL_S": "0.02"}))
+    store = SilentStore()
+    store.silent = True
+    daemon.store = store
+    daemon.state = "running"
+    path = daemon.settings.status_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    loop = asyncio.create_task(daemon._status_loop())
+    try:
+        assert await wait_until(lambda: path.exists() and read_status(path, 60).degraded is not None)
+        assert "store: not answering (no answer within 0.05 s)" in read_status(path, 60).reason
+        await asyncio.sleep(0.2)  # several status writes
+        assert store.asked == 1
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
