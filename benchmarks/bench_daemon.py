@@ -69,6 +69,7 @@ FSYNC = "batch"
 SETTLE_S = 0.2
 """Wait after a batch's last reply: its OK, typing indicator and journal writes count in the batch's CPU."""
 QUIET_S = 0.5
+QUIET_TRIES = 60
 QUIET_CALLS = 500
 """``--calls``: a load's count ends once the daemon made fewer than this many calls in ``QUIET_S`` (its
 timers only): what follows the replies (statuses, OKs, journal and outbox writes) is counted whole."""
@@ -163,12 +164,14 @@ class DaemonProcess:
         start = await self.count_calls(True)
         yield
         last = await self.count_calls(None)
-        while True:
+        for _ in range(QUIET_TRIES):
             await asyncio.sleep(QUIET_S)
             now = await self.count_calls(None)
             if now - last < QUIET_CALLS:
                 break
             last = now
+        else:
+            print(f"warning: the daemon was not quiet after {QUIET_TRIES * QUIET_S:g} s; counted up to then")
         load.calls += await self.count_calls(False) - start
 
     async def stop(self) -> None:
@@ -414,7 +417,7 @@ def print_calls(runs: list[Run]) -> dict[str, float]:
     figures: dict[str, list[float]] = {}
     for run in runs:
         for load in run.loads:
-            per_reply = load.calls / len(load.replies)
+            per_reply = load.calls / max(1, len(load.replies))
             figures.setdefault(f"python calls per reply, {load.label}", []).append(per_reply)
     medians = {name: statistics.median(values) for name, values in figures.items()}
     print_table(
@@ -477,4 +480,6 @@ if __name__ == "__main__":
         "--calls", action="store_true", help="count the event loop's Python calls per reply instead of timing"
     )
     args = parser.parse_args()
+    if args.calls and os.environ.get("TENEX_BENCH_PROFILE"):
+        parser.error("--calls counts with a profiler of its own: unset TENEX_BENCH_PROFILE")
     asyncio.run(main(args.samples, args.concurrent, args.runs, args.fsync, calls=args.calls))
