@@ -294,3 +294,52 @@ async def test_a_store_that_never_answers_is_shown_as_degraded_in_the_status_fil
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
+
+
+class RestartingStore(FlakyStore):
+    """A database restarting: the next new conversation is stored but its commit's answer is lost (an
+    error), then ``refusals`` reads fail (the server starting again), then everything works."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lose_next_create = False
+        self.refusals = 0
+
+    async def create(self, conversation: Conversation) -> None:
+        """Store it; maybe lose the answer."""
+        await super().create(conversation)
+        if self.lose_next_create:
+            self.lose_next_create = False
+            self.refusals = 2
+            raise ConnectionError("connection was closed in the middle of operation")
+
+    async def is_processed(self, event_id: str) -> bool:
+        """Answer, unless the server is still starting."""
+        if self.refusals:
+            self.refusals -= 1
+            raise ConnectionRefusedError("Connect call failed")
+        return await super().is_processed(event_id)
+
+
+async def test_an_event_stored_by_a_try_whose_answer_was_lost_is_answered_through_the_relay_pool(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """Through the relay pool's retries: a new conversation's commit lands but its answer is lost, the next
+    tries fail before the handler (the database starting again), and then the pool finds the event stored.
+    It hands it to the handler all the same, which dispatches it: the agent answers once (the pool dropped
+    it as processed, silently: nobody answered until a daemon restarted)."""
+    store = RestartingStore()
+    store.lose_next_create = True
+    event = cast.user_says("hello while the database restarts", kind=11, tags=[["p", cast.alice.pubkey]])
+    async with daemon_with_pool(tmp_path, cast, store) as daemon:
+        assert daemon.pool is not None
+        assert daemon.pipeline is not None
+        await daemon.pool.intake(event, "ws://relay", "tenexd-mentions")
+        async with asyncio.timeout(10):  # until the agent's answer is saved
+            while (stored := await store.load(event.id)) is None or len(stored.history) < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        assert await wait_until(lambda: daemon.pool is not None and daemon.pool.health().retrying == 0)
+        await daemon.pipeline.dispatcher.scheduler.drain(10)
+        conversation = await store.load(event.id)
+        assert conversation is not None
+        assert [e.pubkey for e in conversation.history] == [cast.user.pubkey, cast.alice.pubkey]

@@ -8,7 +8,9 @@ in arrival order.
 
 An event whose consumer call raised (a store that cannot write: a full disk, a read-only file
 system) is kept in memory, bounded, and handed to the consumer again with capped exponential
-backoff until it goes through: it does not wait for a relay to send it again or for a restart.
+backoff until it goes through: it does not wait for a relay to send it again or for a restart. It
+goes to the consumer even when the store marked it processed meanwhile: the failed call may have
+stored it without being told so (a commit whose answer a broken connection lost).
 A consumer that answers :attr:`Remember.IN_MEMORY` (a stranger's event) leaves the store alone:
 the bounded seen-id set dedupes it.
 """
@@ -217,7 +219,11 @@ class Delivery:
 
     async def _deliver(self, event: NostrEvent, url: str, sub_id: str, received_at: float) -> None:
         try:
-            if self._store is not None and await self._store.is_processed(event.id):
+            # An event handed over again after its handler failed goes to the handler even when the store has
+            # it now: the failed try may have stored it without being told (a commit whose answer a broken
+            # connection lost), and only the handler can tell whether anyone dispatched it.
+            retried = event.id in self._retry
+            if self._store is not None and not retried and await self._store.is_processed(event.id):
                 self.duplicates += 1
                 self._retry.pop(event.id, None)
                 self._advance_cursor(sub_id, url, event.created_at)
