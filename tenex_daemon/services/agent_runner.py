@@ -294,6 +294,13 @@ class AgentRunner:
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="already answered")
             await self.outbox.add(cid, saved, agent_slug=request.agent_slug, trigger_id=trigger.id)
             return True
+        state = conversation.agent_states.get(request.agent_slug)
+        shown = state is not None and state.last_processed_index > index
+        if self._shared_store and not request.via_orchestrator and shown:
+            # daemons sharing a database each take in part of a burst: a run of another daemon showed this
+            # message to the agent already, in an answer saved since (docs/CONTEXT.md, "Bursts")
+            log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="shown in a later run")
+            return True
         if request.recovered and stopped_since(conversation, trigger, request.agent_slug):
             # left journaled by a crash or a dead daemon, and stopped by a person since its trigger came
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="stopped")

@@ -489,3 +489,32 @@ async def test_an_event_whose_dispatch_after_a_lost_commit_answer_fails_is_tried
     assert third.outcome is Outcome.SCHEDULED
     assert len([e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]) == 1
     assert await rig.store.get_meta(PENDING_RUNS_KEY) in (None, "[]")
+
+
+async def test_with_daemons_sharing_a_store_a_message_shown_in_a_later_answer_is_not_answered_again(
+    cast: Cast,
+) -> None:
+    """Daemons sharing a database each take in part of a burst: when one daemon's run answers the newest
+    message with the earlier one shown before it, the other daemon's run for that earlier message saves and
+    asks nothing (it answered it late, after the newer one: out of order, and twice in effect)."""
+    backend = ScriptedBackend([text("first answer"), text("answer to both"), text("late answer")])
+    rig = pipeline.build_rig(cast, backend=backend, peers=LeasePeers())
+    root = cast.user_says("Plan it", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    tags = [["E", root.id], ["e", root.id], ["p", cast.alice.pubkey]]
+    earlier, newer = cast.user_says("and the budget?", tags=tags), cast.user_says("and the dates?", tags=tags)
+    for event in (earlier, newer):  # taken in by two daemons: each schedules its own run
+        assert await rig.manager.add_event(root.id, event)
+
+    await rig.runner.run(RunRequest(root.id, newer.id, "alice"))
+    late = await rig.runner.run(RunRequest(root.id, earlier.id, "alice"))
+    await rig.settle()
+
+    assert late is None
+    assert len(backend.requests) == 2
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.content for e in conversation.history] == [
+        "Plan it", "first answer", "and the budget?", "and the dates?", "answer to both",
+    ]
