@@ -233,7 +233,8 @@ class Daemon:
             "events": {
                 "accepted": sum(self.events_accepted.values()),
                 "rejected": rejected,
-                "duplicates": pool_health.duplicates if pool_health is not None else 0,
+                "duplicates": (pool_health.duplicates if pool_health is not None else 0)
+                + self.metrics.handled_duplicates,
                 "own_copies": self.own_copies,
             },
             "replies": self._observer.replies,
@@ -599,6 +600,9 @@ class Daemon:
         if result.outcome in (Outcome.SCHEDULED, Outcome.STORED):
             self.events_accepted[str(event.kind)] += 1
             self.metrics.event_accepted(event.kind)
+            return None
+        if result.outcome is Outcome.DUPLICATE:  # taken in already: another daemon on the database won it
+            self.metrics.event_duplicate()
             return None
         reason = result.reason or result.outcome.value
         self.events_ignored[reason] += 1

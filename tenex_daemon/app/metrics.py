@@ -36,8 +36,10 @@ RUN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 class _PoolCollector(Collector):
     """The relay pool's counters, read from its health snapshot at each scrape (nothing to keep in step)."""
 
-    def __init__(self, source: Callable[[], PoolHealth | None]) -> None:
+    def __init__(self, source: Callable[[], PoolHealth | None], handled: Callable[[], int]) -> None:
         self._source = source
+        self._handled = handled
+        """Duplicates the handler found (an event another daemon sharing the database took in first)."""
 
     def describe(self) -> Iterable[Metric]:
         """Nothing described up front: the families depend on the snapshot."""
@@ -59,13 +61,15 @@ class _PoolCollector(Collector):
         )
         for relay in health.relays:
             reconnects.add_metric([relay.url], relay.reconnects)
-        duplicates = "Copies of events already taken in or processed, dropped."
+        duplicates = "Copies of events already taken in or processed (by this daemon or another), dropped."
         errors = "Incoming events whose handling raised (each is retried)."
         retries = "Incoming events handed to the handler again after an error."
         pending = "Incoming events waiting for another try after an error."
         return [
             rejected,
-            CounterMetricFamily(f"{NAMESPACE}_events_duplicate", duplicates, value=health.duplicates),
+            CounterMetricFamily(
+                f"{NAMESPACE}_events_duplicate", duplicates, value=health.duplicates + self._handled()
+            ),
             CounterMetricFamily(f"{NAMESPACE}_intake_handler_errors", errors, value=health.consumer_errors),
             CounterMetricFamily(f"{NAMESPACE}_intake_retries", retries, value=health.retries),
             GaugeMetricFamily(f"{NAMESPACE}_intake_retry_pending", pending, value=health.retrying),
@@ -82,6 +86,8 @@ class Metrics:
     def __init__(self) -> None:
         """Create every metric in a fresh :class:`CollectorRegistry`."""
         self.registry = CollectorRegistry(auto_describe=True)
+        self.handled_duplicates = 0
+        """Events the handler found taken in already (exported with the pool's duplicates)."""
         self.events_accepted = Counter(
             "events_accepted", "Incoming events accepted into a conversation, by kind.",
             ["kind"], namespace=NAMESPACE, registry=self.registry,
@@ -236,7 +242,11 @@ class Metrics:
 
     def watch_pool(self, source: Callable[[], PoolHealth | None]) -> None:
         """Export the relay pool's counters, read from ``source`` (its health; None before it exists)."""
-        self.registry.register(_PoolCollector(source))
+        self.registry.register(_PoolCollector(source, lambda: self.handled_duplicates))
+
+    def event_duplicate(self) -> None:
+        """Count an event the handler found taken in already (another daemon sharing the database won it)."""
+        self.handled_duplicates += 1
 
     def render(self) -> bytes:
         """Return every metric in the Prometheus text exposition format."""

@@ -68,7 +68,8 @@ class ConversationCounts(TypedDict):
 
 
 class EventCounts(TypedDict):
-    """Incoming events: accepted, rejected by reason, and copies of events already taken in."""
+    """Incoming events: accepted, rejected by reason, and copies of events already taken in (by this
+    daemon, or by another daemon sharing its database that won the event)."""
 
     accepted: int
     rejected: dict[str, int]

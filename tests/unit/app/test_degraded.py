@@ -28,6 +28,7 @@ from tenex_daemon.app.status import read_status, write_status
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import KIND_GIFT_WRAP
+from tenex_daemon.services.dispatcher import HandleResult, Outcome
 from tenex_daemon.services.private_messages import Intake
 from tenex_daemon.testing.fakes import signers_for
 from tests.conftest import Cast
@@ -343,3 +344,20 @@ async def test_an_event_stored_by_a_try_whose_answer_was_lost_is_answered_throug
         conversation = await store.load(event.id)
         assert conversation is not None
         assert [e.pubkey for e in conversation.history] == [cast.user.pubkey, cast.alice.pubkey]
+
+
+async def test_an_event_another_daemon_took_in_first_counts_as_a_duplicate_not_a_refusal(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """An event the handler finds taken in already (daemons sharing a database: another one won it) is
+    counted with the duplicates, in the status and /metrics, not among the refused events (it read
+    "rejected 15 (duplicate 15)" beside "duplicates 0")."""
+    store = FlakyStore()
+    event = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    async with daemon_with_pool(tmp_path, cast, store) as daemon:
+        daemon._count(event, HandleResult(Outcome.DUPLICATE, conversation_id=event.id))
+
+        counts = daemon.status()["events"]
+        assert (counts["rejected"], counts["duplicates"]) == ({}, 1)
+        assert b"tenexd_events_duplicate_total 1.0" in daemon.metrics.render()
+        assert b'reason="duplicate"' not in daemon.metrics.render()
