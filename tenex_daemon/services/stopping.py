@@ -277,12 +277,8 @@ class Stopper:
         """How many other daemons hear this project's stops now (their answers are waited for); when the
         database cannot say, one is assumed, so the stop is told and answers waited for all the same."""
         assert self._messages is not None
-        try:
-            hearing = await asyncio.wait_for(self._messages.hearers(self._channel), max(self._wait_s, 0.1))
-        except Exception as exc:
-            log.warning("peer_count_unknown", error=repr(exc))
-            return 1
-        return max(0, hearing - 1)  # this daemon hears its own channel too
+        hearing = await _hearing(self._messages, self._channel, self._wait_s)
+        return 1 if hearing is None else max(0, hearing - 1)  # this daemon hears its own channel too
 
     async def _tell(self, told: PeerStop, within_s: float) -> bool:
         """Tell the other daemons ``told``; False (logged) when the database did not take it in time."""
@@ -417,16 +413,22 @@ async def stop_without_daemon(
     return StopReport(conversation_id, slugs, reason=STOPPED if slugs else NOTHING_TO_STOP)
 
 
+async def _hearing(messages: PeerMessages, channel: str, wait_s: float) -> int | None:
+    """How many hear ``channel`` now; None (logged) when the database cannot say within ``wait_s``."""
+    try:
+        return await asyncio.wait_for(messages.hearers(channel), max(wait_s, 0.1))
+    except Exception as exc:
+        log.warning("peer_count_unknown", error=repr(exc))
+        return None
+
+
 async def _tell_and_wait(
     messages: PeerMessages, channel: str, asked: PeerStop, wait_s: float
 ) -> tuple[str, ...]:
     """Tell ``asked`` to the daemons hearing ``channel`` and return the agents they answer they stopped,
     within ``wait_s`` (a database that cannot say who hears is told all the same, and waited for)."""
-    try:
-        expected = await asyncio.wait_for(messages.hearers(channel), max(wait_s, 0.1))
-    except Exception as exc:
-        log.warning("peer_count_unknown", error=repr(exc))
-        expected = 1
+    hearing = await _hearing(messages, channel, wait_s)
+    expected = 1 if hearing is None else hearing  # the database cannot say: told all the same
     if expected == 0:
         return ()
     answers = _Answers(expected)
