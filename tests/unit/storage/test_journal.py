@@ -860,3 +860,24 @@ def test_replay_skips_only_journals_their_checkpoint_sealed(tmp_path: Path) -> N
     assert replayed(checkpoint_frame(0) + old) == b"old"
     (folder / "0").write_bytes(old + checkpoint_frame(0))
     assert [a.kind for a in replay(root, tmp_path / "corrupt").actions] == ["journal_skipped"]
+
+
+async def test_a_state_snapshots_temp_file_left_by_a_kill_is_removed_on_open(tmp_path: Path, cast: Cast) -> None:
+    """A conversation's state snapshot temp file that was never renamed (the process killed while writing
+    it) is removed when the store opens, and the conversation reads back as it was committed."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    await store.close()
+    folder = next(p for p in (home / "conversations").iterdir() if p.name == conversation.id)
+    leftover = folder / "state.json.tmp"
+    leftover.write_bytes(b'{"format":1,"state":{"id":"half writ')
+
+    reopened = await open_batch(home)
+    try:
+        assert not leftover.exists()
+        loaded = await reopened.load(conversation.id)
+        assert loaded is not None
+        assert loaded.title == conversation.title
+    finally:
+        await reopened.close()

@@ -6,6 +6,7 @@ repaired). Blocking file work: runs in a worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from tenex_daemon.adapters.storage.atomic import Stamp
+from tenex_daemon.adapters.storage.atomic import Stamp, temp_of
 from tenex_daemon.adapters.storage.filesystem.folder import scan_folder
 from tenex_daemon.adapters.storage.filesystem.index import IndexEntry, IndexRead, read_index
 from tenex_daemon.adapters.storage.filesystem.journal_replay import Replayed, replay
@@ -139,6 +140,13 @@ def _sweep_leftovers(layout: Layout, actions: list[RecoveryAction]) -> None:
                 shutil.rmtree(item.path, ignore_errors=True)
 
 
+def _remove_staged_state(folder: Path) -> None:
+    """Remove a state snapshot's temp file that was never renamed (a kill while it was written): the
+    snapshot it held is in the folder's state file or in the journal replayed before this."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temp_of(folder / STATE_NAME))
+
+
 def recover(layout: Layout) -> Recovered:
     """Repair the home and return its index (the caller holds the home's lock)."""
     layout.make_folders()
@@ -158,6 +166,7 @@ def recover(layout: Layout) -> Recovered:
     recovery = _Recovery(layout, actions, replayed.touched)
     recovery.drop_missing(index.entries, on_disk)
     for conversation_id, archived in on_disk.items():
+        _remove_staged_state(layout.folder(conversation_id, archived))
         entry = index.entries.get(conversation_id)
         if entry is None:
             index.entries[conversation_id] = recovery.add_entry(conversation_id, archived, index_ok=index_ok)
