@@ -22,10 +22,16 @@ STOPPED_COMPLETION = "Stopped before answering."
 """What a stopped agent counts as having answered in the orchestrator's open turn."""
 
 
-def with_stop(kept: object, entry: dict[str, Any]) -> list[Any]:
+def with_stop(kept: object, entry: dict[str, Any], *, replacing: dict[str, Any] | None = None) -> list[Any]:
     """The stops record ``kept`` with ``entry`` added, or merged into the entry of the same request (or
-    the same told stop): that one gains the agents stopped."""
+    the same told stop): that one gains the agents stopped. ``replacing``: an entry recorded earlier
+    (before the runs were stopped) that ``entry`` completes; it is replaced where it is found as written."""
     stops = list(kept) if isinstance(kept, list) else []
+    if replacing is not None:
+        for index in range(len(stops) - 1, -1, -1):
+            if stops[index] == replacing:
+                stops[index] = entry
+                return stops
     key = "event_id" if entry["event_id"] is not None else "stop_id"
     value = entry.get(key)
     for index, stop in enumerate(stops):

@@ -223,6 +223,10 @@ class Stopper:
         if await self._manager.get_conversation(conversation_id) is None:
             raise ConversationNotFoundError(conversation_id)
         async with self._locks.hold(conversation_id):
+            named = None if agents is None else list(agents)
+            # recorded before any run is cancelled: a run a dead daemon left, taken over meanwhile, reads
+            # the stop before it starts, or is among the runs cancelled here
+            recorded = await _record(self._manager, conversation_id, by, ((), named), request, stop_id)
             stopped: list[RunRequest] = []
             for slug in agents if agents is not None else (None,):
                 stopped.extend(await scheduler.cancel(conversation_id, slug))
@@ -230,8 +234,9 @@ class Stopper:
             for routed in dict.fromkeys(r.agent_slug for r in stopped if r.via_orchestrator):
                 # the orchestrator's open turn no longer waits for an agent that will not answer
                 await self._manager.add_completion_to_turn(conversation_id, routed, STOPPED_COMPLETION)
-            named = None if agents is None else list(agents)
-            await _record(self._manager, conversation_id, by, (slugs, named), request, stop_id)
+            if slugs and recorded is not None:  # the record gains the agents stopped
+                completed = {**recorded, "agents": list(slugs)}
+                await _update_record(self._manager, conversation_id, completed, replacing=recorded)
             notice = await self._notify(conversation_id, stopped) if stopped else None
         log.info(
             "conversation_stopped",
@@ -456,11 +461,12 @@ async def _record(
     agents: tuple[tuple[str, ...], list[str] | None],
     request: NostrEvent | None,
     stop_id: str | None,
-) -> None:
+) -> dict[str, Any] | None:
     """Add a stop to the conversation's record (``metadata.extra["stops"]``, :mod:`tenex_daemon.core.stops`):
     ``agents`` is (the slugs stopped, the slugs the stop named or None for every agent). A request or a
     told stop (``stop_id``) already recorded (daemons sharing a database each carry it out for their own
-    runs) gains the agents stopped here instead."""
+    runs) gains the agents stopped here instead. Return the entry written (None: the conversation was
+    deleted meanwhile)."""
     stopped, named = agents
     conversation = await manager.get_conversation(conversation_id)
     held = None if conversation is None else len(conversation.history)  # the messages the stop came after
@@ -470,10 +476,25 @@ async def _record(
     }
     if stop_id is not None:
         entry["stop_id"] = stop_id
+    return entry if await _update_record(manager, conversation_id, entry) else None
+
+
+async def _update_record(
+    manager: ConversationManager,
+    conversation_id: str,
+    entry: dict[str, Any],
+    *,
+    replacing: dict[str, Any] | None = None,
+) -> bool:
+    """Write ``entry`` into the conversation's stops record (:func:`with_stop`); False when the conversation
+    was deleted meanwhile."""
     try:
-        await manager.update_extra(conversation_id, STOPS_KEY, lambda kept: with_stop(kept, entry))
-    except ConversationNotFoundError:  # deleted meanwhile
-        return
+        await manager.update_extra(
+            conversation_id, STOPS_KEY, lambda kept: with_stop(kept, entry, replacing=replacing)
+        )
+    except ConversationNotFoundError:
+        return False
+    return True
 
 
 def _newest_trigger(conversation: Conversation, stopped: list[RunRequest]) -> NostrEvent | None:

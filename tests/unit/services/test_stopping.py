@@ -526,3 +526,35 @@ def test_a_request_carried_out_again_joins_its_record_rather_than_adding_one() -
     ]
     assert [s["at"] for s in with_stop(with_stop([first], cli), {**cli, "at": 4})] == [1, 3, 4]
     assert [s["event_id"] for s in with_stop(many, first)] == [f"x{n}" for n in range(1, STOPS_KEPT)] + ["e1"]
+
+
+async def test_the_stop_is_recorded_before_any_run_is_cancelled(cast: Cast, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's stop is in the conversation's record when the scheduler is asked to cancel its runs, so a
+    run a dead daemon left, taken over while the stop is carried out, reads it before it starts; once Alice's
+    run is cancelled the same entry (one, not two) names her."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    seen_at_cancel: list[list[dict[str, object]]] = []
+    cancel = rig.scheduler.cancel
+
+    async def cancel_and_look(conversation_id: str, agent_slug: str | None) -> list[RunRequest]:
+        conversation = await rig.manager.get_conversation(conversation_id)
+        assert conversation is not None
+        seen_at_cancel.append(list(conversation.metadata.extra.get(STOPS_KEY) or []))
+        return await cancel(conversation_id, agent_slug)
+
+    monkeypatch.setattr(rig.scheduler, "cancel", cancel_and_look)
+    report, _ = await timed_stop(rig, root)
+    await rig.settle()
+
+    assert report.agents == ("alice",)
+    assert backend.cancelled
+    assert [[(s["by"], s["agents"]) for s in stops] for stops in seen_at_cancel] == [[("owner", [])]]
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [(s["by"], s["agents"], s["named"]) for s in conversation.metadata.extra[STOPS_KEY]] == [
+        ("owner", ["alice"], None)
+    ]
