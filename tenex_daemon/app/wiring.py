@@ -452,6 +452,7 @@ def build_pipeline(
         outbox,
         owner=options.owner,
         whitelist=options.whitelist,
+        whitelist_may_join=options.whitelist_may_join,
         messages=ports.messages,
         instance=options.instance,
         wait_s=options.stop_wait_s,

@@ -43,6 +43,7 @@ from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotF
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import PeerMessages, ReplyComposer, ReplySpec
 from tenex_daemon.core.stops import STOPPED_COMPLETION, STOPS_KEY, with_stop
+from tenex_daemon.core.targeting import SkipReason, may_join
 from tenex_daemon.core.vocabulary import TAG_PUBKEY
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.agent_runner import user_destination
@@ -165,6 +166,7 @@ class Stopper:
         *,
         owner: str | None,
         whitelist: Collection[str] = (),
+        whitelist_may_join: bool = False,
         messages: PeerMessages | None = None,
         instance: str = "",
         wait_s: float = PEER_ANSWER_WAIT_S,
@@ -174,6 +176,8 @@ class Stopper:
         self._outbox = outbox
         self._owner = owner
         self._whitelist = frozenset(whitelist)
+        self._whitelist_may_join = whitelist_may_join
+        """Off: a whitelisted person stops only where they may write (:func:`may_join`)."""
         self._locks = KeyedLock()
         self._messages = messages
         """Messages to the other daemons sharing the database (None: this daemon is alone with its store)."""
@@ -191,6 +195,19 @@ class Stopper:
             return False
         return pubkey == self._owner or pubkey in self._whitelist
 
+    async def _may_stop_in(self, pubkey: str, conversation_id: str) -> bool:
+        """Whether ``pubkey`` (who may stop) may stop the runs of this conversation: the owner anywhere; a
+        whitelisted person where they may write, as the dispatcher lets them in: their own conversations,
+        those the owner p-tagged them in, any public one with ``whitelist_may_join``."""
+        if pubkey == self._owner:
+            return True
+        conversation = await self._manager.get_conversation(conversation_id)
+        if conversation is None or not conversation.history:
+            return False
+        if conversation.private:  # only its person writes into a private conversation
+            return conversation.history[0].pubkey == pubkey
+        return self._whitelist_may_join or may_join(pubkey, conversation.history, self._owner)
+
     async def on_request(
         self, event: NostrEvent, conversation_id: str, scheduler: RunScheduler
     ) -> StopReport:
@@ -204,6 +221,12 @@ class Stopper:
             reason = UNKNOWN_CONVERSATION
             log.info("stop_ignored", event_id=event.id, conversation_id=conversation_id, reason=reason)
             return StopReport(conversation_id, accepted=False, reason=UNKNOWN_CONVERSATION)
+        if not await self._may_stop_in(event.pubkey, cid):
+            reason = SkipReason.NOT_A_PARTICIPANT.value
+            log.warning(
+                "stop_refused", event_id=event.id, author=event.pubkey, conversation_id=cid, reason=reason
+            )
+            return StopReport(cid, accepted=False, reason=reason)
         return await self.stop(scheduler, cid, self._named_agents(event), by=event.pubkey, request=event)
 
     async def stop(

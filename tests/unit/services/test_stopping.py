@@ -132,7 +132,8 @@ async def test_the_owners_stop_cancels_the_run_and_only_the_notice_is_published(
 
 async def test_only_the_owner_and_whitelisted_people_may_stop(cast: Cast) -> None:
     """A stranger's stop is refused before anything (author not allowed) and an agent's is refused as not
-    allowed to stop: the run goes on and answers; a whitelisted person's stop is carried out."""
+    allowed to stop: the run goes on and answers; a whitelisted person's stop is carried out in a
+    conversation the owner p-tagged them in."""
     backend = GatedBackend()
     rig = pipeline.build_rig(cast, backend=backend)
     root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
@@ -153,12 +154,43 @@ async def test_only_the_owner_and_whitelisted_people_may_stop(cast: Cast) -> Non
 
     backend = GatedBackend()
     rig = pipeline.build_rig(cast, backend=backend, whitelist=[cast.other_user.pubkey])
-    await rig.dispatcher.handle(root)
+    invited = cast.user_says(
+        "Write the report", kind=11, tags=[["p", cast.alice.pubkey], ["p", cast.other_user.pubkey]]
+    )
+    await rig.dispatcher.handle(invited)
     await asyncio.wait_for(backend.asked.wait(), 5)
-    whitelisted = await rig.dispatcher.handle(stop_request(cast, cast.other_user, root))
+    whitelisted = await rig.dispatcher.handle(stop_request(cast, cast.other_user, invited))
     await rig.settle()
     assert whitelisted.agents == ("alice",)
     assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]
+
+
+@pytest.mark.parametrize("may_join", [False, True])
+async def test_a_whitelisted_person_stops_only_where_they_may_write(cast: Cast, may_join: bool) -> None:
+    """A whitelisted person who may not write into the owner's conversation (not its author, not p-tagged in
+    it by the owner) may not stop its runs either: the stop is refused as ``not_a_participant``, nothing is
+    recorded, and the run answers; with ``whitelist_may_join`` on, the same stop is carried out."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(
+        cast, backend=backend, whitelist=[cast.other_user.pubkey], whitelist_may_join=may_join
+    )
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+
+    result = await rig.dispatcher.handle(stop_request(cast, cast.other_user, root))
+    backend.release.set()
+    await rig.settle()
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    if may_join:
+        assert (result.outcome, result.agents) == (Outcome.STORED, ("alice",))
+        assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]
+    else:
+        assert (result.outcome, result.reason) == (Outcome.IGNORED, "not_a_participant")
+        assert [e.content for e in rig.publisher.published] == ["answer 1"]
+        assert STOPS_KEY not in conversation.metadata.extra
 
 
 async def test_a_stop_naming_one_agent_stops_only_that_agent(cast: Cast) -> None:
