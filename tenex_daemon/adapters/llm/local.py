@@ -52,6 +52,12 @@ TOOL_CHAT_FORMAT = "chatml-function-calling"
 """llama-cpp-python's chat handler that supports tools (SmolLM2's own template is ChatML)."""
 
 
+def _read_outcome(worker: asyncio.Future[Any]) -> None:
+    """Read a generation's outcome nobody awaits any more (a cancelled call's): never logged as unread."""
+    if not worker.cancelled():
+        worker.exception()
+
+
 class _Verbatim(str):
     """Text a chat template shows as written. llama-cpp-python renders its tool-calling template
     (``chatml-function-calling``) with HTML autoescaping on, so ``Tom's "A & B"`` reached the model as
@@ -200,8 +206,12 @@ class LocalBackend:
         return kwargs
 
     async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Run the model in a worker thread; raise a typed BackendError on failure."""
+        """Run the model in a worker thread; raise a typed BackendError on failure. A call cancelled
+        (a stop, a shutdown) ends the generation at its next token, which frees the model for the next
+        call: the thread itself cannot be interrupted, but it reads the model's output token by token
+        (streamed, whether or not the request streams) and stops reading once the call is cancelled."""
         kwargs = self._arguments(request)
+        cancelled = threading.Event()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[str | None] | None = None
         if request.on_chunk is not None:
@@ -211,7 +221,7 @@ class LocalBackend:
             if queue is not None:
                 loop.call_soon_threadsafe(queue.put_nowait, text)
 
-        worker = asyncio.ensure_future(asyncio.to_thread(self._run, kwargs, emit, queue is not None))
+        worker = asyncio.ensure_future(asyncio.to_thread(self._run, kwargs, emit, cancelled))
         try:
             if queue is not None and request.on_chunk is not None:
                 while (chunk := await queue.get()) is not None:
@@ -227,40 +237,47 @@ class LocalBackend:
         except RuntimeError as exc:
             raise backend_error(BackendErrorKind.OTHER, f"local: {exc}") from exc
         finally:
+            # a generation still running (this call cancelled, or its stream's reader failed) stops at the
+            # model's next token, and its thread releases the model's lock; its outcome is read, never raised
+            cancelled.set()
             if not worker.done():
-                # The thread cannot be interrupted; let it finish and release the model lock on its own.
-                worker.add_done_callback(lambda task: task.exception())
+                worker.add_done_callback(_read_outcome)
         return self._result(request, response)
 
-    def _run(self, kwargs: dict[str, Any], emit: Any, stream: bool) -> dict[str, Any]:
-        """Blocking: generate under the model's lock, emitting text pieces; the last emit is None."""
+    def _run(self, kwargs: dict[str, Any], emit: Any, cancelled: threading.Event) -> dict[str, Any]:
+        """Blocking: generate under the model's lock, emitting text pieces; the last emit is None. The
+        output is read as a stream, token by token, so a cancelled call ends it at the next token."""
         try:
             loaded = _load(self._key)
             with loaded.lock:
                 started = time.perf_counter()
-                if not stream:
-                    response: dict[str, Any] = loaded.llama.create_chat_completion(**kwargs)
-                else:
-                    response = self._collect(loaded.llama.create_chat_completion(stream=True, **kwargs), emit)
-                    # Streaming reports no usage: each streamed piece is one generated token, and the
-                    # context then holds the prompt plus those tokens.
-                    pieces = response.pop("_pieces")
-                    response["usage"] = {
-                        "prompt_tokens": max(int(loaded.llama.n_tokens) - pieces, 0),
-                        "completion_tokens": pieces,
-                    }
+                chunks = loaded.llama.create_chat_completion(stream=True, **kwargs)
+                try:
+                    response = self._collect(chunks, emit, cancelled)
+                finally:
+                    chunks.close()  # a generation cut short ends here, before the lock is released
+                # Streaming reports no usage: each streamed piece is one generated token, and the
+                # context then holds the prompt plus those tokens.
+                pieces = response.pop("_pieces")
+                response["usage"] = {
+                    "prompt_tokens": max(int(loaded.llama.n_tokens) - pieces, 0),
+                    "completion_tokens": pieces,
+                }
                 response["_seconds"] = time.perf_counter() - started
                 return response
         finally:
             emit(None)
 
     @staticmethod
-    def _collect(chunks: Iterator[dict[str, Any]], emit: Any) -> dict[str, Any]:
+    def _collect(chunks: Iterator[dict[str, Any]], emit: Any, cancelled: threading.Event) -> dict[str, Any]:
         text: list[str] = []
         calls: dict[int, dict[str, str]] = {}
         finish_reason: str | None = None
         pieces = 0
         for chunk in chunks:
+            if cancelled.is_set():
+                finish_reason = "cancelled"
+                break
             for choice in chunk.get("choices", []):
                 finish_reason = choice.get("finish_reason") or finish_reason
                 delta = choice.get("delta") or {}
@@ -273,7 +290,8 @@ class LocalBackend:
                     slot = calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": ""})
                     slot["id"] = call.get("id") or slot["id"]
                     function = call.get("function") or {}
-                    slot["name"] += function.get("name") or ""
+                    # llama.cpp repeats the whole name in every piece; an OpenAI stream sends it once
+                    slot["name"] = function.get("name") or slot["name"]
                     slot["arguments"] += function.get("arguments") or ""
         message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
         if calls:

@@ -238,3 +238,38 @@ async def test_local_backend_forced_tool_call_is_parsed(local_backend: LocalBack
     assert [call.name for call in result.tool_calls] == ["get_weather"]
     assert result.tool_calls[0].invalid_arguments is None
     assert isinstance(result.tool_calls[0].arguments.get("city"), str)
+
+
+async def test_a_cancelled_local_call_stops_generating_at_its_next_token(local_backend: LocalBackend) -> None:
+    """A call cancelled while the model generates (a stop, a shutdown) ends the generation within a few
+    tokens: once the model's lock is free, the context holds the prompt and a few tokens, where the same
+    request left alone generates hundreds (the thread used to generate them all, holding the lock). A call
+    that does not stream reads the model's output the same way."""
+    from tenex_daemon.adapters.llm import local
+
+    await local_backend.load()
+    loaded = local._MODELS[local_backend._key]
+    first_chunk = asyncio.Event()
+
+    async def on_chunk(text: str) -> None:
+        first_chunk.set()
+
+    def held_after_generation() -> int:
+        with loaded.lock:  # free once a generation has ended
+            return int(loaded.llama.n_tokens)
+
+    request = replace(ask("Write a long story about a dragon who loves to cook.", on_chunk=on_chunk), max_tokens=400)
+    left_alone = await local_backend.complete(request)
+    assert left_alone.completion_tokens is not None
+    assert left_alone.completion_tokens > 200
+    prompt = await asyncio.to_thread(held_after_generation) - left_alone.completion_tokens
+
+    first_chunk.clear()
+    call = asyncio.create_task(local_backend.complete(request))
+    await asyncio.wait_for(first_chunk.wait(), 60)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+    generated = await asyncio.to_thread(held_after_generation) - prompt
+    assert generated < 50
