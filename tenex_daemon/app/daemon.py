@@ -268,13 +268,14 @@ class Daemon:
     def _outbox_status(self, now: float) -> OutboxStatus:
         outbox = self.pipeline.outbox if self.pipeline is not None else None
         if outbox is None:
-            return OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0)
+            return OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0, refused=0)
         age = outbox.oldest_age_s(now)
         return OutboxStatus(
             depth=outbox.depth,
             oldest_age_s=None if age is None else round(age, 3),
             delivered=outbox.delivered,
             retries=outbox.retries,
+            refused=outbox.refused,
         )
 
     def _descriptions_status(self) -> DescriptionStatus:
@@ -288,6 +289,7 @@ class Daemon:
             unpublished=jobs.unpublished,
             published=jobs.published,
             retries=jobs.retries,
+            refused=jobs.refused,
         )
 
     def reply_latencies(self) -> list[float]:
@@ -767,7 +769,7 @@ class Daemon:
             if self.pipeline is not None:
                 self.metrics.set_runs_in_flight(self.pipeline.scheduler.in_flight)
                 outbox = self.pipeline.outbox
-                self.metrics.set_outbox(outbox.depth, outbox.oldest_age_s())
+                self.metrics.set_outbox(outbox.depth, outbox.oldest_age_s(), outbox.refused)
             if (jobs := self.descriptions) is not None:
                 self.metrics.set_descriptions_pending(jobs.queued + jobs.unpublished)
         except Exception:

@@ -133,6 +133,10 @@ class Metrics:
             "outbox_oldest_age_seconds", "Age of the oldest signed event waiting for a relay (0: none).",
             namespace=NAMESPACE, registry=self.registry,
         )
+        self.outbox_refused = Gauge(
+            "outbox_refused_events", "Signed events every relay refused for good since start.",
+            namespace=NAMESPACE, registry=self.registry,
+        )
 
         self.descriptions = Counter(
             "descriptions", "Conversation titles and summaries made, by source (model, fallback).",
@@ -211,10 +215,12 @@ class Metrics:
         """Set the in-flight gauge (for a daemon that counts runs itself)."""
         self.runs_in_flight.set(count)
 
-    def set_outbox(self, depth: int, oldest_age_s: float | None) -> None:
-        """Signed events waiting for a relay, and the age of the oldest (0 when none waits)."""
+    def set_outbox(self, depth: int, oldest_age_s: float | None, refused: int = 0) -> None:
+        """Signed events waiting for a relay, the age of the oldest (0 when none waits), and those every
+        relay refused for good since start."""
         self.outbox_depth.set(depth)
         self.outbox_oldest_age.set(oldest_age_s or 0.0)
+        self.outbox_refused.set(refused)
 
     def description_made(self, source: str) -> None:
         """Count a conversation's title and summary made (``source``: model or fallback)."""

@@ -103,6 +103,8 @@ class OutboxStatus(TypedDict):
     """Events delivered since start."""
     retries: int
     """Publish attempts that no relay accepted, since start (each was tried again)."""
+    refused: int
+    """Events every relay refused for good, since start (not sent again; the person is told)."""
 
 
 class DescriptionStatus(TypedDict):
@@ -118,11 +120,15 @@ class DescriptionStatus(TypedDict):
     """Descriptions whose kind-513 event no relay has accepted yet (tried again with backoff)."""
     published: int
     retries: int
+    refused: int
+    """kind-513 events every relay refused for good (not tried again until the description changes)."""
 
 
 def no_descriptions() -> DescriptionStatus:
     """The descriptions' counters before the service runs: every one at zero."""
-    return DescriptionStatus(queued=0, described=0, fallbacks=0, unpublished=0, published=0, retries=0)
+    return DescriptionStatus(
+        queued=0, described=0, fallbacks=0, unpublished=0, published=0, retries=0, refused=0
+    )
 
 
 class SweepCounts(TypedDict):
@@ -187,9 +193,9 @@ class StatusData(TypedDict):
          "last_event_at": 1.7e9, "events": {"accepted": 10, "rejected": {"author_not_allowed": 2},
          "duplicates": 4, "own_copies": 2}, "replies": 7,
          "reply_latency": {"count": 7, "p50_ms": 8.1, "p99_ms": 20.3},
-         "outbox": {"depth": 0, "oldest_age_s": null, "delivered": 7, "retries": 0},
+         "outbox": {"depth": 0, "oldest_age_s": null, "delivered": 7, "retries": 0, "refused": 0},
          "descriptions": {"queued": 0, "described": 2, "fallbacks": 0, "unpublished": 0, "published": 2,
-         "retries": 0},
+         "retries": 0, "refused": 0},
          "retention": {"sweeps": 12, "last_sweep_at": 1.7e9, "last_duration_s": 0.004, "last": {"ended_idle":
          1, "archived": 0, "deleted": 0, "errors": 0}, "totals": {"ended_idle": 3, ...}},
          "errors": {}, "degraded": null, "embedded_relay": "ws://127.0.0.1:7777", "embedded_relay_pid": 4243,
@@ -250,7 +256,7 @@ def new_status(
         events=EventCounts(accepted=0, rejected={}, duplicates=0, own_copies=0),
         replies=0,
         reply_latency=LatencySummary(count=0, p50_ms=None, p99_ms=None),
-        outbox=OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0),
+        outbox=OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0, refused=0),
         descriptions=no_descriptions(),
         retention=retention_status(None),
         errors={},

@@ -56,6 +56,7 @@ from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler, journal_k
 from tenex_daemon.services.stopping import PEER_ANSWER_WAIT_S, Stopper
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import ToolRegistry
+from tenex_daemon.services.undelivered import RefusalNotices
 
 AVAILABLE_BACKENDS = BACKEND_NAMES
 
@@ -423,6 +424,7 @@ def build_pipeline(
         key=options.outbox_key,
         warn_after_s=options.outbox_warn_after_s,
         observer=ports.observer,
+        on_refused=RefusalNotices(manager, ports.composer).notice,
     )
     runner = AgentRunner(
         manager,

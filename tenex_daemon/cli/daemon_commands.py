@@ -208,6 +208,7 @@ def _print_status_data(data: dict[str, Any]) -> None:
         out.print(
             f"outbox: {outbox.get('depth', 0)} waiting for a relay{waiting}; "
             f"{outbox.get('delivered', 0)} delivered, {outbox.get('retries', 0)} retries since start"
+            + (f", {outbox['refused']} refused for good by every relay" if outbox.get("refused") else "")
         )
     described = data.get("descriptions") or {}
     if described:

@@ -59,3 +59,11 @@ class PhaseTransitionError(TenexError, ValueError):
 
 class TurnNotFoundError(TenexError, LookupError):
     """The conversation has no orchestrator turn with the given id."""
+
+
+class EventRefusedError(TenexError):
+    """Every relay refused an event for good (NIP-01 ``blocked:`` or ``invalid:``, an event too large
+    among them): sending it again cannot succeed."""
+
+    reasons: tuple[str, ...] = ()
+    """The relays' own messages, one per relay."""

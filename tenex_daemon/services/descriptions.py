@@ -40,7 +40,7 @@ import structlog
 
 from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.conversation import TASK_SESSION_EXPIRED, Conversation, TitleSource
-from tenex_daemon.core.errors import ConversationNotFoundError
+from tenex_daemon.core.errors import ConversationNotFoundError, EventRefusedError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import BackendError, CompletionRequest, LLMBackend
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
@@ -202,6 +202,8 @@ class DescriptionJobs:
         """Descriptions made since start, by title source (``model``, ``fallback``)."""
         self.published = 0
         self.retries = 0
+        self.refused = 0
+        """Descriptions every relay refused for good (``blocked:``, ``invalid:``): not tried again."""
         manager.on_ended(self.ended)
         manager.on_reply(self.wake)
 
@@ -445,6 +447,15 @@ class DescriptionJobs:
                     if await self._publish_once(conversation_id):
                         return
                     continue  # a newer description was stored meanwhile: publish that one
+                except EventRefusedError as exc:
+                    self.refused += 1
+                    log.error(
+                        "description_refused",
+                        conversation_id=conversation_id,
+                        error=str(exc),
+                        action="not tried again until it changes or the daemon starts again",
+                    )
+                    return
                 except Exception as exc:
                     self.retries += 1
                     log.info(

@@ -9,6 +9,10 @@ doubling up to ``backoff_cap_s``), at once whenever a relay (re)connects (:meth:
 restart (:meth:`Outbox.recover`); an entry is never dropped for its age, only logged
 (``outbox_entry_old``) once it is older than ``warn_after_s``. A relay's ``OK true`` (a
 ``duplicate:`` answer counts as one) ends it; the store forgets it with the next write (coalesced).
+Only an event every relay refused for good (:class:`~tenex_daemon.core.errors.EventRefusedError`: NIP-01
+``blocked:`` or ``invalid:``, an event over a relay's size limit among them) leaves unpublished, logged
+(``outbox_entry_refused``) and counted (:attr:`Outbox.refused`); it stays saved in its conversation, and
+``on_refused`` may give a notice that tells the person (added like any event).
 
 Until the entry is durable the run journal covers the event (a run whose reply is saved is
 redone after a crash by publishing that reply again), so nothing signed is ever lost on its way out.
@@ -26,6 +30,7 @@ from typing import Protocol
 
 import structlog
 
+from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import Publisher, SmallValues
 from tenex_daemon.runtime.background import BackgroundTasks
@@ -74,6 +79,8 @@ class DeliveryObserver(Protocol):
 
 
 FindEvent = Callable[[str], Awaitable[tuple[str, NostrEvent] | None]]
+OnRefused = Callable[[OutboxEntry, EventRefusedError], Awaitable[NostrEvent | None]]
+"""Told of an event every relay refused for good; may return a notice saved in its conversation, to send."""
 
 
 @dataclass
@@ -94,8 +101,10 @@ class Outbox:
         backoff_cap_s: float = DEFAULT_BACKOFF_CAP_S,
         backoff_start_s: float = 1.0,
         observer: DeliveryObserver | None = None,
+        on_refused: OnRefused | None = None,
     ) -> None:
         self.key = key
+        self._on_refused = on_refused
         self._store = store
         self._publisher = publisher
         self._warn_after = warn_after_s
@@ -112,6 +121,8 @@ class Outbox:
         self._wakeup: _Wakeup | None = None
         self.delivered = 0
         self.retries = 0
+        self.refused = 0
+        """Events every relay refused for good, left unpublished."""
 
     # --- what status and metrics read ---------------------------------------------------------
 
@@ -174,6 +185,9 @@ class Outbox:
             try:
                 await self._publisher.publish(entry.event)
                 break
+            except EventRefusedError as exc:
+                await self._refused(entry, exc)
+                return
             except Exception as exc:
                 entry.attempts += 1
                 entry.last_error = str(exc) or type(exc).__name__
@@ -198,6 +212,36 @@ class Outbox:
         self._version += 1
         if self._flush is None:
             self._flush = asyncio.create_task(self._forget_soon(), name="outbox forget")
+
+    async def _refused(self, entry: OutboxEntry, refusal: EventRefusedError) -> None:
+        """Every relay refused the entry's event for good: it leaves the outbox (trying again cannot help),
+        and the person is told when ``on_refused`` gives a notice."""
+        self._entries.pop(entry.event.id, None)
+        self.refused += 1
+        self._version += 1
+        if self._flush is None:
+            self._flush = asyncio.create_task(self._forget_soon(), name="outbox forget")
+        log.error(
+            "outbox_entry_refused",
+            event_id=entry.event.id,
+            conversation_id=entry.conversation_id,
+            agent=entry.agent_slug,
+            error=str(refusal),
+            action="not sent again: every relay refused it for good; it stays saved in the conversation",
+        )
+        if self._on_refused is None:
+            return
+        try:
+            notice = await self._on_refused(entry, refusal)
+        except Exception:
+            log.exception(
+                "refusal_notice_failed", event_id=entry.event.id, conversation_id=entry.conversation_id
+            )
+            return
+        if notice is not None:
+            await self.add(
+                entry.conversation_id, notice, agent_slug=entry.agent_slug, trigger_id=entry.trigger_id
+            )
 
     def _warn_if_old(self, entry: OutboxEntry) -> None:
         if entry.warned or time.time() - entry.first_at < self._warn_after:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, ToolResult
 from tenex_daemon.core.ports import ReplySpec
@@ -52,9 +53,24 @@ class FakePublisher:
     typing_events: list[tuple[str, bool]] = field(default_factory=list)
     typing_threads: list[str] = field(default_factory=list)
     fail: bool = False
+    refuse_over: int | None = None
+    """Events whose content is longer than this are refused for good, as a relay refuses an event over its
+    size limit (``blocked:``)."""
+
+    refuse_kinds: frozenset[int] = frozenset()
+    """Events of these kinds are refused for good (``blocked:``)."""
 
     async def publish(self, event: NostrEvent) -> None:
-        """Record the event (or fail like a relay that refuses)."""
+        """Record the event (or fail like a relay that refuses, for now or for good)."""
+        if event.kind in self.refuse_kinds:
+            refusal = EventRefusedError(f"no relay accepted event {event.id}")
+            refusal.reasons = (f"blocked: kind {event.kind} is not accepted here",)
+            raise refusal
+        if self.refuse_over is not None and len(event.content) > self.refuse_over:
+            refusal = EventRefusedError(f"no relay accepted event {event.id}")
+            size = len(event.content)
+            refusal.reasons = (f"blocked: event size ({size} chars) exceeds {self.refuse_over}",)
+            raise refusal
         if self.fail:
             raise RuntimeError("no relay accepted the event")
         self.published.append(event)

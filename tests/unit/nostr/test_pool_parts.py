@@ -19,6 +19,7 @@ from tenex_daemon.adapters.nostr.relay_pool import (
     SeenIds,
     backoff_delay,
 )
+from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.testing import KeyPair, sign_event
 
 
@@ -157,3 +158,21 @@ async def test_each_relay_answer_counts_the_same_with_one_relay_or_several(
     if not result.ok:
         with pytest.raises(PublishError):
             await pool.publish(event)
+
+
+def test_a_publish_is_refused_for_good_only_when_every_relay_said_so_with_a_final_prefix() -> None:
+    """``blocked:`` and ``invalid:`` from every relay asked make the error final (an EventRefusedError, the
+    relays' words kept); a relay that did not answer, is still trying, accepted, or refused for now
+    (``rate-limited:``, ``error:``) leaves it an ordinary PublishError, tried again."""
+    final = PublishResult("e1", rejected={"ws://a": "blocked: event too large", "ws://b": "invalid: bad tag"})
+    error = PublishError.of(final)
+    assert isinstance(error, EventRefusedError)
+    assert error.reasons == ("blocked: event too large", "invalid: bad tag")
+    for passing in (
+        PublishResult("e1", rejected={"ws://a": "blocked: x"}, timed_out=("ws://b",)),
+        PublishResult("e1", rejected={"ws://a": "blocked: x"}, pending=("ws://b",)),
+        PublishResult("e1", rejected={"ws://a": "blocked: x", "ws://b": "rate-limited: slow down"}),
+        PublishResult("e1", rejected={"ws://a": "error: ConnectionClosed"}),
+        PublishResult("e1"),
+    ):
+        assert not isinstance(PublishError.of(passing), EventRefusedError)

@@ -629,3 +629,23 @@ async def test_a_task_sessions_513_names_the_task_and_an_expired_session_publish
     assert jobs.published == 1  # the later session's
     assert metadata_events(rig.publisher, later.id) == []
     await jobs.stop()
+
+
+async def test_a_description_every_relay_refuses_for_good_is_not_tried_again(cast: Cast) -> None:
+    """A kind 513 that every relay refuses for good (``blocked:``) is given up once, logged and counted, not
+    retried forever; the description stays stored, unpublished."""
+    rig = build_rig(cast)
+    publisher = FakePublisher(refuse_kinds=frozenset({KIND_CONVERSATION_METADATA}))
+    jobs = jobs_for(rig, cast, summarizer=ScriptedBackend([said(ANSWER)]), publisher=publisher)
+    cid = await talk(rig, cast, 1)
+
+    await rig.manager.end_conversation(cid, by="owner")
+    await until(lambda: jobs.refused == 1)
+    await asyncio.sleep(0.05)  # the retry cap is 2 ms: a retry would have come many times by now
+
+    conversation = await stored(rig, cid)
+    assert conversation.summary == "The person asked for a plan."
+    assert not conversation.description_published
+    assert (jobs.refused, jobs.retries, jobs.published) == (1, 0, 0)
+    assert metadata_events(publisher, cid) == []
+    await jobs.stop()

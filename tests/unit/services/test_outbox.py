@@ -10,8 +10,9 @@ import structlog
 
 from tenex_daemon import MemoryStore
 from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.services.outbox import OUTBOX_KEY, Outbox
+from tenex_daemon.services.outbox import OUTBOX_KEY, Outbox, OutboxEntry
 from tenex_daemon.testing.fakes import FakePublisher
 from tests.conftest import Cast
 
@@ -159,3 +160,29 @@ async def test_adding_the_same_event_again_changes_nothing(cast: Cast, times: in
     assert outbox.depth == 1
     assert await stored_ids(store) == [reply.id]
     await outbox.close()
+
+
+async def test_an_event_every_relay_refuses_for_good_leaves_the_outbox_and_the_person_is_told(cast: Cast) -> None:
+    """A reply every relay refuses for good (over a relay's size limit: ``blocked:``) is not tried again: it
+    leaves the stored outbox, is counted as refused (no retries), and the notice ``on_refused`` gives is
+    added and delivered in its place."""
+    store, publisher = MemoryStore(), FakePublisher(refuse_over=100)
+    root, _ = await saved_reply(store, cast)
+    too_long = cast.alice_says("x" * 500, tags=[["e", root.id]])
+    await store.append_event(root.id, too_long)
+    told: list[tuple[str, tuple[str, ...]]] = []
+
+    async def on_refused(entry: OutboxEntry, refusal: EventRefusedError) -> NostrEvent | None:
+        told.append((entry.event.id, refusal.reasons))
+        return cast.alice_says("the notice", tags=[["e", root.id], ["error", "system"]])
+
+    outbox = Outbox(store, publisher, backoff_start_s=0.005, backoff_cap_s=0.01, on_refused=on_refused)
+    await outbox.add(root.id, too_long, agent_slug="alice", trigger_id=root.id)
+    await until(lambda: outbox.depth == 0 and len(publisher.published) == 1)
+    await outbox.close()
+
+    assert [e.content for e in publisher.published] == ["the notice"]
+    assert [event_id for event_id, _ in told] == [too_long.id]
+    assert told[0][1] == ("blocked: event size (500 chars) exceeds 100",)
+    assert (outbox.refused, outbox.retries, outbox.delivered) == (1, 0, 1)
+    assert await stored_ids(store) == []

@@ -254,7 +254,7 @@ class RelayPool:
             log.debug("published", event_id=event.id, kind=event.kind, accepted_by=accepted)
         elif raise_on_failure:  # the caller is told, and says so itself
             log.debug("publish failed", event_id=event.id, rejected=rejected, timed_out=timed_out)
-            raise PublishError(result)
+            raise PublishError.of(result)
         else:
             log.warning("publish failed", event_id=event.id, rejected=rejected, timed_out=timed_out)
         return result

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final, Protocol
 
-from tenex_daemon.core.errors import TenexError
+from tenex_daemon.core.errors import EventRefusedError, TenexError
 from tenex_daemon.core.events import NostrEvent
 
 from ..codec import DEFAULT_LIMITS, Limits
@@ -186,6 +186,20 @@ class PublishResult:
         """Whether at least one relay has the event."""
         return bool(self.accepted_by)
 
+    @property
+    def refused_for_good(self) -> bool:
+        """Whether every relay asked refused the event with a NIP-01 prefix that says trying again cannot
+        help (``blocked:``, ``invalid:``), none of them still pending or silent."""
+        return (
+            not self.accepted_by and not self.timed_out and not self.pending and bool(self.rejected)
+            and all(message.startswith(REFUSED_FOR_GOOD) for message in self.rejected.values())
+        )
+
+
+REFUSED_FOR_GOOD = ("blocked:", "invalid:")
+"""The NIP-01 ``OK false`` prefixes after which the same event is never accepted (``rate-limited:``,
+``error:``, ``auth-required:`` and the others may pass later)."""
+
 
 class PublishError(TenexError):
     """No relay accepted an event before the timeout."""
@@ -195,6 +209,19 @@ class PublishError(TenexError):
         parts += [f"{url}: no answer" for url in result.timed_out]
         super().__init__(f"no relay accepted event {result.event_id} ({'; '.join(parts) or 'no relay'})")
         self.result = result
+
+    @staticmethod
+    def of(result: PublishResult) -> PublishError:
+        """The error for ``result``: :class:`RefusedForGoodError` when every relay refused it for good."""
+        return RefusedForGoodError(result) if result.refused_for_good else PublishError(result)
+
+
+class RefusedForGoodError(PublishError, EventRefusedError):
+    """Every relay refused the event for good (:attr:`PublishResult.refused_for_good`)."""
+
+    def __init__(self, result: PublishResult) -> None:
+        super().__init__(result)
+        self.reasons = tuple(result.rejected.values())
 
 
 EventHandler = Callable[[ReceivedEvent], Awaitable["Remember | None"]]
