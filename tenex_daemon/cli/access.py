@@ -280,7 +280,7 @@ class LocalAccess:
 
     async def archive(self, conversation_id: str) -> None:
         """Archive a conversation."""
-        if not await _mapped(self.manager.archive_conversation(conversation_id)):
+        if not await _mapped(self.manager.archive_conversation(conversation_id, ending_by="owner")):
             raise AccessError(f"conversation {conversation_id} is archived already", 409)
 
     async def restore(self, conversation_id: str) -> None:

@@ -243,7 +243,8 @@ def _print_lifecycle(data: dict[str, Any]) -> None:
 
 @conversations_app.command("archive")
 def conversations_archive(ctx: typer.Context, conversation_id: IdArgument, home: HomeOption = None) -> None:
-    """Archive a conversation: it stays readable and becomes read-only.
+    """Archive a conversation: it stays readable and becomes read-only; one still active is ended first
+    (by owner, reason archived).
 
     Exit 1 when it is archived already (as `end` does when it is ended already).
     """

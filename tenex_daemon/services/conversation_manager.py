@@ -57,6 +57,9 @@ from tenex_daemon.services.references import DEFAULT_RESOLVE_TIMEOUT_S, Referenc
 
 log = structlog.get_logger(__name__)
 
+ARCHIVED = "archived"
+"""The end reason of an active conversation ended by the owner's archive."""
+
 DEFAULT_TASK_SESSION_TTL_H = 24.0
 HISTORY_VIEW_CACHE_SIZE = 256
 
@@ -636,8 +639,18 @@ class ConversationManager:
             conversation.description_published = True
             await self._store.save_state(conversation)
 
-    async def archive_conversation(self, conversation_id: str) -> bool:
-        """Archive the conversation: it stays readable and becomes read-only. False: archived already."""
+    async def archive_conversation(self, conversation_id: str, *, ending_by: str | None = None) -> bool:
+        """Archive the conversation: it stays readable and becomes read-only. False: archived already.
+        ``ending_by`` (the owner's archive): one still active is ended first, by them, for the reason
+        :data:`ARCHIVED`, so an archived conversation counts as ended, as the retention sweeper's do."""
+        if ending_by is not None:
+            conversation = await self.get_conversation(conversation_id)
+            if conversation is None:
+                raise ConversationNotFoundError(conversation_id)
+            if conversation.archived:
+                return False
+            if not conversation.is_ended:
+                await self.end_conversation(conversation_id, by=ending_by, reason=ARCHIVED)
         return await self._set_archived(conversation_id, True)
 
     async def restore_conversation(self, conversation_id: str) -> bool:

@@ -179,7 +179,7 @@ async def _reset(request: web.Request) -> web.Response:
 
 async def _archive(request: web.Request) -> web.Response:
     conversation_id = _conversation_id(request)
-    if not await _target(request).manager.archive_conversation(conversation_id):
+    if not await _target(request).manager.archive_conversation(conversation_id, ending_by="owner"):
         raise ApiError(409, f"conversation {conversation_id} is archived already")
     return _json({"id": conversation_id, "archived": True})
 

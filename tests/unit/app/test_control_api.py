@@ -255,6 +255,19 @@ async def test_a_repeated_archive_or_restore_answers_409_and_changes_nothing(
     assert conversation.archived
 
 
+async def test_the_owners_archive_ends_an_active_conversation_first(
+    client: TestClient[Any, Any], world: World, manager: ConversationManager
+) -> None:
+    """Archiving an active conversation ends it first, by the owner for the reason ``archived``, so an
+    archived conversation counts as ended (retention may delete it, its description says ended)."""
+    assert (await client.post(f"/api/v1/conversations/{world.root.id}/archive")).status == 200
+
+    conversation = await manager.get_conversation(world.root.id)
+    assert conversation is not None
+    assert conversation.archived
+    assert (conversation.is_ended, conversation.ended_by, conversation.end_reason) == (True, "owner", "archived")
+
+
 async def test_context_is_what_the_agent_would_get_and_changes_nothing(
     client: TestClient[Any, Any], world: World, manager: ConversationManager
 ) -> None:

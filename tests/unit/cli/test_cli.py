@@ -170,11 +170,11 @@ def test_a_conversation_is_named_by_the_first_hex_digits_of_its_id(home: Path) -
 
     assert tenexd_json(home, "conversations", "show", short.upper())["id"] == picnic
     assert tenexd_json(home, "context", short, "--agent", "planner")["conversation_id"] == picnic
+    assert tenexd(home, "conversations", "end", short, "--reason", "done") == (0, f"ended {picnic}\n")
     code, printed = tenexd(home, "conversations", "archive", short)
     assert (code, printed.strip()) == (0, f"archived {picnic}")
     assert tenexd_json(home, "conversations", "show", short)["archived"] is True  # found while archived
     assert tenexd(home, "conversations", "restore", short) == (0, f"restored {picnic}\n")
-    assert tenexd(home, "conversations", "end", short, "--reason", "done") == (0, f"ended {picnic}\n")
     assert tenexd(home, "conversations", "stop", short) == (0, f"nothing was running in {picnic}\n")
     assert tenexd_json(home, "conversations", "show", picnic)["end_reason"] == "done"
     assert json.loads(tenexd(home, "conversations", "export", short)[1])["id"] == picnic
