@@ -13,7 +13,7 @@ from tenex_daemon.core.execution_time import ExecutionTime
 from tenex_daemon.core.phases import Phase, PhaseTransition
 from tenex_daemon.core.references import find_event_references
 from tenex_daemon.core.turns import OrchestratorTurn
-from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_PRIVATE_MESSAGE, TAG_ROOT_EVENT
 
 UNTITLED = "Untitled Conversation"
 TASK_SESSION_EXPIRED = "task_session_expired"
@@ -138,8 +138,17 @@ class Conversation(BaseModel):
     def thread_id(self) -> str:
         """The Nostr thread the conversation lives in, which its typing indicators, partial replies and
         live status name: its task for a task's session (a later session's root is the person's comment
-        in the task's thread), else its own id, its root's."""
-        return self.task_id or self.id
+        in the task's thread); the thread its root comment names when that comment started the
+        conversation (its own root could not be found: NIP-22 has a comment's replies keep its root);
+        else its own id, its root's."""
+        if self.task_id:
+            return self.task_id
+        root = self.root
+        if root is not None and root.kind == KIND_COMMENT:
+            named = root.tag_value(TAG_ROOT_EVENT)
+            if named and named != root.id:
+                return named
+        return self.id
 
     def contains_event(self, event_id: str) -> bool:
         """Return whether an event with this id is in history."""

@@ -45,6 +45,9 @@ log = structlog.get_logger(__name__)
 
 DISPATCH_RETRY_S = RUN_RETRY_S
 """Waits before each new try of targeting an accepted event that failed with an error."""
+ADOPTED_ROOT_PREFIX = "adopted_root."
+"""Small value ``adopted_root.<root id>`` -> the conversation a reply started when that root could not be
+found: the thread's later replies join it rather than each starting one of its own."""
 FAILED_KEPT = 4096
 """Events whose handling failed remembered at most (the relay pool keeps 1,000 for its retries)."""
 
@@ -271,13 +274,9 @@ class EventDispatcher:
     async def _on_reply(self, event: NostrEvent, classification: Classification) -> HandleResult:
         cid = classification.conversation_id
         assert cid is not None
-        conversation = await self._manager.get_conversation(cid)
-        if conversation is None:
-            # a reply that names an event inside a conversation (a kind-1 channel's later note) as root
-            found = await self._manager.store.find_event(cid)
-            if found is not None:
-                cid = found[0]
-                conversation = await self._manager.get_conversation(cid)
+        conversation = await self._conversation_of_root(cid)
+        if conversation is not None:
+            cid = conversation.id
         refused = self._refuse_joining(conversation, event)
         if refused is not None:
             return refused
@@ -348,6 +347,19 @@ class EventDispatcher:
             return HandleResult(Outcome.DUPLICATE, conversation_id=joined.conversation.id)
         return await self._target_accepted(joined.conversation.id, event)
 
+    async def _conversation_of_root(self, root_id: str) -> Conversation | None:
+        """The conversation a reply naming ``root_id`` as its root belongs to: the one of that root; the one
+        holding that event (a kind-1 channel's later note named as root); the one an earlier reply in the
+        thread started when that root could not be found (:meth:`_adopt_root`); else None."""
+        conversation = await self._manager.get_conversation(root_id)
+        if conversation is not None:
+            return conversation
+        found = await self._manager.store.find_event(root_id)
+        if found is not None:
+            return await self._manager.get_conversation(found[0])
+        adopted = await self._manager.store.get_meta(ADOPTED_ROOT_PREFIX + root_id)
+        return await self._manager.get_conversation(adopted) if adopted is not None else None
+
     async def _adopt_root(self, root_id: str, reply: NostrEvent) -> Conversation:
         """Start the conversation of a reply with an unknown root: the fetched root, else the reply."""
         root = await self._fetcher.fetch_event(root_id) if self._fetcher is not None else None
@@ -360,7 +372,10 @@ class EventDispatcher:
             event_id=reply.id,
             action="reply starts the conversation",
         )
-        return await self._manager.create_conversation(reply, exclusive=True)
+        conversation = await self._manager.create_conversation(reply, exclusive=True)
+        # the thread's later replies, which name the same missing root, join this conversation
+        await self._manager.store.set_meta(ADOPTED_ROOT_PREFIX + root_id, conversation.id)
+        return conversation
 
     async def before_reply_saved(self, conversation_id: str, reply: NostrEvent) -> None:
         """Journal an agent's reply that targets an agent (or the orchestrator) as being

@@ -8,8 +8,9 @@ from collections.abc import Mapping
 
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplySpec
+from tenex_daemon.core.vocabulary import KIND_COMMENT
 
-from .codec import ReplyDetails, build_agent_reply, task_thread_root
+from .codec import ReplyDetails, ThreadRoot, build_agent_reply, root_of, task_thread_root
 from .signer import Signer
 
 
@@ -25,9 +26,15 @@ class SignedReplyComposer:
         """Return the signed reply: kind 1 when the conversation's root is a kind 1, else kind 1111.
 
         Without a root (not stored) the root is the one the trigger's tags name, else the trigger; in a
-        task's session the root is the task (:func:`~.codec.task_thread_root`).
+        task's session the root is the task (:func:`~.codec.task_thread_root`); when the conversation's
+        root is a comment (its own root could not be found), the root that comment names.
         """
-        root = task_thread_root(spec.task_id, spec.root) if spec.task_id is not None else spec.root
+        root: ThreadRoot | NostrEvent | None = spec.root
+        if spec.task_id is not None:
+            root = task_thread_root(spec.task_id, spec.root)
+        elif spec.root is not None and spec.root.kind == KIND_COMMENT:
+            # a comment whose own root could not be found started the conversation: its thread's root
+            root = root_of(spec.root)
         details = ReplyDetails(
             project=self._project,
             phase=spec.phase,

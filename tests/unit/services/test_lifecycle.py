@@ -423,12 +423,13 @@ async def test_a_stop_naming_the_task_stops_the_run_of_its_current_session(cast:
     assert backend.cancelled
 
 
-async def test_a_conversation_started_by_a_comment_whose_root_is_unknown_keeps_the_comment_as_root(
+async def test_a_conversation_started_by_a_comment_whose_root_is_unknown_replies_in_that_roots_thread(
     cast: Cast,
 ) -> None:
-    """Only a task's sessions reply under their root's root: a comment whose root cannot be fetched starts a
-    conversation rooted at itself, the agent's reply names that comment as its root, and the person's answer
-    to that reply (copying its root) continues the same conversation."""
+    """A comment whose root cannot be fetched starts a conversation rooted at itself; the agent's reply names
+    the thread's root the comment names (as NIP-22 has a reply to a comment keep its root, so clients show
+    it in that thread), and the person's answer to that reply (copying its root) continues the same
+    conversation."""
     rig = pipeline.build_rig(cast, backend=SlowStreamer(), composer=pipeline.real_composer(cast))
     unknown = "ab" * 32
     comment = cast.user_says(
@@ -438,11 +439,11 @@ async def test_a_conversation_started_by_a_comment_whose_root_is_unknown_keeps_t
     await rig.quiet()
     reply = rig.publisher.published[-1]
     answer = cast.user_says(
-        "thanks", tags=[["E", comment.id, "", cast.user.pubkey], ["K", "1111"], ["e", reply.id], ["p", cast.alice.pubkey]]
+        "thanks", tags=[["E", unknown, "", cast.user.pubkey], ["K", "11"], ["e", reply.id], ["p", cast.alice.pubkey]]
     )
     second = await rig.dispatcher.handle(answer)
     await rig.settle()
 
     assert first.conversation_id == comment.id
-    assert reply.tags[:3] == [["E", comment.id, "", cast.user.pubkey], ["K", "1111"], ["P", cast.user.pubkey]]
+    assert reply.tags[:3] == [["E", unknown, "", cast.user.pubkey], ["K", "11"], ["P", cast.user.pubkey]]
     assert second.conversation_id == comment.id
