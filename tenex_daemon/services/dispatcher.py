@@ -27,7 +27,7 @@ from tenex_daemon.core.targeting import (
 )
 from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.lifecycle import ConversationLifecycle
+from tenex_daemon.services.lifecycle import ConversationLifecycle, adopted_root_key
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.orchestrator import Orchestrator, RoutingDecision, RoutingStop
 from tenex_daemon.services.private_messages import PrivateConversations
@@ -45,9 +45,6 @@ log = structlog.get_logger(__name__)
 
 DISPATCH_RETRY_S = RUN_RETRY_S
 """Waits before each new try of targeting an accepted event that failed with an error."""
-ADOPTED_ROOT_PREFIX = "adopted_root."
-"""Small value ``adopted_root.<root id>`` -> the conversation a reply started when that root could not be
-found: the thread's later replies join it rather than each starting one of its own."""
 FAILED_KEPT = 4096
 """Events whose handling failed remembered at most (the relay pool keeps 1,000 for its retries)."""
 
@@ -357,7 +354,7 @@ class EventDispatcher:
         found = await self._manager.store.find_event(root_id)
         if found is not None:
             return await self._manager.get_conversation(found[0])
-        adopted = await self._manager.store.get_meta(ADOPTED_ROOT_PREFIX + root_id)
+        adopted = await self._manager.store.get_meta(adopted_root_key(root_id))
         return await self._manager.get_conversation(adopted) if adopted is not None else None
 
     async def _adopt_root(self, root_id: str, reply: NostrEvent) -> Conversation:
@@ -374,7 +371,7 @@ class EventDispatcher:
         )
         conversation = await self._manager.create_conversation(reply, exclusive=True)
         # the thread's later replies, which name the same missing root, join this conversation
-        await self._manager.store.set_meta(ADOPTED_ROOT_PREFIX + root_id, conversation.id)
+        await self._manager.store.set_meta(adopted_root_key(root_id), conversation.id)
         return conversation
 
     async def before_reply_saved(self, conversation_id: str, reply: NostrEvent) -> None:

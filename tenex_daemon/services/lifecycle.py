@@ -52,6 +52,12 @@ def task_meta_key(task_id: str) -> str:
     return f"task.{task_id}"
 
 
+def adopted_root_key(root_id: str) -> str:
+    """The small value holding the conversation a reply started when its root, ``root_id``, could not be
+    found: the thread's later replies, and stops naming that root, find it there."""
+    return f"adopted_root.{root_id}"
+
+
 @dataclass(frozen=True, slots=True)
 class Joined:
     """Where an event went: the conversation, whether the event started it, and whether it was new."""

@@ -48,7 +48,7 @@ from tenex_daemon.core.vocabulary import TAG_PUBKEY
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.agent_runner import user_destination
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.lifecycle import task_meta_key
+from tenex_daemon.services.lifecycle import adopted_root_key, task_meta_key
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.outbox import Outbox
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, forget_journaled
@@ -359,13 +359,19 @@ class Stopper:
 
     async def _conversation_of(self, event_id: str) -> str | None:
         """The conversation a request's ``e`` names: a task's current session for a task (clients name
-        the task's thread), the conversation rooted at it, else the one holding it."""
+        the task's thread), the conversation rooted at it, the one holding it, else the one a comment
+        started in its thread when it could not be found (clients name the thread's root)."""
         session = await self._manager.store.get_meta(task_meta_key(event_id))
         if session is not None and await self._manager.get_conversation(session) is not None:
             return session
         if await self._manager.get_conversation(event_id) is not None:
             return event_id
-        return await self._manager.find_conversation_of_event(event_id)
+        holding = await self._manager.find_conversation_of_event(event_id)
+        if holding is not None:
+            return holding
+        adopted = await self._manager.store.get_meta(adopted_root_key(event_id))
+        found = await self._manager.get_conversation(adopted) if adopted is not None else None
+        return found.id if found is not None else None
 
     def _named_agents(self, event: NostrEvent) -> tuple[str, ...] | None:
         """The agents a request p-tags (None when it names none: every agent is stopped)."""

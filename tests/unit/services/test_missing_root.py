@@ -4,11 +4,14 @@ that conversation rather than each starting one."""
 
 from __future__ import annotations
 
+import asyncio
+
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.vocabulary import KIND_COMMENT
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_STOP
 from tenex_daemon.services.dispatcher import Outcome
 from tests import pipeline
 from tests.conftest import Cast
+from tests.unit.services.test_stopping import GatedBackend
 
 MISSING_ROOT = "ab" * 32
 
@@ -60,3 +63,21 @@ async def test_a_thread_whose_root_is_missing_stays_one_conversation_in_its_own_
     assert set(rig.publisher.typing_threads) == {MISSING_ROOT}
     assert [e.id for e in conversation.history] == [first.id, replies[0].id, second.id, replies[1].id]
     assert await rig.manager.get_conversation(second.id) is None
+
+
+async def test_a_stop_naming_the_missing_root_stops_the_conversation_it_started(cast: Cast) -> None:
+    """A client names the thread it shows, the missing root: a stop (24134) naming it stops Alice's run in
+    the conversation the first comment started, as the live status named that root."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend, fetcher=NothingFound(), composer=pipeline.real_composer(cast))
+    first = comment(cast, "What about the budget?", MISSING_ROOT)
+    await rig.dispatcher.handle(first)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+
+    stop = cast.factory.event(cast.user, "", kind=KIND_STOP, tags=[["e", MISSING_ROOT]])
+    result = await rig.dispatcher.handle(stop)
+    await rig.settle()
+
+    assert (result.outcome, result.conversation_id, result.agents) == (Outcome.STORED, first.id, ("alice",))
+    assert backend.cancelled
+    assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]
