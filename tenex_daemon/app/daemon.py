@@ -517,7 +517,9 @@ class Daemon:
         self._stopping = True
         self.state = "stopping"
         self.notifier.stopping()
-        log.info("daemon_stopping")
+        # a start refused (the home's store in use) says so itself: no stopping/stopped beside it
+        lines = log.info if self._store_opened else log.debug
+        lines("daemon_stopping")
         if self.pool is not None:
             with contextlib.suppress(Exception):
                 await self.pool.unsubscribe(SUBSCRIPTION_ID)
@@ -551,7 +553,7 @@ class Daemon:
         if self._store_opened:  # a daemon refused the home (its store in use) never writes its status file
             with contextlib.suppress(OSError):
                 await self._write_status()
-        log.info("daemon_stopped")
+        lines("daemon_stopped")
 
     # --- events ---------------------------------------------------------------------------
 

@@ -282,6 +282,8 @@ def init_home(
     """
     home = Path(home).expanduser().resolve()
     config_path = home / CONFIG_FILE
+    if home.exists() and not home.is_dir():
+        raise HomeError(f"{home}: not a folder (--home, TENEX_HOME: the home folder to create, not a file)")
     if config_path.exists() and not force:
         raise HomeError(f"{config_path} already exists; use --force to rewrite it (key files are kept)")
     try:

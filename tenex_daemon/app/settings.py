@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tenex_daemon.adapters.llm.factory import BACKEND_NAMES
 from tenex_daemon.core.budget import DEFAULT_BUDGET_RATIO, BudgetStrategy
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.phases import Phase, PhaseRules
@@ -55,6 +56,9 @@ class AnswerMode(StrEnum):
         return self is not AnswerMode.PUBLIC
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+"""The levels ``daemon.log_level`` takes."""
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -79,6 +83,15 @@ class BackendSettings(_Section):
     price_per_million_output_tokens: float | None = Field(default=None, ge=0)
     """US dollars per million prompt / completion tokens; when set, replies carry ``llm-cost-usd``."""
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_backend(self) -> BackendSettings:
+        """A backend that cannot be made is refused with the settings, before anything starts."""
+        if self.kind not in BACKEND_NAMES:
+            raise ValueError(f"unknown backend {self.kind!r} (available: {', '.join(BACKEND_NAMES)})")
+        if self.kind == "openai" and not self.model:
+            raise ValueError("the openai backend needs a model name (model = ...)")
+        return self
 
 
 class AgentSettings(_Section):
@@ -213,6 +226,14 @@ class DaemonSettings(_Section):
     never dropped: the outbox keeps trying."""
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: str = "info"
+    """debug, info, warning, error or critical (any case)."""
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        if value.strip().lower() not in LOG_LEVELS:
+            raise ValueError(f"unknown log level {value!r} ({', '.join(LOG_LEVELS)})")
+        return value
 
 
 class ConversationSettings(_Section):
@@ -507,12 +528,18 @@ def load_settings(home: str | Path | None = None, env: Mapping[str, str] | None 
     environment = os.environ if env is None else env
     root = resolve_home(home, environment)
     path = root / CONFIG_FILE
+    if root.exists() and not root.is_dir():
+        raise SettingsError(f"{root}: not a folder (--home, TENEX_HOME: the home folder, not a file in it)")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SettingsError(f"{path}: not found (run `tenexd init --home {root}` first)") from None
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path}: not UTF-8 text (byte {exc.start}): {exc.reason}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"{path}: invalid TOML: {exc}") from None
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot be read: {exc.strerror or exc}") from None
     overrides = _env_overrides(environment)
     data = _apply(data, overrides)
     data["home"] = root

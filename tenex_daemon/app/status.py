@@ -9,6 +9,7 @@ gone means *stopped*.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -286,6 +287,21 @@ def write_status(path: str | os.PathLike[str], data: StatusData) -> None:
         payload["uptime_s"] = round(max(0.0, now - float(started)), 3)
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), default=str)
     write_text_atomic(target, text)
+    if payload.get("state") == "starting":
+        _sweep_stale_temps(target, now)
+
+
+STALE_TEMP_S = 60.0
+"""A status file's temp file older than this, found when a daemon starts, was left by a kill mid-write."""
+
+
+def _sweep_stale_temps(target: Path, now: float) -> None:
+    """Remove the temp files of ``target`` a killed write left (``.<name>.<random>.tmp``, older than
+    :data:`STALE_TEMP_S`: a write in progress is younger)."""
+    for temp in target.parent.glob(f".{target.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            if now - temp.stat().st_mtime > STALE_TEMP_S:
+                temp.unlink()
 
 
 @dataclass(frozen=True, slots=True)

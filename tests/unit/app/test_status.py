@@ -97,3 +97,20 @@ def test_write_sets_updated_at_and_uptime(tmp_path: Path) -> None:
     assert abs(stored["updated_at"] - time.time()) < 5
     assert 99 <= stored["uptime_s"] < 110
     assert read_status(path, 30).to_dict()["status"]["version"] == "0.1.0"
+
+
+def test_a_starting_daemon_removes_the_temp_files_a_killed_status_write_left(tmp_path: Path) -> None:
+    """The first status write of a daemon's life (state starting) removes the status file's temp files
+    older than a minute (a kill mid-write left them) and leaves a younger one (a write in progress)."""
+    path = tmp_path / "status.json"
+    old, young = tmp_path / ".status.json.abc123.tmp", tmp_path / ".status.json.def456.tmp"
+    for temp in (old, young):
+        temp.write_text("{")
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+
+    write_status(path, new_status("0.1.0"))
+
+    assert not old.exists()
+    assert young.exists()
+    assert read_status(path, 30).daemon_state == "starting"

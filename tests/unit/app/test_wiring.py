@@ -63,16 +63,18 @@ def test_unknown_backend_at_init_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("backend", "key"),
     [
-        (BackendSettings(kind="gpt"), "agents.planner.backend.kind"),
+        (BackendSettings.model_construct(kind="gpt"), "agents.planner.backend.kind"),
         (BackendSettings(kind="local", model="missing.gguf"), "agents.planner.backend"),
-        (BackendSettings(kind="openai"), "agents.planner.backend"),
+        (BackendSettings.model_construct(kind="openai"), "agents.planner.backend"),
         (BackendSettings(kind="local", options={"colour": "blue"}), "agents.planner.backend.options"),
     ],
 )
 def test_bad_backend_settings_name_the_agent_and_key(
     tmp_path: Path, backend: BackendSettings, key: str
 ) -> None:
-    """Unknown kinds, a missing model file, a missing model name and unknown options are SettingsErrors naming the key."""
+    """Unknown kinds, a missing model file, a missing model name and unknown options are SettingsErrors naming the key
+    (the first and third are refused when the settings are read already; built unchecked here, the wiring
+    names them all the same)."""
     init_home(tmp_path / "h")
     settings = load_settings(tmp_path / "h", {})
 
@@ -80,6 +82,24 @@ def test_bad_backend_settings_name_the_agent_and_key(
         build_backend("planner", backend, settings)
 
     assert f"config.toml: {key}" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("backend", "says"),
+    [('kind = "gpt"', "unknown backend 'gpt'"), ('kind = "openai"', "the openai backend needs a model name")],
+)
+def test_a_backend_that_cannot_be_made_is_refused_when_the_settings_are_read(
+    tmp_path: Path, backend: str, says: str
+) -> None:
+    """An unknown backend kind, or the openai backend without a model, is a configuration error naming the
+    agent's key when config.toml is read (``run`` exits 2 before its store or relay starts, ``agents list``
+    too), not a failure of the daemon's start."""
+    init_home(tmp_path / "h")
+    config = tmp_path / "h" / "config.toml"
+    config.write_text(config.read_text().replace('kind = "offline"', backend, 1))
+
+    with pytest.raises(SettingsError, match=rf"config.toml: agents\.0\.backend: .*{says}"):
+        load_settings(tmp_path / "h", {})
 
 
 async def test_the_daemons_threads_persist_in_its_configured_store(tmp_path: Path) -> None:

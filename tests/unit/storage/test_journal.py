@@ -881,3 +881,21 @@ async def test_a_state_snapshots_temp_file_left_by_a_kill_is_removed_on_open(tmp
         assert loaded.title == conversation.title
     finally:
         await reopened.close()
+
+
+async def test_a_conversations_missing_event_log_is_reported_as_history_lost(tmp_path: Path, cast: Cast) -> None:
+    """A conversation whose events.log was removed while the store was closed opens with an
+    ``event_log_missing`` recovery action (logged as an error) naming the file, not only a quiet repair."""
+    home = tmp_path / "home"
+    store = await open_batch(home)
+    conversation = await start(store, cast)
+    await store.close()
+    (home / "conversations" / conversation.id / LOG_NAME).unlink()
+
+    reopened = await open_batch(home)
+    try:
+        missing = [a for a in reopened.recovery if a.kind == "event_log_missing"]
+        assert [a.conversation_id for a in missing] == [conversation.id]
+        assert "events.log is missing" in missing[0].detail
+    finally:
+        await reopened.close()

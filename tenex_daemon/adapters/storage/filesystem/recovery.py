@@ -120,7 +120,13 @@ class _Recovery:
         self.actions.extend(scanned.actions)
         detail = f"log {log_size} bytes (indexed {entry.log_size}), state {state_stamp}"
         self.actions.append(RecoveryAction("index_entry_repaired", conversation_id, detail))
-        log.info("index_entry_repaired", conversation_id=conversation_id, detail=detail)
+        if log_size < 0:  # every folder is made with its log: its history is gone, not something a crash does
+            missing = f"{folder / LOG_NAME} is missing: the conversation's history is lost"
+            self.actions.append(RecoveryAction("event_log_missing", conversation_id, missing))
+            log.error("event_log_missing", conversation_id=conversation_id, detail=missing)
+        else:
+            level = log.warning if log_size < entry.log_size else log.info  # shorter: something was cut
+            level("index_entry_repaired", conversation_id=conversation_id, detail=detail)
 
 
 def _sweep_leftovers(layout: Layout, actions: list[RecoveryAction]) -> None:
