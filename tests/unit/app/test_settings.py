@@ -119,6 +119,20 @@ def test_unknown_key_missing_file_and_bad_toml_are_errors(tmp_path: Path) -> Non
         load_settings(home, {})
 
 
+def test_a_home_that_is_a_file_a_config_not_utf8_and_a_bad_log_level_are_settings_errors(tmp_path: Path) -> None:
+    """A home naming a file (config.toml itself), a config.toml that is not UTF-8 text, and an unknown log
+    level (from the environment) are SettingsErrors saying which (the CLI prints one line, exit 2), not
+    tracebacks."""
+    home = write_home(tmp_path)
+    with pytest.raises(SettingsError, match=r"config\.toml: not a folder"):
+        load_settings(home / "config.toml", {})
+    with pytest.raises(SettingsError, match=r"environment TENEX_DAEMON__LOG_LEVEL: daemon\.log_level: .*'loud'"):
+        load_settings(home, {"TENEX_DAEMON__LOG_LEVEL": '"loud"'})
+    (home / "config.toml").write_bytes(CONFIG.format(owner=OWNER).encode() + b"\xff\xfe")
+    with pytest.raises(SettingsError, match="not UTF-8 text"):
+        load_settings(home, {})
+
+
 def test_owner_must_be_hex_and_relays_websocket_urls(tmp_path: Path) -> None:
     """An npub where hex is expected, or an http relay URL, are refused with the key named."""
     home = write_home(tmp_path, CONFIG.format(owner="npub1xyz"))
