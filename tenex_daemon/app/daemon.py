@@ -86,6 +86,7 @@ from tenex_daemon.core.vocabulary import (
     KIND_TASK,
 )
 from tenex_daemon.runtime.background import BackgroundTasks
+from tenex_daemon.runtime.failures import log_failure
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.descriptions import DescriptionJobs
 from tenex_daemon.services.dispatcher import HandleResult, Outcome
@@ -625,10 +626,10 @@ class Daemon:
             await asyncio.sleep(self.settings.daemon.takeover_interval_s)
             try:
                 await self._take_over_dead_peers()
-            except Exception:
+            except Exception as exc:
                 self._peer_free_since.clear()  # a name counts as dead only when seen free at each look
                 self.errors["takeover"] += 1
-                log.exception("takeover_failed")
+                log_failure(log, "takeover_failed", exc)
 
     async def _take_over_dead_peers(self) -> None:
         """Answer what a daemon that died on the shared database held: for each other daemon's run
@@ -774,9 +775,9 @@ class Daemon:
                 self.metrics.set_outbox(outbox.depth, outbox.oldest_age_s(), outbox.refused)
             if (jobs := self.descriptions) is not None:
                 self.metrics.set_descriptions_pending(jobs.queued + jobs.unpublished)
-        except Exception:
+        except Exception as exc:  # a full disk: one line each time, no traceback (status says degraded)
             self.errors["status"] += 1
-            log.exception("status_write_failed")
+            log_failure(log, "status_write_failed", exc, brief=(OSError,))
 
     async def _heartbeat_loop(self) -> None:
         assert self.pool is not None

@@ -391,6 +391,25 @@ def read_status(
     if not isinstance(updated, int | float):
         updated = target.stat().st_mtime
     age = max(0.0, moment - float(updated))
+    return _judge(data, age, stale_after_s, target, f"status updated {age:.1f} s ago")
+
+
+def live_report(data: dict[str, Any], path: str | os.PathLike[str], file_age_s: float | None) -> StatusReport:
+    """Judge the status the daemon answered on its control API just now (never stale: it answered). When its
+    status file is older than :data:`FILE_LAG_NOTED_S` (a full disk stops its writes), the reason says so."""
+    report = _judge(data, 0.0, float("inf"), Path(path), "answered on its control API")
+    if file_age_s is not None and file_age_s > FILE_LAG_NOTED_S:
+        note = f"; its status file was last written {file_age_s:.0f} s ago (is the disk full?)"
+        report = StatusReport(report.state, report.data, report.age_s, report.reason + note, report.path)
+    return report
+
+
+FILE_LAG_NOTED_S = 10.0
+"""A status file older than this while the daemon answers live is pointed out (its writes fail)."""
+
+
+def _judge(data: dict[str, Any], age: float, stale_after_s: float, target: Path, when: str) -> StatusReport:
+    """Running, stale or stopped, from a status document ``age`` seconds old."""
     pid = data.get("pid")
     daemon_state = data.get("state")
     if daemon_state == DaemonState.STOPPED.value:
@@ -409,9 +428,9 @@ def read_status(
         )
     degraded = data.get("degraded")
     if daemon_state == DaemonState.RUNNING.value and isinstance(degraded, str) and degraded:
-        reason = f"degraded: pid {pid}, status updated {age:.1f} s ago: {degraded}"
+        reason = f"degraded: pid {pid}, {when}: {degraded}"
     elif daemon_state == DaemonState.RUNNING.value:
-        reason = f"running: pid {pid}, status updated {age:.1f} s ago"
+        reason = f"running: pid {pid}, {when}"
     else:
-        reason = f"{daemon_state}: pid {pid}, status updated {age:.1f} s ago"
+        reason = f"{daemon_state}: pid {pid}, {when}"
     return StatusReport(Health.RUNNING, data, age, reason, target)

@@ -390,6 +390,25 @@ async def _daemon_session(settings: Settings) -> tuple[aiohttp.ClientSession, st
     return await _tcp_session(settings)
 
 
+async def live_status(settings: Settings) -> dict[str, Any] | None:
+    """The status the daemon answers on its control API now (None: nobody answers, or not with one)."""
+    try:
+        daemon = await _daemon_session(settings)
+    except AccessError:
+        return None
+    if daemon is None:
+        return None
+    session, base_url = daemon
+    try:
+        async with session.get(f"{base_url}{API_PREFIX}/status") as response:
+            data = await response.json() if response.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        data = None
+    finally:
+        await session.close()
+    return data if isinstance(data, dict) else None
+
+
 @asynccontextmanager
 async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
     """Yield access through the daemon's control API if it answers, else through the store itself."""

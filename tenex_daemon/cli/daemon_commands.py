@@ -15,8 +15,8 @@ from tenex_daemon.adapters.nostr.signer import KeyFileError
 from tenex_daemon.app.home import HomeError, init_home
 from tenex_daemon.app.logging import configure_logging
 from tenex_daemon.app.settings import CONFIG_FILE, Settings, SettingsError, load_settings
-from tenex_daemon.app.status import StatusReport, read_status
-from tenex_daemon.cli.access import AccessError
+from tenex_daemon.app.status import Health, StatusReport, live_report, read_status
+from tenex_daemon.cli.access import AccessError, live_status
 from tenex_daemon.cli.invocation import HomeOption, home_of, relay_urls_argument, run_async, settings_of
 from tenex_daemon.cli.output import (
     EXIT_FAILURE,
@@ -157,7 +157,12 @@ def _status_report(ctx: typer.Context) -> StatusReport:
         if not (home / CONFIG_FILE).exists() and not fallback.exists():
             fail(str(exc), EXIT_USAGE)
         return read_status(fallback, DEFAULT_STALE_S)
-    return read_status(settings.status_path, settings.daemon.stale_after_s)
+    report = read_status(settings.status_path, settings.daemon.stale_after_s)
+    if report.state is Health.STOPPED:
+        return report
+    # its process lives: what it answers now is truer than a file whose writes may fail (a full disk)
+    live = asyncio.run(live_status(settings))
+    return report if live is None else live_report(live, settings.status_path, report.age_s)
 
 
 def _numbers(counts: object) -> dict[str, int | float]:

@@ -67,3 +67,11 @@ class EventRefusedError(TenexError):
 
     reasons: tuple[str, ...] = ()
     """The relays' own messages, one per relay."""
+
+
+class StoreUnavailableError(TenexError, OSError):
+    """The store does not answer: its database is down, restarting or unreachable (an ``OSError``, as a
+    failing disk is). What was asked may be asked again once it answers."""
+
+    logged_briefly = True
+    """Logged as one line, without its traceback (``tenex_daemon.runtime.failures``)."""

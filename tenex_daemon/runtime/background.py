@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import structlog
 
+from tenex_daemon.runtime.failures import log_failure
+
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
@@ -50,12 +52,7 @@ class BackgroundTasks:
             return
         error = task.exception()
         if error is not None:
-            log.error(
-                "background_task_failed",
-                task=task.get_name(),
-                error=repr(error),
-                exc_info=(type(error), error, error.__traceback__),
-            )
+            log_failure(log, "background_task_failed", error, task=task.get_name())
 
     def snapshot(self) -> set[asyncio.Task[Any]]:
         """The tasks still running now."""

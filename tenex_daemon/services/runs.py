@@ -18,6 +18,7 @@ import structlog
 
 from tenex_daemon.core.ports import Peers, SmallValues
 from tenex_daemon.runtime.background import BackgroundTasks
+from tenex_daemon.runtime.failures import log_failure
 from tenex_daemon.services.locks import KeyedLock
 
 log = structlog.get_logger(__name__)
@@ -210,8 +211,8 @@ class RunScheduler:
     async def _write_journal_logged(self, wanted: int) -> None:
         try:
             await self._write_journal(wanted)
-        except Exception:
-            log.exception("run_journal_write_failed")
+        except Exception as exc:
+            log_failure(log, "run_journal_write_failed", exc)
             raise
 
     async def accept(self, event_id: str) -> None:

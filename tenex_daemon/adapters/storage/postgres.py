@@ -49,6 +49,7 @@ from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
     ConversationNotFoundError,
+    StoreUnavailableError,
     TenexError,
 )
 from tenex_daemon.core.events import NostrEvent
@@ -129,6 +130,16 @@ def _event_json(event: NostrEvent) -> str:
     return event.model_dump_json()
 
 
+UNAVAILABLE = (
+    OSError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+)
+"""What a query raises when the database does not answer (refused, reset, starting up, shut down)."""
+
 class PostgresOpenError(TenexError):
     """The database named by ``storage.dsn`` cannot be reached, or refuses the connection or the schema."""
 
@@ -180,6 +191,19 @@ class PostgresStore:
             raise RuntimeError("PostgresStore is not open; call open() first")
         return self._pool
 
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Any]:
+        """A connection of the query pool; an error that says the database does not answer (refused,
+        reset, restarting, shut down) is raised as :class:`StoreUnavailableError`, saying which."""
+        try:
+            async with self.pool.acquire() as conn:
+                yield conn
+        except TimeoutError:
+            raise  # a statement's own timeout: its callers wait for it by that name
+        except UNAVAILABLE as exc:
+            reason = str(exc) or type(exc).__name__
+            raise StoreUnavailableError(f"the PostgreSQL store does not answer: {reason}") from exc
+
     async def open(self) -> None:
         """Connect and apply pending migrations; raise :class:`PostgresOpenError` (saying which database,
         its password hidden, and why) when the database cannot be reached or refuses."""
@@ -208,7 +232,7 @@ class PostgresStore:
     async def migrate(self) -> list[int]:
         """Apply every migration not yet in ``schema_migrations``; return the versions applied."""
         applied: list[int] = []
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
             await conn.execute(
                 """CREATE TABLE IF NOT EXISTS schema_migrations (
@@ -238,7 +262,7 @@ class PostgresStore:
     async def create(self, conversation: Conversation) -> None:
         """Insert the conversation row and its history in one transaction."""
         summary = ConversationSummary.of(conversation)
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             try:
                 await conn.execute(
                     """INSERT INTO conversations (id, title, phase, created_at, updated_at, event_count,
@@ -264,7 +288,7 @@ class PostgresStore:
 
     async def load(self, conversation_id: str) -> Conversation | None:
         """Read the state row and the events in order."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             row = await conn.fetchrow(
                 "SELECT state, archived FROM conversations WHERE id = $1", conversation_id
             )
@@ -284,7 +308,7 @@ class PostgresStore:
     ) -> None:
         """Insert the event (committed, so durable, when this returns); a known id changes nothing.
         With ``state``, the conversation's state is replaced in the same transaction."""
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             if state is not None:
                 await _save_state_on(conn, state)
             fresh = await conn.fetchval(
@@ -313,12 +337,12 @@ class PostgresStore:
 
     async def save_state(self, conversation: Conversation) -> None:
         """Replace the state JSON and the index columns derived from it."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             await _save_state_on(conn, conversation)
 
     async def set_archived(self, conversation_id: str, archived: bool) -> None:
         """Set the archived flag."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             status = await conn.execute(
                 "UPDATE conversations SET archived = $2 WHERE id = $1", conversation_id, archived
             )
@@ -333,7 +357,7 @@ class PostgresStore:
         The rows are gone for every query at once; their bytes stay in the table files as dead tuples
         until (auto)vacuum reclaims them, and in the write-ahead log and backups as PostgreSQL keeps them.
         """
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             status = await conn.execute("DELETE FROM conversations WHERE id = $1", conversation_id)
             for prefix in owned_value_prefixes(conversation_id):
                 await conn.execute("DELETE FROM meta WHERE left(key, length($1)) = $1", prefix)
@@ -386,7 +410,7 @@ class PostgresStore:
         exact = query.title is None and query.summarized is None  # SQL answers every filter
         if query.limit is not None and exact:
             sql += f" LIMIT {arg(query.limit)}"
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             if exact or query.limit is None or query.limit < 0:
                 found = [_summary_of_row(r) for r in await conn.fetch(sql, *args)]
             else:
@@ -395,26 +419,26 @@ class PostgresStore:
 
     async def phase_counts(self) -> dict[tuple[str, bool], int]:
         """Count conversations by (phase, archived) in SQL."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             rows = await conn.fetch("SELECT phase, archived, count(*) AS n FROM conversations GROUP BY 1, 2")
         return {(r["phase"], r["archived"]): r["n"] for r in rows}
 
     async def is_processed(self, event_id: str) -> bool:
         """Whether the id is in ``processed_events``."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             found = await conn.fetchval("SELECT 1 FROM processed_events WHERE event_id = $1", event_id)
         return found is not None
 
     async def mark_processed(self, event_id: str) -> None:
         """Insert the id into ``processed_events``."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             await conn.execute(
                 "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING", event_id
             )
 
     async def find_event(self, event_id: str) -> tuple[str, NostrEvent] | None:
         """Look the event up by its primary key."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             row = await conn.fetchrow(
                 "SELECT conversation_id, body FROM events WHERE event_id = $1", event_id
             )
@@ -424,13 +448,13 @@ class PostgresStore:
 
     async def get_meta(self, key: str) -> str | None:
         """Return the stored value, if any."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             value = await conn.fetchval("SELECT value FROM meta WHERE key = $1", key)
         return None if value is None else str(value)
 
     async def set_meta(self, key: str, value: str) -> None:
         """Upsert the value."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             await conn.execute(
                 """INSERT INTO meta (key, value) VALUES ($1, $2)
                    ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value""",
@@ -583,13 +607,13 @@ class PostgresStore:
     async def tell(self, channel: str, message: str) -> None:
         """NOTIFY ``channel`` with ``message``: every connection of this database listening on it hears
         it once (a daemon not listening then never does)."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             await conn.execute("SELECT pg_notify($1, $2)", channel, message)
 
     async def hearers(self, channel: str) -> int:
         """How many connections of this database listen on ``channel`` now (by their ``application_name``;
         one the server has just ended may still be counted)."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             found = await conn.fetchval(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
                 "AND application_name = $1",
@@ -647,7 +671,7 @@ class PostgresStore:
 
     async def keys_with_prefix(self, prefix: str) -> list[str]:
         """The meta keys starting with ``prefix``."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             rows = await conn.fetch(
                 "SELECT key FROM meta WHERE left(key, length($1)) = $1 ORDER BY key", prefix
             )
@@ -655,7 +679,7 @@ class PostgresStore:
 
     async def forget(self, key: str) -> None:
         """Delete a meta value."""
-        async with self.pool.acquire() as conn:
+        async with self._connection() as conn:
             await conn.execute("DELETE FROM meta WHERE key = $1", key)
 
 

@@ -35,6 +35,7 @@ from tenex_daemon.app.settings import Settings
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationNotFoundError,
+    StoreUnavailableError,
     UnknownAgentError,
 )
 from tenex_daemon.services.conversation_manager import ConversationManager
@@ -115,6 +116,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(404, str(exc))
     except ConversationArchivedError as exc:
         return _error(409, str(exc))
+    except StoreUnavailableError as exc:  # the database is down: try again once it answers
+        log.warning("control_api_store_unavailable", method=request.method, path=request.path, error=str(exc))
+        return _error(503, str(exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

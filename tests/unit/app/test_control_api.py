@@ -19,6 +19,7 @@ from tenex_daemon import ConversationManager, NostrEvent
 from tenex_daemon.app.control.parsing import parse_search
 from tenex_daemon.app.control_api import ControlServer, ControlSocketInUseError, create_app, openapi_document
 from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.core.errors import StoreUnavailableError
 from tenex_daemon.core.vocabulary import KIND_TASK
 from tenex_daemon.services.lifecycle import task_meta_key
 from tests.conftest import Cast
@@ -426,3 +427,21 @@ async def test_end_records_who_and_why_and_refuses_a_second_end(
     bad = await client.post(f"/api/v1/conversations/{world.root.id}/end", json={"reason": 7})
     assert bad.status == 400
     assert (await client.post(f"/api/v1/conversations/{'f' * 64}/end")).status == 404
+
+
+async def test_a_store_that_does_not_answer_is_a_503_saying_so(
+    client: TestClient[Any, Any], manager: ConversationManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the store's database is down (StoreUnavailableError), the API answers 503 with the store's own
+    words, so the CLI prints why; not 500 "internal error"."""
+
+    async def down(*args: object, **kwargs: object) -> object:
+        raise StoreUnavailableError("the PostgreSQL store does not answer: [Errno 111] Connect call failed")
+
+    monkeypatch.setattr(manager, "search_conversations", down)
+    response = await client.get("/api/v1/conversations")
+
+    assert response.status == 503
+    assert (await response.json())["error"] == (
+        "the PostgreSQL store does not answer: [Errno 111] Connect call failed"
+    )

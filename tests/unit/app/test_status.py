@@ -8,7 +8,7 @@ import stat
 import time
 from pathlib import Path
 
-from tenex_daemon.app.status import Health, RelayStatus, new_status, read_status, write_status
+from tenex_daemon.app.status import Health, RelayStatus, live_report, new_status, read_status, write_status
 
 
 def test_written_status_reads_back_as_running_and_healthy(tmp_path: Path) -> None:
@@ -114,3 +114,18 @@ def test_a_starting_daemon_removes_the_temp_files_a_killed_status_write_left(tmp
     assert not old.exists()
     assert young.exists()
     assert read_status(path, 30).daemon_state == "starting"
+
+
+def test_a_status_answered_live_is_judged_as_it_is_and_a_lagging_file_is_pointed_out(tmp_path: Path) -> None:
+    """What the daemon answers on its control API now is never stale; its ``degraded`` makes it unhealthy
+    with the reason, and a status file much older (its writes fail: a full disk) is pointed out."""
+    path = tmp_path / "status.json"
+    data = dict(new_status("0.1.0"), pid=os.getpid(), state="running", degraded="intake: No space left on device")
+
+    report = live_report(data, path, file_age_s=120.0)
+
+    assert report.state is Health.RUNNING
+    assert not report.healthy
+    assert report.reason.startswith(f"degraded: pid {os.getpid()}, answered on its control API: intake: No space")
+    assert report.reason.endswith("its status file was last written 120 s ago (is the disk full?)")
+    assert live_report(dict(data, degraded=None), path, file_age_s=1.0).healthy

@@ -32,6 +32,7 @@ from tenex_daemon.adapters.storage.filesystem.journal import (
 )
 from tenex_daemon.adapters.storage.filesystem.journal_replay import replay
 from tenex_daemon.adapters.storage.filesystem.layout import JOURNAL_DIR
+from tenex_daemon.adapters.storage.filesystem.lock import StoreOpenError
 from tenex_daemon.adapters.storage.filesystem.ops import Op
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationExistsError
@@ -899,3 +900,22 @@ async def test_a_conversations_missing_event_log_is_reported_as_history_lost(tmp
         assert "events.log is missing" in missing[0].detail
     finally:
         await reopened.close()
+
+
+async def test_a_home_file_this_user_may_not_read_is_one_clear_error_and_the_lock_is_freed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file or folder of the home that recovery may not read (another user's, mode 000) makes open fail
+    with one StoreOpenError naming it and saying what to check, and leaves the home unlocked."""
+    home = tmp_path / "home"
+    await (await open_batch(home)).close()
+    unreadable = home / "conversations" / ("ab" * 32)
+
+    def denied(layout: object) -> None:
+        raise PermissionError(13, "Permission denied", str(unreadable))
+
+    monkeypatch.setattr(store_module, "recover", denied)
+    with pytest.raises(StoreOpenError, match=rf"{unreadable} cannot be read or written by this user"):
+        await open_batch(home)
+    monkeypatch.undo()
+    await (await open_batch(home)).close()  # not left locked

@@ -50,3 +50,7 @@ def unlock_home(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.ftruncate(fd, 0)
     os.close(fd)
+
+
+class StoreOpenError(TenexError):
+    """The home's conversation store cannot be opened (a file or folder this process may not read)."""

@@ -149,7 +149,7 @@ def _sweep_leftovers(layout: Layout, actions: list[RecoveryAction]) -> None:
 def _remove_staged_state(folder: Path) -> None:
     """Remove a state snapshot's temp file that was never renamed (a kill while it was written): the
     snapshot it held is in the folder's state file or in the journal replayed before this."""
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):  # none, or a folder that cannot be read: the scan says which
         os.unlink(temp_of(folder / STATE_NAME))
 
 

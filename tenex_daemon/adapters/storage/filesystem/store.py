@@ -40,7 +40,7 @@ from tenex_daemon.adapters.storage.filesystem.layout import (
     check_event_id,
     check_id,
 )
-from tenex_daemon.adapters.storage.filesystem.lock import lock_home, unlock_home
+from tenex_daemon.adapters.storage.filesystem.lock import StoreOpenError, lock_home, unlock_home
 from tenex_daemon.adapters.storage.filesystem.logfile import encode_event
 from tenex_daemon.adapters.storage.filesystem.ops import Op
 from tenex_daemon.adapters.storage.filesystem.processed import ProcessedIds, bucket_line
@@ -153,6 +153,13 @@ class FileSystemStore:
         self._lock_fd = await asyncio.to_thread(lock_home, self.root)
         try:
             result = await asyncio.to_thread(recover, self._layout)
+        except PermissionError as exc:  # a file or folder of the home this process may not read
+            await asyncio.to_thread(self._unlock)
+            where = exc.filename if exc.filename else self.root
+            raise StoreOpenError(
+                f"cannot open the conversation store in {self.root}: {where} cannot be read or written by "
+                "this user (check its owner and mode)"
+            ) from exc
         except BaseException:
             await asyncio.to_thread(self._unlock)
             raise
