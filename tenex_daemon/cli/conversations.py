@@ -34,6 +34,7 @@ from tenex_daemon.cli.typer_app import TenexTyper
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.phases import Phase
+from tenex_daemon.services.conversation_manager import shortened
 
 conversations_app = TenexTyper(
     help="List, show, search, archive, end, stop, restore, export and rebuild conversations.",
@@ -68,6 +69,8 @@ def _author(pubkey: str, names: dict[str, str]) -> str:
 
 SHOWN_ID_DIGITS = 12
 """How much of each id a listing shows: a short id every command takes (``--json`` has the whole id)."""
+SHOWN_TITLE_CHARS = 80
+"""How much of each title a listing shows (``--json`` and ``show`` have the whole title)."""
 
 
 def _conversation_table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -77,8 +80,9 @@ def _conversation_table(rows: list[dict[str, Any]], title: str) -> Table:
     for row in rows:
         status = "ended" if row.get("ended_at") is not None else "active"
         table.add_row(
-            str(row["id"])[:SHOWN_ID_DIGITS], str(row["title"]), str(row["phase"]), str(row["event_count"]),
-            str(row["agent_count"]), ms_time(row.get("updated_at")),
+            str(row["id"])[:SHOWN_ID_DIGITS], shortened(str(row["title"]), SHOWN_TITLE_CHARS),
+            str(row["phase"]), str(row["event_count"]), str(row["agent_count"]),
+            ms_time(row.get("updated_at")),
             f"{status}, archived" if row.get("archived") else status,
         )
     return table
@@ -209,6 +213,7 @@ def conversations_show(
         f"id {data['id']}\nphase {data['phase']}, {len(data['history'])} events, "
         f"created {ms_time(data.get('created_at'))}, updated {ms_time(data.get('updated_at'))}, "
         f"execution {data.get('execution_seconds', 0)} s{', archived' if data.get('archived') else ''}"
+        + (", private (NIP-17: gift-wrapped, never published in the clear)" if data.get("private") else "")
     )
     tokens = data.get("tokens") or {}
     if tokens.get("by_agent"):

@@ -57,6 +57,14 @@ from tenex_daemon.services.references import DEFAULT_RESOLVE_TIMEOUT_S, Referenc
 
 log = structlog.get_logger(__name__)
 
+LOGGED_TITLE_CHARS = 120
+"""The most of a title a log line carries (a person's title tag may be any length)."""
+
+
+def shortened(text: str, chars: int) -> str:
+    """``text`` cut to ``chars`` characters, the cut marked with an ellipsis."""
+    return text if len(text) <= chars else text[: chars - 1] + "…"
+
 ARCHIVED = "archived"
 """The end reason of an active conversation ended by the owner's archive."""
 
@@ -187,7 +195,7 @@ class ConversationManager:
             self._note_user_message(conversation, event)
             conversation.metadata.referenced_article = await self._references.article(event)
             await self._store.create(conversation)
-            title_shown = None if conversation.private else conversation.title
+            title_shown = None if conversation.private else shortened(conversation.title, LOGGED_TITLE_CHARS)
             log.info("conversation_created", conversation_id=event.id, title=title_shown)
             return conversation
 

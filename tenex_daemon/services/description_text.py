@@ -18,6 +18,7 @@ from typing import Any
 from tenex_daemon.core.agents import AgentDirectory, AuthorRole
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.vocabulary import ERROR_SYSTEM, TAG_ERROR
 
 TITLE_MAX_WORDS = 8
 TITLE_MAX_CHARS = 90
@@ -271,9 +272,11 @@ def _first_person_message(conversation: Conversation, agents: AgentDirectory) ->
     return ""
 
 
-def _agent_names(conversation: Conversation, agents: AgentDirectory) -> list[str]:
+def _agent_names(
+    conversation: Conversation, agents: AgentDirectory, events: list[NostrEvent] | None = None
+) -> list[str]:
     names: dict[str, None] = {}
-    for event in conversation.history:
+    for event in conversation.history if events is None else events:
         agent = agents.by_pubkey(event.pubkey)
         if agent is not None:
             names[agent.name] = None
@@ -295,8 +298,10 @@ def fallback_summary(conversation: Conversation, agents: AgentDirectory) -> str:
     """A plain sentence about the conversation without a model: who, how many messages, how it began.
     Whether it has ended is left to the status beside it (kind 513's ``status``, the API's): a new
     message reopens a conversation and keeps its description."""
-    names = _agent_names(conversation, agents)
-    count = len(conversation.history)
+    # the daemon's own notices (a stop's, a failure's: tagged as system errors) are no messages said
+    said = [e for e in conversation.history if not e.has_tag(TAG_ERROR, ERROR_SYSTEM)]
+    names = _agent_names(conversation, agents, said)
+    count = len(said)
     who = f"a person and {', '.join(names)}" if names else "a person"
     parts = [f"A conversation of {count} message{'' if count == 1 else 's'} between {who}."]
     words = _first_person_message(conversation, agents).split()

@@ -322,6 +322,7 @@ def _conversation_schemas() -> Json:
             "id": {"type": "string"}, "title": {"type": "string"}, "phase": {"type": "string"},
             "archived": {"type": "boolean"}, "root_kind": {"type": "integer"},
             "is_task": {"type": "boolean"},
+            "private": {"type": "boolean"},
             "summary": _ref("ConversationSummary"),
             "metadata": {"type": "object"},
             "agent_states": {"type": "object", "additionalProperties": _ref("AgentState")},

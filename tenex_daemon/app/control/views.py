@@ -40,6 +40,7 @@ def conversation_json(
         "archived": conversation.archived,
         "root_kind": conversation.root_kind,
         "is_task": conversation.root_kind == KIND_TASK,
+        "private": conversation.private,
         "created_at": conversation.created_at,
         "updated_at": conversation.updated_at,
         "phase_started_at": conversation.phase_started_at,

@@ -173,6 +173,7 @@ async def test_get_conversation_in_full(client: TestClient[Any, Any], world: Wor
     assert data["turns"] == []
     assert data["agent_states"] == {}
     assert data["is_task"] is False
+    assert data["private"] is False
 
 
 async def test_bad_and_unknown_ids_are_400_and_404(client: TestClient[Any, Any]) -> None:

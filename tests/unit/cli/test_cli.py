@@ -429,3 +429,16 @@ def test_agents_add_on_a_postgres_home_whose_dsn_comes_from_the_environment(
     assert code == 0, out
     assert "backend: offline" in out
     assert "critic" in config.read_text(encoding="utf-8")
+
+
+def test_a_listing_shortens_a_long_title_and_json_keeps_it_whole(home: Path) -> None:
+    """A person's title tag of 2,000 characters is shown cut to 80 in `conversations list` (the rows stay
+    readable); `--json` and `show` keep the whole title."""
+    title = "Budget " * 300
+    cid = seed_conversation(home, title.strip(), "Plan the budget")
+    listed = tenexd(home, "conversations", "list")[1]
+    assert listed.count("Budget") < 20  # 11 words in 80 characters, where the whole title has 300
+    assert "…" in listed
+    rows = json.loads(tenexd(home, "conversations", "list", "--json")[1])
+    assert [r["title"] for r in (rows["conversations"] if isinstance(rows, dict) else rows)] == [title.strip()]
+    assert tenexd_json(home, "conversations", "show", cid)["title"] == title.strip()

@@ -20,6 +20,7 @@ from tenex_daemon.core.vocabulary import KIND_CONVERSATION_METADATA, KIND_TASK
 from tenex_daemon.services.description_text import (
     NO_DESCRIPTION,
     Description,
+    fallback_summary,
     parse_description,
     transcript,
 )
@@ -649,3 +650,18 @@ async def test_a_description_every_relay_refuses_for_good_is_not_tried_again(cas
     assert (jobs.refused, jobs.retries, jobs.published) == (1, 0, 0)
     assert metadata_events(publisher, cid) == []
     await jobs.stop()
+
+
+async def test_the_fallback_summary_counts_what_was_said_not_the_daemons_notices(cast: Cast) -> None:
+    """A stop's notice (a system-error reply) is no message of the conversation: a person's one message and
+    Alice's stop notice make "1 message", and Alice is not named for it."""
+    rig = build_rig(cast)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    notice = cast.alice_says("Stopped: Alice.", tags=[["e", root.id], ["error", "system"]])
+    await rig.manager.add_event(root.id, notice)
+    conversation = await stored(rig, root.id)
+
+    assert fallback_summary(conversation, rig.manager.agents) == (
+        "A conversation of 1 message between a person. It began with: “Write the report”."
+    )
