@@ -359,6 +359,7 @@ class Daemon:
         await self.store.open()
         self._store_opened = True
         settings.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        await self._write_status()  # "starting" at once: the file no longer says how the last run ended
         if settings.relays.embedded:
             self.embedded_relay = EmbeddedRelay(
                 settings.embedded_relay_path, settings.relays.embedded_host, settings.relays.embedded_port
@@ -518,8 +519,7 @@ class Daemon:
         self._stopping = True
         self.state = "stopping"
         self.notifier.stopping()
-        # a start refused (the home's store in use) says so itself: no stopping/stopped beside it
-        lines = log.info if self._store_opened else log.debug
+        lines = log.info if self._store_opened else log.debug  # a start refused says so itself
         lines("daemon_stopping")
         if self.pool is not None:
             with contextlib.suppress(Exception):

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from pathlib import Path
 
 import pytest
 
+from tenex_daemon.adapters.nostr.relay_pool import RelayPool
 from tenex_daemon.app import daemon as daemon_module
 from tenex_daemon.app.daemon import Daemon
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.settings import load_settings
-from tenex_daemon.app.status import StatusData, write_status
+from tenex_daemon.app.status import StatusData, new_status, write_status
 
 
 async def test_a_slow_starting_write_does_not_overwrite_the_running_one(
@@ -40,3 +42,34 @@ async def test_a_slow_starting_write_does_not_overwrite_the_running_one(
     release.set()
     await asyncio.gather(starting, running)
     assert json.loads(daemon.settings.status_path.read_text())["state"] == "running"
+
+
+async def test_a_starting_daemon_says_so_before_its_relays_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As soon as a daemon holds its home's store, the status file says "starting" with its pid, while it
+    still waits for its relays: `tenexd status` no longer reports the last run (stopped cleanly) for the
+    seconds a start takes."""
+    init_home(tmp_path / "h", relays=["ws://127.0.0.1:9"])
+    settings = load_settings(tmp_path / "h", {})
+    last_run = new_status("0.1.0")
+    last_run["pid"], last_run["state"] = 1, "stopped"
+    write_status(settings.status_path, last_run)
+    waiting, go_on = asyncio.Event(), asyncio.Event()
+
+    async def wait_connected(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
+        waiting.set()
+        await go_on.wait()
+        return False
+
+    monkeypatch.setattr(RelayPool, "wait_connected", wait_connected)
+    daemon = Daemon(settings)
+    running = asyncio.create_task(daemon.run())
+    try:
+        await asyncio.wait_for(waiting.wait(), 10)
+        found = json.loads(settings.status_path.read_text())
+        assert (found["state"], found["pid"]) == ("starting", os.getpid())
+    finally:
+        go_on.set()
+        daemon.request_stop()
+        await asyncio.wait_for(running, 30)
