@@ -296,6 +296,7 @@ def init_home(
         raise HomeError(bad)
     if backend not in BACKEND_NAMES:
         raise HomeError(f"unknown backend {backend!r} (available: {', '.join(BACKEND_NAMES)})")
+    backend_of(backend)  # one that cannot be made without more settings is refused before anything is written
 
     if not home.exists():
         home.mkdir(mode=0o700, parents=True)
@@ -356,6 +357,15 @@ def invalid_agent(error: ValidationError) -> HomeError:
     return HomeError("invalid agent: " + "; ".join(problems))
 
 
+def backend_of(kind: str) -> BackendSettings:
+    """The backend settings of ``kind`` alone; HomeError when it needs more (the openai backend, a model)."""
+    try:
+        return BackendSettings(kind=kind)
+    except ValidationError as exc:
+        problems = "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in exc.errors())
+        raise HomeError(f"backend {kind!r}: {problems}; write its settings into config.toml") from None
+
+
 def add_agent(
     settings: Settings,
     slug: str,
@@ -391,7 +401,7 @@ def add_agent(
         raise HomeError(f"{key_path} already exists; remove it or choose another slug")
     config_text = settings.config_path.read_text(encoding="utf-8")
     if backend_kind is not None:
-        backend = BackendSettings(kind=backend_kind)
+        backend = backend_of(backend_kind)
     else:
         backend = shared_backend(settings.agents) or BackendSettings()
     block = _agent_block(agent, backend)

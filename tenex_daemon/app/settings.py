@@ -56,8 +56,8 @@ class AnswerMode(StrEnum):
         return self is not AnswerMode.PUBLIC
 
 
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-"""The levels ``daemon.log_level`` takes."""
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "warn", "fatal", "notset")
+"""The levels ``daemon.log_level`` takes: Python's logging names (the last three its aliases)."""
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -226,7 +226,7 @@ class DaemonSettings(_Section):
     never dropped: the outbox keeps trying."""
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: str = "info"
-    """debug, info, warning, error or critical (any case)."""
+    """debug, info, warning, error or critical (any case; warn, fatal and notset too)."""
 
     @field_validator("log_level")
     @classmethod

@@ -62,8 +62,8 @@ class TurnNotFoundError(TenexError, LookupError):
 
 
 class EventRefusedError(TenexError):
-    """Every relay refused an event for good (NIP-01 ``blocked:`` or ``invalid:``, an event too large
-    among them): sending it again cannot succeed."""
+    """Every relay refused an event for good (NIP-01 ``blocked:`` or ``invalid:`` for its size; a rumor
+    too long to gift-wrap): sending it again cannot succeed."""
 
     reasons: tuple[str, ...] = ()
     """The relays' own messages, one per relay."""

@@ -203,7 +203,7 @@ class DescriptionJobs:
         self.published = 0
         self.retries = 0
         self.refused = 0
-        """Descriptions every relay refused for good (``blocked:``, ``invalid:``): not tried again."""
+        """Descriptions every relay refused for good (for their size): not tried again."""
         manager.on_ended(self.ended)
         manager.on_reply(self.wake)
 

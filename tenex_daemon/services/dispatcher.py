@@ -271,9 +271,7 @@ class EventDispatcher:
     async def _on_reply(self, event: NostrEvent, classification: Classification) -> HandleResult:
         cid = classification.conversation_id
         assert cid is not None
-        conversation = await self._conversation_of_root(cid)
-        if conversation is not None:
-            cid = conversation.id
+        cid, conversation = await self._conversation_of_root(cid)
         refused = self._refuse_joining(conversation, event)
         if refused is not None:
             return refused
@@ -344,18 +342,21 @@ class EventDispatcher:
             return HandleResult(Outcome.DUPLICATE, conversation_id=joined.conversation.id)
         return await self._target_accepted(joined.conversation.id, event)
 
-    async def _conversation_of_root(self, root_id: str) -> Conversation | None:
-        """The conversation a reply naming ``root_id`` as its root belongs to: the one of that root; the one
-        holding that event (a kind-1 channel's later note named as root); the one an earlier reply in the
-        thread started when that root could not be found (:meth:`_adopt_root`); else None."""
+    async def _conversation_of_root(self, root_id: str) -> tuple[str, Conversation | None]:
+        """The conversation a reply naming ``root_id`` as its root belongs to, and its id: the one of that
+        root; the one holding that event (a kind-1 channel's later note named as root); the one an earlier
+        reply in the thread started when that root could not be found (:meth:`_adopt_root`; its id even when
+        it is gone, so that a deleted thread stays deleted); else ``root_id`` and None."""
         conversation = await self._manager.get_conversation(root_id)
         if conversation is not None:
-            return conversation
+            return root_id, conversation
         found = await self._manager.store.find_event(root_id)
         if found is not None:
-            return await self._manager.get_conversation(found[0])
+            return found[0], await self._manager.get_conversation(found[0])
         adopted = await self._manager.store.get_meta(adopted_root_key(root_id))
-        return await self._manager.get_conversation(adopted) if adopted is not None else None
+        if adopted is None:
+            return root_id, None
+        return adopted, await self._manager.get_conversation(adopted)
 
     async def _adopt_root(self, root_id: str, reply: NostrEvent) -> Conversation:
         """Start the conversation of a reply with an unknown root: the fetched root, else the reply."""

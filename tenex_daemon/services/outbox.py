@@ -10,7 +10,7 @@ restart (:meth:`Outbox.recover`); an entry is never dropped for its age, only lo
 (``outbox_entry_old``) once it is older than ``warn_after_s``. A relay's ``OK true`` (a
 ``duplicate:`` answer counts as one) ends it; the store forgets it with the next write (coalesced).
 Only an event every relay refused for good (:class:`~tenex_daemon.core.errors.EventRefusedError`: NIP-01
-``blocked:`` or ``invalid:``, an event over a relay's size limit among them) leaves unpublished, logged
+``blocked:`` or ``invalid:`` for its size, or a rumor too long to gift-wrap) leaves unpublished, logged
 (``outbox_entry_refused``) and counted (:attr:`Outbox.refused`); it stays saved in its conversation, and
 ``on_refused`` may give a notice that tells the person (added like any event).
 
@@ -215,12 +215,9 @@ class Outbox:
 
     async def _refused(self, entry: OutboxEntry, refusal: EventRefusedError) -> None:
         """Every relay refused the entry's event for good: it leaves the outbox (trying again cannot help),
-        and the person is told when ``on_refused`` gives a notice."""
-        self._entries.pop(entry.event.id, None)
-        self.refused += 1
-        self._version += 1
-        if self._flush is None:
-            self._flush = asyncio.create_task(self._forget_soon(), name="outbox forget")
+        and the person is told when ``on_refused`` gives a notice. The notice is saved first, and one write
+        of the outbox then holds its entry and no longer the refused one, so a crash between loses neither
+        (it could only refuse the event again and save a second notice)."""
         log.error(
             "outbox_entry_refused",
             event_id=entry.event.id,
@@ -229,19 +226,23 @@ class Outbox:
             error=str(refusal),
             action="not sent again: every relay refused it for good; it stays saved in the conversation",
         )
-        if self._on_refused is None:
-            return
-        try:
-            notice = await self._on_refused(entry, refusal)
-        except Exception:
-            log.exception(
-                "refusal_notice_failed", event_id=entry.event.id, conversation_id=entry.conversation_id
-            )
-            return
-        if notice is not None:
+        notice = None
+        if self._on_refused is not None:
+            try:
+                notice = await self._on_refused(entry, refusal)
+            except Exception:
+                log.exception(
+                    "refusal_notice_failed", event_id=entry.event.id, conversation_id=entry.conversation_id
+                )
+        self._entries.pop(entry.event.id, None)
+        self.refused += 1
+        self._version += 1
+        if notice is not None:  # its write covers the removal too
             await self.add(
                 entry.conversation_id, notice, agent_slug=entry.agent_slug, trigger_id=entry.trigger_id
             )
+        elif self._flush is None:
+            self._flush = asyncio.create_task(self._forget_soon(), name="outbox forget")
 
     def _warn_if_old(self, entry: OutboxEntry) -> None:
         if entry.warned or time.time() - entry.first_at < self._warn_after:

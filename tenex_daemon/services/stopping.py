@@ -206,7 +206,13 @@ class Stopper:
             return False
         if conversation.private:  # only its person writes into a private conversation
             return conversation.history[0].pubkey == pubkey
-        return self._whitelist_may_join or may_join(pubkey, conversation.history, self._owner)
+        if self._whitelist_may_join:
+            return True
+        if conversation.task_id is not None and conversation.task_id != conversation.id:
+            # a task's later session: who may write is decided by the task's thread, as the dispatcher does
+            first = await self._manager.get_conversation(conversation.task_id)
+            conversation = first if first is not None else conversation
+        return may_join(pubkey, conversation.history, self._owner)
 
     async def on_request(
         self, event: NostrEvent, conversation_id: str, scheduler: RunScheduler

@@ -1,8 +1,8 @@
 """Telling the person when an agent's event could not be published at all.
 
 The outbox tries an event again until a relay accepts it, except when every relay refused it for good
-(:class:`~tenex_daemon.core.errors.EventRefusedError`: NIP-01 ``blocked:`` or ``invalid:``, an event over
-a relay's size limit among them). The event stays saved in its conversation (``tenexd conversations
+(:class:`~tenex_daemon.core.errors.EventRefusedError`: NIP-01 ``blocked:`` or ``invalid:`` for its size,
+or a rumor too long to gift-wrap). The event stays saved in its conversation (``tenexd conversations
 show`` reads it), and the person gets a short notice from the same agent instead, saying why: a reply
 to the event's trigger, tagged ``["error", "system"]`` and addressed to the person only, so it runs
 nobody (docs/ARCHITECTURE.md, "Delivery"). A notice that is itself refused gets no notice.

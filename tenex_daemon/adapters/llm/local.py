@@ -287,6 +287,7 @@ class LocalBackend:
                     text.append(content)
                     emit(content)
                 for call in delta.get("tool_calls") or []:
+                    pieces += 1  # a tool call's pieces are tokens too
                     slot = calls.setdefault(call.get("index", 0), {"id": "", "name": "", "arguments": ""})
                     slot["id"] = call.get("id") or slot["id"]
                     function = call.get("function") or {}

@@ -17,6 +17,7 @@ NIP-59 seal and gift wrap), never by hand-written crypto (docs/PROTOCOL.md, "Pri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from nostr_sdk import (
 )
 from pydantic import ValidationError
 
+from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.core.events import NostrEvent, compute_event_id
 from tenex_daemon.core.ports import Publisher, ReplyComposer, ReplySpec, SmallValues
 from tenex_daemon.core.vocabulary import (
@@ -280,7 +282,12 @@ class GiftWrapPublisher:
             return
         pending = self._pending.get(event.id)
         if pending is None:
-            pending = {recipient: self._wraps.wrap(event, recipient) for recipient in wrap_recipients(event)}
+            try:
+                pending = {to: self._wraps.wrap(event, to) for to in wrap_recipients(event)}
+            except Exception as exc:  # over NIP-44's size, say: the same rumor never wraps
+                refusal = EventRefusedError(f"rumor {event.id} cannot be gift-wrapped: {exc}")
+                refusal.reasons = (f"invalid: cannot be gift-wrapped: {exc}",)
+                raise refusal from exc
             self._pending[event.id] = pending
             while len(self._pending) > PENDING_WRAPS_MEMORY:
                 self._pending.popitem(last=False)
@@ -290,14 +297,24 @@ class GiftWrapPublisher:
                 self._pending.pop(event.id, None)
                 raise
         failed: list[str] = []
+        refused: list[EventRefusedError] = []
         for recipient, wrap in list(pending.items()):
             try:
                 await self._inner.publish(wrap)
             except Exception as exc:
                 failed.append(f"{recipient[:12]}: {exc}")
+                if isinstance(exc, EventRefusedError):
+                    refused.append(exc)
                 continue
             pending.pop(recipient, None)
             self.wraps_published += 1
+        if failed and len(refused) == len(failed):  # every wrap left was refused for good: never again
+            self._pending.pop(event.id, None)
+            with contextlib.suppress(Exception):
+                await self._save()
+            refusal = EventRefusedError(f"wraps of {event.id} refused for good ({'; '.join(failed)})")
+            refusal.reasons = tuple(reason for each in refused for reason in each.reasons)
+            raise refusal
         if failed:
             raise GiftWrapError(f"wraps of {event.id} not accepted by any relay ({'; '.join(failed)})")
         if self._pending.pop(event.id, None) is not None:

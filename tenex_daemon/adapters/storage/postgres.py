@@ -133,12 +133,18 @@ def _event_json(event: NostrEvent) -> str:
 UNAVAILABLE = (
     OSError,
     asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,
     asyncpg.CrashShutdownError,
 )
-"""What a query raises when the database does not answer (refused, reset, starting up, shut down)."""
+"""What a query raises when the database does not answer (refused, reset, starting up, shut down); and
+:func:`_lost_connection`'s interface errors."""
+
+
+def _lost_connection(error: BaseException) -> bool:
+    """Whether an asyncpg interface error says the connection or the pool is gone (the client's own
+    misuses, a bad argument say, are errors of their own, with their tracebacks)."""
+    return type(error) is asyncpg.InterfaceError and ("closed" in str(error) or "closing" in str(error))
 
 class PostgresOpenError(TenexError):
     """The database named by ``storage.dsn`` cannot be reached, or refuses the connection or the schema."""
@@ -200,7 +206,9 @@ class PostgresStore:
                 yield conn
         except TimeoutError:
             raise  # a statement's own timeout: its callers wait for it by that name
-        except UNAVAILABLE as exc:
+        except (*UNAVAILABLE, asyncpg.InterfaceError) as exc:
+            if isinstance(exc, asyncpg.InterfaceError) and not _lost_connection(exc):
+                raise
             reason = str(exc) or type(exc).__name__
             raise StoreUnavailableError(f"the PostgreSQL store does not answer: {reason}") from exc
 

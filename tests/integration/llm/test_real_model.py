@@ -238,13 +238,16 @@ async def test_local_backend_forced_tool_call_is_parsed(local_backend: LocalBack
     assert [call.name for call in result.tool_calls] == ["get_weather"]
     assert result.tool_calls[0].invalid_arguments is None
     assert isinstance(result.tool_calls[0].arguments.get("city"), str)
+    assert result.completion_tokens is not None
+    assert result.completion_tokens > 0  # the call's own tokens, counted as they stream
 
 
 async def test_a_cancelled_local_call_stops_generating_at_its_next_token(local_backend: LocalBackend) -> None:
     """A call cancelled while the model generates (a stop, a shutdown) ends the generation within a few
     tokens: once the model's lock is free, the context holds the prompt and a few tokens, where the same
-    request left alone generates hundreds (the thread used to generate them all, holding the lock). A call
-    that does not stream reads the model's output the same way."""
+    request left alone generates hundreds (the thread used to generate them all, holding the lock). (A call
+    that does not stream reads the model's output by the same code; it is not cancelled here: nothing shows
+    when its generation has begun.)"""
     from tenex_daemon.adapters.llm import local
 
     await local_backend.load()

@@ -160,18 +160,22 @@ async def test_each_relay_answer_counts_the_same_with_one_relay_or_several(
             await pool.publish(event)
 
 
-def test_a_publish_is_refused_for_good_only_when_every_relay_said_so_with_a_final_prefix() -> None:
-    """``blocked:`` and ``invalid:`` from every relay asked make the error final (an EventRefusedError, the
-    relays' words kept); a relay that did not answer, is still trying, accepted, or refused for now
-    (``rate-limited:``, ``error:``) leaves it an ordinary PublishError, tried again."""
-    final = PublishResult("e1", rejected={"ws://a": "blocked: event too large", "ws://b": "invalid: bad tag"})
+def test_a_publish_is_refused_for_good_only_when_every_relay_refused_it_for_its_size() -> None:
+    """``blocked:`` or ``invalid:`` for the event's size from every relay asked make the error final (an
+    EventRefusedError, the relays' words kept); a relay that did not answer, is still trying, accepted, or
+    refused for another reason (an author not let in, a clock, ``rate-limited:``, ``error:``) leaves it an
+    ordinary PublishError, tried again."""
+    size = "blocked: event size (70998 bytes) exceeds maximum allowed size (65536 bytes)"
+    final = PublishResult("e1", rejected={"ws://a": size, "ws://b": "invalid: event too large"})
     error = PublishError.of(final)
     assert isinstance(error, EventRefusedError)
-    assert error.reasons == ("blocked: event too large", "invalid: bad tag")
+    assert error.reasons == (size, "invalid: event too large")
     for passing in (
-        PublishResult("e1", rejected={"ws://a": "blocked: x"}, timed_out=("ws://b",)),
-        PublishResult("e1", rejected={"ws://a": "blocked: x"}, pending=("ws://b",)),
-        PublishResult("e1", rejected={"ws://a": "blocked: x", "ws://b": "rate-limited: slow down"}),
+        PublishResult("e1", rejected={"ws://a": size}, timed_out=("ws://b",)),
+        PublishResult("e1", rejected={"ws://a": size}, pending=("ws://b",)),
+        PublishResult("e1", rejected={"ws://a": size, "ws://b": "rate-limited: slow down"}),
+        PublishResult("e1", rejected={"ws://a": "blocked: pubkey not allowed"}),
+        PublishResult("e1", rejected={"ws://a": "invalid: created_at too far off from the current time"}),
         PublishResult("e1", rejected={"ws://a": "error: ConnectionClosed"}),
         PublishResult("e1"),
     ):

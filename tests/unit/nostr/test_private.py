@@ -38,6 +38,7 @@ from tenex_daemon.adapters.nostr.private import (
 )
 from tenex_daemon.adapters.nostr.relay_pool.subscriptions import Subscription, Subscriptions
 from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.core.events import NostrEvent, compute_event_id
 from tenex_daemon.core.ports import ReplySpec
 from tenex_daemon.testing import KeyPair, sign_event
@@ -310,3 +311,25 @@ def test_a_resubscription_looks_further_back_by_its_lookback() -> None:
         subs.advance(sub.sub_id, "ws://r", NOW)
     assert subs.filters_for(wrapped, "ws://r") == [{"kinds": [1059], "since": NOW - 120 - 172_800}]
     assert subs.filters_for(plain, "ws://r") == [{"kinds": [1], "since": NOW - 120}]
+
+
+async def test_a_rumor_whose_wraps_every_relay_refuses_for_good_is_refused_for_good() -> None:
+    """When every wrap still owed was refused for good (over a relay's size limit: ``blocked:``), the
+    publish raises EventRefusedError with the relays' words and the wraps are forgotten (the outbox then
+    tells the person, as for a public reply); a rumor that cannot even be wrapped is refused the same way."""
+    rumor = make_rumor(AGENT.pubkey, "x" * 500, [["p", PERSON.pubkey]], NOW)
+    publisher = GiftWrapPublisher(FakePublisher(refuse_over=100), wraps())
+
+    with pytest.raises(EventRefusedError) as caught:
+        await publisher.publish(rumor)
+
+    assert len(caught.value.reasons) == 2  # one per wrap: the person's and the agent's own copy
+    assert all(reason.startswith("blocked: event size") for reason in caught.value.reasons)
+    assert rumor.id not in publisher._pending
+
+    class Unwrappable:
+        def wrap(self, rumor: NostrEvent, recipient: str) -> NostrEvent:
+            raise ValueError("message too long")
+
+    with pytest.raises(EventRefusedError, match="cannot be gift-wrapped: message too long"):
+        await GiftWrapPublisher(FakePublisher(), Unwrappable()).publish(rumor)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""A reply whose root cannot be found (docs/PROTOCOL.md, "Tags tenexd reads"): it starts the conversation,
+"""Stops and threads reaching a conversation by another id than its root's. A reply whose root cannot be found (docs/PROTOCOL.md, "Tags tenexd reads"): it starts the conversation,
 the agents' replies keep the thread's root as NIP-22 clients show it, and the thread's later replies join
 that conversation rather than each starting one."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_STOP
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_STOP, KIND_TASK
 from tenex_daemon.services.dispatcher import Outcome
+from tenex_daemon.testing import FakeClock
 from tests import pipeline
 from tests.conftest import Cast
 from tests.unit.services.test_stopping import GatedBackend
@@ -81,3 +82,49 @@ async def test_a_stop_naming_the_missing_root_stops_the_conversation_it_started(
     assert (result.outcome, result.conversation_id, result.agents) == (Outcome.STORED, first.id, ("alice",))
     assert backend.cancelled
     assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]
+
+
+async def test_a_whitelisted_task_author_may_stop_the_tasks_later_session(cast: Cast) -> None:
+    """Who may stop a task's later session is decided by the task's thread, as who may write into it: the
+    whitelisted person who wrote the task stops the run of a session the owner's comment started."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(
+        cast, backend=backend, whitelist=[cast.other_user.pubkey], task_session_ttl_h=1, clock=FakeClock()
+    )
+    task = cast.factory.event(cast.other_user, "Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(task)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    backend.release.set()
+    await rig.quiet()
+    rig.clock.advance(2 * 3600 * 1000)
+    backend.asked.clear()
+    backend.release.clear()
+    backend.requests.clear()  # the next call is the first again: it waits to be released
+    comment = [["E", task.id, "", task.pubkey], ["K", str(KIND_TASK)], ["e", task.id], ["p", cast.alice.pubkey]]
+    later = await rig.dispatcher.handle(cast.user_says("is it fixed?", tags=comment))
+    await asyncio.wait_for(backend.asked.wait(), 5)
+
+    stop = cast.factory.event(cast.other_user, "", kind=KIND_STOP, tags=[["e", task.id]])
+    result = await rig.dispatcher.handle(stop)
+    await rig.settle()
+
+    assert later.conversation_id != task.id  # a later session
+    assert (result.outcome, result.conversation_id, result.agents) == (
+        Outcome.STORED, later.conversation_id, ("alice",)
+    )
+
+
+async def test_a_late_reply_in_a_deleted_thread_whose_root_was_missing_does_not_bring_it_back(cast: Cast) -> None:
+    """Once the conversation a thread's first comment started is deleted (retention, an operator), a later
+    reply naming the same missing root is ignored as ``conversation_deleted``, as for any deleted thread."""
+    rig = pipeline.build_rig(cast, fetcher=NothingFound(), composer=pipeline.real_composer(cast))
+    first = comment(cast, "What about the budget?", MISSING_ROOT)
+    await rig.dispatcher.handle(first)
+    await rig.quiet()
+    assert await rig.manager.delete_conversation(first.id)
+
+    late = await rig.dispatcher.handle(comment(cast, "Still there?", first.id))
+    await rig.settle()
+
+    assert (late.outcome, late.reason) == (Outcome.IGNORED, "conversation_deleted")
+    assert await rig.manager.get_conversation(first.id) is None

@@ -35,6 +35,7 @@ class DownPool:
         ConnectionRefusedError(111, "Connect call failed"),
         asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
         asyncpg.CannotConnectNowError("the database system is starting up"),
+        asyncpg.InterfaceError("cannot perform operation: connection is closed"),
     ],
 )
 async def test_a_database_that_does_not_answer_is_a_store_unavailable_error(error: BaseException) -> None:
@@ -51,9 +52,10 @@ async def test_a_database_that_does_not_answer_is_a_store_unavailable_error(erro
 
 async def test_a_statements_own_timeout_and_other_errors_pass_as_they_are() -> None:
     """A timeout keeps its name (callers wait for it by that name); a refusal of the statement itself (not
-    the connection) is not an outage."""
+    the connection), and the client's own misuse (a bad argument), are no outage."""
     store = PostgresStore("postgresql://u@127.0.0.1:1/db")
-    for error in (TimeoutError(), asyncpg.UniqueViolationError("duplicate key")):
+    misuses = (asyncpg.DataError("invalid input for query argument $1"), asyncpg.InterfaceError("another op"))
+    for error in (TimeoutError(), asyncpg.UniqueViolationError("duplicate key"), *misuses):
         store._pool = DownPool(error)  # type: ignore[assignment]
         with pytest.raises(type(error)):
             await store.get_meta("outbox.pending")

@@ -188,17 +188,26 @@ class PublishResult:
 
     @property
     def refused_for_good(self) -> bool:
-        """Whether every relay asked refused the event with a NIP-01 prefix that says trying again cannot
-        help (``blocked:``, ``invalid:``), none of them still pending or silent."""
+        """Whether every relay asked refused the event for its size (:func:`refused_for_its_size`), none of
+        them still pending or silent: the same event is never accepted there."""
         return (
             not self.accepted_by and not self.timed_out and not self.pending and bool(self.rejected)
-            and all(message.startswith(REFUSED_FOR_GOOD) for message in self.rejected.values())
+            and all(refused_for_its_size(message) for message in self.rejected.values())
         )
 
 
 REFUSED_FOR_GOOD = ("blocked:", "invalid:")
-"""The NIP-01 ``OK false`` prefixes after which the same event is never accepted (``rate-limited:``,
-``error:``, ``auth-required:`` and the others may pass later)."""
+"""The NIP-01 ``OK false`` prefixes of refusals the relay will not change its mind on for this event."""
+SIZE_WORDS = ("size", "too large", "too long", "too big", "exceeds")
+
+
+def refused_for_its_size(message: str) -> bool:
+    """Whether a relay's ``OK false`` message refuses the event for its size (``blocked: event size (70998
+    bytes) exceeds maximum allowed size``): signed once, it stays too large. Other ``blocked:`` and
+    ``invalid:`` refusals may pass later (an author the relay's operator lets in again, a clock set
+    right), as ``rate-limited:`` and ``error:`` do: those events are tried again."""
+    lowered = message.lower()
+    return lowered.startswith(REFUSED_FOR_GOOD) and any(word in lowered for word in SIZE_WORDS)
 
 
 class PublishError(TenexError):
