@@ -128,6 +128,8 @@ def test_a_home_that_is_a_file_a_config_not_utf8_and_a_bad_log_level_are_setting
         load_settings(home / "config.toml", {})
     with pytest.raises(SettingsError, match=r"environment TENEX_DAEMON__LOG_LEVEL: daemon\.log_level: .*'loud'"):
         load_settings(home, {"TENEX_DAEMON__LOG_LEVEL": '"loud"'})
+    for alias in ("warn", "FATAL", "notset"):  # Python's logging names them: accepted as before
+        assert load_settings(home, {"TENEX_DAEMON__LOG_LEVEL": f'"{alias}"'}).daemon.log_level == alias
     (home / "config.toml").write_bytes(CONFIG.format(owner=OWNER).encode() + b"\xff\xfe")
     with pytest.raises(SettingsError, match="not UTF-8 text"):
         load_settings(home, {})

@@ -60,6 +60,14 @@ def test_unknown_backend_at_init_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "h" / "config.toml").exists()
 
 
+def test_a_backend_that_needs_more_settings_at_init_is_refused(tmp_path: Path) -> None:
+    """init with the openai backend (it needs a model) says so in one HomeError and writes nothing, no key
+    file either."""
+    with pytest.raises(HomeError, match="backend 'openai': the openai backend needs a model name"):
+        init_home(tmp_path / "h", backend="openai")
+    assert not (tmp_path / "h").exists()
+
+
 @pytest.mark.parametrize(
     ("backend", "key"),
     [
