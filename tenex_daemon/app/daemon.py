@@ -359,7 +359,6 @@ class Daemon:
         await self.store.open()
         self._store_opened = True
         settings.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        await self._write_status()  # "starting" at once: the file no longer says how the last run ended
         if settings.relays.embedded:
             self.embedded_relay = EmbeddedRelay(
                 settings.embedded_relay_path, settings.relays.embedded_host, settings.relays.embedded_port
@@ -371,6 +370,7 @@ class Daemon:
                 await self._lifetime.enter_async_context(self.store.alive(self._peer_name(self.instance)))
             except TimeoutError:  # the lock did not come: another session holds it (or the database is mute)
                 raise InstanceNameTakenError(self.instance) from None
+        await self._write_status()  # "starting" now that the home is its own, not how the last run ended
 
         self.pool = RelayPool(
             self.relay_urls,
