@@ -357,7 +357,6 @@ class Daemon:
         # anything of this one (its embedded relay, its status file) touches what that daemon holds
         self.store = build_store(settings)
         await self.store.open()
-        self._store_opened = True
         settings.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if settings.relays.embedded:
             self.embedded_relay = EmbeddedRelay(
@@ -370,7 +369,8 @@ class Daemon:
                 await self._lifetime.enter_async_context(self.store.alive(self._peer_name(self.instance)))
             except TimeoutError:  # the lock did not come: another session holds it (or the database is mute)
                 raise InstanceNameTakenError(self.instance) from None
-        await self._write_status()  # "starting" now that the home is its own, not how the last run ended
+        self._store_opened = True  # the home is this daemon's (its store, its name on a shared database)
+        await self._write_status()  # "starting" now, not how the last run ended
 
         self.pool = RelayPool(
             self.relay_urls,
@@ -551,7 +551,7 @@ class Daemon:
         if self.embedded_relay is not None:
             await asyncio.to_thread(self.embedded_relay.stop)
         self.state = "stopped"
-        if self._store_opened:  # a daemon refused the home (its store in use) never writes its status file
+        if self._store_opened:  # one refused the home (its store or its name in use) never writes its status
             with contextlib.suppress(OSError):
                 await self._write_status()
         lines("daemon_stopped")

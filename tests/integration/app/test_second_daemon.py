@@ -158,7 +158,8 @@ async def test_a_daemon_whose_name_another_holds_on_the_database_says_so(
     tmp_path: Path, postgres: PostgresServer
 ) -> None:
     """`tenexd run` named like a daemon already on the database (the same daemon.instance_id) exits 1 saying
-    so and what to change, in a line, no traceback (it printed "error: " and nothing else)."""
+    so and what to change, in a line, no traceback (it printed "error: " and nothing else), and writes no
+    status file (it wrote "stopped" where the daemon holding the name may write its own)."""
     dsn = await postgres.create_database()
     home, project = postgres_home(tmp_path, dsn)
     holder = PostgresStore(dsn)
@@ -171,6 +172,7 @@ async def test_a_daemon_whose_name_another_holds_on_the_database_says_so(
     assert done.returncode == 1, done.stderr
     assert "another daemon on this database is named 'd1' (daemon.instance_id)" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+    assert not (home / "run" / "status.json").exists()  # the name's holder may share this home: left alone
 
 
 async def test_a_database_that_cannot_be_opened_is_named_with_its_password_hidden(
