@@ -583,19 +583,27 @@ class ConversationManager:
                 return False
             if idle_before is not None and conversation.last_activity >= idle_before:
                 return False
-            before = LifecycleBefore.of(conversation)
-            conversation.ended_at = self._clock.now_ms()
-            conversation.ended_by = by
-            conversation.end_reason = reason or None
-            try:
-                await self._save(conversation)
-            except BaseException:
-                before.restore(conversation)
-                raise
+            await self._end_locked(conversation, by, reason)
+        self._ended(conversation_id, by, reason)
+        return True
+
+    async def _end_locked(self, conversation: Conversation, by: str, reason: str | None) -> None:
+        """Record the end and save it (the caller holds the lock); on failure nothing is changed."""
+        before = LifecycleBefore.of(conversation)
+        conversation.ended_at = self._clock.now_ms()
+        conversation.ended_by = by
+        conversation.end_reason = reason or None
+        try:
+            await self._save(conversation)
+        except BaseException:
+            before.restore(conversation)
+            raise
+
+    def _ended(self, conversation_id: str, by: str, reason: str | None) -> None:
+        """Log an end made and tell the listeners (outside the conversation's lock)."""
         log.info("conversation_ended", conversation_id=conversation_id, by=by, reason=reason)
         for listener in self._on_ended:
             listener(conversation_id)
-        return True
 
     def on_ended(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(conversation_id)`` after each conversation this manager ends (must not block)."""
@@ -651,15 +659,21 @@ class ConversationManager:
         """Archive the conversation: it stays readable and becomes read-only. False: archived already.
         ``ending_by`` (the owner's archive): one still active is ended first, by them, for the reason
         :data:`ARCHIVED`, so an archived conversation counts as ended, as the retention sweeper's do."""
-        if ending_by is not None:
-            conversation = await self.get_conversation(conversation_id)
-            if conversation is None:
-                raise ConversationNotFoundError(conversation_id)
+        if ending_by is None:
+            return await self._set_archived(conversation_id, True)
+        ended = False
+        async with self._locked(conversation_id) as conversation:  # one step: no message comes between
             if conversation.archived:
                 return False
             if not conversation.is_ended:
-                await self.end_conversation(conversation_id, by=ending_by, reason=ARCHIVED)
-        return await self._set_archived(conversation_id, True)
+                await self._end_locked(conversation, ending_by, ARCHIVED)
+                ended = True
+            await self._store.set_archived(conversation_id, True)
+            conversation.archived = True
+        if ended:
+            self._ended(conversation_id, ending_by, ARCHIVED)
+        log.info("conversation_archived", conversation_id=conversation_id)
+        return True
 
     async def restore_conversation(self, conversation_id: str) -> bool:
         """Restore an archived conversation so it accepts events again. False: it was not archived."""
