@@ -52,6 +52,7 @@ from tenex_daemon.core.vocabulary import (
     TAG_ROOT_EVENT,
 )
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.lifecycle import adopted_root_key
 from tenex_daemon.services.private_messages import Opened, WrapOpener, plan_private_conversations
 
 log = structlog.get_logger(__name__)
@@ -431,6 +432,9 @@ class Rebuilder:
             if plan.root is None:
                 log.warning("rebuild_root_missing", conversation_id=plan.conversation_id,
                             action="its first event starts the conversation")
+                if conversation.id != plan.conversation_id:  # the thread's later replies find it there
+                    alias = adopted_root_key(plan.conversation_id)
+                    await self._manager.store.set_meta(alias, conversation.id)
         missing = [e for e in events if not conversation.contains_event(e.id)]
         added = await self._append(conversation, missing)
         report.events_added += added

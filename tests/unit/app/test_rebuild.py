@@ -18,6 +18,7 @@ from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.rebuild import Rebuilder, RebuildRequest, history_order
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.core.errors import ConversationNotFoundError
+from tenex_daemon.services.lifecycle import adopted_root_key
 from tenex_daemon.testing import FakeClock, sign_event
 from tests.conftest import Cast
 
@@ -327,3 +328,17 @@ async def test_the_rebuild_endpoint_merges_and_reports(manager: ConversationMana
     assert report["events"]["added"] == 4
     assert await _history(manager, thread.root.id) == [e.id for e in thread.allowed]
     assert (bad.status, unknown.status, offline.status) == (400, 404, 503)
+
+
+async def test_a_thread_whose_root_the_relays_lack_keeps_its_later_replies_joining(
+    manager: ConversationManager, thread: Thread
+) -> None:
+    """Rebuilt without its root (the relays lack it), a thread starts its conversation at its first reply and
+    records the root's id as leading there, as the daemon does, so the thread's next reply joins it."""
+    relays = FakeRelays(thread.replies)  # no root
+
+    await _rebuilder(manager, relays).rebuild(RebuildRequest(all_=True))
+
+    first = thread.replies[0]
+    assert await _history(manager, first.id) == [e.id for e in thread.replies]
+    assert await manager.store.get_meta(adopted_root_key(thread.root.id)) == first.id
