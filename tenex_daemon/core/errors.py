@@ -65,8 +65,10 @@ class EventRefusedError(TenexError):
     """Every relay refused an event for good (NIP-01 ``blocked:`` or ``invalid:`` for its size; a rumor
     too long to gift-wrap): sending it again cannot succeed."""
 
-    reasons: tuple[str, ...] = ()
-    """The relays' own messages, one per relay."""
+    def __init__(self, message: str, reasons: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.reasons = reasons
+        """The relays' own messages, one per relay."""
 
 
 class StoreUnavailableError(TenexError, OSError):

@@ -39,17 +39,17 @@ from typing import Any
 import structlog
 
 from tenex_daemon.core.conversation import Conversation
-from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
+from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.ports import PeerMessages, ReplyComposer, ReplySpec
+from tenex_daemon.core.ports import PeerMessages, ReplyComposer
 from tenex_daemon.core.stops import STOPPED_COMPLETION, STOPS_KEY, with_stop
 from tenex_daemon.core.targeting import SkipReason, may_join
 from tenex_daemon.core.vocabulary import TAG_PUBKEY
 from tenex_daemon.runtime.background import BackgroundTasks
-from tenex_daemon.services.agent_runner import user_destination
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import adopted_root_key, task_meta_key
 from tenex_daemon.services.locks import KeyedLock
+from tenex_daemon.services.notices import save_notice
 from tenex_daemon.services.outbox import Outbox
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, forget_journaled
 
@@ -399,22 +399,11 @@ class Stopper:
         orchestrator = directory.orchestrator
         author = slugs[0] if len(slugs) == 1 or orchestrator is None else orchestrator.slug
         names = ", ".join(directory.get(slug).name for slug in slugs)
-        spec = ReplySpec(
-            agent_slug=author,
-            trigger=trigger,
-            root=conversation.root,
-            task_id=conversation.task_id,
-            content=f"Stopped: {names}.",
-            destinations=(user_destination(conversation, trigger, self._manager),),
-            phase=conversation.phase.value,
-            net_time_seconds=conversation.execution_time.total(self._manager.now_ms()),
-            error=True,
+        content = f"Stopped: {names}."
+        notice = await save_notice(
+            self._manager, self._composer, conversation, trigger, author, content, kind_of="stop"
         )
-        notice = self._composer.compose(spec)
-        try:
-            await self._manager.add_event(conversation_id, notice)
-        except ConversationArchivedError:
-            log.info("stop_notice_not_saved", conversation_id=conversation_id, reason="archived")
+        if notice is None:
             return None
         await self._outbox.add(conversation_id, notice, agent_slug=author, trigger_id=trigger.id)
         return notice

@@ -10,17 +10,13 @@ nobody (docs/ARCHITECTURE.md, "Delivery"). A notice that is itself refused gets 
 
 from __future__ import annotations
 
-import structlog
-
-from tenex_daemon.core.errors import ConversationArchivedError, EventRefusedError
+from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.ports import ReplyComposer, ReplySpec
+from tenex_daemon.core.ports import ReplyComposer
 from tenex_daemon.core.vocabulary import TAG_ERROR
-from tenex_daemon.services.agent_runner import user_destination
-from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.conversation_manager import ConversationManager, shortened
+from tenex_daemon.services.notices import save_notice
 from tenex_daemon.services.outbox import OutboxEntry
-
-log = structlog.get_logger(__name__)
 
 REASON_CHARS = 300
 """The most of the relays' own words a notice quotes."""
@@ -46,24 +42,8 @@ class RefusalNotices:
         if trigger is None:
             return None
         name = self._manager.agents.get(entry.agent_slug).name
-        reasons = "; ".join(refusal.reasons) or str(refusal)
-        if len(reasons) > REASON_CHARS:
-            reasons = reasons[: REASON_CHARS - 1] + "…"
-        spec = ReplySpec(
-            agent_slug=entry.agent_slug,
-            trigger=trigger,
-            root=conversation.root,
-            task_id=conversation.task_id,
-            content=f"{name}'s answer could not be published: the relays refused it ({reasons}).",
-            destinations=(user_destination(conversation, trigger, self._manager),),
-            phase=conversation.phase.value,
-            net_time_seconds=conversation.execution_time.total(self._manager.now_ms()),
-            error=True,
+        reasons = shortened("; ".join(refusal.reasons) or str(refusal), REASON_CHARS)
+        content = f"{name}'s answer could not be published: the relays refused it ({reasons})."
+        return await save_notice(
+            self._manager, self._composer, conversation, trigger, entry.agent_slug, content, kind_of="refusal"
         )
-        notice = self._composer.compose(spec)
-        try:
-            await self._manager.add_event(entry.conversation_id, notice)
-        except ConversationArchivedError:
-            log.info("refusal_notice_not_saved", conversation_id=entry.conversation_id, reason="archived")
-            return None
-        return notice

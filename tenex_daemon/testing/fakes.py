@@ -63,14 +63,11 @@ class FakePublisher:
     async def publish(self, event: NostrEvent) -> None:
         """Record the event (or fail like a relay that refuses, for now or for good)."""
         if event.kind in self.refuse_kinds:
-            refusal = EventRefusedError(f"no relay accepted event {event.id}")
-            refusal.reasons = (f"blocked: kind {event.kind} is not accepted here",)
-            raise refusal
+            reason = f"blocked: kind {event.kind} is not accepted here"
+            raise EventRefusedError(f"no relay accepted event {event.id}", (reason,))
         if self.refuse_over is not None and len(event.content) > self.refuse_over:
-            refusal = EventRefusedError(f"no relay accepted event {event.id}")
-            size = len(event.content)
-            refusal.reasons = (f"blocked: event size ({size} chars) exceeds {self.refuse_over}",)
-            raise refusal
+            reason = f"blocked: event size ({len(event.content)} chars) exceeds {self.refuse_over}"
+            raise EventRefusedError(f"no relay accepted event {event.id}", (reason,))
         if self.fail:
             raise RuntimeError("no relay accepted the event")
         self.published.append(event)

@@ -285,9 +285,8 @@ class GiftWrapPublisher:
             try:
                 pending = {to: self._wraps.wrap(event, to) for to in wrap_recipients(event)}
             except Exception as exc:  # over NIP-44's size, say: the same rumor never wraps
-                refusal = EventRefusedError(f"rumor {event.id} cannot be gift-wrapped: {exc}")
-                refusal.reasons = (f"invalid: cannot be gift-wrapped: {exc}",)
-                raise refusal from exc
+                reason = f"invalid: cannot be gift-wrapped: {exc}"
+                raise EventRefusedError(f"rumor {event.id} cannot be gift-wrapped: {exc}", (reason,)) from exc
             self._pending[event.id] = pending
             while len(self._pending) > PENDING_WRAPS_MEMORY:
                 self._pending.popitem(last=False)
@@ -312,9 +311,8 @@ class GiftWrapPublisher:
             self._pending.pop(event.id, None)
             with contextlib.suppress(Exception):
                 await self._save()
-            refusal = EventRefusedError(f"wraps of {event.id} refused for good ({'; '.join(failed)})")
-            refusal.reasons = tuple(reason for each in refused for reason in each.reasons)
-            raise refusal
+            reasons = tuple(reason for each in refused for reason in each.reasons)
+            raise EventRefusedError(f"wraps of {event.id} refused for good ({'; '.join(failed)})", reasons)
         if failed:
             raise GiftWrapError(f"wraps of {event.id} not accepted by any relay ({'; '.join(failed)})")
         if self._pending.pop(event.id, None) is not None:

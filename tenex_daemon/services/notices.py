@@ -1,0 +1,48 @@
+"""The daemon's notices in a conversation: a short reply from an agent that reports what the daemon did
+(a stop, an answer the relays refused), tagged ``["error", "system"]`` and addressed to the person only,
+so it runs nobody (docs/PROTOCOL.md, "Kinds": 24134; docs/ARCHITECTURE.md, "Delivery")."""
+
+from __future__ import annotations
+
+import structlog
+
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import ConversationArchivedError
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.ports import ReplyComposer, ReplySpec
+from tenex_daemon.services.agent_runner import user_destination
+from tenex_daemon.services.conversation_manager import ConversationManager
+
+log = structlog.get_logger(__name__)
+
+
+async def save_notice(
+    manager: ConversationManager,
+    composer: ReplyComposer,
+    conversation: Conversation,
+    trigger: NostrEvent,
+    agent_slug: str,
+    content: str,
+    *,
+    kind_of: str,
+) -> NostrEvent | None:
+    """Compose ``agent_slug``'s notice replying to ``trigger`` and save it in the conversation; None when
+    the conversation is archived (logged as ``<kind_of>_notice_not_saved``)."""
+    spec = ReplySpec(
+        agent_slug=agent_slug,
+        trigger=trigger,
+        root=conversation.root,
+        task_id=conversation.task_id,
+        content=content,
+        destinations=(user_destination(conversation, trigger, manager),),
+        phase=conversation.phase.value,
+        net_time_seconds=conversation.execution_time.total(manager.now_ms()),
+        error=True,
+    )
+    notice = composer.compose(spec)
+    try:
+        await manager.add_event(conversation.id, notice)
+    except ConversationArchivedError:
+        log.info(f"{kind_of}_notice_not_saved", conversation_id=conversation.id, reason="archived")
+        return None
+    return notice
