@@ -142,9 +142,11 @@ def build_agent_messages(
 ) -> AgentContext:
     """Build the chat messages ``agent`` is sent to respond to ``trigger`` (docs/CONTEXT.md).
 
-    ``burst``: the trigger is the newest of several messages to the agent answered by one run
-    (docs/CONTEXT.md, "Bursts"): step 1 then shows all of history but the trigger, so the agent's own
-    answers saved after an earlier message of the burst are shown too, and the trigger comes last.
+    ``burst``: the trigger is answered by a run that may have waited (docs/CONTEXT.md, "Bursts"): step 1
+    then shows, after the history before the trigger, the agent's own answers saved after it (to an
+    earlier message of its burst, or to the message its previous run answered), and the trigger comes
+    last. Other events saved after the trigger stay out of step 1 (they came after it; the while-away
+    block shows them, as it does without ``burst``).
 
     Pure with respect to the conversation: it is not changed. The caller persists the
     returned ``last_processed_index``, ``session_id`` and ``transitions_seen`` before
@@ -182,8 +184,9 @@ def build_agent_messages(
         tuple(sorted(resolved.items())),
     )
     messages = _history_prefix(history, stop, view, fingerprint, sender, text if resolved else None)
-    if burst and trigger_index is not None:  # a burst's trigger goes last: what follows it is shown too
-        messages.extend(_history_messages(history[trigger_index + 1 :], sender, text if resolved else None))
+    if burst and trigger_index is not None:  # the trigger goes last: the agent's own later answers first
+        later = [event for event in history[trigger_index + 1 :] if event.pubkey == own_key]
+        messages.extend(_history_messages(later, sender, text if resolved else None))
     append = messages.append
 
     # 2. The while-away block: what others said since the agent was last built for.
@@ -237,19 +240,20 @@ def _several_people(
     directory: AgentDirectory,
     view: HistoryView | None,
 ) -> bool:
-    """Whether more than one person wrote in the conversation (its history and the trigger): then each
-    person's messages carry their label. With ``view`` the authors are collected incrementally."""
+    """Whether more than one person wrote in the conversation (its history and the trigger; an empty event
+    writes nothing, as step 1 skips it): then each person's messages carry their label. With ``view`` the
+    authors are collected incrementally."""
     history = conversation.history
     if view is None:
-        authors: set[str] = {event.pubkey for event in history}
+        authors: set[str] = {event.pubkey for event in history if event.content}
     else:
         if view.authors_upto > len(history):  # not the history the memo was made from
             view.authors, view.authors_upto = set(), 0
-        view.authors.update(event.pubkey for event in history[view.authors_upto :])
+        view.authors.update(event.pubkey for event in history[view.authors_upto :] if event.content)
         view.authors_upto = len(history)
         authors = view.authors
     found: set[str] = set()
-    for pubkey in (*authors, trigger.pubkey):
+    for pubkey in (*authors, *((trigger.pubkey,) if trigger.content else ())):
         if pubkey in found or pubkey == agent.pubkey:
             continue
         if directory.role_of(pubkey, conversation.claims_agent(pubkey)) is AuthorRole.USER:

@@ -460,12 +460,13 @@ class RunScheduler:
             loss.cancel_run()
 
     def _take_burst(self, request: RunRequest) -> tuple[RunRequest, list[str]]:
-        """The request to run now: when more messages to the same agent in the conversation wait
-        (direct ones, not routed by the orchestrator), the newest of them, answering the others too
-        (docs/CONTEXT.md, "Bursts"); their own turns then find them answered. Returns the request to
-        run and the keys it covers. Recovered when any of them is (its saved answers go out again)."""
-        if request.via_orchestrator:
-            return request, []
+        """The request to run now: when more messages to the same agent in the conversation wait, the
+        newest of them, answering the others too (docs/CONTEXT.md, "Bursts"); their own turns then find
+        them answered. Direct requests are taken with direct ones and routed ones with routed ones: each
+        message the orchestrator routes starts a turn that ends the one before, so a routed burst's run
+        answers the open turn (its newest), while a direct reply would leave a routed turn waiting.
+        Returns the request to run and the keys it covers. Recovered when any of them is (its saved
+        answers go out again)."""
         key = self._key(request)
         group = [
             (k, r)
@@ -475,7 +476,7 @@ class RunScheduler:
                 k not in self._covered
                 and r.conversation_id == request.conversation_id
                 and r.agent_slug == request.agent_slug
-                and not r.via_orchestrator
+                and r.via_orchestrator == request.via_orchestrator
             )
         ]
         if key not in self._pending:

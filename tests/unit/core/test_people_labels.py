@@ -99,3 +99,24 @@ def test_a_trigger_from_a_second_person_not_yet_in_history_labels_everyone(cast:
 
     assert context.messages[0] == ChatMessage("user", f"[{person_label(cast.user.pubkey)}]: Mine")
     assert context.messages[-1] == ChatMessage("user", f"[{person_label(cast.other_user.pubkey)}]: Theirs")
+
+
+async def test_a_second_person_s_empty_event_labels_nobody(manager: ConversationManager, cast: Cast) -> None:
+    """An empty event writes nothing (step 1 skips it): a second person's empty event, in history or as the
+    trigger, does not make the conversation one of several people, so the person's messages stay plain."""
+    root = cast.user_says("Plan my trip", kind=11, tags=[["p", cast.alice.pubkey]])
+    conversation = await manager.create_conversation(root)
+    empty = cast.factory.event(cast.other_user, "", tags=[["E", root.id]])
+    await manager.add_event(conversation.id, empty)
+    follow = cast.user_says("To Lisbon", tags=[["E", root.id]])
+    await manager.add_event(conversation.id, follow)
+
+    context = await manager.build_agent_messages(conversation.id, "alice", follow)
+    assert context.messages[0] == ChatMessage("user", "Plan my trip")
+    assert context.messages[-1] == ChatMessage("user", "To Lisbon")
+
+    trailing = cast.factory.event(cast.other_user, "", tags=[["E", root.id]])
+    await manager.add_event(conversation.id, trailing)
+    again = await manager.build_agent_messages(conversation.id, "alice", trailing)
+    assert ChatMessage("user", "Plan my trip") in again.messages
+    assert ChatMessage("user", "To Lisbon") in again.messages

@@ -83,6 +83,56 @@ async def test_a_message_that_arrives_during_a_run_gets_the_next_run_which_sees_
     assert len(rig.publisher.published) == 2
 
 
+async def test_messages_the_orchestrator_routes_to_a_busy_agent_are_answered_together(cast: Cast) -> None:
+    """Two unaddressed messages routed to the agent while it answers a first one get one more run, not two:
+    its trigger is the newest, both stand in order before it, and each message is answered once."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("first", kind=11)
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]]
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    second = cast.user_says("second", tags=thread)
+    third = cast.user_says("third", tags=thread)
+    await rig.dispatcher.handle(second)
+    await rig.dispatcher.handle(third)
+
+    backend.release.set()
+    await rig.settle()
+
+    assert len(backend.requests) == 2
+    shown = [(m.role, m.content) for m in backend.requests[1].messages]
+    assert shown[:3] == [("user", "first"), ("user", "second"), ("assistant", "answer 1")]
+    assert shown[-2:] == [("system", NEW_INTERACTION), ("user", "third")]
+    replies = rig.publisher.published
+    assert [(r.content, r.tag_value("e")) for r in replies] == [("answer 1", root.id), ("answer 2", third.id)]
+
+
+async def test_a_message_that_came_after_the_trigger_is_never_shown_before_it(cast: Cast) -> None:
+    """A run whose trigger waited shows, after the history before its trigger, only the agent's own later
+    answers: a person's later message (here a direct one, behind a routed trigger) is in the while-away
+    block alone, never in the history before the trigger, which comes last."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]]
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    routed = cast.user_says("second, to whoever", tags=thread)
+    direct = cast.user_says("third, to alice", tags=[*thread, ["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(routed)
+    await rig.dispatcher.handle(direct)
+
+    backend.release.set()
+    await rig.settle()
+
+    second_run = [(m.role, m.content) for m in backend.requests[1].messages]
+    assert second_run[:2] == [("user", "first"), ("assistant", "answer 1")]
+    assert "third, to alice" in second_run[2][1]  # the while-away block
+    assert second_run[3:] == [("system", NEW_INTERACTION), ("user", "second, to whoever")]
+    assert [(m.role, m.content) for m in backend.requests[2].messages][-1] == ("user", "third, to alice")
+
+
 async def test_the_scheduler_runs_the_newest_waiting_request_once_for_a_burst(cast: Cast) -> None:
     """Three requests for one agent waiting behind a busy run become one run (the newest trigger, the
     other two named as answered with it); the other agent's request still gets its own run."""
