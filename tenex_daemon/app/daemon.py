@@ -604,7 +604,7 @@ class Daemon:
     def _count(self, event: NostrEvent, result: HandleResult) -> Remember | None:
         if result.outcome in (Outcome.SCHEDULED, Outcome.STORED):
             self.events_accepted[str(event.kind)] += 1
-            self.metrics.event_accepted(event.kind)
+            self.metrics.event_accepted(event.kind, result.reason, stored=result.outcome is Outcome.STORED)
             return None
         if result.outcome is Outcome.DUPLICATE:  # taken in already: another daemon on the database won it
             self.metrics.event_duplicate()

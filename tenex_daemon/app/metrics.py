@@ -1,7 +1,8 @@
 """Prometheus metrics of one daemon, in its own registry (served at ``GET /metrics``).
 
 Names carry the ``tenexd_`` namespace: ``tenexd_events_accepted_total{kind}``,
-``tenexd_events_rejected_total{reason}``, ``tenexd_events_own_copies_total`` (the agents' own private
+``tenexd_events_rejected_total{reason}``, ``tenexd_events_ran_nobody_total{reason}`` (accepted, no agent run:
+an agent's own event, the hop limit, ...), ``tenexd_events_own_copies_total`` (the agents' own private
 answers come back, not refused), ``tenexd_replies_published_total{agent}``,
 ``tenexd_agent_run_errors_total{agent,error}``, ``tenexd_agent_run_seconds{agent}`` (histogram),
 ``tenexd_runs_in_flight`` and ``tenexd_relay_connected{url}`` (gauges), ``tenexd_descriptions_total{source}``
@@ -26,9 +27,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from tenex_daemon.adapters.nostr.relay_pool import PoolHealth
+from tenex_daemon.core.targeting import SkipReason
 from tenex_daemon.services.retention import SweepReport
 
 NAMESPACE = "tenexd"
+_RAN_NOBODY = frozenset(reason.value for reason in SkipReason)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 RUN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -94,6 +97,12 @@ class Metrics:
         )
         self.events_rejected = Counter(
             "events_rejected", "Incoming events refused or ignored, by reason.",
+            ["reason"], namespace=NAMESPACE, registry=self.registry,
+        )
+        self.events_ran_nobody = Counter(
+            "events_ran_nobody",
+            "Incoming events accepted into a conversation that ran no agent, by reason (an agent's own event,"
+            " the agent-to-agent hop limit, addressed to nobody here, one side of a send_message exchange).",
             ["reason"], namespace=NAMESPACE, registry=self.registry,
         )
         self.events_own_copies = Counter(
@@ -165,9 +174,13 @@ class Metrics:
             ["reason"], namespace=NAMESPACE, registry=self.registry,
         )
 
-    def event_accepted(self, kind: int) -> None:
-        """Count an accepted incoming event of this kind."""
+    def event_accepted(self, kind: int, reason: str | None = None, *, stored: bool = False) -> None:
+        """Count an accepted incoming event of this kind. ``stored``: it was only stored, for ``reason``,
+        counted by it too when it is one of :class:`SkipReason` (it ran no agent: docs/PROTOCOL.md's rule 5
+        and the targeting rules)."""
         self.events_accepted.labels(kind=str(kind)).inc()
+        if stored and reason in _RAN_NOBODY:
+            self.events_ran_nobody.labels(reason=reason).inc()
 
     def event_rejected(self, reason: str) -> None:
         """Count an incoming event refused or ignored for ``reason``."""

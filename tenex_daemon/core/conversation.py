@@ -12,8 +12,9 @@ from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.execution_time import ExecutionTime
 from tenex_daemon.core.phases import Phase, PhaseTransition
 from tenex_daemon.core.references import find_event_references
+from tenex_daemon.core.thread_tags import read_threading
 from tenex_daemon.core.turns import OrchestratorTurn
-from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_PRIVATE_MESSAGE, TAG_ROOT_EVENT
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_NOTE, KIND_PRIVATE_MESSAGE
 
 UNTITLED = "Untitled Conversation"
 TASK_SESSION_EXPIRED = "task_session_expired"
@@ -139,16 +140,22 @@ class Conversation(BaseModel):
         """The Nostr thread the conversation lives in, which its typing indicators, partial replies and
         live status name: its task for a task's session (a later session's root is the person's comment
         in the task's thread); the thread its root comment names when that comment started the
-        conversation (its own root could not be found: NIP-22 has a comment's replies keep its root);
-        else its own id, its root's."""
+        conversation (:attr:`named_root`); else its own id, its root's."""
         if self.task_id:
             return self.task_id
+        return self.named_root or self.id
+
+    @property
+    def named_root(self) -> str | None:
+        """The thread root named by the conversation's first event when that event is a reply (a kind-1111
+        comment, or a kind-1 note replying in a NIP-10 thread) that started the conversation because its
+        own root could not be found: the thread's replies keep naming that root (NIP-22, NIP-10). None
+        when the first event is a root."""
         root = self.root
-        if root is not None and root.kind == KIND_COMMENT:
-            named = root.tag_value(TAG_ROOT_EVENT)
-            if named and named != root.id:
-                return named
-        return self.id
+        if root is None or root.kind not in (KIND_COMMENT, KIND_NOTE):
+            return None
+        named = read_threading(root).root_id
+        return named if named and named != root.id else None
 
     def contains_event(self, event_id: str) -> bool:
         """Return whether an event with this id is in history."""

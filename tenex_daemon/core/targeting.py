@@ -9,7 +9,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from tenex_daemon.core.agents import Agent, AgentDirectory
+from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole
+from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import TAG_DELEGATION, TAG_PUBKEY
 
@@ -114,3 +115,15 @@ def mentioned_agent(text: str, directory: AgentDirectory, exclude: Collection[st
             if position >= 0 and (best is None or position < best[0]):
                 best = (position, agent)
     return best[1] if best else None
+
+
+def reply_person(conversation: Conversation, trigger: NostrEvent, directory: AgentDirectory) -> str:
+    """The person an agent's reply to ``trigger`` goes to: the trigger's author if a person, else the newest
+    person in history (else the root's author)."""
+    if directory.role_of(trigger.pubkey, conversation.claims_agent(trigger.pubkey)) is AuthorRole.USER:
+        return trigger.pubkey
+    for event in reversed(conversation.history):
+        if directory.role_of(event.pubkey, conversation.claims_agent(event.pubkey)) is AuthorRole.USER:
+            return event.pubkey
+    root = conversation.root
+    return root.pubkey if root is not None else trigger.pubkey

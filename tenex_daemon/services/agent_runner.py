@@ -11,12 +11,12 @@ from typing import Any, Protocol
 
 import structlog
 
-from tenex_daemon.core.agents import AuthorRole
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import PartialTextPublisher, Publisher, ReplyComposer, ReplySpec
 from tenex_daemon.core.stops import STOPPED_COMPLETION, stopped_since
+from tenex_daemon.core.targeting import reply_person
 from tenex_daemon.core.thread_tags import read_threading
 from tenex_daemon.core.vocabulary import TAG_DELEGATION
 from tenex_daemon.runtime.background import BackgroundTasks
@@ -81,16 +81,9 @@ class ReplyRouting(Protocol):
 
 
 def user_destination(conversation: Conversation, trigger: NostrEvent, manager: ConversationManager) -> str:
-    """Return the person a reply goes to: the trigger's author if a user, else the newest user in history."""
-    directory = manager.agents
-    if directory.role_of(trigger.pubkey, conversation.claims_agent(trigger.pubkey)) is AuthorRole.USER:
-        return trigger.pubkey
-    for event in reversed(conversation.history):
-        role = directory.role_of(event.pubkey, conversation.claims_agent(event.pubkey))
-        if role is AuthorRole.USER:
-            return event.pubkey
-    root = conversation.root
-    return root.pubkey if root is not None else trigger.pubkey
+    """Return the person a reply goes to: the trigger's author if a user, else the newest user in history
+    (:func:`~tenex_daemon.core.targeting.reply_person`)."""
+    return reply_person(conversation, trigger, manager.agents)
 
 
 class AgentRunner:

@@ -35,7 +35,9 @@ from tenex_daemon.core.context import AgentContext, ChatMessage
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import ReplyComposer, ReplySpec
+from tenex_daemon.core.targeting import reply_person
 from tenex_daemon.core.threads import ConversationThread, ThreadPersistenceError
+from tenex_daemon.core.vocabulary import KIND_NOTE
 from tenex_daemon.services.answering import AgentProfile
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.locks import KeyedLock
@@ -195,6 +197,9 @@ class Delegation:
         conversation = await self._manager.get_conversation(cid)
         if conversation is None:
             raise ToolRefusedError("the conversation is gone")
+        if conversation.root_kind == KIND_NOTE:  # a kind-1 event p-tags the person too (docs/PROTOCOL.md)
+            person = reply_person(conversation, parent, self._manager.agents)
+            destinations = tuple(dict.fromkeys((person, *destinations)))
         spec = ReplySpec(
             agent_slug=author.slug,
             trigger=parent,

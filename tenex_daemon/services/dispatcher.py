@@ -25,9 +25,9 @@ from tenex_daemon.core.targeting import (
     is_allowed_author,
     may_join,
 )
-from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
+from tenex_daemon.core.vocabulary import KIND_TASK, TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.lifecycle import ConversationLifecycle, adopted_root_key
+from tenex_daemon.services.lifecycle import ConversationLifecycle, adopted_root_key, task_meta_key
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.orchestrator import Orchestrator, RoutingDecision, RoutingStop
 from tenex_daemon.services.private_messages import PrivateConversations
@@ -289,7 +289,7 @@ class EventDispatcher:
             return HandleResult(Outcome.IGNORED, "conversation_deleted", cid)
         if conversation is None:
             try:
-                conversation = await self._adopt_root(cid, event)
+                conversation = await self._adopt_root(cid, event, task=classification.is_task)
             except ConversationExistsError:  # another daemon on the shared database started it first
                 found_again = await self._manager.get_conversation(cid)
                 conversation = found_again or await self._manager.get_conversation(event.id)
@@ -358,21 +358,28 @@ class EventDispatcher:
             return root_id, None
         return adopted, await self._manager.get_conversation(adopted)
 
-    async def _adopt_root(self, root_id: str, reply: NostrEvent) -> Conversation:
-        """Start the conversation of a reply with an unknown root: the fetched root, else the reply."""
+    async def _adopt_root(self, root_id: str, reply: NostrEvent, *, task: bool = False) -> Conversation:
+        """Start the conversation of a reply with an unknown root: the fetched root, else the reply. A task's
+        (the fetched root a kind 1934, or the reply naming its root's kind 1934) is the task's first session,
+        as when the task itself came first."""
         root = await self._fetcher.fetch_event(root_id) if self._fetcher is not None else None
         if root is not None and root.id == root_id and root.has_valid_id():
             log.info("conversation_root_fetched", conversation_id=root_id)
-            return await self._manager.create_conversation(root, exclusive=True)
+            task_id = root_id if root.kind == KIND_TASK else None
+            return await self._manager.create_conversation(root, exclusive=True, task_id=task_id)
         log.warning(
             "conversation_root_missing",
             conversation_id=root_id,
             event_id=reply.id,
             action="reply starts the conversation",
         )
-        conversation = await self._manager.create_conversation(reply, exclusive=True)
+        conversation = await self._manager.create_conversation(
+            reply, exclusive=True, task_id=root_id if task else None
+        )
         # the thread's later replies, which name the same missing root, join this conversation
         await self._manager.store.set_meta(adopted_root_key(root_id), conversation.id)
+        if task:  # the task's current session, for its sessions to follow (TaskSessions)
+            await self._manager.store.set_meta(task_meta_key(root_id), conversation.id)
         return conversation
 
     async def before_reply_saved(self, conversation_id: str, reply: NostrEvent) -> None:

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplySpec
-from tenex_daemon.core.vocabulary import KIND_COMMENT
+from tenex_daemon.core.thread_tags import read_threading
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_NOTE
 
 from .codec import ReplyDetails, ThreadRoot, build_agent_reply, root_of, task_thread_root
 from .signer import Signer
@@ -27,14 +28,17 @@ class SignedReplyComposer:
 
         Without a root (not stored) the root is the one the trigger's tags name, else the trigger; in a
         task's session the root is the task (:func:`~.codec.task_thread_root`); when the conversation's
-        root is a comment (its own root could not be found), the root that comment names.
+        first event is a reply (a comment, or a kind-1 note in a NIP-10 thread: its own root could not be
+        found), the root that reply names.
         """
         root: ThreadRoot | NostrEvent | None = spec.root
         if spec.task_id is not None:
             root = task_thread_root(spec.task_id, spec.root)
-        elif spec.root is not None and spec.root.kind == KIND_COMMENT:
-            # a comment whose own root could not be found started the conversation: its thread's root
-            root = root_of(spec.root)
+        elif spec.root is not None and spec.root.kind in (KIND_COMMENT, KIND_NOTE):
+            named = read_threading(spec.root).root_id
+            if named is not None and named != spec.root.id:
+                # a reply whose own root could not be found started the conversation: its thread's root
+                root = root_of(spec.root)
         details = ReplyDetails(
             project=self._project,
             phase=spec.phase,

@@ -39,7 +39,7 @@ def conversation_json(
         "phase": conversation.phase.value,
         "archived": conversation.archived,
         "root_kind": conversation.root_kind,
-        "is_task": conversation.root_kind == KIND_TASK,
+        "is_task": conversation.task_id is not None or conversation.root_kind == KIND_TASK,
         "private": conversation.private,
         "created_at": conversation.created_at,
         "updated_at": conversation.updated_at,

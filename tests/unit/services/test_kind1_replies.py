@@ -117,7 +117,8 @@ async def test_an_error_reply_in_a_kind_1_conversation_is_a_kind_1(cast: Cast) -
 
 async def test_delegation_copies_in_a_kind_1_conversation_are_kind_1(cast: Cast) -> None:
     """Both published sides of a send_message exchange and the final answer are kind 1 in a kind-1
-    conversation, each threaded under the note (the answer to the request names the request as reply)."""
+    conversation, each threaded under the note (the answer to the request names the request as reply), each
+    p-tagging the person and the agent it addresses."""
     rig = make_rig(
         cast,
         ScriptedBackend([ask("c1", "bob", "What is 2+2?"), text("Bob says 4.")]),
@@ -133,7 +134,10 @@ async def test_delegation_copies_in_a_kind_1_conversation_are_kind_1(cast: Cast)
     assert request.tag_value("delegation") == answer.tag_value("delegation") is not None
     assert e_tags(request) == [["e", note.id, "", "root"]]
     assert e_tags(answer) == [["e", note.id, "", "root"], ["e", request.id, "", "reply"]]
-    assert (request.tag_values("p"), answer.tag_values("p")) == ([cast.bob.pubkey], [cast.alice.pubkey])
+    # a kind-1 event p-tags the person and the agent it addresses
+    assert (request.tag_values("p"), answer.tag_values("p")) == (
+        [cast.user.pubkey, cast.bob.pubkey], [cast.user.pubkey, cast.alice.pubkey]
+    )
     assert e_tags(reply) == [["e", note.id, "", "root"]]
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_STOP, KIND_TASK
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_NOTE, KIND_STOP, KIND_TASK
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.testing import FakeClock
 from tests import pipeline
 from tests.conftest import Cast
+from tests.unit.services.test_live_status import StatusLog
 from tests.unit.services.test_stopping import GatedBackend
 
 MISSING_ROOT = "ab" * 32
@@ -64,6 +65,41 @@ async def test_a_thread_whose_root_is_missing_stays_one_conversation_in_its_own_
     assert set(rig.publisher.typing_threads) == {MISSING_ROOT}
     assert [e.id for e in conversation.history] == [first.id, replies[0].id, second.id, replies[1].id]
     assert await rig.manager.get_conversation(second.id) is None
+
+
+def note_reply(cast: Cast, text: str, parent_id: str) -> NostrEvent:
+    """The person's kind-1 NIP-10 reply in the thread of the missing kind-1 root, replying to ``parent_id``."""
+    tags = [["e", MISSING_ROOT, "", "root"], ["e", parent_id, "", "reply"], ["p", cast.alice.pubkey]]
+    return cast.factory.event(cast.user, text, kind=KIND_NOTE, tags=tags)
+
+
+async def test_a_kind_1_thread_whose_root_is_missing_is_answered_in_that_thread(cast: Cast) -> None:
+    """A kind-1 reply whose thread root no relay has starts the conversation: Alice's replies name the missing
+    root with marker root and the trigger with marker reply (NIP-10), and her typing and live status name the
+    thread's root, never the trigger; the thread's next reply joins the conversation."""
+    status = StatusLog()
+    rig = pipeline.build_rig(cast, fetcher=NothingFound(), composer=pipeline.real_composer(cast), status=status)
+    first = note_reply(cast, "What about the budget?", "cd" * 32)
+
+    await rig.dispatcher.handle(first)
+    await rig.quiet()
+    second = note_reply(cast, "And the dates?", first.id)
+    joined = await rig.dispatcher.handle(second)
+    await rig.settle()
+
+    assert joined.conversation_id == first.id
+    conversation = await rig.manager.get_conversation(first.id)
+    assert conversation is not None
+    assert conversation.thread_id == MISSING_ROOT
+    replies = [e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]
+    assert len(replies) == 2
+    for reply, trigger in zip(replies, (first, second), strict=True):
+        assert reply.kind == KIND_NOTE
+        threading = [t for t in reply.tags if t[0] == "e"]
+        assert threading == [["e", MISSING_ROOT, "", "root"], ["e", trigger.id, "", "reply"]]
+    assert set(rig.publisher.typing_threads) == {MISSING_ROOT}
+    assert status.sent
+    assert {root for _, root, _, _ in status.sent} == {MISSING_ROOT}
 
 
 async def test_a_stop_naming_the_missing_root_stops_the_conversation_it_started(cast: Cast) -> None:
@@ -128,3 +164,37 @@ async def test_a_late_reply_in_a_deleted_thread_whose_root_was_missing_does_not_
 
     assert (late.outcome, late.reason) == (Outcome.IGNORED, "conversation_deleted")
     assert await rig.manager.get_conversation(first.id) is None
+
+
+class Holding:
+    """Relays that hold one event."""
+
+    def __init__(self, event: NostrEvent) -> None:
+        self.event = event
+
+    async def fetch_event(self, event_id: str) -> NostrEvent | None:
+        """The event held, when asked for."""
+        return self.event if event_id == self.event.id else None
+
+
+async def test_a_task_first_seen_through_a_comment_is_worked_on_in_sessions(cast: Cast) -> None:
+    """A comment on a task (K 1934) the daemon never saw makes the task's first session, whether the relays
+    hold the task (fetched) or not (the comment starts it): the conversation is the task's, and a comment
+    after the session expired starts the next session, linked to the first."""
+    task = cast.factory.event(cast.user, "Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    for fetcher in (Holding(task), NothingFound()):
+        rig = pipeline.build_rig(cast, fetcher=fetcher, task_session_ttl_h=1, clock=FakeClock())
+        thread = [["E", task.id, "", task.pubkey], ["K", str(KIND_TASK)], ["e", task.id], ["p", cast.alice.pubkey]]
+        first = await rig.dispatcher.handle(cast.user_says("any news?", tags=thread))
+        await rig.quiet()
+        session = await rig.manager.get_conversation(first.conversation_id or "")
+        assert session is not None
+        assert (session.task_id, session.thread_id) == (task.id, task.id)
+
+        rig.clock.advance(2 * 3600 * 1000)
+        later = await rig.dispatcher.handle(cast.user_says("and now?", tags=thread))
+        await rig.settle()
+        assert later.conversation_id not in (None, session.id)
+        following = await rig.manager.get_conversation(later.conversation_id or "")
+        assert following is not None
+        assert (following.task_id, following.previous_session) == (task.id, session.id)
