@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from tenex_daemon.app.control.views import conversation_json
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_NOTE, KIND_STOP, KIND_TASK
 from tenex_daemon.services.dispatcher import Outcome
@@ -198,3 +199,4 @@ async def test_a_task_first_seen_through_a_comment_is_worked_on_in_sessions(cast
         following = await rig.manager.get_conversation(later.conversation_id or "")
         assert following is not None
         assert (following.task_id, following.previous_session) == (task.id, session.id)
+        assert conversation_json(following)["is_task"]  # the API says so of every session of a task
