@@ -426,6 +426,7 @@ def build_pipeline(
         observer=ports.observer,
         on_refused=RefusalNotices(manager, ports.composer).notice,
     )
+    live_status = LiveStatus(manager, ports.status) if ports.status is not None else None
     runner = AgentRunner(
         manager,
         profiles,
@@ -440,6 +441,7 @@ def build_pipeline(
         threads=threads,
         outbox=outbox,
         shared_store=ports.peers is not None,
+        run_listener=live_status,
     )
     router = (
         orchestrator(manager)
@@ -447,7 +449,6 @@ def build_pipeline(
         else RuleBasedOrchestrator(manager.agents, options.default_agent)
     )
     lifecycle = ConversationLifecycle(manager, idle_timeout_min=options.idle_timeout_min)
-    live_status = LiveStatus(manager, ports.status) if ports.status is not None else None
     stopper = Stopper(
         manager,
         ports.composer,
@@ -458,6 +459,7 @@ def build_pipeline(
         messages=ports.messages,
         instance=options.instance,
         wait_s=options.stop_wait_s,
+        answers=runner.delegation,
     )
     dispatcher = EventDispatcher(
         manager,

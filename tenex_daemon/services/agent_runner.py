@@ -32,7 +32,7 @@ from tenex_daemon.services.conversation_changes import RunRecord
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.delegation import Delegation, RunDelegator
 from tenex_daemon.services.outbox import Outbox
-from tenex_daemon.services.runs import RunRequest, saving_reply
+from tenex_daemon.services.runs import RunListener, RunRequest, saving_reply
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import (
     SEND_MESSAGE,
@@ -107,7 +107,8 @@ class AgentRunner:
 
     With ``threads`` (a :class:`ThreadManager`), an agent other than the orchestrator is
     also offered ``send_message`` whenever another non-orchestrator agent is configured
-    (see :mod:`~tenex_daemon.services.delegation`); without it, nobody is.
+    (see :mod:`~tenex_daemon.services.delegation`); without it, nobody is. ``run_listener`` (the live
+    status) is told when an asked agent starts and ends answering, as the scheduler tells it of runs.
 
     A run redone after a crash (``recovered``) whose agent already answered its trigger saves nothing
     and publishes that answer again; with ``shared_store`` (daemons sharing a database) every run does,
@@ -130,6 +131,7 @@ class AgentRunner:
         threads: ThreadManager | None = None,
         outbox: Outbox | None = None,
         shared_store: bool = False,
+        run_listener: RunListener | None = None,
     ) -> None:
         self._manager = manager
         self._shared_store = shared_store
@@ -155,9 +157,15 @@ class AgentRunner:
             None
             if threads is None
             else Delegation(
-                manager, profiles, threads, composer, answer=self._loop.answer, outbox=self.outbox
+                manager, profiles, threads, composer, answer=self._loop.answer, outbox=self.outbox,
+                listener=run_listener,
             )
         )
+
+    @property
+    def delegation(self) -> Delegation | None:
+        """The agents' ``send_message`` exchanges (None without threads): a stop cancels their answers."""
+        return self._delegation
 
     @property
     def profiles(self) -> Mapping[str, AgentProfile]:

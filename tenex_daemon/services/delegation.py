@@ -19,12 +19,17 @@ so the request is never left unanswered in the conversation; the thread is not
 changed and the tool call is refused with what failed. Exchanges between the same pair
 in the same conversation take turns (a lock per thread), so each answer sees the
 previous exchange.
+
+While the asked agent answers, it counts as working in the conversation (its live status, told
+the ``listener``), and a stop naming it (:meth:`Delegation.stop_answers`) cancels its answer: nothing
+of it is saved or published, and the asker's tool call is refused with "<slug> was stopped".
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -42,6 +47,7 @@ from tenex_daemon.services.answering import AgentProfile
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.outbox import Outbox
+from tenex_daemon.services.runs import RunListener, RunRequest
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import RunEffects, ToolContext, ToolRefusedError
 
@@ -52,7 +58,9 @@ DELEGATED_TOOLS = ("get_conversation",)
 (no recursion) nor those that end or steer the conversation (``complete``, ``end_conversation``,
 ``switch_phase``), which belong to the conversation's own runs."""
 
-Answer = Callable[[AgentProfile, AgentContext, ToolContext], Awaitable[tuple[CompletionResult, str | None]]]
+Answered = tuple[CompletionResult, str | None]
+"""An answer loop's result: the completion and the error kind (None when it succeeded)."""
+Answer = Callable[[AgentProfile, AgentContext, ToolContext], Awaitable[Answered]]
 """The tool loop (:meth:`AnswerLoop.answer`): (profile, context, tools) -> (answer, error kind or None)."""
 
 
@@ -75,6 +83,16 @@ def thread_messages(thread: ConversationThread, responder: str) -> list[ChatMess
     return messages
 
 
+@dataclass(slots=True)
+class _Answering:
+    """An asked agent answering: its run of the answer loop, and whether a stop cancelled it."""
+
+    request: RunRequest
+    """The conversation, the asking run's trigger and the asked agent (as a run of its would be named)."""
+    task: asyncio.Future[Answered]
+    stopped: bool = False
+
+
 class Delegation:
     """Carries out ``send_message`` exchanges between the runner's agents."""
 
@@ -87,6 +105,7 @@ class Delegation:
         *,
         answer: Answer,
         outbox: Outbox,
+        listener: RunListener | None = None,
     ) -> None:
         self._manager = manager
         self._profiles = profiles
@@ -95,6 +114,47 @@ class Delegation:
         self._answer = answer
         self._outbox = outbox
         self._locks = KeyedLock()
+        self._listener = listener
+        """Told when an asked agent starts and ends answering (the live status)."""
+        self._answering: list[_Answering] = []
+
+    def stop_answers(self, conversation_id: str, agent_slug: str | None) -> list[RunRequest]:
+        """Cancel the answers ``agent_slug`` (None: any agent) is giving in the conversation to other agents'
+        ``send_message``; return them, named as runs (the asking run's trigger, the asked agent). An answer
+        already in (being saved) is no longer here: it finishes."""
+        found = [
+            each for each in self._answering
+            if each.request.conversation_id == conversation_id
+            and (agent_slug is None or each.request.agent_slug == agent_slug)
+        ]
+        for each in found:
+            each.stopped = True
+            each.task.cancel()
+        return [each.request for each in found]
+
+    async def _answer_stoppably(
+        self, asked: Agent, cid: str, trigger: NostrEvent, run: Callable[[], Awaitable[Answered]]
+    ) -> Answered:
+        """Run the asked agent's answer as a task a stop can cancel (:meth:`stop_answers`); a stop refuses
+        the asker's tool call, a cancellation of the asker's own run goes on up."""
+        answering = _Answering(RunRequest(cid, trigger.id, asked.slug), asyncio.ensure_future(run()))
+        self._answering.append(answering)
+        if self._listener is not None:
+            self._listener.run_started(answering.request)
+        try:
+            return await answering.task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if answering.stopped and (current is None or current.cancelling() == 0):
+                log.info("delegation_stopped", conversation_id=cid, asked=asked.slug)
+                message = f"{asked.slug} was stopped before answering (a person stopped it)"
+                raise ToolRefusedError(message) from None
+            answering.task.cancel()
+            raise
+        finally:
+            self._answering.remove(answering)
+            if self._listener is not None:
+                self._listener.run_ended(answering.request)
 
     def askable(self, asker: Agent) -> list[Agent]:
         """The agents ``asker`` may ask: every other configured agent but the orchestrator."""
@@ -163,7 +223,9 @@ class Delegation:
                 self._manager, cid, asked, RunEffects(), trigger=trigger, budget=budget,
                 list_recent=target.list_recent,
             )
-            result, error_kind = await self._answer(profile, context, tool_context)
+            result, error_kind = await self._answer_stoppably(
+                asked, cid, trigger, lambda: self._answer(profile, context, tool_context)
+            )
             answer = await self._save(
                 asked, request, result.text, (asker.pubkey,), thread_id, cid, result, error_kind
             )

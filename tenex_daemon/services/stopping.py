@@ -34,7 +34,7 @@ from collections.abc import Collection, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -151,6 +151,13 @@ class StopReport:
     notice: NostrEvent | None = None
 
 
+class AnswerStops(Protocol):
+    """Answers agents give each other (``send_message``) that a stop cancels too."""
+
+    def stop_answers(self, conversation_id: str, agent_slug: str | None) -> list[RunRequest]:
+        """Cancel ``agent_slug``'s (None: any agent's) answers in the conversation; return them as runs."""
+
+
 class Stopper:
     """Carries out stops for the owner and the whitelisted people (agents cannot stop anyone).
 
@@ -170,8 +177,11 @@ class Stopper:
         messages: PeerMessages | None = None,
         instance: str = "",
         wait_s: float = PEER_ANSWER_WAIT_S,
+        answers: AnswerStops | None = None,
     ) -> None:
         self._manager = manager
+        self._answers_given = answers
+        """The asked agents' answers to ``send_message`` (a stop naming such an agent cancels its answer)."""
         self._composer = composer
         self._outbox = outbox
         self._owner = owner
@@ -259,6 +269,8 @@ class Stopper:
             stopped: list[RunRequest] = []
             for slug in agents if agents is not None else (None,):
                 stopped.extend(await scheduler.cancel(conversation_id, slug))
+                if self._answers_given is not None:  # an answer to another agent, inside its run
+                    stopped.extend(self._answers_given.stop_answers(conversation_id, slug))
             slugs = tuple(dict.fromkeys(r.agent_slug for r in stopped))
             for routed in dict.fromkeys(r.agent_slug for r in stopped if r.via_orchestrator):
                 # the orchestrator's open turn no longer waits for an agent that will not answer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,9 @@ from tenex_daemon.core.llm import (
     LLMBackend,
     ToolResult,
 )
-from tenex_daemon.core.ports import Store
+from tenex_daemon.core.ports import RunStatus, Store
 from tenex_daemon.core.targeting import SkipReason, agent_chain_length, choose_target
+from tenex_daemon.core.vocabulary import KIND_STOP
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.delegation import DELEGATED_TOOLS
 from tenex_daemon.services.dispatcher import EventDispatcher, Outcome
@@ -31,6 +33,7 @@ from tenex_daemon.services.tools import SEND_MESSAGE
 from tenex_daemon.testing.fakes import FakePublisher, RunLog, ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
+from tests.unit.services.test_live_status import StatusLog
 from tests.unit.services.test_tool_loop import calls, text
 
 
@@ -60,6 +63,7 @@ def make_rig(
     agents: list[str] | None = None,
     orchestrator: ScriptedBackend | None = None,
     budgets: dict[str, TokenBudget] | None = None,
+    status: RunStatus | None = None,
 ) -> Rig:
     """The daemon's pipeline (build_pipeline); ``delegation=False`` runs a bare runner without threads
     (the one case production never builds: it is the runner's own option)."""
@@ -86,6 +90,7 @@ def make_rig(
         composer=pipeline.real_composer(cast),
         observer=log,
         hop_limit=6,
+        status=status,
     )
     runner = base.runner
     if not delegation:
@@ -447,3 +452,58 @@ async def test_a_delegated_run_over_budget_keeps_the_request_and_the_conversatio
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
     assert conversation.agent_state("bob").summary is None
+
+
+class HeldBackend(ScriptedBackend):
+    """Holds every answer until it is cancelled; says whether it was."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.asked = asyncio.Event()
+        self.cancelled = False
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Wait for ever (until cancelled)."""
+        self.requests.append(request)
+        self.asked.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        raise AssertionError("never answers")
+
+
+async def test_a_stop_naming_the_asked_agent_cancels_its_answer_and_the_asker_goes_on(cast: Cast) -> None:
+    """While Bob answers Alice's send_message, the live status names him too; a stop (24134) naming Bob
+    cancels his answer: nothing of it is saved or published, the stop names Bob, the person is told
+    "Stopped: Bob.", and Alice's tool call is refused, so she answers without him."""
+    bob = HeldBackend()
+    status = StatusLog()
+    alice = ScriptedBackend([ask("c1", "bob", "What is 2+2?"), text("Bob was stopped; it is 4.")])
+    rig = make_rig(cast, alice, bob, status=status)
+    root = cast.user_says("Alice, find out 2+2 from Bob.", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(bob.asked.wait(), 5)
+    for _ in range(100):
+        if any(cast.bob.pubkey in agents for *_, agents in status.sent):
+            break
+        await asyncio.sleep(0.01)
+    assert any(set(agents) == {cast.alice.pubkey, cast.bob.pubkey} for *_, agents in status.sent)
+
+    stop = cast.factory.event(cast.user, "", kind=KIND_STOP, tags=[["e", root.id], ["p", cast.bob.pubkey]])
+    result = await rig.dispatcher.handle(stop)
+    await settle(rig)
+
+    assert result.agents == ("bob",)
+    assert bob.cancelled
+    assert tool_result(rig.alice).is_error
+    assert "bob was stopped" in tool_result(rig.alice).content
+    request, notice, reply = rig.publisher.published
+    assert request.tag_value("delegation") is not None
+    assert (notice.pubkey, notice.content) == (cast.bob.pubkey, "Stopped: Bob.")
+    assert (reply.pubkey, reply.content) == (cast.alice.pubkey, "Bob was stopped; it is 4.")
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.pubkey for e in conversation.history if e.has_tag("delegation")] == [cast.alice.pubkey]
+    assert status.sent[-1][3] == ()  # nobody works once it is over
