@@ -8,6 +8,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES, UnknownBackendError, make_backend
 from tenex_daemon.adapters.nostr.metadata_event import ConversationMetadataComposer
 from tenex_daemon.adapters.nostr.private import WRAPS_KEY
@@ -57,6 +59,8 @@ from tenex_daemon.services.stopping import PEER_ANSWER_WAIT_S, Stopper
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import ToolRegistry
 from tenex_daemon.services.undelivered import RefusalNotices
+
+log = structlog.get_logger(__name__)
 
 AVAILABLE_BACKENDS = BACKEND_NAMES
 
@@ -227,14 +231,23 @@ def routing_system_prompt(settings: Settings) -> str | None:
     return orchestrator_system_prompt(roles, settings.phase_rules(), configured.instructions)
 
 
+CLAUDE_CONTEXT_WINDOW = 200_000
+"""The context window of the Claude models (tokens): the ``anthropic`` and ``claude-code`` backends'
+window when ``context_window`` is not set."""
+
+
 def build_token_budget(backend_settings: BackendSettings, backend: LLMBackend | None) -> TokenBudget | None:
     """Return an agent's token budget, or None (full history) when its context window is unknown.
 
-    The window is ``context_window``, else the local backend's ``n_ctx``. Tokens are counted by
-    the local backend's own tokenizer (once its model is loaded), else as characters/4 (also
-    without a ``backend``: the CLI's context preview builds none).
+    The window is ``context_window``, else the local backend's ``n_ctx``, else for the Claude backends
+    (``anthropic``, ``claude-code``) :data:`CLAUDE_CONTEXT_WINDOW`; an ``openai`` one (any server speaking
+    its API, whose models differ) has none unless set. Tokens are counted by the local backend's own
+    tokenizer (once its model is loaded), else as characters/4 (also without a ``backend``: the CLI's
+    context preview builds none).
     """
     window = backend_settings.context_window
+    if window is None and backend_settings.kind in ("anthropic", "claude-code"):
+        window = CLAUDE_CONTEXT_WINDOW
     count: TokenCounter = estimate_tokens
     if backend_settings.kind == "local":
         from tenex_daemon.adapters.llm.local import LocalBackend
@@ -252,6 +265,12 @@ def build_agent_profile(agent_settings: AgentSettings, agent: Agent, settings: S
     """Return what a run of one configured agent needs: persona, backend, options and token budget."""
     backend_settings = agent_settings.backend
     backend = build_backend(agent_settings.slug, backend_settings, settings)
+    budget = build_token_budget(backend_settings, backend)
+    if budget is None and backend_settings.kind == "openai":
+        log.warning(
+            "context_window_unknown", agent=agent_settings.slug, model=backend_settings.model,
+            action="full history sent; set the agent's backend.context_window for a budget",
+        )
     return AgentProfile(
         agent=agent,
         instructions=agent_settings.instructions,
@@ -259,7 +278,7 @@ def build_agent_profile(agent_settings: AgentSettings, agent: Agent, settings: S
         model=backend_settings.model,
         temperature=backend_settings.temperature,
         max_tokens=backend_settings.options.get("max_tokens"),
-        budget=build_token_budget(backend_settings, backend),
+        budget=budget,
         recent_in_persona=settings.conversations.recent_in_persona,
         list_recent=settings.conversations.list_recent,
         prices=TokenPrices.of(

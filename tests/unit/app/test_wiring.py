@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from tenex_daemon.adapters.llm import local as local_module
 from tenex_daemon.adapters.llm.local import LocalBackend
@@ -66,6 +67,30 @@ def test_a_backend_that_needs_more_settings_at_init_is_refused(tmp_path: Path) -
     with pytest.raises(HomeError, match="backend 'openai': the openai backend needs a model name"):
         init_home(tmp_path / "h", backend="openai")
     assert not (tmp_path / "h").exists()
+
+
+def test_the_claude_backends_have_their_models_window_and_an_openai_one_without_it_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without context_window the anthropic and claude-code backends get 80% of the Claude models' 200,000
+    tokens (docs/CONTEXT.md's default budget); an openai agent (any server speaking that API) gets none,
+    and its profile's build logs a warning naming the agent and the setting to give."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+    monkeypatch.setenv("TEST_OPENAI_KEY", "sk-test")
+    for kind in ("anthropic", "claude-code"):
+        budget = build_token_budget(BackendSettings(kind=kind, model="claude-sonnet-4-5"), None)
+        assert budget == TokenBudget(160_000, BudgetStrategy.SLIDING_WINDOW, estimate_tokens)
+    assert build_token_budget(BackendSettings(kind="anthropic", context_window=1000), None) is not None
+    openai = settings.agents[0].model_copy(
+        update={"backend": BackendSettings(kind="openai", model="some-model", api_key_env="TEST_OPENAI_KEY")}
+    )
+    agent = Agent(slug=openai.slug, name=openai.name, pubkey="b" * 64)
+    with capture_logs() as logs:
+        profile = build_agent_profile(openai, agent, settings)
+    assert profile.budget is None
+    [warning] = [e for e in logs if e["event"] == "context_window_unknown"]
+    assert (warning["agent"], warning["model"]) == (openai.slug, "some-model")
 
 
 @pytest.mark.parametrize(
