@@ -30,6 +30,7 @@ from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_
 from tenex_daemon.adapters.nostr.codec import Limits
 from tenex_daemon.adapters.nostr.composer import SignedReplyComposer
 from tenex_daemon.adapters.nostr.private import GiftWrapPublisher, GiftWraps, PrivateReplyComposer
+from tenex_daemon.adapters.nostr.profiles import RelayProfileNames
 from tenex_daemon.adapters.nostr.publisher import PoolPublisher
 from tenex_daemon.adapters.nostr.relay_pool import (
     PoolHealth,
@@ -373,10 +374,7 @@ class Daemon:
         await self._write_status()  # "starting" now, not how the last run ended
 
         self.pool = RelayPool(
-            self.relay_urls,
-            on_event=self._on_event,
-            store=self.store,
-            auth_signer=project_signer,
+            self.relay_urls, on_event=self._on_event, store=self.store, auth_signer=project_signer,
             settings=PoolSettings(
                 since_window=settings.relays.since_window_s,
                 delivery_lanes=settings.daemon.intake_lanes,
@@ -413,6 +411,7 @@ class Daemon:
             classify=classify_event,
             partials=publisher if settings.daemon.stream_partials else None,
             resolver=RelayEventResolver(self.pool, store=self.store),
+            names=RelayProfileNames(self.pool),
             fetcher=self.pool,
             observer=self._observer,
             peers=self._peers,

@@ -28,6 +28,7 @@ from tenex_daemon.core.ports import (
     PartialTextPublisher,
     PeerMessages,
     Peers,
+    ProfileNames,
     Publisher,
     ReplyComposer,
     RunStatus,
@@ -374,6 +375,8 @@ class PipelinePorts:
     classify: EventClassifier
     partials: PartialTextPublisher | None = None
     resolver: EventResolver | None = None
+    names: ProfileNames | None = None
+    """People's profile names, labelling them where several people write."""
     fetcher: EventFetcher | None = None
     clock: Clock | None = None
     observer: RunObserver | None = None
@@ -431,6 +434,7 @@ def build_pipeline(
         agents,
         options.project_pubkey,
         resolver=ports.resolver,
+        names=ports.names,
         phase_rules=options.phase_rules,
         clock=ports.clock,
         owner_pubkey=options.owner,

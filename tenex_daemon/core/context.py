@@ -80,10 +80,30 @@ class HistoryView:
     authors_upto: int = 0
 
 
-def person_label(pubkey: str) -> str:
+PERSON_NAME_MAX_CHARS = 40
+"""A profile name longer than this is cut (with an ellipsis) where it labels a person."""
+
+
+def person_label(pubkey: str, name: str | None = None) -> str:
     """Return the label a person's messages carry when several people write (docs/CONTEXT.md step 1):
-    the short npub. tenexd keeps no profiles (kind 0), so there is no profile name to prefer."""
-    return encode_npub(pubkey)[:SHORT_NPUB_CHARS] + "…"
+    their profile name (kind 0; ``name``, on one line, at most :data:`PERSON_NAME_MAX_CHARS` characters),
+    else the short npub."""
+    shown = " ".join(name.split()) if name else ""
+    if not shown:
+        return encode_npub(pubkey)[:SHORT_NPUB_CHARS] + "…"
+    return shown if len(shown) <= PERSON_NAME_MAX_CHARS else shown[: PERSON_NAME_MAX_CHARS - 1] + "…"
+
+
+def people_who_wrote(conversation: Conversation, trigger: NostrEvent, directory: AgentDirectory) -> set[str]:
+    """The people (neither an agent nor the project) with a non-empty event in the conversation or as the
+    trigger: labelled by name or short npub once there are several (step 1)."""
+    authors = {event.pubkey for event in conversation.history if event.content}
+    if trigger.content:
+        authors.add(trigger.pubkey)
+    return {
+        pubkey for pubkey in authors
+        if directory.role_of(pubkey, conversation.claims_agent(pubkey)) is AuthorRole.USER
+    }
 
 
 def previous_context_line(summary: str) -> str:
@@ -112,14 +132,22 @@ class _Sender(NamedTuple):
 
 
 def _sender_for(
-    pubkey: str, conversation: Conversation, agent: Agent, directory: AgentDirectory, people: bool = False
+    pubkey: str,
+    conversation: Conversation,
+    agent: Agent,
+    directory: AgentDirectory,
+    people: bool = False,
+    names: Mapping[str, str] | None = None,
 ) -> _Sender:
-    """How ``pubkey``'s events are shown to ``agent``; ``people``: more than one person wrote."""
+    """How ``pubkey``'s events are shown to ``agent``; ``people``: more than one person wrote (``names``:
+    their profile names, by pubkey, where known)."""
     if pubkey == agent.pubkey:
         return _Sender("assistant", None, AGENT_LABEL_PREFIX + agent.name)
     role = directory.role_of(pubkey, conversation.claims_agent(pubkey))
     if role is AuthorRole.USER:
-        return _Sender("user", f"[{person_label(pubkey)}]: " if people else None, USER_LABEL)
+        if not people:
+            return _Sender("user", None, USER_LABEL)
+        return _Sender("user", f"[{person_label(pubkey, (names or {}).get(pubkey))}]: ", USER_LABEL)
     if role is AuthorRole.AGENT:
         other = directory.by_pubkey(pubkey)
         name = other.name if other is not None else UNKNOWN_AGENT_NAME
@@ -139,6 +167,7 @@ def build_agent_messages(
     view: HistoryView | None = None,
     *,
     burst: bool = False,
+    names: Mapping[str, str] | None = None,
 ) -> AgentContext:
     """Build the chat messages ``agent`` is sent to respond to ``trigger`` (docs/CONTEXT.md).
 
@@ -148,7 +177,8 @@ def build_agent_messages(
     last. Other events saved after the trigger stay out of step 1 (they came after it; the while-away
     block shows them, as it does without ``burst``).
 
-    Pure with respect to the conversation: it is not changed. The caller persists the
+    ``names``: people's profile names by pubkey, labelling them when several people write (else the
+    short npub). Pure with respect to the conversation: it is not changed. The caller persists the
     returned ``last_processed_index``, ``session_id`` and ``transitions_seen`` before
     using the messages. Senders are classified once per author. A ``view`` (kept by the
     caller per conversation and agent) lets history already built be reused, so a
@@ -168,7 +198,7 @@ def build_agent_messages(
     def sender(pubkey: str) -> _Sender:
         found = senders.get(pubkey)
         if found is None:
-            found = senders[pubkey] = _sender_for(pubkey, conversation, agent, directory, people)
+            found = senders[pubkey] = _sender_for(pubkey, conversation, agent, directory, people, names)
         return found
 
     def text(content: str) -> str:
@@ -176,13 +206,7 @@ def build_agent_messages(
 
     # 1. History up to (not including) the trigger; all of it when the trigger is not stored.
     stop = history_length if trigger_index is None else trigger_index
-    fingerprint = (
-        id(directory),
-        agent.pubkey,
-        conversation.claimant_count(),
-        people,
-        tuple(sorted(resolved.items())),
-    )
+    fingerprint = _fingerprint(conversation, agent, directory, people, names, resolved)
     messages = _history_prefix(history, stop, view, fingerprint, sender, text if resolved else None)
     if burst and trigger_index is not None:  # the trigger goes last: the agent's own later answers first
         later = [event for event in history[trigger_index + 1 :] if event.pubkey == own_key]
@@ -230,6 +254,25 @@ def build_agent_messages(
         protected=tuple(range(len(messages) - tail, len(messages))),
         summary=state.summary if state is not None else None,
         summary_covers=state.summary_covers if state is not None else 0,
+    )
+
+
+def _fingerprint(
+    conversation: Conversation,
+    agent: Agent,
+    directory: AgentDirectory,
+    people: bool,
+    names: Mapping[str, str] | None,
+    resolved: Mapping[str, str],
+) -> tuple[object, ...]:
+    """What shapes the history messages of a :class:`HistoryView` besides the events themselves."""
+    return (
+        id(directory),
+        agent.pubkey,
+        conversation.claimant_count(),
+        people,
+        tuple(sorted(names.items())) if people and names else (),
+        tuple(sorted(resolved.items())),
     )
 
 

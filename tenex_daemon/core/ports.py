@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -155,6 +155,13 @@ class EventResolver(Protocol):
 
     async def resolve(self, entity: Entity) -> NostrEvent | None:
         """Return the referenced event, or None when it cannot be found."""
+
+
+class ProfileNames(Protocol):
+    """People's profile names (kind 0), for labelling them when several people write (docs/CONTEXT.md)."""
+
+    async def names(self, pubkeys: Collection[str]) -> dict[str, str]:
+        """Return the names known or found in time for ``pubkeys`` (a pubkey without one is left out)."""
 
 
 class Clock(Protocol):

@@ -23,6 +23,7 @@ from tenex_daemon.core.context import (
     build_routing_context,
     conversation_event_references,
     is_person_message,
+    people_who_wrote,
 )
 from tenex_daemon.core.conversation import (
     UNTITLED,
@@ -36,7 +37,7 @@ from tenex_daemon.core.errors import (
 )
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase, PhaseRules, PhaseTransition
-from tenex_daemon.core.ports import Clock, EventResolver, Store, SystemClock
+from tenex_daemon.core.ports import Clock, EventResolver, ProfileNames, Store, SystemClock
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.core.turns import OrchestratorTurn
 from tenex_daemon.core.vocabulary import (
@@ -89,6 +90,7 @@ class ConversationManager:
         project_pubkey: str | None = None,
         *,
         resolver: EventResolver | None = None,
+        names: ProfileNames | None = None,
         phase_rules: PhaseRules | None = None,
         clock: Clock | None = None,
         resolve_timeout: float = DEFAULT_RESOLVE_TIMEOUT_S,
@@ -105,6 +107,8 @@ class ConversationManager:
         else:
             self.agents = AgentDirectory(agents, project_pubkey, owner_pubkey)
         self._references = References(resolver, resolve_timeout)
+        self._names = names
+        """People's profile names (none: people are labelled by short npub)."""
         self.phase_rules = phase_rules or PhaseRules()
         self._clock: Clock = clock or SystemClock()
         self._locks = KeyedLock()
@@ -289,19 +293,21 @@ class ConversationManager:
         """
         agent = self.agents.get(agent_slug)
         async with self._locks.hold(conversation_id):
-            references = conversation_event_references(await self._load_required(conversation_id), trigger)
+            loaded = await self._load_required(conversation_id)
+            references = conversation_event_references(loaded, trigger)
         resolved = await self._references.contents(references)
+        names = await self._people_names(loaded, trigger)
         if not persist:
             async with self._locks.hold(conversation_id):
                 conversation = await self._load_required(conversation_id)
                 view = self._history_view(conversation_id, agent.slug)
                 return build_agent_messages(
-                    conversation, agent, trigger, self.agents, resolved, view, burst=burst
+                    conversation, agent, trigger, self.agents, resolved, view, burst=burst, names=names
                 )
         async with self._locked(conversation_id) as conversation:
             view = self._history_view(conversation_id, agent.slug)
             context = build_agent_messages(
-                conversation, agent, trigger, self.agents, resolved, view, burst=burst
+                conversation, agent, trigger, self.agents, resolved, view, burst=burst, names=names
             )
             record_context(conversation.agent_state(agent.slug), context)
             if start_execution:
@@ -781,4 +787,12 @@ class ConversationManager:
                 raise ValueError(f"conversation {conversation_id} has no events")
             trigger = conversation.history[-1]
         resolved = await self._references.contents(conversation_event_references(conversation, trigger))
-        return build_agent_messages(conversation, agent, trigger, self.agents, resolved, burst=True)
+        names = await self._people_names(conversation, trigger)
+        return build_agent_messages(
+            conversation, agent, trigger, self.agents, resolved, burst=True, names=names
+        )
+
+    async def _people_names(self, conversation: Conversation, trigger: NostrEvent) -> dict[str, str]:
+        """The profile names of the people who wrote, when several did (their labels); else none."""
+        people = people_who_wrote(conversation, trigger, self.agents)
+        return await self._names.names(people) if self._names is not None and len(people) > 1 else {}

@@ -3,6 +3,8 @@ each person's message carries their label; with one person the messages stay byt
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from tenex_daemon import ConversationManager
 from tenex_daemon.core.agents import AgentDirectory
 from tenex_daemon.core.context import (
@@ -14,7 +16,10 @@ from tenex_daemon.core.context import (
 )
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.nip19 import encode_npub
+from tenex_daemon.testing.fakes import ScriptedBackend
+from tests import pipeline
 from tests.conftest import Cast
+from tests.unit.services.test_tool_loop import text
 
 
 def test_person_label_is_the_short_npub() -> None:
@@ -120,3 +125,43 @@ async def test_a_second_person_s_empty_event_labels_nobody(manager: Conversation
     again = await manager.build_agent_messages(conversation.id, "alice", trailing)
     assert ChatMessage("user", "Plan my trip") in again.messages
     assert ChatMessage("user", "To Lisbon") in again.messages
+
+
+def test_a_person_is_labelled_by_profile_name_on_one_line_and_cut() -> None:
+    """With a profile name the label is that name (its whitespace runs made one space, at most 40
+    characters with an ellipsis); a blank name falls back to the short npub."""
+    pubkey = "ab" * 32
+    assert person_label(pubkey, "Carol") == "Carol"
+    assert person_label(pubkey, "  Carol\n the\tGreat ") == "Carol the Great"
+    long = "x" * 60
+    assert person_label(pubkey, long) == "x" * 39 + "…"
+    assert person_label(pubkey, " \n ") == person_label(pubkey)
+
+
+async def test_the_run_labels_people_by_their_profile_names(cast: Cast) -> None:
+    """Through the production pipeline, with two people in the conversation, the agent is shown each
+    person's profile name where one is known ("[Carol]: ...") and the short npub for the other."""
+    asked: list[set[str]] = []
+
+    class Names:
+        async def names(self, pubkeys: Collection[str]) -> dict[str, str]:
+            asked.append(set(pubkeys))
+            return {pubkey: "Carol" for pubkey in pubkeys if pubkey == cast.other_user.pubkey}
+
+    backend = ScriptedBackend([text("Hi both."), text("Noted.")])
+    rig = pipeline.build_rig(
+        cast, backend=backend, names=Names(), whitelist=[cast.other_user.pubkey], whitelist_may_join=True
+    )
+    root = cast.user_says("Plan my trip", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    guest = cast.factory.event(
+        cast.other_user, "Lisbon, please", tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]]
+    )
+    await rig.dispatcher.handle(guest)
+    await rig.settle()
+
+    shown = [m.content for m in backend.requests[-1].messages]
+    assert shown[0] == f"[{person_label(cast.user.pubkey)}]: Plan my trip"
+    assert shown[-1] == "[Carol]: Lisbon, please"
+    assert asked == [{cast.user.pubkey, cast.other_user.pubkey}]  # asked only once two people wrote
