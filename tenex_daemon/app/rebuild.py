@@ -425,7 +425,11 @@ class Rebuilder:
                 report.events_skipped["conversation_deleted"] += len(events)
                 log.info("rebuild_conversation_deleted", conversation_id=plan.conversation_id)
                 return
-            conversation = await self._manager.create_conversation(events[0], channel=plan.channel)
+            started_at_reply = plan.root is None and events[0].id != plan.conversation_id
+            missing_root = plan.conversation_id if started_at_reply else None
+            conversation = await self._manager.create_conversation(
+                events[0], channel=plan.channel, missing_root=missing_root
+            )
             report.conversations_created += 1
             report.events_added += 1
             events = events[1:]

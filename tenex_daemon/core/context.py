@@ -172,10 +172,11 @@ def build_agent_messages(
     """Build the chat messages ``agent`` is sent to respond to ``trigger`` (docs/CONTEXT.md).
 
     ``burst``: the trigger is answered by a run that may have waited (docs/CONTEXT.md, "Bursts"): step 1
-    then shows, after the history before the trigger, the agent's own answers saved after it (to an
-    earlier message of its burst, or to the message its previous run answered), and the trigger comes
-    last. Other events saved after the trigger stay out of step 1 (they came after it; the while-away
-    block shows them, as it does without ``burst``).
+    then shows, after the history before the trigger, what was saved after it that the agent said (its
+    answers to an earlier message of its burst, or to the message its previous run answered) or was
+    already shown (by a run for a later message that went first: before its last processed index), and
+    the trigger comes last. Other events saved after the trigger stay out of step 1 (they came after it;
+    the while-away block shows them, as it does without ``burst``).
 
     ``names``: people's profile names by pubkey, labelling them when several people write (else the
     short npub). Pure with respect to the conversation: it is not changed. The caller persists the
@@ -208,8 +209,12 @@ def build_agent_messages(
     stop = history_length if trigger_index is None else trigger_index
     fingerprint = _fingerprint(conversation, agent, directory, people, names, resolved)
     messages = _history_prefix(history, stop, view, fingerprint, sender, text if resolved else None)
-    if burst and trigger_index is not None:  # the trigger goes last: the agent's own later answers first
-        later = [event for event in history[trigger_index + 1 :] if event.pubkey == own_key]
+    if burst and trigger_index is not None:  # the trigger goes last: what the agent saw or said since first
+        later = [
+            event
+            for index, event in enumerate(history[trigger_index + 1 :], trigger_index + 1)
+            if event.pubkey == own_key or index < last_processed
+        ]
         messages.extend(_history_messages(later, sender, text if resolved else None))
     append = messages.append
 

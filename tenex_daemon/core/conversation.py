@@ -14,7 +14,7 @@ from tenex_daemon.core.phases import Phase, PhaseTransition
 from tenex_daemon.core.references import find_event_references
 from tenex_daemon.core.thread_tags import read_threading
 from tenex_daemon.core.turns import OrchestratorTurn
-from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_NOTE, KIND_PRIVATE_MESSAGE
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_PRIVATE_MESSAGE
 
 UNTITLED = "Untitled Conversation"
 TASK_SESSION_EXPIRED = "task_session_expired"
@@ -117,6 +117,9 @@ class Conversation(BaseModel):
     """The kind-1934 task this conversation is a session of (its id, for every session)."""
     previous_session: str | None = None
     """The task session this one follows (that one expired and was archived)."""
+    missing_root: str | None = None
+    """The thread root its first event (a reply) names, which no relay gave: that reply started the
+    conversation, and its replies, typing, live status and metadata name this root (docs/PROTOCOL.md)."""
     tools_used: dict[str, list[str]] = Field(default_factory=dict)
     """The tools an agent called for each of its replies (reply event id -> tool names, in call order);
     replies that called none are not listed."""
@@ -147,12 +150,13 @@ class Conversation(BaseModel):
 
     @property
     def named_root(self) -> str | None:
-        """The thread root named by the conversation's first event when that event is a reply (a kind-1111
-        comment, or a kind-1 note replying in a NIP-10 thread) that started the conversation because its
-        own root could not be found: the thread's replies keep naming that root (NIP-22, NIP-10). None
-        when the first event is a root."""
+        """The thread root named by the conversation's first event when that event is a reply that started
+        the conversation: :attr:`missing_root`; or a comment (kind 1111) as first event, whose ``E`` names
+        its thread's root (NIP-22 has a comment's replies keep it). None when the first event is a root."""
+        if self.missing_root:
+            return self.missing_root
         root = self.root
-        if root is None or root.kind not in (KIND_COMMENT, KIND_NOTE):
+        if root is None or root.kind != KIND_COMMENT:
             return None
         named = read_threading(root).root_id
         return named if named and named != root.id else None

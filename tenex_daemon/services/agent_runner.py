@@ -204,6 +204,7 @@ class AgentRunner:
         if conversation is None or index is None:
             log.error("run_trigger_missing", conversation_id=cid, event_id=request.trigger_id)
             return None
+        request, index = _newest_last(request, conversation, index)
         trigger = conversation.history[index]
         if await self._done_already(request, conversation, index, profile.agent.pubkey):
             return None
@@ -376,6 +377,7 @@ class AgentRunner:
                 trigger=trigger,
                 root=conversation.root,
                 task_id=conversation.task_id,
+                missing_root=conversation.missing_root,
                 content=result.text,
                 destinations=tuple(destinations),
                 phase=conversation.phase.value,
@@ -430,3 +432,18 @@ class AgentRunner:
             await self._publisher.typing(agent_slug, conversation_id, active)
         except Exception as exc:
             log.info("typing_not_published", agent=agent_slug, error=str(exc))
+
+
+def _newest_last(request: RunRequest, conversation: Conversation, index: int) -> tuple[RunRequest, int]:
+    """A burst's trigger is the newest of its messages in history (docs/CONTEXT.md, "Bursts"): a request
+    taken in from a dead daemon's journal comes after this daemon's own, though its message may be older.
+    Returns the request, its trigger swapped with the newest when needed, and the trigger's index."""
+    newest_index, newest = index, request.trigger_id
+    for earlier in request.burst:
+        found = conversation.index_of(earlier)
+        if found is not None and found > newest_index:
+            newest_index, newest = found, earlier
+    if newest == request.trigger_id:
+        return request, index
+    others = tuple(each for each in (*request.burst, request.trigger_id) if each != newest)
+    return replace(request, trigger_id=newest, burst=others), newest_index

@@ -164,13 +164,14 @@ class ConversationManager:
         channel: str | None = None,
         task_id: str | None = None,
         previous_session: str | None = None,
+        missing_root: str | None = None,
     ) -> Conversation:
         """Create a conversation whose root (and id) is ``event``; idempotent by id.
 
         Title: the ``title`` tag (never replaced by a model's), else "Untitled Conversation". An ``a``
         tag ``30023:<pubkey>:<d>`` makes the article the referenced article. ``exclusive``: raise
         :class:`ConversationExistsError` when it exists (another daemon created it) instead of
-        returning it. ``channel``, ``task_id``, ``previous_session``: docs/ARCHITECTURE.md, lifecycle.
+        returning it. ``channel``, ``task_id``, ``previous_session``, ``missing_root``: see Conversation.
         """
         event.require_valid_id()
         async with self._locks.hold(event.id):
@@ -194,6 +195,7 @@ class ConversationManager:
                 channel=channel,
                 task_id=task_id,
                 previous_session=previous_session,
+                missing_root=missing_root,
             )
             conversation.append(event)
             self._note_user_message(conversation, event)

@@ -126,6 +126,7 @@ class Delegation:
             each for each in self._answering
             if each.request.conversation_id == conversation_id
             and (agent_slug is None or each.request.agent_slug == agent_slug)
+            and not each.task.done()  # its answer is in: the asker gets it, the stop does not name it
         ]
         for each in found:
             each.stopped = True
@@ -267,6 +268,7 @@ class Delegation:
             trigger=parent,
             root=conversation.root,
             task_id=conversation.task_id,
+            missing_root=conversation.missing_root,
             content=content,
             destinations=destinations,
             phase=conversation.phase.value,

@@ -374,7 +374,7 @@ class EventDispatcher:
             action="reply starts the conversation",
         )
         conversation = await self._manager.create_conversation(
-            reply, exclusive=True, task_id=root_id if task else None
+            reply, exclusive=True, task_id=root_id if task else None, missing_root=root_id
         )
         # the thread's later replies, which name the same missing root, join this conversation
         await self._manager.store.set_meta(adopted_root_key(root_id), conversation.id)

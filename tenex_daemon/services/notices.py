@@ -33,6 +33,7 @@ async def save_notice(
         trigger=trigger,
         root=conversation.root,
         task_id=conversation.task_id,
+        missing_root=conversation.missing_root,
         content=content,
         destinations=(user_destination(conversation, trigger, manager),),
         phase=conversation.phase.value,

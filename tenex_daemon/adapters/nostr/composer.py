@@ -8,8 +8,7 @@ from collections.abc import Mapping
 
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplySpec
-from tenex_daemon.core.thread_tags import read_threading
-from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_NOTE
+from tenex_daemon.core.vocabulary import KIND_COMMENT
 
 from .codec import ReplyDetails, ThreadRoot, build_agent_reply, root_of, task_thread_root
 from .signer import Signer
@@ -34,11 +33,10 @@ class SignedReplyComposer:
         root: ThreadRoot | NostrEvent | None = spec.root
         if spec.task_id is not None:
             root = task_thread_root(spec.task_id, spec.root)
-        elif spec.root is not None and spec.root.kind in (KIND_COMMENT, KIND_NOTE):
-            named = read_threading(spec.root).root_id
-            if named is not None and named != spec.root.id:
-                # a reply whose own root could not be found started the conversation: its thread's root
-                root = root_of(spec.root)
+        elif spec.root is not None and (spec.missing_root is not None or spec.root.kind == KIND_COMMENT):
+            # a reply whose own root no relay gave started the conversation (or a comment is its first
+            # event): the root that reply names
+            root = root_of(spec.root)
         details = ReplyDetails(
             project=self._project,
             phase=spec.phase,

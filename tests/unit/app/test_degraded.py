@@ -27,10 +27,8 @@ from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.status import read_status, write_status
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.targeting import SkipReason
 from tenex_daemon.core.vocabulary import KIND_GIFT_WRAP
 from tenex_daemon.services.dispatcher import HandleResult, Outcome
-from tenex_daemon.services.orchestrator import RoutingStop
 from tenex_daemon.services.private_messages import Intake
 from tenex_daemon.testing.fakes import signers_for
 from tests.conftest import Cast
@@ -366,17 +364,19 @@ async def test_an_event_another_daemon_took_in_first_counts_as_a_duplicate_not_a
 
 
 async def test_an_accepted_event_that_runs_no_agent_is_counted_with_its_reason(tmp_path: Path, cast: Cast) -> None:
-    """An event accepted into history that runs nobody (an agent's chain past the hop limit, an agent's own
-    event) counts as accepted and, by its reason, in ``tenexd_events_ran_nobody_total``; an event stored for
-    any other reason (a routing stop) is not counted there."""
-    event = cast.alice_says("over to you")
+    """Events taken in from a relay that are accepted into a conversation but run no agent (a root p-tagging
+    only someone else; one side of a send_message exchange) count as accepted and, by their reason, in
+    ``tenexd_events_ran_nobody_total``; an event that runs an agent is not counted there."""
+    root = cast.user_says("for someone else", kind=11, tags=[["p", cast.other_user.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]]
+    copy = cast.factory.event(cast.alice_keys, "asked bob", tags=[*thread, ["p", cast.bob.pubkey], ["delegation", "t"]])
     async with daemon_with_pool(tmp_path, cast, FlakyStore()) as daemon:
-        daemon._count(event, HandleResult(Outcome.STORED, SkipReason.HOP_LIMIT.value, event.id))
-        daemon._count(event, HandleResult(Outcome.STORED, SkipReason.OWN_EVENT.value, event.id))
-        daemon._count(event, HandleResult(Outcome.STORED, RoutingStop.TURN_WAITING.value, event.id))
+        assert daemon.pool is not None
+        for event in (root, copy):
+            await daemon.pool.intake(event, "ws://relay", "tenexd-mentions")
+        assert await wait_until(lambda: daemon.status()["events"]["accepted"] == 2)
 
-        assert daemon.status()["events"]["accepted"] == 3
         text = daemon.metrics.render()
-        assert b'tenexd_events_ran_nobody_total{reason="hop_limit"} 1.0' in text
-        assert b'tenexd_events_ran_nobody_total{reason="own_event"} 1.0' in text
-        assert b'reason="turn_waiting"' not in text
+        assert b'tenexd_events_ran_nobody_total{reason="addressed_elsewhere"} 1.0' in text
+        assert b'tenexd_events_ran_nobody_total{reason="delegation"} 1.0' in text
+        assert text.count(b"tenexd_events_ran_nobody_total{") == 2

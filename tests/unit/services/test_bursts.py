@@ -6,6 +6,7 @@ import asyncio
 
 from tenex_daemon.core.context import NEW_INTERACTION
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
+from tenex_daemon.services.runs import RunRequest
 from tests import pipeline
 from tests.conftest import Cast
 
@@ -250,3 +251,48 @@ async def test_a_run_that_fails_with_an_error_is_tried_again_as_recovered(cast: 
     assert [(r.trigger_id, r.recovered) for r in tries] == [("t0", False), ("t0", True)]
     assert scheduler.failed == 1
     assert scheduler.completed == 1
+
+
+async def test_a_run_for_an_older_message_shows_what_a_run_for_a_later_one_showed(cast: Cast) -> None:
+    """When a routed burst for a later message runs before a direct run for an older one, the older one's
+    run still shows the later message the agent was shown (and answered) before its trigger: no message
+    the agent answered is missing from its view."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]]
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    for event in (
+        cast.user_says("second, routed", tags=thread),
+        cast.user_says("third, to alice", tags=[*thread, ["p", cast.alice.pubkey]]),
+        cast.user_says("fourth, routed", tags=thread),
+    ):
+        await rig.dispatcher.handle(event)
+
+    backend.release.set()
+    await rig.settle()
+
+    runs = [[m.content for m in request.messages] for request in backend.requests]
+    assert [run[-1] for run in runs] == ["first", "fourth, routed", "third, to alice"]
+    assert "fourth, routed" in runs[2][:-1]
+
+
+async def test_a_burst_run_answers_the_newest_message_whatever_order_its_requests_came_in(cast: Cast) -> None:
+    """A burst whose request names an older trigger than one it covers (a request taken in from a dead
+    daemon's journal comes after this daemon's own) is run for the newest message, the older one standing
+    before it."""
+    backend = GatedBackend()
+    backend.release.set()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    later = cast.user_says("second", tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]])
+    await rig.manager.add_event(root.id, later)
+
+    reply = await rig.runner.run(RunRequest(root.id, root.id, "alice", burst=(later.id,)))
+
+    assert reply is not None
+    assert reply.tag_value("e") == later.id
+    shown = [(m.role, m.content) for m in backend.requests[0].messages]
+    assert (shown[0], shown[-1]) == (("user", "first"), ("user", "second"))

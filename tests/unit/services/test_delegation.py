@@ -6,6 +6,7 @@ import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
 from tenex_daemon.adapters.llm.offline import OfflineBackend
@@ -507,3 +508,25 @@ async def test_a_stop_naming_the_asked_agent_cancels_its_answer_and_the_asker_go
     assert conversation is not None
     assert [e.pubkey for e in conversation.history if e.has_tag("delegation")] == [cast.alice.pubkey]
     assert status.sent[-1][3] == ()  # nobody works once it is over
+
+
+async def test_a_stop_does_not_name_an_answer_already_in(cast: Cast) -> None:
+    """An answer whose model call is over (the asker about to get it) is not stopped: the stop neither
+    cancels nor names it, so it is never both delivered and reported stopped."""
+    from tenex_daemon.services.delegation import _Answering
+
+    rig = make_rig(cast, ScriptedBackend([text("unused")]))
+    delegation = rig.runner.delegation
+    assert delegation is not None
+    done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    done.set_result((text("4"), None))
+    working: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    delegation._answering.extend([
+        _Answering(RunRequest("c", "t", "bob"), done), _Answering(RunRequest("c", "t", "bob"), working)
+    ])
+
+    stopped = delegation.stop_answers("c", "bob")
+
+    assert stopped == [RunRequest("c", "t", "bob")]
+    assert working.cancelled()
+    assert not done.cancelled()

@@ -200,3 +200,37 @@ async def test_a_task_first_seen_through_a_comment_is_worked_on_in_sessions(cast
         assert following is not None
         assert (following.task_id, following.previous_session) == (task.id, session.id)
         assert conversation_json(following)["is_task"]  # the API says so of every session of a task
+
+
+async def test_a_fetched_root_that_is_itself_a_reply_keeps_its_own_thread(cast: Cast) -> None:
+    """A kind-1 note naming as its root a note the relays give (found, not missing), which itself replies
+    in another thread: the conversation is that note's, the agent's replies name it as their root, and the
+    next reply naming it joins the conversation (only a root no relay gave is replaced by the one its
+    first event names)."""
+    elsewhere = "ef" * 32
+    fetched = cast.factory.event(
+        cast.user, "An older note", kind=KIND_NOTE, tags=[["e", elsewhere, "", "root"], ["p", cast.alice.pubkey]]
+    )
+    rig = pipeline.build_rig(cast, fetcher=Holding(fetched), composer=pipeline.real_composer(cast))
+    first = cast.factory.event(
+        cast.user, "About that note", kind=KIND_NOTE, tags=[["e", fetched.id, "", "reply"], ["p", cast.alice.pubkey]]
+    )
+    started = await rig.dispatcher.handle(first)
+    await rig.quiet()
+    follow = note_reply_in(cast, fetched.id, "And more", started.conversation_id or "")
+    joined = await rig.dispatcher.handle(follow)
+    await rig.settle()
+
+    assert started.conversation_id == joined.conversation_id == fetched.id
+    conversation = await rig.manager.get_conversation(fetched.id)
+    assert conversation is not None
+    assert conversation.thread_id == fetched.id
+    replies = [e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]
+    assert replies
+    assert all(["e", fetched.id, "", "root"] in reply.tags for reply in replies)
+
+
+def note_reply_in(cast: Cast, root_id: str, text: str, parent_id: str) -> NostrEvent:
+    """The person's kind-1 reply in the thread rooted at ``root_id``, replying to ``parent_id``."""
+    tags = [["e", root_id, "", "root"], ["e", parent_id, "", "reply"], ["p", cast.alice.pubkey]]
+    return cast.factory.event(cast.user, text, kind=KIND_NOTE, tags=tags)
