@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tenex_daemon.core.context import NEW_INTERACTION
+from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.services.runs import RunRequest
 from tests import pipeline
@@ -31,16 +34,18 @@ class GatedBackend:
         return CompletionResult(text=f"answer {number}", model="gated")
 
 
+@pytest.mark.parametrize("addressed", [True, False], ids=["p-tagging the agent", "routed by the orchestrator"])
 async def test_a_burst_is_answered_once_by_a_run_that_sees_every_message_and_its_earlier_answer(
-    cast: Cast,
+    cast: Cast, addressed: bool
 ) -> None:
-    """Two messages sent while the agent answers a first one cost one more call, not two: its trigger is
-    the newest, it shows both messages in order and the agent's answer to the first, and nothing is
-    answered twice."""
+    """Two messages sent while the agent answers a first one cost one more call, not two, whether they
+    p-tag the agent or the orchestrator routes them to it: its trigger is the newest, it shows both
+    messages in order and the agent's answer to the first, and nothing is answered twice."""
     backend = GatedBackend()
     rig = pipeline.build_rig(cast, backend=backend)
-    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
-    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
+    to_alice = [["p", cast.alice.pubkey]] if addressed else []
+    root = cast.user_says("first", kind=11, tags=to_alice)
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], *to_alice]
     await rig.dispatcher.handle(root)
     await asyncio.wait_for(backend.asked.wait(), 5)
     second = cast.user_says("second", tags=thread)
@@ -84,29 +89,14 @@ async def test_a_message_that_arrives_during_a_run_gets_the_next_run_which_sees_
     assert len(rig.publisher.published) == 2
 
 
-async def test_messages_the_orchestrator_routes_to_a_busy_agent_are_answered_together(cast: Cast) -> None:
-    """Two unaddressed messages routed to the agent while it answers a first one get one more run, not two:
-    its trigger is the newest, both stand in order before it, and each message is answered once."""
-    backend = GatedBackend()
+async def alice_busy(cast: Cast, backend: GatedBackend) -> tuple[pipeline.Rig, NostrEvent, list[list[str]]]:
+    """A rig whose Alice is answering the person's first message (held by ``backend``): the rig, that
+    root, and the tags of a reply in its thread addressing nobody."""
     rig = pipeline.build_rig(cast, backend=backend)
-    root = cast.user_says("first", kind=11)
-    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]]
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
     await rig.dispatcher.handle(root)
     await asyncio.wait_for(backend.asked.wait(), 5)
-    second = cast.user_says("second", tags=thread)
-    third = cast.user_says("third", tags=thread)
-    await rig.dispatcher.handle(second)
-    await rig.dispatcher.handle(third)
-
-    backend.release.set()
-    await rig.settle()
-
-    assert len(backend.requests) == 2
-    shown = [(m.role, m.content) for m in backend.requests[1].messages]
-    assert shown[:3] == [("user", "first"), ("user", "second"), ("assistant", "answer 1")]
-    assert shown[-2:] == [("system", NEW_INTERACTION), ("user", "third")]
-    replies = rig.publisher.published
-    assert [(r.content, r.tag_value("e")) for r in replies] == [("answer 1", root.id), ("answer 2", third.id)]
+    return rig, root, [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]]
 
 
 async def test_a_message_that_came_after_the_trigger_is_never_shown_before_it(cast: Cast) -> None:
@@ -114,11 +104,7 @@ async def test_a_message_that_came_after_the_trigger_is_never_shown_before_it(ca
     answers: a person's later message (here a direct one, behind a routed trigger) is in the while-away
     block alone, never in the history before the trigger, which comes last."""
     backend = GatedBackend()
-    rig = pipeline.build_rig(cast, backend=backend)
-    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
-    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]]
-    await rig.dispatcher.handle(root)
-    await asyncio.wait_for(backend.asked.wait(), 5)
+    rig, _, thread = await alice_busy(cast, backend)
     routed = cast.user_says("second, to whoever", tags=thread)
     direct = cast.user_says("third, to alice", tags=[*thread, ["p", cast.alice.pubkey]])
     await rig.dispatcher.handle(routed)
@@ -258,11 +244,7 @@ async def test_a_run_for_an_older_message_shows_what_a_run_for_a_later_one_showe
     run still shows the later message the agent was shown (and answered) before its trigger: no message
     the agent answered is missing from its view."""
     backend = GatedBackend()
-    rig = pipeline.build_rig(cast, backend=backend)
-    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
-    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]]
-    await rig.dispatcher.handle(root)
-    await asyncio.wait_for(backend.asked.wait(), 5)
+    rig, _, thread = await alice_busy(cast, backend)
     for event in (
         cast.user_says("second, routed", tags=thread),
         cast.user_says("third, to alice", tags=[*thread, ["p", cast.alice.pubkey]]),

@@ -37,19 +37,15 @@ def comment(cast: Cast, text: str, parent_id: str) -> NostrEvent:
     return cast.factory.event(cast.user, text, kind=KIND_COMMENT, tags=tags)
 
 
-async def test_a_thread_whose_root_is_missing_stays_one_conversation_in_its_own_thread(cast: Cast) -> None:
-    """The first comment starts the conversation; Alice's reply names the missing root as its root (E, K 11,
-    P), the comment as its parent, and its typing names the thread; a second comment, replying to the first,
-    joins the same conversation, and Alice's second run is shown both messages."""
-    rig = pipeline.build_rig(cast, fetcher=NothingFound(), composer=pipeline.real_composer(cast))
-    first = comment(cast, "What about the budget?", MISSING_ROOT)
-
+async def two_replies_in_one_conversation(
+    rig: pipeline.Rig, cast: Cast, first: NostrEvent, second: NostrEvent
+) -> list[NostrEvent]:
+    """Take in ``first`` (a reply naming the missing root: it starts a conversation whose thread is that
+    root) and then ``second`` (the thread's next reply: it joins it); return Alice's two replies."""
     started = await rig.dispatcher.handle(first)
     await rig.quiet()
-    second = comment(cast, "And the dates?", first.id)
     joined = await rig.dispatcher.handle(second)
     await rig.settle()
-
     assert started.outcome is Outcome.SCHEDULED
     assert (joined.outcome, joined.conversation_id) == (Outcome.SCHEDULED, first.id)
     conversation = await rig.manager.get_conversation(first.id)
@@ -57,6 +53,19 @@ async def test_a_thread_whose_root_is_missing_stays_one_conversation_in_its_own_
     assert conversation.thread_id == MISSING_ROOT
     replies = [e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]
     assert len(replies) == 2
+    return replies
+
+
+async def test_a_thread_whose_root_is_missing_stays_one_conversation_in_its_own_thread(cast: Cast) -> None:
+    """The first comment starts the conversation; Alice's reply names the missing root as its root (E, K 11,
+    P), the comment as its parent, and its typing names the thread; a second comment, replying to the first,
+    joins the same conversation, and Alice's second run is shown both messages."""
+    rig = pipeline.build_rig(cast, fetcher=NothingFound(), composer=pipeline.real_composer(cast))
+    first = comment(cast, "What about the budget?", MISSING_ROOT)
+    second = comment(cast, "And the dates?", first.id)
+
+    replies = await two_replies_in_one_conversation(rig, cast, first, second)
+
     for reply, trigger in zip(replies, (first, second), strict=True):
         assert reply.kind == KIND_COMMENT
         assert reply.tags[:5] == [
@@ -64,6 +73,8 @@ async def test_a_thread_whose_root_is_missing_stays_one_conversation_in_its_own_
             ["e", trigger.id, "", cast.user.pubkey], ["k", "1111"],
         ]
     assert set(rig.publisher.typing_threads) == {MISSING_ROOT}
+    conversation = await rig.manager.get_conversation(first.id)
+    assert conversation is not None
     assert [e.id for e in conversation.history] == [first.id, replies[0].id, second.id, replies[1].id]
     assert await rig.manager.get_conversation(second.id) is None
 
@@ -81,19 +92,10 @@ async def test_a_kind_1_thread_whose_root_is_missing_is_answered_in_that_thread(
     status = StatusLog()
     rig = pipeline.build_rig(cast, fetcher=NothingFound(), composer=pipeline.real_composer(cast), status=status)
     first = note_reply(cast, "What about the budget?", "cd" * 32)
-
-    await rig.dispatcher.handle(first)
-    await rig.quiet()
     second = note_reply(cast, "And the dates?", first.id)
-    joined = await rig.dispatcher.handle(second)
-    await rig.settle()
 
-    assert joined.conversation_id == first.id
-    conversation = await rig.manager.get_conversation(first.id)
-    assert conversation is not None
-    assert conversation.thread_id == MISSING_ROOT
-    replies = [e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]
-    assert len(replies) == 2
+    replies = await two_replies_in_one_conversation(rig, cast, first, second)
+
     for reply, trigger in zip(replies, (first, second), strict=True):
         assert reply.kind == KIND_NOTE
         threading = [t for t in reply.tags if t[0] == "e"]
