@@ -94,14 +94,15 @@ def person_label(pubkey: str, name: str | None = None) -> str:
     return shown if len(shown) <= PERSON_NAME_MAX_CHARS else shown[: PERSON_NAME_MAX_CHARS - 1] + "…"
 
 
-def people_who_wrote(conversation: Conversation, trigger: NostrEvent, directory: AgentDirectory) -> set[str]:
+def people_who_wrote(
+    conversation: Conversation, trigger: NostrEvent, directory: AgentDirectory, view: HistoryView | None
+) -> set[str]:
     """The people (neither an agent nor the project) with a non-empty event in the conversation or as the
-    trigger: labelled by name or short npub once there are several (step 1)."""
-    authors = {event.pubkey for event in conversation.history if event.content}
-    if trigger.content:
-        authors.add(trigger.pubkey)
+    trigger: labelled by name or short npub once there are several (step 1). With ``view`` the authors are
+    collected incrementally (:func:`_authors`)."""
+    authors = _authors(conversation, view)
     return {
-        pubkey for pubkey in authors
+        pubkey for pubkey in (*authors, *((trigger.pubkey,) if trigger.content else ()))
         if directory.role_of(pubkey, conversation.claims_agent(pubkey)) is AuthorRole.USER
     }
 
@@ -281,6 +282,19 @@ def _fingerprint(
     )
 
 
+def _authors(conversation: Conversation, view: HistoryView | None) -> set[str]:
+    """The authors of the conversation's non-empty events; with ``view``, kept there and brought up to
+    date with the events added since (O(new events))."""
+    history = conversation.history
+    if view is None:
+        return {event.pubkey for event in history if event.content}
+    if view.authors_upto > len(history):  # not the history the memo was made from
+        view.authors, view.authors_upto = set(), 0
+    view.authors.update(event.pubkey for event in history[view.authors_upto :] if event.content)
+    view.authors_upto = len(history)
+    return view.authors
+
+
 def _several_people(
     conversation: Conversation,
     agent: Agent,
@@ -291,15 +305,7 @@ def _several_people(
     """Whether more than one person wrote in the conversation (its history and the trigger; an empty event
     writes nothing, as step 1 skips it): then each person's messages carry their label. With ``view`` the
     authors are collected incrementally."""
-    history = conversation.history
-    if view is None:
-        authors: set[str] = {event.pubkey for event in history if event.content}
-    else:
-        if view.authors_upto > len(history):  # not the history the memo was made from
-            view.authors, view.authors_upto = set(), 0
-        view.authors.update(event.pubkey for event in history[view.authors_upto :] if event.content)
-        view.authors_upto = len(history)
-        authors = view.authors
+    authors = _authors(conversation, view)
     found: set[str] = set()
     for pubkey in (*authors, *((trigger.pubkey,) if trigger.content else ())):
         if pubkey in found or pubkey == agent.pubkey:

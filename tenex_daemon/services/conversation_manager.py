@@ -298,7 +298,7 @@ class ConversationManager:
             loaded = await self._load_required(conversation_id)
             references = conversation_event_references(loaded, trigger)
         resolved = await self._references.contents(references)
-        names = await self._people_names(loaded, trigger)
+        names = await self._people_names(loaded, trigger, self._history_view(conversation_id, agent.slug))
         if not persist:
             async with self._locks.hold(conversation_id):
                 conversation = await self._load_required(conversation_id)
@@ -789,12 +789,12 @@ class ConversationManager:
                 raise ValueError(f"conversation {conversation_id} has no events")
             trigger = conversation.history[-1]
         resolved = await self._references.contents(conversation_event_references(conversation, trigger))
-        names = await self._people_names(conversation, trigger)
+        names = await self._people_names(conversation, trigger, HistoryView())
         return build_agent_messages(
             conversation, agent, trigger, self.agents, resolved, burst=True, names=names
         )
 
-    async def _people_names(self, conversation: Conversation, trigger: NostrEvent) -> dict[str, str]:
-        """The profile names of the people who wrote, when several did (their labels); else none."""
-        people = people_who_wrote(conversation, trigger, self.agents)
+    async def _people_names(self, conv: Conversation, last: NostrEvent, view: HistoryView) -> dict[str, str]:
+        """The profile names of the people who wrote (``last``: the trigger) when several did; else none."""
+        people = people_who_wrote(conv, last, self.agents, view)
         return await self._names.names(people) if self._names is not None and len(people) > 1 else {}
