@@ -25,11 +25,7 @@ from tenex_daemon.core.context import (
     is_person_message,
     people_who_wrote,
 )
-from tenex_daemon.core.conversation import (
-    UNTITLED,
-    Conversation,
-    TitleSource,
-)
+from tenex_daemon.core.conversation import UNTITLED, Conversation, TitleSource
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
@@ -40,11 +36,7 @@ from tenex_daemon.core.phases import Phase, PhaseRules, PhaseTransition
 from tenex_daemon.core.ports import Clock, EventResolver, ProfileNames, Store, SystemClock
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.core.turns import OrchestratorTurn
-from tenex_daemon.core.vocabulary import (
-    TAG_TITLE,
-    TAG_TOOL,
-    TOOL_COMPLETE,
-)
+from tenex_daemon.core.vocabulary import TAG_TITLE, TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.conversation_changes import (
     LifecycleBefore,
     RunRecord,
@@ -165,10 +157,12 @@ class ConversationManager:
         task_id: str | None = None,
         previous_session: str | None = None,
         missing_root: str | None = None,
+        title: str | None = None,
     ) -> Conversation:
         """Create a conversation whose root (and id) is ``event``; idempotent by id.
 
-        Title: the ``title`` tag (never replaced by a model's), else "Untitled Conversation". An ``a``
+        Title: ``title`` (a task's title carried to its later session), else the ``title`` tag (either
+        never replaced by a model's), else "Untitled Conversation". An ``a``
         tag ``30023:<pubkey>:<d>`` makes the article the referenced article. ``exclusive``: raise
         :class:`ConversationExistsError` when it exists (another daemon created it) instead of
         returning it. ``channel``, ``task_id``, ``previous_session``, ``missing_root``: see Conversation.
@@ -181,7 +175,7 @@ class ConversationManager:
                     raise ConversationExistsError(event.id)
                 return existing
             now = self._clock.now_ms()
-            title = event.tag_value(TAG_TITLE)
+            title = title or event.tag_value(TAG_TITLE)
             conversation = Conversation(
                 id=event.id,
                 title=title or UNTITLED,
@@ -205,12 +199,15 @@ class ConversationManager:
             log.info("conversation_created", conversation_id=event.id, title=title_shown)
             return conversation
 
-    async def add_event(self, conversation_id: str, event: NostrEvent, *, backfill: bool = False) -> bool:
+    async def add_event(
+        self, conversation_id: str, event: NostrEvent, *, backfill: bool = False, reopens: bool = True
+    ) -> bool:
         """Append ``event`` to the conversation; return False for a duplicate id.
 
         The event is accepted (durable) when this returns True, with the conversation's new last
         activity in the same write. An ended conversation is reopened by it (docs/ARCHITECTURE.md,
-        "Conversation lifecycle"). An agent event tagged ``["tool", "complete"]`` also counts as that
+        "Conversation lifecycle"), but by a daemon's notice (``reopens=False``: it says what the daemon
+        did, nobody wrote anything new). An agent event tagged ``["tool", "complete"]`` also counts as that
         agent's completion of the open turn. ``backfill`` (a rebuild merging what the relays kept): the
         event counts as written when it was (``created_at``), not now: it reopens an ended conversation
         only when written after the end, moves the last activity only forward, and is the person's latest
@@ -227,7 +224,7 @@ class ConversationManager:
             newest = not backfill or self._newest_person_message(conversation, event)
             before = LifecycleBefore.of(conversation)
             ended_at = conversation.ended_at
-            reopened = ended_at is not None and (not backfill or written > ended_at)
+            reopened = reopens and ended_at is not None and (not backfill or written > ended_at)
             if reopened:
                 clear_end(conversation)
             conversation.updated_at = now

@@ -276,6 +276,8 @@ class EventDispatcher:
         if refused is not None:
             return refused
         task_id = conversation.task_id if conversation is not None else None
+        if conversation is None and await self._manager.store.get_meta(task_meta_key(cid)) is not None:
+            task_id = cid  # a task whose first session was deleted (retention): its current one takes it
         if task_id is not None and self._lifecycle is not None:
             joined = await self._lifecycle.task_session(task_id, event)
             if joined is not None:

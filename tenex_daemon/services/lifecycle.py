@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from tenex_daemon.core.conversation import TASK_SESSION_EXPIRED, Conversation
+from tenex_daemon.core.conversation import TASK_SESSION_EXPIRED, Conversation, TitleSource
 from tenex_daemon.core.errors import ConversationExistsError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.targeting import choose_target
@@ -131,12 +131,15 @@ class ConversationLifecycle:
 
     async def task_session(self, task_id: str, event: NostrEvent) -> Joined | None:
         """Add an event for task ``task_id`` to its current session, or start a new session when that
-        one expired; None when the task has no session here (its root is unknown)."""
+        one expired or was deleted; None when the task has no session here (its root is unknown, or its
+        only session was deleted: a late reply does not bring it back)."""
         key = task_meta_key(task_id)
         async with self._holding(key):
             store = self._manager.store
             current_id = await store.get_meta(key) or task_id
             current = await self._manager.get_conversation(current_id)
+            if current is None and current_id != task_id:  # the current session was deleted (retention,
+                return await self._new_session(task_id, event, None)  # an operator): the next starts anew
             if current is None:
                 return None
             now = self._manager.now_ms()
@@ -152,14 +155,25 @@ class ConversationLifecycle:
                 await self._manager.end_conversation(current.id, by=IDLE, reason=TASK_SESSION_EXPIRED)
             if not current.archived:
                 await self._manager.archive_conversation(current.id)
-            try:
-                session = await self._manager.create_conversation(
-                    event, exclusive=True, task_id=task_id, previous_session=current.id
-                )
-            except ConversationExistsError:
-                return Joined(current, created=False, added=False)
-            await store.set_meta(key, session.id)
-            log.info(
-                "task_session_started", task_id=task_id, conversation_id=session.id, previous=current.id
+            return await self._new_session(task_id, event, current)
+
+    async def _new_session(
+        self, task_id: str, event: NostrEvent, previous: Conversation | None
+    ) -> Joined | None:
+        """Start the task's next session at ``event``, after ``previous`` (None: the current one is gone);
+        the caller holds the task's key."""
+        # the person's title of the task (its tag) stays the title of its every session
+        title = previous.title if previous is not None and previous.title_source is TitleSource.TAG else None
+        try:
+            session = await self._manager.create_conversation(
+                event, exclusive=True, task_id=task_id, previous_session=previous.id if previous else None,
+                title=title,
             )
-            return Joined(session, created=True)
+        except ConversationExistsError:
+            return None if previous is None else Joined(previous, created=False, added=False)
+        await self._manager.store.set_meta(task_meta_key(task_id), session.id)
+        log.info(
+            "task_session_started", task_id=task_id, conversation_id=session.id,
+            previous=previous.id if previous else None,
+        )
+        return Joined(session, created=True)

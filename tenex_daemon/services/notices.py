@@ -42,7 +42,7 @@ async def save_notice(
     )
     notice = composer.compose(spec)
     try:
-        await manager.add_event(conversation.id, notice)
+        await manager.add_event(conversation.id, notice, reopens=False)  # it does not reopen an ended one
     except ConversationArchivedError:
         log.info(f"{kind_of}_notice_not_saved", conversation_id=conversation.id, reason="archived")
         return None

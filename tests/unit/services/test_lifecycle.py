@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.conversation import Conversation, TitleSource
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.core.vocabulary import KIND_STOP, KIND_TASK
@@ -259,6 +259,52 @@ async def test_an_expired_task_session_is_archived_and_the_next_event_starts_a_l
     assert later.conversation_id == result.conversation_id
     assert await rig.store.get_meta(task_meta_key(task.id)) == result.conversation_id
     assert [(m.role, m.content) for m in backend.requests[1].messages] == [("user", "is it fixed?")]
+
+
+async def test_a_task_s_title_given_by_the_person_is_the_title_of_its_later_sessions(cast: Cast) -> None:
+    """The title tag the person gave the task stays the title of the session a later reply starts (as the
+    person's, which no model's title replaces), so the task's thread keeps the person's title."""
+    rig, _ = rig_for(cast, task_session_ttl_h=24)
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey], ["title", "Login bug"]])
+    await rig.dispatcher.handle(task)
+    await rig.quiet()
+    rig.clock.advance(25 * HOUR)
+
+    later = await rig.dispatcher.handle(task_reply(cast, task, "is it fixed?"))
+    await rig.settle()
+
+    session = await conversation(rig, later.conversation_id)
+    assert session.id != task.id
+    assert (session.title, session.title_source) == ("Login bug", TitleSource.TAG)
+
+
+async def test_a_task_whose_session_was_deleted_goes_on_in_its_current_or_a_new_one(cast: Cast) -> None:
+    """Deleting a task's first session (retention) leaves its current session taking the task's replies;
+    deleting the current one makes the next reply start a new session, never reopen the expired first."""
+    rig, _ = rig_for(cast, task_session_ttl_h=24)
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(task)
+    await rig.quiet()
+    rig.clock.advance(25 * HOUR)
+    second = await rig.dispatcher.handle(task_reply(cast, task, "is it fixed?"))
+    await rig.quiet()
+    assert await rig.manager.delete_conversation(task.id)  # the first session, ended and archived
+
+    rig.clock.advance(10 * MINUTE)
+    joined = await rig.dispatcher.handle(task_reply(cast, task, "still there?"))
+    await rig.quiet()
+    assert (joined.outcome, joined.conversation_id) == (Outcome.SCHEDULED, second.conversation_id)
+
+    await rig.manager.end_conversation(second.conversation_id or "", by="owner")
+    assert await rig.manager.delete_conversation(second.conversation_id or "")
+    rig.clock.advance(48 * HOUR)
+    third = await rig.dispatcher.handle(task_reply(cast, task, "new work"))
+    await rig.settle()
+    assert third.outcome is Outcome.SCHEDULED
+    assert third.conversation_id not in (task.id, second.conversation_id)
+    session = await conversation(rig, third.conversation_id)
+    assert (session.task_id, session.previous_session) == (task.id, None)
+    assert await rig.store.get_meta(task_meta_key(task.id)) == third.conversation_id
 
 
 @pytest.mark.parametrize(("hours", "same"), [(23.9, True), (24.1, False)])

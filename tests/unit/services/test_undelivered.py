@@ -53,3 +53,22 @@ async def test_a_refused_notice_gets_no_notice_of_its_own(cast: Cast) -> None:
     assert conversation is not None
     assert len(conversation.history) == 3  # the root, the answer and the one notice
     assert rig.pipeline.outbox.refused == 2
+
+
+async def test_the_notice_of_a_refused_last_answer_leaves_the_conversation_ended(cast: Cast) -> None:
+    """An agent ends the conversation with an answer the relays refuse for its size: the daemon's notice
+    to the person is saved, and the conversation stays ended by that agent with its reason (a notice
+    says what the daemon did; nobody wrote anything new, so it reopens nothing)."""
+    from tests.unit.services.test_tool_loop import calls, text
+
+    backend = ScriptedBackend([calls(("c1", "end_conversation", {"reason": "done"})), text("B" * 500)])
+    rig = pipeline.build_rig(cast, backend=backend, publisher=FakePublisher(refuse_over=100))
+    root = cast.user_says("thanks, bye", kind=11, tags=[["p", cast.alice.pubkey]])
+
+    await rig.dispatcher.handle(root)
+    await rig.settle()
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.has_tag(TAG_ERROR, "system") for e in conversation.history] == [False, False, True]
+    assert (conversation.is_ended, conversation.ended_by, conversation.end_reason) == (True, "alice", "done")
