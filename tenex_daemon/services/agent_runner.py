@@ -39,7 +39,6 @@ from tenex_daemon.services.tools import (
     RunEffects,
     ToolContext,
     ToolRegistry,
-    mark_conversation_ended,
 )
 
 __all__ = [
@@ -254,15 +253,13 @@ class AgentRunner:
             session_id=result.session_id,
             add_tokens=used if any(used) else None,
             tools_used=tuple(effects.tools_used),
+            ends=effects.end_conversation,
+            end_reason=effects.end_reason,
         )
         try:
             reply = await self._save_reply(
                 request, profile, trigger, result, record, error_kind, effects, routing
             )
-            if effects.end_conversation:
-                await mark_conversation_ended(
-                    self._manager, cid, slug, effects.end_reason, time.time_ns() // 1_000_000
-                )
             await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
             if typing_started[0]:
                 self._send(self._typing(slug, thread, active=False), "typing stop")

@@ -67,6 +67,17 @@ LIFECYCLE_ATTRS = (
 )
 
 
+def record_end(conversation: Conversation, run: RunRecord, now_ms: int) -> LifecycleBefore | None:
+    """A run that ended the conversation: its agent's end (when, who, why) is set, to be saved with the
+    reply; returns what to put back when that save fails (None: nothing set, it was ended already)."""
+    if not run.ends or conversation.is_ended:
+        return None
+    before = LifecycleBefore.of(conversation)
+    conversation.ended_at, conversation.ended_by = now_ms, run.agent_slug
+    conversation.end_reason = run.end_reason or None
+    return before
+
+
 def clear_end(conversation: Conversation) -> None:
     """Reopen an ended conversation: its end is cleared, and its description is marked unpublished so that
     its kind 513 goes out again saying ``active`` (clients kept the one that said ``ended``), unless it is
@@ -93,6 +104,9 @@ class RunRecord:
     """The run's (prompt, completion) token usage."""
     tools_used: tuple[str, ...] = ()
     """The tools the agent called in the run, in call order (kept with its reply)."""
+    ends: bool = False
+    """The agent ended the conversation (``end_conversation``): the end is recorded with its reply."""
+    end_reason: str | None = None
 
 
 

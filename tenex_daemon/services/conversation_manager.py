@@ -43,6 +43,7 @@ from tenex_daemon.services.conversation_changes import (
     StateBeforeReply,
     clear_end,
     record_context,
+    record_end,
     record_run,
 )
 from tenex_daemon.services.locks import KeyedLock
@@ -320,16 +321,12 @@ class ConversationManager:
         compose: Callable[[Conversation, int], Awaitable[NostrEvent]],
         run: RunRecord,
     ) -> NostrEvent:
-        """Save an agent run's reply and what the run changed, in one durable write.
-
-        Under the conversation's lock, with the conversation loaded once: ``compose`` builds the
-        signed reply from it and the conversation's working time with this run (seconds; it may
-        journal the reply before it is saved); the agent's last processed index, session and phase
-        transitions seen (from the run's context), its token usage and the run's working time are
-        recorded, and the reply is appended with that state. A reply tagged ``["tool", "complete"]``
-        counts as the agent's completion of the open turn. Nothing of this changes the conversation
-        (in memory either) when composing or saving fails.
-        """
+        """Save an agent run's reply and what the run changed, in one durable write (under the conversation's
+        lock, loaded once): ``compose`` builds the signed reply from it and the working time with this run
+        (seconds; it may journal the reply first); the agent's last processed index, session, transitions
+        seen, token usage, the run's working time and its end of the conversation (``end_conversation``) go
+        with the reply. A reply tagged ``["tool", "complete"]`` completes the agent's part of the open turn.
+        Nothing changes (in memory either) when composing or saving fails."""
         agent = self.agents.get(run.agent_slug)
         async with self._locked(conversation_id) as conversation:
             if conversation.archived:
@@ -353,14 +350,19 @@ class ConversationManager:
             conversation.activity_at = now
             if run.tools_used:
                 conversation.tools_used[reply.id] = list(run.tools_used)
+            ended = record_end(conversation, run, now)
             try:
                 await self._store.append_event(conversation_id, reply, state=conversation)
             except BaseException:
+                if ended is not None:
+                    ended.restore(conversation)
                 kept.restore(conversation, agent.slug)
                 conversation.activity_at = kept_activity
                 conversation.tools_used.pop(reply.id, None)
                 raise
             conversation.append(reply)
+        if ended is not None:
+            self._ended(conversation_id, agent.slug, run.end_reason)
         for listener in self._on_reply:
             listener(conversation_id)
         return reply

@@ -259,15 +259,6 @@ class EndConversationTool:
         )
 
 
-async def mark_conversation_ended(
-    manager: ConversationManager, conversation_id: str, agent_slug: str, reason: str | None, now_ms: int
-) -> None:
-    """Record who ended the conversation, when and why (:meth:`ConversationManager.end_conversation`;
-    ``now_ms`` is the manager's clock's)."""
-    del now_ms  # the manager's clock stamps it, under the conversation's lock
-    await manager.end_conversation(conversation_id, by=agent_slug, reason=reason)
-
-
 # --- get_conversation -----------------------------------------------------------------------
 
 

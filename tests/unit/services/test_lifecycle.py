@@ -14,6 +14,7 @@ from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.core.vocabulary import KIND_STOP, KIND_TASK
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.lifecycle import channel_meta_key, task_meta_key
+from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.testing.fakes import ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
@@ -493,3 +494,33 @@ async def test_a_conversation_started_by_a_comment_whose_root_is_unknown_replies
     assert first.conversation_id == comment.id
     assert reply.tags[:3] == [["E", unknown, "", cast.user.pubkey], ["K", "11"], ["P", cast.user.pubkey]]
     assert second.conversation_id == comment.id
+
+
+async def test_an_agent_s_end_of_the_conversation_is_saved_with_its_reply(cast: Cast) -> None:
+    """An agent's end_conversation is recorded in the same write as its reply: with every later write of
+    the conversation failing (a crash right after the reply), the stored conversation holds the reply and
+    is ended by the agent, with its reason."""
+    from tenex_daemon import MemoryStore
+    from tests.unit.services.test_tool_loop import calls, text
+
+    class NoSecondWrite(MemoryStore):
+        armed = False
+
+        async def save_state(self, conversation: Conversation) -> None:
+            if self.armed:
+                raise OSError("the daemon died here")
+            await super().save_state(conversation)
+
+    store = NoSecondWrite()
+    backend = ScriptedBackend([calls(("c1", "end_conversation", {"reason": "all done"})), text("Bye!")])
+    rig = pipeline.build_rig(cast, backend=backend, store=store)
+    root = cast.user_says("thanks, that is all", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    store.armed = True
+
+    await rig.runner.run(RunRequest(root.id, root.id, "alice"))
+
+    stored = await store.load(root.id)
+    assert stored is not None
+    assert [e.content for e in stored.history] == ["thanks, that is all", "Bye!"]
+    assert (stored.is_ended, stored.ended_by, stored.end_reason) == (True, "alice", "all done")
