@@ -152,8 +152,8 @@ def _toml_list(values: Sequence[str]) -> str:
     return "[" + ", ".join(toml_string(v) for v in values) + "]"
 
 
-def _write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write a home file whole (config.toml is not secret: 0644 by default)."""
+def _write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write a home file whole (0600: config.toml may hold a database DSN with its password)."""
     write_text_atomic(path, text, mode)
 
 
@@ -298,10 +298,13 @@ def init_home(
         raise HomeError(f"unknown backend {backend!r} (available: {', '.join(BACKEND_NAMES)})")
     backend_of(backend)  # one that cannot be made without more settings is refused before anything is written
 
-    if not home.exists():
-        home.mkdir(mode=0o700, parents=True)
-    keys_dir = home / KEYS_DIR
-    _ensure_private_dir(keys_dir)
+    try:
+        if not home.exists():
+            home.mkdir(mode=0o700, parents=True)
+        keys_dir = home / KEYS_DIR
+        _ensure_private_dir(keys_dir)
+    except OSError as exc:  # a file in the way, a read-only place, no permission
+        raise HomeError(f"{home}: the home cannot be created here ({exc.strerror or exc})") from None
 
     owner_generated = False
     if owner_hex is None:

@@ -76,6 +76,10 @@ class RebuildError(TenexError):
     """The relays cannot be read (none configured, none answering)."""
 
 
+class NoRelayConfiguredError(RebuildError):
+    """No relay to rebuild from is configured (a configuration error, not a failure of the relays)."""
+
+
 class EventSource(Protocol):
     """Where events are fetched from: the relay pool
     (:class:`~tenex_daemon.adapters.nostr.relay_pool.RelayPool`) satisfies it."""
@@ -482,7 +486,7 @@ async def rebuild_from_relays(
     (no subscription; the project key answers NIP-42 challenges) and ``manager`` over the store."""
     urls = list(settings.relays.urls)
     if not urls:
-        raise RebuildError(
+        raise NoRelayConfiguredError(
             "no relay to rebuild from: set relays.urls in config.toml "
             "(with the daemon running, the command goes through it and its relays)"
         )

@@ -18,7 +18,13 @@ from rich.text import Text
 from tenex_daemon.app.control.errors import ApiError
 from tenex_daemon.app.control.parsing import parse_datetime
 from tenex_daemon.app.home import agent_identities
-from tenex_daemon.app.rebuild import RebuildError, RebuildRequest, rebuild_from_relays, report_rows
+from tenex_daemon.app.rebuild import (
+    NoRelayConfiguredError,
+    RebuildError,
+    RebuildRequest,
+    rebuild_from_relays,
+    report_rows,
+)
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.cli.access import AccessError, ApiAccess, LocalAccess, open_access
 from tenex_daemon.cli.invocation import (
@@ -357,6 +363,8 @@ async def _rebuild(settings: Settings, request: RebuildRequest, progress: Progre
             report = await rebuild_from_relays(settings, access.manager, request, merged)
         except ConversationNotFoundError:
             raise AccessError(f"no relay has conversation {request.conversation_id}", 404) from None
+        except NoRelayConfiguredError as exc:  # configuration: exit 2
+            raise AccessError(str(exc), 400) from None
         except RebuildError as exc:
             raise AccessError(str(exc), 503) from None
         return report.to_dict()

@@ -20,6 +20,10 @@ class Agent(BaseModel):
     pubkey: str
     orchestrator: bool = False
 
+    def __init__(self, slug: str, name: str, pubkey: str, orchestrator: bool = False) -> None:
+        """``Agent(slug, name, pubkey, orchestrator=False)``: its fields positional or by keyword."""
+        super().__init__(slug=slug, name=name, pubkey=pubkey, orchestrator=orchestrator)
+
 
 class AuthorRole(Enum):
     """What an event's author is to the project."""

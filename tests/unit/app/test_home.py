@@ -29,10 +29,12 @@ def mode(path: Path) -> int:
 
 
 def test_init_creates_private_keys_and_a_loadable_config(tmp_path: Path) -> None:
-    """keys/ is 0700, every key file 0600 and loadable by the signer, and config.toml loads."""
+    """keys/ is 0700, every key file 0600 and loadable by the signer, and config.toml (0600: it may hold a
+    database DSN with its password) loads."""
     result = init_home(tmp_path / "home", relays=["ws://127.0.0.1:7777"])
     keys = result.home / "keys"
     assert mode(keys) == 0o700
+    assert mode(result.home / "config.toml") == 0o600
     names = sorted(p.name for p in keys.iterdir())
     assert names == ["executor.key", "orchestrator.key", "owner.key", "planner.key", "project.key"]
     for path in keys.iterdir():
@@ -147,3 +149,12 @@ def test_toml_string_round_trips_awkward_text(tmp_path: Path) -> None:
 
     text = 'a "quote" \\ back\nnew line \t tab 🟢 \u2028 \x7f end'
     assert tomllib.loads(f"v = {toml_string(text)}")["v"] == text
+
+
+def test_a_home_that_cannot_be_created_is_one_clear_error(tmp_path: Path) -> None:
+    """A home under a file, or where nothing may be created, is refused with a HomeError naming it (the CLI
+    prints one line and exits 2), not an OSError's traceback."""
+    (tmp_path / "a-file").write_text("")
+    for home in (tmp_path / "a-file" / "home", Path("/proc/no-such-home")):
+        with pytest.raises(HomeError, match="cannot be created"):
+            init_home(home, relays=["ws://127.0.0.1:7777"])

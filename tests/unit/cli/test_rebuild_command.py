@@ -39,8 +39,9 @@ def test_bad_arguments_exit_2(home: Path, args: tuple[str, ...]) -> None:
 
 
 def test_without_daemon_or_relays_it_says_where_to_set_them(home: Path) -> None:
-    """With no daemon running and no relay in relays.urls, the command exits 1 naming relays.urls."""
+    """With no daemon running and no relay in relays.urls, the command exits 2 (a configuration error, as
+    the README's exit codes say) naming relays.urls."""
     code, output = tenexd(home, "conversations", "rebuild", "--all")
 
-    assert code == 1
+    assert code == 2
     assert "relays.urls" in output

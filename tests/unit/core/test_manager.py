@@ -250,3 +250,13 @@ async def test_concurrent_adds_keep_every_event(manager: ConversationManager, ca
         conversation = await manager.get_conversation(cid)
         assert conversation is not None
         assert [e.id for e in conversation.history[1:]] == [e.id for e in batches[cid]]
+
+
+def test_an_agent_is_made_positionally_as_the_public_api_says() -> None:
+    """``Agent(slug, name, pubkey, orchestrator=False)`` takes its fields positionally or by keyword, and
+    the two make the same agent."""
+    from tenex_daemon import Agent
+
+    pubkey = "ab" * 32
+    assert Agent("planner", "Planner", pubkey) == Agent(slug="planner", name="Planner", pubkey=pubkey)
+    assert Agent("orchestrator", "Orchestrator", pubkey, True).orchestrator
