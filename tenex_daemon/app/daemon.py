@@ -199,18 +199,11 @@ class Daemon:
             for relay in pool_health.relays:
                 relays.append(
                     RelayStatus(
-                        url=relay.url,
-                        state=relay.state.value,
-                        read=relay.read,
-                        write=relay.write,
-                        connected_since=relay.connected_since,
-                        reconnects=relay.reconnects,
-                        last_event_at=relay.last_event_at,
-                        events_received=relay.events_received,
-                        rejects=dict(relay.rejects),
-                        notices=relay.notices,
-                        authenticated=relay.authenticated,
-                        last_error=relay.last_error,
+                        url=relay.url, state=relay.state.value, read=relay.read, write=relay.write,
+                        connected_since=relay.connected_since, reconnects=relay.reconnects,
+                        last_event_at=relay.last_event_at, events_received=relay.events_received,
+                        rejects=dict(relay.rejects), notices=relay.notices,
+                        authenticated=relay.authenticated, last_error=relay.last_error,
                     )
                 )
         scheduler = self.pipeline.scheduler if self.pipeline is not None else None
@@ -558,9 +551,12 @@ class Daemon:
     # --- events ---------------------------------------------------------------------------
 
     def _relay_connected(self, url: str) -> None:
-        """A relay (re)connected: what waits in the outbox is published again at once."""
+        """A relay (re)connected: what waits in the outbox, and the descriptions (kind 513) waiting out a
+        retry, are published again at once."""
         if self.pipeline is not None:
             self.pipeline.outbox.wake()
+        if self.descriptions is not None:
+            self.descriptions.relay_connected()
 
     async def _on_event(self, received: ReceivedEvent) -> Remember | None:
         """Handle one validated, new event from the relays; raising leaves it unprocessed (the pool

@@ -184,6 +184,8 @@ class DescriptionJobs:
         self._retry_cap = publish_retry_cap_s
         self._idle = idle
         self._sleep = sleep
+        self._reconnected = asyncio.Event()
+        """Set (and replaced) when a relay (re)connects: a publication waiting out a retry goes at once."""
         self._on_described = on_described
         self._queue: asyncio.Queue[str] = asyncio.Queue(maxsize=queue_size)
         self._queued: set[str] = set()
@@ -244,6 +246,20 @@ class DescriptionJobs:
             self._rescan = True
             return
         self._queued.add(conversation_id)
+
+    def relay_connected(self) -> None:
+        """A relay (re)connected: the publications waiting out a retry try again at once (as the outbox's)."""
+        reconnected, self._reconnected = self._reconnected, asyncio.Event()
+        reconnected.set()
+
+    async def _wait_to_retry(self, delay: float) -> None:
+        """Wait ``delay`` seconds, or until a relay (re)connects."""
+        waits = {asyncio.ensure_future(self._sleep(delay)), asyncio.ensure_future(self._reconnected.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for each in waits:
+                each.cancel()
 
     def ended(self, conversation_id: str) -> None:
         """A conversation just ended: describe it (never blocks; the manager's ``on_ended`` listener)."""
@@ -464,7 +480,7 @@ class DescriptionJobs:
                         retry_in=delay,
                         error=str(exc) or type(exc).__name__,
                     )
-                await self._sleep(delay)
+                await self._wait_to_retry(delay)
                 delay = min(delay * 2, self._retry_cap)
         finally:
             self._publishing.discard(conversation_id)

@@ -508,6 +508,31 @@ async def test_a_refused_publish_is_retried_and_marked_only_once_accepted(cast: 
     await jobs.stop()
 
 
+async def test_a_relay_that_connects_ends_a_description_s_wait_to_retry(cast: Cast) -> None:
+    """A 513 waiting out its retry (an hour long here) is published at once when a relay (re)connects, as
+    the outbox's entries are."""
+    rig = build_rig(cast)
+    relays = FakePublisher(fail=True)
+    waiting = asyncio.Event()
+
+    async def an_hour(seconds: float) -> None:
+        waiting.set()
+        await asyncio.sleep(3600)
+
+    jobs = jobs_for(rig, cast, summarizer=ScriptedBackend([said(ANSWER)]), publisher=relays, sleep=an_hour)
+    cid = await talk(rig, cast, 1)
+    await rig.manager.end_conversation(cid, by="owner")
+    await asyncio.wait_for(waiting.wait(), 5)
+    relays.fail = False
+
+    jobs.relay_connected()
+
+    conversation = await asyncio.wait_for(described_and_published(rig, jobs, cid), 5)
+    assert conversation.description_published
+    assert len(metadata_events(relays, cid)) == 1
+    await jobs.stop()
+
+
 async def test_work_left_by_a_crash_is_found_and_done_at_start(cast: Cast) -> None:
     """After a restart (a new pipeline over the same store), recover() finds an ended conversation never
     described and a description stored but never published, and finishes both, each published once."""
