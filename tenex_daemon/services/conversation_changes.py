@@ -73,9 +73,18 @@ def record_end(conversation: Conversation, run: RunRecord, now_ms: int) -> Lifec
     if not run.ends or conversation.is_ended:
         return None
     before = LifecycleBefore.of(conversation)
-    conversation.ended_at, conversation.ended_by = now_ms, run.agent_slug
-    conversation.end_reason = run.end_reason or None
+    mark_ended(conversation, run.agent_slug, run.end_reason, now_ms)
     return before
+
+
+def mark_ended(conversation: Conversation, by: str, reason: str | None, now_ms: int) -> None:
+    """Record the end (when, who, why). A conversation described before has its description marked
+    unpublished, so that its kind 513 goes out again saying ``ended`` (at once through the running
+    daemon's description jobs, else at the next start), unless it is an expired task session's: the
+    task's next session speaks for the task's thread."""
+    conversation.ended_at, conversation.ended_by, conversation.end_reason = now_ms, by, reason or None
+    if conversation.summary and conversation.end_reason != TASK_SESSION_EXPIRED:
+        conversation.description_published = False
 
 
 def clear_end(conversation: Conversation) -> None:

@@ -42,6 +42,7 @@ from tenex_daemon.services.conversation_changes import (
     RunRecord,
     StateBeforeReply,
     clear_end,
+    mark_ended,
     record_context,
     record_end,
     record_run,
@@ -597,9 +598,7 @@ class ConversationManager:
     async def _end_locked(self, conversation: Conversation, by: str, reason: str | None) -> None:
         """Record the end and save it (the caller holds the lock); on failure nothing is changed."""
         before = LifecycleBefore.of(conversation)
-        conversation.ended_at = self._clock.now_ms()
-        conversation.ended_by = by
-        conversation.end_reason = reason or None
+        mark_ended(conversation, by, reason, self._clock.now_ms())
         try:
             await self._save(conversation)
         except BaseException:

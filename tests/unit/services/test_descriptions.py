@@ -533,6 +533,30 @@ async def test_a_relay_that_connects_ends_a_description_s_wait_to_retry(cast: Ca
     await jobs.stop()
 
 
+async def test_an_end_made_while_no_daemon_ran_is_published_at_the_next_start(cast: Cast) -> None:
+    """A conversation described and published as active, then ended with no daemon listening (the CLI
+    over the store, or a daemon killed before its job): the next start publishes its kind 513 again,
+    saying ended."""
+    store: Store = MemoryStore()
+    rig = build_rig(cast, store=store)
+    cid = await talk(rig, cast, 4)
+    jobs = jobs_for(rig, cast, summarizer=ScriptedBackend([said(ANSWER)]))
+    await jobs.recover()
+    await described_and_published(rig, jobs, cid)
+    await jobs.stop()
+    assert [tags_of(e)["status"] for e in metadata_events(rig.publisher, cid)] == ["active"]
+
+    await build_rig(cast, store=store).manager.end_conversation(cid, by="owner", reason="done")
+    after = build_rig(cast, store=store)
+    jobs = jobs_for(after, cast, summarizer=ScriptedBackend([said(ANSWER)]))
+    await jobs.recover()
+
+    conversation = await described_and_published(after, jobs, cid)
+    assert conversation.is_ended
+    assert [tags_of(e)["status"] for e in metadata_events(after.publisher, cid)] == ["ended"]
+    await jobs.stop()
+
+
 async def test_work_left_by_a_crash_is_found_and_done_at_start(cast: Cast) -> None:
     """After a restart (a new pipeline over the same store), recover() finds an ended conversation never
     described and a description stored but never published, and finishes both, each published once."""
