@@ -794,5 +794,7 @@ class ConversationManager:
 
     async def _people_names(self, conv: Conversation, last: NostrEvent, view: HistoryView) -> dict[str, str]:
         """The profile names of the people who wrote (``last``: the trigger) when several did; else none."""
+        if self._names is None:
+            return {}
         people = people_who_wrote(conv, last, self.agents, view)
-        return await self._names.names(people) if self._names is not None and len(people) > 1 else {}
+        return await self._names.names(people) if len(people) > 1 else {}

@@ -12,7 +12,7 @@ from tenex_daemon.core.conversation import Conversation, TitleSource
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.core.vocabulary import KIND_STOP, KIND_TASK
-from tenex_daemon.services.dispatcher import Outcome
+from tenex_daemon.services.dispatcher import HandleResult, Outcome
 from tenex_daemon.services.lifecycle import channel_meta_key, task_meta_key
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.testing.fakes import ScriptedBackend
@@ -262,16 +262,25 @@ async def test_an_expired_task_session_is_archived_and_the_next_event_starts_a_l
     assert [(m.role, m.content) for m in backend.requests[1].messages] == [("user", "is it fixed?")]
 
 
+async def task_in_its_second_session(
+    rig: pipeline.Rig, cast: Cast, tags: list[list[str]] | None = None
+) -> tuple[NostrEvent, HandleResult]:
+    """The person's task to Alice (with ``tags``), answered; 25 hours later (the rig's task sessions live
+    24) a reply that starts its second session: the task and that reply's result, the rig quiet."""
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey], *(tags or [])])
+    await rig.dispatcher.handle(task)
+    await rig.quiet()
+    rig.clock.advance(25 * HOUR)
+    second = await rig.dispatcher.handle(task_reply(cast, task, "is it fixed?"))
+    await rig.quiet()
+    return task, second
+
+
 async def test_a_task_s_title_given_by_the_person_is_the_title_of_its_later_sessions(cast: Cast) -> None:
     """The title tag the person gave the task stays the title of the session a later reply starts (as the
     person's, which no model's title replaces), so the task's thread keeps the person's title."""
     rig, _ = rig_for(cast, task_session_ttl_h=24)
-    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey], ["title", "Login bug"]])
-    await rig.dispatcher.handle(task)
-    await rig.quiet()
-    rig.clock.advance(25 * HOUR)
-
-    later = await rig.dispatcher.handle(task_reply(cast, task, "is it fixed?"))
+    task, later = await task_in_its_second_session(rig, cast, [["title", "Login bug"]])
     await rig.settle()
 
     session = await conversation(rig, later.conversation_id)
@@ -283,12 +292,7 @@ async def test_a_task_whose_session_was_deleted_goes_on_in_its_current_or_a_new_
     """Deleting a task's first session (retention) leaves its current session taking the task's replies;
     deleting the current one makes the next reply start a new session, never reopen the expired first."""
     rig, _ = rig_for(cast, task_session_ttl_h=24)
-    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(task)
-    await rig.quiet()
-    rig.clock.advance(25 * HOUR)
-    second = await rig.dispatcher.handle(task_reply(cast, task, "is it fixed?"))
-    await rig.quiet()
+    task, second = await task_in_its_second_session(rig, cast)
     assert await rig.manager.delete_conversation(task.id)  # the first session, ended and archived
 
     rig.clock.advance(10 * MINUTE)
