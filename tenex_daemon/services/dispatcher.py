@@ -561,8 +561,7 @@ class EventDispatcher:
         if decision is None:
             await self._save_limits(cid, stored)  # a user message's reset
             return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, cid)
-        completions = sum(len(turn.completions) for turn in conversation.orchestrator_turns)
-        stop = self._limits.record(cid, decision, completions)
+        stop = self._limits.record(cid, decision)
         if stop is not None:
             log.warning(
                 "routing_stopped",

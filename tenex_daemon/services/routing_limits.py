@@ -20,7 +20,7 @@ DEFAULT_TURN_LIMIT = 10
 TRACKED_CONVERSATIONS = 4096
 ROUTING_LIMITS_KEY = "routing_limits"
 """The key of a conversation's routing limits in ``metadata.extra``: ``{"turns", "last_decision": {"agents",
-"phase"} or null, "completions_at_last", "ended"}``."""
+"phase"} or null, "ended"}`` (a ``completions_at_last`` stored by an older version is read and ignored)."""
 
 log = structlog.get_logger(__name__)
 
@@ -32,7 +32,7 @@ class RoutingState:
     turns: int = 0
     """Decisions that started a turn since the last user message."""
     last_decision: tuple[tuple[str, ...], str | None] | None = None
-    completions_at_last: int = 0
+    """(agents, phase) of the last decision since the last user message."""
     ended: bool = False
 
     def to_json(self) -> dict[str, Any]:
@@ -41,7 +41,6 @@ class RoutingState:
         return {
             "turns": self.turns,
             "last_decision": None if last is None else {"agents": list(last[0]), "phase": last[1]},
-            "completions_at_last": self.completions_at_last,
             "ended": self.ended,
         }
 
@@ -61,28 +60,30 @@ def _parse_state(value: object) -> RoutingState | None:
     """The state stored as ``value``, or None when it is not one."""
     if not isinstance(value, dict):
         return None
-    turns, completions, ended = value.get("turns"), value.get("completions_at_last"), value.get("ended")
-    if type(turns) is not int or type(completions) is not int or not isinstance(ended, bool):
+    turns, ended = value.get("turns"), value.get("ended")
+    if type(turns) is not int or not isinstance(ended, bool):
         return None
     last = value.get("last_decision")
     if last is None:
-        return RoutingState(turns, None, completions, ended)
+        return RoutingState(turns, None, ended)
     agents = last.get("agents") if isinstance(last, dict) else None
     phase = last.get("phase") if isinstance(last, dict) else None
     if not isinstance(agents, list) or not all(isinstance(a, str) for a in agents):
         return None
     if phase is not None and not isinstance(phase, str):
         return None
-    return RoutingState(turns, (tuple(agents), phase), completions, ended)
+    return RoutingState(turns, (tuple(agents), phase), ended)
 
 
 class RoutingLimits:
     """Counts orchestrator turns since the last user message and spots repeated decisions.
 
     ``turn_limit`` turns may start without a new user message; the next decision is refused.
-    A decision equal (same agents, same phase) to the previous one, with no completion
-    recorded since that one was made, is refused too. The dispatcher :meth:`load`\\ s a
-    conversation's stored limits before routing it and stores :meth:`snapshot` after a change.
+    A decision equal (same agents, same phase) to the previous one since the last user message is
+    refused too: the orchestrator answering the agents' completions by sending them back to the same
+    work is the loop the design names (docs/ARCHITECTURE.md, "Orchestrator turns"). The dispatcher
+    :meth:`load`\\ s a conversation's stored limits before routing it and stores :meth:`snapshot` after a
+    change.
     """
 
     def __init__(self, turn_limit: int = DEFAULT_TURN_LIMIT) -> None:
@@ -131,18 +132,15 @@ class RoutingLimits:
             return RoutingStop.TURN_LIMIT
         return None
 
-    def record(self, conversation_id: str, decision: RoutingDecision, completions: int) -> RoutingStop | None:
-        """Record ``decision`` made when the conversation held ``completions`` completions.
-
-        Return REPEATED_DECISION (and record nothing) when it repeats the previous decision
-        with no new completion; otherwise count it (a turn, or END) and return None.
+    def record(self, conversation_id: str, decision: RoutingDecision) -> RoutingStop | None:
+        """Record ``decision``: return REPEATED_DECISION (and record nothing) when it repeats the
+        previous decision since the last user message; otherwise count it (a turn, or END) and return None.
         """
         state = self._state(conversation_id)
         key = (decision.agents, decision.phase)
-        if state.last_decision == key and completions <= state.completions_at_last:
+        if state.last_decision == key:
             return RoutingStop.REPEATED_DECISION
         state.last_decision = key
-        state.completions_at_last = completions
         if decision.is_end:
             state.ended = True
         else:

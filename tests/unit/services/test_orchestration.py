@@ -56,6 +56,12 @@ def answers(*texts: str) -> ScriptedBackend:
     return ScriptedBackend([CompletionResult(text=t, model="scripted") for t in texts])
 
 
+def alternating(reason: str, count: int = 12) -> ScriptedBackend:
+    """An orchestrator that never ends: it sends alice, then bob, then alice again, ... (no decision repeats
+    the one before it, so only the turn limit stops it)."""
+    return answers(*(f'{{"agents": ["{("alice", "bob")[i % 2]}"], "reason": "{reason}"}}' for i in range(count)))
+
+
 class BrokenBackend:
     """An orchestrator backend whose provider is down."""
 
@@ -261,10 +267,11 @@ async def test_no_completion_is_counted_twice(cast: Cast) -> None:
 
 
 async def test_a_looping_orchestrator_is_stopped_at_the_turn_limit(cast: Cast) -> None:
-    """The same decision after every completion stops after turn_limit turns, until the user writes again."""
-    model = answers('{"agents": ["alice"], "reason": "once more"}')
-    alice = completes("did it")
-    rig = make_rig(cast, model, alice=alice, turn_limit=3)
+    """An orchestrator that routes every completion to more work stops after turn_limit turns, until the user
+    writes again."""
+    model = alternating("once more")
+    alice, bob = completes("did it"), completes("did it too")
+    rig = make_rig(cast, model, alice=alice, bob=bob, turn_limit=3)
     root = cast.user_says("Loop forever", kind=11)
 
     await rig.dispatcher.handle(root)
@@ -273,7 +280,7 @@ async def test_a_looping_orchestrator_is_stopped_at_the_turn_limit(cast: Cast) -
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
     assert len(conversation.orchestrator_turns) == 3
-    assert (len(model.requests), len(alice.requests)) == (3, 3)
+    assert (len(model.requests), len(alice.requests), len(bob.requests)) == (3, 2, 1)
     assert (rig.after_reply[-1].outcome, rig.after_reply[-1].reason) == (Outcome.STORED, "turn_limit")
     follow = await rig.dispatcher.handle(cast.user_says("Go on", tags=thread(root)))
     assert follow.outcome is Outcome.SCHEDULED
@@ -282,26 +289,44 @@ async def test_a_looping_orchestrator_is_stopped_at_the_turn_limit(cast: Cast) -
     assert len(model.requests) == 6
 
 
-def test_a_repeated_decision_without_a_new_completion_is_refused() -> None:
-    """The same agents and phase again with no completion since is refused; a completion or a user message allows it."""
+def test_a_decision_repeating_the_one_before_is_refused_until_the_user_writes() -> None:
+    """The same agents and phase as the decision before are refused (its reason does not matter); another
+    phase or another agent is a new decision, and a user message allows any."""
     limits = RoutingLimits(turn_limit=10)
     decision = RoutingDecision(("alice",), "again", "execute")
 
-    assert limits.record("c", decision, completions=1) is None
-    assert limits.record("c", decision, completions=1) is RoutingStop.REPEATED_DECISION
-    assert limits.record("c", RoutingDecision(("alice",), "again", "chat"), completions=1) is None
-    assert limits.record("c", RoutingDecision(("alice",), "again", "chat"), completions=2) is None
+    assert limits.record("c", decision) is None
+    assert limits.record("c", RoutingDecision(("alice",), "in other words", "execute")) is RoutingStop.REPEATED_DECISION
+    assert limits.record("c", RoutingDecision(("alice",), "again", "chat")) is None
+    assert limits.record("c", RoutingDecision(("alice",), "again", "chat")) is RoutingStop.REPEATED_DECISION
     limits.user_message("c")
-    assert limits.record("c", RoutingDecision(("alice",), "again", "chat"), completions=2) is None
+    assert limits.record("c", RoutingDecision(("alice",), "again", "chat")) is None
     assert limits.turns("c") == 1
+
+
+async def test_an_orchestrator_sending_an_agent_back_to_the_same_work_is_stopped(cast: Cast) -> None:
+    """The orchestrator that answers alice's completion by routing alice in the same phase again is stopped
+    as a loop (``repeated_decision``): alice runs once, not until the turn limit."""
+    model = answers('{"agents": ["alice"], "phase": "execute", "reason": "again"}')
+    alice = completes("did it")
+    rig = make_rig(cast, model, alice=alice)
+
+    await rig.dispatcher.handle(cast.user_says("Loop", kind=11))
+    await settle(rig)
+
+    assert len(alice.requests) == 1
+    assert (rig.after_reply[-1].outcome, rig.after_reply[-1].reason) == (
+        Outcome.STORED, RoutingStop.REPEATED_DECISION.value
+    )
+    assert len(model.requests) == 2
 
 
 async def test_the_turn_limit_survives_a_restart(cast: Cast) -> None:
     """A daemon restarted on the same store still refuses the turn past the limit (the model is not asked
     again), until the user writes; the count is kept in the conversation's metadata."""
     store = MemoryStore()
-    model = answers('{"agents": ["alice"], "reason": "once more"}')
-    rig = make_rig(cast, model, alice=completes("did it"), turn_limit=3, store=store)
+    model = alternating("once more")
+    rig = make_rig(cast, model, alice=completes("did it"), bob=completes("did it too"), turn_limit=3, store=store)
     root = cast.user_says("Loop forever", kind=11)
     await rig.dispatcher.handle(root)
     await settle(rig)
@@ -322,7 +347,7 @@ async def test_the_turn_limit_survives_a_restart(cast: Cast) -> None:
 
 
 async def test_the_last_decision_and_an_end_survive_a_restart(cast: Cast) -> None:
-    """After a restart the stored last decision still refuses its repetition with no new completion, and an
+    """After a restart the stored last decision still refuses its repetition, and an
     END still ends routing: the completion that got END is not routed again."""
     store = MemoryStore()
     model = answers('{"agents": ["alice"], "phase": "execute", "reason": "build"}')
@@ -337,7 +362,7 @@ async def test_the_last_decision_and_an_end_survive_a_restart(cast: Cast) -> Non
     limits = RoutingLimits()
     limits.load(conversation)
     same = RoutingDecision(("alice",), "build again", "execute")
-    assert limits.record(root.id, same, completions=0) is RoutingStop.REPEATED_DECISION
+    assert limits.record(root.id, same) is RoutingStop.REPEATED_DECISION
     assert limits.turns(root.id) == 1
 
     completion = cast.alice_says("built", tags=[*thread(root), ["e", root.id], [TAG_TOOL, TOOL_COMPLETE]])
