@@ -20,6 +20,7 @@ from tenex_daemon.adapters.llm.factory import BACKEND_NAMES
 from tenex_daemon.core.budget import DEFAULT_BUDGET_RATIO, BudgetStrategy
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.phases import Phase, PhaseRules
+from tenex_daemon.core.threads import KEY_SEPARATOR
 
 CONFIG_FILE = "config.toml"
 ENV_PREFIX = "TENEX_"
@@ -106,6 +107,15 @@ class AgentSettings(_Section):
     source: str | None = None
     """The ``nevent``/``naddr`` of the kind-4199 definition it was installed from (``agents add --from``)."""
     backend: BackendSettings = Field(default_factory=BackendSettings)
+
+    @field_validator("slug")
+    @classmethod
+    def _no_key_separator(cls, slug: str) -> str:
+        """A slug never holds ``__``: it separates the names in a delegation thread's key
+        (``<conversation>__<agent>__<agent>``, docs/ARCHITECTURE.md, "Delegation threads")."""
+        if KEY_SEPARATOR in slug:
+            raise ValueError(f"a slug must not contain {KEY_SEPARATOR!r} (it separates names in thread keys)")
+        return slug
 
 
 class ProjectSettings(_Section):

@@ -185,15 +185,17 @@ def choose_definition(events: Iterable[NostrEvent], reference: DefinitionReferen
 
 
 _NOT_SLUG = re.compile(r"[^a-z0-9_-]+")
+_UNDERSCORES = re.compile(r"__+")
 
 
 def slug_base(text: str | None) -> str:
-    """A slug made of ``text``: accents dropped, lower case, every other run of characters one ``-``,
-    starting with a letter or digit, at most 64 characters; ``agent`` when nothing usable is left."""
+    """A slug made of ``text``: accents dropped, lower case, every other run of characters one ``-``, a
+    run of ``_`` one ``_`` (``__`` separates names in thread keys), starting with a letter or digit, at most
+    64 characters; ``agent`` when nothing usable is left."""
     if not text:
         return DEFAULT_SLUG
     ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
-    slug = _NOT_SLUG.sub("-", ascii_text.lower()).strip("-_")
+    slug = _UNDERSCORES.sub("_", _NOT_SLUG.sub("-", ascii_text.lower())).strip("-_")
     slug = slug[:SLUG_MAX].rstrip("-_")
     return slug or DEFAULT_SLUG
 

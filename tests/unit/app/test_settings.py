@@ -79,6 +79,16 @@ def test_invalid_value_error_names_the_key_and_the_file(tmp_path: Path) -> None:
     assert str(home.resolve() / "config.toml") in str(caught.value)
 
 
+def test_a_slug_with_the_thread_key_separator_is_refused(tmp_path: Path) -> None:
+    """A slug holding ``__`` (which separates the names in a delegation thread's key, so send_message would fail
+    for that agent) is refused when the config loads, naming the agent's key and the reason."""
+    home = write_home(tmp_path, CONFIG.format(owner=OWNER) + '[[agents]]\nslug = "code__review"\nname = "Reviewer"\n')
+    with pytest.raises(SettingsError) as caught:
+        load_settings(home, {})
+    assert "agents.2.slug" in str(caught.value)
+    assert "must not contain '__'" in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("storage", "says"),
     [

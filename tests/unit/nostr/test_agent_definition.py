@@ -170,6 +170,7 @@ def test_choose_takes_the_newest_valid_version_and_explains_a_refusal() -> None:
         ("Code Reviewer", "code-reviewer"),
         ("Café Ünïcode!! v2", "cafe-unicode-v2"),
         ("  --Über_Planner--  ", "uber_planner"),
+        ("Code__Review", "code_review"),
         ("日本語", "agent"),
         ("", "agent"),
         (None, "agent"),
@@ -177,8 +178,8 @@ def test_choose_takes_the_newest_valid_version_and_explains_a_refusal() -> None:
     ],
 )
 def test_slug_base_makes_a_valid_slug(text: str | None, slug: str) -> None:
-    """A name becomes lower-case ASCII letters, digits, ``-`` and ``_``, starting with a letter or digit,
-    at most 64 characters; ``agent`` when nothing usable is left."""
+    """A name becomes lower-case ASCII letters, digits, ``-`` and ``_`` (never ``__``, the thread keys'
+    separator), starting with a letter or digit, at most 64 characters; ``agent`` when nothing usable is left."""
     assert slug_base(text) == slug
 
 
