@@ -204,6 +204,7 @@ def build_orchestrator(
         model=configured.backend.model,
         temperature=configured.backend.temperature,
         max_tokens=configured.backend.options.get("max_tokens"),
+        budget=build_token_budget(configured.backend, backends[configured.slug]),
     )
 
 

@@ -18,12 +18,14 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tenex_daemon.core.agents import Agent, AgentDirectory
+from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import UnknownAgentError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import BackendError, CompletionRequest, LLMBackend, LLMMessage
 from tenex_daemon.core.phases import Phase, PhaseRules
+from tenex_daemon.core.routing_budget import fit_routing_context
 from tenex_daemon.core.targeting import mentioned_agent
 from tenex_daemon.services.conversation_manager import ConversationManager
 
@@ -226,7 +228,9 @@ class LLMOrchestrator:
     not a decision, an unknown slug) is fed back once with what is wrong; a second invalid
     answer routes to the default agent. END in answer to a person's message is invalid: a
     person who writes gets an answer (the feedback quotes their message). A backend failure
-    falls back to ``fallback``.
+    falls back to ``fallback``. With a ``budget`` (the orchestrator agent's, from its model's context
+    window) the routing context is fitted to it first
+    (:func:`~tenex_daemon.core.routing_budget.fit_routing_context`).
     """
 
     def __init__(
@@ -241,6 +245,7 @@ class LLMOrchestrator:
         model: str | None = None,
         temperature: float | None = None,
         max_tokens: int | None = None,
+        budget: TokenBudget | None = None,
     ) -> None:
         directory = manager.agents
         orchestrator = directory.orchestrator
@@ -261,11 +266,17 @@ class LLMOrchestrator:
         self._model = model
         self._temperature = temperature
         self._max_tokens = max_tokens
+        self._budget = budget
 
     @property
     def system_prompt(self) -> str:
         """What the model is told before the routing context."""
         return self._system_prompt
+
+    @property
+    def budget(self) -> TokenBudget | None:
+        """The token budget the routing context is fitted to (None: sent whole)."""
+        return self._budget
 
     async def route(self, conversation: Conversation, trigger: NostrEvent) -> RoutingDecision | None:
         """Ask the model; return its decision, the default agent's after two invalid answers,
@@ -273,6 +284,12 @@ class LLMOrchestrator:
         cid = conversation.id
         from_user = self._manager.agents.by_pubkey(trigger.pubkey) is None
         context = await self._manager.build_orchestrator_routing_context(cid, trigger)
+        if self._budget is not None:
+            fitted = fit_routing_context(context, self._system_prompt, self._budget)
+            if fitted is not context:
+                left_out = len(context["routing_history"]) - len(fitted["routing_history"])
+                log.info("routing_context_truncated", conversation_id=cid, turns_left_out=left_out)
+                context = fitted
         messages: list[LLMMessage] = [ChatMessage("user", json.dumps(context, ensure_ascii=False))]
         error = ""
         for attempt in (1, 2):

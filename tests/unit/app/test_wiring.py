@@ -155,7 +155,8 @@ async def test_the_daemons_threads_persist_in_its_configured_store(tmp_path: Pat
 
 
 def test_the_orchestrator_routes_with_its_model_unless_its_backend_is_offline(tmp_path: Path) -> None:
-    """The orchestrator agent's offline backend keeps rule-based routing; any other backend gives the LLM router."""
+    """The orchestrator agent's offline backend keeps rule-based routing; any other backend gives the LLM router,
+    with the orchestrator agent's token budget (budget_ratio of its context_window) for its routing context."""
     init_home(tmp_path / "h")
     settings = load_settings(tmp_path / "h", {})
     signers, project = load_signers(settings)
@@ -165,12 +166,15 @@ def test_the_orchestrator_routes_with_its_model_unless_its_backend_is_offline(tm
     offline = build_orchestrator(settings, manager, backends)
     [configured] = [a for a in settings.agents if a.orchestrator]
     configured.backend.kind = "local"
+    configured.backend.context_window = 1000
     with_model = build_orchestrator(settings, manager, backends)
 
     assert isinstance(offline, RuleBasedOrchestrator)
     assert isinstance(with_model, LLMOrchestrator)
     assert "- planner:" in with_model.system_prompt
     assert "- orchestrator:" not in with_model.system_prompt
+    assert with_model.budget is not None
+    assert with_model.budget.limit == 800
 
 
 def test_profile_budget_comes_from_the_context_window_ratio_and_strategy(tmp_path: Path) -> None:

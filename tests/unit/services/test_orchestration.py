@@ -12,10 +12,18 @@ import pytest
 from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
 from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.adapters.nostr.codec import ReplyDetails, build_agent_reply
+from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.context import ChatMessage
-from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, LLMBackend
+from tenex_daemon.core.llm import (
+    BackendError,
+    CompletionRequest,
+    CompletionResult,
+    ContextTooLongError,
+    LLMBackend,
+)
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.core.ports import Store
+from tenex_daemon.core.routing_budget import ROUTING_NOTE_KEY
 from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
@@ -120,6 +128,7 @@ def make_rig(
     turn_limit: int = 10,
     default_agent: str = "alice",
     store: Store | None = None,
+    orchestrator_budget: TokenBudget | None = None,
 ) -> Rig:
     """The daemon's pipeline with an LLM orchestrator over ``orchestrator_backend``; agents think through scripts
     (over ``store``: a rig built again on the same store is the daemon after a restart)."""
@@ -139,6 +148,7 @@ def make_rig(
                 RuleBasedOrchestrator(manager.agents, default_agent),
                 default_agent=default_agent,
                 roles={"alice": "builds things", "bob": "reviews things"},
+                budget=orchestrator_budget,
             )
         )
         return made[0]
@@ -287,6 +297,54 @@ async def test_a_looping_orchestrator_is_stopped_at_the_turn_limit(cast: Cast) -
     await settle(rig)
     assert rig.after_reply[-1].reason == "turn_limit"
     assert len(model.requests) == 6
+
+
+class WindowedBackend:
+    """An orchestrator model with a context window of ``window_chars`` characters: a longer request is refused
+    as too long, as a provider does; each request's size is recorded."""
+
+    name = "windowed"
+
+    def __init__(self, window_chars: int, *texts: str) -> None:
+        self.window_chars = window_chars
+        self.answers = answers(*texts)
+        self.sizes: list[int] = []
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Refuse a request over the window, else answer with the next scripted decision."""
+        size = len(request.system_prompt) + sum(len(m.content) for m in request.messages)
+        self.sizes.append(size)
+        if size > self.window_chars:
+            raise ContextTooLongError(message="prompt is too long")
+        return await self.answers.complete(request)
+
+
+async def test_a_long_conversations_routing_context_is_fitted_to_the_orchestrators_budget(cast: Cast) -> None:
+    """With its model's budget, the orchestrator is sent the routing context fitted to it (the oldest turns left
+    out, saying so), so a long conversation keeps its model's routing instead of falling back to the rules."""
+    window = 50_000
+    backend = WindowedBackend(
+        window, '{"agents": ["alice"], "reason": "work"}', '{"agents": ["END"], "reason": "done"}'
+    )
+    backend.answers.script *= 3  # alice, END, alice, END, ...
+    big = "x" * 30_000
+    budget = TokenBudget.of_window(window // 4)  # characters/4: 80% of the window
+    rig = make_rig(cast, backend, alice=completes(big, big, big), orchestrator_budget=budget)
+    root = cast.user_says("one", kind=11)
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+    for words in ("two", "three"):
+        await rig.dispatcher.handle(cast.user_says(words, tags=thread(root)))
+        await settle(rig)
+
+    assert len(backend.sizes) == 6
+    assert max(backend.sizes) <= window
+    last = routing_contexts(backend.answers)[-1]
+    assert last[ROUTING_NOTE_KEY] == "[Note: 2 older turns truncated to stay within token limit]"
+    assert last["latest_user_message"] == "three"
+    [newest] = last["routing_history"]  # the turn alice's last completion closed, whole
+    assert newest["completions"][0]["message"] == big
+    assert [r.reason for r in rig.after_reply] == [RoutingStop.END.value] * 3  # the model routed every time
 
 
 def test_a_decision_repeating_the_one_before_is_refused_until_the_user_writes() -> None:
