@@ -266,7 +266,7 @@ class LocalAccess:
     async def search(self, query: Mapping[str, str]) -> list[dict[str, Any]]:
         """Search with the control API's parameter rules."""
         try:
-            args = parse_search(query)
+            args = parse_search(query, self.manager.phase_rules.phases)
         except ApiError as exc:
             raise AccessError(exc.message, exc.status) from None
         return [summary_json(row) for row in await self.manager.search_conversations(**args)]

@@ -39,7 +39,7 @@ from tenex_daemon.cli.output import EXIT_USAGE, JsonOption, err, fail, ms_time, 
 from tenex_daemon.cli.typer_app import TenexTyper
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import ConversationNotFoundError
-from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.phases import BUILT_IN_PHASES
 from tenex_daemon.services.conversation_manager import shortened
 
 conversations_app = TenexTyper(
@@ -48,7 +48,8 @@ conversations_app = TenexTyper(
 )
 
 PhaseOption = Annotated[
-    str | None, typer.Option(help=f"Only this phase ({', '.join(p.value for p in Phase)}).")
+    str | None,
+    typer.Option(help=f"Only this phase ({', '.join(BUILT_IN_PHASES)}, or one the project added)."),
 ]
 LimitOption = Annotated[int | None, typer.Option(min=1, help="At most this many rows.")]
 ID_HELP = (

@@ -2,24 +2,77 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
-from enum import StrEnum
+from typing import Any, ClassVar, Final
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler
+from pydantic_core import core_schema
 
 from tenex_daemon.core.errors import PhaseTransitionError
 
+PHASE_NAME: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+"""What a phase's name may be: lower case, a letter first, at most 32 characters."""
 
-class Phase(StrEnum):
-    """The operational phase a conversation is in (docs/ARCHITECTURE.md)."""
 
-    CHAT = "chat"
-    BRAINSTORM = "brainstorm"
-    PLAN = "plan"
-    EXECUTE = "execute"
-    VERIFICATION = "verification"
-    CHORES = "chores"
-    REFLECTION = "reflection"
+class Phase(str):
+    """The operational phase a conversation is in (docs/ARCHITECTURE.md, "Phases and transitions"): one of
+    the seven built in (``Phase.CHAT`` ... ``Phase.REFLECTION``) or one a project adds in its ``[phases]``
+    table.
+
+    A phase is its name (a ``str``); ``Phase("chat") is Phase.CHAT`` holds for the seven built in, so they
+    may be compared with ``is`` as an enum's members were. A name that is not a phase name
+    (:data:`PHASE_NAME`) raises ``ValueError``.
+    """
+
+    __slots__ = ()
+
+    CHAT: ClassVar[Phase]
+    BRAINSTORM: ClassVar[Phase]
+    PLAN: ClassVar[Phase]
+    EXECUTE: ClassVar[Phase]
+    VERIFICATION: ClassVar[Phase]
+    CHORES: ClassVar[Phase]
+    REFLECTION: ClassVar[Phase]
+
+    def __new__(cls, name: str) -> Phase:
+        """The phase named ``name`` (the built-in one's own object for a built-in name)."""
+        if type(name) is Phase:
+            return name
+        known = _BUILT_IN.get(name) if isinstance(name, str) else None
+        if known is not None:
+            return known
+        if not isinstance(name, str) or not PHASE_NAME.fullmatch(name):
+            raise ValueError(
+                f"{name!r} is not a phase name (lower-case letters, digits, '-' and '_', a letter first, "
+                "at most 32 characters)"
+            )
+        return super().__new__(cls, name)
+
+    @property
+    def value(self) -> str:
+        """The phase's name (as an enum member's ``value``)."""
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"Phase({self.value!r})"
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        """Validated from a string, stored as the string."""
+        return core_schema.no_info_after_validator_function(
+            cls, core_schema.str_schema(), serialization=core_schema.plain_serializer_function_ser_schema(str)
+        )
+
+
+_BUILT_IN: dict[str, Phase] = {}
+for _name in ("chat", "brainstorm", "plan", "execute", "verification", "chores", "reflection"):
+    _BUILT_IN[_name] = str.__new__(Phase, _name)
+    setattr(Phase, _name.upper(), _BUILT_IN[_name])
+BUILT_IN_PHASES: Final = tuple(_BUILT_IN.values())
+"""The seven phases every project has names for, in their usual order."""
 
 
 DEFAULT_TRANSITIONS: Mapping[Phase, frozenset[Phase]] = {
@@ -37,17 +90,24 @@ DEFAULT_TRANSITIONS: Mapping[Phase, frozenset[Phase]] = {
 class PhaseRules:
     """Which phase transitions a project allows. Same-phase handoffs are always allowed."""
 
-    def __init__(self, transitions: Mapping[Phase, Iterable[Phase]] | None = None) -> None:
-        source = DEFAULT_TRANSITIONS if transitions is None else transitions
+    def __init__(
+        self, transitions: Mapping[Phase, Iterable[Phase]] | Mapping[str, Iterable[str]] | None = None
+    ) -> None:
+        source: Mapping[Any, Iterable[Any]] = DEFAULT_TRANSITIONS if transitions is None else transitions
         self._allowed: dict[Phase, frozenset[Phase]] = {
             Phase(k): frozenset(Phase(v) for v in vs) for k, vs in source.items()
         }
+        named = dict.fromkeys(p for k, vs in self._allowed.items() for p in (k, *sorted(vs)))
+        added = tuple(p for p in named if p not in _BUILT_IN)
+        built_in = (p for p in BUILT_IN_PHASES if p in named or p is Phase.CHAT)
+        self.phases: tuple[Phase, ...] = (*built_in, *added)
+        """Every phase the rules name (chat, where conversations start, always): the built-in ones in their
+        usual order, then those the project added in the order the table names them."""
 
     @classmethod
     def permissive(cls) -> PhaseRules:
-        """Rules that allow every transition (for projects that do not enforce phases)."""
-        every = list(Phase)
-        return cls({p: every for p in every})
+        """Rules that allow every move between the built-in phases (for projects that do not enforce them)."""
+        return cls({p: BUILT_IN_PHASES for p in BUILT_IN_PHASES})
 
     def allowed_from(self, phase: Phase) -> frozenset[Phase]:
         """Return the phases reachable from ``phase`` (not counting a same-phase handoff)."""

@@ -139,7 +139,7 @@ class AgentRunner:
         self._publisher = publisher
         self._observer = observer
         self._typing_delay = typing_delay_s
-        self._tools = tools or ToolRegistry.default()
+        self._tools = tools or ToolRegistry.default(manager.phase_rules.phases)
         self._loop = AnswerLoop(manager, self._tools, max_tool_rounds)
         if partial_interval_s <= 0:
             raise ValueError("partial_interval_s must be positive")

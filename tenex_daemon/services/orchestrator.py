@@ -24,7 +24,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import UnknownAgentError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import BackendError, CompletionRequest, LLMBackend, LLMMessage
-from tenex_daemon.core.phases import Phase, PhaseRules
+from tenex_daemon.core.phases import BUILT_IN_PHASES, Phase, PhaseRules
 from tenex_daemon.core.routing_budget import fit_routing_context
 from tenex_daemon.core.targeting import mentioned_agent
 from tenex_daemon.services.conversation_manager import ConversationManager
@@ -156,8 +156,11 @@ def extract_json_object(text: str) -> dict[str, Any]:
     raise AnswerError("the answer holds no JSON object")
 
 
-def parse_routing_answer(text: str, known_agents: Sequence[str]) -> RoutingDecision:
-    """Parse and validate the model's answer; raise :class:`AnswerError` saying what is wrong."""
+def parse_routing_answer(
+    text: str, known_agents: Sequence[str], phases: Sequence[Phase] = BUILT_IN_PHASES
+) -> RoutingDecision:
+    """Parse and validate the model's answer (its agents among ``known_agents``, its phase among ``phases``,
+    the project's); raise :class:`AnswerError` saying what is wrong."""
     raw = extract_json_object(text)
     try:
         answer = RoutingAnswer.model_validate(raw)
@@ -173,6 +176,8 @@ def parse_routing_answer(text: str, known_agents: Sequence[str]) -> RoutingDecis
         raise AnswerError(
             f"unknown agent {', '.join(repr(a) for a in unknown)}; the agents are {', '.join(known_agents)}"
         )
+    if answer.phase is not None and answer.phase not in phases:
+        raise AnswerError(f"unknown phase {answer.phase.value!r}; the phases are {', '.join(phases)}")
     phase = answer.phase.value if answer.phase is not None else None
     return RoutingDecision(tuple(dict.fromkeys(answer.agents)), answer.reason, phase)
 
@@ -182,8 +187,9 @@ def orchestrator_system_prompt(
 ) -> str:
     """The orchestrator's system prompt: the agents and their roles, the phases, the exact answer format."""
     agent_lines = "\n".join(f"- {slug}: {role or 'no role given'}" for slug, role in roles.items())
-    moves = {phase: sorted(p.value for p in phase_rules.allowed_from(phase)) for phase in Phase}
-    phase_lines = "\n".join(f"- {phase.value} -> {', '.join(moves[phase]) or '(none)'}" for phase in Phase)
+    phases = phase_rules.phases
+    moves = {phase: sorted(p.value for p in phase_rules.allowed_from(phase)) for phase in phases}
+    phase_lines = "\n".join(f"- {phase.value} -> {', '.join(moves[phase]) or '(none)'}" for phase in phases)
     prompt = (
         "You are the orchestrator of a TENEX project: an invisible router. You never answer the user; "
         "you decide which agents work next.\n\n"
@@ -263,6 +269,7 @@ class LLMOrchestrator:
         self._roles = {a.slug: given.get(a.slug) or a.name for a in routable}
         self._known = tuple(self._roles)
         self._system_prompt = orchestrator_system_prompt(self._roles, manager.phase_rules, instructions)
+        self._phases = manager.phase_rules.phases
         self._model = model
         self._temperature = temperature
         self._max_tokens = max_tokens
@@ -307,7 +314,7 @@ class LLMOrchestrator:
                 )
                 return await self._fallback.route(conversation, trigger)
             try:
-                decision = parse_routing_answer(text, self._known)
+                decision = parse_routing_answer(text, self._known, self._phases)
                 if decision.is_end and from_user:
                     raise AnswerError(
                         "a person just wrote in this conversation and must get an answer, so END is "

@@ -17,7 +17,7 @@ goes out and is tagged accordingly.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -31,7 +31,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationArchivedError, PhaseTransitionError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import ToolCall, ToolResult, ToolSpec
-from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.phases import BUILT_IN_PHASES, Phase
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE
 from tenex_daemon.services.conversation_manager import ConversationManager
@@ -165,41 +165,43 @@ class SwitchPhaseArguments(_Arguments):
 
     @field_validator("phase")
     @classmethod
-    def _known_phase(cls, value: str) -> str:
-        phase = value.strip().lower()
-        if phase not in {p.value for p in Phase}:
-            raise ValueError(f"unknown phase {value!r}; phases are {', '.join(p.value for p in Phase)}")
-        return phase
+    def _phase_name(cls, value: str) -> str:
+        """A phase's name (whether the project has it, and may move to it, the phase rules say)."""
+        return Phase(value.strip().lower()).value
 
 
 class SwitchPhaseTool:
-    """Moves the conversation to another phase, subject to the phase rules."""
+    """Moves the conversation to another phase, subject to the phase rules; offered with the project's
+    phases (``phases``: the phase rules' own, the built-in seven by default)."""
 
-    spec = ToolSpec(
-        name="switch_phase",
-        description=(
-            "Move the conversation to another phase (chat, brainstorm, plan, execute, verification, "
-            "chores, reflection). Only allowed transitions succeed. Give the reason and a handoff "
-            "summary of where things stand for whoever works in the next phase."
-        ),
-        parameters={
-            "type": "object",
-            "properties": {
-                "phase": {
-                    "type": "string",
-                    "enum": [p.value for p in Phase],
-                    "description": "The phase to move to.",
-                },
-                "reason": _text_property("Why the conversation moves to this phase."),
-                "summary": _text_property("Handoff summary: what is known and decided so far."),
-            },
-            "required": ["phase", "reason"],
-        },
-    )
     arguments = SwitchPhaseArguments
 
+    def __init__(self, phases: Sequence[Phase] = BUILT_IN_PHASES) -> None:
+        self._phases = tuple(phases)
+        names = [phase.value for phase in phases]
+        self.spec = ToolSpec(
+            name="switch_phase",
+            description=(
+                f"Move the conversation to another phase ({', '.join(names)}). Only allowed transitions "
+                "succeed. Give the reason and a handoff summary of where things stand for whoever works in "
+                "the next phase."
+            ),
+            parameters={
+                "type": "object",
+                "properties": {
+                    "phase": {"type": "string", "enum": names, "description": "The phase to move to."},
+                    "reason": _text_property("Why the conversation moves to this phase."),
+                    "summary": _text_property("Handoff summary: what is known and decided so far."),
+                },
+                "required": ["phase", "reason"],
+            },
+        )
+
     async def run(self, arguments: SwitchPhaseArguments, context: ToolContext) -> str:
-        """Change the phase; a forbidden transition fails with the allowed ones."""
+        """Change the phase; a phase the project has not, or a forbidden transition, fails saying which
+        may be named."""
+        if arguments.phase not in self._phases:
+            raise ToolRefusedError(f"unknown phase {arguments.phase!r}; phases are {', '.join(self._phases)}")
         summary = arguments.summary.strip() if arguments.summary else None
         try:
             transition = await context.manager.update_phase(
@@ -600,8 +602,9 @@ class ToolRegistry:
             self._tools[tool.spec.name] = tool
 
     @classmethod
-    def default(cls) -> ToolRegistry:
-        """Every tool: complete, switch_phase, end_conversation, get_conversation and send_message.
+    def default(cls, phases: Sequence[Phase] = BUILT_IN_PHASES) -> ToolRegistry:
+        """Every tool: complete, switch_phase (offering ``phases``), end_conversation, get_conversation and
+        send_message.
 
         Which of them an agent is offered is its profile's choice (the runner adds
         ``send_message`` when another agent can be asked).
@@ -609,7 +612,7 @@ class ToolRegistry:
         return cls(
             [
                 CompleteTool(),
-                SwitchPhaseTool(),
+                SwitchPhaseTool(phases),
                 EndConversationTool(),
                 GetConversationTool(),
                 SendMessageTool(),

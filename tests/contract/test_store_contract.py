@@ -148,6 +148,28 @@ async def test_save_state_round_trips_after_reopen(harness: StoreHarness, cast: 
     assert (row.agent_count, row.updated_at) == (1, T0 + 8)
 
 
+async def test_a_phase_the_project_added_is_kept_by_name(harness: StoreHarness, cast: Cast) -> None:
+    """A conversation in a phase the project added (not one of the seven) is stored, loaded back after a
+    reopen in that phase, and found and counted by it."""
+    store = await harness.open()
+    conversation = await stored(store, cast)
+    live = await store.load(conversation.id)
+    assert live is not None
+    review = Phase("review")
+    live.phase = review
+    live.phase_transitions.append(PhaseTransition(
+        from_phase=Phase.CHAT, to_phase=review, message="review it", timestamp=T0 + 5,
+        agent_slug="alice", agent_pubkey=cast.alice.pubkey, agent_name="Alice", history_index=1,
+    ))
+    await store.save_state(live)
+    reopened = await harness.reopen(store)
+    loaded = await reopened.load(conversation.id)
+    assert loaded is not None
+    assert (loaded.phase, loaded.phase_transitions[-1].to_phase) == (review, review)
+    assert [row.id for row in await reopened.search(SearchQuery(phase=review))] == [conversation.id]
+    assert await reopened.phase_counts() == {("review", False): 1}
+
+
 async def test_append_with_state_stores_both_in_one_write(harness: StoreHarness, cast: Cast) -> None:
     """append_event(state=...) stores the event and the new state together: both come back after a
     reopen (an agent's reply with what its run changed)."""

@@ -35,7 +35,7 @@ from tenex_daemon.core.conversation import (
 from tenex_daemon.core.errors import ConversationExistsError
 from tenex_daemon.core.events import NostrEvent, compute_event_id
 from tenex_daemon.core.execution_time import ExecutionTime
-from tenex_daemon.core.phases import Phase, PhaseTransition
+from tenex_daemon.core.phases import BUILT_IN_PHASES, Phase, PhaseTransition
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.turns import Completion, OrchestratorTurn
 from tenex_daemon.core.vocabulary import TAG_TITLE
@@ -141,11 +141,11 @@ def _slug(name: str) -> str:
 
 
 def _phase(value: Any, problems: list[str]) -> Phase:
-    try:
-        return Phase(str(value).lower())
-    except ValueError:
-        problems.append(f"unknown phase {value!r} read as chat")
-        return Phase.CHAT
+    name = str(value).lower()
+    if name in BUILT_IN_PHASES:  # TENEX's phases are the seven built in
+        return Phase(name)
+    problems.append(f"unknown phase {value!r} read as chat")
+    return Phase.CHAT
 
 
 class _ConversationImport:

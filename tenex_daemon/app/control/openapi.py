@@ -11,7 +11,7 @@ from typing import Any, Final
 from tenex_daemon import __version__
 from tenex_daemon.app.control import paths
 from tenex_daemon.app.control.parsing import MAX_LIMIT
-from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.phases import PHASE_NAME
 
 Json = dict[str, Any]
 
@@ -70,7 +70,8 @@ def _conversations_path() -> Json:
             _query("id_prefix", "The id starts with these hex digits (the CLI's short ids).",
                    {"type": "string", "pattern": "^[0-9a-fA-F]{1,64}$"}),
             _query("title", "Case-insensitive, fuzzy title match.", {"type": "string"}),
-            _query("phase", "Current phase.", {"type": "string", "enum": [p.value for p in Phase]}),
+            _query("phase", "Current phase (a built-in one or one the project added).",
+                   {"type": "string", "pattern": f"^{PHASE_NAME.pattern}$"}),
             _query("archived", "true: archived only; false: active only.", {"type": "boolean"}),
             _query("date_from", "Created at/after (ISO 8601 or Unix seconds).", {"type": "string"}),
             _query("date_to", "Created at/before (ISO 8601 or Unix seconds; a date alone: to its end, UTC).",

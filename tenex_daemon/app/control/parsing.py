@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 from tenex_daemon.app.control.errors import ApiError
 from tenex_daemon.app.home import parse_pubkey
 from tenex_daemon.app.rebuild import RebuildRequest
-from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.phases import BUILT_IN_PHASES, Phase
 
 MAX_LIMIT: Final = 10_000
 DATE_ALIASES: Final = {"from": "date_from", "to": "date_to"}
@@ -53,12 +53,11 @@ def parse_datetime(name: str, value: str) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def _parse_phase(value: str) -> Phase:
-    try:
-        return Phase(value.strip().lower())
-    except ValueError:
-        names = ", ".join(p.value for p in Phase)
-        raise ApiError(400, f"phase must be one of {names}, got {value!r}") from None
+def _parse_phase(value: str, phases: Sequence[Phase]) -> Phase:
+    name = value.strip().lower()
+    if name not in phases:
+        raise ApiError(400, f"phase must be one of {', '.join(phases)}, got {value!r}")
+    return Phase(name)
 
 
 def _parse_participant(value: str) -> str:
@@ -82,8 +81,9 @@ def _parse_limit(raw: str) -> int:
     return int(raw)
 
 
-def parse_search(query: Mapping[str, str]) -> dict[str, Any]:
-    """Turn query parameters into keyword arguments of ``search_conversations``; raise ApiError 400."""
+def parse_search(query: Mapping[str, str], phases: Sequence[Phase] = BUILT_IN_PHASES) -> dict[str, Any]:
+    """Turn query parameters into keyword arguments of ``search_conversations``; raise ApiError 400
+    (``phases``: those a ``phase`` may name, the project's)."""
     unknown = sorted(set(query) - SEARCH_PARAMETERS)
     if unknown:
         known = ", ".join(sorted(SEARCH_PARAMETERS))
@@ -94,7 +94,7 @@ def parse_search(query: Mapping[str, str]) -> dict[str, Any]:
     if query.get("title"):
         args["title"] = query["title"]
     if query.get("phase"):
-        args["phase"] = _parse_phase(query["phase"])
+        args["phase"] = _parse_phase(query["phase"], phases)
     if query.get("archived"):
         args["archived"] = _parse_bool("archived", query["archived"])
     for alias, name in DATE_ALIASES.items():

@@ -153,8 +153,9 @@ async def _status(request: web.Request) -> web.Response:
 
 
 async def _list(request: web.Request) -> web.Response:
-    args = parse_search(request.query)
-    rows = await _target(request).manager.search_conversations(**args)
+    manager = _target(request).manager
+    args = parse_search(request.query, manager.phase_rules.phases)
+    rows = await manager.search_conversations(**args)
     return _json({"count": len(rows), "conversations": [summary_json(r) for r in rows]})
 
 

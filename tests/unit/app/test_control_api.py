@@ -16,10 +16,12 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tenex_daemon import ConversationManager, NostrEvent
+from tenex_daemon.app.control.errors import ApiError
 from tenex_daemon.app.control.parsing import parse_search
 from tenex_daemon.app.control_api import ControlServer, ControlSocketInUseError, create_app, openapi_document
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.core.errors import StoreUnavailableError
+from tenex_daemon.core.phases import Phase, PhaseRules
 from tenex_daemon.core.vocabulary import KIND_TASK
 from tenex_daemon.services.lifecycle import task_meta_key
 from tests.conftest import Cast
@@ -299,6 +301,15 @@ def test_a_date_alone_given_to_date_to_is_the_whole_day() -> None:
     assert parse_search({"date_to": "2026-11-25T10:00:00Z"})["date_to"] == datetime(2026, 11, 25, 10, tzinfo=UTC)
     assert parse_search({"date_from": "2026-11-25"})["date_from"] == datetime(2026, 11, 25, tzinfo=UTC)
     assert parse_search({"to": "9999-12-31"})["date_to"] == datetime(9999, 12, 31, 23, 59, 59, 999_000, tzinfo=UTC)
+
+
+def test_a_search_by_phase_accepts_the_projects_phases_only() -> None:
+    """A phase the project added is a filter like a built-in one; a phase the project has not is a 400 naming
+    those it has."""
+    phases = PhaseRules({"chat": ["review"], "review": ["chat"]}).phases
+    assert parse_search({"phase": " Review "}, phases) == {"phase": Phase("review")}
+    with pytest.raises(ApiError, match="phase must be one of chat, review, got 'plan'"):
+        parse_search({"phase": "plan"}, phases)
 
 
 async def test_context_by_default_answers_the_newest_event_the_agent_did_not_write(

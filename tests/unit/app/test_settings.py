@@ -157,14 +157,19 @@ def test_owner_must_be_hex_and_relays_websocket_urls(tmp_path: Path) -> None:
 
 
 def test_phases_table_replaces_the_default_rules(tmp_path: Path) -> None:
-    """A [phases] table becomes the project's phase rules; empty keeps the default; unknown names fail."""
+    """A [phases] table becomes the project's phase rules; empty keeps the default; a name it adds is a phase
+    of the project; a name that cannot be a phase's fails, saying what one may be."""
     home = write_home(tmp_path, CONFIG.format(owner=OWNER) + '[phases]\nchat = ["plan"]\nplan = ["chat"]\n')
     rules = load_settings(home, {}).phase_rules()
     assert rules.is_allowed(Phase.CHAT, Phase.PLAN)
     assert not rules.is_allowed(Phase.CHAT, Phase.EXECUTE)
     assert Settings(home=tmp_path).phase_rules().is_allowed(Phase.CHAT, Phase.EXECUTE)
-    (home / "config.toml").write_text(CONFIG.format(owner=OWNER) + '[phases]\nchat = ["dance"]\n')
-    with pytest.raises(SettingsError, match="unknown phase 'dance'"):
+    (home / "config.toml").write_text(CONFIG.format(owner=OWNER) + '[phases]\nchat = ["review"]\nreview = ["chat"]\n')
+    added = load_settings(home, {}).phase_rules()
+    assert added.phases == (Phase.CHAT, Phase("review"))
+    assert added.is_allowed(Phase.CHAT, Phase("review"))
+    (home / "config.toml").write_text(CONFIG.format(owner=OWNER) + '[phases]\nchat = ["Dance Party"]\n')
+    with pytest.raises(SettingsError, match="'Dance Party' is not a phase name"):
         load_settings(home, {})
 
 

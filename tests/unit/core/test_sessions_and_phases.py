@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tenex_daemon import ConversationManager, Phase, PhaseTransitionError
-from tenex_daemon.core.phases import PhaseRules
+from tenex_daemon.core.phases import BUILT_IN_PHASES, PhaseRules
 from tenex_daemon.testing import FakeClock
 from tests.conftest import Cast
 
@@ -235,8 +235,9 @@ def test_every_default_transition_and_only_those_are_allowed() -> None:
         "chores": {"reflection", "chat"},
         "reflection": {"chat"},
     }
-    for source in Phase:
-        for target in Phase:
+    assert rules.phases == BUILT_IN_PHASES
+    for source in BUILT_IN_PHASES:
+        for target in BUILT_IN_PHASES:
             allowed = target.value in expected[source.value] or source == target
             assert rules.is_allowed(source, target) is allowed, (source, target)
 
@@ -252,3 +253,29 @@ async def test_phase_rules_are_replaceable_per_project(cast: Cast, clock: FakeCl
     await manager.update_phase(cid, "verification", "straight to verification", "alice")
     with pytest.raises(PhaseTransitionError):
         await manager.update_phase(cid, "chat", "no way back configured", "alice")
+
+
+async def test_a_project_adds_phases_of_its_own(cast: Cast, clock: FakeClock) -> None:
+    """A phase the project's table adds (docs/ARCHITECTURE.md: phases can be added) is a phase like the built-in
+    ones: a conversation moves to it and back as the table allows, and it is stored and loaded by its name."""
+    from tenex_daemon import MemoryStore
+
+    store = MemoryStore()
+    rules = PhaseRules({"chat": ["review"], "review": ["chat", "execute"], "execute": ["chat"]})
+    manager = ConversationManager(store, cast.agents, phase_rules=rules, clock=clock)
+    cid = (await manager.create_conversation(cast.user_says("hi", kind=11))).id
+
+    transition = await manager.update_phase(cid, "review", "a review first", "alice")
+    with pytest.raises(PhaseTransitionError):
+        await manager.update_phase(cid, "plan", "plan is not in this project's table", "alice")
+    loaded = await ConversationManager(store, cast.agents, phase_rules=rules, clock=clock).get_conversation(cid)
+
+    assert rules.phases == (Phase.CHAT, Phase.EXECUTE, Phase("review"))
+    assert (transition.from_phase, transition.to_phase) == (Phase.CHAT, Phase("review"))
+    assert loaded is not None
+    assert loaded.phase == "review"
+    assert isinstance(loaded.phase, Phase)
+    assert loaded.phase_transitions[-1].to_phase == Phase("review")
+    assert Phase("chat") is Phase.CHAT  # the built-in ones compare by identity, as enum members did
+    with pytest.raises(ValueError, match="not a phase name"):
+        Phase("Review!")

@@ -21,7 +21,7 @@ from tenex_daemon.core.llm import (
     ContextTooLongError,
     LLMBackend,
 )
-from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.phases import Phase, PhaseRules
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.routing_budget import ROUTING_NOTE_KEY
 from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
@@ -129,6 +129,7 @@ def make_rig(
     default_agent: str = "alice",
     store: Store | None = None,
     orchestrator_budget: TokenBudget | None = None,
+    phase_rules: PhaseRules | None = None,
 ) -> Rig:
     """The daemon's pipeline with an LLM orchestrator over ``orchestrator_backend``; agents think through scripts
     (over ``store``: a rig built again on the same store is the daemon after a restart)."""
@@ -164,6 +165,7 @@ def make_rig(
         turn_limit=turn_limit,
         hop_limit=6,
         store=store,
+        phase_rules=phase_rules,
     )
     return Rig(base, made[0], targeting)
 
@@ -501,6 +503,29 @@ async def test_a_forbidden_phase_change_keeps_the_current_phase(cast: Cast) -> N
     assert result.agents == ("alice",)
     assert (conversation.phase, conversation.orchestrator_turns[0].phase) == (Phase.CHAT, Phase.CHAT)
     assert conversation.phase_transitions == []
+
+
+async def test_a_phase_the_project_added_is_offered_and_routed_to(cast: Cast) -> None:
+    """With a phase the project's table adds, the orchestrator's prompt lists it with its moves, a decision
+    naming it starts a turn in it, and switch_phase offers it; a phase the project has not is refused."""
+    rules = PhaseRules({"chat": ["review"], "review": ["chat"]})
+    model = answers('{"agents": ["alice"], "phase": "review", "reason": "review it"}', '{"agents": ["END"]}')
+    alice = completes("reviewed")
+    rig = make_rig(cast, model, alice=alice, phase_rules=rules)
+    root = cast.user_says("Review my draft", kind=11)
+
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert (conversation.phase, conversation.orchestrator_turns[0].phase) == (Phase("review"), Phase("review"))
+    assert "- review -> chat" in rig.orchestrator.system_prompt
+    assert "- plan" not in rig.orchestrator.system_prompt
+    [switch] = [tool for tool in alice.requests[0].tools if tool.name == "switch_phase"]
+    assert switch.parameters["properties"]["phase"]["enum"] == ["chat", "review"]
+    with pytest.raises(AnswerError, match="unknown phase 'plan'; the phases are chat, review"):
+        parse_routing_answer('{"agents": ["alice"], "phase": "plan"}', ["alice"], rules.phases)
 
 
 async def test_an_explicit_p_tag_wins_over_routing(cast: Cast) -> None:
