@@ -420,6 +420,11 @@ async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
         finally:
             await session.close()
         return
+    try:  # before the store: a home without its keys is refused with nothing created in it
+        agents = load_agents(settings)
+        project = load_project_pubkey(settings)
+    except KeyFileError as exc:
+        raise AccessError(str(exc), 400) from None
     store = build_store(settings)
     try:
         await store.open()
@@ -430,11 +435,6 @@ async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
             503,
         ) from None
     try:
-        try:
-            agents = load_agents(settings)
-            project = load_project_pubkey(settings)
-        except KeyFileError as exc:
-            raise AccessError(str(exc), 400) from None
         manager = ConversationManager(
             store,
             agents,

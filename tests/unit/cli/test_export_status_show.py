@@ -96,6 +96,21 @@ def test_status_of_a_home_that_does_not_exist_says_so_with_exit_2(home: Path, tm
     assert (code, " ".join(printed.split())) == (1, f"tenexd: not running: no status file at {home}/run/status.json")
 
 
+def test_a_home_without_its_key_files_is_refused_with_nothing_created(home: Path, tmp_path: Path) -> None:
+    """`conversations list` in a home holding only a config.toml (its keys missing, as in a copied config) exits
+    2 naming the missing key file, and leaves the home as it was: no conversation store is made in it."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.toml").write_text((home / "config.toml").read_text(encoding="utf-8"), encoding="utf-8")
+
+    code, _, error = tenexd(bare, "conversations", "list")
+
+    assert code == 2
+    assert f"key file {bare}/keys/" in error
+    assert "does not exist" in error
+    assert sorted(p.name for p in bare.iterdir()) == ["config.toml"]
+
+
 def test_show_labels_the_title_source_as_the_titles_not_the_summarys(home: Path) -> None:
     """`conversations show` of a conversation titled by the person's tag and summarized by a model prints
     `title source: tag` and `summary: ...`, never `summary (tag): ...`."""
