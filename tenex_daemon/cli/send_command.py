@@ -184,6 +184,12 @@ def send(
     except SendError as exc:
         fail(str(exc), EXIT_USAGE)
     relays = relay_urls_argument(relay)
+    if not settings.project_key_path.exists():  # no keys at all: not a home init made (or the wrong one)
+        fail(
+            f"this home ({settings.home}) has no keys ({settings.keys_dir} holds no project.key): give the "
+            f"home the daemon runs with (--home), or run `tenexd init --home {settings.home}` first",
+            EXIT_USAGE,
+        )
     if not settings.owner_key_path.exists():
         fail(
             f"this home has no owner secret ({settings.owner_key_path}): the owner was given by public key "

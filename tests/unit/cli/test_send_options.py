@@ -80,3 +80,17 @@ def test_a_relay_url_that_is_not_a_websocket_one_is_refused_at_once(
 
     assert (code, said) == (2, "error: relay URL 'notaurl' must start with ws:// or wss://")
     assert (touched.signed, touched.pools) == ([], [])
+
+
+def test_send_from_a_home_without_keys_says_to_give_the_right_home_or_init(home: Path, tmp_path: Path) -> None:
+    """`send` from a folder holding only a config.toml (the wrong --home, or the committed example home) exits
+    2 saying the home has no keys and what to do, not that its owner was given by public key at init."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.toml").write_text((home / "config.toml").read_text(encoding="utf-8"), encoding="utf-8")
+
+    code, said = tenexd(bare, "send", "hi", "--to", "planner")
+
+    assert code == 2
+    assert said.startswith(f"error: this home ({bare}) has no keys")
+    assert f"run `tenexd init --home {bare}` first" in said
