@@ -167,6 +167,7 @@ def send(
     from tenex_daemon.cli.send import (
         PrivateConversationError,
         SendError,
+        addressed_agent,
         check_kind,
         check_title,
         send_message,
@@ -201,6 +202,11 @@ def send(
         agents = load_agents(settings)
     except KeyFileError as exc:
         fail(str(exc), EXIT_USAGE)
+    if to is not None:
+        try:  # a mistyped --to is bad input, said before any relay is tried
+            addressed_agent(agents, to, settings.default_agent_slug)
+        except SendError as exc:
+            fail(str(exc), EXIT_USAGE)
     parent_id = _reply_to_argument(settings, reply_to) if reply_to is not None else None
 
     def on_sent(event: NostrEvent, addressed: Agent, relays: list[str]) -> None:

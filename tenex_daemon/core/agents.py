@@ -69,7 +69,7 @@ class AgentDirectory:
         try:
             return self._by_slug[slug]
         except KeyError:
-            raise UnknownAgentError(slug) from None
+            raise UnknownAgentError(slug, tuple(self._by_slug)) from None
 
     def find(self, slug: str) -> Agent | None:
         """Return the agent with ``slug``, or None."""

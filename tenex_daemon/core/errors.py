@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class TenexError(Exception):
     """Base class of every error tenexd raises on purpose."""
@@ -38,8 +40,10 @@ class ConversationArchivedError(TenexError):
 class UnknownAgentError(TenexError, LookupError):
     """No agent with the given slug is configured."""
 
-    def __init__(self, slug: str) -> None:
-        super().__init__(f"unknown agent {slug!r}")
+    def __init__(self, slug: str, known: Sequence[str] = ()) -> None:
+        """``known``: the slugs there are, named in the message when given."""
+        there = f" (agents: {', '.join(known)})" if known else ""
+        super().__init__(f"unknown agent {slug!r}{there}")
         self.slug = slug
 
 

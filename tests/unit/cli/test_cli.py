@@ -267,10 +267,13 @@ def test_context_shows_what_an_agent_would_be_sent_without_storing_it(home: Path
 
 
 def test_context_for_an_unknown_agent_is_not_found(home: Path) -> None:
-    """An agent slug not in the home is not found: exit 1 and nothing on stdout."""
+    """An agent slug not in the home is not found: exit 1, nothing on stdout, and the error names the agents
+    there are."""
     conversation = seed_conversation(home, "Picnic", "Plan a picnic")
 
     assert tenexd(home, "context", conversation, "--agent", "nobody") == (1, "")
+    result = CliRunner().invoke(app, ["--home", str(home), "context", conversation, "--agent", "nobody"])
+    assert " ".join(result.stderr.split()) == "error: unknown agent 'nobody' (agents: orchestrator, planner, executor)"
 
 
 def test_commands_on_a_home_without_config_fail_clearly(tmp_path: Path) -> None:

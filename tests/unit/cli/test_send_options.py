@@ -94,3 +94,16 @@ def test_send_from_a_home_without_keys_says_to_give_the_right_home_or_init(home:
     assert code == 2
     assert said.startswith(f"error: this home ({bare}) has no keys")
     assert f"run `tenexd init --home {bare}` first" in said
+
+
+def test_a_mistyped_agent_is_bad_input_said_before_any_relay_is_tried(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`send --to planer` exits 2 (bad input, as the README's exit codes say) naming the agents there are,
+    before any relay is opened or anything signed (with no daemon up it said "no relay" first, then exit 1)."""
+    touched = Touched(monkeypatch)
+
+    code, said = tenexd(home, "send", "hi", "--to", "planer")
+
+    assert (code, said) == (2, "error: unknown agent 'planer' (agents: orchestrator, planner, executor)")
+    assert (touched.signed, touched.pools) == ([], [])
