@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +44,22 @@ STABLE_S = 60.0
 class EmbeddedRelayError(TenexError, RuntimeError):
     """The embedded relay could not be started (the command line says so in one line, as for any
     :class:`TenexError`)."""
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether another socket listens on (``host``, ``port``): binding it as the relay will (address reuse
+    on, so a port left in TIME_WAIT by a relay that just stopped is not taken) fails with EADDRINUSE."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return False  # the relay's own start says what is wrong with the host
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 class EmbeddedRelay:
@@ -71,8 +89,15 @@ class EmbeddedRelay:
         return self._process.pid if self._process is not None else None
 
     async def start(self) -> None:
-        """Start the relay process; returns once the port accepts connections."""
+        """Start the relay process; returns once the port accepts connections. A port another program
+        holds is refused at once, in one line saying how to choose another."""
         self._stopped = False
+        if _port_taken(self.host, self.port):
+            raise EmbeddedRelayError(
+                f"embedded relay on {self.url} failed to start: port {self.port} is in use by another "
+                "program (Address already in use); stop it, or give the relay another port "
+                "(relays.embedded_port in config.toml, or TENEX_RELAYS__EMBEDDED_PORT)"
+            )
         self.db_path.mkdir(parents=True, exist_ok=True)
         command = [
             sys.executable, "-m", "tenex_daemon.app.embedded_relay",

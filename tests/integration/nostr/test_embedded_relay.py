@@ -23,7 +23,8 @@ pytestmark = pytest.mark.integration
 
 
 async def test_embedded_relay_serves_stops_and_refuses_a_taken_port(tmp_path: Path) -> None:
-    """A second relay on a taken port fails saying why; stop() ends the process and frees the port."""
+    """A second relay on a taken port fails at once, in one line saying why and how to choose another port
+    (no relay process started, no traceback of it); stop() ends the process and frees the port."""
     port = free_port()
     first = EmbeddedRelay(tmp_path / "first", port=port)
     await first.start()
@@ -31,9 +32,14 @@ async def test_embedded_relay_serves_stops_and_refuses_a_taken_port(tmp_path: Pa
     assert pid is not None
     try:
         second = EmbeddedRelay(tmp_path / "second", port=port)
-        with pytest.raises(EmbeddedRelayError, match="Address already in use"):
+        with pytest.raises(EmbeddedRelayError, match="Address already in use") as refused:
             await second.start()
         assert second.pid is None
+        assert str(refused.value) == (
+            f"embedded relay on ws://127.0.0.1:{port} failed to start: port {port} is in use by another program "
+            "(Address already in use); stop it, or give the relay another port (relays.embedded_port in "
+            "config.toml, or TENEX_RELAYS__EMBEDDED_PORT)"
+        )
     finally:
         first.stop()
     with pytest.raises(ProcessLookupError):
