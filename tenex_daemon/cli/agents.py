@@ -25,6 +25,11 @@ from tenex_daemon.core import nip19
 agents_app = TenexTyper(help="List and add the project's agents.", no_args_is_help=True)
 
 
+@agents_app.callback()
+def _group_home(home: HomeOption = None) -> None:
+    """Take ``--home`` between the group and its command as well (:mod:`tenex_daemon.cli.invocation`)."""
+
+
 @agents_app.command("list")
 def agents_list(ctx: typer.Context, as_json: JsonOption = False, home: HomeOption = None) -> None:
     """List the agents: slug, name, npub and hex public key (and, in JSON, the definition installed from)."""

@@ -47,6 +47,11 @@ conversations_app = TenexTyper(
     no_args_is_help=True,
 )
 
+
+@conversations_app.callback()
+def _group_home(home: HomeOption = None) -> None:
+    """Take ``--home`` between the group and its command as well (:mod:`tenex_daemon.cli.invocation`)."""
+
 PhaseOption = Annotated[
     str | None,
     typer.Option(help=f"Only this phase ({', '.join(BUILT_IN_PHASES)}, or one the project added)."),

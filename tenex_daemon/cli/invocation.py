@@ -1,8 +1,9 @@
 """What a command takes from its invocation: the home, the settings, and async work run to an exit code.
 
-``--home`` is accepted before the command (an option of ``tenexd`` itself) and after it (an
-option of every command, :data:`HomeOption`); the one nearest the command wins. Without
-either, the home is ``$TENEX_HOME``, else ``./.tenex``.
+``--home`` is accepted before the command (an option of ``tenexd`` itself), between a command
+group and its command (``tenexd conversations --home X list``) and after it (an option of every
+command, :data:`HomeOption`); the one nearest the command wins. Without any, the home is
+``$TENEX_HOME``, else ``./.tenex``.
 """
 
 from __future__ import annotations
@@ -45,10 +46,15 @@ HomeOption = Annotated[
 
 
 def home_given(ctx: typer.Context) -> str | None:
-    """Return the ``--home`` as given, the command's else tenexd's; None when neither was given."""
-    after: str | None = ctx.params.get("home")
-    before: str | None = ctx.find_root().params.get("home")
-    return after if after is not None else before
+    """Return the ``--home`` given nearest the command (the command's, its group's, tenexd's); None when
+    none was given."""
+    current: typer.Context | None = ctx
+    while current is not None:
+        given: str | None = current.params.get("home")
+        if given is not None:
+            return given
+        current = current.parent  # type: ignore[assignment]  # click's Context: typer's at run time
+    return None
 
 
 def home_of(ctx: typer.Context) -> Path:

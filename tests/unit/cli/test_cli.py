@@ -376,6 +376,29 @@ def test_home_after_the_command_wins_over_home_before_it(home: Path, tmp_path: P
     assert not (tmp_path / "elsewhere").exists()
 
 
+def test_home_between_a_group_and_its_command_is_taken_nearest_first(home: Path, tmp_path: Path) -> None:
+    """`tenexd conversations --home H list` (and `agents --home H list`) reads H, as the README's "before the
+    command or after it" lets people type it; one given after the command still wins over it."""
+    seed_conversation(home, "Picnic plans", "Plan a picnic")
+    elsewhere = str(tmp_path / "elsewhere")
+
+    def run(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(app, list(args), catch_exceptions=False)
+        return result.exit_code, result.stdout
+
+    listed = run("conversations", "--home", str(home), "list", "--json")
+    agents = run("agents", "--home", str(home), "list", "--json")
+    nearest = run("--home", elsewhere, "conversations", "--home", elsewhere, "list", "--json", "--home", str(home))
+
+    assert listed[0] == 0, listed[1]
+    assert [r["title"] for r in json.loads(listed[1])] == ["Picnic plans"]
+    assert agents[0] == 0, agents[1]
+    assert [a["slug"] for a in json.loads(agents[1])] == ["orchestrator", "planner", "executor"]
+    assert nearest[0] == 0, nearest[1]
+    assert [r["title"] for r in json.loads(nearest[1])] == ["Picnic plans"]
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_conversations_show_and_list_say_whether_it_ended_by_whom_and_why(home: Path) -> None:
     """`conversations show` prints the end (when, by whom, why) and `list` a status column: ended, then active."""
     picnic = seed_conversation(home, "Picnic plans", "Plan a picnic")
