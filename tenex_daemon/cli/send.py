@@ -52,7 +52,6 @@ from tenex_daemon.core.vocabulary import (
     TAG_PUBKEY,
 )
 
-TITLE_MAX = 80
 PRIVATE_LOOKBACK_S = 2 * 86_400 + 60
 """How far back the answers' gift wraps may be dated (NIP-59 backdates them up to two days)."""
 SEND_KINDS = (KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT)
@@ -194,11 +193,11 @@ def reply_tags(
     return person_reply_tags(parent, destinations)
 
 
-def root_tags(text: str, target: Agent, owner: str, project_d: str, title: str | None) -> list[list[str]]:
-    """Return the tags of a new conversation root: title, the target's ``p``, the project's ``a``."""
-    first_line = text.strip().splitlines()[0] if text.strip() else "Untitled"
-    chosen = title or (first_line[: TITLE_MAX - 1] + "…" if len(first_line) > TITLE_MAX else first_line)
-    return conversation_root_tags(chosen, [target.pubkey], (owner, project_d))
+def root_tags(target: Agent, owner: str, project_d: str, title: str | None) -> list[list[str]]:
+    """Return the tags of a new conversation root: the ``--title`` given (none otherwise: the daemon
+    titles the conversation, docs/ARCHITECTURE.md "Titles and summaries"), the target's ``p``, the
+    project's ``a``."""
+    return conversation_root_tags(title, [target.pubkey], (owner, project_d))
 
 
 def compose_message(
@@ -227,7 +226,7 @@ def compose_message(
         event = owner.sign(KIND_NOTE, text, note_tags([target.pubkey]))
     else:
         event = owner.sign(
-            KIND_CONVERSATION_ROOT, text, root_tags(text, target, owner.pubkey, settings.project.d_tag, title)
+            KIND_CONVERSATION_ROOT, text, root_tags(target, owner.pubkey, settings.project.d_tag, title)
         )
     return event, event.id
 

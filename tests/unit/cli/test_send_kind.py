@@ -73,14 +73,17 @@ def test_a_kind_1_note_and_a_nip10_reply_to_an_agents_kind_1_answer(home: Path) 
 
 
 def test_without_kind_a_new_message_is_still_a_kind_11_root(home: Path) -> None:
-    """The default new message is the kind-11 root it always was: title, the agent's `p`, the project's `a`."""
+    """The default new message is the kind-11 root it always was: the agent's `p`, the project's `a`, and a
+    `title` only when one is given (untitled, the daemon titles it, as any untitled conversation)."""
     settings, owner, planner, agent_keys = parts(home)
 
     root, root_id = compose_message(settings, owner, "Plan it", planner, agent_keys, parent=None, kind=None, title=None)
+    titled, _ = compose_message(settings, owner, "Plan it", planner, agent_keys, parent=None, kind=None, title="Picnic")
 
     assert (root.kind, root_id) == (11, root.id)
-    assert root.tags[:2] == [["title", "Plan it"], ["p", planner.pubkey]]
-    assert root.tags[2][0] == "a"
+    assert root.tags[0] == ["p", planner.pubkey]
+    assert [tag[0] for tag in root.tags] == ["p", "a"]
+    assert titled.tags[:2] == [["title", "Picnic"], ["p", planner.pubkey]]
 
 
 @pytest.mark.parametrize(

@@ -46,10 +46,13 @@ def test_a_person_replying_to_a_reply_copies_its_root_tags_as_written() -> None:
 
 
 def test_conversation_root_typing_partial_and_heartbeat_tags() -> None:
-    """A root carries title, p and the project's a; typing one e; a partial e, e-reply and streaming; the
+    """A root carries its title (when it has one), p and the project's a; typing one e; a partial e, e-reply and streaming; the
     heartbeat one agent tag per agent and the project's a."""
     assert conversation_root_tags("Plan", [AGENT.pubkey], (USER.pubkey, "proj")) == [
         ["title", "Plan"], ["p", AGENT.pubkey], ["a", f"31933:{USER.pubkey}:proj"],
+    ]
+    assert conversation_root_tags(None, [AGENT.pubkey], (USER.pubkey, "proj")) == [  # untitled
+        ["p", AGENT.pubkey], ["a", f"31933:{USER.pubkey}:proj"],
     ]
     assert typing_tags("c" * 64) == [["e", "c" * 64]]
     assert streaming_tags("c" * 64, "t" * 64, 3) == [["e", "c" * 64], ["e", "t" * 64, "", "reply"], ["streaming", "3"]]

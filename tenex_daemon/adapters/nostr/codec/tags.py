@@ -310,9 +310,13 @@ def note_tags(destinations: Iterable[str]) -> Tags:
     return _pubkey_tags(destinations)
 
 
-def conversation_root_tags(title: str, destinations: Iterable[str], project: tuple[str, str]) -> Tags:
-    """Return the tags of a new kind-11 conversation root: title, one ``p`` per destination, the ``a``."""
-    return [[TAG_TITLE, title], *_pubkey_tags(destinations), [TAG_ADDRESS, project_address(*project)]]
+def conversation_root_tags(
+    title: str | None, destinations: Iterable[str], project: tuple[str, str]
+) -> Tags:
+    """Return the tags of a new kind-11 conversation root: the title (when given), one ``p`` per destination,
+    the ``a``."""
+    titled = [[TAG_TITLE, title]] if title is not None else []
+    return [*titled, *_pubkey_tags(destinations), [TAG_ADDRESS, project_address(*project)]]
 
 
 def typing_tags(conversation_id: str) -> Tags:
