@@ -195,7 +195,7 @@ def reply_tags(
 
 def root_tags(target: Agent, owner: str, project_d: str, title: str | None) -> list[list[str]]:
     """Return the tags of a new conversation root: the ``--title`` given (none otherwise: the daemon
-    titles the conversation, docs/ARCHITECTURE.md "Titles and summaries"), the target's ``p``, the
+    titles the conversation, docs/ARCHITECTURE.md, "Conversation lifecycle"), the target's ``p``, the
     project's ``a``."""
     return conversation_root_tags(title, [target.pubkey], (owner, project_d))
 
