@@ -176,7 +176,8 @@ def plan_window(
     """
     units = split_units(messages, protected, count)
     used = count(persona) + reserve + sum(u.tokens for u in units if u.pinned)
-    used += message_tokens(truncation_note(len(messages)), count)  # at most this long
+    gaps = sum(1 for i, u in enumerate(units) if not u.pinned and (i == 0 or units[i - 1].pinned))
+    used += gaps * message_tokens(truncation_note(len(messages)), count)  # a note per gap, at most this long
     candidates: list[Unit] = []
     dropped: list[int] = []
     for unit in units:
@@ -206,19 +207,27 @@ def render(
     """Return the messages without those ``window`` leaves out, saying where they were cut.
 
     Left-out messages before ``covered`` are replaced by the summary message (when ``summary`` is
-    given) at the first of them; any others by one truncation note counting them, at the first of them.
+    given) at the first of them; any others by a truncation note at each place they were cut (each run
+    of them between kept messages: older history, and a run's own earlier tool calls after its trigger),
+    counting that run.
     """
     dropped = set(window.dropped)
     summarized = [i for i in window.dropped if i < covered] if summary is not None else []
     truncated = [i for i in window.dropped if i not in summarized]
     summary_at = summarized[0] if summarized else -1
-    note_at = truncated[0] if truncated else -1
+    notes: dict[int, int] = {}  # first index of each run of truncated messages -> its length
+    start = previous = -2
+    for index in truncated:
+        if index != previous + 1:
+            start = index
+        notes[start] = notes.get(start, 0) + 1
+        previous = index
     result: list[LLMMessage] = []
     for index, message in enumerate(messages):
         if index == summary_at and summary is not None:
             result.append(summary_message(summary))
-        if index == note_at:
-            result.append(truncation_note(len(truncated)))
+        if index in notes:
+            result.append(truncation_note(notes[index]))
         if index not in dropped:
             result.append(message)
     return result

@@ -117,7 +117,8 @@ def test_the_persona_counts_against_the_budget() -> None:
 
 
 def test_the_first_user_message_is_kept_even_when_agents_spoke_first() -> None:
-    """The first *user* message is kept wherever it is; the note goes where the cut began."""
+    """The first *user* message is kept wherever it is; a note stands where each cut began (the agent's
+    message before it, and the messages after it)."""
     messages: list[LLMMessage] = [
         say("system", "[Bob]: hi"),
         say("user", "first"),
@@ -126,8 +127,7 @@ def test_the_first_user_message_is_kept_even_when_agents_spoke_first() -> None:
     ]
     fitted = fit_sliding_window("", messages, (len(messages) - 1,), TokenBudget(40))
 
-    assert fitted[0] == truncation_note(len(messages) - 2)
-    assert fitted[1] == messages[1]
+    assert fitted[:3] == [truncation_note(1), messages[1], truncation_note(len(messages) - 3)]
     assert fitted[-1] == messages[-1]
 
 

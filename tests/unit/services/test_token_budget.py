@@ -334,3 +334,30 @@ async def test_a_summary_covering_more_than_an_older_view_is_not_redone(cast: Ca
 
     assert fitted == [messages[0], truncation_note(5), *messages[6:]]
     assert backend.summary_requests == []
+
+
+async def test_a_note_stands_at_each_place_messages_were_cut_in_a_tool_loop(cast: Cast) -> None:
+    """When the run's own earlier tool call and result are left out (after its trigger) along with older
+    history, each cut gets its own note where it was made: the tool call's after the trigger, counting it
+    and its result (before, one note before the trigger counted both cuts)."""
+    backend = RecordingBackend()
+    rig = make_rig(cast, backend, TokenBudget.of_window(300))
+    root = await conversation(rig, cast, 6)
+    full = await trigger_alice(rig, cast, root)
+    backend.script = [
+        calls(("c1", "get_conversation", {"id": root.id})),
+        calls(("c2", "get_conversation", {"id": root.id})),
+        text("done"),
+    ]
+
+    await run(rig, root)
+
+    third = backend.sent(2)
+    trigger_at = third.index(full[-1])
+    after = third[trigger_at + 1:]
+    called = [c.id for m in after if isinstance(m, AssistantToolCalls) for c in m.tool_calls]
+    assert called == ["c2"]
+    assert after[0] == truncation_note(2)  # c1's call and result, cut where they were
+    notes = [m for m in third[:trigger_at] if isinstance(m, ChatMessage) and m.content.startswith("[Note:")]
+    history_left_out = [m for m in full[:-1] if m not in third]
+    assert notes == [truncation_note(len(history_left_out))]  # the older history's own cut, counting it only
