@@ -418,7 +418,8 @@ def build_routing_context(
 
     ``latest_user_message`` is read up to ``trigger`` (the whole history without one).
     ``completion_preview`` (agent slug, message, timestamp) shows a completion that is
-    arriving with the trigger but is not recorded yet; it is shown once, like any other.
+    arriving with the trigger but is not recorded yet; it is shown once, like any other, and only when
+    it will count (it answers the open turn's trigger).
     """
     root = conversation.root
     history_entries = [t.routing_entry() for t in conversation.orchestrator_turns if t.is_completed]
@@ -428,7 +429,8 @@ def build_routing_context(
         current = open_turn.routing_entry()
         if completion_preview is not None:
             slug, message, timestamp = completion_preview
-            if slug in open_turn.agents and not open_turn.has_completed(slug):
+            counts = trigger is None or open_turn.answered_by(trigger)  # as its recording will judge it
+            if counts and slug in open_turn.agents and not open_turn.has_completed(slug):
                 current["completions"].append({"agent": slug, "message": message, "timestamp": timestamp})
     return {
         "user_request": root.content if root is not None else "",

@@ -145,6 +145,27 @@ async def test_trigger_completion_is_previewed_in_current_routing(
     ]
 
 
+async def test_a_late_completion_answering_an_earlier_trigger_is_not_previewed(
+    manager: ConversationManager, cast: Cast
+) -> None:
+    """A completion that answers another event than the open turn's trigger (a late answer to the root) is
+    not shown in current_routing, as it is not counted for the turn when it is recorded."""
+    root = cast.user_says("build", kind=11)
+    await manager.create_conversation(root)
+    follow = cast.user_says("and paint", tags=[["E", root.id]])
+    await manager.add_event(root.id, follow)
+    await manager.start_orchestrator_turn(root.id, "chat", ["alice"], "paint", trigger_id=follow.id)
+    late = cast.alice_says("built", tags=[["E", root.id], ["e", root.id], ["tool", "complete"]])
+
+    context = await manager.build_orchestrator_routing_context(root.id, late)
+    await manager.add_event(root.id, late)
+
+    conversation = await manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.orchestrator_turns[-1].completions == []
+    assert context["current_routing"]["completions"] == []
+
+
 async def test_completion_without_open_turn_is_ignored(manager: ConversationManager, cast: Cast) -> None:
     """add_completion_to_turn returns False when no turn is open or the agent was not routed."""
     cid = (await manager.create_conversation(cast.user_says("Go", kind=11))).id
