@@ -244,7 +244,7 @@ def _print_status_data(data: dict[str, Any]) -> None:
 
 def status(ctx: typer.Context, as_json: JsonOption = False, home: HomeOption = None) -> None:
     """Say whether the daemon is running: exit 0 when running and fresh, 1 when stopped, stale or degraded
-    (the reason is shown), 2 when the home does not exist or has no config.toml."""
+    (the reason is shown), 2 when the home does not exist or has no config.toml (and no status file)."""
     report = _status_report(ctx)
     if as_json:
         print_json(report.to_dict())

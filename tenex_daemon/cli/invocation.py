@@ -40,7 +40,9 @@ HOME_HELP = f"Project home (default: $TENEX_HOME, else ./{DEFAULT_HOME})."
 
 HomeOption = Annotated[
     str | None,
-    typer.Option("--home", help=f"{HOME_HELP} Also accepted before the command.", show_default=False),
+    typer.Option(
+        "--home", help=f"{HOME_HELP} Also accepted before the command (the nearest wins).", show_default=False
+    ),
 ]
 """The ``--home`` every command declares; :func:`home_of` reads it (the parameter itself goes unused)."""
 

@@ -132,7 +132,9 @@ def check_kind(kind: int | None, replying: bool) -> None:
 
 def check_title(title: str | None, kind: int | None, replying: bool) -> None:
     """Refuse ``--title`` unless the message is a new kind-11 conversation, the only one that carries a title
-    (a kind-1 note and a reply have none)."""
+    (a kind-1 note and a reply have none); a blank one is refused too (leave it out: the daemon titles)."""
+    if title is not None and not title.strip():
+        raise SendError("--title is empty: give a title, or leave it out (the daemon titles conversations)")
     if title is not None and (replying or kind == KIND_NOTE):
         raise SendError(
             "--title is only for a new kind-11 conversation: leave it out with "

@@ -97,7 +97,7 @@ class PhaseRules:
         self._allowed: dict[Phase, frozenset[Phase]] = {
             Phase(k): frozenset(Phase(v) for v in vs) for k, vs in source.items()
         }
-        named = dict.fromkeys(p for k, vs in self._allowed.items() for p in (k, *sorted(vs)))
+        named = dict.fromkeys(Phase(p) for k, vs in source.items() for p in (k, *vs))  # in the table's order
         added = tuple(p for p in named if p not in _BUILT_IN)
         built_in = (p for p in BUILT_IN_PHASES if p in named or p is Phase.CHAT)
         self.phases: tuple[Phase, ...] = (*built_in, *added)

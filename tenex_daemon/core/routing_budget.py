@@ -2,10 +2,11 @@
 
 The orchestrator is an agent: when its system prompt plus the routing context JSON exceed its budget,
 the oldest finished turns are left out (the newest that fit are kept, in order) and the context says so
-under :data:`ROUTING_NOTE_KEY`. When even the newest turn alone is too much (an agent's completion of a
-whole file, a person's very long message), every long text in what is left (the person's request and
-latest message, the turns' completions and reasons) is cut to the longest length that fits, ending in
-``…``. Nothing is left out while the context fits: full history is the rule.
+under :data:`ROUTING_NOTE_KEY`. The newest finished turn is never left out: it holds the completion being
+routed (a completion reaches the orchestrator once it closed its turn). When that turn alone is too much
+(an agent's completion of a whole file, a person's very long message), every long text in what is left
+(the person's request and latest message, the turns' completions and reasons) is cut to the longest
+length that fits, ending in ``…``. Nothing is left out while the context fits: full history is the rule.
 
 Pure functions: the caller gives the budget, whose counter is the orchestrator model's.
 """
@@ -40,14 +41,17 @@ def fit_routing_context(context: dict[str, Any], system_prompt: str, budget: Tok
     if fits(context):
         return context
     history: list[dict[str, Any]] = context["routing_history"]
-    low, high = 1, len(history)  # the fewest turns left out with which it fits, by bisection
+    most = len(history) - 1  # the newest finished turn stays
+    if most < 1:
+        return _texts_cut(context, fits)
+    low, high = 1, most  # the fewest turns left out with which it fits, by bisection
     while low < high:
         middle = (low + high) // 2
         if fits(_without_oldest(context, middle)):
             high = middle
         else:
             low = middle + 1
-    trimmed = _without_oldest(context, low) if history else context
+    trimmed = _without_oldest(context, low)
     if fits(trimmed):
         return trimmed
     return _texts_cut(trimmed, fits)

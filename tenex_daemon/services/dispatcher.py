@@ -101,7 +101,7 @@ class EventDispatcher:
     and runs the agents it names. Their completions close the turn; a completion that arrives
     while the turn still waits for others is only recorded, the one that closes it is routed
     again. Routing stops on an END decision, after ``turn_limit`` turns without a new user
-    message, and on a decision repeated with no new completion (:class:`RoutingLimits`, stored
+    message, and on a decision that repeats the one before it (:class:`RoutingLimits`, stored
     with the conversation: a restart keeps them).
     A whitelisted person writes only into conversations they started or the owner p-tagged them in
     (:func:`may_join`; ``not_a_participant``) unless ``whitelist_may_join``: the agents would read anyone
@@ -561,7 +561,7 @@ class EventDispatcher:
         if decision is None:
             await self._save_limits(cid, stored)  # a user message's reset
             return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, cid)
-        stop = self._limits.record(cid, decision)
+        stop = self._limits.record(cid, decision, conversation.phase.value)
         if stop is not None:
             log.warning(
                 "routing_stopped",

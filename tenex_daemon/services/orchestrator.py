@@ -66,7 +66,7 @@ class RoutingStop(StrEnum):
     TURN_LIMIT = "turn_limit"
     """Too many orchestrator turns without a new user message."""
     REPEATED_DECISION = "repeated_decision"
-    """The same decision again with no new completion since it was last made."""
+    """The same decision (agents and phase) as the one before it since the last user message: a loop."""
     NOT_ROUTED = "not_routed"
     """A completion by an agent no turn routed to (the person addressed it): it goes back to them."""
 
@@ -86,7 +86,7 @@ class RuleBasedOrchestrator:
 
     def __init__(self, directory: AgentDirectory, default_agent: str | None) -> None:
         if default_agent is not None and directory.find(default_agent) is None:
-            raise UnknownAgentError(default_agent)
+            raise UnknownAgentError(default_agent, tuple(a.slug for a in directory))
         self._directory = directory
         self._default = default_agent
 
@@ -258,7 +258,7 @@ class LLMOrchestrator:
         if orchestrator is None:
             raise ValueError("the LLM orchestrator needs an agent with orchestrator = true")
         if default_agent is not None and directory.find(default_agent) is None:
-            raise UnknownAgentError(default_agent)
+            raise UnknownAgentError(default_agent, tuple(a.slug for a in directory))
         self._manager = manager
         self._backend = backend
         self._fallback = fallback

@@ -132,12 +132,17 @@ class RoutingLimits:
             return RoutingStop.TURN_LIMIT
         return None
 
-    def record(self, conversation_id: str, decision: RoutingDecision) -> RoutingStop | None:
+    def record(
+        self, conversation_id: str, decision: RoutingDecision, current_phase: str | None = None
+    ) -> RoutingStop | None:
         """Record ``decision``: return REPEATED_DECISION (and record nothing) when it repeats the
         previous decision since the last user message; otherwise count it (a turn, or END) and return None.
+
+        Decisions are compared as they run: their agents in any order, and a decision naming no phase in
+        ``current_phase`` (the conversation's, where it keeps it).
         """
         state = self._state(conversation_id)
-        key = (decision.agents, decision.phase)
+        key = (tuple(sorted(decision.agents)), decision.phase or current_phase)
         if state.last_decision == key:
             return RoutingStop.REPEATED_DECISION
         state.last_decision = key

@@ -54,9 +54,12 @@ def parse_datetime(name: str, value: str) -> datetime:
 
 
 def _parse_phase(value: str, phases: Sequence[Phase]) -> Phase:
+    """A phase to search by: one of the seven built in (a conversation stored before the project's table
+    changed, or imported, may be in any of them) or one the project added."""
     name = value.strip().lower()
-    if name not in phases:
-        raise ApiError(400, f"phase must be one of {', '.join(phases)}, got {value!r}")
+    known = dict.fromkeys((*BUILT_IN_PHASES, *phases))
+    if name not in known:
+        raise ApiError(400, f"phase must be one of {', '.join(known)}, got {value!r}")
     return Phase(name)
 
 
@@ -83,7 +86,7 @@ def _parse_limit(raw: str) -> int:
 
 def parse_search(query: Mapping[str, str], phases: Sequence[Phase] = BUILT_IN_PHASES) -> dict[str, Any]:
     """Turn query parameters into keyword arguments of ``search_conversations``; raise ApiError 400
-    (``phases``: those a ``phase`` may name, the project's)."""
+    (``phases``: the project's, which a ``phase`` may name besides the seven built in)."""
     unknown = sorted(set(query) - SEARCH_PARAMETERS)
     if unknown:
         known = ", ".join(sorted(SEARCH_PARAMETERS))

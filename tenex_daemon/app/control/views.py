@@ -8,12 +8,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tenex_daemon.app.control.errors import ApiError
-from tenex_daemon.core.budget import TokenBudget
+from tenex_daemon.core.budget import BudgetStrategy, TokenBudget
 from tenex_daemon.core.context import AgentContext
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import LLMMessage
+from tenex_daemon.core.routing_budget import fit_routing_context
 from tenex_daemon.core.search import ConversationSummary
 from tenex_daemon.core.vocabulary import KIND_TASK
 from tenex_daemon.services.conversation_manager import ConversationManager
@@ -155,12 +156,12 @@ async def preview_context(
         if index is None:
             raise ApiError(404, f"event {trigger_id} is not in conversation {conversation_id}")
         trigger = conversation.history[index]
+    spec = (personas or {}).get(agent_slug) or PersonaSpec(agent)
     if routes:
-        return await _routing_preview(manager, conversation, agent_slug, trigger, routing_prompt)
+        return await _routing_preview(manager, conversation, agent_slug, trigger, routing_prompt, spec.budget)
     context = await manager.preview_agent_messages(conversation_id, agent_slug, trigger)
     state = conversation.agent_states.get(agent_slug)
     stored_index = state.last_processed_index if state is not None else 0
-    spec = (personas or {}).get(agent_slug) or PersonaSpec(agent)
     persona = await build_persona(manager.store, manager.agents, spec, conversation, trigger)
     return context_json(conversation_id, agent_slug, trigger.id, context, stored_index, persona, spec.budget)
 
@@ -171,11 +172,25 @@ async def _routing_preview(
     agent_slug: str,
     trigger: NostrEvent,
     routing_prompt: str | None,
+    budget: TokenBudget | None,
 ) -> dict[str, Any]:
-    """The orchestrator's routing request for ``trigger``, shaped as :func:`context_json`."""
+    """The orchestrator's routing request for ``trigger``, shaped as :func:`context_json`: fitted to the
+    orchestrator's ``budget`` as its model is sent it (``budget.tokens``: before cuts; ``budget.dropped``: the
+    turns left out)."""
     if routing_prompt is None:
         raise ApiError(409, f"{agent_slug} routes by rules here (no model): it is sent nothing")
-    routing = await manager.build_orchestrator_routing_context(conversation.id, trigger)
+    whole = await manager.build_orchestrator_routing_context(conversation.id, trigger)
+    routing = whole if budget is None else fit_routing_context(whole, routing_prompt, budget)
+    content = json.dumps(routing, ensure_ascii=False)
+    cut: dict[str, Any] | None = None
+    if budget is not None:
+        cut = {
+            "limit": budget.limit,
+            "strategy": BudgetStrategy.SLIDING_WINDOW.value,  # routing always leaves the oldest turns out
+            "tokens": budget.count(routing_prompt) + budget.count(json.dumps(whole, ensure_ascii=False)),
+            "dropped": len(whole["routing_history"]) - len(routing["routing_history"]),
+            "to_summarize": 0,
+        }
     state = conversation.agent_states.get(agent_slug)
     index = state.last_processed_index if state is not None else 0
     return {
@@ -183,9 +198,9 @@ async def _routing_preview(
         "agent": agent_slug,
         "trigger": trigger.id,
         "persona": routing_prompt,
-        "messages": [{"role": "user", "content": json.dumps(routing, ensure_ascii=False)}],
+        "messages": [{"role": "user", "content": content}],
         "session_id": None,
         "last_processed_index": index,
         "next_last_processed_index": index,
-        "budget": None,
+        "budget": cut,
     }

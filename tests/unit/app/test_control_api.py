@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -18,12 +19,16 @@ from aiohttp.test_utils import TestClient, TestServer
 from tenex_daemon import ConversationManager, NostrEvent
 from tenex_daemon.app.control.errors import ApiError
 from tenex_daemon.app.control.parsing import parse_search
+from tenex_daemon.app.control.views import preview_context
 from tenex_daemon.app.control_api import ControlServer, ControlSocketInUseError, create_app, openapi_document
 from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.core.budget import TokenBudget, estimate_tokens
 from tenex_daemon.core.errors import StoreUnavailableError
 from tenex_daemon.core.phases import Phase, PhaseRules
+from tenex_daemon.core.routing_budget import ROUTING_NOTE_KEY, routing_note
 from tenex_daemon.core.vocabulary import KIND_TASK
 from tenex_daemon.services.lifecycle import task_meta_key
+from tenex_daemon.services.persona import PersonaSpec
 from tests.conftest import Cast
 
 
@@ -304,12 +309,17 @@ def test_a_date_alone_given_to_date_to_is_the_whole_day() -> None:
 
 
 def test_a_search_by_phase_accepts_the_projects_phases_only() -> None:
-    """A phase the project added is a filter like a built-in one; a phase the project has not is a 400 naming
-    those it has."""
+    """A phase the project added is a filter like a built-in one, and the seven built in stay filters (stored
+    conversations may be in one the project's table leaves out); another name is a 400 naming those there are."""
     phases = PhaseRules({"chat": ["review"], "review": ["chat"]}).phases
     assert parse_search({"phase": " Review "}, phases) == {"phase": Phase("review")}
-    with pytest.raises(ApiError, match="phase must be one of chat, review, got 'plan'"):
-        parse_search({"phase": "plan"}, phases)
+    assert parse_search({"phase": "plan"}, phases) == {"phase": Phase.PLAN}
+    with pytest.raises(ApiError) as refused:
+        parse_search({"phase": "dance"}, phases)
+    assert refused.value.message == (
+        "phase must be one of chat, brainstorm, plan, execute, verification, chores, reflection, review, "
+        "got 'dance'"
+    )
 
 
 async def test_context_by_default_answers_the_newest_event_the_agent_did_not_write(
@@ -457,3 +467,33 @@ async def test_a_store_that_does_not_answer_is_a_503_saying_so(
     assert (await response.json())["error"] == (
         "the PostgreSQL store does not answer: [Errno 111] Connect call failed"
     )
+
+
+async def test_the_orchestrators_preview_is_fitted_to_its_budget_as_it_is_sent(
+    manager: ConversationManager, cast: Cast
+) -> None:
+    """`context --agent <orchestrator>` (preview_context) shows the routing context fitted to the orchestrator's
+    budget, as LLMOrchestrator sends it: older turns left out with the note, the newest kept, and the budget's
+    figures (tokens before cuts, turns left out)."""
+    root = cast.user_says("Build it", kind=11)
+    await manager.create_conversation(root)
+    done = root
+    for step in range(4):
+        await manager.start_orchestrator_turn(root.id, "chat", ["alice"], f"step {step}")
+        done = cast.alice_says(f"{step} " + "x" * 4_000, tags=[["E", root.id], ["e", root.id], ["tool", "complete"]])
+        await manager.add_event(root.id, done)
+    budget = TokenBudget(2_500)
+    personas = {"orchestrator": PersonaSpec(cast.orchestrator, "", budget)}
+
+    preview = await preview_context(manager, root.id, "orchestrator", done.id, personas, routing_prompt="Route.")
+
+    [message] = preview["messages"]
+    sent = json.loads(message["content"])
+    kept = len(sent["routing_history"])
+    assert 1 <= kept < 4
+    assert sent["routing_history"][-1]["completions"][0]["message"].startswith("3 ")
+    assert sent[ROUTING_NOTE_KEY] == routing_note(4 - kept)
+    assert preview["budget"]["dropped"] == 4 - kept
+    assert preview["budget"]["limit"] == 2_500
+    assert preview["budget"]["tokens"] > 4_000  # before cuts
+    assert estimate_tokens("Route.") + estimate_tokens(message["content"]) <= 2_500

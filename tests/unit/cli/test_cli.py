@@ -389,6 +389,7 @@ def test_home_between_a_group_and_its_command_is_taken_nearest_first(home: Path,
     listed = run("conversations", "--home", str(home), "list", "--json")
     agents = run("agents", "--home", str(home), "list", "--json")
     nearest = run("--home", elsewhere, "conversations", "--home", elsewhere, "list", "--json", "--home", str(home))
+    group_over_root = run("--home", elsewhere, "conversations", "--home", str(home), "list", "--json")
 
     assert listed[0] == 0, listed[1]
     assert [r["title"] for r in json.loads(listed[1])] == ["Picnic plans"]
@@ -396,6 +397,8 @@ def test_home_between_a_group_and_its_command_is_taken_nearest_first(home: Path,
     assert [a["slug"] for a in json.loads(agents[1])] == ["orchestrator", "planner", "executor"]
     assert nearest[0] == 0, nearest[1]
     assert [r["title"] for r in json.loads(nearest[1])] == ["Picnic plans"]
+    assert group_over_root[0] == 0, group_over_root[1]
+    assert [r["title"] for r in json.loads(group_over_root[1])] == ["Picnic plans"]
     assert not (tmp_path / "elsewhere").exists()
 
 

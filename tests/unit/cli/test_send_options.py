@@ -53,12 +53,15 @@ def test_a_title_on_what_is_not_a_new_kind_11_conversation_is_refused(
 
 
 def test_a_title_is_taken_for_a_new_conversation() -> None:
-    """`check_title` takes a title for a new message (kind 11, given or by default) and no title anywhere."""
+    """`check_title` takes a title for a new message (kind 11, given or by default) and no title anywhere; a
+    blank title is refused."""
     check_title("T", None, False)
     check_title("T", 11, False)
     check_title(None, 1, True)
     with pytest.raises(SendError):
         check_title("T", 1, False)
+    with pytest.raises(SendError, match="--title is empty"):  # leave it out for the daemon's title
+        check_title("  ", None, False)
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ def test_the_oldest_turns_are_left_out_first_and_the_context_says_so() -> None:
 
     kept = fitted["routing_history"]
     assert kept == turns[-len(kept):]
-    assert 6 <= len(kept) < 20
+    assert len(kept) == 6  # no more left out than needed
     assert tokens(fitted) <= budget.limit
     assert fitted[ROUTING_NOTE_KEY] == routing_note(20 - len(kept))
     assert routing_note(3) == "[Note: 3 older turns truncated to stay within token limit]"
@@ -66,18 +66,20 @@ def test_the_oldest_turns_are_left_out_first_and_the_context_says_so() -> None:
     assert whole["routing_history"] == turns  # the context given is not changed
 
 
-def test_a_huge_completion_is_cut_when_leaving_turns_out_is_not_enough() -> None:
-    """An open turn's completion far over the budget is cut (ending in …) to what fits, with the person's request
-    kept whole when it is short; every finished turn is left out first."""
-    current = turn(9, "y" * 100_000)
-    whole = context([turn(1), turn(2)], current=current)
+def test_the_completion_being_routed_is_cut_never_left_out() -> None:
+    """The newest finished turn (the one whose completion closed it and is being routed) stays even when it
+    alone is over the budget: its completion is cut (ending in …) to what fits, every older turn is left out
+    first, and the person's request is kept whole when it is short."""
+    newest = turn(9, "y" * 100_000)
+    whole = context([turn(1), turn(2), newest])
     budget = TokenBudget(2_000)
 
     fitted = fit_routing_context(whole, PROMPT, budget)
 
-    assert fitted["routing_history"] == []
+    assert [t["timestamp"] for t in fitted["routing_history"]] == [9]
     assert fitted[ROUTING_NOTE_KEY] == routing_note(2)
-    message = fitted["current_routing"]["completions"][0]["message"]
+    assert fitted["current_routing"] is None
+    message = fitted["routing_history"][0]["completions"][0]["message"]
     assert message.endswith("…")
     assert SHORTEST_CUT <= len(message) < 100_000
     assert fitted["user_request"] == "Build it"

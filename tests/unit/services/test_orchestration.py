@@ -350,8 +350,9 @@ async def test_a_long_conversations_routing_context_is_fitted_to_the_orchestrato
 
 
 def test_a_decision_repeating_the_one_before_is_refused_until_the_user_writes() -> None:
-    """The same agents and phase as the decision before are refused (its reason does not matter); another
-    phase or another agent is a new decision, and a user message allows any."""
+    """The same agents (in any order) and phase as the decision before are refused (its reason does not
+    matter; no phase means the conversation's); another phase or another agent is a new decision, and a user
+    message allows any."""
     limits = RoutingLimits(turn_limit=10)
     decision = RoutingDecision(("alice",), "again", "execute")
 
@@ -359,6 +360,9 @@ def test_a_decision_repeating_the_one_before_is_refused_until_the_user_writes() 
     assert limits.record("c", RoutingDecision(("alice",), "in other words", "execute")) is RoutingStop.REPEATED_DECISION
     assert limits.record("c", RoutingDecision(("alice",), "again", "chat")) is None
     assert limits.record("c", RoutingDecision(("alice",), "again", "chat")) is RoutingStop.REPEATED_DECISION
+    assert limits.record("c", RoutingDecision(("alice",), "same phase kept", None), "chat") is RoutingStop.REPEATED_DECISION
+    assert limits.record("c", RoutingDecision(("bob", "alice"), "both", "chat")) is None
+    assert limits.record("c", RoutingDecision(("alice", "bob"), "both again", "chat")) is RoutingStop.REPEATED_DECISION
     limits.user_message("c")
     assert limits.record("c", RoutingDecision(("alice",), "again", "chat")) is None
     assert limits.turns("c") == 1
