@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import structlog
@@ -47,6 +48,7 @@ from tenex_daemon.services.descriptions import DescriptionJobs, EventPublisher
 from tenex_daemon.services.dispatcher import EventDispatcher, ReplyObserver
 from tenex_daemon.services.lifecycle import DEFAULT_IDLE_TIMEOUT_MIN, ConversationLifecycle
 from tenex_daemon.services.live_status import LiveStatus
+from tenex_daemon.services.notices import store_notice
 from tenex_daemon.services.orchestrator import (
     LLMOrchestrator,
     Orchestrator,
@@ -449,6 +451,7 @@ def build_pipeline(
         warn_after_s=options.outbox_warn_after_s,
         observer=ports.observer,
         on_refused=RefusalNotices(manager, ports.composer).notice,
+        save_missing=partial(store_notice, manager, kind_of="recovered"),
     )
     live_status = LiveStatus(manager, ports.status) if ports.status is not None else None
     runner = AgentRunner(

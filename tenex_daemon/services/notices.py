@@ -7,7 +7,7 @@ from __future__ import annotations
 import structlog
 
 from tenex_daemon.core.conversation import Conversation
-from tenex_daemon.core.errors import ConversationArchivedError
+from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplyComposer, ReplySpec
 from tenex_daemon.services.agent_runner import user_destination
@@ -28,6 +28,19 @@ async def save_notice(
 ) -> NostrEvent | None:
     """Compose ``agent_slug``'s notice replying to ``trigger`` and save it in the conversation; None when
     the conversation is archived (logged as ``<kind_of>_notice_not_saved``)."""
+    notice = compose_notice(manager, composer, conversation, trigger, agent_slug, content)
+    return notice if await store_notice(manager, conversation.id, notice, kind_of=kind_of) else None
+
+
+def compose_notice(
+    manager: ConversationManager,
+    composer: ReplyComposer,
+    conversation: Conversation,
+    trigger: NostrEvent,
+    agent_slug: str,
+    content: str,
+) -> NostrEvent:
+    """``agent_slug``'s notice replying to ``trigger``, signed (not saved)."""
     spec = ReplySpec(
         agent_slug=agent_slug,
         trigger=trigger,
@@ -40,10 +53,18 @@ async def save_notice(
         net_time_seconds=conversation.execution_time.total(manager.now_ms()),
         error=True,
     )
-    notice = composer.compose(spec)
+    return composer.compose(spec)
+
+
+async def store_notice(
+    manager: ConversationManager, conversation_id: str, notice: NostrEvent, *, kind_of: str
+) -> bool:
+    """Save a composed notice in its conversation (it does not reopen an ended one); False when the
+    conversation is archived or gone (logged as ``<kind_of>_notice_not_saved``)."""
     try:
-        await manager.add_event(conversation.id, notice, reopens=False)  # it does not reopen an ended one
-    except ConversationArchivedError:
-        log.info(f"{kind_of}_notice_not_saved", conversation_id=conversation.id, reason="archived")
-        return None
-    return notice
+        await manager.add_event(conversation_id, notice, reopens=False)
+    except (ConversationArchivedError, ConversationNotFoundError) as exc:
+        reason = "archived" if isinstance(exc, ConversationArchivedError) else "gone"
+        log.info(f"{kind_of}_notice_not_saved", conversation_id=conversation_id, reason=reason)
+        return False
+    return True

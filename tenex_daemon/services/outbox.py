@@ -16,6 +16,9 @@ Only an event every relay refused for good (:class:`~tenex_daemon.core.errors.Ev
 
 Until the entry is durable the run journal covers the event (a run whose reply is saved is
 redone after a crash by publishing that reply again), so nothing signed is ever lost on its way out.
+An event no run covers (a stop's notice) goes through :meth:`Outbox.add_saving`: its entry, holding the
+event itself, is stored before the event is saved, and :meth:`Outbox.recover` saves such an event its
+conversation lacks before delivering it.
 """
 
 from __future__ import annotations
@@ -62,13 +65,19 @@ class OutboxEntry:
     attempts: int = 0
     last_error: str | None = None
     warned: bool = False
+    unsaved: bool = False
+    """Stored before its event is saved in its conversation (:meth:`Outbox.add_saving`): the stored form
+    holds the event, and it is delivered only once saved."""
 
     def record(self) -> dict[str, object]:
-        """The stored form (the event itself is in its conversation)."""
-        return {
+        """The stored form (the event itself is in its conversation, or in ``e`` until it is saved there)."""
+        stored: dict[str, object] = {
             "id": self.event.id, "c": self.conversation_id, "a": self.agent_slug,
             "t": self.trigger_id, "at": self.first_at,
         }
+        if self.unsaved:
+            stored["e"] = self.event.to_dict()
+        return stored
 
 
 class DeliveryObserver(Protocol):
@@ -79,6 +88,8 @@ class DeliveryObserver(Protocol):
 
 
 FindEvent = Callable[[str], Awaitable[tuple[str, NostrEvent] | None]]
+SaveEvent = Callable[[str, NostrEvent], Awaitable[bool]]
+"""Saves an event in a conversation; False when the conversation cannot take it (gone, archived)."""
 OnRefused = Callable[[OutboxEntry, EventRefusedError], Awaitable[NostrEvent | None]]
 """Told of an event every relay refused for good; may return a notice saved in its conversation, to send."""
 
@@ -102,9 +113,13 @@ class Outbox:
         backoff_start_s: float = 1.0,
         observer: DeliveryObserver | None = None,
         on_refused: OnRefused | None = None,
+        save_missing: SaveEvent | None = None,
     ) -> None:
+        """``save_missing``: how :meth:`recover` saves an event an entry holds that its conversation lacks
+        (:meth:`add_saving`'s, its process ended before it was saved)."""
         self.key = key
         self._on_refused = on_refused
+        self._save_missing = save_missing
         self._store = store
         self._publisher = publisher
         self._warn_after = warn_after_s
@@ -159,14 +174,57 @@ class Outbox:
         self._entries[event.id] = entry
         self._version += 1
         self._deliveries.spawn(self._deliver(entry), f"deliver {event.id[:12]}")
+        await self._stored(entry)  # the run that saved the event ends only once its entry is stored
+
+    async def add_saving(
+        self,
+        conversation_id: str,
+        event: NostrEvent,
+        save: Callable[[], Awaitable[bool]],
+        *,
+        agent_slug: str,
+        trigger_id: str | None = None,
+    ) -> bool:
+        """Save ``event`` with ``save`` and deliver it, an event no run journal covers (a stop's notice): its
+        entry, holding the event, is stored first, then it is saved, then delivered, so a crash at any
+        instant loses neither (:meth:`recover` saves it when its conversation lacks it). Return whether it
+        was saved; when ``save`` answers False (the conversation cannot take it) or raises, the entry goes."""
+        if event.id in self._entries:
+            return True
+        entry = OutboxEntry(event, conversation_id, agent_slug, trigger_id, time.time(), unsaved=True)
+        self._entries[event.id] = entry
+        self._version += 1
+        await self._stored(entry)
+        try:
+            saved = await save()
+        except BaseException:
+            self._forget_unsaved(entry)
+            raise
+        if not saved:
+            self._forget_unsaved(entry)
+            return False
+        entry.unsaved = False  # the next write stores it without the event
+        self._version += 1
+        self._deliveries.spawn(self._deliver(entry), f"deliver {event.id[:12]}")
+        return True
+
+    def _forget_unsaved(self, entry: OutboxEntry) -> None:
+        self._entries.pop(entry.event.id, None)
+        self._version += 1
+        if self._flush is None:
+            self._flush = asyncio.create_task(self._forget_soon(), name="outbox forget")
+
+    async def _stored(self, entry: OutboxEntry) -> None:
+        """Write the outbox until ``entry`` is stored (a failed write is logged and tried again)."""
         delay = 0.1
-        while True:  # the run that saved the event ends only once its entry is stored
+        while True:
             try:
                 await self._write(self._version)
                 return
             except Exception:
                 log.exception(
-                    "outbox_write_failed", event_id=event.id, conversation_id=conversation_id, retry_in=delay
+                    "outbox_write_failed", event_id=entry.event.id, conversation_id=entry.conversation_id,
+                    retry_in=delay,
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._backoff_cap)
@@ -287,21 +345,27 @@ class Outbox:
         """Deliver what a previous process left in the stored outbox; return how many entries.
 
         Each entry's event is read back from its conversation; one whose conversation is gone
-        (deleted) is dropped and logged. With ``key``, the outbox another daemon left (it died) is
-        taken over: its entries are in this outbox's stored form when this returns, so the caller
-        may then forget ``key``.
+        (deleted) is dropped and logged. An entry that holds its event (:meth:`add_saving`: the process
+        ended before or just after saving it) has it saved (the constructor's ``save_missing``) when its
+        conversation lacks it. With ``key``, the outbox another daemon left (it died) is taken over: its
+        entries are in this outbox's stored form when this returns, so the caller may then forget ``key``.
         """
         source = self.key if key is None else key
         raw = await self._store.get_meta(source)
         try:
             records = json.loads(raw) if raw else []
-            pending = [(str(r["id"]), str(r["c"]), str(r["a"]), r.get("t"), float(r["at"])) for r in records]
-        except (ValueError, TypeError, KeyError):
+            pending = [
+                (str(r["id"]), str(r["c"]), str(r["a"]), r.get("t"), float(r["at"]), r.get("e"))
+                for r in records
+            ]
+        except (ValueError, TypeError, KeyError, AttributeError):
             log.error("outbox_unreadable", key=source)
             return 0
         restored = 0
-        for event_id, conversation_id, agent_slug, trigger_id, first_at in pending:
+        for event_id, conversation_id, agent_slug, trigger_id, first_at, held in pending:
             found = await find_event(event_id)
+            if found is None and held is not None and self._save_missing is not None:
+                found = await self._save_held(conversation_id, event_id, held, self._save_missing)
             if found is None:
                 log.warning("outbox_entry_dropped", event_id=event_id, reason="event no longer stored")
                 self._version += 1
@@ -316,6 +380,21 @@ class Outbox:
         self._version += 1
         await self._write(self._version)  # what was added meanwhile is stored with what was restored
         return restored
+
+    @staticmethod
+    async def _save_held(
+        conversation_id: str, event_id: str, held: object, save_missing: SaveEvent
+    ) -> tuple[str, NostrEvent] | None:
+        """Save the event an entry holds (its process ended before saving it); None when it cannot be."""
+        try:
+            event = NostrEvent.model_validate(held)
+        except ValueError:
+            log.error("outbox_entry_unreadable", event_id=event_id, conversation_id=conversation_id)
+            return None
+        if event.id != event_id or not await save_missing(conversation_id, event):
+            return None
+        log.info("outbox_event_saved", event_id=event_id, conversation_id=conversation_id)
+        return conversation_id, event
 
     async def flush(self, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` for the deliveries under way; return how many events still wait."""

@@ -49,7 +49,7 @@ from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import adopted_root_key, task_meta_key
 from tenex_daemon.services.locks import KeyedLock
-from tenex_daemon.services.notices import save_notice
+from tenex_daemon.services.notices import compose_notice, store_notice
 from tenex_daemon.services.outbox import Outbox
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, forget_journaled
 
@@ -412,13 +412,16 @@ class Stopper:
         author = slugs[0] if len(slugs) == 1 or orchestrator is None else orchestrator.slug
         names = ", ".join(directory.get(slug).name for slug in slugs)
         content = f"Stopped: {names}."
-        notice = await save_notice(
-            self._manager, self._composer, conversation, trigger, author, content, kind_of="stop"
+        notice = compose_notice(self._manager, self._composer, conversation, trigger, author, content)
+
+        async def save() -> bool:
+            return await store_notice(self._manager, conversation_id, notice, kind_of="stop")
+
+        # no run journal covers a notice: its outbox entry holds it until it is saved (a crash loses neither)
+        saved = await self._outbox.add_saving(
+            conversation_id, notice, save, agent_slug=author, trigger_id=trigger.id
         )
-        if notice is None:
-            return None
-        await self._outbox.add(conversation_id, notice, agent_slug=author, trigger_id=trigger.id)
-        return notice
+        return notice if saved else None
 
 
 async def stop_without_daemon(

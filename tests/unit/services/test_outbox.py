@@ -186,3 +186,99 @@ async def test_an_event_every_relay_refuses_for_good_leaves_the_outbox_and_the_p
     assert told[0][1] == ("blocked: event size (500 chars) exceeds 100",)
     assert (outbox.refused, outbox.retries, outbox.delivered) == (1, 0, 1)
     assert await stored_ids(store) == []
+
+
+class CrashError(Exception):
+    """The process ends here (the test stops the call where a crash would)."""
+
+
+async def saving_notice(
+    store: MemoryStore, cast: Cast, *, crash: bool
+) -> tuple[NostrEvent, NostrEvent, str | None, str | None]:
+    """Alice's notice in a saved conversation, through ``add_saving``; return (root, notice, the stored outbox
+    as ``save`` began, the stored outbox once ``add_saving`` returned). With ``crash`` the process ends
+    before the notice is saved."""
+    root = cast.user_says("Hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    conversation = Conversation(id=root.id, created_at=0, updated_at=0, phase_started_at=0)
+    conversation.append(root)
+    await store.create(conversation)
+    notice = cast.alice_says("Stopped: Alice.", tags=[["e", root.id], ["error", "system"]])
+    outbox = Outbox(store, FakePublisher(), backoff_start_s=30.0)
+    stored: list[str | None] = []
+
+    async def save() -> bool:
+        stored.append(await store.get_meta(OUTBOX_KEY))
+        if crash:
+            raise CrashError
+        await store.append_event(root.id, notice)
+        return True
+
+    if crash:
+        with pytest.raises(CrashError):
+            await outbox.add_saving(root.id, notice, save, agent_slug="alice", trigger_id=root.id)
+        return root, notice, stored[0], None
+    assert await outbox.add_saving(root.id, notice, save, agent_slug="alice", trigger_id=root.id)
+    after = await store.get_meta(OUTBOX_KEY)
+    await outbox.close()
+    return root, notice, stored[0], after
+
+
+@pytest.mark.parametrize("crash", [True, False], ids=["before the save", "after the save"])
+async def test_a_notice_no_run_covers_is_lost_by_no_crash(cast: Cast, crash: bool) -> None:
+    """add_saving stores the entry, the event itself in it, before the event is saved: a process ending
+    before the save leaves an entry from which the next start saves the notice in its conversation and
+    publishes it; one ending after the save (the entry still holding the event) publishes it once, not saving
+    it twice."""
+    store = MemoryStore()
+    root, notice, before_save, after = await saving_notice(store, cast, crash=crash)
+    assert before_save is not None
+    assert json.loads(before_save)[0]["e"] == notice.to_dict()
+    left = before_save if crash else after
+    assert left is not None
+    restarted_store = MemoryStore()  # the home as the crash left it: the conversation, and that outbox
+    for event_id in ((root.id,) if crash else (root.id, notice.id)):
+        found = await store.find_event(event_id)
+        assert found is not None
+    conversation = await store.load(root.id)
+    assert conversation is not None
+    if crash:
+        assert notice.id not in [e.id for e in conversation.history]
+    await restarted_store.create(conversation)
+    await restarted_store.set_meta(OUTBOX_KEY, left)
+    saved: list[str] = []
+
+    async def save_missing(conversation_id: str, event: NostrEvent) -> bool:
+        saved.append(event.id)
+        await restarted_store.append_event(conversation_id, event)
+        return True
+
+    publisher = FakePublisher()
+    restarted = Outbox(restarted_store, publisher, save_missing=save_missing)
+    assert await restarted.recover(restarted_store.find_event) == 1
+    await until(lambda: restarted.depth == 0)
+
+    assert saved == ([notice.id] if crash else [])
+    assert [e.id for e in publisher.published] == [notice.id]
+    reloaded = await restarted_store.load(root.id)
+    assert reloaded is not None
+    assert [e.id for e in reloaded.history].count(notice.id) == 1
+    await restarted.close()
+    assert await stored_ids(restarted_store) == []
+
+
+async def test_a_notice_its_conversation_refuses_leaves_no_entry(cast: Cast) -> None:
+    """When the save answers False (the conversation is archived or gone), add_saving returns False and the
+    entry goes: nothing is delivered, and the stored outbox forgets it."""
+    store, publisher = MemoryStore(), FakePublisher()
+    root, _ = await saved_reply(store, cast)
+    notice = cast.alice_says("Stopped: Alice.", tags=[["e", root.id], ["error", "system"]])
+    outbox = Outbox(store, publisher)
+
+    async def refuse() -> bool:
+        return False
+
+    assert await outbox.add_saving(root.id, notice, refuse, agent_slug="alice") is False
+    assert outbox.depth == 0
+    await outbox.close()
+    assert publisher.published == []
+    assert await stored_ids(store) == []

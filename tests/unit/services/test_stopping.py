@@ -17,6 +17,7 @@ from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.core.stops import STOPS_KEPT, STOPS_KEY, stopped_since, with_stop
 from tenex_daemon.core.vocabulary import KIND_STOP
 from tenex_daemon.services.dispatcher import Outcome
+from tenex_daemon.services.outbox import OUTBOX_KEY
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, saving_reply
 from tenex_daemon.services.stopping import (
     PEER_ANSWER_WAIT_S,
@@ -590,3 +591,33 @@ async def test_the_stop_is_recorded_before_any_run_is_cancelled(cast: Cast, monk
     assert [(s["by"], s["agents"], s["named"]) for s in conversation.metadata.extra[STOPS_KEY]] == [
         ("owner", ["alice"], None)
     ]
+
+
+async def test_a_stops_notice_is_in_the_stored_outbox_before_it_is_saved(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No run journal covers a stop's notice, so its outbox entry, holding the notice itself, is stored
+    before the notice is saved in the conversation: a crash between the two leaves the next start an entry to
+    save and publish it from (before, a crash after the save left it in history, never published)."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    outbox_at_save: list[list[dict[str, object]]] = []
+    add_event = rig.manager.add_event
+
+    async def add_and_look(conversation_id: str, event: NostrEvent, **options: bool) -> bool:
+        if event.has_tag("error", "system"):
+            outbox_at_save.append(json.loads(await rig.store.get_meta(OUTBOX_KEY) or "[]"))
+        return await add_event(conversation_id, event, **options)
+
+    monkeypatch.setattr(rig.manager, "add_event", add_and_look)
+    await rig.dispatcher.handle(stop_request(cast, cast.user, root))
+    backend.release.set()
+    await rig.settle()
+
+    [notice] = rig.publisher.published
+    assert notice.content == "Stopped: Alice."
+    [stored] = outbox_at_save
+    assert [(entry["id"], entry.get("e")) for entry in stored] == [(notice.id, notice.to_dict())]
