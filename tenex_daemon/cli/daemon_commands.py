@@ -120,7 +120,8 @@ def run(
         list[str] | None, typer.Option(help="Relay URL (repeatable); replaces relays.urls of config.toml.")
     ] = None,
     embedded_relay: Annotated[
-        bool, typer.Option("--embedded-relay", help="Run a relay inside the daemon on 127.0.0.1.")
+        bool,
+        typer.Option("--embedded-relay", help="Run a relay (a child process) beside the daemon."),
     ] = False,
     log_format: Annotated[str | None, typer.Option(help="auto | json | console.")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug | info | warning | error.")] = None,
