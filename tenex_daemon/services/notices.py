@@ -16,22 +16,6 @@ from tenex_daemon.services.conversation_manager import ConversationManager
 log = structlog.get_logger(__name__)
 
 
-async def save_notice(
-    manager: ConversationManager,
-    composer: ReplyComposer,
-    conversation: Conversation,
-    trigger: NostrEvent,
-    agent_slug: str,
-    content: str,
-    *,
-    kind_of: str,
-) -> NostrEvent | None:
-    """Compose ``agent_slug``'s notice replying to ``trigger`` and save it in the conversation; None when
-    the conversation is archived (logged as ``<kind_of>_notice_not_saved``)."""
-    notice = compose_notice(manager, composer, conversation, trigger, agent_slug, content)
-    return notice if await store_notice(manager, conversation.id, notice, kind_of=kind_of) else None
-
-
 def compose_notice(
     manager: ConversationManager,
     composer: ReplyComposer,

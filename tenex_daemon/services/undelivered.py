@@ -15,7 +15,7 @@ from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplyComposer
 from tenex_daemon.core.vocabulary import TAG_ERROR
 from tenex_daemon.services.conversation_manager import ConversationManager, shortened
-from tenex_daemon.services.notices import save_notice
+from tenex_daemon.services.notices import compose_notice, store_notice
 from tenex_daemon.services.outbox import OutboxEntry
 
 REASON_CHARS = 300
@@ -44,6 +44,7 @@ class RefusalNotices:
         name = self._manager.agents.get(entry.agent_slug).name
         reasons = shortened("; ".join(refusal.reasons) or str(refusal), REASON_CHARS)
         content = f"{name}'s answer could not be published: the relays refused it ({reasons})."
-        return await save_notice(
-            self._manager, self._composer, conversation, trigger, entry.agent_slug, content, kind_of="refusal"
-        )
+        slug = entry.agent_slug
+        notice = compose_notice(self._manager, self._composer, conversation, trigger, slug, content)
+        saved = await store_notice(self._manager, conversation.id, notice, kind_of="refusal")
+        return notice if saved else None

@@ -135,11 +135,7 @@ async def test_only_the_owner_and_whitelisted_people_may_stop(cast: Cast) -> Non
     """A stranger's stop is refused before anything (author not allowed) and an agent's is refused as not
     allowed to stop: the run goes on and answers; a whitelisted person's stop is carried out in a
     conversation the owner p-tagged them in."""
-    backend = GatedBackend()
-    rig = pipeline.build_rig(cast, backend=backend)
-    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(root)
-    await asyncio.wait_for(backend.asked.wait(), 5)
+    backend, rig, root = await alice_thinking(cast)
 
     stranger = await rig.dispatcher.handle(stop_request(cast, cast.other_user, root))
     agent = await rig.dispatcher.handle(stop_request(cast, cast.bob_keys, root))
@@ -197,11 +193,7 @@ async def test_a_whitelisted_person_stops_only_where_they_may_write(cast: Cast, 
 async def test_a_stop_naming_one_agent_stops_only_that_agent(cast: Cast) -> None:
     """With Alice running and Bob waiting in one conversation, a stop p-tagging Alice cancels her run only:
     Bob then runs and answers; the notice names Alice alone."""
-    backend = GatedBackend()
-    rig = pipeline.build_rig(cast, backend=backend)
-    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(root)
-    await asyncio.wait_for(backend.asked.wait(), 5)
+    _, rig, root = await alice_thinking(cast)
     to_bob = cast.user_says("Bob, check the numbers", tags=[*thread_of(root), ["p", cast.bob.pubkey]])
     await rig.dispatcher.handle(to_bob)
 
@@ -218,11 +210,7 @@ async def test_a_stop_naming_one_agent_stops_only_that_agent(cast: Cast) -> None
 async def test_a_stop_drops_waiting_runs_and_every_agent_by_default(cast: Cast) -> None:
     """A stop naming nobody cancels Alice's running run and drops Bob's waiting one: nobody answers, and one
     notice (from the orchestrator, several agents being stopped) names both."""
-    backend = GatedBackend()
-    rig = pipeline.build_rig(cast, backend=backend)
-    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(root)
-    await asyncio.wait_for(backend.asked.wait(), 5)
+    backend, rig, root = await alice_thinking(cast)
     await rig.dispatcher.handle(cast.user_says("Bob too", tags=[*thread_of(root), ["p", cast.bob.pubkey]]))
 
     result = await rig.dispatcher.handle(stop_request(cast, cast.user, root))
@@ -477,6 +465,17 @@ async def test_a_run_left_journaled_is_redone_unless_a_stop_naming_its_agent_cam
     assert not stopped({"at": after, "history": 0, "agents": [], "named": None})
 
 
+async def alice_thinking(cast: Cast) -> tuple[GatedBackend, pipeline.Rig, NostrEvent]:
+    """A pipeline whose Alice is asked to write a report and thinks until released: (her backend, the rig,
+    the person's root)."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    return backend, rig, root
+
+
 async def timed_stop(rig: pipeline.Rig, root: NostrEvent) -> tuple[StopReport, float]:
     """Stop the conversation as the owner through the CLI's and API's path; return the report and how
     long the stop took (seconds)."""
@@ -565,11 +564,7 @@ async def test_the_stop_is_recorded_before_any_run_is_cancelled(cast: Cast, monk
     """The owner's stop is in the conversation's record when the scheduler is asked to cancel its runs, so a
     run a dead daemon left, taken over while the stop is carried out, reads it before it starts; once Alice's
     run is cancelled the same entry (one, not two) names her."""
-    backend = GatedBackend()
-    rig = pipeline.build_rig(cast, backend=backend)
-    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(root)
-    await asyncio.wait_for(backend.asked.wait(), 5)
+    backend, rig, root = await alice_thinking(cast)
     seen_at_cancel: list[list[dict[str, object]]] = []
     cancel = rig.scheduler.cancel
 
@@ -599,11 +594,7 @@ async def test_a_stops_notice_is_in_the_stored_outbox_before_it_is_saved(
     """No run journal covers a stop's notice, so its outbox entry, holding the notice itself, is stored
     before the notice is saved in the conversation: a crash between the two leaves the next start an entry to
     save and publish it from (before, a crash after the save left it in history, never published)."""
-    backend = GatedBackend()
-    rig = pipeline.build_rig(cast, backend=backend)
-    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(root)
-    await asyncio.wait_for(backend.asked.wait(), 5)
+    backend, rig, root = await alice_thinking(cast)
     outbox_at_save: list[list[dict[str, object]]] = []
     add_event = rig.manager.add_event
 
