@@ -612,3 +612,38 @@ async def test_a_stops_notice_is_in_the_stored_outbox_before_it_is_saved(
     assert notice.content == "Stopped: Alice."
     [stored] = outbox_at_save
     assert [(entry["id"], entry.get("e")) for entry in stored] == [(notice.id, notice.to_dict())]
+
+
+async def test_a_stops_notice_a_crash_left_unsaved_is_saved_and_published_at_the_next_start(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's own wiring recovers a stop's notice whose process ended right before saving it: the next
+    start (a pipeline built again on the same store) saves the notice in the conversation from its outbox
+    entry and publishes it once."""
+    backend, rig, root = await alice_thinking(cast)
+    left: list[str | None] = []
+
+    async def crash_before_saving(conversation_id: str, event: NostrEvent, **options: bool) -> bool:
+        left.append(await rig.store.get_meta(OUTBOX_KEY))  # what the disk holds when the process ends
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(rig.manager, "add_event", crash_before_saving)
+    with pytest.raises(asyncio.CancelledError):
+        await rig.dispatcher.stop(root.id, None, by="owner")
+    monkeypatch.undo()
+    backend.release.set()
+    await rig.settle()
+    assert rig.publisher.published == []
+    [stored] = left
+    assert stored is not None
+    await rig.store.set_meta(OUTBOX_KEY, stored)
+
+    restarted = pipeline.build_rig(cast, store=rig.store)
+    assert await restarted.pipeline.outbox.recover(restarted.store.find_event) == 1
+    await restarted.settle()
+
+    [notice] = restarted.publisher.published
+    assert (notice.pubkey, notice.content) == (cast.alice.pubkey, "Stopped: Alice.")
+    conversation = await restarted.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.id for e in conversation.history] == [root.id, notice.id]
