@@ -503,6 +503,19 @@ def _within(path: tuple[str, ...], table: tuple[str, ...]) -> bool:
     return len(table) < len(path) and path[: len(table)] == table
 
 
+def _where(loc: tuple[str | int, ...], data: Mapping[str, Any]) -> str:
+    """The dotted key of a refused value; an agent's own settings are named by its slug
+    (``agents.planner.backend``) where it has a readable one, else by its place (``agents.2.slug``)."""
+    parts = [str(part) for part in loc]
+    agents = data.get("agents")
+    if len(loc) > 2 and loc[0] == "agents" and isinstance(loc[1], int) and loc[2] != "slug":
+        entry = agents[loc[1]] if isinstance(agents, list) and 0 <= loc[1] < len(agents) else None
+        slug = entry.get("slug") if isinstance(entry, dict) else None
+        if isinstance(slug, str) and slug:
+            parts[1] = slug
+    return ".".join(parts) or "(top level)"
+
+
 def _source(loc: tuple[str | int, ...], overrides: list[_Override], path: Path) -> str:
     """Where the value an error is about came from: the variable that set it, else the file (naming
     the variables that also took part when the error is about the whole settings)."""
@@ -557,7 +570,7 @@ def load_settings(home: str | Path | None = None, env: Mapping[str, str] | None 
     except ValidationError as exc:
         problems: dict[str, list[str]] = {}
         for error in exc.errors():
-            problem = f"{'.'.join(str(p) for p in error['loc']) or '(top level)'}: {error['msg']}"
+            problem = f"{_where(error['loc'], data)}: {error['msg']}"
             problems.setdefault(_source(error["loc"], overrides, path), []).append(problem)
         raise SettingsError(
             "; ".join(f"{source}: {'; '.join(found)}" for source, found in problems.items())

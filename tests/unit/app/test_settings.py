@@ -79,6 +79,17 @@ def test_invalid_value_error_names_the_key_and_the_file(tmp_path: Path) -> None:
     assert str(home.resolve() / "config.toml") in str(caught.value)
 
 
+def test_an_agents_refused_setting_is_named_by_its_slug(tmp_path: Path) -> None:
+    """A bad value in an agent's settings is named by the agent's slug (``agents.planner.backend``), not by its
+    place in the file; the file is named as for any bad value."""
+    home = write_home(tmp_path, CONFIG.format(owner=OWNER) + '[agents.backend]\nkind = "nope"\n')
+    with pytest.raises(SettingsError) as caught:
+        load_settings(home, {})
+    assert f"{home.resolve() / 'config.toml'}: agents.planner.backend: Value error, unknown backend 'nope'" in str(
+        caught.value
+    )
+
+
 def test_a_slug_with_the_thread_key_separator_is_refused(tmp_path: Path) -> None:
     """A slug holding ``__`` (which separates the names in a delegation thread's key, so send_message would fail
     for that agent) is refused when the config loads, naming the agent's key and the reason."""

@@ -125,13 +125,13 @@ def test_a_backend_that_cannot_be_made_is_refused_when_the_settings_are_read(
     tmp_path: Path, backend: str, says: str
 ) -> None:
     """An unknown backend kind, or the openai backend without a model, is a configuration error naming the
-    agent's key when config.toml is read (``run`` exits 2 before its store or relay starts, ``agents list``
+    agent's key (by its slug) when config.toml is read (``run`` exits 2 before its store or relay starts, ``agents list``
     too), not a failure of the daemon's start."""
     init_home(tmp_path / "h")
     config = tmp_path / "h" / "config.toml"
     config.write_text(config.read_text().replace('kind = "offline"', backend, 1))
 
-    with pytest.raises(SettingsError, match=rf"config.toml: agents\.0\.backend: .*{says}"):
+    with pytest.raises(SettingsError, match=rf"config.toml: agents\.orchestrator\.backend: .*{says}"):
         load_settings(tmp_path / "h", {})
 
 
