@@ -198,19 +198,23 @@ class Outbox:
         try:
             saved = await save()
         except BaseException:
-            self._forget_unsaved(entry)
+            self._forget(event.id)
             raise
         if not saved:
-            self._forget_unsaved(entry)
+            self._forget(event.id)
             return False
         entry.unsaved = False  # the next write stores it without the event
         self._version += 1
         self._deliveries.spawn(self._deliver(entry), f"deliver {event.id[:12]}")
         return True
 
-    def _forget_unsaved(self, entry: OutboxEntry) -> None:
-        self._entries.pop(entry.event.id, None)
+    def _forget(self, event_id: str) -> None:
+        """The entry leaves the outbox; the store forgets it with the next write (within FORGET_FLUSH_S)."""
+        self._entries.pop(event_id, None)
         self._version += 1
+        self._write_soon()
+
+    def _write_soon(self) -> None:
         if self._flush is None:
             self._flush = asyncio.create_task(self._forget_soon(), name="outbox forget")
 
@@ -261,15 +265,12 @@ class Outbox:
                 )
                 await self._sleep(delay)
                 delay = min(delay * 2, self._backoff_cap)
-        self._entries.pop(entry.event.id, None)
+        self._forget(entry.event.id)
         self.delivered += 1
         if entry.attempts:
             log.info("outbox_delivered", event_id=entry.event.id, attempts=entry.attempts + 1)
         if self._observer is not None and entry.trigger_id is not None:
             self._observer.reply_published(entry.agent_slug, entry.trigger_id, sent_at)
-        self._version += 1
-        if self._flush is None:
-            self._flush = asyncio.create_task(self._forget_soon(), name="outbox forget")
 
     async def _refused(self, entry: OutboxEntry, refusal: EventRefusedError) -> None:
         """Every relay refused the entry's event for good: it leaves the outbox (trying again cannot help),
@@ -299,8 +300,8 @@ class Outbox:
             await self.add(
                 entry.conversation_id, notice, agent_slug=entry.agent_slug, trigger_id=entry.trigger_id
             )
-        elif self._flush is None:
-            self._flush = asyncio.create_task(self._forget_soon(), name="outbox forget")
+        else:
+            self._write_soon()
 
     def _warn_if_old(self, entry: OutboxEntry) -> None:
         if entry.warned or time.time() - entry.first_at < self._warn_after:
