@@ -61,6 +61,16 @@ class PhaseTransitionError(TenexError, ValueError):
         self.allowed = allowed
 
 
+class UnknownPhaseError(PhaseTransitionError):
+    """The requested phase is not one of the project's."""
+
+    def __init__(self, from_phase: str, to_phase: str, phases: Sequence[str]) -> None:
+        TenexError.__init__(self, f"unknown phase {to_phase!r}; the phases are {', '.join(phases)}")
+        self.from_phase = from_phase
+        self.to_phase = to_phase
+        self.allowed = []
+
+
 class TurnNotFoundError(TenexError, LookupError):
     """The conversation has no orchestrator turn with the given id."""
 

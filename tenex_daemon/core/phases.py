@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Final
 from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler
 from pydantic_core import core_schema
 
-from tenex_daemon.core.errors import PhaseTransitionError
+from tenex_daemon.core.errors import PhaseTransitionError, UnknownPhaseError
 
 PHASE_NAME: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 """What a phase's name may be: lower case, a letter first, at most 32 characters."""
@@ -118,7 +118,10 @@ class PhaseRules:
         return from_phase == to_phase or to_phase in self.allowed_from(from_phase)
 
     def check(self, from_phase: Phase, to_phase: Phase) -> None:
-        """Raise :class:`PhaseTransitionError` when the transition is not allowed."""
+        """Raise :class:`PhaseTransitionError` when the transition is not allowed
+        (:class:`UnknownPhaseError` when ``to_phase`` is not one of the project's)."""
+        if from_phase != to_phase and to_phase not in self.phases:
+            raise UnknownPhaseError(from_phase.value, to_phase.value, self.phases)
         if not self.is_allowed(from_phase, to_phase):
             allowed = sorted(p.value for p in self.allowed_from(from_phase))
             raise PhaseTransitionError(from_phase.value, to_phase.value, allowed)
