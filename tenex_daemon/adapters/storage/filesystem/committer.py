@@ -1,16 +1,16 @@
 """Commits: every durable write of the store goes through :class:`Committer`.
 
 ``always``: each call's ops are written and fsynced on a worker thread (``direct.py``).
-``batch``: ops join a queue; one task takes everything queued while the previous group was
-being committed (plus up to ``batch_delay`` seconds) and commits it as one group through the
-journal (``group_commit.py``), on one thread: groups are durable in call order. While the store
+``batch``: ops join a queue; everything queued while the previous group was being committed
+(plus up to ``batch_delay`` seconds) is committed as one group through the journal
+(``group_commit.py``), on one thread: groups are durable in call order. While the store
 closes, commits go straight to that thread, journaled while the journal is open.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
+import contextlib
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -54,8 +54,8 @@ class Committer:
         self.journal: Journal | None = None
         self._queue: list[tuple[list[Op], asyncio.Future[None]]] = []
         """Each waiting call's ops and the future it awaits (one per call, not per op)."""
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._held: dict[Path, bytes | None] = {}
         """The journal's held small values; kept after the journal is gone while the store closes
         (a final checkpoint that failed or was skipped leaves them newer than their files)."""
@@ -63,7 +63,8 @@ class Committer:
     def reset(self) -> None:
         """Get ready for commits (the store is opening)."""
         self.closing = False
-        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._held = {}
 
     def held_value(self, path: Path) -> bytes | NotHeld | None:
@@ -71,18 +72,19 @@ class Committer:
         return self._held.get(path, NOT_HELD)
 
     async def start(self, journal: Journal) -> None:
-        """Start ``batch``'s journal and the group committer."""
+        """Start ``batch``'s journal; groups are committed from then on."""
         self.journal = journal
         self._held = journal.held
         await asyncio.to_thread(journal.start)
-        self._task = asyncio.create_task(self._run(), name="fs-store-commit")
 
     async def commit(self, ops: list[Op]) -> None:
         """Make ``ops`` durable per the fsync policy; raise the first op's error."""
-        if self.batched and not self.closing:
-            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.batched and (not self.closing or self._busy):  # while closing, queued only behind others
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[None] = loop.create_future()
             self._queue.append((ops, future))
-            self._wakeup.set()
+            if not self._busy:
+                self._next_group(loop)
             await future
             return
         if self.journal is not None:  # closing: serial with the final checkpoint, on its thread
@@ -113,10 +115,7 @@ class Committer:
         A failed final checkpoint keeps the journal: the next open replays it.
         """
         self.closing = True
-        if self._task is not None:
-            self._wakeup.set()
-            await self._task
-            self._task = None
+        await self._idle.wait()
         if self.journal is not None:
             journal = self.journal
             try:
@@ -126,61 +125,81 @@ class Committer:
                 journal.close()
             self.journal = None
 
-    async def _run(self) -> None:
-        """Group commit: appends arriving while a commit is in flight share the next one.
+    # -- group commit ---------------------------------------------------------------------------
+    #
+    # Appends arriving while a group is being committed share the next one; each group costs one
+    # fsync of the journal. A group is handed to the commit thread by the call that finds the
+    # committer idle (no turn of a task of its own in between), and the thread hands the outcome
+    # back with one callback: a commit's latency is the thread's work plus two wake-ups. A waiting
+    # append is delayed by at most the group in flight plus ``batch_delay``.
 
-        A waiting append is delayed by at most the commit in flight plus ``batch_delay``;
-        each batch costs one fsync of the journal.
-        """
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            if not self._queue:
-                if self.closing:
-                    return
-                continue
-            if self.batch_delay > 0 and not self.closing:
-                await asyncio.sleep(self.batch_delay)
-            batch, self._queue = self._queue, []
-            if await self._commit_group(batch):
-                await self._checkpoint_if_full()
-            if self._queue:
-                self._wakeup.set()
+    @property
+    def _busy(self) -> bool:
+        return not self._idle.is_set()
 
-    async def _commit_group(self, batch: list[tuple[list[Op], asyncio.Future[None]]]) -> bool:
-        """Commit one group and settle its waiters; False when the group failed as a whole."""
+    def _next_group(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Commit what is queued as the next group (after ``batch_delay``), or become idle."""
+        if not self._queue:
+            self._idle.set()
+            return
+        self._idle.clear()
+        if self.batch_delay > 0 and not self.closing:
+            loop.call_later(self.batch_delay, self._hand_over, loop)
+        else:
+            self._hand_over(loop)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Give the queued calls to the commit thread as one group."""
+        batch, self._queue = self._queue, []
         ops = [op for call, _ in batch for op in call]
-        try:
-            if self.journal is not None:
-                # a thread of its own: never queued behind other to_thread work
-                await _on_commit_thread(functools.partial(apply_journaled, self.journal, ops))
-            else:
-                await asyncio.to_thread(apply_ops, ops)
-        except asyncio.CancelledError:
-            # Stopped mid-commit: the group's fate is unknown, so none of it is acknowledged.
-            stopped = OSError(errno.ECANCELED, "the store's group committer was stopped mid-commit")
-            _settle(batch, stopped)
-            raise
-        except Exception as exc:  # a bug in a commit stage: fail every waiter, keep committing
-            log.exception("group_commit_failed")
-            _settle(batch, exc)
-            return False
-        for call, future in batch:
-            if not future.done():
-                error = next((op.error for op in call if op.error is not None), None)
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(None)
-        return True
+        journal = self.journal
 
-    async def _checkpoint_if_full(self) -> None:
-        if self.journal is not None and self.journal.size > JOURNAL_LIMIT:
+        def work() -> None:  # on the commit thread
+            error: BaseException | None = None
             try:
-                # on the commit thread: never beside a commit made while closing
-                await _on_commit_thread(self.journal.checkpoint)
-            except OSError:
-                log.exception("journal_checkpoint_failed")  # the journal keeps covering them
+                if journal is not None:
+                    apply_journaled(journal, ops)
+                else:
+                    apply_ops(ops)
+            except BaseException as exc:  # a bug in a commit stage: the group fails, committing goes on
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(self._group_done, loop, batch, error)
+
+        try:
+            commit_thread().submit(work)
+        except RuntimeError as exc:  # the thread is gone (interpreter shutting down)
+            self._group_done(loop, batch, exc)
+
+    def _group_done(
+        self, loop: asyncio.AbstractEventLoop, batch: list[tuple[list[Op], asyncio.Future[None]]],
+        error: BaseException | None,
+    ) -> None:
+        """On the loop: settle the group's waiters, checkpoint a full journal, go on with the queue."""
+        if error is not None:
+            log.error("group_commit_failed", exc_info=error)
+            _settle(batch, error)
+        else:
+            for call, future in batch:
+                if not future.done():
+                    failed = next((op.error for op in call if op.error is not None), None)
+                    if failed is not None:
+                        future.set_exception(failed)
+                    else:
+                        future.set_result(None)
+            journal = self.journal
+            if journal is not None and journal.size > JOURNAL_LIMIT:
+                # on the commit thread, before the next group (the thread is serial)
+                commit_thread().submit(_checkpoint_logged, journal)
+        self._next_group(loop)
+
+
+def _checkpoint_logged(journal: Journal) -> None:
+    """A full journal's checkpoint, on the commit thread; a failure is logged (nobody awaits it)."""
+    try:
+        journal.checkpoint()
+    except Exception:
+        log.exception("journal_checkpoint_failed")  # the journal keeps covering them
 
 
 def _settle(batch: list[tuple[list[Op], asyncio.Future[None]]], exc: BaseException) -> None:
