@@ -79,6 +79,34 @@ async def test_calls_made_while_a_group_is_in_flight_share_the_next_group(
         await store.close()
 
 
+async def test_callers_that_save_again_as_their_group_settles_share_one_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five writers whose saves settle together and who save again at once make one group of those
+    five saves (one fsync), not one of the first writer's and another of the other four."""
+    store = await open_batch(tmp_path / "home")
+    writes: list[int] = []
+    real_write = Journal.write
+
+    def counted(journal: Journal, frames: list[bytes], *args: Any, **kwargs: Any) -> None:
+        writes.append(len(frames))
+        real_write(journal, frames, *args, **kwargs)
+
+    async def twice(i: int) -> None:
+        await store.set_meta(f"a{i}", "1")
+        await store.set_meta(f"b{i}", "2")
+
+    monkeypatch.setattr(Journal, "write", counted)
+    try:
+        blocker = asyncio.get_running_loop().create_task(store.set_meta("blocker", "0"))
+        await asyncio.sleep(0)  # a group in flight: the five first saves queue behind it together
+        await asyncio.gather(blocker, *(twice(i) for i in range(5)))
+        assert writes == [1, 5, 5]
+    finally:
+        monkeypatch.undo()
+        await store.close()
+
+
 async def test_a_group_that_fails_as_a_whole_fails_its_callers_and_the_next_group_is_committed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -50,12 +50,15 @@ class Committer:
         self.batched = batched
         self.batch_delay = batch_delay
         self.closing = False
-        """Set when the store starts closing: commits no longer wait in the queue."""
+        """Set when the store starts closing: commits no longer wait in the queue (unless a group is
+        in flight: then they keep their place behind it)."""
         self.journal: Journal | None = None
         self._queue: list[tuple[list[Op], asyncio.Future[None]]] = []
         """Each waiting call's ops and the future it awaits (one per call, not per op)."""
         self._idle = asyncio.Event()
         self._idle.set()
+        self._just_settled = False
+        """A group was settled in this turn of the loop (its callers resume in it, and save again)."""
         self._held: dict[Path, bytes | None] = {}
         """The journal's held small values; kept after the journal is gone while the store closes
         (a final checkpoint that failed or was skipped leaves them newer than their files)."""
@@ -65,6 +68,7 @@ class Committer:
         self.closing = False
         self._idle = asyncio.Event()
         self._idle.set()
+        self._just_settled = False
         self._held = {}
 
     def held_value(self, path: Path) -> bytes | NotHeld | None:
@@ -84,7 +88,11 @@ class Committer:
             future: asyncio.Future[None] = loop.create_future()
             self._queue.append((ops, future))
             if not self._busy:
-                self._next_group(loop)
+                if self._just_settled:  # the callers of the group just done resume in this turn: they join
+                    self._idle.clear()
+                    loop.call_soon(self._next_group, loop)
+                else:
+                    self._next_group(loop)
             await future
             return
         if self.journal is not None:  # closing: serial with the final checkpoint, on its thread
@@ -130,8 +138,11 @@ class Committer:
     # Appends arriving while a group is being committed share the next one; each group costs one
     # fsync of the journal. A group is handed to the commit thread by the call that finds the
     # committer idle (no turn of a task of its own in between), and the thread hands the outcome
-    # back with one callback: a commit's latency is the thread's work plus two wake-ups. A waiting
-    # append is delayed by at most the group in flight plus ``batch_delay``.
+    # back with one callback: a commit's latency is the thread's work plus two wake-ups. One
+    # exception: in the turn of the loop in which a group was settled, its callers resume and often
+    # save again at once (many writers), so a call then waits for the end of that turn and the
+    # others join its group (one fsync, not two). A waiting append is delayed by at most the group
+    # in flight plus ``batch_delay``.
 
     @property
     def _busy(self) -> bool:
@@ -192,6 +203,12 @@ class Committer:
                 # on the commit thread, before the next group (the thread is serial)
                 commit_thread().submit(_checkpoint_logged, journal)
         self._next_group(loop)
+        if not self._busy:
+            self._just_settled = True
+            loop.call_soon(self._settled_turn_over)
+
+    def _settled_turn_over(self) -> None:
+        self._just_settled = False
 
 
 def _checkpoint_logged(journal: Journal) -> None:
