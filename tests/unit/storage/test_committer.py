@@ -4,6 +4,7 @@ thread, and what a group that fails as a whole does to its callers and to the gr
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -138,7 +139,7 @@ async def test_a_batch_delay_gathers_the_calls_made_within_it(
 ) -> None:
     """With ``batch_delay`` a group waits that long before it goes to the thread: saves made meanwhile
     join it (one journal write for all)."""
-    store = await open_batch(tmp_path / "home", batch_delay=0.05)
+    store = await open_batch(tmp_path / "home", batch_delay=0.5)
     writes: list[int] = []
     real_write = Journal.write
 
@@ -149,12 +150,42 @@ async def test_a_batch_delay_gathers_the_calls_made_within_it(
     monkeypatch.setattr(Journal, "write", counted)
     try:
         first = asyncio.get_running_loop().create_task(store.set_meta("first", "1"))
-        await asyncio.sleep(0.01)  # within the delay
+        await asyncio.sleep(0.01)  # well within the delay
         await asyncio.gather(first, store.set_meta("second", "2"))
         assert writes == [2]
+        waiting = asyncio.get_running_loop().create_task(store.set_meta("third", "3"))
+        await asyncio.sleep(0)  # queued, waiting out the delay
+        started = time.monotonic()
+        await store.close()
+        await waiting
+        assert time.monotonic() - started < 0.4  # the close did not wait out the delay
+        assert writes[:2] == [2, 1]  # then the final checkpoint's own frame
     finally:
         monkeypatch.undo()
         await store.close()
+
+
+async def test_a_close_does_not_wait_for_writers_that_keep_saving(tmp_path: Path) -> None:
+    """Two writers saving without pause do not hold a close back: it waits for the group in flight and
+    the calls already queued, not for every save the writers go on to make."""
+    store = await open_batch(tmp_path / "home")
+
+    async def writer(name: str) -> int:
+        made = 0
+        for n in range(1000):
+            try:
+                await store.set_meta(name, str(n))
+            except Exception:  # the store closed under it
+                break
+            made += 1
+        return made
+
+    writers = [asyncio.get_running_loop().create_task(writer(f"w{i}")) for i in range(2)]
+    await asyncio.sleep(0.02)  # both are saving
+    async with asyncio.timeout(10):
+        await store.close()
+    made = await asyncio.gather(*writers)
+    assert sum(made) < 2000
 
 
 async def test_closing_commits_every_call_already_queued(tmp_path: Path) -> None:

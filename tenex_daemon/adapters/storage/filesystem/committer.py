@@ -50,15 +50,18 @@ class Committer:
         self.batched = batched
         self.batch_delay = batch_delay
         self.closing = False
-        """Set when the store starts closing: commits no longer wait in the queue (unless a group is
-        in flight: then they keep their place behind it)."""
+        """Set when the store starts closing: commits no longer wait in the queue (unless calls not yet
+        handed over wait there: then they keep their place behind them)."""
         self.journal: Journal | None = None
         self._queue: list[tuple[list[Op], asyncio.Future[None]]] = []
         """Each waiting call's ops and the future it awaits (one per call, not per op)."""
         self._idle = asyncio.Event()
         self._idle.set()
         self._just_settled = False
-        """A group was settled in this turn of the loop (its callers resume in it, and save again)."""
+        """A group was settled and the loop's next turn has not ended: its callers resume in that turn
+        and often save again at once."""
+        self._delayed: asyncio.TimerHandle | None = None
+        """The hand-over of a group waiting out ``batch_delay``."""
         self._held: dict[Path, bytes | None] = {}
         """The journal's held small values; kept after the journal is gone while the store closes
         (a final checkpoint that failed or was skipped leaves them newer than their files)."""
@@ -69,6 +72,8 @@ class Committer:
         self._idle = asyncio.Event()
         self._idle.set()
         self._just_settled = False
+        self._delayed = None
+        self._queue = []  # calls of a loop that closed before they were answered: nobody awaits them
         self._held = {}
 
     def held_value(self, path: Path) -> bytes | NotHeld | None:
@@ -83,12 +88,14 @@ class Committer:
 
     async def commit(self, ops: list[Op]) -> None:
         """Make ``ops`` durable per the fsync policy; raise the first op's error."""
-        if self.batched and (not self.closing or self._busy):  # while closing, queued only behind others
+        # while closing, a call joins only calls not yet handed over (so it keeps its place after them);
+        # else it goes to the commit thread at once, behind any group in flight there
+        if self.batched and (not self.closing or self._queue):
             loop = asyncio.get_running_loop()
             future: asyncio.Future[None] = loop.create_future()
             self._queue.append((ops, future))
             if not self._busy:
-                if self._just_settled:  # the callers of the group just done resume in this turn: they join
+                if self._just_settled:  # the callers of the group just settled resume in this turn: they join
                     self._idle.clear()
                     loop.call_soon(self._next_group, loop)
                 else:
@@ -97,6 +104,9 @@ class Committer:
             return
         if self.journal is not None:  # closing: serial with the final checkpoint, on its thread
             direct = await _on_commit_thread(functools.partial(_apply_closing, self.journal, ops))
+        elif self.batched:  # the journal is gone (closed): still one call at a time, in order
+            await _on_commit_thread(functools.partial(apply_ops, ops))
+            direct = True
         else:
             await asyncio.to_thread(apply_ops, ops)
             direct = True
@@ -123,6 +133,10 @@ class Committer:
         A failed final checkpoint keeps the journal: the next open replays it.
         """
         self.closing = True
+        if self._delayed is not None:  # a group waiting out batch_delay goes now
+            self._delayed.cancel()
+            self._delayed = None
+            self._hand_over(asyncio.get_running_loop())
         await self._idle.wait()
         if self.journal is not None:
             journal = self.journal
@@ -139,9 +153,9 @@ class Committer:
     # fsync of the journal. A group is handed to the commit thread by the call that finds the
     # committer idle (no turn of a task of its own in between), and the thread hands the outcome
     # back with one callback: a commit's latency is the thread's work plus two wake-ups. One
-    # exception: in the turn of the loop in which a group was settled, its callers resume and often
-    # save again at once (many writers), so a call then waits for the end of that turn and the
-    # others join its group (one fsync, not two). A waiting append is delayed by at most the group
+    # exception: in the turn of the loop after a group was settled, its callers resume and often save
+    # again at once (many writers), so a call then waits for the end of that turn and the others
+    # join its group (one fsync, not two). A waiting append is delayed by at most the group
     # in flight plus ``batch_delay``.
 
     @property
@@ -155,12 +169,13 @@ class Committer:
             return
         self._idle.clear()
         if self.batch_delay > 0 and not self.closing:
-            loop.call_later(self.batch_delay, self._hand_over, loop)
+            self._delayed = loop.call_later(self.batch_delay, self._hand_over, loop)
         else:
             self._hand_over(loop)
 
     def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
         """Give the queued calls to the commit thread as one group."""
+        self._delayed = None
         batch, self._queue = self._queue, []
         ops = [op for call, _ in batch for op in call]
         journal = self.journal
@@ -186,11 +201,13 @@ class Committer:
         self, loop: asyncio.AbstractEventLoop, batch: list[tuple[list[Op], asyncio.Future[None]]],
         error: BaseException | None,
     ) -> None:
-        """On the loop: settle the group's waiters, checkpoint a full journal, go on with the queue."""
-        if error is not None:
-            log.error("group_commit_failed", exc_info=error)
-            _settle(batch, error)
-        else:
+        """On the loop: settle the group's waiters, checkpoint a full journal, go on with the queue
+        (whatever happens here: a queue left waiting would never be handed over)."""
+        try:
+            if error is not None:
+                log.error("group_commit_failed", exc_info=error)
+                _settle(batch, error)
+                return
             for call, future in batch:
                 if not future.done():
                     failed = next((op.error for op in call if op.error is not None), None)
@@ -201,11 +218,15 @@ class Committer:
             journal = self.journal
             if journal is not None and journal.size > JOURNAL_LIMIT:
                 # on the commit thread, before the next group (the thread is serial)
-                commit_thread().submit(_checkpoint_logged, journal)
-        self._next_group(loop)
-        if not self._busy:
-            self._just_settled = True
-            loop.call_soon(self._settled_turn_over)
+                try:
+                    commit_thread().submit(_checkpoint_logged, journal)
+                except RuntimeError:  # the thread is gone (interpreter shutting down): the journal stays
+                    log.exception("journal_checkpoint_failed")
+        finally:
+            self._next_group(loop)
+            if not self._busy:
+                self._just_settled = True
+                loop.call_soon(self._settled_turn_over)
 
     def _settled_turn_over(self) -> None:
         self._just_settled = False
