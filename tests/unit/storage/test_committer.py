@@ -25,6 +25,19 @@ async def open_batch(home: Path, **options: Any) -> FileSystemStore:
     return store
 
 
+def count_journal_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, each write of the commit journal (one per group) appends its number of frames."""
+    writes: list[int] = []
+    real_write = Journal.write
+
+    def counted(journal: Journal, frames: list[bytes], *args: Any, **kwargs: Any) -> None:
+        writes.append(len(frames))
+        real_write(journal, frames, *args, **kwargs)
+
+    monkeypatch.setattr(Journal, "write", counted)
+    return writes
+
+
 class RecordingThread:
     """The commit thread, with each piece of work handed to it recorded."""
 
@@ -61,14 +74,7 @@ async def test_calls_made_while_a_group_is_in_flight_share_the_next_group(
 ) -> None:
     """Ten saves made while one group is being committed are committed together, by one journal write."""
     store = await open_batch(tmp_path / "home")
-    writes: list[int] = []
-    real_write = Journal.write
-
-    def counted(journal: Journal, frames: list[bytes], *args: Any, **kwargs: Any) -> None:
-        writes.append(len(frames))
-        real_write(journal, frames, *args, **kwargs)
-
-    monkeypatch.setattr(Journal, "write", counted)
+    writes = count_journal_writes(monkeypatch)
     try:
         first = asyncio.get_running_loop().create_task(store.set_meta("first", "1"))
         await asyncio.sleep(0)  # the first group is in flight
@@ -86,18 +92,12 @@ async def test_callers_that_save_again_as_their_group_settles_share_one_group(
     """Five writers whose saves settle together and who save again at once make one group of those
     five saves (one fsync), not one of the first writer's and another of the other four."""
     store = await open_batch(tmp_path / "home")
-    writes: list[int] = []
-    real_write = Journal.write
-
-    def counted(journal: Journal, frames: list[bytes], *args: Any, **kwargs: Any) -> None:
-        writes.append(len(frames))
-        real_write(journal, frames, *args, **kwargs)
+    writes = count_journal_writes(monkeypatch)
 
     async def twice(i: int) -> None:
         await store.set_meta(f"a{i}", "1")
         await store.set_meta(f"b{i}", "2")
 
-    monkeypatch.setattr(Journal, "write", counted)
     try:
         blocker = asyncio.get_running_loop().create_task(store.set_meta("blocker", "0"))
         await asyncio.sleep(0)  # a group in flight: the five first saves queue behind it together
@@ -140,14 +140,7 @@ async def test_a_batch_delay_gathers_the_calls_made_within_it(
     """With ``batch_delay`` a group waits that long before it goes to the thread: saves made meanwhile
     join it (one journal write for all)."""
     store = await open_batch(tmp_path / "home", batch_delay=0.5)
-    writes: list[int] = []
-    real_write = Journal.write
-
-    def counted(journal: Journal, frames: list[bytes], *args: Any, **kwargs: Any) -> None:
-        writes.append(len(frames))
-        real_write(journal, frames, *args, **kwargs)
-
-    monkeypatch.setattr(Journal, "write", counted)
+    writes = count_journal_writes(monkeypatch)
     try:
         first = asyncio.get_running_loop().create_task(store.set_meta("first", "1"))
         await asyncio.sleep(0.01)  # well within the delay
