@@ -25,6 +25,8 @@ from tenex_daemon.adapters.storage.filesystem.ops import Op, commit_thread
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+Waiting = tuple[list[Op], asyncio.Future[None]]
+"""A call's ops and the future it awaits."""
 
 
 async def _on_commit_thread(work: Callable[[], T]) -> T:
@@ -53,7 +55,7 @@ class Committer:
         """Set when the store starts closing: commits no longer wait in the queue (unless calls not yet
         handed over wait there: then they keep their place behind them)."""
         self.journal: Journal | None = None
-        self._queue: list[tuple[list[Op], asyncio.Future[None]]] = []
+        self._queue: list[Waiting] = []
         """Each waiting call's ops and the future it awaits (one per call, not per op)."""
         self._idle = asyncio.Event()
         self._idle.set()
@@ -97,9 +99,9 @@ class Committer:
             if not self._busy:
                 if self._just_settled:  # the callers of the group just settled resume in this turn: they join
                     self._idle.clear()
-                    loop.call_soon(self._next_group, loop)
+                    loop.call_soon(self._next_group)
                 else:
-                    self._next_group(loop)
+                    self._next_group()
             await future
             return
         if self.journal is not None:  # closing: serial with the final checkpoint, on its thread
@@ -136,7 +138,7 @@ class Committer:
         if self._delayed is not None:  # a group waiting out batch_delay goes now
             self._delayed.cancel()
             self._delayed = None
-            self._hand_over(asyncio.get_running_loop())
+            self._hand_over()
         await self._idle.wait()
         if self.journal is not None:
             journal = self.journal
@@ -162,19 +164,20 @@ class Committer:
     def _busy(self) -> bool:
         return not self._idle.is_set()
 
-    def _next_group(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _next_group(self) -> None:
         """Commit what is queued as the next group (after ``batch_delay``), or become idle."""
         if not self._queue:
             self._idle.set()
             return
         self._idle.clear()
         if self.batch_delay > 0 and not self.closing:
-            self._delayed = loop.call_later(self.batch_delay, self._hand_over, loop)
+            self._delayed = asyncio.get_running_loop().call_later(self.batch_delay, self._hand_over)
         else:
-            self._hand_over(loop)
+            self._hand_over()
 
-    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _hand_over(self) -> None:
         """Give the queued calls to the commit thread as one group."""
+        loop = asyncio.get_running_loop()
         self._delayed = None
         batch, self._queue = self._queue, []
         ops = [op for call, _ in batch for op in call]
@@ -190,17 +193,14 @@ class Committer:
             except BaseException as exc:  # a bug in a commit stage: the group fails, committing goes on
                 error = exc
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                loop.call_soon_threadsafe(self._group_done, loop, batch, error)
+                loop.call_soon_threadsafe(self._group_done, batch, error)
 
         try:
             commit_thread().submit(work)
         except RuntimeError as exc:  # the thread is gone (interpreter shutting down)
-            self._group_done(loop, batch, exc)
+            self._group_done(batch, exc)
 
-    def _group_done(
-        self, loop: asyncio.AbstractEventLoop, batch: list[tuple[list[Op], asyncio.Future[None]]],
-        error: BaseException | None,
-    ) -> None:
+    def _group_done(self, batch: list[Waiting], error: BaseException | None) -> None:
         """On the loop: settle the group's waiters, checkpoint a full journal, go on with the queue
         (whatever happens here: a queue left waiting would never be handed over)."""
         try:
@@ -223,10 +223,10 @@ class Committer:
                 except RuntimeError:  # the thread is gone (interpreter shutting down): the journal stays
                     log.exception("journal_checkpoint_failed")
         finally:
-            self._next_group(loop)
+            self._next_group()
             if not self._busy:
                 self._just_settled = True
-                loop.call_soon(self._settled_turn_over)
+                asyncio.get_running_loop().call_soon(self._settled_turn_over)
 
     def _settled_turn_over(self) -> None:
         self._just_settled = False
@@ -240,7 +240,7 @@ def _checkpoint_logged(journal: Journal) -> None:
         log.exception("journal_checkpoint_failed")  # the journal keeps covering them
 
 
-def _settle(batch: list[tuple[list[Op], asyncio.Future[None]]], exc: BaseException) -> None:
+def _settle(batch: list[Waiting], exc: BaseException) -> None:
     """Fail every waiter of the group not yet answered."""
     for _, future in batch:
         if not future.done():
