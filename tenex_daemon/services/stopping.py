@@ -228,7 +228,8 @@ class Stopper:
         self, event: NostrEvent, conversation_id: str, scheduler: RunScheduler
     ) -> StopReport:
         """Carry out a kind-24134 request naming ``conversation_id`` (its root; an event inside a
-        conversation is taken for that conversation): the agents it p-tags, else every agent."""
+        conversation is taken for that conversation): the agents it p-tags, else (nobody or the project
+        p-tagged) every agent; p-tags naming none of ours and not the project stop nothing."""
         if not self.may_stop(event.pubkey):
             log.warning("stop_refused", event_id=event.id, author=event.pubkey, reason=STOP_NOT_ALLOWED)
             return StopReport(conversation_id, accepted=False, reason=STOP_NOT_ALLOWED)
@@ -243,7 +244,12 @@ class Stopper:
                 "stop_refused", event_id=event.id, author=event.pubkey, conversation_id=cid, reason=reason
             )
             return StopReport(cid, accepted=False, reason=reason)
-        return await self.stop(scheduler, cid, self._named_agents(event), by=event.pubkey, request=event)
+        agents = self._named_agents(event)
+        if agents == ():
+            reason = SkipReason.ADDRESSED_ELSEWHERE.value
+            log.info("stop_ignored", event_id=event.id, conversation_id=cid, reason=reason)
+            return StopReport(cid, accepted=False, reason=reason)
+        return await self.stop(scheduler, cid, agents, by=event.pubkey, request=event)
 
     async def stop(
         self,
@@ -392,10 +398,14 @@ class Stopper:
         return found.id if found is not None else None
 
     def _named_agents(self, event: NostrEvent) -> tuple[str, ...] | None:
-        """The agents a request p-tags (None when it names none: every agent is stopped)."""
-        named = (self._manager.agents.by_pubkey(p) for p in event.tag_values(TAG_PUBKEY))
-        slugs = tuple(dict.fromkeys(agent.slug for agent in named if agent is not None))
-        return slugs or None
+        """The agents a request p-tags; None (every agent) when it p-tags nobody or the project. A
+        request whose p-tags name neither our agents nor the project is for someone else's agents: ()."""
+        directory = self._manager.agents
+        tagged = event.tag_values(TAG_PUBKEY)
+        if not tagged or directory.project_pubkey in tagged:
+            return None
+        named = (directory.by_pubkey(p) for p in tagged)
+        return tuple(dict.fromkeys(agent.slug for agent in named if agent is not None))
 
     async def _notify(self, conversation_id: str, stopped: list[RunRequest]) -> NostrEvent | None:
         """Save and publish the notice of a stop ("Stopped: <names>."), a reply to the newest stopped

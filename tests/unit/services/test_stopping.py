@@ -223,6 +223,31 @@ async def test_a_stop_drops_waiting_runs_and_every_agent_by_default(cast: Cast) 
     assert len(backend.requests) == 1
 
 
+async def test_a_stop_for_someone_elses_agents_stops_nothing_and_one_naming_the_project_stops_all(
+    cast: Cast,
+) -> None:
+    """A stop whose p-tags name neither one of our agents nor the project is for another backend's agents:
+    it is ignored as addressed elsewhere and Alice goes on to answer; a stop p-tagging the project then
+    stops every agent, as one naming nobody does."""
+    backend, rig, root = await alice_thinking(cast)
+    someone_else = KeyPair.from_seed(99).pubkey
+
+    elsewhere = await rig.dispatcher.handle(stop_request(cast, cast.user, root, [someone_else]))
+    await asyncio.sleep(0)
+    assert (elsewhere.outcome, elsewhere.reason) == (Outcome.IGNORED, "addressed_elsewhere")
+    assert not backend.cancelled
+
+    project = await rig.dispatcher.handle(stop_request(cast, cast.user, root, [someone_else, cast.project.pubkey]))
+    await rig.settle()
+
+    assert (project.outcome, project.agents) == (Outcome.STORED, ("alice",))
+    assert backend.cancelled
+    assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [s["named"] for s in conversation.metadata.extra[STOPS_KEY]] == [None]
+
+
 async def test_a_stop_with_nothing_running_is_recorded_without_a_notice(cast: Cast) -> None:
     """A stop for a conversation where nothing runs publishes nothing and is recorded with no agents; a stop
     naming an unknown conversation is ignored."""
