@@ -32,7 +32,9 @@ def _group_home(home: HomeOption = None) -> None:
 
 @agents_app.command("list")
 def agents_list(ctx: typer.Context, as_json: JsonOption = False, home: HomeOption = None) -> None:
-    """List the agents: slug, name, npub and hex public key (and, in JSON, the definition installed from)."""
+    """List the agents: slug, name, npub and hex public key (and, in JSON, the definition installed from).
+    Exits 1 when an agent's key file cannot be used (the daemon would not start): the list is printed all
+    the same, each such agent with the reason in place of its npub."""
     settings = settings_of(ctx)
     rows: list[dict[str, Any]] = []
     for agent, info, problem in agent_identities(settings):
@@ -48,7 +50,15 @@ def agents_list(ctx: typer.Context, as_json: JsonOption = False, home: HomeOptio
         })
     if as_json:
         print_json(rows)
-        return
+    else:
+        _print_agents(rows)
+    broken = [row["slug"] for row in rows if row["problem"] is not None]
+    if broken:
+        names = ", ".join(broken)
+        fail(f"{len(broken)} agent(s) without a usable key ({names}): `tenexd run` would not start")
+
+
+def _print_agents(rows: list[dict[str, Any]]) -> None:
     table = Table(title=f"{len(rows)} agent(s)")
     for column in ("slug", "name", "npub", "hex pubkey", "role", "backend"):
         table.add_column(column, overflow="fold")

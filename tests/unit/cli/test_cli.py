@@ -100,6 +100,25 @@ def test_agents_list_shows_slug_name_npub_and_hex(home: Path) -> None:
     assert all(a["npub"] in table and a["pubkey"] in table for a in agents)
 
 
+def test_agents_list_exits_1_naming_the_agents_whose_key_cannot_be_used(home: Path) -> None:
+    """With one agent's key file gone, `agents list` (table and --json) still lists every agent, the reason in
+    place of that agent's npub, and exits 1 with an error naming it, as `tenexd run` would not start."""
+    (home / "keys" / "planner.key").unlink()
+
+    result = CliRunner().invoke(app, ["--home", str(home), "agents", "list"], catch_exceptions=False)
+    code, out = tenexd(home, "agents", "list", "--json")
+
+    assert result.exit_code == 1
+    assert all(slug in result.stdout for slug in ("orchestrator", "planner", "executor"))
+    assert "1 agent(s) without a usable key (planner)" in result.stderr
+    assert code == 1
+    rows = json.loads(out)
+    assert [(a["slug"], a["npub"] is None) for a in rows] == [
+        ("orchestrator", False), ("planner", True), ("executor", False)
+    ]
+    assert [a["problem"] for a in rows][1].endswith("planner.key does not exist")
+
+
 def test_agents_add_creates_a_key_and_lists_it(home: Path) -> None:
     """`agents add` adds an agent with its own 0600 key file, shown by `agents list`, and says which
     backend it was given (the other agents', here the offline one)."""
