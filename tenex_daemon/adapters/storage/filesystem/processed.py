@@ -2,8 +2,13 @@
 
 Ids are spread over 4,096 bucket files (``.events/<xyz>``, the first three hex digits of the
 id), each a list of lines ``\\n<event id> <conversation id or ->``. A bucket is read once and
-kept loaded (a bounded number of them); lines of accepted events are derived data, written in
-rounds; an id marked processed without a conversation is committed like any durable write.
+kept loaded; lines of accepted events are derived data, written in rounds; an id marked processed
+without a conversation is committed like any durable write.
+
+What stays loaded is bounded twice: at most ``cache_size`` buckets, and at most ``max_ids`` ids in
+all (each bucket holds every id ever filed in it, so a bound on buckets alone lets memory grow with
+every event the home ever took in); the least recently used buckets go first and are read again
+from their files when asked. A conversation id is held once however many of its events are loaded.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,6 +24,8 @@ from pathlib import Path
 from tenex_daemon.adapters.storage.filesystem.derived import DerivedLines
 
 BUCKET_CHARS = 3
+DEFAULT_MAX_IDS = 50_000
+"""Ids kept loaded at most, over every bucket (about 10 MB); more are read from their files."""
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -41,7 +49,7 @@ def merge_lines(found: dict[str, str], lines: Iterable[bytes]) -> None:
             parts = line.split(b" ")
             if len(parts) != 2 or not parts[0] or not parts[1]:
                 continue  # a torn line: the next write starts with a newline, so it stays alone
-            conversation_id = parts[1].decode("utf-8", "replace")
+            conversation_id = sys.intern(parts[1].decode("utf-8", "replace"))  # shared by its events
             found[parts[0].decode("utf-8", "replace")] = "" if conversation_id == "-" else conversation_id
 
 
@@ -65,8 +73,13 @@ def absent_buckets(events_dir: Path) -> set[str]:
 class ProcessedIds:
     """The loaded buckets, and the ids added while one is being read."""
 
-    def __init__(self, events_dir: Path, derived: DerivedLines, cache_size: int) -> None:
+    def __init__(
+        self, events_dir: Path, derived: DerivedLines, cache_size: int, max_ids: int = DEFAULT_MAX_IDS
+    ) -> None:
         self.cache_size = cache_size
+        self.max_ids = max_ids
+        self.loaded_ids = 0
+        """Ids in the loaded buckets, all together (kept at most :attr:`max_ids`, the newest bucket aside)."""
         self._events_dir = events_dir
         self._derived = derived
         self._buckets: OrderedDict[str, dict[str, str]] = OrderedDict()
@@ -81,6 +94,7 @@ class ProcessedIds:
     def clear(self) -> None:
         """Forget the loaded buckets (the store closed)."""
         self._buckets.clear()
+        self.loaded_ids = 0
 
     def path_of(self, event_id: str) -> Path:
         """The bucket file of an event id."""
@@ -97,13 +111,24 @@ class ProcessedIds:
         bucket = bucket_of(event_id)
         if bucket in self._absent:
             self._adopt_absent(bucket)
+        self._note(bucket, event_id, conversation_id)
+        self._derived.add(self._path(bucket), bucket_line(event_id, conversation_id))
+
+    def marked(self, event_id: str) -> None:
+        """Record an id whose bucket line was just committed (processed without a conversation)."""
+        self._note(bucket_of(event_id), event_id, "")
+
+    def _note(self, bucket: str, event_id: str, conversation_id: str) -> None:
+        """Put an id in its bucket if loaded, and beside a read of it under way."""
         loaded = self._buckets.get(bucket)
         if loaded is not None:
-            loaded[event_id] = conversation_id
+            if event_id not in loaded:
+                self.loaded_ids += 1
+            loaded[event_id] = sys.intern(conversation_id)
+            self._trim()
         loading = self._loading.get(bucket)
         if loading is not None:
             loading[1][event_id] = conversation_id
-        self._derived.add(self._path(bucket), bucket_line(event_id, conversation_id))
 
     async def contains(self, event_id: str) -> bool:
         """Whether this event id was ever accepted or marked processed."""
@@ -158,5 +183,14 @@ class ProcessedIds:
 
     def _keep(self, bucket: str, loaded: dict[str, str]) -> None:
         self._buckets[bucket] = loaded
-        while len(self._buckets) > self.cache_size:
-            self._buckets.popitem(last=False)
+        self.loaded_ids += len(loaded)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Unload the least recently used buckets while either bound is passed (never the newest: the
+        one just read is returned to its caller)."""
+        while len(self._buckets) > 1 and (
+            len(self._buckets) > self.cache_size or self.loaded_ids > self.max_ids
+        ):
+            _, dropped = self._buckets.popitem(last=False)
+            self.loaded_ids -= len(dropped)

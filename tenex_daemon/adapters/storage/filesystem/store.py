@@ -43,7 +43,7 @@ from tenex_daemon.adapters.storage.filesystem.layout import (
 from tenex_daemon.adapters.storage.filesystem.lock import StoreOpenError, lock_home, unlock_home
 from tenex_daemon.adapters.storage.filesystem.logfile import encode_event
 from tenex_daemon.adapters.storage.filesystem.ops import Op
-from tenex_daemon.adapters.storage.filesystem.processed import ProcessedIds, bucket_line
+from tenex_daemon.adapters.storage.filesystem.processed import DEFAULT_MAX_IDS, ProcessedIds, bucket_line
 from tenex_daemon.adapters.storage.filesystem.recovery import recover
 from tenex_daemon.adapters.storage.filesystem.repairs import RecoveryAction, move_to_corrupt
 from tenex_daemon.core.conversation import Conversation
@@ -79,7 +79,8 @@ class FileSystemStore:
     (every file written is fsynced, with its folder, before the write returns) or ``"batch"``
     (group commit through the commit journal: the writes waiting while a commit is in flight, plus
     up to ``batch_delay`` seconds, share one fsync of the journal; the daemon's default).
-    ``cache_size`` bounds the conversations kept loaded in memory.
+    ``cache_size`` bounds the conversations kept loaded in memory; ``bucket_cache_size`` and
+    ``max_loaded_ids`` the processed set's buckets and ids kept loaded (``processed.py``).
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class FileSystemStore:
         batch_delay: float = DEFAULT_BATCH_DELAY,
         cache_size: int = DEFAULT_CACHE_SIZE,
         bucket_cache_size: int = DEFAULT_BUCKET_CACHE,
+        max_loaded_ids: int = DEFAULT_MAX_IDS,
     ) -> None:
         if fsync not in ("always", "batch"):
             raise ValueError(f"fsync policy must be 'always' or 'batch', not {fsync!r}")
@@ -106,7 +108,9 @@ class FileSystemStore:
         self._layout = Layout(self.root)
         self._derived = DerivedLines()
         self._index = Index(self._layout, self._derived)
-        self._processed = ProcessedIds(self._layout.events_dir, self._derived, bucket_cache_size)
+        self._processed = ProcessedIds(
+            self._layout.events_dir, self._derived, bucket_cache_size, max_loaded_ids
+        )
         self._committer = Committer(batched=fsync == "batch", batch_delay=batch_delay)
         self._cache: OrderedDict[str, Conversation] = OrderedDict()
         self._live_paths: dict[str, tuple[Path, Path]] = {}
@@ -550,7 +554,7 @@ class FileSystemStore:
             return
         path = self._processed.path_of(event_id)
         await self._committer.commit([Op("append", path, bucket_line(event_id, ""), create=True)])
-        bucket[event_id] = ""
+        self._processed.marked(event_id)
 
     # --- small values --------------------------------------------------------------------------
 
