@@ -509,6 +509,8 @@ class Daemon:
 
     async def _shutdown(self, control: Any) -> None:
         self._stopping = True
+        if self.pool is not None:  # events taken in from now on are the relays' to send again
+            self.pool.leave_to_relays()
         self.state = "stopping"
         self.notifier.stopping()
         lines = log.info if self._store_opened else log.debug  # a start refused says so itself

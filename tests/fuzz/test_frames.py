@@ -235,6 +235,9 @@ class Sink:
         assert event.id in self.known
         self.copies += 1
 
+    async def settled(self) -> None:
+        """Every event is handed over as it is taken in: nothing to wait for."""
+
 
 class LogSpy:
     """Stands in for the connection's logger: keeps every ``exception`` call (a frame that broke it)."""

@@ -97,6 +97,26 @@ class EventSink(Protocol):
     def count_known_copy(self, event: NostrEvent, url: str, sub_id: str) -> None:
         """Count a relay's copy of an event already taken in."""
 
+    async def settled(self) -> None:
+        """Return once every event taken in so far has been handed over."""
+
+
+CATCH_UP_PAGES = 200
+"""Pages a catch-up asks for at most (relays return 500 events or so per REQ: about 100,000 events)."""
+
+
+@dataclass
+class _CatchUp:
+    """A live subscription asked of a relay from its cursor: the stored events it sent before EOSE are
+    counted, so that older ones it left out (a relay sends a capped number, newest first) are asked next,
+    a page at a time, with ``until``."""
+
+    filters: list[Filter]
+    received: int = 0
+    oldest: int | None = None
+    at_oldest: set[str] = field(default_factory=set)
+    """The ids of the events dated ``oldest``: the next page (``until`` that second) brings them again."""
+
 
 @dataclass
 class _Fetch:
@@ -149,6 +169,8 @@ class RelayConnection:
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.pending_ok: dict[str, list[asyncio.Future[OkMessage]]] = {}
         self.fetches: dict[str, _Fetch] = {}
+        self.catching_up: dict[str, _CatchUp] = {}
+        """Live subscriptions asked from their cursor whose EOSE has not come yet."""
         self.auth_retried_subs: set[str] = set()
         self.task: asyncio.Task[None] | None = None
 
@@ -229,6 +251,9 @@ class RelayConnection:
                 self.log.exception("connect handler failed")
 
     def _on_close(self) -> None:
+        for sub_id in self.catching_up:  # asked again on reconnect, from the cursor held
+            self.subscriptions.release(sub_id, self.url, move=False)
+        self.catching_up.clear()
         self.ws = None
         self.connected.clear()
         self.authenticated.clear()
@@ -248,8 +273,76 @@ class RelayConnection:
         return True
 
     async def send_req(self, sub: Subscription) -> None:
-        """Send (or re-send) a subscription with ``since`` moved to this relay's cursor."""
-        await self.send(encode_req(sub.sub_id, self.subscriptions.filters_for(sub, self.url)))
+        """Send (or re-send) a subscription with ``since`` moved to this relay's cursor.
+
+        Asked from a cursor, it is a catch-up: the cursor is held where it is until every stored event
+        the relay has since then was asked for (see :meth:`_page_back`) and handed over, so that a crash
+        meanwhile asks for them all again rather than from the newest."""
+        filters = self.subscriptions.filters_for(sub, self.url)
+        if self.subscriptions.cursor(sub.sub_id, self.url) is not None and self.spec.read:
+            if sub.sub_id not in self.catching_up:
+                self.subscriptions.hold(sub.sub_id, self.url)
+            self.catching_up[sub.sub_id] = _CatchUp(filters)
+        await self.send(encode_req(sub.sub_id, filters))
+
+    def _caught(self, sub_id: str, event: NostrEvent) -> None:
+        """Count a stored event of a catch-up under way."""
+        catch_up = self.catching_up.get(sub_id)
+        if catch_up is not None:
+            catch_up.received += 1
+            if catch_up.oldest is None or event.created_at < catch_up.oldest:
+                catch_up.oldest = event.created_at
+                catch_up.at_oldest = set()
+            if event.created_at == catch_up.oldest:
+                catch_up.at_oldest.add(event.id)
+
+    def _end_of_stored(self, sub_id: str) -> None:
+        """EOSE of a live subscription: a catch-up that got events asks for older ones; one that got
+        none is over."""
+        catch_up = self.catching_up.pop(sub_id, None)
+        if catch_up is None:
+            return
+        if catch_up.received and catch_up.oldest is not None:
+            self.spawn(self._page_back(sub_id, catch_up), f"catch-up {self.url}")
+        else:
+            self.subscriptions.release(sub_id, self.url)
+
+    async def _page_back(self, sub_id: str, catch_up: _CatchUp) -> None:
+        """Ask for the events older than the oldest sent so far (``until``), a page at a time, until a page
+        brings none not seen in the one before; hand them over as the live subscription's; once they are
+        handed over, let the cursor move. A catch-up cut short (no EOSE, the page limit, the subscription
+        closed, the task cancelled) leaves the cursor where it was: the next start asks again from there."""
+        assert catch_up.oldest is not None
+        until, previous, pages, taken = catch_up.oldest, catch_up.at_oldest, 0, 0
+        complete = finished = False
+        try:
+            while pages < CATCH_UP_PAGES and self.subscriptions.get(sub_id) is not None:
+                pages += 1
+                filters = [{**f, "until": until} for f in catch_up.filters]
+                fetch_id = f"fetch-catch-up-{pages}-{sub_id[:32]}"
+                page = await self._fetch(fetch_id, filters, self.settings.fetch_timeout)
+                fresh = [event for event in page.events if event.id not in previous]
+                for event in fresh:
+                    self.events_received += 1
+                    await self.sink.intake(event, self.url, sub_id)
+                taken += len(fresh)
+                if page.done is None or not page.done.done() or page.done.result() != "eose":
+                    break  # a drop, a timeout or CLOSED
+                previous = {event.id for event in page.events}
+                oldest = min((event.created_at for event in page.events), default=until)
+                if not fresh:
+                    complete = True
+                    break
+                if oldest >= until:  # a page all dated one second: ``until`` cannot go past it
+                    self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(page.events))
+                    break
+                until = oldest
+            await self.sink.settled()
+            finished = complete
+        finally:
+            self.subscriptions.release(sub_id, self.url, move=finished)
+        if taken or not finished:
+            self.log.info("catch_up_paged", subscription=sub_id, pages=pages, events=taken, complete=finished)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -278,6 +371,8 @@ class RelayConnection:
             fetch = self.fetches.get(message.subscription_id)
             if fetch is not None and fetch.done is not None and not fetch.done.done():
                 fetch.done.set_result("eose")
+            elif fetch is None:
+                self._end_of_stored(message.subscription_id)
         elif isinstance(message, ClosedMessage):
             self._on_closed(message)
         elif isinstance(message, AuthMessage):
@@ -295,13 +390,15 @@ class RelayConnection:
             return
         sub = self._live_subscription(message.subscription_id, message.event.id)
         if sub is not None:
+            self._caught(sub.sub_id, message.event)
             await self.sink.intake(message.event, self.url, sub.sub_id)
 
     def _live_subscription(self, sub_id: str, event_id: str) -> Subscription | None:
         """The live subscription an event came on (counted as received), or None (rejected as unknown)."""
         sub = self.subscriptions.get(sub_id)
         if sub is None:
-            self.reject(RejectReason.UNKNOWN_SUBSCRIPTION, sub_id[:64], event_id)
+            if not self.subscriptions.was_closed(sub_id):  # else sent before the relay read our CLOSE
+                self.reject(RejectReason.UNKNOWN_SUBSCRIPTION, sub_id[:64], event_id)
             return None
         self.events_received += 1
         self.last_event_at = time.time()
@@ -317,6 +414,7 @@ class RelayConnection:
             return
         sub = self._live_subscription(message.subscription_id, message.event.id)
         if sub is not None:
+            self._caught(sub.sub_id, message.event)
             self.sink.count_known_copy(message.event, self.url, sub.sub_id)
 
     def _on_ok(self, message: OkMessage) -> None:
@@ -460,19 +558,23 @@ class RelayConnection:
 
     async def fetch(self, fetch_id: str, filters: list[Filter], wait_s: float) -> list[NostrEvent]:
         """Run a one-off REQ until EOSE (or CLOSED, or ``wait_s`` seconds); return what came."""
+        return (await self._fetch(fetch_id, filters, wait_s)).events
+
+    async def _fetch(self, fetch_id: str, filters: list[Filter], wait_s: float) -> _Fetch:
+        """:meth:`fetch`, returning the fetch itself (its ``done`` tells whether it came to EOSE)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         fetch = _Fetch(done=loop.create_future(), filters=filters)
         self.fetches[fetch_id] = fetch
         try:
             if not await self.wait_connected(deadline):
-                return fetch.events
+                return fetch
             await self.send(encode_req(fetch_id, filters))
             assert fetch.done is not None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(fetch.done), max(0.0, deadline - loop.time()))
             await self.send(encode_close(fetch_id))
-            return fetch.events
+            return fetch
         finally:
             self.fetches.pop(fetch_id, None)
 

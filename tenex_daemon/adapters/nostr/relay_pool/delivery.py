@@ -13,6 +13,11 @@ goes to the consumer even when the store marked it processed meanwhile: the fail
 stored it without being told so (a commit whose answer a broken connection lost).
 A consumer that answers :attr:`Remember.IN_MEMORY` (a stranger's event) leaves the store alone:
 the bounded seen-id set dedupes it.
+
+Once the consumer stops taking events (:meth:`Delivery.leave_to_relays`: the daemon is stopping),
+those still queued, in a lane or waiting for a retry are not handed over, retried or logged one by one:
+they are left to the relays (not marked processed, their cursors not moved, so a relay sends them again
+after the next start), counted and logged once when delivery stops.
 """
 
 from __future__ import annotations
@@ -90,6 +95,9 @@ class Delivery:
         self.retries = 0
         """Consumer calls made again for events whose earlier call raised."""
         self.retry_dropped = 0
+        self.left = 0
+        """Events left to the relays after :meth:`leave_to_relays` (not handed over, marked or retried)."""
+        self._leaving = False
         self.last_error: str | None = None
         """The newest consumer error (``Type: message``), kept while events wait for a retry."""
         self._retry: OrderedDict[str, tuple[_Intake, int, float]] = OrderedDict()
@@ -116,6 +124,11 @@ class Delivery:
         self._task = asyncio.create_task(self._deliver_loop(), name="nostr delivery")
         self._retry_task = asyncio.create_task(self._retry_loop(), name="nostr delivery retry")
 
+    async def settled(self) -> None:
+        """Return once every event taken in so far has been handed over (or left to the relays)."""
+        if self._queue is not None:
+            await self._queue.join()
+
     async def drain(self) -> None:
         """Wait (up to ``drain_timeout``) until every event taken in has reached the consumer.
 
@@ -136,6 +149,21 @@ class Delivery:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._lanes.cancel_all()
+        left = self.left + len(self._retry) if self._leaving else 0
+        if left:
+            note = "the relays send them again after the next start"
+            log.info("events_left_to_relays", count=left, note=note)
+
+    def leave_to_relays(self) -> None:
+        """The consumer takes no more events (the daemon is stopping): from now on those taken in are left
+        to the relays, quietly; one being handed over now that fails is left too, without a retry."""
+        self._leaving = True
+        self._retry_wake.set()
+
+    def _leave(self, event: NostrEvent) -> None:
+        self.left += 1
+        self.seen.discard(event.id)
+        self._retry.pop(event.id, None)
 
     # -- intake ----------------------------------------------------------------------------
 
@@ -218,6 +246,9 @@ class Delivery:
             self._lanes.spawn(drain_key(key), f"lane {key[:16]}")
 
     async def _deliver(self, event: NostrEvent, url: str, sub_id: str, received_at: float) -> None:
+        if self._leaving:
+            self._leave(event)
+            return
         try:
             # An event handed over again after its handler failed goes to the handler even when the store has
             # it now: the failed try may have stored it without being told (a commit whose answer a broken
@@ -234,6 +265,9 @@ class Delivery:
             if self._store is not None and remember is not Remember.IN_MEMORY:
                 await self._store.mark_processed(event.id)
         except Exception as exc:
+            if self._leaving:  # refused because the consumer stopped meanwhile: no error, no retry
+                self._leave(event)
+                return
             self.consumer_errors += 1
             self.seen.discard(event.id)  # a copy from another relay may go through before the retry
             self._keep_for_retry((event, url, sub_id, received_at), exc)
@@ -264,7 +298,7 @@ class Delivery:
         """Hand every failed event whose wait is over to the delivery queue again."""
         assert self._queue is not None
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._leaving:
             self._retry_wake.clear()
             now = loop.time()
             due = [(event_id, entry[0]) for event_id, entry in self._retry.items() if entry[2] <= now]

@@ -137,6 +137,12 @@ class RelayPool:
             relay.task = asyncio.create_task(relay.run(), name=f"relay {spec.url}")
         self._flush_task = asyncio.create_task(self._flush_loop(), name="nostr cursor flush")
 
+    def leave_to_relays(self) -> None:
+        """The consumer takes no more events (its owner is stopping): those taken in from now on, queued or
+        waiting for a retry are left to the relays, which send them again after the next start
+        (:meth:`Delivery.leave_to_relays`)."""
+        self._delivery.leave_to_relays()
+
     async def stop(self) -> None:
         """Close connections, let queued events reach the consumer (bounded), flush cursors."""
         if not self._started:

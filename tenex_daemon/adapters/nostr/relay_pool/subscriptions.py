@@ -32,8 +32,14 @@ class Subscriptions:
         """``since_window``: seconds subtracted from a cursor when (re)subscribing."""
         self._since_window = since_window
         self._subs: dict[str, Subscription] = {}
+        self.closed: set[str] = set()
+        """Ids of subscriptions closed by this pool (the daemon's few, named by it: not a growing set)."""
         self._cursors: dict[tuple[str, str], int] = {}
         self._dirty: set[tuple[str, str]] = set()
+        self._holds: dict[tuple[str, str], int] = {}
+        """Cursors held while a catch-up is under way (how many catch-ups hold each)."""
+        self._held_at: dict[tuple[str, str], int] = {}
+        """The newest ``created_at`` accepted on a held cursor (where it moves once released)."""
         self._floors: dict[str, int] = {}
         """Per relay url: a ``since`` no REQ to it goes below (set past a frame too big to read)."""
 
@@ -56,8 +62,14 @@ class Subscriptions:
         self._subs[sub.sub_id] = sub
 
     def remove(self, sub_id: str) -> bool:
-        """Drop a subscription; return whether it was live."""
+        """Drop a subscription; return whether it was live. Its id is remembered as closed: a relay's events
+        for it sent before it read the CLOSE are expected, not refused (:meth:`was_closed`)."""
+        self.closed.add(sub_id)
         return self._subs.pop(sub_id, None) is not None
+
+    def was_closed(self, sub_id: str) -> bool:
+        """Whether this id was a live subscription of this pool, closed since (by the pool itself)."""
+        return sub_id in self.closed and sub_id not in self._subs
 
     def filters_for(self, sub: Subscription, url: str) -> list[Filter]:
         """Return the filters with ``since`` moved up to this relay's cursor minus the window."""
@@ -84,11 +96,32 @@ class Subscriptions:
         """Return the last accepted ``created_at`` for a subscription on a relay."""
         return self._cursors.get((sub_id, url))
 
+    def hold(self, sub_id: str, url: str) -> None:
+        """Keep a cursor where it is (events accepted meanwhile are remembered) until :meth:`release`."""
+        key = (sub_id, url)
+        self._holds[key] = self._holds.get(key, 0) + 1
+
+    def release(self, sub_id: str, url: str, *, move: bool = True) -> None:
+        """End a hold; with the last one, move the cursor to the newest event accepted meanwhile, or
+        (``move`` False: the catch-up was cut short) leave it where it was."""
+        key = (sub_id, url)
+        holds = self._holds.get(key, 0) - 1
+        if holds > 0:
+            self._holds[key] = holds
+            return
+        self._holds.pop(key, None)
+        newest = self._held_at.pop(key, None)
+        if move and newest is not None:
+            self.advance(sub_id, url, newest)
+
     def advance(self, sub_id: str, url: str, created_at: int) -> None:
-        """Move a cursor up to an accepted event's ``created_at`` (never past now)."""
+        """Move a cursor up to an accepted event's ``created_at`` (never past now; a held one later)."""
         # An event dated in the future must not push the cursor past now.
         created_at = min(created_at, int(time.time()))
         key = (sub_id, url)
+        if key in self._holds:
+            self._held_at[key] = max(created_at, self._held_at.get(key, -1))
+            return
         if created_at > self._cursors.get(key, -1):
             self._cursors[key] = created_at
             self._dirty.add(key)
