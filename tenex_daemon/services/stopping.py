@@ -398,10 +398,10 @@ class Stopper:
         return found.id if found is not None else None
 
     def _named_agents(self, event: NostrEvent) -> tuple[str, ...] | None:
-        """The agents a request p-tags; None (every agent) when it p-tags nobody or the project. A
-        request whose p-tags name neither our agents nor the project is for someone else's agents: ()."""
+        """The agents a request p-tags; None (every agent) when it p-tags nobody (its author aside) or the
+        project. A request whose p-tags name neither our agents nor the project is for someone else's: ()."""
         directory = self._manager.agents
-        tagged = event.tag_values(TAG_PUBKEY)
+        tagged = [p for p in event.tag_values(TAG_PUBKEY) if p != event.pubkey]  # the author's own: no one
         if not tagged or directory.project_pubkey in tagged:
             return None
         named = (directory.by_pubkey(p) for p in tagged)

@@ -235,8 +235,9 @@ class Sink:
         assert event.id in self.known
         self.copies += 1
 
-    async def settled(self) -> None:
+    async def settled(self) -> bool:
         """Every event is handed over as it is taken in: nothing to wait for."""
+        return True
 
 
 class LogSpy:

@@ -17,41 +17,43 @@ from tenex_daemon.testing import EventFactory, KeyPair
 URL = "ws://relay.test"
 
 
-def test_a_held_cursor_moves_only_when_its_last_hold_ends_and_not_after_a_cut_short_catch_up() -> None:
-    """Events accepted during a hold leave the cursor at 100; ending one of two holds keeps it there, ending
-    the last moves it to the newest accepted (130); a hold ended as cut short leaves it where it was."""
+def test_a_held_cursor_moves_only_when_a_catch_up_completes() -> None:
+    """Events accepted while a cursor is held leave it at 100, a second hold changes nothing, and the release
+    of a complete catch-up moves it to the newest accepted (130); held again and never released (a catch-up
+    cut short), it stays there whatever is accepted."""
     subscriptions = Subscriptions(since_window=30)
     subscriptions.advance("live", URL, 100)
 
     subscriptions.hold("live", URL)
-    subscriptions.hold("live", URL)
     subscriptions.advance("live", URL, 130)
+    subscriptions.hold("live", URL)
     subscriptions.advance("live", URL, 120)
     held = subscriptions.cursor("live", URL)
     subscriptions.release("live", URL)
-    still_held = subscriptions.cursor("live", URL)
-    subscriptions.release("live", URL)
     moved = subscriptions.cursor("live", URL)
-
     subscriptions.hold("live", URL)
     subscriptions.advance("live", URL, 150)
-    subscriptions.release("live", URL, move=False)
 
-    assert (held, still_held, moved) == (100, 100, 130)
+    assert (held, moved) == (100, 130)
     assert subscriptions.cursor("live", URL) == 130
+    assert subscriptions.is_held("live", URL)
 
 
 async def test_events_on_their_way_when_the_daemon_stops_are_left_to_the_relays() -> None:
-    """A consumer that refuses everything once the daemon stops: after ``leave_to_relays`` the events taken in
-    are not handed over, marked processed, retried or logged as failures, the cursor stays at the last one
-    handed over, and one line at stop counts them."""
+    """A consumer that refuses everything once the daemon stops: after ``leave_to_relays`` the event it was
+    refusing then and those taken in after are not handed over, marked processed, retried or logged as
+    failures, the cursor stays at the last one handed over, ``settled`` says some were left, and one line at
+    stop counts them."""
     factory, person = EventFactory(), KeyPair.from_seed(7)
     events = [factory.event(person, f"message {n}", kind=11) for n in range(5)]
     handed: list[str] = []
     cursors: list[int] = []
-    stopping = asyncio.Event()
+    stopping, inside = asyncio.Event(), asyncio.Event()
 
     async def consumer(received: ReceivedEvent) -> None:
+        if received.event is events[1]:  # the one in the consumer when the daemon starts to stop
+            inside.set()
+            await stopping.wait()
         if stopping.is_set():
             raise RuntimeError("shutting down")
         handed.append(received.event.id)
@@ -63,14 +65,17 @@ async def test_events_on_their_way_when_the_daemon_stops_are_left_to_the_relays(
     delivery.start()
     with capture_logs() as logs:
         await delivery.intake(events[0], URL, "live")
-        await delivery.settled()
-        stopping.set()
+        handed_for_good = await delivery.settled()
+        await delivery.intake(events[1], URL, "live")
+        await inside.wait()
         delivery.leave_to_relays()
-        for event in events[1:]:
+        stopping.set()
+        for event in events[2:]:
             await delivery.intake(event, URL, "live")
-        await delivery.settled()
+        left_some = not await delivery.settled()
         await delivery.stop()
 
+    assert (handed_for_good, left_some) == (True, True)
     assert handed == [events[0].id]
     assert [await store.is_processed(event.id) for event in events] == [True, False, False, False, False]
     assert cursors == [events[0].created_at]

@@ -227,8 +227,9 @@ async def test_a_stop_for_someone_elses_agents_stops_nothing_and_one_naming_the_
     cast: Cast,
 ) -> None:
     """A stop whose p-tags name neither one of our agents nor the project is for another backend's agents:
-    it is ignored as addressed elsewhere and Alice goes on to answer; a stop p-tagging the project then
-    stops every agent, as one naming nobody does."""
+    it is ignored as addressed elsewhere and Alice goes on thinking; one p-tagging only its author stops every
+    agent, as one naming nobody does (Alice is stopped); one p-tagging the project is carried out for every
+    agent too (nothing left to stop: no second notice)."""
     backend, rig, root = await alice_thinking(cast)
     someone_else = KeyPair.from_seed(99).pubkey
 
@@ -237,15 +238,17 @@ async def test_a_stop_for_someone_elses_agents_stops_nothing_and_one_naming_the_
     assert (elsewhere.outcome, elsewhere.reason) == (Outcome.IGNORED, "addressed_elsewhere")
     assert not backend.cancelled
 
-    project = await rig.dispatcher.handle(stop_request(cast, cast.user, root, [someone_else, cast.project.pubkey]))
+    own = await rig.dispatcher.handle(stop_request(cast, cast.user, root, [cast.user.pubkey]))
+    await rig.settle()
+    assert (own.outcome, own.agents, backend.cancelled) == (Outcome.STORED, ("alice",), True)
     await rig.settle()
 
-    assert (project.outcome, project.agents) == (Outcome.STORED, ("alice",))
-    assert backend.cancelled
+    project = await rig.dispatcher.handle(stop_request(cast, cast.user, root, [someone_else, cast.project.pubkey]))
+    assert project.outcome is Outcome.STORED
     assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
-    assert [s["named"] for s in conversation.metadata.extra[STOPS_KEY]] == [None]
+    assert [s["named"] for s in conversation.metadata.extra[STOPS_KEY]] == [None, None]
 
 
 async def test_a_stop_with_nothing_running_is_recorded_without_a_notice(cast: Cast) -> None:

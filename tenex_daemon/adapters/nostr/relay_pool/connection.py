@@ -97,25 +97,24 @@ class EventSink(Protocol):
     def count_known_copy(self, event: NostrEvent, url: str, sub_id: str) -> None:
         """Count a relay's copy of an event already taken in."""
 
-    async def settled(self) -> None:
-        """Return once every event taken in so far has been handed over."""
+    async def settled(self) -> bool:
+        """Wait until every event taken in so far has reached the consumer; return whether each was handed
+        over for good (none left to the relays, none waiting to be tried again)."""
 
 
-CATCH_UP_PAGES = 200
-"""Pages a catch-up asks for at most (relays return 500 events or so per REQ: about 100,000 events)."""
+CATCH_UP_PAGES = 10_000
+"""Pages one filter of a catch-up asks for at most (a relay that ignores ``since``): past it, the catch-up
+counts as cut short."""
 
 
 @dataclass
 class _CatchUp:
     """A live subscription asked of a relay from its cursor: the stored events it sent before EOSE are
-    counted, so that older ones it left out (a relay sends a capped number, newest first) are asked next,
-    a page at a time, with ``until``."""
+    counted; when there were any, each filter is then asked again a page at a time (``until``), since a
+    relay sends a capped number per REQ, newest first."""
 
     filters: list[Filter]
     received: int = 0
-    oldest: int | None = None
-    at_oldest: set[str] = field(default_factory=set)
-    """The ids of the events dated ``oldest``: the next page (``until`` that second) brings them again."""
 
 
 @dataclass
@@ -171,6 +170,8 @@ class RelayConnection:
         self.fetches: dict[str, _Fetch] = {}
         self.catching_up: dict[str, _CatchUp] = {}
         """Live subscriptions asked from their cursor whose EOSE has not come yet."""
+        self.catch_ups = 0
+        """Catch-ups paged so far (their fetch ids are told apart by it)."""
         self.auth_retried_subs: set[str] = set()
         self.task: asyncio.Task[None] | None = None
 
@@ -251,9 +252,7 @@ class RelayConnection:
                 self.log.exception("connect handler failed")
 
     def _on_close(self) -> None:
-        for sub_id in self.catching_up:  # asked again on reconnect, from the cursor held
-            self.subscriptions.release(sub_id, self.url, move=False)
-        self.catching_up.clear()
+        self.catching_up.clear()  # their cursors stay held: the reconnect's catch-up asks again from them
         self.ws = None
         self.connected.clear()
         self.authenticated.clear()
@@ -275,74 +274,76 @@ class RelayConnection:
     async def send_req(self, sub: Subscription) -> None:
         """Send (or re-send) a subscription with ``since`` moved to this relay's cursor.
 
-        Asked from a cursor, it is a catch-up: the cursor is held where it is until every stored event
-        the relay has since then was asked for (see :meth:`_page_back`) and handed over, so that a crash
-        meanwhile asks for them all again rather than from the newest."""
+        Asked from a cursor, it is a catch-up: the cursor is held where it is until a catch-up has asked
+        for every stored event the relay has since then (:meth:`_page_back`) and each was handed over for
+        good; one cut short (a drop, a timeout, a stop, a crash) leaves it held, so the next catch-up (on
+        reconnect, or at the next start) asks again from there."""
         filters = self.subscriptions.filters_for(sub, self.url)
         if self.subscriptions.cursor(sub.sub_id, self.url) is not None and self.spec.read:
-            if sub.sub_id not in self.catching_up:
-                self.subscriptions.hold(sub.sub_id, self.url)
+            self.subscriptions.hold(sub.sub_id, self.url)
             self.catching_up[sub.sub_id] = _CatchUp(filters)
         await self.send(encode_req(sub.sub_id, filters))
 
-    def _caught(self, sub_id: str, event: NostrEvent) -> None:
+    def _caught(self, sub_id: str) -> None:
         """Count a stored event of a catch-up under way."""
         catch_up = self.catching_up.get(sub_id)
         if catch_up is not None:
             catch_up.received += 1
-            if catch_up.oldest is None or event.created_at < catch_up.oldest:
-                catch_up.oldest = event.created_at
-                catch_up.at_oldest = set()
-            if event.created_at == catch_up.oldest:
-                catch_up.at_oldest.add(event.id)
 
     def _end_of_stored(self, sub_id: str) -> None:
-        """EOSE of a live subscription: a catch-up that got events asks for older ones; one that got
-        none is over."""
+        """EOSE of a live subscription: a catch-up that got events pages through each filter; one that got
+        none is over (the cursor moves to the newest event handed over meanwhile)."""
         catch_up = self.catching_up.pop(sub_id, None)
         if catch_up is None:
             return
-        if catch_up.received and catch_up.oldest is not None:
-            self.spawn(self._page_back(sub_id, catch_up), f"catch-up {self.url}")
+        if catch_up.received:
+            self.catch_ups += 1
+            self.spawn(self._page_back(sub_id, catch_up, self.catch_ups), f"catch-up {self.url}")
         else:
             self.subscriptions.release(sub_id, self.url)
 
-    async def _page_back(self, sub_id: str, catch_up: _CatchUp) -> None:
-        """Ask for the events older than the oldest sent so far (``until``), a page at a time, until a page
-        brings none not seen in the one before; hand them over as the live subscription's; once they are
-        handed over, let the cursor move. A catch-up cut short (no EOSE, the page limit, the subscription
-        closed, the task cancelled) leaves the cursor where it was: the next start asks again from there."""
-        assert catch_up.oldest is not None
-        until, previous, pages, taken = catch_up.oldest, catch_up.at_oldest, 0, 0
-        complete = finished = False
-        try:
-            while pages < CATCH_UP_PAGES and self.subscriptions.get(sub_id) is not None:
+    async def _page_back(self, sub_id: str, catch_up: _CatchUp, number: int) -> None:
+        """Ask each filter of a catch-up for its stored events a page at a time, newest first (``until`` =
+        the oldest second of the page before), until a page brings none the one before did not; hand them
+        over as the live subscription's. Once every filter is done and every event was handed over for good,
+        the cursor moves; a catch-up cut short (no EOSE, a reconnect meanwhile, the subscription closed, the
+        page limit, events left or waiting for a retry) leaves it held."""
+        generation, pages, taken = self.connects, 0, 0
+        done = True
+        for flt in catch_up.filters:
+            until: int | None = None
+            previous: set[str] = set()
+            for _ in range(CATCH_UP_PAGES):
+                if self.connects != generation or self.subscriptions.get(sub_id) is None:
+                    return  # the reconnect's own catch-up asks again; a closed subscription wants nothing
                 pages += 1
-                filters = [{**f, "until": until} for f in catch_up.filters]
-                fetch_id = f"fetch-catch-up-{pages}-{sub_id[:32]}"
-                page = await self._fetch(fetch_id, filters, self.settings.fetch_timeout)
-                fresh = [event for event in page.events if event.id not in previous]
-                for event in fresh:
-                    self.events_received += 1
-                    await self.sink.intake(event, self.url, sub_id)
-                taken += len(fresh)
+                asked = {**flt, "until": until} if until is not None else flt
+                fetch_id = f"fetch-catch-up-{number}-{pages}"
+                page = await self._fetch(fetch_id, [asked], self.settings.fetch_timeout)
                 if page.done is None or not page.done.done() or page.done.result() != "eose":
-                    break  # a drop, a timeout or CLOSED
-                previous = {event.id for event in page.events}
-                oldest = min((event.created_at for event in page.events), default=until)
-                if not fresh:
-                    complete = True
+                    self.log.info("catch_up_cut_short", subscription=sub_id, pages=pages, events=taken)
+                    return  # a drop, a timeout or CLOSED
+                fresh = [event for event in page.events if event.id not in previous]
+                if not fresh or self.subscriptions.get(sub_id) is None:
                     break
-                if oldest >= until:  # a page all dated one second: ``until`` cannot go past it
+                for event in fresh:
+                    if event.id not in self.sink.seen:  # the first answer's, taken in already: not again
+                        self.events_received += 1
+                        taken += 1
+                        await self.sink.intake(event, self.url, sub_id)
+                previous = {event.id for event in page.events}
+                oldest = min(event.created_at for event in page.events)
+                if until is not None and oldest >= until:  # a page all dated one second: until cannot go past
                     self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(page.events))
                     break
                 until = oldest
-            await self.sink.settled()
-            finished = complete
-        finally:
-            self.subscriptions.release(sub_id, self.url, move=finished)
-        if taken or not finished:
-            self.log.info("catch_up_paged", subscription=sub_id, pages=pages, events=taken, complete=finished)
+            else:
+                done = False  # the page limit: a relay that does not keep to since
+        settled = await self.sink.settled()
+        if done and settled:
+            self.subscriptions.release(sub_id, self.url)
+        complete = done and settled
+        self.log.info("catch_up_paged", subscription=sub_id, pages=pages, events=taken, complete=complete)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -390,7 +391,7 @@ class RelayConnection:
             return
         sub = self._live_subscription(message.subscription_id, message.event.id)
         if sub is not None:
-            self._caught(sub.sub_id, message.event)
+            self._caught(sub.sub_id)
             await self.sink.intake(message.event, self.url, sub.sub_id)
 
     def _live_subscription(self, sub_id: str, event_id: str) -> Subscription | None:
@@ -414,7 +415,7 @@ class RelayConnection:
             return
         sub = self._live_subscription(message.subscription_id, message.event.id)
         if sub is not None:
-            self._caught(sub.sub_id, message.event)
+            self._caught(sub.sub_id)
             self.sink.count_known_copy(message.event, self.url, sub.sub_id)
 
     def _on_ok(self, message: OkMessage) -> None:

@@ -124,10 +124,12 @@ class Delivery:
         self._task = asyncio.create_task(self._deliver_loop(), name="nostr delivery")
         self._retry_task = asyncio.create_task(self._retry_loop(), name="nostr delivery retry")
 
-    async def settled(self) -> None:
-        """Return once every event taken in so far has been handed over (or left to the relays)."""
+    async def settled(self) -> bool:
+        """Wait until every event taken in so far has reached the consumer; return whether each was handed
+        over for good: none left to the relays (:meth:`leave_to_relays`), none waiting for a retry."""
         if self._queue is not None:
             await self._queue.join()
+        return not self._leaving and not self._retry
 
     async def drain(self) -> None:
         """Wait (up to ``drain_timeout``) until every event taken in has reached the consumer.

@@ -36,10 +36,9 @@ class Subscriptions:
         """Ids of subscriptions closed by this pool (the daemon's few, named by it: not a growing set)."""
         self._cursors: dict[tuple[str, str], int] = {}
         self._dirty: set[tuple[str, str]] = set()
-        self._holds: dict[tuple[str, str], int] = {}
-        """Cursors held while a catch-up is under way (how many catch-ups hold each)."""
         self._held_at: dict[tuple[str, str], int] = {}
-        """The newest ``created_at`` accepted on a held cursor (where it moves once released)."""
+        """Cursors held until a catch-up is complete -> the newest ``created_at`` accepted meanwhile (-1:
+        none yet), where each moves once released."""
         self._floors: dict[str, int] = {}
         """Per relay url: a ``since`` no REQ to it goes below (set past a frame too big to read)."""
 
@@ -98,29 +97,25 @@ class Subscriptions:
 
     def hold(self, sub_id: str, url: str) -> None:
         """Keep a cursor where it is (events accepted meanwhile are remembered) until :meth:`release`."""
-        key = (sub_id, url)
-        self._holds[key] = self._holds.get(key, 0) + 1
+        self._held_at.setdefault((sub_id, url), -1)
 
-    def release(self, sub_id: str, url: str, *, move: bool = True) -> None:
-        """End a hold; with the last one, move the cursor to the newest event accepted meanwhile, or
-        (``move`` False: the catch-up was cut short) leave it where it was."""
-        key = (sub_id, url)
-        holds = self._holds.get(key, 0) - 1
-        if holds > 0:
-            self._holds[key] = holds
-            return
-        self._holds.pop(key, None)
-        newest = self._held_at.pop(key, None)
-        if move and newest is not None:
+    def release(self, sub_id: str, url: str) -> None:
+        """A catch-up is complete: the cursor moves to the newest event accepted while it was held."""
+        newest = self._held_at.pop((sub_id, url), -1)
+        if newest >= 0:
             self.advance(sub_id, url, newest)
+
+    def is_held(self, sub_id: str, url: str) -> bool:
+        """Whether the cursor waits for a catch-up to complete."""
+        return (sub_id, url) in self._held_at
 
     def advance(self, sub_id: str, url: str, created_at: int) -> None:
         """Move a cursor up to an accepted event's ``created_at`` (never past now; a held one later)."""
         # An event dated in the future must not push the cursor past now.
         created_at = min(created_at, int(time.time()))
         key = (sub_id, url)
-        if key in self._holds:
-            self._held_at[key] = max(created_at, self._held_at.get(key, -1))
+        if key in self._held_at:
+            self._held_at[key] = max(created_at, self._held_at[key])
             return
         if created_at > self._cursors.get(key, -1):
             self._cursors[key] = created_at

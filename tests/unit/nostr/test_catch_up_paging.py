@@ -1,0 +1,153 @@
+"""A relay connection's catch-up against a relay that sends at most a few stored events per REQ, newest
+first: every filter is paged through, each event handed over once, and the subscription's cursor moves only
+once the catch-up is complete; one cut short (a stop, a page without EOSE) leaves the cursor held for the
+next catch-up to ask again from there."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+from tenex_daemon.adapters.nostr.codec import PublicKeyCache
+from tenex_daemon.adapters.nostr.relay_pool.connection import RelayConnection, _Fetch
+from tenex_daemon.adapters.nostr.relay_pool.delivery import Delivery
+from tenex_daemon.adapters.nostr.relay_pool.subscriptions import Subscription, Subscriptions
+from tenex_daemon.adapters.nostr.relay_pool.types import Filter, PoolSettings, ReceivedEvent, RelaySpec
+from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.testing import KeyPair, sign_event
+
+URL = "ws://capped.test"
+CAP = 10
+CURSOR = 1_000
+PERSON = KeyPair.from_seed(21)
+
+
+class CappedRelay:
+    """Stored events, answered as a relay that sends the newest ``CAP`` matching a filter (kinds, since,
+    until); ``answer`` False makes every page end without EOSE (a timeout)."""
+
+    def __init__(self, events: list[NostrEvent]) -> None:
+        self.events = events
+        self.answer = True
+        self.pages = 0
+
+    async def fetch(self, fetch_id: str, filters: list[Filter], wait_s: float) -> _Fetch:
+        """One page: the newest CAP events matching the (one) filter."""
+        (flt,) = filters
+        self.pages += 1
+        matching = [
+            e for e in self.events
+            if e.kind in flt["kinds"] and flt.get("since", 0) <= e.created_at <= flt.get("until", 10**10)
+        ]
+        page = _Fetch(events=sorted(matching, key=lambda e: -e.created_at)[:CAP])
+        page.done = asyncio.get_running_loop().create_future()
+        if self.answer:
+            page.done.set_result("eose")
+        return page
+
+
+class Rig:
+    """A connection (no socket) whose fetches the capped relay answers, its pool's delivery to a consumer
+    that records what it is handed, and the subscription ``live`` with a cursor at ``CURSOR``."""
+
+    def __init__(self, relay: CappedRelay, filters: list[Filter]) -> None:
+        self.relay = relay
+        self.handed: list[str] = []
+        self.stopping = False
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.subscriptions = Subscriptions(since_window=0)
+        self.subscriptions.advance("live", URL, CURSOR)
+        self.sub = Subscription("live", filters)
+        self.delivery = Delivery(
+            PoolSettings(), self.subscriptions.advance, on_event=self.consume, store=MemoryStore(), lane_key=None
+        )
+        self.connection = RelayConnection(
+            RelaySpec(URL), PoolSettings(), subscriptions=self.subscriptions, sink=self.delivery,
+            key_cache=PublicKeyCache(), auth_signer=None, spawn=self.spawn,
+        )
+        self.connection._fetch = relay.fetch  # type: ignore[method-assign]
+        self.delivery.start()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        self.tasks.append(asyncio.get_running_loop().create_task(coro, name=name))
+
+    async def consume(self, received: ReceivedEvent) -> None:
+        if self.stopping:
+            raise RuntimeError("shutting down")
+        await asyncio.sleep(0)
+        self.handed.append(received.event.id)
+
+    async def catch_up(self) -> None:
+        """Subscribe (the catch-up from the cursor), take the relay's first answer, EOSE, let paging run."""
+        await self.subscriptions.add(self.sub, [URL], None)
+        await self.connection.send_req(self.sub)  # no socket: nothing is sent, the catch-up starts
+        first = await self.relay.fetch("first", [self.subscriptions.filters_for(self.sub, URL)[0]], 1.0)
+        for event in first.events:
+            self.connection._caught("live")
+            await self.delivery.intake(event, URL, "live")
+        self.connection._end_of_stored("live")
+        await asyncio.gather(*self.tasks)
+
+    def cursor(self) -> int | None:
+        return self.subscriptions.cursor("live", URL)
+
+
+def stored(kind: int, count: int, start: int, per_second: int) -> list[NostrEvent]:
+    """``count`` events of ``kind`` dated from ``start`` on, ``per_second`` a second."""
+    return [
+        sign_event(PERSON, f"{kind}/{n}", kind=kind, created_at=start + n // per_second) for n in range(count)
+    ]
+
+
+async def test_every_event_of_every_filter_is_handed_over_once_and_then_the_cursor_moves() -> None:
+    """35 events of one kind and 4 of another since the cursor, 10 a page: all 39 are handed over once (a
+    sparse filter's older events do not make the dense one skip its own), and the cursor moves to the newest."""
+    dense, sparse = stored(11, 35, CURSOR + 10, 3), stored(1, 4, CURSOR + 1, 1)
+    rig = Rig(CappedRelay(dense + sparse), [{"kinds": [11]}, {"kinds": [1]}])
+
+    await rig.catch_up()
+    await rig.delivery.stop()
+
+    assert sorted(rig.handed) == sorted(e.id for e in dense + sparse)
+    assert rig.cursor() == max(e.created_at for e in dense)
+    assert not rig.subscriptions.is_held("live", URL)
+
+
+async def test_a_catch_up_stopped_before_its_events_are_handed_over_keeps_the_cursor_held() -> None:
+    """The daemon stops while the catch-up's events are still on their way: they are left to the relay and
+    the cursor stays where it was, so the next start asks for them again."""
+    rig = Rig(CappedRelay(stored(11, 35, CURSOR + 10, 3)), [{"kinds": [11]}])
+    rig.stopping = True
+    rig.delivery.leave_to_relays()
+
+    await rig.catch_up()
+    await rig.delivery.stop()
+
+    assert rig.handed == []
+    assert (rig.cursor(), rig.subscriptions.is_held("live", URL)) == (CURSOR, True)
+
+
+async def test_a_page_without_eose_leaves_the_cursor_held_until_a_later_catch_up_completes() -> None:
+    """A page that times out cuts the catch-up short: events handed over meanwhile do not move the cursor,
+    live ones neither; the next catch-up (a reconnect) completes and moves it to the newest."""
+    events = stored(11, 35, CURSOR + 10, 3)
+    relay = CappedRelay(events)
+    relay.answer = False
+    rig = Rig(relay, [{"kinds": [11]}])
+
+    await rig.catch_up()
+    await rig.delivery.settled()
+    live = sign_event(PERSON, "live", kind=11, created_at=events[-1].created_at + 5)
+    await rig.delivery.intake(live, URL, "live")
+    await rig.delivery.settled()
+    held = rig.cursor()
+    relay.answer = True
+    rig.tasks.clear()
+    await rig.catch_up()
+    await rig.delivery.stop()
+
+    assert held == CURSOR
+    assert sorted(set(rig.handed)) == sorted(e.id for e in [*events, live])
+    assert rig.cursor() == live.created_at
