@@ -323,8 +323,10 @@ class RelayConnection:
                 if page.done is None or not page.done.done() or page.done.result() != "eose":
                     self.log.info("catch_up_cut_short", subscription=sub_id, pages=pages, events=taken)
                     return  # a drop, a timeout or CLOSED
+                if self.subscriptions.get(sub_id) is None:
+                    return  # closed while the page came
                 fresh = [event for event in page.events if event.id not in previous]
-                if not fresh or self.subscriptions.get(sub_id) is None:
+                if not fresh:
                     break
                 for event in fresh:
                     if event.id not in self.sink.seen:  # the first answer's, taken in already: not again
