@@ -118,6 +118,17 @@ class _CatchUp:
 
 
 @dataclass
+class _Paged:
+    """A catch-up's paging: its number (its fetch ids are told apart by it), the connection it started on,
+    and the pages asked and events handed over so far."""
+
+    number: int
+    generation: int
+    pages: int = 0
+    taken: int = 0
+
+
+@dataclass
 class _Fetch:
     """A one-off REQ in progress: what came so far, and its end (EOSE or CLOSED)."""
 
@@ -303,49 +314,57 @@ class RelayConnection:
             self.subscriptions.release(sub_id, self.url)
 
     async def _page_back(self, sub_id: str, catch_up: _CatchUp, number: int) -> None:
-        """Ask each filter of a catch-up for its stored events a page at a time, newest first (``until`` =
-        the oldest second of the page before), until a page brings none the one before did not; hand them
-        over as the live subscription's. Once every filter is done and every event was handed over for good,
-        the cursor moves; a catch-up cut short (no EOSE, a reconnect meanwhile, the subscription closed, the
-        page limit, events left or waiting for a retry) leaves it held."""
-        generation, pages, taken = self.connects, 0, 0
+        """Page each filter of a catch-up (:meth:`_page_filter`). Once every filter is done and every event
+        was handed over for good, the cursor moves; a catch-up cut short (no EOSE, a reconnect meanwhile, the
+        subscription closed, the page limit, events left or waiting for a retry) leaves it held."""
+        paged = _Paged(number, self.connects)
         done = True
         for flt in catch_up.filters:
-            until: int | None = None
-            previous: set[str] = set()
-            for _ in range(CATCH_UP_PAGES):
-                if self.connects != generation or self.subscriptions.get(sub_id) is None:
-                    return  # the reconnect's own catch-up asks again; a closed subscription wants nothing
-                pages += 1
-                asked = {**flt, "until": until} if until is not None else flt
-                fetch_id = f"fetch-catch-up-{number}-{pages}"
-                page = await self._fetch(fetch_id, [asked], self.settings.fetch_timeout)
-                if page.done is None or not page.done.done() or page.done.result() != "eose":
-                    self.log.info("catch_up_cut_short", subscription=sub_id, pages=pages, events=taken)
-                    return  # a drop, a timeout or CLOSED
-                if self.subscriptions.get(sub_id) is None:
-                    return  # closed while the page came
-                fresh = [event for event in page.events if event.id not in previous]
-                if not fresh:
-                    break
-                for event in fresh:
-                    if event.id not in self.sink.seen:  # the first answer's, taken in already: not again
-                        self.events_received += 1
-                        taken += 1
-                        await self.sink.intake(event, self.url, sub_id)
-                previous = {event.id for event in page.events}
-                oldest = min(event.created_at for event in page.events)
-                if until is not None and oldest >= until:  # a page all dated one second: until cannot go past
-                    self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(page.events))
-                    break
-                until = oldest
-            else:
-                done = False  # the page limit: a relay that does not keep to since
-        settled = await self.sink.settled()
-        if done and settled:
+            filter_done = await self._page_filter(sub_id, flt, paged)
+            if filter_done is None:  # its cursor stays held: the next catch-up asks again
+                pages, taken = paged.pages, paged.taken
+                self.log.info("catch_up_cut_short", subscription=sub_id, pages=pages, events=taken)
+                return
+            done = done and filter_done
+        complete = await self.sink.settled() and done
+        if complete:
             self.subscriptions.release(sub_id, self.url)
-        complete = done and settled
+        pages, taken = paged.pages, paged.taken
         self.log.info("catch_up_paged", subscription=sub_id, pages=pages, events=taken, complete=complete)
+
+    async def _page_filter(self, sub_id: str, flt: Filter, paged: _Paged) -> bool | None:
+        """Ask one filter for its stored events a page at a time, newest first (``until`` = the oldest second
+        of the page before), until a page brings none the one before did not; hand over those not taken in
+        yet as the live subscription's. True: done; False: the page limit (a relay that does not keep to
+        ``since``); None: cut short (no EOSE, a reconnect meanwhile, the subscription closed)."""
+        until: int | None = None
+        previous: set[str] = set()
+        for _ in range(CATCH_UP_PAGES):
+            if self.connects != paged.generation or self.subscriptions.get(sub_id) is None:
+                return None  # the reconnect's own catch-up asks again; a closed subscription wants nothing
+            paged.pages += 1
+            asked = {**flt, "until": until} if until is not None else flt
+            fetch_id = f"fetch-catch-up-{paged.number}-{paged.pages}"
+            page = await self._fetch(fetch_id, [asked], self.settings.fetch_timeout)
+            if page.done is None or not page.done.done() or page.done.result() != "eose":
+                return None  # a drop, a timeout or CLOSED
+            if self.subscriptions.get(sub_id) is None:
+                return None  # closed while the page came
+            fresh = [event for event in page.events if event.id not in previous]
+            if not fresh:
+                return True
+            for event in fresh:
+                if event.id not in self.sink.seen:  # the first answer's, taken in already: not again
+                    self.events_received += 1
+                    paged.taken += 1
+                    await self.sink.intake(event, self.url, sub_id)
+            previous = {event.id for event in page.events}
+            oldest = min(event.created_at for event in page.events)
+            if until is not None and oldest >= until:  # a page all dated one second: until cannot go past
+                self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(page.events))
+                return True
+            until = oldest
+        return False
 
     # -- reading ---------------------------------------------------------------------------
 
