@@ -39,9 +39,26 @@ async def running(tmp_path: Path) -> AsyncIterator[tuple[DaemonProcess, int]]:
     first.env["TENEX_DAEMON__STATUS_INTERVAL_S"] = STATUS_INTERVAL_S
     try:
         await first.start(within=60)
+        await status_settled(home.path / "run" / "status.json")
         yield first, port
     finally:
         await first.stop()
+
+
+async def status_settled(path: Path, quiet_s: float = 1.0, within: float = 20.0) -> None:
+    """Wait until the status file has not changed for ``quiet_s``: a daemon that reports running writes it
+    once or twice more as it finishes starting (its relay connected, its first status round), then not for
+    ``STATUS_INTERVAL_S``."""
+    deadline = asyncio.get_running_loop().time() + within
+    last, since = await asyncio.to_thread(path.read_bytes), asyncio.get_running_loop().time()
+    while asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+        now, current = asyncio.get_running_loop().time(), await asyncio.to_thread(path.read_bytes)
+        if current != last:
+            last, since = current, now
+        elif now - since >= quiet_s:
+            return
+    raise TimeoutError(f"{path} kept changing for {within} s")
 
 
 def snapshot(home: Path) -> dict[str, bytes | bool]:
