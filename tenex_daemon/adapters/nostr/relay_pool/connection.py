@@ -109,12 +109,12 @@ counts as cut short."""
 
 @dataclass
 class _CatchUp:
-    """A live subscription asked of a relay from its cursor: the stored events it sent before EOSE are
-    counted; when there were any, each filter is then asked again a page at a time (``until``), since a
-    relay sends a capped number per REQ, newest first."""
+    """A live subscription asked of a relay from its cursor: when the relay sent any stored event before
+    EOSE, each filter is then asked again a page at a time (``until``), since a relay sends a capped number
+    per REQ, newest first."""
 
     filters: list[Filter]
-    received: int = 0
+    got_events: bool = False
 
 
 @dataclass
@@ -296,10 +296,10 @@ class RelayConnection:
         await self.send(encode_req(sub.sub_id, filters))
 
     def _caught(self, sub_id: str) -> None:
-        """Count a stored event of a catch-up under way."""
+        """Note a stored event of a catch-up under way."""
         catch_up = self.catching_up.get(sub_id)
         if catch_up is not None:
-            catch_up.received += 1
+            catch_up.got_events = True
 
     def _end_of_stored(self, sub_id: str) -> None:
         """EOSE of a live subscription: a catch-up that got events pages through each filter; one that got
@@ -307,7 +307,7 @@ class RelayConnection:
         catch_up = self.catching_up.pop(sub_id, None)
         if catch_up is None:
             return
-        if catch_up.received:
+        if catch_up.got_events:
             self.catch_ups += 1
             self.spawn(self._page_back(sub_id, catch_up, self.catch_ups), f"catch-up {self.url}")
         else:

@@ -32,7 +32,7 @@ class Subscriptions:
         """``since_window``: seconds subtracted from a cursor when (re)subscribing."""
         self._since_window = since_window
         self._subs: dict[str, Subscription] = {}
-        self.closed: set[str] = set()
+        self._closed: set[str] = set()
         """Ids of subscriptions closed by this pool (the daemon's few, named by it: not a growing set)."""
         self._cursors: dict[tuple[str, str], int] = {}
         self._dirty: set[tuple[str, str]] = set()
@@ -63,12 +63,12 @@ class Subscriptions:
     def remove(self, sub_id: str) -> bool:
         """Drop a subscription; return whether it was live. Its id is remembered as closed: a relay's events
         for it sent before it read the CLOSE are expected, not refused (:meth:`was_closed`)."""
-        self.closed.add(sub_id)
+        self._closed.add(sub_id)
         return self._subs.pop(sub_id, None) is not None
 
     def was_closed(self, sub_id: str) -> bool:
         """Whether this id was a live subscription of this pool, closed since (by the pool itself)."""
-        return sub_id in self.closed and sub_id not in self._subs
+        return sub_id in self._closed and sub_id not in self._subs
 
     def filters_for(self, sub: Subscription, url: str) -> list[Filter]:
         """Return the filters with ``since`` moved up to this relay's cursor minus the window."""
