@@ -1,6 +1,7 @@
 """Commits: every durable write of the store goes through :class:`Committer`.
 
-``always``: each call's ops are written and fsynced on a worker thread (``direct.py``).
+``always``: each call's ops are written and fsynced on a worker thread (``direct.py``); calls that
+write one file take turns in call order (two replacements of a file at once would share its temp file).
 ``batch``: ops join a queue; everything queued while the previous group was being committed
 (plus up to ``batch_delay`` seconds) is committed as one group through the journal
 (``group_commit.py``), on one thread: groups are durable in call order. While the store
@@ -67,6 +68,8 @@ class Committer:
         self._held: dict[Path, bytes | None] = {}
         """The journal's held small values; kept after the journal is gone while the store closes
         (a final checkpoint that failed or was skipped leaves them newer than their files)."""
+        self._last_writer: dict[Path, asyncio.Task[None]] = {}
+        """``always``: the newest call writing each file; the next call writing it waits for it."""
 
     def reset(self) -> None:
         """Get ready for commits (the store is opening)."""
@@ -77,6 +80,7 @@ class Committer:
         self._delayed = None
         self._queue = []  # calls of a loop that closed before they were answered: nobody awaits them
         self._held = {}
+        self._last_writer = {}
 
     def held_value(self, path: Path) -> bytes | NotHeld | None:
         """A small value's newest content while its file is older (None: erased), else ``NOT_HELD``."""
@@ -110,7 +114,7 @@ class Committer:
             await _on_commit_thread(functools.partial(apply_ops, ops))
             direct = True
         else:
-            await asyncio.to_thread(apply_ops, ops)
+            await self._in_turn(ops)
             direct = True
         if direct:  # these files are newer than any value the journal held for them
             for op in ops:
@@ -119,6 +123,26 @@ class Committer:
         for op in ops:
             if op.error is not None:
                 raise op.error
+
+    async def _in_turn(self, ops: list[Op]) -> None:
+        """``always``: write ``ops`` on a worker thread once every earlier call writing one of their files
+        is done. A cancelled caller stops waiting, not the writing (its thread cannot be stopped), and
+        the next writer of those files still waits for it."""
+        paths = {op.path for op in ops}
+        earlier = {self._last_writer[path] for path in paths if path in self._last_writer}
+        writer = asyncio.get_running_loop().create_task(_write_after(earlier, ops))
+        for path in paths:
+            self._last_writer[path] = writer
+
+        def done(task: asyncio.Task[None]) -> None:
+            for path in paths:
+                if self._last_writer.get(path) is task:
+                    del self._last_writer[path]
+            if not task.cancelled():
+                task.exception()  # retrieved: a cancelled caller's failure is not logged as unretrieved
+
+        writer.add_done_callback(done)
+        await asyncio.shield(writer)
 
     async def checkpoint(self) -> None:
         """``batch``: checkpoint the journal now (the files written are fsynced and the journal file
@@ -230,6 +254,12 @@ class Committer:
 
     def _settled_turn_over(self) -> None:
         self._just_settled = False
+
+
+async def _write_after(earlier: set[asyncio.Task[None]], ops: list[Op]) -> None:
+    if earlier:
+        await asyncio.wait(earlier)
+    await asyncio.to_thread(apply_ops, ops)
 
 
 def _checkpoint_logged(journal: Journal) -> None:
