@@ -6,6 +6,8 @@ next catch-up to ask again from there."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -28,20 +30,30 @@ class CappedRelay:
     """Stored events, answered as a relay that sends the newest ``CAP`` matching a filter (kinds, since,
     until); ``answer`` False makes every page end without EOSE (a timeout)."""
 
-    def __init__(self, events: list[NostrEvent]) -> None:
+    def __init__(self, events: list[NostrEvent], refused: list[tuple[str, int]] = ()) -> None:  # type: ignore[assignment]
         self.events = events
+        self.refused = list(refused)
+        """(id, created_at) of stored events the connection refuses (they match every filter)."""
         self.answer = True
         self.pages = 0
 
     async def fetch(self, fetch_id: str, filters: list[Filter], wait_s: float) -> _Fetch:
-        """One page: the newest CAP events matching the (one) filter."""
+        """One page: the newest CAP events matching the (one) filter, refused ones among them."""
         (flt,) = filters
         self.pages += 1
-        matching = [
-            e for e in self.events
-            if e.kind in flt["kinds"] and flt.get("since", 0) <= e.created_at <= flt.get("until", 10**10)
+
+        def within(created_at: int) -> bool:
+            return bool(flt.get("since", 0) <= created_at <= flt.get("until", 10**10))
+
+        matching: list[tuple[int, str, NostrEvent | None]] = [
+            (e.created_at, e.id, e) for e in self.events if e.kind in flt["kinds"] and within(e.created_at)
         ]
-        page = _Fetch(events=sorted(matching, key=lambda e: -e.created_at)[:CAP])
+        matching += [(created_at, event_id, None) for event_id, created_at in self.refused if within(created_at)]
+        newest = sorted(matching, key=lambda item: -item[0])[:CAP]
+        page = _Fetch(
+            events=[event for _, _, event in newest if event is not None],
+            refused=[(event_id, created_at) for created_at, event_id, event in newest if event is None],
+        )
         page.done = asyncio.get_running_loop().create_future()
         if self.answer:
             page.done.set_result("eose")
@@ -87,6 +99,8 @@ class Rig:
         for event in first.events:
             self.connection._caught("live")
             await self.delivery.intake(event, URL, "live")
+        for event_id, created_at in first.refused:
+            self.connection._note_refused("live", event_id, created_at)
         self.connection._end_of_stored("live")
         await asyncio.gather(*self.tasks)
 
@@ -151,3 +165,45 @@ async def test_a_page_without_eose_leaves_the_cursor_held_until_a_later_catch_up
     assert held == CURSOR
     assert sorted(set(rig.handed)) == sorted(e.id for e in [*events, live])
     assert rig.cursor() == live.created_at
+
+
+async def test_a_page_of_nothing_but_refused_events_does_not_end_the_catch_up() -> None:
+    """Fifteen events dated two days ahead (the connection refuses them) stand newest on the relay: the
+    catch-up pages past them by their dates, and the 25 events missed behind them are handed over."""
+    missed = stored(11, 25, CURSOR + 10, 2)
+    ahead = [(f"{n:064x}", CURSOR + 200_000 + n) for n in range(15)]
+    rig = Rig(CappedRelay(missed, refused=ahead), [{"kinds": [11]}])
+
+    await rig.catch_up()
+    await rig.delivery.stop()
+
+    assert sorted(rig.handed) == sorted(e.id for e in missed)
+    assert not rig.subscriptions.is_held("live", URL)
+
+
+async def test_refused_frames_of_the_first_answer_and_of_pages_take_the_catch_up_past_them() -> None:
+    """The relay's first answer is nothing but events dated two days ahead, which the codec refuses (each
+    counted as refused): their frames still start the paging and date its pages, and the 25 events missed
+    behind them are handed over."""
+    missed = stored(11, 25, CURSOR + 10, 2)
+    now = int(time.time())
+    ahead = [sign_event(PERSON, f"ahead {n}", kind=11, created_at=now + 2 * 86_400 + n) for n in range(15)]
+    relay = CappedRelay(missed, refused=[(e.id, e.created_at) for e in ahead])
+    rig = Rig(relay, [{"kinds": [11]}])
+    by_id = {e.id: e for e in missed + ahead}
+    await rig.subscriptions.add(rig.sub, [URL], None)
+    await rig.connection.send_req(rig.sub)
+
+    first = await relay.fetch("first", [rig.subscriptions.filters_for(rig.sub, URL)[0]], 1.0)
+    shown = [e.id for e in first.events] + [event_id for event_id, _ in first.refused]
+    for event_id in shown:
+        await rig.connection._on_frame(json.dumps(["EVENT", "live", by_id[event_id].model_dump()]))
+    await rig.connection._on_frame('["EOSE","live"]')
+    await asyncio.gather(*rig.tasks)
+    await rig.delivery.stop()
+
+    assert first.events == []
+    assert len(first.refused) == CAP
+    assert rig.connection.rejects["bad_created_at"] == CAP
+    assert sorted(rig.handed) == sorted(e.id for e in missed)
+    assert not rig.subscriptions.is_held("live", URL)

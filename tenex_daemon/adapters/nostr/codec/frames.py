@@ -151,14 +151,16 @@ class AuthMessage:
 class Rejection:
     """A frame that was refused, with its reason.
 
-    ``subscription_id`` and ``event_id`` are filled when the frame got far enough to
-    name them (an ``EVENT`` whose event failed validation).
+    ``subscription_id``, ``event_id`` and ``created_at`` are filled when the frame got far enough to
+    name them (an ``EVENT`` whose event failed validation): a catch-up pages past refused events by
+    their dates as by any other.
     """
 
     reason: RejectReason
     detail: str
     subscription_id: str | None = None
     event_id: str | None = None
+    created_at: int | None = None
 
 
 RelayMessage: TypeAlias = (
@@ -310,7 +312,7 @@ def _fast_event_frame(
         try:
             _check_sizes(content, tags, limits)
         except EventRejectedError as exc:
-            return Rejection(exc.reason, exc.detail, sub_id, event.id)
+            return Rejection(exc.reason, exc.detail, sub_id, event.id, event.created_at)
     pubkey = event.pubkey
     try:
         serialized = orjson.dumps([0, pubkey, event.created_at, event.kind, tags, content])
@@ -319,24 +321,25 @@ def _fast_event_frame(
     digest = hashlib.sha256(serialized).digest()
     if digest.hex() != event.id:
         detail = f"id {event.id} does not match the event's hash"
-        return Rejection(RejectReason.BAD_ID, detail, sub_id, event.id)
+        return Rejection(RejectReason.BAD_ID, detail, sub_id, event.id, event.created_at)
     if known is not None and event.id in known:
         return KnownEventMessage(sub_id, event)
     cache = _DEFAULT_KEY_CACHE if key_cache is None else key_cache
     try:
         key = cache.get(pubkey)
     except ValueError:
-        return Rejection(RejectReason.BAD_PUBKEY, f"pubkey {pubkey} is not on the curve", sub_id, event.id)
+        detail = f"pubkey {pubkey} is not on the curve"
+        return Rejection(RejectReason.BAD_PUBKEY, detail, sub_id, event.id, event.created_at)
     try:
         valid = key.verify(bytes.fromhex(event.sig), digest)
     except ValueError:
         valid = False
     if not valid:
         detail = f"signature of {event.id} does not verify"
-        return Rejection(RejectReason.BAD_SIGNATURE, detail, sub_id, event.id)
+        return Rejection(RejectReason.BAD_SIGNATURE, detail, sub_id, event.id, event.created_at)
     problem = _created_at_problem(event.created_at)
     if problem is not None:
-        return Rejection(RejectReason.BAD_CREATED_AT, problem, sub_id, event.id)
+        return Rejection(RejectReason.BAD_CREATED_AT, problem, sub_id, event.id, event.created_at)
     return EventMessage(sub_id, event)
 
 
@@ -412,7 +415,9 @@ def _parse_event(
         event = validate_event_dict(raw, limits=limits, key_cache=key_cache)
     except EventRejectedError as exc:
         raw_id = raw.get("id") if isinstance(raw, dict) else None
-        return Rejection(exc.reason, exc.detail, sub_id, raw_id if is_hex(raw_id, 64) else None)
+        raw_at = raw.get("created_at") if isinstance(raw, dict) else None
+        created_at = raw_at if type(raw_at) is int else None
+        return Rejection(exc.reason, exc.detail, sub_id, raw_id if is_hex(raw_id, 64) else None, created_at)
     return EventMessage(sub_id, event)
 
 

@@ -133,6 +133,8 @@ class _Fetch:
     """A one-off REQ in progress: what came so far, and its end (EOSE or CLOSED)."""
 
     events: list[NostrEvent] = field(default_factory=list)
+    refused: list[tuple[str, int]] = field(default_factory=list)
+    """(id, created_at) of each event that came but was refused: a catch-up pages past them too."""
     done: asyncio.Future[str] | None = None
     filters: list[Filter] = field(default_factory=list)
     auth_retried: bool = False
@@ -350,18 +352,20 @@ class RelayConnection:
                 return None  # a drop, a timeout or CLOSED
             if self.subscriptions.get(sub_id) is None:
                 return None  # closed while the page came
-            fresh = [event for event in page.events if event.id not in previous]
-            if not fresh:
+            # refused events count as the page's too: a page of nothing but them (a flood of events
+            # dated far ahead, say) must not end the paging before the events behind it
+            dated = [(event.id, event.created_at) for event in page.events] + page.refused
+            if all(event_id in previous for event_id, _ in dated):
                 return True
-            for event in fresh:
-                if event.id not in self.sink.seen:  # the first answer's, taken in already: not again
+            for event in page.events:
+                if event.id not in previous and event.id not in self.sink.seen:  # seen: taken in already
                     self.events_received += 1
                     paged.taken += 1
                     await self.sink.intake(event, self.url, sub_id)
-            previous = {event.id for event in page.events}
-            oldest = min(event.created_at for event in page.events)
+            previous = {event_id for event_id, _ in dated}
+            oldest = min(created_at for _, created_at in dated)
             if until is not None and oldest >= until:  # a page all dated one second: until cannot go past
-                self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(page.events))
+                self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(dated))
                 return True
             until = oldest
         return False
@@ -404,6 +408,18 @@ class RelayConnection:
             self.log.info("relay notice", message=message.message[:300])
         elif isinstance(message, Rejection):
             self.reject(message.reason, message.detail, message.event_id)
+            self._note_refused(message.subscription_id, message.event_id, message.created_at)
+
+    def _note_refused(self, sub_id: str | None, event_id: str | None, created_at: int | None) -> None:
+        """A refused event (already counted and logged) counts for a catch-up as any stored event does: a
+        fetch notes it with its date, for the paging to go past it; a catch-up's first answer pages on."""
+        if sub_id is None or event_id is None or created_at is None:
+            return
+        fetch = self.fetches.get(sub_id)
+        if fetch is not None:
+            fetch.refused.append((event_id, created_at))
+        else:
+            self._caught(sub_id)
 
     async def _on_event(self, message: EventMessage) -> None:
         fetch = self.fetches.get(message.subscription_id)
@@ -433,6 +449,7 @@ class RelayConnection:
                 await self._on_event(EventMessage(message.subscription_id, message.event))
             else:
                 self.reject(RejectReason.BAD_SIGNATURE, "copy of a known event", message.event.id)
+                self._note_refused(message.subscription_id, message.event.id, message.event.created_at)
             return
         sub = self._live_subscription(message.subscription_id, message.event.id)
         if sub is not None:
