@@ -81,3 +81,28 @@ async def test_events_on_their_way_when_the_daemon_stops_are_left_to_the_relays(
     assert cursors == [events[0].created_at]
     assert (delivery.left, delivery.consumer_errors, delivery.retrying) == (4, 0, 0)
     assert [(line["event"], line.get("count")) for line in logs] == [("events_left_to_relays", 4)]
+
+
+async def test_events_still_on_their_way_when_delivery_stops_are_counted_as_left() -> None:
+    """The daemon stops while the consumer still holds one event and two more wait behind it (its drain
+    ran out of time): the line at stop counts all three as left to the relays, and none is marked."""
+    factory, person = EventFactory(), KeyPair.from_seed(8)
+    events = [factory.event(person, f"message {n}", kind=11) for n in range(3)]
+    inside = asyncio.Event()
+
+    async def consumer(received: ReceivedEvent) -> None:
+        inside.set()
+        await asyncio.Event().wait()  # never done: cancelled by the stop
+
+    store = MemoryStore()
+    delivery = Delivery(PoolSettings(), lambda sub, url, at: None, on_event=consumer, store=store, lane_key=None)
+    delivery.start()
+    with capture_logs() as logs:
+        for event in events:
+            await delivery.intake(event, URL, "live")
+        await inside.wait()
+        delivery.leave_to_relays()
+        await delivery.stop()
+
+    assert [await store.is_processed(event.id) for event in events] == [False, False, False]
+    assert [(line["event"], line.get("count")) for line in logs] == [("events_left_to_relays", 3)]
