@@ -40,13 +40,14 @@ class ConversationStore(Protocol):
 
     async def append_event(
         self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
+    ) -> bool:
         """Append one event to a stored conversation's history; O(size of the event).
 
-        The event is accepted (and counted as processed) once this returns. With ``state`` (the
+        The event is accepted (and counted as processed) once this returns True. With ``state`` (the
         conversation, its history not yet holding ``event``), everything but history is replaced
         in the same durable write, as :meth:`save_state` would (an agent's reply and what its run
-        changed: one commit).
+        changed: one commit). An id already processed (here, or by another daemon sharing the
+        store since the caller looked) changes nothing, ``state`` included: False.
         """
 
     async def save_state(self, conversation: Conversation) -> None:

@@ -236,20 +236,19 @@ class ConversationManager:
             agent = self.agents.by_pubkey(event.pubkey)
             turn = conversation.open_turn()
             kept_turn = None if turn is None else turn.model_copy(deep=True)
-            if (
-                agent is not None
-                and turn is not None
-                and event.has_tag(TAG_TOOL, TOOL_COMPLETE)
-                and turn.answered_by(event)
-            ):
+            done = event.has_tag(TAG_TOOL, TOOL_COMPLETE) and turn is not None and turn.answered_by(event)
+            if agent is not None and turn is not None and done:
                 turn.add_completion(agent.slug, event.content, now)
+            appended = False
             try:
-                await self._store.append_event(conversation_id, event, state=conversation)
-            except BaseException:
-                before.restore(conversation)
-                if kept_turn is not None:
-                    conversation.orchestrator_turns[-1] = kept_turn
-                raise
+                appended = await self._store.append_event(conversation_id, event, state=conversation)
+            finally:
+                if not appended:  # failed, or another daemon sharing the store took the id in meanwhile
+                    before.restore(conversation)
+                    if kept_turn is not None:
+                        conversation.orchestrator_turns[-1] = kept_turn
+            if not appended:
+                return False
             conversation.append(event)
         if reopened:
             log.info("conversation_reopened", conversation_id=conversation_id, event_id=event.id)

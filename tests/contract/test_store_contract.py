@@ -113,6 +113,30 @@ async def test_append_same_event_twice_stores_it_once(store: Store, cast: Cast) 
     assert ids(await store.load(conversation.id)).count(event.id) == 1
 
 
+async def test_an_id_taken_in_elsewhere_meanwhile_changes_nothing_state_included(
+    harness: StoreHarness, cast: Cast
+) -> None:
+    """An event another conversation took in after the caller looked (another daemon sharing the store):
+    append_event returns False and stores neither the event nor the state it carried; the first append
+    returned True."""
+    store = await harness.open()
+    there, here = await stored(store, cast, "there"), await stored(store, cast, "here")
+    event = cast.user_says("a reply both daemons took")
+    assert await store.append_event(there.id, event) is True
+    loaded = await store.load(here.id)
+    assert loaded is not None
+    live = loaded.model_copy(deep=True)
+    before = live.state_dict()
+    live.metadata.last_user_message = event.content
+    live.activity_at = T0 + 50
+    assert await store.append_event(here.id, event, state=live) is False
+    reopened = await harness.reopen(store)
+    kept = await reopened.load(here.id)
+    assert kept is not None
+    assert ids(kept) == [here.id]
+    assert kept.state_dict() == before
+
+
 async def test_append_to_unknown_conversation_raises(store: Store, cast: Cast) -> None:
     """Appending to a conversation that is not stored raises ConversationNotFoundError."""
     with pytest.raises(ConversationNotFoundError):

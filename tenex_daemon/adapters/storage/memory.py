@@ -52,19 +52,23 @@ class MemoryStore:
 
     async def append_event(
         self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
-        """Append an event to history (and adopt ``state``); an archived conversation is read-only."""
+    ) -> bool:
+        """Append an event to history (and adopt ``state``); an archived conversation is read-only; a
+        processed id changes nothing (False)."""
         conversation = self._conversations.get(conversation_id)
         if conversation is None:
             raise ConversationNotFoundError(conversation_id)
         if conversation.archived:
             raise ConversationArchivedError(conversation_id)
+        if event.id in self._processed:
+            return False
         conversation.append(event)
         self._event_index[event.id] = conversation_id
         self._processed.add(event.id)
         if state is not None:
             state.append(event)
             self._conversations[conversation_id] = state  # adopted, as save_state does
+        return True
 
     async def save_state(self, conversation: Conversation) -> None:
         """Adopt ``conversation`` as the stored object (it usually already is)."""

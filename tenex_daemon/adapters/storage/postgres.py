@@ -313,35 +313,43 @@ class PostgresStore:
 
     async def append_event(
         self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
-        """Insert the event (committed, so durable, when this returns); a known id changes nothing.
-        With ``state``, the conversation's state is replaced in the same transaction."""
+    ) -> bool:
+        """Insert the event (committed, so durable, when this returns True). A known id changes nothing,
+        ``state`` included (False): another daemon may have taken it in since the caller looked. With
+        ``state``, the conversation's state is replaced in the same transaction."""
         async with self._connection() as conn, conn.transaction():
-            if state is not None:
-                await _save_state_on(conn, state)
             fresh = await conn.fetchval(
                 "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING true",
                 event.id,
             )
+            if not fresh:
+                query = "SELECT archived FROM conversations WHERE id = $1"
+                archived = await conn.fetchval(query, conversation_id)
+                if archived is None:
+                    raise ConversationNotFoundError(conversation_id)
+                if archived:
+                    raise ConversationArchivedError(conversation_id)
+                return False
+            if state is not None:
+                await _save_state_on(conn, state)
             row = await conn.fetchrow(
                 """UPDATE conversations
-                      SET event_count = event_count + CASE WHEN $2 THEN 1 ELSE 0 END,
-                          participants = CASE WHEN $2 AND NOT ($3 = ANY(participants))
-                                              THEN participants || $3 ELSE participants END
+                      SET event_count = event_count + 1,
+                          participants = CASE WHEN NOT ($2 = ANY(participants))
+                                              THEN participants || $2 ELSE participants END
                     WHERE id = $1
                 RETURNING event_count, archived""",
-                conversation_id, bool(fresh), event.pubkey,
+                conversation_id, event.pubkey,
             )
             if row is None:
                 raise ConversationNotFoundError(conversation_id)
             if row["archived"]:
                 raise ConversationArchivedError(conversation_id)
-            if not fresh:
-                return
             await conn.execute(
                 "INSERT INTO events (event_id, conversation_id, seq, body) VALUES ($1, $2, $3, $4)",
                 event.id, conversation_id, row["event_count"] - 1, _event_json(event),
             )
+        return True
 
     async def save_state(self, conversation: Conversation) -> None:
         """Replace the state JSON and the index columns derived from it."""

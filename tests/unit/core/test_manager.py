@@ -215,10 +215,10 @@ async def test_a_message_whose_write_fails_leaves_the_latest_message_as_it_was(c
 
         async def append_event(
             self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-        ) -> None:
+        ) -> bool:
             if self.refuse:
                 raise OSError("disk full")
-            await super().append_event(conversation_id, event, state=state)
+            return await super().append_event(conversation_id, event, state=state)
 
     store = RefusingStore()
     manager = ConversationManager(store, cast.agents, cast.project.pubkey, owner_pubkey=cast.user.pubkey)
@@ -232,6 +232,33 @@ async def test_a_message_whose_write_fails_leaves_the_latest_message_as_it_was(c
     assert conversation is not None
     assert conversation.metadata.last_user_message == "first"
     assert len(conversation.history) == 1
+
+
+async def test_a_message_another_daemon_took_in_meanwhile_is_a_duplicate_and_changes_nothing(cast: Cast) -> None:
+    """The person's message looked new, but another daemon sharing the store took it into another
+    conversation before the write: add_event returns False (not dispatched) and the conversation keeps
+    its latest message and activity, in memory too."""
+
+    class SharedStore(MemoryStore):
+        """Answers ``is_processed`` as it was when this daemon looked, before the other daemon's write."""
+
+        async def is_processed(self, event_id: str) -> bool:
+            return False
+
+    store = SharedStore()
+    manager = ConversationManager(store, cast.agents, cast.project.pubkey, owner_pubkey=cast.user.pubkey)
+    here = await manager.create_conversation(cast.user_says("first", kind=11))
+    there = await manager.create_conversation(cast.user_says("elsewhere", kind=11))
+    before = here.state_dict()
+    taken = cast.user_says("second")
+    assert await store.append_event(there.id, taken)  # the other daemon's write
+
+    assert await manager.add_event(here.id, taken) is False
+
+    conversation = await manager.get_conversation(here.id)
+    assert conversation is not None
+    assert [event.id for event in conversation.history] == [here.id]
+    assert conversation.state_dict() == before
 
 
 async def test_concurrent_adds_keep_every_event(manager: ConversationManager, cast: Cast) -> None:

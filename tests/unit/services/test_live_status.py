@@ -186,12 +186,12 @@ class SlowSaveStore(MemoryStore):
 
     async def append_event(
         self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
+    ) -> bool:
         """Hold the agent's reply until released."""
         if event.pubkey == self.agent_pubkey:
             self.saving.set()
             await self.release.wait()
-        await super().append_event(conversation_id, event, state=state)
+        return await super().append_event(conversation_id, event, state=state)
 
 
 async def test_the_working_status_does_not_wait_for_the_reply_to_be_saved(cast: Cast) -> None:

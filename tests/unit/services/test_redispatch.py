@@ -413,10 +413,11 @@ class LostCommitStore(MemoryStore):
 
     async def append_event(
         self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
+    ) -> bool:
         """Append, then maybe lose the answer."""
-        await super().append_event(conversation_id, event, state=state)
+        appended = await super().append_event(conversation_id, event, state=state)
         self._lost()
+        return appended
 
 
 @pytest.mark.parametrize("first", ["root", "reply"])

@@ -344,10 +344,10 @@ class CountingStore(MemoryStore):
 
     async def append_event(
         self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
+    ) -> bool:
         """Record the append (and whether it carried a state)."""
         self.writes.append("append+state" if state is not None else "append")
-        await super().append_event(conversation_id, event, state=state)
+        return await super().append_event(conversation_id, event, state=state)
 
     async def save_state(self, conversation: Conversation) -> None:
         """Record the save."""
@@ -402,12 +402,12 @@ class FailingAppendStore(CountingStore):
 
     async def append_event(
         self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
+    ) -> bool:
         """Fail once, then append."""
         if self.fail_next:
             self.fail_next = False
             raise OSError(28, "No space left on device")
-        await super().append_event(conversation_id, event, state=state)
+        return await super().append_event(conversation_id, event, state=state)
 
 
 async def test_a_reply_that_cannot_be_saved_changes_nothing_and_its_time_counts_once(cast: Cast) -> None:

@@ -307,16 +307,16 @@ class FileSystemStore:
 
     async def append_event(
         self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
-    ) -> None:
-        """Append one event line to the conversation's log; durable when this returns.
+    ) -> bool:
+        """Append one event line to the conversation's log; durable when this returns True.
 
         With ``state``, the conversation's snapshot is replaced in the same commit (one group
         commit with ``batch``; with ``always`` the log line is made durable first, then the
-        snapshot). A duplicate event id changes nothing. An archived conversation is read-only.
+        snapshot). A duplicate event id changes nothing (False). An archived conversation is read-only.
         """
         entry = self._writable_entry(conversation_id)
         if await self._processed.contains(event.id):
-            return
+            return False
         line = encode_event(event)
         if self._index.entries.get(conversation_id) is not entry:  # deleted while the bucket was read
             raise ConversationNotFoundError(conversation_id)
@@ -344,6 +344,7 @@ class FileSystemStore:
         cached = self._cache.get(conversation_id)
         if cached is not None:
             cached.append(event)
+        return True
 
     async def append_events(self, conversation_id: str, events: Iterable[NostrEvent]) -> None:
         """Append several events with one durable write (imports, bulk loads)."""
