@@ -465,6 +465,7 @@ class Daemon:
         self.sweeper = Sweeper(
             pipeline.manager, RetentionPolicy.of(settings.conversations), threads=pipeline.threads,
             on_sweep=self.metrics.retention_swept, undelivered=pipeline.outbox.holds,
+            busy=pipeline.scheduler.has_runs,
         )
         sweep_every_s = settings.conversations.sweep_interval_min * 60
         self._spawn(self.sweeper.run_forever(sweep_every_s), "retention sweeper")

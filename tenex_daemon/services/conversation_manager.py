@@ -660,12 +660,15 @@ class ConversationManager:
             conversation.description_published = True
             await self._store.save_state(conversation)
 
-    async def archive_conversation(self, conversation_id: str, *, ending_by: str | None = None) -> bool:
+    async def archive_conversation(
+        self, conversation_id: str, *, ending_by: str | None = None, ended_before: int | None = None
+    ) -> bool:
         """Archive the conversation: it stays readable and becomes read-only. False: archived already.
         ``ending_by`` (the owner's archive): one still active is ended first, by them, for the reason
-        :data:`ARCHIVED`, so an archived conversation counts as ended, as the retention sweeper's do."""
+        :data:`ARCHIVED`, so an archived conversation counts as ended, as the retention sweeper's do.
+        ``ended_before`` (retention): only one still ended and idle since then (one step) is archived."""
         if ending_by is None:
-            return await self._set_archived(conversation_id, True)
+            return await self._set_archived(conversation_id, True, ended_before=ended_before)
         ended = False
         async with self._locked(conversation_id) as conversation:  # one step: no message comes between
             if conversation.archived:
@@ -684,25 +687,20 @@ class ConversationManager:
         """Restore an archived conversation so it accepts events again. False: it was not archived."""
         return await self._set_archived(conversation_id, False)
 
-    async def _set_archived(self, conversation_id: str, archived: bool) -> bool:
-        async with self._locked(conversation_id) as conversation:
-            if conversation.archived is archived:
+    async def _set_archived(self, cid: str, archived: bool, ended_before: int | None = None) -> bool:
+        async with self._locked(cid) as conversation:
+            active = not conversation.is_ended or conversation.last_activity >= (ended_before or 0)
+            if conversation.archived is archived or (ended_before is not None and active):
                 return False
-            await self._store.set_archived(conversation_id, archived)
+            await self._store.set_archived(cid, archived)
             conversation.archived = archived
-        log.info("conversation_" + ("archived" if archived else "restored"), conversation_id=conversation_id)
+        log.info("conversation_" + ("archived" if archived else "restored"), conversation_id=cid)
         return True
 
     async def search_conversations(
-        self,
-        title: str | None = None,
-        phase: Phase | str | None = None,
-        date_from: datetime | None = None,
-        date_to: datetime | None = None,
-        archived: bool | None = None,
-        participant: str | None = None,
-        limit: int | None = None,
-        id_prefix: str | None = None,
+        self, title: str | None = None, phase: Phase | str | None = None, date_from: datetime | None = None,
+        date_to: datetime | None = None, archived: bool | None = None, participant: str | None = None,
+        limit: int | None = None, id_prefix: str | None = None,
     ) -> list[ConversationSummary]:
         """Return summary rows matching every given filter, newest update first."""
         query = SearchQuery(
@@ -713,17 +711,20 @@ class ConversationManager:
 
     # --- operator actions (control API) ---------------------------------------------------
 
-    async def delete_conversation(self, conversation_id: str, *, only_ended: bool = False) -> bool:
+    async def delete_conversation(
+        self, conversation_id: str, *, only_ended: bool = False, activity: int | None = None
+    ) -> bool:
         """Remove a conversation from the store; return whether it existed (and was deleted).
 
         An operator's explicit request (``DELETE /api/v1/conversations/{id}``), or retention: its event
         ids stay processed, so a relay replaying them never re-creates it or triggers agents.
-        ``only_ended`` (retention): checked under the lock, a conversation reopened meanwhile is kept.
+        ``only_ended`` (retention): checked under the lock, one reopened meanwhile is kept, as is one whose
+        last activity is no longer ``activity`` (retention's: a reply saved since does not reopen it).
         """
         async with self._locks.hold(conversation_id), self._store.lease(conversation_id):
             if only_ended:
                 current = await self._store.load(conversation_id)
-                if current is None or not current.is_ended:
+                if current is None or not current.is_ended or activity not in (None, current.last_activity):
                     return False
             deleted = await self._store.delete(conversation_id)
         for key in [key for key in self._views if key[0] == conversation_id]:

@@ -20,6 +20,12 @@ The daemon runs :meth:`Sweeper.run_forever` (a sweep at start, then every
    the conversation on every store (its events, state, title and summary, index rows, delegation
    threads); its event ids stay processed, so relays cannot bring it back.
 
+A conversation with a run scheduled or under way (``busy``) is left alone by every step: its last
+message may be old (a slow run, a backlog, a run recovered after downtime), and its reply is still to
+come. The archive is checked again in one step under the conversation's lock (still ended, no activity
+since), and a deletion likewise (still ended, its last activity the one the sweep chose it by: a reply
+saved since does not reopen a conversation, but keeps it).
+
 An error on one conversation is logged and counted and the sweep goes on with the next. Each sweep
 is logged (``retention_sweep``, with its counts) and reported to ``on_sweep`` (the daemon's metrics).
 """
@@ -35,6 +41,7 @@ from typing import Protocol
 
 import structlog
 
+from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import IDLE, IDLE_TIMEOUT
@@ -186,11 +193,16 @@ class Sweeper:
         threads: ThreadManager | None = None,
         on_sweep: Callable[[SweepReport], None] | None = None,
         undelivered: Callable[[str], bool] | None = None,
+        busy: Callable[[str], bool] | None = None,
     ) -> None:
         """``undelivered(conversation_id)``: whether an event of it still waits for a relay (the outbox);
-        such a conversation is not deleted yet (a reply is never lost to retention)."""
+        such a conversation is not deleted yet (a reply is never lost to retention).
+        ``busy(conversation_id)``: whether a run in it is scheduled or under way (the run scheduler); such
+        a conversation is not ended, archived or deleted by this sweep, however long ago its last message
+        came (a slow run, a backlog, a run recovered after a long downtime)."""
         self._manager = manager
         self._undelivered = undelivered
+        self._busy = busy
         self.policy = policy
         self._threads = threads
         self._on_sweep = on_sweep
@@ -251,6 +263,8 @@ class Sweeper:
     async def _end_idle(self, now: int, counts: _Counts) -> None:
         idle_before = now - self.policy.idle_ms
         for row in await self._search(SearchQuery(ended=False, inactive_before=idle_before), counts, "idle"):
+            if self._is_busy(row.id):
+                continue
             try:
                 if await self._manager.end_conversation(
                     row.id, by=IDLE, reason=IDLE_TIMEOUT, idle_before=idle_before
@@ -267,28 +281,25 @@ class Sweeper:
         inactive_before = now - after_ms
         query = SearchQuery(archived=False, inactive_before=inactive_before)
         for row in await self._search(query, counts, "archive"):
+            if self._is_busy(row.id):
+                continue
             try:
                 ended_now = row.ended_at is None and await self._manager.end_conversation(
                     row.id, by=IDLE, reason=IDLE_TIMEOUT, idle_before=inactive_before
                 )
                 if ended_now:
                     counts.ended_idle += 1
-                elif not await self._still_ended_before(row.id, inactive_before):
-                    continue  # a message came meanwhile (it stays open), or it is gone
-                if await self._manager.archive_conversation(row.id):  # False: archived meanwhile
+                # False: a message came meanwhile (it stays open), or archived meanwhile
+                if await self._manager.archive_conversation(row.id, ended_before=inactive_before):
                     counts.archived += 1
+            except ConversationNotFoundError:
+                continue  # deleted meanwhile
             except Exception:
                 counts.errors += 1
                 log.exception("retention_failed", conversation_id=row.id, action="archive")
 
-    async def _still_ended_before(self, conversation_id: str, inactive_before: int) -> bool:
-        """Whether the conversation is still stored, ended and without activity since ``inactive_before``."""
-        conversation = await self._manager.get_conversation(conversation_id)
-        return (
-            conversation is not None
-            and conversation.is_ended
-            and conversation.last_activity < inactive_before
-        )
+    def _is_busy(self, conversation_id: str) -> bool:
+        return self._busy is not None and self._busy(conversation_id)
 
     async def _delete(self, now: int, counts: _Counts) -> None:
         ended = await self._search(SearchQuery(ended=True), counts, "delete")
@@ -329,8 +340,12 @@ class Sweeper:
                 return Deletion.KEPT  # reopened, or changed since the search: the next sweep decides
             if self._undelivered is not None and self._undelivered(row.id):
                 return Deletion.KEPT  # an event of it still waits for a relay
-            if not await self._manager.delete_conversation(row.id, only_ended=True):
-                return Deletion.GONE
+            if self._is_busy(row.id):
+                return Deletion.KEPT  # a run in it is under way: its reply is saved into it
+            activity = row.last_activity
+            if not await self._manager.delete_conversation(row.id, only_ended=True, activity=activity):
+                # changed under the lock (a reply or a message came meanwhile), or gone
+                return Deletion.KEPT if await self._manager.get_conversation(row.id) else Deletion.GONE
             if self._threads is not None:
                 self._threads.forget_conversation(row.id)
         except Exception:

@@ -189,6 +189,10 @@ class RunScheduler:
         """Runs scheduled and not finished (waiting or running)."""
         return len(self._tasks)
 
+    def has_runs(self, conversation_id: str) -> bool:
+        """Whether a run in the conversation is scheduled or under way here (recovered ones included)."""
+        return any(request.conversation_id == conversation_id for request in self._pending.values())
+
     async def _write_journal(self, wanted: int) -> None:
         async with self._journal_lock:
             if self._journal_written >= wanted:

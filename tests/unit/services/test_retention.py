@@ -4,6 +4,8 @@ deleting at every time and count boundary, with a controllable clock."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -11,6 +13,7 @@ from tenex_daemon import ConversationManager, MemoryStore
 from tenex_daemon.app.settings import ConversationSettings
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
+from tenex_daemon.services.conversation_changes import clear_end
 from tenex_daemon.services.retention import RetentionPolicy, Sweeper, SweepReport
 from tenex_daemon.services.threads import META_PREFIX, ThreadManager
 from tenex_daemon.testing import FakeClock
@@ -127,6 +130,28 @@ async def test_a_message_between_the_search_and_the_end_wins(cast: Cast) -> None
     assert len(found.history) == 2
 
 
+async def test_a_conversation_with_a_run_under_way_is_left_alone_until_the_run_is_over(cast: Cast) -> None:
+    """A conversation whose last message is 40 days old but whose run is scheduled or under way (a slow run,
+    one recovered after downtime) is neither ended, archived nor deleted; once the run is over, the next
+    sweep ends and archives it."""
+    clock = FakeClock()
+    manager = make_manager(cast, clock)
+    conversation = await start(manager, cast, "answered after a long downtime")
+    await ended_one(manager, clock, cast, "newer, ended")
+    clock.advance(40 * DAY)
+    busy = {conversation.id}
+    sweep = Sweeper(manager, RetentionPolicy(archive_after_days=30, max_retained=1), busy=busy.__contains__)
+
+    first = await sweep.sweep_once()
+    found = await stored(manager, conversation.id)
+    left_alone = (found.is_ended, found.archived, first.deleted)
+    busy.clear()
+    second = await sweep.sweep_once()
+
+    assert left_alone == (False, False, 1)  # the other conversation went: the limit is one
+    assert (second.ended_idle, second.archived) == (1, 1)
+
+
 # --- archiving ------------------------------------------------------------------------------------
 
 
@@ -183,6 +208,44 @@ async def test_a_conversation_archived_by_hand_is_ended_once_idle(cast: Cast) ->
     assert found.is_ended
 
 
+class MessageBeforeArchive(MemoryStore):
+    """A store in which a person's message reopens a conversation just before its archive takes the lease
+    (after the sweep found it ended and idle)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.message_into: tuple[str, Cast, int] | None = None
+
+    @asynccontextmanager
+    async def lease(self, conversation_id: str) -> AsyncIterator[None]:
+        if self.message_into is not None and self.message_into[0] == conversation_id:
+            _, cast, now = self.message_into
+            self.message_into = None
+            state = (await self.load(conversation_id)).model_copy(deep=True)  # type: ignore[union-attr]
+            clear_end(state)
+            state.activity_at = now
+            await self.append_event(conversation_id, cast.user_says("I'm back, one more question"), state=state)
+        yield
+
+
+async def test_a_message_between_the_archive_search_and_the_archive_wins(cast: Cast) -> None:
+    """An ended conversation inactive past archive_after_days gets a person's message, which reopens it,
+    after the sweep found it and just before the archive: it is not archived (checked again under its
+    lock), so no archived conversation is left open, and its run can save the reply."""
+    clock = FakeClock()
+    store = MessageBeforeArchive()
+    manager = make_manager(cast, clock, store)
+    cid = await ended_one(manager, clock, cast, "ended long ago")
+    clock.advance(2 * DAY)
+    store.message_into = (cid, cast, clock.now)
+
+    report = await sweeper(manager, archive_after_days=1).sweep_once()
+
+    found = await stored(manager, cid)
+    assert (report.archived, report.errors) == (0, 0)
+    assert (found.archived, found.is_ended, len(found.history)) == (False, False, 2)
+
+
 # --- deleting -------------------------------------------------------------------------------------
 
 
@@ -231,6 +294,42 @@ async def test_a_conversation_whose_reply_still_waits_for_a_relay_is_not_deleted
 
     assert kept_while_waiting
     assert oldest not in await kept_ids(manager)
+
+
+class ReplyBeforeDelete(MemoryStore):
+    """A store in which an agent's reply is saved into a conversation just before its deletion takes the
+    lease (the reply does not reopen it, but it is new activity)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reply_into: tuple[str, Cast, int] | None = None
+
+    @asynccontextmanager
+    async def lease(self, conversation_id: str) -> AsyncIterator[None]:
+        if self.reply_into is not None and self.reply_into[0] == conversation_id:
+            _, cast, now = self.reply_into
+            self.reply_into = None
+            state = (await self.load(conversation_id)).model_copy(deep=True)  # type: ignore[union-attr]
+            state.activity_at = now
+            await self.append_event(conversation_id, cast.alice_says("the reply, saved at last"), state=state)
+        yield
+
+
+async def test_a_reply_saved_just_before_the_deletion_keeps_the_conversation(cast: Cast) -> None:
+    """Beyond max_retained, the ended conversation the sweep chose gets its agent's reply just before the
+    deletion takes its lock: it is kept (its last activity moved), not deleted with the reply."""
+    clock = FakeClock()
+    store = ReplyBeforeDelete()
+    manager = make_manager(cast, clock, store)
+    oldest = await ended_one(manager, clock, cast, "its reply comes late")
+    await ended_one(manager, clock, cast, "newer")
+    store.reply_into = (oldest, cast, clock.now)
+
+    report = await sweeper(manager, max_retained=1).sweep_once()
+
+    assert report.errors == 0
+    assert oldest in await kept_ids(manager)
+    assert [event.content for event in (await stored(manager, oldest)).history][-1] == "the reply, saved at last"
 
 
 async def test_the_default_limit_1000_deletes_one_of_1001(cast: Cast) -> None:
