@@ -143,8 +143,12 @@ UNAVAILABLE = (
 
 def _lost_connection(error: BaseException) -> bool:
     """Whether an asyncpg interface error says the connection or the pool is gone (the client's own
-    misuses, a bad argument say, are errors of their own, with their tracebacks)."""
-    return type(error) is asyncpg.InterfaceError and ("closed" in str(error) or "closing" in str(error))
+    misuses, a bad argument say, are errors of their own, with their tracebacks); a pool's connection that
+    broke while held is "released back to the pool" by asyncpg (a lease's, when the database restarted)."""
+    text = str(error)
+    return type(error) is asyncpg.InterfaceError and any(
+        words in text for words in ("closed", "closing", "released back to the pool")
+    )
 
 class PostgresOpenError(TenexError):
     """The database named by ``storage.dsn`` cannot be reached, or refuses the connection or the schema."""
@@ -189,6 +193,10 @@ class PostgresStore:
         self._pool: asyncpg.Pool | None = None
         self._lease_pool: asyncpg.Pool | None = None
         self._name_pool: asyncpg.Pool | None = None
+        self._leased: dict[tuple[asyncio.Task[Any] | None, str], Any] = {}
+        """(task, conversation id) -> the connection holding that conversation's lease for that task: the
+        task's writes to the conversation go through it, so a lease lost with its connection (a database
+        restart) fails them rather than letting them overwrite the next holder's."""
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -198,10 +206,15 @@ class PostgresStore:
         return self._pool
 
     @asynccontextmanager
-    async def _connection(self) -> AsyncIterator[Any]:
-        """A connection of the query pool; an error that says the database does not answer (refused,
-        reset, restarting, shut down) is raised as :class:`StoreUnavailableError`, saying which."""
+    async def _connection(self, leased: str | None = None) -> AsyncIterator[Any]:
+        """A connection of the query pool, or (``leased``: a conversation's write) the one holding the
+        conversation's lease for this task, if it holds one; an error that says the database does not
+        answer (refused, reset, restarting, shut down) is raised as :class:`StoreUnavailableError`."""
+        held = None if leased is None else self._leased.get((asyncio.current_task(), leased))
         try:
+            if held is not None:
+                yield held
+                return
             async with self.pool.acquire() as conn:
                 yield conn
         except TimeoutError:
@@ -317,7 +330,7 @@ class PostgresStore:
         """Insert the event (committed, so durable, when this returns True). A known id changes nothing,
         ``state`` included (False): another daemon may have taken it in since the caller looked. With
         ``state``, the conversation's state is replaced in the same transaction."""
-        async with self._connection() as conn, conn.transaction():
+        async with self._connection(conversation_id) as conn, conn.transaction():
             fresh = await conn.fetchval(
                 "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING true",
                 event.id,
@@ -353,12 +366,12 @@ class PostgresStore:
 
     async def save_state(self, conversation: Conversation) -> None:
         """Replace the state JSON and the index columns derived from it."""
-        async with self._connection() as conn:
+        async with self._connection(conversation.id) as conn:
             await _save_state_on(conn, conversation)
 
     async def set_archived(self, conversation_id: str, archived: bool) -> None:
         """Set the archived flag."""
-        async with self._connection() as conn:
+        async with self._connection(conversation_id) as conn:
             status = await conn.execute(
                 "UPDATE conversations SET archived = $2 WHERE id = $1", conversation_id, archived
             )
@@ -373,7 +386,7 @@ class PostgresStore:
         The rows are gone for every query at once; their bytes stay in the table files as dead tuples
         until (auto)vacuum reclaims them, and in the write-ahead log and backups as PostgreSQL keeps them.
         """
-        async with self._connection() as conn, conn.transaction():
+        async with self._connection(conversation_id) as conn, conn.transaction():
             status = await conn.execute("DELETE FROM conversations WHERE id = $1", conversation_id)
             for prefix in owned_value_prefixes(conversation_id):
                 await conn.execute("DELETE FROM meta WHERE left(key, length($1)) = $1", prefix)
@@ -493,9 +506,12 @@ class PostgresStore:
             raise RuntimeError("PostgresStore is not open; call open() first")
         async with self._lease_pool.acquire() as conn:
             await conn.execute(LEASE_SQL, conversation_id)
+            key = (asyncio.current_task(), conversation_id)
+            self._leased[key] = conn
             try:
                 yield
             finally:
+                del self._leased[key]
                 await unlock(conn, conversation_id)
 
     @asynccontextmanager
