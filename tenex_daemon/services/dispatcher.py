@@ -161,6 +161,8 @@ class EventDispatcher:
         self._lifecycle = lifecycle
         self._private = None if lifecycle is None else PrivateConversations(manager, lifecycle)
         self._routing = KeyedLock()
+        self._adopting = KeyedLock()
+        """Per missing root: one reply at a time starts the thread's conversation (:meth:`_adopt_root`)."""
         self._failed: OrderedDict[str, None] = OrderedDict()
         """Events whose handling failed here once the dispatch began (the pool hands them over again)."""
         self._handlers: dict[EventClass, Handler] = {
@@ -247,6 +249,9 @@ class EventDispatcher:
         existing = await self._manager.get_conversation(event.id)
         if existing is not None:
             return HandleResult(Outcome.DUPLICATE, conversation_id=event.id)
+        adopted = await self._manager.store.get_meta(adopted_root_key(event.id))
+        if adopted is not None:
+            return await self._late_root(adopted, event)
         lifecycle = self._lifecycle
         channel = None
         if lifecycle is not None and classification.kind is EventClass.NEW_CONVERSATION:
@@ -291,13 +296,17 @@ class EventDispatcher:
             return HandleResult(Outcome.IGNORED, "conversation_deleted", cid)
         if conversation is None:
             try:
-                conversation = await self._adopt_root(cid, event, task=classification.is_task)
+                adopted = await self._adopt_root(cid, event, task=classification.is_task)
             except ConversationExistsError:  # another daemon on the shared database started it first
                 found_again = await self._manager.get_conversation(cid)
                 conversation = found_again or await self._manager.get_conversation(event.id)
                 if conversation is None or conversation.id == event.id:
                     return HandleResult(Outcome.DUPLICATE, conversation_id=cid)
             else:
+                if adopted is None:  # the thread's conversation, started meanwhile elsewhere, was deleted
+                    await self._manager.store.mark_processed(event.id)
+                    return HandleResult(Outcome.IGNORED, "conversation_deleted", cid)
+                conversation = adopted
                 if conversation.id == event.id:
                     return await self._target_accepted(conversation.id, event)
         if conversation.private:  # only the person's gift-wrapped messages join a private conversation
@@ -360,29 +369,54 @@ class EventDispatcher:
             return root_id, None
         return adopted, await self._manager.get_conversation(adopted)
 
-    async def _adopt_root(self, root_id: str, reply: NostrEvent, *, task: bool = False) -> Conversation:
+    async def _adopt_root(
+        self, root_id: str, reply: NostrEvent, *, task: bool = False
+    ) -> Conversation | None:
         """Start the conversation of a reply with an unknown root: the fetched root, else the reply. A task's
         (the fetched root a kind 1934, or the reply naming its root's kind 1934) is the task's first session,
-        as when the task itself came first."""
+        as when the task itself came first. Without the root, the choice is made under a lock and the store's
+        lease on the root (two daemons sharing a database, each with a reply of the thread, start one
+        conversation): the one another reply started meanwhile is returned (None: it was deleted since)."""
         root = await self._fetcher.fetch_event(root_id) if self._fetcher is not None else None
         if root is not None and root.id == root_id and root.has_valid_id():
             log.info("conversation_root_fetched", conversation_id=root_id)
             task_id = root_id if root.kind == KIND_TASK else None
             return await self._manager.create_conversation(root, exclusive=True, task_id=task_id)
-        log.warning(
-            "conversation_root_missing",
-            conversation_id=root_id,
-            event_id=reply.id,
-            action="reply starts the conversation",
-        )
-        conversation = await self._manager.create_conversation(
-            reply, exclusive=True, task_id=root_id if task else None, missing_root=root_id
-        )
-        # the thread's later replies, which name the same missing root, join this conversation
-        await self._manager.store.set_meta(adopted_root_key(root_id), conversation.id)
-        if task:  # the task's current session, for its sessions to follow (TaskSessions)
-            await self._manager.store.set_meta(task_meta_key(root_id), conversation.id)
-        return conversation
+        key = adopted_root_key(root_id)
+        async with self._adopting.hold(key), self._manager.store.lease(key):
+            adopted = await self._manager.store.get_meta(key)
+            if adopted is not None:
+                return await self._manager.get_conversation(adopted)
+            log.warning(
+                "conversation_root_missing",
+                conversation_id=root_id,
+                event_id=reply.id,
+                action="reply starts the conversation",
+            )
+            conversation = await self._manager.create_conversation(
+                reply, exclusive=True, task_id=root_id if task else None, missing_root=root_id
+            )
+            # the thread's later replies, which name the same missing root, join this conversation
+            await self._manager.store.set_meta(key, conversation.id)
+            if task:  # the task's current session, for its sessions to follow (TaskSessions)
+                await self._manager.store.set_meta(task_meta_key(root_id), conversation.id)
+            return conversation
+
+    async def _late_root(self, conversation_id: str, root: NostrEvent) -> HandleResult:
+        """The root of a thread whose conversation a reply started (:meth:`_adopt_root`) came at last: it
+        joins that conversation, as written when it was (a second conversation of the thread would split
+        it, and both would describe the thread to clients); it runs nothing (the thread was answered from
+        the reply on). Into a deleted thread it does not bring the conversation back."""
+        conversation = await self._manager.get_conversation(conversation_id)
+        if conversation is None:
+            await self._manager.store.mark_processed(root.id)
+            return HandleResult(Outcome.IGNORED, "conversation_deleted", conversation_id)
+        if conversation.archived:
+            await self._manager.restore_conversation(conversation_id)
+        if not await self._manager.add_event(conversation_id, root, backfill=True):
+            return HandleResult(Outcome.DUPLICATE, conversation_id=conversation_id)
+        log.info("conversation_root_arrived", conversation_id=conversation_id, event_id=root.id)
+        return HandleResult(Outcome.STORED, "late_root", conversation_id)
 
     async def before_reply_saved(self, conversation_id: str, reply: NostrEvent) -> None:
         """Journal an agent's reply that targets an agent (or the orchestrator) as being

@@ -14,7 +14,9 @@ further down this list, so no two tasks ever wait on each other:
 3. ``ThreadManager``'s per-thread load lock (loading a delegation thread once).
 4. ``ConversationLifecycle``'s per-channel or per-task lock, with the store's lease on the same key
    (``channel.<key>``, ``task.<id>``), taken when a person's kind-1 note or a task's event picks its
-   conversation; nothing but the manager's steps (5, 6) is taken under it. The dispatcher's
+   conversation, and the dispatcher's per-root lock with the lease on ``adopted_root.<id>``, taken when a
+   reply whose root is missing starts its thread's conversation; nothing but the manager's steps (5, 6) is
+   taken under them. The dispatcher's
    per-conversation routing lock (one orchestrator decision at a time), taken
    when an event or a saved reply is routed, inside a run for replies.
 5. ``ConversationManager``'s per-conversation lock, around one load -> change -> save step.

@@ -16,9 +16,11 @@ from tenex_daemon.adapters.storage.filesystem import FileSystemStore, FsyncPolic
 from tenex_daemon.adapters.storage.postgres import PostgresStore
 from tenex_daemon.adapters.storage.postgres_sessions import listener_name
 from tenex_daemon.core.ports import Store
+from tenex_daemon.core.search import SearchQuery
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tests.conftest import Cast
 from tests.contract.postgres_server import PostgresServer
+from tests.pipeline import build_rig
 
 pytestmark = pytest.mark.integration
 
@@ -127,6 +129,37 @@ async def test_two_daemons_accept_each_event_exactly_once(postgres_server: Postg
     assert sum(results) == len(events)
     assert conversation is not None
     assert sorted(e.id for e in conversation.history[1:]) == sorted(e.id for e in events)
+
+
+async def test_two_daemons_with_a_reply_each_of_a_thread_whose_root_is_missing_start_one_conversation(
+    postgres_server: PostgresServer, cast: Cast
+) -> None:
+    """Two daemons sharing a database each take in a different reply of one thread whose root no relay
+    has, at once: one conversation is started for the thread and both replies are in it (before, each
+    daemon started its own and the agent answered in two conversations)."""
+    dsn = await postgres_server.create_database()
+    stores = [PostgresStore(dsn), PostgresStore(dsn)]
+    for store in stores:
+        await store.open()
+    rigs = [
+        build_rig(cast, store=store, peers=store, journal_key=f"runs.pending.{name}", instance=name)
+        for store, name in zip(stores, ("a", "b"), strict=True)
+    ]
+    missing = "ab" * 32
+    tags = [["E", missing, "", cast.user.pubkey], ["e", missing, "", "root"], ["p", cast.alice.pubkey]]
+    replies = [cast.user_says(f"reply {n} in a thread whose root is gone", tags=tags) for n in range(2)]
+    try:
+        await asyncio.gather(*(rig.dispatcher.handle(reply) for rig, reply in zip(rigs, replies, strict=True)))
+        for rig in rigs:
+            await rig.settle()
+        rows = await stores[0].search(SearchQuery())
+        conversation = await stores[0].load(rows[0].id)
+    finally:
+        for store in stores:
+            await store.close()
+    assert len(rows) == 1
+    assert conversation is not None
+    assert {reply.id for reply in replies} <= {event.id for event in conversation.history}
 
 
 @pytest.fixture

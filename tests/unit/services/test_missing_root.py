@@ -236,3 +236,27 @@ def note_reply_in(cast: Cast, root_id: str, text: str, parent_id: str) -> NostrE
     """The person's kind-1 reply in the thread rooted at ``root_id``, replying to ``parent_id``."""
     tags = [["e", root_id, "", "root"], ["e", parent_id, "", "reply"], ["p", cast.alice.pubkey]]
     return cast.factory.event(cast.user, text, kind=KIND_NOTE, tags=tags)
+
+
+async def test_a_root_that_comes_after_its_reply_joins_the_conversation_the_reply_started(cast: Cast) -> None:
+    """A person's kind-11 root, not found on the relays when its comment came, arrives later: it joins the
+    conversation the comment started (written when it was), no second conversation is made for the thread
+    (both would describe it to clients), and no agent runs again for it."""
+    rig = pipeline.build_rig(cast, fetcher=NothingFound())
+    root = cast.user_says("Plan the launch", kind=11, tags=[["p", cast.alice.pubkey]])
+    tags = [["E", root.id, "", cast.user.pubkey], ["K", "11"], ["P", cast.user.pubkey],
+            ["e", root.id, "", cast.user.pubkey], ["k", "11"], ["p", cast.alice.pubkey]]
+    reply = cast.factory.event(cast.user, "What about the budget?", kind=KIND_COMMENT, tags=tags)
+    started = await rig.dispatcher.handle(reply)
+    await rig.settle()
+
+    late = await rig.dispatcher.handle(root)
+    await rig.settle()
+
+    assert started.outcome is Outcome.SCHEDULED
+    assert (late.outcome, late.reason, late.conversation_id) == (Outcome.STORED, "late_root", reply.id)
+    assert await rig.manager.get_conversation(root.id) is None
+    conversation = await rig.manager.get_conversation(reply.id)
+    assert conversation is not None
+    assert root.id in [event.id for event in conversation.history]
+    assert len([e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]) == 1

@@ -115,6 +115,9 @@ class FileSystemStore:
         self._cache: OrderedDict[str, Conversation] = OrderedDict()
         self._live_paths: dict[str, tuple[Path, Path]] = {}
         self._meta_paths: dict[str, Path] = {}
+        self._meta_files: set[str] = set()
+        """The names of the small values' files that may exist (listed at open, added to by each save): a
+        value never saved is answered without reading the disk (every new root asks for one)."""
         self._owned_values: dict[str, set[str]] = {}
         """Conversation id -> keys of the small values that belong to it (its delegation threads):
         those set since open, and (once a deletion needed them) those found on disk."""
@@ -168,6 +171,7 @@ class FileSystemStore:
             await asyncio.to_thread(self._unlock)
             raise
         self._index.reset(result.index)
+        self._meta_files = set(await asyncio.to_thread(os.listdir, self._layout.meta_dir))
         self._owned_values.clear()  # another process may have written small values while closed
         self._owned_values_scanned = False
         self.recovery = result.actions
@@ -568,6 +572,8 @@ class FileSystemStore:
             return None  # erased; its file goes at the journal's checkpoint
         if isinstance(held, bytes):
             data = held  # newer than the file: written at the journal's checkpoint
+        elif path.name not in self._meta_files:
+            return None  # never saved: no file to read
         else:
             try:
                 data = await asyncio.to_thread(path.read_bytes)
@@ -587,7 +593,9 @@ class FileSystemStore:
         """Durably store ``value`` under ``key`` (one small file, replaced atomically)."""
         self._require_open()
         data = json.dumps({"key": key, "value": value}, ensure_ascii=False).encode("utf-8")
-        await self._committer.commit([Op("replace", self._meta_path(key), data)])
+        path = self._meta_path(key)
+        self._meta_files.add(path.name)
+        await self._committer.commit([Op("replace", path, data)])
         owner = value_owner(key)
         if owner is not None:
             self._owned_values.setdefault(owner, set()).add(key)
