@@ -122,8 +122,24 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         ALTER TABLE conversations ALTER COLUMN lifecycle SET DEFAULT '{}';
         """,
     ),
+    (
+        4,
+        "small values found by a key prefix through an index (byte order), not by reading the whole table",
+        """
+        CREATE INDEX meta_key_bytes ON meta ((key COLLATE "C"));
+        """,
+    ),
 )
 """(version, description, SQL) in order; a released migration is never edited, only added to."""
+
+def _key_prefix(prefix: str) -> tuple[str, list[str]]:
+    """The condition (and its arguments) for the meta keys starting with ``prefix``: a range in byte
+    (code point) order, which the ``meta_key_bytes`` index answers, up to the least string past them."""
+    stripped = prefix.rstrip(chr(0x10FFFF))
+    if not stripped:  # no string is past them: the prefix alone
+        return "starts_with(key, $1)", [prefix]
+    past = stripped[:-1] + chr(ord(stripped[-1]) + 1)
+    return 'key COLLATE "C" >= $1 AND key COLLATE "C" < $2 AND starts_with(key, $1)', [prefix, past]
 
 _MIGRATION_LOCK = 0x7465_6E65_7864  # "tenexd": serializes migrations across daemons
 def _event_json(event: NostrEvent) -> str:
@@ -389,7 +405,8 @@ class PostgresStore:
         async with self._connection(conversation_id) as conn, conn.transaction():
             status = await conn.execute("DELETE FROM conversations WHERE id = $1", conversation_id)
             for prefix in owned_value_prefixes(conversation_id):
-                await conn.execute("DELETE FROM meta WHERE left(key, length($1)) = $1", prefix)
+                condition, args = _key_prefix(prefix)
+                await conn.execute(f"DELETE FROM meta WHERE {condition}", *args)
         return not status.endswith(" 0")
 
     async def search(self, query: SearchQuery) -> list[ConversationSummary]:
@@ -704,9 +721,8 @@ class PostgresStore:
     async def keys_with_prefix(self, prefix: str) -> list[str]:
         """The meta keys starting with ``prefix``."""
         async with self._connection() as conn:
-            rows = await conn.fetch(
-                "SELECT key FROM meta WHERE left(key, length($1)) = $1 ORDER BY key", prefix
-            )
+            condition, args = _key_prefix(prefix)
+            rows = await conn.fetch(f"SELECT key FROM meta WHERE {condition} ORDER BY key", *args)
         return [str(row["key"]) for row in rows]
 
     async def forget(self, key: str) -> None:
