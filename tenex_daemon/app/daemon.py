@@ -91,7 +91,7 @@ from tenex_daemon.runtime.failures import log_failure
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.descriptions import DescriptionJobs
 from tenex_daemon.services.dispatcher import HandleResult, Outcome
-from tenex_daemon.services.outbox import outbox_key_for
+from tenex_daemon.services.outbox import every_outbox, outbox_key_for
 from tenex_daemon.services.private_messages import AGENT_PRIVATE_COPY, Intake
 from tenex_daemon.services.retention import RetentionPolicy, Sweeper
 from tenex_daemon.services.runs import journal_key_for
@@ -466,6 +466,7 @@ class Daemon:
             pipeline.manager, RetentionPolicy.of(settings.conversations), threads=pipeline.threads,
             on_sweep=self.metrics.retention_swept, undelivered=pipeline.outbox.holds,
             busy=pipeline.scheduler.has_runs,
+            held_elsewhere=every_outbox(self.store, self._peers, project_signer.pubkey),
         )
         sweep_every_s = settings.conversations.sweep_interval_min * 60
         self._spawn(self.sweeper.run_forever(sweep_every_s), "retention sweeper")

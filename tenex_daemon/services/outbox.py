@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +36,7 @@ import structlog
 
 from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.ports import Publisher, SmallValues
+from tenex_daemon.core.ports import Peers, Publisher, SmallValues
 from tenex_daemon.runtime.background import BackgroundTasks
 
 log = structlog.get_logger(__name__)
@@ -50,6 +51,30 @@ FORGET_FLUSH_S = 1.0
 def outbox_key_for(daemon_id: str) -> str:
     """The outbox's key of one daemon (its project key) in a store daemons share (PostgreSQL)."""
     return f"{OUTBOX_KEY}.{daemon_id}"
+
+
+async def conversations_in_outboxes(store: SmallValues, peers: Peers, prefix: str) -> set[str]:
+    """The conversations with an entry in any stored outbox whose key starts with ``prefix`` (those of every
+    daemon of a project sharing a database: another's replies still on their way keep their conversations
+    from retention here too). Raises ValueError for an outbox that cannot be read."""
+    held: set[str] = set()
+    for key in await peers.keys_with_prefix(prefix):
+        raw = await store.get_meta(key)
+        try:
+            held.update(str(record["c"]) for record in json.loads(raw or "[]"))
+        except (TypeError, KeyError) as exc:
+            raise ValueError(f"the outbox under {key!r} cannot be read") from exc
+    return held
+
+
+def every_outbox(
+    store: SmallValues, peers: Peers | None, project: str
+) -> Callable[[], Awaitable[set[str]]] | None:
+    """What :func:`conversations_in_outboxes` reads for a project's daemons sharing a database; None for a
+    daemon alone (its own outbox is all there is)."""
+    if peers is None:
+        return None
+    return functools.partial(conversations_in_outboxes, store, peers, outbox_key_for(project))
 
 
 @dataclass(slots=True)

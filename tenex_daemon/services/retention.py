@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -160,6 +160,8 @@ class _Counts:
     deleted: int = 0
     errors: int = 0
     deleted_ids: set[str] = field(default_factory=set)
+    held_elsewhere: set[str] = field(default_factory=set)
+    """Conversations with an event waiting in another daemon's outbox (read once per sweep)."""
 
 
 class Deletion(StrEnum):
@@ -194,15 +196,19 @@ class Sweeper:
         on_sweep: Callable[[SweepReport], None] | None = None,
         undelivered: Callable[[str], bool] | None = None,
         busy: Callable[[str], bool] | None = None,
+        held_elsewhere: Callable[[], Awaitable[set[str]]] | None = None,
     ) -> None:
         """``undelivered(conversation_id)``: whether an event of it still waits for a relay (the outbox);
         such a conversation is not deleted yet (a reply is never lost to retention).
         ``busy(conversation_id)``: whether a run in it is scheduled or under way (the run scheduler); such
         a conversation is not ended, archived or deleted by this sweep, however long ago its last message
-        came (a slow run, a backlog, a run recovered after a long downtime)."""
+        came (a slow run, a backlog, a run recovered after a long downtime). ``held_elsewhere()``: the
+        conversations with an event waiting in another daemon's outbox (daemons sharing a database), read
+        once per sweep before deleting; none is deleted when it fails."""
         self._manager = manager
         self._undelivered = undelivered
         self._busy = busy
+        self._held_elsewhere = held_elsewhere
         self.policy = policy
         self._threads = threads
         self._on_sweep = on_sweep
@@ -305,6 +311,13 @@ class Sweeper:
         ended = await self._search(SearchQuery(ended=True), counts, "delete")
         if not ended:
             return
+        if self._held_elsewhere is not None:
+            try:
+                counts.held_elsewhere = await self._held_elsewhere()
+            except Exception:
+                counts.errors += 1
+                log.exception("retention_outboxes_unread")
+                return
         ended.sort(key=_deletion_order)
         delete_after_ms = self.policy.delete_after_ms
         if delete_after_ms is not None:
@@ -338,8 +351,9 @@ class Sweeper:
                 return Deletion.GONE
             if not conversation.is_ended or conversation.last_activity != row.last_activity:
                 return Deletion.KEPT  # reopened, or changed since the search: the next sweep decides
-            if self._undelivered is not None and self._undelivered(row.id):
-                return Deletion.KEPT  # an event of it still waits for a relay
+            waiting = self._undelivered is not None and self._undelivered(row.id)
+            if waiting or row.id in counts.held_elsewhere:
+                return Deletion.KEPT  # an event of it still waits for a relay (in this outbox or another's)
             if self._is_busy(row.id):
                 return Deletion.KEPT  # a run in it is under way: its reply is saved into it
             activity = row.last_activity

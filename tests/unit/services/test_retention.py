@@ -4,6 +4,7 @@ deleting at every time and count boundary, with a controllable clock."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,6 +15,7 @@ from tenex_daemon.app.settings import ConversationSettings
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.services.conversation_changes import clear_end
+from tenex_daemon.services.outbox import every_outbox
 from tenex_daemon.services.retention import RetentionPolicy, Sweeper, SweepReport
 from tenex_daemon.services.threads import META_PREFIX, ThreadManager
 from tenex_daemon.testing import FakeClock
@@ -330,6 +332,42 @@ async def test_a_reply_saved_just_before_the_deletion_keeps_the_conversation(cas
     assert report.errors == 0
     assert oldest in await kept_ids(manager)
     assert [event.content for event in (await stored(manager, oldest)).history][-1] == "the reply, saved at last"
+
+
+class OtherDaemonsOutboxes:
+    """The keys of the small values a store holds, as the ``Peers`` port lists them (daemons sharing a
+    database); nothing else of the port is used here."""
+
+    def __init__(self, store: MemoryStore, keys: list[str]) -> None:
+        self.store = store
+        self.keys = keys
+
+    async def keys_with_prefix(self, prefix: str) -> list[str]:
+        return [key for key in self.keys if key.startswith(prefix)]
+
+
+async def test_a_conversation_whose_reply_waits_in_another_daemons_outbox_is_not_deleted(cast: Cast) -> None:
+    """Daemons sharing a database: beyond max_retained, the oldest ended conversation is kept while another
+    daemon's stored outbox holds a reply of it (a newer one goes instead); an outbox that cannot be read
+    deletes nothing and counts an error."""
+    clock = FakeClock()
+    store = MemoryStore()
+    manager = make_manager(cast, clock, store)
+    oldest = await ended_one(manager, clock, cast, "its reply waits in another daemon's outbox")
+    newer = await ended_one(manager, clock, cast, "newer")
+    await store.set_meta("outbox.pending.project.b", json.dumps([{"id": "e" * 64, "c": oldest, "a": "alice"}]))
+    peers = OtherDaemonsOutboxes(store, ["outbox.pending.project.b", "outbox.pending.other.c"])
+    held = every_outbox(store, peers, "project")  # type: ignore[arg-type]  # only keys_with_prefix is used
+    assert held is not None
+    policy = RetentionPolicy(archive_after_days=None, max_retained=1)
+
+    kept = await Sweeper(manager, policy, held_elsewhere=held).sweep_once()
+    await store.set_meta("outbox.pending.project.b", "not an outbox")
+    unread = await Sweeper(manager, policy, held_elsewhere=held).sweep_once()
+
+    assert (kept.deleted, unread.deleted, unread.errors) == (1, 0, 1)
+    assert await kept_ids(manager) == {oldest}
+    assert newer not in await kept_ids(manager)
 
 
 async def test_the_default_limit_1000_deletes_one_of_1001(cast: Cast) -> None:
