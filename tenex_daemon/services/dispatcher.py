@@ -464,6 +464,8 @@ class EventDispatcher:
             log.info("dispatch_dropped", event_id=event_id, reason="not stored")
             return HandleResult(Outcome.IGNORED, "not stored")
         event = found[1]
+        if conversation.id == event_id:  # it started its conversation: a pointer to it may be missing
+            await self._repoint(conversation)
         if conversation.is_ended and self._manager.agents.by_pubkey(event.pubkey) is not None:
             # an agent's reply that ended its conversation targets nobody
             result = HandleResult(Outcome.STORED, "conversation ended", conversation.id)
@@ -479,6 +481,18 @@ class EventDispatcher:
             agents=list(result.agents),
         )
         return result
+
+    async def _repoint(self, conversation: Conversation) -> None:
+        """A conversation whose starting event is dispatched again after a crash: the pointer written after
+        creating it (a channel's, a task's, a missing root's) is written if the crash came before it."""
+        if self._lifecycle is not None:
+            await self._lifecycle.repoint(conversation)
+        if conversation.missing_root is not None:
+            key = adopted_root_key(conversation.missing_root)
+            async with self._adopting.hold(key), self._manager.store.lease(key):
+                if await self._manager.store.get_meta(key) is None:
+                    await self._manager.store.set_meta(key, conversation.id)
+                    log.warning("conversation_pointer_repaired", key=key, conversation_id=conversation.id)
 
     async def _target_accepted(self, conversation_id: str, event: NostrEvent) -> HandleResult:
         """Target an event the store has just accepted. An error (its store gone for a moment: a

@@ -88,6 +88,27 @@ class ConversationLifecycle:
         async with self._locks.hold(key), self._manager.store.lease(key):
             yield
 
+    async def repoint(self, conversation: Conversation) -> None:
+        """After a crash: a channel's conversation, or a task's later session, whose starting event is being
+        dispatched again may have been created without its pointer (``channel.<key>``, ``task.<id>``) being
+        written; it becomes the current one then, unless a newer one took over since."""
+        if conversation.channel is not None:
+            key = channel_meta_key(conversation.channel)
+        elif conversation.task_id is not None and conversation.id != conversation.task_id:
+            key = task_meta_key(conversation.task_id)
+        else:
+            return
+        async with self._holding(key):
+            store = self._manager.store
+            current_id = await store.get_meta(key)
+            if current_id == conversation.id:
+                return
+            current = None if current_id is None else await self._manager.get_conversation(current_id)
+            if current is not None and current.created_at > conversation.created_at:
+                return
+            await store.set_meta(key, conversation.id)
+        log.warning("conversation_pointer_repaired", key=key, conversation_id=conversation.id, was=current_id)
+
     # --- kind-1 channels ------------------------------------------------------------------
 
     def channel_of(self, event: NostrEvent) -> str | None:

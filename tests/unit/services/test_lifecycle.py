@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.core.conversation import Conversation, TitleSource
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
@@ -528,3 +529,79 @@ async def test_an_agent_s_end_of_the_conversation_is_saved_with_its_reply(cast: 
     assert stored is not None
     assert [e.content for e in stored.history] == ["thanks, that is all", "Bye!"]
     assert (stored.is_ended, stored.ended_by, stored.end_reason) == (True, "alice", "all done")
+
+
+class PointerWriteFails(MemoryStore):
+    """A store whose next write of a pointer (a small value whose key starts with ``armed``) fails once, as a
+    crash right after the conversation it points to was created would leave it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed: str | None = None
+
+    async def set_meta(self, key: str, value: str) -> None:
+        if self.armed is not None and key.startswith(self.armed):
+            self.armed = None
+            raise OSError("the process died here")
+        await super().set_meta(key, value)
+
+
+async def test_a_channel_conversation_whose_pointer_was_never_written_becomes_the_channels_on_redelivery(
+    cast: Cast,
+) -> None:
+    """A new channel conversation is created but its pointer write fails (a crash): when the note comes again
+    its dispatch is redone, the pointer is written then, and the person's next note a minute later joins
+    that conversation rather than starting a third."""
+    store = PointerWriteFails()
+    rig = pipeline.build_rig(cast, store=store)
+
+    def note(text: str) -> NostrEvent:
+        return cast.user_says(text, kind=1, tags=[["p", cast.alice.pubkey]])
+
+    first = await rig.dispatcher.handle(note("topic one"))
+    await rig.quiet()
+    rig.clock.advance(31 * MINUTE)
+    store.armed = "channel."
+    second = note("topic two, part 1")
+    with pytest.raises(OSError, match="died"):
+        await rig.dispatcher.handle(second)
+    again = await rig.dispatcher.handle(second)  # the relay pool hands it over again
+    await rig.quiet()
+    rig.clock.advance(MINUTE)
+    third = await rig.dispatcher.handle(note("topic two, part 2"))
+    await rig.settle()
+
+    assert first.conversation_id != second.id
+    assert (again.outcome, again.conversation_id) == (Outcome.SCHEDULED, second.id)
+    assert third.conversation_id == second.id
+
+
+async def test_a_task_session_whose_pointer_was_never_written_becomes_the_tasks_current_on_redelivery(
+    cast: Cast,
+) -> None:
+    """A task's next session is created but its pointer write fails (a crash): once its event's dispatch is
+    redone the session is the task's current one, so the task's next event joins it, not a third session."""
+    store = PointerWriteFails()
+    rig = pipeline.build_rig(cast, store=store, task_session_ttl_h=24)
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+
+    def reply(text: str) -> NostrEvent:
+        tags = [["E", task.id, "", cast.user.pubkey], ["K", str(KIND_TASK)], ["e", task.id], ["k", str(KIND_TASK)],
+                ["p", cast.alice.pubkey]]
+        return cast.user_says(text, tags=tags)
+
+    await rig.dispatcher.handle(task)
+    await rig.quiet()
+    rig.clock.advance(25 * HOUR)
+    session = reply("is it fixed?")
+    store.armed = "task."
+    with pytest.raises(OSError, match="died"):
+        await rig.dispatcher.handle(session)
+    await rig.dispatcher.handle(session)
+    await rig.quiet()
+    rig.clock.advance(HOUR)
+    later = await rig.dispatcher.handle(reply("and the signup bug?"))
+    await rig.settle()
+
+    assert await store.get_meta(task_meta_key(task.id)) == session.id
+    assert later.conversation_id == session.id
