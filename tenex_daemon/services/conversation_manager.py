@@ -222,7 +222,7 @@ class ConversationManager:
             if conversation.contains_event(event.id) or await self._store.is_processed(event.id):
                 return False
             now = self._clock.now_ms()
-            written = event.created_at * 1000 if backfill else now
+            written = min(event.created_at * 1000, now) if backfill else now  # never ahead of the clock
             newest = not backfill or self._newest_person_message(conversation, event)
             before = LifecycleBefore.of(conversation)
             ended_at = conversation.ended_at

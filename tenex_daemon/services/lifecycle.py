@@ -132,12 +132,14 @@ class ConversationLifecycle:
             now = self._manager.now_ms()
             idle_before = now - self.idle_timeout_ms
             if current is not None and not current.archived and not current.is_ended:
-                if current.last_activity > idle_before:
+                if current.last_activity <= idle_before:
+                    ended = await self._manager.end_conversation(
+                        current.id, by=IDLE, reason=IDLE_TIMEOUT, idle_before=idle_before
+                    )  # if not: a reply in its thread came meanwhile (the note joins), or it ended otherwise
+                    current = None if ended else await self._manager.get_conversation(current.id)
+                if current is not None and not current.archived and not current.is_ended:
                     added = await self._manager.add_event(current.id, event)
                     return Joined(current, created=False, added=added)
-                await self._manager.end_conversation(
-                    current.id, by=IDLE, reason=IDLE_TIMEOUT, idle_before=idle_before
-                )
             conversation = await self._manager.create_conversation(event, exclusive=True, channel=channel)
             await store.set_meta(key, conversation.id)
             log.info(

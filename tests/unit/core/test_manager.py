@@ -18,7 +18,7 @@ from tenex_daemon import (
 )
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.core.conversation import Conversation, TitleSource
-from tenex_daemon.testing import FakeClock, FakeResolver
+from tenex_daemon.testing import FakeClock, FakeResolver, sign_event
 from tests.conftest import Cast
 
 
@@ -259,6 +259,21 @@ async def test_a_message_another_daemon_took_in_meanwhile_is_a_duplicate_and_cha
     assert conversation is not None
     assert [event.id for event in conversation.history] == [here.id]
     assert conversation.state_dict() == before
+
+
+async def test_a_merged_event_dated_ahead_of_the_clock_counts_as_written_now(cast: Cast) -> None:
+    """A rebuild merges an event whose author's clock ran an hour ahead: the conversation's last activity is
+    the daemon's now, not the event's date, so idle ending and retention are not put off by it."""
+    clock = FakeClock()
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=clock)
+    cid = (await manager.create_conversation(cast.user_says("first", kind=11))).id
+    ahead = sign_event(cast.user, "from a clock an hour ahead", created_at=clock.now // 1000 + 3600)
+
+    assert await manager.add_event(cid, ahead, backfill=True)
+
+    conversation = await manager.get_conversation(cid)
+    assert conversation is not None
+    assert conversation.activity_at == clock.now
 
 
 async def test_concurrent_adds_keep_every_event(manager: ConversationManager, cast: Cast) -> None:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -605,3 +607,44 @@ async def test_a_task_session_whose_pointer_was_never_written_becomes_the_tasks_
 
     assert await store.get_meta(task_meta_key(task.id)) == session.id
     assert later.conversation_id == session.id
+
+
+class ReplyBeforeIdleEnd(MemoryStore):
+    """A store in which a person's reply in a conversation's thread is saved just before the conversation's
+    idle end takes its lease (after the channel found it idle)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reply_into: tuple[str, NostrEvent, int] | None = None
+
+    @asynccontextmanager
+    async def lease(self, conversation_id: str) -> AsyncIterator[None]:
+        if self.reply_into is not None and self.reply_into[0] == conversation_id:
+            _, reply, now = self.reply_into
+            self.reply_into = None
+            state = (await self.load(conversation_id)).model_copy(deep=True)  # type: ignore[union-attr]
+            state.activity_at = now
+            await self.append_event(conversation_id, reply, state=state)
+        yield
+
+
+async def test_a_note_whose_channel_conversation_got_a_reply_as_it_was_being_ended_joins_it(cast: Cast) -> None:
+    """The channel's conversation looks idle to a new note, but a reply in its thread comes just before the
+    idle end: it is not ended, and the note joins it (before, a second open conversation was started in
+    the channel)."""
+    store = ReplyBeforeIdleEnd()
+    rig = pipeline.build_rig(cast, store=store)
+    first = await rig.dispatcher.handle(cast.user_says("topic one", kind=1, tags=[["p", cast.alice.pubkey]]))
+    await rig.quiet()
+    assert first.conversation_id is not None
+    rig.clock.advance(31 * MINUTE)
+    in_thread = cast.user_says("one more thing", tags=[["e", first.conversation_id, "", "root"]])
+    store.reply_into = (first.conversation_id, in_thread, rig.clock.now)
+
+    note = await rig.dispatcher.handle(cast.user_says("topic one, later", kind=1, tags=[["p", cast.alice.pubkey]]))
+    await rig.settle()
+
+    assert note.conversation_id == first.conversation_id
+    conversation = await rig.manager.get_conversation(first.conversation_id)
+    assert conversation is not None
+    assert not conversation.is_ended
