@@ -106,3 +106,47 @@ async def test_events_still_on_their_way_when_delivery_stops_are_counted_as_left
 
     assert [await store.is_processed(event.id) for event in events] == [False, False, False]
     assert [(line["event"], line.get("count")) for line in logs] == [("events_left_to_relays", 3)]
+
+
+async def test_events_left_at_a_stop_are_counted_once_each_after_retries() -> None:
+    """One event fails once and is handed over on its retry; another keeps failing and waits for its retry;
+    two more are on their way (one held by the consumer) when the daemon stops: the line at stop counts the
+    three left, each once (a retried event was counted off twice before, and a queued retry would count
+    twice)."""
+    factory, person = EventFactory(), KeyPair.from_seed(9)
+    flaky, failing, *rest = [factory.event(person, f"message {n}", kind=11) for n in range(4)]
+    failures = {flaky.id: 1, failing.id: 1_000}
+    handed, failed_again, inside = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def consumer(received: ReceivedEvent) -> None:
+        event_id = received.event.id
+        if failures.get(event_id, 0) > 0:
+            failures[event_id] -= 1
+            if failures[failing.id] <= 998:
+                failed_again.set()  # its retry failed too: back in the retry set
+            raise RuntimeError("for a moment")
+        if event_id == flaky.id:
+            handed.set()
+            return
+        inside.set()
+        await asyncio.Event().wait()  # never done: cancelled by the stop
+
+    delivery = Delivery(
+        PoolSettings(retry_base=0.01), lambda sub, url, at: None, on_event=consumer, store=MemoryStore(),
+        lane_key=None,
+    )
+    delivery.start()
+    with capture_logs() as logs:
+        await delivery.intake(flaky, URL, "live")
+        await handed.wait()
+        await delivery.intake(failing, URL, "live")
+        await failed_again.wait()
+        for event in rest:
+            await delivery.intake(event, URL, "live")
+        await inside.wait()
+        delivery.leave_to_relays()
+        await delivery.stop()
+
+    assert delivery.retries >= 2  # the flaky event's and the failing one's
+    left = [(line["event"], line.get("count")) for line in logs if line["event"] == "events_left_to_relays"]
+    assert left == [("events_left_to_relays", 3)]

@@ -98,8 +98,9 @@ class Delivery:
         self.left = 0
         """Events left to the relays after :meth:`leave_to_relays` (not handed over, marked or retried)."""
         self._leaving = False
-        self._unfinished = 0
-        """Events taken in whose delivery has not ended (queued, waiting in a lane, or being handed over)."""
+        self._on_their_way: set[str] = set()
+        """Events taken in (or back from the retry set) whose delivery has not ended: queued, waiting in a
+        lane, or being handed over."""
         self.last_error: str | None = None
         """The newest consumer error (``Type: message``), kept while events wait for a retry."""
         self._retry: OrderedDict[str, tuple[_Intake, int, float]] = OrderedDict()
@@ -150,13 +151,13 @@ class Delivery:
         """Cancel the delivery task and the lane workers, and wait for them; log how many events were left
         to the relays (refused by the consumer as it stopped, waiting for a retry, or still on their way
         when ``drain_timeout`` ran out)."""
-        unfinished = self._unfinished  # cancelled below: not handed over, not marked
+        on_their_way = set(self._on_their_way)  # cancelled below: not handed over, not marked
         tasks = [t for t in (self._task, self._retry_task) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._lanes.cancel_all()
-        left = self.left + len(self._retry) + unfinished if self._leaving else 0
+        left = self.left + len(on_their_way | self._retry.keys()) if self._leaving else 0
         if left:
             note = "the relays send them again after the next start"
             log.info("events_left_to_relays", count=left, note=note)
@@ -185,8 +186,8 @@ class Delivery:
             self.count_known_copy(event, url, sub_id)
             return
         assert self._queue is not None
+        self._on_their_way.add(event.id)
         await self._queue.put((event, url, sub_id, time.time()))
-        self._unfinished += 1
 
     # -- delivery --------------------------------------------------------------------------
 
@@ -207,7 +208,7 @@ class Delivery:
             log.exception("delivery failed", event_id=item[0].id)
         finally:
             queue.task_done()  # counted on the intake queue, so stop() waits for every lane
-            self._unfinished -= 1
+            self._on_their_way.discard(item[0].id)
 
     async def _deliver_in_lanes(
         self, queue: asyncio.Queue[_Intake], lanes: int, lane_key: LaneKey
@@ -318,6 +319,7 @@ class Delivery:
                 self._retry[event_id] = (entry[0], entry[1], math.inf)  # in the queue: not due again
                 self.retries += 1
                 self.seen.add_if_new(event_id)
+                self._on_their_way.add(event_id)
                 await self._queue.put(item)
             if not self._retry:
                 self.last_error = None
