@@ -206,15 +206,13 @@ class ConversationManager:
     ) -> bool:
         """Append ``event`` to the conversation; return False for a duplicate id.
 
-        The event is accepted (durable) when this returns True, with the conversation's new last
-        activity in the same write. An ended conversation is reopened by it (docs/ARCHITECTURE.md,
-        "Conversation lifecycle"), but by a daemon's notice (``reopens=False``: it says what the daemon
-        did, nobody wrote anything new). An agent event tagged ``["tool", "complete"]`` also counts as that
-        agent's completion of the open turn. ``backfill`` (a rebuild merging what the relays kept): the
-        event counts as written when it was (``created_at``), not now: it reopens an ended conversation
-        only when written after the end, moves the last activity only forward, and is the person's latest
-        message only when nothing in history is newer.
-        """
+        The event is accepted (durable) when this returns True, with the conversation's new last activity in
+        the same write. An ended conversation is reopened by it (docs/ARCHITECTURE.md, "Conversation
+        lifecycle"), but by a daemon's notice (``reopens=False``: nobody wrote anything new). An agent event
+        tagged ``["tool", "complete"]`` also counts as that agent's completion of the open turn. ``backfill``
+        (a rebuild merging what the relays kept): the event counts as written when it was (``created_at``,
+        never past now): it reopens an ended conversation only when written after the end, moves the last
+        activity only forward, and is the person's latest message only when nothing in history is newer."""
         event.require_valid_id()
         async with self._locked(conversation_id) as conversation:
             if conversation.archived:
@@ -240,8 +238,9 @@ class ConversationManager:
             if agent is not None and turn is not None and done:
                 turn.add_completion(agent.slug, event.content, now)
             appended = False
-            try:
-                appended = await self._store.append_event(conversation_id, event, state=conversation)
+            try:  # a store of the port before it said whether the event was new returns None: new
+                answer = await self._store.append_event(conversation_id, event, state=conversation)
+                appended = answer is not False
             finally:
                 if not appended:  # failed, or another daemon sharing the store took the id in meanwhile
                     before.restore(conversation)
@@ -325,8 +324,8 @@ class ConversationManager:
         lock, loaded once): ``compose`` builds the signed reply from it and the working time with this run
         (seconds; it may journal the reply first); the agent's last processed index, session, transitions
         seen, token usage, the run's working time and its end of the conversation (``end_conversation``) go
-        with the reply. A reply tagged ``["tool", "complete"]`` completes the agent's part of the open turn.
-        Nothing changes (in memory either) when composing or saving fails."""
+        with the reply. A reply tagged ``["tool", "complete"]`` completes the agent's part of the open turn;
+        nothing changes (in memory either) when composing or saving fails."""
         agent = self.agents.get(run.agent_slug)
         async with self._locked(conversation_id) as conversation:
             if conversation.archived:
@@ -351,15 +350,19 @@ class ConversationManager:
             if run.tools_used:
                 conversation.tools_used[reply.id] = list(run.tools_used)
             ended = record_end(conversation, run, now)
-            try:
-                await self._store.append_event(conversation_id, reply, state=conversation)
-            except BaseException:
-                if ended is not None:
-                    ended.restore(conversation)
-                kept.restore(conversation, agent.slug)
-                conversation.activity_at = kept_activity
-                conversation.tools_used.pop(reply.id, None)
-                raise
+            saved = False
+            try:  # False from the store: this reply was saved already (nothing of the run changes then)
+                answer = await self._store.append_event(conversation_id, reply, state=conversation)
+                saved = answer is not False
+            finally:
+                if not saved:
+                    if ended is not None:
+                        ended.restore(conversation)
+                    kept.restore(conversation, agent.slug)
+                    conversation.activity_at = kept_activity
+                    conversation.tools_used.pop(reply.id, None)
+            if not saved:
+                return reply
             conversation.append(reply)
         if ended is not None:
             self._ended(conversation_id, agent.slug, run.end_reason)
@@ -773,12 +776,9 @@ class ConversationManager:
     async def preview_agent_messages(
         self, conversation_id: str, agent_slug: str, trigger: NostrEvent | None = None
     ) -> AgentContext:
-        """Return what a run for ``trigger`` would be built now (``burst``, as runs are), persisting nothing.
-
-        The same pure :func:`~tenex_daemon.core.context.build_agent_messages` on the stored
-        conversation, with ``nostr:`` references resolved the same way; the agent's state
-        is not changed. ``trigger`` defaults to the newest event in history.
-        """
+        """Return what a run for ``trigger`` would be built now (``burst``, as runs are), persisting nothing:
+        the same pure :func:`~tenex_daemon.core.context.build_agent_messages` on the stored conversation,
+        references resolved the same way. ``trigger`` defaults to the newest event in history."""
         agent = self.agents.get(agent_slug)
         async with self._locks.hold(conversation_id):
             conversation = await self._load_required(conversation_id)

@@ -262,7 +262,7 @@ class EventDispatcher:
                 if await self._manager.store.is_processed(event.id):
                     holder = await self._manager.find_conversation_of_event(event.id)
                     return HandleResult(Outcome.DUPLICATE, conversation_id=holder)
-                joined = await lifecycle.join_channel(channel, event)
+                joined = await lifecycle.join_channel(channel, event, busy=self.scheduler.has_runs)
                 if not joined.added:
                     return HandleResult(Outcome.DUPLICATE, conversation_id=joined.conversation.id)
                 conversation = joined.conversation
@@ -411,6 +411,8 @@ class EventDispatcher:
         if conversation is None:
             await self._manager.store.mark_processed(root.id)
             return HandleResult(Outcome.IGNORED, "conversation_deleted", conversation_id)
+        if conversation.contains_event(root.id):
+            return HandleResult(Outcome.DUPLICATE, conversation_id=conversation_id)
         if conversation.archived:
             await self._manager.restore_conversation(conversation_id)
         if not await self._manager.add_event(conversation_id, root, backfill=True):
@@ -439,11 +441,16 @@ class EventDispatcher:
     async def stored_dispatches(self, event_ids: list[str]) -> list[str]:
         """Of the dispatches a crash interrupted, those whose event is stored (to :meth:`redispatch`);
         the others leave the journal: their events were never accepted, the relays deliver them
-        again."""
+        again. A stored one that started its conversation has that conversation's pointer written now
+        (:meth:`_repoint`), before the subscription brings the events that would look for it."""
         stored = []
         for event_id in event_ids:
-            if await self._manager.store.find_event(event_id) is not None:
+            found = await self._manager.store.find_event(event_id)
+            if found is not None:
                 stored.append(event_id)
+                started = await self._manager.get_conversation(event_id) if found[0] == event_id else None
+                if started is not None:
+                    await self._repoint(started)
             else:
                 self._scheduler.dispatched(event_id, at_once=True)
                 log.info("dispatch_dropped", event_id=event_id, reason="not stored")
@@ -469,6 +476,8 @@ class EventDispatcher:
         if conversation.is_ended and self._manager.agents.by_pubkey(event.pubkey) is not None:
             # an agent's reply that ended its conversation targets nobody
             result = HandleResult(Outcome.STORED, "conversation ended", conversation.id)
+        elif event_id == conversation.missing_root:  # a root that came after its thread: it runs nothing
+            result = HandleResult(Outcome.STORED, "late_root", conversation.id)
         else:
             result = await self._target(conversation.id, event, recovered=True)
         self._scheduler.dispatched(event_id, at_once=result.outcome is not Outcome.SCHEDULED)

@@ -19,7 +19,7 @@ store's lease on the same key, so two notes that arrive together never start two
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -122,8 +122,11 @@ class ConversationLifecycle:
         slug = "*" if target.via_orchestrator or target.agent.orchestrator else target.agent.slug
         return f"{slug}:{event.pubkey}"
 
-    async def join_channel(self, channel: str, event: NostrEvent) -> Joined:
-        """Add the note to the channel's open conversation, or start a new one (ending the old)."""
+    async def join_channel(
+        self, channel: str, event: NostrEvent, *, busy: Callable[[str], bool] | None = None
+    ) -> Joined:
+        """Add the note to the channel's open conversation, or start a new one (ending the old, unless
+        ``busy`` says a run in it is scheduled or under way: its answer is still to come there)."""
         key = channel_meta_key(channel)
         async with self._holding(key):
             store = self._manager.store
@@ -132,7 +135,7 @@ class ConversationLifecycle:
             now = self._manager.now_ms()
             idle_before = now - self.idle_timeout_ms
             if current is not None and not current.archived and not current.is_ended:
-                if current.last_activity <= idle_before:
+                if current.last_activity <= idle_before and not (busy is not None and busy(current.id)):
                     ended = await self._manager.end_conversation(
                         current.id, by=IDLE, reason=IDLE_TIMEOUT, idle_before=idle_before
                     )  # if not: a reply in its thread came meanwhile (the note joins), or it ended otherwise

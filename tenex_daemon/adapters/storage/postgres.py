@@ -138,7 +138,8 @@ def _key_prefix(prefix: str) -> tuple[str, list[str]]:
     stripped = prefix.rstrip(chr(0x10FFFF))
     if not stripped:  # no string is past them: the prefix alone
         return "starts_with(key, $1)", [prefix]
-    past = stripped[:-1] + chr(ord(stripped[-1]) + 1)
+    following = ord(stripped[-1]) + 1
+    past = stripped[:-1] + chr(0xE000 if 0xD800 <= following <= 0xDFFF else following)  # no surrogates
     return 'key COLLATE "C" >= $1 AND key COLLATE "C" < $2 AND starts_with(key, $1)', [prefix, past]
 
 _MIGRATION_LOCK = 0x7465_6E65_7864  # "tenexd": serializes migrations across daemons
@@ -223,9 +224,10 @@ class PostgresStore:
 
     @asynccontextmanager
     async def _connection(self, leased: str | None = None) -> AsyncIterator[Any]:
-        """A connection of the query pool, or (``leased``: a conversation's write) the one holding the
-        conversation's lease for this task, if it holds one; an error that says the database does not
-        answer (refused, reset, restarting, shut down) is raised as :class:`StoreUnavailableError`."""
+        """A connection of the query pool, or (``leased``: a conversation's write, or a small value's) the
+        one holding the lease on that id or key for this task, if it holds one; an error that says the
+        database does not answer (refused, reset, restarting, shut down) is raised as
+        :class:`StoreUnavailableError`."""
         held = None if leased is None else self._leased.get((asyncio.current_task(), leased))
         try:
             if held is not None:
@@ -499,8 +501,9 @@ class PostgresStore:
         return None if value is None else str(value)
 
     async def set_meta(self, key: str, value: str) -> None:
-        """Upsert the value."""
-        async with self._connection() as conn:
+        """Upsert the value (through the lease on ``key`` when this task holds one: a channel's or task's
+        pointer, chosen under it, is not written once the lease is lost)."""
+        async with self._connection(key) as conn:
             await conn.execute(
                 """INSERT INTO meta (key, value) VALUES ($1, $2)
                    ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value""",

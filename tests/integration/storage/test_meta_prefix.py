@@ -13,13 +13,15 @@ pytestmark = pytest.mark.integration
 KEYS = [
     "outbox.pending", "outbox.pending.p.a", "outbox.pending.p.b", "outbox.pendinh", "outbox.pendinf.x",
     "runs.pending.p.a", "thread.é.1", "thread.é", "thread.ê", "thread.e", "a" + chr(0x10FFFF) + "z",
+    "b" + chr(0xD7FF) + "x", "b" + chr(0xE000),
 ]
 
 
 async def test_keys_with_a_prefix_are_exactly_those_that_start_with_it_and_an_index_finds_them(
     postgres_server: PostgresServer,
 ) -> None:
-    """Among keys around each prefix's edges (the next letter, accents, the last code point), each prefix
+    """Among keys around each prefix's edges (the next letter, accents, the last code point, the code point
+    before the surrogates), each prefix
     finds exactly the keys starting with it; and with 20,000 other values stored, the query plan reads an
     index, not the whole table."""
     store = PostgresStore(await postgres_server.create_database())
@@ -29,7 +31,9 @@ async def test_keys_with_a_prefix_are_exactly_those_that_start_with_it_and_an_in
             await store.set_meta(key, "v")
         found = {
             prefix: await store.keys_with_prefix(prefix)
-            for prefix in ("outbox.pending.", "outbox.pending", "thread.é", "thread.", "a" + chr(0x10FFFF), "")
+            for prefix in (
+                "outbox.pending.", "outbox.pending", "thread.é", "thread.", "a" + chr(0x10FFFF), "b" + chr(0xD7FF), ""
+            )
         }
         async with store.pool.acquire() as conn:
             await conn.executemany(

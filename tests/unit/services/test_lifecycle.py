@@ -21,6 +21,7 @@ from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.testing.fakes import ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
+from tests.unit.services.test_stopping import GatedBackend
 
 MINUTE = 60_000
 HOUR = 60 * MINUTE
@@ -648,3 +649,56 @@ async def test_a_note_whose_channel_conversation_got_a_reply_as_it_was_being_end
     conversation = await rig.manager.get_conversation(first.conversation_id)
     assert conversation is not None
     assert not conversation.is_ended
+
+
+async def test_a_note_to_a_channel_whose_run_outlasts_the_idle_timeout_joins_that_conversation(cast: Cast) -> None:
+    """The channel conversation's run is still under way 31 minutes after the note that started it (a slow
+    run, or one recovered after downtime): the person's next note joins that conversation, where the
+    answer is still to come, rather than ending it and starting another."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    first = await rig.dispatcher.handle(cast.user_says("a long job", kind=1, tags=[["p", cast.alice.pubkey]]))
+    await backend.asked.wait()
+    rig.clock.advance(31 * MINUTE)
+
+    later = await rig.dispatcher.handle(cast.user_says("and another thing", kind=1, tags=[["p", cast.alice.pubkey]]))
+    backend.release.set()
+    await rig.settle()
+
+    assert later.conversation_id == first.conversation_id
+    assert first.conversation_id is not None
+    conversation = await rig.manager.get_conversation(first.conversation_id)
+    assert conversation is not None
+    assert not conversation.is_ended
+
+
+async def test_after_a_crash_the_channel_pointer_is_written_before_new_notes_come(cast: Cast) -> None:
+    """The process dies between a channel conversation's creation and its pointer's write; at the next start
+    the pointer is written while the interrupted dispatches are looked at, before the subscription brings
+    anything, so the person's next note joins that conversation even if it comes before the redone
+    dispatch."""
+    store = PointerWriteFails()
+    rig = pipeline.build_rig(cast, store=store)
+
+    def note(text: str) -> NostrEvent:
+        return cast.user_says(text, kind=1, tags=[["p", cast.alice.pubkey]])
+
+    await rig.dispatcher.handle(note("topic one"))
+    await rig.quiet()
+    rig.clock.advance(31 * MINUTE)
+    store.armed = "channel."
+    second = note("topic two, part 1")
+    with pytest.raises(OSError, match="died"):
+        await rig.dispatcher.handle(second)
+
+    restarted = pipeline.build_rig(cast, store=store, clock=rig.clock)
+    await restarted.scheduler.recover()
+    redo = await restarted.dispatcher.stored_dispatches(restarted.scheduler.dispatches_to_redo())
+    rig.clock.advance(MINUTE)
+    third = await restarted.dispatcher.handle(note("topic two, part 2"))
+    for event_id in redo:
+        await restarted.dispatcher.redispatch(event_id)
+    await restarted.settle()
+
+    assert redo == [second.id]
+    assert third.conversation_id == second.id

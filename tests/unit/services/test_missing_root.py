@@ -241,7 +241,8 @@ def note_reply_in(cast: Cast, root_id: str, text: str, parent_id: str) -> NostrE
 async def test_a_root_that_comes_after_its_reply_joins_the_conversation_the_reply_started(cast: Cast) -> None:
     """A person's kind-11 root, not found on the relays when its comment came, arrives later: it joins the
     conversation the comment started (written when it was), no second conversation is made for the thread
-    (both would describe it to clients), and no agent runs again for it."""
+    (both would describe it to clients), and no agent runs again for it, nor when its dispatch is redone
+    after a crash."""
     rig = pipeline.build_rig(cast, fetcher=NothingFound())
     root = cast.user_says("Plan the launch", kind=11, tags=[["p", cast.alice.pubkey]])
     tags = [["E", root.id, "", cast.user.pubkey], ["K", "11"], ["P", cast.user.pubkey],
@@ -259,4 +260,8 @@ async def test_a_root_that_comes_after_its_reply_joins_the_conversation_the_repl
     conversation = await rig.manager.get_conversation(reply.id)
     assert conversation is not None
     assert root.id in [event.id for event in conversation.history]
+    assert len([e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]) == 1
+    redone = await rig.dispatcher.redispatch(root.id)  # a crash before its dispatch was journaled as done
+    await rig.settle()
+    assert (redone.outcome, redone.reason) == (Outcome.STORED, "late_root")
     assert len([e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]) == 1

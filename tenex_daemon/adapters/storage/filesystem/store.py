@@ -609,7 +609,8 @@ class FileSystemStore:
     def commits_in_order(self) -> bool:
         """With ``batch`` yes: writes join the group-commit queue in call order, and a group is
         durable (journal fsync) before the next is written; while closing, on one thread, in
-        order too. With ``always`` each write fsyncs on a thread of its own: no order."""
+        order too. With ``always`` each write fsyncs on a thread of its own: in order only among
+        the writes of one file."""
         return self.fsync == "batch"
 
 
