@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, ToolResult
 from tenex_daemon.core.ports import ReplySpec
+from tenex_daemon.services.conversation_changes import clear_end
 from tenex_daemon.testing import KeyPair, sign_event
 
 
@@ -198,3 +200,32 @@ class RunLog:
     def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:
         """Record the publication."""
         self.published.append((agent_slug, trigger_id))
+
+
+class WriteBeforeLease(MemoryStore):
+    """A memory store in which one event is saved into a conversation just before a step of the manager
+    takes that conversation's lease (what another task, or another daemon, wrote between a check made
+    outside the lock and the step): ``write_before(conversation_id, event, now, reopens=...)`` arms it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._armed: tuple[str, NostrEvent, int, bool] | None = None
+
+    def write_before(self, cid: str, event: NostrEvent, now: int, *, reopens: bool = False) -> None:
+        """The next lease on conversation ``cid`` first saves ``event`` there, its last activity ``now``
+        (``reopens``: an ended conversation is reopened by it, as a person's message does)."""
+        self._armed = (cid, event, now, reopens)
+
+    @asynccontextmanager
+    async def lease(self, conversation_id: str) -> AsyncIterator[None]:
+        if self._armed is not None and self._armed[0] == conversation_id:
+            _, event, now, reopens = self._armed
+            self._armed = None
+            stored = await self.load(conversation_id)
+            assert stored is not None
+            state = stored.model_copy(deep=True)
+            if reopens:
+                clear_end(state)
+            state.activity_at = now
+            await self.append_event(conversation_id, event, state=state)
+        yield

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -18,7 +16,7 @@ from tenex_daemon.core.vocabulary import KIND_STOP, KIND_TASK
 from tenex_daemon.services.dispatcher import HandleResult, Outcome
 from tenex_daemon.services.lifecycle import channel_meta_key, task_meta_key
 from tenex_daemon.services.runs import RunRequest
-from tenex_daemon.testing.fakes import ScriptedBackend
+from tenex_daemon.testing.fakes import ScriptedBackend, WriteBeforeLease
 from tests import pipeline
 from tests.conftest import Cast
 from tests.unit.services.test_stopping import GatedBackend
@@ -549,29 +547,40 @@ class PointerWriteFails(MemoryStore):
         await super().set_meta(key, value)
 
 
+def note(cast: Cast, text: str) -> NostrEvent:
+    """The person's kind-1 note to Alice (a channel's)."""
+    return cast.user_says(text, kind=1, tags=[["p", cast.alice.pubkey]])
+
+
+async def a_channel_conversation_without_its_pointer(
+    cast: Cast,
+) -> tuple[pipeline.Rig, PointerWriteFails, HandleResult, NostrEvent]:
+    """A channel's first conversation, then (31 minutes on) a note that starts its second, whose pointer write
+    fails as a crash right after its creation would leave it: (rig, store, the first note's result, the
+    second note)."""
+    store = PointerWriteFails()
+    rig = pipeline.build_rig(cast, store=store)
+    first = await rig.dispatcher.handle(note(cast, "topic one"))
+    await rig.quiet()
+    rig.clock.advance(31 * MINUTE)
+    store.armed = "channel."
+    second = note(cast, "topic two, part 1")
+    with pytest.raises(OSError, match="died"):
+        await rig.dispatcher.handle(second)
+    return rig, store, first, second
+
+
 async def test_a_channel_conversation_whose_pointer_was_never_written_becomes_the_channels_on_redelivery(
     cast: Cast,
 ) -> None:
     """A new channel conversation is created but its pointer write fails (a crash): when the note comes again
     its dispatch is redone, the pointer is written then, and the person's next note a minute later joins
     that conversation rather than starting a third."""
-    store = PointerWriteFails()
-    rig = pipeline.build_rig(cast, store=store)
-
-    def note(text: str) -> NostrEvent:
-        return cast.user_says(text, kind=1, tags=[["p", cast.alice.pubkey]])
-
-    first = await rig.dispatcher.handle(note("topic one"))
-    await rig.quiet()
-    rig.clock.advance(31 * MINUTE)
-    store.armed = "channel."
-    second = note("topic two, part 1")
-    with pytest.raises(OSError, match="died"):
-        await rig.dispatcher.handle(second)
+    rig, _, first, second = await a_channel_conversation_without_its_pointer(cast)
     again = await rig.dispatcher.handle(second)  # the relay pool hands it over again
     await rig.quiet()
     rig.clock.advance(MINUTE)
-    third = await rig.dispatcher.handle(note("topic two, part 2"))
+    third = await rig.dispatcher.handle(note(cast, "topic two, part 2"))
     await rig.settle()
 
     assert first.conversation_id != second.id
@@ -610,37 +619,18 @@ async def test_a_task_session_whose_pointer_was_never_written_becomes_the_tasks_
     assert later.conversation_id == session.id
 
 
-class ReplyBeforeIdleEnd(MemoryStore):
-    """A store in which a person's reply in a conversation's thread is saved just before the conversation's
-    idle end takes its lease (after the channel found it idle)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reply_into: tuple[str, NostrEvent, int] | None = None
-
-    @asynccontextmanager
-    async def lease(self, conversation_id: str) -> AsyncIterator[None]:
-        if self.reply_into is not None and self.reply_into[0] == conversation_id:
-            _, reply, now = self.reply_into
-            self.reply_into = None
-            state = (await self.load(conversation_id)).model_copy(deep=True)  # type: ignore[union-attr]
-            state.activity_at = now
-            await self.append_event(conversation_id, reply, state=state)
-        yield
-
-
 async def test_a_note_whose_channel_conversation_got_a_reply_as_it_was_being_ended_joins_it(cast: Cast) -> None:
     """The channel's conversation looks idle to a new note, but a reply in its thread comes just before the
     idle end: it is not ended, and the note joins it (before, a second open conversation was started in
     the channel)."""
-    store = ReplyBeforeIdleEnd()
+    store = WriteBeforeLease()
     rig = pipeline.build_rig(cast, store=store)
     first = await rig.dispatcher.handle(cast.user_says("topic one", kind=1, tags=[["p", cast.alice.pubkey]]))
     await rig.quiet()
     assert first.conversation_id is not None
     rig.clock.advance(31 * MINUTE)
     in_thread = cast.user_says("one more thing", tags=[["e", first.conversation_id, "", "root"]])
-    store.reply_into = (first.conversation_id, in_thread, rig.clock.now)
+    store.write_before(first.conversation_id, in_thread, rig.clock.now)
 
     note = await rig.dispatcher.handle(cast.user_says("topic one, later", kind=1, tags=[["p", cast.alice.pubkey]]))
     await rig.settle()
@@ -677,25 +667,13 @@ async def test_after_a_crash_the_channel_pointer_is_written_before_new_notes_com
     the pointer is written while the interrupted dispatches are looked at, before the subscription brings
     anything, so the person's next note joins that conversation even if it comes before the redone
     dispatch."""
-    store = PointerWriteFails()
-    rig = pipeline.build_rig(cast, store=store)
-
-    def note(text: str) -> NostrEvent:
-        return cast.user_says(text, kind=1, tags=[["p", cast.alice.pubkey]])
-
-    await rig.dispatcher.handle(note("topic one"))
-    await rig.quiet()
-    rig.clock.advance(31 * MINUTE)
-    store.armed = "channel."
-    second = note("topic two, part 1")
-    with pytest.raises(OSError, match="died"):
-        await rig.dispatcher.handle(second)
+    rig, store, _, second = await a_channel_conversation_without_its_pointer(cast)
 
     restarted = pipeline.build_rig(cast, store=store, clock=rig.clock)
     await restarted.scheduler.recover()
     redo = await restarted.dispatcher.stored_dispatches(restarted.scheduler.dispatches_to_redo())
     rig.clock.advance(MINUTE)
-    third = await restarted.dispatcher.handle(note("topic two, part 2"))
+    third = await restarted.dispatcher.handle(note(cast, "topic two, part 2"))
     for event_id in redo:
         await restarted.dispatcher.redispatch(event_id)
     await restarted.settle()

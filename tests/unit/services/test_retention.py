@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 
@@ -14,11 +12,11 @@ from tenex_daemon import ConversationManager, MemoryStore
 from tenex_daemon.app.settings import ConversationSettings
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
-from tenex_daemon.services.conversation_changes import clear_end
 from tenex_daemon.services.outbox import every_outbox
 from tenex_daemon.services.retention import RetentionPolicy, Sweeper, SweepReport
 from tenex_daemon.services.threads import META_PREFIX, ThreadManager
 from tenex_daemon.testing import FakeClock
+from tenex_daemon.testing.fakes import WriteBeforeLease
 from tests.conftest import Cast
 
 MINUTE = 60_000
@@ -210,36 +208,16 @@ async def test_a_conversation_archived_by_hand_is_ended_once_idle(cast: Cast) ->
     assert found.is_ended
 
 
-class MessageBeforeArchive(MemoryStore):
-    """A store in which a person's message reopens a conversation just before its archive takes the lease
-    (after the sweep found it ended and idle)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.message_into: tuple[str, Cast, int] | None = None
-
-    @asynccontextmanager
-    async def lease(self, conversation_id: str) -> AsyncIterator[None]:
-        if self.message_into is not None and self.message_into[0] == conversation_id:
-            _, cast, now = self.message_into
-            self.message_into = None
-            state = (await self.load(conversation_id)).model_copy(deep=True)  # type: ignore[union-attr]
-            clear_end(state)
-            state.activity_at = now
-            await self.append_event(conversation_id, cast.user_says("I'm back, one more question"), state=state)
-        yield
-
-
 async def test_a_message_between_the_archive_search_and_the_archive_wins(cast: Cast) -> None:
     """An ended conversation inactive past archive_after_days gets a person's message, which reopens it,
     after the sweep found it and just before the archive: it is not archived (checked again under its
     lock), so no archived conversation is left open, and its run can save the reply."""
     clock = FakeClock()
-    store = MessageBeforeArchive()
+    store = WriteBeforeLease()
     manager = make_manager(cast, clock, store)
     cid = await ended_one(manager, clock, cast, "ended long ago")
     clock.advance(2 * DAY)
-    store.message_into = (cid, cast, clock.now)
+    store.write_before(cid, cast.user_says("I'm back, one more question"), clock.now, reopens=True)
 
     report = await sweeper(manager, archive_after_days=1).sweep_once()
 
@@ -298,34 +276,15 @@ async def test_a_conversation_whose_reply_still_waits_for_a_relay_is_not_deleted
     assert oldest not in await kept_ids(manager)
 
 
-class ReplyBeforeDelete(MemoryStore):
-    """A store in which an agent's reply is saved into a conversation just before its deletion takes the
-    lease (the reply does not reopen it, but it is new activity)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reply_into: tuple[str, Cast, int] | None = None
-
-    @asynccontextmanager
-    async def lease(self, conversation_id: str) -> AsyncIterator[None]:
-        if self.reply_into is not None and self.reply_into[0] == conversation_id:
-            _, cast, now = self.reply_into
-            self.reply_into = None
-            state = (await self.load(conversation_id)).model_copy(deep=True)  # type: ignore[union-attr]
-            state.activity_at = now
-            await self.append_event(conversation_id, cast.alice_says("the reply, saved at last"), state=state)
-        yield
-
-
 async def test_a_reply_saved_just_before_the_deletion_keeps_the_conversation(cast: Cast) -> None:
     """Beyond max_retained, the ended conversation the sweep chose gets its agent's reply just before the
     deletion takes its lock: it is kept (its last activity moved), not deleted with the reply."""
     clock = FakeClock()
-    store = ReplyBeforeDelete()
+    store = WriteBeforeLease()
     manager = make_manager(cast, clock, store)
     oldest = await ended_one(manager, clock, cast, "its reply comes late")
     await ended_one(manager, clock, cast, "newer")
-    store.reply_into = (oldest, cast, clock.now)
+    store.write_before(oldest, cast.alice_says("the reply, saved at last"), clock.now)
 
     report = await sweeper(manager, max_retained=1).sweep_once()
 
