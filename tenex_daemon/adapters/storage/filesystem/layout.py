@@ -46,6 +46,11 @@ def check_event_id(event_id: str) -> None:
         raise ValueError(f"event id {event_id!r} is empty or contains whitespace")
 
 
+def meta_name(key: str) -> str:
+    """The name of a small value's file in the ``.meta`` folder."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".json"
+
+
 def archive_twin(folder: Path) -> Path:
     """The other place a conversation folder can be: under ``archive/``, or back out of it."""
     if folder.parent.name == ARCHIVE_DIR:
@@ -94,7 +99,7 @@ class Layout:
 
     def meta_path(self, key: str) -> Path:
         """The file of one small value."""
-        return self.meta_dir / (hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".json")
+        return self.meta_dir / meta_name(key)
 
     def make_folders(self) -> None:
         """Create the home's fixed folders (the root must exist)."""

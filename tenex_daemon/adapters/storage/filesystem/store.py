@@ -39,6 +39,7 @@ from tenex_daemon.adapters.storage.filesystem.layout import (
     Layout,
     check_event_id,
     check_id,
+    meta_name,
 )
 from tenex_daemon.adapters.storage.filesystem.lock import StoreOpenError, lock_home, unlock_home
 from tenex_daemon.adapters.storage.filesystem.logfile import encode_event
@@ -116,8 +117,8 @@ class FileSystemStore:
         self._live_paths: dict[str, tuple[Path, Path]] = {}
         self._meta_paths: dict[str, Path] = {}
         self._meta_files: set[str] = set()
-        """The names of the small values' files that may exist (listed at open, added to by each save): a
-        value never saved is answered without reading the disk (every new root asks for one)."""
+        """The names of the small values' files that may exist or be held (listed at open, added to by each
+        save): a value never saved is answered without the disk (every new root asks for one)."""
         self._owned_values: dict[str, set[str]] = {}
         """Conversation id -> keys of the small values that belong to it (its delegation threads):
         those set since open, and (once a deletion needed them) those found on disk."""
@@ -566,14 +567,14 @@ class FileSystemStore:
     async def get_meta(self, key: str) -> str | None:
         """Return the value stored under ``key``, if any."""
         self._require_open()
+        if meta_name(key) not in self._meta_files:
+            return None  # never saved (a saved one's name is there before it is held or written)
         path = self._meta_path(key)
         held = self._committer.held_value(path)
         if held is None:
             return None  # erased; its file goes at the journal's checkpoint
         if isinstance(held, bytes):
             data = held  # newer than the file: written at the journal's checkpoint
-        elif path.name not in self._meta_files:
-            return None  # never saved: no file to read
         else:
             try:
                 data = await asyncio.to_thread(path.read_bytes)
