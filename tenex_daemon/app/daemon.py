@@ -160,7 +160,7 @@ class Daemon:
         self.instance = settings.daemon.instance_id or uuid.uuid4().hex[:12]
         """This daemon's name among those sharing a PostgreSQL database."""
         self._peers: Peers | None = None
-        self._peer_free_since: dict[str, float] = {}
+        self._peer_free_since: dict[str, tuple[float, int]] = {}
         """Peers whose name was found free, and since when (monotonic); see ``_believed_dead``."""
         self._lifetime = contextlib.AsyncExitStack()
         self.pipeline: Pipeline | None = None
@@ -669,17 +669,18 @@ class Daemon:
                 self._spawn(self._redispatch(stored), f"redispatch of {instance or 'unnamed'}")
 
     def _believed_dead(self, instance: str, free: bool) -> bool:
-        """Whether a peer whose name is ``free`` now is dead: its name must have been found free at
-        every look for ``PEER_GRACE_S`` (a look that failed starts the count again: a database restart
-        frees every name at once, and live daemons take theirs again within about a second)."""
-        if not free:
-            self._peer_free_since.pop(instance, None)
-            return False
-        now = time.monotonic()
-        if now - self._peer_free_since.setdefault(instance, now) < PEER_GRACE_S:
-            return False
-        del self._peer_free_since[instance]
-        return True
+        """Whether a peer whose name is ``free`` now is dead: its name must have been found free at every
+        look for ``PEER_GRACE_S`` while this daemon kept its own (a database restart frees every name at
+        once, and live daemons take theirs again within about a second: a failed look, or this daemon's
+        own name lost meanwhile, starts the count again)."""
+        assert self._peers is not None
+        now, lost = time.monotonic(), self._peers.names_lost
+        since, lost_then = self._peer_free_since.pop(instance, (now, lost))
+        if free and lost == lost_then and now - since >= PEER_GRACE_S:
+            return True
+        if free:  # the count goes on (from now, if this daemon's own name was lost meanwhile)
+            self._peer_free_since[instance] = (since, lost) if lost == lost_then else (now, lost)
+        return False
 
     async def _redispatch(self, event_ids: list[str]) -> None:
         """Finish the dispatches a crash interrupted (each may ask the orchestrator's model); one

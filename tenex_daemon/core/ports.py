@@ -120,6 +120,10 @@ class Peers(Protocol):
         ``on_lost``, the lock is kept through a database restart (taken again), and ``on_lost`` is called
         if another took it meanwhile."""
 
+    names_lost: int
+    """How many times a name this store keeps (:meth:`alive`) was lost and had to be taken again: a
+    database restart frees every name at once, so a peer's name seen free meanwhile proves nothing."""
+
     async def keys_with_prefix(self, prefix: str) -> list[str]:
         """The small values' keys that start with ``prefix``."""
 

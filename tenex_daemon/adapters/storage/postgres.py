@@ -210,6 +210,7 @@ class PostgresStore:
         self._pool: asyncpg.Pool | None = None
         self._lease_pool: asyncpg.Pool | None = None
         self._name_pool: asyncpg.Pool | None = None
+        self.names_lost = 0  # the Peers port's: each name :meth:`alive` lost and takes again
         self._leased: dict[tuple[asyncio.Task[Any] | None, str], Any] = {}
         """(task, conversation id) -> the connection holding that conversation's lease for that task: the
         task's writes to the conversation go through it, so a lease lost with its connection (a database
@@ -563,6 +564,7 @@ class PostgresStore:
                 if not first.done():
                     first.set_exception(error)
                     return
+                self.names_lost += 1
                 log.warning("postgres_name_lost", name=name, error=repr(error))
             await asyncio.sleep(NAME_RETRY_S)
 

@@ -222,6 +222,7 @@ class CountingPeers:
         self.store = store
         self.held = 0
         self.most_held = 0
+        self.names_lost = 0
 
     @asynccontextmanager
     async def try_take(self, name: str, on_lost: Callable[[], None] | None = None) -> AsyncIterator[bool]:

@@ -17,6 +17,7 @@ class LeasePeers:
 
     def __init__(self) -> None:
         self.on_lost: dict[str, Callable[[], None]] = {}
+        self.names_lost = 0
 
     @asynccontextmanager
     async def try_take(self, name: str, on_lost: Callable[[], None] | None = None) -> AsyncIterator[bool]:
