@@ -277,7 +277,7 @@ class AgentRunner:
         self, request: RunRequest, conversation: Conversation, index: int, agent_pubkey: str
     ) -> bool:
         """Whether the run has nothing to do: its agent answered its trigger already (that answer goes
-        out again), or it was left journaled and a person stopped it since."""
+        out again), or a person stopped it since its trigger came."""
         cid = conversation.id
         trigger = conversation.history[index]
         if request.recovered:
@@ -300,8 +300,9 @@ class AgentRunner:
             # message to the agent already, in an answer saved since (docs/CONTEXT.md, "Bursts")
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="shown in a later run")
             return True
-        if request.recovered and stopped_since(conversation, trigger, request.agent_slug):
-            # left journaled by a crash or a dead daemon, and stopped by a person since its trigger came
+        if stopped_since(conversation, trigger, request.agent_slug):
+            # stopped by a person since its trigger came: left journaled by a crash or a dead daemon, or
+            # routed to by an orchestrator that was still deciding when the stop came
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="stopped")
             if request.via_orchestrator:  # the orchestrator's open turn no longer waits for it
                 await self._manager.add_completion_to_turn(cid, request.agent_slug, STOPPED_COMPLETION)

@@ -13,10 +13,12 @@ import pytest
 
 from tenex_daemon import MemoryStore, NostrEvent
 from tenex_daemon.core.conversation import Conversation
-from tenex_daemon.core.llm import CompletionRequest, CompletionResult
-from tenex_daemon.core.stops import STOPS_KEPT, STOPS_KEY, stopped_since, with_stop
-from tenex_daemon.core.vocabulary import KIND_STOP
+from tenex_daemon.core.llm import CompletionRequest, CompletionResult, ToolCall
+from tenex_daemon.core.stops import STOPPED_COMPLETION, STOPS_KEPT, STOPS_KEY, stopped_since, with_stop
+from tenex_daemon.core.vocabulary import KIND_STOP, TOOL_COMPLETE
+from tenex_daemon.services.agent_runner import AgentProfile
 from tenex_daemon.services.dispatcher import Outcome
+from tenex_daemon.services.orchestrator import RoutingDecision
 from tenex_daemon.services.outbox import OUTBOX_KEY
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, saving_reply
 from tenex_daemon.services.stopping import (
@@ -28,7 +30,7 @@ from tenex_daemon.services.stopping import (
     stop_without_daemon,
 )
 from tenex_daemon.testing import FakeClock, KeyPair
-from tenex_daemon.testing.fakes import PeerBus
+from tenex_daemon.testing.fakes import PeerBus, ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
 
@@ -367,6 +369,57 @@ async def test_a_stopped_routed_agent_no_longer_holds_the_orchestrators_turn_ope
     assert conversation.open_turn() is None
     turn = conversation.orchestrator_turns[-1]
     assert [(c.agent, c.message) for c in turn.completions] == [("alice", "Stopped before answering.")]
+
+
+class HeldRouting:
+    """An orchestrator that routes the person's message to Alice at once, and holds its routing of her
+    completion (a model's call, in a daemon) until released, then sends Bob."""
+
+    def __init__(self) -> None:
+        self.routings = 0
+        self.deciding = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def route(self, conversation: Conversation, trigger: NostrEvent) -> RoutingDecision:
+        """Alice first; then, once released, Bob."""
+        self.routings += 1
+        if self.routings == 1:
+            return RoutingDecision(("alice",), "first")
+        self.deciding.set()
+        await self.release.wait()
+        return RoutingDecision(("bob",), "then bob")
+
+
+async def test_a_stop_while_the_orchestrator_routes_a_saved_reply_keeps_the_next_agent_from_running(
+    cast: Cast,
+) -> None:
+    """A stop that comes after Alice's completion is saved, while the orchestrator is still deciding who works
+    next, stops the agent it then routes to: Bob never runs and nothing of his is saved or published, and the
+    orchestrator's turn counts him as stopped rather than waiting for him."""
+    completes = CompletionResult(text="", tool_calls=(ToolCall("c1", TOOL_COMPLETE, {"summary": "done"}),))
+    alice = ScriptedBackend([completes, CompletionResult(text="done")])
+    bob = ScriptedBackend([CompletionResult(text="bob ran after the stop")])
+    routing = HeldRouting()
+    profiles = {"alice": AgentProfile(cast.alice, "", alice), "bob": AgentProfile(cast.bob, "", bob)}
+    composer = pipeline.real_composer(cast)  # a completion reaches the orchestrator by its tags
+    rig = pipeline.build_rig(cast, profiles=profiles, composer=composer, orchestrator=lambda m: routing, hop_limit=6)
+    root = cast.user_says("Build it", kind=11)  # nobody p-tagged: the orchestrator routes it
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(routing.deciding.wait(), 5)
+
+    await rig.dispatcher.handle(stop_request(cast, cast.user, root))
+    routing.release.set()
+    await rig.quiet()  # Alice's run ends once her completion is routed (Bob's run, scheduled then, too)
+    await rig.settle()
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert bob.requests == []
+    assert cast.bob.pubkey not in {e.pubkey for e in conversation.history}
+    assert cast.bob.pubkey not in {e.pubkey for e in rig.publisher.published}
+    assert conversation.open_turn() is None
+    completions = [(c.agent, c.message) for c in conversation.orchestrator_turns[-1].completions]
+    assert ("bob", STOPPED_COMPLETION) in completions
 
 
 async def test_a_stop_through_one_daemon_stops_the_run_another_daemon_holds(cast: Cast) -> None:
