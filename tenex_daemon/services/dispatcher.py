@@ -628,16 +628,18 @@ class EventDispatcher:
                 phase=decision.phase,
             )
             return HandleResult(Outcome.STORED, stop.value, cid)
+        # the model's words about a private conversation stay out of the logs (docs/PROTOCOL.md, "Private")
+        reason = None if conversation.private else decision.reason
         log.info(
             "routing_decision",
             conversation_id=cid,
             trigger=event.id,
             agents=list(decision.agents),
             phase=decision.phase,
-            reason=decision.reason,
+            reason=reason,
         )
         if decision.is_end:
-            log.info("routing_ended", conversation_id=cid, reason=decision.reason)
+            log.info("routing_ended", conversation_id=cid, reason=reason)
             await self._save_limits(cid, stored)
             return HandleResult(Outcome.STORED, RoutingStop.END.value, cid)
         phase = await self._apply_phase(conversation, decision)
@@ -652,7 +654,7 @@ class EventDispatcher:
         )
         for slug in decision.agents:
             await self._scheduler.submit(RunRequest(cid, event.id, slug, via_orchestrator=True))
-        return HandleResult(Outcome.SCHEDULED, decision.reason, cid, decision.agents)
+        return HandleResult(Outcome.SCHEDULED, reason, cid, decision.agents)
 
     async def _save_limits(self, conversation_id: str, stored: dict[str, Any]) -> None:
         """Store the conversation's routing limits when they differ from ``stored`` (as loaded)."""

@@ -211,6 +211,10 @@ def orchestrator_system_prompt(
     return f"{prompt}\n\n{instructions}" if instructions else prompt
 
 
+END_REFUSED: Final = (
+    "a person just wrote in this conversation and must get an answer, so END is not possible now"
+)
+"""Why an END answering a person's message is refused (the model is told their message too)."""
 ANSWER_AGAIN: Final = (
     "Your answer was not a valid routing decision: {error}. "
     'Answer again with exactly one JSON object: {{"agents": [...], "phase": ..., "reason": "..."}} '
@@ -315,19 +319,16 @@ class LLMOrchestrator:
                 return await self._fallback.route(conversation, trigger)
             try:
                 decision = parse_routing_answer(text, self._known, self._phases)
-                if decision.is_end and from_user:
-                    raise AnswerError(
-                        "a person just wrote in this conversation and must get an answer, so END is "
-                        f"not possible now; their message: {_quote(trigger.content)}"
-                    )
-                return decision
             except AnswerError as exc:
-                error = str(exc)
-                log.info("orchestrator_answer_invalid", conversation_id=cid, attempt=attempt, error=error)
-                messages += [
-                    ChatMessage("assistant", text),
-                    ChatMessage("user", ANSWER_AGAIN.format(error=error)),
-                ]
+                error = told = str(exc)
+            else:
+                if not (decision.is_end and from_user):
+                    return decision
+                # the person's words go to the model only: the error is logged, and a private one's are not
+                error = END_REFUSED
+                told = f"{END_REFUSED}; their message: {_quote(trigger.content)}"
+            log.info("orchestrator_answer_invalid", conversation_id=cid, attempt=attempt, error=error)
+            messages += [ChatMessage("assistant", text), ChatMessage("user", ANSWER_AGAIN.format(error=told))]
         log.warning(
             "orchestrator_answer_rejected",
             conversation_id=cid,

@@ -11,9 +11,11 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import structlog.testing
 from nostr_sdk import Keys, PublicKey, UnsignedEvent, nip59_make_gift_wrap
 from pydantic import ValidationError
 
+from tenex_daemon import ConversationManager
 from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
 from tenex_daemon.adapters.nostr.metadata_event import ConversationMetadataComposer
 from tenex_daemon.adapters.nostr.private import GiftWraps, OpenedWrap, PrivateReplyComposer, make_rumor
@@ -21,9 +23,10 @@ from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.settings import AnswerMode, DaemonSettings
 from tenex_daemon.core.classify import EventClass
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.llm import ToolCall, ToolResult
+from tenex_daemon.core.llm import CompletionResult, ToolCall, ToolResult
 from tenex_daemon.services.descriptions import DescriptionJobs
 from tenex_daemon.services.dispatcher import Outcome
+from tenex_daemon.services.orchestrator import LLMOrchestrator, RuleBasedOrchestrator
 from tenex_daemon.services.private_messages import (
     AGENT_PRIVATE_COPY,
     PRIVATE_MESSAGES_OFF,
@@ -227,6 +230,35 @@ async def test_a_private_conversation_is_never_described_nor_its_title_published
     assert model.requests == []
     assert [e.kind for e in rig.publisher.published] == [14]
     await rig.settle()
+
+
+async def test_nothing_a_private_conversation_says_reaches_the_logs_through_its_routing(cast: Cast) -> None:
+    """A private message routed by a model: its END answer is refused with the person's message quoted to
+    the model only, and neither that message nor the model's reason for choosing Alice (which speaks of it)
+    is in any log line; a public conversation's routing reason is still logged."""
+    said, why = "my test results came back", "they ask about their test results"
+    end = CompletionResult(text='{"agents": ["END"], "reason": "nothing to do"}')
+    model = ScriptedBackend([end, CompletionResult(text=json.dumps({"agents": ["alice"], "reason": why}))])
+
+    def orchestrator(manager: ConversationManager) -> LLMOrchestrator:
+        return LLMOrchestrator(manager, model, RuleBasedOrchestrator(manager.agents, "alice"), default_agent="alice")
+
+    rig, intake = private_rig(cast, orchestrator=orchestrator)
+    with structlog.testing.capture_logs() as logs:
+        await rig.dispatcher.handle(admitted(intake, wrap(cast.user, cast.orchestrator.pubkey, said)))
+        await rig.quiet()
+    await rig.settle()
+
+    assert said in str(model.requests[1].messages[-1])  # the model was told what it must answer
+    assert [entry.get("reason") for entry in logs if entry["event"] == "routing_decision"] == [None]
+    assert not [entry for entry in logs if said in repr(entry) or why in repr(entry)]
+
+    public = build_rig(cast, orchestrator=orchestrator)
+    with structlog.testing.capture_logs() as logs:
+        await public.dispatcher.handle(cast.user_says("a public question", kind=11))
+        await public.quiet()
+    await public.settle()
+    assert [entry.get("reason") for entry in logs if entry["event"] == "routing_decision"] == [why]
 
 
 def test_rebuilding_replays_the_rumors_into_the_conversations_the_daemon_made(cast: Cast) -> None:
