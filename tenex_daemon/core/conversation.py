@@ -14,7 +14,7 @@ from tenex_daemon.core.phases import Phase, PhaseTransition
 from tenex_daemon.core.references import find_event_references
 from tenex_daemon.core.thread_tags import read_threading
 from tenex_daemon.core.turns import OrchestratorTurn
-from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_PRIVATE_MESSAGE
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_PRIVATE_MESSAGE, TAG_SUBJECT
 
 UNTITLED = "Untitled Conversation"
 TASK_SESSION_EXPIRED = "task_session_expired"
@@ -212,6 +212,17 @@ class Conversation(BaseModel):
         """Whether it is a NIP-17 private conversation (its root a kind-14 rumor): its history is stored
         decrypted, and nothing of it is published in the clear (replies go out gift-wrapped)."""
         return self.root_kind == KIND_PRIVATE_MESSAGE
+
+    def subject(self) -> str | None:
+        """A private conversation's subject: its newest ``subject`` tag (NIP-17: a chat's subject is the
+        newest one given, so a reply carrying an older one would rename the chat back); None when public."""
+        if not self.private:
+            return None
+        for event in reversed(self.history):
+            for tag in event.tags:
+                if len(tag) > 1 and tag[0] == TAG_SUBJECT:
+                    return tag[1]
+        return None
 
     @property
     def is_ended(self) -> bool:

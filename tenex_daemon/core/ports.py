@@ -210,6 +210,8 @@ class ReplySpec:
     task_id: str | None = None
     """The kind-1934 task the conversation is a session of: a later session's root is the person's
     comment in the task's thread, and the reply takes the task as its root so it shows there too."""
+    subject: str | None = None
+    """A private conversation's subject (:meth:`Conversation.subject`), which its rumors carry."""
     missing_root: str | None = None
     """The thread root the conversation's first event (a reply) names when no relay gave it and that
     reply started the conversation (:attr:`Conversation.missing_root`): the reply takes the root that

@@ -376,6 +376,7 @@ class AgentRunner:
                 root=conversation.root,
                 task_id=conversation.task_id,
                 missing_root=conversation.missing_root,
+                subject=conversation.subject(),
                 content=result.text,
                 destinations=tuple(destinations),
                 phase=conversation.phase.value,

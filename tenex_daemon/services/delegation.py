@@ -269,6 +269,7 @@ class Delegation:
             root=conversation.root,
             task_id=conversation.task_id,
             missing_root=conversation.missing_root,
+            subject=conversation.subject(),
             content=content,
             destinations=destinations,
             phase=conversation.phase.value,

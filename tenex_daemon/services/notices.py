@@ -31,6 +31,7 @@ def compose_notice(
         root=conversation.root,
         task_id=conversation.task_id,
         missing_root=conversation.missing_root,
+        subject=conversation.subject(),
         content=content,
         destinations=(user_destination(conversation, trigger, manager),),
         phase=conversation.phase.value,

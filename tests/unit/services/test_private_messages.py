@@ -129,6 +129,20 @@ async def test_private_messages_continue_by_channel_and_by_reply(cast: Cast) -> 
     await rig.settle()
 
 
+async def test_an_answer_carries_the_newest_subject_the_person_gave_the_chat(cast: Cast) -> None:
+    """The person names the chat, renames it, then writes without a subject: each answer carries the newest
+    subject (NIP-17 clients show the newest one, so an answer with the first would rename the chat back)."""
+    rig, intake = private_rig(cast)
+    alice = cast.alice.pubkey
+    for at, text, subject in [(0, "first", "Old topic"), (10, "renaming", "New topic"), (20, "third", None)]:
+        tags = [["p", alice], *([["subject", subject]] if subject else [])]
+        await rig.dispatcher.handle(admitted(intake, wrap(cast.user, alice, text, tags=tags, at=1_790_000_000 + at)))
+        await rig.quiet()
+    await rig.settle()
+
+    assert [e.tag_value("subject") for e in rig.publisher.published] == ["Old topic", "New topic", "New topic"]
+
+
 async def test_a_strangers_private_message_is_ignored_and_the_same_rumor_is_taken_once(cast: Cast) -> None:
     """The allow-list applies to the unwrapped author: a stranger's private message stores nothing and runs
     nobody; the owner's rumor delivered in two wraps (a resend) is one event."""

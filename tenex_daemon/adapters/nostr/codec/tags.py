@@ -422,12 +422,15 @@ def metadata_tags(
 
 def private_reply_tags(spec: ReplySpec) -> Tags:
     """The tags of an agent's kind-14 rumor (a reply in a private conversation): one ``p`` per
-    destination, ``e`` replying to the trigger, the conversation's ``subject`` if it has one, and the
-    tags the daemon reads back (completion, error, delegation). Nothing else: the rumor is private, and
-    clients show only these."""
+    destination, ``e`` replying to the trigger, the conversation's ``subject`` if it has one (its newest),
+    and the tags the daemon reads back (completion, error, delegation). Nothing else: the rumor is private,
+    and clients show only these."""
     tags = _pubkey_tags(spec.destinations)
     tags.append([TAG_EVENT, spec.trigger.id, "", MARKER_REPLY])
-    subject = spec.trigger.tag_value(TAG_SUBJECT) or (spec.root.tag_value(TAG_SUBJECT) if spec.root else None)
+    subject = spec.subject
+    if subject is None:  # a spec not made from a conversation: its trigger's, else its root's
+        root = spec.root.tag_value(TAG_SUBJECT) if spec.root else None
+        subject = spec.trigger.tag_value(TAG_SUBJECT) or root
     if subject:
         tags.append([TAG_SUBJECT, subject])
     if spec.complete:
