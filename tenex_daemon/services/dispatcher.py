@@ -628,7 +628,8 @@ class EventDispatcher:
                 phase=decision.phase,
             )
             return HandleResult(Outcome.STORED, stop.value, cid)
-        # the model's words about a private conversation stay out of the logs (docs/PROTOCOL.md, "Private conversations")
+        # the model's words about a private conversation stay out of the logs
+        # (docs/PROTOCOL.md, "Private conversations")
         reason = None if conversation.private else decision.reason
         log.info(
             "routing_decision",
