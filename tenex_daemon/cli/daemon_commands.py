@@ -75,7 +75,7 @@ def init(
     if as_json:
         print_json(result.to_dict())
         return
-    out.print(f"Initialized tenexd home [bold]{result.home}[/bold]")
+    out.print(Text.assemble("Initialized tenexd home ", (str(result.home), "bold")))
     table = Table(title="Identities (public keys)")
     for column in ("who", "npub", "hex"):
         table.add_column(column, overflow="fold")

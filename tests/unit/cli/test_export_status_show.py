@@ -140,3 +140,21 @@ def test_show_labels_the_title_source_as_the_titles_not_the_summarys(home: Path)
     assert "title source: tag" in lines
     assert "summary: They planned a picnic." in lines
     assert "summary (" not in shown
+
+
+def test_words_that_look_like_rich_markup_are_printed_as_written(home: Path) -> None:
+    """A title and an end reason holding square brackets (a person's or a model's words) are printed as they
+    are by `conversations list`, `search` and `show`: "[/oops]" raises nothing, "[draft]" does not vanish."""
+    title = "[/oops] Plan [draft] trip"
+    picnic = seed_conversation(home, title, "Plan a picnic")
+    assert tenexd(home, "conversations", "end", picnic, "--reason", "done [/x] [bold]")[0] == 0
+
+    listed = tenexd(home, "conversations", "list")
+    found = tenexd(home, "conversations", "search", "trip")
+    shown = tenexd(home, "conversations", "show", picnic)
+
+    assert (listed[0], found[0], shown[0]) == (0, 0, 0)
+    assert title in listed[1]
+    assert title in found[1]
+    assert title in shown[1]
+    assert "done [/x] [bold]" in shown[1]
