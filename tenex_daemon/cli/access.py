@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
@@ -29,6 +30,7 @@ from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.personas import persona_specs
 from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.app.wiring import build_store, routing_system_prompt
+from tenex_daemon.cli.listeners import listener_uids
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
@@ -370,6 +372,8 @@ async def _tcp_session(settings: Settings) -> tuple[aiohttp.ClientSession, str] 
     if token is None:
         return None
     base_url = f"http://127.0.0.1:{port}"
+    if not _daemons_user_listens(port, token_path, base_url):
+        return None
     session = aiohttp.ClientSession(
         headers={"Authorization": f"Bearer {token}"}, timeout=aiohttp.ClientTimeout(total=API_TIMEOUT_S)
     )
@@ -380,6 +384,25 @@ async def _tcp_session(settings: Settings) -> tuple[aiohttp.ClientSession, str] 
     if status in (401, 403):
         raise AccessError(f"the daemon on {base_url} refused the token in {token_path} (HTTP {status})", 503)
     return None
+
+
+def _daemons_user_listens(port: int, token_path: Path, base_url: str) -> bool:
+    """Whether the token may go to ``port``: False when nobody listens there; AccessError (503) when another
+    user than the token file's owner (the daemon's user) listens there too (:mod:`.listeners`)."""
+    uids = listener_uids(port)
+    if uids is None:  # not Linux: who listens cannot be told
+        return True
+    if not uids:
+        return False
+    owner = token_path.stat().st_uid
+    if uids != {owner}:
+        others = ", ".join(str(uid) for uid in sorted(uids - {owner}))
+        raise AccessError(
+            f"{base_url} is listened on by uid {others}, not by the daemon's user (uid {owner}, owner of "
+            f"{token_path}): the token is not sent there",
+            503,
+        )
+    return True
 
 
 async def _daemon_session(settings: Settings) -> tuple[aiohttp.ClientSession, str] | None:

@@ -3,6 +3,7 @@ requests (DNS rebinding, cross-site POST); the Unix socket is unchanged; bodies 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from tenex_daemon import ConversationManager, NostrEvent
 from tenex_daemon.app.control_api import ControlServer, create_app
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.settings import ControlSettings, load_settings
+from tenex_daemon.cli import listeners
 from tenex_daemon.cli.access import AccessError, open_access
 from tenex_daemon.cli.main import app as cli_app
 from tenex_daemon.testing import KeyPair
@@ -203,6 +205,49 @@ async def test_cli_reaches_the_daemon_over_tcp_with_the_token(
 
     assert access.via == "control API"
     assert [row["id"] for row in rows] == [root.id]
+
+
+async def test_cli_never_sends_the_token_to_a_port_another_user_listens_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the daemon down and another user listening on control.tcp_port (as the kernel's table of
+    sockets says), the CLI fails naming that user and the listener receives no token; nobody listening
+    at all is no daemon, and the CLI goes to the store."""
+    home = tmp_path / "home"
+    result = CliRunner().invoke(cli_app, ["--home", str(home), "init", "--owner", KeyPair.from_seed(5).npub])
+    assert result.exit_code == 0, result.stdout
+    settings = load_settings(home)
+    settings.control_token_path.parent.mkdir(parents=True, exist_ok=True)
+    settings.control_token_path.write_text("t" * 43)
+    os.chmod(settings.control_token_path, 0o600)
+    received = bytearray()
+
+    async def squatter(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.extend(await reader.read(65536))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(squatter, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    stranger = settings.control_token_path.stat().st_uid + 1
+    table = tmp_path / "tcp"
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    table.write_text(header + f"   0: 0100007F:{port:04X} 00000000:0000 0A 00000000:00000000 00:00000000 00000000 "
+                     f"{stranger:5d}        0 1 1 0 100 0 0 10 0\n")
+    monkeypatch.setattr(listeners, "PROC_NET_TCP", (table,))
+    control = ControlSettings(socket=str(tmp_path / "nobody.sock"), tcp_port=port)
+    settings = settings.model_copy(update={"control": control})
+    async with server:
+        with pytest.raises(AccessError, match=f"uid {stranger}, not by the daemon's user"):
+            async with open_access(settings):
+                pass
+        table.write_text(header)  # nobody listens on the port
+        async with open_access(settings) as access:
+            via = access.via
+
+    assert received == b""
+    assert via == "store"
 
 
 async def test_cli_names_the_token_file_when_the_daemon_refuses_it(
