@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -95,6 +95,10 @@ class BackendSettings(_Section):
         return self
 
 
+RESERVED_SLUGS: Final = frozenset({"owner", "project", "import"})
+"""The home's other key files (``keys/<name>.key``), which an agent's would overwrite or be taken for."""
+
+
 class AgentSettings(_Section):
     """One agent of the project. Its secret key lives in ``keys/<slug>.key`` (mode 0600)."""
 
@@ -115,6 +119,8 @@ class AgentSettings(_Section):
         (``<conversation>__<agent>__<agent>``, docs/ARCHITECTURE.md, "Delegation threads")."""
         if KEY_SEPARATOR in slug:
             raise ValueError(f"a slug must not contain {KEY_SEPARATOR!r} (it separates names in thread keys)")
+        if slug in RESERVED_SLUGS:
+            raise ValueError(f"{slug!r} is not an agent's slug: keys/{slug}.key holds the {slug}'s key")
         return slug
 
 

@@ -202,6 +202,12 @@ def send(
         agents = load_agents(settings)
     except KeyFileError as exc:
         fail(str(exc), EXIT_USAGE)
+    if settings.owner is not None and owner.pubkey != settings.owner:
+        fail(  # the daemon would refuse what it signs (author_not_allowed), and no answer would ever come
+            f"the owner secret in {settings.owner_key_path} is {owner.pubkey}, but the owner in "
+            f"{settings.config_path} is {settings.owner}: put back the key, or the owner, that belongs there",
+            EXIT_USAGE,
+        )
     if to is not None:
         try:  # a mistyped --to is bad input, said before any relay is tried
             addressed_agent(agents, to, settings.default_agent_slug)

@@ -135,6 +135,20 @@ def test_agents_add_creates_a_key_and_lists_it(home: Path) -> None:
     assert stat.S_IMODE(key_files[0].stat().st_mode) == 0o600
 
 
+@pytest.mark.parametrize("slug", ["owner", "project", "import"])
+def test_agents_add_refuses_the_names_of_the_homes_other_keys(home: Path, slug: str) -> None:
+    """`agents add owner` (or project, import) exits 2: the agent's key file would be the owner's, the
+    project's or the importer's, which send, the daemon and migrate read as theirs; nothing is written."""
+    keys = {p.name: p.read_bytes() for p in (home / "keys").iterdir()}
+    config = (home / "config.toml").read_text()
+
+    code, out = tenexd(home, "agents", "add", slug)
+
+    assert code == 2, out
+    assert {p.name: p.read_bytes() for p in (home / "keys").iterdir()} == keys
+    assert (home / "config.toml").read_text() == config
+
+
 def test_status_of_a_daemon_never_started_exits_1(home: Path) -> None:
     """`status --json` without a daemon says stopped, unhealthy, and exits 1."""
     code, out = tenexd(home, "status", "--json")

@@ -10,8 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tenex_daemon.app.home import init_home
+from tenex_daemon.app.settings import load_settings
 from tenex_daemon.cli.main import app
 from tenex_daemon.cli.send import SendError, check_title
+from tenex_daemon.testing import KeyPair
 from tests.unit.cli.test_send_private_reply import Touched
 
 
@@ -109,4 +111,23 @@ def test_a_mistyped_agent_is_bad_input_said_before_any_relay_is_tried(
     code, said = tenexd(home, "send", "hi", "--to", "planer")
 
     assert (code, said) == (2, "error: unknown agent 'planer' (agents: orchestrator, planner, executor)")
+    assert (touched.signed, touched.pools) == ([], [])
+
+
+def test_send_refuses_an_owner_secret_that_is_not_the_configured_owners(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With config.toml's owner changed to another key, `send` exits 2 naming both keys, before signing or
+    opening a relay (the daemon would refuse what it signed as not the owner's, and no answer would come)."""
+    config = home / "config.toml"
+    settings = load_settings(home)
+    assert settings.owner is not None
+    other = KeyPair.from_seed(77).pubkey
+    config.write_text(config.read_text(encoding="utf-8").replace(settings.owner, other), encoding="utf-8")
+    touched = Touched(monkeypatch)
+
+    code, said = tenexd(home, "send", "hi", "--to", "planner")
+
+    assert code == 2
+    assert f"is {settings.owner}, but the owner in {config} is {other}" in said
     assert (touched.signed, touched.pools) == ([], [])
