@@ -140,7 +140,10 @@ class TcpGuard:
         scheme, _, credentials = request.headers.get("Authorization", "").strip().partition(" ")
         if scheme.lower() != "bearer" or not credentials.strip():
             return Refusal.NO_TOKEN
-        if not hmac.compare_digest(credentials.strip().encode(), self.token.encode()):
+        # surrogateescape: a header's bytes that are not UTF-8 (aiohttp keeps them as surrogates) are a wrong
+        # token like any other, not a failed request
+        given = credentials.strip().encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, self.token.encode()):
             return Refusal.BAD_TOKEN
         return None
 

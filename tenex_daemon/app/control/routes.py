@@ -144,7 +144,7 @@ async def _json_body(request: web.Request, shape: str = '{"keep_system_message":
         return await request.json()
     except RecursionError:  # nested deeper than the decoder recurses: malformed input, not a fault
         raise ApiError(400, f"the body must be JSON nested less deeply: {shape}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, LookupError):  # LookupError: a charset Python lacks
         raise ApiError(400, f"the body must be JSON: {shape}") from None
 
 

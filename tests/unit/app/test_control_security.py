@@ -4,6 +4,7 @@ requests (DNS rebinding, cross-site POST); the Unix socket is unchanged; bodies 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 from collections.abc import AsyncIterator
@@ -183,6 +184,37 @@ async def test_deeply_nested_body_is_a_400(manager: ConversationManager, root: N
             f"/api/v1/conversations/{root.id}/reset",
             data="[" * 30_000 + "]" * 30_000,
             headers={"Content-Type": "application/json"},
+        )
+        assert response.status == 400, await response.text()
+        assert "JSON" in (await response.json())["error"]
+
+
+async def test_a_token_that_is_not_utf8_is_a_wrong_token(tcp: ControlServer, root: NostrEvent) -> None:
+    """An Authorization header whose bytes are not UTF-8 gets 401 with a JSON body, counted as bad_token,
+    like any other wrong token (it was a 500 in plain text, neither logged as a refusal nor counted)."""
+    assert tcp.tcp_address is not None
+    port = tcp.tcp_address[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"GET /api/v1/conversations HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n" % port
+        + b"Authorization: Bearer \xff\xfeabc\r\nConnection: close\r\n\r\n"
+    )
+    answer = await reader.read()
+    writer.close()
+
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401")
+    assert "error" in json.loads(body)
+    assert 'tenexd_control_requests_refused_total{reason="bad_token"} 1.0' in tcp.target.metrics.render().decode()
+
+
+async def test_a_body_in_a_charset_python_lacks_is_a_400(manager: ConversationManager, root: NostrEvent) -> None:
+    """A JSON body declared in a charset Python does not know is a 400 naming JSON, not a 500."""
+    async with TestClient(TestServer(create_app(FakeTarget(manager)))) as client:
+        response = await client.post(
+            f"/api/v1/conversations/{root.id}/reset",
+            data=b"{}",
+            headers={"Content-Type": "application/json; charset=foo"},
         )
         assert response.status == 400, await response.text()
         assert "JSON" in (await response.json())["error"]
