@@ -312,20 +312,20 @@ class Daemon:
 
     async def run(self) -> None:
         """Start everything, serve until asked to stop, then shut down in reverse order."""
+        from tenex_daemon.app.control_api import ControlServer
+
+        control = ControlServer(
+            self, self.settings.control_socket_path, self.settings.control.tcp_port,
+            token_path=self.settings.control_token_path,
+        )
+        control.check()  # a control file or path it cannot start with: said before anything starts
         self._stop_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(signum, self.request_stop)
-        control: Any = None
         try:
             await self._start()
-            from tenex_daemon.app.control_api import ControlServer
-
-            control = ControlServer(
-                self, self.settings.control_socket_path, self.settings.control.tcp_port,
-                token_path=self.settings.control_token_path,
-            )
             await control.start()
             self.state = "running"
             self._ready.set()

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from tenex_daemon import __version__
 from tenex_daemon.adapters.nostr.signer import KeyFileError
+from tenex_daemon.app.control.errors import ControlSetupError
 from tenex_daemon.app.home import HomeError, init_home
 from tenex_daemon.app.logging import configure_logging
 from tenex_daemon.app.settings import CONFIG_FILE, Settings, SettingsError, load_settings
@@ -141,7 +142,7 @@ def run(
         asyncio.run(Daemon(settings).run())
     except KeyboardInterrupt:
         pass
-    except KeyFileError as exc:  # a key file or folder missing or too open: configuration (README: exit 2)
+    except (KeyFileError, ControlSetupError) as exc:  # a key or control file, a path: configuration (exit 2)
         fail(str(exc), EXIT_USAGE)
     except (TenexError, OSError) as exc:
         fail(str(exc), EXIT_FAILURE)

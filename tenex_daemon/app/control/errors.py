@@ -1,4 +1,5 @@
-"""The control API's errors: one answered to the client, one raised when the socket is taken."""
+"""The control API's errors: one answered to the client, one raised when the socket is taken, one for a
+control file or path the daemon cannot start with."""
 
 from __future__ import annotations
 
@@ -16,3 +17,8 @@ class ApiError(TenexError):
 
 class ControlSocketInUseError(TenexError):
     """Another process answers on the control socket (a daemon already runs on this home)."""
+
+
+class ControlSetupError(TenexError, ValueError):
+    """The control API cannot start with the home as it is (a token file others can read, a socket path too
+    long): configuration, which the person mends (``tenexd run`` exits 2 naming it)."""

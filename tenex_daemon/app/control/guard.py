@@ -31,6 +31,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from tenex_daemon.app.control.errors import ControlSetupError
 from tenex_daemon.app.control.routes import TARGET_KEY, Handler
 
 log = structlog.get_logger(__name__)
@@ -52,20 +53,23 @@ class Refusal(StrEnum):
 def _check_token_file(path: Path) -> str:
     info = path.lstat()
     if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"control token file {path} is not a regular file; move it away")
+        raise ControlSetupError(f"control token file {path} is not a regular file; move it away")
     if info.st_mode & 0o077:
-        raise ValueError(
+        raise ControlSetupError(
             f"control token file {path} has mode {stat.S_IMODE(info.st_mode):o}, readable by others; "
             "delete it (a new token is made at the next start) or chmod 600 it"
         )
     token = path.read_text(encoding="ascii", errors="replace").strip()
     if not _TOKEN_PATTERN.match(token):
-        raise ValueError(f"control token file {path} holds no token (32+ URL-safe characters); delete it")
+        raise ControlSetupError(
+            f"control token file {path} holds no token (32+ URL-safe characters); delete it"
+        )
     return token
 
 
 def read_token(path: Path) -> str | None:
-    """Return the token in ``path`` (None when the file is missing); raise ValueError on a bad file."""
+    """Return the token in ``path`` (None when the file is missing); raise ControlSetupError (a ValueError)
+    on a bad file."""
     try:
         return _check_token_file(path)
     except FileNotFoundError:

@@ -23,8 +23,8 @@ from typing import Final
 import structlog
 from aiohttp import web
 
-from tenex_daemon.app.control.errors import ControlSocketInUseError
-from tenex_daemon.app.control.guard import TOKEN_BYTES, TcpGuard, load_or_create_token
+from tenex_daemon.app.control.errors import ControlSetupError, ControlSocketInUseError
+from tenex_daemon.app.control.guard import TOKEN_BYTES, TcpGuard, load_or_create_token, read_token
 from tenex_daemon.app.control.routes import ControlTarget, create_app
 
 log = structlog.get_logger(__name__)
@@ -99,6 +99,14 @@ class ControlServer:
         self._runners: list[web.AppRunner] = []
         self._socket_inode: tuple[int, int] | None = None
 
+    def check(self) -> None:
+        """Raise :class:`ControlSetupError` now for what :meth:`start` would refuse in the home as it is (a
+        socket path too long, a token file others can read): a daemon says so before it starts anything."""
+        if self.socket_path is not None:
+            _check_socket_path(self.socket_path)
+        if self.tcp_port is not None and self.token_path is not None:
+            read_token(self.token_path)
+
     async def __aenter__(self) -> ControlServer:
         await self.start()
         return self
@@ -150,11 +158,7 @@ class ControlServer:
         guard.bind(self.tcp_address[1])
 
     def _bind_unix(self, path: Path) -> socket.socket:
-        if len(os.fsencode(path)) > _UNIX_PATH_MAX:
-            raise ValueError(
-                f"control socket path {path} is longer than {_UNIX_PATH_MAX} bytes; "
-                "set control.socket to a shorter path"
-            )
+        _check_socket_path(path)
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         _clear_stale_socket(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -190,3 +194,11 @@ class ControlServer:
             await runner.cleanup()
         self._remove_socket()
         self.tcp_address = None
+
+
+def _check_socket_path(path: Path) -> None:
+    if len(os.fsencode(path)) > _UNIX_PATH_MAX:
+        raise ControlSetupError(
+            f"control socket path {path} is longer than {_UNIX_PATH_MAX} bytes; "
+            "set control.socket to a shorter path"
+        )

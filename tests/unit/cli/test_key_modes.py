@@ -30,6 +30,33 @@ def test_run_refuses_a_keys_folder_others_may_enter_with_exit_2(home: Path) -> N
     assert code == 2
 
 
+def test_run_refuses_a_control_token_readable_by_others_with_exit_2(home: Path) -> None:
+    """``tenexd run`` with control.tcp_port set and a 0644 run/control.token exits 2 (configuration), as a
+    key file too open does; it ended in a traceback and exit 1."""
+    with (home / "config.toml").open("a") as config:
+        config.write("\n[control]\ntcp_port = 1\n")
+    token = home / "run" / "control.token"
+    token.parent.mkdir(mode=0o700, exist_ok=True)
+    token.write_text("t" * 43)
+    token.chmod(0o644)
+
+    code, _ = tenexd(home, "run", "--relay", "ws://127.0.0.1:1")
+
+    assert code == 2
+
+
+def test_run_refuses_a_control_socket_path_too_long_with_exit_2(home: Path, tmp_path: Path) -> None:
+    """``tenexd run`` whose control socket path is longer than a Unix socket's (107 bytes) exits 2 naming
+    control.socket; it ended in a traceback and exit 1."""
+    long_path = tmp_path / ("s" * 120) / "control.sock"
+    with (home / "config.toml").open("a") as config:
+        config.write(f"\n[control]\nsocket = \"{long_path}\"\n")
+
+    code, _ = tenexd(home, "run", "--relay", "ws://127.0.0.1:1")
+
+    assert code == 2
+
+
 @pytest.mark.parametrize("mode", [0o755, 0o750, 0o701, 0o770])
 def test_a_key_in_a_folder_open_to_others_is_refused_naming_the_folder(tmp_path: Path, mode: int) -> None:
     """Signer.from_file refuses a 0600 key file whose folder group or others may access; the error names the
