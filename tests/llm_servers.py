@@ -129,6 +129,9 @@ class Reply:
     hang: bool = False
     delay_s: float = 0.0
     """Seconds the server waits before answering (a model that thinks)."""
+    gate: asyncio.Event | None = None
+    """When set, the server answers only once the test sets this event (a model that thinks until the test
+    says: a stop's test then depends on no deadline)."""
     events: list[tuple[str | None, Any]] | None = None
     """When set, the answer is a server-sent event stream of (event name, JSON data) pairs."""
 
@@ -159,6 +162,8 @@ async def scripted_server() -> AsyncIterator[ScriptedServer]:
             await asyncio.Event().wait()  # never answers; cleanup cancels the handler
         if reply.delay_s:
             await asyncio.sleep(reply.delay_s)
+        if reply.gate is not None:
+            await reply.gate.wait()
         if reply.events is not None:
             stream = web.StreamResponse(status=reply.status, headers={"content-type": "text/event-stream"})
             await stream.prepare(request)

@@ -188,11 +188,18 @@ def set_summarizer_backend(home: Home, backend_toml: str) -> None:
 
 
 def scripted_agent(
-    home: Home, slug: str, server: ScriptedServer, text: str, *, delay_s: float = 0.0, timeout_s: float = 30
+    home: Home,
+    slug: str,
+    server: ScriptedServer,
+    text: str,
+    *,
+    delay_s: float = 0.0,
+    gate: asyncio.Event | None = None,
+    timeout_s: float = 30,
 ) -> None:
-    """The agent answers ``text`` (after ``delay_s``) through ``server``, an OpenAI-compatible scripted
-    model (its ``/v1/chat/completions`` reply is set here)."""
-    server.replies[OPENAI_PATH] = Reply(body=openai_answer(text), delay_s=delay_s)
+    """The agent answers ``text`` (after ``delay_s``, and once ``gate`` is set when given) through
+    ``server``, an OpenAI-compatible scripted model (its ``/v1/chat/completions`` reply is set here)."""
+    server.replies[OPENAI_PATH] = Reply(body=openai_answer(text), delay_s=delay_s, gate=gate)
     set_agent_backend(
         home,
         slug,

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tests.e2e.harness import Home
-from tests.e2e.test_outbox import slow_planner_running, until_asked
+from tests.e2e.test_outbox import slow_planner_running, until_asked, until_logged
 from tests.integration.nostr.harness import LocalRelayServer
 from tests.llm_servers import OPENAI_PATH, ScriptedServer
 
@@ -20,7 +20,8 @@ async def test_three_quick_messages_cost_two_calls_and_the_second_holds_everythi
     """Three messages sent while the agent thinks about the first: the model is asked twice, the second
     request (recorded by the scripted server) holds all three messages in order and the agent's first
     answer, and the person gets one reply to the first message and one to the last, none twice."""
-    async with slow_planner_running(relay, home, scripted_server) as (daemon, person):
+    thinking = asyncio.Event()  # the model answers the first once the daemon took in the other two
+    async with slow_planner_running(relay, home, scripted_server, thinking) as (daemon, person):
         first = await person.ask("Plan a picnic")
         await until_asked(scripted_server, 1)
         root_tags = [["E", first, "", person.owner.pubkey], ["K", "11"], ["e", first], ["p", home.agent("planner")]]
@@ -28,6 +29,9 @@ async def test_three_quick_messages_cost_two_calls_and_the_second_holds_everythi
         third = person.owner.sign(1111, "On Saturday", root_tags)
         for event in (second, third):
             await person.client.publish(event)
+        for event in (second, third):
+            await until_logged(daemon, event.id, within=30)
+        thinking.set()
         await person.wait_for_reply(first, within=30)
         await person.wait_for_reply(third.id, within=30)
         await asyncio.sleep(2.0)  # a third call, if any, would come now

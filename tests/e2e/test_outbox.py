@@ -24,9 +24,11 @@ DAEMON_ENV = {"TENEX_DAEMON__STREAM_PARTIALS": "false", "TENEX_RELAYS__PUBLISH_T
 makes it fail and the outbox try again."""
 
 
-def slow_planner(home: Home, server: ScriptedServer) -> None:
-    """The planner thinks THINK_S seconds through a scripted OpenAI-compatible server."""
-    scripted_agent(home, "planner", server, "Here is the plan.", delay_s=THINK_S)
+def slow_planner(home: Home, server: ScriptedServer, gate: asyncio.Event | None = None) -> None:
+    """The planner thinks THINK_S seconds through a scripted OpenAI-compatible server; with ``gate``, until
+    the test sets it instead."""
+    delay_s = THINK_S if gate is None else 0.0
+    scripted_agent(home, "planner", server, "Here is the plan.", delay_s=delay_s, gate=gate, timeout_s=120)
 
 
 class Person:
@@ -67,11 +69,11 @@ class Person:
 
 @contextlib.asynccontextmanager
 async def slow_planner_running(
-    relay: LocalRelayServer, home: Home, server: ScriptedServer
+    relay: LocalRelayServer, home: Home, server: ScriptedServer, gate: asyncio.Event | None = None
 ) -> AsyncIterator[tuple[DaemonProcess, Person]]:
     """A daemon whose planner thinks through ``server`` (slow_planner), and a person on the relay;
     both stopped at the end."""
-    slow_planner(home, server)
+    slow_planner(home, server, gate)
     daemon = DaemonProcess(home, env=DAEMON_ENV)
     await daemon.start()
     person = Person(relay, home)

@@ -31,9 +31,15 @@ DAEMON_ENV = {"TENEX_DAEMON__STREAM_PARTIALS": "false"}
 STRANGER = KeyPair.from_seed(4242)
 
 
-def thinking_planner(home: Home, server: ScriptedServer, think_s: float) -> None:
-    """The planner answers "Here is the plan." after ``think_s`` seconds, through ``server``."""
-    scripted_agent(home, "planner", server, "Here is the plan.", delay_s=think_s, timeout_s=60)
+ANSWER_WINDOW_S = 3.0
+"""How long a test waits, once it lets the model answer, for a reply a stop failed to prevent."""
+
+
+def thinking_planner(home: Home, server: ScriptedServer, think: float | asyncio.Event) -> None:
+    """The planner answers "Here is the plan." through ``server``: after ``think`` seconds, or once the test
+    sets ``think`` (an event: a stop's test then races no deadline, however slow the machine)."""
+    delay_s, gate = (0.0, think) if isinstance(think, asyncio.Event) else (think, None)
+    scripted_agent(home, "planner", server, "Here is the plan.", delay_s=delay_s, gate=gate, timeout_s=120)
 
 
 class Person:
@@ -95,10 +101,11 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def running(
-    relay: LocalRelayServer, home: Home, server: ScriptedServer, think_s: float
+    relay: LocalRelayServer, home: Home, server: ScriptedServer, think: float | asyncio.Event
 ) -> AsyncIterator[Running]:
-    """A daemon whose planner thinks ``think_s`` seconds, and the person's client; both stopped at the end."""
-    thinking_planner(home, server, think_s)
+    """A daemon whose planner thinks (``think``: :func:`thinking_planner`), and the person's client; both
+    stopped at the end."""
+    thinking_planner(home, server, think)
     daemon = DaemonProcess(home, env=DAEMON_ENV)
     await daemon.start()
     person = Person(relay, home)
@@ -117,7 +124,7 @@ async def test_a_client_sees_the_agent_working_then_idle_and_a_strangers_stop_do
     """While the planner thinks, a kind-24133 status signed by the project names the conversation's root,
     the planner and the person; once it answered, a status names nobody. A stranger's stop meanwhile is
     refused and counted: the planner's answer still arrives."""
-    async with running(relay, home, scripted_server, think_s=3.0) as live:
+    async with running(relay, home, scripted_server, 3.0) as live:
         person = live.person
         root = await person.ask("Plan the launch")
         await until_asked(scripted_server, 1)
@@ -145,19 +152,20 @@ async def test_the_owners_stop_cancels_the_thinking_agent_and_only_the_notice_is
     """A kind-24134 stop from the owner while the planner thinks cancels its run: the only reply is the
     notice ("Stopped: Planner.", a system error) and the status goes idle; `tenexd conversations stop` does
     the same through the running daemon's control API."""
-    think_s = 6.0
-    async with running(relay, home, scripted_server, think_s=think_s) as live:
+    answer = asyncio.Event()  # the model answers once both stops are done: had a run gone on, it replies then
+    async with running(relay, home, scripted_server, answer) as live:
         person = live.person
         root = await person.ask("Plan the launch")
         await until_asked(scripted_server, 1)
         await person.stop(root)
-        await person.until(lambda: bool(person.replies_to(root)), within=15)
+        await person.until(lambda: bool(person.replies_to(root)), within=30)
 
         second = await person.ask("Plan the retrospective")
         await until_asked(scripted_server, 2)
         code, out = await run_cli(home, "conversations", "stop", second.id)
-        await person.until(lambda: bool(person.replies_to(second)), within=15)
-        await asyncio.sleep(think_s)  # long enough for the model's answers, had the runs gone on
+        await person.until(lambda: bool(person.replies_to(second)), within=30)
+        answer.set()
+        await asyncio.sleep(ANSWER_WINDOW_S)
         await person.until(lambda: any(not e.tag_values("p") for e in person.statuses_of(root)), within=10)
 
     for conversation in (root, second):
@@ -184,13 +192,13 @@ class Sharing:
 
 @contextlib.asynccontextmanager
 async def sharing_a_database(
-    relay: LocalRelayServer, home: Home, tmp_path: Path, server: ScriptedServer, think_s: float
+    relay: LocalRelayServer, home: Home, tmp_path: Path, server: ScriptedServer, answer: asyncio.Event
 ) -> AsyncIterator[Sharing]:
-    """Two daemons (``home`` and its twin) whose planner thinks ``think_s`` seconds, sharing a new
+    """Two daemons (``home`` and its twin) whose planner thinks until ``answer`` is set, sharing a new
     database of the session's PostgreSQL server; all stopped at the end."""
     if find_bin_dir() is None:
         pytest.skip("PostgreSQL is not installed; scripts/setup.d/20-postgres.sh installs it")
-    thinking_planner(home, server, think_s)
+    thinking_planner(home, server, answer)
     dsn = await shared_server().create_database()
     env = {
         **DAEMON_ENV,
@@ -228,9 +236,9 @@ async def test_a_stop_reaches_the_runs_of_every_daemon_sharing_a_database(
     conversations each; the owner's stop of each reaches first the daemon that does not run it, then the
     one that does: every run is cancelled (each conversation's only reply is the notice), and the stop is
     recorded once per request."""
-    think_s = 8.0
+    answer = asyncio.Event()  # the model answers once every stop is done: had a run gone on, it replies then
     asked: list[tuple[NostrEvent, int]] = []
-    async with sharing_a_database(relay, home, tmp_path, scripted_server, think_s) as shared:
+    async with sharing_a_database(relay, home, tmp_path, scripted_server, answer) as shared:
         daemons, people = shared.daemons, shared.people
         for n in range(4):
             asked.append((await people[n % 2].ask(f"Plan launch {n}"), n % 2))
@@ -245,8 +253,9 @@ async def test_a_stop_reaches_the_runs_of_every_daemon_sharing_a_database(
         def answered() -> bool:
             return all(people[runner].replies_to(root) for root, runner in asked)
 
-        await people[0].until(answered, within=15)
-        await asyncio.sleep(think_s)  # long enough for the model's answers, had any run gone on
+        await people[0].until(answered, within=30)
+        answer.set()
+        await asyncio.sleep(ANSWER_WINDOW_S)
         code, out = await run_cli(home, "conversations", "show", asked[0][0].id, "--json")
         logs = shared.logs()
 
@@ -263,14 +272,15 @@ async def test_tenexd_conversations_stop_reaches_the_run_another_daemon_holds(
     """Two daemons share a PostgreSQL database and the planner thinks on the second: `tenexd conversations
     stop`, which reaches the first daemon's control API, stops it there (told through the database): the
     only reply is the notice, the command names the planner, and the stop is recorded once."""
-    think_s = 8.0
-    async with sharing_a_database(relay, home, tmp_path, scripted_server, think_s) as shared:
+    answer = asyncio.Event()  # the model answers once the stop is done: had the run gone on, it replies then
+    async with sharing_a_database(relay, home, tmp_path, scripted_server, answer) as shared:
         person = shared.people[1]
         root = await person.ask("Plan the launch")
         await until_asked(scripted_server, 1)
         code, out = await run_cli(home, "conversations", "stop", root.id)
-        await person.until(lambda: bool(person.replies_to(root)), within=15)
-        await asyncio.sleep(think_s)  # long enough for the model's answer, had the run gone on
+        await person.until(lambda: bool(person.replies_to(root)), within=30)
+        answer.set()
+        await asyncio.sleep(ANSWER_WINDOW_S)
         shown, record = await run_cli(home, "conversations", "show", root.id, "--json")
         logs = shared.logs()
 

@@ -86,10 +86,10 @@ async def test_publish_is_done_when_one_of_two_relays_accepts(local_relay: Local
         assert await pool.wait_connected(within=10)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        result = await pool.publish(author.sign(KIND_COMMENT, "one is enough"), timeout=5)
+        result = await pool.publish(author.sign(KIND_COMMENT, "one is enough"), timeout=30)
         assert result.accepted_by == (local_relay.url,)
         assert result.pending == (fake.url,)
-        assert loop.time() - started < 2.5
+        assert loop.time() - started < 15  # not the silent relay's 30 s
 
 
 async def test_resolver_finds_note_nevent_and_naddr(local_relay: LocalRelayServer) -> None:

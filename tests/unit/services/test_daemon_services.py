@@ -454,12 +454,15 @@ class SlowBackend:
         return await OfflineBackend().complete(request)
 
 
-@pytest.mark.parametrize(("backend_s", "expected"), [(0.0, []), (0.2, [("bob", True), ("bob", False)])])
+@pytest.mark.parametrize(
+    ("backend_s", "delay_s", "expected"), [(0.0, 5.0, []), (0.2, 0.05, [("bob", True), ("bob", False)])]
+)
 async def test_typing_shows_only_for_runs_longer_than_the_delay(
-    cast: Cast, backend_s: float, expected: list[tuple[str, bool]]
+    cast: Cast, backend_s: float, delay_s: float, expected: list[tuple[str, bool]]
 ) -> None:
-    """With a 50 ms typing delay, an instant reply sends no typing pair and a 200 ms one sends start then stop."""
-    rig = make_rig(cast, backend=SlowBackend(backend_s), typing_delay_s=0.05)
+    """A reply sooner than the typing delay (instant, 5 s) sends no typing pair; one later than it (200 ms,
+    50 ms) sends start then stop."""
+    rig = make_rig(cast, backend=SlowBackend(backend_s), typing_delay_s=delay_s)
     root = cast.user_says("Hello Bob", kind=11, tags=[["p", cast.bob.pubkey]])
 
     await rig.dispatcher.handle(root)
