@@ -457,6 +457,8 @@ async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
             "(is the daemon stuck? see `tenexd status`)",
             503,
         ) from None
+    except OSError as exc:  # a storage path that is a file, or not this user's to read
+        raise AccessError(f"cannot open the store: {exc}", 400) from None
     try:
         manager = ConversationManager(
             store,

@@ -60,8 +60,12 @@ def home_given(ctx: typer.Context) -> str | None:
 
 
 def home_of(ctx: typer.Context) -> Path:
-    """Return the home of the command's ``--home``, else tenexd's, else ``$TENEX_HOME``, else ``./.tenex``."""
-    return resolve_home(home_given(ctx))
+    """Return the home of the command's ``--home``, else tenexd's, else ``$TENEX_HOME``, else ``./.tenex``;
+    exit 2 for an empty ``--home`` (``--home "$UNSET"``), which would make the current folder the home."""
+    given = home_given(ctx)
+    if given is not None and not str(given).strip():
+        fail("--home is empty: give the home's folder (an unset variable in `--home \"$VAR\"`?)", EXIT_USAGE)
+    return resolve_home(given)
 
 
 def relay_urls_argument(urls: Sequence[str] | None) -> list[str]:

@@ -158,3 +158,30 @@ def test_words_that_look_like_rich_markup_are_printed_as_written(home: Path) -> 
     assert title in found[1]
     assert title in shown[1]
     assert "done [/x] [bold]" in shown[1]
+
+
+def test_an_empty_home_is_refused_and_the_current_folder_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--home ""` (an unset variable in `--home "$VAR"`) exits 2 saying it is empty, for init and status alike,
+    and writes nothing in the current folder (which it took for the home)."""
+    monkeypatch.chdir(tmp_path)
+    for args in (["init"], ["status"]):
+        result = CliRunner().invoke(app, ["--home", "", *args], catch_exceptions=False)
+        assert result.exit_code == 2, result.stdout
+        assert "--home is empty" in " ".join(result.stderr.split())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_store_that_cannot_be_opened_is_one_error_line(home: Path, tmp_path: Path) -> None:
+    """`conversations list` whose storage path is a file exits 2 with one line saying the store cannot be
+    opened, not a traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    config = home / "config.toml"
+    config.write_text(config.read_text().replace("[storage]", f'[storage]\npath = "{blocker}"', 1))
+
+    code, out, said = tenexd(home, "conversations", "list")
+
+    assert (code, out) == (2, "")
+    assert said.startswith("error: cannot open the store:")
