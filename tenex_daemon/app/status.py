@@ -368,7 +368,8 @@ def read_status(
 ) -> StatusReport:
     """Read the status file and judge it: running, stale or stopped (see :class:`Health`).
 
-    Never raises for a missing, unreadable or malformed file: that is a report too.
+    Never raises for a missing, unreadable or malformed file: that is a report too; but a file this user may
+    not read raises PermissionError: who may not read it cannot tell whether the daemon runs.
     """
     target = Path(path)
     moment = time.time() if now is None else now
@@ -376,6 +377,8 @@ def read_status(
         raw = target.read_text(encoding="utf-8")
     except FileNotFoundError:
         return StatusReport(Health.STOPPED, None, None, f"not running: no status file at {target}", target)
+    except PermissionError:
+        raise
     except OSError as exc:
         return StatusReport(
             Health.STOPPED, None, None, f"not running: cannot read {target} ({exc.strerror})", target
@@ -389,7 +392,10 @@ def read_status(
     data: dict[str, Any] = loaded
     updated = data.get("updated_at")
     if not isinstance(updated, int | float):
-        updated = target.stat().st_mtime
+        try:
+            updated = target.stat().st_mtime
+        except FileNotFoundError:  # removed since it was read (a stop's last write replaces it): as read
+            updated = moment
     age = max(0.0, moment - float(updated))
     return _judge(data, age, stale_after_s, target, f"status updated {age:.1f} s ago")
 

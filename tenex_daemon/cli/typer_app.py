@@ -118,11 +118,23 @@ def plain_params(params: list[Parameter]) -> list[Parameter]:
 
 
 class TenexCommand(TyperCommand):
-    """A command whose help shows what a person types (its parameters and its help option)."""
+    """A command whose help shows what a person types (its parameters and its help option), and which says
+    in one line, exit 2, that a file of the home is not this user's to read or write."""
 
     def get_params(self, ctx: Context) -> list[Parameter]:
         """The command's parameters, then its help option, shown as a person types them."""
         return plain_params(super().get_params(ctx))
+
+    def invoke(self, ctx: Context) -> Any:
+        """Run the command; a file or folder this user may not read or write (a home made by the user the
+        daemon runs as) is one error line and exit 2 (configuration), not a traceback or a wrong verdict."""
+        try:
+            return super().invoke(ctx)
+        except PermissionError as exc:
+            from tenex_daemon.cli.output import EXIT_USAGE, fail
+
+            where = f" {exc.filename}" if exc.filename else ""
+            fail(f"permission denied:{where} (run tenexd as the user the daemon runs as)", EXIT_USAGE)
 
 
 class TenexGroup(TyperGroup):

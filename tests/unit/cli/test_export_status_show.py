@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.status import read_status
 from tenex_daemon.app.wiring import build_store
 from tenex_daemon.cli.main import app
 from tenex_daemon.core.conversation import TitleSource
@@ -185,3 +186,29 @@ def test_a_store_that_cannot_be_opened_is_one_error_line(home: Path, tmp_path: P
 
     assert (code, out) == (2, "")
     assert said.startswith("error: cannot open the store:")
+
+
+def test_a_home_this_user_may_not_read_is_one_error_line_not_a_verdict(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`status` by a user who may not read the status file (the daemon's user made it) exits 2 with one
+    line naming the file and what to do, not "not running" (the daemon may well run) nor a traceback; the
+    reader itself raises rather than judging a file it could not read."""
+    status_file = home / "run" / "status.json"
+    status_file.parent.mkdir(exist_ok=True)
+    status_file.write_text("{}")
+    read_text = Path.read_text
+
+    def denied(path: Path, *args: object, **kwargs: object) -> str:
+        if path == status_file:
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_text(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", denied)
+
+    code, out, said = tenexd(home, "status")
+
+    assert (code, out) == (2, "")
+    assert said == f"error: permission denied: {status_file} (run tenexd as the user the daemon runs as)"
+    with pytest.raises(PermissionError):
+        read_status(status_file, 30)
