@@ -191,6 +191,11 @@ def _tally(counts: object) -> str:
     return f"{sum(_numbers(counts).values()):g}{_breakdown(counts)}"
 
 
+def _mapping(value: object) -> dict[str, Any]:
+    """A status file's section as a mapping (empty when it is something else: another version's file)."""
+    return value if isinstance(value, dict) else {}
+
+
 def _print_status_data(data: dict[str, Any]) -> None:
     """Print a running (or stale) daemon's status data: process, counters and relays."""
     uptime = data.get("uptime_s")
@@ -200,15 +205,14 @@ def _print_status_data(data: dict[str, Any]) -> None:
         f"last event {s_time(data.get('last_event_at'))}",
     ]
     out.print(", ".join(line for line in lines if line))
-    conversations = data.get("conversations") or {}
-    events = data.get("events") or {}
+    conversations, events = _mapping(data.get("conversations")), _mapping(data.get("events"))
     out.print(
         f"conversations {conversations.get('total', 0)}{_breakdown(conversations.get('by_phase'))}; "
         f"runs in flight {data.get('runs_in_flight', 0)}; replies {data.get('replies', 0)}; "
         f"events accepted {events.get('accepted', 0)}, rejected {_tally(events.get('rejected'))}; "
         f"errors {_tally(data.get('errors'))}"
     )
-    outbox = data.get("outbox") or {}
+    outbox = _mapping(data.get("outbox"))
     if outbox:
         oldest = outbox.get("oldest_age_s")
         waiting = f" (oldest {duration(float(oldest))})" if isinstance(oldest, int | float) else ""
@@ -217,21 +221,22 @@ def _print_status_data(data: dict[str, Any]) -> None:
             f"{outbox.get('delivered', 0)} delivered, {outbox.get('retries', 0)} retries since start"
             + (f", {outbox['refused']} refused for good by every relay" if outbox.get("refused") else "")
         )
-    described = data.get("descriptions") or {}
+    described = _mapping(data.get("descriptions"))
     if described:
         out.print(
             f"descriptions: {described.get('queued', 0)} queued, {described.get('described', 0)} made "
             f"({described.get('fallbacks', 0)} fallback), {described.get('unpublished', 0)} unpublished"
         )
-    retention = data.get("retention") or {}
+    retention = _mapping(data.get("retention"))
     if retention:
-        totals = retention.get("totals") or {}
+        totals = _mapping(retention.get("totals"))
         out.print(
             f"retention: {retention.get('sweeps', 0)} sweeps, last {s_time(retention.get('last_sweep_at'))}; "
             f"since start ended idle {totals.get('ended_idle', 0)}, archived {totals.get('archived', 0)}, "
             f"deleted {totals.get('deleted', 0)}, errors {totals.get('errors', 0)}"
         )
-    relays = data.get("relays") or []
+    listed = data.get("relays")
+    relays = [relay for relay in listed if isinstance(relay, dict)] if isinstance(listed, list) else []
     if relays:
         table = Table(title="Relays")
         for column in ("url", "state", "reconnects", "last event"):

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -212,3 +213,22 @@ def test_a_home_this_user_may_not_read_is_one_error_line_not_a_verdict(
     assert said == f"error: permission denied: {status_file} (run tenexd as the user the daemon runs as)"
     with pytest.raises(PermissionError):
         read_status(status_file, 30)
+
+
+def test_status_prints_a_status_file_of_odd_shapes_without_failing(home: Path) -> None:
+    """A status file whose sections are not what this version writes (another version's) is printed as far as
+    it can be (a section of the wrong shape counts as empty), never a traceback."""
+    status_file = home / "run" / "status.json"
+    status_file.parent.mkdir(exist_ok=True)
+    odd = {
+        "pid": os.getpid(), "updated_at": time.time(), "state": "running", "conversations": "x", "events": 5,
+        "relays": ["ws://x", {"url": "ws://y", "state": "connected"}], "outbox": [1], "retention": {"totals": "y"},
+    }
+    status_file.write_text(json.dumps(odd))
+
+    code, out, said = tenexd(home, "status")
+
+    assert said == ""
+    assert "conversations 0" in out
+    assert "ws://y" in out
+    assert code in (0, 1)
