@@ -11,6 +11,7 @@ from typing import Any, Final
 from tenex_daemon import __version__
 from tenex_daemon.app.control import paths
 from tenex_daemon.app.control.parsing import MAX_LIMIT
+from tenex_daemon.app.control.paths import MAX_BODY_BYTES
 from tenex_daemon.core.phases import PHASE_NAME
 
 Json = dict[str, Any]
@@ -171,7 +172,7 @@ def _end_path() -> Json:
         "endConversation",
         _ok("Ended.", {"type": "object", "properties": {
             "id": {"type": "string"}, "ended": {"type": "boolean"}, "ended_by": {"type": "string"},
-            "reason": {"type": ["string", "null"]},
+            "reason": {"type": "string", "nullable": True},
         }}),
         requestBody={"required": False, "content": {"application/json": {"schema": {
             "type": "object", "properties": {"reason": {"type": "string"}},
@@ -196,7 +197,7 @@ def _stop_path() -> Json:
                 "id": {"type": "string"},
                 "stopped": {"type": "array", "items": {"type": "string"}},
                 "notice": {
-                    "type": ["string", "null"],
+                    "type": "string", "nullable": True,
                     "description": "The id of the notice this daemon published (another daemon that stopped "
                     "runs publishes its own).",
                 },
@@ -234,7 +235,13 @@ def _context_path() -> Json:
             _query("trigger", "The event the agent responds to (an event of the conversation).",
                    {"type": "string", "pattern": _HEX_PATTERN}),
         ],
-        "responses": {"200": _ok("The context.", _ref("AgentContext")), **_ERRORS},
+        "responses": {
+            "200": _ok("The context.", _ref("AgentContext")),
+            **_ERRORS,
+            "409": _error_response(
+                "The conversation has no events, or the agent is sent nothing (it routes by rules here)."
+            ),
+        },
     }}
 
 
@@ -403,9 +410,29 @@ def _components() -> Json:
         "responses": {
             "BadRequest": _error_response("A malformed id or parameter."),
             "NotFound": _error_response("No such conversation, event or agent."),
-            "Conflict": _error_response("The conversation is archived (read-only)."),
+            "Conflict": _error_response(
+                "The conversation is not in a state the change applies to: archived (read-only), archived or "
+                "ended already, or not archived."
+            ),
+            "Unauthorized": _error_response("TCP only: no token, or another one (securitySchemes.tcpToken)."),
+            "Forbidden": _error_response("TCP only: a Host or an origin other than the server's own."),
+            "Unavailable": _error_response("The store cannot be reached now (its database down): try again."),
+            "TooLarge": _error_response(f"The body is larger than {MAX_BODY_BYTES} bytes."),
         },
     }
+
+
+def _with_common_responses(paths_: Json) -> Json:
+    """Every operation may also answer 401 and 403 (TCP), 503 (the store unreachable) and, taking a body,
+    413: the statuses any route answers, whatever it does."""
+    for operations in paths_.values():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            for status, name in (("401", "Unauthorized"), ("403", "Forbidden"), ("503", "Unavailable")):
+                responses.setdefault(status, {"$ref": f"#/components/responses/{name}"})
+            if method in ("post", "put", "patch"):
+                responses.setdefault("413", {"$ref": "#/components/responses/TooLarge"})
+    return paths_
 
 
 def openapi_document() -> Json:
@@ -418,6 +445,7 @@ def openapi_document() -> Json:
             "description": "Local control of a tenexd daemon, on a Unix socket (mode 0600) in its home, "
             "and optionally a loopback TCP port that asks for a bearer token (securitySchemes.tcpToken).",
         },
-        "paths": _paths(),
+        "paths": _with_common_responses(_paths()),
         "components": _components(),
+        "security": [{}, {"tcpToken": []}],  # the socket asks for nothing; TCP for the token
     }

@@ -1,4 +1,5 @@
-"""Where the control API's endpoints live: shared by its routes, its OpenAPI document and the CLI."""
+"""Where the control API's endpoints live, and the largest body it takes: shared by its routes, its OpenAPI
+document and the CLI."""
 
 from __future__ import annotations
 
@@ -19,3 +20,6 @@ CONVERSATION_RESTORE: Final = f"{CONVERSATION}/restore"
 CONVERSATION_CONTEXT: Final = f"{CONVERSATION}/context"
 TASK_CONVERSATION: Final = f"{API_PREFIX}/tasks/{{id}}/conversation"
 METRICS: Final = "/metrics"
+
+MAX_BODY_BYTES: Final = 64 * 1024
+"""The largest request body served (413 beyond)."""

@@ -48,8 +48,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-MAX_BODY_BYTES: Final = 64 * 1024
-
 
 class ControlTarget(Protocol):
     """What the control API serves: the daemon satisfies it (so does a test fake)."""
@@ -274,7 +272,7 @@ def create_app(target: ControlTarget, *, guard: Middleware | None = None) -> web
     """Return the aiohttp application serving ``target``; ``guard`` (the TCP port's checks, see
     :mod:`tenex_daemon.app.control.guard`) runs before anything else."""
     middlewares = [_errors] if guard is None else [guard, _errors]
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=middlewares, client_max_size=paths.MAX_BODY_BYTES)
     app[TARGET_KEY] = target
     app.router.add_get(paths.OPENAPI, _openapi)
     app.router.add_get(paths.STATUS, _status)

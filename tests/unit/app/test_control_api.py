@@ -105,6 +105,30 @@ async def test_openapi_document_lists_every_endpoint(client: TestClient[Any, Any
     assert set(doc["paths"]["/api/v1/conversations/{id}"]) == {"get", "delete"}
 
 
+def test_openapi_document_is_3_0_and_names_every_status_a_route_answers() -> None:
+    """The document declares 3.0.3, so no schema's type is a list (3.1's way of saying nullable); every
+    operation names 401/403 (TCP) and 503 (the store unreachable), every POST 413, and the context its 409."""
+    doc = openapi_document()
+
+    def types(node: object) -> list[object]:
+        if isinstance(node, dict):
+            found = [node["type"]] if "type" in node else []
+            return found + [t for value in node.values() for t in types(value)]
+        if isinstance(node, list):
+            return [t for value in node for t in types(value)]
+        return []
+
+    assert doc["openapi"] == "3.0.3"
+    assert all(isinstance(t, str) for t in types(doc))
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            assert {"401", "403", "503"} <= set(operation["responses"]), (method, path)
+            if method == "post":
+                assert "413" in operation["responses"], path
+    assert "409" in doc["paths"]["/api/v1/conversations/{id}/context"]["get"]["responses"]
+    assert doc["security"] == [{}, {"tcpToken": []}]
+
+
 def test_openapi_document_describes_exactly_the_served_routes(target: FakeTarget) -> None:
     """Every (method, path) the app routes is in the OpenAPI document, and the document names no other."""
     app = create_app(target)
