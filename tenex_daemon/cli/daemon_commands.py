@@ -314,7 +314,7 @@ def migrate(
 
     try:
         report = run_async(go())
-    except FileNotFoundError as exc:
+    except OSError as exc:  # a source missing, a folder given for a file, one not this user's to read
         fail(str(exc), EXIT_USAGE)
     if as_json:
         print_json(_import_report_json(report))

@@ -35,6 +35,7 @@ from tenex_daemon.core.conversation import (
 from tenex_daemon.core.errors import ConversationExistsError
 from tenex_daemon.core.events import NostrEvent, compute_event_id
 from tenex_daemon.core.execution_time import ExecutionTime
+from tenex_daemon.core.ids import is_hex
 from tenex_daemon.core.phases import BUILT_IN_PHASES, Phase, PhaseTransition
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.turns import Completion, OrchestratorTurn
@@ -159,6 +160,9 @@ class _ConversationImport:
         self.archived = archived or bool(self.row.get("archived"))
         self.report = report
         self.problems: list[str] = []
+        if not is_hex(data["id"], 64):  # a conversation's id is its root event's: the CLI and API ask for one
+            given = str(data["id"])[:80]
+            raise ValueError(f"conversation id must be 64 lowercase hex characters, got {given!r}")
         self.id = str(data["id"])
 
     def build(self) -> Conversation:

@@ -140,7 +140,8 @@ def test_migrate_from_smarthole_reports_failures_with_exit_1(home: Path, tmp_pat
 
 
 def test_migrate_from_smarthole_refuses_bad_input(home: Path, tmp_path: Path) -> None:
-    """Neither list in the file, both sources, an unknown agent or a missing file exit 2 with the reason."""
+    """Neither list in the file, both sources, an unknown agent, a missing file or a folder given for the file
+    exit 2 with the reason."""
     other = tmp_path / "settings.json"
     other.write_text(json.dumps({"enabled": True}), encoding="utf-8")
     code, _, err = tenexd(home, "migrate", "--from-smarthole", str(other))
@@ -155,6 +156,9 @@ def test_migrate_from_smarthole_refuses_bad_input(home: Path, tmp_path: Path) ->
     code, _, err = tenexd(home, "migrate", "--from-smarthole", str(tmp_path / "missing.json"))
     assert code == 2
     assert "missing.json" in err
+    code, _, err = tenexd(home, "migrate", "--from-smarthole", str(tmp_path))
+    assert code == 2
+    assert "Is a directory" in err
 
 
 def test_migrate_from_smarthole_needs_the_daemon_stopped(home: Path, tmp_path: Path) -> None:

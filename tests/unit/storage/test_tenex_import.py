@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.adapters.storage.tenex_import import import_tenex_home, parse_ndk_event, to_ms
@@ -160,3 +162,21 @@ async def test_import_into_filesystem_store_is_durable_and_rerunnable(tmp_path: 
     assert await store.is_processed(events["reply"].id)
     assert not await store.is_processed(events["forged"].id)
     await store.close()
+
+
+@pytest.mark.parametrize("given", [5, "zzzz", "../../../escaped", "A" * 64])
+async def test_a_conversation_whose_id_is_not_an_event_id_is_reported_and_the_rest_imported(
+    tmp_path: Path, cast: Cast, given: object
+) -> None:
+    """A conversation file whose id is not 64 lowercase hex (a number, a word, a path, upper case) is one
+    failed file in the report, and the other conversations are imported: before, a number or a word was
+    imported under an id no command could name, and a path stopped the whole import."""
+    src, events = write_home(tmp_path, cast)
+    (src / ".tenex" / "conversations" / "odd.json").write_text(json.dumps({"id": given, "history": []}))
+
+    report = await import_tenex_home(src, MemoryStore())
+
+    assert sorted(report.imported) == sorted([events["root"].id, events["old"].id])
+    odd = [p for p in report.failed if p.path.endswith("odd.json")]
+    assert len(odd) == 1
+    assert "64 lowercase hex" in odd[0].reason
