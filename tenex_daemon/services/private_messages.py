@@ -13,7 +13,9 @@ messages are taken in, and which conversation a person's private message to an a
 - **Joining** (:class:`PrivateConversations`). A private conversation is one person with one agent:
   the channel ``dm:<agent slug>:<person>``, continued like a kind-1 channel (the same idle timeout,
   :meth:`ConversationLifecycle.join_channel`). A rumor whose ``e`` tag names an event of an earlier
-  conversation of the same channel continues that one (reopened, restored from the archive if need be).
+  private conversation of the same person continues that one (reopened, restored from the archive if need
+  be), of the same channel or another: an agent the orchestrator routed the person's message to answers
+  in a chat of its own, where the person replies.
 """
 
 from __future__ import annotations
@@ -131,6 +133,11 @@ def private_channel(rumor: NostrEvent, directory: AgentDirectory) -> str | None:
     return None
 
 
+def _persons_channel(channel: str | None, person: str) -> bool:
+    """Whether ``channel`` is one of ``person``'s private channels (``dm:<any agent>:<person>``)."""
+    return channel is not None and channel.startswith(CHANNEL_PREFIX) and channel.endswith(f":{person}")
+
+
 class PrivateConversations:
     """Which private conversation a person's rumor joins (see the module docstring)."""
 
@@ -149,11 +156,13 @@ class PrivateConversations:
         return await self._lifecycle.join_channel(channel, rumor)
 
     async def _continued(self, rumor: NostrEvent, channel: str) -> Joined | None:
-        """The earlier conversation of ``channel`` the rumor's ``e`` tags reply into, with the rumor added."""
+        """The earlier private conversation of the rumor's author its ``e`` tags reply into, with the rumor
+        added: of ``channel``, or of another of their channels (an agent the orchestrator routed their
+        message to answered in its own chat, and they reply there)."""
         for replied in reversed(rumor.tag_values(TAG_EVENT)):  # the message it answers, NIP-17's ``e``
             found = await self._manager.store.find_event(replied)
             conversation = None if found is None else await self._manager.get_conversation(found[0])
-            if conversation is None or conversation.channel != channel:
+            if conversation is None or not _persons_channel(conversation.channel, rumor.pubkey):
                 continue  # another person's, a public one, or unknown: the channel decides
             if conversation.archived:
                 await self._manager.restore_conversation(conversation.id)
@@ -183,10 +192,10 @@ def plan_private_conversations(
     skipped: Counter[str],
 ) -> list[PrivateThread]:
     """Replay what the daemon did with the rumors of the agents' wraps (``tenexd conversations rebuild``):
-    a person's message joins the conversation of the message its ``e`` tag answers when that is of its
-    channel, else its channel's current conversation unless that was idle longer than ``idle_timeout_ms``
-    by the rumors' dates (then it starts one); an agent's own copy joins the conversation of the message
-    it answers. What cannot be placed is counted in ``skipped`` by reason."""
+    a person's message joins the conversation of the message its ``e`` tag answers when that is one of
+    theirs (of any of their channels), else its channel's current conversation unless that was idle longer
+    than ``idle_timeout_ms`` by the rumors' dates (then it starts one); an agent's own copy joins the
+    conversation of the message it answers. What cannot be placed is counted in ``skipped`` by reason."""
     rumors: dict[str, tuple[NostrEvent, str | None]] = {}
     for item in opened:
         rumor = item.rumor
@@ -232,8 +241,9 @@ class _Replay:
 
     def _place(self, rumor: NostrEvent, channel: str | None) -> bool:
         root = self._root_of.get(_parent(rumor) or "")
-        if root is not None and channel not in (None, self._channel_of[root]):
-            root = None  # a person answering into another channel's conversation: the channel decides
+        theirs = root is not None and _persons_channel(self._channel_of[root], rumor.pubkey)
+        if root is not None and channel is not None and not theirs:
+            root = None  # a person answering into another person's conversation: the channel decides
         if root is None and channel is None:
             self._skipped["private_answer_without_message"] += 1
             return False

@@ -143,6 +143,33 @@ async def test_an_answer_carries_the_newest_subject_the_person_gave_the_chat(cas
     assert [e.tag_value("subject") for e in rig.publisher.published] == ["Old topic", "New topic", "New topic"]
 
 
+async def test_a_reply_in_the_chat_of_the_agent_the_orchestrator_routed_to_continues_the_conversation(
+    cast: Cast,
+) -> None:
+    """The person writes privately to the orchestrator, which routes Alice; Alice answers in her own chat with
+    the person (the rumor is hers), and the person replies there (``p`` Alice, ``e`` her answer): the reply
+    joins the same conversation and Alice answers it, with the first exchange in her context."""
+    rig, intake = private_rig(cast)
+    first = admitted(intake, wrap(cast.user, cast.orchestrator.pubkey, "please help", at=1_790_000_000))
+    await rig.dispatcher.handle(first)
+    await rig.quiet()
+    conversation = await rig.manager.get_conversation(first.id)
+    assert conversation is not None
+    answer = conversation.history[-1]
+    assert answer.pubkey == cast.alice.pubkey
+
+    tags = [["p", cast.alice.pubkey], ["e", answer.id, "", "reply"]]
+    follow_up = admitted(intake, wrap(cast.user, cast.alice.pubkey, "and then?", tags=tags, at=1_790_000_100))
+    result = await rig.dispatcher.handle(follow_up)
+    await rig.quiet()
+    await rig.settle()
+
+    assert (result.conversation_id, result.agents) == (first.id, ("alice",))
+    conversation = await rig.manager.get_conversation(first.id)
+    assert conversation is not None
+    assert [e.pubkey for e in conversation.history] == [cast.user.pubkey, cast.alice.pubkey] * 2
+
+
 async def test_a_strangers_private_message_is_ignored_and_the_same_rumor_is_taken_once(cast: Cast) -> None:
     """The allow-list applies to the unwrapped author: a stranger's private message stores nothing and runs
     nobody; the owner's rumor delivered in two wraps (a resend) is one event."""
@@ -310,6 +337,26 @@ def test_rebuilding_replays_the_rumors_into_the_conversations_the_daemon_made(ca
         (channel, ["a new day"]),
     ]
     assert skipped == Counter({"author_not_allowed": 1})
+
+
+def test_rebuilding_keeps_a_reply_in_the_routed_agents_chat_in_the_conversation_it_answers(cast: Cast) -> None:
+    """Replayed, the person's message to the orchestrator, Alice's answer to it (routed to her) and the
+    person's reply in Alice's chat (``e`` her answer) are one conversation, as the daemon took them in."""
+    directory = build_rig(cast).manager.agents
+    person, alice, orchestrator = cast.user, cast.alice.pubkey, cast.orchestrator.pubkey
+    t = 1_790_000_000
+    asked = OpenedWrap(make_rumor(person.pubkey, "please help", [["p", orchestrator]], t), orchestrator)
+    answer_tags = [["p", person.pubkey], ["e", asked.rumor.id, "", "reply"]]
+    answer = OpenedWrap(make_rumor(alice, "here", answer_tags, t + 1), alice)
+    reply_tags = [["p", alice], ["e", answer.rumor.id, "", "reply"]]
+    reply = OpenedWrap(make_rumor(person.pubkey, "and then?", reply_tags, t + 60), alice)
+
+    threads = plan_private_conversations([reply, answer, asked], directory, {person.pubkey}, 30 * MINUTE_MS,
+                                         Counter())
+
+    assert [(t.channel, [e.content for e in t.events]) for t in threads] == [
+        (f"dm:orchestrator:{person.pubkey}", ["please help", "here", "and then?"]),
+    ]
 
 
 async def test_a_private_conversation_cannot_be_read_from_a_public_one(cast: Cast) -> None:
