@@ -25,7 +25,7 @@ from tenex_daemon.core.targeting import (
     is_allowed_author,
     may_join,
 )
-from tenex_daemon.core.vocabulary import KIND_TASK, TAG_TOOL, TOOL_COMPLETE
+from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE, KIND_TASK, TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import ConversationLifecycle, adopted_root_key, task_meta_key
 from tenex_daemon.services.locks import KeyedLock
@@ -432,6 +432,10 @@ class EventDispatcher:
     async def after_reply(self, conversation_id: str, reply: NostrEvent) -> HandleResult:
         """Target an agent's own saved reply (it may address another agent, or the orchestrator
         with a completion), ending its dispatch (:meth:`before_reply_saved`)."""
+        if reply.kind == KIND_PRIVATE_MESSAGE and self._private is not None:
+            conversation = await self._manager.get_conversation(conversation_id)
+            if conversation is not None:
+                await self._private.answered(conversation, reply)
         result = await self._target(conversation_id, reply)
         self._scheduler.dispatched(reply.id, at_once=result.outcome is not Outcome.SCHEDULED)
         if self._observer is not None:

@@ -153,6 +153,24 @@ class ConversationLifecycle:
             )
             return Joined(conversation, created=True)
 
+    async def point_channel(self, channel: str, conversation_id: str) -> bool:
+        """Make ``conversation_id`` the channel's current conversation, unless the channel has an open one of
+        its own (not ended, archived or idle); return whether it was made so. (An agent the orchestrator
+        routed a person's private message to answers from another channel: the person's next message in
+        that agent's chat continues the conversation.)"""
+        key = channel_meta_key(channel)
+        async with self._holding(key):
+            current_id = await self._manager.store.get_meta(key)
+            if current_id == conversation_id:
+                return False
+            current = None if current_id is None else await self._manager.get_conversation(current_id)
+            idle_before = self._manager.now_ms() - self.idle_timeout_ms
+            closed = current is None or current.archived or current.is_ended
+            if not closed and current is not None and current.last_activity > idle_before:
+                return False  # the channel's own conversation is open
+            await self._manager.store.set_meta(key, conversation_id)
+            return True
+
     # --- task sessions --------------------------------------------------------------------
 
     async def task_session(self, task_id: str, event: NostrEvent) -> Joined | None:

@@ -28,6 +28,7 @@ from typing import Protocol
 import structlog
 
 from tenex_daemon.core.agents import AgentDirectory
+from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import (
     KIND_COMMENT,
@@ -155,6 +156,18 @@ class PrivateConversations:
             return continued
         return await self._lifecycle.join_channel(channel, rumor)
 
+    async def answered(self, conversation: Conversation, reply: NostrEvent) -> None:
+        """An agent's private reply from another agent's channel (the orchestrator routed the person's
+        message to it) shows in its own chat with the person: their next message there, with no ``e`` tag
+        as clients write them, continues this conversation while it is open."""
+        agent = self._manager.agents.by_pubkey(reply.pubkey)
+        root = conversation.root
+        if agent is None or root is None or not _persons_channel(conversation.channel, root.pubkey):
+            return
+        channel = f"{CHANNEL_PREFIX}{agent.slug}:{root.pubkey}"
+        if channel != conversation.channel and await self._lifecycle.point_channel(channel, conversation.id):
+            log.info("private_channel_pointed", conversation_id=conversation.id, channel=channel)
+
     async def _continued(self, rumor: NostrEvent, channel: str) -> Joined | None:
         """The earlier private conversation of the rumor's author its ``e`` tags reply into, with the rumor
         added: of ``channel``, or of another of their channels (an agent the orchestrator routed their
@@ -195,13 +208,20 @@ def plan_private_conversations(
     a person's message joins the conversation of the message its ``e`` tag answers when that is one of
     theirs (of any of their channels), else its channel's current conversation unless that was idle longer
     than ``idle_timeout_ms`` by the rumors' dates (then it starts one); an agent's own copy joins the
-    conversation of the message it answers. What cannot be placed is counted in ``skipped`` by reason."""
+    conversation of the message it answers, and one from another agent's channel makes that conversation
+    its own chat's current one unless that chat's is open (:meth:`PrivateConversations.answered`). What
+    cannot be placed is counted in ``skipped`` by reason."""
     rumors: dict[str, tuple[NostrEvent, str | None]] = {}
+    answering: dict[str, str] = {}
     for item in opened:
         rumor = item.rumor
-        if directory.by_pubkey(rumor.pubkey) is not None:
+        agent = directory.by_pubkey(rumor.pubkey)
+        if agent is not None:
             if item.recipient == rumor.pubkey:  # an agent's own copy (its copies for others say the same)
                 rumors.setdefault(rumor.id, (rumor, None))
+                people = [p for p in rumor.tag_values(TAG_PUBKEY) if directory.by_pubkey(p) is None]
+                for person in people[:1]:
+                    answering[rumor.id] = f"{CHANNEL_PREFIX}{agent.slug}:{person}"
             continue
         refusal = refuse_private(rumor, item.recipient, directory)
         if refusal is None and rumor.pubkey not in allowed:
@@ -210,15 +230,17 @@ def plan_private_conversations(
             skipped[refusal] += 1
         else:
             rumors.setdefault(rumor.id, (rumor, private_channel(rumor, directory)))
-    return _Replay(idle_timeout_ms, skipped).run(rumors)
+    return _Replay(idle_timeout_ms, skipped, answering).run(rumors)
 
 
 class _Replay:
     """The conversations of :func:`plan_private_conversations`, built rumor by rumor in date order."""
 
-    def __init__(self, idle_timeout_ms: int, skipped: Counter[str]) -> None:
+    def __init__(self, idle_timeout_ms: int, skipped: Counter[str], answering: dict[str, str]) -> None:
         self._idle_ms = idle_timeout_ms
         self._skipped = skipped
+        self._answering = answering
+        """The chat (channel) each agent's answer shows in, by the answer's id."""
         self._threads: dict[str, list[NostrEvent]] = {}
         self._channel_of: dict[str, str] = {}
         self._root_of: dict[str, str] = {}
@@ -250,15 +272,23 @@ class _Replay:
         if root is None:
             assert channel is not None
             root = self._current.get(channel)
-            last = self._threads[root][-1].created_at if root is not None else 0
-            if root is None or (rumor.created_at - last) * 1000 > self._idle_ms:
+            if root is None or self._idle(root, rumor):
                 root = rumor.id
                 self._threads[root] = []
                 self._channel_of[root] = channel
             self._current[channel] = root
         self._threads[root].append(rumor)
         self._root_of[rumor.id] = root
+        chat = self._answering.get(rumor.id)
+        if chat is not None and chat != self._channel_of[root]:  # answered from another agent's channel
+            own = self._current.get(chat)
+            if own is None or self._idle(own, rumor):
+                self._current[chat] = root
         return True
+
+    def _idle(self, root: str, rumor: NostrEvent) -> bool:
+        """Whether the conversation ``root`` was idle longer than the timeout when ``rumor`` came."""
+        return (rumor.created_at - self._threads[root][-1].created_at) * 1000 > self._idle_ms
 
 
 def _parent(rumor: NostrEvent) -> str | None:

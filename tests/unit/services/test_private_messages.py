@@ -170,6 +170,35 @@ async def test_a_reply_in_the_chat_of_the_agent_the_orchestrator_routed_to_conti
     assert [e.pubkey for e in conversation.history] == [cast.user.pubkey, cast.alice.pubkey] * 2
 
 
+async def test_a_message_in_the_routed_agents_chat_continues_the_conversation_unless_that_chat_has_its_own(
+    cast: Cast,
+) -> None:
+    """After Alice answered the person's private message to the orchestrator, the person's next message in
+    Alice's chat, with no ``e`` tag (as clients write them), continues that conversation; a chat with Alice
+    that has an open conversation of its own keeps it."""
+    rig, intake = private_rig(cast)
+    alice = cast.alice.pubkey
+    own = admitted(intake, wrap(cast.user, alice, "our own chat", at=1_790_000_000))
+    await rig.dispatcher.handle(own)
+    await rig.quiet()
+    routed = admitted(intake, wrap(cast.user, cast.orchestrator.pubkey, "please help", at=1_790_000_010))
+    await rig.dispatcher.handle(routed)
+    await rig.quiet()
+    kept = await rig.dispatcher.handle(admitted(intake, wrap(cast.user, alice, "still ours", at=1_790_000_020)))
+    await rig.quiet()
+
+    rig.clock.advance(31 * MINUTE_MS)  # Alice's own conversation goes idle; the routed one is asked again
+    again = admitted(intake, wrap(cast.user, cast.orchestrator.pubkey, "more help", at=1_790_002_000))
+    assert (await rig.dispatcher.handle(again)).conversation_id != routed.id  # idle too: a new one
+    await rig.quiet()
+    result = await rig.dispatcher.handle(admitted(intake, wrap(cast.user, alice, "and then?", at=1_790_002_100)))
+    await rig.quiet()
+    await rig.settle()
+
+    assert kept.conversation_id == own.id
+    assert (result.conversation_id, result.agents) == (again.id, ("alice",))
+
+
 async def test_a_strangers_private_message_is_ignored_and_the_same_rumor_is_taken_once(cast: Cast) -> None:
     """The allow-list applies to the unwrapped author: a stranger's private message stores nothing and runs
     nobody; the owner's rumor delivered in two wraps (a resend) is one event."""
@@ -340,8 +369,9 @@ def test_rebuilding_replays_the_rumors_into_the_conversations_the_daemon_made(ca
 
 
 def test_rebuilding_keeps_a_reply_in_the_routed_agents_chat_in_the_conversation_it_answers(cast: Cast) -> None:
-    """Replayed, the person's message to the orchestrator, Alice's answer to it (routed to her) and the
-    person's reply in Alice's chat (``e`` her answer) are one conversation, as the daemon took them in."""
+    """Replayed, the person's message to the orchestrator, Alice's answer to it (routed to her), the person's
+    reply in Alice's chat (``e`` her answer) and their next message there (no ``e``) are one conversation, as
+    the daemon took them in."""
     directory = build_rig(cast).manager.agents
     person, alice, orchestrator = cast.user, cast.alice.pubkey, cast.orchestrator.pubkey
     t = 1_790_000_000
@@ -350,12 +380,14 @@ def test_rebuilding_keeps_a_reply_in_the_routed_agents_chat_in_the_conversation_
     answer = OpenedWrap(make_rumor(alice, "here", answer_tags, t + 1), alice)
     reply_tags = [["p", alice], ["e", answer.rumor.id, "", "reply"]]
     reply = OpenedWrap(make_rumor(person.pubkey, "and then?", reply_tags, t + 60), alice)
+    plain = OpenedWrap(make_rumor(person.pubkey, "one more", [["p", alice]], t + 120), alice)
 
-    threads = plan_private_conversations([reply, answer, asked], directory, {person.pubkey}, 30 * MINUTE_MS,
-                                         Counter())
+    threads = plan_private_conversations(
+        [plain, reply, answer, asked], directory, {person.pubkey}, 30 * MINUTE_MS, Counter()
+    )
 
     assert [(t.channel, [e.content for e in t.events]) for t in threads] == [
-        (f"dm:orchestrator:{person.pubkey}", ["please help", "here", "and then?"]),
+        (f"dm:orchestrator:{person.pubkey}", ["please help", "here", "and then?", "one more"]),
     ]
 
 
