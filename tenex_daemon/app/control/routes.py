@@ -182,7 +182,11 @@ async def _reset(request: web.Request) -> web.Response:
 
 async def _archive(request: web.Request) -> web.Response:
     conversation_id = _conversation_id(request)
-    if not await _target(request).manager.archive_conversation(conversation_id, ending_by="owner"):
+    target = _target(request)
+    pipeline = target.pipeline if isinstance(target, PipelineTarget) else None
+    if pipeline is not None and pipeline.scheduler.has_runs(conversation_id):  # answers it could not save
+        await pipeline.dispatcher.stop(conversation_id, None, by="owner")
+    if not await target.manager.archive_conversation(conversation_id, ending_by="owner"):
         raise ApiError(409, f"conversation {conversation_id} is archived already")
     return _json({"id": conversation_id, "archived": True})
 

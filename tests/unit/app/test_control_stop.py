@@ -118,3 +118,18 @@ async def test_stop_without_a_pipeline_is_503(manager: ConversationManager) -> N
         response = await client.post(f"/api/v1/conversations/{'a' * 64}/stop")
 
     assert response.status == 503
+
+
+async def test_the_owners_archive_stops_the_conversations_runs_first(running: Running, cast: Cast) -> None:
+    """POST archive while Alice thinks stops her run first (as a stop: recorded, one notice, saved before the
+    archive), then archives: no run is left to fail saving its answer into a read-only conversation."""
+    response = await running.client.post(f"/api/v1/conversations/{running.root_id}/archive")
+    await running.rig.quiet()
+
+    assert response.status == 200
+    assert running.rig.scheduler.in_flight == 0
+    conversation = await running.rig.manager.get_conversation(running.root_id)
+    assert conversation is not None
+    assert conversation.archived
+    assert [e.content for e in conversation.history[1:]] == ["Stopped: Alice."]
+    assert [s["agents"] for s in conversation.metadata.extra[STOPS_KEY]] == [["alice"]]
