@@ -43,18 +43,22 @@ def with_stop(kept: object, entry: dict[str, Any], *, replacing: dict[str, Any] 
     return [*stops[-(STOPS_KEPT - 1) :], entry]
 
 
-def stopped_since(conversation: Conversation, trigger: NostrEvent, agent_slug: str) -> bool:
+def stopped_since(
+    conversation: Conversation, trigger: NostrEvent, agent_slug: str, *, recovered: bool = True
+) -> bool:
     """Whether a stop naming ``agent_slug`` (or every agent) was recorded after ``trigger`` came: a run for
     it that a crash or a dead daemon left journaled was running or waiting when the person stopped it, and
     is not redone. "After" is by position in history (the trigger among the events the conversation held
     when the stop was recorded); a record from before ``history`` was kept compares times instead (the
-    trigger's ``created_at``), and one from before ``named`` was kept covers the agents it stopped."""
+    trigger's ``created_at``), for a run redone after a crash (``recovered``) only: a client whose clock lags
+    would date a new message before it, which a live run must not take for stopped. One from before
+    ``named`` was kept covers the agents it stopped."""
     stops = conversation.metadata.extra.get(STOPS_KEY)
     if not isinstance(stops, list):
         return False
     index = conversation.index_of(trigger.id)
     for stop in stops:
-        if not isinstance(stop, dict) or not _came_before(stop, trigger, index):
+        if not isinstance(stop, dict) or not _came_before(stop, trigger, index, recovered):
             continue
         named = stop["named"] if "named" in stop else stop.get("agents")
         if named is None or (isinstance(named, list) and agent_slug in named):
@@ -62,10 +66,12 @@ def stopped_since(conversation: Conversation, trigger: NostrEvent, agent_slug: s
     return False
 
 
-def _came_before(stop: dict[str, Any], trigger: NostrEvent, index: int | None) -> bool:
+def _came_before(stop: dict[str, Any], trigger: NostrEvent, index: int | None, recovered: bool) -> bool:
     """Whether ``trigger`` (at ``index`` in history) came before ``stop`` was recorded."""
     held = stop.get("history")
     if isinstance(held, int) and index is not None:
         return index < held
+    if not recovered:
+        return False
     at = stop.get("at")
     return isinstance(at, int) and at >= trigger.created_at * 1000

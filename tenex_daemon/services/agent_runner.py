@@ -300,7 +300,7 @@ class AgentRunner:
             # message to the agent already, in an answer saved since (docs/CONTEXT.md, "Bursts")
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="shown in a later run")
             return True
-        if stopped_since(conversation, trigger, request.agent_slug):
+        if stopped_since(conversation, trigger, request.agent_slug, recovered=request.recovered):
             # stopped by a person since its trigger came: left journaled by a crash or a dead daemon, or
             # routed to by an orchestrator that was still deciding when the stop came
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="stopped")

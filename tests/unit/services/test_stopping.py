@@ -523,7 +523,8 @@ async def test_a_run_left_journaled_is_redone_unless_a_stop_naming_its_agent_cam
     """stopped_since: a stop recorded after the trigger came covers the agents it named (every agent when
     it named none; a record from before ``named`` was kept: the agents it stopped); a stop recorded before
     the trigger came, or naming only others, does not. "After" is by position in history when the record
-    keeps the history's length, else by time (the trigger's created_at)."""
+    keeps the history's length, else by time (the trigger's created_at), for a run redone after a crash
+    only."""
     conversation = Conversation(id="c" * 64)
     trigger = cast.user_says("Write the report")
     after, before = (trigger.created_at + 1) * 1000, (trigger.created_at - 1) * 1000
@@ -544,6 +545,11 @@ async def test_a_run_left_journaled_is_redone_unless_a_stop_naming_its_agent_cam
     conversation.append(trigger)
     assert stopped({"at": before, "history": 1, "agents": [], "named": None})
     assert not stopped({"at": after, "history": 0, "agents": [], "named": None})
+    # a live run (not redone after a crash) trusts no clock: a record without the history's length is no stop
+    # for it (a person's new message from a client whose clock lags is answered)
+    conversation.metadata.extra[STOPS_KEY] = [{"at": after, "agents": [], "named": None}]
+    assert not stopped_since(conversation, trigger, "alice", recovered=False)
+    assert stopped_since(conversation, trigger, "alice", recovered=True)
 
 
 async def alice_thinking(cast: Cast) -> tuple[GatedBackend, pipeline.Rig, NostrEvent]:
