@@ -432,15 +432,24 @@ class EventDispatcher:
     async def after_reply(self, conversation_id: str, reply: NostrEvent) -> HandleResult:
         """Target an agent's own saved reply (it may address another agent, or the orchestrator
         with a completion), ending its dispatch (:meth:`before_reply_saved`)."""
-        if reply.kind == KIND_PRIVATE_MESSAGE and self._private is not None:
-            conversation = await self._manager.get_conversation(conversation_id)
-            if conversation is not None:
-                await self._private.answered(conversation, reply)
         result = await self._target(conversation_id, reply)
         self._scheduler.dispatched(reply.id, at_once=result.outcome is not Outcome.SCHEDULED)
         if self._observer is not None:
             self._observer.reply_targeted(conversation_id, reply, result)
+        await self._answered_privately(conversation_id, reply)
         return result
+
+    async def _answered_privately(self, conversation_id: str, reply: NostrEvent) -> None:
+        """An agent's private reply, routed: its own chat with the person may lead here now
+        (:meth:`PrivateConversations.answered`); best effort: a message in that chat finds a place anyway."""
+        if reply.kind != KIND_PRIVATE_MESSAGE or self._private is None:
+            return
+        try:
+            conversation = await self._manager.get_conversation(conversation_id)
+            if conversation is not None:
+                await self._private.answered(conversation, reply)
+        except Exception as exc:
+            log.warning("private_channel_not_pointed", conversation_id=conversation_id, error=repr(exc))
 
     async def stored_dispatches(self, event_ids: list[str]) -> list[str]:
         """Of the dispatches a crash interrupted, those whose event is stored (to :meth:`redispatch`);
@@ -484,6 +493,8 @@ class EventDispatcher:
             result = HandleResult(Outcome.STORED, "late_root", conversation.id)
         else:
             result = await self._target(conversation.id, event, recovered=True)
+            if self._manager.agents.by_pubkey(event.pubkey) is not None:
+                await self._answered_privately(conversation.id, event)
         self._scheduler.dispatched(event_id, at_once=result.outcome is not Outcome.SCHEDULED)
         log.info(
             "dispatch_redone",

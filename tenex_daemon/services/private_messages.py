@@ -31,12 +31,14 @@ from tenex_daemon.core.agents import AgentDirectory
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import (
+    ERROR_SYSTEM,
     KIND_COMMENT,
     KIND_CONVERSATION_ROOT,
     KIND_GIFT_WRAP,
     KIND_NOTE,
     KIND_PRIVATE_MESSAGE,
     KIND_TASK,
+    TAG_ERROR,
     TAG_EVENT,
     TAG_PUBKEY,
 )
@@ -164,6 +166,8 @@ class PrivateConversations:
         root = conversation.root
         if agent is None or root is None or not _persons_channel(conversation.channel, root.pubkey):
             return
+        if reply.has_tag(TAG_ERROR, ERROR_SYSTEM):  # a notice (a failure's): no answer that moves the chat
+            return
         channel = f"{CHANNEL_PREFIX}{agent.slug}:{root.pubkey}"
         if channel != conversation.channel and await self._lifecycle.point_channel(channel, conversation.id):
             log.info("private_channel_pointed", conversation_id=conversation.id, channel=channel)
@@ -220,7 +224,8 @@ def plan_private_conversations(
             if item.recipient == rumor.pubkey:  # an agent's own copy (its copies for others say the same)
                 rumors.setdefault(rumor.id, (rumor, None))
                 people = [p for p in rumor.tag_values(TAG_PUBKEY) if directory.by_pubkey(p) is None]
-                for person in people[:1]:
+                notice = rumor.has_tag(TAG_ERROR, ERROR_SYSTEM)  # a notice moves no chat (as live)
+                for person in people[:1] if not notice else []:
                     answering[rumor.id] = f"{CHANNEL_PREFIX}{agent.slug}:{person}"
             continue
         refusal = refuse_private(rumor, item.recipient, directory)
