@@ -26,7 +26,7 @@ from tenex_daemon.adapters.nostr.agent_definition import (
 from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, RelayPool
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
 from tenex_daemon.app.home import HomeError, KeyInfo, add_agent, invalid_agent
-from tenex_daemon.app.settings import AgentSettings, Settings
+from tenex_daemon.app.settings import RESERVED_SLUGS, AgentSettings, Settings
 from tenex_daemon.core import nip19
 
 log = structlog.get_logger(__name__)
@@ -131,7 +131,7 @@ def install_definition(
     """Create the agent ``definition`` defines: ``slug`` (else one made from its name, unique in the
     home), a new key, its persona (the role, then the instructions), ``role`` and ``source`` recorded."""
     if slug is None:
-        taken = {a.slug for a in settings.agents}
+        taken = {a.slug for a in settings.agents} | RESERVED_SLUGS
         if settings.keys_dir.is_dir():
             taken |= {path.stem for path in settings.keys_dir.glob("*.key")}
         slug = derive_slug(definition.name or definition.identifier, taken)

@@ -72,6 +72,18 @@ def test_install_writes_persona_role_source_and_a_new_key(home: Path) -> None:
     assert {a["slug"]: a["source"] for a in json.loads(out)}["planner-2"] == NEVENT
 
 
+def test_a_definition_named_like_the_homes_other_keys_gets_a_slug_of_its_own(home: Path) -> None:
+    """A definition titled "Owner" installs as ``owner-2`` (``owner`` names the owner's key file, which this
+    home, its owner given by public key, does not have), not refused as an invalid slug."""
+    titled = sign_event(AUTHOR, "Own it.", kind=4199, tags=[["d", "owner"], ["title", "Owner"]], created_at=1)
+    reference = parse_reference(nip19.encode_nevent(titled.id, (), AUTHOR.pubkey, 4199))
+
+    installed = install_definition(load_settings(home), reference, check_definition(titled, reference))
+
+    assert installed.slug == "owner-2"
+    assert not (home / "keys" / "owner.key").exists()
+
+
 def test_install_takes_the_slug_and_name_given(home: Path) -> None:
     """``--slug``/``--name`` win over the ones made from the definition."""
     reference = parse_reference(NEVENT)
