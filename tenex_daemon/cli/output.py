@@ -28,10 +28,11 @@ def _console_width(stream: Any) -> int | None:
         return WIDE
 
 
-# markup off: what the CLI prints holds people's and models' words (titles, reasons, names), which Rich
-# would read as markup ("[/x]" raised, "[draft]" vanished); styles are given as Text's style instead
-out = Console(soft_wrap=True, markup=False, width=_console_width(sys.stdout))
-err = Console(stderr=True, soft_wrap=True, markup=False, width=_console_width(sys.stderr))
+# markup and emoji codes off: what the CLI prints holds people's and models' words (titles, reasons, names),
+# which Rich would read as markup ("[/x]" raised, "[draft]" vanished) or emoji (":rocket:" became a
+# picture); styles are given as Text's style instead
+out = Console(soft_wrap=True, markup=False, emoji=False, width=_console_width(sys.stdout))
+err = Console(stderr=True, soft_wrap=True, markup=False, emoji=False, width=_console_width(sys.stderr))
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 

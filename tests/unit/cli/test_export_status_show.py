@@ -145,9 +145,10 @@ def test_show_labels_the_title_source_as_the_titles_not_the_summarys(home: Path)
 
 
 def test_words_that_look_like_rich_markup_are_printed_as_written(home: Path) -> None:
-    """A title and an end reason holding square brackets (a person's or a model's words) are printed as they
-    are by `conversations list`, `search` and `show`: "[/oops]" raises nothing, "[draft]" does not vanish."""
-    title = "[/oops] Plan [draft] trip"
+    """A title and an end reason holding square brackets or an emoji code (a person's or a model's words) are
+    printed as they are by `conversations list`, `search` and `show`: "[/oops]" raises nothing, "[draft]" does
+    not vanish, ":rocket:" stays text."""
+    title = "[/oops] Plan [draft] trip :rocket:"
     picnic = seed_conversation(home, title, "Plan a picnic")
     assert tenexd(home, "conversations", "end", picnic, "--reason", "done [/x] [bold]")[0] == 0
 
