@@ -394,7 +394,10 @@ def _daemons_user_listens(port: int, token_path: Path, base_url: str) -> bool:
         return True
     if not uids:
         return False
-    owner = token_path.stat().st_uid
+    try:
+        owner = token_path.stat().st_uid
+    except FileNotFoundError:  # removed since it was read: no daemon made it
+        return False
     if uids != {owner}:
         others = ", ".join(str(uid) for uid in sorted(uids - {owner}))
         raise AccessError(

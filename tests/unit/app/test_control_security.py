@@ -282,6 +282,27 @@ async def test_cli_never_sends_the_token_to_a_port_another_user_listens_on(
     assert via == "store"
 
 
+def test_the_listeners_counted_are_those_a_connection_to_127_0_0_1_reaches(tmp_path: Path) -> None:
+    """Of the sockets the kernel's tables list on a port, those listening on 127.0.0.1, 0.0.0.0, :: or
+    ::ffff:127.0.0.1 count; one on another loopback address, on ::1 only, another port, or not listening
+    does not (another user's listener there would not get the CLI's connection, so it refuses nothing)."""
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+
+    def line(address: str, port: int, state: str, uid: int) -> str:
+        return f"   0: {address}:{port:04X} 00000000:0000 {state} 00000000:00000000 00:00000000 00000000 {uid:5d} 0 1\n"
+
+    v4, v6 = tmp_path / "tcp", tmp_path / "tcp6"
+    v4.write_text(header + line("0100007F", 7000, "0A", 5) + line("0200007F", 7000, "0A", 6)
+                  + line("00000000", 7000, "0A", 8) + line("0100007F", 7000, "01", 9)
+                  + line("0100007F", 7001, "0A", 10))
+    v6.write_text(header + line("00000000000000000000000001000000", 7000, "0A", 7)
+                  + line("0000000000000000FFFF00000100007F", 7000, "0A", 11))
+
+    assert listeners.listener_uids(7000, (v4, v6)) == {5, 8, 11}
+    assert listeners.listener_uids(7002, (v4, v6)) == set()
+    assert listeners.listener_uids(7000, (tmp_path / "none",)) is None
+
+
 async def test_cli_names_the_token_file_when_the_daemon_refuses_it(
     manager: ConversationManager, tmp_path: Path
 ) -> None:
