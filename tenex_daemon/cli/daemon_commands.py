@@ -314,8 +314,8 @@ def migrate(
 
     try:
         report = run_async(go())
-    except OSError as exc:  # a source missing, a folder given for a file, one not this user's to read
-        fail(str(exc), EXIT_USAGE)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        fail(str(exc), EXIT_USAGE)  # a source missing, a folder given for a file, one not this user's to read
     if as_json:
         print_json(_import_report_json(report))
     else:

@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 not found / not running / no answer, 2 bad input or con
 from __future__ import annotations
 
 import json
+import math
 import sys
 from datetime import UTC, datetime
 from typing import Annotated, Any, Final, NoReturn
@@ -69,7 +70,10 @@ def s_time(seconds: float | None) -> str:
 
 
 def duration(seconds: float) -> str:
-    """A duration in its two largest units: ``2d 3h 4m``, ``3h 4m``, ``4m 5s`` or ``5s``."""
+    """A duration in its two largest units: ``2d 3h 4m``, ``3h 4m``, ``4m 5s`` or ``5s``; one that is not a
+    finite number (a status file of another writer's: NaN, Infinity) as written."""
+    if not math.isfinite(seconds):
+        return f"{seconds} s"
     total = int(seconds)
     days, rest = divmod(total, 86400)
     hours, rest = divmod(rest, 3600)

@@ -202,7 +202,7 @@ def send(
         agents = load_agents(settings)
     except KeyFileError as exc:
         fail(str(exc), EXIT_USAGE)
-    if settings.owner is not None and owner.pubkey != settings.owner:
+    if settings.owner is not None and owner.pubkey not in (settings.owner, *settings.whitelist):
         fail(  # the daemon would refuse what it signs (author_not_allowed), and no answer would ever come
             f"the owner secret in {settings.owner_key_path} is {owner.pubkey}, but the owner in "
             f"{settings.config_path} is {settings.owner}: put back the key, or the owner, that belongs there",

@@ -223,9 +223,10 @@ def test_status_prints_a_status_file_of_odd_shapes_without_failing(home: Path) -
     status_file.parent.mkdir(exist_ok=True)
     odd = {
         "pid": os.getpid(), "updated_at": time.time(), "state": "running", "conversations": "x", "events": 5,
-        "relays": ["ws://x", {"url": "ws://y", "state": "connected"}], "outbox": [1], "retention": {"totals": "y"},
+        "relays": ["ws://x", {"url": "ws://y", "state": "connected"}], "outbox": {"oldest_age_s": float("nan")},
+        "retention": {"totals": "y"}, "uptime_s": float("inf"),
     }
-    status_file.write_text(json.dumps(odd))
+    status_file.write_text(json.dumps(odd))  # NaN and Infinity as Python writes them
 
     code, out, said = tenexd(home, "status")
 

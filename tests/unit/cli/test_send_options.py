@@ -118,7 +118,8 @@ def test_send_refuses_an_owner_secret_that_is_not_the_configured_owners(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With config.toml's owner changed to another key, `send` exits 2 naming both keys, before signing or
-    opening a relay (the daemon would refuse what it signed as not the owner's, and no answer would come)."""
+    opening a relay (the daemon would refuse what it signed as not the owner's, and no answer would come);
+    a key the whitelist names is accepted, as the daemon accepts it."""
     config = home / "config.toml"
     settings = load_settings(home)
     assert settings.owner is not None
@@ -131,3 +132,8 @@ def test_send_refuses_an_owner_secret_that_is_not_the_configured_owners(
     assert code == 2
     assert f"is {settings.owner}, but the owner in {config} is {other}" in said
     assert (touched.signed, touched.pools) == ([], [])
+    # whitelisted, the key is one the daemon answers: send goes on (to the relay nobody runs here)
+    text = config.read_text(encoding="utf-8")
+    config.write_text(text.replace("whitelist = []", f'whitelist = ["{settings.owner}"]'), encoding="utf-8")
+    assert "but the owner in" not in tenexd(home, "send", "hi", "--to", "planner")[1]
+    assert touched.pools
