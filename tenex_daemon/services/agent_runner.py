@@ -32,7 +32,14 @@ from tenex_daemon.services.conversation_changes import RunRecord
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.delegation import Delegation, RunDelegator
 from tenex_daemon.services.outbox import Outbox
-from tenex_daemon.services.runs import RunListener, RunRequest, saving_reply
+from tenex_daemon.services.runs import (
+    SAVING_WAIT_S,
+    RunListener,
+    RunRequest,
+    reply_saved,
+    saving_reply,
+    stops_recorded,
+)
 from tenex_daemon.services.threads import ThreadManager
 from tenex_daemon.services.tools import (
     SEND_MESSAGE,
@@ -260,6 +267,7 @@ class AgentRunner:
             reply = await self._save_reply(
                 request, profile, trigger, result, record, error_kind, effects, routing
             )
+            reply_saved()  # a stop that let it finish counts it as said before the stop
             await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
             if typing_started[0]:
                 self._send(self._typing(slug, thread, active=False), "typing stop")
@@ -270,6 +278,7 @@ class AgentRunner:
             self._observer.run_finished(request, time.perf_counter() - started, error_kind)
         if routing is not None and not effects.end_conversation:
             # An ended conversation is read-only: nobody is targeted by its last reply.
+            await stops_recorded(SAVING_WAIT_S)  # a stop that let this run finish counts its reply first
             await routing.after_reply(cid, reply)
         return reply
 

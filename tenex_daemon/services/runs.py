@@ -34,6 +34,9 @@ def journal_key_for(daemon_id: str) -> str:
 
 RUN_RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0, *(60.0,) * 25)
 """Waits before each new try of a run that failed with an error (about 26 minutes in all)."""
+SAVING_WAIT_S = 10.0
+"""How long a stop waits for the replies of the runs it let finish (already saving) to be saved, and such a
+run for the stop to count its reply before routing it."""
 FINISHED_FLUSH_S = 1.0
 """A finished run is dropped from the stored journal within this long (with any write sooner)."""
 
@@ -73,6 +76,11 @@ class _Running:
     """The keys of the burst it answers too."""
     saving: bool = False
     """Its answer is in and its reply is being saved: a stop lets it finish."""
+    saved: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once its reply is in history (:func:`reply_saved`), or the run is over."""
+    recorded: asyncio.Event | None = None
+    """A stop that let it finish and waits for its reply: set once the stop has counted that reply in its
+    record; the run routes its reply only then (:func:`stops_recorded`)."""
 
 
 _CURRENT_RUN: ContextVar[_Running | None] = ContextVar("tenexd_current_run", default=None)
@@ -115,6 +123,23 @@ def saving_reply() -> None:
     running = _CURRENT_RUN.get()
     if running is not None:
         running.saving = True
+
+
+def reply_saved() -> None:
+    """Tell the scheduler that the calling run's reply is in history (a stop that let it finish waits for
+    this: :meth:`RunScheduler.replies_being_saved`)."""
+    running = _CURRENT_RUN.get()
+    if running is not None:
+        running.saved.set()
+
+
+async def stops_recorded(within: float) -> None:
+    """Before the calling run routes its saved reply: wait (at most ``within``) for a stop that let it finish
+    to count that reply in its record, so the agents it would be routed to read the stop."""
+    running = _CURRENT_RUN.get()
+    if running is not None and running.recorded is not None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(running.recorded.wait(), within)
 
 
 class RunScheduler:
@@ -347,6 +372,7 @@ class RunScheduler:
                         self.running -= 1
                         _CURRENT_RUN.reset(token)
                         self._running.pop(self._key(request), None)
+                        running.saved.set()  # over: nobody waits for a reply that will not come
                         self._tell(run, started=False)
         except asyncio.CancelledError:
             if self._key(request) in self._stopping:
@@ -375,6 +401,18 @@ class RunScheduler:
                 self._listener.run_ended(run)
         except Exception:
             log.exception("run_listener_failed", conversation_id=run.conversation_id, agent=run.agent_slug)
+
+    def replies_being_saved(self, conversation_id: str) -> list[tuple[asyncio.Event, asyncio.Event]]:
+        """For each run of the conversation whose reply is being saved (a stop lets it finish): the event set
+        once that reply is in history or the run is over, and the one the caller (a stop) sets once it has
+        counted the reply in its record, which the run waits for before routing the reply."""
+        held = []
+        for key, running in self._running.items():
+            if running.saving and not running.saved.is_set() and key.startswith(f"{conversation_id}:"):
+                if running.recorded is None:
+                    running.recorded = asyncio.Event()
+                held.append((running.saved, running.recorded))
+        return held
 
     async def cancel(self, conversation_id: str, agent_slug: str | None = None) -> list[RunRequest]:
         """Stop the runs of ``conversation_id`` (only ``agent_slug``'s when given): running ones are

@@ -51,7 +51,13 @@ from tenex_daemon.services.lifecycle import adopted_root_key, task_meta_key
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.notices import compose_notice, store_notice
 from tenex_daemon.services.outbox import Outbox
-from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler, forget_journaled
+from tenex_daemon.services.runs import (
+    PENDING_RUNS_KEY,
+    SAVING_WAIT_S,
+    RunRequest,
+    RunScheduler,
+    forget_journaled,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -277,13 +283,21 @@ class Stopper:
                 stopped.extend(await scheduler.cancel(conversation_id, slug))
                 if self._answers_given is not None:  # an answer to another agent, inside its run
                     stopped.extend(self._answers_given.stop_answers(conversation_id, slug))
-            slugs = tuple(dict.fromkeys(r.agent_slug for r in stopped))
-            for routed in dict.fromkeys(r.agent_slug for r in stopped if r.via_orchestrator):
-                # the orchestrator's open turn no longer waits for an agent that will not answer
-                await self._manager.add_completion_to_turn(conversation_id, routed, STOPPED_COMPLETION)
-            if slugs and recorded is not None:  # the record gains the agents stopped
-                completed = {**recorded, "agents": list(slugs)}
-                await _update_record(self._manager, conversation_id, completed, replacing=recorded)
+            saving = scheduler.replies_being_saved(conversation_id)
+            try:
+                held = await self._replies_saved(conversation_id, [saved for saved, _ in saving])
+                slugs = tuple(dict.fromkeys(r.agent_slug for r in stopped))
+                for routed in dict.fromkeys(r.agent_slug for r in stopped if r.via_orchestrator):
+                    # the orchestrator's open turn no longer waits for an agent that will not answer
+                    await self._manager.add_completion_to_turn(conversation_id, routed, STOPPED_COMPLETION)
+                if (slugs or held is not None) and recorded is not None:  # the record gains what it stopped
+                    completed = {**recorded, "agents": list(slugs)}
+                    if held is not None:
+                        completed["history"] = held
+                    await _update_record(self._manager, conversation_id, completed, replacing=recorded)
+            finally:
+                for _, counted in saving:  # those runs route their replies now
+                    counted.set()
             notice = await self._notify(conversation_id, stopped) if stopped else None
         log.info(
             "conversation_stopped",
@@ -295,6 +309,18 @@ class Stopper:
             notice=notice.id if notice is not None else None,
         )
         return StopReport(conversation_id, slugs, reason=STOPPED if slugs else NOTHING_TO_STOP, notice=notice)
+
+    async def _replies_saved(self, conversation_id: str, saving: list[asyncio.Event]) -> int | None:
+        """Wait (at most ``SAVING_WAIT_S``) until the replies of the runs let finish are saved (``saving``),
+        and return how many events the conversation holds then: those replies were said before the stop,
+        which the record counts, so the agents the orchestrator routes them to do not run (each such run
+        routes its reply only once the record says so). None when no run was saving."""
+        if not saving:
+            return None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(done.wait() for done in saving)), SAVING_WAIT_S)
+        conversation = await self._manager.get_conversation(conversation_id)
+        return None if conversation is None else len(conversation.history)
 
     async def stop_everywhere(
         self, scheduler: RunScheduler, conversation_id: str, agents: Sequence[str] | None, *, by: str

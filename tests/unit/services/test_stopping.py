@@ -8,6 +8,7 @@ import asyncio
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult, ToolCall
 from tenex_daemon.core.stops import STOPPED_COMPLETION, STOPS_KEPT, STOPS_KEY, stopped_since, with_stop
 from tenex_daemon.core.vocabulary import KIND_STOP, TOOL_COMPLETE
+from tenex_daemon.services import agent_runner
 from tenex_daemon.services.agent_runner import AgentProfile
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.orchestrator import RoutingDecision
@@ -420,6 +422,48 @@ async def test_a_stop_while_the_orchestrator_routes_a_saved_reply_keeps_the_next
     assert conversation.open_turn() is None
     completions = [(c.agent, c.message) for c in conversation.orchestrator_turns[-1].completions]
     assert ("bob", STOPPED_COMPLETION) in completions
+
+
+async def test_a_stop_while_a_reply_is_being_saved_keeps_the_agent_routed_after_it_from_running(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop that comes after Alice's answer is in but before her reply reaches history (it is being saved:
+    the stop lets it finish) still stops the agent the orchestrator then routes it to: the record counts her
+    reply as said before the stop, so Bob never runs."""
+    entered, release = asyncio.Event(), asyncio.Event()
+    stop_typing = agent_runner.AgentRunner._stop_typing
+
+    async def held(*args: Any) -> None:  # the moment between "saving" and the reply's save
+        await stop_typing(*args)
+        if not release.is_set():
+            entered.set()
+            await release.wait()
+
+    monkeypatch.setattr(agent_runner.AgentRunner, "_stop_typing", staticmethod(held))
+    completes = CompletionResult(text="", tool_calls=(ToolCall("c1", TOOL_COMPLETE, {"summary": "done"}),))
+    alice = ScriptedBackend([completes, CompletionResult(text="done")])
+    bob = ScriptedBackend([CompletionResult(text="bob ran after the stop")])
+    routing = HeldRouting()
+    routing.release.set()  # it decides at once here
+    profiles = {"alice": AgentProfile(cast.alice, "", alice), "bob": AgentProfile(cast.bob, "", bob)}
+    composer = pipeline.real_composer(cast)
+    rig = pipeline.build_rig(cast, profiles=profiles, composer=composer, orchestrator=lambda m: routing, hop_limit=6)
+    root = cast.user_says("Build it", kind=11)
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(entered.wait(), 5)
+
+    stopping = asyncio.create_task(rig.dispatcher.handle(stop_request(cast, cast.user, root)))
+    await asyncio.sleep(0.05)  # the stop is recorded and waits for the reply being saved
+    release.set()
+    await stopping
+    await rig.quiet()
+    await rig.settle()
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert bob.requests == []
+    assert cast.bob.pubkey not in {e.pubkey for e in conversation.history}
+    assert conversation.metadata.extra[STOPS_KEY][-1]["history"] == 2  # the root and Alice's reply
 
 
 async def test_a_stop_through_one_daemon_stops_the_run_another_daemon_holds(cast: Cast) -> None:
