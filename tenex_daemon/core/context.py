@@ -242,9 +242,12 @@ def build_agent_messages(
         # 3. The marker, if and only if there is a block.
         append(ChatMessage("system", NEW_INTERACTION))
 
-    # 4. The trigger, exactly once.
+    # 4. The trigger, exactly once: the agent's own (routed to itself after its completion) as another
+    # author's, so that its request ends on something to answer, not on its own words.
     who = sender(trigger.pubkey)
-    if who.prefix is None:
+    if trigger.pubkey == own_key:
+        append(ChatMessage("system", f"[{agent.name}]: " + text(trigger.content)))
+    elif who.prefix is None:
         append(ChatMessage(who.role, text(trigger.content)))
     else:
         append(ChatMessage(who.role, who.prefix + text(trigger.content)))

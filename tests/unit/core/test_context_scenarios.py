@@ -301,3 +301,24 @@ async def test_complete_history_is_preserved_across_phases(manager: Conversation
     seen = [m.content for m in context.messages[: len(contents)]]
     assert seen == contents
     assert context.messages[-1] == ChatMessage("user", "last")
+
+
+async def test_an_agents_own_event_as_its_trigger_is_shown_as_another_authors(
+    manager: ConversationManager, cast: Cast
+) -> None:
+    """Routed to itself after its own completion (the orchestrator keeps Alice on in the next phase), Alice's
+    trigger is her own reply: it comes last as system "[Alice]: <content>", so her request ends on something
+    to answer, not on her own words as assistant (a model would continue them); her earlier events stay
+    assistant."""
+    u1 = cast.user_says("Build a bridge", kind=11)
+    cid = await start(manager, u1)
+    await manager.build_agent_messages(cid, "alice", u1)
+    earlier, plan = cast.alice_says("Thinking about it"), cast.alice_says("PLAN: three steps")
+    for event in (earlier, plan):
+        await manager.add_event(cid, event)
+
+    context = await manager.build_agent_messages(cid, "alice", plan)
+
+    assert context.messages[-1] == ChatMessage("system", "[Alice]: PLAN: three steps")
+    assert ChatMessage("assistant", "Thinking about it") in context.messages
+    assert [m.content for m in context.messages].count("PLAN: three steps") == 0
