@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tenex_daemon.core.agents import Agent, AgentDirectory
 from tenex_daemon.core.budget import TokenBudget
-from tenex_daemon.core.context import ChatMessage
+from tenex_daemon.core.context import ChatMessage, is_person_message
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import UnknownAgentError
 from tenex_daemon.core.events import NostrEvent
@@ -293,7 +293,8 @@ class LLMOrchestrator:
         """Ask the model; return its decision, the default agent's after two invalid answers,
         or the fallback's when the backend fails."""
         cid = conversation.id
-        from_user = self._manager.agents.by_pubkey(trigger.pubkey) is None
+        # a person's message must be answered; an agent's (ours, a foreign one, the project's) may end routing
+        from_user = is_person_message(conversation, self._manager.agents, trigger)
         context = await self._manager.build_orchestrator_routing_context(cid, trigger)
         if self._budget is not None:
             fitted = fit_routing_context(context, self._system_prompt, self._budget)

@@ -130,9 +130,11 @@ def make_rig(
     store: Store | None = None,
     orchestrator_budget: TokenBudget | None = None,
     phase_rules: PhaseRules | None = None,
+    whitelist: tuple[str, ...] = (),
 ) -> Rig:
     """The daemon's pipeline with an LLM orchestrator over ``orchestrator_backend``; agents think through scripts
-    (over ``store``: a rig built again on the same store is the daemon after a restart)."""
+    (over ``store``: a rig built again on the same store is the daemon after a restart; ``whitelist``: who
+    besides the owner may write)."""
     backends: dict[str, LLMBackend] = {
         "alice": alice or completes("done"),
         "bob": bob or completes("done"),
@@ -166,6 +168,7 @@ def make_rig(
         hop_limit=6,
         store=store,
         phase_rules=phase_rules,
+        whitelist=whitelist,
     )
     return Rig(base, made[0], targeting)
 
@@ -747,3 +750,20 @@ async def test_one_routing_at_a_time_per_conversation(cast: Cast) -> None:
 
     assert [r.outcome for r in results] == [Outcome.SCHEDULED, Outcome.SCHEDULED]
     assert (len(model.requests), model.most) == (3, 1)
+
+
+async def test_a_foreign_agents_message_may_end_routing(cast: Cast) -> None:
+    """END in answer to a message an agent wrote (an unknown author whose event carries agent-only tags: a
+    foreign agent, invited by the owner) is taken at once: only a person's message must be answered, so the
+    model is not asked again and no agent is sent to answer it."""
+    model = answers('{"agents": ["END"], "reason": "agents talking among themselves"}')
+    rig = make_rig(cast, model, whitelist=(cast.other_user.pubkey,))
+    root = cast.user_says("Meet our agents", kind=11, tags=[["p", cast.other_user.pubkey]])  # invites it
+    await rig.dispatcher.handle(root)
+
+    foreign = cast.factory.event(cast.other_user, "I am another backend's agent", tags=[*thread(root), ["llm-model", "x"]])
+    result = await rig.dispatcher.handle(foreign)
+    await settle(rig)
+
+    assert result.reason == RoutingStop.END.value
+    assert len(model.requests) == 1
