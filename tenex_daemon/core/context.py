@@ -242,15 +242,8 @@ def build_agent_messages(
         # 3. The marker, if and only if there is a block.
         append(ChatMessage("system", NEW_INTERACTION))
 
-    # 4. The trigger, exactly once: the agent's own (routed to itself after its completion) as another
-    # author's, so that its request ends on something to answer, not on its own words.
-    who = sender(trigger.pubkey)
-    if trigger.pubkey == own_key:
-        append(ChatMessage("system", f"[{agent.name}]: " + text(trigger.content)))
-    elif who.prefix is None:
-        append(ChatMessage(who.role, text(trigger.content)))
-    else:
-        append(ChatMessage(who.role, who.prefix + text(trigger.content)))
+    # 4. The trigger, exactly once.
+    append(_trigger_message(trigger, agent, sender(trigger.pubkey), text(trigger.content)))
 
     # 5. The state to persist.
     session_id = _session_for(trigger, state.session_id if state is not None else None, directory)
@@ -371,6 +364,14 @@ def _history_messages(
         else:
             append(new_message(ChatMessage, (who.role, who.prefix + content)))
     return messages
+
+
+def _trigger_message(trigger: NostrEvent, agent: Agent, who: _Sender, content: str) -> ChatMessage:
+    """Step 4's message: the trigger as its author's, the agent's own (routed to itself after its completion)
+    as another author's, so that its request ends on something to answer, not on its own words."""
+    if trigger.pubkey == agent.pubkey:
+        return ChatMessage("system", f"[{agent.name}]: {content}")
+    return ChatMessage(who.role, content if who.prefix is None else who.prefix + content)
 
 
 def _handoff_summary_since(conversation: Conversation, transitions_seen: int) -> str | None:

@@ -108,11 +108,12 @@ def test_migrate_from_smarthole_imports_once_as_the_default_agent(home: Path, tm
     views = stored_views(home, slug)
     assert set(views) == {"Groceries", "Migrated Conversation History"}
     messages, tools, ended = views["Groceries"]
-    assert [(m.role, m.content) for m in messages] == [("user", "Make a grocery list"), ("assistant", "Done.")]
+    # the agent's answer, the newest event, is the preview's trigger: shown as its own (docs/CONTEXT.md, step 4)
+    assert [(m.role, m.content) for m in messages] == [("user", "Make a grocery list"), ("system", "[Planner]: Done.")]
     assert list(tools.values()) == [["write_file"]]
     assert ended == 1_704_105_000_000
     messages, _, ended = views["Migrated Conversation History"]
-    assert [(m.role, m.content) for m in messages] == [("user", "Hello"), ("assistant", "Hi there")]
+    assert [(m.role, m.content) for m in messages] == [("user", "Hello"), ("system", "[Planner]: Hi there")]
     assert ended is not None
 
     code, out, _ = tenexd(home, "migrate", "--from-smarthole", str(path), "--json")
@@ -136,7 +137,7 @@ def test_migrate_from_smarthole_reports_failures_with_exit_1(home: Path, tmp_pat
     assert "imported 2 conversation(s)" in out
     assert "conversation #1 is not an object" in out
     views = stored_views(home, "planner")
-    assert [m.role for m in views["Groceries"][0]] == ["user", "assistant"]
+    assert [m.role for m in views["Groceries"][0]] == ["user", "system"]  # the agent's answer as the trigger
 
 
 def test_migrate_from_smarthole_refuses_bad_input(home: Path, tmp_path: Path) -> None:

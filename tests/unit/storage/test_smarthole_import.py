@@ -188,7 +188,7 @@ async def test_import_maps_conversations_and_the_legacy_history(tmp_path: Path, 
     context = await manager.preview_agent_messages(ended.id, "alice")
     assert [(m.role, m.content) for m in context.messages] == [
         ("user", "Create a note about today's meeting"), ("assistant", "I've created 'Meeting Notes.md'."),
-        ("user", "Thanks"), ("assistant", "You're welcome."),
+        ("user", "Thanks"), ("system", "[Alice]: You're welcome."),  # her answer, the newest, as the trigger
     ]
 
     active = found[f"conv-{NOW - 10 * MINUTE}"]
