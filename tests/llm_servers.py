@@ -134,6 +134,10 @@ class Reply:
     says: a stop's test then depends on no deadline)."""
     events: list[tuple[str | None, Any]] | None = None
     """When set, the answer is a server-sent event stream of (event name, JSON data) pairs."""
+    event_gap_s: float = 0.0
+    """Seconds between two events of the stream (a model that trickles)."""
+    cut: bool = False
+    """The stream's connection is dropped after its events, with no end (a stream broken off)."""
 
 
 @dataclass
@@ -171,6 +175,11 @@ async def scripted_server() -> AsyncIterator[ScriptedServer]:
                 prefix = f"event: {name}\n" if name else ""
                 payload = data if isinstance(data, str) else json.dumps(data)
                 await stream.write(f"{prefix}data: {payload}\n\n".encode())
+                if reply.event_gap_s:
+                    await asyncio.sleep(reply.event_gap_s)
+            if reply.cut and request.transport is not None:
+                request.transport.abort()  # mid-stream: no terminating chunk
+                return stream
             await stream.write_eof()
             return stream
         return web.Response(

@@ -35,6 +35,8 @@ from tenex_daemon.services.tools import DEFAULT_RECENT_CONVERSATIONS, ToolContex
 DEFAULT_MAX_TOOL_ROUNDS = 8
 """How many times one run may ask its backend before an answer without tool calls is required."""
 TOOL_LOOP_ERROR = "tool_loop"
+EMPTY_ANSWER = "empty_answer"
+"""The error kind of a backend's final answer with nothing in it (an unexplained refusal, a filter)."""
 """The error kind of a run stopped because its backend kept calling tools."""
 DEFAULT_TOOLS = ("complete", "switch_phase", "end_conversation", "get_conversation")
 
@@ -159,6 +161,11 @@ class AnswerLoop:
                     extra=result.extra,
                 )
                 if not result.tool_calls:
+                    if not result.text.strip():  # nothing to publish: the person is told why instead
+                        ended = f" (it ended with {result.finish_reason!r})" if result.finish_reason else ""
+                        name = profile.backend.name
+                        text = f"I could not answer: the {name} backend gave an empty answer{ended}."
+                        return replace(usage, text=text, finish_reason=result.finish_reason), EMPTY_ANSWER
                     if len(messages) == len(context.messages):
                         return result, None  # no tool was called: the backend's answer as it is
                     return replace(usage, text=result.text, finish_reason=result.finish_reason), None
@@ -189,7 +196,11 @@ class AnswerLoop:
         except Exception as exc:
             log.exception("backend_crashed", agent=profile.agent.slug, conversation_id=tools.conversation_id)
             text = f"I could not answer: internal error ({type(exc).__name__})."
-            return CompletionResult(text=text), "internal"
+            # as for a backend's error: the tokens of the earlier rounds were spent
+            spent = CompletionResult(
+                text=text, model=model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+            )
+            return spent, "internal"
 
     async def _complete_within_budget(
         self,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tenex_daemon.adapters.llm.errors import MissingExtraError, map_sdk_error
+from tenex_daemon.adapters.llm.errors import MissingExtraError, map_sdk_error, stream_error, whole_within
 from tenex_daemon.adapters.llm.keys import resolve_api_key
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
@@ -112,6 +112,7 @@ class AnthropicBackend:
         self.model = model
         self.temperature = temperature
         self.max_tokens = max_tokens
+        self.timeout = timeout
         self._client = anthropic.AsyncAnthropic(
             api_key=key, base_url=base_url, timeout=timeout, max_retries=max_retries
         )
@@ -140,6 +141,13 @@ class AnthropicBackend:
                 kwargs["tool_choice"] = {"type": "tool", "name": request.tool_choice}
         return kwargs
 
+    async def _streamed(self, request: CompletionRequest, kwargs: dict[str, Any]) -> Any:
+        assert request.on_chunk is not None
+        async with self._client.messages.stream(**kwargs) as stream:
+            async for text in stream.text_stream:
+                await request.on_chunk(text)
+            return await stream.get_final_message()
+
     async def complete(self, request: CompletionRequest) -> CompletionResult:
         """Send the request; stream into ``request.on_chunk`` when it is set."""
         kwargs = self._arguments(request)
@@ -147,12 +155,14 @@ class AnthropicBackend:
             if request.on_chunk is None:
                 message = await self._client.messages.create(**kwargs)
             else:
-                async with self._client.messages.stream(**kwargs) as stream:
-                    async for text in stream.text_stream:
-                        await request.on_chunk(text)
-                    message = await stream.get_final_message()
+                message = await whole_within(self.timeout, self.name, self._streamed(request, kwargs))
         except anthropic.AnthropicError as exc:
             raise map_sdk_error(exc, anthropic, self.name) from exc
+        except Exception as exc:
+            broken = stream_error(exc, self.name)
+            if broken is None:
+                raise
+            raise broken from exc
         usage = message.usage
         return CompletionResult(
             text=_text(message.content),

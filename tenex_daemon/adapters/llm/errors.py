@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from tenex_daemon.core.llm import (
     BackendError,
@@ -11,6 +13,8 @@ from tenex_daemon.core.llm import (
     backend_error,
     mentions_context_too_long,
 )
+
+T = TypeVar("T")
 
 
 class MissingExtraError(BackendUnavailableError, ImportError):
@@ -90,3 +94,24 @@ def map_sdk_error(exc: Exception, sdk: Any, backend: str) -> BackendError:
             kind, f"{backend}: HTTP {status}: {message}", retry_after=_retry_after(exc), status=status
         )
     return backend_error(BackendErrorKind.OTHER, f"{backend}: {type(exc).__name__}: {exc}")
+
+
+def stream_error(exc: Exception, backend: str) -> BackendError | None:
+    """A failure of the HTTP library under an SDK while an answer streams (the connection cut mid-way: it
+    comes out of the iteration unwrapped), as a BackendError; None for anything else."""
+    if type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "h11", "aiohttp"):
+        detail = f"{backend}: the answer's stream broke off ({exc!r})"
+        return backend_error(BackendErrorKind.UNREACHABLE, detail)
+    return None
+
+
+async def whole_within(seconds: float, backend: str, call: Awaitable[T]) -> T:
+    """Await ``call`` (a streamed answer), raising a TIMEOUT BackendError when it is not whole within
+    ``seconds``: the SDKs' timeout bounds each read, so a stream that keeps trickling never ends by itself."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await call
+    except TimeoutError:
+        raise backend_error(
+            BackendErrorKind.TIMEOUT, f"{backend}: no whole answer within {seconds:g} s (the timeout option)"
+        ) from None

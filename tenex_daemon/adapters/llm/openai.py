@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from tenex_daemon.adapters.llm.errors import MissingExtraError, map_sdk_error
+from tenex_daemon.adapters.llm.errors import MissingExtraError, map_sdk_error, stream_error, whole_within
 from tenex_daemon.adapters.llm.keys import resolve_api_key
 from tenex_daemon.adapters.llm.openai_format import (
     openai_tool_choice,
@@ -64,6 +64,7 @@ class OpenAIBackend:
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.stream_usage = stream_usage
+        self.timeout = timeout
         self.extra_body = dict(extra_body or {})
         self._client = openai.AsyncOpenAI(
             api_key=key, base_url=base_url, timeout=timeout, max_retries=max_retries
@@ -99,9 +100,14 @@ class OpenAIBackend:
         try:
             if request.on_chunk is None:
                 return await self._complete_once(request, kwargs)
-            return await self._complete_streamed(request, kwargs)
+            return await whole_within(self.timeout, self.name, self._complete_streamed(request, kwargs))
         except openai.OpenAIError as exc:
             raise map_sdk_error(exc, openai, self.name) from exc
+        except Exception as exc:
+            broken = stream_error(exc, self.name)
+            if broken is None:
+                raise
+            raise broken from exc
 
     async def _complete_once(self, request: CompletionRequest, kwargs: dict[str, Any]) -> CompletionResult:
         response = await self._client.chat.completions.create(**kwargs)
@@ -114,7 +120,7 @@ class OpenAIBackend:
         )
         usage = response.usage
         return CompletionResult(
-            text=message.content or "",
+            text=message.content or getattr(message, "refusal", None) or "",  # a refusal is its answer
             model=response.model or kwargs["model"],
             session_id=request.session_id,
             prompt_tokens=usage.prompt_tokens if usage is not None else None,
@@ -144,9 +150,10 @@ class OpenAIBackend:
             for choice in chunk.choices:
                 finish_reason = choice.finish_reason or finish_reason
                 delta = choice.delta
-                if delta.content:
-                    text.append(delta.content)
-                    await request.on_chunk(delta.content)
+                said = delta.content or getattr(delta, "refusal", None)  # a refusal streams as its answer
+                if said:
+                    text.append(said)
+                    await request.on_chunk(said)
                 for call in delta.tool_calls or ():
                     slot = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
                     if call.id:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -366,3 +367,91 @@ async def test_anthropic_stream_gives_chunks_and_usage(scripted_server: Scripted
     assert chunks == ["Bon", "jour"]
     assert (result.text, result.finish_reason) == ("Bonjour", "end_turn")
     assert (result.prompt_tokens, result.completion_tokens) == (14, 3)
+
+
+def streamed(on_chunk: Any) -> CompletionRequest:
+    """REQUEST, streamed into ``on_chunk``."""
+    return CompletionRequest(
+        agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")], on_chunk=on_chunk
+    )
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+async def test_a_stream_that_keeps_trickling_is_a_timeout_once_the_timeout_is_spent(
+    scripted_server: ScriptedServer, sdk: str
+) -> None:
+    """A streamed answer whose chunks keep coming, each sooner than the read timeout, is a TIMEOUT error once
+    the backend's timeout is spent for the whole answer: a model stuck repeating itself does not hold its run
+    (and publish partial texts) for ever."""
+    chunks: list[str] = []
+
+    async def on_chunk(text: str) -> None:
+        chunks.append(text)
+
+    if sdk == "openai":
+        events: list[tuple[str | None, Any]] = [(None, openai_chunk({"content": "la "})) for _ in range(40)]
+        scripted_server.replies[OPENAI_PATH] = Reply(events=events, event_gap_s=0.1)
+        backend: OpenAIBackend | AnthropicBackend = openai_backend(scripted_server.base_url, timeout=1.0)
+    else:
+        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "la "}}
+        events = [
+            ("message_start", {"type": "message_start", "message": ANTHROPIC_STARTED}),
+            ("content_block_start", {"type": "content_block_start", "index": 0,
+                                     "content_block": {"type": "text", "text": ""}}),
+            *(("content_block_delta", delta) for _ in range(40)),
+        ]
+        scripted_server.replies[ANTHROPIC_PATH] = Reply(events=events, event_gap_s=0.1)
+        backend = anthropic_backend(scripted_server.base_url, timeout=1.0)
+    started = time.monotonic()
+
+    with pytest.raises(BackendError) as caught:
+        await backend.complete(streamed(on_chunk))
+
+    assert caught.value.kind == "timeout"
+    assert "no whole answer within 1 s" in str(caught.value)
+    assert time.monotonic() - started < 3.5  # not the 4 s the stream would take
+    assert chunks
+
+
+async def test_an_anthropic_stream_broken_off_is_unreachable(scripted_server: ScriptedServer) -> None:
+    """An Anthropic stream whose connection drops mid-answer is an UNREACHABLE backend error naming the break
+    (it surfaced as the HTTP library's own exception, an internal error)."""
+    delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hel"}}
+    scripted_server.replies[ANTHROPIC_PATH] = Reply(
+        events=[
+            ("message_start", {"type": "message_start", "message": ANTHROPIC_STARTED}),
+            ("content_block_start", {"type": "content_block_start", "index": 0,
+                                     "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", delta),
+        ],
+        cut=True,
+    )
+
+    async def on_chunk(text: str) -> None:
+        return None
+
+    with pytest.raises(BackendError) as caught:
+        await anthropic_backend(scripted_server.base_url).complete(streamed(on_chunk))
+
+    assert caught.value.kind == "unreachable"
+    assert "stream broke off" in str(caught.value)
+
+
+async def test_an_openai_refusal_is_the_answer(scripted_server: ScriptedServer) -> None:
+    """An OpenAI answer with no content and a refusal gives the refusal as its text (it was an empty answer)."""
+    scripted_server.replies[OPENAI_PATH] = Reply(body={
+        "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": None, "refusal": "I can't help with that."}}],
+        "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14},
+    })
+
+    result = await openai_backend(scripted_server.base_url).complete(REQUEST)
+
+    assert result.text == "I can't help with that."
+
+
+ANTHROPIC_STARTED: dict[str, object] = {
+    "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test", "content": [],
+    "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 14, "output_tokens": 1},
+}

@@ -315,6 +315,45 @@ async def test_backend_failure_inside_the_loop_becomes_an_error_reply(cast: Cast
     assert (state.prompt_tokens, state.completion_tokens) == (40, 7)
 
 
+async def test_an_empty_answer_becomes_an_error_reply_saying_so(cast: Cast) -> None:
+    """A backend whose final answer is blank (a refusal without text, a content filter) gives no blank reply:
+    the person gets one tagged as an error that says the backend's answer was empty and how it ended."""
+    backend = ScriptedBackend([CompletionResult(text="  ", finish_reason="content_filter")])
+    rig = make_rig(cast, backend)
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    assert reply.has_tag("error", "system")
+    assert reply.content == "I could not answer: the scripted backend gave an empty answer (it ended with 'content_filter')."
+    assert rig.publisher.published == [reply]
+
+
+async def test_an_internal_failure_inside_the_loop_keeps_the_tokens_spent(cast: Cast) -> None:
+    """A backend that crashes with an unexpected error after a tool round yields an error reply, and the
+    tokens the first round spent are recorded as for a backend's own error."""
+
+    @dataclass
+    class CrashSecond(ScriptedBackend):
+        async def complete(self, request: CompletionRequest) -> CompletionResult:
+            if self.requests:
+                raise RuntimeError("a stream broke in a way nobody mapped")
+            return await super().complete(request)
+
+    first = replace(calls(("c1", "get_conversation", {})), prompt_tokens=40, completion_tokens=7)
+    rig = make_rig(cast, CrashSecond([first]))
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+
+    assert reply.has_tag("error", "system")
+    assert "internal error (RuntimeError)" in reply.content
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    state = conversation.agent_state("alice")
+    assert (state.prompt_tokens, state.completion_tokens) == (40, 7)
+
+
 async def test_offline_backend_answers_as_before_with_tools_offered(cast: Cast) -> None:
     """The offline backend calls no tool: one call, its text is the reply, unchanged and untagged."""
     rig = make_rig(cast, OfflineBackend())
