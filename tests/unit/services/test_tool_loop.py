@@ -288,28 +288,34 @@ async def test_a_backend_that_keeps_calling_tools_is_stopped_with_an_error_reply
     assert rig.publisher.published == [reply]
 
 
-async def test_backend_failure_inside_the_loop_becomes_an_error_reply(cast: Cast) -> None:
-    """A backend that fails after a tool round still yields one saved error reply, the daemon's run ends
-    cleanly, and the tokens the first round spent are still recorded."""
+async def failing_after_a_tool_round(cast: Cast, error: Exception) -> tuple[NostrEvent, Conversation]:
+    """Run Alice with a backend whose first round calls a tool (40 prompt and 7 completion tokens) and whose
+    second raises ``error``; return her reply and the conversation after it."""
 
     @dataclass
     class FailSecond(ScriptedBackend):
         async def complete(self, request: CompletionRequest) -> CompletionResult:
             if self.requests:
-                raise BackendError("timeout", "took too long")
+                raise error
             return await super().complete(request)
 
     first = replace(calls(("c1", "get_conversation", {})), prompt_tokens=40, completion_tokens=7)
-    backend = FailSecond([first])
-    rig = make_rig(cast, backend)
+    rig = make_rig(cast, FailSecond([first]))
     root = await start(rig, cast)
-
     reply = await run(rig, root)
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    return reply, conversation
+
+
+async def test_backend_failure_inside_the_loop_becomes_an_error_reply(cast: Cast) -> None:
+    """A backend that fails after a tool round still yields one saved error reply, the daemon's run ends
+    cleanly, and the tokens the first round spent are still recorded."""
+
+    reply, conversation = await failing_after_a_tool_round(cast, BackendError("timeout", "took too long"))
 
     assert reply.has_tag("error", "system")
     assert "(timeout)" in reply.content
-    conversation = await rig.manager.get_conversation(root.id)
-    assert conversation is not None
     assert conversation.history[-1].id == reply.id
     state = conversation.agent_state("alice")
     assert (state.prompt_tokens, state.completion_tokens) == (40, 7)
@@ -332,24 +338,10 @@ async def test_an_empty_answer_becomes_an_error_reply_saying_so(cast: Cast) -> N
 async def test_an_internal_failure_inside_the_loop_keeps_the_tokens_spent(cast: Cast) -> None:
     """A backend that crashes with an unexpected error after a tool round yields an error reply, and the
     tokens the first round spent are recorded as for a backend's own error."""
-
-    @dataclass
-    class CrashSecond(ScriptedBackend):
-        async def complete(self, request: CompletionRequest) -> CompletionResult:
-            if self.requests:
-                raise RuntimeError("a stream broke in a way nobody mapped")
-            return await super().complete(request)
-
-    first = replace(calls(("c1", "get_conversation", {})), prompt_tokens=40, completion_tokens=7)
-    rig = make_rig(cast, CrashSecond([first]))
-    root = await start(rig, cast)
-
-    reply = await run(rig, root)
+    reply, conversation = await failing_after_a_tool_round(cast, RuntimeError("a stream broke, unmapped"))
 
     assert reply.has_tag("error", "system")
     assert "internal error (RuntimeError)" in reply.content
-    conversation = await rig.manager.get_conversation(root.id)
-    assert conversation is not None
     state = conversation.agent_state("alice")
     assert (state.prompt_tokens, state.completion_tokens) == (40, 7)
 
