@@ -8,6 +8,7 @@ to the agent's token budget (docs/CONTEXT.md, "When history does not fit").
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -35,6 +36,11 @@ from tenex_daemon.services.tools import DEFAULT_RECENT_CONVERSATIONS, ToolContex
 DEFAULT_MAX_TOOL_ROUNDS = 8
 """How many times one run may ask its backend before an answer without tool calls is required."""
 TOOL_LOOP_ERROR = "tool_loop"
+CREDENTIAL = re.compile(r"\b(?:sk|rk|org|proj|key|sess)-(?:(?=[\w*.…-]*[\d*…])[\w*.…-]{3,}[\w*…]|[\w-]{16,})")
+"""What a provider's error text may show of a key or an account (OpenAI's 401 names the key masked,
+``sk-proj-abc…wxyz``; a 429 the ``org-…`` id; a digit, ``*`` or ``…`` in it, or 16 characters, so
+``key-value`` is no key):
+left out of the error reply."""
 EMPTY_ANSWER = "empty_answer"
 """The error kind of a backend's final answer with nothing in it (an unexplained refusal, a filter)."""
 """The error kind of a run stopped because its backend kept calling tools."""
@@ -187,7 +193,8 @@ class AnswerLoop:
             )
             return replace(usage, text=text, extra={}), TOOL_LOOP_ERROR
         except BackendError as exc:
-            text = f"I could not answer: the {profile.backend.name} backend failed ({exc.kind}): {exc}"
+            failed = _redacted(str(exc))  # the reply may be public: no piece of a key or account id in it
+            text = f"I could not answer: the {profile.backend.name} backend failed ({exc.kind}): {failed}"
             # Tokens spent by earlier rounds of this run were still spent.
             spent = CompletionResult(
                 text=text, model=model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
@@ -326,3 +333,8 @@ def _add(total: int | None, more: int | None) -> int | None:
     if more is None:
         return total
     return more if total is None else total + more
+
+
+def _redacted(text: str) -> str:
+    """``text`` with what looks like a piece of a key or an account id replaced (:data:`CREDENTIAL`)."""
+    return CREDENTIAL.sub("<redacted>", text)

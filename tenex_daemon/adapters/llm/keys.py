@@ -27,7 +27,14 @@ def read_key_file(path: str | os.PathLike[str]) -> str:
                 f"API key file {file} is readable by others (mode {stat.S_IMODE(mode):o}): chmod 600 {file}"
             )
         )
-    key = file.read_text(encoding="utf-8").strip()
+    if file.is_dir():
+        raise KeyFileError(message=f"API key file {file} is a folder, not a file")
+    try:
+        key = file.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise KeyFileError(message=f"API key file {file} is not UTF-8 text") from None
+    except OSError as exc:  # not this user's to read, and the like
+        raise KeyFileError(message=f"API key file {file} cannot be read: {exc.strerror}") from None
     if not key:
         raise KeyFileError(message=f"API key file {file} is empty")
     return key

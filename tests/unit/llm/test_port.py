@@ -101,6 +101,20 @@ def test_key_file_must_be_private(tmp_path: Path) -> None:
     assert read_key_file(key) == "sk-secret"
 
 
+def test_a_key_file_that_cannot_be_read_is_named(tmp_path: Path) -> None:
+    """A folder where the key file should be, or a file that is not UTF-8 text, is an auth error naming the
+    file (they ended in a traceback: IsADirectoryError, UnicodeDecodeError)."""
+    folder = tmp_path / "folder"
+    folder.mkdir(mode=0o700)
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe\x00key")
+    binary.chmod(0o600)
+    with pytest.raises(KeyFileError, match=f"{folder} is a folder"):
+        read_key_file(folder)
+    with pytest.raises(KeyFileError, match=f"{binary} is not UTF-8 text"):
+        read_key_file(binary)
+
+
 def test_key_file_missing_or_empty(tmp_path: Path) -> None:
     """A missing or empty key file is an auth error naming the file."""
     with pytest.raises(KeyFileError, match="does not exist"):

@@ -346,6 +346,18 @@ async def test_an_internal_failure_inside_the_loop_keeps_the_tokens_spent(cast: 
     assert (state.prompt_tokens, state.completion_tokens) == (40, 7)
 
 
+async def test_a_backends_error_reply_shows_no_piece_of_a_key_or_an_account_id(cast: Cast) -> None:
+    """The provider's error text goes into the (maybe public) error reply without what it shows of a key
+    (OpenAI's 401 names it masked) or of an account (a 429's organisation id); the rest of it stays."""
+    said = "openai: HTTP 401: Incorrect API key provided: sk-proj-abc1***wxyz. Organization org-Xy12ab34 used."
+    reply, _ = await failing_after_a_tool_round(cast, BackendError("auth", said))
+
+    assert reply.has_tag("error", "system")
+    assert "sk-proj" not in reply.content
+    assert "org-Xy12" not in reply.content
+    assert "Incorrect API key provided: <redacted>. Organization <redacted> used." in reply.content
+
+
 async def test_offline_backend_answers_as_before_with_tools_offered(cast: Cast) -> None:
     """The offline backend calls no tool: one call, its text is the reply, unchanged and untagged."""
     rig = make_rig(cast, OfflineBackend())
