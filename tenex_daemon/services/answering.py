@@ -37,10 +37,9 @@ DEFAULT_MAX_TOOL_ROUNDS = 8
 """How many times one run may ask its backend before an answer without tool calls is required."""
 TOOL_LOOP_ERROR = "tool_loop"
 CREDENTIAL = re.compile(r"\b(?:sk|rk|org|proj|key|sess)-(?:(?=[\w*.…-]*[\d*…])[\w*.…-]{3,}[\w*…]|[\w-]{16,})")
-"""What a provider's error text may show of a key or an account (OpenAI's 401 names the key masked,
-``sk-proj-abc…wxyz``; a 429 the ``org-…`` id; a digit, ``*`` or ``…`` in it, or 16 characters, so
-``key-value`` is no key):
-left out of the error reply."""
+"""What a provider's error text may show of a key or an account, left out of the error reply: OpenAI's 401
+names the key masked (``sk-proj-abc…wxyz``), a 429 the ``org-…`` id. It holds a digit, ``*`` or ``…``,
+or is 16 characters long, so ``key-value`` is no key."""
 EMPTY_ANSWER = "empty_answer"
 """The error kind of a backend's final answer with nothing in it (an unexplained refusal, a filter)."""
 """The error kind of a run stopped because its backend kept calling tools."""
