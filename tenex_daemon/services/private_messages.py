@@ -127,12 +127,17 @@ class Intake:
         return event
 
 
+def agent_channel(agent_slug: str, person: str) -> str:
+    """The private channel of one person with one agent: ``dm:<agent slug>:<person>``."""
+    return f"{CHANNEL_PREFIX}{agent_slug}:{person}"
+
+
 def private_channel(rumor: NostrEvent, directory: AgentDirectory) -> str | None:
     """The channel ``dm:<agent slug>:<person>`` of a person's rumor to one agent (None: to no agent)."""
     for pubkey in rumor.tag_values(TAG_PUBKEY):
         agent = directory.by_pubkey(pubkey)
         if agent is not None and pubkey != rumor.pubkey:
-            return f"{CHANNEL_PREFIX}{agent.slug}:{rumor.pubkey}"
+            return agent_channel(agent.slug, rumor.pubkey)
     return None
 
 
@@ -168,7 +173,7 @@ class PrivateConversations:
             return
         if reply.has_tag(TAG_ERROR, ERROR_SYSTEM):  # a notice (a failure's): no answer that moves the chat
             return
-        channel = f"{CHANNEL_PREFIX}{agent.slug}:{root.pubkey}"
+        channel = agent_channel(agent.slug, root.pubkey)
         if channel != conversation.channel and await self._lifecycle.point_channel(channel, conversation.id):
             log.info("private_channel_pointed", conversation_id=conversation.id, channel=channel)
 
@@ -224,9 +229,8 @@ def plan_private_conversations(
             if item.recipient == rumor.pubkey:  # an agent's own copy (its copies for others say the same)
                 rumors.setdefault(rumor.id, (rumor, None))
                 people = [p for p in rumor.tag_values(TAG_PUBKEY) if directory.by_pubkey(p) is None]
-                notice = rumor.has_tag(TAG_ERROR, ERROR_SYSTEM)  # a notice moves no chat (as live)
-                for person in people[:1] if not notice else []:
-                    answering[rumor.id] = f"{CHANNEL_PREFIX}{agent.slug}:{person}"
+                if people and not rumor.has_tag(TAG_ERROR, ERROR_SYSTEM):  # a notice moves no chat (as live)
+                    answering[rumor.id] = agent_channel(agent.slug, people[0])
             continue
         refusal = refuse_private(rumor, item.recipient, directory)
         if refusal is None and rumor.pubkey not in allowed:
