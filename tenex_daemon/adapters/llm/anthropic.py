@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tenex_daemon.adapters.llm.errors import MissingExtraError, map_sdk_error, stream_error, whole_within
+from tenex_daemon.adapters.llm.errors import MissingExtraError, map_sdk_error, streamed_answer
 from tenex_daemon.adapters.llm.keys import resolve_api_key
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
@@ -155,14 +155,9 @@ class AnthropicBackend:
             if request.on_chunk is None:
                 message = await self._client.messages.create(**kwargs)
             else:
-                message = await whole_within(self.timeout, self.name, self._streamed(request, kwargs))
+                message = await streamed_answer(self.timeout, self.name, self._streamed(request, kwargs))
         except anthropic.AnthropicError as exc:
             raise map_sdk_error(exc, anthropic, self.name) from exc
-        except Exception as exc:
-            broken = stream_error(exc, self.name)
-            if broken is None:
-                raise
-            raise broken from exc
         usage = message.usage
         return CompletionResult(
             text=_text(message.content),

@@ -96,7 +96,7 @@ def map_sdk_error(exc: Exception, sdk: Any, backend: str) -> BackendError:
     return backend_error(BackendErrorKind.OTHER, f"{backend}: {type(exc).__name__}: {exc}")
 
 
-def stream_error(exc: Exception, backend: str) -> BackendError | None:
+def _broken_stream(exc: Exception, backend: str) -> BackendError | None:
     """A failure of the HTTP library under an SDK while an answer streams (the connection cut mid-way: it
     comes out of the iteration unwrapped), as a BackendError; None for anything else."""
     if type(exc).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "h11", "aiohttp"):
@@ -105,9 +105,10 @@ def stream_error(exc: Exception, backend: str) -> BackendError | None:
     return None
 
 
-async def whole_within(seconds: float, backend: str, call: Awaitable[T]) -> T:
-    """Await ``call`` (a streamed answer), raising a TIMEOUT BackendError when it is not whole within
-    ``seconds``: the SDKs' timeout bounds each read, so a stream that keeps trickling never ends by itself."""
+async def streamed_answer(seconds: float, backend: str, call: Awaitable[T]) -> T:
+    """Await ``call`` (a streamed answer): a TIMEOUT BackendError when it is not whole within ``seconds``
+    (the SDKs' timeout bounds each read, so a stream that keeps trickling never ends by itself), an
+    UNREACHABLE one when the stream broke off; the SDK's own errors pass as they are."""
     try:
         async with asyncio.timeout(seconds):
             return await call
@@ -115,3 +116,8 @@ async def whole_within(seconds: float, backend: str, call: Awaitable[T]) -> T:
         raise backend_error(
             BackendErrorKind.TIMEOUT, f"{backend}: no whole answer within {seconds:g} s (the timeout option)"
         ) from None
+    except Exception as exc:
+        broken = _broken_stream(exc, backend)
+        if broken is None:
+            raise
+        raise broken from exc

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from tenex_daemon.adapters.llm.errors import MissingExtraError, map_sdk_error, stream_error, whole_within
+from tenex_daemon.adapters.llm.errors import MissingExtraError, map_sdk_error, streamed_answer
 from tenex_daemon.adapters.llm.keys import resolve_api_key
 from tenex_daemon.adapters.llm.openai_format import (
     openai_tool_choice,
@@ -100,14 +100,9 @@ class OpenAIBackend:
         try:
             if request.on_chunk is None:
                 return await self._complete_once(request, kwargs)
-            return await whole_within(self.timeout, self.name, self._complete_streamed(request, kwargs))
+            return await streamed_answer(self.timeout, self.name, self._complete_streamed(request, kwargs))
         except openai.OpenAIError as exc:
             raise map_sdk_error(exc, openai, self.name) from exc
-        except Exception as exc:
-            broken = stream_error(exc, self.name)
-            if broken is None:
-                raise
-            raise broken from exc
 
     async def _complete_once(self, request: CompletionRequest, kwargs: dict[str, Any]) -> CompletionResult:
         response = await self._client.chat.completions.create(**kwargs)
