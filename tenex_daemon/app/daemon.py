@@ -536,8 +536,7 @@ class Daemon:
             if unsent:
                 note = "kept in the outbox for the next start"
                 log.warning("replies_unpublished_at_shutdown", count=unsent, note=note)
-        if control is not None:
-            await control.stop()
+        await control.stop()  # made before anything started: stopping one never started removes nothing
         await self._background.cancel_all()
         if self.pool is not None:
             await self.pool.stop()

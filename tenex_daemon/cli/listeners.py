@@ -3,7 +3,8 @@
 With the daemon down, any local user may listen on ``control.tcp_port``; a CLI that sent the token there
 would hand it over (and the token is kept across restarts). Linux says which user owns each listening
 socket in ``/proc/net/tcp`` and ``/proc/net/tcp6`` (readable by every user): the CLI sends the token only
-when every socket listening on the port belongs to the token file's owner, the user the daemon runs as.
+when every socket listening on the port where a connection to 127.0.0.1 goes (127.0.0.1, 0.0.0.0, ::)
+belongs to the token file's owner, the user the daemon runs as.
 """
 
 from __future__ import annotations
