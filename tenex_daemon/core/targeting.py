@@ -12,7 +12,13 @@ from enum import StrEnum
 from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.vocabulary import TAG_DELEGATION, TAG_PUBKEY
+from tenex_daemon.core.vocabulary import (
+    KIND_PRIVATE_MESSAGE,
+    TAG_DELEGATION,
+    TAG_PUBKEY,
+    TAG_TOOL,
+    TOOL_COMPLETE,
+)
 
 
 class SkipReason(StrEnum):
@@ -65,10 +71,22 @@ def choose_target(event: NostrEvent, directory: AgentDirectory) -> Target:
     decides). A p-tag naming neither an agent nor the project: nobody. An agent's event
     tagged ``["delegation", <thread id>]`` (a ``send_message`` exchange, see
     :func:`is_delegation`) runs nobody: the tool already had the addressed agent answer.
-    The tag on anyone else's event means nothing (a person cannot silence the agents).
+    The tag on anyone else's event means nothing (a person cannot silence the agents). An agent's
+    private completion (a kind-14 rumor tagged ``["tool", "complete"]``) goes to the orchestrator: its
+    ``p`` names the person only, so that NIP-17 clients show it in the person's chat with the agent.
     """
-    if is_delegation(event) and directory.by_pubkey(event.pubkey) is not None:
+    author_is_agent = directory.by_pubkey(event.pubkey) is not None
+    if author_is_agent and is_delegation(event):
         return Target(None, SkipReason.DELEGATION)
+    orchestrator = directory.orchestrator
+    if (
+        author_is_agent
+        and event.kind == KIND_PRIVATE_MESSAGE
+        and orchestrator is not None
+        and orchestrator.pubkey != event.pubkey
+        and event.has_tag(TAG_TOOL, TOOL_COMPLETE)
+    ):
+        return Target(orchestrator)
     tagged = [tag[1] for tag in event.tags if len(tag) > 1 and tag[0] == TAG_PUBKEY]
     for pubkey in tagged:
         agent = directory.by_pubkey(pubkey)
@@ -77,7 +95,6 @@ def choose_target(event: NostrEvent, directory: AgentDirectory) -> Target:
     others = [p for p in tagged if p != event.pubkey and p != directory.project_pubkey]
     if others:
         return Target(None, SkipReason.ADDRESSED_ELSEWHERE)
-    orchestrator = directory.orchestrator
     if orchestrator is not None and orchestrator.pubkey == event.pubkey:
         return Target(None, SkipReason.OWN_EVENT)
     return Target(orchestrator, None if orchestrator else SkipReason.NO_AGENT, via_orchestrator=True)

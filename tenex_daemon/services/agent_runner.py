@@ -377,7 +377,10 @@ class AgentRunner:
 
         async def compose(conversation: Conversation, net_time_seconds: int) -> NostrEvent:
             destinations = [user_destination(conversation, trigger, self._manager)]
-            if complete and orchestrator is not None and orchestrator.slug != profile.agent.slug:
+            # a private completion p-tags the person only: NIP-17 clients make a chat of the p-tags, and
+            # the orchestrator is told by its completion tag (docs/PROTOCOL.md, "Private conversations")
+            to_orchestrator = complete and not conversation.private
+            if to_orchestrator and orchestrator is not None and orchestrator.slug != profile.agent.slug:
                 destinations.append(orchestrator.pubkey)
             spec = ReplySpec(
                 agent_slug=profile.agent.slug,

@@ -59,6 +59,23 @@ def test_choose_target_rules(cast: Cast) -> None:
     assert choose_target(alice_self, directory).agent == cast.bob
 
 
+
+def test_an_agents_private_completion_goes_to_the_orchestrator_by_its_tag(cast: Cast) -> None:
+    """An agent's kind-14 rumor tagged as a completion goes to the orchestrator though it p-tags the person
+    only; the same tag on a person's rumor, on the orchestrator's own, or on a public event p-tagging the
+    person only changes nothing."""
+    directory = AgentDirectory(cast.agents, cast.project.pubkey)
+    done = [["p", cast.user.pubkey], ["tool", "complete"]]
+    private = cast.alice_says("done", kind=14, tags=done)
+    persons = cast.user_says("done", kind=14, tags=[["p", cast.alice.pubkey], ["tool", "complete"]])
+    own = cast.factory.event(cast.orchestrator_keys, "done", kind=14, tags=done)
+    public = cast.alice_says("done", kind=1111, tags=done)
+
+    assert choose_target(private, directory).agent == cast.orchestrator
+    assert choose_target(persons, directory).agent == cast.alice
+    assert choose_target(own, directory).skip is SkipReason.ADDRESSED_ELSEWHERE
+    assert choose_target(public, directory).skip is SkipReason.ADDRESSED_ELSEWHERE
+
 def test_mentions_and_chains(cast: Cast) -> None:
     """@slug and @Name pick an agent; the agent chain counts agent events at the end of history."""
     directory = AgentDirectory(cast.agents)

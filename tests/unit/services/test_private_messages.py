@@ -18,7 +18,13 @@ from pydantic import ValidationError
 from tenex_daemon import ConversationManager
 from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
 from tenex_daemon.adapters.nostr.metadata_event import ConversationMetadataComposer
-from tenex_daemon.adapters.nostr.private import GiftWraps, OpenedWrap, PrivateReplyComposer, make_rumor
+from tenex_daemon.adapters.nostr.private import (
+    GiftWraps,
+    OpenedWrap,
+    PrivateReplyComposer,
+    make_rumor,
+    wrap_recipients,
+)
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.app.settings import AnswerMode, DaemonSettings
 from tenex_daemon.core.classify import EventClass
@@ -40,6 +46,8 @@ from tenex_daemon.testing import KeyPair
 from tenex_daemon.testing.fakes import PlainComposer, ScriptedBackend, signers_for
 from tests.conftest import Cast
 from tests.pipeline import Rig, build_rig, cast_keys
+from tests.unit.services.test_tool_loop import calls
+from tests.unit.services.test_tool_loop import text as says
 
 MINUTE_MS = 60_000
 
@@ -420,3 +428,34 @@ async def test_a_private_conversation_cannot_be_read_from_a_public_one(cast: Cas
     read = await ask(later.id, later, {"id": secret.id})
     assert not read.is_error
     assert "my secret" in read.content
+
+
+async def test_a_private_completion_p_tags_the_person_only_and_still_reaches_the_orchestrator(cast: Cast) -> None:
+    """The orchestrator routes the person's private message to Alice; her completion is a rumor p-tagging the
+    person alone (a NIP-17 client shows it in their chat with Alice, not in a group chat with the
+    orchestrator, where their reply would not be one-to-one), and the orchestrator still takes it: its model
+    is asked again and hands Bob the work."""
+    model = ScriptedBackend([
+        CompletionResult(text='{"agents": ["alice"], "reason": "alice does it"}'),
+        CompletionResult(text='{"agents": ["bob"], "reason": "bob checks it"}'),
+    ])
+
+    def orchestrator(manager: ConversationManager) -> LLMOrchestrator:
+        return LLMOrchestrator(manager, model, RuleBasedOrchestrator(manager.agents, "alice"), default_agent="alice")
+
+    backend = ScriptedBackend([calls(("c1", "complete", {"summary": "Done."})), says("Checked.")])
+    rig, intake = private_rig(cast, backend=backend, orchestrator=orchestrator)
+    first = admitted(intake, wrap(cast.user, cast.orchestrator.pubkey, "please do it"))
+    await rig.dispatcher.handle(first)
+    await rig.quiet()
+    await rig.settle()
+
+    conversation = await rig.manager.get_conversation(first.id)
+    assert conversation is not None
+    completion = conversation.history[1]
+    assert (completion.pubkey, completion.kind) == (cast.alice.pubkey, 14)
+    assert completion.has_tag("tool", "complete")
+    assert completion.tag_values("p") == [cast.user.pubkey]
+    assert wrap_recipients(completion) == [cast.user.pubkey, cast.alice.pubkey]
+    assert len(model.requests) == 2  # asked for the message, then for the completed work
+    assert [e.pubkey for e in conversation.history] == [cast.user.pubkey, cast.alice.pubkey, cast.bob.pubkey]
