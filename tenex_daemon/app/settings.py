@@ -17,6 +17,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES
+from tenex_daemon.app.home_dir import resolve_home
 from tenex_daemon.core.budget import DEFAULT_BUDGET_RATIO, BudgetStrategy
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.phases import Phase, PhaseRules
@@ -24,7 +25,6 @@ from tenex_daemon.core.threads import KEY_SEPARATOR
 
 CONFIG_FILE = "config.toml"
 ENV_PREFIX = "TENEX_"
-DEFAULT_HOME = ".tenex"
 
 
 class SettingsError(TenexError):
@@ -416,16 +416,6 @@ class Settings(_Section):
 def _check_hex_key(value: str) -> None:
     if len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
         raise ValueError(f"{value!r} is not a 64-character lowercase hex public key")
-
-
-def resolve_home(home: str | Path | None, env: Mapping[str, str] | None = None) -> Path:
-    """Return the home: the argument, else ``$TENEX_HOME``, else ``./.tenex``."""
-    environment = os.environ if env is None else env
-    if home is not None:
-        return Path(home).expanduser().resolve()
-    if environment.get("TENEX_HOME"):
-        return Path(environment["TENEX_HOME"]).expanduser().resolve()
-    return Path(DEFAULT_HOME).resolve()
 
 
 SECTION_SEPARATOR = "__"

@@ -16,10 +16,12 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from tenex_daemon.app.files import write_text_atomic
-from tenex_daemon.services.retention import Sweeper, SweepReport, SweepTotals
+
+if TYPE_CHECKING:
+    from tenex_daemon.services.retention import Sweeper, SweepReport, SweepTotals
 
 
 class DaemonState(StrEnum):

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
-from tenex_daemon.adapters.nostr.agent_definition import (
-    DefinitionError,
-    DefinitionReferenceError,
-    parse_reference,
-)
-from tenex_daemon.adapters.nostr.signer import KeyFileError
-from tenex_daemon.app.home import HomeError, add_agent, agent_identities
-from tenex_daemon.app.settings import Settings, SettingsError, load_settings
 from tenex_daemon.cli.invocation import HomeOption, relay_urls_argument, settings_of
 from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, fail, out, print_json
 from tenex_daemon.cli.typer_app import TenexTyper
 from tenex_daemon.core import nip19
+
+if TYPE_CHECKING:
+    from tenex_daemon.app.settings import Settings
 
 agents_app = TenexTyper(help="List and add the project's agents.", no_args_is_help=True)
 
@@ -35,6 +30,8 @@ def agents_list(ctx: typer.Context, as_json: JsonOption = False, home: HomeOptio
     """List the agents: slug, name, npub and hex public key (and, in JSON, the definition installed from).
     Exits 1 when an agent's key file cannot be used (the daemon would not start): the list is printed all
     the same, each such agent with the reason in place of its npub."""
+    from tenex_daemon.app.home import agent_identities
+
     settings = settings_of(ctx)
     rows: list[dict[str, Any]] = []
     for agent, info, problem in agent_identities(settings):
@@ -102,6 +99,10 @@ def agents_add(
     With --from, the kind-4199 definition is fetched, verified and installed (name, role,
     instructions), its reference recorded as the agent's source.
     """
+    from tenex_daemon.adapters.nostr.signer import KeyFileError
+    from tenex_daemon.app.home import HomeError, add_agent
+    from tenex_daemon.app.settings import SettingsError
+
     if slug is not None and slug_option is not None and slug != slug_option:
         fail(f"two slugs given ({slug!r} and --slug {slug_option!r}); give one", EXIT_USAGE)
     slug = slug if slug is not None else slug_option
@@ -130,6 +131,8 @@ def agents_add(
 def _backend_of(settings: Settings, slug: str) -> str:
     """The backend an agent just added was given (the other agents', else ``offline``), as config.toml
     now says: its kind, and its model when it names one."""
+    from tenex_daemon.app.settings import load_settings
+
     added = next(a for a in load_settings(settings.home).agents if a.slug == slug)
     model = added.backend.model
     return added.backend.kind if model is None else f"{added.backend.kind} ({model})"
@@ -148,7 +151,15 @@ class _AddFrom:
 
 def _add_from(settings: Settings, text: str, options: _AddFrom, as_json: bool) -> None:
     """Install the definition ``text`` names; exit 2 on a usage error, 1 when it is not found or invalid."""
+    from tenex_daemon.adapters.nostr.agent_definition import (
+        DefinitionError,
+        DefinitionReferenceError,
+        parse_reference,
+    )
+    from tenex_daemon.adapters.nostr.signer import KeyFileError
     from tenex_daemon.app.agent_install import add_agent_from
+    from tenex_daemon.app.home import HomeError
+    from tenex_daemon.app.settings import SettingsError
     from tenex_daemon.cli.send import send_relays
 
     try:

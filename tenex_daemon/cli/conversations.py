@@ -8,25 +8,13 @@ import os
 import stat
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from tenex_daemon.app.control.errors import ApiError
-from tenex_daemon.app.control.parsing import parse_datetime
-from tenex_daemon.app.home import agent_identities
-from tenex_daemon.app.rebuild import (
-    NoRelayConfiguredError,
-    RebuildError,
-    RebuildRequest,
-    rebuild_from_relays,
-    report_rows,
-)
-from tenex_daemon.app.settings import Settings
-from tenex_daemon.cli.access import AccessError, ApiAccess, LocalAccess, open_access
 from tenex_daemon.cli.invocation import (
     HomeOption,
     event_id_argument,
@@ -36,11 +24,14 @@ from tenex_daemon.cli.invocation import (
     with_conversation,
 )
 from tenex_daemon.cli.output import EXIT_USAGE, JsonOption, err, fail, ms_time, out, print_json, s_time
+from tenex_daemon.cli.references import AccessError
 from tenex_daemon.cli.typer_app import TenexTyper
 from tenex_daemon.core import nip19
-from tenex_daemon.core.errors import ConversationNotFoundError
-from tenex_daemon.core.phases import BUILT_IN_PHASES
-from tenex_daemon.services.conversation_manager import shortened
+from tenex_daemon.core.vocabulary import BUILT_IN_PHASE_NAMES
+
+if TYPE_CHECKING:
+    from tenex_daemon.app.rebuild import RebuildRequest
+    from tenex_daemon.app.settings import Settings
 
 conversations_app = TenexTyper(
     help="List, show, search, archive, end, stop, restore, export and rebuild conversations.",
@@ -54,7 +45,7 @@ def _group_home(home: HomeOption = None) -> None:
 
 PhaseOption = Annotated[
     str | None,
-    typer.Option(help=f"Only this phase ({', '.join(BUILT_IN_PHASES)}, or one the project added)."),
+    typer.Option(help=f"Only this phase ({', '.join(BUILT_IN_PHASE_NAMES)}, or one the project added)."),
 ]
 LimitOption = Annotated[int | None, typer.Option(min=1, help="At most this many rows.")]
 ID_HELP = (
@@ -66,6 +57,8 @@ IdArgument = Annotated[str, typer.Argument(metavar="ID", help=ID_HELP)]
 
 def _names(settings: Settings) -> dict[str, str]:
     """Public key -> a label for people reading history (agents by name, the project, the owner)."""
+    from tenex_daemon.app.home import agent_identities
+
     names: dict[str, str] = {}
     for agent, info, _problem in agent_identities(settings):
         if info is not None:
@@ -86,6 +79,8 @@ SHOWN_TITLE_CHARS = 80
 
 
 def _conversation_table(rows: list[dict[str, Any]], title: str) -> Table:
+    from tenex_daemon.services.conversation_manager import shortened
+
     table = Table(title=title)
     for column in ("id", "title", "phase", "events", "agents", "updated (UTC)", "status"):
         table.add_column(column, overflow="fold")
@@ -355,6 +350,11 @@ def _rebuild_body(request: RebuildRequest) -> dict[str, Any]:
 
 async def _rebuild(settings: Settings, request: RebuildRequest, progress: Progress | None) -> dict[str, Any]:
     """Rebuild through the daemon's control API when it runs, else with the store and relays opened here."""
+    from tenex_daemon.app.rebuild import NoRelayConfiguredError, RebuildError, rebuild_from_relays
+    from tenex_daemon.cli.access import LocalAccess, open_access
+    from tenex_daemon.cli.client import ApiAccess
+    from tenex_daemon.core.errors import ConversationNotFoundError
+
     task = progress.add_task("fetching from the relays", total=None) if progress is not None else None
 
     def merged(done: int, total: int) -> None:
@@ -404,6 +404,10 @@ def conversations_rebuild(
     Through the daemon when it runs, else with the store and the relays of config.toml. Nothing
     already stored is added twice and no agent is run.
     """
+    from tenex_daemon.app.control.errors import ApiError
+    from tenex_daemon.app.control.parsing import parse_datetime
+    from tenex_daemon.app.rebuild import RebuildRequest, report_rows
+
     if (conversation_id is None) == (not all_):
         fail("name one conversation ID or pass --all", EXIT_USAGE)
     cid = event_id_argument(conversation_id) if conversation_id is not None else None

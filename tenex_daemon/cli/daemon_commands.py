@@ -11,13 +11,6 @@ from rich.table import Table
 from rich.text import Text
 
 from tenex_daemon import __version__
-from tenex_daemon.adapters.nostr.signer import KeyFileError
-from tenex_daemon.app.control.errors import ControlSetupError
-from tenex_daemon.app.home import HomeError, init_home
-from tenex_daemon.app.logging import configure_logging
-from tenex_daemon.app.settings import CONFIG_FILE, Settings, SettingsError, load_settings
-from tenex_daemon.app.status import Health, StatusReport, live_report, read_status
-from tenex_daemon.cli.access import AccessError, live_status
 from tenex_daemon.cli.invocation import HomeOption, home_of, relay_urls_argument, run_async, settings_of
 from tenex_daemon.cli.output import (
     EXIT_FAILURE,
@@ -30,12 +23,15 @@ from tenex_daemon.cli.output import (
     print_json,
     s_time,
 )
+from tenex_daemon.cli.references import AccessError
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import TenexError
 
 if TYPE_CHECKING:
     from tenex_daemon.adapters.storage.smarthole_import import SmartHoleIdentities, SmartHoleImportReport
     from tenex_daemon.adapters.storage.tenex_import import ImportReport
+    from tenex_daemon.app.settings import Settings
+    from tenex_daemon.app.status import StatusReport
     from tenex_daemon.core.ports import Store
 
 DEFAULT_STALE_S = 30.0
@@ -66,6 +62,9 @@ def init(
     home: HomeOption = None,
 ) -> None:
     """Create a project home: config.toml, keys/ (0700) with one key file (0600) per agent and the project."""
+    from tenex_daemon.adapters.nostr.signer import KeyFileError
+    from tenex_daemon.app.home import HomeError, init_home
+
     try:
         result = init_home(
             home_of(ctx), owner, whitelist or (), relay or (),
@@ -129,6 +128,10 @@ def run(
     home: HomeOption = None,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT (what systemd runs)."""
+    from tenex_daemon.adapters.nostr.signer import KeyFileError
+    from tenex_daemon.app.control.errors import ControlSetupError
+    from tenex_daemon.app.logging import configure_logging
+
     settings = _run_settings(settings_of(ctx), relay, embedded_relay, log_format, log_level)
     if not settings.relays.urls and not settings.relays.embedded:
         fail("no relay configured: pass --relay URL or --embedded-relay, or set relays.urls", EXIT_USAGE)
@@ -151,6 +154,10 @@ def run(
 def _status_report(ctx: typer.Context) -> StatusReport:
     """Read the status file; works with a broken config (falls back to the default paths). A home that is
     missing, or has neither config.toml nor a status file, is no home: exit 2 as every command does."""
+    from tenex_daemon.app.settings import CONFIG_FILE, SettingsError, load_settings
+    from tenex_daemon.app.status import Health, live_report, read_status
+    from tenex_daemon.cli.client import live_status
+
     home = home_of(ctx)
     try:
         settings = load_settings(home)
@@ -326,7 +333,7 @@ def migrate(
 def _smarthole_identities(settings: Settings, agent: str | None) -> SmartHoleIdentities:
     """Who signs a SmartHole import: the agent's key, and the owner's key if the home has it, else
     ``keys/import.key`` (made on first use, 0600); exit 2 on an unknown agent or a bad key file."""
-    from tenex_daemon.adapters.nostr.signer import Signer, write_key_file
+    from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer, write_key_file
     from tenex_daemon.adapters.storage.smarthole_import import SmartHoleIdentities
 
     slug = agent or settings.default_agent_slug

@@ -11,28 +11,23 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from tenex_daemon.app.settings import (
-    DEFAULT_HOME,
-    Settings,
-    SettingsError,
-    first_bad_relay_url,
-    load_settings,
-    resolve_home,
-)
-from tenex_daemon.cli.access import (
+from tenex_daemon.app.home_dir import DEFAULT_HOME, resolve_home
+from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, fail
+from tenex_daemon.cli.references import (
     AccessError,
     ConversationAccess,
     conversation_reference,
     normalize_event_id,
-    open_access,
     resolve_conversation,
 )
-from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, fail
 from tenex_daemon.core.errors import TenexError
+
+if TYPE_CHECKING:
+    from tenex_daemon.app.settings import Settings
 
 T = TypeVar("T")
 
@@ -71,6 +66,8 @@ def home_of(ctx: typer.Context) -> Path:
 def relay_urls_argument(urls: Sequence[str] | None) -> list[str]:
     """Return the ``--relay`` URLs given, each once; exit 2 naming the first that does not start with ws://
     or wss:// (as ``init`` and config.toml's ``relays.urls`` refuse it)."""
+    from tenex_daemon.app.settings import first_bad_relay_url
+
     given = list(dict.fromkeys(urls or ()))
     bad = first_bad_relay_url(given)
     if bad is not None:
@@ -80,6 +77,8 @@ def relay_urls_argument(urls: Sequence[str] | None) -> list[str]:
 
 def settings_of(ctx: typer.Context) -> Settings:
     """Load the home's settings; exit 2 naming the problem when they are invalid."""
+    from tenex_daemon.app.settings import SettingsError, load_settings
+
     try:
         return load_settings(home_of(ctx))
     except SettingsError as exc:
@@ -98,6 +97,8 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 def with_access(ctx: typer.Context, action: Callable[[ConversationAccess], Awaitable[T]]) -> T:
     """Run ``action`` on the conversations: through the daemon's control API if it answers, else the store."""
+    from tenex_daemon.cli.access import open_access
+
     settings = settings_of(ctx)
 
     async def go() -> T:

@@ -6,7 +6,9 @@ whose output's reader went away (``tenexd status | head -1``) exits 0, quietly
 (:mod:`~tenex_daemon.cli.typer_app`, which also makes the help show what a person types).
 The commands live by group: :mod:`~tenex_daemon.cli.daemon_commands` (version, init, run,
 status, migrate), :mod:`~tenex_daemon.cli.conversations` (``conversations ...`` and ``context``),
-:mod:`~tenex_daemon.cli.agents` and :mod:`~tenex_daemon.cli.send_command`.
+:mod:`~tenex_daemon.cli.agents` and :mod:`~tenex_daemon.cli.send_command`. Those modules import the
+daemon's parts inside the commands that use them: ``tenexd --help`` loads none of them, ``tenexd status``
+only the settings and the control API's client (docs/BENCHMARKS.md, "The command line's start").
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from typing import Annotated
 
 import typer
 
-from tenex_daemon.app.logging import configure_logging
 from tenex_daemon.cli import daemon_commands
 from tenex_daemon.cli.agents import agents_app
 from tenex_daemon.cli.conversations import context, conversations_app
@@ -36,6 +37,8 @@ def main(
 ) -> None:
     """tenexd: the conversation brain of a team of AI agents on Nostr."""
     # `home` is read from the context by the commands (invocation.home_of), with theirs first.
+    from tenex_daemon.app.logging import configure_logging
+
     configure_logging("auto", "warning")  # `run` reconfigures from the settings
 
 

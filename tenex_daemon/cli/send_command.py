@@ -12,10 +12,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.text import Text
 
-from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
-from tenex_daemon.app.home import load_agents
-from tenex_daemon.app.settings import Settings
-from tenex_daemon.cli.access import AccessError, ConversationAccess, open_access, resolve_conversation
 from tenex_daemon.cli.conversations import SHOWN_ID_DIGITS
 from tenex_daemon.cli.invocation import (
     HomeOption,
@@ -26,13 +22,15 @@ from tenex_daemon.cli.invocation import (
     settings_of,
 )
 from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, err, fail, out
-from tenex_daemon.core.agents import Agent
+from tenex_daemon.cli.references import AccessError, ConversationAccess, resolve_conversation
 from tenex_daemon.core.errors import TenexError
-from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import KIND_NOTE, KIND_PRIVATE_MESSAGE
 
 if TYPE_CHECKING:
+    from tenex_daemon.app.settings import Settings
     from tenex_daemon.cli.send import SendResult
+    from tenex_daemon.core.agents import Agent
+    from tenex_daemon.core.events import NostrEvent
 
 
 def _reply_printer(agents: list[Agent], as_json: bool) -> Callable[[Agent, NostrEvent], None]:
@@ -53,6 +51,8 @@ def _reply_printer(agents: list[Agent], as_json: bool) -> Callable[[Agent, Nostr
 
 async def _local_conversation_of(settings: Settings, event_id: str) -> dict[str, Any] | None:
     """The conversation of this home (daemon or store) that holds the event, None when none does."""
+    from tenex_daemon.cli.access import open_access
+
     try:
         async with open_access(settings) as access:
             return await access.conversation_of_event(event_id)
@@ -62,6 +62,7 @@ async def _local_conversation_of(settings: Settings, event_id: str) -> dict[str,
 
 def _local_event_finder(settings: Settings) -> Callable[[str], Awaitable[NostrEvent | None]]:
     """A lookup of an event in this home's conversations (daemon or store), None when not there."""
+    from tenex_daemon.core.events import NostrEvent
 
     async def find_local(event_id: str) -> NostrEvent | None:
         data = await _local_conversation_of(settings, event_id)
@@ -107,6 +108,8 @@ def _reply_to_argument(settings: Settings, value: str) -> str:
     A whole id may name an event only the relays have: when the home cannot be read now, it is taken as it
     is (a private message found later is still refused before anything is signed: ``check_public_parent``).
     """
+    from tenex_daemon.cli.access import open_access
+
     reference = conversation_argument(value, "reply-to event id")
 
     async def resolve() -> tuple[str, dict[str, Any] | None]:
@@ -164,6 +167,8 @@ def send(
     Ends at the addressed agent's reply (the orchestrator's: the reply of an agent it routes to; exit 0),
     at a notice that the runs were stopped (`tenexd conversations stop`; exit 1) or at the timeout (exit 1).
     """
+    from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
+    from tenex_daemon.app.home import load_agents
     from tenex_daemon.cli.send import (
         PrivateConversationError,
         SendError,

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler
 from pydantic_core import core_schema
 
 from tenex_daemon.core.errors import PhaseTransitionError, UnknownPhaseError
+from tenex_daemon.core.vocabulary import BUILT_IN_PHASE_NAMES
 
 PHASE_NAME: Final = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 """What a phase's name may be: lower case, a letter first, at most 32 characters."""
@@ -68,7 +69,7 @@ class Phase(str):
 
 
 _BUILT_IN: dict[str, Phase] = {}
-for _name in ("chat", "brainstorm", "plan", "execute", "verification", "chores", "reflection"):
+for _name in BUILT_IN_PHASE_NAMES:
     _BUILT_IN[_name] = str.__new__(Phase, _name)
     setattr(Phase, _name.upper(), _BUILT_IN[_name])
 BUILT_IN_PHASES: Final = tuple(_BUILT_IN.values())

@@ -88,3 +88,10 @@ TAG_CHALLENGE: Final = "challenge"
 def is_session_id(value: object) -> TypeGuard[str]:
     """Whether ``value`` is a well-formed backend session id (:data:`SESSION_ID_PATTERN`)."""
     return isinstance(value, str) and SESSION_ID_PATTERN.fullmatch(value) is not None
+
+
+BUILT_IN_PHASE_NAMES: Final = (
+    "chat", "brainstorm", "plan", "execute", "verification", "chores", "reflection",
+)
+"""The names of the seven phases every project has (:data:`~tenex_daemon.core.phases.BUILT_IN_PHASES`), in
+their usual order."""

@@ -9,7 +9,7 @@ local user and, through a browser, by every web page. So on TCP:
   ``Sec-Fetch-Site`` of another site, is refused (403 ``cross_origin``): a cross-site POST;
 - it must carry ``Authorization: Bearer <token>`` (401 ``no_token`` / ``bad_token``), the token
   read from a 0600 file in the home (``run/control.token``), created at the daemon's start when
-  missing and kept across restarts; the CLI reads the same file.
+  missing and kept across restarts (:mod:`~tenex_daemon.app.control.token`); the CLI reads the same file.
 
 Each refusal is logged (``control_request_refused`` with its ``reason``) and counted
 (``tenexd_control_requests_refused_total{reason}``).
@@ -17,27 +17,18 @@ Each refusal is logged (``control_request_refused`` with its ``reason``) and cou
 
 from __future__ import annotations
 
-import contextlib
 import hmac
-import os
-import re
-import secrets
-import stat
 from enum import StrEnum
-from pathlib import Path
 from typing import Final
 
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from tenex_daemon.app.control.errors import ControlSetupError
 from tenex_daemon.app.control.routes import TARGET_KEY, Handler
 
 log = structlog.get_logger(__name__)
 
-TOKEN_BYTES: Final = 32
-_TOKEN_PATTERN: Final = re.compile(r"^[A-Za-z0-9_-]{32,256}$")
 _SAME_SITE_FETCHES: Final = frozenset({"same-origin", "none"})
 
 
@@ -48,61 +39,6 @@ class Refusal(StrEnum):
     CROSS_ORIGIN = "cross_origin"
     NO_TOKEN = "no_token"
     BAD_TOKEN = "bad_token"
-
-
-def _check_token_file(path: Path) -> str:
-    info = path.lstat()
-    if not stat.S_ISREG(info.st_mode):
-        raise ControlSetupError(f"control token file {path} is not a regular file; move it away")
-    if info.st_mode & 0o077:
-        raise ControlSetupError(
-            f"control token file {path} has mode {stat.S_IMODE(info.st_mode):o}, readable by others; "
-            "delete it (a new token is made at the next start) or chmod 600 it"
-        )
-    token = path.read_text(encoding="ascii", errors="replace").strip()
-    if not _TOKEN_PATTERN.match(token):
-        raise ControlSetupError(
-            f"control token file {path} holds no token (32+ URL-safe characters); delete it"
-        )
-    return token
-
-
-def read_token(path: Path) -> str | None:
-    """Return the token in ``path`` (None when the file is missing); raise ControlSetupError (a ValueError)
-    on a bad file."""
-    try:
-        return _check_token_file(path)
-    except FileNotFoundError:
-        return None
-
-
-def load_or_create_token(path: Path) -> str:
-    """Return the token in ``path``, first writing a new one there (mode 0600, atomically) when missing."""
-    existing = read_token(path)
-    if existing is not None:
-        return existing
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(TOKEN_BYTES)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, f"{token}\n".encode("ascii"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(folder)
-    finally:
-        os.close(folder)
-    log.info("control_token_created", path=str(path))
-    return token
 
 
 def _host_literal(host: str) -> str:

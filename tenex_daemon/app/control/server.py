@@ -24,8 +24,9 @@ import structlog
 from aiohttp import web
 
 from tenex_daemon.app.control.errors import ControlSetupError, ControlSocketInUseError
-from tenex_daemon.app.control.guard import TOKEN_BYTES, TcpGuard, load_or_create_token, read_token
+from tenex_daemon.app.control.guard import TcpGuard
 from tenex_daemon.app.control.routes import ControlTarget, create_app
+from tenex_daemon.app.control.token import TOKEN_BYTES, load_or_create_token, read_token
 
 log = structlog.get_logger(__name__)
 

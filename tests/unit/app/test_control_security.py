@@ -22,8 +22,9 @@ from tenex_daemon.app.control_api import ControlServer, create_app
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.settings import ControlSettings, load_settings
 from tenex_daemon.cli import listeners
-from tenex_daemon.cli.access import AccessError, open_access
+from tenex_daemon.cli.access import open_access
 from tenex_daemon.cli.main import app as cli_app
+from tenex_daemon.cli.references import AccessError
 from tenex_daemon.testing import KeyPair
 from tests.conftest import Cast
 

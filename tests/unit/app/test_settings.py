@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tenex_daemon.app.settings import Settings, SettingsError, StorageKind, load_settings, resolve_home
+from tenex_daemon.app.home_dir import resolve_home
+from tenex_daemon.app.settings import Settings, SettingsError, StorageKind, load_settings
 from tenex_daemon.core.phases import Phase
 
 CONFIG = """

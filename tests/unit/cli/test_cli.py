@@ -18,8 +18,8 @@ from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.status import DaemonState, new_status, write_status
 from tenex_daemon.app.wiring import build_store
-from tenex_daemon.cli.access import AccessError, ConversationAccess, resolve_conversation
 from tenex_daemon.cli.main import app
+from tenex_daemon.cli.references import AccessError, ConversationAccess, resolve_conversation
 from tenex_daemon.cli.send_command import _reply_to_argument
 from tenex_daemon.core import nip19
 from tenex_daemon.services.conversation_manager import ConversationManager
