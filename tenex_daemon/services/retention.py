@@ -175,8 +175,10 @@ class Deletion(StrEnum):
 
 
 def _deletion_order(row: ConversationSummary) -> tuple[int, int, str]:
-    """Oldest first: by when it ended, then by last activity."""
-    return (row.ended_at or 0, row.last_activity, row.id)
+    """Oldest first: by last activity, then by when it ended. Not by the end first: a sweep ends every idle
+    conversation at once (after an import, or a downtime), newest first as the search lists them, so their
+    end times would put the newest first in line."""
+    return (row.last_activity, row.ended_at or 0, row.id)
 
 
 class Sweeper:

@@ -364,6 +364,32 @@ async def test_many_beyond_the_limit_are_deleted_oldest_first(cast: Cast) -> Non
     assert await kept_ids(manager) == set(ids[35:])
 
 
+
+class TickingClock(FakeClock):
+    """A clock that moves one millisecond each time it is read, as a real one does through a sweep."""
+
+    def now_ms(self) -> int:
+        """Return the time, then move on."""
+        self.now += 1
+        return self.now
+
+
+async def test_conversations_a_sweep_ends_together_are_deleted_least_recently_active_first(cast: Cast) -> None:
+    """30 conversations last active 1 to 30 days ago, none ended (as after an import): the sweep that ends
+    them all by idle, newest first as the search lists them, keeps the 10 most recently active (not the
+    10 it happened to end last)."""
+    clock = TickingClock()
+    manager = make_manager(cast, clock)
+    by_age: dict[int, str] = {}
+    for days in range(30, 0, -1):
+        by_age[days] = (await start(manager, cast, f"last said {days} days ago")).id
+        clock.advance(DAY)
+
+    report = await sweeper(manager, idle_timeout_min=30, max_retained=10).sweep_once()
+
+    assert (report.ended_idle, report.deleted) == (30, 20)
+    assert await kept_ids(manager) == {by_age[days] for days in range(1, 11)}
+
 async def test_active_conversations_are_never_deleted_even_beyond_the_limit(cast: Cast) -> None:
     """With max_retained = 2 and four active conversations plus one ended, only the ended one is deleted;
     the four active ones stay although they are still beyond the limit."""
