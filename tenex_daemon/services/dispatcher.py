@@ -284,7 +284,7 @@ class EventDispatcher:
         if conversation is None and await self._manager.store.get_meta(task_meta_key(cid)) is not None:
             task_id = cid  # a task whose first session was deleted (retention): its current one takes it
         if task_id is not None and self._lifecycle is not None:
-            joined = await self._lifecycle.task_session(task_id, event)
+            joined = await self._lifecycle.task_session(task_id, event, busy=self.scheduler.has_runs)
             if joined is not None:
                 if not joined.added:
                     return HandleResult(Outcome.DUPLICATE, conversation_id=joined.conversation.id)

@@ -173,10 +173,13 @@ class ConversationLifecycle:
 
     # --- task sessions --------------------------------------------------------------------
 
-    async def task_session(self, task_id: str, event: NostrEvent) -> Joined | None:
+    async def task_session(
+        self, task_id: str, event: NostrEvent, *, busy: Callable[[str], bool] | None = None
+    ) -> Joined | None:
         """Add an event for task ``task_id`` to its current session, or start a new session when that
         one expired or was deleted; None when the task has no session here (its root is unknown, or its
-        only session was deleted: a late reply does not bring it back)."""
+        only session was deleted: a late reply does not bring it back). A session ``busy`` says a run is
+        scheduled or under way in has not expired: its answer is still to be saved there."""
         key = task_meta_key(task_id)
         async with self._holding(key):
             store = self._manager.store
@@ -188,7 +191,7 @@ class ConversationLifecycle:
                 return None
             now = self._manager.now_ms()
             expires = self._manager.expires_at(current)
-            if expires is None or now < expires:
+            if expires is None or now < expires or (busy is not None and busy(current.id)):
                 if current.archived:
                     await self._manager.restore_conversation(current.id)
                 added = await self._manager.add_event(current.id, event)

@@ -264,6 +264,29 @@ async def test_an_expired_task_session_is_archived_and_the_next_event_starts_a_l
     assert [(m.role, m.content) for m in backend.requests[1].messages] == [("user", "is it fixed?")]
 
 
+
+async def test_a_task_session_with_a_run_under_way_does_not_expire_under_it(cast: Cast) -> None:
+    """A run still under way 25 hours after the session's last activity (a slow model, a run redone after a
+    downtime): the task's next event joins that session rather than ending and archiving it, and the run's
+    answer is saved there."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend, task_session_ttl_h=24)
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(task)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    rig.clock.advance(25 * HOUR)
+
+    follow_up = await rig.dispatcher.handle(task_reply(cast, task, "any news?"))
+    backend.release.set()
+    await rig.quiet()
+    await rig.settle()
+
+    assert follow_up.conversation_id == task.id
+    session = await conversation(rig, task.id)
+    assert not session.archived
+    assert session.end_reason is None
+    assert "answer 1" in [e.content for e in session.history if e.pubkey == cast.alice.pubkey]
+
 async def task_in_its_second_session(
     rig: pipeline.Rig, cast: Cast, tags: list[list[str]] | None = None
 ) -> tuple[NostrEvent, HandleResult]:
