@@ -354,13 +354,22 @@ class Rebuilder:
         return events
 
     async def _fetch_pages(self, filters: list[Filter]) -> list[NostrEvent]:
-        """Every event matching ``filters``: pages with ``until`` moved down to the oldest event seen,
-        until a page brings nothing new."""
+        """Every event matching any of ``filters``, each filter paged on its own (a relay caps each filter's
+        answer: the oldest event of two filters' answers together can lie below what the other filter
+        reached, and a page moved down to it would skip that filter's events in between)."""
+        seen: dict[str, NostrEvent] = {}
+        for one in filters:
+            seen.update((e.id, e) for e in await self._fetch_filter_pages(one))
+        return list(seen.values())
+
+    async def _fetch_filter_pages(self, query: Filter) -> list[NostrEvent]:
+        """Every event matching ``query``: pages with ``until`` moved down to the oldest event seen, until
+        a page brings nothing new."""
         seen: dict[str, NostrEvent] = {}
         until: int | None = None
         for _ in range(MAX_PAGES):
-            page_filters = filters if until is None else [{**f, "until": until} for f in filters]
-            page = await self._source.fetch(page_filters, timeout=self._fetch_timeout)
+            page_filter = query if until is None else {**query, "until": until}
+            page = await self._source.fetch([page_filter], timeout=self._fetch_timeout)
             new = [e for e in page if e.id not in seen]
             if not new:
                 break

@@ -40,10 +40,12 @@ def _matches(event: NostrEvent, f: Filter) -> bool:
 
 @dataclass
 class FakeRelays:
-    """An EventSource over fixed events; ``cap`` limits each answer to the newest events, as relays do."""
+    """An EventSource over fixed events; ``cap`` limits each answer to the newest events, as relays do (of
+    each filter's answer, with ``per_filter``, as NIP-01's ``limit`` and relays' caps do)."""
 
     events: list[NostrEvent]
     cap: int | None = None
+    per_filter: bool = False
     refuse_once: str | None = None
     """A reason the relays refuse one frame for during the first fetch (counted in ``rejects``)."""
     rejects: dict[str, int] = field(default_factory=dict)
@@ -53,7 +55,13 @@ class FakeRelays:
         if self.refuse_once is not None:
             self.rejects[self.refuse_once] = self.rejects.get(self.refuse_once, 0) + 1
             self.refuse_once = None
-        found = [e for e in self.events if any(_matches(e, f) for f in filters)]
+        if self.per_filter:
+            answers = {e.id: e for f in filters for e in self._newest([e for e in self.events if _matches(e, f)])}
+            return sorted(answers.values(), key=lambda e: (-e.created_at, e.id))
+        return self._newest([e for e in self.events if any(_matches(e, f) for f in filters)])
+
+    def _newest(self, found: list[NostrEvent]) -> list[NostrEvent]:
+        """The events newest first, at most ``cap``."""
         found.sort(key=lambda e: (-e.created_at, e.id))
         return found[: self.cap] if self.cap is not None else found
 
@@ -176,6 +184,25 @@ async def test_pages_are_read_until_nothing_new_comes(manager: ConversationManag
     assert report.events_added == 4
     assert await _history(manager, thread.root.id) == [e.id for e in thread.allowed]
 
+
+
+async def test_a_cap_on_each_filters_answer_skips_nothing(cast: Cast, manager: ConversationManager) -> None:
+    """A relay that answers each filter's newest ten only: a conversation of 31 events, every fifth
+    commenting on the root (so the `e` filter's ten reach further back than the `E` filter's), is rebuilt
+    whole."""
+    t = 1_700_000_000
+    root = sign_event(cast.user, "Plan the trip", kind=11, tags=[["p", cast.alice.pubkey]], created_at=t)
+    events, parent = [root], root
+    for n in range(1, 31):
+        keys = cast.user if n % 2 else cast.alice_keys
+        replied = root if n % 5 == 1 else parent
+        tags = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", replied.id], ["p", cast.alice.pubkey]]
+        parent = sign_event(keys, f"message {n}", tags=tags, created_at=t + n)
+        events.append(parent)
+
+    await _rebuilder(manager, FakeRelays(events, cap=10, per_filter=True)).rebuild(RebuildRequest(root.id))
+
+    assert sorted(await _history(manager, root.id)) == sorted(e.id for e in events)
 
 async def test_since_leaves_older_events_out_but_fetches_the_root(
     manager: ConversationManager, thread: Thread
