@@ -19,6 +19,12 @@ event, as a reply with an unknown root does in the daemon. A missing conversatio
 is in the ledger was deleted on purpose and stays deleted. No agent is run for what is merged, and a
 merged event counts as written when it was (``add_event(backfill=True)``): one older than a
 conversation's end leaves it ended.
+
+A person's top-level kind-1 notes to an agent are a channel, as the daemon takes them in: a later note
+joins the channel's conversation when it came within the idle timeout of that conversation's last event
+(by the events' dates), else it starts the next one (:func:`plan_channels`); a note the store already
+holds as a conversation of its own stays one. The newest conversation of each channel, public or
+private, becomes the channel's current one when the channel has none (a home restored from the relays).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from tenex_daemon.adapters.nostr.relay_pool import Filter, PoolSettings, RelayPo
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.app.wiring import load_signers
+from tenex_daemon.core.agents import AgentDirectory
 from tenex_daemon.core.classify import EventClass
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationNotFoundError, TenexError
@@ -52,7 +59,7 @@ from tenex_daemon.core.vocabulary import (
     TAG_ROOT_EVENT,
 )
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.lifecycle import adopted_root_key
+from tenex_daemon.services.lifecycle import ConversationLifecycle, adopted_root_key, note_channel
 from tenex_daemon.services.private_messages import Opened, WrapOpener, plan_private_conversations
 
 log = structlog.get_logger(__name__)
@@ -152,7 +159,8 @@ class ConversationPlan:
     root: NostrEvent | None
     events: tuple[NostrEvent, ...]
     channel: str | None = None
-    """A private conversation's channel (``dm:<agent slug>:<person>``)."""
+    """A private conversation's channel (``dm:<agent slug>:<person>``), or a kind-1 channel's
+    (``<agent slug>:<person>``)."""
 
     @property
     def in_order(self) -> list[NostrEvent]:
@@ -238,6 +246,56 @@ def plan_conversations(
     return plans
 
 
+def plan_channels(
+    plans: Iterable[ConversationPlan],
+    directory: AgentDirectory,
+    idle_timeout_ms: int,
+    stored: Collection[str] = (),
+) -> list[ConversationPlan]:
+    """Replay the kind-1 channels in ``plans`` (see the module's doc): each conversation rooted at a
+    person's top-level note to an agent gets its channel, and one whose note came within ``idle_timeout_ms``
+    of the channel's current conversation's last event before it joins that one (its note and events
+    merged in history order). A conversation whose id is in ``stored`` (the store holds it as one) is
+    never merged into another."""
+    channels: dict[str, list[ConversationPlan]] = {}
+    kept: list[ConversationPlan] = []
+    for plan in plans:
+        root = plan.root
+        channel = None if root is None or root.id != plan.conversation_id else note_channel(root, directory)
+        if channel is None or plan.channel is not None:
+            kept.append(plan)
+        else:
+            channels.setdefault(channel, []).append(plan)
+    for channel, found in channels.items():
+        found.sort(key=lambda plan: (plan.in_order[0].created_at, plan.conversation_id))
+        current: list[ConversationPlan] = []
+        for plan in found:
+            first = plan.in_order[0]
+            alone = plan.conversation_id in stored
+            if current and not alone and _within(current, first, idle_timeout_ms):
+                current.append(plan)
+            else:
+                if current:
+                    kept.append(_channel_plan(channel, current))
+                current = [plan]
+        kept.append(_channel_plan(channel, current))
+    return kept
+
+
+def _within(plans: Sequence[ConversationPlan], note: NostrEvent, idle_timeout_ms: int) -> bool:
+    """Whether ``note`` came within the idle timeout of the last event ``plans`` hold from before it."""
+    before = [e.created_at for plan in plans for e in plan.in_order if e.created_at <= note.created_at]
+    return bool(before) and (note.created_at - max(before)) * 1000 <= idle_timeout_ms
+
+
+def _channel_plan(channel: str, plans: Sequence[ConversationPlan]) -> ConversationPlan:
+    """One conversation of ``channel`` made of ``plans``: the first one's root, then the rest in history
+    order."""
+    first, *rest = plans
+    events = [*first.events, *(e for plan in rest for e in plan.in_order)]
+    return ConversationPlan(first.conversation_id, first.root, tuple(history_order(events)), channel)
+
+
 def _chunks(ids: Sequence[str]) -> list[list[str]]:
     return [list(ids[i : i + IDS_PER_FILTER]) for i in range(0, len(ids), IDS_PER_FILTER)]
 
@@ -283,10 +341,14 @@ class Rebuilder:
         allowed_authors: Collection[str] = (),
         fetch_timeout: float | None = None,
         private: PrivateRebuild | None = None,
+        lifecycle: ConversationLifecycle | None = None,
     ) -> None:
         """Merge through ``manager``, fetch from ``source`` (each round within ``fetch_timeout`` s); with
-        ``private``, private conversations too (for ``--all``, or an id no public event has)."""
+        ``private``, private conversations too (for ``--all``, or an id no public event has).
+        ``lifecycle``: the daemon's (its idle timeout groups the kind-1 channels; it keeps the channels'
+        pointers), else one over ``manager`` with the default timeout."""
         self._manager = manager
+        self._lifecycle = lifecycle if lifecycle is not None else ConversationLifecycle(manager)
         self._private = private
         self._source = source
         self._fetch_timeout = fetch_timeout
@@ -316,6 +378,9 @@ class Rebuilder:
         plans = plan_conversations(verified, set(wanted), self._allowed, report, request.since)
         if self._private is not None and (request.all_ or not plans):
             plans += await self._private_plans(self._private, request, report)
+        plans = plan_channels(
+            plans, self._manager.agents, self._lifecycle.idle_timeout_ms, await self._stored_notes(plans)
+        )
         report.events_invalid += max(0, self._invalid_so_far() - invalid_before)
         report.conversations_found = len(plans)
         if request.conversation_id is not None and not plans:
@@ -324,8 +389,27 @@ class Rebuilder:
             await self._merge(plan, report)
             if progress is not None:
                 progress(done, len(plans))
+        await self._adopt_channels(plans)
         log.info("conversations_rebuilt", **report.to_dict())
         return report
+
+    async def _stored_notes(self, plans: Sequence[ConversationPlan]) -> set[str]:
+        """The plans rooted at a kind-1 note that the store holds as conversations of their own."""
+        notes = [plan.conversation_id for plan in plans if plan.root and plan.root.kind == KIND_NOTE]
+        return {cid for cid in notes if await self._manager.get_conversation(cid) is not None}
+
+    async def _adopt_channels(self, plans: Sequence[ConversationPlan]) -> None:
+        """Each channel's newest conversation (by its events' dates) becomes the channel's current one
+        when the channel has none (:meth:`ConversationLifecycle.adopt_channel`)."""
+        newest: dict[str, tuple[int, str]] = {}
+        for plan in plans:
+            if plan.channel is not None:
+                latest = (max(e.created_at for e in plan.in_order), plan.conversation_id)
+                newest[plan.channel] = max(newest.get(plan.channel, latest), latest)
+        for _, conversation_id in newest.values():
+            conversation = await self._manager.get_conversation(conversation_id)
+            if conversation is not None:
+                await self._lifecycle.adopt_channel(conversation)
 
     # --- fetching -----------------------------------------------------------------------------
 
@@ -507,8 +591,10 @@ async def rebuild_from_relays(
     try:
         if not await pool.wait_connected(1, CONNECT_WITHIN_S):
             raise RebuildError(f"no relay answered within {CONNECT_WITHIN_S:g} s: {', '.join(urls)}")
+        lifecycle = ConversationLifecycle(manager, idle_timeout_min=settings.conversations.idle_timeout_min)
         rebuilder = Rebuilder(
-            manager, pool, allowed_authors=settings.whitelist, private=private_rebuild(settings)
+            manager, pool, allowed_authors=settings.whitelist, private=private_rebuild(settings),
+            lifecycle=lifecycle,
         )
         return await rebuilder.rebuild(request, progress)
     finally:

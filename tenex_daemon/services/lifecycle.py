@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from tenex_daemon.core.agents import AgentDirectory
 from tenex_daemon.core.conversation import TASK_SESSION_EXPIRED, Conversation, TitleSource
 from tenex_daemon.core.errors import ConversationExistsError
 from tenex_daemon.core.events import NostrEvent
@@ -68,6 +69,18 @@ class Joined:
     """False when the event was there already (a duplicate delivery)."""
 
 
+def note_channel(event: NostrEvent, directory: AgentDirectory) -> str | None:
+    """The channel of a person's top-level kind-1 note to an agent: ``<agent slug>:<person>``, ``*`` for the
+    orchestrator (None for anything else; the caller knows the note is top-level)."""
+    if event.kind != KIND_NOTE or directory.by_pubkey(event.pubkey) is not None:
+        return None
+    target = choose_target(event, directory)
+    if target.agent is None:
+        return None
+    slug = "*" if target.via_orchestrator or target.agent.orchestrator else target.agent.slug
+    return f"{slug}:{event.pubkey}"
+
+
 class ConversationLifecycle:
     """Kind-1 channels and task sessions for the dispatcher; times come from the manager's clock."""
 
@@ -109,18 +122,29 @@ class ConversationLifecycle:
             await store.set_meta(key, conversation.id)
         log.warning("conversation_pointer_repaired", key=key, conversation_id=conversation.id, was=current_id)
 
+    async def adopt_channel(self, conversation: Conversation) -> bool:
+        """A conversation a rebuild brought back becomes its channel's current one when the channel has none,
+        or its current one is gone (a home restored from the relays): the person's next message continues
+        it while it is open. A channel that has a current conversation keeps it. True when adopted."""
+        if conversation.channel is None:
+            return False
+        key = channel_meta_key(conversation.channel)
+        async with self._holding(key):
+            store = self._manager.store
+            current_id = await store.get_meta(key)
+            if current_id == conversation.id:
+                return False
+            if current_id is not None and await self._manager.get_conversation(current_id) is not None:
+                return False
+            await store.set_meta(key, conversation.id)
+        log.info("channel_conversation_adopted", channel_key=key, conversation_id=conversation.id)
+        return True
+
     # --- kind-1 channels ------------------------------------------------------------------
 
     def channel_of(self, event: NostrEvent) -> str | None:
         """The channel of a person's top-level kind-1 note to an agent (None for anything else)."""
-        directory = self._manager.agents
-        if event.kind != KIND_NOTE or directory.by_pubkey(event.pubkey) is not None:
-            return None
-        target = choose_target(event, directory)
-        if target.agent is None:
-            return None
-        slug = "*" if target.via_orchestrator or target.agent.orchestrator else target.agent.slug
-        return f"{slug}:{event.pubkey}"
+        return note_channel(event, self._manager.agents)
 
     async def join_channel(
         self, channel: str, event: NostrEvent, *, busy: Callable[[str], bool] | None = None

@@ -39,7 +39,7 @@ from tenex_daemon.core.errors import (
     UnknownAgentError,
 )
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.lifecycle import task_meta_key
+from tenex_daemon.services.lifecycle import ConversationLifecycle, task_meta_key
 from tenex_daemon.services.orchestrator import LLMOrchestrator
 from tenex_daemon.services.persona import PersonaSpec
 
@@ -224,8 +224,13 @@ async def _rebuild(request: web.Request) -> web.Response:
     if not isinstance(target, RelayTarget) or target.pool is None:
         raise ApiError(503, "the daemon has no relay connections to rebuild from")
     settings = target.settings
+    pipeline = target.pipeline if isinstance(target, PipelineTarget) else None
+    idle_timeout_min = settings.conversations.idle_timeout_min
     rebuilder = Rebuilder(
-        target.manager, target.pool, allowed_authors=settings.whitelist, private=private_rebuild(settings)
+        target.manager, target.pool, allowed_authors=settings.whitelist, private=private_rebuild(settings),
+        lifecycle=pipeline.lifecycle if pipeline is not None else ConversationLifecycle(
+            target.manager, idle_timeout_min=idle_timeout_min
+        ),
     )
     try:
         report = await rebuilder.rebuild(wanted)

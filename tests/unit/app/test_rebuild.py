@@ -18,7 +18,7 @@ from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.rebuild import Rebuilder, RebuildRequest, history_order
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.core.errors import ConversationNotFoundError
-from tenex_daemon.services.lifecycle import adopted_root_key
+from tenex_daemon.services.lifecycle import adopted_root_key, channel_meta_key
 from tenex_daemon.testing import FakeClock, sign_event
 from tests.conftest import Cast
 
@@ -203,6 +203,56 @@ async def test_a_cap_on_each_filters_answer_skips_nothing(cast: Cast, manager: C
     await _rebuilder(manager, FakeRelays(events, cap=10, per_filter=True)).rebuild(RebuildRequest(root.id))
 
     assert sorted(await _history(manager, root.id)) == sorted(e.id for e in events)
+
+
+def _channel(cast: Cast, t: int, *, joined: bool = True) -> list[NostrEvent]:
+    """A person's kind-1 channel with Alice as the relays keep it: a note and Alice's answer, a second note
+    five minutes later (top-level, as clients write them) and her answer under the first note's thread
+    (``joined``, else its own), then a third note two hours later and its answer."""
+    events: list[NostrEvent] = []
+    for note_at, root_of in ((t, None), (t + 300, 0 if joined else None), (t + 7_500, None)):
+        note = sign_event(cast.user, f"note at {note_at}", kind=1, tags=[["p", cast.alice.pubkey]], created_at=note_at)
+        root = note if root_of is None else events[root_of]
+        threading = [["e", root.id, "", "root"], *([["e", note.id, "", "reply"]] if root is not note else [])]
+        answer = sign_event(cast.alice_keys, f"answer to {note_at}", kind=1,
+                            tags=[*threading, ["p", cast.user.pubkey]], created_at=note_at + 5)
+        events += [note, answer]
+    return events
+
+
+async def test_a_kind_1_channel_comes_back_as_the_daemon_grouped_it(cast: Cast, manager: ConversationManager) -> None:
+    """Rebuilt into an empty home, a person's later note within the idle timeout joins the channel's
+    conversation (with its answer), a note after the timeout starts the next one, both keep their channel,
+    and the newest becomes the channel's current conversation."""
+    events = _channel(cast, 1_700_000_000)
+
+    report = await _rebuilder(manager, FakeRelays(events)).rebuild(RebuildRequest(all_=True))
+
+    assert (report.conversations_found, report.conversations_created) == (2, 2)
+    assert await _history(manager, events[0].id) == [e.id for e in events[:4]]
+    assert await _history(manager, events[4].id) == [e.id for e in events[4:]]
+    channel = f"alice:{cast.user.pubkey}"
+    for cid in (events[0].id, events[4].id):
+        conversation = await manager.get_conversation(cid)
+        assert conversation is not None
+        assert conversation.channel == channel
+    assert await manager.store.get_meta(channel_meta_key(channel)) == events[4].id
+
+
+async def test_a_note_the_store_holds_as_its_own_conversation_stays_one(
+    cast: Cast, manager: ConversationManager
+) -> None:
+    """A later note the home already keeps as a conversation of its own (the owner had ended the one before)
+    is not merged into the earlier one by a rebuild, and the channel's current conversation stays."""
+    events = _channel(cast, 1_700_000_000, joined=False)
+    await manager.create_conversation(events[2], channel=f"alice:{cast.user.pubkey}")
+    await manager.store.set_meta(channel_meta_key(f"alice:{cast.user.pubkey}"), events[2].id)
+
+    await _rebuilder(manager, FakeRelays(events)).rebuild(RebuildRequest(all_=True))
+
+    assert await _history(manager, events[0].id) == [e.id for e in events[:2]]
+    assert await _history(manager, events[2].id) == [e.id for e in events[2:4]]
+    assert await manager.store.get_meta(channel_meta_key(f"alice:{cast.user.pubkey}")) == events[2].id
 
 async def test_since_leaves_older_events_out_but_fetches_the_root(
     manager: ConversationManager, thread: Thread
