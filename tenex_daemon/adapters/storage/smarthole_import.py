@@ -15,7 +15,9 @@ history are read from it:
 What is accepted, liberally: the lists at the top level or nested in objects (plugin settings) up
 to four levels deep, an object stored as a JSON string, and a top-level list of conversations or of
 history entries. Timestamps are ISO 8601 (a time without a zone is UTC) or numbers in seconds or
-milliseconds. A file with neither kind of list is refused with :class:`SmartHoleFormatError`.
+milliseconds; one before 1970, past the year 9999 or more than a day past now (a microsecond count, a
+corrupt number) is a bad timestamp. A file with neither kind of list is refused with
+:class:`SmartHoleFormatError`.
 
 How it maps onto tenexd conversations (lists of signed Nostr events):
 
@@ -39,7 +41,8 @@ How it maps onto tenexd conversations (lists of signed Nostr events):
   entry's user message, then its assistant response when there is one, in order; the texts of the
   legacy summaries, joined, are its summary.
 - Errors are per entry: a message or history entry that is not an object, has an unknown role, no
-  text, or a bad timestamp is left out, reported in ``rejected_events`` (its index and the
+  text, or a bad timestamp is left out (a bad ``startedAt`` or ``endedAt`` is noted and replaced by the
+  first or newest message's time), reported in ``rejected_events`` (its index and the
   conversation's source id) and kept, raw, in ``metadata.extra["smarthole_import"]["rejected"]``;
   the rest of its conversation is imported. A conversation that is not an object, has no message
   list, or whose every message is rejected is skipped whole (``failed``). Each conversation is
@@ -83,7 +86,7 @@ from tenex_daemon.core.vocabulary import (
     TAG_PUBKEY,
 )
 
-from .tenex_import import ImportProblem, ImportReport, to_ms
+from .tenex_import import ImportProblem, ImportReport, checked_ms, to_ms
 
 log = structlog.get_logger(__name__)
 
@@ -153,7 +156,7 @@ def _decoded(node: Any) -> Any:
     if isinstance(node, str) and node.lstrip()[:1] in ("{", "["):
         try:
             return json.loads(node)
-        except ValueError:
+        except (ValueError, RecursionError):
             return node
     return node
 
@@ -199,10 +202,11 @@ def find_smarthole_data(data: Any) -> SmartHoleData:
     return found
 
 
-def parse_time_ms(value: Any) -> int:
+def parse_time_ms(value: Any, now_ms: int | None = None) -> int:
     """Return milliseconds since the epoch of an ISO 8601 time or a number of seconds or milliseconds.
 
-    Raises ValueError for anything else, and for a time before 1970.
+    Raises ValueError for anything else, and for a time before 1970, past the year 9999 or (when
+    ``now_ms`` is given) more than a day past it.
     """
     if isinstance(value, bool) or value is None:
         raise ValueError(f"bad timestamp {value!r}")
@@ -226,9 +230,7 @@ def parse_time_ms(value: Any) -> int:
             ms = round(moment.timestamp() * 1000)
     else:
         raise ValueError(f"bad timestamp {value!r}")
-    if ms < 0:
-        raise ValueError(f"bad timestamp {value!r} (before 1970)")
-    return ms
+    return checked_ms(ms, value, now_ms)
 
 
 def _tools(value: Any) -> list[str] | None:
@@ -330,8 +332,9 @@ class _Run:
         log.error("smarthole_conversation_failed", conversation_id=conversation_id, reason=reason)
 
 
-def _message_fields(raw: Any) -> tuple[str, str, int, list[str] | None]:
-    """(role, content, ms, tools or None when malformed) of a SmartHole message; ValueError when unusable."""
+def _message_fields(raw: Any, now_ms: int) -> tuple[str, str, int, list[str] | None]:
+    """(role, content, ms, tools or None when malformed) of a SmartHole message; ValueError when unusable
+    (a time more than a day past ``now_ms`` too)."""
     if not isinstance(raw, dict):
         raise ValueError("not an object")
     role = raw.get("role")
@@ -340,7 +343,7 @@ def _message_fields(raw: Any) -> tuple[str, str, int, list[str] | None]:
     content = raw.get("content")
     if not isinstance(content, str) or not content.strip():
         raise ValueError("no content")
-    return str(role), content, parse_time_ms(raw.get("timestamp")), _tools(raw.get("toolsUsed"))
+    return str(role), content, parse_time_ms(raw.get("timestamp"), now_ms), _tools(raw.get("toolsUsed"))
 
 
 def _source_conversation(run: _Run, index: int, raw: Any) -> Conversation | None:
@@ -361,7 +364,7 @@ def _source_conversation(run: _Run, index: int, raw: Any) -> Conversation | None
     rejected: list[Any] = []
     for position, message in enumerate(messages):
         try:
-            role, content, ms, tools = _message_fields(message)
+            role, content, ms, tools = _message_fields(message, run.now_ms)
         except ValueError as exc:
             rejected.append(message)
             run.reject(source_id, position, str(exc), message)
@@ -386,7 +389,7 @@ def _finish_source(
 ) -> Conversation:
     """The conversation of a SmartHole conversation's signed messages: times, description, end."""
     try:
-        created = parse_time_ms(raw.get("startedAt"))
+        created = parse_time_ms(raw.get("startedAt"), run.now_ms)
     except ValueError as exc:
         created = min(thread.times)
         run.note(source_id, f"startedAt: {exc}; the first message's time is used", notes)
@@ -396,7 +399,7 @@ def _finish_source(
     ended = raw.get("endedAt")
     if ended is not None:
         try:
-            conversation.ended_at = parse_time_ms(ended)
+            conversation.ended_at = parse_time_ms(ended, run.now_ms)
         except ValueError as exc:
             conversation.ended_at = conversation.activity_at
             run.note(source_id, f"endedAt: {exc}; ended at its newest message", notes)
@@ -410,14 +413,15 @@ def _finish_source(
     return conversation
 
 
-def _entry_fields(raw: Any) -> tuple[str, str | None, int, list[str]]:
-    """(user message, assistant response or None, ms, tools) of a legacy entry; ValueError when unusable."""
+def _entry_fields(raw: Any, now_ms: int) -> tuple[str, str | None, int, list[str]]:
+    """(user message, assistant response or None, ms, tools) of a legacy entry; ValueError when unusable
+    (a time more than a day past ``now_ms`` too)."""
     if not isinstance(raw, dict):
         raise ValueError("not an object")
     user = raw.get("userMessage")
     if not isinstance(user, str) or not user.strip():
         raise ValueError("no userMessage")
-    ms = parse_time_ms(raw.get("timestamp"))
+    ms = parse_time_ms(raw.get("timestamp"), now_ms)
     answer = raw.get("assistantResponse")
     response = answer if isinstance(answer, str) and answer.strip() else None
     return user, response, ms, _tools(raw.get("toolsUsed")) or []
@@ -435,7 +439,7 @@ def _legacy_conversation(run: _Run, entries: list[Any], summaries: list[Any]) ->
     rejected: list[Any] = []
     for position, entry in enumerate(entries):
         try:
-            user, answer, ms, tools = _entry_fields(entry)
+            user, answer, ms, tools = _entry_fields(entry, run.now_ms)
         except ValueError as exc:
             rejected.append(entry)
             run.reject(LEGACY_TITLE, position, str(exc), entry)
@@ -525,7 +529,7 @@ async def import_smarthole_file(
         return report
     try:
         data = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise SmartHoleFormatError(f"{file} is not a JSON file: {exc}") from None
     found = find_smarthole_data(data)
     now = clock.now_ms()

@@ -11,21 +11,34 @@ History is a list of NDK ``serialize(true, true)`` strings: the JSON array
 Every imported event is re-verified (id hash and Schnorr signature); an event that fails is
 not accepted into history but reported in the :class:`ImportReport` and kept, raw, in the
 conversation's ``metadata.extra["tenex_import"]["rejected"]``. Timestamps written in seconds
-or milliseconds are normalized to milliseconds.
+or milliseconds are normalized to milliseconds; one that is no time (before 1970, past the year 9999,
+or more than a day past now, as a microsecond count read as milliseconds is) is refused like a bad
+one: an event dated so is rejected, a conversation's own time falls back to its events'.
+
+A file whose optional parts have an unexpected JSON type (``agentStates`` a list,
+``executionTime`` a number, a transition that is a string, a bad timestamp in a turn...) is still
+imported: the malformed part (or list item) is left out, reported in the report's ``notes`` naming
+it, and kept, raw, in ``metadata.extra["tenex_import"]["dropped"]`` under that name, so nothing of
+the source is lost and the conversation's history is not held back by a broken side field. A file
+that is not a conversation (no object, a bad id, a ``history`` that is not a list) is reported in
+``failed``; no content of a file stops the import of the others.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from coincurve import PublicKeyXOnly
 from pydantic import ValidationError
 
+from tenex_daemon.adapters.nostr.codec.frames import MAX_FUTURE_S
 from tenex_daemon.core.conversation import (
     UNTITLED,
     AgentState,
@@ -37,7 +50,7 @@ from tenex_daemon.core.events import NostrEvent, compute_event_id
 from tenex_daemon.core.execution_time import ExecutionTime
 from tenex_daemon.core.ids import is_hex
 from tenex_daemon.core.phases import BUILT_IN_PHASES, Phase, PhaseTransition
-from tenex_daemon.core.ports import Store
+from tenex_daemon.core.ports import Clock, Store, SystemClock
 from tenex_daemon.core.turns import Completion, OrchestratorTurn
 from tenex_daemon.core.vocabulary import TAG_TITLE
 
@@ -53,10 +66,96 @@ _METADATA_FIELDS = {
 }
 
 
+MAX_FUTURE_MS = MAX_FUTURE_S * 1000
+"""An imported time may be at most this far (a day) past now, as an event's ``created_at`` on the wire."""
+MAX_TIME_MS = 253_402_300_799_999
+"""9999-12-31T23:59:59.999Z: a later number is no time (a corrupt value, or microseconds read as ms)."""
+
+_T = TypeVar("_T")
+_FILE_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError, RecursionError)
+"""What reading one conversation file may raise on data of an unexpected shape (it is reported failed)."""
+_PART_ERRORS = (ValueError, KeyError, TypeError, OverflowError)
+"""What converting one optional part may raise (pydantic's ValidationError is a ValueError)."""
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
 def to_ms(value: Any) -> int:
     """Normalize a timestamp in seconds or milliseconds (int, float or numeric string) to ms."""
     number = float(value)
     return round(number * 1000) if abs(number) < MS_THRESHOLD else round(number)
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters for a report."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def checked_ms(ms: int, value: Any, now_ms: int | None = None) -> int:
+    """``ms`` (read from ``value``) when it is a time; ValueError (``bad timestamp ...``) when it is before
+    1970, past the year 9999, or more than :data:`MAX_FUTURE_MS` past ``now_ms`` (when given)."""
+    if ms < 0:
+        raise ValueError(f"bad timestamp {_shown(value)} (before 1970)")
+    if ms > MAX_TIME_MS:
+        raise ValueError(f"bad timestamp {_shown(value)} (after the year 9999)")
+    if now_ms is not None and ms > now_ms + MAX_FUTURE_MS:
+        raise ValueError(f"bad timestamp {_shown(value)} (more than a day in the future)")
+    return ms
+
+
+def time_ms(value: Any, now_ms: int | None = None) -> int:
+    """Return :func:`to_ms` of a number or numeric string that is a time (see :func:`checked_ms`);
+    raise ValueError (``bad timestamp ...``) for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"bad timestamp {_shown(value)}")
+    try:
+        ms = to_ms(value)
+    except (ValueError, OverflowError):
+        raise ValueError(f"bad timestamp {_shown(value)}") from None
+    return checked_ms(ms, value, now_ms)
+
+
+def _validation_reason(exc: ValidationError) -> str:
+    """The first error of a pydantic validation, with the field it is about."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}" if where else str(first["msg"])
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    """``value`` when it is a JSON object; ValueError naming ``what`` otherwise."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is {_json_type(value)}, not an object")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    """``value`` when it is a JSON list; ValueError naming ``what`` otherwise."""
+    if not isinstance(value, list):
+        raise ValueError(f"{what} is {_json_type(value)}, not a list")
+    return value
+
+
+def _an_object(value: Any) -> dict[str, Any]:
+    """``value`` when it is a JSON object (a part named by the caller); ValueError otherwise."""
+    return _object(value, "it")
+
+
+def _a_list(value: Any) -> list[Any]:
+    """``value`` when it is a JSON list (a part named by the caller); ValueError otherwise."""
+    return _list(value, "it")
+
+
+def _text(value: Any, what: str) -> str | None:
+    """``value`` when it is a string or null; ValueError naming ``what`` otherwise."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{what} is {_json_type(value)}, not a string")
+    return value
 
 
 @dataclass
@@ -153,13 +252,16 @@ class _ConversationImport:
     """Turns one TypeScript-era conversation object into a Conversation."""
 
     def __init__(self, path: Path, data: dict[str, Any], index_row: dict[str, Any] | None,
-                 archived: bool, report: ImportReport) -> None:
+                 archived: bool, report: ImportReport, now_ms: int) -> None:
         self.path = path
         self.data = data
         self.row = index_row or {}
         self.archived = archived or bool(self.row.get("archived"))
         self.report = report
+        self.now_ms = now_ms
         self.problems: list[str] = []
+        self.dropped: dict[str, Any] = {}
+        """The malformed parts left out, raw, by the name they are reported under."""
         if not is_hex(data["id"], 64):  # a conversation's id is its root event's: the CLI and API ask for one
             given = str(data["id"])[:80]
             raise ValueError(f"conversation id must be 64 lowercase hex characters, got {given!r}")
@@ -167,34 +269,35 @@ class _ConversationImport:
 
     def build(self) -> Conversation:
         history, rejected, kept_before = self._history()
-        created = self._created_at(history)
-        updated = to_ms(self.row["updatedAt"]) if "updatedAt" in self.row else (
-            history[-1].created_at * 1000 if history else created
-        )
+        started = self._optional_time(self.data.get("phaseStartedAt"), "phaseStartedAt")
+        created = self._created_at(history, started)
         phase = _phase(self.data.get("phase", "chat"), self.problems)
         conversation = Conversation(
             id=self.id,
             title=str(self.data.get("title") or self._root_title(history)),
             root_kind=history[0].kind if history else 11,
             phase=phase,
-            phase_started_at=to_ms(self.data.get("phaseStartedAt") or created),
+            phase_started_at=started or created,
             created_at=created,
-            updated_at=updated,
+            updated_at=self._updated_at(history, created),
             metadata=self._metadata(),
             archived=self.archived,
         )
         for event in history:
             conversation.append(event)
-        for slug, state in (self.data.get("agentStates") or {}).items():
-            conversation.agent_states[slug] = self._agent_state(slug, state, kept_before, len(history), phase)
-        transitions = self.data.get("phaseTransitions") or []
-        conversation.phase_transitions = [self._transition(t, history) for t in transitions]
-        conversation.orchestrator_turns = [self._turn(t) for t in self.data.get("orchestratorTurns") or []]
-        conversation.execution_time = self._execution_time()
+        conversation.agent_states = self._agent_states(kept_before, len(history), phase)
+        transition = partial(self._transition, history=history)
+        conversation.phase_transitions = self._items("phaseTransitions", transition)
+        conversation.orchestrator_turns = self._items("orchestratorTurns", self._turn)
+        execution = self._part("executionTime", self.data.get("executionTime") or {}, self._execution_time)
+        conversation.execution_time = execution or ExecutionTime()
         if rejected or self.problems:
-            conversation.metadata.extra["tenex_import"] = {
+            record: dict[str, Any] = {
                 "source": str(self.path), "rejected": rejected, "notes": list(self.problems),
             }
+            if self.dropped:
+                record["dropped"] = dict(self.dropped)
+            conversation.metadata.extra["tenex_import"] = record
         for note in self.problems:
             self.report.notes.append(ImportProblem(str(self.path), self.id, note))
         return conversation
@@ -203,17 +306,50 @@ class _ConversationImport:
     def _root_title(history: list[NostrEvent]) -> str:
         return (history[0].tag_value(TAG_TITLE) if history else None) or UNTITLED
 
+    def _part(self, name: str, raw: Any, convert: Callable[[Any], _T]) -> _T | None:
+        """``convert(raw)``; None when the part is malformed: noted (instead of what converting it noted),
+        and kept raw under ``name``."""
+        noted = len(self.problems)
+        try:
+            return convert(raw)
+        except _PART_ERRORS as exc:
+            reason = _validation_reason(exc) if isinstance(exc, ValidationError) else str(exc)
+            del self.problems[noted:]
+            self.problems.append(f"{name} left out: {reason}")
+            self.dropped[name] = raw
+            log.warning("import_part_dropped", conversation_id=self.id, part=name, reason=reason)
+            return None
+
+    def _items(self, name: str, convert: Callable[[Any], _T]) -> list[_T]:
+        """The converted items of the list ``name``, each malformed one (or a non-list) left out."""
+        items = self._part(name, self.data.get(name) or [], _a_list)
+        built = (self._part(f"{name}[{n}]", item, convert) for n, item in enumerate(items or []))
+        return [item for item in built if item is not None]
+
+    def _optional_time(self, value: Any, what: str) -> int | None:
+        """The time ``value`` (falsy: none) in ms; None, noted, when it is no time."""
+        if not value:
+            return None
+        try:
+            return time_ms(value, self.now_ms)
+        except ValueError as exc:
+            self.problems.append(f"{what}: {exc}, ignored")
+            return None
+
     def _history(self) -> tuple[list[NostrEvent], list[Any], list[int]]:
         """Return (verified events, rejected raw entries, kept-count before each source index)."""
         events: list[NostrEvent] = []
         rejected: list[Any] = []
         kept_before: list[int] = []
         seen: set[str] = set()
-        for index, raw in enumerate(self.data.get("history") or []):
+        latest = self.now_ms // 1000 + MAX_FUTURE_S
+        for index, raw in enumerate(_list(self.data.get("history") or [], "history")):
             kept_before.append(len(events))
             try:
                 event = parse_ndk_event(raw)
-            except (ValueError, TypeError) as exc:
+                if event.created_at > latest:
+                    raise _BadEventError(f"created_at {event.created_at} is more than a day in the future")
+            except (ValueError, TypeError, RecursionError) as exc:
                 rejected.append(raw)
                 self.report.rejected_events.append(
                     ImportProblem(str(self.path), self.id, str(exc), index=index, raw=raw)
@@ -228,15 +364,22 @@ class _ConversationImport:
         kept_before.append(len(events))
         return events, rejected, kept_before
 
-    def _created_at(self, history: list[NostrEvent]) -> int:
-        if "createdAt" in self.row:
-            return to_ms(self.row["createdAt"])
+    def _created_at(self, history: list[NostrEvent], started: int | None) -> int:
+        created = self._optional_time(self.row.get("createdAt"), "metadata.json createdAt")
+        if created is not None:
+            return created
         if history:
             return history[0].created_at * 1000
-        return to_ms(self.data.get("phaseStartedAt") or 0)
+        return started or 0
+
+    def _updated_at(self, history: list[NostrEvent], created: int) -> int:
+        updated = self._optional_time(self.row.get("updatedAt"), "metadata.json updatedAt")
+        if updated is not None:
+            return updated
+        return history[-1].created_at * 1000 if history else created
 
     def _metadata(self) -> ConversationMetadata:
-        source = dict(self.data.get("metadata") or {})
+        source = dict(self._part("metadata", self.data.get("metadata") or {}, _an_object) or {})
         known: dict[str, Any] = {}
         for name, target in _METADATA_FIELDS.items():
             if name in source:
@@ -248,59 +391,79 @@ class _ConversationImport:
             metadata = ConversationMetadata(extra={**source, **known})
         return metadata
 
-    def _agent_state(self, slug: str, state: dict[str, Any], kept_before: list[int], length: int,
+    def _agent_states(self, kept_before: list[int], length: int, phase: Phase) -> dict[str, AgentState]:
+        """Each agent's state, a malformed one (or a non-object ``agentStates``) left out."""
+        states = self._part("agentStates", self.data.get("agentStates") or {}, _an_object)
+        built: dict[str, AgentState] = {}
+        for slug, state in (states or {}).items():
+            convert = partial(
+                self._agent_state, slug=slug, kept_before=kept_before, length=length, phase=phase
+            )
+            made = self._part(f"agentStates.{slug}", state, convert)
+            if made is not None:
+                built[slug] = made
+        return built
+
+    def _agent_state(self, raw: Any, *, slug: str, kept_before: list[int], length: int,
                      phase: Phase) -> AgentState:
+        state = _an_object(raw)
         index = int(state.get("lastProcessedMessageIndex", 0))
+        session = _text(state.get("claudeSessionId"), "claudeSessionId")
+        by_phase = _object(state.get("claudeSessionsByPhase") or {}, "claudeSessionsByPhase")
+        if session is None and by_phase:
+            session = _text(
+                by_phase.get(phase.value) or by_phase.get(phase.value.upper()) or list(by_phase.values())[-1],
+                "claudeSessionsByPhase's session",
+            )
         if not 0 <= index < len(kept_before):
             self.problems.append(f"agent {slug}: lastProcessedMessageIndex {index} clamped to history")
             index = min(max(index, 0), len(kept_before) - 1)
-        session = state.get("claudeSessionId")
-        by_phase = state.get("claudeSessionsByPhase") or {}
-        if session is None and by_phase:
-            session = (
-                by_phase.get(phase.value) or by_phase.get(phase.value.upper()) or list(by_phase.values())[-1]
-            )
         return AgentState(last_processed_index=min(kept_before[index], length), session_id=session)
 
-    def _transition(self, raw: dict[str, Any], history: list[NostrEvent]) -> PhaseTransition:
-        timestamp = to_ms(raw.get("timestamp", 0))
-        name = str(raw.get("agentName", ""))
+    def _transition(self, raw: Any, *, history: list[NostrEvent]) -> PhaseTransition:
+        fields = _an_object(raw)
+        timestamp = time_ms(fields.get("timestamp", 0), self.now_ms)
+        name = str(fields.get("agentName", ""))
         return PhaseTransition(
-            from_phase=_phase(raw.get("from", "chat"), self.problems),
-            to_phase=_phase(raw.get("to", "chat"), self.problems),
-            message=str(raw.get("message", "")),
+            from_phase=_phase(fields.get("from", "chat"), self.problems),
+            to_phase=_phase(fields.get("to", "chat"), self.problems),
+            message=str(fields.get("message", "")),
             timestamp=timestamp,
-            agent_slug=str(raw.get("agentSlug") or _slug(name)),
-            agent_pubkey=str(raw.get("agentPubkey", "")),
+            agent_slug=str(fields.get("agentSlug") or _slug(name)),
+            agent_pubkey=str(fields.get("agentPubkey", "")),
             agent_name=name,
-            reason=raw.get("reason"),
-            summary=raw.get("summary"),
+            reason=_text(fields.get("reason"), "reason"),
+            summary=_text(fields.get("summary"), "summary"),
             history_index=sum(1 for e in history if e.created_at * 1000 <= timestamp),
         )
 
-    def _turn(self, raw: dict[str, Any]) -> OrchestratorTurn:
+    def _turn(self, raw: Any) -> OrchestratorTurn:
+        fields = _an_object(raw)
         return OrchestratorTurn(
-            turn_id=str(raw.get("turnId") or raw.get("turn_id")),
-            timestamp=to_ms(raw.get("timestamp", 0)),
-            phase=_phase(raw.get("phase", "chat"), self.problems),
-            agents=list(raw.get("agents") or []),
-            completions=[
-                Completion(agent=str(c["agent"]), message=str(c.get("message", "")),
-                           timestamp=to_ms(c.get("timestamp", 0)))
-                for c in raw.get("completions") or []
-            ],
-            reason=raw.get("reason"),
-            is_completed=bool(raw.get("isCompleted", raw.get("is_completed", False))),
+            turn_id=str(fields.get("turnId") or fields.get("turn_id")),
+            timestamp=time_ms(fields.get("timestamp", 0), self.now_ms),
+            phase=_phase(fields.get("phase", "chat"), self.problems),
+            agents=_list(fields.get("agents") or [], "agents"),
+            completions=[self._completion(c) for c in _list(fields.get("completions") or [], "completions")],
+            reason=_text(fields.get("reason"), "reason"),
+            is_completed=bool(fields.get("isCompleted", fields.get("is_completed", False))),
         )
 
-    def _execution_time(self) -> ExecutionTime:
-        raw = self.data.get("executionTime") or {}
-        start = raw.get("currentSessionStart")
+    def _completion(self, raw: Any) -> Completion:
+        fields = _object(raw, "a completion")
+        if "agent" not in fields:
+            raise ValueError("a completion has no agent")
+        return Completion(agent=str(fields["agent"]), message=str(fields.get("message", "")),
+                          timestamp=time_ms(fields.get("timestamp", 0), self.now_ms))
+
+    def _execution_time(self, raw: Any) -> ExecutionTime:
+        fields = _an_object(raw)
+        start = fields.get("currentSessionStart")
         return ExecutionTime(
-            total_seconds=int(raw.get("totalSeconds", 0)),
-            current_session_start=to_ms(start) if start is not None else None,
-            is_active=bool(raw.get("isActive", False)),
-            last_updated=to_ms(raw.get("lastUpdated", 0)),
+            total_seconds=int(fields.get("totalSeconds", 0)),
+            current_session_start=time_ms(start, self.now_ms) if start is not None else None,
+            is_active=bool(fields.get("isActive", False)),
+            last_updated=time_ms(fields.get("lastUpdated", 0), self.now_ms),
         )
 
 
@@ -314,25 +477,37 @@ def _conversations_dir(src_dir: Path) -> Path:
 
 
 def _index_rows(folder: Path, report: ImportReport) -> dict[str, dict[str, Any]]:
+    """The rows of ``metadata.json`` by conversation id; a row that is not an object with an id is noted."""
     path = folder / "metadata.json"
     if not path.exists():
         return {}
     try:
-        rows = json.loads(path.read_text("utf-8"))["conversations"]
-        return {str(row["id"]): row for row in rows}
-    except (ValueError, KeyError, TypeError) as exc:
+        listing = _object(json.loads(path.read_text("utf-8")), "metadata.json")
+        rows = _list(listing["conversations"], "its conversations")
+    except (*_FILE_ERRORS, OSError) as exc:
         report.notes.append(ImportProblem(str(path), None, f"metadata.json unreadable, ignored: {exc}"))
         return {}
+    found: dict[str, dict[str, Any]] = {}
+    for index, row in enumerate(rows):
+        if isinstance(row, dict) and "id" in row:
+            found[str(row["id"])] = row
+        else:
+            reason = f"metadata.json conversations[{index}] is not an object with an id, ignored"
+            report.notes.append(ImportProblem(str(path), None, reason, index=index, raw=row))
+    return found
 
 
-async def import_tenex_home(src_dir: str | Path, store: Store) -> ImportReport:
+async def import_tenex_home(src_dir: str | Path, store: Store, *, clock: Clock | None = None) -> ImportReport:
     """Import every conversation of a TENEX TypeScript-era home into ``store``.
 
     ``src_dir`` is the project folder, its ``.tenex`` folder, or the ``conversations`` folder.
     Conversations already in the store are left alone (the import can be re-run). Source
-    files are only read, never changed.
+    files are only read, never changed. A file that cannot be read or is not a conversation is
+    reported in ``failed`` and the others are imported. ``clock`` (default: the system's) dates
+    "now" for refusing times in the future.
     """
     folder = _conversations_dir(Path(src_dir))
+    now_ms = (clock or SystemClock()).now_ms()
     report = ImportReport()
     rows = _index_rows(folder, report)
     sources = [(p, False) for p in sorted(folder.glob("*.json")) if p.name != "metadata.json"]
@@ -345,8 +520,8 @@ async def import_tenex_home(src_dir: str | Path, store: Store) -> ImportReport:
             if not isinstance(data, dict) or "id" not in data:
                 raise ValueError("not a conversation object (no id)")
             row = rows.get(str(data["id"]))
-            conversation = _ConversationImport(path, data, row, archived, report).build()
-        except (ValueError, KeyError, TypeError, ValidationError) as exc:
+            conversation = _ConversationImport(path, data, row, archived, report, now_ms).build()
+        except (*_FILE_ERRORS, OSError) as exc:
             report.failed.append(ImportProblem(str(path), None, f"{type(exc).__name__}: {exc}"))
             log.error("import_conversation_failed", path=str(path), error=str(exc))
             continue

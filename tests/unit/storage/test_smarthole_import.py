@@ -295,3 +295,53 @@ async def test_a_file_that_is_not_smarthole_data_changes_nothing(tmp_path: Path,
         with pytest.raises(SmartHoleFormatError):
             await import_smarthole_file(path, store, identities(cast), clock=FakeClock(NOW), idle_timeout_ms=IDLE)
     assert await store.search(SearchQuery()) == []
+
+
+MICROSECONDS = (T0 + 9_000) * 1000
+"""A message time written in microseconds: read as milliseconds, the year 55,840."""
+
+
+def test_times_past_the_year_9999_or_more_than_a_day_ahead_are_bad_timestamps() -> None:
+    """A microsecond count, an absurd number and (given now) a time more than a day ahead are bad timestamps,
+    while a time an hour ahead is read."""
+    assert parse_time_ms(iso(NOW + 60 * MINUTE), NOW) == NOW + 60 * MINUTE
+    for bad in (MICROSECONDS, 1e25, str(MICROSECONDS)):
+        with pytest.raises(ValueError, match=r"bad timestamp .* \(after the year 9999\)"):
+            parse_time_ms(bad)
+    for ahead in (iso(NOW + 2 * 24 * 60 * MINUTE), (NOW + 2 * 24 * 60 * MINUTE) // 1000):
+        with pytest.raises(ValueError, match=r"bad timestamp .* \(more than a day in the future\)"):
+            parse_time_ms(ahead, NOW)
+
+
+async def test_far_future_times_are_rejected_per_entry_and_the_conversation_ends_by_age(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """A message in microseconds or two days ahead is rejected with its index, a far startedAt and endedAt are
+    noted and replaced by the messages' times, so the conversation keeps its real dates: before, it was dated
+    in the year 55,840 and never ended or deleted by age."""
+    days_ahead = iso(NOW + 2 * 24 * 60 * MINUTE)
+    conversation = ended_conversation()
+    conversation["startedAt"], conversation["endedAt"] = MICROSECONDS, days_ahead
+    conversation["messages"][1]["timestamp"] = MICROSECONDS
+    conversation["messages"][3]["timestamp"] = days_ahead
+    entries = legacy_entries()
+    entries[1]["timestamp"] = 1e25
+    path = write(tmp_path, plugin_data([conversation, open_conversation(T0)], entries))
+    store = MemoryStore()
+
+    report = await import_smarthole_file(path, store, identities(cast), clock=FakeClock(NOW), idle_timeout_ms=IDLE)
+
+    assert [(p.conversation_id, p.index, p.reason) for p in report.rejected_events] == [
+        (conversation["id"], 1, f"bad timestamp {MICROSECONDS} (after the year 9999)"),
+        (conversation["id"], 3, f"bad timestamp {days_ahead!r} (more than a day in the future)"),
+        (LEGACY_TITLE, 1, "bad timestamp 1e+25 (after the year 9999)"),
+    ]
+    assert [n.reason.split(";")[0] for n in report.notes] == [
+        f"startedAt: bad timestamp {MICROSECONDS} (after the year 9999)",
+        f"endedAt: bad timestamp {days_ahead!r} (more than a day in the future)",
+    ]
+    found = await by_title(store)
+    imported = found["Meeting notes creation"]
+    assert (imported.created_at, imported.activity_at, imported.ended_at) == (T0, T0 + MINUTE, T0 + MINUTE)
+    assert found[LEGACY_TITLE].activity_at == LEGACY_T
+    assert all(c.last_activity <= NOW and c.created_at <= NOW for c in found.values())

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.adapters.storage.memory import MemoryStore
-from tenex_daemon.adapters.storage.tenex_import import import_tenex_home, parse_ndk_event, to_ms
+from tenex_daemon.adapters.storage.tenex_import import import_tenex_home, parse_ndk_event, time_ms, to_ms
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.core.search import SearchQuery
+from tenex_daemon.testing import FakeClock, KeyPair, sign_event
 from tests.conftest import Cast
 
 
@@ -180,3 +185,197 @@ async def test_a_conversation_whose_id_is_not_an_event_id_is_reported_and_the_re
     odd = [p for p in report.failed if p.path.endswith("odd.json")]
     assert len(odd) == 1
     assert "64 lowercase hex" in odd[0].reason
+
+
+NOW = 1_800_000_000_000
+"""The FakeClock's time in the tests of odd shapes and times (2027): the cast's events are before it."""
+FUTURE_S = NOW // 1000 + 2 * 86_400
+"""Two days past NOW, in seconds."""
+MICROSECONDS = 1_700_000_000_000_000
+"""2023-11-14 in microseconds: read as milliseconds, the year 55,840."""
+BASE_FILE_KEYS = KeyPair.from_seed(903)
+FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=8,
+)
+
+
+def full_conversation(root: NostrEvent) -> dict[str, Any]:
+    """A well-formed conversation with every optional part: states, transitions, turns, timing, metadata."""
+    return {
+        "id": root.id, "title": "Full", "phase": "execute", "history": [ndk(root)], "phaseStartedAt": 1_700_000_100,
+        "agentStates": {"alice": {"lastProcessedMessageIndex": 1, "claudeSessionId": "s",
+                                  "claudeSessionsByPhase": {"EXECUTE": "s2"}}},
+        "phaseTransitions": [{"from": "chat", "to": "execute", "message": "go", "timestamp": 1_700_000_002,
+                              "agentName": "Alice", "reason": "ready", "summary": "s"}],
+        "orchestratorTurns": [{"turnId": "t1", "timestamp": 1_700_000_003, "phase": "execute", "agents": ["alice"],
+                               "completions": [{"agent": "alice", "message": "ok", "timestamp": 1_700_000_004}],
+                               "reason": "r", "isCompleted": True}],
+        "executionTime": {"totalSeconds": 3, "currentSessionStart": 1_700_000_005, "isActive": True,
+                          "lastUpdated": 1_700_000_006},
+        "metadata": {"summary": "sum", "readFiles": ["a.py"]},
+    }
+
+
+def three_files(folder: Path, odd: dict[str, Any], row: dict[str, Any] | None = None) -> list[str]:
+    """Write a good conversation, ``odd`` (its metadata.json row ``row``) and another good one, in that order;
+    return the three ids."""
+    folder.mkdir(parents=True, exist_ok=True)
+    good = [sign_event(BASE_FILE_KEYS, f"good {n}", kind=11, created_at=1_700_000_000 + n) for n in (0, 2)]
+    files = [full_conversation(good[0]), odd, full_conversation(good[1])]
+    for n, data in enumerate(files):
+        (folder / f"{n:02d}.json").write_text(json.dumps(data))
+    rows = [{"id": odd["id"], **row}] if row is not None else []
+    (folder / "metadata.json").write_text(json.dumps({"conversations": rows}))
+    return [good[0].id, str(odd["id"]), good[1].id]
+
+
+def odd_conversation(part: str, value: Any) -> dict[str, Any]:
+    """A full conversation whose ``part`` (a dotted path; a number indexes a list) is set to ``value``."""
+    data = full_conversation(sign_event(BASE_FILE_KEYS, f"odd {part}", kind=11, created_at=1_700_000_001))
+    *parents, last = part.split(".")
+    node: Any = data
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[int(last) if isinstance(node, list) else last] = value
+    return data
+
+
+@pytest.mark.parametrize(("part", "value", "dropped", "reason"), [
+    ("agentStates", [["alice", {"lastProcessedMessageIndex": 1}]], "agentStates", "it is a list, not an object"),
+    ("executionTime", 42, "executionTime", "it is a number, not an object"),
+    ("phaseTransitions.0", "chat->execute", "phaseTransitions[0]", "it is a string, not an object"),
+    ("phaseTransitions", {"from": "chat"}, "phaseTransitions", "it is an object, not a list"),
+    ("agentStates.alice", 7, "agentStates.alice", "it is a number, not an object"),
+    ("agentStates.alice.claudeSessionsByPhase", ["s"], "agentStates.alice",
+     "claudeSessionsByPhase is a list, not an object"),
+    ("orchestratorTurns.0.completions.0", "done", "orchestratorTurns[0]", "a completion is a string, not an object"),
+    ("orchestratorTurns.0.agents", "alice", "orchestratorTurns[0]", "agents is a string, not a list"),
+    ("executionTime.totalSeconds", "lots", "executionTime", "invalid literal for int()"),
+    ("metadata", "notes", "metadata", "it is a string, not an object"),
+])
+async def test_a_malformed_optional_part_is_left_out_kept_raw_and_every_file_imported(
+    tmp_path: Path, part: str, value: Any, dropped: str, reason: str
+) -> None:
+    """A conversation whose optional part has an unexpected JSON type is imported with its history, that part
+    left out, noted by name and kept raw, and the files after it are imported too: before, an AttributeError
+    (or a failed file) stopped it, and the AttributeError every later file."""
+    odd = odd_conversation(part, value)
+    ids = three_files(tmp_path / "conversations", odd)
+    store = MemoryStore()
+
+    report = await import_tenex_home(tmp_path, store, clock=FakeClock(NOW))
+
+    assert report.imported == ids
+    assert report.failed == []
+    [note] = [n for n in report.notes if n.conversation_id == odd["id"]]
+    assert note.reason.startswith(f"{dropped} left out: ")
+    assert reason in note.reason
+    conversation = await store.load(odd["id"])
+    assert conversation is not None
+    assert [e.id for e in conversation.history] == [odd["id"]]
+    record = conversation.metadata.extra["tenex_import"]
+    assert dropped in record["dropped"]
+    assert record["notes"] == [note.reason]
+
+
+async def test_a_file_that_cannot_be_read_as_a_conversation_fails_alone(tmp_path: Path) -> None:
+    """A history that is not a list, and a folder named like a conversation file, are each one failed file
+    naming the reason, and the other files are imported: before, a string history was imported as an empty
+    conversation and the folder stopped the import."""
+    folder = tmp_path / "conversations"
+    odd = odd_conversation("history", "not a list")
+    ids = three_files(folder, odd)
+    (folder / "01b-folder.json").mkdir()
+
+    report = await import_tenex_home(tmp_path, MemoryStore(), clock=FakeClock(NOW))
+
+    assert report.imported == [ids[0], ids[2]]
+    assert [(Path(p.path).name, p.reason.split(":")[0]) for p in report.failed] == [
+        ("01.json", "ValueError"), ("01b-folder.json", "IsADirectoryError"),
+    ]
+    assert report.failed[0].reason == "ValueError: history is a string, not a list"
+
+
+@FUZZ
+@given(
+    st.sampled_from([
+        "title", "phase", "history", "history.0", "agentStates", "agentStates.alice",
+        "agentStates.alice.lastProcessedMessageIndex", "agentStates.alice.claudeSessionId",
+        "agentStates.alice.claudeSessionsByPhase", "phaseStartedAt", "phaseTransitions", "phaseTransitions.0",
+        "phaseTransitions.0.timestamp", "phaseTransitions.0.reason", "phaseTransitions.0.agentName",
+        "orchestratorTurns", "orchestratorTurns.0", "orchestratorTurns.0.timestamp", "orchestratorTurns.0.agents",
+        "orchestratorTurns.0.completions", "orchestratorTurns.0.completions.0",
+        "orchestratorTurns.0.completions.0.timestamp", "executionTime", "executionTime.totalSeconds",
+        "executionTime.currentSessionStart", "executionTime.lastUpdated", "metadata", "metadata.readFiles",
+    ]),
+    json_values,
+    st.none() | st.dictionaries(st.sampled_from(["createdAt", "updatedAt", "archived"]), json_values),
+)
+def test_no_json_value_anywhere_in_a_file_stops_the_import_of_the_others(
+    part: str, value: Any, row: dict[str, Any] | None
+) -> None:
+    """Any JSON value in any part of a conversation (or its metadata.json row) leaves that file imported or
+    failed with a reason, never raises, and the files after it are imported."""
+    with tempfile.TemporaryDirectory() as folder:
+        odd = odd_conversation(part, value)
+        ids = three_files(Path(folder) / "conversations", odd, row)
+
+        report = asyncio.run(import_tenex_home(folder, MemoryStore(), clock=FakeClock(NOW)))
+
+    assert [ids[0], ids[2]] == [i for i in report.imported if i != odd["id"]]
+    assert (odd["id"] in report.imported) != any(p.path.endswith("01.json") for p in report.failed)
+    assert all(p.reason for p in [*report.failed, *report.notes, *report.rejected_events])
+
+
+def test_a_time_is_refused_before_1970_past_9999_or_more_than_a_day_ahead() -> None:
+    """time_ms reads seconds and milliseconds but refuses microseconds, absurd numbers, non-numbers and
+    times more than a day past now."""
+    assert time_ms(1_700_000_000, NOW) == 1_700_000_000_000
+    assert time_ms(NOW + 3_600_000, NOW) == NOW + 3_600_000
+    bad_values: tuple[Any, ...] = (MICROSECONDS, 1e25, float("inf"), float("nan"), -5, True, None, [], "soon")
+    for bad in bad_values:
+        with pytest.raises(ValueError, match="bad timestamp"):
+            time_ms(bad, NOW)
+    with pytest.raises(ValueError, match="more than a day in the future"):
+        time_ms(FUTURE_S, NOW)
+
+
+async def test_times_in_the_far_future_are_refused_and_the_conversation_dated_by_its_events(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """An event dated two days ahead is rejected, microsecond createdAt/updatedAt are noted and replaced by
+    the events' times, and a transition dated so is left out: before, the conversation was dated in the year
+    55,840 and never archived or deleted by age."""
+    root = cast.user_says("question", kind=11)
+    reply = cast.alice_says("answer")
+    ahead = sign_event(cast.user, "from the future", created_at=FUTURE_S)
+    data = full_conversation(root)
+    data["history"] = [ndk(root), ndk(ahead), ndk(reply)]
+    data["phaseTransitions"][0]["timestamp"] = MICROSECONDS
+    folder = tmp_path / "conversations"
+    folder.mkdir()
+    (folder / "c.json").write_text(json.dumps(data))
+    (folder / "metadata.json").write_text(json.dumps({"conversations": [
+        {"id": root.id, "createdAt": MICROSECONDS, "updatedAt": MICROSECONDS + 1},
+    ]}))
+    store = MemoryStore()
+
+    report = await import_tenex_home(tmp_path, store, clock=FakeClock(NOW))
+
+    assert report.imported == [root.id]
+    assert [(p.index, p.reason) for p in report.rejected_events] == [
+        (1, f"created_at {FUTURE_S} is more than a day in the future"),
+    ]
+    notes = [n.reason for n in report.notes]
+    assert f"metadata.json createdAt: bad timestamp {MICROSECONDS} (after the year 9999), ignored" in notes
+    assert any(n.startswith("phaseTransitions[0] left out: bad timestamp") for n in notes)
+    conversation = await store.load(root.id)
+    assert conversation is not None
+    assert [e.id for e in conversation.history] == [root.id, reply.id]
+    assert (conversation.created_at, conversation.updated_at) == (root.created_at * 1000, reply.created_at * 1000)
+    assert conversation.phase_transitions == []

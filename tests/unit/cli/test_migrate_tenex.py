@@ -1,0 +1,73 @@
+"""``tenexd migrate --from DIR`` end to end on TENEX conversation files of odd shapes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tenex_daemon.cli.main import app
+from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.testing import KeyPair, sign_event
+
+USER = KeyPair.from_seed(904)
+
+
+def tenexd(home: Path, *args: str) -> tuple[int, str]:
+    """Run ``tenexd --home HOME ARGS`` in-process (an exception is raised, not caught); return (exit code,
+    stdout)."""
+    result = CliRunner().invoke(app, ["--home", str(home), *args], catch_exceptions=False)
+    return result.exit_code, result.stdout
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    """A home made by ``tenexd init``."""
+    path = tmp_path / "home"
+    code, out = tenexd(path, "init", "--owner", USER.npub, "--relay", "ws://127.0.0.1:1")
+    assert code == 0, out
+    return path
+
+
+def conversation(root: NostrEvent, **parts: Any) -> dict[str, Any]:
+    """A TENEX conversation file's object: ``root`` as its history, with ``parts`` added."""
+    history = [json.dumps([0, root.pubkey, root.created_at, root.kind, root.tags, root.content, root.sig, root.id])]
+    return {"id": root.id, "title": root.content, "phase": "chat", "history": history, **parts}
+
+
+def test_migrate_from_tenex_imports_every_file_around_odd_ones(home: Path, tmp_path: Path) -> None:
+    """Files with an odd side field are imported with a note, one whose history is not a list is the one
+    failure (exit 1), the files after them are imported, and a rerun stops nowhere either: before, the
+    command ended in an AttributeError traceback at the first odd file, every time."""
+    folder = tmp_path / "project" / ".tenex" / "conversations"
+    folder.mkdir(parents=True)
+    roots = [sign_event(USER, f"question {n}", kind=11, created_at=1_700_000_000 + n) for n in range(5)]
+    files = [
+        conversation(roots[0]),
+        conversation(roots[1], agentStates=[["alice", {"lastProcessedMessageIndex": 1}]]),
+        conversation(roots[2], executionTime=42, phaseTransitions=["chat->execute"]),
+        {**conversation(roots[3]), "history": "not a list"},
+        conversation(roots[4]),
+    ]
+    for n, data in enumerate(files):
+        (folder / f"{n:02d}.json").write_text(json.dumps(data))
+
+    code, out = tenexd(home, "migrate", "--from", str(tmp_path / "project"), "--json")
+
+    assert code == 1, out
+    report = json.loads(out)
+    assert report["imported"] == [roots[n].id for n in (0, 1, 2, 4)]
+    assert [(Path(p["path"]).name, p["reason"]) for p in report["failed"]] == [
+        ("03.json", "ValueError: history is a string, not a list"),
+    ]
+    assert sorted(p["reason"] for p in report["notes"]) == [
+        "agentStates left out: it is a list, not an object",
+        "executionTime left out: it is a number, not an object",
+        "phaseTransitions[0] left out: it is a string, not an object",
+    ]
+    code, out = tenexd(home, "migrate", "--from", str(tmp_path / "project"), "--json")
+    assert code == 1, out
+    assert json.loads(out)["already_present"] == report["imported"]
