@@ -84,6 +84,32 @@ def backoff_delay(
     return rng(delay / 2, delay)
 
 
+MESSAGE_TOO_BIG = 1009
+"""The websocket close code for a message too big to process (RFC 6455)."""
+
+
+def we_closed_for_size(exc: ConnectionClosed) -> bool:
+    """Whether websockets itself closed the connection with 1009, first: a frame this side received was
+    over ``max_size``. (A relay's close with 1009 is echoed with 1009 too, but sent after it came.)"""
+    return exc.sent is not None and exc.sent.code == MESSAGE_TOO_BIG and not exc.rcvd_then_sent
+
+
+def relay_closed_for_size(exc: ConnectionClosed) -> bool:
+    """Whether the relay closed the connection with 1009, first: a frame this side sent was over its limit."""
+    return exc.rcvd is not None and exc.rcvd.code == MESSAGE_TOO_BIG and exc.rcvd_then_sent is not False
+
+
+TOO_LARGE_FOR_RELAY = "invalid: event too large for this relay (it closed the connection with 1009)"
+"""The refusal a publish gets when the relay closed the connection on its EVENT frame: ``invalid:`` and
+"too large", so a publish every relay refused this way is refused for good
+(:func:`~.types.refused_for_its_size`)."""
+
+CLOSED_FOR_GOOD = ("blocked", "invalid", "restricted", "unsupported")
+"""``CLOSED`` prefixes a relay is unlikely to change its mind on soon: the REQ is sent again after a longer
+wait (:data:`CLOSED_FOR_GOOD_FACTOR` times the reconnect backoff)."""
+CLOSED_FOR_GOOD_FACTOR = 10
+
+
 class EventSink(Protocol):
     """Where a connection hands the events of live subscriptions (the pool's delivery)."""
 
@@ -101,6 +127,9 @@ class EventSink(Protocol):
         """Wait until every event taken in so far has reached the consumer; return whether each was handed
         over for good (none left to the relays, none waiting to be tried again)."""
 
+
+SEND_RETRY_WAIT = 1.0
+"""Seconds a publish whose frame could not be sent waits for its connection's close before sending again."""
 
 CATCH_UP_PAGES = 10_000
 """Pages one filter of a catch-up asks for at most (a relay that ignores ``since``): past it, the catch-up
@@ -186,6 +215,16 @@ class RelayConnection:
         self.catch_ups = 0
         """Catch-ups paged so far (their fetch ids are told apart by it)."""
         self.auth_retried_subs: set[str] = set()
+        self.ok_sizes: dict[str, int] = {}
+        """Per event id a publish awaits an ``OK`` for (:attr:`pending_ok`): the size of its EVENT frame."""
+        self.resubscribes: dict[str, tuple[int, float]] = {}
+        """Per live subscription the relay ended with ``CLOSED`` on this connection: its REQs sent again
+        since, and when the last was (monotonic): the backoff grows unless the subscription stays up."""
+        self.resubscribing: set[tuple[str, int]] = set()
+        """(subscription id, connection number) of each REQ waiting out its backoff to be sent again."""
+        self.challenge: str | None = None
+        """The newest AUTH challenge not answered yet (answered one at a time)."""
+        self.answering = False
         self.task: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -220,8 +259,8 @@ class RelayConnection:
                 raise
             except (OSError, WebSocketException, TimeoutError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]
-                if isinstance(exc, ConnectionClosed) and exc.sent is not None and exc.sent.code == 1009:
-                    self._skip_oversized()
+                if isinstance(exc, ConnectionClosed):
+                    self._closed_for_size(exc)
             self._on_close()
             if opened_at is not None and time.monotonic() - opened_at >= settings.stable_after:
                 attempt = 0
@@ -230,6 +269,33 @@ class RelayConnection:
             self.state = RelayState.BACKOFF
             self.log.info("relay disconnected", error=self.last_error, retry_in=round(delay, 2))
             await asyncio.sleep(delay)
+
+    def _closed_for_size(self, exc: ConnectionClosed) -> None:
+        """Tell apart the two closes with 1009: websockets closing on a frame the relay sent over our
+        ``max_message_bytes`` (skipped past), and the relay closing on a frame we sent over its own limit
+        (our EVENT refused for its size)."""
+        if we_closed_for_size(exc):
+            self._skip_oversized()
+        elif relay_closed_for_size(exc):
+            self._refuse_too_large()
+
+    def _refuse_too_large(self) -> None:
+        """The relay closed the connection with 1009: a frame we sent was over its limit. The largest EVENT
+        still awaiting its ``OK`` here is at least as large as that frame, so over the limit too: its publish
+        is answered as refused for its size (:data:`TOO_LARGE_FOR_RELAY`, as an ``OK false`` would). Smaller
+        ones are sent again on the next connection, as after any drop (one as large is refused then)."""
+        waiting = [(size, event) for event, size in self.ok_sizes.items() if self.pending_ok.get(event)]
+        if not waiting:
+            self.log.warning("relay closed the connection: a frame we sent was over its size limit")
+            return
+        size, event_id = max(waiting)
+        self.log.warning("relay refused an event for its size", event_id=event_id, frame_bytes=size,
+                         detail="it closed the connection with 1009 (message too big)")
+        answer = OkMessage(event_id, False, TOO_LARGE_FOR_RELAY)
+        self.ok_sizes.pop(event_id, None)
+        for future in self.pending_ok.pop(event_id, []):
+            if not future.done():
+                future.set_result(answer)
 
     def _skip_oversized(self) -> None:
         """websockets closed the connection on a frame over ``max_message_bytes`` (unread, so its
@@ -251,6 +317,7 @@ class RelayConnection:
         self.connected_since = time.time()
         self.closed = asyncio.get_running_loop().create_future()
         self.auth_retried_subs.clear()
+        self.resubscribes.clear()
         self.log.info("relay connected", reconnects=self.reconnects)
         if self.spec.read:
             for sub in self.subscriptions.live():
@@ -266,6 +333,10 @@ class RelayConnection:
 
     def _on_close(self) -> None:
         self.catching_up.clear()  # their cursors stay held: the reconnect's catch-up asks again from them
+        # no OK comes for what was sent on this connection: each waiter also waits on `closed`, set below
+        self.pending_ok.clear()
+        self.ok_sizes.clear()
+        self.challenge = None
         self.ws = None
         self.connected.clear()
         self.authenticated.clear()
@@ -402,7 +473,7 @@ class RelayConnection:
         elif isinstance(message, ClosedMessage):
             self._on_closed(message)
         elif isinstance(message, AuthMessage):
-            self.spawn(self._authenticate(message.challenge), f"auth {self.url}")
+            self._challenged(message.challenge)
         elif isinstance(message, NoticeMessage):
             self.notices += 1
             self.log.info("relay notice", message=message.message[:300])
@@ -462,6 +533,7 @@ class RelayConnection:
             # publisher's timeout covers it.
             self.log.warning("OK without event id", accepted=message.accepted, message=message.message)
             return
+        self.ok_sizes.pop(message.event_id, None)
         for future in self.pending_ok.pop(message.event_id, []):
             if not future.done():
                 future.set_result(message)
@@ -480,14 +552,67 @@ class RelayConnection:
         sub = self.subscriptions.get(sub_id)
         if sub is None:
             return
+        self.catching_up.pop(sub_id, None)  # its cursor stays held: the REQ sent again catches up from it
         if auth_required and sub_id not in self.auth_retried_subs:
             self.auth_retried_subs.add(sub_id)
             self.log.info("subscription needs auth; re-sending after AUTH", subscription=sub_id)
             self.spawn(self._resend_req_after_auth(sub), f"resubscribe {self.url}")
         else:
-            self.log.warning("subscription closed by relay", subscription=sub_id, message=message.message)
+            self._resubscribe_later(sub_id, message.prefix, message.message)
+
+    def _resubscribe_later(self, sub_id: str, prefix: str, reason: str) -> None:
+        """The relay ended a live subscription while the connection stays up: send its REQ again (from its
+        cursor, as a reconnect does) after a backoff that grows with each ``CLOSED`` on this connection,
+        unless the subscription stayed up ``stable_after`` seconds; longer for refusals unlikely to change
+        soon (:data:`CLOSED_FOR_GOOD`)."""
+        waiting = (sub_id, self.connects)
+        if waiting in self.resubscribing:
+            return
+        settings = self.settings
+        attempt, last = self.resubscribes.get(sub_id, (0, 0.0))
+        now = time.monotonic()
+        if now - last >= settings.stable_after:
+            attempt = 0
+        self.resubscribes[sub_id] = (attempt + 1, now)
+        base, cap = settings.backoff_base, settings.backoff_cap
+        if prefix in CLOSED_FOR_GOOD:
+            base, cap = base * CLOSED_FOR_GOOD_FACTOR, cap * CLOSED_FOR_GOOD_FACTOR
+        delay = backoff_delay(attempt, base, cap)
+        self.log.warning("subscription closed by relay; re-sending it later", subscription=sub_id,
+                         message=reason[:300], retry_in=round(delay, 2))
+        self.resubscribing.add(waiting)
+        self.spawn(self._resubscribe(waiting, delay), f"resubscribe {self.url}")
+
+    async def _resubscribe(self, waiting: tuple[str, int], delay: float) -> None:
+        """Send a live subscription's REQ again after ``delay``, unless a reconnect sent it meanwhile (or it
+        was closed). ``waiting``: its id and the connection number it was ended on."""
+        sub_id, generation = waiting
+        try:
+            await asyncio.sleep(delay)
+            sub = self.subscriptions.get(sub_id)
+            if sub is not None and self.connects == generation and self.ws is not None:
+                await self.send_req(sub)
+        finally:
+            self.resubscribing.discard(waiting)
 
     # -- auth ------------------------------------------------------------------------------
+
+    def _challenged(self, challenge: str) -> None:
+        """An AUTH challenge: answered at once, or, while another is being answered, after it (only the
+        newest of those that came meanwhile)."""
+        self.challenge = challenge
+        if not self.answering:
+            self.answering = True
+            self.spawn(self._answer_challenges(), f"auth {self.url}")
+
+    async def _answer_challenges(self) -> None:
+        """Answer the challenges one at a time until none waits."""
+        try:
+            while self.challenge is not None:
+                challenge, self.challenge = self.challenge, None
+                await self._authenticate(challenge)
+        finally:
+            self.answering = False
 
     async def _authenticate(self, challenge: str) -> None:
         signer = self.auth_signer
@@ -495,17 +620,24 @@ class RelayConnection:
             self.log.warning("relay asked for AUTH but the pool has no auth signer")
             return
         event = signer.sign_auth(self.url, challenge)
+        closed = self.closed
         future = self.expect_ok(event.id)
-        if not await self.send(encode_auth(event)):
-            return
         try:
-            answer = await asyncio.wait_for(future, self.settings.auth_timeout)
-        except TimeoutError:
-            # nostr-relay never answers AUTH with OK: go on as authenticated; a later
-            # auth-required answer shows if it was not.
-            self.log.info("no OK for AUTH; assuming accepted")
-            self.authenticated.set()
+            if not await self.send(encode_auth(event)):
+                return
+            waiters: set[asyncio.Future[Any]] = {future, closed}
+            await asyncio.wait(waiters, timeout=self.settings.auth_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._forget_ok(event.id, future)
+        if not future.done():
+            if not closed.done():
+                # nostr-relay never answers AUTH with OK: go on as authenticated; a later
+                # auth-required answer shows if it was not.
+                self.log.info("no OK for AUTH; assuming accepted")
+                self.authenticated.set()
             return
+        answer = future.result()
         if answer.accepted:
             self.log.info("authenticated", pubkey=signer.pubkey)
             self.authenticated.set()
@@ -524,7 +656,7 @@ class RelayConnection:
         if await self.wait_authenticated(self.settings.auth_timeout):
             await self.send_req(sub)
         else:
-            self.log.warning("subscription not re-sent: not authenticated", subscription=sub.sub_id)
+            self._resubscribe_later(sub.sub_id, "auth-required", "not authenticated")
 
     async def _resend_after_auth(self, frame: str) -> None:
         if await self.wait_authenticated(self.settings.auth_timeout):
@@ -532,10 +664,13 @@ class RelayConnection:
 
     # -- publishing and fetching -----------------------------------------------------------
 
-    def expect_ok(self, event_id: str) -> asyncio.Future[OkMessage]:
-        """Register interest in the relay's ``OK`` for an event id."""
+    def expect_ok(self, event_id: str, frame_size: int | None = None) -> asyncio.Future[OkMessage]:
+        """Register interest in the relay's ``OK`` for an event id (``frame_size``: its EVENT frame's, for a
+        publish). Whoever calls it forgets the future when done waiting (:meth:`_forget_ok`)."""
         future: asyncio.Future[OkMessage] = asyncio.get_running_loop().create_future()
         self.pending_ok.setdefault(event_id, []).append(future)
+        if frame_size is not None:
+            self.ok_sizes[event_id] = frame_size
         return future
 
     def _forget_ok(self, event_id: str, future: asyncio.Future[OkMessage]) -> None:
@@ -544,6 +679,7 @@ class RelayConnection:
             waiting.remove(future)
             if not waiting:
                 del self.pending_ok[event_id]
+                self.ok_sizes.pop(event_id, None)
 
     async def wait_connected(self, deadline: float) -> bool:
         """Wait for a connection until the loop-time ``deadline``."""
@@ -568,20 +704,21 @@ class RelayConnection:
         frame = encode_event(event)
         auth_retry_used = False
         while await self.wait_connected(deadline):
-            future = self.expect_ok(event.id)
+            future = self.expect_ok(event.id, len(frame))
             closed = self.closed
             try:
-                if not await self.send(frame):
-                    await asyncio.sleep(0.05)
-                    continue
+                sent = await self.send(frame)
                 remaining = deadline - loop.time()
-                if remaining <= 0:
+                if sent and remaining <= 0:
                     return None
+                # unsent: the connection is closing; its close may still answer (a relay's 1009 refuses
+                # the frame), so wait for it before sending again
                 waiters: set[asyncio.Future[Any]] = {future, closed}
-                done, _ = await asyncio.wait(waiters, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                wait = remaining if sent else min(max(0.0, remaining), SEND_RETRY_WAIT)
+                done, _ = await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 self._forget_ok(event.id, future)
-            if future in done:
+            if future.done():
                 answer = future.result()
                 if (not answer.accepted and answer.prefix == "auth-required" and not auth_retry_used
                         and self.auth_signer is not None):
@@ -590,7 +727,9 @@ class RelayConnection:
                     if await self.wait_authenticated(max(0.0, remaining)):
                         continue
                 return answer
-            if not done:
+            if not sent:
+                await asyncio.sleep(0.05)
+            elif not done:
                 return None
             # the connection dropped before an answer: wait for the next one and send again
         return None

@@ -8,7 +8,8 @@ in arrival order.
 
 An event whose consumer call raised (a store that cannot write: a full disk, a read-only file
 system) is kept in memory, bounded, and handed to the consumer again with capped exponential
-backoff until it goes through: it does not wait for a relay to send it again or for a restart. It
+backoff until it goes through: it does not wait for a relay to send it again or for a restart (while it
+waits, the cursor it came through does not pass it, so a restart meanwhile asks for it again). It
 goes to the consumer even when the store marked it processed meanwhile: the failed call may have
 stored it without being told so (a commit whose answer a broken connection lost).
 A consumer that answers :attr:`Remember.IN_MEMORY` (a stranger's event) leaves the store alone:
@@ -29,6 +30,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 
@@ -43,6 +45,17 @@ _Intake = tuple[NostrEvent, str, str, float]
 """An event waiting for the consumer: the event, its relay, its subscription, when it was taken in."""
 AdvanceCursor = Callable[[str, str, int], None]
 """Moves the cursor of (subscription id, relay url) up to an accepted ``created_at``."""
+
+
+class CursorPins(Protocol):
+    """Keeps a cursor from passing the events taken in through it that wait for a retry
+    (:class:`~.subscriptions.Subscriptions`)."""
+
+    def pin(self, sub_id: str, url: str, event_id: str, created_at: int) -> None:
+        """The event waits for a retry: the cursor of (``sub_id``, ``url``) does not pass it."""
+
+    def unpin(self, sub_id: str, url: str, event_id: str, *, left: bool = False) -> None:
+        """The event no longer waits for a retry (``left``: given up on; the cursor still stops at it)."""
 
 
 class SeenIds:
@@ -81,10 +94,13 @@ class Delivery:
         on_event: EventHandler | None,
         store: PoolStore | None,
         lane_key: LaneKey | None,
+        cursor_pins: CursorPins | None = None,
     ) -> None:
-        """Deliver to ``on_event``; ``store`` keeps the processed ids; ``advance_cursor`` moves cursors."""
+        """Deliver to ``on_event``; ``store`` keeps the processed ids; ``advance_cursor`` moves cursors, and
+        ``cursor_pins`` keeps each from passing an event waiting for a retry."""
         self._settings = settings
         self._advance_cursor = advance_cursor
+        self._cursor_pins = cursor_pins
         self._on_event = on_event
         self._store = store
         self._lane_key = lane_key
@@ -171,7 +187,7 @@ class Delivery:
     def _leave(self, event: NostrEvent) -> None:
         self.left += 1
         self.seen.discard(event.id)
-        self._retry.pop(event.id, None)
+        self._retry.pop(event.id, None)  # its cursor stays pinned: the next start asks for it again
 
     # -- intake ----------------------------------------------------------------------------
 
@@ -266,7 +282,7 @@ class Delivery:
             retried = event.id in self._retry
             if self._store is not None and not retried and await self._store.is_processed(event.id):
                 self.duplicates += 1
-                self._retry.pop(event.id, None)
+                self._unretry(event.id)
                 self._advance_cursor(sub_id, url, event.created_at)
                 return
             remember = None
@@ -283,7 +299,7 @@ class Delivery:
             self._keep_for_retry((event, url, sub_id, received_at), exc)
             log.exception("event handler failed", event_id=event.id, kind=event.kind, retrying=self.retrying)
             return
-        self._retry.pop(event.id, None)
+        self._unretry(event.id)
         self.delivered += 1
         self._advance_cursor(sub_id, url, event.created_at)
 
@@ -292,17 +308,31 @@ class Delivery:
     def _keep_for_retry(self, item: _Intake, exc: Exception) -> None:
         """Keep a failed event to hand over again later (backoff doubles per failure, capped)."""
         self.last_error = f"{type(exc).__name__}: {exc}"[:300]
-        event_id = item[0].id
-        _, failures, _ = self._retry.pop(event_id, (item, 0, 0.0))
+        event, url, sub_id, _ = item
+        earlier, failures, _ = self._retry.pop(event.id, (item, 0, 0.0))
+        if self._cursor_pins is not None:
+            self._cursor_pins.pin(sub_id, url, event.id, event.created_at)
+            if earlier[1:3] != (url, sub_id):  # it failed before as another relay's copy
+                self._cursor_pins.unpin(earlier[2], earlier[1], event.id)
         settings = self._settings
         wait = min(settings.retry_cap, settings.retry_base * 2 ** min(failures, 30))
-        self._retry[event_id] = (item, failures + 1, asyncio.get_running_loop().time() + wait)
+        self._retry[event.id] = (item, failures + 1, asyncio.get_running_loop().time() + wait)
         if len(self._retry) > settings.retry_capacity:
-            dropped, _ = self._retry.popitem(last=False)
+            dropped = next(iter(self._retry))
+            self._unretry(dropped, left=True)
             self.retry_dropped += 1
             log.warning("event dropped from the retry set", event_id=dropped, reason="retry_set_full",
                         note="left to the relays and the next start")
         self._retry_wake.set()
+
+    def _unretry(self, event_id: str, *, left: bool = False) -> None:
+        """The event leaves the retry set: handed over, its cursor is no longer pinned by it; ``left``
+        (dropped from a full set), its cursor still stops at it for the rest of the run (the next start
+        asks)."""
+        entry = self._retry.pop(event_id, None)
+        if entry is not None and self._cursor_pins is not None:
+            _, url, sub_id, _ = entry[0]
+            self._cursor_pins.unpin(sub_id, url, event_id, left=left)
 
     async def _retry_loop(self) -> None:
         """Hand every failed event whose wait is over to the delivery queue again."""

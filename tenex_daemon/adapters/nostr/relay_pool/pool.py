@@ -84,7 +84,8 @@ class RelayPool:
         self.key_cache = PublicKeyCache()
         self._subscriptions = Subscriptions(self.settings.since_window)
         self._delivery = Delivery(
-            self.settings, self._subscriptions.advance, on_event=on_event, store=store, lane_key=lane_key
+            self.settings, self._subscriptions.advance, on_event=on_event, store=store, lane_key=lane_key,
+            cursor_pins=self._subscriptions,
         )
         self._relays: dict[str, RelayConnection] = {}
         self._tasks = BackgroundTasks("relay pool")

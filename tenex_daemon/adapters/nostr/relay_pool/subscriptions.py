@@ -39,6 +39,13 @@ class Subscriptions:
         self._held_at: dict[tuple[str, str], int] = {}
         """Cursors held until a catch-up is complete -> the newest ``created_at`` accepted meanwhile (-1:
         none yet), where each moves once released."""
+        self._pins: dict[tuple[str, str], dict[str, int]] = {}
+        """Cursors pinned by events taken in through them that wait for a retry: event id -> ``created_at``.
+        A pinned cursor does not pass the oldest (a restart asks for it again); the newest ``created_at``
+        accepted meanwhile is in ``_pinned_newest``, where it moves once the last pin goes."""
+        self._pinned_newest: dict[tuple[str, str], int] = {}
+        self._left_at: dict[tuple[str, str], int] = {}
+        """Cursors that pass no event given up on this run (left to the next start): the oldest's date."""
         self._floors: dict[str, int] = {}
         """Per relay url: a ``since`` no REQ to it goes below (set past a frame too big to read)."""
 
@@ -109,14 +116,46 @@ class Subscriptions:
         """Whether the cursor waits for a catch-up to complete."""
         return (sub_id, url) in self._held_at
 
+    def pin(self, sub_id: str, url: str, event_id: str, created_at: int) -> None:
+        """An event taken in through this cursor waits for a retry: the cursor does not pass its
+        ``created_at`` until :meth:`unpin`, so a restart meanwhile asks the relay for it again."""
+        self._pins.setdefault((sub_id, url), {})[event_id] = created_at
+
+    def unpin(self, sub_id: str, url: str, event_id: str, *, left: bool = False) -> None:
+        """The event no longer waits for a retry: the cursor moves toward the newest event accepted meanwhile,
+        up to the oldest pin left (all the way once none is). ``left``: it was given up on (left to the
+        relays and the next start), so for the rest of this run the cursor does not pass it either."""
+        key = (sub_id, url)
+        pins = self._pins.get(key)
+        created_at = None if pins is None else pins.pop(event_id, None)
+        if pins is None or created_at is None:
+            return
+        if left:
+            self._left_at[key] = min(created_at, self._left_at.get(key, created_at))
+        if pins:
+            newest = self._pinned_newest.get(key, -1)
+        else:
+            del self._pins[key]
+            newest = self._pinned_newest.pop(key, -1)
+        if newest >= 0:
+            self.advance(sub_id, url, newest)
+
     def advance(self, sub_id: str, url: str, created_at: int) -> None:
-        """Move a cursor up to an accepted event's ``created_at`` (never past now; a held one later)."""
+        """Move a cursor up to an accepted event's ``created_at`` (never past now; a held one later; a pinned
+        one no further than its oldest pin)."""
         # An event dated in the future must not push the cursor past now.
         created_at = min(created_at, int(time.time()))
         key = (sub_id, url)
         if key in self._held_at:
             self._held_at[key] = max(created_at, self._held_at[key])
             return
+        marks = list(self._pins.get(key, {}).values())
+        if key in self._left_at:
+            marks.append(self._left_at[key])
+        ceiling = min(marks, default=None)
+        if ceiling is not None:
+            self._pinned_newest[key] = max(created_at, self._pinned_newest.get(key, -1))
+            created_at = min(created_at, ceiling)
         if created_at > self._cursors.get(key, -1):
             self._cursors[key] = created_at
             self._dirty.add(key)

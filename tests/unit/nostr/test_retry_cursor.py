@@ -1,0 +1,119 @@
+"""A relay's cursor does not pass an event waiting for a retry, so a restart before the retry goes through
+asks the relay for it again (the retry set is in memory only)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool
+from tenex_daemon.adapters.nostr.relay_pool.subscriptions import Subscriptions
+from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.testing import KeyPair, sign_event
+
+URL = "ws://relay"
+
+
+def test_a_pinned_cursor_stops_at_its_oldest_pin_and_moves_on_once_the_last_goes() -> None:
+    """A cursor pinned by events waiting for a retry moves no further than the oldest of them; as pins go it
+    moves on toward the newest event accepted meanwhile (up to the oldest pin left), unless it is held; one
+    given up on (``left``) still stops it."""
+    subs = Subscriptions(since_window=0)
+    subs.advance("s", URL, 100)
+    subs.pin("s", URL, "x", 150)
+    subs.pin("s", URL, "w", 140)
+    subs.advance("s", URL, 200)
+    assert subs.cursor("s", URL) == 140
+    subs.unpin("s", URL, "w")
+    assert subs.cursor("s", URL) == 150
+    subs.hold("s", URL)
+    subs.unpin("s", URL, "x")
+    assert subs.cursor("s", URL) == 150  # held: it moves when the catch-up releases it
+    subs.release("s", URL)
+    assert subs.cursor("s", URL) == 200
+    subs.unpin("s", URL, "unknown")  # nothing pinned: no change
+    assert subs.cursor("s", URL) == 200
+    subs.pin("s", URL, "v", 250)
+    subs.unpin("s", URL, "v", left=True)  # given up on: the cursor still stops at it
+    subs.advance("s", URL, 300)
+    assert subs.cursor("s", URL) == 250
+
+
+async def test_the_cursor_waits_for_an_event_whose_handler_failed_until_its_retry_went_through() -> None:
+    """While an event whose handler raised waits for its retry, a later event's delivery moves its relay's
+    cursor only up to the waiting event's ``created_at`` (what a restart asks from); once the retry went
+    through, the cursor moves to the later event."""
+    keys = KeyPair.from_seed(91)
+    now = int(time.time())
+    waiting = sign_event(keys, "question X", created_at=now - 400)
+    later = sign_event(keys, "later message Y", created_at=now - 10)
+    failing = {waiting.id}
+    handed: list[str] = []
+
+    async def on_event(received: ReceivedEvent) -> None:
+        if received.event.id in failing:
+            raise RuntimeError("a transient failure")
+        handed.append(received.event.content)
+
+    settings = PoolSettings(retry_base=0.3, retry_cap=0.3)
+    pool = RelayPool([], on_event=on_event, store=MemoryStore(), settings=settings)
+    await pool.start()
+    try:
+        await pool.intake(waiting, URL, "mentions")
+        await pool.intake(later, URL, "mentions")
+        for _ in range(100):
+            if handed:
+                break
+            await asyncio.sleep(0.01)
+        assert handed == ["later message Y"]
+        assert pool.health().retrying == 1
+        assert pool.cursor("mentions", URL) == waiting.created_at
+        failing.clear()
+        for _ in range(200):
+            if len(handed) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert handed == ["later message Y", "question X"]
+        assert pool.cursor("mentions", URL) == later.created_at
+    finally:
+        await pool.stop()
+
+
+async def test_an_event_dropped_from_a_full_retry_set_still_stops_its_cursor_for_the_run() -> None:
+    """An event dropped from a full retry set is left to the next start: its relay's cursor does not pass
+    it for the rest of the run, though later events go through and no retry waits for it."""
+    keys = KeyPair.from_seed(92)
+    now = int(time.time())
+    dropped = sign_event(keys, "dropped", created_at=now - 500)
+    failing_too = sign_event(keys, "failing too", created_at=now - 300)
+    later = sign_event(keys, "later", created_at=now - 10)
+    failing = {dropped.id, failing_too.id}
+    handed: list[str] = []
+
+    async def on_event(received: ReceivedEvent) -> None:
+        if received.event.id in failing:
+            raise RuntimeError("a transient failure")
+        handed.append(received.event.content)
+
+    settings = PoolSettings(retry_base=0.2, retry_cap=0.2, retry_capacity=1)
+    pool = RelayPool([], on_event=on_event, store=MemoryStore(), settings=settings)
+    await pool.start()
+    try:
+        for event in (dropped, failing_too):
+            await pool.intake(event, URL, "mentions")
+        for _ in range(100):
+            if pool.consumer_errors == 2:  # the second failure dropped the first from the set
+                break
+            await asyncio.sleep(0.01)
+        failing.discard(failing_too.id)
+        await pool.intake(later, URL, "mentions")
+        for _ in range(200):
+            if len(handed) == 2:
+                break
+            await asyncio.sleep(0.01)
+        health = pool.health()
+        assert sorted(handed) == ["failing too", "later"]
+        assert (health.retrying, health.retry_dropped) == (0, 1)
+        assert pool.cursor("mentions", URL) == dropped.created_at
+    finally:
+        await pool.stop()
