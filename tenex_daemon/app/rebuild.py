@@ -91,8 +91,13 @@ class EventSource(Protocol):
     """Where events are fetched from: the relay pool
     (:class:`~tenex_daemon.adapters.nostr.relay_pool.RelayPool`) satisfies it."""
 
-    async def fetch(self, filters: Sequence[Filter], *, timeout: float | None = None) -> list[NostrEvent]:  # noqa: ASYNC109 - the pool's own per-relay deadline
-        """Return the verified events matching ``filters`` from every readable relay (deduplicated)."""
+    async def fetch_each(
+        self,
+        filters: Sequence[Filter],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - the pool's own per-relay deadline
+    ) -> list[list[NostrEvent]]:
+        """Return the verified events matching ``filters``, each readable relay's answer apart."""
 
     def rejects_by_reason(self) -> dict[str, int]:
         """How many frames the relays sent were refused so far, by reason (invalid events among them)."""
@@ -447,18 +452,19 @@ class Rebuilder:
         return list(seen.values())
 
     async def _fetch_filter_pages(self, query: Filter) -> list[NostrEvent]:
-        """Every event matching ``query``: pages with ``until`` moved down to the oldest event seen, until
-        a page brings nothing new."""
+        """Every event matching ``query``: pages with ``until`` moved down until a page brings nothing new,
+        to the newest of the relays' oldest answered events: each relay caps its answer its own way, and a
+        relay whose answer reached less far back is asked again from where its answer ended."""
         seen: dict[str, NostrEvent] = {}
         until: int | None = None
         for _ in range(MAX_PAGES):
             page_filter = query if until is None else {**query, "until": until}
-            page = await self._source.fetch([page_filter], timeout=self._fetch_timeout)
-            new = [e for e in page if e.id not in seen]
+            answers = await self._source.fetch_each([page_filter], timeout=self._fetch_timeout)
+            new = {e.id: e for answer in answers for e in answer if e.id not in seen}
             if not new:
                 break
-            seen.update((e.id, e) for e in new)
-            until = min(e.created_at for e in page)
+            seen.update(new)
+            until = max(min(e.created_at for e in answer) for answer in answers if answer)
         return list(seen.values())
 
     async def _private_plans(

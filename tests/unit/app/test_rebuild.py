@@ -60,6 +60,10 @@ class FakeRelays:
             return sorted(answers.values(), key=lambda e: (-e.created_at, e.id))
         return self._newest([e for e in self.events if any(_matches(e, f) for f in filters)])
 
+    async def fetch_each(self, filters: Sequence[Filter], *, timeout: float | None = None) -> list[list[NostrEvent]]:  # noqa: ASYNC109 - the EventSource signature
+        """One relay's answer."""
+        return [await self.fetch(filters, timeout=timeout)]
+
     def _newest(self, found: list[NostrEvent]) -> list[NostrEvent]:
         """The events newest first, at most ``cap``."""
         found.sort(key=lambda e: (-e.created_at, e.id))
@@ -204,6 +208,40 @@ async def test_a_cap_on_each_filters_answer_skips_nothing(cast: Cast, manager: C
 
     assert sorted(await _history(manager, root.id)) == sorted(e.id for e in events)
 
+
+
+@dataclass
+class SeveralRelays:
+    """An EventSource over several relays, each answering on its own (each with its own cap)."""
+
+    relays: list[FakeRelays]
+
+    async def fetch_each(self, filters: Sequence[Filter], *, timeout: float | None = None) -> list[list[NostrEvent]]:  # noqa: ASYNC109 - the EventSource signature
+        """Each relay's answer."""
+        return [await relay.fetch(filters, timeout=timeout) for relay in self.relays]
+
+    def rejects_by_reason(self) -> dict[str, int]:
+        """None refused."""
+        return {}
+
+
+async def test_a_relay_with_a_smaller_cap_is_paged_to_its_end(cast: Cast, manager: ConversationManager) -> None:
+    """Two relays answer ten and fifty events per request; the person's messages only the first one holds (an
+    older part of the conversation) all come back though the other relay's answers reach further back."""
+    t = 1_700_000_000
+    root = sign_event(cast.user, "Plan the trip", kind=11, tags=[["p", cast.alice.pubkey]], created_at=t)
+    events = [root]
+    for n in range(1, 41):
+        keys = cast.user if n % 2 else cast.alice_keys
+        tags = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", events[-1].id], ["p", cast.alice.pubkey]]
+        events.append(sign_event(keys, f"message {n}", tags=tags, created_at=t + n))
+    only_first = [e for e in events[1:31] if e.pubkey == cast.user.pubkey]
+    second = [e for e in events if e not in only_first]
+    relays = SeveralRelays([FakeRelays(events, cap=10), FakeRelays(second, cap=50)])
+
+    await Rebuilder(manager, relays).rebuild(RebuildRequest(root.id))
+
+    assert sorted(await _history(manager, root.id)) == sorted(e.id for e in events)
 
 def _channel(cast: Cast, t: int, *, joined: bool = True) -> list[NostrEvent]:
     """A person's kind-1 channel with Alice as the relays keep it: a note and Alice's answer, a second note

@@ -291,6 +291,20 @@ class RelayPool:
         Each relay is read until its EOSE, a CLOSED, or the timeout. Fetched events
         bypass the consumer and the processed set.
         """
+        by_id: dict[str, NostrEvent] = {}
+        for answer in await self.fetch_each(filters, timeout=timeout):
+            for event in answer:
+                by_id.setdefault(event.id, event)
+        return sorted(by_id.values(), key=lambda e: (-e.created_at, e.id))
+
+    async def fetch_each(
+        self,
+        filters: Sequence[Filter],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - per-relay deadlines inside; asyncio.timeout would cut the cleanup
+    ) -> list[list[NostrEvent]]:
+        """Ask every readable relay once; return each one's answer apart (a relay that failed: none), for a
+        caller that pages each relay by its own answer (each relay caps its answers its own way)."""
         wait = self.settings.fetch_timeout if timeout is None else timeout
         readers = [r for r in self._relays.values() if r.spec.read]
         fetch_id = f"fetch-{next(self._fetch_ids)}"
@@ -298,14 +312,13 @@ class RelayPool:
             *(r.fetch(fetch_id, [dict(f) for f in filters], wait) for r in readers),
             return_exceptions=True,
         )
-        by_id: dict[str, NostrEvent] = {}
+        answers: list[list[NostrEvent]] = []
         for result in results:
             if isinstance(result, BaseException):
                 log.warning("fetch failed", error=repr(result))
                 continue
-            for event in result:
-                by_id.setdefault(event.id, event)
-        return sorted(by_id.values(), key=lambda e: (-e.created_at, e.id))
+            answers.append(result)
+        return answers
 
     async def fetch_event(
         self,
