@@ -9,6 +9,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from tenex_daemon import ConversationManager
 from tenex_daemon.adapters.nostr.codec.frames import Rejection, RejectReason, parse_relay_frame
 from tenex_daemon.adapters.storage.filesystem import LOG_NAME, STATE_NAME, FileSystemStore, encode_line
@@ -222,3 +224,15 @@ async def test_a_store_outside_the_home_keeps_its_conversations_private(tmp_path
     finally:
         await store.close()
     assert store.root.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_conversation_id_ending_in_a_newline_cannot_name_a_folder() -> None:
+    """An id with a final newline is refused like any id that cannot name a file (a pattern ending in "$"
+    let it through, and the processed-id lines, split on newlines, then named a conversation that does not
+    exist); the same id without it is a name."""
+    from tenex_daemon.adapters.storage.filesystem.layout import check_id, is_conversation_name
+
+    assert is_conversation_name("conv")
+    assert not is_conversation_name("conv\n")
+    with pytest.raises(ValueError, match="cannot name a file"):
+        check_id("conv\n")

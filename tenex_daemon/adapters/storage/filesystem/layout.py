@@ -25,13 +25,13 @@ DELETED_FOLDER_PREFIX = ".deleted-"
 
 _SPACE = re.compile(r"\s")
 """Whitespace as ``str.isspace`` has it (the pattern module tests each character the same way)."""
-_ID_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}$")
+_ID_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}")
 _RESERVED = frozenset({ARCHIVE_DIR, CORRUPT_DIR})
 
 
 def is_conversation_name(name: str) -> bool:
     """Whether ``name`` can be a conversation id (and so a conversation folder's name)."""
-    return bool(_ID_PATTERN.match(name)) and name not in _RESERVED
+    return bool(_ID_PATTERN.fullmatch(name)) and name not in _RESERVED  # not match: "$" passes a final "\n"
 
 
 def check_id(conversation_id: str) -> None:
