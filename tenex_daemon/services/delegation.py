@@ -40,6 +40,7 @@ from tenex_daemon.core.context import AgentContext, ChatMessage
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import ReplyComposer, ReplySpec
+from tenex_daemon.core.stops import stopped_since
 from tenex_daemon.core.targeting import reply_person
 from tenex_daemon.core.threads import ConversationThread, ThreadPersistenceError
 from tenex_daemon.core.vocabulary import KIND_NOTE
@@ -189,9 +190,14 @@ class Delegation:
         return profile
 
     async def exchange(self, asker: Agent, cid: str, trigger: NostrEvent, to: str, message: str) -> str:
-        """Carry out one request and answer (see the module docstring); return the answer."""
+        """Carry out one request and answer (see the module docstring); return the answer. An agent a stop
+        named after this run's trigger came is not asked again in this run (the asker's model may try)."""
         target = self._target(asker, to)
         asked = target.agent
+        conversation = await self._manager.get_conversation(cid)
+        if conversation is not None and stopped_since(conversation, trigger, asked.slug, recovered=False):
+            log.info("delegation_refused_stopped", conversation_id=cid, asker=asker.slug, asked=asked.slug)
+            raise ToolRefusedError(f"{asked.slug} was stopped (a person stopped it): ask it nothing more now")
         thread_id = self._threads.key(cid, asker.slug, asked.slug)
         async with self._locks.hold(thread_id):
             try:

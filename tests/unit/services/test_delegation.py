@@ -510,6 +510,31 @@ async def test_a_stop_naming_the_asked_agent_cancels_its_answer_and_the_asker_go
     assert status.sent[-1][3] == ()  # nobody works once it is over
 
 
+
+async def test_an_agent_stopped_while_answering_is_not_asked_again_in_the_same_run(cast: Cast) -> None:
+    """Bob is stopped while he answers Alice; her model asks him again in the same run: the call is refused
+    (he was stopped), his model is not run again and nothing more of his is saved or published after the
+    notice (a person's later message is a trigger after the stop: stopped_since lets it through)."""
+    bob = HeldBackend()
+    alice = ScriptedBackend([
+        ask("c1", "bob", "What is 2+2?"), ask("c2", "bob", "What is 2+2? Again."), text("Without Bob: 4."),
+    ])
+    rig = make_rig(cast, alice, bob)
+    root = cast.user_says("Alice, find out 2+2 from Bob.", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(bob.asked.wait(), 5)
+    stop = cast.factory.event(cast.user, "", kind=KIND_STOP, tags=[["e", root.id], ["p", cast.bob.pubkey]])
+    await rig.dispatcher.handle(stop)
+    await settle(rig)
+
+    assert len(bob.requests) == 1
+    results = [m for m in rig.alice.requests[-1].messages if isinstance(m, ToolResult)]
+    assert [r.is_error for r in results] == [True, True]
+    assert "bob was stopped" in results[1].content
+    bobs = [e.content for e in rig.publisher.published if e.pubkey == cast.bob.pubkey]
+    assert bobs == ["Stopped: Bob."]
+
+
 async def test_a_stop_does_not_name_an_answer_already_in(cast: Cast) -> None:
     """An answer whose model call is over (the asker about to get it) is not stopped: the stop neither
     cancels nor names it, so it is never both delivered and reported stopped."""
