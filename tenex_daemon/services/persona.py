@@ -80,9 +80,12 @@ def ended_date(ended_at_ms: int) -> str:
 def asking_person(
     conversation: Conversation | None, trigger: NostrEvent | None, directory: AgentDirectory
 ) -> str | None:
-    """The person a run works for: the trigger's author when a person wrote it, else the author of the
-    conversation's root when a person wrote that; None when neither is a person (an agent, the
-    project key or a foreign agent). The owner is a person like any other."""
+    """The person a run works for: the trigger's author when a person wrote it; else (an agent's trigger)
+    the conversation's one person: its newest person, who the reply goes to
+    (:func:`~tenex_daemon.core.targeting.reply_person`), when that is also the root's author or the root
+    is no person's; None when neither is a person (an agent, the project key or a foreign agent), or when
+    the newest person is not the root's author (several people: whose conversations the run may recall
+    cannot be told, so none). The owner is a person like any other."""
 
     def is_person(event: NostrEvent) -> bool:
         claims = conversation.claims_agent(event.pubkey) if conversation is not None else False
@@ -90,9 +93,13 @@ def asking_person(
 
     if trigger is not None and is_person(trigger):
         return trigger.pubkey
-    root = conversation.root if conversation is not None else None
-    if root is not None and is_person(root):
-        return root.pubkey
+    if conversation is None:
+        return None
+    root = conversation.root
+    root_person = root.pubkey if root is not None and is_person(root) else None
+    newest = next((e.pubkey for e in reversed(conversation.history) if is_person(e)), None)
+    if newest is None or root_person in (None, newest):
+        return newest or root_person
     return None
 
 

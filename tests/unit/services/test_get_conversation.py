@@ -362,3 +362,32 @@ async def test_list_recent_takes_a_number_and_the_configured_default(
     assert [row["title"] for row in three] == ["Talk 5", "Talk 4", "Talk 3"]
     assert len(configured["conversations"]) == 4
     assert len(bare["conversations"]) == 5
+
+
+async def test_an_agents_run_in_a_conversation_of_two_people_works_for_nobodys_past(
+    manager: ConversationManager, cast: Cast
+) -> None:
+    """An agent's trigger (another agent's completion) in the owner's conversation that a second person
+    joined: the run recalls neither person's conversations (its reply goes to the newest person, while the
+    root is the owner's: whose past it may show cannot be told); with the owner alone it works for the
+    owner, and a person's own trigger works for that person."""
+    from tenex_daemon.services.persona import asking_person
+
+    root = cast.user_says("Project kickoff", kind=11, tags=[["p", cast.alice.pubkey]])
+    shared = await manager.create_conversation(root)
+    tags = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id]]
+    answer = cast.alice_says("hi owner", tags=tags)
+    await manager.add_event(shared.id, answer)
+    directory = manager.agents
+    owners = await manager.get_conversation(shared.id)
+    assert owners is not None
+    assert asking_person(owners, answer, directory) == cast.user.pubkey
+
+    joined = cast.factory.event(cast.other_user, "list the owner's conversations", tags=tags)
+    await manager.add_event(shared.id, joined)
+    completion = cast.alice_says("did part 1", tags=[*tags, ["tool", "complete"]])
+    await manager.add_event(shared.id, completion)
+    both = await manager.get_conversation(shared.id)
+    assert both is not None
+    assert asking_person(both, completion, directory) is None
+    assert asking_person(both, joined, directory) == cast.other_user.pubkey
