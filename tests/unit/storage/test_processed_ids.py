@@ -93,3 +93,53 @@ async def test_a_buckets_ids_of_one_conversation_share_its_id(tmp_path: Path) ->
     assert held[0] == conversation
     assert all(value is held[0] for value in held)
     assert processed.loaded_ids == 5
+
+
+@pytest.mark.parametrize("fsync", ["always", "batch"])
+@pytest.mark.parametrize("room_before_close", [True, False])
+async def test_an_event_id_whose_bucket_line_could_not_be_written_stays_processed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: FsyncPolicy, room_before_close: bool
+) -> None:
+    """An event accepted while its bucket line cannot be written (a full disk): the line waits and is
+    written once there is room, and no index line says its log is complete before it; whether room comes
+    back before the store closes or only after, the reopened store knows the event is processed, so a
+    relay's copy is refused as a duplicate (the line was dropped, and the copy stored twice)."""
+    import errno
+
+    from tenex_daemon.adapters.storage.filesystem import derived
+
+    factory = EventFactory()
+    person = KeyPair.from_seed(1)
+    store = FileSystemStore(tmp_path / "home", fsync=fsync)
+    await store.open()
+    root = factory.event(person, "root", kind=11)
+    conversation = Conversation(id=root.id, title="t", created_at=1, updated_at=1)
+    conversation.append(root)
+    await store.create(conversation)
+    await store.append_event(root.id, factory.event(person, "before", kind=1111, tags=[["E", root.id]]))
+    async with store._derived.lock:
+        await store._derived.flush_locked()
+    accepted = factory.event(person, "while the disk is full", kind=1111, tags=[["E", root.id]])
+    full = True
+    from tenex_daemon.adapters.storage.atomic import write_all
+
+    def no_room_for_its_line(fd: int, data: bytes) -> None:
+        if full and accepted.id.encode() in data:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(fd, data)
+
+    monkeypatch.setattr(derived, "write_all", no_room_for_its_line)
+    assert await store.append_event(root.id, accepted)
+    async with store._derived.lock:
+        await store._derived.flush_locked()
+    full = not room_before_close
+    await store.close()
+
+    full = False
+    reopened = FileSystemStore(tmp_path / "home", fsync=fsync)
+    await reopened.open()
+    try:
+        assert await reopened.is_processed(accepted.id)
+        assert not await reopened.append_event(root.id, accepted)
+    finally:
+        await reopened.close()

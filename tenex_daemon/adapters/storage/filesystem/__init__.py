@@ -22,7 +22,9 @@ behind (``journal_replay.py``). Every write goes through ``committer.py``.
 The index and the event-id buckets are derived data (``derived.py``), written every
 ``FLUSH_INTERVAL`` seconds after the events they describe are durable; on open
 (``recovery.py``) each indexed log is checked by size with ``stat`` (no log is read), and a log
-whose size disagrees is rescanned, its torn tail cut, its entry repaired.
+whose size disagrees is rescanned, its torn tail cut, its entry repaired. A derived line that cannot
+be written (a full disk) waits for the next round, and holds back the index lines and the index
+snapshot that would tell open the logs are complete.
 """
 
 from tenex_daemon.adapters.storage.filesystem.index import IndexEntry

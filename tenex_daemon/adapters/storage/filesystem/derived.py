@@ -29,22 +29,42 @@ MAX_PENDING = 20_000
 """Lines waiting after which a round starts at once."""
 
 
-def write_lines(pending: dict[Path, list[bytes]]) -> None:
-    """Append derived lines; event-id buckets first, the index last.
+def write_lines(pending: dict[Path, list[bytes]]) -> dict[Path, list[bytes]]:
+    """Append derived lines; event-id buckets first, the index last. Return the lines not written.
 
     An index record saying "the log is N bytes" is what makes open skip a rescan, so it
-    must never reach the disk before the bucket lines of the events it counts.
+    must never reach the disk before the bucket lines of the events it counts: after a bucket
+    whose write failed, no index line of the round is written either. A write that fails is cut
+    back to the file's size before it (no torn line is left) and its lines are returned, to be
+    written again (a full disk: once there is room).
     """
     ordered = sorted(pending.items(), key=lambda item: item[0].parent.name == INDEX_DIR)
+    unwritten: dict[Path, list[bytes]] = {}
     for path, lines in ordered:
+        if unwritten and path.parent.name == INDEX_DIR:
+            unwritten[path] = lines
+            continue
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                write_all(fd, b"".join(lines))
-            finally:
-                os.close(fd)
+            _append(path, b"".join(lines))
         except OSError:
             log.exception("derived_write_failed", path=str(path))
+            unwritten[path] = lines
+    return unwritten
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path`` whole, or leave the file as it was."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            write_all(fd, data)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 def sync_files(paths: set[Path]) -> None:
@@ -76,6 +96,9 @@ class DerivedLines:
         self._watchers: dict[Path, list[bytes]] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self.unwritten = False
+        """Whether the last round left lines unwritten (they wait for the next): no index snapshot may
+        then say the logs are complete."""
 
     def add(self, path: Path, line: bytes) -> None:
         """Queue one line for ``path`` (the writing task starts if it is not running)."""
@@ -105,7 +128,12 @@ class DerivedLines:
         """Write the lines every ``FLUSH_INTERVAL`` (sooner past ``MAX_PENDING`` lines, at once
         while closing) until none is left: each file is touched once a round."""
         while self._pending:
-            if not self.closing:
+            if self.unwritten and self.closing:
+                log.warning("derived_lines_left_unwritten", lines=self._count)  # the next open rescans
+                return
+            if self.unwritten:
+                await asyncio.sleep(FLUSH_INTERVAL)  # a full disk: not again at once, however many wait
+            elif not self.closing:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), FLUSH_INTERVAL)
             self._wake.clear()
@@ -120,12 +148,18 @@ class DerivedLines:
         self._count = 0
         self._written.update(pending)
         self._inflight = pending
+        unwritten: dict[Path, list[bytes]] = dict(pending)
         try:
-            await asyncio.to_thread(write_lines, pending)
+            unwritten = await asyncio.to_thread(write_lines, pending)
         finally:
             self._inflight = {}
             for path, written in self._watchers.items():
-                written.extend(pending.get(path, ()))
+                if path not in unwritten:
+                    written.extend(pending.get(path, ()))
+            for path, lines in unwritten.items():  # before what came meanwhile: each file keeps its order
+                self._pending[path] = [*lines, *self._pending.get(path, ())]
+                self._count += len(lines)
+            self.unwritten = bool(unwritten)
 
     async def sync_written(self) -> None:
         """fsync the files written since the last call, and their folders."""

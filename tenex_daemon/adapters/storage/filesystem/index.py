@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from tenex_daemon.adapters.storage.atomic import Stamp, replace_file
 from tenex_daemon.adapters.storage.filesystem.derived import DerivedLines
 from tenex_daemon.adapters.storage.filesystem.folder import ScannedFolder
@@ -25,6 +27,8 @@ from tenex_daemon.adapters.storage.filesystem.repairs import RecoveryAction, mov
 from tenex_daemon.core.conversation import UNTITLED
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.core.search import ConversationSummary, lifecycle_fields
+
+log = structlog.get_logger(__name__)
 
 INDEX_FORMAT = 1
 COMPACT_MIN_RECORDS = 20_000
@@ -342,6 +346,11 @@ class Index:
             self._log = None
             self._records = 0
             await self._derived.flush_locked()
+            if self._derived.unwritten:
+                # bucket lines of events it would count are not on disk (a full disk): no snapshot, so
+                # the logs of both generations are read at open, and the next compaction tries again
+                log.warning("index_snapshot_deferred", generation=generation)
+                return
             # the snapshot lets open skip a log whose size matches: the bucket lines of every
             # event it counts must be on disk first, not only in the page cache
             await self._derived.sync_written()
