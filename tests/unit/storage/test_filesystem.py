@@ -14,6 +14,7 @@ from tenex_daemon.adapters.storage.filesystem import (
     LOG_NAME,
     STATE_NAME,
     FileSystemStore,
+    FsyncPolicy,
     StoreLockedError,
     encode_event,
     scan_log,
@@ -279,3 +280,47 @@ async def test_index_grows_by_appends_and_compacts(tmp_path: Path, cast: Cast) -
     assert list(index_dir.glob("log.*")) == []
     snapshot = json.loads((index_dir / "snapshot.json").read_bytes())
     assert snapshot["entries"][0]["n"] == 21
+
+
+@pytest.mark.parametrize("fsync", ["always", "batch"])
+async def test_an_event_made_durable_without_its_state_counts_once(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch, fsync: FsyncPolicy
+) -> None:
+    """An event saved with its conversation's state when the state cannot be written (a full disk) but
+    its line could: the event counts (True, processed), so the same event again is a duplicate and a
+    reopened store holds it once (the call raised, and a retry stored it a second time)."""
+    import errno
+
+    from tenex_daemon.adapters.storage.filesystem import direct, group_commit
+
+    store = FileSystemStore(tmp_path / "home", fsync=fsync)
+    await store.open()
+    root = cast.user_says("root", kind=11)
+    conversation = Conversation(id=root.id, title="t", created_at=1, updated_at=1)
+    conversation.append(root)
+    await store.create(conversation)
+    reply = cast.alice_says("the reply", tags=[["E", root.id]])
+
+    def no_room(*_: object, **__: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(group_commit, "stage", no_room)
+        patched.setattr(direct, "replace_file", no_room)
+        state = await store.load(root.id)
+        assert state is not None
+        assert await store.append_event(root.id, reply, state=state)
+    assert await store.is_processed(reply.id)
+    again = await store.load(root.id)
+    assert again is not None
+    assert not await store.append_event(root.id, reply, state=again)
+    await store.close()
+
+    reopened = FileSystemStore(tmp_path / "home", fsync=fsync)
+    await reopened.open()
+    try:
+        loaded = await reopened.load(root.id)
+        assert loaded is not None
+        assert [e.id for e in loaded.history] == [root.id, reply.id]
+    finally:
+        await reopened.close()

@@ -318,6 +318,8 @@ class FileSystemStore:
         With ``state``, the conversation's snapshot is replaced in the same commit (one group
         commit with ``batch``; with ``always`` the log line is made durable first, then the
         snapshot). A duplicate event id changes nothing (False). An archived conversation is read-only.
+        A line made durable whose snapshot could not be (a full disk) counts all the same (True, logged):
+        raising would have the caller store the event again.
         """
         entry = self._writable_entry(conversation_id)
         if await self._processed.contains(event.id):
@@ -331,12 +333,19 @@ class FileSystemStore:
         if state is not None:
             data, snapshot = state_snapshot(state, entry.archived, event)
             ops.append(Op("replace", state_path, data))
+        state_saved = state is not None
         try:
             await self._committer.commit(ops)
-        except BaseException:
+        except BaseException as exc:
             if state is not None:
                 self._cache.pop(conversation_id, None)
-            raise
+            if state is None or exc is not ops[1].error or ops[0].error is not None:
+                raise
+            # the line is durable, its state is not (a full disk): the event counts, or a retry would
+            # store it a second time; the snapshot on disk stays the one before (its next save catches up)
+            log.error("state_not_saved_with_event", conversation_id=conversation_id, event_id=event.id,
+                      error=str(exc))
+            state_saved = False
         entry.event_count += 1
         entry.log_size += len(line)
         new_participant = event.pubkey not in entry.participants
@@ -344,7 +353,8 @@ class FileSystemStore:
         self._processed.add(event.id, conversation_id)
         self._index.counted(conversation_id, entry, event.pubkey if new_participant else None)
         if state is not None:
-            self._state_saved(state, snapshot, entry, ops[1])
+            if state_saved:
+                self._state_saved(state, snapshot, entry, ops[1])
             state.append(event)
         cached = self._cache.get(conversation_id)
         if cached is not None:
