@@ -166,6 +166,22 @@ def test_scanning_finds_owned_values_and_corrupt_copies_by_exact_name(tmp_path: 
     ]
 
 
+
+def test_copies_of_shared_files_that_name_the_conversation_go_with_it(tmp_path: Path) -> None:
+    """Copies in corrupt/ of files that hold several conversations (a commit journal with a bad frame, an
+    index snapshot, a small value) go with a deleted conversation when they name it, and stay when they do
+    not (they were left behind with its content)."""
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "journal.0.1796007033714401310").write_bytes(b"frame c1/events.log SECRET\0\0")
+    (corrupt / "index.snapshot.json.5").write_bytes(b'{"entries":[{"id":"c2"}]}')
+    (corrupt / "meta.0123abcd.json.7").write_bytes(b'{"key":"thread:c1__a__b","value":"SECRET"}')
+    (corrupt / "notes.txt").write_bytes(b"c1")
+    assert sorted(p.name for p in corrupt_copies(corrupt, "c1")) == [
+        "journal.0.1796007033714401310", "meta.0123abcd.json.7",
+    ]
+    assert [p.name for p in corrupt_copies(corrupt, "c2")] == ["index.snapshot.json.5"]
+
 async def test_requests_made_together_share_one_round() -> None:
     """A request made while a round runs waits for the next round, and every request waiting then is
     answered by that one round: five requests, two rounds."""

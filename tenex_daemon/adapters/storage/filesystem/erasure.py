@@ -55,14 +55,33 @@ def scan_owned_values(meta_dir: Path) -> dict[str, set[str]]:
     return owned
 
 
+SHARED_COPIES = re.compile(r"^(?:journal\.\d+|index\.snapshot\.json|meta\.[0-9a-f]+\.json)\.\d+$")
+"""Copies in ``corrupt/`` of files that hold several conversations (a commit journal with a bad frame, an
+unreadable index snapshot, an unreadable small value): one that names a deleted conversation goes with it.
+Its readable part was replayed or rebuilt when it was moved aside; what is left is for reading by hand."""
+
+
 def corrupt_copies(corrupt_dir: Path, conversation_id: str) -> list[Path]:
     """The conversation's files and half-made folders that repairs moved or copied to ``corrupt/``
-    (``<id>.events.log.<ns>``, ``<id>.state.json.<ns>``, ``tmp-<id>-<pid>-<ns>.<ns>``)."""
+    (``<id>.events.log.<ns>``, ``<id>.state.json.<ns>``, ``tmp-<id>-<pid>-<ns>.<ns>``), and the copies of
+    shared files that name it (:data:`SHARED_COPIES`)."""
     if not corrupt_dir.is_dir():
         return []
     name = re.escape(conversation_id)
     pattern = re.compile(rf"^(?:{name}\.(?:events\.log|state\.json)|tmp-{name}-\d+-\d+)\.\d+$")
-    return [path for path in corrupt_dir.iterdir() if pattern.match(path.name)]
+    found = []
+    for path in corrupt_dir.iterdir():
+        if pattern.match(path.name) or (SHARED_COPIES.match(path.name) and _names(path, conversation_id)):
+            found.append(path)
+    return found
+
+
+def _names(path: Path, conversation_id: str) -> bool:
+    """Whether the file's bytes hold the conversation's id (a file gone meanwhile holds nothing)."""
+    try:
+        return conversation_id.encode("utf-8") in path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        return False
 
 
 def remove_leftovers(paths: list[Path]) -> None:
