@@ -6,30 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-from typer.testing import CliRunner
-
-from tenex_daemon.cli.main import app
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.testing import KeyPair, sign_event
-
-USER = KeyPair.from_seed(904)
-
-
-def tenexd(home: Path, *args: str) -> tuple[int, str]:
-    """Run ``tenexd --home HOME ARGS`` in-process (an exception is raised, not caught); return (exit code,
-    stdout)."""
-    result = CliRunner().invoke(app, ["--home", str(home), *args], catch_exceptions=False)
-    return result.exit_code, result.stdout
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    """A home made by ``tenexd init``."""
-    path = tmp_path / "home"
-    code, out = tenexd(path, "init", "--owner", USER.npub, "--relay", "ws://127.0.0.1:1")
-    assert code == 0, out
-    return path
+from tenex_daemon.testing import sign_event
+from tests.unit.cli.conftest import USER, tenexd
 
 
 def conversation(root: NostrEvent, **parts: Any) -> dict[str, Any]:
