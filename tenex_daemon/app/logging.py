@@ -113,7 +113,10 @@ def configure_logging(
         renderer = structlog.processors.JSONRenderer(ensure_ascii=False, default=str)
         final = [structlog.processors.format_exc_info, redact_secrets, renderer]
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=_colors(output))
+        # no local variables in a traceback: they may hold what nothing else logs (a decrypted private
+        # message), and redact_secrets never sees them
+        tracebacks = structlog.dev.RichTracebackFormatter(show_locals=False)
+        renderer = structlog.dev.ConsoleRenderer(colors=_colors(output), exception_formatter=tracebacks)
         final = [renderer]
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,

@@ -86,6 +86,24 @@ def test_console_format_and_bad_settings() -> None:
         configure_logging("json", "loud", stream=stream)
 
 
+
+def test_a_console_traceback_shows_no_local_variables() -> None:
+    """In console format a logged exception's traceback leaves out its frames' local variables: they may
+    hold what nothing else logs (a decrypted private message) and no processor sees them."""
+    stream = io.StringIO()
+    configure_logging("console", "info", stream=stream)
+
+    def handle(content: str) -> None:
+        raise RuntimeError("handler failed")
+
+    private = "my bank PIN is " + str(4900 + 21)  # made at run time: the traceback's source lines show code
+    try:
+        handle(private)
+    except RuntimeError:
+        structlog.get_logger("t").exception("event handler failed")
+    assert "handler failed" in stream.getvalue()
+    assert private not in stream.getvalue()
+
 def test_redact_processor_leaves_unrelated_fields_alone() -> None:
     """Fields that are not secret-like pass through unchanged."""
     event = {"event": "x", "kind": 11, "relay": "ws://127.0.0.1:7777", "pubkeys": ["a" * 64]}
