@@ -66,6 +66,11 @@ def _clear_stale_socket(path: Path) -> None:
     )
 
 
+REQUESTS_AT_STOP_S = 5.0
+"""How long a stop waits for the requests still being answered (a rebuild may take minutes) before it
+cancels them: aiohttp's 60 s, twice, outlasted systemd's stop timeout."""
+
+
 class ControlServer:
     """Serves :func:`create_app` on a Unix socket (mode 0600) and, optionally, loopback TCP.
 
@@ -136,7 +141,9 @@ class ControlServer:
         )
 
     async def _runner_for(self, app: web.Application) -> web.AppRunner:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=REQUESTS_AT_STOP_S
+        )
         await runner.setup()
         self._runners.append(runner)
         return runner

@@ -428,6 +428,40 @@ async def test_unix_socket_is_0600_and_serves_the_api(tmp_path: Path, target: Fa
     assert not path.exists()
 
 
+
+async def test_a_stop_cuts_off_a_request_still_being_answered(
+    tmp_path: Path, target: FakeTarget, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose answer never comes (a rebuild of minutes) does not hold the stop: it is cancelled
+    after the few seconds the server gives requests at a stop (aiohttp's default waited 60 s, then 60 more,
+    past systemd's stop timeout)."""
+    import asyncio
+
+    from tenex_daemon.app.control.server import REQUESTS_AT_STOP_S
+
+    asked = asyncio.Event()
+
+    async def never(**_: object) -> list[object]:
+        asked.set()
+        await asyncio.Event().wait()
+        return []
+
+    monkeypatch.setattr(target.manager, "search_conversations", never)
+    path = tmp_path / "control.sock"
+    server = ControlServer(target, path)
+    await server.start()
+    session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)))
+    request = asyncio.ensure_future(session.get("http://tenexd/api/v1/conversations"))
+    try:
+        await asyncio.wait_for(asked.wait(), 5)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.wait_for(server.stop(), 4 * REQUESTS_AT_STOP_S)
+        assert loop.time() - started < 4 * REQUESTS_AT_STOP_S
+    finally:
+        request.cancel()
+        await session.close()
+
 async def test_stale_socket_file_is_replaced(tmp_path: Path, target: FakeTarget) -> None:
     """A socket file left by a killed daemon (nobody listening) is removed and bound again."""
     path = tmp_path / "control.sock"
