@@ -33,7 +33,6 @@ from tenex_daemon.adapters.nostr.private import GiftWrapPublisher, GiftWraps, Pr
 from tenex_daemon.adapters.nostr.profiles import RelayProfileNames
 from tenex_daemon.adapters.nostr.publisher import PoolPublisher
 from tenex_daemon.adapters.nostr.relay_pool import (
-    PoolHealth,
     PoolSettings,
     ReceivedEvent,
     RelayEventResolver,
@@ -53,8 +52,10 @@ from tenex_daemon.app.status import (
     ConversationCounts,
     DescriptionStatus,
     OutboxStatus,
+    RelaysDown,
     RelayStatus,
     StatusData,
+    degraded_reason,
     no_descriptions,
     retention_status,
     write_status,
@@ -151,6 +152,7 @@ class Daemon:
         self._background = BackgroundTasks("daemon")
         self._conversation_counts = ConversationCounts(total=0, archived=0, by_phase={})
         self._store_error: str | None = None
+        self._relays_down = RelaysDown()
         """Why the store did not answer the status loop's last count (None: it did), shown as degraded."""
         self.embedded_relay: EmbeddedRelay | None = None
         self.store: Store | None = None
@@ -238,27 +240,15 @@ class Daemon:
             "descriptions": self._descriptions_status(),
             "retention": retention_status(self.sweeper),
             "errors": dict(self.errors),
-            "degraded": self._degraded(pool_health, self._store_error),
+            "degraded": degraded_reason(
+                pool_health, self._store_error, self._relays_down.seconds(pool_health, now)
+            ),
             "embedded_relay": self.embedded_relay.url if self.embedded_relay is not None else None,
             "embedded_relay_pid": self.embedded_relay.pid if self.embedded_relay is not None else None,
             "embedded_relay_restarts": self.embedded_relay.restarts if self.embedded_relay is not None else 0,
             "control_socket": str(self.settings.control_socket_path),
             "agents": [AgentEntry(slug=a.slug, name=a.name, pubkey=a.pubkey) for a in self.agents],
         })
-
-    @staticmethod
-    def _degraded(pool_health: PoolHealth | None, store_error: str | None) -> str | None:
-        """Why the daemon is degraded (its store does not answer; incoming events it failed to handle,
-        retried), or None."""
-        reasons = []
-        if store_error is not None:
-            reasons.append(f"store: not answering ({store_error})")
-        if pool_health is not None and pool_health.retrying:
-            reasons.append(
-                f"intake: {pool_health.retrying} incoming events failed to be handled and are retried "
-                f"with backoff (last error: {pool_health.last_consumer_error})"
-            )
-        return "; ".join(reasons) or None
 
     def _outbox_status(self, now: float) -> OutboxStatus:
         outbox = self.pipeline.outbox if self.pipeline is not None else None

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from tenex_daemon.app.files import write_text_atomic
 
 if TYPE_CHECKING:
+    from tenex_daemon.adapters.nostr.relay_pool import PoolHealth
     from tenex_daemon.services.retention import Sweeper, SweepReport, SweepTotals
 
 
@@ -442,3 +443,44 @@ def _judge(data: dict[str, Any], age: float, stale_after_s: float, target: Path,
     else:
         reason = f"{daemon_state}: pid {pid}, {when}"
     return StatusReport(Health.RUNNING, data, age, reason, target)
+
+
+RELAYS_DOWN_DEGRADED_S = 60.0
+"""Seconds without any relay connected after which the daemon says it is degraded: it hears nobody and
+its answers wait in the outbox."""
+
+
+class RelaysDown:
+    """Since when no relay has been connected (relays down, the embedded relay dead)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def seconds(self, health: PoolHealth | None, now: float) -> float:
+        """How long no relay has been connected as of ``now`` (0 while one is, or before the pool runs)."""
+        if health is None or not health.relays or health.connected:
+            self._since = None
+            return 0.0
+        if self._since is None:
+            self._since = now
+        return now - self._since
+
+
+def degraded_reason(
+    pool_health: PoolHealth | None, store_error: str | None, relays_down_s: float
+) -> str | None:
+    """Why the daemon is degraded (its store does not answer; incoming events it failed to handle, retried;
+    no relay connected for :data:`RELAYS_DOWN_DEGRADED_S` or more), or None."""
+    reasons = []
+    if store_error is not None:
+        reasons.append(f"store: not answering ({store_error})")
+    if pool_health is not None and pool_health.retrying:
+        reasons.append(
+            f"intake: {pool_health.retrying} incoming events failed to be handled and are retried "
+            f"with backoff (last error: {pool_health.last_consumer_error})"
+        )
+    if pool_health is not None and relays_down_s >= RELAYS_DOWN_DEGRADED_S:
+        errors = sorted({r.last_error for r in pool_health.relays if r.last_error})
+        last = f" (last error: {errors[0]})" if errors else ""
+        reasons.append(f"relays: none connected for {int(relays_down_s)} s{last}")
+    return "; ".join(reasons) or None

@@ -129,3 +129,24 @@ def test_a_status_answered_live_is_judged_as_it_is_and_a_lagging_file_is_pointed
     assert report.reason.startswith(f"degraded: pid {os.getpid()}, answered on its control API: intake: No space")
     assert report.reason.endswith("its status file was last written 120 s ago (is the disk full?)")
     assert live_report(dict(data, degraded=None), path, file_age_s=1.0).healthy
+
+
+def test_no_relay_connected_for_a_minute_is_degraded() -> None:
+    """With every relay down (the embedded one dead, or the network gone) the daemon hears nobody: not
+    degraded at first or at 59 s, degraded from 60 s on with the relays' last error, and healthy again as
+    soon as one connects."""
+    from tenex_daemon.adapters.nostr.relay_pool import PoolHealth, RelayHealth, RelayState
+    from tenex_daemon.app.status import RelaysDown, degraded_reason
+
+    def pool(state: RelayState) -> PoolHealth:
+        relay = RelayHealth("ws://127.0.0.1:7777", state, True, True, None, 3, None, 0, {}, 0, False,
+                            "ConnectionRefusedError: Connect call failed")
+        return PoolHealth((relay,), 0, 0, 0, 0, {})
+
+    down = RelaysDown()
+    assert degraded_reason(pool(RelayState.BACKOFF), None, down.seconds(pool(RelayState.BACKOFF), 1000.0)) is None
+    assert degraded_reason(pool(RelayState.BACKOFF), None, down.seconds(pool(RelayState.BACKOFF), 1059.0)) is None
+    reason = degraded_reason(pool(RelayState.BACKOFF), None, down.seconds(pool(RelayState.BACKOFF), 1061.0))
+    assert reason == "relays: none connected for 61 s (last error: ConnectionRefusedError: Connect call failed)"
+    assert down.seconds(pool(RelayState.CONNECTED), 1062.0) == 0.0
+    assert degraded_reason(pool(RelayState.CONNECTED), None, 0.0) is None
