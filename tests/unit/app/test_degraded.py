@@ -176,6 +176,24 @@ async def test_author_not_allowed_is_logged_once_per_author_per_minute(tmp_path:
     assert all(entry["reason"] == "author_not_allowed" for entry in lines)
 
 
+
+def test_a_flood_from_fresh_keys_logs_at_most_the_windows_lines() -> None:
+    """2,000 refusals, each from a key of its own, log 20 lines in a minute (one per author would log
+    2,000); a minute later the next line counts the 1,980 refusals left out."""
+    from tenex_daemon.app.refusals import RefusalLog
+
+    now = [0.0]
+    refusals = RefusalLog()
+    refusals.clock = lambda: now[0]
+    with capture_logs() as logs:
+        for n in range(2_000):
+            refusals.refused(f"{n:064x}", f"{n + 1:064x}", 1111, "author_not_allowed")
+        now[0] = 61.0
+        refusals.refused("f" * 64, "e" * 64, 1111, "author_not_allowed")
+    lines = [entry for entry in logs if entry["event"] == "event_refused"]
+    assert len(lines) == 21
+    assert lines[-1]["others"] == 1_980
+
 async def test_refused_gift_wraps_are_logged_once_a_minute_per_reason_whatever_their_one_time_keys(
     tmp_path: Path, cast: Cast
 ) -> None:
