@@ -57,6 +57,7 @@ from tenex_daemon.app.status import (
     StatusData,
     degraded_reason,
     no_descriptions,
+    process_identity,
     retention_status,
     write_status,
 )
@@ -153,6 +154,7 @@ class Daemon:
         self._conversation_counts = ConversationCounts(total=0, archived=0, by_phase={})
         self._store_error: str | None = None
         self._relays_down = RelaysDown()
+        self._process = process_identity(os.getpid())
         """Why the store did not answer the status loop's last count (None: it did), shown as degraded."""
         self.embedded_relay: EmbeddedRelay | None = None
         self.store: Store | None = None
@@ -248,6 +250,7 @@ class Daemon:
             "embedded_relay_restarts": self.embedded_relay.restarts if self.embedded_relay is not None else 0,
             "control_socket": str(self.settings.control_socket_path),
             "agents": [AgentEntry(slug=a.slug, name=a.name, pubkey=a.pubkey) for a in self.agents],
+            "process": self._process,
         })
 
     def _outbox_status(self, now: float) -> OutboxStatus:

@@ -236,6 +236,21 @@ class StatusData(TypedDict):
     control_socket: str
     """The control API's Unix socket."""
     agents: list[AgentEntry]
+    process: str | None
+    """The daemon process's identity beside its pid (:func:`process_identity`): a pid a crashed daemon
+    left, taken since by another process, is not taken for the daemon."""
+
+
+def process_identity(pid: int) -> str | None:
+    """The boot's id and the process's start time (clock ticks since boot) of process ``pid``: unique to
+    one process of one boot; None when it cannot be read (no such process, no ``/proc``)."""
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    fields = stat_line.rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
+    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
 
 
 def new_status(
@@ -244,9 +259,10 @@ def new_status(
     """Return a status in state ``starting`` with every counter at zero (the daemon updates it)."""
     now = time.time()
     start = now if started_at is None else started_at
+    pid = os.getpid() if pid is None else pid
     return StatusData(
         version=version,
-        pid=os.getpid() if pid is None else pid,
+        pid=pid,
         state=DaemonState.STARTING.value,
         started_at=start,
         updated_at=now,
@@ -270,6 +286,7 @@ def new_status(
         embedded_relay_restarts=0,
         control_socket="",
         agents=[],
+        process=process_identity(pid),
     )
 
 
@@ -427,6 +444,15 @@ def _judge(data: dict[str, Any], age: float, stale_after_s: float, target: Path,
         return StatusReport(
             Health.STOPPED, data, age,
             f"not running: pid {pid} is gone without writing 'stopped' (killed or crashed)", target,
+        )
+    recorded = data.get("process")
+    current = process_identity(pid) if isinstance(pid, int) and isinstance(recorded, str) else None
+    if current is not None and current != recorded:
+        return StatusReport(
+            Health.STOPPED, data, age,
+            f"not running: pid {pid} is another process now; the daemon is gone without writing 'stopped' "
+            "(killed or crashed)",
+            target,
         )
     if age > stale_after_s:
         return StatusReport(

@@ -150,3 +150,23 @@ def test_no_relay_connected_for_a_minute_is_degraded() -> None:
     assert reason == "relays: none connected for 61 s (last error: ConnectionRefusedError: Connect call failed)"
     assert down.seconds(pool(RelayState.CONNECTED), 1062.0) == 0.0
     assert degraded_reason(pool(RelayState.CONNECTED), None, 0.0) is None
+
+
+def test_a_pid_another_process_took_since_is_not_taken_for_the_daemon(tmp_path: Path) -> None:
+    """A status file a killed daemon left, whose pid another live process has now (a reboot, a container):
+    read as stopped, not running, because the process's identity beside the pid differs; the daemon's own
+    identity reads as running."""
+    import pytest
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("process identities are read from /proc")
+    path = tmp_path / "status.json"
+    data = new_status("0.1.0")
+    data["state"] = "running"
+    write_status(path, data)
+    assert read_status(path, 30).state is Health.RUNNING
+    data["process"] = "another-boot:12345"  # the pid is this test's, alive: another process than the file's
+    write_status(path, data)
+    report = read_status(path, 30)
+    assert report.state is Health.STOPPED
+    assert "another process" in report.reason
