@@ -319,6 +319,8 @@ class Daemon:
                 loop.add_signal_handler(signum, self.request_stop)
         try:
             await self._start()
+            if self._stop_requested.is_set():  # SIGTERM while starting: never said ready, nor served
+                return
             await control.start()
             self.state = "running"
             self._ready.set()

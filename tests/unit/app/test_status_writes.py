@@ -73,3 +73,35 @@ async def test_a_starting_daemon_says_so_before_its_relays_answer(
         go_on.set()
         daemon.request_stop()
         await asyncio.wait_for(running, 30)
+
+
+async def test_a_stop_asked_while_starting_never_says_ready(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while the daemon waits for its relays at start: once the start is over it stops at once,
+    without telling systemd it is ready (READY=1), serving, or writing 'running'; the file says stopped."""
+    init_home(tmp_path / "h", relays=["ws://127.0.0.1:1"])
+    settings = load_settings(tmp_path / "h", {})
+    waiting, go_on = asyncio.Event(), asyncio.Event()
+
+    async def wait_connected(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
+        waiting.set()
+        await go_on.wait()
+        return False
+
+    monkeypatch.setattr(RelayPool, "wait_connected", wait_connected)
+    daemon = Daemon(settings)
+    readies: list[str | None] = []
+
+    def ready(status: str | None = None) -> bool:
+        readies.append(status)
+        return True
+
+    monkeypatch.setattr(daemon.notifier, "ready", ready)
+    running = asyncio.create_task(daemon.run())
+    await asyncio.wait_for(waiting.wait(), 10)
+    daemon.request_stop()
+    go_on.set()
+    await asyncio.wait_for(running, 30)
+
+    assert readies == []
+    assert not daemon._ready.is_set()
+    assert json.loads(settings.status_path.read_text())["state"] == "stopped"
