@@ -525,26 +525,28 @@ class Daemon:
             if self.pipeline.live_status is not None:
                 await self.pipeline.live_status.close(2.0)  # the "idle" statuses of the runs that ended
             await self.pipeline.stopper.close()  # runs are drained: a stop heard now has nothing to do
-        if self.pipeline is not None:
-            unsent = await self.pipeline.runner.flush(5.0)
-            await self.pipeline.outbox.close()
-            if unsent:
-                note = "kept in the outbox for the next start"
-                log.warning("replies_unpublished_at_shutdown", count=unsent, note=note)
-        await control.stop()  # made before anything started: stopping one never started removes nothing
-        await self._background.cancel_all()
-        if self.pool is not None:
-            await self.pool.stop()
-        await self._lifetime.aclose()
-        if self.store is not None:
-            await self.store.close()
-        if self.embedded_relay is not None:
-            await asyncio.to_thread(self.embedded_relay.stop)
-        self.state = "stopped"
-        if self._store_opened:  # one refused the home (its store or its name in use) never writes its status
-            with contextlib.suppress(OSError):
-                await self._write_status()
-        lines("daemon_stopped")
+        try:  # a step that fails (a database gone) still lets the store close and the relay child stop
+            if self.pipeline is not None:
+                unsent = await self.pipeline.runner.flush(5.0)
+                await self.pipeline.outbox.close()
+                if unsent:
+                    note = "kept in the outbox for the next start"
+                    log.warning("replies_unpublished_at_shutdown", count=unsent, note=note)
+            await control.stop()  # made before anything started: stopping one never started removes nothing
+            await self._background.cancel_all()
+            if self.pool is not None:
+                await self.pool.stop()
+            await self._lifetime.aclose()
+        finally:
+            if self.store is not None:
+                await self.store.close()
+            if self.embedded_relay is not None:
+                await asyncio.to_thread(self.embedded_relay.stop)
+            self.state = "stopped"
+            if self._store_opened:  # one refused the home (its store or name in use) never writes its status
+                with contextlib.suppress(OSError):
+                    await self._write_status()
+            lines("daemon_stopped")
 
     # --- events ---------------------------------------------------------------------------
 

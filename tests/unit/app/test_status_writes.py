@@ -105,3 +105,33 @@ async def test_a_stop_asked_while_starting_never_says_ready(tmp_path: Path, monk
     assert readies == []
     assert not daemon._ready.is_set()
     assert json.loads(settings.status_path.read_text())["state"] == "stopped"
+
+
+async def test_a_shutdown_step_that_fails_still_closes_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of the shutdown that raises (the relays' stop here; a database gone) does not skip the rest:
+    the store is closed (its lock free for the next start) and the status file says stopped; the failure
+    is raised after."""
+    from tenex_daemon.app.wiring import build_store
+
+    init_home(tmp_path / "h", relays=["ws://127.0.0.1:1"])
+    settings = load_settings(tmp_path / "h", {})
+
+    async def no_relay(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
+        return False
+
+    async def broken_stop(self: RelayPool) -> None:
+        raise RuntimeError("the relays' stop failed")
+
+    monkeypatch.setattr(RelayPool, "wait_connected", no_relay)
+    monkeypatch.setattr(RelayPool, "stop", broken_stop)
+    daemon = Daemon(settings)
+    running = asyncio.create_task(daemon.run())
+    await asyncio.wait_for(daemon.wait_ready(), 30)
+    daemon.request_stop()
+    with pytest.raises(RuntimeError, match="relays' stop failed"):
+        await asyncio.wait_for(running, 30)
+
+    assert json.loads(settings.status_path.read_text())["state"] == "stopped"
+    store = build_store(settings)
+    await store.open()  # the home's lock was released
+    await store.close()
