@@ -44,6 +44,20 @@ async def test_a_slow_starting_write_does_not_overwrite_the_running_one(
     assert json.loads(daemon.settings.status_path.read_text())["state"] == "running"
 
 
+def relays_held_at_start(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make a starting daemon wait for its relays until told to go on (none connects then); return the
+    event set once it waits and the one that lets it go on."""
+    waiting, go_on = asyncio.Event(), asyncio.Event()
+
+    async def wait_connected(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
+        waiting.set()
+        await go_on.wait()
+        return False
+
+    monkeypatch.setattr(RelayPool, "wait_connected", wait_connected)
+    return waiting, go_on
+
+
 async def test_a_starting_daemon_says_so_before_its_relays_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -55,14 +69,7 @@ async def test_a_starting_daemon_says_so_before_its_relays_answer(
     last_run = new_status("0.1.0")
     last_run["pid"], last_run["state"] = 1, "stopped"
     write_status(settings.status_path, last_run)
-    waiting, go_on = asyncio.Event(), asyncio.Event()
-
-    async def wait_connected(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
-        waiting.set()
-        await go_on.wait()
-        return False
-
-    monkeypatch.setattr(RelayPool, "wait_connected", wait_connected)
+    waiting, go_on = relays_held_at_start(monkeypatch)
     daemon = Daemon(settings)
     running = asyncio.create_task(daemon.run())
     try:
@@ -80,14 +87,7 @@ async def test_a_stop_asked_while_starting_never_says_ready(tmp_path: Path, monk
     without telling systemd it is ready (READY=1), serving, or writing 'running'; the file says stopped."""
     init_home(tmp_path / "h", relays=["ws://127.0.0.1:1"])
     settings = load_settings(tmp_path / "h", {})
-    waiting, go_on = asyncio.Event(), asyncio.Event()
-
-    async def wait_connected(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
-        waiting.set()
-        await go_on.wait()
-        return False
-
-    monkeypatch.setattr(RelayPool, "wait_connected", wait_connected)
+    waiting, go_on = relays_held_at_start(monkeypatch)
     daemon = Daemon(settings)
     readies: list[str | None] = []
 
