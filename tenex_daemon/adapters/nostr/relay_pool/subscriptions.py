@@ -149,11 +149,9 @@ class Subscriptions:
         if key in self._held_at:
             self._held_at[key] = max(created_at, self._held_at[key])
             return
-        marks = list(self._pins.get(key, {}).values())
-        if key in self._left_at:
-            marks.append(self._left_at[key])
-        ceiling = min(marks, default=None)
-        if ceiling is not None:
+        pins, left_at = self._pins.get(key), self._left_at.get(key)
+        if pins or left_at is not None:  # most cursors have neither: nothing is built for them
+            ceiling = min([*(pins.values() if pins else ()), *(() if left_at is None else (left_at,))])
             self._pinned_newest[key] = max(created_at, self._pinned_newest.get(key, -1))
             created_at = min(created_at, ceiling)
         if created_at > self._cursors.get(key, -1):
