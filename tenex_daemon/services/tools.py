@@ -45,6 +45,9 @@ DEFAULT_RECENT_CONVERSATIONS = 10
 (``conversations.list_recent``)."""
 MAX_RECENT_CONVERSATIONS = 50
 """The most conversations one ``list_recent`` call lists."""
+MAX_MESSAGES_SENT = 16
+"""The most ``send_message`` calls one run may make (each runs the asked agent): the run's model-call
+limit bounds its rounds, not the calls one round asks for."""
 PAGE_SHARE = 0.5
 """The share of the asking agent's token budget one page of ``get_conversation`` may take, so the
 persona and the conversation the agent is in still fit beside it."""
@@ -63,6 +66,8 @@ class RunEffects:
     end_conversation: bool = False
     end_reason: str | None = None
     tools_used: list[str] = field(default_factory=list)
+    messages_sent: int = 0
+    """How many ``send_message`` calls the run made (at most :data:`MAX_MESSAGES_SENT` are carried out)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -548,8 +553,8 @@ class SendMessageTool:
 
     Refused (error results): an unknown slug (the error lists who can be asked),
     oneself, the orchestrator (it routes the conversation; it does not answer
-    questions), a run with no delegation, and an asked agent whose backend failed
-    (the error says what failed).
+    questions), a run with no delegation, an asked agent whose backend failed
+    (the error says what failed), and a call past the run's :data:`MAX_MESSAGES_SENT`th.
     """
 
     spec = ToolSpec(
@@ -574,6 +579,12 @@ class SendMessageTool:
         """Ask the other agent through the run's delegator; its answer is the result."""
         if context.delegator is None:
             raise ToolRefusedError("send_message is not available in this run: no other agent can be asked")
+        if context.effects.messages_sent >= MAX_MESSAGES_SENT:
+            raise ToolRefusedError(
+                f"send_message was refused: this reply already asked other agents {MAX_MESSAGES_SENT} times, "
+                "the most one reply may; answer with what you have"
+            )
+        context.effects.messages_sent += 1
         return await context.delegator.send(arguments.to.strip(), arguments.message)
 
 

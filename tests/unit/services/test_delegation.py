@@ -30,7 +30,7 @@ from tenex_daemon.services.delegation import DELEGATED_TOOLS
 from tenex_daemon.services.dispatcher import EventDispatcher, Outcome
 from tenex_daemon.services.runs import RunRequest, RunScheduler
 from tenex_daemon.services.threads import META_PREFIX, ThreadManager
-from tenex_daemon.services.tools import SEND_MESSAGE
+from tenex_daemon.services.tools import MAX_MESSAGES_SENT, SEND_MESSAGE
 from tenex_daemon.testing.fakes import FakePublisher, RunLog, ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
@@ -555,3 +555,23 @@ async def test_a_stop_does_not_name_an_answer_already_in(cast: Cast) -> None:
     assert stopped == [RunRequest("c", "t", "bob")]
     assert working.cancelled()
     assert not done.cancelled()
+
+
+async def test_one_reply_asks_other_agents_at_most_max_messages_sent_times(cast: Cast) -> None:
+    """A model asking Bob MAX_MESSAGES_SENT + 2 times in one round runs Bob MAX_MESSAGES_SENT times; the
+    calls past the cap are refused with why, and the run still answers."""
+    many = MAX_MESSAGES_SENT + 2
+    questions: list[tuple[str, str, dict[str, object]]] = [
+        (f"c{i}", SEND_MESSAGE, {"to": "bob", "message": f"Question {i}?"}) for i in range(many)
+    ]
+    asked = calls(*questions)
+    bob = ScriptedBackend([text(f"Answer {i}.") for i in range(MAX_MESSAGES_SENT)])
+    rig = make_rig(cast, ScriptedBackend([asked, text("Done asking.")]), bob)
+    await start(rig, cast)
+
+    assert len(bob.requests) == MAX_MESSAGES_SENT
+    results = [m for m in rig.alice.requests[-1].messages if isinstance(m, ToolResult)]
+    assert [r.is_error for r in results] == [False] * MAX_MESSAGES_SENT + [True, True]
+    assert f"already asked other agents {MAX_MESSAGES_SENT} times" in results[-1].content
+    alices = [e.content for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]
+    assert alices[-1] == "Done asking."
