@@ -36,13 +36,18 @@ from tenex_daemon.services.tools import DEFAULT_RECENT_CONVERSATIONS, ToolContex
 DEFAULT_MAX_TOOL_ROUNDS = 8
 """How many times one run may ask its backend before an answer without tool calls is required."""
 TOOL_LOOP_ERROR = "tool_loop"
+"""The error kind of a run stopped because its backend kept calling tools."""
 CREDENTIAL = re.compile(r"\b(?:sk|rk|org|proj|key|sess)-(?:(?=[\w*.…-]*[\d*…])[\w*.…-]{3,}[\w*…]|[\w-]{16,})")
 """What a provider's error text may show of a key or an account, left out of the error reply: OpenAI's 401
 names the key masked (``sk-proj-abc…wxyz``), a 429 the ``org-…`` id. It holds a digit, ``*`` or ``…``,
 or is 16 characters long, so ``key-value`` is no key."""
 EMPTY_ANSWER = "empty_answer"
 """The error kind of a backend's final answer with nothing in it (an unexplained refusal, a filter)."""
-"""The error kind of a run stopped because its backend kept calling tools."""
+CUT_AT_LENGTH = ("length", "max_tokens")
+"""The finish reasons of an answer the model was cut off in at its length limit (OpenAI's and llama.cpp's,
+Anthropic's)."""
+CUT_NOTE = "\n\n[Cut off: this answer reached the model's length limit.]"
+"""Added to an answer cut off at the length limit, so a reader knows it is not whole."""
 DEFAULT_TOOLS = ("complete", "switch_phase", "end_conversation", "get_conversation")
 
 log = structlog.get_logger(__name__)
@@ -171,6 +176,8 @@ class AnswerLoop:
                         name = profile.backend.name
                         text = f"I could not answer: the {name} backend gave an empty answer{ended}."
                         return replace(usage, text=text, finish_reason=result.finish_reason), EMPTY_ANSWER
+                    if result.finish_reason in CUT_AT_LENGTH:
+                        result = replace(result, text=result.text.rstrip() + CUT_NOTE)
                     if len(messages) == len(context.messages):
                         return result, None  # no tool was called: the backend's answer as it is
                     return replace(usage, text=result.text, finish_reason=result.finish_reason), None

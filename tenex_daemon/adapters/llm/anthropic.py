@@ -11,7 +11,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tenex_daemon.adapters.llm.errors import MissingExtraError, map_sdk_error, streamed_answer
+from tenex_daemon.adapters.llm.errors import (
+    MissingExtraError,
+    map_sdk_error,
+    streamed_answer,
+    unfinished_stream,
+)
 from tenex_daemon.adapters.llm.keys import resolve_api_key
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
@@ -146,7 +151,10 @@ class AnthropicBackend:
         async with self._client.messages.stream(**kwargs) as stream:
             async for text in stream.text_stream:
                 await request.on_chunk(text)
-            return await stream.get_final_message()
+            message = await stream.get_final_message()
+        if message.stop_reason is None:  # the stream was closed before its message_stop
+            raise unfinished_stream(self.name)
+        return message
 
     async def complete(self, request: CompletionRequest) -> CompletionResult:
         """Send the request; stream into ``request.on_chunk`` when it is set."""

@@ -105,6 +105,14 @@ def _broken_stream(exc: Exception, backend: str) -> BackendError | None:
     return None
 
 
+def unfinished_stream(backend: str) -> BackendError:
+    """The error for a streamed answer that ended without the model's finish marker (a proxy or the
+    server closed it cleanly mid-answer): what came may be cut anywhere, so it is not an answer."""
+    return backend_error(
+        BackendErrorKind.UNREACHABLE, f"{backend}: the answer's stream ended before the model finished it"
+    )
+
+
 async def streamed_answer(seconds: float, backend: str, call: Awaitable[T]) -> T:
     """Await ``call`` (a streamed answer): a TIMEOUT BackendError when it is not whole within ``seconds``
     (the SDKs' timeout bounds each read, so a stream that keeps trickling never ends by itself), an

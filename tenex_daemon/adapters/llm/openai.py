@@ -11,7 +11,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from tenex_daemon.adapters.llm.errors import MissingExtraError, map_sdk_error, streamed_answer
+from tenex_daemon.adapters.llm.errors import (
+    MissingExtraError,
+    map_sdk_error,
+    streamed_answer,
+    unfinished_stream,
+)
 from tenex_daemon.adapters.llm.keys import resolve_api_key
 from tenex_daemon.adapters.llm.openai_format import (
     openai_tool_choice,
@@ -156,6 +161,8 @@ class OpenAIBackend:
                     if call.function is not None:
                         slot["name"] += call.function.name or ""
                         slot["arguments"] += call.function.arguments or ""
+        if finish_reason is None:  # the stream was closed before its last chunk
+            raise unfinished_stream(self.name)
         tool_calls: tuple[ToolCall, ...] = tuple(
             parse_tool_call(slot["id"] or None, slot["name"], slot["arguments"], index)
             for index, slot in sorted(calls.items())

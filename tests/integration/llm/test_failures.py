@@ -455,3 +455,41 @@ ANTHROPIC_STARTED: dict[str, object] = {
     "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test", "content": [],
     "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 14, "output_tokens": 1},
 }
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+async def test_a_stream_closed_before_the_models_finish_is_unreachable_not_an_answer(
+    scripted_server: ScriptedServer, sdk: str
+) -> None:
+    """A streamed answer whose server closes the stream cleanly before the model's finish marker (no
+    finish_reason, no message_stop) is an UNREACHABLE error: the text so far may be cut anywhere, so it is
+    never published as a whole reply."""
+    chunks: list[str] = []
+
+    async def on_chunk(text: str) -> None:
+        chunks.append(text)
+
+    if sdk == "openai":
+        events: list[tuple[str | None, Any]] = [
+            (None, openai_chunk({"role": "assistant", "content": "The answer is"})),
+            (None, "[DONE]"),
+        ]
+        scripted_server.replies[OPENAI_PATH] = Reply(events=events)
+        backend: OpenAIBackend | AnthropicBackend = openai_backend(scripted_server.base_url)
+    else:
+        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "The answer is"}}
+        events = [
+            ("message_start", {"type": "message_start", "message": ANTHROPIC_STARTED}),
+            ("content_block_start", {"type": "content_block_start", "index": 0,
+                                     "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", delta),
+        ]
+        scripted_server.replies[ANTHROPIC_PATH] = Reply(events=events)
+        backend = anthropic_backend(scripted_server.base_url)
+
+    with pytest.raises(BackendError) as caught:
+        await backend.complete(streamed(on_chunk))
+
+    assert caught.value.kind == "unreachable"
+    assert "ended before the model finished it" in str(caught.value)
+    assert chunks == ["The answer is"]

@@ -21,6 +21,7 @@ from tenex_daemon.core.llm import (
 )
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.services.agent_runner import DEFAULT_TOOLS, AgentProfile, AgentRunner
+from tenex_daemon.services.answering import CUT_NOTE
 from tenex_daemon.services.runs import RunRequest
 from tenex_daemon.testing.fakes import FakePublisher, RecordingRouting, ScriptedBackend
 from tests import pipeline
@@ -478,3 +479,19 @@ async def test_a_reply_that_cannot_be_saved_changes_nothing_and_its_time_counts_
     assert "alice" not in conversation.agent_states
     assert conversation.execution_time.total_seconds == 3
     assert [e.id for e in conversation.history] == [root.id]
+
+
+@pytest.mark.parametrize("reason", ["length", "max_tokens"])
+async def test_an_answer_cut_at_the_length_limit_says_so(cast: Cast, reason: str) -> None:
+    """An answer the model was cut off in at its length limit (OpenAI's "length", Anthropic's "max_tokens")
+    is published with a note saying it is not whole, after a tool round too; a finished one has none."""
+    cut = CompletionResult(text="The plan has three steps: first ", finish_reason=reason)
+    rig = make_rig(cast, ScriptedBackend([calls(("c1", "get_conversation", {})), cut, text("Whole.")]))
+    root = await start(rig, cast)
+
+    reply = await run(rig, root)
+    assert reply.content == "The plan has three steps: first" + CUT_NOTE
+    assert not reply.has_tag("error", "system")
+    second = cast.user_says("More?", tags=[["E", root.id], ["p", cast.alice.pubkey]])
+    await rig.manager.add_event(root.id, second)
+    assert (await run(rig, root, second)).content == "Whole."
