@@ -346,7 +346,7 @@ class EventDispatcher:
         if await self._manager.store.is_processed(event.id):  # the same rumor in another wrap
             holder = await self._manager.find_conversation_of_event(event.id)
             return HandleResult(Outcome.DUPLICATE, conversation_id=holder)
-        joined = await self._private.join(event)
+        joined = await self._private.join(event, busy=self.scheduler.has_runs)
         if joined is None:
             return HandleResult(Outcome.IGNORED, SkipReason.NOT_ADDRESSED.value)
         if not joined.added:

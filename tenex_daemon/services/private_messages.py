@@ -21,7 +21,7 @@ messages are taken in, and which conversation a person's private message to an a
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -153,15 +153,17 @@ class PrivateConversations:
         self._manager = manager
         self._lifecycle = lifecycle
 
-    async def join(self, rumor: NostrEvent) -> Joined | None:
-        """Add the rumor to its conversation (starting one if need be); None when it names no agent."""
+    async def join(self, rumor: NostrEvent, *, busy: Callable[[str], bool] | None = None) -> Joined | None:
+        """Add the rumor to its conversation (starting one if need be); None when it names no agent.
+        ``busy`` says whether a run in a conversation is scheduled or under way: an idle one with a run
+        still to answer is not ended (the rumor joins it), as for a kind-1 channel's note."""
         channel = private_channel(rumor, self._manager.agents)
         if channel is None:
             return None
         continued = await self._continued(rumor, channel)
         if continued is not None:
             return continued
-        return await self._lifecycle.join_channel(channel, rumor)
+        return await self._lifecycle.join_channel(channel, rumor, busy=busy)
 
     async def answered(self, conversation: Conversation, reply: NostrEvent) -> None:
         """An agent's private reply from another agent's channel (the orchestrator routed the person's

@@ -46,6 +46,7 @@ from tenex_daemon.testing import KeyPair
 from tenex_daemon.testing.fakes import PlainComposer, ScriptedBackend, signers_for
 from tests.conftest import Cast
 from tests.pipeline import Rig, build_rig, cast_keys
+from tests.unit.services.test_stopping import GatedBackend
 from tests.unit.services.test_tool_loop import calls
 from tests.unit.services.test_tool_loop import text as says
 
@@ -459,3 +460,25 @@ async def test_a_private_completion_p_tags_the_person_only_and_still_reaches_the
     assert wrap_recipients(completion) == [cast.user.pubkey, cast.alice.pubkey]
     assert len(model.requests) == 2  # asked for the message, then for the completed work
     assert [e.pubkey for e in conversation.history] == [cast.user.pubkey, cast.alice.pubkey, cast.bob.pubkey]
+
+
+async def test_a_private_message_to_a_conversation_whose_run_outlasts_the_idle_timeout_joins_it(cast: Cast) -> None:
+    """Alice's run on a private message is still under way 31 minutes later: the person's next message joins
+    that conversation, where the answer is still to come, as a kind-1 channel's note does; it is not ended
+    with the answer then saved into an ended conversation the new one never shows."""
+    backend = GatedBackend()
+    rig, intake = private_rig(cast, backend=backend, idle_timeout_min=30)
+    first = admitted(intake, wrap(cast.user, cast.alice.pubkey, "a long job", at=1_790_000_000))
+    await rig.dispatcher.handle(first)
+    await backend.asked.wait()
+    rig.clock.advance(31 * MINUTE_MS)
+
+    later = admitted(intake, wrap(cast.user, cast.alice.pubkey, "and another thing", at=1_790_001_900))
+    joined = await rig.dispatcher.handle(later)
+    backend.release.set()
+    await rig.settle()
+
+    assert joined.conversation_id == first.id
+    conversation = await rig.manager.get_conversation(first.id)
+    assert conversation is not None
+    assert not conversation.is_ended
