@@ -613,7 +613,7 @@ class EventDispatcher:
                 waiting = [a for a in turn.agents if not turn.has_completed(a)]
                 log.info("turn_waiting", conversation_id=cid, agent=author.slug, waiting=waiting)
                 return HandleResult(Outcome.STORED, RoutingStop.TURN_WAITING.value, cid)
-            if not _closed_by(conversation, author.slug):
+            if not _closed_by(conversation, author.slug, event):
                 # A person addressed this agent directly: its completion answers them.
                 log.info("completion_not_routed", conversation_id=cid, agent=author.slug)
                 return HandleResult(Outcome.STORED, RoutingStop.NOT_ROUTED.value, cid)
@@ -702,7 +702,12 @@ class EventDispatcher:
         return transition.to_phase
 
 
-def _closed_by(conversation: Conversation, agent_slug: str) -> bool:
-    """Whether the newest turn is closed and ``agent_slug`` completed in it (its completion closed it)."""
+def _closed_by(conversation: Conversation, agent_slug: str, completion: NostrEvent) -> bool:
+    """Whether the newest turn is closed, ``agent_slug`` completed in it and ``completion`` answers its
+    trigger (this completion closed it: one answering a person who addressed the agent directly later
+    is theirs, whatever turn came before)."""
     turns = conversation.orchestrator_turns
-    return bool(turns) and turns[-1].is_completed and turns[-1].has_completed(agent_slug)
+    if not turns:
+        return False
+    newest = turns[-1]
+    return newest.is_completed and newest.has_completed(agent_slug) and newest.answered_by(completion)

@@ -767,3 +767,28 @@ async def test_a_foreign_agents_message_may_end_routing(cast: Cast) -> None:
 
     assert result.reason == RoutingStop.END.value
     assert len(model.requests) == 1
+
+
+async def test_a_completion_answering_a_direct_message_after_a_closed_turn_goes_back_to_the_person(
+    cast: Cast,
+) -> None:
+    """Alice closed the routed turn and the orchestrator stopped there (a repeated decision); the person then
+    addresses Alice directly and her completion answers them: it is not routed again (the closed turn
+    was not answered by it), so the orchestrator's model is not asked and Bob never runs."""
+    model = answers('{"agents": ["alice"], "reason": "build"}', '{"agents": ["alice"], "reason": "again"}',
+                    '{"agents": ["bob"], "reason": "review"}')
+    bob = completes("reviewed")
+    rig = make_rig(cast, model, alice=completes("built", "detail added"), bob=bob)
+    root = cast.user_says("Build it", kind=11)
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+    assert rig.after_reply[-1].reason == RoutingStop.REPEATED_DECISION.value
+    asked = len(model.requests)
+
+    direct = cast.user_says("Alice, one more detail", tags=[*thread(root), ["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(direct)
+    await settle(rig)
+
+    assert len(model.requests) == asked
+    assert bob.requests == []
+    assert (rig.after_reply[-1].outcome, rig.after_reply[-1].reason) == (Outcome.STORED, RoutingStop.NOT_ROUTED.value)
