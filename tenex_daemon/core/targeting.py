@@ -120,18 +120,37 @@ def agent_chain_length(history: Sequence[NostrEvent], directory: AgentDirectory)
     return count
 
 
+def _handle_at(text: str, handle: str) -> int:
+    """The first position of ``@handle`` in ``text`` as a whole word: not inside a longer handle
+    (``@devops`` does not name ``dev``) nor an address (``me@alice.org``); -1 when there is none."""
+    wanted = "@" + handle
+    position = text.find(wanted)
+    while position >= 0:
+        end = position + len(wanted)
+        before_ok = position == 0 or not _in_handle(text[position - 1])
+        if before_ok and (end == len(text) or not _in_handle(text[end])):
+            return position
+        position = text.find(wanted, position + 1)
+    return -1
+
+
+def _in_handle(character: str) -> bool:
+    return character.isalnum() or character in "_-"
+
+
 def mentioned_agent(text: str, directory: AgentDirectory, exclude: Collection[str] = ()) -> Agent | None:
-    """Return the first agent named in ``text`` as ``@slug`` or ``@Name`` (case-insensitive)."""
+    """Return the first agent named in ``text`` as ``@slug`` or ``@Name`` (case-insensitive, a whole word;
+    of two handles at one position, the longer)."""
     lowered = text.casefold()
-    best: tuple[int, Agent] | None = None
+    best: tuple[int, int, Agent] | None = None
     for agent in directory:
         if agent.slug in exclude or agent.orchestrator:
             continue
         for handle in {agent.slug, agent.name}:
-            position = lowered.find("@" + handle.casefold())
-            if position >= 0 and (best is None or position < best[0]):
-                best = (position, agent)
-    return best[1] if best else None
+            position = _handle_at(lowered, handle.casefold())
+            if position >= 0 and (best is None or (position, -len(handle)) < (best[0], -best[1])):
+                best = (position, len(handle), agent)
+    return best[2] if best else None
 
 
 def reply_person(conversation: Conversation, trigger: NostrEvent, directory: AgentDirectory) -> str:

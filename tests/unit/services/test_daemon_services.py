@@ -17,6 +17,7 @@ from tenex_daemon.services import dispatcher as dispatcher_module
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
+from tenex_daemon.testing import make_agent
 from tenex_daemon.testing.fakes import FailingBackend
 from tests import pipeline
 from tests.conftest import Cast
@@ -84,6 +85,21 @@ def test_mentions_and_chains(cast: Cast) -> None:
     assert mentioned_agent("nobody here", directory) is None
     history = [cast.user_says("u"), cast.alice_says("a"), cast.bob_says("b")]
     assert agent_chain_length(history, directory) == 2
+
+
+def test_a_mention_is_a_whole_handle() -> None:
+    """``@devops`` names the agent devops, never dev (a handle inside a longer one), an address such as
+    ``ops@dev.example`` names nobody, and of two handles at one place the longer wins (``@Dev Team``)."""
+    dev, _ = make_agent("dev", "Dev", 41)
+    devops, _ = make_agent("devops", "Devops", 42)
+    team, _ = make_agent("team", "Dev Team", 43)
+    directory = AgentDirectory([dev, devops, team])
+
+    assert mentioned_agent("@devops please deploy", directory) == devops
+    assert mentioned_agent("@dev, please build", directory) == dev
+    assert mentioned_agent("mail ops@dev.example", directory) is None
+    assert mentioned_agent("ask @Dev Team now", directory) == team
+    assert mentioned_agent("(@dev-ops) and @dev.", directory) == dev
 
 
 def test_classification(cast: Cast) -> None:
