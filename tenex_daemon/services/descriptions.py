@@ -31,6 +31,7 @@ while the daemon lives, beside the worker, so a relay that is down holds up no o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -316,7 +317,8 @@ class DescriptionJobs:
                 return
             conversation = await self._describe(conversation)
         elif just_ended and conversation.is_ended and conversation.summary:
-            if conversation.description_published:
+            # an expired task session's 513 never goes out (the next session speaks for the task)
+            if conversation.description_published and conversation.end_reason != TASK_SESSION_EXPIRED:
                 conversation = await self._restamp(conversation)
         elif not conversation.is_ended and (conversation.title_source or conversation.described_at):
             self._settle(conversation_id)
@@ -494,7 +496,11 @@ class DescriptionJobs:
             return True
         if conversation.end_reason == TASK_SESSION_EXPIRED:
             # the task's thread goes on in the next session, whose description speaks for it: this
-            # one's, published late (it waits for that session's runs), must not replace it
+            # one's, published late (it waits for that session's runs), must not replace it; marked
+            # as if published, so no start finds it waiting again
+            with contextlib.suppress(ConversationNotFoundError):
+                async with self._marks.hold(conversation_id):
+                    await self._manager.description_published(conversation_id)
             return True
         # named by the thread clients show (a task's session: the task)
         title, summary = conversation.title, conversation.summary

@@ -488,6 +488,40 @@ async def test_an_expired_task_session_written_in_again_is_not_published_again(c
     assert (await stored(rig, task.id)).description_published
 
 
+@pytest.mark.parametrize("described_before", [True, False])
+async def test_an_expired_task_session_is_settled_once_and_not_queued_at_each_start(
+    cast: Cast, described_before: bool
+) -> None:
+    """A task session that expires (described and published while active, or never described) publishes no
+    513 and ends marked published, so the next starts find no description work left in it."""
+    rig = build_rig(cast)
+    jobs = jobs_for(rig, cast, summarizer=ScriptedBackend([said(ANSWER)]), after=1)
+    task = cast.user_says("Fix the login bug", kind=KIND_TASK, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(task, task_id=task.id)
+    rig.clock.advance(1000)
+    await rig.manager.add_event(task.id, cast.alice_says("Looking into it", tags=[["e", task.id]]))
+    if described_before:
+        await rig.manager.describe(
+            task.id, title=None, summary="The login bug.", source=TitleSource.FALLBACK,
+            for_activity=(await stored(rig, task.id)).last_activity,
+        )
+        await rig.manager.description_published(task.id)
+    sent = len(metadata_events(rig.publisher, task.id))
+
+    await rig.manager.end_conversation(task.id, by="idle", reason=TASK_SESSION_EXPIRED)
+    await until(lambda: jobs.queued == 0 and jobs.unpublished == 0)
+    await jobs.stop()
+
+    conversation = await stored(rig, task.id)
+    assert conversation.description_published
+    assert conversation.summary
+    assert len(metadata_events(rig.publisher, task.id)) == sent
+    for _ in range(2):
+        again = jobs_for(rig, cast)
+        assert await again.recover() == 0
+        await again.stop()
+
+
 async def test_a_refused_publish_is_retried_and_marked_only_once_accepted(cast: Cast) -> None:
     """While no relay accepts the 513 the description stays unpublished; it is tried again with backoff and
     marked published once a relay took it."""
