@@ -153,6 +153,17 @@ class Committer:
         # on the commit thread: never beside a group commit
         await _on_commit_thread(journal.checkpoint)
 
+    async def write_unwritten(self, conversation_id: str) -> None:
+        """``batch``: write the lines a full disk kept from the conversation's log (``group_commit.py``),
+        on the commit thread; raise OSError while they still cannot be written. Nothing when none wait."""
+        journal = self.journal
+        if journal is None or journal.blocked_conversation(conversation_id) is None:
+            return
+        await _on_commit_thread(journal.write_unwritten)
+        error = journal.blocked_conversation(conversation_id)
+        if error is not None:
+            raise error
+
     async def stop(self) -> None:
         """Commit what is queued, then checkpoint the journal a last time (it is deleted).
 

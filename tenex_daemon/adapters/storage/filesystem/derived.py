@@ -18,7 +18,7 @@ import structlog
 
 from tenex_daemon.adapters.storage.atomic import fsync_dir, fsync_file, write_all
 from tenex_daemon.adapters.storage.filesystem.layout import INDEX_DIR
-from tenex_daemon.adapters.storage.filesystem.ops import run_parallel
+from tenex_daemon.adapters.storage.filesystem.ops import append_lock, run_parallel
 
 log = structlog.get_logger(__name__)
 
@@ -56,13 +56,14 @@ def _append(path: Path, data: bytes) -> None:
     """Append ``data`` to ``path`` whole, or leave the file as it was."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        size = os.fstat(fd).st_size
-        try:
-            write_all(fd, data)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, size)
-            raise
+        with append_lock(path):  # a commit's bucket line never lands between the size and the cut
+            size = os.fstat(fd).st_size
+            try:
+                write_all(fd, data)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                raise
     finally:
         os.close(fd)
 

@@ -12,7 +12,15 @@ from pathlib import Path
 
 from tenex_daemon.adapters.storage.atomic import Stamp, fsync_dir, replace_file, write_all
 from tenex_daemon.adapters.storage.filesystem.folder import create_folder
-from tenex_daemon.adapters.storage.filesystem.ops import Op, Partition, append_flags, fail, run_parallel
+from tenex_daemon.adapters.storage.filesystem.ops import (
+    Op,
+    Partition,
+    append_flags,
+    append_lock,
+    fail,
+    going_ahead,
+    run_parallel,
+)
 from tenex_daemon.core.errors import ConversationExistsError
 
 
@@ -24,15 +32,19 @@ def _append_durably(item: tuple[Path, list[Op]]) -> None:
     except OSError as exc:
         fail(group, exc)
         return
+    # an event-id bucket is appended to by the derived lines' writer too: neither's cut-back may
+    # remove the other's line (a conversation log is written by its commits only, in turn)
+    shared = append_lock(path) if any(op.create for op in group) else contextlib.nullcontext()
     try:
-        before = os.fstat(fd).st_size
-        try:
-            write_all(fd, b"".join(op.data for op in group))
-            os.fsync(fd)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, before)
-            fail(group, exc)
+        with shared:
+            before = os.fstat(fd).st_size
+            try:
+                write_all(fd, b"".join(op.data for op in group))
+                os.fsync(fd)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, before)
+                fail(group, exc)
     finally:
         os.close(fd)
 
@@ -61,7 +73,7 @@ def _apply_replaces(replaces: dict[Path, list[Op]]) -> None:
     Several files are replaced from several threads at once: the filesystem's journal commits
     their fsyncs together, as it does for appends.
     """
-    items = list(replaces.items())
+    items = [(path, kept) for path, group in replaces.items() if (kept := going_ahead(group))]
     stamps = run_parallel(_replace_durably, items)
     renamed = [(path, group, stamp) for (path, group), stamp in zip(items, stamps, strict=True)
                if stamp is not None]
@@ -82,7 +94,8 @@ def apply_ops(ops: list[Op]) -> None:
 
     Appends to one file are written in order as one write and fsynced once; a failed
     append is cut back to the file's previous size so no partial line stays behind.
-    Replacements write and fsync temp files, rename them, then fsync each folder once.
+    Replacements write and fsync temp files, rename them, then fsync each folder once; one that
+    goes with a failed append (:attr:`Op.after`) is not made.
     Deletions (``forget``) need no op here: only the batch journal records them.
     """
     parts = Partition.of(ops)

@@ -17,9 +17,11 @@ commit runs in stages over a :class:`Group`:
 
 So a file on disk is never newer than the journal: a kill mid-group leaves nothing of it
 visible, or all of it journaled (open replays what is missing), never a later op without an
-earlier one. A log write that fails after the journal (a full disk) fails its ops and is cut
-back; its frame stays, so a crash before the next checkpoint would bring those ops back on
-open (appended, rescanned). Blocking file work: runs on the commit thread.
+earlier one. A log write that fails after the journal (a full disk) is cut back, but its ops
+succeed: their frames are durable, so they count as stored (a crash brings them back on open) and
+their lines wait in the journal (:attr:`Journal.unwritten`), written at the start of the next
+group; until then a new line of that log fails before its frame is written, and no checkpoint
+deletes the journal. Blocking file work: runs on the commit thread.
 """
 
 from __future__ import annotations
@@ -43,7 +45,14 @@ from tenex_daemon.adapters.storage.filesystem.journal import (
     replace_frame,
 )
 from tenex_daemon.adapters.storage.filesystem.layout import LOG_NAME, STATE_NAME, archive_twin
-from tenex_daemon.adapters.storage.filesystem.ops import Op, Partition, append_flags, fail
+from tenex_daemon.adapters.storage.filesystem.ops import (
+    Op,
+    Partition,
+    append_flags,
+    append_lock,
+    fail,
+    going_ahead,
+)
 from tenex_daemon.core.errors import ConversationExistsError
 
 log = structlog.get_logger(__name__)
@@ -57,6 +66,7 @@ class StagedAppend:
     fd: int
     before: int
     data: bytes
+    relpath: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +143,7 @@ def _open_appends(journal: Journal, path: Path, ops: list[Op]) -> tuple[str, Sta
         os.close(fd)
         fail(ops, exc)
         return None
-    return relpath, StagedAppend(ops, fd, before, b"".join(op.data for op in ops))
+    return relpath, StagedAppend(ops, fd, before, b"".join(op.data for op in ops), relpath)
 
 
 def _stage_appends(group: Group, appends: dict[Path, list[Op]]) -> None:
@@ -142,9 +152,15 @@ def _stage_appends(group: Group, appends: dict[Path, list[Op]]) -> None:
         if opened is None:
             continue
         relpath, staged = opened
+        blocked = group.journal.blocked(relpath)
+        if blocked is not None:  # its earlier lines wait (a full disk): none may go before them
+            os.close(staged.fd)
+            fail(ops, blocked)
+            continue
         if relpath.startswith("."):  # an event-id bucket
             try:
-                write_all(staged.fd, staged.data)
+                with append_lock(path):  # not inside a derived write's cut-back
+                    write_all(staged.fd, staged.data)
             except OSError as exc:
                 os.close(staged.fd)
                 fail(ops, exc)
@@ -160,7 +176,10 @@ def _stage_appends(group: Group, appends: dict[Path, list[Op]]) -> None:
 
 
 def _stage_replaces(group: Group, replaces: dict[Path, list[Op]]) -> None:
-    for path, ops in replaces.items():
+    for path, every in replaces.items():
+        ops = going_ahead(every)  # a snapshot whose event's line failed above is not written
+        if not ops:
+            continue
         try:
             relpath = group.journal.relpath(path)
             if is_held(relpath):
@@ -216,15 +235,18 @@ def _give_up(group: Group, exc: Exception) -> None:
 
 
 def _append_logs(group: Group) -> None:
-    """Journaled: now the logs get their lines (a kill before is repaired from the journal on open)."""
+    """Journaled: now the logs get their lines (a kill before is repaired from the journal on open).
+    A write that fails (a full disk) is cut back and its lines wait in the journal: its ops count
+    (their frames are durable; failing them would have the caller store them again, and a replay
+    bring back the first copy)."""
     for staged in group.logs:
         try:
             write_all(staged.fd, staged.data)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(staged.fd, staged.before)
-            log.error("log_write_failed", path=str(staged.ops[0].path), error=str(exc), note="journaled")
-            fail(staged.ops, exc)
+            group.journal.defer(staged.relpath, staged.before, staged.data, exc)
+            log.error("log_write_deferred", path=str(staged.ops[0].path), error=str(exc), note="journaled")
         finally:
             with contextlib.suppress(OSError):
                 os.close(staged.fd)
@@ -277,6 +299,8 @@ def _close(staged: list[StagedAppend]) -> None:
 
 def apply_journaled(journal: Journal, ops: list[Op]) -> None:
     """Commit ``ops`` as one group: stage, journal, put in place (see the module doc)."""
+    if journal.unwritten:  # lines a full disk kept from their logs go before any new one
+        journal.write_unwritten()
     parts = Partition.of(ops)
     group = Group(journal)
     _stage_creates(group, parts.creates)

@@ -12,6 +12,11 @@ until then the journal *holds* their newest content in memory (:attr:`Journal.he
 look at first), and the checkpoint writes each file once (temp file and rename, so a reader of the
 folder sees an old value or a new one, never a part) or removes it when the value was erased.
 
+Lines whose frames are durable but whose write to their log failed (a full disk) are *unwritten*
+(:attr:`Journal.unwritten`): they count as stored (the journal covers them), are written at the next
+group commit (before any new line of their log: until then those are refused), and hold back every
+checkpoint, so the journal that covers them is never deleted before they are in their logs.
+
 On open, a journal left behind (a crash, or a power loss that kept the journal but not a log's
 page cache) is replayed (``journal_replay.py``).
 
@@ -218,6 +223,37 @@ class FsyncError(OSError):
     """fsync itself failed: the kernel may have dropped the pages it could not write."""
 
 
+@dataclass(slots=True)
+class Unwritten:
+    """Lines of one log journaled (durable) that its write could not take (a full disk)."""
+
+    before: int
+    """The log's size before them: where they go."""
+    data: bytes
+    error: OSError
+    """Why the last attempt to write them failed."""
+
+
+def _append_after(path: Path, before: int, data: bytes) -> None:
+    """Write ``data`` at the end of the log ``path``, whole or not at all. Bytes past ``before`` are
+    what a failed write of it left (its cut-back failed too): no other line of the log is written while
+    it waits, so they are cut first."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        size = os.fstat(fd).st_size
+        if size > before:
+            os.ftruncate(fd, before)
+            size = before
+        try:
+            write_all(fd, data)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
 class Journal:
     """The live journal of a store opened with ``batch``; its methods run on the committer's thread."""
 
@@ -234,6 +270,8 @@ class Journal:
         file is removed at the checkpoint). Their frames are durable; their files are not written
         yet. Changed on the commit thread only while the journal is open (after, by the committer's
         direct writes); read from any thread (one dict lookup)."""
+        self.unwritten: dict[str, Unwritten] = {}
+        """Log relpath -> its journaled lines not yet in it (a full disk); changed on the commit thread."""
         self._stale: list[Path] = []
         """Checkpointed journal files not deleted yet (a deletion failed)."""
         self.poisoned = False
@@ -291,6 +329,43 @@ class Journal:
         self._dirty.update(relpaths)
         for conversation_id in forgotten:
             self._dirty = {p for p in self._dirty if not is_log_of(p, conversation_id)}
+            for relpath in [p for p in self.unwritten if is_log_of(p, conversation_id)]:
+                del self.unwritten[relpath]
+
+    def defer(self, relpath: str, before: int, data: bytes, error: OSError) -> None:
+        """Lines of ``relpath`` journaled whose write failed: they wait (see :attr:`unwritten`)."""
+        self.unwritten[relpath] = Unwritten(before, data, error)
+
+    def write_unwritten(self) -> None:
+        """Write the lines waiting for their logs; those that still cannot be written wait on (their
+        error kept); those of a conversation deleted meanwhile are dropped."""
+        for relpath, waiting in list(self.unwritten.items()):
+            path = resolve(self.root, relpath)
+            if path is not None:
+                try:
+                    _append_after(path, waiting.before, waiting.data)
+                except OSError as exc:
+                    waiting.error = exc
+                    continue
+                self._dirty.add(relpath)  # fsynced by the next checkpoint, like any journaled line
+            del self.unwritten[relpath]
+
+    def blocked(self, relpath: str) -> OSError | None:
+        """The error to give a new line of ``relpath`` while earlier lines of it wait, else None."""
+        waiting = self.unwritten.get(relpath)
+        if waiting is None:
+            return None
+        why = waiting.error.strerror or str(waiting.error)
+        return OSError(waiting.error.errno, f"{relpath}: an accepted line is not yet written to it ({why})")
+
+    def blocked_conversation(self, conversation_id: str) -> OSError | None:
+        """:meth:`blocked` for the conversation's log (read from any thread)."""
+        if not self.unwritten:
+            return None
+        for relpath in list(self.unwritten):
+            if is_log_of(relpath, conversation_id):
+                return self.blocked(relpath)
+        return None
 
     def hold(self, path: Path, data: bytes | None) -> None:
         """A small value's frame is durable: keep ``data`` (None: erased) until the checkpoint."""
@@ -343,12 +418,19 @@ class Journal:
         """fsync every file written since the last checkpoint, then start a new journal.
 
         ``final`` (a clean close) deletes the journal instead of starting one. After a failed
-        fsync the journal is never deleted (see :attr:`poisoned`).
+        fsync the journal is never deleted (see :attr:`poisoned`). Lines waiting for their logs
+        (:attr:`unwritten`) are written first; while one still cannot be, nothing is done and OSError
+        is raised: the journal is its only durable copy.
         """
         if self.poisoned:
             if final:
                 self.close()
             return
+        if self.unwritten:
+            self.write_unwritten()
+        held_back = next((self.blocked(relpath) for relpath in self.unwritten), None)
+        if held_back is not None:
+            raise OSError(held_back.errno, f"checkpoint held back: {held_back.strerror}")
         written = dict(self.held)
         folders = self._write_held()  # before the fsyncs: they cover these files too
         dirty, self._dirty = self._dirty, set()

@@ -35,6 +35,9 @@ class Op:
     erases: bool = False
     """A replacement that erases a small value (``data`` is its tombstone): with ``batch``, its file
     is removed at the journal's checkpoint rather than written."""
+    after: Op | None = None
+    """An append of the same call this replacement goes with (a snapshot saved with its event): when
+    that append fails, so does this, and the file keeps its content (never a state without its event)."""
     result: Stamp | None = None
     error: BaseException | None = None
 
@@ -43,6 +46,18 @@ def fail(ops: list[Op], exc: BaseException) -> None:
     """Mark every op of ``ops`` failed with ``exc``."""
     for op in ops:
         op.error = exc
+
+
+def going_ahead(ops: list[Op]) -> list[Op]:
+    """The replacements of ``ops`` to make: those whose :attr:`Op.after` append failed (appends are
+    made or failed first) are marked failed with its error and left out."""
+    kept: list[Op] = []
+    for op in ops:
+        if op.after is not None and op.after.error is not None:
+            op.error = op.after.error
+        else:
+            kept.append(op)
+    return kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +81,16 @@ class Partition:
             else:
                 (parts.appends if op.kind == "append" else parts.replaces).setdefault(op.path, []).append(op)
         return parts
+
+
+_APPEND_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
+def append_lock(path: Path) -> threading.Lock:
+    """The lock held while an event-id bucket (or a derived file) gets a write and, if that fails, is
+    cut back: the derived lines' writer and the commits both append to buckets, and a cut-back must
+    never remove a line the other wrote meanwhile. One of a few locks, picked by the path."""
+    return _APPEND_LOCKS[hash(path) % len(_APPEND_LOCKS)]
 
 
 def append_flags(group: list[Op]) -> int:

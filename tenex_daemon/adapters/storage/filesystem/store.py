@@ -268,6 +268,7 @@ class FileSystemStore:
         entry = self._index.entries.get(conversation_id)
         if entry is None:
             return None
+        await self._committer.write_unwritten(conversation_id)  # its log must hold every line counted
         for _ in range(LOAD_ATTEMPTS):
             folder = self._layout.folder(conversation_id, entry.archived)
             try:
@@ -319,7 +320,8 @@ class FileSystemStore:
         commit with ``batch``; with ``always`` the log line is made durable first, then the
         snapshot). A duplicate event id changes nothing (False). An archived conversation is read-only.
         A line made durable whose snapshot could not be (a full disk) counts all the same (True, logged):
-        raising would have the caller store the event again.
+        raising would have the caller store the event again. So does, with ``batch``, a line journaled
+        whose log could not take it (a full disk): it waits in the journal for room (``group_commit.py``).
         """
         entry = self._writable_entry(conversation_id)
         if await self._processed.contains(event.id):
@@ -332,7 +334,7 @@ class FileSystemStore:
         snapshot: dict[str, Any] = {}
         if state is not None:
             data, snapshot = state_snapshot(state, entry.archived, event)
-            ops.append(Op("replace", state_path, data))
+            ops.append(Op("replace", state_path, data, after=ops[0]))
         state_saved = state is not None
         try:
             await self._committer.commit(ops)
