@@ -431,8 +431,10 @@ class EventDispatcher:
 
     async def after_reply(self, conversation_id: str, reply: NostrEvent) -> HandleResult:
         """Target an agent's own saved reply (it may address another agent, or the orchestrator
-        with a completion), ending its dispatch (:meth:`before_reply_saved`)."""
-        result = await self._target(conversation_id, reply)
+        with a completion), ending its dispatch (:meth:`before_reply_saved`). An error is tried again as
+        for a relay's event (:meth:`_target_accepted`): the run, redone, finds its reply saved and does not
+        route it, so nothing else would before the next start."""
+        result = await self._target_accepted(conversation_id, reply)
         self._scheduler.dispatched(reply.id, at_once=result.outcome is not Outcome.SCHEDULED)
         if self._observer is not None:
             self._observer.reply_targeted(conversation_id, reply, result)

@@ -14,6 +14,7 @@ from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.adapters.nostr.codec import ReplyDetails, build_agent_reply
 from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.context import ChatMessage
+from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.llm import (
     BackendError,
     CompletionRequest,
@@ -25,6 +26,7 @@ from tenex_daemon.core.phases import Phase, PhaseRules
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.routing_budget import ROUTING_NOTE_KEY
 from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
+from tenex_daemon.services import dispatcher as dispatcher_module
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
 from tenex_daemon.services.orchestrator import (
@@ -792,3 +794,46 @@ async def test_a_completion_answering_a_direct_message_after_a_closed_turn_goes_
     assert len(model.requests) == asked
     assert bob.requests == []
     assert (rig.after_reply[-1].outcome, rig.after_reply[-1].reason) == (Outcome.STORED, RoutingStop.NOT_ROUTED.value)
+
+
+class StoreGoneAfterACompletion(MemoryStore):
+    """A store whose next load fails once (a database restarting) right after Alice's completion is saved."""
+
+    def __init__(self, alice: str) -> None:
+        super().__init__()
+        self.alice = alice
+        self.failing = 0
+
+    async def append_event(self, conversation_id: str, event: NostrEvent, **options: Any) -> bool:
+        """Append; arm one failing load after Alice's completion."""
+        added = await super().append_event(conversation_id, event, **options)
+        if event.pubkey == self.alice and event.has_tag(TAG_TOOL, TOOL_COMPLETE):
+            self.failing = 1
+        return added
+
+    async def load(self, conversation_id: str) -> Conversation | None:
+        """Fail once when armed, else load."""
+        if self.failing:
+            self.failing -= 1
+            raise ConnectionError("database restarting")
+        return await super().load(conversation_id)
+
+
+async def test_a_completion_whose_routing_meets_a_store_error_is_routed_on_the_retry(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store fails for a moment while Alice's saved completion is being routed: the routing is tried
+    again, so Bob, whom the orchestrator sends next, runs now (not only after the next start)."""
+    monkeypatch.setattr(dispatcher_module, "DISPATCH_RETRY_S", (0.01, 0.01))
+    model = answers('{"agents": ["alice"], "reason": "build"}', '{"agents": ["bob"], "reason": "review"}',
+                    '{"agents": ["END"], "reason": "done"}')
+    bob = completes("reviewed")
+    store = StoreGoneAfterACompletion(cast.alice.pubkey)
+    rig = make_rig(cast, model, bob=bob, store=store)
+
+    await rig.dispatcher.handle(cast.user_says("Build it", kind=11))
+    await settle(rig)
+
+    assert store.failing == 0
+    assert len(bob.requests) == 1
+    assert rig.after_reply[-1].reason == RoutingStop.END.value
