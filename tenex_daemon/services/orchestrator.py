@@ -354,5 +354,11 @@ class LLMOrchestrator:
         )
         used = (result.prompt_tokens or 0, result.completion_tokens or 0)
         if any(used):
-            await self._manager.update_agent_state(conversation_id, self._agent.slug, add_tokens=used)
+            try:
+                await self._manager.update_agent_state(conversation_id, self._agent.slug, add_tokens=used)
+            except Exception as exc:  # the answer stands: a count left out is not worth a decision lost
+                log.warning(
+                    "orchestrator_tokens_not_counted", conversation_id=conversation_id, tokens=list(used),
+                    error=repr(exc),
+                )
         return result.text

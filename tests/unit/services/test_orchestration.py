@@ -837,3 +837,28 @@ async def test_a_completion_whose_routing_meets_a_store_error_is_routed_on_the_r
     assert store.failing == 0
     assert len(bob.requests) == 1
     assert rig.after_reply[-1].reason == RoutingStop.END.value
+
+
+async def test_a_store_error_counting_the_orchestrators_tokens_does_not_throw_its_decision_away(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saving the orchestrator's token counts fails (a store error for a moment): its valid decision, Bob,
+    is still the one carried out, not rule-based routing's default agent."""
+    model = ScriptedBackend([
+        CompletionResult(text='{"agents": ["bob"], "reason": "review"}', model="scripted", prompt_tokens=9),
+        CompletionResult(text='{"agents": ["END"], "reason": "done"}', model="scripted"),
+    ])
+    alice, bob = completes("built"), completes("reviewed")
+    rig = make_rig(cast, model, alice=alice, bob=bob)
+    counting = rig.manager.update_agent_state
+
+    async def failing(conversation_id: str, slug: str, **changes: Any) -> Any:
+        if slug == "orchestrator":
+            raise ConnectionError("database restarting")
+        return await counting(conversation_id, slug, **changes)
+
+    monkeypatch.setattr(rig.manager, "update_agent_state", failing)
+    await rig.dispatcher.handle(cast.user_says("Review it", kind=11))
+    await settle(rig)
+
+    assert (len(alice.requests), len(bob.requests)) == (0, 1)
