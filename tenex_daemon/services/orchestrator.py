@@ -132,7 +132,12 @@ class RoutingAnswer(BaseModel):
 
 
 class AnswerError(ValueError):
-    """The model's answer is not a valid routing decision; the message is fed back to it."""
+    """The model's answer is not a valid routing decision; the message is fed back to it. ``kind`` names
+    what is wrong without quoting the answer (what a private conversation's logs may show)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -153,7 +158,7 @@ def extract_json_object(text: str) -> dict[str, Any]:
                 if isinstance(value, dict):
                     return value
             start = candidate.find("{", start + 1)
-    raise AnswerError("the answer holds no JSON object")
+    raise AnswerError("the answer holds no JSON object", "no_json")
 
 
 def parse_routing_answer(
@@ -168,16 +173,19 @@ def parse_routing_answer(
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'answer'}: {e['msg']}" for e in exc.errors()
         )
-        raise AnswerError(f"the JSON is not a routing decision ({problems})") from None
+        raise AnswerError(f"the JSON is not a routing decision ({problems})", "not_a_decision") from None
     if answer.agents == [END]:
         return RoutingDecision.end(answer.reason or "done")
     unknown = [a for a in answer.agents if a not in known_agents]
     if unknown:
         raise AnswerError(
-            f"unknown agent {', '.join(repr(a) for a in unknown)}; the agents are {', '.join(known_agents)}"
+            f"unknown agent {', '.join(repr(a) for a in unknown)}; the agents are {', '.join(known_agents)}",
+            "unknown_agent",
         )
     if answer.phase is not None and answer.phase not in phases:
-        raise AnswerError(f"unknown phase {answer.phase.value!r}; the phases are {', '.join(phases)}")
+        raise AnswerError(
+            f"unknown phase {answer.phase.value!r}; the phases are {', '.join(phases)}", "unknown_phase"
+        )
     phase = answer.phase.value if answer.phase is not None else None
     return RoutingDecision(tuple(dict.fromkeys(answer.agents)), answer.reason, phase)
 
@@ -321,7 +329,8 @@ class LLMOrchestrator:
             try:
                 decision = parse_routing_answer(text, self._known, self._phases)
             except AnswerError as exc:
-                error = told = str(exc)
+                # a private conversation's logs name what was wrong, never the answer's words
+                error, told = (exc.kind if conversation.private else str(exc)), str(exc)
             else:
                 if not (decision.is_end and from_user):
                     return decision

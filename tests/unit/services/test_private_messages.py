@@ -482,3 +482,26 @@ async def test_a_private_message_to_a_conversation_whose_run_outlasts_the_idle_t
     conversation = await rig.manager.get_conversation(first.id)
     assert conversation is not None
     assert not conversation.is_ended
+
+
+async def test_a_private_conversations_invalid_routing_answers_are_logged_by_kind_only(cast: Cast) -> None:
+    """The orchestrator's model answers a private message twice with an agent it made up from the message's
+    words: the model is told what was wrong, the logs say only the kind of mistake (never the made-up
+    name), and the default agent answers."""
+    invented = "my-lab-results-came-back"
+    wrong = CompletionResult(text=json.dumps({"agents": [invented], "reason": "r"}))
+    model = ScriptedBackend([wrong, wrong])
+
+    def orchestrator(manager: ConversationManager) -> LLMOrchestrator:
+        return LLMOrchestrator(manager, model, RuleBasedOrchestrator(manager.agents, "alice"), default_agent="alice")
+
+    rig, intake = private_rig(cast, orchestrator=orchestrator)
+    with structlog.testing.capture_logs() as logs:
+        result = await rig.dispatcher.handle(admitted(intake, wrap(cast.user, cast.orchestrator.pubkey, "hello")))
+        await rig.quiet()
+    await rig.settle()
+
+    assert result.agents == ("alice",)
+    assert invented in str(model.requests[1].messages[-1])
+    assert [e["error"] for e in logs if e["event"] == "orchestrator_answer_invalid"] == ["unknown_agent"] * 2
+    assert not [entry for entry in logs if invented in repr(entry)]
