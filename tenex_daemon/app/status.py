@@ -3,7 +3,9 @@
 The daemon rewrites ``<home>/run/status.json`` every few seconds (atomically: temp
 file, fsync, ``os.replace``). The reader never talks to the daemon, so it works when
 the daemon is stuck: a file whose ``updated_at`` is older than ``stale_after_s`` is
-*stale*. A missing file, a file the daemon marked ``stopped``, or one whose process is
+*stale*, except one in state ``starting`` whose process is still the one that wrote it (its
+identity checked): a start writes the file as it begins and again once it serves, however long
+it takes. A missing file, a file the daemon marked ``stopped``, or one whose process is
 gone means *stopped*.
 """
 
@@ -38,7 +40,8 @@ class Health(StrEnum):
     """What the reader concludes."""
 
     RUNNING = "running"
-    """The file is fresh and the daemon has not stopped (it may be starting or stopping)."""
+    """The file is fresh (or its daemon is still starting) and the daemon has not stopped (it may be starting
+    or stopping)."""
     STALE = "stale"
     """The daemon's process exists (or cannot be checked) but stopped updating the file."""
     STOPPED = "stopped"
@@ -454,6 +457,10 @@ def _judge(data: dict[str, Any], age: float, stale_after_s: float, target: Path,
             "(killed or crashed)",
             target,
         )
+    # a daemon still starting (a long catch-up) writes its status again only once it serves: while its
+    # process is the one that wrote the file (its identity checked), it reads as starting, never stale
+    if daemon_state == DaemonState.STARTING.value and current is not None:
+        return StatusReport(Health.RUNNING, data, age, f"starting: pid {pid}, {when}", target)
     if age > stale_after_s:
         return StatusReport(
             Health.STALE, data, age,

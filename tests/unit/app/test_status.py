@@ -170,3 +170,29 @@ def test_a_pid_another_process_took_since_is_not_taken_for_the_daemon(tmp_path: 
     report = read_status(path, 30)
     assert report.state is Health.STOPPED
     assert "another process" in report.reason
+
+
+def test_a_start_longer_than_the_stale_limit_reads_as_starting_while_its_process_lives(tmp_path: Path) -> None:
+    """A daemon writes its status as its start begins and again once it serves: a start that takes longer
+    than the stale limit (a long catch-up) reads as starting, not stale, while the pid is still the process
+    that wrote the file (its identity checked). A file whose process cannot be identified is judged by its
+    age as before, and a daemon that serves is stale as before."""
+    import pytest
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("process identities are read from /proc")
+    path = tmp_path / "status.json"
+    write_status(path, new_status("0.1.0"))  # state starting, this process's pid and identity
+    report = read_status(path, stale_after_s=30, now=time.time() + 120)
+    assert report.state is Health.RUNNING
+    assert report.reason.startswith("starting: pid ")
+    assert report.daemon_state == "starting"
+    assert not report.healthy
+    unknown = new_status("0.1.0")
+    unknown["process"] = None
+    write_status(path, unknown)
+    assert read_status(path, stale_after_s=30, now=time.time() + 120).state is Health.STALE
+    running = new_status("0.1.0")
+    running["state"] = "running"
+    write_status(path, running)
+    assert read_status(path, stale_after_s=30, now=time.time() + 120).state is Health.STALE

@@ -135,3 +135,30 @@ async def test_a_shutdown_step_that_fails_still_closes_the_store(tmp_path: Path,
     store = build_store(settings)
     await store.open()  # the home's lock was released
     await store.close()
+
+
+async def test_a_start_longer_than_the_stale_limit_reads_as_starting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon held at start (its relays not answering: a long catch-up) for longer than
+    ``daemon.stale_after_s``: `tenexd status`'s reading of its file says starting, not stale."""
+    from tenex_daemon.app.status import Health, process_identity, read_status
+
+    if process_identity(os.getpid()) is None:
+        pytest.skip("process identities are read from /proc")
+    init_home(tmp_path / "h", relays=["ws://127.0.0.1:1"])
+    settings = load_settings(tmp_path / "h", {"TENEX_DAEMON__STALE_AFTER_S": "0.5"})
+    waiting, go_on = relays_held_at_start(monkeypatch)
+    daemon = Daemon(settings)
+    running = asyncio.create_task(daemon.run())
+    try:
+        await asyncio.wait_for(waiting.wait(), 10)
+        await asyncio.sleep(1.0)  # twice the stale limit, still starting
+        report = read_status(settings.status_path, settings.daemon.stale_after_s)
+        assert report.state is Health.RUNNING, report.reason
+        assert report.reason.startswith(f"starting: pid {os.getpid()}")
+        assert not report.healthy
+    finally:
+        go_on.set()
+        daemon.request_stop()
+        await asyncio.wait_for(running, 30)
