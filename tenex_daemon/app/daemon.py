@@ -1,7 +1,8 @@
 """The daemon: relays in, conversations kept, agents run, replies out; health written for `tenexd status`.
 
-Lifecycle (docs/STYLE.md): signals only set an event; on stop, intake stops, in-flight runs get a
-grace period, then the control API, relay connections and the store close, in that order.
+Lifecycle (docs/STYLE.md): signals only set an event (a second one forces the exit: ``stop_signals.py``);
+on stop, intake stops, in-flight runs get a grace period, then the control API, relay connections and the
+store close, in that order.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import time
 import uuid
 from collections import Counter
@@ -61,6 +61,8 @@ from tenex_daemon.app.status import (
     retention_status,
     write_status,
 )
+from tenex_daemon.app.stop_signals import StopSignals
+from tenex_daemon.app.watchdog import Watchdog, store_probe
 from tenex_daemon.app.wiring import (
     Pipeline,
     PipelineOptions,
@@ -146,6 +148,8 @@ class Daemon:
         self.own_copies = 0
         self.errors: Counter[str] = Counter()
         self._stop_requested: asyncio.Event | None = None
+        self.signals = StopSignals(self.request_stop)
+        """SIGTERM, SIGINT: the first asks for the graceful stop, a second forces the exit."""
         self._ready = asyncio.Event()
         self._status_writes = asyncio.Lock()
         """One status file write at a time (the status loop's and the lifecycle's)."""
@@ -291,7 +295,7 @@ class Daemon:
         await self._ready.wait()
 
     def request_stop(self) -> None:
-        """Ask the daemon to stop (what SIGTERM and SIGINT do)."""
+        """Ask the daemon to stop (what a first SIGTERM or SIGINT does)."""
         if self._stop_requested is not None:
             self._stop_requested.set()
 
@@ -314,9 +318,7 @@ class Daemon:
         control.check()  # a control file or path it cannot start with: said before anything starts
         self._stop_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(signum, self.request_stop)
+        self.signals.install(loop)
         try:
             await self._start()
             if self._stop_requested.is_set():  # SIGTERM while starting: never said ready, nor served
@@ -331,9 +333,7 @@ class Daemon:
             await self._stop_requested.wait()
         finally:
             await self._shutdown(control)
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                with contextlib.suppress(NotImplementedError, RuntimeError):
-                    loop.remove_signal_handler(signum)
+            self.signals.remove(loop)
 
     async def _start(self) -> None:
         settings = self.settings
@@ -465,9 +465,8 @@ class Daemon:
         )
         sweep_every_s = settings.conversations.sweep_interval_min * 60
         self._spawn(self.sweeper.run_forever(sweep_every_s), "retention sweeper")
-        interval = self.notifier.watchdog_interval_s()
-        if interval:
-            self._spawn(self._watchdog_loop(interval / 2), "watchdog")
+        if interval := self.notifier.watchdog_interval_s():  # pinged while the store's writes go through
+            self._spawn(Watchdog(self.notifier, store_probe(self.store)).run(interval / 2), "watchdog")
 
     def _filters(self, pubkeys: list[str]) -> list[dict[str, Any]]:
         """What the daemon subscribes to: events p-tagging its agents or its project key, and stop
@@ -789,8 +788,3 @@ class Daemon:
             event = heartbeat_event(self.project_signer, self.agents, project, capabilities)
             await self.pool.publish(event, timeout=5.0, raise_on_failure=False)
             await asyncio.sleep(self.settings.daemon.heartbeat_interval_s)
-
-    async def _watchdog_loop(self, every_s: float) -> None:
-        while True:
-            self.notifier.watchdog()
-            await asyncio.sleep(every_s)

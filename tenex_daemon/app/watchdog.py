@@ -1,0 +1,122 @@
+"""systemd's watchdog (``WATCHDOG=1``): a ping says the event loop turns and the store's writes go through.
+
+A ping that proved only the event loop would keep a daemon whose store is stuck alive for good: a
+commit thread hung in an fsync on a dead disk, a PostgreSQL pool whose connections never answer. Every
+reply waits for the store, so such a daemon answers nobody, and systemd restarting it is the way out.
+
+So beside each round of pings the watchdog writes one small value through the store
+(:data:`WATCHDOG_KEY`, the time it was written), off any reply's path: the write takes the way every
+durable write takes (the filesystem store's group commit and fsync, a PostgreSQL transaction on its
+query pool) and waits behind the writes in flight there. A new one starts only once the last one is
+done, at the pace of the pings (half of ``WatchdogSec``: every 15 s under ``systemd/tenexd.service``,
+a small fraction of the status file's writes). While a write has waited longer than
+:data:`STORE_STUCK_AFTER_S`, the pings stop (``watchdog_withheld``) and systemd restarts the daemon
+``WatchdogSec`` later; they go on if the write ends first (``watchdog_resumed``).
+
+A write that fails (a full disk, a database restarting or refusing) answered: the store is not stuck,
+a restart would not help, and the daemon retries its own work (docs/ARCHITECTURE.md, "Durability
+contract"). It is logged, once for each run of failures. Without systemd's watchdog nothing is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from tenex_daemon.app.notify import SystemdNotifier
+from tenex_daemon.core.ports import SmallValues
+from tenex_daemon.runtime.failures import log_failure
+
+log = structlog.get_logger(__name__)
+
+STORE_STUCK_AFTER_S = 60.0
+"""How long the watchdog's write may wait before the store counts as stuck and the pings stop. Longer
+than any write of a working store (a journal's checkpoint on a slow disk, a database's answer over a
+network that stopped carrying it, cut after about 25 s)."""
+WATCHDOG_KEY = "watchdog.store"
+"""The small value the watchdog writes (the Unix time of the write)."""
+
+
+def store_probe(store: SmallValues, key: str = WATCHDOG_KEY) -> Callable[[], Awaitable[None]]:
+    """A write of the time under ``key``: one durable write through ``store``."""
+
+    async def probe() -> None:
+        await store.set_meta(key, str(round(time.time())))
+
+    return probe
+
+
+class Watchdog:
+    """Pings systemd's watchdog while the store's writes go through (see the module's doc)."""
+
+    def __init__(
+        self,
+        notifier: SystemdNotifier,
+        probe: Callable[[], Awaitable[None]],
+        *,
+        stuck_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.notifier = notifier
+        self.probe = probe
+        self.stuck_after_s = STORE_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s
+        """:data:`STORE_STUCK_AFTER_S` unless given."""
+        self.clock = clock
+        self._probing: asyncio.Task[None] | None = None
+        self._probe_started = 0.0
+        self._withheld = False
+        self._failing = False
+
+    def waited_s(self) -> float:
+        """How long the write in flight has waited (0 when none is)."""
+        if self._probing is None or self._probing.done():
+            return 0.0
+        return self.clock() - self._probe_started
+
+    def beat(self) -> bool:
+        """One round: start a write unless one is in flight, then ping unless the one in flight waited too
+        long; return whether it pinged."""
+        if self._probing is None or self._probing.done():
+            self._probe_started = self.clock()
+            self._probing = asyncio.get_running_loop().create_task(self._write(), name="watchdog write")
+        waited = self.waited_s()
+        if waited > self.stuck_after_s:
+            if not self._withheld:
+                self._withheld = True
+                log.error(
+                    "watchdog_withheld", waited_s=round(waited, 1),
+                    note="a write to the store has not ended: the watchdog's pings stop, and systemd "
+                    "restarts the daemon (WatchdogSec)",
+                )
+            return False
+        if self._withheld:
+            self._withheld = False
+            log.warning("watchdog_resumed", note="the store's write ended: the pings go on")
+        self.notifier.watchdog()
+        return True
+
+    async def run(self, every_s: float) -> None:
+        """Ping every ``every_s`` while the store's writes go through, until cancelled."""
+        try:
+            while True:
+                self.beat()
+                await asyncio.sleep(every_s)
+        finally:
+            if self._probing is not None:
+                self._probing.cancel()
+
+    async def _write(self) -> None:
+        try:
+            await self.probe()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an answer all the same: the store is not stuck
+            if not self._failing:
+                self._failing = True
+                note = "the store answered: the pings go on"
+                log_failure(log, "watchdog_write_failed", exc, brief=(OSError,), note=note)
+            return
+        self._failing = False
