@@ -43,7 +43,7 @@ from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.nostr.status_events import StatusEventPublisher
 from tenex_daemon.app.embedded_relay import EmbeddedRelay
 from tenex_daemon.app.metrics import Metrics
-from tenex_daemon.app.notify import SystemdNotifier
+from tenex_daemon.app.notify import SystemdNotifier, keep_starting
 from tenex_daemon.app.refusals import RefusalLog
 from tenex_daemon.app.run_observer import MetricsObserver
 from tenex_daemon.app.settings import Settings, StorageKind
@@ -320,7 +320,11 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self.signals.install(loop)
         try:
-            await self._start()
+            starting = self._background.spawn(keep_starting(self.notifier), "start timeout extension")
+            try:
+                await self._start()
+            finally:
+                starting.cancel()
             if self._stop_requested.is_set():  # SIGTERM while starting: never said ready, nor served
                 return
             await control.start()

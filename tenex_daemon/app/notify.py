@@ -1,20 +1,30 @@
 """sd_notify without a library: datagrams to ``$NOTIFY_SOCKET`` (systemd ``Type=notify``).
 
 ``READY=1`` once relays are subscribed, ``STATUS=`` lines for ``systemctl status``,
-``WATCHDOG=1`` at least twice per ``WatchdogSec``, ``STOPPING=1`` when shutting down.
+``WATCHDOG=1`` at least twice per ``WatchdogSec``, ``STOPPING=1`` when shutting down, and
+``EXTEND_TIMEOUT_USEC=`` while a start lasts (:func:`keep_starting`).
 Without ``NOTIFY_SOCKET`` (not under systemd) every call is a no-op. A path starting with
 ``@`` names an abstract socket. Sending never raises: a lost notification is logged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 import structlog
 
 log = structlog.get_logger(__name__)
+
+START_EXTEND_EVERY_S = 10.0
+"""How often a start still under way asks systemd for more time."""
+START_EXTEND_BY_S = 30.0
+"""How much more time each ask is for: a start whose event loop stops turning is cut that long after."""
+START_EXTEND_FOR_S = 1800.0
+"""How long in all a start keeps asking; past it, ``TimeoutStartSec`` decides (a start stuck for good)."""
 
 
 class SystemdNotifier:
@@ -100,3 +110,26 @@ class SystemdNotifier:
 
 def _status_line(text: str) -> str:
     return "STATUS=" + " ".join(text.splitlines())
+
+
+async def keep_starting(
+    notifier: SystemdNotifier,
+    *,
+    every_s: float | None = None,
+    by_s: float = START_EXTEND_BY_S,
+    for_s: float = START_EXTEND_FOR_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """While the daemon starts, ask systemd for more time every ``every_s`` (``by_s`` each), for ``for_s`` in
+    all: a start that takes longer than ``TimeoutStartSec`` (the store's recovery of a large home, a
+    database's migrations) is not killed and restarted into the same long start again and again. Cancel
+    it once the start is over. Nothing without systemd. ``every_s``: :data:`START_EXTEND_EVERY_S` unless
+    given."""
+    if not notifier.enabled:
+        return
+    every = START_EXTEND_EVERY_S if every_s is None else every_s
+    started = clock()
+    while clock() - started < for_s:
+        notifier.extend_timeout(by_s)
+        await asyncio.sleep(every)
+    log.warning("start_not_extended", after_s=for_s, note="the start is left to systemd's TimeoutStartSec")

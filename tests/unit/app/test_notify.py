@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from collections.abc import Iterator
@@ -9,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tenex_daemon.app.notify import SystemdNotifier
+from tenex_daemon.adapters.nostr.relay_pool import RelayPool
+from tenex_daemon.app import notify as notify_module
+from tenex_daemon.app.daemon import Daemon
+from tenex_daemon.app.home import init_home
+from tenex_daemon.app.notify import SystemdNotifier, keep_starting
+from tenex_daemon.app.settings import load_settings
 
 
 @pytest.fixture
@@ -88,3 +94,77 @@ def test_a_missing_socket_is_logged_not_raised(tmp_path: Path) -> None:
     """Sending to a socket that does not exist returns False instead of raising."""
     notifier = SystemdNotifier({"NOTIFY_SOCKET": str(tmp_path / "gone.sock")})
     assert not notifier.watchdog()
+
+
+async def test_a_start_asks_for_more_time_until_cancelled_or_its_bound(
+    listener: tuple[socket.socket, str],
+) -> None:
+    """While a start lasts, systemd is asked again and again for more time (EXTEND_TIMEOUT_USEC), so a start
+    longer than TimeoutStartSec is not killed; past the bound, asking stops; cancelled, it stops at once."""
+    sock, path = listener
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": path})
+    now = [0.0]
+
+    async def bounded() -> None:
+        await keep_starting(notifier, every_s=0.01, by_s=2.0, for_s=0.05, clock=lambda: now[0])
+
+    task = asyncio.create_task(bounded())
+    await asyncio.sleep(0.05)
+    assert receive(sock) == "EXTEND_TIMEOUT_USEC=2000000"
+    now[0] = 1.0  # the bound has passed
+    await asyncio.wait_for(task, 1)
+    sock.setblocking(False)
+    while True:  # drain what came before the bound
+        try:
+            sock.recv(4096)
+        except BlockingIOError:
+            break
+    await asyncio.sleep(0.05)
+    with pytest.raises(BlockingIOError):
+        sock.recv(4096)
+
+    quiet = SystemdNotifier({})
+    await asyncio.wait_for(keep_starting(quiet, every_s=0.01), 1)  # without systemd: returns at once
+
+
+async def test_the_daemon_asks_for_more_time_while_it_starts(
+    listener: tuple[socket.socket, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon under systemd, its start held (its relays slow to connect): it sends EXTEND_TIMEOUT_USEC
+    before READY=1, and none once ready."""
+    monkeypatch.setattr(notify_module, "START_EXTEND_EVERY_S", 0.05)
+    held = asyncio.Event()
+
+    async def slow_relay(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
+        await held.wait()
+        return False
+
+    async def no_announcement(self: Daemon, signers: object) -> None:
+        return None
+
+    monkeypatch.setattr(RelayPool, "wait_connected", slow_relay)
+    monkeypatch.setattr(Daemon, "_announce", no_announcement)
+    sock, path = listener
+    init_home(tmp_path / "h", relays=["ws://127.0.0.1:1"])
+    daemon = Daemon(load_settings(tmp_path / "h", {}))
+    daemon.notifier = SystemdNotifier({"NOTIFY_SOCKET": path})
+    running = asyncio.create_task(daemon.run())
+    try:
+        await asyncio.sleep(0.3)
+        held.set()
+        await asyncio.wait_for(daemon.wait_ready(), 30)
+        await asyncio.sleep(0.2)
+        sock.setblocking(False)
+        lines: list[str] = []
+        while True:
+            try:
+                lines += sock.recv(4096).decode().splitlines()
+            except BlockingIOError:
+                break
+        ready = lines.index("READY=1")
+        assert sum(line.startswith("EXTEND_TIMEOUT_USEC=") for line in lines[:ready]) >= 2
+        assert not [line for line in lines[ready:] if line.startswith("EXTEND_TIMEOUT_USEC=")]
+    finally:
+        held.set()
+        daemon.request_stop()
+        await asyncio.wait_for(running, 30)
