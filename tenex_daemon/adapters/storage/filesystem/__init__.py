@@ -20,9 +20,12 @@ home's commit journal, whose one fsync per group commit makes every write of the
 checkpoint fsyncs the files written and renews the journal, and open replays a journal left
 behind (``journal_replay.py``). Every write goes through ``committer.py``.
 The index and the event-id buckets are derived data (``derived.py``), written every
-``FLUSH_INTERVAL`` seconds after the events they describe are durable; on open
-(``recovery.py``) each indexed log is checked by size with ``stat`` (no log is read), and a log
-whose size disagrees is rescanned, its torn tail cut, its entry repaired. A derived line that cannot
+``FLUSH_INTERVAL`` seconds after the events they describe are durable, and fsynced when the index is
+compacted (at the latest by a clean close); on open (``recovery.py``) each indexed log is checked by
+size with ``stat``, and a log whose size disagrees is rescanned, its torn tail cut, its entry repaired.
+A log grown since the index snapshot (after a crash; a clean close compacts) is read from the size
+the snapshot counted even when the index log agrees with it, and its event ids are filed again: a power
+loss may have kept an index line and lost a bucket line. A derived line that cannot
 be written (a full disk) waits for the next round, and holds back the index lines and the index
 snapshot that would tell open the logs are complete.
 """

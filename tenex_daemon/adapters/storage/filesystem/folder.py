@@ -166,6 +166,8 @@ class ScannedFolder:
     participants: set[str]
     state_stamp: Stamp
     actions: list[RecoveryAction]
+    start: int = 0
+    """Where the scan of the log began (0: the whole log, its counts cover all of it)."""
 
 
 def _default_state(conversation_id: str, events: list[NostrEvent]) -> dict[str, Any]:
@@ -220,19 +222,34 @@ def _salvage(
     return scan_log(good)
 
 
+def _read_from(path: Path, start: int) -> bytes:
+    """The bytes of ``path`` from offset ``start`` on."""
+    with open(path, "rb") as handle:
+        if start:
+            handle.seek(start)
+        return handle.read()
+
+
+def _whole(log_path: Path, data: bytes, start: int) -> bytes:
+    """The whole log: ``data`` when it was read from its start, else read again (only open reads a
+    tail, and no line is appended meanwhile)."""
+    return data if start == 0 else log_path.read_bytes()
+
+
 def _repair_log(
-    log_path: Path, data: bytes, scan: LogScan, conversation_id: str, corrupt_dir: Path,
-    actions: list[RecoveryAction],
+    log_path: Path, data: bytes, start: int, scan: LogScan, conversation_id: str, corrupt_dir: Path,
+    actions: list[RecoveryAction], *, live: bool,
 ) -> LogScan | None:
     """Salvage a log with corrupt complete lines (the original copied to ``corrupt/`` first, torn
-    tail and all) or cut its torn tail (an unterminated last line, nothing else).
+    tail and all) or cut its torn tail (an unterminated last line, nothing else), unless ``live``.
+    ``data`` is the log from offset ``start`` on.
 
     Return the scan of the salvaged log (from its start), None when no salvage was needed.
     """
     if scan.bad_lines:
-        every = scan_log(data).payloads
+        every = scan_log(_whole(log_path, data, start)).payloads
         return _salvage(log_path, every, scan.bad_lines, conversation_id, corrupt_dir, actions)
-    if scan.torn:
+    if scan.torn and not live:
         cut_tail(log_path, scan.good_end, durable=True)
         detail = f"cut {scan.size - scan.good_end} byte(s) after offset {scan.good_end}"
         actions.append(RecoveryAction("torn_tail_cut", conversation_id, detail))
@@ -312,29 +329,34 @@ def _read_payloads(payloads: list[bytes], parse_events: bool) -> _Payloads:
 
 
 def scan_folder(
-    folder: Path, conversation_id: str, corrupt_dir: Path, *, parse_events: bool, start: int = 0
+    folder: Path, conversation_id: str, corrupt_dir: Path, *, parse_events: bool, start: int = 0,
+    live: bool = False,
 ) -> ScannedFolder:
     """Read a conversation folder, repairing it: cut a torn tail, salvage a corrupt log,
     move an unreadable snapshot aside and rebuild it from the events.
 
-    With ``start`` > 0 only the part of the log after that (line-aligned) offset is scanned
-    for event ids; counts then cover that part only.
+    With ``start`` > 0 only the part of the log after that (line-aligned) offset is read and scanned
+    for event ids; counts then cover that part only (a salvage scans it whole: the result's
+    ``start`` says which). ``live`` (a load while the store is open): an unterminated last line is
+    not cut but left out, as it may be a line being appended that very moment (a large one is
+    written, and seen by readers, a page at a time); the scan ends at the last complete line. A
+    torn tail a crash left is cut by the next open, which rescans every log whose size disagrees.
     """
     actions: list[RecoveryAction] = []
     log_path = folder / LOG_NAME
     try:
-        data = log_path.read_bytes()
+        data = _read_from(log_path, start)  # the log from ``start`` on
     except FileNotFoundError:
-        data = b""
+        data, start = b"", 0
         log_path.touch()
-    scan = scan_log(data, start)
-    salvaged = _repair_log(log_path, data, scan, conversation_id, corrupt_dir, actions)
+    scan = scan_log(data, offset=start)
+    salvaged = _repair_log(log_path, data, start, scan, conversation_id, corrupt_dir, actions, live=live)
     if salvaged is not None:
         scan, start = salvaged, 0
     read = _read_payloads(scan.payloads, parse_events)
     if read.unreadable:
         # checksummed lines that are no event: corruption too, kept in corrupt/ and reported
-        every = scan.payloads if start == 0 else scan_log(data).payloads
+        every = scan.payloads if start == 0 else scan_log(_whole(log_path, data, start)).payloads
         keep = _read_payloads(every, parse_events).good
         scan = _salvage(log_path, keep, len(every) - len(keep), conversation_id, corrupt_dir, actions)
         data, start = log_path.read_bytes(), 0
@@ -343,9 +365,9 @@ def scan_folder(
     state_path = folder / STATE_NAME
     state, stamp = _read_state(state_path)
     if state is None:
-        every = scan.payloads if start == 0 else scan_log(data).payloads
+        every = scan.payloads if start == 0 else scan_log(_whole(log_path, data, start)).payloads
         history = events or [e for e in (parse_event(p) for p in every[:1] + every[-1:]) if e]
         state, stamp = _rebuild_state(state_path, conversation_id, corrupt_dir, history, actions)
     if parse_events:
         _restore_last_user_message(state, events)
-    return ScannedFolder(state, events, scan.good_end, event_ids, participants, stamp, actions)
+    return ScannedFolder(state, events, scan.good_end, event_ids, participants, stamp, actions, start)

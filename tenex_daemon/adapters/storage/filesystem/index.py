@@ -133,6 +133,12 @@ class IndexRead:
     """Log records replayed over the snapshot."""
     readable: bool
     """False when the index was missing or unreadable (open rebuilds it from the folders)."""
+    synced: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Conversation id -> (log size, event count) the snapshot counted: the bucket lines of those
+    events were fsynced before it was written. The log's records after it were not, nor the bucket
+    lines of the events they count: a power loss may keep a record and lose its event's bucket line,
+    so open rescans a log past this size even when its size agrees with the records (``recovery.py``).
+    A conversation deleted (or its log cut) since the snapshot has none."""
 
 
 def apply_record(entries: dict[str, IndexEntry], record: dict[str, Any]) -> None:
@@ -180,6 +186,7 @@ def read_index(layout: Layout, actions: list[RecoveryAction]) -> IndexRead:
             return IndexRead({}, max((g for g, _ in logs), default=0) + 1, 0, False)
     elif not logs:
         return IndexRead({}, 0, 0, False)
+    synced = {cid: (entry.log_size, entry.event_count) for cid, entry in entries.items()}
     records = 0
     for gen, path in logs:
         if gen < generation:
@@ -189,10 +196,26 @@ def read_index(layout: Layout, actions: list[RecoveryAction]) -> IndexRead:
         if scan.torn or scan.bad_lines:
             cut_tail(path, scan.good_end, durable=False)
         for payload in scan.payloads:
-            apply_record(entries, json.loads(payload))
+            record = json.loads(payload)
+            apply_record(entries, record)
+            _forget_synced(synced, record)
             records += 1
         generation = max(generation, gen)
-    return IndexRead(entries, generation, records, True)
+    return IndexRead(entries, generation, records, True, synced)
+
+
+def _forget_synced(synced: dict[str, tuple[int, int]], record: dict[str, Any]) -> None:
+    """A conversation deleted since the snapshot (a new one may take its id), or whose log a record
+    says is shorter than the snapshot counted (cut, or salvaged: its lines moved), keeps no synced size."""
+    op = record.get("op")
+    row = record.get("e") if op == "put" else record
+    if not isinstance(row, dict):
+        return
+    conversation_id, size = row.get("id"), row.get("s")
+    if not isinstance(conversation_id, str) or conversation_id not in synced:
+        return
+    if op == "del" or (isinstance(size, int) and size < synced[conversation_id][0]):
+        del synced[conversation_id]
 
 
 def _write_snapshot(layout: Layout, data: bytes, generation: int) -> None:

@@ -71,8 +71,11 @@ class LogScan:
         return self.line_end < self.size
 
 
-def scan_log(data: bytes, start: int = 0) -> LogScan:
-    """Split ``data`` (from ``start``) into good payloads, corrupt lines and a torn tail."""
+def scan_log(data: bytes, start: int = 0, *, offset: int = 0) -> LogScan:
+    """Split ``data`` (from ``start``) into good payloads, corrupt lines and a torn tail.
+
+    ``offset``: where ``data`` begins in its file (a tail read from there); the offsets returned are
+    the file's."""
     payloads: list[bytes] = []
     good_end = start
     bad_lines = 0
@@ -89,7 +92,7 @@ def scan_log(data: bytes, start: int = 0) -> LogScan:
             payloads.append(payload)
             good_end = end + 1
         pos = end + 1
-    return LogScan(payloads, good_end, size, bad_lines, pos)
+    return LogScan(payloads, offset + good_end, offset + size, bad_lines, offset + pos)
 
 
 def cut_tail(path: Path, end: int, *, durable: bool) -> None:

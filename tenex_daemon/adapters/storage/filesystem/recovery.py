@@ -1,7 +1,9 @@
 """What open does before the store serves anything: finish what a crash interrupted, replay the
-commit journal, read the index and check it against the folders on disk (by size, with ``stat``:
-no log is read unless its size disagrees; such a log is rescanned, its torn tail cut, its entry
-repaired). Blocking file work: runs in a worker thread.
+commit journal, read the index and check it against the folders on disk (by size, with ``stat``: a
+log whose size disagrees is rescanned, its torn tail cut, its entry repaired). A log grown since the
+index snapshot is read from the size the snapshot counted whatever the index log says, its event ids
+filed again (``_Recovery.check_entry``); after a clean close there is none. Blocking file work: runs in
+a worker thread.
 """
 
 from __future__ import annotations
@@ -62,12 +64,19 @@ def _stamp_of(path: Path) -> Stamp:
 class _Recovery:
     """One open's checks of the index against the folders, and what they repaired."""
 
-    def __init__(self, layout: Layout, actions: list[RecoveryAction], touched: set[str]) -> None:
+    def __init__(
+        self, layout: Layout, actions: list[RecoveryAction], touched: set[str],
+        synced: dict[str, tuple[int, int]],
+    ) -> None:
         self.layout = layout
         self.actions = actions
         self.touched = touched
         """Conversations the journal replay appended to: rescanned whole."""
+        self.synced = synced
+        """What the index snapshot counted of each log (:attr:`IndexRead.synced`)."""
         self.rebuilt: dict[str, list[str]] = {}
+        self.rescanned = 0
+        """Logs grown since the index snapshot, in agreement with the index log, read again all the same."""
 
     def drop_missing(self, entries: dict[str, IndexEntry], on_disk: dict[str, bool]) -> None:
         """Entries whose folder is gone are removed."""
@@ -94,38 +103,51 @@ class _Recovery:
         return entry
 
     def check_entry(self, entry: IndexEntry, archived: bool) -> None:
-        """An entry whose files disagree with it (or that the journal appended to) is rescanned:
-        only the log's new tail when it grew past a line end, else whole."""
+        """An entry whose files disagree with it (or that the journal appended to) is rescanned and
+        repaired. So is, quietly, a log grown since the index snapshot whose size agrees with the index
+        log's records: those records, like the bucket lines of the events they count, were written and
+        never fsynced, and a power loss may have kept a record but lost its event's bucket line (the
+        event would not be known as processed, and a relay's copy of it would be stored again). The
+        rescan reads the log past the size the snapshot counted (whose bucket lines were fsynced before
+        it) when a line ends there, else whole; the ids it finds are queued for their buckets again."""
         conversation_id = entry.id
         folder = self.layout.folder(conversation_id, archived)
         log_size = _stamp_of(folder / LOG_NAME)[0]
         state_stamp = _stamp_of(folder / STATE_NAME)
         replayed = conversation_id in self.touched
-        if (
+        agrees = (
             log_size == entry.log_size and state_stamp == entry.state_stamp and entry.archived == archived
             and not replayed
-        ):
+        )
+        synced_size, synced_count = self.synced.get(conversation_id, (0, 0))
+        if agrees and log_size == synced_size:
             return
         partial = (
             not replayed  # its older bucket lines may be lost too
-            and 0 < entry.log_size < log_size
-            and ends_a_line(folder / LOG_NAME, entry.log_size)
+            and 0 < synced_size < log_size
+            and ends_a_line(folder / LOG_NAME, synced_size)
         )
-        start = entry.log_size if partial else 0
         scanned = scan_folder(
-            folder, conversation_id, self.layout.corrupt_dir, parse_events=False, start=start
+            folder, conversation_id, self.layout.corrupt_dir, parse_events=False,
+            start=synced_size if partial else 0,
         )
-        entry.absorb(scanned, archived, full=not partial)
+        indexed = entry.log_size
+        if scanned.start > 0:
+            entry.event_count = synced_count  # the scanned tail's events are counted on top
+        entry.absorb(scanned, archived, full=scanned.start == 0)
         self.rebuilt[conversation_id] = scanned.event_ids
         self.actions.extend(scanned.actions)
-        detail = f"log {log_size} bytes (indexed {entry.log_size}), state {state_stamp}"
+        if agrees:
+            self.rescanned += 1  # not a repair: nothing disagreed
+            return
+        detail = f"log {log_size} bytes (indexed {indexed}), state {state_stamp}"
         self.actions.append(RecoveryAction("index_entry_repaired", conversation_id, detail))
         if log_size < 0:  # every folder is made with its log: its history is gone, not something a crash does
             missing = f"{folder / LOG_NAME} is missing: the conversation's history is lost"
             self.actions.append(RecoveryAction("event_log_missing", conversation_id, missing))
             log.error("event_log_missing", conversation_id=conversation_id, detail=missing)
         else:
-            level = log.warning if log_size < entry.log_size else log.info  # shorter: something was cut
+            level = log.warning if log_size < indexed else log.info  # shorter: something was cut
             level("index_entry_repaired", conversation_id=conversation_id, detail=detail)
 
 
@@ -169,7 +191,7 @@ def recover(layout: Layout) -> Recovered:
     elif not index_ok:
         actions.append(RecoveryAction("index_rebuilt", None, "index missing or unreadable"))
         log.warning("index_rebuilding", path=str(layout.root), conversations=len(on_disk))
-    recovery = _Recovery(layout, actions, replayed.touched)
+    recovery = _Recovery(layout, actions, replayed.touched, index.synced)
     recovery.drop_missing(index.entries, on_disk)
     for conversation_id, archived in on_disk.items():
         _remove_staged_state(layout.folder(conversation_id, archived))
@@ -178,6 +200,8 @@ def recover(layout: Layout) -> Recovered:
             index.entries[conversation_id] = recovery.add_entry(conversation_id, archived, index_ok=index_ok)
         else:
             recovery.check_entry(entry, archived)
+    if recovery.rescanned:
+        log.info("index_logs_rescanned", conversations=recovery.rescanned, why="grown since the snapshot")
     return Recovered(
         index, actions, recovery.rebuilt, absent_buckets(layout.events_dir), replayed,
         layout.snapshot.exists(),

@@ -189,7 +189,7 @@ class FileSystemStore:
             await self._committer.start(journal)
         if (
             result.actions or result.index.records > COMPACT_MIN_RECORDS or not result.has_snapshot
-            or result.journal.files
+            or result.journal.files or result.rebuilt_ids
         ):
             await self._index.compact()  # fsyncs the rescans' derived data before the replayed journal goes
         if result.journal.files:
@@ -257,8 +257,9 @@ class FileSystemStore:
     async def load(self, conversation_id: str) -> Conversation | None:
         """Return the conversation (the cached live object when loaded), or None.
 
-        A first load reads the snapshot and the log, cutting a torn tail and moving
-        unreadable files to ``corrupt/``.
+        A first load reads the snapshot and the log, moving unreadable files to ``corrupt/``. The log
+        is read up to its last complete line: a tail without its newline may be a line being appended
+        that moment (never cut here: open cuts the torn tails a crash left).
         """
         self._require_open()
         cached = self._cache.get(conversation_id)
@@ -273,7 +274,7 @@ class FileSystemStore:
             folder = self._layout.folder(conversation_id, entry.archived)
             try:
                 scanned = await asyncio.to_thread(
-                    scan_folder, folder, conversation_id, self.corrupt_dir, parse_events=True
+                    scan_folder, folder, conversation_id, self.corrupt_dir, parse_events=True, live=True
                 )
             except FileNotFoundError:
                 log.error("conversation_files_missing", conversation_id=conversation_id)
