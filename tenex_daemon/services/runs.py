@@ -183,6 +183,12 @@ class RunScheduler:
         self._pending: dict[str, RunRequest] = {}
         self._covered: set[str] = set()
         """Requests taken into a burst run: their own turn finds them answered."""
+        self._answered: set[str] = set()
+        """Covered requests whose burst run saved its reply: out of the stored journal (a crash does not
+        redo them alone: the burst's reply names only its newest trigger), waiting for their own turn."""
+        self._saved_then_failed: set[str] = set()
+        """Requests whose failed try had its reply saved (or being saved), waiting to try again: a stop lets
+        them finish (their retry publishes that reply, it does not make another)."""
         self._task_of: dict[str, asyncio.Task[None]] = {}
         self._running: dict[str, _Running] = {}
         """The requests whose run is being carried out now, by key."""
@@ -224,7 +230,7 @@ class RunScheduler:
                 return  # a write that started after this change already covered it
             version = self._journal_version
             entries: list[dict[str, object]] = [{"dispatch": event_id} for event_id in self._dispatching]
-            entries.extend(asdict(r) for r in self._pending.values())
+            entries.extend(asdict(r) for k, r in self._pending.items() if k not in self._answered)
             payload = json.dumps(entries, separators=(",", ":"))
             waiters, self._start_waiters = self._start_waiters, []
             for at, future in waiters:
@@ -329,6 +335,7 @@ class RunScheduler:
         """Run ``request``; a run that fails with an error (a store that went away: a database restart,
         a full disk) is tried again after each of ``RUN_RETRY_S``, as recovered (a reply it saved is
         published, not made again), and dropped after the last (``run_dropped``)."""
+        key = self._key(request)
         for attempt, wait_s in enumerate((*RUN_RETRY_S, None), start=1):
             if await self._attempt(request, attempt):
                 break
@@ -338,10 +345,14 @@ class RunScheduler:
             if wait_s is None:
                 log_ctx.error("run_dropped", attempts=attempt)
                 break
+            # recovered from now on, where a burst taken meanwhile reads it too (its failed try may have
+            # saved a reply: that goes out, none is made again)
+            request = self._recovered(key) or replace(request, recovered=True)
             log_ctx.warning("run_retry", attempt=attempt, retry_in_s=wait_s)
             await asyncio.sleep(wait_s)
-            request = replace(request, recovered=True)
-        self._pending.pop(self._key(request), None)
+        self._pending.pop(key, None)
+        self._answered.discard(key)
+        self._saved_then_failed.discard(key)
         if self._flush_task is None:
             self._flush_task = asyncio.create_task(self._flush_finished(), name="run journal flush")
 
@@ -365,8 +376,15 @@ class RunScheduler:
                     try:
                         await self._run(run)
                         self.completed += 1
+                        if covered:  # answered: out of the stored journal now, not when each turn comes
+                            self._answered.update(covered)
+                            self._write_journal_soon()
                     except BaseException:
                         self._covered.difference_update(covered)  # no reply: each gets its own turn
+                        for other in covered:  # a reply the burst saved goes out again, none is made again
+                            self._recovered(other)
+                        if running.saving:
+                            self._saved_then_failed.update((self._key(request), *covered))
                         raise
                     finally:
                         self.running -= 1
@@ -389,6 +407,16 @@ class RunScheduler:
             log_ctx.exception("run_failed", attempt=attempt)
             return False
         return True
+
+    def _recovered(self, key: str) -> RunRequest | None:
+        """Mark the waiting request ``key`` recovered (a try that failed may have saved its reply); return it,
+        or None when it no longer waits."""
+        waiting = self._pending.get(key)
+        if waiting is None:
+            return None
+        if not waiting.recovered:
+            waiting = self._pending[key] = replace(waiting, recovered=True)
+        return waiting
 
     def _tell(self, run: RunRequest, *, started: bool) -> None:
         """Tell the listener (best effort: a listener's failure never touches the run)."""
@@ -427,6 +455,7 @@ class RunScheduler:
             if running.saving:
                 finishing.update((key, *running.covers))
         finishing.update(self._covered - in_bursts)  # answered by a burst run that is over
+        finishing.update(self._saved_then_failed)  # their retry publishes the reply they saved
         chosen = [
             (key, request)
             for key, request in self._pending.items()

@@ -1,0 +1,176 @@
+"""Runs tried again after an error (a store gone for a moment): a reply saved by the failed try goes out once,
+no message is answered twice, with bursts, stops and crashes in between (docs/ARCHITECTURE.md, "Durability
+contract"; docs/CONTEXT.md, "Bursts")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from tenex_daemon import NostrEvent
+from tenex_daemon.core.llm import CompletionRequest, CompletionResult
+from tenex_daemon.services import runs
+from tenex_daemon.services.runs import RunRequest
+from tests import pipeline
+from tests.conftest import Cast
+
+
+class Numbered:
+    """A backend answering "answer <n>" for its n-th request; the first waits for ``release`` when gated."""
+
+    name = "numbered"
+
+    def __init__(self, *, gated: bool = False) -> None:
+        self.requests: list[CompletionRequest] = []
+        self.asked = asyncio.Event()
+        self.release = asyncio.Event()
+        if not gated:
+            self.release.set()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Answer with the request's number (the first one once released)."""
+        self.requests.append(request)
+        number = len(self.requests)
+        if number == 1:
+            self.asked.set()
+            await self.release.wait()
+        return CompletionResult(text=f"answer {number}", model="numbered")
+
+
+def outbox_fails_once_for(rig: pipeline.Rig, content: str, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Make the outbox's write of the reply ``content`` fail once (the store gone for a moment, after the reply
+    was saved); the event is set when it failed."""
+    outbox = rig.runner.outbox
+    add = outbox.add
+    failed = asyncio.Event()
+
+    async def failing(conversation_id: str, reply: NostrEvent, **options: Any) -> Any:
+        if reply.content == content and not failed.is_set():
+            failed.set()
+            raise ConnectionResetError("the store went away for a moment")
+        return await add(conversation_id, reply, **options)
+
+    monkeypatch.setattr(outbox, "add", failing)
+    return failed
+
+
+def thread_of(cast: Cast, root: NostrEvent) -> list[list[str]]:
+    """Tags of a person's reply to Alice in ``root``'s conversation."""
+    return [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
+
+
+def answers(rig: pipeline.Rig, cast: Cast, names: dict[str, str]) -> list[tuple[str, str]]:
+    """(content, name of the message it answers) of Alice's published replies."""
+    return [
+        (e.content, names.get(e.tag_value("e") or "", "?")) for e in rig.publisher.published
+        if e.pubkey == cast.alice.pubkey
+    ]
+
+
+async def test_a_burst_whose_reply_was_saved_before_it_failed_is_not_answered_again(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two messages wait behind Alice's first run and are answered by one burst run, whose reply is saved and
+    then its outbox write fails: whichever request tries again publishes that saved reply; the model is not
+    asked again and the newest message gets one answer."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.05, 0.05, 0.05))
+    backend = Numbered(gated=True)
+    rig = pipeline.build_rig(cast, backend=backend)
+    outbox_fails_once_for(rig, "answer 2", monkeypatch)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    second = cast.user_says("second", tags=thread_of(cast, root))
+    third = cast.user_says("third", tags=thread_of(cast, root))
+    await rig.dispatcher.handle(second)
+    await rig.dispatcher.handle(third)
+    backend.release.set()
+    await rig.settle()
+
+    assert len(backend.requests) == 2
+    assert answers(rig, cast, {root.id: "first", second.id: "second", third.id: "third"}) == [
+        ("answer 1", "first"), ("answer 2", "third")
+    ]
+
+
+async def test_a_reply_saved_before_its_run_failed_goes_out_when_a_new_message_takes_its_turn(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's reply is saved, then its outbox write fails; a new message to her comes while the run waits to
+    try again, and its run takes the failed one into a burst: the saved reply is published, and the new
+    message answered."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.3, 0.3, 0.3))
+    rig = pipeline.build_rig(cast, backend=Numbered())
+    failed = outbox_fails_once_for(rig, "answer 1", monkeypatch)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(failed.wait(), 5)
+    second = cast.user_says("second", tags=thread_of(cast, root))
+    await rig.dispatcher.handle(second)
+    await rig.settle()
+
+    assert answers(rig, cast, {root.id: "first", second.id: "second"}) == [
+        ("answer 1", "first"), ("answer 2", "second")
+    ]
+
+
+async def test_a_stop_while_a_run_with_a_saved_reply_waits_to_try_again_lets_that_reply_out(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's reply is saved, then its outbox write fails; the owner's stop comes while the run waits to try
+    again: the run is let finish as a run saving its reply is, and the saved reply is published (it was in
+    no outbox, and the stop would have dropped its only journal entry)."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.3, 0.3, 0.3))
+    rig = pipeline.build_rig(cast, backend=Numbered())
+    failed = outbox_fails_once_for(rig, "answer 1", monkeypatch)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(failed.wait(), 5)
+
+    report = await rig.dispatcher.stop(root.id, None, by="owner")
+    await rig.settle()
+
+    assert report.agents == ()
+    assert [e.content for e in rig.publisher.published] == ["answer 1"]
+
+
+async def test_a_message_answered_in_a_burst_leaves_the_journal_at_once_and_a_crash_does_not_answer_it_again(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B's run fails before saving anything; while it waits to try again, C comes and C's run answers C and B
+    together. A crash then (B still waiting for its turn): the journal no longer holds B, so the next start
+    does not answer it a second time."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (30.0, 30.0))
+    backend = Numbered()
+    rig = pipeline.build_rig(cast, backend=backend)
+    run: Callable[..., Awaitable[NostrEvent | None]] = rig.runner.run
+    failed = asyncio.Event()
+
+    async def failing_once(request: RunRequest, routing: Any = None) -> NostrEvent | None:
+        if not failed.is_set():
+            failed.set()
+            raise ConnectionResetError("the store went away for a moment")
+        return await run(request, routing)
+
+    monkeypatch.setattr(rig.runner, "run", failing_once)
+    root = cast.user_says("B", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(failed.wait(), 5)
+    c = cast.user_says("C", tags=thread_of(cast, root))
+    await rig.dispatcher.handle(c)
+    async with asyncio.timeout(5):
+        while len(backend.requests) < 1 or not rig.publisher.published:  # noqa: ASYNC110 - C's burst run
+            await asyncio.sleep(0.01)
+    await rig.scheduler.journaled()
+
+    stored = json.loads(await rig.store.get_meta(runs.PENDING_RUNS_KEY) or "[]")
+    assert [entry.get("trigger_id") for entry in stored] == []
+    restarted = pipeline.build_rig(cast, backend=backend, store=rig.store)  # the crash: B's task never ends
+    await restarted.scheduler.recover()
+    await restarted.settle()
+    assert len(backend.requests) == 1
+    await rig.scheduler.drain(0.1)
