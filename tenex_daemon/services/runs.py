@@ -57,6 +57,23 @@ class RunRequest:
 
 RunFunction = Callable[[RunRequest], Awaitable[None]]
 
+_REQUEST_FIELDS = ("conversation_id", "trigger_id", "agent_slug")
+
+
+def _journaled_request(item: dict[str, Any], key: str) -> RunRequest | None:
+    """The run a journal entry names, recovered; fields it does not know (a journal another version of the
+    daemon wrote) are left out. An entry without a conversation, trigger and agent is logged and skipped:
+    the journal's other entries are still taken in."""
+    if not all(isinstance(item.get(name), str) and item[name] for name in _REQUEST_FIELDS):
+        log.error("run_journal_entry_unreadable", key=key, entry=str(item)[:200])
+        return None
+    burst = item.get("burst", ())
+    return RunRequest(
+        item["conversation_id"], item["trigger_id"], item["agent_slug"],
+        via_orchestrator=item.get("via_orchestrator") is True, recovered=True,
+        burst=tuple(str(t) for t in burst) if isinstance(burst, list | tuple) else (),
+    )
+
 
 class RunListener(Protocol):
     """Told when a run starts and ends (the live status, kind 24133); must return at once and never raise."""
@@ -598,16 +615,11 @@ class RunScheduler:
     async def _take_in(self, key: str) -> tuple[list[str], list[RunRequest]]:
         """Read the journal under ``key`` and schedule its runs; return (dispatch ids, run requests)."""
         entries = await self._read_journal(key)
-        try:
-            redo = list(dict.fromkeys(str(item["dispatch"]) for item in entries if "dispatch" in item))
-            requests = [
-                replace(RunRequest(**item), recovered=True, burst=tuple(item.get("burst", ())))
-                for item in entries
-                if "dispatch" not in item
-            ]
-        except (ValueError, TypeError, KeyError):
-            log.error("run_journal_unreadable", key=key)
-            return [], []
+        redo = list(dict.fromkeys(str(item["dispatch"]) for item in entries if "dispatch" in item))
+        requests = [
+            request for item in entries if "dispatch" not in item
+            if (request := _journaled_request(item, key)) is not None
+        ]
         unique = {self._key(r): r for r in requests}
         requests = [r for key, r in unique.items() if key not in self._pending]
         for event_id in redo:

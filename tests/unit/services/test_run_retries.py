@@ -174,3 +174,26 @@ async def test_a_message_answered_in_a_burst_leaves_the_journal_at_once_and_a_cr
     await restarted.settle()
     assert len(backend.requests) == 1
     await rig.scheduler.drain(0.1)
+
+
+async def test_a_journal_entry_another_version_wrote_or_a_broken_one_does_not_drop_the_others(cast: Cast) -> None:
+    """The run journal holds a run with a field this version does not know (another version of the daemon
+    wrote it), a broken entry and a dispatch: the run is redone as recovered, the dispatch is kept, and only
+    the broken entry is left out (the whole journal was dropped)."""
+    rig = pipeline.build_rig(cast, backend=Numbered())
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    entries = [
+        {"dispatch": "ab" * 32},
+        {"conversation_id": root.id, "trigger_id": root.id, "agent_slug": "alice", "via_orchestrator": False,
+         "recovered": False, "burst": [], "priority": 3},
+        {"conversation_id": root.id, "agent_slug": "alice"},
+    ]
+    await rig.store.set_meta(runs.PENDING_RUNS_KEY, json.dumps(entries))
+
+    recovered = await rig.scheduler.recover()
+    await rig.settle()
+
+    assert recovered == [RunRequest(root.id, root.id, "alice", recovered=True)]
+    assert rig.scheduler.dispatches_to_redo() == ["ab" * 32]
+    assert [e.content for e in rig.publisher.published] == ["answer 1"]
