@@ -204,7 +204,11 @@ class AgentRunner:
         """
         started = time.perf_counter()
         cid = request.conversation_id
-        profile = self._profiles[request.agent_slug]
+        profile = self._profiles.get(request.agent_slug)
+        if profile is None:  # a run journaled before the agent left the configuration
+            slug = request.agent_slug
+            log.error("run_agent_unknown", conversation_id=cid, event_id=request.trigger_id, agent=slug)
+            return None
         conversation = await self._manager.get_conversation(cid)
         index = conversation.index_of(request.trigger_id) if conversation is not None else None
         if conversation is None or index is None:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from tenex_daemon import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
@@ -197,3 +198,21 @@ async def test_a_journal_entry_another_version_wrote_or_a_broken_one_does_not_dr
     assert recovered == [RunRequest(root.id, root.id, "alice", recovered=True)]
     assert rig.scheduler.dispatches_to_redo() == ["ab" * 32]
     assert [e.content for e in rig.publisher.published] == ["answer 1"]
+
+
+async def test_a_journaled_run_of_an_agent_no_longer_configured_is_dropped_at_once(cast: Cast) -> None:
+    """A run journaled for an agent the configuration no longer has is dropped with its reason logged, not
+    tried again for half an hour (holding its conversation busy meanwhile)."""
+    rig = pipeline.build_rig(cast, backend=Numbered())
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    gone = {"conversation_id": root.id, "trigger_id": root.id, "agent_slug": "carol"}
+    await rig.store.set_meta(runs.PENDING_RUNS_KEY, json.dumps([gone]))
+
+    with structlog.testing.capture_logs() as logs:
+        await rig.scheduler.recover()
+        await rig.settle()
+
+    assert not rig.scheduler.has_runs(root.id)
+    assert [e["agent"] for e in logs if e["event"] == "run_agent_unknown"] == ["carol"]
+    assert not [e for e in logs if e["event"] == "run_retry"]
