@@ -266,17 +266,23 @@ async def challenge_many_times(relay: ScriptedRelay, ws: ServerConnection, n: in
 
 
 async def test_repeated_auth_challenges_are_answered_one_at_a_time_and_leave_no_pending_ok() -> None:
-    """200 challenges at once are answered one at a time (the first, then only the newest), and an AUTH the
-    relay never answers leaves nothing in the pending OKs once its wait is over."""
+    """200 challenges at once are answered one at a time (the first, unless all came before it was answered,
+    then only the newest), and an AUTH the relay never answers leaves nothing in the pending OKs once its
+    wait is over."""
     relay = ScriptedRelay(challenge_many_times)
+
+    def newest_answered() -> bool:
+        sent = relay.sent("AUTH")
+        return bool(sent) and ["challenge", "challenge-199"] in sent[-1][1]["tags"]
+
     async with running(relay), RelayPool([relay.url], settings=FAST, auth_signer=Signer.generate()) as pool:
         assert await pool.wait_connected(within=5)
-        assert await until(lambda: len(relay.sent("AUTH")) >= 2, within=5)
-        await asyncio.sleep(3 * FAST.auth_timeout)  # the second AUTH's wait is over
+        assert await until(newest_answered, within=5)
+        await asyncio.sleep(3 * FAST.auth_timeout)  # the last AUTH's wait is over
         pending = dict(pool._relays[relay.url].pending_ok)
         answered = relay.sent("AUTH")
-    assert len(answered) == 2
-    assert ["challenge", "challenge-199"] in answered[1][1]["tags"]
+    assert 1 <= len(answered) <= 2  # the first challenge is answered alone only when it came alone
+    assert newest_answered()
     assert pending == {}
 
 
