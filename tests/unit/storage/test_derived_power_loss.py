@@ -34,7 +34,9 @@ from tenex_daemon.adapters.storage.filesystem import (
     recovery,
     scan_log,
 )
+from tenex_daemon.adapters.storage.filesystem import derived as derived_module
 from tenex_daemon.adapters.storage.filesystem import folder as folder_module
+from tenex_daemon.adapters.storage.filesystem.derived import sync_files
 from tenex_daemon.adapters.storage.filesystem.folder import ScannedFolder, scan_folder
 from tenex_daemon.adapters.storage.filesystem.index import read_index
 from tenex_daemon.adapters.storage.filesystem.layout import Layout
@@ -303,3 +305,33 @@ async def test_a_load_that_meets_a_line_being_appended_leaves_it_alone(
         assert reopened.recovery == []
     finally:
         await reopened.close()
+
+
+async def test_after_a_failed_fsync_of_derived_lines_no_index_snapshot_counts_them(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An fsync of derived files fails once (an I/O error: the kernel may have dropped the lines it had
+    reported written): that compaction fails, and no later one in this process writes a snapshot, since a
+    later fsync could succeed without those lines (open then reads every log grown since the last one)."""
+    home = tmp_path / "home"
+    store = FileSystemStore(home, fsync="batch")
+    await store.open()
+    conversation = await new_conversation(store, cast)
+    root = conversation.history[0]
+    assert await store.append_event(root.id, cast.alice_says("accepted", tags=[["E", root.id]]))
+    snapshot = home / "conversations" / ".index" / "snapshot.json"
+    before = snapshot.read_bytes() if snapshot.exists() else b""
+    failures = [OSError(5, "Input/output error")]
+
+    def failing_once(paths: set[Path]) -> None:
+        if failures:
+            raise failures.pop()
+        sync_files(paths)
+
+    monkeypatch.setattr(derived_module, "sync_files", failing_once)
+    with pytest.raises(OSError, match="Input/output error"):
+        await store._index.compact()
+    await store._index.compact()
+    assert (snapshot.read_bytes() if snapshot.exists() else b"") == before
+    await store.close()
+    assert (snapshot.read_bytes() if snapshot.exists() else b"") == before

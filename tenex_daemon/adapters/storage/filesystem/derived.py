@@ -97,6 +97,10 @@ class DerivedLines:
         self._watchers: dict[Path, list[bytes]] = {}
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self.poisoned = False
+        """An fsync of derived files failed: the kernel may have dropped lines it reported written, and a
+        later fsync may succeed without them, so no index snapshot counts them in this process (open
+        reads again every log grown since the last snapshot)."""
         self.unwritten = False
         """Whether the last round left lines unwritten (they wait for the next): no index snapshot may
         then say the logs are complete."""
@@ -165,7 +169,11 @@ class DerivedLines:
     async def sync_written(self) -> None:
         """fsync the files written since the last call, and their folders."""
         written, self._written = self._written, set()
-        await asyncio.to_thread(sync_files, written)
+        try:
+            await asyncio.to_thread(sync_files, written)
+        except OSError:
+            self.poisoned = True
+            raise
 
     async def stop(self) -> None:
         """Write what is left at once and wait for the writing task (the store is closing)."""

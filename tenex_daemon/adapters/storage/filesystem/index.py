@@ -376,6 +376,10 @@ class Index:
                 return
             # the snapshot lets open skip a log whose size matches: the bucket lines of every
             # event it counts must be on disk first, not only in the page cache
+            if self._derived.poisoned:
+                why = "an fsync of derived files failed"
+                log.warning("index_snapshot_withheld", generation=generation, why=why)
+                return
             await self._derived.sync_written()
             data = json.dumps(
                 {"format": INDEX_FORMAT, "generation": generation, "entries": rows},
