@@ -1,12 +1,13 @@
 """PostgresStore: conversations in PostgreSQL, shared safely by several daemons.
 
-Events are JSON rows with the event id as primary key (an event is accepted exactly once,
-whichever daemon sees it first); the state snapshot is JSON beside the index columns that
-search filters in SQL. JSON is kept as ``text``, never ``jsonb``: jsonb refuses ``\\u0000``, which
-an event may hold (nothing queries inside the JSON), and ``text`` refuses the NUL character itself,
-so the ``title`` column holds the title with NUL replaced (the exact one is in the state and, when it
-differs, in the ``lifecycle`` JSON). ``lease`` takes a session-level advisory lock on a dedicated
-connection, so two daemons never work on one conversation at once. Numbered migrations
+Events are JSON rows keyed by their conversation and place in it, found by their id through an index; an
+event is accepted exactly once, whichever daemon sees it first, by its id's row in ``processed_events``
+(a conversation created with a history may hold an event another holds too). The state snapshot is JSON
+beside the index columns that search filters in SQL. JSON is kept as ``text``, never ``jsonb``: jsonb
+refuses ``\\u0000``, which an event may hold (nothing queries inside the JSON), and ``text`` refuses the
+NUL character itself, so the ``title`` column holds the title with NUL replaced (the exact one is in the
+state and, when it differs, in the ``lifecycle`` JSON). ``lease`` takes a session-level advisory lock on a
+dedicated connection, so two daemons never work on one conversation at once. Numbered migrations
 are applied on :meth:`PostgresStore.open` under an advisory lock.
 """
 
@@ -23,6 +24,8 @@ from urllib.parse import urlsplit
 import asyncpg
 import structlog
 
+from tenex_daemon.adapters.storage.postgres_errors import acquired, unavailable_as_store_error
+from tenex_daemon.adapters.storage.postgres_search import lifecycle_json, search_rows, title_column
 from tenex_daemon.adapters.storage.postgres_sessions import (
     CHECK_TIMEOUT_S,
     KEEPALIVE,
@@ -49,19 +52,10 @@ from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
     ConversationNotFoundError,
-    StoreUnavailableError,
     TenexError,
 )
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.phases import Phase
-from tenex_daemon.core.search import (
-    LIFECYCLE_FIELDS,
-    ConversationSummary,
-    SearchQuery,
-    apply_query,
-    lifecycle_fields,
-    summary_matches,
-)
+from tenex_daemon.core.search import ConversationSummary, SearchQuery
 
 log = structlog.get_logger(__name__)
 
@@ -129,6 +123,14 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
         CREATE INDEX meta_key_bytes ON meta ((key COLLATE "C"));
         """,
     ),
+    (
+        5,
+        "an event may be in the history of more than one conversation (found by its id through an index)",
+        """
+        ALTER TABLE events DROP CONSTRAINT events_pkey;
+        CREATE INDEX events_event_id ON events (event_id);
+        """,
+    ),
 )
 """(version, description, SQL) in order; a released migration is never edited, only added to."""
 
@@ -142,30 +144,17 @@ def _key_prefix(prefix: str) -> tuple[str, list[str]]:
     past = stripped[:-1] + chr(0xE000 if 0xD800 <= following <= 0xDFFF else following)  # no surrogates
     return 'key COLLATE "C" >= $1 AND key COLLATE "C" < $2 AND starts_with(key, $1)', [prefix, past]
 
+
+_LOAD_SQL = """SELECT -1 AS seq, state AS json, archived FROM conversations WHERE id = $1
+                UNION ALL
+               SELECT seq, body, NULL FROM events WHERE conversation_id = $1
+                ORDER BY seq"""
+"""A conversation's state row (``seq`` -1) and then its events in order, read together."""
+
 _MIGRATION_LOCK = 0x7465_6E65_7864  # "tenexd": serializes migrations across daemons
 def _event_json(event: NostrEvent) -> str:
     return event.model_dump_json()
 
-
-UNAVAILABLE = (
-    OSError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.AdminShutdownError,
-    asyncpg.CrashShutdownError,
-)
-"""What a query raises when the database does not answer (refused, reset, starting up, shut down); and
-:func:`_lost_connection`'s interface errors."""
-
-
-def _lost_connection(error: BaseException) -> bool:
-    """Whether an asyncpg interface error says the connection or the pool is gone (the client's own
-    misuses, a bad argument say, are errors of their own, with their tracebacks); a pool's connection that
-    broke while held is "released back to the pool" by asyncpg (a lease's, when the database restarted)."""
-    text = str(error)
-    return type(error) is asyncpg.InterfaceError and any(
-        words in text for words in ("closed", "closing", "released back to the pool")
-    )
 
 class PostgresOpenError(TenexError):
     """The database named by ``storage.dsn`` cannot be reached, or refuses the connection or the schema."""
@@ -230,19 +219,12 @@ class PostgresStore:
         database does not answer (refused, reset, restarting, shut down) is raised as
         :class:`StoreUnavailableError`."""
         held = None if leased is None else self._leased.get((asyncio.current_task(), leased))
-        try:
+        with unavailable_as_store_error():
             if held is not None:
                 yield held
                 return
             async with self.pool.acquire() as conn:
                 yield conn
-        except TimeoutError:
-            raise  # a statement's own timeout: its callers wait for it by that name
-        except (*UNAVAILABLE, asyncpg.InterfaceError) as exc:
-            if isinstance(exc, asyncpg.InterfaceError) and not _lost_connection(exc):
-                raise
-            reason = str(exc) or type(exc).__name__
-            raise StoreUnavailableError(f"the PostgreSQL store does not answer: {reason}") from exc
 
     async def open(self) -> None:
         """Connect and apply pending migrations; raise :class:`PostgresOpenError` (saying which database,
@@ -300,7 +282,13 @@ class PostgresStore:
         await asyncio.gather(*(close_pool(pool) for pool in pools))
 
     async def create(self, conversation: Conversation) -> None:
-        """Insert the conversation row and its history in one transaction."""
+        """Insert the conversation row and its history in one transaction.
+
+        An event of the history may be stored in another conversation already (two imported TENEX files
+        holding one reply): each conversation keeps it in its history, as the other stores do. The ids are
+        marked processed first and in one order (sorted), as :meth:`append_event` marks its one id before
+        it writes: a create and an append (or two creates) of the same events wait for each other, never
+        in a circle."""
         summary = ConversationSummary.of(conversation)
         async with self._connection() as conn, conn.transaction():
             try:
@@ -308,39 +296,34 @@ class PostgresStore:
                     """INSERT INTO conversations (id, title, phase, created_at, updated_at, event_count,
                            agent_count, archived, participants, state, activity_at, ended_at, lifecycle)
                        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)""",
-                    conversation.id, _title_column(summary.title), summary.phase.value, summary.created_at,
+                    conversation.id, title_column(summary.title), summary.phase.value, summary.created_at,
                     summary.updated_at, summary.event_count, summary.agent_count, summary.archived,
                     summary.participants, json.dumps(conversation.state_dict()),
-                    summary.activity_at, summary.ended_at, _lifecycle_json(summary),
+                    summary.activity_at, summary.ended_at, lifecycle_json(summary),
                 )
             except asyncpg.UniqueViolationError:
                 raise ConversationExistsError(conversation.id) from None
             if conversation.history:
                 await conn.executemany(
+                    "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING",
+                    [(event_id,) for event_id in sorted({e.id for e in conversation.history})],
+                )
+                await conn.executemany(
                     """INSERT INTO events (event_id, conversation_id, seq, body)
                        VALUES ($1, $2, $3, $4)""",
                     [(e.id, conversation.id, i, _event_json(e)) for i, e in enumerate(conversation.history)],
                 )
-                await conn.executemany(
-                    "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING",
-                    [(e.id,) for e in conversation.history],
-                )
 
     async def load(self, conversation_id: str) -> Conversation | None:
-        """Read the state row and the events in order."""
+        """Read the state row and the events in order in one statement, so from one snapshot: a delete or
+        an append another daemon commits meanwhile is seen whole or not at all."""
         async with self._connection() as conn:
-            row = await conn.fetchrow(
-                "SELECT state, archived FROM conversations WHERE id = $1", conversation_id
-            )
-            if row is None:
-                return None
-            bodies = await conn.fetch(
-                "SELECT body FROM events WHERE conversation_id = $1 ORDER BY seq",
-                conversation_id,
-            )
-        history = [NostrEvent.model_validate_json(r["body"]) for r in bodies]
-        conversation = Conversation.from_state(json.loads(row["state"]), history)
-        conversation.archived = row["archived"]
+            rows = await conn.fetch(_LOAD_SQL, conversation_id)
+        if not rows or rows[0]["seq"] != -1:
+            return None
+        history = [NostrEvent.model_validate_json(r["json"]) for r in rows[1:]]
+        conversation = Conversation.from_state(json.loads(rows[0]["json"]), history)
+        conversation.archived = rows[0]["archived"]
         return conversation
 
     async def append_event(
@@ -414,57 +397,9 @@ class PostgresStore:
 
     async def search(self, query: SearchQuery) -> list[ConversationSummary]:
         """Filter in SQL; the fuzzy title rule and the summary's (core's ``summary_matches``) run on the
-        rows found, read through a cursor up to the limit when one is set."""
-        clauses: list[str] = []
-        args: list[Any] = []
-
-        def arg(value: Any) -> str:
-            args.append(value)
-            return f"${len(args)}"
-
-        if query.id_prefix is not None:
-            # the range lets the primary key's index find them under any collation (ids are lowercase hex)
-            prefix = arg(query.id_prefix)
-            clauses.append(f"id >= {prefix} AND id < {prefix} || 'g' AND starts_with(id, {prefix})")
-        if query.archived is not None:
-            clauses.append(f"archived = {arg(query.archived)}")
-        if query.phase is not None:
-            clauses.append(f"phase = {arg(query.phase.value)}")
-        if query.date_from is not None:
-            clauses.append(f"created_at >= {arg(int(query.date_from.timestamp() * 1000))}")
-        if query.date_to is not None:
-            clauses.append(f"created_at <= {arg(int(query.date_to.timestamp() * 1000))}")
-        if query.participant is not None:
-            clauses.append(f"participants @> ARRAY[{arg(query.participant)}]::text[]")
-        if query.participants:
-            clauses.append(f"participants @> {arg(list(query.participants))}::text[]")
-        if query.ended is not None:
-            clauses.append("ended_at IS NOT NULL" if query.ended else "ended_at IS NULL")
-        if query.inactive_before is not None:
-            at = arg(query.inactive_before)
-            clauses.append(f"(CASE WHEN activity_at > 0 THEN activity_at ELSE updated_at END) < {at}")
-        sql = (
-            "SELECT id, title, phase, created_at, updated_at, event_count, agent_count, archived, "
-            "participants, activity_at, ended_at, lifecycle FROM conversations"
-        )
-        if clauses:
-            sql += " WHERE " + " AND ".join(clauses)
-        if query.order == "ended" and query.ended is True:
-            # no NULLs: a backward scan of ``conversations_ended`` gives this order (then ties by id)
-            sql += ' ORDER BY ended_at DESC, id COLLATE "C" DESC'
-        elif query.order == "ended":
-            sql += ' ORDER BY ended_at DESC NULLS LAST, id COLLATE "C" DESC'
-        else:
-            sql += " ORDER BY updated_at DESC, id DESC"
-        exact = query.title is None and query.summarized is None  # SQL answers every filter
-        if query.limit is not None and exact:
-            sql += f" LIMIT {arg(query.limit)}"
+        rows found, read a page at a time up to the limit when one is set (``postgres_search``)."""
         async with self._connection() as conn:
-            if exact or query.limit is None or query.limit < 0:
-                found = [_summary_of_row(r) for r in await conn.fetch(sql, *args)]
-            else:
-                found = await _first_matching(conn, sql, args, query, query.limit)
-        return apply_query(found, query)
+            return await search_rows(conn, query)
 
     async def phase_counts(self) -> dict[tuple[str, bool], int]:
         """Count conversations by (phase, archived) in SQL."""
@@ -486,10 +421,15 @@ class PostgresStore:
             )
 
     async def find_event(self, event_id: str) -> tuple[str, NostrEvent] | None:
-        """Look the event up by its primary key."""
+        """Look the event up by its id. An event two conversations hold (see :meth:`create`) is found in
+        the one it is the root of, else in the one created first."""
         async with self._connection() as conn:
             row = await conn.fetchrow(
-                "SELECT conversation_id, body FROM events WHERE event_id = $1", event_id
+                """SELECT e.conversation_id, e.body
+                     FROM events e JOIN conversations c ON c.id = e.conversation_id
+                    WHERE e.event_id = $1
+                    ORDER BY e.conversation_id = e.event_id DESC, c.created_at, c.id LIMIT 1""",
+                event_id,
             )
         if row is None:
             return None
@@ -521,12 +461,14 @@ class PostgresStore:
         """Hold the conversation's advisory lock on a dedicated connection while the block runs.
 
         Another PostgresStore (another daemon) asking for the same conversation waits until
-        this block ends. If the connection breaks, PostgreSQL drops the lock with it.
+        this block ends. If the connection breaks, PostgreSQL drops the lock with it. A database that does
+        not answer is :class:`StoreUnavailableError` (the block's own errors pass as they are).
         """
         if self._lease_pool is None:
             raise RuntimeError("PostgresStore is not open; call open() first")
-        async with self._lease_pool.acquire() as conn:
-            await conn.execute(LEASE_SQL, conversation_id)
+        async with acquired(self._lease_pool) as conn:
+            with unavailable_as_store_error():
+                await conn.execute(LEASE_SQL, conversation_id)
             key = (asyncio.current_task(), conversation_id)
             self._leased[key] = conn
             try:
@@ -574,16 +516,18 @@ class PostgresStore:
 
         With ``on_lost`` (a run's lease), a lock taken is kept for the whole block: a database restart
         drops it with its connection, so it is then taken again on a new connection as soon as the
-        database answers, and ``on_lost`` is called (once) if another took it first.
+        database answers, and ``on_lost`` is called (once) if another took it first. A database that does
+        not answer is :class:`StoreUnavailableError` (the block's own errors pass as they are).
         """
         if self._name_pool is None:
             raise RuntimeError("PostgresStore is not open; call open() first")
-        async with self._name_pool.acquire() as conn:
-            if on_lost is None:
-                taken, session = bool(await conn.fetchval(TRY_LEASE_SQL, name)), None
-            else:
-                row: Any = await conn.fetchrow(TRY_KEPT_LEASE_SQL, name)
-                taken, session = bool(row["taken"]), (int(row["pid"]), row["started"])
+        async with acquired(self._name_pool) as conn:
+            with unavailable_as_store_error():
+                if on_lost is None:
+                    taken, session = bool(await conn.fetchval(TRY_LEASE_SQL, name)), None
+                else:
+                    row: Any = await conn.fetchrow(TRY_KEPT_LEASE_SQL, name)
+                    taken, session = bool(row["taken"]), (int(row["pid"]), row["started"])
             if not taken or session is None or on_lost is None:
                 try:
                     yield taken
@@ -736,55 +680,6 @@ class PostgresStore:
             await conn.execute("DELETE FROM meta WHERE key = $1", key)
 
 
-def _title_column(title: str) -> str:
-    """The title as the ``title`` column holds it: ``text`` refuses NUL, so it is replaced there."""
-    return title.replace("\x00", "\ufffd")
-
-
-async def _first_matching(
-    conn: Any, sql: str, args: list[Any], query: SearchQuery, limit: int
-) -> list[ConversationSummary]:
-    """The first ``limit`` rows, in the query's order, that pass the filters SQL leaves to core's
-    rules (the fuzzy title, a summary that says something; the lifecycle JSON is text, which SQL
-    does not parse): read through a cursor, so the scan stops there."""
-    found: list[ConversationSummary] = []
-    if limit < 1:
-        return found
-    async with conn.transaction():
-        async for record in conn.cursor(sql, *args, prefetch=max(10, limit)):
-            row = _summary_of_row(record)
-            if summary_matches(row, query):
-                found.append(row)
-                if len(found) >= limit:
-                    break
-    return found
-
-
-def _lifecycle_json(summary: ConversationSummary) -> str:
-    """The lifecycle fields an index row keeps in its ``lifecycle`` column (the others have columns),
-    and the exact title when the ``title`` column cannot hold it."""
-    kept = {*LIFECYCLE_FIELDS} - {"activity_at", "ended_at"}
-    fields = summary.model_dump(mode="json", include=kept)
-    if "\x00" in summary.title:
-        fields[_EXACT_TITLE] = summary.title
-    return json.dumps(fields)
-
-
-_EXACT_TITLE = "exact_title"
-"""The ``lifecycle`` key holding a title with NUL in it (the ``title`` column has it replaced)."""
-
-
-def _summary_of_row(r: Any) -> ConversationSummary:
-    """A search row as a summary (the exact title from ``lifecycle`` when the column's differs)."""
-    lifecycle: dict[str, Any] = json.loads(r["lifecycle"])
-    return ConversationSummary(
-        id=r["id"], title=lifecycle.get(_EXACT_TITLE, r["title"]), phase=Phase(r["phase"]),
-        created_at=r["created_at"], updated_at=r["updated_at"], event_count=r["event_count"],
-        agent_count=r["agent_count"], archived=r["archived"], participants=sorted(r["participants"]),
-        **lifecycle_fields({**lifecycle, "activity_at": r["activity_at"], "ended_at": r["ended_at"]}),
-    )
-
-
 async def _save_state_on(conn: Any, conversation: Conversation) -> None:
     """Replace a conversation's state JSON and the index columns derived from it, on ``conn``."""
     summary = ConversationSummary.of(conversation)
@@ -792,9 +687,9 @@ async def _save_state_on(conn: Any, conversation: Conversation) -> None:
         """UPDATE conversations SET title = $2, phase = $3, created_at = $4, updated_at = $5,
                   agent_count = $6, state = $7, activity_at = $8, ended_at = $9, lifecycle = $10
             WHERE id = $1""",
-        conversation.id, _title_column(summary.title), summary.phase.value, summary.created_at,
+        conversation.id, title_column(summary.title), summary.phase.value, summary.created_at,
         summary.updated_at, summary.agent_count, json.dumps(conversation.state_dict()),
-        summary.activity_at, summary.ended_at, _lifecycle_json(summary),
+        summary.activity_at, summary.ended_at, lifecycle_json(summary),
     )
     if status.endswith(" 0"):
         raise ConversationNotFoundError(conversation.id)

@@ -313,6 +313,8 @@ class _Run:
     report: SmartHoleImportReport
     now_ms: int
     idle_timeout_ms: int
+    not_stored: int = 0
+    """How many conversations the store refused (reported in ``failed``)."""
 
     def reject(self, conversation_id: str, index: int, reason: str, raw: Any) -> None:
         """Report one message or history entry left out."""
@@ -480,9 +482,13 @@ def _built(run: _Run, data: SmartHoleData) -> Iterator[Conversation]:
 
 
 async def _store_one(store: Store, conversation: Conversation, run: _Run) -> None:
-    """Create the conversation in one call; an existing one is reported (with what it lacks)."""
+    """Create the conversation in one call; an existing one is reported (with what it lacks), and one the
+    store refuses is reported ``failed`` (the others are still stored). A store that cannot be written
+    at all (an ``OSError``: its database does not answer, its disk is full) stops the import."""
     try:
         await store.create(conversation)
+    except OSError:
+        raise
     except ConversationExistsError:
         run.report.already_present.append(conversation.id)
         stored = await store.load(conversation.id)
@@ -490,6 +496,10 @@ async def _store_one(store: Store, conversation: Conversation, run: _Run) -> Non
         if missing:
             reason = f"already stored; {missing} source message(s) not in it were not added"
             run.note(conversation.id, reason, [])
+        return
+    except Exception as exc:  # this conversation's data, refused by the store: the others go on
+        run.not_stored += 1
+        run.fail(conversation.id, f"not stored: {type(exc).__name__}: {exc}")
         return
     run.report.imported.append(conversation.id)
     run.report.events_imported += len(conversation.history)
@@ -515,8 +525,10 @@ async def import_smarthole_file(
     """Import a SmartHole ``data.json`` into ``store`` (see the module's description); return the report.
 
     Raises FileNotFoundError for a missing file and :class:`SmartHoleFormatError` for one that is
-    not JSON or holds no SmartHole data; store errors are raised as they come (conversations stored
-    before one stay stored, and a new run reports them already present).
+    not JSON or holds no SmartHole data. A conversation the store refuses is reported in ``failed`` and
+    the others are stored; the import is then not recorded, so a new run tries it again (reporting the
+    others already present). A store that cannot be written at all (an ``OSError``) stops the import
+    (conversations stored before stay stored, and a new run reports them already present).
     """
     file = Path(path)
     payload = await asyncio.to_thread(file.read_bytes)
@@ -536,7 +548,10 @@ async def import_smarthole_file(
     run = _Run(identities, report, now, idle_timeout_ms)
     for conversation in _built(run, found):
         await _store_one(store, conversation, run)
-    await store.set_meta(META_PREFIX + digest, json.dumps(_record(report, now)))
+    if run.not_stored:
+        log.warning("smarthole_import_not_recorded", source=str(file), not_stored=run.not_stored)
+    else:
+        await store.set_meta(META_PREFIX + digest, json.dumps(_record(report, now)))
     log.info(
         "smarthole_import_done", imported=len(report.imported), already_present=len(report.already_present),
         failed=len(report.failed), rejected=len(report.rejected_events),

@@ -502,9 +502,11 @@ async def import_tenex_home(src_dir: str | Path, store: Store, *, clock: Clock |
 
     ``src_dir`` is the project folder, its ``.tenex`` folder, or the ``conversations`` folder.
     Conversations already in the store are left alone (the import can be re-run). Source
-    files are only read, never changed. A file that cannot be read or is not a conversation is
-    reported in ``failed`` and the others are imported. ``clock`` (default: the system's) dates
-    "now" for refusing times in the future.
+    files are only read, never changed. A file that cannot be read or is not a conversation, or whose
+    conversation the store refuses, is reported in ``failed`` and the others are imported; a store that
+    cannot be written at all (an ``OSError``: its database does not answer, a full disk) stops the import
+    (a new run reports the conversations stored before it already present). ``clock`` (default: the
+    system's) dates "now" for refusing times in the future.
     """
     folder = _conversations_dir(Path(src_dir))
     now_ms = (clock or SystemClock()).now_ms()
@@ -527,8 +529,16 @@ async def import_tenex_home(src_dir: str | Path, store: Store, *, clock: Clock |
             continue
         try:
             await store.create(conversation)
+        except OSError:
+            raise  # the store cannot be written at all (its database does not answer, a full disk)
         except ConversationExistsError:
             report.already_present.append(conversation.id)
+            continue
+        except Exception as exc:  # this file's conversation, refused by the store: the others go on
+            report.failed.append(
+                ImportProblem(str(path), conversation.id, f"not stored: {type(exc).__name__}: {exc}")
+            )
+            log.error("import_conversation_not_stored", path=str(path), error=repr(exc))
             continue
         report.imported.append(conversation.id)
         report.events_imported += len(conversation.history)

@@ -3,8 +3,9 @@ OSError), with the driver's reason, for what the control API answers 503 and the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 import pytest
@@ -36,6 +37,8 @@ class DownPool:
         asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
         asyncpg.CannotConnectNowError("the database system is starting up"),
         asyncpg.InterfaceError("cannot perform operation: connection is closed"),
+        asyncpg.InternalClientError("cannot switch to state 14; another operation (2) is in progress"),
+        asyncpg.InternalClientError('cannot switch to state 14; protocol is in the "failed" state'),
     ],
 )
 async def test_a_database_that_does_not_answer_is_a_store_unavailable_error(error: BaseException) -> None:
@@ -54,11 +57,104 @@ async def test_a_statements_own_timeout_and_other_errors_pass_as_they_are() -> N
     """A timeout keeps its name (callers wait for it by that name); a refusal of the statement itself (not
     the connection), and the client's own misuse (a bad argument), are no outage."""
     store = PostgresStore("postgresql://u@127.0.0.1:1/db")
-    misuses = (asyncpg.DataError("invalid input for query argument $1"), asyncpg.InterfaceError("another op"))
+    misuses = (
+        asyncpg.DataError("invalid input for query argument $1"), asyncpg.InterfaceError("another op"),
+        asyncpg.InternalClientError("no binary format encoder for type x"),
+    )
     for error in (TimeoutError(), asyncpg.UniqueViolationError("duplicate key"), *misuses):
         store._pool = DownPool(error)  # type: ignore[assignment]
         with pytest.raises(type(error)):
             await store.get_meta("outbox.pending")
+
+
+class Acquiring:
+    """What asyncpg's ``Pool.acquire()`` gives: awaited, or entered as an async context manager."""
+
+    def __init__(self, pool: LeasePool) -> None:
+        self.pool = pool
+
+    def __await__(self) -> Generator[Any, None, LeasePool]:
+        return self.pool.connect().__await__()
+
+    async def __aenter__(self) -> LeasePool:
+        return await self.pool.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pool.release(self.pool)
+
+
+class LeasePool:
+    """A lease or name pool: each connection it gives fails as ``error`` when asked for (None: it is given,
+    and answers every statement)."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+        self.released = 0
+
+    def acquire(self) -> Acquiring:
+        """Fail as the database does, or give a connection (the pool itself plays it)."""
+        return Acquiring(self)
+
+    async def connect(self) -> LeasePool:
+        """Fail as the database does, or give a connection."""
+        if self.error is not None:
+            raise self.error
+        return self
+
+    async def release(self, conn: object) -> None:
+        """Take the connection back."""
+        self.released += 1
+
+    async def execute(self, *args: object, **kwargs: object) -> str:
+        """Answer a statement."""
+        return "SELECT 1"
+
+    async def fetchval(self, *args: object, **kwargs: object) -> bool:
+        """Answer that the lock was free."""
+        return True
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionRefusedError(111, "Connect call failed"),
+        asyncpg.CannotConnectNowError("the database system is starting up"),
+        asyncpg.InternalClientError("cannot switch to state 14; another operation (2) is in progress"),
+    ],
+)
+async def test_a_lease_or_a_name_asked_of_a_database_that_does_not_answer_is_a_store_unavailable_error(
+    error: BaseException,
+) -> None:
+    """A conversation's lease, and a name or run lease (try_take), asked while the database does not answer
+    raise StoreUnavailableError naming the reason (the control API's 503): before, the driver's own error
+    (a ConnectionRefusedError: a 500)."""
+    store = PostgresStore("postgresql://u@127.0.0.1:1/db")
+    store._lease_pool = store._name_pool = LeasePool(error)  # type: ignore[assignment]
+
+    with pytest.raises(StoreUnavailableError, match="the PostgreSQL store does not answer") as caught:
+        async with store.lease("conversation"):
+            pass
+    assert str(error) in str(caught.value)
+    for on_lost in (None, lambda: None):
+        with pytest.raises(StoreUnavailableError, match="the PostgreSQL store does not answer"):
+            async with store.try_take("run lease", on_lost):
+                pass
+
+
+async def test_the_errors_of_a_lease_s_own_block_pass_as_they_are() -> None:
+    """An error the block under a lease raises (an OSError of its own, say) is not taken for an outage, and
+    the lease's connection is given back."""
+    store = PostgresStore("postgresql://u@127.0.0.1:1/db")
+    pool = LeasePool(None)
+    store._lease_pool = store._name_pool = pool  # type: ignore[assignment]
+
+    with pytest.raises(ConnectionRefusedError):
+        async with store.lease("conversation"):
+            raise ConnectionRefusedError(111, "the block's own")
+    with pytest.raises(FileNotFoundError):
+        async with store.try_take("name"):
+            raise FileNotFoundError("the block's own")
+    assert pool.released == 2
 
 
 def test_an_outage_is_logged_in_one_line_and_a_defect_with_its_traceback() -> None:

@@ -21,6 +21,7 @@ from tenex_daemon.adapters.storage.smarthole_import import (
     parse_time_ms,
 )
 from tenex_daemon.core.conversation import Conversation, TitleSource
+from tenex_daemon.core.errors import StoreUnavailableError
 from tenex_daemon.core.search import SearchQuery
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.testing import FakeClock
@@ -246,6 +247,52 @@ async def test_a_second_run_imports_nothing_and_reports_the_first(tmp_path: Path
     assert third.already_imported is None
     assert third.imported == []
     assert sorted(third.already_present) == sorted(first.imported)
+
+
+class RefusingStore(MemoryStore):
+    """A memory store whose ``create`` of one conversation raises ``error`` (none: it refuses none)."""
+
+    def __init__(self, refused: str, error: Exception) -> None:
+        super().__init__()
+        self.refused: str | None = refused
+        self.error = error
+
+    async def create(self, conversation: Conversation) -> None:
+        """Raise for the refused conversation, store the others."""
+        if conversation.id == self.refused:
+            raise self.error
+        await super().create(conversation)
+
+
+async def test_a_conversation_the_store_refuses_fails_alone_and_the_import_is_not_recorded(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """A conversation the store refuses is reported failed with the store's error, the others are stored,
+    and the import is not recorded, so the next run stores it (the others already present); before, the
+    error stopped the import there. A store that does not answer (an OSError) stops the import."""
+    path = write(tmp_path, plugin_data([ended_conversation(), open_conversation()], legacy_entries()))
+    clock = FakeClock(NOW)
+    every = await import_smarthole_file(path, MemoryStore(), identities(cast), clock=clock, idle_timeout_ms=IDLE)
+    refused, *others = every.imported
+    store = RefusingStore(refused, RuntimeError("the database refused a value"))
+
+    report = await import_smarthole_file(path, store, identities(cast), clock=clock, idle_timeout_ms=IDLE)
+
+    assert report.imported == others
+    assert [(p.conversation_id, p.reason) for p in report.failed] == [
+        (refused, "not stored: RuntimeError: the database refused a value"),
+    ]
+    assert await store.get_meta(META_PREFIX + report.sha256) is None
+    store.refused = None
+    again = await import_smarthole_file(path, store, identities(cast), clock=clock, idle_timeout_ms=IDLE)
+    assert (again.imported, again.already_present, again.failed) == ([refused], others, [])
+    assert await store.get_meta(META_PREFIX + report.sha256) is not None
+
+    down = RefusingStore(others[0], StoreUnavailableError("the PostgreSQL store does not answer: refused"))
+    with pytest.raises(StoreUnavailableError):
+        await import_smarthole_file(path, down, identities(cast), clock=clock, idle_timeout_ms=IDLE)
+    assert await down.load(refused) is not None
+    assert await down.get_meta(META_PREFIX + report.sha256) is None
 
 
 async def test_bad_entries_are_reported_each_and_the_rest_imported_whole(tmp_path: Path, cast: Cast) -> None:

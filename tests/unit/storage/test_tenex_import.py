@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.adapters.storage.tenex_import import import_tenex_home, parse_ndk_event, time_ms, to_ms
+from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import StoreUnavailableError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.core.search import SearchQuery
@@ -299,6 +301,43 @@ async def test_a_file_that_cannot_be_read_as_a_conversation_fails_alone(tmp_path
         ("01.json", "ValueError"), ("01b-folder.json", "IsADirectoryError"),
     ]
     assert report.failed[0].reason == "ValueError: history is a string, not a list"
+
+
+class RefusingStore(MemoryStore):
+    """A memory store whose ``create`` of one conversation raises ``error``."""
+
+    def __init__(self, refused: str, error: Exception) -> None:
+        super().__init__()
+        self.refused, self.error = refused, error
+
+    async def create(self, conversation: Conversation) -> None:
+        """Raise for the refused conversation, store the others."""
+        if conversation.id == self.refused:
+            raise self.error
+        await super().create(conversation)
+
+
+async def test_a_conversation_the_store_refuses_fails_alone_and_a_store_that_does_not_answer_stops(
+    tmp_path: Path,
+) -> None:
+    """A file whose conversation the store refuses is one failed file naming the store's error, and the files
+    after it are imported (before, the error stopped the import there); a store that does not answer
+    (an OSError) stops the import, the conversations stored before it kept."""
+    odd = full_conversation(sign_event(BASE_FILE_KEYS, "refused", kind=11, created_at=1_700_000_001))
+    ids = three_files(tmp_path / "conversations", odd)
+    store = RefusingStore(ids[1], RuntimeError("the database refused a value"))
+
+    report = await import_tenex_home(tmp_path, store, clock=FakeClock(NOW))
+
+    assert report.imported == [ids[0], ids[2]]
+    assert [(Path(p.path).name, p.conversation_id, p.reason) for p in report.failed] == [
+        ("01.json", ids[1], "not stored: RuntimeError: the database refused a value"),
+    ]
+    down = RefusingStore(ids[1], StoreUnavailableError("the PostgreSQL store does not answer: refused"))
+    with pytest.raises(StoreUnavailableError):
+        await import_tenex_home(tmp_path, down, clock=FakeClock(NOW))
+    assert await down.load(ids[0]) is not None
+    assert await down.load(ids[2]) is None
 
 
 @FUZZ
