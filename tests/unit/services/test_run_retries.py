@@ -13,33 +13,19 @@ import pytest
 import structlog.testing
 
 from tenex_daemon import NostrEvent
-from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.services import runs
 from tenex_daemon.services.runs import RunRequest
 from tests import pipeline
 from tests.conftest import Cast
+from tests.unit.services.test_bursts import GatedBackend
 
 
-class Numbered:
-    """A backend answering "answer <n>" for its n-th request; the first waits for ``release`` when gated."""
-
-    name = "numbered"
-
-    def __init__(self, *, gated: bool = False) -> None:
-        self.requests: list[CompletionRequest] = []
-        self.asked = asyncio.Event()
-        self.release = asyncio.Event()
-        if not gated:
-            self.release.set()
-
-    async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Answer with the request's number (the first one once released)."""
-        self.requests.append(request)
-        number = len(self.requests)
-        if number == 1:
-            self.asked.set()
-            await self.release.wait()
-        return CompletionResult(text=f"answer {number}", model="numbered")
+def numbered(*, gated: bool = False) -> GatedBackend:
+    """A backend answering "answer <n>" to its n-th request; the first waits for ``release`` when gated."""
+    backend = GatedBackend()
+    if not gated:
+        backend.release.set()
+    return backend
 
 
 def outbox_fails_once_for(rig: pipeline.Rig, content: str, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
@@ -79,7 +65,7 @@ async def test_a_burst_whose_reply_was_saved_before_it_failed_is_not_answered_ag
     then its outbox write fails: whichever request tries again publishes that saved reply; the model is not
     asked again and the newest message gets one answer."""
     monkeypatch.setattr(runs, "RUN_RETRY_S", (0.05, 0.05, 0.05))
-    backend = Numbered(gated=True)
+    backend = numbered(gated=True)
     rig = pipeline.build_rig(cast, backend=backend)
     outbox_fails_once_for(rig, "answer 2", monkeypatch)
     root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
@@ -105,7 +91,7 @@ async def test_a_reply_saved_before_its_run_failed_goes_out_when_a_new_message_t
     try again, and its run takes the failed one into a burst: the saved reply is published, and the new
     message answered."""
     monkeypatch.setattr(runs, "RUN_RETRY_S", (0.3, 0.3, 0.3))
-    rig = pipeline.build_rig(cast, backend=Numbered())
+    rig = pipeline.build_rig(cast, backend=numbered())
     failed = outbox_fails_once_for(rig, "answer 1", monkeypatch)
     root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
     await rig.dispatcher.handle(root)
@@ -126,7 +112,7 @@ async def test_a_stop_while_a_run_with_a_saved_reply_waits_to_try_again_lets_tha
     again: the run is let finish as a run saving its reply is, and the saved reply is published (it was in
     no outbox, and the stop would have dropped its only journal entry)."""
     monkeypatch.setattr(runs, "RUN_RETRY_S", (0.3, 0.3, 0.3))
-    rig = pipeline.build_rig(cast, backend=Numbered())
+    rig = pipeline.build_rig(cast, backend=numbered())
     failed = outbox_fails_once_for(rig, "answer 1", monkeypatch)
     root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
     await rig.dispatcher.handle(root)
@@ -146,7 +132,7 @@ async def test_a_message_answered_in_a_burst_leaves_the_journal_at_once_and_a_cr
     together. A crash then (B still waiting for its turn): the journal no longer holds B, so the next start
     does not answer it a second time."""
     monkeypatch.setattr(runs, "RUN_RETRY_S", (30.0, 30.0))
-    backend = Numbered()
+    backend = numbered()
     rig = pipeline.build_rig(cast, backend=backend)
     run: Callable[..., Awaitable[NostrEvent | None]] = rig.runner.run
     failed = asyncio.Event()
@@ -181,7 +167,7 @@ async def test_a_journal_entry_another_version_wrote_or_a_broken_one_does_not_dr
     """The run journal holds a run with a field this version does not know (another version of the daemon
     wrote it), a broken entry and a dispatch: the run is redone as recovered, the dispatch is kept, and only
     the broken entry is left out (the whole journal was dropped)."""
-    rig = pipeline.build_rig(cast, backend=Numbered())
+    rig = pipeline.build_rig(cast, backend=numbered())
     root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
     await rig.manager.create_conversation(root)
     entries = [
@@ -203,7 +189,7 @@ async def test_a_journal_entry_another_version_wrote_or_a_broken_one_does_not_dr
 async def test_a_journaled_run_of_an_agent_no_longer_configured_is_dropped_at_once(cast: Cast) -> None:
     """A run journaled for an agent the configuration no longer has is dropped with its reason logged, not
     tried again for half an hour (holding its conversation busy meanwhile)."""
-    rig = pipeline.build_rig(cast, backend=Numbered())
+    rig = pipeline.build_rig(cast, backend=numbered())
     root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
     await rig.manager.create_conversation(root)
     gone = {"conversation_id": root.id, "trigger_id": root.id, "agent_slug": "carol"}
