@@ -606,14 +606,16 @@ class RunScheduler:
         """Take over the journal another daemon left under ``key`` (it died): its runs are scheduled
         here (as recovered) and, with its dispatches, are in this daemon's own journal when this
         returns; the caller may then forget ``key``. Returns the event ids whose dispatch to finish."""
-        redo, requests = await self._take_in(key)
+        # taken over while draining: journaled here, started at the next start (the drain counted its runs)
+        redo, requests = await self._take_in(key, start=self._accepting)
         self._journal_version += 1
         await self._write_journal(self._journal_version)
         log.info("run_journal_adopted", key=key, runs=len(requests), dispatches=len(redo))
         return redo
 
-    async def _take_in(self, key: str) -> tuple[list[str], list[RunRequest]]:
-        """Read the journal under ``key`` and schedule its runs; return (dispatch ids, run requests)."""
+    async def _take_in(self, key: str, *, start: bool = True) -> tuple[list[str], list[RunRequest]]:
+        """Read the journal under ``key`` and schedule its runs (started unless ``start`` is False: only
+        journaled); return (dispatch ids, run requests)."""
         entries = await self._read_journal(key)
         redo = list(dict.fromkeys(str(item["dispatch"]) for item in entries if "dispatch" in item))
         requests = [
@@ -626,7 +628,8 @@ class RunScheduler:
             self._dispatching[event_id] = None
         for request in requests:
             self._pending[self._key(request)] = request
-            self._spawn(request)
+            if start:
+                self._spawn(request)
         return redo, requests
 
     async def _read_journal(self, key: str) -> list[dict[str, Any]]:

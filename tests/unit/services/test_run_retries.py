@@ -202,3 +202,22 @@ async def test_a_journaled_run_of_an_agent_no_longer_configured_is_dropped_at_on
     assert not rig.scheduler.has_runs(root.id)
     assert [e["agent"] for e in logs if e["event"] == "run_agent_unknown"] == ["carol"]
     assert not [e for e in logs if e["event"] == "run_retry"]
+
+
+async def test_runs_taken_over_while_draining_are_journaled_here_and_not_started(cast: Cast) -> None:
+    """A dead daemon's run journal taken over while this one drains (stopping): its runs start nothing now,
+    after the drain counted what it waits for, and stay in this daemon's journal for its next start."""
+    rig = pipeline.build_rig(cast, backend=numbered())
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.manager.create_conversation(root)
+    dead = {"conversation_id": root.id, "trigger_id": root.id, "agent_slug": "alice"}
+    await rig.store.set_meta("runs:dead", json.dumps([dead]))
+    await rig.scheduler.drain(1.0)
+
+    await rig.scheduler.adopt("runs:dead")
+    await asyncio.sleep(0.05)
+
+    assert rig.scheduler.in_flight == 0
+    assert rig.publisher.published == []
+    stored = json.loads(await rig.store.get_meta(rig.scheduler.journal_key) or "[]")
+    assert [(e["trigger_id"], e["agent_slug"]) for e in stored] == [(root.id, "alice")]
