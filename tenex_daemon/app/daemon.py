@@ -62,7 +62,7 @@ from tenex_daemon.app.status import (
     write_status,
 )
 from tenex_daemon.app.stop_signals import StopSignals
-from tenex_daemon.app.watchdog import Watchdog, store_probe
+from tenex_daemon.app.watchdog import PROBE_EVERY_S, Watchdog, store_probe
 from tenex_daemon.app.wiring import (
     Pipeline,
     PipelineOptions,
@@ -158,6 +158,8 @@ class Daemon:
         self._conversation_counts = ConversationCounts(total=0, archived=0, by_phase={})
         self._store_error: str | None = None
         self._relays_down = RelaysDown()
+        self._watchdog: Watchdog | None = None
+        """Probes the store (and pings systemd's watchdog when asked): a stuck store shows as degraded."""
         self._process = process_identity(os.getpid())
         """Why the store did not answer the status loop's last count (None: it did), shown as degraded."""
         self.embedded_relay: EmbeddedRelay | None = None
@@ -247,7 +249,8 @@ class Daemon:
             "retention": retention_status(self.sweeper),
             "errors": dict(self.errors),
             "degraded": degraded_reason(
-                pool_health, self._store_error, self._relays_down.seconds(pool_health, now)
+                pool_health, self._store_error, self._relays_down.seconds(pool_health, now),
+                self._watchdog.stuck_s() if self._watchdog is not None else None,
             ),
             "embedded_relay": self.embedded_relay.url if self.embedded_relay is not None else None,
             "embedded_relay_pid": self.embedded_relay.pid if self.embedded_relay is not None else None,
@@ -469,8 +472,10 @@ class Daemon:
         )
         sweep_every_s = settings.conversations.sweep_interval_min * 60
         self._spawn(self.sweeper.run_forever(sweep_every_s), "retention sweeper")
-        if interval := self.notifier.watchdog_interval_s():  # pinged while the store's writes go through
-            self._spawn(Watchdog(self.notifier, store_probe(self.store)).run(interval / 2), "watchdog")
+        interval = self.notifier.watchdog_interval_s()  # pinged while the store's writes go through
+        probe = store_probe(self.store, self.instance if self._peers is not None else None)
+        self._watchdog = Watchdog(self.notifier, probe, ping=interval is not None)
+        self._spawn(self._watchdog.run(interval / 2 if interval else PROBE_EVERY_S), "store watchdog")
 
     def _filters(self, pubkeys: list[str]) -> list[dict[str, Any]]:
         """What the daemon subscribes to: events p-tagging its agents or its project key, and stop

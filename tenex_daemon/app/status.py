@@ -500,13 +500,17 @@ class RelaysDown:
 
 
 def degraded_reason(
-    pool_health: PoolHealth | None, store_error: str | None, relays_down_s: float
+    pool_health: PoolHealth | None, store_error: str | None, relays_down_s: float,
+    store_stuck_s: float | None = None,
 ) -> str | None:
-    """Why the daemon is degraded (its store does not answer; incoming events it failed to handle, retried;
-    no relay connected for :data:`RELAYS_DOWN_DEGRADED_S` or more), or None."""
+    """Why the daemon is degraded (its store does not answer; a write to it has waited ``store_stuck_s``,
+    long enough to call it stuck; incoming events it failed to handle, retried; no relay connected for
+    :data:`RELAYS_DOWN_DEGRADED_S` or more), or None."""
     reasons = []
     if store_error is not None:
         reasons.append(f"store: not answering ({store_error})")
+    if store_stuck_s is not None:
+        reasons.append(f"store: a write has waited {int(store_stuck_s)} s (a disk or a database that hangs?)")
     if pool_health is not None and pool_health.retrying:
         reasons.append(
             f"intake: {pool_health.retrying} incoming events failed to be handled and are retried "

@@ -15,7 +15,9 @@ a small fraction of the status file's writes). While a write has waited longer t
 
 A write that fails (a full disk, a database restarting or refusing) answered: the store is not stuck,
 a restart would not help, and the daemon retries its own work (docs/ARCHITECTURE.md, "Durability
-contract"). It is logged, once for each run of failures. Without systemd's watchdog nothing is written.
+contract"). It is logged, once for each run of failures. Without systemd's watchdog the write goes on
+every :data:`PROBE_EVERY_S`, no ping is sent, and a write stuck past the bound shows in ``tenexd status``
+as degraded (as it does under systemd).
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ STORE_STUCK_AFTER_S = 60.0
 """How long the watchdog's write may wait before the store counts as stuck and the pings stop. Longer
 than any write of a working store (a journal's checkpoint on a slow disk, a database's answer over a
 network that stopped carrying it, cut after about 25 s)."""
+PROBE_EVERY_S = 15.0
+"""How often the store is probed when systemd asks for no watchdog (the status says when it is stuck)."""
 WATCHDOG_KEY = "watchdog.store"
 """The small value the watchdog writes (the Unix time of the write)."""
 
 
-def store_probe(store: SmallValues, key: str = WATCHDOG_KEY) -> Callable[[], Awaitable[None]]:
-    """A write of the time under ``key``: one durable write through ``store``."""
+def store_probe(store: SmallValues, instance: str | None = None) -> Callable[[], Awaitable[None]]:
+    """A write of the time under :data:`WATCHDOG_KEY` (``:<instance>`` after it for a daemon sharing its
+    database: each its own row, so none waits behind another's): one durable write through ``store``."""
+    key = WATCHDOG_KEY if instance is None else f"{WATCHDOG_KEY}:{instance}"
 
     async def probe() -> None:
         await store.set_meta(key, str(round(time.time())))
@@ -59,8 +65,11 @@ class Watchdog:
         *,
         stuck_after_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ping: bool = True,
     ) -> None:
         self.notifier = notifier
+        self.ping = ping
+        """Whether systemd asked for a watchdog; without one, only :meth:`stuck_s` tells (the status)."""
         self.probe = probe
         self.stuck_after_s = STORE_STUCK_AFTER_S if stuck_after_s is None else stuck_after_s
         """:data:`STORE_STUCK_AFTER_S` unless given."""
@@ -69,6 +78,12 @@ class Watchdog:
         self._probe_started = 0.0
         self._withheld = False
         self._failing = False
+
+    def stuck_s(self) -> float | None:
+        """How long the write in flight has waited, once that is past the bound (the store looks stuck);
+        None while it is not."""
+        waited = self.waited_s()
+        return waited if waited > self.stuck_after_s else None
 
     def waited_s(self) -> float:
         """How long the write in flight has waited (0 when none is)."""
@@ -95,8 +110,9 @@ class Watchdog:
         if self._withheld:
             self._withheld = False
             log.warning("watchdog_resumed", note="the store's write ended: the pings go on")
-        self.notifier.watchdog()
-        return True
+        if self.ping:
+            self.notifier.watchdog()
+        return self.ping
 
     async def run(self, every_s: float) -> None:
         """Ping every ``every_s`` while the store's writes go through, until cancelled."""

@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 from tenex_daemon.adapters.nostr.relay_pool import RelayPool
 from tenex_daemon.adapters.storage.filesystem.ops import commit_thread
 from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.app import daemon as daemon_module
 from tenex_daemon.app import watchdog as watchdog_module
 from tenex_daemon.app.daemon import Daemon
 from tenex_daemon.app.home import init_home
@@ -100,12 +101,71 @@ async def test_a_write_that_fails_is_an_answer_and_the_pings_go_on() -> None:
     assert [entry["event"] for entry in logs] == ["watchdog_write_failed"]
 
 
+async def test_without_systemds_watchdog_the_store_is_probed_and_a_stuck_write_is_told_not_pinged() -> None:
+    """No watchdog asked for: nothing is pinged, yet the store is probed all the same, and a write waiting past
+    the bound is told (what the status shows as degraded) until it ends."""
+    notifier, clock = Pings(), Clock()
+    done = asyncio.Event()
+
+    async def probe() -> None:
+        await done.wait()
+
+    dog = Watchdog(notifier, probe, stuck_after_s=60.0, clock=clock, ping=False)
+    assert not dog.beat()
+    await turn()
+    assert dog.stuck_s() is None
+    clock.now += 61.0
+    assert dog.stuck_s() == 61.0
+    done.set()
+    await turn()
+    assert dog.stuck_s() is None
+    assert notifier.count == 0
+
+
+async def test_a_stuck_store_shows_as_degraded_in_the_status_without_systemd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon not under systemd, its filesystem store's commit thread hung: its status says degraded,
+    naming the store's waiting write, and no longer once the thread goes on."""
+    monkeypatch.setattr(watchdog_module, "STORE_STUCK_AFTER_S", 0.5)
+    monkeypatch.setattr(daemon_module, "PROBE_EVERY_S", 0.1)
+
+    async def no_relay(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
+        return False
+
+    async def no_announcement(self: Daemon, signers: object) -> None:
+        return None
+
+    monkeypatch.setattr(RelayPool, "wait_connected", no_relay)
+    monkeypatch.setattr(Daemon, "_announce", no_announcement)
+    init_home(tmp_path / "h", relays=["ws://127.0.0.1:1"])
+    daemon = Daemon(load_settings(tmp_path / "h", {}))
+    daemon.notifier = SystemdNotifier({})
+    dead_disk = threading.Event()
+    running = asyncio.create_task(daemon.run())
+    try:
+        await asyncio.wait_for(daemon.wait_ready(), 30)
+        commit_thread().submit(dead_disk.wait, 30)  # every commit waits behind it from now on
+        await asyncio.sleep(1.0)
+        assert "store: a write has waited" in (daemon.status()["degraded"] or "")
+        dead_disk.set()
+        await asyncio.sleep(0.5)
+        assert daemon.status()["degraded"] is None
+    finally:
+        dead_disk.set()
+        daemon.request_stop()
+        await asyncio.wait_for(running, 30)
+
+
 async def test_the_probe_is_one_write_of_a_small_value() -> None:
-    """What the watchdog writes: the time, under its own key, through the store's durable writes."""
+    """What the watchdog writes: the time, under its own key, through the store's durable writes; a daemon
+    sharing its database writes under a key of its own (none waits behind another's row)."""
     store = MemoryStore()
     await store.open()
     await store_probe(store)()
+    await store_probe(store, "east")()
     assert (await store.get_meta(WATCHDOG_KEY) or "").isdigit()
+    assert (await store.get_meta(f"{WATCHDOG_KEY}:east") or "").isdigit()
 
 
 def pings(sock: socket.socket) -> int:
