@@ -85,6 +85,9 @@ class ReplyRouting(Protocol):
     async def after_reply(self, conversation_id: str, reply: NostrEvent) -> object:
         """Called once the reply is saved (not for the last reply of an ended conversation)."""
 
+    async def saved_reply_found(self, conversation_id: str, reply: NostrEvent) -> None:
+        """Called when a run redone finds its reply saved already (it is routed if no one routed it)."""
+
 
 def user_destination(conversation: Conversation, trigger: NostrEvent, manager: ConversationManager) -> str:
     """Return the person a reply goes to: the trigger's author if a user, else the newest user in history
@@ -216,7 +219,7 @@ class AgentRunner:
             return None
         request, index = _newest_last(request, conversation, index)
         trigger = conversation.history[index]
-        if await self._done_already(request, conversation, index, profile.agent.pubkey):
+        if await self._done_already(request, conversation, index, profile.agent.pubkey, routing):
             return None
         private = conversation.private  # nothing of a private conversation goes out in the clear
         thread = conversation.thread_id  # what clients showing the thread subscribe to
@@ -287,7 +290,8 @@ class AgentRunner:
         return reply
 
     async def _done_already(
-        self, request: RunRequest, conversation: Conversation, index: int, agent_pubkey: str
+        self, request: RunRequest, conversation: Conversation, index: int, agent_pubkey: str,
+        routing: ReplyRouting | None = None,
     ) -> bool:
         """Whether the run has nothing to do: its agent answered its trigger already (that answer goes
         out again), or a person stopped it since its trigger came."""
@@ -305,6 +309,8 @@ class AgentRunner:
             # saved, maybe never published. It goes out again (relays keep one copy per id).
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="already answered")
             await self.outbox.add(cid, saved, agent_slug=request.agent_slug, trigger_id=trigger.id)
+            if routing is not None:  # tried again after an error that came after the save: route it now
+                await routing.saved_reply_found(cid, saved)
             return True
         state = conversation.agent_states.get(request.agent_slug)
         shown = state is not None and state.last_processed_index > index

@@ -165,6 +165,8 @@ class EventDispatcher:
         """Per missing root: one reply at a time starts the thread's conversation (:meth:`_adopt_root`)."""
         self._failed: OrderedDict[str, None] = OrderedDict()
         """Events whose handling failed here once the dispatch began (the pool hands them over again)."""
+        self._routing_owed: set[str] = set()
+        """Replies journaled here (before_reply_saved) and not routed yet (:meth:`saved_reply_found`)."""
         self._handlers: dict[EventClass, Handler] = {
             EventClass.NEW_CONVERSATION: self._on_root,
             EventClass.TASK: self._on_root,
@@ -428,6 +430,14 @@ class EventDispatcher:
         routed = target.via_orchestrator or (target.agent is not None and target.agent.orchestrator)
         if routed or target.skip is None:
             await self._scheduler.accept(reply.id)
+            self._routing_owed.add(reply.id)
+
+    async def saved_reply_found(self, conversation_id: str, reply: NostrEvent) -> None:
+        """A run tried again after an error found its reply saved (the error came after the save): the reply
+        is routed now if that try had journaled it and never routed it; one a previous process journaled is
+        the next start's to route (:meth:`redispatch`), not this run's."""
+        if reply.id in self._routing_owed:
+            await self.after_reply(conversation_id, reply)
 
     async def after_reply(self, conversation_id: str, reply: NostrEvent) -> HandleResult:
         """Target an agent's own saved reply (it may address another agent, or the orchestrator
@@ -435,6 +445,7 @@ class EventDispatcher:
         for a relay's event (:meth:`_target_accepted`): the run, redone, finds its reply saved and does not
         route it, so nothing else would before the next start."""
         result = await self._target_accepted(conversation_id, reply)
+        self._routing_owed.discard(reply.id)
         self._scheduler.dispatched(reply.id, at_once=result.outcome is not Outcome.SCHEDULED)
         if self._observer is not None:
             self._observer.reply_targeted(conversation_id, reply, result)

@@ -171,6 +171,9 @@ class RecordingRouting:
         """Record a saved reply."""
         self.saved.append(reply)
 
+    async def saved_reply_found(self, conversation_id: str, reply: NostrEvent) -> None:
+        """A run redone found its reply saved: nothing to record (it was recorded when saved)."""
+
 
 @dataclass
 class TargetingLog:

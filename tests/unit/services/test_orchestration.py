@@ -27,6 +27,7 @@ from tenex_daemon.core.ports import Store
 from tenex_daemon.core.routing_budget import ROUTING_NOTE_KEY
 from tenex_daemon.core.vocabulary import TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services import dispatcher as dispatcher_module
+from tenex_daemon.services import runs as runs_module
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
 from tenex_daemon.services.orchestrator import (
@@ -862,3 +863,32 @@ async def test_a_store_error_counting_the_orchestrators_tokens_does_not_throw_it
     await settle(rig)
 
     assert (len(alice.requests), len(bob.requests)) == (0, 1)
+
+
+async def test_a_completion_whose_run_failed_after_saving_it_is_routed_when_the_run_is_tried_again(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's completion is saved, then its outbox write fails (the store gone for a moment): the run tried
+    again publishes the saved completion and routes it, so Bob, whom the orchestrator sends next, runs now
+    (not only after the next start)."""
+    monkeypatch.setattr(runs_module, "RUN_RETRY_S", (0.01, 0.01))
+    model = answers('{"agents": ["alice"], "reason": "build"}', '{"agents": ["bob"], "reason": "review"}',
+                    '{"agents": ["END"], "reason": "done"}')
+    bob = completes("reviewed")
+    rig = make_rig(cast, model, bob=bob)
+    add = rig.runner.outbox.add
+    failed: list[str] = []
+
+    async def failing_once(conversation_id: str, reply: NostrEvent, **options: Any) -> Any:
+        if reply.pubkey == cast.alice.pubkey and not failed:
+            failed.append(reply.id)
+            raise ConnectionResetError("the store went away for a moment")
+        return await add(conversation_id, reply, **options)
+
+    monkeypatch.setattr(rig.runner.outbox, "add", failing_once)
+    await rig.dispatcher.handle(cast.user_says("Build it", kind=11))
+    await settle(rig)
+
+    assert failed
+    assert len(bob.requests) == 1
+    assert rig.after_reply[-1].reason == RoutingStop.END.value
