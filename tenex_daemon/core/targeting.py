@@ -135,7 +135,9 @@ def _handle_at(text: str, handle: str) -> int:
 
 
 def _in_handle(character: str) -> bool:
-    return character.isalnum() or character in "_-"
+    """Whether ``character`` may go on a handle: ASCII letters, digits, ``_`` and ``-`` (text written without
+    spaces, Chinese say, may follow a mention at once: "@alice你好")."""
+    return character.isascii() and (character.isalnum() or character in "_-")
 
 
 def mentioned_agent(text: str, directory: AgentDirectory, exclude: Collection[str] = ()) -> Agent | None:

@@ -95,6 +95,8 @@ class _Running:
     """Its answer is in and its reply is being saved: a stop lets it finish."""
     saved: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once its reply is in history (:func:`reply_saved`), or the run is over."""
+    reply_in: bool = False
+    """Its reply is in history (:func:`reply_saved`): a try that fails after it leaves a reply to publish."""
     recorded: asyncio.Event | None = None
     """A stop that let it finish and waits for its reply: set once the stop has counted that reply in its
     record; the run routes its reply only then (:func:`stops_recorded`)."""
@@ -147,6 +149,7 @@ def reply_saved() -> None:
     this: :meth:`RunScheduler.replies_being_saved`)."""
     running = _CURRENT_RUN.get()
     if running is not None:
+        running.reply_in = True
         running.saved.set()
 
 
@@ -393,14 +396,16 @@ class RunScheduler:
                     try:
                         await self._run(run)
                         self.completed += 1
-                        if covered:  # answered: out of the stored journal now, not when each turn comes
-                            self._answered.update(covered)
+                        if covered:  # answered: out of the stored journal now, not when each turn comes,
+                            # but for the one the reply names (a run redone for it finds the reply)
+                            named = self._key(run)
+                            self._answered.update(k for k in (self._key(request), *covered) if k != named)
                             self._write_journal_soon()
                     except BaseException:
                         self._covered.difference_update(covered)  # no reply: each gets its own turn
                         for other in covered:  # a reply the burst saved goes out again, none is made again
                             self._recovered(other)
-                        if running.saving:
+                        if running.reply_in:
                             self._saved_then_failed.update((self._key(request), *covered))
                         raise
                     finally:

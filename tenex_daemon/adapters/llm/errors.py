@@ -109,7 +109,9 @@ def unfinished_stream(backend: str) -> BackendError:
     """The error for a streamed answer that ended without the model's finish marker (a proxy or the
     server closed it cleanly mid-answer): what came may be cut anywhere, so it is not an answer."""
     return backend_error(
-        BackendErrorKind.UNREACHABLE, f"{backend}: the answer's stream ended before the model finished it"
+        BackendErrorKind.UNREACHABLE,
+        f"{backend}: the answer's stream ended before the model finished it (no finish reason came: the "
+        "connection was closed mid-answer, or the server sends none)",
     )
 
 

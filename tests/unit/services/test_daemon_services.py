@@ -89,7 +89,8 @@ def test_mentions_and_chains(cast: Cast) -> None:
 
 def test_a_mention_is_a_whole_handle() -> None:
     """``@devops`` names the agent devops, never dev (a handle inside a longer one), an address such as
-    ``ops@dev.example`` names nobody, and of two handles at one place the longer wins (``@Dev Team``)."""
+    ``ops@dev.example`` names nobody, and of two handles at one place the longer wins (``@Dev Team``); a
+    mention followed at once by text written without spaces (Chinese) still names its agent."""
     dev, _ = make_agent("dev", "Dev", 41)
     devops, _ = make_agent("devops", "Devops", 42)
     team, _ = make_agent("team", "Dev Team", 43)
@@ -100,6 +101,7 @@ def test_a_mention_is_a_whole_handle() -> None:
     assert mentioned_agent("mail ops@dev.example", directory) is None
     assert mentioned_agent("ask @Dev Team now", directory) == team
     assert mentioned_agent("(@dev-ops) and @dev.", directory) == dev
+    assert mentioned_agent("请@dev帮忙", directory) == dev  # text without spaces may follow at once
 
 
 def test_classification(cast: Cast) -> None:

@@ -221,3 +221,32 @@ async def test_runs_taken_over_while_draining_are_journaled_here_and_not_started
     assert rig.publisher.published == []
     stored = json.loads(await rig.store.get_meta(rig.scheduler.journal_key) or "[]")
     assert [(e["trigger_id"], e["agent_slug"]) for e in stored] == [(root.id, "alice")]
+
+
+async def test_a_stop_while_a_run_whose_save_failed_waits_to_try_again_stops_it(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's answer is in but saving her reply fails (the store gone for a moment), so no reply is saved;
+    the owner's stop comes while the run waits to try again: the run is stopped and reported so, and no
+    reply is made (only a run whose failed try had saved its reply is let finish)."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.3, 0.3, 0.3))
+    rig = pipeline.build_rig(cast, backend=numbered())
+    append_reply = rig.manager.append_reply
+    failed = asyncio.Event()
+
+    async def failing_once(*arguments: Any, **options: Any) -> Any:
+        if not failed.is_set():
+            failed.set()
+            raise ConnectionResetError("the store went away for a moment")
+        return await append_reply(*arguments, **options)
+
+    monkeypatch.setattr(rig.manager, "append_reply", failing_once)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(failed.wait(), 5)
+
+    report = await rig.dispatcher.stop(root.id, None, by="owner")
+    await rig.settle()
+
+    assert report.agents == ("alice",)
+    assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]

@@ -33,6 +33,7 @@ from tenex_daemon.adapters.storage.filesystem import (
     journal,
 )
 from tenex_daemon.adapters.storage.filesystem.layout import JOURNAL_DIR
+from tenex_daemon.adapters.storage.filesystem.processed import bucket_of
 from tenex_daemon.core.conversation import Conversation
 from tests.conftest import Cast
 
@@ -224,3 +225,31 @@ async def test_always_a_snapshot_saved_with_an_event_whose_line_failed_keeps_its
     assert loaded is not None
     assert (loaded.title, [e.id for e in loaded.history]) == ("t", [root.id])
     await store.close()
+
+
+async def test_a_commits_bucket_write_that_fails_part_way_leaves_no_part_of_its_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``batch`` commit's write to an event-id bucket fails half-way (a full disk): the call fails, and the
+    bucket is cut back, so the next line written to it (the derived writer's, or a commit's) does not run
+    into half a line and become an unreadable one."""
+    store = FileSystemStore(tmp_path / "home", fsync="batch")
+    await store.open()
+    marked = "abd" + "1" * 61
+    bucket = tmp_path / "home" / "conversations" / ".events" / bucket_of(marked)
+    before = bucket.read_bytes() if bucket.exists() else b""
+
+    def half_then_full(fd: int, data: bytes) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(bucket):
+            os.write(fd, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(fd, data)
+
+    monkeypatch.setattr(group_commit, "write_all", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        await store.mark_processed(marked)
+    monkeypatch.undo()
+    try:
+        assert bucket.read_bytes() == before
+    finally:
+        await store.close()

@@ -146,6 +146,19 @@ def _open_appends(journal: Journal, path: Path, ops: list[Op]) -> tuple[str, Sta
     return relpath, StagedAppend(ops, fd, before, b"".join(op.data for op in ops), relpath)
 
 
+def _write_bucket(path: Path, staged: StagedAppend) -> None:
+    """Write a bucket's lines whole or cut them back (no part of a line is left for the next one to run
+    into), under the lock its derived writer takes too: neither's cut-back removes the other's lines."""
+    with append_lock(path):
+        size = os.fstat(staged.fd).st_size
+        try:
+            write_all(staged.fd, staged.data)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(staged.fd, size)
+            raise
+
+
 def _stage_appends(group: Group, appends: dict[Path, list[Op]]) -> None:
     for path, ops in appends.items():
         opened = _open_appends(group.journal, path, ops)
@@ -159,8 +172,7 @@ def _stage_appends(group: Group, appends: dict[Path, list[Op]]) -> None:
             continue
         if relpath.startswith("."):  # an event-id bucket
             try:
-                with append_lock(path):  # not inside a derived write's cut-back
-                    write_all(staged.fd, staged.data)
+                _write_bucket(path, staged)
             except OSError as exc:
                 os.close(staged.fd)
                 fail(ops, exc)
