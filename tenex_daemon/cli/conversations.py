@@ -79,7 +79,7 @@ SHOWN_TITLE_CHARS = 80
 
 
 def _conversation_table(rows: list[dict[str, Any]], title: str) -> Table:
-    from tenex_daemon.services.conversation_manager import shortened
+    from tenex_daemon.core.text import shortened
 
     table = Table(title=title)
     for column in ("id", "title", "phase", "events", "agents", "updated (UTC)", "status"):

@@ -35,6 +35,7 @@ from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase, PhaseRules, PhaseTransition
 from tenex_daemon.core.ports import Clock, EventResolver, ProfileNames, Store, SystemClock
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
+from tenex_daemon.core.text import shortened
 from tenex_daemon.core.turns import OrchestratorTurn
 from tenex_daemon.core.vocabulary import TAG_TITLE, TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.services.conversation_changes import (
@@ -55,10 +56,6 @@ log = structlog.get_logger(__name__)
 LOGGED_TITLE_CHARS = 120
 """The most of a title a log line carries (a person's title tag may be any length)."""
 
-
-def shortened(text: str, chars: int) -> str:
-    """``text`` cut to ``chars`` characters, the cut marked with an ellipsis."""
-    return text if len(text) <= chars else text[: chars - 1] + "…"
 
 ARCHIVED = "archived"
 """The end reason of an active conversation ended by the owner's archive."""
@@ -655,12 +652,14 @@ class ConversationManager:
             )
             return conversation
 
-    async def description_published(self, conversation_id: str) -> None:
-        """Record that the kind-513 event of the conversation's title and summary is in the outbox."""
+    async def description_published(self, conversation_id: str, *, settled_for: int | None = None) -> None:
+        """Record that the kind-513 event of the conversation's title and summary is in the outbox; with
+        ``settled_for`` (a private one's last activity), that it needs no description until it changes."""
         async with self._locked(conversation_id) as conversation:
-            if conversation.description_published:
+            if conversation.description_published and settled_for in (None, conversation.described_at):
                 return
             conversation.description_published = True
+            conversation.described_at = conversation.described_at if settled_for is None else settled_for
             await self._store.save_state(conversation)
 
     async def archive_conversation(

@@ -308,6 +308,10 @@ class DescriptionJobs:
         if conversation is None:
             return
         if conversation.private:  # no title, summary or kind 513 for a private conversation
+            if conversation.is_ended:  # stamped, so no start finds it waiting again
+                activity = conversation.last_activity
+                async with self._marks.hold(conversation_id):
+                    await self._manager.description_published(conversation_id, settled_for=activity)
             self._settle(conversation_id)
             return
         if self._needs(conversation):

@@ -13,8 +13,9 @@ from __future__ import annotations
 from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplyComposer
+from tenex_daemon.core.text import shortened
 from tenex_daemon.core.vocabulary import TAG_ERROR
-from tenex_daemon.services.conversation_manager import ConversationManager, shortened
+from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.notices import compose_notice, store_notice
 from tenex_daemon.services.outbox import OutboxEntry
 

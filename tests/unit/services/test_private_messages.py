@@ -311,6 +311,42 @@ async def test_a_private_conversation_is_never_described_nor_its_title_published
     await rig.settle()
 
 
+async def test_an_ended_private_conversation_is_not_queued_for_a_description_at_every_start(cast: Cast) -> None:
+    """An ended private conversation, skipped by the description service, is stamped as needing nothing until
+    it changes: the next starts' recovery does not queue it (and load it) again."""
+    rig, intake = private_rig(cast)
+
+    def jobs() -> DescriptionJobs:
+        made = DescriptionJobs(
+            rig.manager,
+            ConversationMetadataComposer(Signer.from_text(cast.project.secret, label="project"), None),
+            rig.publisher,
+            backends={},
+            idle=lambda: True,
+        )
+        made.start()
+        return made
+
+    rumor = admitted(intake, wrap(cast.user, cast.alice.pubkey, "a secret"))
+    await rig.dispatcher.handle(rumor)
+    await rig.quiet()
+    await rig.manager.end_conversation(rumor.id, by="owner", reason="done")
+    first = jobs()
+    assert await first.recover() == 1
+    async with asyncio.timeout(5):
+        while first.queued:  # noqa: ASYNC110 - polls the service's queue
+            await asyncio.sleep(0.002)
+    await first.stop()
+
+    again = jobs()
+    assert await again.recover() == 0
+    await again.stop()
+    conversation = await rig.manager.get_conversation(rumor.id)
+    assert conversation is not None
+    assert (conversation.summary, conversation.title) == (None, "Untitled Conversation")
+    await rig.settle()
+
+
 async def test_nothing_a_private_conversation_says_reaches_the_logs_through_its_routing(cast: Cast) -> None:
     """A private message routed by a model: its END answer is refused with the person's message quoted to
     the model only, and neither that message nor the model's reason for choosing Alice (which speaks of it)
