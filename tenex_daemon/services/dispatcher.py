@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -16,7 +16,7 @@ from tenex_daemon.core.classify import Classification, EventClass, EventClassifi
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationExistsError
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.phases import Phase
+from tenex_daemon.core.phases import Phase, PhaseRules
 from tenex_daemon.core.ports import EventFetcher, Peers
 from tenex_daemon.core.targeting import (
     SkipReason,
@@ -646,7 +646,8 @@ class EventDispatcher:
         if decision is None:
             await self._save_limits(cid, stored)  # a user message's reset
             return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, cid)
-        stop = self._limits.record(cid, decision, conversation.phase.value)
+        # compared as it will run: a phase move the rules refuse keeps the turn in the current phase
+        stop = self._limits.record(cid, _as_run(decision, conversation.phase, self._manager.phase_rules))
         if stop is not None:
             log.warning(
                 "routing_stopped",
@@ -713,6 +714,18 @@ class EventDispatcher:
             )
             return current
         return transition.to_phase
+
+
+def _as_run(decision: RoutingDecision, current: Phase, rules: PhaseRules) -> RoutingDecision:
+    """``decision`` in the phase its turn will run in: its own when the rules allow the move, else ``current``
+    (:meth:`EventDispatcher._apply_phase` keeps the current phase then)."""
+    if decision.phase is not None:
+        try:
+            if rules.is_allowed(current, Phase(decision.phase)):
+                return decision
+        except ValueError:  # not a phase name
+            pass
+    return replace(decision, phase=current.value)
 
 
 def _closed_by(conversation: Conversation, agent_slug: str, completion: NostrEvent) -> bool:

@@ -515,6 +515,23 @@ async def test_a_forbidden_phase_change_keeps_the_current_phase(cast: Cast) -> N
     assert conversation.phase_transitions == []
 
 
+async def test_a_decision_repeating_one_whose_phase_move_was_refused_is_stopped(cast: Cast) -> None:
+    """The orchestrator sends Alice to reflection (a move the rules refuse: her turn runs in chat), then, on
+    her completion, sends her again naming no phase: the same work in the same phase, so a repeated decision
+    that stops routing; she runs once."""
+    model = answers(
+        '{"agents": ["alice"], "phase": "reflection", "reason": "think"}', '{"agents": ["alice"], "reason": "again"}'
+    )
+    alice = completes("thought")
+    rig = make_rig(cast, model, alice=alice)
+
+    await rig.dispatcher.handle(cast.user_says("Reflect", kind=11))
+    await settle(rig)
+
+    assert len(alice.requests) == 1
+    assert rig.after_reply[-1].reason == RoutingStop.REPEATED_DECISION.value
+
+
 async def test_a_phase_the_project_added_is_offered_and_routed_to(cast: Cast) -> None:
     """With a phase the project's table adds, the orchestrator's prompt lists it with its moves, a decision
     naming it starts a turn in it, and switch_phase offers it; a phase the project has not is refused."""
