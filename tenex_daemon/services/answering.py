@@ -201,19 +201,13 @@ class AnswerLoop:
         except BackendError as exc:
             failed = _redacted(str(exc))  # the reply may be public: no piece of a key or account id in it
             text = f"I could not answer: the {profile.backend.name} backend failed ({exc.kind}): {failed}"
-            # Tokens spent by earlier rounds of this run were still spent.
-            spent = CompletionResult(
-                text=text, model=model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
-            )
-            return spent, exc.kind
+            # Tokens spent by earlier rounds of this run, and by a summary call of the failed one, were spent.
+            return _spent(text, model, prompt_tokens, completion_tokens, budget), exc.kind
         except Exception as exc:
             log.exception("backend_crashed", agent=profile.agent.slug, conversation_id=tools.conversation_id)
             text = f"I could not answer: internal error ({type(exc).__name__})."
             # as for a backend's error: the tokens of the earlier rounds were spent
-            spent = CompletionResult(
-                text=text, model=model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
-            )
-            return spent, "internal"
+            return _spent(text, model, prompt_tokens, completion_tokens, budget), "internal"
 
     async def _complete_within_budget(
         self,
@@ -339,6 +333,20 @@ def _add(total: int | None, more: int | None) -> int | None:
     if more is None:
         return total
     return more if total is None else total + more
+
+
+def _spent(
+    text: str, model: str | None, prompt_tokens: int | None, completion_tokens: int | None, budget: RunBudget
+) -> CompletionResult:
+    """A failed run's error reply with the tokens it spent: its earlier rounds' and the summary calls' not
+    yet counted (a summary stored before the call that failed was paid for)."""
+    summary_prompt, summary_completion = budget.take_usage()
+    if summary_prompt or summary_completion:
+        prompt_tokens = (prompt_tokens or 0) + summary_prompt
+        completion_tokens = (completion_tokens or 0) + summary_completion
+    return CompletionResult(
+        text=text, model=model, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+    )
 
 
 def _redacted(text: str) -> str:

@@ -361,3 +361,19 @@ async def test_a_note_stands_at_each_place_messages_were_cut_in_a_tool_loop(cast
     notes = [m for m in third[:trigger_at] if isinstance(m, ChatMessage) and m.content.startswith("[Note:")]
     history_left_out = [m for m in full[:-1] if m not in third]
     assert notes == [truncation_note(len(history_left_out))]  # the older history's own cut, counting it only
+
+
+async def test_a_summary_calls_tokens_count_when_the_call_after_it_fails(cast: Cast) -> None:
+    """The summary is made and stored, then every try of the agent's call is refused as too long: the run
+    ends in its error reply, and the summary call's tokens still count as the run's (they were spent)."""
+    backend = RecordingBackend(summaries=["S1"], too_long=9)
+    rig = make_rig(cast, backend, TokenBudget.of_window(200, strategy=BudgetStrategy.SUMMARIZE))
+    root = await conversation(rig, cast, 10)
+    await trigger_alice(rig, cast, root)
+
+    reply = await run(rig, root)
+
+    state = (await rig.manager.get_conversation(root.id)).agent_states["alice"]  # type: ignore[union-attr]
+    assert reply.has_tag("error", "system")
+    assert state.summary == "S1"
+    assert (state.prompt_tokens, state.completion_tokens) == (7, 3)
