@@ -276,11 +276,12 @@ class AgentRunner:
             )
             reply_saved()  # a stop that let it finish counts it as said before the stop
             await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
-            if typing_started[0]:
-                self._send(self._typing(slug, thread, active=False), "typing stop")
         except BaseException:
             await self._count_run_time(cid, started_ms)
             raise
+        finally:  # the run is over here, whatever its save did: typing stops (a retry never sends a stop)
+            if typing_started[0]:
+                self._send(self._typing(slug, thread, active=False), "typing stop")
         if self._observer is not None:
             self._observer.run_finished(request, time.perf_counter() - started, error_kind)
         if routing is not None and not effects.end_conversation:

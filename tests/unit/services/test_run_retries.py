@@ -250,3 +250,20 @@ async def test_a_stop_while_a_run_whose_save_failed_waits_to_try_again_stops_it(
 
     assert report.agents == ("alice",)
     assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]
+
+
+async def test_typing_stops_when_a_run_fails_after_its_answer_is_in(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's reply is saved, then its outbox write fails: her typing indicator, started, is stopped as the
+    failed try ends (the try again finds the reply saved and sends no stop of its own)."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.05, 0.05))
+    rig = pipeline.build_rig(cast, backend=numbered(), typing_delay_s=0.0)
+    outbox_fails_once_for(rig, "answer 1", monkeypatch)
+    root = cast.user_says("hi", kind=11, tags=[["p", cast.alice.pubkey]])
+
+    await rig.dispatcher.handle(root)
+    await rig.settle()
+
+    assert rig.publisher.typing_events == [("alice", True), ("alice", False)]
+    assert [e.content for e in rig.publisher.published] == ["answer 1"]
