@@ -142,8 +142,12 @@ def private_channel(rumor: NostrEvent, directory: AgentDirectory) -> str | None:
 
 
 def _persons_channel(channel: str | None, person: str) -> bool:
-    """Whether ``channel`` is one of ``person``'s private channels (``dm:<any agent>:<person>``)."""
-    return channel is not None and channel.startswith(CHANNEL_PREFIX) and channel.endswith(f":{person}")
+    """Whether ``channel`` is one of ``person``'s private channels (``dm:<any agent>:<person>``; a kind-1
+    channel of an agent whose slug is ``dm``, ``dm:<person>``, is not one)."""
+    if channel is None or not channel.startswith(CHANNEL_PREFIX):
+        return False
+    parts = channel.split(":")
+    return len(parts) == 3 and parts[2] == person
 
 
 class PrivateConversations:
@@ -186,7 +190,9 @@ class PrivateConversations:
         for replied in reversed(rumor.tag_values(TAG_EVENT)):  # the message it answers, NIP-17's ``e``
             found = await self._manager.store.find_event(replied)
             conversation = None if found is None else await self._manager.get_conversation(found[0])
-            if conversation is None or not _persons_channel(conversation.channel, rumor.pubkey):
+            if conversation is None or not conversation.private or not _persons_channel(
+                conversation.channel, rumor.pubkey
+            ):
                 continue  # another person's, a public one, or unknown: the channel decides
             if conversation.archived:
                 await self._manager.restore_conversation(conversation.id)

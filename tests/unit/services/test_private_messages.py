@@ -42,7 +42,7 @@ from tenex_daemon.services.private_messages import (
     plan_private_conversations,
 )
 from tenex_daemon.services.tools import RunEffects, ToolContext, ToolRegistry
-from tenex_daemon.testing import KeyPair
+from tenex_daemon.testing import KeyPair, make_agent
 from tenex_daemon.testing.fakes import PlainComposer, ScriptedBackend, signers_for
 from tests.conftest import Cast
 from tests.pipeline import Rig, build_rig, cast_keys
@@ -541,3 +541,33 @@ async def test_a_private_conversations_invalid_routing_answers_are_logged_by_kin
     assert invented in str(model.requests[1].messages[-1])
     assert [e["error"] for e in logs if e["event"] == "orchestrator_answer_invalid"] == ["unknown_agent"] * 2
     assert not [entry for entry in logs if invented in repr(entry)]
+
+
+async def test_a_private_message_replying_into_a_public_conversation_never_joins_it(cast: Cast) -> None:
+    """An agent's slug is ``dm``, so its public kind-1 channel with a person reads ``dm:<person>``; the
+    person's private message e-tagging that public conversation's answer starts a private conversation of
+    its own: it never joins the public one, whose replies go out in the clear."""
+    dm, dm_keys = make_agent("dm", "DM Bot", 14)
+    keys = {"dm": dm_keys, "bob": cast.bob_keys, "orchestrator": cast.orchestrator_keys}
+    agents = [dm, cast.bob, cast.orchestrator]
+    composer = PrivateReplyComposer(PlainComposer(keys), {a.slug: a.pubkey for a in agents})
+    rig = build_rig(cast, agents=agents, composer=composer, default_agent="dm")
+    intake = Intake(GiftWraps(signers_for(keys)), rig.manager.agents)
+    note = cast.user_says("hello in public", kind=1, tags=[["p", dm.pubkey]])
+    await rig.dispatcher.handle(note)
+    await rig.quiet()
+    public = await rig.manager.get_conversation(note.id)
+    assert public is not None
+    assert not public.private
+    answer = public.history[-1]
+
+    secret = admitted(intake, wrap(cast.user, dm.pubkey, "my secret", tags=[["p", dm.pubkey], ["e", answer.id]]))
+    joined = await rig.dispatcher.handle(secret)
+    await rig.quiet()
+
+    assert joined.conversation_id == secret.id
+    private = await rig.manager.get_conversation(secret.id)
+    assert private is not None
+    assert private.private
+    assert not [e for e in rig.publisher.published if "my secret" in e.content and e.sig]
+    await rig.settle()
