@@ -156,7 +156,17 @@ class RunBudget:
         text = result.text.strip()
         if not text:
             raise BackendError(message=f"{self.backend.name} returned an empty summary")
-        return text
+        # the window kept room for a summary this long (a backend may not keep to max_tokens, or count
+        # its tokens otherwise): a longer one is cut to it, so what is sent still fits the budget
+        room = budget.summary_tokens
+        if self.summary is not None:
+            room = max(room, message_tokens(summary_message(self.summary), budget.count))
+        fitted = cut_to_tokens(text, room - message_tokens(summary_message(""), budget.count), budget.count)
+        if fitted != text:
+            log.warning("summary_cut_to_fit", agent=self.agent_slug, conversation_id=self.conversation_id)
+        if not fitted.strip():
+            raise BackendError(message=f"no room in the budget for {self.backend.name}'s summary")
+        return fitted
 
     def shrink(self, messages: Sequence[LLMMessage], share: float) -> list[LLMMessage]:
         """Return ``messages`` cut to ``share`` of the middle units the first try sent (rounded down).

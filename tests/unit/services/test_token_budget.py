@@ -377,3 +377,31 @@ async def test_a_summary_calls_tokens_count_when_the_call_after_it_fails(cast: C
     assert reply.has_tag("error", "system")
     assert state.summary == "S1"
     assert (state.prompt_tokens, state.completion_tokens) == (7, 3)
+
+
+async def test_a_summary_longer_than_its_room_is_cut_so_what_is_sent_fits_the_budget() -> None:
+    """The summary call answers three times the tokens it was allowed (a backend that ignores max_tokens, or
+    counts its tokens otherwise): the summary is cut to the room the window kept for it, so the messages
+    sent still fit the agent's budget."""
+
+    class Wordy:
+        name = "wordy"
+
+        async def complete(self, request: CompletionRequest) -> CompletionResult:
+            assert request.max_tokens is not None
+            return CompletionResult(text="x" * (4 * 3 * request.max_tokens))
+
+    messages = [ChatMessage("user", "root".ljust(40, "."))]
+    messages += [ChatMessage("assistant" if i % 2 else "user", f"m{i}".ljust(40, ".")) for i in range(20)]
+    messages.append(ChatMessage("user", "trigger".ljust(40, ".")))
+    context = AgentContext(messages, None, len(messages), protected=(len(messages) - 1,))
+    saved: list[tuple[str, int]] = []
+
+    async def save(summary: str, covers: int) -> None:
+        saved.append((summary, covers))
+
+    budget = TokenBudget(100, BudgetStrategy.SUMMARIZE)
+    sent = await RunBudget(context, "", budget, Wordy(), "alice", "Alice", save).fit(messages)
+
+    assert saved
+    assert total_tokens("", sent, estimate_tokens) <= budget.limit
