@@ -55,11 +55,21 @@ class AgentContext:
     """The stored summary of this agent's older history messages (``summarize`` budgets), if any."""
     summary_covers: int = 0
     """How many of the leading history messages ``summary`` stands for."""
+    in_order: int | None = None
+    """How many leading ``messages`` stand for history in its own order, when a burst put messages saved
+    after the trigger behind them (None: all of the history messages)."""
 
     @property
     def history_end(self) -> int:
         """How many leading ``messages`` are history (step 1); the protected tail follows them."""
         return min(self.protected, default=len(self.messages))
+
+    @property
+    def summarizable_end(self) -> int:
+        """How many leading ``messages`` a summary may stand for: history in its own order, where the next
+        run's messages stand at the same places (a burst's later messages do not)."""
+        end = self.history_end
+        return end if self.in_order is None else min(end, self.in_order)
 
 
 @dataclass
@@ -210,12 +220,15 @@ def build_agent_messages(
     stop = history_length if trigger_index is None else trigger_index
     fingerprint = _fingerprint(conversation, agent, directory, people, names, resolved)
     messages = _history_prefix(history, stop, view, fingerprint, sender, text if resolved else None)
+    in_order: int | None = None
     if burst and trigger_index is not None:  # the trigger goes last: what the agent saw or said since first
         later = [
             event
             for index, event in enumerate(history[trigger_index + 1 :], trigger_index + 1)
             if event.pubkey == own_key or index < last_processed
         ]
+        if later:
+            in_order = len(messages)
         messages.extend(_history_messages(later, sender, text if resolved else None))
     append = messages.append
 
@@ -256,6 +269,7 @@ def build_agent_messages(
         protected=tuple(range(len(messages) - tail, len(messages))),
         summary=state.summary if state is not None else None,
         summary_covers=state.summary_covers if state is not None else 0,
+        in_order=in_order,
     )
 
 

@@ -112,7 +112,7 @@ class RunBudget:
         """The ``summarize`` cut, extending the summary first when more history is cut; None on failure."""
         context = self.context
         window = _summary_window(self.persona, messages, context.protected, budget, self.summary, self.covers)
-        until = summarized_until(window, context.history_end)
+        until = summarized_until(window, context.summarizable_end)
         if until > self.covers:
             newly = [messages[i] for i in window.dropped if self.covers <= i < until]
             try:
@@ -254,7 +254,7 @@ def preview_fit(context: AgentContext, persona: str, budget: TokenBudget) -> Bud
     summary, covers, fell_back = _stored_summary(context)
     if budget.strategy is BudgetStrategy.SUMMARIZE and not fell_back:
         window = _summary_window(persona, messages, context.protected, budget, summary, covers)
-        until = summarized_until(window, context.history_end)
+        until = summarized_until(window, context.summarizable_end)
         newly = sum(1 for i in window.dropped if covers <= i < until)
         fitted = render(messages, window, summary, covers)
         return BudgetPreview(fitted, tokens, len(window.dropped), newly)

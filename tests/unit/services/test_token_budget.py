@@ -23,6 +23,7 @@ from tenex_daemon.core.llm import (
     CompletionResult,
     ContextTooLongError,
     LLMMessage,
+    ToolCall,
     ToolResult,
 )
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
@@ -405,3 +406,38 @@ async def test_a_summary_longer_than_its_room_is_cut_so_what_is_sent_fits_the_bu
 
     assert saved
     assert total_tokens("", sent, estimate_tokens) <= budget.limit
+
+
+async def test_a_burst_runs_summary_stands_only_for_history_in_its_own_order(cast: Cast) -> None:
+    """A burst run for M2 sees Alice's answer to M1, saved after M2, placed before M2; when its budget cuts all
+    of history, its summary stands only for what comes before M2 in history, up to M1, never that answer:
+    the next run, which sees history in its own order, finds at those places the same messages."""
+    backend = RecordingBackend(summaries=["S1"])
+    rig = make_rig(cast, backend, None)
+    manager = rig.manager
+    root = await conversation(rig, cast, 3)
+    m1, m2 = cast.user_says(line("M1")), cast.user_says(line("M2"))
+    await manager.add_event(root.id, m1)
+    await manager.add_event(root.id, m2)
+    await manager.add_event(root.id, cast.alice_says(line("A1 answer to M1")))
+    held = await manager.get_conversation(root.id)
+    assert held is not None
+    await manager.update_agent_state(root.id, "alice", last_processed_index=len(held.history) - 1)
+    burst = await manager.preview_agent_messages(root.id, "alice", m2)
+
+    async def save(summary: str, covers: int) -> None:
+        await manager.update_agent_state(root.id, "alice", summary=(summary, covers))
+
+    fitting = RunBudget(burst, "", TokenBudget(200, BudgetStrategy.SUMMARIZE), backend, "alice", "Alice", save)
+    tool_round: list[LLMMessage] = [
+        *burst.messages,
+        AssistantToolCalls((ToolCall("c1", "get_conversation", {}),), ""),
+        ToolResult("c1", "get_conversation", "z" * 560),
+    ]
+    await fitting.fit(tool_round)
+
+    [summary_call] = backend.summary_requests
+    assert "A1 answer" not in str(summary_call.messages[0])
+    state = (await manager.get_conversation(root.id)).agent_states["alice"]  # type: ignore[union-attr]
+    in_order = [m.content for m in burst.messages[: state.summary_covers]]
+    assert in_order[-1] == m1.content  # up to M1, the newest message before M2 in history
