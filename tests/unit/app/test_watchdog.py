@@ -122,13 +122,8 @@ async def test_without_systemds_watchdog_the_store_is_probed_and_a_stuck_write_i
     assert notifier.count == 0
 
 
-async def test_a_stuck_store_shows_as_degraded_in_the_status_without_systemd(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The daemon not under systemd, its filesystem store's commit thread hung: its status says degraded,
-    naming the store's waiting write, and no longer once the thread goes on."""
-    monkeypatch.setattr(watchdog_module, "STORE_STUCK_AFTER_S", 0.5)
-    monkeypatch.setattr(daemon_module, "PROBE_EVERY_S", 0.1)
+def offline_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Daemon:
+    """A daemon on a new home whose relay never answers and that announces nothing (it starts at once)."""
 
     async def no_relay(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
         return False
@@ -139,7 +134,17 @@ async def test_a_stuck_store_shows_as_degraded_in_the_status_without_systemd(
     monkeypatch.setattr(RelayPool, "wait_connected", no_relay)
     monkeypatch.setattr(Daemon, "_announce", no_announcement)
     init_home(tmp_path / "h", relays=["ws://127.0.0.1:1"])
-    daemon = Daemon(load_settings(tmp_path / "h", {}))
+    return Daemon(load_settings(tmp_path / "h", {}))
+
+
+async def test_a_stuck_store_shows_as_degraded_in_the_status_without_systemd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon not under systemd, its filesystem store's commit thread hung: its status says degraded,
+    naming the store's waiting write, and no longer once the thread goes on."""
+    monkeypatch.setattr(watchdog_module, "STORE_STUCK_AFTER_S", 0.5)
+    monkeypatch.setattr(daemon_module, "PROBE_EVERY_S", 0.1)
+    daemon = offline_daemon(tmp_path, monkeypatch)
     daemon.notifier = SystemdNotifier({})
     dead_disk = threading.Event()
     running = asyncio.create_task(daemon.run())
@@ -185,21 +190,11 @@ async def test_the_daemon_stops_pinging_while_its_store_commit_hangs(
     disk): the event loop turns, yet the pings stop once the watchdog's write waited past the bound, and go
     on when the thread does."""
     monkeypatch.setattr(watchdog_module, "STORE_STUCK_AFTER_S", 0.5)
-
-    async def no_relay(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
-        return False
-
-    async def no_announcement(self: Daemon, signers: object) -> None:
-        return None
-
-    monkeypatch.setattr(RelayPool, "wait_connected", no_relay)
-    monkeypatch.setattr(Daemon, "_announce", no_announcement)
+    daemon = offline_daemon(tmp_path, monkeypatch)
     path = str(tmp_path / "notify.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(path)
     listener.setblocking(False)
-    init_home(tmp_path / "h", relays=["ws://127.0.0.1:1"])
-    daemon = Daemon(load_settings(tmp_path / "h", {}))
     daemon.notifier = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"})  # a ping each 0.1 s
     dead_disk = threading.Event()
     running = asyncio.create_task(daemon.run())
