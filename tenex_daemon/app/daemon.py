@@ -62,7 +62,7 @@ from tenex_daemon.app.status import (
     write_status,
 )
 from tenex_daemon.app.stop_signals import StopSignals
-from tenex_daemon.app.watchdog import PROBE_EVERY_S, Watchdog, store_probe
+from tenex_daemon.app.watchdog import PROBE_EVERY_S, Watchdog, store_probe, watchdog_key
 from tenex_daemon.app.wiring import (
     Pipeline,
     PipelineOptions,
@@ -665,7 +665,7 @@ class Daemon:
                 await self._gift_wraps.recover(key=wraps_key_for(keys[1]))
                 await self.pipeline.outbox.recover(self.store.find_event, key=keys[1])
                 await self._gift_wraps.keep_only(self.pipeline.outbox.event_ids())
-                for key in (*keys, wraps_key_for(keys[1])):
+                for key in (*keys, wraps_key_for(keys[1]), watchdog_key(instance)):
                     await self._peers.forget(key)
             log.warning("dead_daemon_taken_over", instance=instance or "(unnamed)", dispatches=len(redo))
             stored = await self.pipeline.dispatcher.stored_dispatches(redo)

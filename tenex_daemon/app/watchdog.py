@@ -44,10 +44,15 @@ WATCHDOG_KEY = "watchdog.store"
 """The small value the watchdog writes (the Unix time of the write)."""
 
 
+def watchdog_key(instance: str | None) -> str:
+    """Where the probe writes: :data:`WATCHDOG_KEY`, with ``:<instance>`` after it for a daemon sharing its
+    database (each its own row, so none waits behind another's; a dead one's is forgotten on takeover)."""
+    return WATCHDOG_KEY if instance is None else f"{WATCHDOG_KEY}:{instance}"
+
+
 def store_probe(store: SmallValues, instance: str | None = None) -> Callable[[], Awaitable[None]]:
-    """A write of the time under :data:`WATCHDOG_KEY` (``:<instance>`` after it for a daemon sharing its
-    database: each its own row, so none waits behind another's): one durable write through ``store``."""
-    key = WATCHDOG_KEY if instance is None else f"{WATCHDOG_KEY}:{instance}"
+    """A write of the time under :func:`watchdog_key`: one durable write through ``store``."""
+    key = watchdog_key(instance)
 
     async def probe() -> None:
         await store.set_meta(key, str(round(time.time())))
@@ -101,15 +106,13 @@ class Watchdog:
         if waited > self.stuck_after_s:
             if not self._withheld:
                 self._withheld = True
-                log.error(
-                    "watchdog_withheld", waited_s=round(waited, 1),
-                    note="a write to the store has not ended: the watchdog's pings stop, and systemd "
-                    "restarts the daemon (WatchdogSec)",
-                )
+                then = "the pings stop, and systemd restarts the daemon" if self.ping else "degraded"
+                note = f"a store write has not ended: {then}"
+                log.error("watchdog_withheld", waited_s=round(waited, 1), note=note)
             return False
         if self._withheld:
             self._withheld = False
-            log.warning("watchdog_resumed", note="the store's write ended: the pings go on")
+            log.warning("watchdog_resumed", note="the store's write ended")
         if self.ping:
             self.notifier.watchdog()
         return self.ping

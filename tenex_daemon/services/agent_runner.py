@@ -299,7 +299,7 @@ class AgentRunner:
         cid = conversation.id
         trigger = conversation.history[index]
         if request.recovered:
-            await self._republish_saved(conversation, request, agent_pubkey)
+            await self._republish_saved(conversation, request, agent_pubkey, routing)
         saved = None
         if request.recovered or self._shared_store:
             # with daemons sharing a database, any run: two may dispatch one event (one of them after its
@@ -330,7 +330,8 @@ class AgentRunner:
         return False
 
     async def _republish_saved(
-        self, conversation: Conversation, request: RunRequest, agent_pubkey: str
+        self, conversation: Conversation, request: RunRequest, agent_pubkey: str,
+        routing: ReplyRouting | None = None,
     ) -> None:
         """A run redone after a crash: what the previous process saved for it but may never have
         published goes out again (the outbox keeps one entry per event; relays one copy per id): the
@@ -343,6 +344,8 @@ class AgentRunner:
             answer = None if index is None else self._answer_to(history, index, agent_pubkey)
             if answer is not None:
                 await self.outbox.add(cid, answer, agent_slug=request.agent_slug, trigger_id=earlier)
+                if routing is not None:  # saved by a try that failed after it: routed if never routed
+                    await routing.saved_reply_found(cid, answer)
         start = conversation.index_of(request.trigger_id)
         for event in history[(start or 0) + 1 :]:
             author = self._manager.agents.by_pubkey(event.pubkey)

@@ -47,6 +47,8 @@ DISPATCH_RETRY_S = RUN_RETRY_S
 """Waits before each new try of targeting an accepted event that failed with an error."""
 FAILED_KEPT = 4096
 """Events whose handling failed remembered at most (the relay pool keeps 1,000 for its retries)."""
+ROUTING_OWED_KEPT = 4096
+"""Replies journaled and not routed yet that this process remembers (``saved_reply_found``)."""
 
 
 class Outcome(StrEnum):
@@ -165,7 +167,7 @@ class EventDispatcher:
         """Per missing root: one reply at a time starts the thread's conversation (:meth:`_adopt_root`)."""
         self._failed: OrderedDict[str, None] = OrderedDict()
         """Events whose handling failed here once the dispatch began (the pool hands them over again)."""
-        self._routing_owed: set[str] = set()
+        self._routing_owed: OrderedDict[str, None] = OrderedDict()
         """Replies journaled here (before_reply_saved) and not routed yet (:meth:`saved_reply_found`)."""
         self._handlers: dict[EventClass, Handler] = {
             EventClass.NEW_CONVERSATION: self._on_root,
@@ -430,22 +432,29 @@ class EventDispatcher:
         routed = target.via_orchestrator or (target.agent is not None and target.agent.orchestrator)
         if routed or target.skip is None:
             await self._scheduler.accept(reply.id)
-            self._routing_owed.add(reply.id)
+            self._routing_owed[reply.id] = None
+            while len(self._routing_owed) > ROUTING_OWED_KEPT:  # a reply never saved, a run dropped
+                self._routing_owed.popitem(last=False)
 
     async def saved_reply_found(self, conversation_id: str, reply: NostrEvent) -> None:
         """A run tried again after an error found its reply saved (the error came after the save): the reply
         is routed now if that try had journaled it and never routed it; one a previous process journaled is
         the next start's to route (:meth:`redispatch`), not this run's."""
-        if reply.id in self._routing_owed:
-            await self.after_reply(conversation_id, reply)
+        if reply.id in self._routing_owed:  # one try per run: the run's own retries space them out
+            await self.after_reply(conversation_id, reply, once=True)
 
-    async def after_reply(self, conversation_id: str, reply: NostrEvent) -> HandleResult:
+    async def after_reply(
+        self, conversation_id: str, reply: NostrEvent, *, once: bool = False
+    ) -> HandleResult:
         """Target an agent's own saved reply (it may address another agent, or the orchestrator
         with a completion), ending its dispatch (:meth:`before_reply_saved`). An error is tried again as
-        for a relay's event (:meth:`_target_accepted`): the run, redone, finds its reply saved and does not
-        route it, so nothing else would before the next start."""
-        result = await self._target_accepted(conversation_id, reply)
-        self._routing_owed.discard(reply.id)
+        for a relay's event (:meth:`_target_accepted`); ``once``: a run redone found the reply saved
+        (:meth:`saved_reply_found`): one try, as recovered, its own retries spacing the next ones."""
+        if once:  # a run redone: a turn its first try started resumes
+            result = await self._target(conversation_id, reply, recovered=True)
+        else:
+            result = await self._target_accepted(conversation_id, reply)
+        self._routing_owed.pop(reply.id, None)
         self._scheduler.dispatched(reply.id, at_once=result.outcome is not Outcome.SCHEDULED)
         if self._observer is not None:
             self._observer.reply_targeted(conversation_id, reply, result)

@@ -202,10 +202,11 @@ class RunBudget:
 def _stored_summary(context: AgentContext) -> tuple[str | None, int, bool]:
     """(summary, messages it covers, fell back) of a run starting from ``context``.
 
-    A run for an older trigger sees less history than the stored summary covers; summarizing again
-    from the start is what the contract forbids, so such a run cuts by ``sliding_window`` instead."""
+    A run for an older trigger sees less history than the stored summary covers (or, a burst, less in
+    its own order); summarizing again from the start is what the contract forbids, so such a run cuts
+    by ``sliding_window`` instead."""
     stored = context.summary
-    if stored is None or context.summary_covers <= context.history_end:
+    if stored is None or context.summary_covers <= context.summarizable_end:
         return stored, context.summary_covers if stored is not None else 0, False
     return None, 0, True
 

@@ -441,3 +441,25 @@ async def test_a_burst_runs_summary_stands_only_for_history_in_its_own_order(cas
     state = (await manager.get_conversation(root.id)).agent_states["alice"]  # type: ignore[union-attr]
     in_order = [m.content for m in burst.messages[: state.summary_covers]]
     assert in_order[-1] == m1.content  # up to M1, the newest message before M2 in history
+
+
+async def test_a_stored_summary_reaching_past_a_bursts_history_in_order_is_not_used() -> None:
+    """A stored summary covers more leading messages than a burst view holds in history's own order (its
+    later messages stand where the summary's stood): the run cuts by the sliding window instead, so no
+    message is hidden behind a summary that never covered it."""
+    messages = [ChatMessage("user", line("root"))]
+    messages += [ChatMessage("assistant" if i % 2 else "user", line(f"m{i}")) for i in range(12)]
+    messages.append(ChatMessage("user", line("trigger")))
+    context = AgentContext(
+        messages, None, len(messages), protected=(len(messages) - 1,), summary="S1", summary_covers=8, in_order=5
+    )
+
+    async def save(summary: str, covers: int) -> None:
+        raise AssertionError("no summary is made")
+
+    fitting = RunBudget(context, "", TokenBudget(100, BudgetStrategy.SUMMARIZE), RecordingBackend(), "alice", "Alice", save)
+    sent = await fitting.fit(messages)
+
+    assert fitting.fell_back
+    assert not [m for m in sent if isinstance(m, ChatMessage) and m.content.startswith("Previous conversation summary")]
+    assert sent[-1] == messages[-1]
