@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 Stamp = tuple[int, int]
@@ -23,6 +24,17 @@ def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def write_or_cut(fd: int, data: bytes, size: int, write: Callable[[int, bytes], None] = write_all) -> None:
+    """Write ``data`` whole with ``write`` at the end of the file ``fd`` (``size`` bytes long before it), or
+    cut the file back to ``size`` and raise: no part of it stays for the next line to run into."""
+    try:
+        write(fd, data)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)
+        raise
 
 
 def fsync_dir(path: Path) -> None:

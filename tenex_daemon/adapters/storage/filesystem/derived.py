@@ -16,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from tenex_daemon.adapters.storage.atomic import fsync_dir, fsync_file, write_all
+from tenex_daemon.adapters.storage.atomic import fsync_dir, fsync_file, write_all, write_or_cut
 from tenex_daemon.adapters.storage.filesystem.layout import INDEX_DIR
 from tenex_daemon.adapters.storage.filesystem.ops import append_lock, run_parallel
 
@@ -57,13 +57,7 @@ def _append(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         with append_lock(path):  # a commit's bucket line never lands between the size and the cut
-            size = os.fstat(fd).st_size
-            try:
-                write_all(fd, data)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, size)
-                raise
+            write_or_cut(fd, data, os.fstat(fd).st_size, write_all)
     finally:
         os.close(fd)
 

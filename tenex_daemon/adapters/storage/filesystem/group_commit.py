@@ -34,7 +34,14 @@ from pathlib import Path
 
 import structlog
 
-from tenex_daemon.adapters.storage.atomic import Stamp, discard_staged, put_in_place, stage, write_all
+from tenex_daemon.adapters.storage.atomic import (
+    Stamp,
+    discard_staged,
+    put_in_place,
+    stage,
+    write_all,
+    write_or_cut,
+)
 from tenex_daemon.adapters.storage.filesystem.folder import prepare_folder
 from tenex_daemon.adapters.storage.filesystem.journal import (
     Journal,
@@ -150,13 +157,7 @@ def _write_bucket(path: Path, staged: StagedAppend) -> None:
     """Write a bucket's lines whole or cut them back (no part of a line is left for the next one to run
     into), under the lock its derived writer takes too: neither's cut-back removes the other's lines."""
     with append_lock(path):
-        size = os.fstat(staged.fd).st_size
-        try:
-            write_all(staged.fd, staged.data)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(staged.fd, size)
-            raise
+        write_or_cut(staged.fd, staged.data, os.fstat(staged.fd).st_size, write_all)
 
 
 def _stage_appends(group: Group, appends: dict[Path, list[Op]]) -> None:

@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tenex_daemon.adapters.storage.atomic import fsync_dir, put_in_place, stage, write_all
+from tenex_daemon.adapters.storage.atomic import fsync_dir, put_in_place, stage, write_all, write_or_cut
 from tenex_daemon.adapters.storage.filesystem.layout import ARCHIVE_DIR, JOURNAL_DIR, META_DIR
 from tenex_daemon.adapters.storage.filesystem.ops import run_parallel
 
@@ -244,12 +244,7 @@ def _append_after(path: Path, before: int, data: bytes) -> None:
         if size > before:
             os.ftruncate(fd, before)
             size = before
-        try:
-            write_all(fd, data)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, size)
-            raise
+        write_or_cut(fd, data, size, write_all)
     finally:
         os.close(fd)
 
