@@ -45,6 +45,20 @@ def outbox_fails_once_for(rig: pipeline.Rig, content: str, monkeypatch: pytest.M
     return failed
 
 
+async def reply_saved_then_retry_waiting(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> tuple[pipeline.Rig, NostrEvent]:
+    """A person's message to Alice whose run saved "answer 1", then failed writing it to the outbox; the run
+    now waits 0.3 s to try again. Returns the pipeline and the message."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.3, 0.3, 0.3))
+    rig = pipeline.build_rig(cast, backend=numbered())
+    failed = outbox_fails_once_for(rig, "answer 1", monkeypatch)
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(failed.wait(), 5)
+    return rig, root
+
+
 def thread_of(cast: Cast, root: NostrEvent) -> list[list[str]]:
     """Tags of a person's reply to Alice in ``root``'s conversation."""
     return [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
@@ -90,12 +104,7 @@ async def test_a_reply_saved_before_its_run_failed_goes_out_when_a_new_message_t
     """Alice's reply is saved, then its outbox write fails; a new message to her comes while the run waits to
     try again, and its run takes the failed one into a burst: the saved reply is published, and the new
     message answered."""
-    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.3, 0.3, 0.3))
-    rig = pipeline.build_rig(cast, backend=numbered())
-    failed = outbox_fails_once_for(rig, "answer 1", monkeypatch)
-    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(root)
-    await asyncio.wait_for(failed.wait(), 5)
+    rig, root = await reply_saved_then_retry_waiting(cast, monkeypatch)
     second = cast.user_says("second", tags=thread_of(cast, root))
     await rig.dispatcher.handle(second)
     await rig.settle()
@@ -111,12 +120,7 @@ async def test_a_stop_while_a_run_with_a_saved_reply_waits_to_try_again_lets_tha
     """Alice's reply is saved, then its outbox write fails; the owner's stop comes while the run waits to try
     again: the run is let finish as a run saving its reply is, and the saved reply is published (it was in
     no outbox, and the stop would have dropped its only journal entry)."""
-    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.3, 0.3, 0.3))
-    rig = pipeline.build_rig(cast, backend=numbered())
-    failed = outbox_fails_once_for(rig, "answer 1", monkeypatch)
-    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(root)
-    await asyncio.wait_for(failed.wait(), 5)
+    rig, root = await reply_saved_then_retry_waiting(cast, monkeypatch)
 
     report = await rig.dispatcher.stop(root.id, None, by="owner")
     await rig.settle()
