@@ -3,8 +3,9 @@ what a run redone after a crash or taken over from a dead daemon reads in it.
 
 Each entry: ``by`` (a pubkey, or ``owner`` for the CLI and the API), ``at`` (ms), ``history`` (how many
 events the conversation held when the stop was recorded), ``agents`` (the slugs stopped), ``named`` (the
-slugs the stop asked for; None: every agent), ``event_id`` (the request's) and, for a stop told between
-daemons sharing a database, ``stop_id``.
+slugs the stop asked for; None: every agent), ``event_id`` (the request's), ``finished`` (the ids of the
+replies of the runs it let finish, saved after it was recorded but said before it; absent when none) and,
+for a stop told between daemons sharing a database, ``stop_id``.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def with_stop(kept: object, entry: dict[str, Any], *, replacing: dict[str, Any] 
     value = entry.get(key)
     for index, stop in enumerate(stops):
         if value is not None and isinstance(stop, dict) and stop.get(key) == value:
-            known = stop.get("agents")
-            agents = list(dict.fromkeys([*(known if isinstance(known, list) else []), *entry["agents"]]))
-            stops[index] = {**stop, "agents": agents}
+            merged = {**stop, "agents": _union(stop.get("agents"), entry["agents"])}
+            if entry.get("finished"):
+                merged["finished"] = _union(stop.get("finished"), entry["finished"])
+            stops[index] = merged
             return stops
     return [*stops[-(STOPS_KEPT - 1) :], entry]
 
@@ -67,7 +69,11 @@ def stopped_since(
 
 
 def _came_before(stop: dict[str, Any], trigger: NostrEvent, index: int | None, recovered: bool) -> bool:
-    """Whether ``trigger`` (at ``index`` in history) came before ``stop`` was recorded."""
+    """Whether ``trigger`` (at ``index`` in history) came before ``stop`` was recorded: it stands among the
+    events held then, or is a reply the stop let finish."""
+    finished = stop.get("finished")
+    if isinstance(finished, list) and trigger.id in finished:
+        return True
     held = stop.get("history")
     if isinstance(held, int) and index is not None:
         return index < held
@@ -75,3 +81,8 @@ def _came_before(stop: dict[str, Any], trigger: NostrEvent, index: int | None, r
         return False
     at = stop.get("at")
     return isinstance(at, int) and at >= trigger.created_at * 1000
+
+
+def _union(kept: object, added: list[Any]) -> list[Any]:
+    """``kept`` (a list, else nothing) with the items of ``added`` it lacks, in order."""
+    return list(dict.fromkeys([*(kept if isinstance(kept, list) else []), *added]))

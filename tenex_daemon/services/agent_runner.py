@@ -274,7 +274,7 @@ class AgentRunner:
             reply = await self._save_reply(
                 request, profile, trigger, result, record, error_kind, effects, routing
             )
-            reply_saved()  # a stop that let it finish counts it as said before the stop
+            reply_saved(reply.id)  # a stop that let it finish counts it as said before the stop
             await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
         except BaseException:
             await self._count_run_time(cid, started_ms)

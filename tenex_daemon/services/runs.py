@@ -97,6 +97,8 @@ class _Running:
     """Set once its reply is in history (:func:`reply_saved`), or the run is over."""
     reply_in: bool = False
     """Its reply is in history (:func:`reply_saved`): a try that fails after it leaves a reply to publish."""
+    reply_id: str | None = None
+    """The id of its reply, once in history (:func:`reply_saved`)."""
     recorded: asyncio.Event | None = None
     """A stop that let it finish and waits for its reply: set once the stop has counted that reply in its
     record; the run routes its reply only then (:func:`stops_recorded`)."""
@@ -144,13 +146,30 @@ def saving_reply() -> None:
         running.saving = True
 
 
-def reply_saved() -> None:
-    """Tell the scheduler that the calling run's reply is in history (a stop that let it finish waits for
-    this: :meth:`RunScheduler.replies_being_saved`)."""
+def reply_saved(reply_id: str) -> None:
+    """Tell the scheduler that the calling run's reply (``reply_id``) is in history (a stop that let it finish
+    waits for this: :meth:`RunScheduler.replies_being_saved`)."""
     running = _CURRENT_RUN.get()
     if running is not None:
         running.reply_in = True
+        running.reply_id = reply_id
         running.saved.set()
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyBeingSaved:
+    """A run's reply being saved as a stop came (:meth:`RunScheduler.replies_being_saved`)."""
+
+    saved: asyncio.Event
+    """Set once the reply is in history, or the run is over."""
+    recorded: asyncio.Event
+    """Set by the stop once it has counted the reply in its record (the run routes it only then)."""
+    _running: _Running
+
+    @property
+    def reply_id(self) -> str | None:
+        """The reply's id once it is in history (None: not saved, or not yet)."""
+        return self._running.reply_id
 
 
 async def stops_recorded(within: float) -> None:
@@ -452,16 +471,16 @@ class RunScheduler:
         except Exception:
             log.exception("run_listener_failed", conversation_id=run.conversation_id, agent=run.agent_slug)
 
-    def replies_being_saved(self, conversation_id: str) -> list[tuple[asyncio.Event, asyncio.Event]]:
-        """For each run of the conversation whose reply is being saved (a stop lets it finish): the event set
-        once that reply is in history or the run is over, and the one the caller (a stop) sets once it has
-        counted the reply in its record, which the run waits for before routing the reply."""
+    def replies_being_saved(self, conversation_id: str) -> list[ReplyBeingSaved]:
+        """The replies of the conversation's runs that are being saved (a stop lets them finish): each with
+        the event set once it is in history or the run is over, and the one the caller (a stop) sets once it
+        has counted the reply in its record, which the run waits for before routing the reply."""
         held = []
         for key, running in self._running.items():
             if running.saving and not running.saved.is_set() and key.startswith(f"{conversation_id}:"):
                 if running.recorded is None:
                     running.recorded = asyncio.Event()
-                held.append((running.saved, running.recorded))
+                held.append(ReplyBeingSaved(running.saved, running.recorded, running))
         return held
 
     async def cancel(self, conversation_id: str, agent_slug: str | None = None) -> list[RunRequest]:

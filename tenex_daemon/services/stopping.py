@@ -54,6 +54,7 @@ from tenex_daemon.services.outbox import Outbox
 from tenex_daemon.services.runs import (
     PENDING_RUNS_KEY,
     SAVING_WAIT_S,
+    ReplyBeingSaved,
     RunRequest,
     RunScheduler,
     forget_journaled,
@@ -285,19 +286,19 @@ class Stopper:
                     stopped.extend(self._answers_given.stop_answers(conversation_id, slug))
             saving = scheduler.replies_being_saved(conversation_id)
             try:
-                held = await self._replies_saved(conversation_id, [saved for saved, _ in saving])
+                finished = await _replies_saved(saving)
                 slugs = tuple(dict.fromkeys(r.agent_slug for r in stopped))
                 for routed in dict.fromkeys(r.agent_slug for r in stopped if r.via_orchestrator):
                     # the orchestrator's open turn no longer waits for an agent that will not answer
                     await self._manager.add_completion_to_turn(conversation_id, routed, STOPPED_COMPLETION)
-                if (slugs or held is not None) and recorded is not None:  # the record gains what it stopped
+                if (slugs or finished) and recorded is not None:  # the record gains what it stopped
                     completed = {**recorded, "agents": list(slugs)}
-                    if held is not None:
-                        completed["history"] = held
+                    if finished:
+                        completed["finished"] = finished
                     await _update_record(self._manager, conversation_id, completed, replacing=recorded)
             finally:
-                for _, counted in saving:  # those runs route their replies now
-                    counted.set()
+                for being_saved in saving:  # those runs route their replies now
+                    being_saved.recorded.set()
             notice = await self._notify(conversation_id, stopped) if stopped else None
         log.info(
             "conversation_stopped",
@@ -309,18 +310,6 @@ class Stopper:
             notice=notice.id if notice is not None else None,
         )
         return StopReport(conversation_id, slugs, reason=STOPPED if slugs else NOTHING_TO_STOP, notice=notice)
-
-    async def _replies_saved(self, conversation_id: str, saving: list[asyncio.Event]) -> int | None:
-        """Wait (at most ``SAVING_WAIT_S``) until the replies of the runs let finish are saved (``saving``),
-        and return how many events the conversation holds then: those replies were said before the stop,
-        which the record counts, so the agents the orchestrator routes them to do not run (each such run
-        routes its reply only once the record says so). None when no run was saving."""
-        if not saving:
-            return None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(done.wait() for done in saving)), SAVING_WAIT_S)
-        conversation = await self._manager.get_conversation(conversation_id)
-        return None if conversation is None else len(conversation.history)
 
     async def stop_everywhere(
         self, scheduler: RunScheduler, conversation_id: str, agents: Sequence[str] | None, *, by: str
@@ -527,6 +516,19 @@ async def _tell_and_wait(
         cid = asked.conversation_id
         log.warning("peer_stop_not_told", conversation_id=cid, op=asked.op.value, error=repr(exc))
     return tuple(dict.fromkeys(answers.agents))
+
+
+async def _replies_saved(saving: Sequence[ReplyBeingSaved]) -> list[str]:
+    """Wait (at most ``SAVING_WAIT_S``) until the replies of the runs a stop let finish (``saving``)
+    are saved, and return the ids of those in history then: they were said before the stop, which the
+    record counts (``finished``), so the agents the orchestrator routes them to do not run (each such
+    run routes its reply only once the record says so). By id, not by position: a person's message
+    that comes meanwhile stands before them in history, and was said after the stop."""
+    if not saving:
+        return []
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*(r.saved.wait() for r in saving)), SAVING_WAIT_S)
+    return [r.reply_id for r in saving if r.reply_id is not None]
 
 
 async def _record(

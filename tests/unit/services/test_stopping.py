@@ -463,7 +463,47 @@ async def test_a_stop_while_a_reply_is_being_saved_keeps_the_agent_routed_after_
     assert conversation is not None
     assert bob.requests == []
     assert cast.bob.pubkey not in {e.pubkey for e in conversation.history}
-    assert conversation.metadata.extra[STOPS_KEY][-1]["history"] == 2  # the root and Alice's reply
+    record = conversation.metadata.extra[STOPS_KEY][-1]
+    assert (record["history"], record["finished"]) == (1, [conversation.history[1].id])  # the root; Alice's reply
+
+
+async def test_a_message_written_while_a_stop_waits_for_a_reply_being_saved_is_answered(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A person stops Alice while her reply is being saved, then writes again before that reply is in history:
+    the new message stands before her reply but came after the stop, so Alice answers it."""
+    entered, release = asyncio.Event(), asyncio.Event()
+    stop_typing = agent_runner.AgentRunner._stop_typing
+
+    async def held(*args: Any) -> None:  # the moment between "saving" and the reply's save
+        await stop_typing(*args)
+        if not release.is_set():
+            entered.set()
+            await release.wait()
+
+    monkeypatch.setattr(agent_runner.AgentRunner, "_stop_typing", staticmethod(held))
+    alice = ScriptedBackend([CompletionResult(text="the long draft"), CompletionResult(text="the short one")])
+    profiles = {"alice": AgentProfile(cast.alice, "", alice)}
+    rig = pipeline.build_rig(cast, profiles=profiles, composer=pipeline.real_composer(cast))
+    root = cast.user_says("Draft the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(entered.wait(), 5)
+
+    stopping = asyncio.create_task(rig.dispatcher.handle(stop_request(cast, cast.user, root)))
+    await asyncio.sleep(0.05)  # the stop is recorded and waits for the reply being saved
+    again = cast.user_says("Make it short instead", tags=[*thread_of(root), ["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(again)
+    release.set()
+    await stopping
+    await rig.quiet()
+    await rig.settle()
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.content for e in conversation.history] == [
+        "Draft the report", "Make it short instead", "the long draft", "the short one"
+    ]
+    assert len(alice.requests) == 2
 
 
 async def test_a_stop_through_one_daemon_stops_the_run_another_daemon_holds(cast: Cast) -> None:
@@ -672,6 +712,25 @@ def test_a_stop_told_between_daemons_is_recorded_once_with_every_daemons_agents(
 
     assert with_stop(with_stop(None, here), there) == [{**here, "agents": ["alice"]}]
     assert [s["stop_id"] for s in with_stop([here], other)] == ["s1", "s2"]
+
+
+def test_each_daemons_finished_replies_join_the_requests_record_and_count_as_before_the_stop(
+    cast: Cast,
+) -> None:
+    """Two daemons carry one stop out and each lets a reply finish: the record holds both replies' ids, and
+    a run for either reply counts as stopped, though the record's ``history`` came before them."""
+    root = cast.user_says("Build it", kind=11)
+    alice, bob = cast.alice_says("done"), cast.bob_says("done too")
+    first = {"by": "p", "at": 1, "history": 1, "agents": [], "named": None, "event_id": "e1", "finished": [alice.id]}
+    again = {**first, "at": 2, "finished": [bob.id]}
+    conversation = Conversation(id=root.id)
+    for event in (root, alice, bob):
+        conversation.append(event)
+    conversation.metadata.extra[STOPS_KEY] = with_stop(with_stop(None, first), again)
+
+    assert conversation.metadata.extra[STOPS_KEY] == [{**first, "finished": [alice.id, bob.id]}]
+    assert stopped_since(conversation, alice, "carol", recovered=False)
+    assert stopped_since(conversation, bob, "carol", recovered=False)
 
 
 def test_a_request_carried_out_again_joins_its_record_rather_than_adding_one() -> None:
