@@ -10,8 +10,9 @@ NIP-59 seal and gift wrap), never by hand-written crypto (docs/PROTOCOL.md, "Pri
   rumor) as an unsigned kind-14 rumor; every other reply is the inner composer's.
 - :class:`GiftWrapPublisher` never puts a rumor on a relay: it publishes one gift wrap per recipient
   (the rumor's ``p`` tags and its author, so the agent's own copy survives a rebuild), made once per
-  rumor and kept until a relay accepted each, in the store too (a restart sends the same wraps, so a
-  person never gets an answer twice); signed events go to the inner publisher unchanged.
+  rumor and kept, in the store too, until a relay accepted each and for the newest delivered rumors
+  after that (a restart, or a saved reply published again, sends the same wraps, so a person never gets
+  an answer twice); signed events go to the inner publisher unchanged.
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ log = structlog.get_logger(__name__)
 
 PENDING_WRAPS_MEMORY: Final = 10_000
 """Rumors whose wraps are kept for a retry (a rumor leaves once a relay accepted each of its wraps)."""
+DELIVERED_WRAPS_KEPT: Final = 32
+"""Rumors whose wraps were all accepted that keep them (the newest): a saved reply published again (a
+crash before its outbox entry or its run's journal entry left) goes out in the same wraps."""
 WRAPS_KEY: Final = "outbox.wraps"
-"""Where a home keeps the wraps not accepted yet (daemons sharing a database: one key each)."""
+"""Where a home keeps the wraps it made (daemons sharing a database: one key each)."""
 STORED_WRAPS_BYTES: Final = 1 << 20
 """The most the stored wraps take (a long relay outage must not make each save rewrite megabytes)."""
 
@@ -201,26 +205,34 @@ class PrivateReplyComposer:
 
 class GiftWrapPublisher:
     """Publishes through ``inner``, except that a kind-14 rumor is never published itself: each recipient
-    (:func:`wrap_recipients`) gets a gift wrap, made once and kept until a relay accepted it, so that a
-    retry (the outbox's) sends the same wraps again and a person sees one message, not one per try."""
+    (:func:`wrap_recipients`) gets a gift wrap, made once and kept, so that a retry (the outbox's) or a saved
+    reply published again sends the same wraps and a person sees one message, not one per try. The wraps
+    of a rumor waiting for a relay are kept until it is delivered or refused for good; those of the newest
+    :data:`DELIVERED_WRAPS_KEPT` delivered rumors too (a crash can come before the outbox or the run journal
+    forgets one: the restart publishes it again)."""
 
     def __init__(
         self, inner: Publisher, wraps: GiftWraps, values: SmallValues | None = None, key: str = WRAPS_KEY
     ) -> None:
-        """Wrap with ``wraps``, publish through ``inner``; the wraps not accepted yet are kept in ``values``
-        under ``key`` (none: in memory only)."""
+        """Wrap with ``wraps``, publish through ``inner``; the wraps are kept in ``values`` under ``key``
+        (none: in memory only)."""
         self._inner = inner
         self._wraps = wraps
         self._values = values
         self._key = key
-        self._pending: OrderedDict[str, dict[str, NostrEvent]] = OrderedDict()
+        self._made: OrderedDict[str, dict[str, NostrEvent]] = OrderedDict()
+        """Each rumor's wraps, by recipient: those waiting for a relay and those delivered."""
+        self._delivered: OrderedDict[str, None] = OrderedDict()
+        """The rumors of ``_made`` whose wraps were all accepted, oldest first."""
+        self._unsent: dict[str, set[str]] = {}
+        """Per rumor being published: the recipients whose wraps no relay accepted yet (retries send them)."""
         self._saving = asyncio.Lock()
         self.wraps_published = 0
 
     async def recover(self, key: str | None = None) -> int:
-        """Take up the wraps a previous process made and no relay accepted yet (stored under ``key``, by
-        default this publisher's own; another's, a daemon taken over, are kept under its own from then
-        on); return how many rumors they are for."""
+        """Take up the wraps a previous process made (stored under ``key``, by default this publisher's own;
+        another's, a daemon taken over, are kept under its own from then on); return how many rumors they
+        are for. Until :meth:`keep_only` says which still wait for a relay, they count as waiting."""
         if self._values is None:
             return 0
         raw = await self._values.get_meta(key or self._key)
@@ -236,37 +248,56 @@ class GiftWrapPublisher:
             log.warning("stored_gift_wraps_unreadable", key=key or self._key, error=str(exc)[:200])
             return 0
         for rumor_id, wraps in found.items():
-            self._pending.setdefault(rumor_id, wraps)
-        while len(self._pending) > PENDING_WRAPS_MEMORY:
-            self._pending.popitem(last=False)
+            self._made.setdefault(rumor_id, wraps)
+        self._bound()
         if key is not None and key != self._key:
             await self._save()
         return len(found)
 
     async def keep_only(self, rumor_ids: Collection[str]) -> None:
-        """Forget the wraps of rumors that no longer wait for a relay (``rumor_ids``: those the outbox
-        holds): what a crash between the last wrap's acceptance and its save, or an outbox entry dropped
-        at recovery, left behind."""
-        stale = [rumor_id for rumor_id in self._pending if rumor_id not in rumor_ids]
-        for rumor_id in stale:
-            del self._pending[rumor_id]
-        if stale:
+        """Say which rumors still wait for a relay (``rumor_ids``: those the outbox holds): the others were
+        delivered (a crash came between the last wrap's acceptance and the outbox's forgetting it) or
+        dropped (an outbox entry dropped at recovery); the newest of them keep their wraps, as delivered
+        ones do."""
+        for rumor_id in self._made:
+            if rumor_id not in rumor_ids and rumor_id not in self._delivered:
+                self._delivered[rumor_id] = None
+        if self._bound():
             await self._save()
 
+    def _bound(self) -> bool:
+        """Forget the oldest delivered rumors past :data:`DELIVERED_WRAPS_KEPT`, and the oldest rumors past
+        :data:`PENDING_WRAPS_MEMORY`; return whether any was forgotten."""
+        forgot = False
+        while len(self._delivered) > DELIVERED_WRAPS_KEPT:
+            self._made.pop(self._delivered.popitem(last=False)[0], None)
+            forgot = True
+        while len(self._made) > PENDING_WRAPS_MEMORY + len(self._delivered):
+            rumor_id = self._made.popitem(last=False)[0]
+            self._delivered.pop(rumor_id, None)
+            self._unsent.pop(rumor_id, None)
+            forgot = True
+        return forgot
+
     async def _save(self) -> None:
-        """Store the wraps waiting for a relay, oldest first, up to :data:`STORED_WRAPS_BYTES` (those past
-        it stay in memory only, as they would without a store: each save rewrites the whole value)."""
+        """Store the wraps: those waiting for a relay first, oldest first, then the delivered ones, newest
+        first, up to :data:`STORED_WRAPS_BYTES` (those past it stay in memory only, as they would without a
+        store: each save rewrites the whole value)."""
         if self._values is None:
             return
         async with self._saving:
+            waiting = [rumor_id for rumor_id in self._made if rumor_id not in self._delivered]
             parts: list[str] = []
             size = 0
-            for rumor_id, wraps in self._pending.items():
+            for rumor_id in [*waiting, *reversed(self._delivered)]:
+                wraps = self._made.get(rumor_id)
+                if wraps is None:
+                    continue
                 part = json.dumps(rumor_id) + ":" + json.dumps(
                     {r: w.to_dict() for r, w in wraps.items()}, separators=(",", ":")
                 )
                 if size + len(part) > STORED_WRAPS_BYTES:
-                    log.debug("gift_wraps_kept_in_memory", left_out=len(self._pending) - len(parts))
+                    log.debug("gift_wraps_kept_in_memory", left_out=len(self._made) - len(parts))
                     break
                 parts.append(part)
                 size += len(part) + 1
@@ -276,50 +307,55 @@ class GiftWrapPublisher:
         """Publish a signed event as it is; a rumor as its gift wraps (raise unless each reached a relay).
 
         A rumor's wraps are stored before the first goes out: one that reached a relay before a crash is
-        sent again unchanged after it, and relays keep one copy of it."""
+        sent again unchanged after it, and relays keep one copy of it. A rumor published again after its
+        wraps were delivered (a saved reply a restart publishes again) sends them again unchanged too."""
         if event.kind != KIND_PRIVATE_MESSAGE and event.is_signed:
             await self._inner.publish(event)
             return
-        pending = self._pending.get(event.id)
-        if pending is None:
+        made = self._made.get(event.id)
+        if made is None:
             try:
-                pending = {to: self._wraps.wrap(event, to) for to in wrap_recipients(event)}
+                made = {to: self._wraps.wrap(event, to) for to in wrap_recipients(event)}
             except Exception as exc:  # over NIP-44's size, say: the same rumor never wraps
                 reason = f"invalid: cannot be gift-wrapped: {exc}"
                 raise EventRefusedError(f"rumor {event.id} cannot be gift-wrapped: {exc}", (reason,)) from exc
-            self._pending[event.id] = pending
-            while len(self._pending) > PENDING_WRAPS_MEMORY:
-                self._pending.popitem(last=False)
+            self._made[event.id] = made
+            self._bound()
             try:
                 await self._save()
             except BaseException:  # nothing sent yet: the retry makes and stores them again
-                self._pending.pop(event.id, None)
+                self._made.pop(event.id, None)
                 raise
+        self._delivered.pop(event.id, None)
+        # a retry sends the wraps not accepted yet; a publication again (after a restart: not known) all
+        unsent = self._unsent.setdefault(event.id, set(made))
         failed: list[str] = []
         refused: list[EventRefusedError] = []
-        for recipient, wrap in list(pending.items()):
+        for recipient, wrap in list(made.items()):
+            if recipient not in unsent:
+                continue
             try:
-                await self._inner.publish(wrap)
+                await self._inner.publish(wrap)  # one a relay accepted before a crash: it answers duplicate
             except Exception as exc:
                 failed.append(f"{recipient[:12]}: {exc}")
                 if isinstance(exc, EventRefusedError):
                     refused.append(exc)
                 continue
-            pending.pop(recipient, None)
+            unsent.discard(recipient)
             self.wraps_published += 1
         if failed and len(refused) == len(failed):  # every wrap left was refused for good: never again
-            self._pending.pop(event.id, None)
+            self._made.pop(event.id, None)
+            self._unsent.pop(event.id, None)
             with contextlib.suppress(Exception):
                 await self._save()
-            reasons = tuple(reason for each in refused for reason in each.reasons)
+            reasons = tuple(dict.fromkeys(reason for each in refused for reason in each.reasons))
             raise EventRefusedError(f"wraps of {event.id} refused for good ({'; '.join(failed)})", reasons)
         if failed:
             raise GiftWrapError(f"wraps of {event.id} not accepted by any relay ({'; '.join(failed)})")
-        if self._pending.pop(event.id, None) is not None:
-            try:
-                await self._save()
-            except Exception as exc:  # delivered all the same: the stale entry goes with the next save
-                log.warning("gift_wraps_not_saved", event_id=event.id, error=str(exc)[:200])
+        del self._unsent[event.id]
+        if event.id in self._made:  # kept for a publication again; no save needed: stored already
+            self._delivered[event.id] = None
+            self._bound()
 
     async def typing(self, agent_slug: str, conversation_id: str, active: bool) -> None:
         """Typing indicators go to the inner publisher (the runner sends none for private conversations)."""

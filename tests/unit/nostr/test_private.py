@@ -26,6 +26,7 @@ from nostr_sdk import (
 from tenex_daemon.adapters.nostr import private
 from tenex_daemon.adapters.nostr.codec import Rejection, RejectReason, parse_relay_frame, verify_event
 from tenex_daemon.adapters.nostr.private import (
+    DELIVERED_WRAPS_KEPT,
     WRAPS_KEY,
     GiftWrapError,
     GiftWrapPublisher,
@@ -230,8 +231,8 @@ class RefusingPublisher(FakePublisher):
 async def test_wraps_not_accepted_before_a_restart_are_sent_again_unchanged_after_it() -> None:
     """A rumor's wraps are stored before the first is sent: after a restart (a new publisher over the same
     store) the outbox's retry sends the very same wraps, so a person whose relay took one before the crash
-    gets the answer once; once all are accepted the stored set is empty. A daemon taken over hands its
-    wraps to the one that takes over (stored under that one's key from then on)."""
+    gets the answer once; once all are accepted they stay stored (a publication again sends them too). A
+    daemon taken over hands its wraps to the one that takes over (stored under that one's key from then on)."""
     store = MemoryStore()
     rumor = make_rumor(AGENT.pubkey, "private answer", [["p", PERSON.pubkey]], NOW)
     down = RefusingPublisher()
@@ -246,13 +247,38 @@ async def test_wraps_not_accepted_before_a_restart_are_sent_again_unchanged_afte
     await after.publish(rumor)
 
     assert [w.id for w in up.published] == first_tried
-    assert json.loads(await store.get_meta(WRAPS_KEY) or "null") == {}
+    assert list(json.loads(await store.get_meta(WRAPS_KEY) or "null")) == [rumor.id]
     elsewhere = GiftWrapPublisher(RefusingPublisher(), wraps(), store, key="outbox.wraps.gone")
     with pytest.raises(GiftWrapError):
         await elsewhere.publish(rumor)
     taker = GiftWrapPublisher(RefusingPublisher(), wraps(), store)
     assert await taker.recover(key="outbox.wraps.gone") == 1
     assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [rumor.id]
+
+
+async def test_a_delivered_rumor_published_again_after_a_restart_goes_out_in_the_same_wraps() -> None:
+    """A private answer delivered right before a crash (its outbox entry, or its run's journal entry, not yet
+    forgotten) is published again after the restart: it goes out in the very wraps the relay took, which the
+    relay keeps once, so the person sees the answer once; only the newest DELIVERED_WRAPS_KEPT delivered
+    rumors keep their wraps."""
+    store = MemoryStore()
+    rumor = make_rumor(AGENT.pubkey, "private answer", [["p", PERSON.pubkey]], NOW)
+    first = RefusingPublisher(down=False)
+    await GiftWrapPublisher(first, wraps(), store).publish(rumor)
+
+    again = RefusingPublisher(down=False)
+    restarted = GiftWrapPublisher(again, wraps(), store)
+    await restarted.recover()
+    await restarted.keep_only(())  # the outbox forgot it before the crash: the run journal publishes it again
+    await restarted.publish(rumor)
+
+    assert [w.id for w in again.published] == [w.id for w in first.published]
+    later = [make_rumor(AGENT.pubkey, f"answer {n}", [["p", PERSON.pubkey]], NOW) for n in range(DELIVERED_WRAPS_KEPT)]
+    for each in later:
+        await restarted.publish(each)
+    await restarted.publish(rumor)  # forgotten by now: wrapped anew
+    assert len(json.loads(await store.get_meta(WRAPS_KEY) or "null")) == DELIVERED_WRAPS_KEPT + 1
+    assert {w.id for w in again.published[-2:]}.isdisjoint(w.id for w in first.published)
 
 
 class FailingOnce(MemoryStore):
@@ -268,12 +294,13 @@ class FailingOnce(MemoryStore):
         await super().set_meta(key, value)
 
 
-async def test_wraps_are_sent_only_once_stored_and_forgotten_when_no_longer_owed(
+async def test_wraps_are_sent_only_once_stored_and_those_waiting_for_a_relay_stored_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A rumor whose wraps could not be stored sends none (the outbox's retry makes and stores them); wraps
-    of rumors the outbox no longer holds are dropped from the store; past the byte limit, older rumors'
-    wraps are stored and newer ones kept in memory only."""
+    of rumors the outbox no longer holds are kept as a delivered rumor's are; past the byte limit, the wraps
+    of rumors waiting for a relay are stored first, the delivered ones' after them, and what does not fit is
+    kept in memory only."""
     store = FailingOnce()
     relay = RefusingPublisher(down=False)
     publisher = GiftWrapPublisher(relay, wraps(), store)
@@ -286,20 +313,20 @@ async def test_wraps_are_sent_only_once_stored_and_forgotten_when_no_longer_owed
         await publisher.publish(rumor)
     assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [rumor.id]
 
-    await publisher.keep_only(set())
-    assert json.loads(await store.get_meta(WRAPS_KEY) or "null") == {}
+    await publisher.keep_only(set())  # no longer in the outbox: delivered before a crash, say
+    assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [rumor.id]
 
-    with pytest.raises(GiftWrapError):
-        await publisher.publish(rumor)
     one = len(await store.get_meta(WRAPS_KEY) or "")
     monkeypatch.setattr(private, "STORED_WRAPS_BYTES", one + 10)  # room for one rumor's wraps, not two
     later = make_rumor(AGENT.pubkey, "another answer", [["p", PERSON.pubkey]], NOW + 1)
     with pytest.raises(GiftWrapError):
         await publisher.publish(later)
-    assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [rumor.id]
-    monkeypatch.setattr(private, "STORED_WRAPS_BYTES", 3 * one)
-    await publisher.keep_only({later.id})  # the older one delivered meanwhile: the newer is stored now
     assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [later.id]
+    monkeypatch.setattr(private, "STORED_WRAPS_BYTES", 4 * one)
+    third = make_rumor(AGENT.pubkey, "a third answer", [["p", PERSON.pubkey]], NOW + 2)
+    with pytest.raises(GiftWrapError):
+        await publisher.publish(third)
+    assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [later.id, third.id, rumor.id]
 
 
 def test_a_resubscription_looks_further_back_by_its_lookback() -> None:
@@ -315,17 +342,18 @@ def test_a_resubscription_looks_further_back_by_its_lookback() -> None:
 
 async def test_a_rumor_whose_wraps_every_relay_refuses_for_good_is_refused_for_good() -> None:
     """When every wrap still owed was refused for good (over a relay's size limit: ``blocked:``), the
-    publish raises EventRefusedError with the relays' words and the wraps are forgotten (the outbox then
-    tells the person, as for a public reply); a rumor that cannot even be wrapped is refused the same way."""
+    publish raises EventRefusedError with the relays' words, each once (both wraps were refused alike: the
+    person's notice quotes it once), and the wraps are forgotten (the outbox then tells the person, as for a
+    public reply); a rumor that cannot even be wrapped is refused the same way."""
     rumor = make_rumor(AGENT.pubkey, "x" * 500, [["p", PERSON.pubkey]], NOW)
     publisher = GiftWrapPublisher(FakePublisher(refuse_over=100), wraps())
 
     with pytest.raises(EventRefusedError) as caught:
         await publisher.publish(rumor)
 
-    assert len(caught.value.reasons) == 2  # one per wrap: the person's and the agent's own copy
-    assert all(reason.startswith("blocked: event size") for reason in caught.value.reasons)
-    assert rumor.id not in publisher._pending
+    assert len(caught.value.reasons) == 1  # the person's wrap and the agent's own copy: the same words
+    assert caught.value.reasons[0].startswith("blocked: event size")
+    assert rumor.id not in publisher._made
 
     class Unwrappable:
         def wrap(self, rumor: NostrEvent, recipient: str) -> NostrEvent:
