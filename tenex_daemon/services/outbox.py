@@ -273,23 +273,26 @@ class Outbox:
                 await self._publisher.publish(entry.event)
                 break
             except EventRefusedError as exc:
-                await self._refused(entry, exc)
-                return
+                failed = await self._refused(entry, exc)
+                if failed is None:
+                    return
+                problem: Exception = failed  # its notice could not be saved: refused again, told again
             except Exception as exc:
-                entry.attempts += 1
-                entry.last_error = str(exc) or type(exc).__name__
-                self.retries += 1
-                self._warn_if_old(entry)
-                log.info(
-                    "outbox_retry",
-                    event_id=entry.event.id,
-                    conversation_id=entry.conversation_id,
-                    attempt=entry.attempts,
-                    retry_in=delay,
-                    error=entry.last_error,
-                )
-                await self._sleep(delay)
-                delay = min(delay * 2, self._backoff_cap)
+                problem = exc
+            entry.attempts += 1
+            entry.last_error = str(problem) or type(problem).__name__
+            self.retries += 1
+            self._warn_if_old(entry)
+            log.info(
+                "outbox_retry",
+                event_id=entry.event.id,
+                conversation_id=entry.conversation_id,
+                attempt=entry.attempts,
+                retry_in=delay,
+                error=entry.last_error,
+            )
+            await self._sleep(delay)
+            delay = min(delay * 2, self._backoff_cap)
         self._forget(entry.event.id)
         self.delivered += 1
         if entry.attempts:
@@ -297,11 +300,23 @@ class Outbox:
         if self._observer is not None and entry.trigger_id is not None:
             self._observer.reply_published(entry.agent_slug, entry.trigger_id, sent_at)
 
-    async def _refused(self, entry: OutboxEntry, refusal: EventRefusedError) -> None:
+    async def _refused(self, entry: OutboxEntry, refusal: EventRefusedError) -> Exception | None:
         """Every relay refused the entry's event for good: it leaves the outbox (trying again cannot help),
         and the person is told when ``on_refused`` gives a notice. The notice is saved first, and one write
         of the outbox then holds its entry and no longer the refused one, so a crash between loses neither
-        (it could only refuse the event again and save a second notice)."""
+        (it could only refuse the event again and save a second notice). A notice that could not be saved
+        (the store gone for a moment) keeps the entry: returned is that error, and the caller tries the
+        event, then the notice, again after a wait."""
+        notice = None
+        if self._on_refused is not None:
+            try:
+                notice = await self._on_refused(entry, refusal)
+            except Exception as exc:
+                log.exception(
+                    "refusal_notice_failed", event_id=entry.event.id, conversation_id=entry.conversation_id,
+                    action="kept; the event and its notice are tried again after a wait",
+                )
+                return exc
         log.error(
             "outbox_entry_refused",
             event_id=entry.event.id,
@@ -310,14 +325,6 @@ class Outbox:
             error=str(refusal),
             action="not sent again: every relay refused it for good; it stays saved in the conversation",
         )
-        notice = None
-        if self._on_refused is not None:
-            try:
-                notice = await self._on_refused(entry, refusal)
-            except Exception:
-                log.exception(
-                    "refusal_notice_failed", event_id=entry.event.id, conversation_id=entry.conversation_id
-                )
         self._entries.pop(entry.event.id, None)
         self.refused += 1
         self._version += 1
@@ -327,6 +334,7 @@ class Outbox:
             )
         else:
             self._write_soon()
+        return None
 
     def _warn_if_old(self, entry: OutboxEntry) -> None:
         if entry.warned or time.time() - entry.first_at < self._warn_after:

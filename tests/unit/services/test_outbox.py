@@ -188,6 +188,33 @@ async def test_an_event_every_relay_refuses_for_good_leaves_the_outbox_and_the_p
     assert await stored_ids(store) == []
 
 
+async def test_a_refused_events_notice_that_could_not_be_saved_is_tried_again_not_lost(cast: Cast) -> None:
+    """When the notice of a reply every relay refused cannot be saved (the store gone for a moment), the entry
+    stays in the outbox: after a wait the reply is refused again and its notice saved and delivered, so the
+    person is told once the store is back."""
+    store, publisher = MemoryStore(), FakePublisher(refuse_over=100)
+    root, _ = await saved_reply(store, cast)
+    too_long = cast.alice_says("x" * 500, tags=[["e", root.id]])
+    await store.append_event(root.id, too_long)
+    tries: list[str] = []
+
+    async def on_refused(entry: OutboxEntry, refusal: EventRefusedError) -> NostrEvent | None:
+        tries.append(entry.event.id)
+        if len(tries) == 1:
+            raise OSError("database restarting")
+        return cast.alice_says("the notice", tags=[["e", root.id], ["error", "system"]])
+
+    outbox = Outbox(store, publisher, backoff_start_s=0.005, backoff_cap_s=0.01, on_refused=on_refused)
+    await outbox.add(root.id, too_long, agent_slug="alice", trigger_id=root.id)
+    await until(lambda: outbox.depth == 0 and len(publisher.published) == 1)
+    await outbox.close()
+
+    assert [e.content for e in publisher.published] == ["the notice"]
+    assert tries == [too_long.id, too_long.id]
+    assert (outbox.refused, outbox.retries, outbox.delivered) == (1, 1, 1)
+    assert await stored_ids(store) == []
+
+
 class CrashError(Exception):
     """The process ends here (the test stops the call where a crash would)."""
 
