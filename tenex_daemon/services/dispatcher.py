@@ -483,6 +483,7 @@ class EventDispatcher:
             found = await self._manager.store.find_event(event_id)
             if found is not None:
                 stored.append(event_id)
+                self._scheduler.redoing(event_id, found[0])  # busy until dispatched: no sweep ends it
                 started = await self._manager.get_conversation(event_id) if found[0] == event_id else None
                 if started is not None:
                     await self._repoint(started)

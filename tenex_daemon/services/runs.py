@@ -237,6 +237,8 @@ class RunScheduler:
         """Event ids accepted and not yet dispatched (insertion order)."""
         self._redo: list[str] = []
         """Event ids a previous process accepted and did not finish dispatching."""
+        self._redoing_in: dict[str, str] = {}
+        """Of those, each stored one's conversation (:meth:`redoing`), until its dispatch is over."""
         self._journal_lock = asyncio.Lock()
         self._journal_version = 0
         """Bumped by every change to ``_pending`` or ``_dispatching``."""
@@ -260,8 +262,18 @@ class RunScheduler:
         return len(self._tasks)
 
     def has_runs(self, conversation_id: str) -> bool:
-        """Whether a run in the conversation is scheduled or under way here (recovered ones included)."""
-        return any(request.conversation_id == conversation_id for request in self._pending.values())
+        """Whether a run in the conversation is scheduled or under way here (recovered ones included), or
+        may be soon: an event of it a previous process left to dispatch is being dispatched again."""
+        return any(request.conversation_id == conversation_id for request in self._pending.values()) or (
+            conversation_id in self._redoing_in.values()
+        )
+
+    def redoing(self, event_id: str, conversation_id: str) -> None:
+        """A dispatch a previous process left (:meth:`dispatches_to_redo`) is of a stored event of
+        ``conversation_id``: the conversation counts as busy (:meth:`has_runs`) until the dispatch is over,
+        so a sweep after a long downtime does not end it while the orchestrator decides again."""
+        if event_id in self._dispatching:
+            self._redoing_in[event_id] = conversation_id
 
     async def _write_journal(self, wanted: int) -> None:
         async with self._journal_lock:
@@ -315,6 +327,7 @@ class RunScheduler:
         """The dispatch of ``event_id`` is over (its runs, if any, are scheduled): its entry
         leaves the journal with the next write, or at once with ``at_once``. While shutting down
         it stays (a run it asked for was refused): the next start dispatches it again."""
+        self._redoing_in.pop(event_id, None)
         if event_id not in self._dispatching or not self._accepting:
             return
         del self._dispatching[event_id]

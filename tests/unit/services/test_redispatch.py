@@ -25,6 +25,7 @@ from tenex_daemon.services import runs
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.dispatcher import EventDispatcher, HandleResult, Outcome
 from tenex_daemon.services.orchestrator import LLMOrchestrator, RuleBasedOrchestrator
+from tenex_daemon.services.retention import RetentionPolicy, Sweeper
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
 from tenex_daemon.testing import FakeClock
 from tenex_daemon.testing.fakes import FakePublisher, ScriptedBackend, StuckBackend
@@ -53,6 +54,7 @@ def start(
     *,
     alice: LLMBackend | None = None,
     bob: LLMBackend | None = None,
+    clock: FakeClock | None = None,
 ) -> Services:
     """The daemon's pipeline (build_pipeline) on ``store`` with the LLM orchestrator over ``model``."""
     backends: dict[str, LLMBackend] = {
@@ -72,6 +74,7 @@ def start(
         composer=pipeline.real_composer(cast),
         orchestrator=orchestrator,
         hop_limit=6,
+        clock=clock,
     )
     return Services(base.manager, base.scheduler, base.dispatcher, base.runner, base.publisher)
 
@@ -519,3 +522,51 @@ async def test_with_daemons_sharing_a_store_a_message_shown_in_a_later_answer_is
     assert [e.content for e in conversation.history] == [
         "Plan it", "first answer", "and the budget?", "and the dates?", "answer to both",
     ]
+
+
+class HeldModel:
+    """An orchestrator model that answers ``text`` once ``release`` is set; ``asked`` is set on the first call."""
+
+    name = "held"
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.asked, self.release = asyncio.Event(), asyncio.Event()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Wait for ``release``, then answer."""
+        self.asked.set()
+        await self.release.wait()
+        return CompletionResult(text=self.text, model="held")
+
+
+async def test_a_sweep_while_a_crashed_dispatch_is_done_again_leaves_its_conversation_open(cast: Cast) -> None:
+    """A sweep that comes while the start dispatches again an event a crash left (its conversation idle past
+    the timeout after a long downtime) counts the conversation busy and does not end it, so the agent's answer goes
+    into an open conversation; once the dispatch and its run are over it is no longer busy."""
+    store, stuck, clock = MemoryStore(), StuckBackend(), FakeClock()
+    first = start(cast, store, stuck, clock=clock)
+    root = cast.user_says("Please plan my week", kind=11)
+    handling = asyncio.create_task(first.dispatcher.handle(root))
+    await asyncio.wait_for(stuck.asked.wait(), 5)
+    await crash(first, handling)
+
+    clock.advance(2 * 3_600_000)  # the daemon was down two hours
+    model = HeldModel('{"agents": ["alice"], "reason": "planning"}')
+    second = start(cast, store, model, clock=clock)
+    await second.scheduler.recover()
+    redo = await second.dispatcher.stored_dispatches(second.scheduler.dispatches_to_redo())
+    redoing = asyncio.create_task(second.dispatcher.redispatch(redo[0]))
+    await asyncio.wait_for(model.asked.wait(), 5)
+    sweeper = Sweeper(second.manager, RetentionPolicy(), busy=second.scheduler.has_runs)
+    report = await sweeper.sweep_once()
+    model.release.set()
+    await redoing
+    await settle(second)
+
+    conversation = await second.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert report.ended_idle == 0
+    assert not conversation.is_ended
+    assert [e.content for e in conversation.history] == ["Please plan my week", "alice here"]
+    assert not second.scheduler.has_runs(root.id)
