@@ -303,17 +303,19 @@ def migrate(
     from tenex_daemon.adapters.storage.filesystem import StoreLockedError
     from tenex_daemon.adapters.storage.tenex_import import import_tenex_home
     from tenex_daemon.app.wiring import build_store
-
-    identities = _smarthole_identities(settings, agent) if smarthole is not None else None
+    from tenex_daemon.cli.client import live_status
 
     async def go() -> ImportReport:
+        if await live_status(settings) is not None:  # a database the daemon shares has no lock to tell it
+            raise AccessError("the daemon is running (stop the daemon before migrating)", 503)
         store = build_store(settings)
         try:
             await store.open()
         except StoreLockedError as exc:
             raise AccessError(f"{exc} (stop the daemon before migrating)", 503) from None
         try:
-            if smarthole is not None and identities is not None:
+            if smarthole is not None:  # its signers only once the import may go ahead
+                identities = _smarthole_identities(settings, agent)
                 return await _import_smarthole(smarthole, store, identities, settings)
             return await import_tenex_home(source if source is not None else Path("."), store)
         finally:

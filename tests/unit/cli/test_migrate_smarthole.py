@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.storage.filesystem.lock import lock_home, unlock_home
+from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.app.control_api import ControlServer
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.wiring import build_store
@@ -21,6 +23,7 @@ from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.search import SearchQuery
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.testing import KeyPair
+from tests.unit.cli.test_archive_restore_repeat import Daemon as Running
 
 USER = KeyPair.from_seed(902)
 
@@ -172,3 +175,18 @@ def test_migrate_from_smarthole_needs_the_daemon_stopped(home: Path, tmp_path: P
     assert code == 1
     assert "stop the daemon" in err
     assert stored_views(home, "planner") == {}
+
+
+async def test_migrate_refuses_while_a_daemon_answers_on_the_homes_control_socket(home: Path, tmp_path: Path) -> None:
+    """A daemon that answers on the home's control API (one on a PostgreSQL database holds no lock the command
+    would meet) keeps `migrate` from importing: it exits 1 saying to stop the daemon, stores nothing, and makes
+    no import key."""
+    settings = load_settings(home)
+    manager = ConversationManager(MemoryStore(), load_agents(settings), load_project_pubkey(settings))
+    async with ControlServer(Running(manager), settings.control_socket_path):
+        code, _, err = await asyncio.to_thread(tenexd, home, "migrate", "--from-smarthole", str(data_file(tmp_path)))
+
+    assert code == 1
+    assert "stop the daemon" in err
+    assert await asyncio.to_thread(stored_views, home, "planner") == {}
+    assert not (home / "keys" / "import.key").exists()
