@@ -17,8 +17,11 @@ event is appended unless the conversation or the store's processed-id ledger alr
 so a second rebuild adds nothing. A conversation whose root no relay has starts with its first
 event, as a reply with an unknown root does in the daemon. A missing conversation whose root id
 is in the ledger was deleted on purpose and stays deleted. No agent is run for what is merged, and a
-merged event counts as written when it was (``add_event(backfill=True)``): one older than a
-conversation's end leaves it ended.
+merged event counts as written when it was (``backfill=True``): a conversation created is dated by its
+first event (created, last active), then each event moves its last activity forward to the event's time
+(never past now), so a rebuilt conversation is as idle as its events say and the daemon's idle timeout
+ends it as it ends any (the retention sweep at the next start, or a channel's next note); one older than
+a conversation's end leaves it ended.
 
 A person's top-level kind-1 notes to an agent are a channel, as the daemon takes them in: a later note
 joins the channel's conversation when it came within the idle timeout of that conversation's last event
@@ -531,7 +534,7 @@ class Rebuilder:
             started_at_reply = plan.root is None and events[0].id != plan.conversation_id
             missing_root = plan.conversation_id if started_at_reply else None
             conversation = await self._manager.create_conversation(
-                events[0], channel=plan.channel, missing_root=missing_root
+                events[0], channel=plan.channel, missing_root=missing_root, backfill=True
             )
             report.conversations_created += 1
             report.events_added += 1

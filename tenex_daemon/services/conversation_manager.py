@@ -38,6 +38,7 @@ from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.core.text import shortened
 from tenex_daemon.core.turns import OrchestratorTurn
 from tenex_daemon.core.vocabulary import TAG_TITLE, TAG_TOOL, TOOL_COMPLETE
+from tenex_daemon.services.backfill import is_newest_person_message, written_at
 from tenex_daemon.services.conversation_changes import (
     LifecycleBefore,
     RunRecord,
@@ -157,6 +158,7 @@ class ConversationManager:
         previous_session: str | None = None,
         missing_root: str | None = None,
         title: str | None = None,
+        backfill: bool = False,
     ) -> Conversation:
         """Create a conversation whose root (and id) is ``event``; idempotent by id.
 
@@ -165,6 +167,7 @@ class ConversationManager:
         tag ``30023:<pubkey>:<d>`` makes the article the referenced article. ``exclusive``: raise
         :class:`ConversationExistsError` when it exists (another daemon created it) instead of
         returning it. ``channel``, ``task_id``, ``previous_session``, ``missing_root``: see Conversation.
+        ``backfill`` (a rebuild): created, updated and last active when ``event`` was written (not past now).
         """
         event.require_valid_id()
         async with self._locks.hold(event.id):
@@ -174,6 +177,7 @@ class ConversationManager:
                     raise ConversationExistsError(event.id)
                 return existing
             now = self._clock.now_ms()
+            started = written_at(event, now) if backfill else now
             title = title or event.tag_value(TAG_TITLE)
             conversation = Conversation(
                 id=event.id,
@@ -181,10 +185,10 @@ class ConversationManager:
                 title_source=TitleSource.TAG if title else None,
                 root_kind=event.kind,
                 phase=Phase.CHAT,
-                phase_started_at=now,
-                created_at=now,
-                updated_at=now,
-                activity_at=now,
+                phase_started_at=started,
+                created_at=started,
+                updated_at=started,
+                activity_at=started,
                 channel=channel,
                 task_id=task_id,
                 previous_session=previous_session,
@@ -209,7 +213,8 @@ class ConversationManager:
         tagged ``["tool", "complete"]`` also counts as that agent's completion of the open turn. ``backfill``
         (a rebuild merging what the relays kept): the event counts as written when it was (``created_at``,
         never past now): it reopens an ended conversation only when written after the end, moves the last
-        activity only forward, and is the person's latest message only when nothing in history is newer."""
+        activity and update only forward, and is the person's latest message only when nothing in history is
+        newer."""
         event.require_valid_id()
         async with self._locked(conversation_id) as conversation:
             if conversation.archived:
@@ -217,15 +222,18 @@ class ConversationManager:
             if conversation.contains_event(event.id) or await self._store.is_processed(event.id):
                 return False
             now = self._clock.now_ms()
-            written = min(event.created_at * 1000, now) if backfill else now  # never ahead of the clock
-            newest = not backfill or self._newest_person_message(conversation, event)
+            written = written_at(event, now) if backfill else now
+            newest = not backfill or is_newest_person_message(conversation, self.agents, event)
             before = LifecycleBefore.of(conversation)
             ended_at = conversation.ended_at
             reopened = reopens and ended_at is not None and (not backfill or written > ended_at)
             if reopened:
                 clear_end(conversation)
-            conversation.updated_at = now
-            conversation.activity_at = max(conversation.activity_at, written) if backfill else now
+            if backfill:
+                conversation.updated_at = max(conversation.updated_at, written)
+                conversation.activity_at = max(conversation.activity_at, written)
+            else:
+                conversation.updated_at = conversation.activity_at = now
             if newest and is_person_message(conversation, self.agents, event):
                 conversation.metadata.last_user_message = event.content
             agent = self.agents.by_pubkey(event.pubkey)
@@ -251,14 +259,6 @@ class ConversationManager:
             for listener in self._on_reply:  # its description is published again, saying active
                 listener(conversation_id)
         return True
-
-    def _newest_person_message(self, conversation: Conversation, event: NostrEvent) -> bool:
-        """Whether no person's message in history is newer than ``event`` (its ``created_at``): a message a
-        rebuild merges becomes the latest person message only then (one scan of history, for a rebuild)."""
-        return not any(
-            e.created_at > event.created_at and is_person_message(conversation, self.agents, e)
-            for e in conversation.history
-        )
 
     def _note_user_message(self, conversation: Conversation, event: NostrEvent) -> bool:
         if is_person_message(conversation, self.agents, event):  # after append: its tags are counted

@@ -18,7 +18,14 @@ from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.rebuild import Rebuilder, RebuildRequest, history_order
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.core.errors import ConversationNotFoundError
-from tenex_daemon.services.lifecycle import adopted_root_key, channel_meta_key
+from tenex_daemon.services.lifecycle import (
+    IDLE,
+    IDLE_TIMEOUT,
+    ConversationLifecycle,
+    adopted_root_key,
+    channel_meta_key,
+)
+from tenex_daemon.services.retention import RetentionPolicy, Sweeper
 from tenex_daemon.testing import FakeClock, sign_event
 from tests.conftest import Cast
 
@@ -457,3 +464,95 @@ async def test_a_thread_whose_root_the_relays_lack_keeps_its_later_replies_joini
     first = thread.replies[0]
     assert await _history(manager, first.id) == [e.id for e in thread.replies]
     assert await manager.store.get_meta(adopted_root_key(thread.root.id)) == first.id
+
+
+THREE_DAYS_MS = 3 * 24 * 3_600_000
+
+
+def _dated_thread(cast: Cast, t: int) -> list[NostrEvent]:
+    """A kind-11 root to Alice written at ``t`` (seconds), her answer a minute later, the person's follow-up
+    two minutes later."""
+    root = sign_event(cast.user, "Plan the trip", kind=11, tags=[["p", cast.alice.pubkey]], created_at=t)
+    events = [root]
+    for n, keys in ((1, cast.alice_keys), (2, cast.user)):
+        tags = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", events[-1].id], ["p", cast.alice.pubkey]]
+        events.append(sign_event(keys, f"message {n}", tags=tags, created_at=t + 60 * n))
+    return events
+
+
+async def test_a_rebuilt_conversation_is_dated_by_its_events_not_by_the_rebuild(
+    cast: Cast, manager: ConversationManager, clock: FakeClock
+) -> None:
+    """Rebuilt three days after its events, a conversation was created when its root was written and was last
+    active and updated when its newest event was, not when the rebuild ran."""
+    events = _dated_thread(cast, (clock.now - THREE_DAYS_MS) // 1000)
+
+    await _rebuilder(manager, FakeRelays(events)).rebuild(RebuildRequest(all_=True))
+
+    conversation = await manager.get_conversation(events[0].id)
+    assert conversation is not None
+    assert (conversation.created_at, conversation.phase_started_at) == (events[0].created_at * 1000,) * 2
+    assert (conversation.activity_at, conversation.updated_at) == (events[-1].created_at * 1000,) * 2
+    assert conversation.last_activity < clock.now - THREE_DAYS_MS + 3 * 60_000
+
+
+async def test_a_rebuilt_conversations_dates_are_never_ahead_of_the_clock(
+    cast: Cast, manager: ConversationManager, clock: FakeClock
+) -> None:
+    """A rebuilt conversation whose root is dated ahead of the rebuild's clock was created, updated and last
+    active at the rebuild's time, never later."""
+    events = _dated_thread(cast, clock.now // 1000 + 3_600)
+
+    await _rebuilder(manager, FakeRelays(events)).rebuild(RebuildRequest(all_=True))
+
+    conversation = await manager.get_conversation(events[0].id)
+    assert conversation is not None
+    assert [e.id for e in conversation.history] == [e.id for e in events]
+    assert (conversation.created_at, conversation.updated_at, conversation.activity_at) == (clock.now,) * 3
+
+
+async def test_a_note_today_starts_a_new_conversation_beside_a_rebuilt_channel_idle_for_days(
+    cast: Cast, manager: ConversationManager, clock: FakeClock
+) -> None:
+    """A person's kind-1 note today does not join the channel's rebuilt conversation, idle for three days by
+    its events (the channel's current one after the rebuild): that one is ended by the idle timeout and the
+    note starts the next conversation."""
+    lifecycle = ConversationLifecycle(manager)
+    events = _channel(cast, (clock.now - THREE_DAYS_MS) // 1000)
+    await Rebuilder(manager, FakeRelays(events), lifecycle=lifecycle).rebuild(RebuildRequest(all_=True))
+    channel = f"alice:{cast.user.pubkey}"
+    assert await manager.store.get_meta(channel_meta_key(channel)) == events[4].id
+    note = sign_event(cast.user, "hello", kind=1, tags=[["p", cast.alice.pubkey]], created_at=clock.now // 1000)
+
+    joined = await lifecycle.join_channel(channel, note)
+
+    assert joined.created
+    assert joined.conversation.id == note.id
+    rebuilt = await manager.get_conversation(events[4].id)
+    assert rebuilt is not None
+    assert (rebuilt.ended_by, rebuilt.end_reason) == (IDLE, IDLE_TIMEOUT)
+    assert note.id not in [e.id for e in rebuilt.history]
+
+
+async def test_the_sweep_at_the_daemons_start_ends_rebuilt_conversations_idle_past_the_timeout(
+    cast: Cast, manager: ConversationManager, clock: FakeClock
+) -> None:
+    """The retention sweep the daemon makes at its start ends every rebuilt conversation whose newest event is
+    older than the idle timeout (by ``idle``, for the idle timeout), as it ends any idle conversation, and
+    leaves one whose newest event is younger active."""
+    three_days_ago = (clock.now - THREE_DAYS_MS) // 1000
+    old = [*_dated_thread(cast, three_days_ago), *_channel(cast, three_days_ago)]
+    recent = _dated_thread(cast, (clock.now - 10 * 60_000) // 1000 - 120)
+    await _rebuilder(manager, FakeRelays([*old, *recent])).rebuild(RebuildRequest(all_=True))
+    clock.advance(60_000)  # the daemon starts a minute after the rebuild
+
+    report = await Sweeper(manager, RetentionPolicy()).sweep_once()
+
+    assert report.ended_idle == 3
+    for cid in (old[0].id, old[3].id, old[7].id):
+        conversation = await manager.get_conversation(cid)
+        assert conversation is not None
+        assert (conversation.ended_by, conversation.end_reason) == (IDLE, IDLE_TIMEOUT)
+    fresh = await manager.get_conversation(recent[0].id)
+    assert fresh is not None
+    assert not fresh.is_ended
