@@ -6,10 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tenex_daemon.core.context import AgentContext
+import structlog
+
+from tenex_daemon.core.agents import AgentDirectory
+from tenex_daemon.core.context import AgentContext, is_person_message
 from tenex_daemon.core.conversation import TASK_SESSION_EXPIRED, AgentState, Conversation
 from tenex_daemon.core.execution_time import ExecutionTime
 from tenex_daemon.core.turns import OrchestratorTurn
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +72,20 @@ LIFECYCLE_ATTRS = (
 )
 
 
-def record_end(conversation: Conversation, run: RunRecord, now_ms: int) -> LifecycleBefore | None:
+def record_end(
+    conversation: Conversation, run: RunRecord, now_ms: int, agents: AgentDirectory
+) -> LifecycleBefore | None:
     """A run that ended the conversation: its agent's end (when, who, why) is set, to be saved with the
-    reply; returns what to put back when that save fails (None: nothing set, it was ended already)."""
+    reply; returns what to put back when that save fails (None: nothing set, it was ended already, or a
+    person wrote in it after what the run answered: the conversation stays open for that message)."""
     if not run.ends or conversation.is_ended:
+        return None
+    unseen = conversation.history[run.context.last_processed_index :]
+    if any(is_person_message(conversation, agents, event) for event in unseen):
+        log.info(
+            "end_skipped", conversation_id=conversation.id, agent=run.agent_slug,
+            reason="a person wrote after the messages the run answered",
+        )
         return None
     before = LifecycleBefore.of(conversation)
     mark_ended(conversation, run.agent_slug, run.end_reason, now_ms)

@@ -346,7 +346,7 @@ class ConversationManager:
             conversation.activity_at = now
             if run.tools_used:
                 conversation.tools_used[reply.id] = list(run.tools_used)
-            ended = record_end(conversation, run, now)
+            ended = record_end(conversation, run, now, self.agents)
             saved = False
             try:  # False from the store: this reply was saved already (nothing of the run changes then)
                 answer = await self._store.append_event(conversation_id, reply, state=conversation)

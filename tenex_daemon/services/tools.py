@@ -233,7 +233,7 @@ class EndConversationArguments(_Arguments):
 
 
 class EndConversationTool:
-    """Ends (archives) the conversation once the reply is saved (docs/ARCHITECTURE.md)."""
+    """Ends the conversation with the reply, in one write (docs/ARCHITECTURE.md, "Conversation lifecycle")."""
 
     spec = ToolSpec(
         name="end_conversation",

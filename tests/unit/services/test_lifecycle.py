@@ -555,6 +555,57 @@ async def test_an_agent_s_end_of_the_conversation_is_saved_with_its_reply(cast: 
     assert (stored.is_ended, stored.ended_by, stored.end_reason) == (True, "alice", "all done")
 
 
+class EndsWhenReleased:
+    """Alice's model: her first run is held until ``release``, then ends the conversation and says "Goodbye!";
+    each later run answers the newest message."""
+
+    name = "ends"
+
+    def __init__(self) -> None:
+        self.requests: list[CompletionRequest] = []
+        self.asked, self.release = asyncio.Event(), asyncio.Event()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Answer as the class says."""
+        from tests.unit.services.test_tool_loop import calls, text
+
+        self.requests.append(request)
+        if len(self.requests) == 1:
+            self.asked.set()
+            await self.release.wait()
+            return calls(("c1", "end_conversation", {"reason": "done"}))
+        if len(self.requests) == 2:
+            return text("Goodbye!")
+        return text(f"answer to: {request.messages[-1].content}")
+
+
+async def test_an_agents_end_does_not_end_a_conversation_a_person_wrote_in_after_what_it_answered(
+    cast: Cast,
+) -> None:
+    """A person writes "one more question" while Alice, answering their "that's all", ends the conversation:
+    the end is not recorded (the new message waits for its answer), so the answer goes into an open
+    conversation and the person's next note a minute later continues it."""
+    backend = EndsWhenReleased()
+    rig = pipeline.build_rig(cast, backend=backend)
+    first = await rig.dispatcher.handle(note(cast, "thanks, that's all"))
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    rig.clock.advance(1_000)
+    second = await rig.dispatcher.handle(note(cast, "oh wait, one more question!"))
+    backend.release.set()
+    await rig.quiet()
+    rig.clock.advance(60_000)
+    third = await rig.dispatcher.handle(note(cast, "and after that?"))
+    await rig.quiet()
+
+    conversation = await rig.manager.get_conversation(first.conversation_id or "")
+    assert conversation is not None
+    assert second.conversation_id == third.conversation_id == first.conversation_id
+    assert not conversation.is_ended
+    assert [e.content for e in conversation.history][:4] == [
+        "thanks, that's all", "oh wait, one more question!", "Goodbye!", "answer to: oh wait, one more question!"
+    ]
+
+
 class PointerWriteFails(MemoryStore):
     """A store whose next write of a pointer (a small value whose key starts with ``armed``) fails once, as a
     crash right after the conversation it points to was created would leave it."""
