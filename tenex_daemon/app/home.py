@@ -301,6 +301,8 @@ def init_home(
     try:
         if not home.exists():
             home.mkdir(mode=0o700, parents=True)
+        else:  # a folder made before (TENEX's .tenex, say): its conversations' names are the owner's only too
+            os.chmod(home, 0o700)
         keys_dir = home / KEYS_DIR
         _ensure_private_dir(keys_dir)
     except OSError as exc:  # a file in the way, a read-only place, no permission

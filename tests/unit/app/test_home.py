@@ -48,6 +48,19 @@ def test_init_creates_private_keys_and_a_loadable_config(tmp_path: Path) -> None
     assert settings.owner == result.owner.pubkey
 
 
+def test_init_in_an_existing_folder_makes_it_the_owners_only(tmp_path: Path) -> None:
+    """A home made in a folder that exists already (TENEX's .tenex, made 0755) is tightened to 0700, as a home
+    init creates is: the conversation folders' names inside it are not listable by other users."""
+    folder = tmp_path / ".tenex"
+    (folder / "conversations").mkdir(parents=True, mode=0o755)
+    folder.chmod(0o755)
+
+    result = init_home(folder, relays=["ws://127.0.0.1:7777"])
+
+    assert result.home == folder
+    assert mode(folder) == 0o700
+
+
 def test_init_returns_matching_npubs_and_hex_for_every_identity(tmp_path: Path) -> None:
     """The result names owner, project and each agent by npub and hex, matching the key files."""
     result = init_home(tmp_path / "home")
