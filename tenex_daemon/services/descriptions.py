@@ -26,6 +26,13 @@ summary of 2 or 3 sentences (:mod:`~tenex_daemon.services.description_text`); a 
 timeout or an answer it cannot read gives the fallback text (``TitleSource.FALLBACK``). A person's
 ``title`` tag is never replaced (the manager keeps it). Publishing is retried with a capped backoff
 while the daemon lives, beside the worker, so a relay that is down holds up no other description.
+
+A conversation brought in by an importer (``tenexd migrate``: it holds an import record in
+``metadata.extra``, :data:`IMPORT_RECORDS`) came from a file, not from this daemon's relays: a SmartHole
+one never was on Nostr, and a TENEX one had its descriptions published by the backend that held it then.
+Its description may be made and stored, but no kind 513 goes out for it (an import of many old
+conversations publishes nothing); it is marked published, as an expired task session's is, so no start
+finds it waiting again.
 """
 
 from __future__ import annotations
@@ -80,6 +87,10 @@ IDLE_WAIT_MAX_S = 60.0
 """The longest a description waits for agent runs to end before it asks its model anyway."""
 SETTLED_MEMORY = 10_000
 SUMMARIZER = "summarizer"
+IMPORT_RECORDS = ("tenex_import", "smarthole_import")
+"""The ``metadata.extra`` keys under which the importers keep each imported conversation's record
+(tenex_daemon/adapters/storage/tenex_import.py, smarthole_import.py); the record is written at import and
+never removed."""
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -118,6 +129,12 @@ def needs_description(conversation: Conversation, exchanges: int, after_exchange
         and conversation.described_at is None
         and exchanges >= after_exchanges
     )
+
+
+def is_imported(conversation: Conversation) -> bool:
+    """Whether an importer brought the conversation in from a file (it holds an import record): its title
+    and summary stay local, no kind 513 is published for it."""
+    return any(key in conversation.metadata.extra for key in IMPORT_RECORDS)
 
 
 def row_has_work(row: ConversationSummary, after_exchanges: int) -> bool:
@@ -321,8 +338,9 @@ class DescriptionJobs:
                 return
             conversation = await self._describe(conversation)
         elif just_ended and conversation.is_ended and conversation.summary:
-            # an expired task session's 513 never goes out (the next session speaks for the task)
-            if conversation.description_published and conversation.end_reason != TASK_SESSION_EXPIRED:
+            # an expired task session's 513 never goes out (the next session speaks for the task), nor
+            # an imported conversation's
+            if conversation.description_published and not _local_only(conversation):
                 conversation = await self._restamp(conversation)
         elif not conversation.is_ended and (conversation.title_source or conversation.described_at):
             self._settle(conversation_id)
@@ -498,10 +516,11 @@ class DescriptionJobs:
             return True
         if conversation.private:  # never published in the clear
             return True
-        if conversation.end_reason == TASK_SESSION_EXPIRED:
-            # the task's thread goes on in the next session, whose description speaks for it: this
-            # one's, published late (it waits for that session's runs), must not replace it; marked
-            # as if published, so no start finds it waiting again
+        if _local_only(conversation):
+            # an expired task session: the task's thread goes on in the next session, whose description
+            # speaks for it: this one's, published late (it waits for that session's runs), must not
+            # replace it; an imported conversation: never on Nostr, its title and summary stay here.
+            # Marked as if published, so no start finds it waiting again
             with contextlib.suppress(ConversationNotFoundError):
                 async with self._marks.hold(conversation_id):
                     await self._manager.description_published(conversation_id)
@@ -528,6 +547,12 @@ class DescriptionJobs:
             status="ended" if conversation.is_ended else "active",
         )
         return True
+
+
+def _local_only(conversation: Conversation) -> bool:
+    """Whether the conversation's description is never published: an expired task session's, an imported
+    conversation's."""
+    return conversation.end_reason == TASK_SESSION_EXPIRED or is_imported(conversation)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:

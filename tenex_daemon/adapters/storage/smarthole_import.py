@@ -37,16 +37,23 @@ How it maps onto tenexd conversations (lists of signed Nostr events):
   that moment has passed, else left active (the idle timeout ends it later). A conversation that
   has a title counts as described (``described_at`` = its activity), so no model retitles it.
   The chosen agent has seen all of it (its ``last_processed_index`` is the history's length).
+  Every imported conversation holds its import record in ``metadata.extra["smarthole_import"]``: the
+  description service reads it as "imported" (never on Nostr) and publishes no kind 513 for it
+  (``tenex_daemon/services/descriptions.py``).
 - The legacy history becomes one ended conversation titled "Migrated Conversation History": each
   entry's user message, then its assistant response when there is one, in order; the texts of the
   legacy summaries, joined, are its summary.
 - Errors are per entry: a message or history entry that is not an object, has an unknown role, no
-  text, or a bad timestamp is left out (a bad ``startedAt`` or ``endedAt`` is noted and replaced by the
-  first or newest message's time), reported in ``rejected_events`` (its index and the
-  conversation's source id) and kept, raw, in ``metadata.extra["smarthole_import"]["rejected"]``;
-  the rest of its conversation is imported. A conversation that is not an object, has no message
-  list, or whose every message is rejected is skipped whole (``failed``). Each conversation is
-  built fully in memory and stored in one ``store.create``, so none is ever half-written.
+  text, text that is not valid Unicode (a lone surrogate such as ``"\\ud83d"``, half an emoji: it
+  can be neither signed nor stored), or a bad timestamp is left out (a bad ``startedAt`` or
+  ``endedAt`` is noted and replaced by the first or newest message's time), reported in
+  ``rejected_events`` (its index and the conversation's source id) and kept, raw, in
+  ``metadata.extra["smarthole_import"]["rejected"]``; the rest of its conversation is imported. A
+  title or summary that is not valid Unicode is left out and noted (a legacy summary's text, left
+  out); in an id, and in what is kept raw, such a character is written as its escape ``\\ud83d``. A
+  conversation that is not an object, has no message list, or whose every message is rejected is
+  skipped whole (``failed``). Each conversation is built fully in memory and stored in one
+  ``store.create``, so none is ever half-written.
 - Idempotent: the same events come out of the same source, so a conversation already stored is
   reported ``already_present``; and the import of a file is recorded in the store's small values
   under ``import.smarthole.<sha256 of the file>`` (when, from where, the counts): importing the
@@ -86,7 +93,16 @@ from tenex_daemon.core.vocabulary import (
     TAG_PUBKEY,
 )
 
-from .tenex_import import ImportProblem, ImportReport, checked_ms, to_ms
+from .tenex_import import (
+    NOT_UNICODE,
+    ImportProblem,
+    ImportReport,
+    checked_ms,
+    is_unicode,
+    storable,
+    storable_text,
+    to_ms,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -237,7 +253,7 @@ def _tools(value: Any) -> list[str] | None:
     """The tool names of a ``toolsUsed`` value; None when it is not a list of strings."""
     if value is None:
         return []
-    if isinstance(value, list) and all(isinstance(name, str) for name in value):
+    if isinstance(value, list) and all(isinstance(name, str) for name in value) and is_unicode(value):
         return [name for name in value if name]
     return None
 
@@ -345,6 +361,8 @@ def _message_fields(raw: Any, now_ms: int) -> tuple[str, str, int, list[str] | N
     content = raw.get("content")
     if not isinstance(content, str) or not content.strip():
         raise ValueError("no content")
+    if not is_unicode(content):
+        raise ValueError(f"content is {NOT_UNICODE}")
     return str(role), content, parse_time_ms(raw.get("timestamp"), now_ms), _tools(raw.get("toolsUsed"))
 
 
@@ -353,7 +371,7 @@ def _source_conversation(run: _Run, index: int, raw: Any) -> Conversation | None
     if not isinstance(raw, dict):
         run.fail(f"#{index}", f"conversation #{index} is not an object", raw)
         return None
-    source_id = str(raw.get("id") or f"#{index}")
+    source_id = storable_text(str(raw.get("id") or f"#{index}"))
     messages = raw.get("messages")
     if not isinstance(messages, list):
         run.fail(source_id, "no 'messages' list", raw)
@@ -373,7 +391,7 @@ def _source_conversation(run: _Run, index: int, raw: Any) -> Conversation | None
             continue
         if tools is None:
             run.note(source_id, f"message {position}: toolsUsed is not a list of names, ignored", notes)
-        reference = str(message.get("id") or f"#{position}")
+        reference = storable_text(str(message.get("id") or f"#{position}"))
         thread.add(role, content, ms, reference, tools or [])
     run.report.duplicate_events += thread.duplicates
     if not thread.events:
@@ -383,7 +401,16 @@ def _source_conversation(run: _Run, index: int, raw: Any) -> Conversation | None
 
 
 def _text_or_none(value: Any) -> str | None:
-    return value.strip() if isinstance(value, str) and value.strip() else None
+    """The stripped text of ``value``; None when it is no text, blank, or not valid Unicode."""
+    return value.strip() if isinstance(value, str) and value.strip() and is_unicode(value) else None
+
+
+def _side_text(run: _Run, raw: dict[str, Any], key: str, source_id: str, notes: list[str]) -> str | None:
+    """The text of the conversation's ``key`` (title, summary); one that is not valid Unicode is noted."""
+    value = raw.get(key)
+    if isinstance(value, str) and not is_unicode(value):
+        run.note(source_id, f"{key} is {NOT_UNICODE}, left out", notes)
+    return _text_or_none(value)
 
 
 def _finish_source(
@@ -395,9 +422,8 @@ def _finish_source(
     except ValueError as exc:
         created = min(thread.times)
         run.note(source_id, f"startedAt: {exc}; the first message's time is used", notes)
-    conversation = thread.conversation(
-        created_at=created, title=_text_or_none(raw.get("title")), summary=_text_or_none(raw.get("summary"))
-    )
+    title, summary = (_side_text(run, raw, key, source_id, notes) for key in ("title", "summary"))
+    conversation = thread.conversation(created_at=created, title=title, summary=summary)
     ended = raw.get("endedAt")
     if ended is not None:
         try:
@@ -409,9 +435,9 @@ def _finish_source(
     elif run.now_ms - conversation.activity_at >= run.idle_timeout_ms:
         conversation.ended_at = conversation.activity_at + run.idle_timeout_ms
         conversation.ended_by, conversation.end_reason = ENDED_BY_IDLE, "idle in SmartHole"
-    conversation.metadata = ConversationMetadata(extra={EXTRA_KEY: {
+    conversation.metadata = ConversationMetadata(extra={EXTRA_KEY: storable({
         "source": run.report.source, "id": source_id, "rejected": rejected, "notes": notes,
-    }})
+    })})
     return conversation
 
 
@@ -426,13 +452,15 @@ def _entry_fields(raw: Any, now_ms: int) -> tuple[str, str | None, int, list[str
     ms = parse_time_ms(raw.get("timestamp"), now_ms)
     answer = raw.get("assistantResponse")
     response = answer if isinstance(answer, str) and answer.strip() else None
+    if not is_unicode([user, response]):
+        raise ValueError(f"userMessage or assistantResponse is {NOT_UNICODE}")
     return user, response, ms, _tools(raw.get("toolsUsed")) or []
 
 
 def _legacy_summary(summaries: list[Any]) -> str | None:
     """The texts of the legacy summaries, oldest first, as one summary (None when there are none)."""
     texts = [s.get("summary") for s in summaries if isinstance(s, dict)]
-    return "\n\n".join(text.strip() for text in texts if isinstance(text, str) and text.strip()) or None
+    return "\n\n".join(text for text in map(_text_or_none, texts) if text is not None) or None
 
 
 def _legacy_conversation(run: _Run, entries: list[Any], summaries: list[Any]) -> Conversation | None:
@@ -446,7 +474,7 @@ def _legacy_conversation(run: _Run, entries: list[Any], summaries: list[Any]) ->
             rejected.append(entry)
             run.reject(LEGACY_TITLE, position, str(exc), entry)
             continue
-        reference = str(entry.get("id") or f"#{position}")
+        reference = storable_text(str(entry.get("id") or f"#{position}"))
         thread.add("user", user, ms, reference, [])
         if answer is not None:
             thread.add("assistant", answer, ms, reference, tools)
@@ -460,10 +488,10 @@ def _legacy_conversation(run: _Run, entries: list[Any], summaries: list[Any]) ->
     )
     conversation.ended_at = conversation.activity_at
     conversation.ended_by, conversation.end_reason = ENDED_BY_IMPORT, "legacy SmartHole history"
-    conversation.metadata = ConversationMetadata(extra={EXTRA_KEY: {
+    conversation.metadata = ConversationMetadata(extra={EXTRA_KEY: storable({
         "source": run.report.source, "legacy_history": True, "entries": len(entries),
         "summaries": summaries, "rejected": rejected, "notes": [],
-    }})
+    })})
     return conversation
 
 

@@ -19,9 +19,21 @@ A file whose optional parts have an unexpected JSON type (``agentStates`` a list
 ``executionTime`` a number, a transition that is a string, a bad timestamp in a turn...) is still
 imported: the malformed part (or list item) is left out, reported in the report's ``notes`` naming
 it, and kept, raw, in ``metadata.extra["tenex_import"]["dropped"]`` under that name, so nothing of
-the source is lost and the conversation's history is not held back by a broken side field. A file
+the source is lost and the conversation's history is not held back by a broken side field. Text that is
+not valid Unicode (a lone surrogate such as ``"\\ud83d"``, a broken emoji: it can be neither signed nor
+stored) makes its part malformed so (the title, one ``metadata`` key, one agent's state...); an event
+holding such text is rejected; what is kept raw has it written as the escape ``\\ud83d``. A file
 that is not a conversation (no object, a bad id, a ``history`` that is not a list) is reported in
 ``failed``; no content of a file stops the import of the others.
+
+How a conversation comes in: its title (``title_source`` ``tag`` when it is the root's ``title`` tag,
+else ``import``; untitled, none), its ``metadata.summary`` as its summary too, ``activity_at`` its
+newest event. A titled one counts as described (``described_at`` = its activity), so no model retitles
+it. An archived one is ended at its newest event (``ended_by`` ``import``); another whose newest event
+is older than the idle timeout is ended ``idle`` at that event plus the timeout, as the SmartHole import
+does. Every imported conversation holds its import record in ``metadata.extra["tenex_import"]`` (at
+least its source file): the description service reads it as "imported" and never publishes a kind 513
+for it (``tenex_daemon/services/descriptions.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ from tenex_daemon.core.conversation import (
     AgentState,
     Conversation,
     ConversationMetadata,
+    TitleSource,
 )
 from tenex_daemon.core.errors import ConversationExistsError
 from tenex_daemon.core.events import NostrEvent, compute_event_id
@@ -70,6 +83,14 @@ MAX_FUTURE_MS = MAX_FUTURE_S * 1000
 """An imported time may be at most this far (a day) past now, as an event's ``created_at`` on the wire."""
 MAX_TIME_MS = 253_402_300_799_999
 """9999-12-31T23:59:59.999Z: a later number is no time (a corrupt value, or microseconds read as ms)."""
+
+EXTRA_KEY = "tenex_import"
+"""The key of a conversation's import record in ``metadata.extra`` (every imported conversation has one)."""
+ENDED_BY_IMPORT = "import"
+ENDED_BY_IDLE = "idle"
+DEFAULT_IDLE_TIMEOUT_MS = 30 * 60_000
+"""The idle timeout when the caller gives none: the default of ``conversations.idle_timeout_min``."""
+NOT_UNICODE = "not valid Unicode (a lone surrogate)"
 
 _T = TypeVar("_T")
 _FILE_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError, RecursionError)
@@ -116,6 +137,50 @@ def time_ms(value: Any, now_ms: int | None = None) -> int:
     return checked_ms(ms, value, now_ms)
 
 
+def is_unicode(value: Any) -> bool:
+    """Whether every text in the JSON value ``value`` (its strings and its objects' keys) can be written
+    as UTF-8: one holding a lone surrogate (``"\\ud83d"`` in JSON, half an emoji) can be neither signed
+    nor stored."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return True
+
+
+def storable_text(text: str) -> str:
+    """``text`` with each character UTF-8 cannot hold (a lone surrogate) written as its escape ``\\udXXX``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def storable(value: Any) -> Any:
+    """The JSON value ``value`` with its texts made :func:`storable_text` (itself when they all are)."""
+    if is_unicode(value):
+        return value
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable(key): storable(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [storable(item) for item in value]
+    return value
+
+
+def _check_unicode(value: Any, what: str = "it") -> None:
+    """ValueError naming ``what`` when ``value`` holds text that is not valid Unicode."""
+    if not is_unicode(value):
+        raise ValueError(f"{what} is {NOT_UNICODE}")
+
+
 def _validation_reason(exc: ValidationError) -> str:
     """The first error of a pydantic validation, with the field it is about."""
     first = exc.errors()[0]
@@ -139,6 +204,12 @@ def _list(value: Any, what: str) -> list[Any]:
     if not isinstance(value, list):
         raise ValueError(f"{what} is {_json_type(value)}, not a list")
     return value
+
+
+def _title_text(value: Any) -> str | None:
+    """A title as text (a number as its digits); None when it is absent or blank."""
+    text = str(value) if value else ""
+    return text if text.strip() else None
 
 
 def _an_object(value: Any) -> dict[str, Any]:
@@ -218,6 +289,8 @@ def parse_ndk_event(raw: Any) -> NostrEvent:
         )
     except (KeyError, TypeError) as exc:
         raise _BadEventError(f"malformed event fields: {exc}") from exc
+    except UnicodeEncodeError:
+        raise _BadEventError(f"its text is {NOT_UNICODE}") from None
     given = fields.get("id") or computed
     if given != computed:
         raise _BadEventError(f"id {given} does not match the event's content (hash {computed})")
@@ -252,13 +325,15 @@ class _ConversationImport:
     """Turns one TypeScript-era conversation object into a Conversation."""
 
     def __init__(self, path: Path, data: dict[str, Any], index_row: dict[str, Any] | None,
-                 archived: bool, report: ImportReport, now_ms: int) -> None:
+                 archived: bool, report: ImportReport, now_ms: int,
+                 idle_timeout_ms: int = DEFAULT_IDLE_TIMEOUT_MS) -> None:
         self.path = path
         self.data = data
         self.row = index_row or {}
         self.archived = archived or bool(self.row.get("archived"))
         self.report = report
         self.now_ms = now_ms
+        self.idle_timeout_ms = idle_timeout_ms
         self.problems: list[str] = []
         self.dropped: dict[str, Any] = {}
         """The malformed parts left out, raw, by the name they are reported under."""
@@ -271,58 +346,91 @@ class _ConversationImport:
         history, rejected, kept_before = self._history()
         started = self._optional_time(self.data.get("phaseStartedAt"), "phaseStartedAt")
         created = self._created_at(history, started)
+        updated = self._updated_at(history, created)
+        activity = max(event.created_at for event in history) * 1000 if history else updated
         phase = _phase(self.data.get("phase", "chat"), self.problems)
+        title, title_source = self._title(history)
+        metadata = self._metadata()
+        summary = metadata.summary if isinstance(metadata.summary, str) and metadata.summary.strip() else None
         conversation = Conversation(
             id=self.id,
-            title=str(self.data.get("title") or self._root_title(history)),
+            title=title,
+            title_source=title_source,
             root_kind=history[0].kind if history else 11,
             phase=phase,
             phase_started_at=started or created,
             created_at=created,
-            updated_at=self._updated_at(history, created),
-            metadata=self._metadata(),
+            updated_at=updated,
+            activity_at=activity,
+            summary=summary,
+            described_at=activity if title_source is not None else None,
+            metadata=metadata,
             archived=self.archived,
         )
         for event in history:
             conversation.append(event)
+        self._end(conversation)
         conversation.agent_states = self._agent_states(kept_before, len(history), phase)
         transition = partial(self._transition, history=history)
         conversation.phase_transitions = self._items("phaseTransitions", transition)
         conversation.orchestrator_turns = self._items("orchestratorTurns", self._turn)
         execution = self._part("executionTime", self.data.get("executionTime") or {}, self._execution_time)
         conversation.execution_time = execution or ExecutionTime()
-        if rejected or self.problems:
-            record: dict[str, Any] = {
-                "source": str(self.path), "rejected": rejected, "notes": list(self.problems),
-            }
-            if self.dropped:
-                record["dropped"] = dict(self.dropped)
-            conversation.metadata.extra["tenex_import"] = record
-        for note in self.problems:
+        notes = [storable_text(note) for note in self.problems]
+        record: dict[str, Any] = {"source": str(self.path), "rejected": rejected, "notes": notes}
+        if self.dropped:
+            record["dropped"] = dict(self.dropped)
+        conversation.metadata.extra[EXTRA_KEY] = storable(record)
+        for note in notes:
             self.report.notes.append(ImportProblem(str(self.path), self.id, note))
         return conversation
 
-    @staticmethod
-    def _root_title(history: list[NostrEvent]) -> str:
-        return (history[0].tag_value(TAG_TITLE) if history else None) or UNTITLED
+    def _title(self, history: list[NostrEvent]) -> tuple[str, TitleSource | None]:
+        """The title and where it came from: the root's ``title`` tag (``tag``) when the file's title is
+        that or absent, else the file's (``import``); none (untitled) when neither is there."""
+        tagged = history[0].tag_value(TAG_TITLE) if history else None
+        title = self._part("title", self.data.get("title"), _title_text) or tagged
+        if not title:
+            return UNTITLED, None
+        return title, TitleSource.TAG if title == tagged else TitleSource.IMPORT
 
-    def _part(self, name: str, raw: Any, convert: Callable[[Any], _T]) -> _T | None:
-        """``convert(raw)``; None when the part is malformed: noted (instead of what converting it noted),
-        and kept raw under ``name``."""
+    def _end(self, conversation: Conversation) -> None:
+        """End an archived conversation at its newest event (``import``), and one idle longer than the idle
+        timeout at that event plus the timeout (``idle``); leave the others active."""
+        activity = conversation.activity_at
+        if self.archived:
+            conversation.ended_at = activity
+            conversation.ended_by, conversation.end_reason = ENDED_BY_IMPORT, "archived in TENEX"
+        elif self.now_ms - activity >= self.idle_timeout_ms:
+            conversation.ended_at = activity + self.idle_timeout_ms
+            conversation.ended_by, conversation.end_reason = ENDED_BY_IDLE, "idle in TENEX"
+
+    def _part(
+        self, name: str, raw: Any, convert: Callable[[Any], _T], *, items_apart: bool = False
+    ) -> _T | None:
+        """``convert(raw)``; None when the part is malformed (text in it that is not valid Unicode makes it
+        so, unless ``items_apart``: its items are parts of their own): noted (instead of what converting it
+        noted), and kept raw under ``name``."""
         noted = len(self.problems)
         try:
+            if not items_apart:
+                _check_unicode(raw)
             return convert(raw)
         except _PART_ERRORS as exc:
             reason = _validation_reason(exc) if isinstance(exc, ValidationError) else str(exc)
             del self.problems[noted:]
-            self.problems.append(f"{name} left out: {reason}")
-            self.dropped[name] = raw
-            log.warning("import_part_dropped", conversation_id=self.id, part=name, reason=reason)
+            self._drop(name, raw, reason)
             return None
+
+    def _drop(self, name: str, raw: Any, reason: str) -> None:
+        """Note the part ``name`` left out for ``reason`` and keep it raw."""
+        self.problems.append(f"{name} left out: {reason}")
+        self.dropped[name] = raw
+        log.warning("import_part_dropped", conversation_id=self.id, part=storable_text(name), reason=reason)
 
     def _items(self, name: str, convert: Callable[[Any], _T]) -> list[_T]:
         """The converted items of the list ``name``, each malformed one (or a non-list) left out."""
-        items = self._part(name, self.data.get(name) or [], _a_list)
+        items = self._part(name, self.data.get(name) or [], _a_list, items_apart=True)
         built = (self._part(f"{name}[{n}]", item, convert) for n, item in enumerate(items or []))
         return [item for item in built if item is not None]
 
@@ -379,7 +487,12 @@ class _ConversationImport:
         return history[-1].created_at * 1000 if history else created
 
     def _metadata(self) -> ConversationMetadata:
-        source = dict(self._part("metadata", self.data.get("metadata") or {}, _an_object) or {})
+        given = self.data.get("metadata") or {}
+        source = dict(self._part("metadata", given, _an_object, items_apart=True) or {})
+        for key, value in list(source.items()):
+            if not (is_unicode(key) and is_unicode(value)):
+                self._drop(f"metadata.{key}", value, f"it is {NOT_UNICODE}")
+                del source[key]
         known: dict[str, Any] = {}
         for name, target in _METADATA_FIELDS.items():
             if name in source:
@@ -393,7 +506,7 @@ class _ConversationImport:
 
     def _agent_states(self, kept_before: list[int], length: int, phase: Phase) -> dict[str, AgentState]:
         """Each agent's state, a malformed one (or a non-object ``agentStates``) left out."""
-        states = self._part("agentStates", self.data.get("agentStates") or {}, _an_object)
+        states = self._part("agentStates", self.data.get("agentStates") or {}, _an_object, items_apart=True)
         built: dict[str, AgentState] = {}
         for slug, state in (states or {}).items():
             convert = partial(
@@ -407,6 +520,7 @@ class _ConversationImport:
     def _agent_state(self, raw: Any, *, slug: str, kept_before: list[int], length: int,
                      phase: Phase) -> AgentState:
         state = _an_object(raw)
+        _check_unicode(slug, "its agent's name")
         index = int(state.get("lastProcessedMessageIndex", 0))
         session = _text(state.get("claudeSessionId"), "claudeSessionId")
         by_phase = _object(state.get("claudeSessionsByPhase") or {}, "claudeSessionsByPhase")
@@ -497,7 +611,13 @@ def _index_rows(folder: Path, report: ImportReport) -> dict[str, dict[str, Any]]
     return found
 
 
-async def import_tenex_home(src_dir: str | Path, store: Store, *, clock: Clock | None = None) -> ImportReport:
+async def import_tenex_home(
+    src_dir: str | Path,
+    store: Store,
+    *,
+    clock: Clock | None = None,
+    idle_timeout_ms: int = DEFAULT_IDLE_TIMEOUT_MS,
+) -> ImportReport:
     """Import every conversation of a TENEX TypeScript-era home into ``store``.
 
     ``src_dir`` is the project folder, its ``.tenex`` folder, or the ``conversations`` folder.
@@ -506,7 +626,8 @@ async def import_tenex_home(src_dir: str | Path, store: Store, *, clock: Clock |
     conversation the store refuses, is reported in ``failed`` and the others are imported; a store that
     cannot be written at all (an ``OSError``: its database does not answer, a full disk) stops the import
     (a new run reports the conversations stored before it already present). ``clock`` (default: the
-    system's) dates "now" for refusing times in the future.
+    system's) dates "now" for refusing times in the future and for ending a conversation idle longer than
+    ``idle_timeout_ms``.
     """
     folder = _conversations_dir(Path(src_dir))
     now_ms = (clock or SystemClock()).now_ms()
@@ -522,7 +643,8 @@ async def import_tenex_home(src_dir: str | Path, store: Store, *, clock: Clock |
             if not isinstance(data, dict) or "id" not in data:
                 raise ValueError("not a conversation object (no id)")
             row = rows.get(str(data["id"]))
-            conversation = _ConversationImport(path, data, row, archived, report, now_ms).build()
+            made = _ConversationImport(path, data, row, archived, report, now_ms, idle_timeout_ms)
+            conversation = made.build()
         except (*_FILE_ERRORS, OSError) as exc:
             report.failed.append(ImportProblem(str(path), None, f"{type(exc).__name__}: {exc}"))
             log.error("import_conversation_failed", path=str(path), error=str(exc))

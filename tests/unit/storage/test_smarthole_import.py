@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.adapters.storage.smarthole_import import (
     LEGACY_TITLE,
@@ -22,6 +23,7 @@ from tenex_daemon.adapters.storage.smarthole_import import (
 )
 from tenex_daemon.core.conversation import Conversation, TitleSource
 from tenex_daemon.core.errors import StoreUnavailableError
+from tenex_daemon.core.ports import Store
 from tenex_daemon.core.search import SearchQuery
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.testing import FakeClock
@@ -113,7 +115,7 @@ def identities(cast: Cast) -> SmartHoleIdentities:
     )
 
 
-async def by_title(store: MemoryStore) -> dict[str, Conversation]:
+async def by_title(store: Store) -> dict[str, Conversation]:
     """Every stored conversation, by title (source id for untitled ones)."""
     found: dict[str, Conversation] = {}
     for row in await store.search(SearchQuery()):
@@ -392,3 +394,68 @@ async def test_far_future_times_are_rejected_per_entry_and_the_conversation_ends
     assert (imported.created_at, imported.activity_at, imported.ended_at) == (T0, T0 + MINUTE, T0 + MINUTE)
     assert found[LEGACY_TITLE].activity_at == LEGACY_T
     assert all(c.last_activity <= NOW and c.created_at <= NOW for c in found.values())
+
+
+BROKEN = "broken \ud83d emoji"
+"""Text holding a lone surrogate (half an emoji, ``\\ud83d`` in JSON): it can be neither signed nor stored."""
+
+
+async def test_a_message_or_history_entry_that_is_not_valid_unicode_is_rejected_alone(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """A message and a legacy entry holding a lone surrogate are each rejected as not valid Unicode and kept
+    (escaped) in a store that writes files, and the rest is imported and the import recorded: before, signing
+    it raised and stopped the whole import, which could never be completed."""
+    conversation = ended_conversation()
+    conversation["messages"][2]["content"] = BROKEN
+    entries = legacy_entries()
+    entries[1]["assistantResponse"] = BROKEN
+    path = write(tmp_path, plugin_data([conversation], entries))
+    store = FileSystemStore(tmp_path / "home")
+    await store.open()
+
+    report = await import_smarthole_file(path, store, identities(cast), clock=FakeClock(NOW), idle_timeout_ms=IDLE)
+
+    assert report.failed == []
+    assert [(p.conversation_id, p.index, p.reason) for p in report.rejected_events] == [
+        (conversation["id"], 2, "content is not valid Unicode (a lone surrogate)"),
+        (LEGACY_TITLE, 1, "userMessage or assistantResponse is not valid Unicode (a lone surrogate)"),
+    ]
+    found = await by_title(store)
+    imported = found["Meeting notes creation"]
+    assert [e.content for e in imported.history] == [
+        "Create a note about today's meeting", "I've created 'Meeting Notes.md'.", "You're welcome.",
+    ]
+    assert imported.metadata.extra["smarthole_import"]["rejected"][0]["content"] == "broken \\ud83d emoji"
+    assert [e.content for e in found[LEGACY_TITLE].history] == ["Find my notes on tea", "Found 3 notes."]
+    assert await store.get_meta(META_PREFIX + report.sha256) is not None
+    await store.close()
+
+
+async def test_a_title_summary_or_id_that_is_not_valid_unicode_does_not_stop_the_import(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """A title and summary holding a lone surrogate are left out and noted, and ids holding one are written
+    escaped, so the conversation is stored whole in a store that writes files: before, signing or storing it
+    raised."""
+    conversation = ended_conversation()
+    conversation.update(id=f"conv {BROKEN}", title=BROKEN, summary=BROKEN)
+    conversation["messages"][0]["id"] = BROKEN
+    conversation["messages"][1]["toolsUsed"] = [BROKEN]
+    path = write(tmp_path, {"conversations": [conversation]})
+    store = FileSystemStore(tmp_path / "home")
+    await store.open()
+
+    report = await import_smarthole_file(path, store, identities(cast), clock=FakeClock(NOW), idle_timeout_ms=IDLE)
+
+    assert (report.failed, report.rejected_events) == ([], [])
+    assert [n.reason for n in report.notes] == [
+        "message 1: toolsUsed is not a list of names, ignored",
+        "title is not valid Unicode (a lone surrogate), left out",
+        "summary is not valid Unicode (a lone surrogate), left out",
+    ]
+    [stored] = (await by_title(store)).values()
+    assert (stored.title_source, stored.summary, len(stored.history)) == (None, None, 4)
+    assert stored.metadata.extra["smarthole_import"]["id"] == "conv broken \\ud83d emoji"
+    assert stored.history[0].tags[-1] == ["import", "smarthole", "conv broken \\ud83d emoji", "broken \\ud83d emoji"]
+    await store.close()

@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.adapters.storage.tenex_import import import_tenex_home, parse_ndk_event, time_ms, to_ms
-from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.conversation import UNTITLED, Conversation, TitleSource
 from tenex_daemon.core.errors import StoreUnavailableError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase
 from tenex_daemon.core.search import SearchQuery
+from tenex_daemon.services.descriptions import needs_description
 from tenex_daemon.testing import FakeClock, KeyPair, sign_event
 from tests.conftest import Cast
 
@@ -418,3 +419,119 @@ async def test_times_in_the_far_future_are_refused_and_the_conversation_dated_by
     assert [e.id for e in conversation.history] == [root.id, reply.id]
     assert (conversation.created_at, conversation.updated_at) == (root.created_at * 1000, reply.created_at * 1000)
     assert conversation.phase_transitions == []
+
+
+IDLE = 30 * 60_000
+
+
+def conversation_file(folder: Path, root: NostrEvent, reply: NostrEvent, **fields: Any) -> None:
+    """Write a conversation of ``root`` and ``reply`` with ``fields`` into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"id": root.id, "phase": "chat", "history": [ndk(root), ndk(reply)], **fields}
+    (folder / f"{root.id}.json").write_text(json.dumps(data))
+
+
+async def test_a_conversation_comes_in_described_and_ended_as_it_was(tmp_path: Path) -> None:
+    """The title's source (the root's tag, or the file), the summary, the activity and the end (archived:
+    ended by the import; idle past the timeout: ended idle) are imported, so a titled conversation counts as
+    described and no start retitles it: before, the title read as a fallback, the summary stayed in the
+    metadata only, and an archived conversation came in active."""
+    keys = KeyPair.from_seed(904)
+    folder = tmp_path / "conversations"
+    recent = NOW // 1000 - 60
+    tagged = sign_event(keys, "tagged", kind=11, tags=[["title", "Relay"]], created_at=recent)
+    named = sign_event(keys, "named", kind=11, tags=[["title", "Tag"]], created_at=recent + 1)
+    archived = sign_event(keys, "archived", kind=11, created_at=1_700_000_000)
+    idle = sign_event(keys, "idle", kind=11, created_at=NOW // 1000 - 3_600)
+    conversation_file(folder, tagged, sign_event(keys, "ok", created_at=recent + 5), title="Relay",
+                      metadata={"summary": "Relay work."})
+    conversation_file(folder, named, sign_event(keys, "ok", created_at=recent + 6), title="From the file")
+    conversation_file(folder / "archive", archived, sign_event(keys, "ok", created_at=1_700_000_009))
+    conversation_file(folder, idle, sign_event(keys, "ok", created_at=NOW // 1000 - 3_000), title="Idle")
+    store = MemoryStore()
+
+    report = await import_tenex_home(tmp_path, store, clock=FakeClock(NOW), idle_timeout_ms=IDLE)
+
+    assert len(report.imported) == 4
+    loaded = {root.id: await store.load(root.id) for root in (tagged, named, archived, idle)}
+    got = {
+        root_id: (c.title, c.title_source, c.summary, c.activity_at, c.described_at, c.ended_at, c.ended_by)
+        for root_id, c in loaded.items() if c is not None
+    }
+    assert got == {
+        tagged.id: ("Relay", TitleSource.TAG, "Relay work.", (recent + 5) * 1000, (recent + 5) * 1000, None, None),
+        named.id: ("From the file", TitleSource.IMPORT, None, (recent + 6) * 1000, (recent + 6) * 1000, None, None),
+        archived.id: (UNTITLED, None, None, 1_700_000_009_000, None, 1_700_000_009_000, "import"),
+        idle.id: ("Idle", TitleSource.IMPORT, None, NOW - 3_000_000, NOW - 3_000_000, NOW - 3_000_000 + IDLE, "idle"),
+    }
+    for conversation in loaded.values():
+        assert conversation is not None
+        assert conversation.metadata.extra["tenex_import"]["source"].endswith(".json")
+        if conversation.title_source is not None:
+            assert not needs_description(conversation, exchanges=99, after_exchanges=3)
+
+
+BROKEN = "broken \ud83d emoji"
+"""Text holding a lone surrogate (half an emoji, ``\\ud83d`` in JSON): it can be neither signed nor stored."""
+
+
+@pytest.mark.parametrize(("part", "dropped"), [
+    ("title", "title"),
+    ("metadata.summary", "metadata.summary"),
+    ("metadata.readFiles", "metadata.readFiles"),
+    ("agentStates.alice.claudeSessionId", "agentStates.alice"),
+    ("phaseTransitions.0.message", "phaseTransitions[0]"),
+    ("orchestratorTurns.0.completions.0.message", "orchestratorTurns[0]"),
+    ("executionTime.isActive", "executionTime"),
+])
+async def test_text_that_is_not_valid_unicode_leaves_its_part_out_and_the_conversation_stored(
+    tmp_path: Path, part: str, dropped: str
+) -> None:
+    """A part holding a lone surrogate is left out, noted and kept raw (escaped), and the conversation is
+    stored with its history in a store that writes files: before, the store refused it and the whole
+    conversation was reported failed."""
+    odd = odd_conversation(part, BROKEN)
+    ids = three_files(tmp_path / "conversations", odd)
+    store = FileSystemStore(tmp_path / "home")
+    await store.open()
+
+    report = await import_tenex_home(tmp_path, store, clock=FakeClock(NOW))
+
+    assert (report.imported, report.failed) == (ids, [])
+    assert [n.reason for n in report.notes if n.conversation_id == odd["id"]] == [
+        f"{dropped} left out: it is not valid Unicode (a lone surrogate)",
+    ]
+    conversation = await store.load(odd["id"])
+    assert conversation is not None
+    assert [e.id for e in conversation.history] == [odd["id"]]
+    assert "broken \\\\ud83d emoji" in json.dumps(conversation.metadata.extra["tenex_import"]["dropped"][dropped])
+    await store.close()
+
+
+async def test_an_agent_name_or_event_that_is_not_valid_unicode_is_left_out_and_the_rest_stored(
+    tmp_path: Path,
+) -> None:
+    """An agent state under a name holding a lone surrogate is left out, and a history entry holding one is
+    rejected as not valid Unicode and kept escaped, the conversation stored in a store that writes files:
+    before, the store refused it and the whole conversation was reported failed."""
+    odd = odd_conversation("agentStates", {BROKEN: {"lastProcessedMessageIndex": 1}})
+    root = json.loads(odd["history"][0])
+    odd["history"].append(json.dumps([0, root[1], root[2] + 1, 1111, [], BROKEN, root[6]]))
+    ids = three_files(tmp_path / "conversations", odd)
+    store = FileSystemStore(tmp_path / "home")
+    await store.open()
+
+    report = await import_tenex_home(tmp_path, store, clock=FakeClock(NOW))
+
+    assert (report.imported, report.failed) == (ids, [])
+    assert [(p.index, p.reason) for p in report.rejected_events] == [
+        (1, "its text is not valid Unicode (a lone surrogate)"),
+    ]
+    assert [n.reason for n in report.notes if n.conversation_id == odd["id"]] == [
+        "agentStates.broken \\ud83d emoji left out: its agent's name is not valid Unicode (a lone surrogate)",
+    ]
+    conversation = await store.load(odd["id"])
+    assert conversation is not None
+    assert conversation.agent_states == {}
+    assert "broken \\ud83d emoji" in conversation.metadata.extra["tenex_import"]["rejected"][0]
+    await store.close()
