@@ -15,19 +15,22 @@ order (:func:`history_order`) through the :class:`ConversationManager`: a missin
 created from its root (``create_conversation``: title and the rest derived as usual), then each
 event is appended unless the conversation or the store's processed-id ledger already holds it,
 so a second rebuild adds nothing. A conversation whose root no relay has starts with its first
-event, as a reply with an unknown root does in the daemon. A missing conversation whose root id
-is in the ledger was deleted on purpose and stays deleted. No agent is run for what is merged, and a
-merged event counts as written when it was (``backfill=True``): a conversation created is dated by its
-first event (created, last active), then each event moves its last activity forward to the event's time
-(never past now), so a rebuilt conversation is as idle as its events say and the daemon's idle timeout
-ends it as it ends any (the retention sweep at the next start, or a channel's next note); one older than
-a conversation's end leaves it ended.
+event, as a reply with an unknown root does in the daemon. A missing conversation whose first event
+the store holds in another conversation has its events merged into that one; one whose root id is in
+the ledger but held by no conversation was deleted on purpose and stays deleted. No agent is run for
+what is merged, and a merged event counts as written when it was (``backfill=True``): a conversation
+created is dated by its first event (created, last active), then each event moves its last activity
+forward to the event's time (never past now), so a rebuilt conversation is as idle as its events say and
+the daemon's idle timeout ends it as it ends any (the retention sweep at the next start, or a channel's
+next note); one older than a conversation's end leaves it ended.
 
 A person's top-level kind-1 notes to an agent are a channel, as the daemon takes them in: a later note
 joins the channel's conversation when it came within the idle timeout of that conversation's last event
 (by the events' dates), else it starts the next one (:func:`plan_channels`); a note the store already
-holds as a conversation of its own stays one. The newest conversation of each channel, public or
-private, becomes the channel's current one when the channel has none (a home restored from the relays).
+holds as a conversation of its own stays one, and one it holds in another conversation (the daemon joins a
+note to the conversation whose run is still under way, however late it came) brings what the replay grouped
+with it into that one. The newest conversation of each channel, public or private, becomes the channel's
+current one when the channel has none (a home restored from the relays).
 """
 
 from __future__ import annotations
@@ -393,11 +396,13 @@ class Rebuilder:
         report.conversations_found = len(plans)
         if request.conversation_id is not None and not plans:
             raise ConversationNotFoundError(request.conversation_id)
+        merged_into: dict[str, str] = {}
         for done, plan in enumerate(plans, start=1):
-            await self._merge(plan, report)
+            if (stored_id := await self._merge(plan, report)) is not None:
+                merged_into[plan.conversation_id] = stored_id
             if progress is not None:
                 progress(done, len(plans))
-        await self._adopt_channels(plans)
+        await self._adopt_channels(plans, merged_into)
         log.info("conversations_rebuilt", **report.to_dict())
         return report
 
@@ -406,13 +411,17 @@ class Rebuilder:
         notes = [plan.conversation_id for plan in plans if plan.root and plan.root.kind == KIND_NOTE]
         return {cid for cid in notes if await self._manager.get_conversation(cid) is not None}
 
-    async def _adopt_channels(self, plans: Sequence[ConversationPlan]) -> None:
-        """Each channel's newest conversation (by its events' dates) becomes the channel's current one
-        when the channel has none (:meth:`ConversationLifecycle.adopt_channel`)."""
+    async def _adopt_channels(
+        self, plans: Sequence[ConversationPlan], merged_into: Mapping[str, str]
+    ) -> None:
+        """Each channel's newest conversation (by its events' dates; a plan merged into a stored conversation
+        counts as that one) becomes the channel's current one when the channel has none
+        (:meth:`ConversationLifecycle.adopt_channel`)."""
         newest: dict[str, tuple[int, str]] = {}
         for plan in plans:
             if plan.channel is not None:
-                latest = (max(e.created_at for e in plan.in_order), plan.conversation_id)
+                stored_id = merged_into.get(plan.conversation_id, plan.conversation_id)
+                latest = (max(e.created_at for e in plan.in_order), stored_id)
                 newest[plan.channel] = max(newest.get(plan.channel, latest), latest)
         for _, conversation_id in newest.values():
             conversation = await self._manager.get_conversation(conversation_id)
@@ -521,8 +530,9 @@ class Rebuilder:
 
     # --- merging ------------------------------------------------------------------------------
 
-    async def _merge(self, plan: ConversationPlan, report: RebuildReport) -> None:
-        """Create the conversation when it is missing, then append each event it does not hold."""
+    async def _merge(self, plan: ConversationPlan, report: RebuildReport) -> str | None:
+        """Create the conversation when it is missing, then append each event it does not hold; return the
+        id of the stored conversation merged into (None for one deleted on purpose)."""
         events = plan.in_order
         conversation = await self._existing(plan, events[0])
         created = conversation is None
@@ -530,7 +540,7 @@ class Rebuilder:
             if await self._manager.store.is_processed(events[0].id):
                 report.events_skipped["conversation_deleted"] += len(events)
                 log.info("rebuild_conversation_deleted", conversation_id=plan.conversation_id)
-                return
+                return None
             started_at_reply = plan.root is None and events[0].id != plan.conversation_id
             missing_root = plan.conversation_id if started_at_reply else None
             conversation = await self._manager.create_conversation(
@@ -551,12 +561,14 @@ class Rebuilder:
         report.events_present += len(events) - added
         if added and not created:
             report.conversations_updated += 1
+        return conversation.id
 
     async def _existing(self, plan: ConversationPlan, first: NostrEvent) -> Conversation | None:
-        """The stored conversation of the plan: by its id, else (no root on the relays) the one
-        holding its first event."""
+        """The stored conversation of the plan: by its id, else the one holding its first event (a note the
+        daemon took into the channel's conversation whose run was still under way, however late it came; or,
+        no root on the relays, the first reply)."""
         conversation = await self._manager.get_conversation(plan.conversation_id)
-        if conversation is None and plan.root is None:
+        if conversation is None:
             holder = await self._manager.find_conversation_of_event(first.id)
             if holder is not None:
                 conversation = await self._manager.get_conversation(holder)

@@ -299,6 +299,51 @@ async def test_a_note_the_store_holds_as_its_own_conversation_stays_one(
     assert await _history(manager, events[2].id) == [e.id for e in events[2:4]]
     assert await manager.store.get_meta(channel_meta_key(f"alice:{cast.user.pubkey}")) == events[2].id
 
+async def test_a_late_note_the_store_holds_in_the_running_conversation_gets_its_thread_there(
+    cast: Cast, manager: ConversationManager
+) -> None:
+    """A note the daemon took into the channel's conversation though it came after the idle timeout (a run was
+    still under way) gets the reply under it that the store lost merged into that conversation, not counted
+    deleted, and that conversation becomes the channel's current one."""
+    events = _channel(cast, 1_700_000_000)
+    late_note, lost_answer = events[4], events[5]  # two hours after the last message; the answer is under it
+    channel = f"alice:{cast.user.pubkey}"
+    await manager.create_conversation(events[0], channel=channel)
+    for event in events[1:5]:
+        await manager.add_event(events[0].id, event)
+
+    report = await _rebuilder(manager, FakeRelays(events)).rebuild(RebuildRequest(all_=True))
+
+    assert await _history(manager, events[0].id) == [e.id for e in events]
+    assert await manager.get_conversation(late_note.id) is None
+    assert await manager.find_conversation_of_event(lost_answer.id) == events[0].id
+    assert report.events_skipped["conversation_deleted"] == 0
+    assert (report.conversations_created, report.conversations_updated) == (0, 1)
+    assert (report.events_added, report.events_present) == (1, 5)
+    assert await manager.store.get_meta(channel_meta_key(channel)) == events[0].id
+
+
+async def test_a_deleted_channel_conversation_stays_deleted_beside_the_one_before_it(
+    cast: Cast, manager: ConversationManager
+) -> None:
+    """A channel's later conversation deleted from the store (its note processed, held by none) is neither
+    brought back nor merged into the channel's earlier conversation; its events count as deleted."""
+    events = _channel(cast, 1_700_000_000)
+    channel = f"alice:{cast.user.pubkey}"
+    await manager.create_conversation(events[0], channel=channel)
+    for event in events[1:4]:
+        await manager.add_event(events[0].id, event)
+    await manager.create_conversation(events[4], channel=channel)
+    assert await manager.delete_conversation(events[4].id)
+
+    report = await _rebuilder(manager, FakeRelays(events)).rebuild(RebuildRequest(all_=True))
+
+    assert await _history(manager, events[0].id) == [e.id for e in events[:4]]
+    assert await manager.get_conversation(events[4].id) is None
+    assert await manager.find_conversation_of_event(events[5].id) is None
+    assert report.events_skipped["conversation_deleted"] == 2
+
+
 async def test_since_leaves_older_events_out_but_fetches_the_root(
     manager: ConversationManager, thread: Thread
 ) -> None:
