@@ -317,7 +317,9 @@ def migrate(
             if smarthole is not None:  # its signers only once the import may go ahead
                 identities = _smarthole_identities(settings, agent)
                 return await _import_smarthole(smarthole, store, identities, settings)
-            return await import_tenex_home(source if source is not None else Path("."), store)
+            idle_ms = round(settings.conversations.idle_timeout_min * 60_000)  # the home's, as the daemon's
+            folder = source if source is not None else Path(".")
+            return await import_tenex_home(folder, store, idle_timeout_ms=idle_ms)
         finally:
             await store.close()
 

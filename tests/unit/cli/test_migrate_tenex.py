@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.testing import sign_event
@@ -50,3 +53,22 @@ def test_migrate_from_tenex_imports_every_file_around_odd_ones(home: Path, tmp_p
     code, out = tenexd(home, "migrate", "--from", str(tmp_path / "project"), "--json")
     assert code == 1, out
     assert json.loads(out)["already_present"] == report["imported"]
+
+
+def test_migrate_from_tenex_ends_only_what_is_idle_past_the_homes_own_timeout(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TENEX conversation whose last message is two hours old comes in open in a home whose idle timeout is
+    ten hours, as the daemon would keep it: the command hands the importer the home's timeout, not the
+    30-minute default."""
+    folder = tmp_path / "project" / ".tenex" / "conversations"
+    folder.mkdir(parents=True)
+    root = sign_event(USER, "question", kind=11, created_at=int(time.time()) - 2 * 3600)
+    (folder / "00.json").write_text(json.dumps(conversation(root)))
+    monkeypatch.setenv("TENEX_CONVERSATIONS__IDLE_TIMEOUT_MIN", "600")
+
+    code, out = tenexd(home, "migrate", "--from", str(tmp_path / "project"), "--json")
+
+    assert code == 0, out
+    _, shown = tenexd(home, "conversations", "show", root.id, "--json")
+    assert json.loads(shown)["ended_at"] is None
