@@ -108,7 +108,7 @@ class ConversationManager:
         self._on_ended: list[Callable[[str], None]] = []
         self.task_session_ttl_ms = int(task_session_ttl_h * 3_600_000)
         """How long a task session lives after its last activity (docs/ARCHITECTURE.md)."""
-        self._on_reply: list[Callable[[str], None]] = []
+        self._on_reply: list[Callable[[str, bool], None]] = []
 
     @property
     def store(self) -> Store:
@@ -257,7 +257,7 @@ class ConversationManager:
         if reopened:
             log.info("conversation_reopened", conversation_id=conversation_id, event_id=event.id)
             for listener in self._on_reply:  # its description is published again, saying active
-                listener(conversation_id)
+                listener(conversation_id, True)
         return True
 
     def _note_user_message(self, conversation: Conversation, event: NostrEvent) -> bool:
@@ -364,7 +364,7 @@ class ConversationManager:
         if ended is not None:
             self._ended(conversation_id, agent.slug, run.end_reason)
         for listener in self._on_reply:
-            listener(conversation_id)
+            listener(conversation_id, False)
         return reply
 
     async def add_run_time(self, conversation_id: str, started_ms: int) -> None:
@@ -620,9 +620,9 @@ class ConversationManager:
             return None
         return conversation.last_activity + self.task_session_ttl_ms
 
-    def on_reply(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(conversation_id)`` after each agent reply saved here and each message that reopens
-        a conversation (must not block)."""
+    def on_reply(self, listener: Callable[[str, bool], None]) -> None:
+        """Call ``listener(conversation_id, reopened)`` after each agent reply saved here (False) and each
+        message that reopens a conversation (True: ended here or by another daemon) (must not block)."""
         self._on_reply.append(listener)
 
     async def describe(

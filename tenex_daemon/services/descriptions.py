@@ -225,7 +225,7 @@ class DescriptionJobs:
         self.refused = 0
         """Descriptions every relay refused for good (for their size): not tried again."""
         manager.on_ended(self.ended)
-        manager.on_reply(self.wake)
+        manager.on_reply(self.replied)
 
     # --- what status and metrics read -------------------------------------------------------
 
@@ -278,6 +278,14 @@ class DescriptionJobs:
         finally:
             for each in waits:
                 each.cancel()
+
+    def replied(self, conversation_id: str, reopened: bool) -> None:
+        """A reply was saved in the conversation, or a message reopened it (the manager's ``on_reply``
+        listener): look at it soon. A reopened one is looked at even when it was settled here before
+        (another daemon sharing the store ended it meanwhile): its kind 513 goes out again saying active."""
+        if reopened:
+            self._settled.pop(conversation_id, None)
+        self.wake(conversation_id)
 
     def ended(self, conversation_id: str) -> None:
         """A conversation just ended: describe it (never blocks; the manager's ``on_ended`` listener)."""

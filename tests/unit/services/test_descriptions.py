@@ -748,3 +748,31 @@ async def test_the_fallback_summary_counts_what_was_said_not_the_daemons_notices
     assert fallback_summary(conversation, rig.manager.agents) == (
         "A conversation of 1 message between a person. It began with: “Write the report”."
     )
+
+
+async def test_a_conversation_settled_here_and_ended_by_another_daemon_is_published_active_when_reopened_here(
+    cast: Cast,
+) -> None:
+    """Two daemons share a store: A described an active conversation and settled it; B's sweeper ends it and
+    publishes ``ended``; a person's message A takes in reopens it, and A publishes ``active`` again, though it
+    had settled that conversation before (it never saw the end)."""
+    a = build_rig(cast)
+    b = build_rig(cast, store=a.store, clock=a.clock)
+    cid = await talk(a, cast, 3)
+    jobs_a = jobs_for(a, cast, summarizer=ScriptedBackend([CompletionResult(text=ANSWER)]))
+    jobs_b = jobs_for(b, cast, summarizer=ScriptedBackend([CompletionResult(text=ANSWER)]), publisher=a.publisher)
+    jobs_a.wake(cid)
+    await until(lambda: jobs_a.published == 1)
+    jobs_a.wake(cid)  # a later reply: the conversation is settled on A now
+    await until(lambda: jobs_a.queued == 0)
+    a.clock.advance(31 * 60_000)
+    await b.manager.end_conversation(cid, by="idle", reason="idle_timeout")
+    await until(lambda: jobs_b.published == 1)
+    a.clock.advance(1_000)
+
+    await a.manager.add_event(cid, cast.user_says("back again", tags=[["e", cid]]))
+    await until(lambda: jobs_a.published == 2)
+    await jobs_a.stop()
+    await jobs_b.stop()
+
+    assert [tags_of(e)["status"] for e in metadata_events(a.publisher, cid)] == ["active", "ended", "active"]
