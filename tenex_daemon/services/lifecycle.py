@@ -210,7 +210,8 @@ class ConversationLifecycle:
             current_id = await store.get_meta(key) or task_id
             current = await self._manager.get_conversation(current_id)
             if current is None and current_id != task_id:  # the current session was deleted (retention,
-                return await self._new_session(task_id, event, None)  # an operator): the next starts anew
+                first = await self._manager.get_conversation(task_id)  # an operator): the next starts anew,
+                return await self._new_session(task_id, event, None, first)  # named as the task's first
             if current is None:
                 return None
             now = self._manager.now_ms()
@@ -229,15 +230,21 @@ class ConversationLifecycle:
             return await self._new_session(task_id, event, current)
 
     async def _new_session(
-        self, task_id: str, event: NostrEvent, previous: Conversation | None
+        self,
+        task_id: str,
+        event: NostrEvent,
+        previous: Conversation | None,
+        first: Conversation | None = None,
     ) -> Joined | None:
-        """Start the task's next session at ``event``, after ``previous`` (None: the current one is gone);
-        the caller holds the task's key."""
+        """Start the task's next session at ``event``, after ``previous`` (None: the current one is gone; then
+        ``first``, the task's first session if it is still stored, gives the title and the link back); the
+        caller holds the task's key."""
+        before = previous if previous is not None else first
         # the person's title of the task (its tag) stays the title of its every session
-        title = previous.title if previous is not None and previous.title_source is TitleSource.TAG else None
+        title = before.title if before is not None and before.title_source is TitleSource.TAG else None
         try:
             session = await self._manager.create_conversation(
-                event, exclusive=True, task_id=task_id, previous_session=previous.id if previous else None,
+                event, exclusive=True, task_id=task_id, previous_session=before.id if before else None,
                 title=title,
             )
         except ConversationExistsError:

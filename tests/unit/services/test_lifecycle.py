@@ -337,6 +337,24 @@ async def test_a_task_whose_session_was_deleted_goes_on_in_its_current_or_a_new_
     assert await rig.store.get_meta(task_meta_key(task.id)) == third.conversation_id
 
 
+async def test_a_session_started_after_the_current_one_was_deleted_keeps_the_tasks_title(cast: Cast) -> None:
+    """When a task's current session was deleted and its first is still stored, the session the next reply
+    starts keeps the title the person gave the task and links back to the first session."""
+    rig, _ = rig_for(cast, task_session_ttl_h=24)
+    task, second = await task_in_its_second_session(rig, cast, [["title", "Login bug"]])
+    await rig.manager.end_conversation(second.conversation_id or "", by="owner")
+    assert await rig.manager.delete_conversation(second.conversation_id or "")
+
+    rig.clock.advance(MINUTE)
+    third = await rig.dispatcher.handle(task_reply(cast, task, "new work"))
+    await rig.settle()
+
+    session = await conversation(rig, third.conversation_id)
+    assert session.id not in (task.id, second.conversation_id)
+    assert (session.title, session.title_source) == ("Login bug", TitleSource.TAG)
+    assert session.previous_session == task.id
+
+
 @pytest.mark.parametrize(("hours", "same"), [(23.9, True), (24.1, False)])
 async def test_the_task_ttl_boundary(cast: Cast, hours: float, same: bool) -> None:
     """Just under the TTL the session continues; just over it a new one starts."""
