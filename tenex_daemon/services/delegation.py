@@ -18,7 +18,15 @@ A failed answer (its backend failed) is still saved and published, as an error r
 so the request is never left unanswered in the conversation; the thread is not
 changed and the tool call is refused with what failed. Exchanges between the same pair
 in the same conversation take turns (a lock per thread), so each answer sees the
-previous exchange.
+previous exchange. Both sides are added to history without reopening a conversation its owner
+ended meanwhile: they are part of a run under way, not a new message.
+
+A run redone after a crash (or tried again after an error) whose model asks the same agent the same
+message again takes the request an earlier try saved instead of making a new one (each request once,
+in order: :meth:`Delegation.exchange`): its saved answer is the result and nothing is asked or saved
+again; a request saved without an answer is answered, saving only the answer. A live run asking the same
+thing twice asks twice (its first request is already taken), unless both requests are the same event (the
+same second): then the second call gets the first one's answer, so history and thread agree.
 
 While the asked agent answers, it counts as working in the conversation (its live status, told
 the ``listener``), and a stop naming it (:meth:`Delegation.stop_answers`) cancels its answer: nothing
@@ -37,20 +45,22 @@ import structlog
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.budget import BudgetStrategy
 from tenex_daemon.core.context import AgentContext, ChatMessage
+from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import ReplyComposer, ReplySpec
 from tenex_daemon.core.stops import stopped_since
 from tenex_daemon.core.targeting import reply_person
+from tenex_daemon.core.thread_tags import read_threading
 from tenex_daemon.core.threads import ConversationThread, ThreadPersistenceError
-from tenex_daemon.core.vocabulary import KIND_NOTE
+from tenex_daemon.core.vocabulary import ERROR_SYSTEM, KIND_NOTE, TAG_DELEGATION, TAG_ERROR
 from tenex_daemon.services.answering import AgentProfile
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.outbox import Outbox
 from tenex_daemon.services.runs import RunListener, RunRequest
 from tenex_daemon.services.threads import ThreadManager
-from tenex_daemon.services.tools import RunEffects, ToolContext, ToolRefusedError
+from tenex_daemon.services.tools import NotAskedError, RunEffects, ToolContext, ToolRefusedError
 
 log = structlog.get_logger(__name__)
 
@@ -175,83 +185,133 @@ class Delegation:
         return RunDelegator(self, asker, conversation_id, trigger)
 
     def _target(self, asker: Agent, slug: str) -> AgentProfile:
-        """The profile of the agent asked; refuse oneself, the orchestrator and unknown slugs."""
+        """The profile of the agent asked; refuse oneself, the orchestrator and unknown
+        slugs (:class:`NotAskedError`: nobody was asked)."""
         names = ", ".join(f"{a.slug} ({a.name})" for a in self.askable(asker)) or "nobody"
         if slug == asker.slug:
-            raise ToolRefusedError(f"you cannot send a message to yourself; you can ask: {names}")
+            raise NotAskedError(f"you cannot send a message to yourself; you can ask: {names}")
         profile = self._profiles.get(slug)
         if profile is None:
-            raise ToolRefusedError(f"no agent {slug!r} in this project; you can ask: {names}")
+            raise NotAskedError(f"no agent {slug!r} in this project; you can ask: {names}")
         if profile.agent.orchestrator:
-            raise ToolRefusedError(
+            raise NotAskedError(
                 f"{slug} is the orchestrator: it routes the conversation and does not answer questions; "
                 f"you can ask: {names}"
             )
         return profile
 
-    async def exchange(self, asker: Agent, cid: str, trigger: NostrEvent, to: str, message: str) -> str:
+    async def exchange(
+        self, asker: Agent, cid: str, trigger: NostrEvent, to: str, message: str,
+        served: set[str] | None = None,
+    ) -> str:
         """Carry out one request and answer (see the module docstring); return the answer. An agent a stop
-        named after this run's trigger came is not asked again in this run (the asker's model may try)."""
+        named after this run's trigger came is not asked again in this run (the asker's model may try).
+
+        ``served``: the requests this run's calls took so far. A request of an earlier try of this run (a run
+        redone after a crash, or tried again after an error) that no call of this run took yet, the same
+        message to the same agent, is taken instead of a new one: its saved answer is returned, nobody is
+        asked and nothing is saved again; without a saved answer the agent is asked and only its answer is
+        saved. A call refused before anyone is asked raises :class:`NotAskedError`."""
+        served = set() if served is None else served
         target = self._target(asker, to)
         asked = target.agent
         conversation = await self._manager.get_conversation(cid)
         if conversation is not None and stopped_since(conversation, trigger, asked.slug, recovered=False):
             log.info("delegation_refused_stopped", conversation_id=cid, asker=asker.slug, asked=asked.slug)
-            raise ToolRefusedError(f"{asked.slug} was stopped (a person stopped it): ask it nothing more now")
+            raise NotAskedError(f"{asked.slug} was stopped (a person stopped it): ask it nothing more now")
         thread_id = self._threads.key(cid, asker.slug, asked.slug)
         async with self._locks.hold(thread_id):
             try:
                 thread = await self._threads.get_thread(cid, asker.slug, asked.slug)
             except ThreadPersistenceError as exc:
-                raise ToolRefusedError(f"your thread with {asked.slug} could not be read: {exc}") from None
-            request = await self._save(asker, trigger, message, (asked.pubkey,), thread_id, cid)
-            log.info("delegation_asked", conversation_id=cid, asker=asker.slug, asked=asked.slug)
-            messages = [*thread_messages(thread, asked.slug), ChatMessage("user", message)]
-            context = AgentContext(
-                messages=messages,
-                session_id=None,
-                last_processed_index=0,
-                protected=(len(messages) - 1,),  # the request is this run's trigger: never cut
-            )
-            note = delegation_note(asker)
-            instructions = f"{target.instructions}\n\n{note}" if target.instructions else note
-            tools = tuple(name for name in target.tools if name in DELEGATED_TOOLS)
-            # The thread is not the conversation: the asked agent's conversation summary must not be
-            # replaced by one of the thread, so a delegated run over budget slides its window.
-            budget = target.budget
-            if budget is not None and budget.strategy is not BudgetStrategy.SLIDING_WINDOW:
-                budget = replace(budget, strategy=BudgetStrategy.SLIDING_WINDOW)
-            # A thread's persona is the agent's, who asks, and the conversation's article: it recalls no
-            # recent conversations (docs/CONTEXT.md, "The persona prompt").
-            profile = replace(
-                target, instructions=instructions, tools=tools, budget=budget, recent_in_persona=0
-            )
-            tool_context = ToolContext(
-                self._manager, cid, asked, RunEffects(), trigger=trigger, budget=budget,
-                list_recent=target.list_recent,
-            )
-            result, error_kind = await self._answer_stoppably(
-                asked, cid, trigger, lambda: self._answer(profile, context, tool_context)
-            )
-            answer = await self._save(
-                asked, request, result.text, (asker.pubkey,), thread_id, cid, result, error_kind
-            )
-            used = (result.prompt_tokens or 0, result.completion_tokens or 0)
-            if any(used):
-                await self._manager.update_agent_state(cid, asked.slug, add_tokens=used)
-            if error_kind is not None:
-                log.warning("delegation_failed", conversation_id=cid, asked=asked.slug, error=error_kind)
-                raise ToolRefusedError(f"{asked.slug} could not answer ({error_kind}): {result.text}")
-            pair = [_item(asker, asked, request), _item(asked, asker, answer)]
-            try:
-                await self._threads.add_items_and_save(thread, pair)
-            except ThreadPersistenceError as exc:
-                # The pair stays in the cached thread and is saved with the next exchange.
-                log.error("delegation_thread_not_saved", thread_id=thread_id, error=str(exc))
+                raise NotAskedError(f"your thread with {asked.slug} could not be read: {exc}") from None
+            request, answer = await self._request(asker, asked, trigger, message, thread_id, cid, served)
+            if answer is None:
+                answer = await self._ask(target, asker, request, thread, trigger, cid)
+            else:
+                log.info("delegation_reused", conversation_id=cid, asker=asker.slug, asked=asked.slug)
+                if answer.has_tag(TAG_ERROR, ERROR_SYSTEM):
+                    raise ToolRefusedError(f"{asked.slug} could not answer: {answer.content}")
+            if not any(isinstance(i, dict) and i.get("event_id") == request.id for i in thread.items):
+                pair = [_item(asker, asked, request), _item(asked, asker, answer)]
+                try:
+                    await self._threads.add_items_and_save(thread, pair)
+                except ThreadPersistenceError as exc:
+                    # The pair stays in the cached thread and is saved with the next exchange.
+                    log.error("delegation_thread_not_saved", thread_id=thread_id, error=str(exc))
             log.info("delegation_answered", conversation_id=cid, asker=asker.slug, asked=asked.slug)
             return answer.content
 
-    async def _save(
+    async def _request(
+        self, asker: Agent, asked: Agent, trigger: NostrEvent, message: str, thread_id: str, cid: str,
+        served: set[str],
+    ) -> tuple[NostrEvent, NostrEvent | None]:
+        """The call's request and its saved answer, if any: an earlier try's request no call of this run took
+        yet (see :meth:`exchange`), else a new one, saved; a new request identical to one saved (the same
+        message in the same second: the same event id) is that one."""
+        conversation = await self._manager.get_conversation(cid)
+        if conversation is None:
+            raise NotAskedError("the conversation is gone")
+        request = _earlier_request(conversation, trigger, asker.pubkey, thread_id, message, served)
+        if request is None:
+            request = await self._compose(asker, trigger, message, (asked.pubkey,), thread_id, cid)
+            if await self._manager.add_event(cid, request, reopens=False):
+                await self._outbox.add(cid, request, agent_slug=asker.slug)
+                served.add(request.id)
+                log.info("delegation_asked", conversation_id=cid, asker=asker.slug, asked=asked.slug)
+                return request, None
+            conversation = await self._manager.get_conversation(cid)
+            if conversation is None:
+                raise NotAskedError("the conversation is gone")
+        served.add(request.id)
+        return request, _saved_answer(conversation, request, asked.pubkey, thread_id)
+
+    async def _ask(
+        self, target: AgentProfile, asker: Agent, request: NostrEvent, thread: ConversationThread,
+        trigger: NostrEvent, cid: str,
+    ) -> NostrEvent:
+        """Run the asked agent on the thread and the request; save and publish its answer (also a failed one,
+        then refusing the call with what failed) and count its tokens."""
+        asked = target.agent
+        messages = [*thread_messages(thread, asked.slug), ChatMessage("user", request.content)]
+        context = AgentContext(
+            messages=messages,
+            session_id=None,
+            last_processed_index=0,
+            protected=(len(messages) - 1,),  # the request is this run's trigger: never cut
+        )
+        note = delegation_note(asker)
+        instructions = f"{target.instructions}\n\n{note}" if target.instructions else note
+        tools = tuple(name for name in target.tools if name in DELEGATED_TOOLS)
+        # The thread is not the conversation: the asked agent's conversation summary must not be
+        # replaced by one of the thread, so a delegated run over budget slides its window.
+        budget = target.budget
+        if budget is not None and budget.strategy is not BudgetStrategy.SLIDING_WINDOW:
+            budget = replace(budget, strategy=BudgetStrategy.SLIDING_WINDOW)
+        # A thread's persona is the agent's, who asks, and the conversation's article: it recalls no
+        # recent conversations (docs/CONTEXT.md, "The persona prompt").
+        profile = replace(target, instructions=instructions, tools=tools, budget=budget, recent_in_persona=0)
+        tool_context = ToolContext(
+            self._manager, cid, asked, RunEffects(), trigger=trigger, budget=budget,
+            list_recent=target.list_recent,
+        )
+        result, error_kind = await self._answer_stoppably(
+            asked, cid, trigger, lambda: self._answer(profile, context, tool_context)
+        )
+        answer = await self._compose(
+            asked, request, result.text, (asker.pubkey,), thread.thread_id, cid, result, error_kind
+        )
+        await self._manager.add_event(cid, answer, reopens=False)
+        await self._outbox.add(cid, answer, agent_slug=asked.slug)
+        used = (result.prompt_tokens or 0, result.completion_tokens or 0)
+        if any(used):
+            await self._manager.update_agent_state(cid, asked.slug, add_tokens=used)
+        if error_kind is not None:
+            log.warning("delegation_failed", conversation_id=cid, asked=asked.slug, error=error_kind)
+            raise ToolRefusedError(f"{asked.slug} could not answer ({error_kind}): {result.text}")
+        return answer
+
+    async def _compose(
         self,
         author: Agent,
         parent: NostrEvent,
@@ -262,7 +322,8 @@ class Delegation:
         result: CompletionResult | None = None,
         error_kind: str | None = None,
     ) -> NostrEvent:
-        """Compose one side of the exchange, add it to history, then hand it to the outbox to publish."""
+        """Compose one side of the exchange (the caller adds it to history, without reopening an ended
+        conversation: it is part of a run under way, then hands it to the outbox to publish)."""
         conversation = await self._manager.get_conversation(cid)
         if conversation is None:
             raise ToolRefusedError("the conversation is gone")
@@ -287,10 +348,44 @@ class Delegation:
             delegation=thread_id,
             cost_usd=self._profiles[author.slug].cost_usd(result) if result is not None else None,
         )
-        event = self._composer.compose(spec)
-        await self._manager.add_event(cid, event)
-        await self._outbox.add(cid, event, agent_slug=author.slug)
-        return event
+        return self._composer.compose(spec)
+
+
+def _earlier_request(
+    conversation: Conversation, trigger: NostrEvent, asker: str, thread_id: str, message: str,
+    served: set[str],
+) -> NostrEvent | None:
+    """The first request of ``asker`` (a public key) answering ``trigger`` in the thread with ``message``
+    that no call of this run took (``served``), saved since the asker's last reply to ``trigger`` (an
+    earlier, finished run's exchanges are never taken)."""
+    start = conversation.index_of(trigger.id)
+    if start is None:
+        return None
+    found: list[NostrEvent] = []
+    for event in conversation.history[start + 1 :]:
+        if event.pubkey != asker or read_threading(event).parent_id != trigger.id:
+            continue
+        delegation = event.tag_value(TAG_DELEGATION)
+        if delegation is None:  # the asker's reply: a finished run
+            found.clear()
+        elif delegation == thread_id and event.content == message and event.id not in served:
+            found.append(event)
+    return found[0] if found else None
+
+
+def _saved_answer(
+    conversation: Conversation, request: NostrEvent, asked: str, thread_id: str
+) -> NostrEvent | None:
+    """The answer of ``asked`` (a public key) to ``request`` saved in the thread, if any."""
+    start = conversation.index_of(request.id)
+    for event in conversation.history[(start or 0) + 1 :]:
+        if (
+            event.pubkey == asked
+            and event.tag_value(TAG_DELEGATION) == thread_id
+            and read_threading(event).parent_id == request.id
+        ):
+            return event
+    return None
 
 
 def _item(author: Agent, other: Agent, event: NostrEvent) -> dict[str, Any]:
@@ -308,7 +403,11 @@ class RunDelegator:
         self._asker = asker
         self._conversation_id = conversation_id
         self._trigger = trigger
+        self._served: set[str] = set()
+        """The requests this run's calls took (made, or taken from an earlier try of the run)."""
 
     async def send(self, to: str, message: str) -> str:
         """Ask the agent ``to`` and return its answer (refusals raise ToolRefusedError)."""
-        return await self._delegation.exchange(self._asker, self._conversation_id, self._trigger, to, message)
+        return await self._delegation.exchange(
+            self._asker, self._conversation_id, self._trigger, to, message, self._served
+        )

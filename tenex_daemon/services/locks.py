@@ -11,7 +11,8 @@ further down this list, so no two tasks ever wait on each other:
    under the cap back and tries again, holding neither).
 2. ``Delegation``'s per-thread lock (one ``send_message`` exchange at a time between two agents in
    a conversation), taken inside a run.
-3. ``ThreadManager``'s per-thread load lock (loading a delegation thread once).
+3. ``ThreadManager``'s per-thread load lock (loading a delegation thread once); on a store daemons
+   share, a thread's save takes the store's lease on ``thread:<id>`` under it, with nothing under that.
 4. ``ConversationLifecycle``'s per-channel or per-task lock, with the store's lease on the same key
    (``channel.<key>``, ``task.<id>``), taken when a person's kind-1 note or a task's event picks its
    conversation, and the dispatcher's per-root lock with the lease on ``adopted_root.<id>``, taken when a

@@ -57,6 +57,12 @@ class ToolRefusedError(Exception):
     """A tool could not do what was asked; the message is returned to the model as an error result."""
 
 
+class NotAskedError(ToolRefusedError):
+    """``send_message`` was refused before the other agent was asked (an unknown or forbidden agent, one a
+    person stopped, a thread that cannot be read): the call does not count toward
+    :data:`MAX_MESSAGES_SENT`."""
+
+
 @dataclass(slots=True)
 class RunEffects:
     """What the tools of one run asked the runner to do when it saves the reply."""
@@ -67,7 +73,8 @@ class RunEffects:
     end_reason: str | None = None
     tools_used: list[str] = field(default_factory=list)
     messages_sent: int = 0
-    """How many ``send_message`` calls the run made (at most :data:`MAX_MESSAGES_SENT` are carried out)."""
+    """How many ``send_message`` calls of the run asked another agent (at most :data:`MAX_MESSAGES_SENT`);
+    a call refused before anyone was asked (:class:`NotAskedError`) does not count."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +100,8 @@ class Delegator(Protocol):
     """Asks another agent of the project on behalf of the running agent (``send_message``)."""
 
     async def send(self, to: str, message: str) -> str:
-        """Return the answer of the agent ``to`` (a slug); raise :class:`ToolRefusedError` when it cannot."""
+        """Return the answer of the agent ``to`` (a slug); raise :class:`ToolRefusedError` when it cannot,
+        :class:`NotAskedError` when it refuses before asking anyone."""
 
 
 class Tool(Protocol):
@@ -554,7 +562,8 @@ class SendMessageTool:
     Refused (error results): an unknown slug (the error lists who can be asked),
     oneself, the orchestrator (it routes the conversation; it does not answer
     questions), a run with no delegation, an asked agent whose backend failed
-    (the error says what failed), and a call past the run's :data:`MAX_MESSAGES_SENT`th.
+    (the error says what failed), and a call past the run's :data:`MAX_MESSAGES_SENT`th that asked an
+    agent (a call refused before anyone was asked does not count).
     """
 
     spec = ToolSpec(
@@ -584,8 +593,15 @@ class SendMessageTool:
                 f"send_message was refused: this reply already asked other agents {MAX_MESSAGES_SENT} times, "
                 "the most one reply may; answer with what you have"
             )
-        context.effects.messages_sent += 1
-        return await context.delegator.send(arguments.to.strip(), arguments.message)
+        asked = True
+        try:
+            return await context.delegator.send(arguments.to.strip(), arguments.message)
+        except NotAskedError:
+            asked = False
+            raise
+        finally:
+            if asked:  # the other agent was asked (its answer failed or was stopped, maybe): the call counts
+                context.effects.messages_sent += 1
 
 
 # --- the registry ---------------------------------------------------------------------------

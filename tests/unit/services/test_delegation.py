@@ -575,3 +575,56 @@ async def test_one_reply_asks_other_agents_at_most_max_messages_sent_times(cast:
     assert f"already asked other agents {MAX_MESSAGES_SENT} times" in results[-1].content
     alices = [e.content for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]
     assert alices[-1] == "Done asking."
+
+
+async def test_calls_refused_before_anyone_is_asked_do_not_count_toward_the_cap(cast: Cast) -> None:
+    """MAX_MESSAGES_SENT calls naming an unknown agent, refused before anyone is asked, leave the reply's
+    whole cap: the next call asks Bob and gets his answer."""
+    refused: list[tuple[str, str, dict[str, object]]] = [
+        (f"x{i}", SEND_MESSAGE, {"to": "bobb", "message": "hi"}) for i in range(MAX_MESSAGES_SENT)
+    ]
+    unknown = calls(*refused)
+    bob = ScriptedBackend([text("4")])
+    rig = make_rig(cast, ScriptedBackend([unknown, ask("g", "bob", "2+2?"), text("done")]), bob)
+
+    await start(rig, cast)
+
+    assert len(bob.requests) == 1
+    results = [m for m in rig.alice.requests[-1].messages if isinstance(m, ToolResult)]
+    assert [r.is_error for r in results] == [True] * MAX_MESSAGES_SENT + [False]
+    assert (results[-1].tool_call_id, results[-1].content) == ("g", "4")
+
+
+class GatedAsker(ScriptedBackend):
+    """Alice: her first model call waits until the test releases it, then asks Bob; then she answers."""
+
+    def __init__(self) -> None:
+        super().__init__([ask("c1", "bob", "2+2?"), text("done")])
+        self.waiting = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Hold the first call until released."""
+        if not self.requests:
+            self.waiting.set()
+            await self.release.wait()
+        return await super().complete(request)
+
+
+async def test_an_exchange_during_a_run_does_not_reopen_a_conversation_the_owner_ended(cast: Cast) -> None:
+    """The owner ends the conversation while Alice thinks; her send_message exchange is then saved but does
+    not reopen it: it stays ended by the owner."""
+    alice = GatedAsker()
+    rig = make_rig(cast, alice, ScriptedBackend([text("4")]))
+    root = cast.user_says("hi", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(alice.waiting.wait(), 5)
+    await rig.manager.end_conversation(root.id, by="owner", reason="done for today")
+    alice.release.set()
+    await settle(rig)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.content for e in conversation.history if e.has_tag("delegation")] == ["2+2?", "4"]
+    assert conversation.is_ended
+    assert conversation.ended_by == "owner"
