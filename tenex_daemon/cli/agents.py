@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Final
 
 import typer
 from rich.table import Table
@@ -115,17 +116,40 @@ def agents_add(
         return
     if slug is None:
         fail("give the new agent's SLUG (or --from nevent1.../naddr1... to install a definition)", EXIT_USAGE)
+    _check_slug(slug)
     try:
         info = add_agent(settings, slug, name or slug.replace("-", " ").title(), instructions or "",
                          orchestrator=orchestrator)
     except (HomeError, KeyFileError, SettingsError) as exc:
-        fail(str(exc), EXIT_USAGE)
+        fail(_plain(str(exc)), EXIT_USAGE)
     backend = _backend_of(settings, slug)
     if as_json:
         print_json({**info.to_dict(), "backend": backend})
         return
     out.print(f"added agent {slug}: {info.npub} ({info.pubkey}); restart the daemon to load it")
     out.print(f"backend: {backend}")
+
+
+def _check_slug(slug: str | None) -> None:
+    """Exit 2 when ``slug`` names one of the home's other key files (``owner``, ``project``, ``import``), in a
+    sentence of its own: the agent's key file would be taken for theirs."""
+    from tenex_daemon.app.settings import RESERVED_SLUGS
+
+    if slug in RESERVED_SLUGS:
+        fail(
+            f"{slug!r} cannot be an agent's slug: keys/{slug}.key holds the home's {slug} key; choose "
+            f"another slug (it may not be {', '.join(sorted(RESERVED_SLUGS))})",
+            EXIT_USAGE,
+        )
+
+
+_VALIDATION_PREFIX: Final = re.compile(r"\b[\w.]+: (?:Value|Assertion) error, ")
+"""How pydantic words a validator's refusal (``slug: Value error, ...``): the field and the error's class."""
+
+
+def _plain(message: str) -> str:
+    """An agent's refusal as a sentence: what pydantic prefixes to a validator's own words left out."""
+    return _VALIDATION_PREFIX.sub("", message)
 
 
 def _backend_of(settings: Settings, slug: str) -> str:
@@ -162,6 +186,7 @@ def _add_from(settings: Settings, text: str, options: _AddFrom, as_json: bool) -
     from tenex_daemon.app.settings import SettingsError
     from tenex_daemon.cli.send import send_relays
 
+    _check_slug(options.slug)
     try:
         reference = parse_reference(text)
         installed = asyncio.run(add_agent_from(
@@ -172,7 +197,7 @@ def _add_from(settings: Settings, text: str, options: _AddFrom, as_json: bool) -
     except DefinitionError as exc:
         fail(str(exc), EXIT_FAILURE)
     except (DefinitionReferenceError, HomeError, KeyFileError, SettingsError) as exc:
-        fail(str(exc), EXIT_USAGE)
+        fail(_plain(str(exc)), EXIT_USAGE)
     backend = _backend_of(settings, installed.slug)
     if as_json:
         print_json({**installed.to_dict(), "backend": backend})

@@ -210,3 +210,33 @@ async def live_status(settings: Settings) -> dict[str, Any] | None:
     finally:
         await session.close()
     return data if isinstance(data, dict) else None
+
+
+def served_agents(status: Mapping[str, Any]) -> dict[str, str] | None:
+    """The agents a running daemon serves, slug -> public key, as its status document lists them (``agents``,
+    filled before its control API answers); None when the document lists none that way (another version's)."""
+    listed = status.get("agents")
+    if not isinstance(listed, list):
+        return None
+    return {
+        entry["slug"]: str(entry.get("pubkey"))
+        for entry in listed
+        if isinstance(entry, dict) and isinstance(entry.get("slug"), str)
+    }
+
+
+def unserved_reason(status: Mapping[str, Any] | None, slug: str, pubkey: str | None = None) -> str | None:
+    """Why the running daemon whose status document is ``status`` cannot answer as agent ``slug`` (with public
+    key ``pubkey`` when given): it does not serve it, as when the agent was added to config.toml after the
+    daemon started (the daemon reads its agents once, at start). None when it serves it, or when no daemon
+    answers (``status`` None) or its document does not say."""
+    served = served_agents(status) if status is not None else None
+    if served is None or (slug in served and pubkey in (None, served[slug])):
+        return None
+    names = ", ".join(served) or "none"
+    return (
+        f"the running daemon does not serve agent {slug!r} (it serves: {names}): it was started before the "
+        f"agent was added to config.toml (or its key changed), and reads its agents only at start; restart "
+        "the daemon (stop `tenexd run` and start it again; under systemd `systemctl restart tenexd`), then "
+        "try again"
+    )

@@ -161,11 +161,26 @@ def conversations_search(
     home: HomeOption = None,
 ) -> None:
     """Search conversations by title, phase, dates, participant."""
+    _check_dates(("--from", date_from), ("--to", date_to))
     rows = _list_rows(ctx, _search_query(title, phase, archived, date_from, date_to, participant, limit))
     if as_json:
         print_json(rows)
         return
     out.print(_conversation_table(rows, f"{len(rows)} match(es)"))
+
+
+def _check_dates(*options: tuple[str, str | None]) -> None:
+    """Exit 2 naming the option (``--from``, ``--to``) whose date is not one, before the search is asked
+    (whose own error names the control API's parameter, ``date_from``)."""
+    from tenex_daemon.app.control.errors import ApiError
+    from tenex_daemon.app.control.parsing import parse_datetime
+
+    for name, value in options:
+        if value is not None:
+            try:
+                parse_datetime(name, value)
+            except ApiError as exc:
+                fail(exc.message, EXIT_USAGE)
 
 
 def _print_history(history: list[dict[str, Any]], names: dict[str, str]) -> None:
@@ -450,6 +465,7 @@ def context(
     """Print exactly what AGENT would be sent now: its persona (the system message sent first), then
     the messages; no state changes."""
     trigger_id = event_id_argument(trigger, "trigger event id") if trigger is not None else None
+    _check_agent(settings_of(ctx), agent)
     data: dict[str, Any] = with_conversation(
         ctx, conversation_id, lambda access, cid: access.context(cid, agent, trigger_id)
     )[1]
@@ -472,6 +488,21 @@ def context(
         if budget["to_summarize"]:
             line += f"; the run first adds {budget['to_summarize']} of them to the summary (shown truncated)"
         out.print(Text(line + " ---", style="dim"))
+
+
+def _check_agent(settings: Settings, slug: str) -> None:
+    """Exit 2 (bad input, as ``send --to`` does) when the home has no agent ``slug``, or when its running
+    daemon does not serve it (it was added after the daemon started), before any conversation is looked up."""
+    import asyncio
+
+    from tenex_daemon.cli.client import live_status, unserved_reason
+
+    slugs = [a.slug for a in settings.agents]
+    if slug not in slugs:
+        fail(f"unknown agent {slug!r} (agents: {', '.join(slugs) or 'none'})", EXIT_USAGE)
+    reason = unserved_reason(asyncio.run(live_status(settings)), slug)
+    if reason is not None:
+        fail(reason, EXIT_USAGE)
 
 
 def _print_message(heading: str, content: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -17,6 +18,7 @@ from tenex_daemon.cli.output import (
     EXIT_USAGE,
     JsonOption,
     duration,
+    err,
     fail,
     ms_time,
     out,
@@ -92,7 +94,9 @@ def init(
             f"The owner's secret key was saved in {result.owner.key_file} (mode 0600) and is not shown; "
             "`tenexd send` signs with it. Pass --owner NPUB to use your own key instead."
         )
-    out.print(f"Next: tenexd --home {result.home} run --embedded-relay")
+    # with relays given the daemon uses them; without any it needs its own (`run` refuses to start relayless)
+    embedded = "" if result.relays else " --embedded-relay"
+    out.print(f"Next: tenexd --home {shlex.quote(str(result.home))} run{embedded}")
 
 
 def _run_settings(
@@ -151,9 +155,10 @@ def run(
         fail(str(exc), EXIT_FAILURE)
 
 
-def _status_report(ctx: typer.Context) -> StatusReport:
-    """Read the status file; works with a broken config (falls back to the default paths). A home that is
-    missing, or has neither config.toml nor a status file, is no home: exit 2 as every command does."""
+def _status_report(ctx: typer.Context) -> tuple[StatusReport, str | None]:
+    """Read the status file, and say why the settings are refused when they are; works with a broken config
+    (falls back to the default paths): the daemon is still reported, the settings' error beside it. A home
+    missing, or with neither config.toml nor a status file, is no home: exit 2 as every command does."""
     from tenex_daemon.app.settings import CONFIG_FILE, SettingsError, load_settings
     from tenex_daemon.app.status import Health, live_report, read_status
     from tenex_daemon.cli.client import live_status
@@ -165,13 +170,13 @@ def _status_report(ctx: typer.Context) -> StatusReport:
         fallback = home / "run" / "status.json"
         if not (home / CONFIG_FILE).exists() and not fallback.exists():
             fail(str(exc), EXIT_USAGE)
-        return read_status(fallback, DEFAULT_STALE_S)
+        return read_status(fallback, DEFAULT_STALE_S), str(exc)
     report = read_status(settings.status_path, settings.daemon.stale_after_s)
     if report.state is Health.STOPPED:
-        return report
+        return report, None
     # its process lives: what it answers now is truer than a file whose writes may fail (a full disk)
     live = asyncio.run(live_status(settings))
-    return report if live is None else live_report(live, settings.status_path, report.age_s)
+    return (report if live is None else live_report(live, settings.status_path, report.age_s)), None
 
 
 def _numbers(counts: object) -> dict[str, int | float]:
@@ -258,10 +263,20 @@ def _print_status_data(data: dict[str, Any]) -> None:
 
 def status(ctx: typer.Context, as_json: JsonOption = False, home: HomeOption = None) -> None:
     """Say whether the daemon is running: exit 0 when running and fresh, 1 when stopped, stale or degraded
-    (the reason is shown), 2 when the home does not exist or has no config.toml (and no status file)."""
-    report = _status_report(ctx)
+    (the reason is shown), 2 when the home does not exist or has no config.toml (and no status file).
+
+    Settings the other commands refuse (exit 2) do not stop it: the daemon is reported all the same, and the
+    settings' error is a warning line on stderr (``settings_error`` in --json, null when they load).
+    """
+    report, settings_error = _status_report(ctx)
+    if settings_error is not None:
+        err.print(Text(
+            f"warning: {settings_error} (other commands refuse these settings, and `tenexd run` would not "
+            "start with them)",
+            style="yellow",
+        ))
     if as_json:
-        print_json(report.to_dict())
+        print_json({**report.to_dict(), "settings_error": settings_error})
         raise typer.Exit(0 if report.healthy else EXIT_FAILURE)
     style = "green" if report.healthy else ("yellow" if report.state.value == "running" else "red")
     out.print(Text(f"tenexd: {report.reason}", style=f"bold {style}"))

@@ -24,9 +24,10 @@ from tenex_daemon.cli.invocation import (
 from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, err, fail, out
 from tenex_daemon.cli.references import AccessError, ConversationAccess, resolve_conversation
 from tenex_daemon.core.errors import TenexError
-from tenex_daemon.core.vocabulary import KIND_NOTE, KIND_PRIVATE_MESSAGE
+from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE
 
 if TYPE_CHECKING:
+    from tenex_daemon.adapters.nostr.signer import Signer
     from tenex_daemon.app.settings import Settings
     from tenex_daemon.cli.send import SendResult
     from tenex_daemon.core.agents import Agent
@@ -167,12 +168,9 @@ def send(
     Ends at the addressed agent's reply (the orchestrator's: the reply of an agent it routes to; exit 0),
     at a notice that the runs were stopped (`tenexd conversations stop`; exit 1) or at the timeout (exit 1).
     """
-    from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
-    from tenex_daemon.app.home import load_agents
     from tenex_daemon.cli.send import (
         PrivateConversationError,
         SendError,
-        addressed_agent,
         check_kind,
         check_title,
         send_message,
@@ -190,34 +188,8 @@ def send(
     except SendError as exc:
         fail(str(exc), EXIT_USAGE)
     relays = relay_urls_argument(relay)
-    if not settings.project_key_path.exists():  # no keys at all: not a home init made (or the wrong one)
-        fail(
-            f"this home ({settings.home}) has no keys ({settings.keys_dir} holds no project.key): give the "
-            f"home the daemon runs with (--home), or run `tenexd init --home {settings.home}` first",
-            EXIT_USAGE,
-        )
-    if not settings.owner_key_path.exists():
-        fail(
-            f"this home has no owner secret ({settings.owner_key_path}): the owner was given by public key "
-            "at init, so publish from your own Nostr client (p-tag an agent), or re-run init without --owner",
-            EXIT_USAGE,
-        )
-    try:
-        owner = Signer.from_file(settings.owner_key_path, label="owner")
-        agents = load_agents(settings)
-    except KeyFileError as exc:
-        fail(str(exc), EXIT_USAGE)
-    if settings.owner is not None and owner.pubkey not in (settings.owner, *settings.whitelist):
-        fail(  # the daemon would refuse what it signs (author_not_allowed), and no answer would ever come
-            f"the owner secret in {settings.owner_key_path} is {owner.pubkey}, but the owner in "
-            f"{settings.config_path} is {settings.owner}: put back the key, or the owner, that belongs there",
-            EXIT_USAGE,
-        )
-    if to is not None:
-        try:  # a mistyped --to is bad input, said before any relay is tried
-            addressed_agent(agents, to, settings.default_agent_slug)
-        except SendError as exc:
-            fail(str(exc), EXIT_USAGE)
+    owner, agents = _owner_and_agents(settings)
+    daemon_up = _check_daemon(ctx, settings, agents, to, relays)
     parent_id = _reply_to_argument(settings, reply_to) if reply_to is not None else None
 
     def on_sent(event: NostrEvent, addressed: Agent, relays: list[str]) -> None:
@@ -260,22 +232,27 @@ def send(
     else:
         err.print(f"conversation {result.conversation_id}")
         if not result.answered:
-            root_known = not private and (
-                parent_id is not None or result.event.kind != KIND_NOTE or bool(result.replies)
-            )
-            err.print(_unanswered(ctx, settings, result, to, timeout, root_known))
+            err.print(_unanswered(ctx, settings, result, to, timeout, daemon_up))
     raise typer.Exit(0 if result.answered else EXIT_FAILURE)
+
+
+def _tenexd(ctx: typer.Context) -> str:
+    """``tenexd``, with the ``--home`` the command was given: how a hint names a command to run next."""
+    home = home_given(ctx)
+    return f"tenexd --home {shlex.quote(home)}" if home is not None else "tenexd"
 
 
 def _unanswered(
     ctx: typer.Context, settings: Settings, result: SendResult, to: str | None, timeout: float,
-    root_known: bool,
+    daemon_up: bool,
 ) -> str:
     """What ``send`` says when the awaited answer did not come: the runs were stopped (``stopped: ...``), or
     the wait ended first, with how to read a late answer (a local model's first answer may take a minute).
 
-    ``root_known``: whether ``result.conversation_id`` surely is the conversation (a top-level kind-1 note
-    or a private message may have joined an open one, which the home tells when it took the message in).
+    The conversation to show is named only when the home (its daemon, else its store) holds the message sent:
+    a message no daemon took in is in no conversation ``conversations show`` could find (a top-level kind-1
+    note or a private message may also have joined an open one, which only the home tells). When it does
+    not, the hint says so, and that the daemon is not running when none answered on the control API.
     """
     from tenex_daemon.cli.send import stopped_names
 
@@ -285,11 +262,106 @@ def _unanswered(
         return f"stopped: the runs of {names} were stopped before {awaited} answered"
     kept = asyncio.run(_local_conversation_of(settings, result.event.id))
     found = kept.get("id") if kept is not None else None
-    conversation = found if isinstance(found, str) else result.conversation_id if root_known else None
-    home = home_given(ctx)
-    tenexd = f"tenexd --home {shlex.quote(home)}" if home is not None else "tenexd"
-    show = f"{tenexd} conversations show {conversation[:SHOWN_ID_DIGITS]}, or " if conversation else ""
-    return (
-        f"no reply from {awaited} within {timeout:g} s "
-        f"(the answer may still come: {show}send with a longer --timeout N)"
+    waited = f"no reply from {awaited} within {timeout:g} s"
+    if isinstance(found, str):
+        show = f"{_tenexd(ctx)} conversations show {found[:SHOWN_ID_DIGITS]}"
+        return f"{waited} (the answer may still come: {show}, or send with a longer --timeout N)"
+    why = (
+        "its daemon has not taken it in (is it on the relays the message went to?)" if daemon_up
+        else "its daemon is not running"
     )
+    return (
+        f"{waited} (the answer may still come: send with a longer --timeout N); this home holds no "
+        f"conversation with the message: {why}, see `{_tenexd(ctx)} status`"
+    )
+
+
+def _owner_and_agents(settings: Settings) -> tuple[Signer, list[Agent]]:
+    """The owner's signer and the home's agents; exit 2 when the home has no keys, no owner secret, or one
+    that is not the configured owner's (nor whitelisted), each with the command that mends it."""
+    from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
+    from tenex_daemon.app.home import load_agents
+
+    if not settings.project_key_path.exists():  # no keys at all: not a home init made (or the wrong one)
+        fail(
+            f"this home ({settings.home}) has no keys ({settings.keys_dir} holds no project.key): give the "
+            f"home the daemon runs with (--home), or make its keys with `{_init_again(settings)}` "
+            f"({INIT_FORCE_NOTE})",
+            EXIT_USAGE,
+        )
+    if not settings.owner_key_path.exists():
+        fail(
+            f"this home has no owner secret ({settings.owner_key_path}): the owner was given by public key "
+            "at init, so publish from your own Nostr client (p-tag an agent), or have a new owner key made "
+            f"with `{_init_again(settings, keep_owner=True)}` (your key stays allowed, as whitelisted; "
+            f"{INIT_FORCE_NOTE})",
+            EXIT_USAGE,
+        )
+    try:
+        owner = Signer.from_file(settings.owner_key_path, label="owner")
+        agents = load_agents(settings)
+    except KeyFileError as exc:
+        fail(str(exc), EXIT_USAGE)
+    if settings.owner is not None and owner.pubkey not in (settings.owner, *settings.whitelist):
+        fail(  # the daemon would refuse what it signs (author_not_allowed), and no answer would ever come
+            f"the owner secret in {settings.owner_key_path} is {owner.pubkey}, but the owner in "
+            f"{settings.config_path} is {settings.owner}: put back the key, or the owner, that belongs there",
+            EXIT_USAGE,
+        )
+    return owner, agents
+
+
+INIT_FORCE_NOTE = (
+    "--force rewrites config.toml as init writes it, with these relays and project: agents added since and "
+    "settings edited by hand are lost; the key files there are kept"
+)
+"""What ``init --force`` does to a home, said with each hint that names it (tenex_daemon/app/home.py)."""
+
+
+def _init_again(settings: Settings, *, keep_owner: bool = False) -> str:
+    """The ``tenexd init --force`` that gives this home its missing keys: its relays and project name given
+    again; with ``keep_owner``, the configured owner (and whitelist) whitelisted, a new owner key made."""
+    from tenex_daemon.app.home import DEFAULT_PROJECT_NAME
+    from tenex_daemon.core import nip19
+
+    words = ["tenexd", "--home", str(settings.home), "init", "--force"]
+    for url in settings.relays.urls:
+        words += ["--relay", url]
+    if settings.project.name != DEFAULT_PROJECT_NAME:
+        words += ["--project", settings.project.name]
+    kept = [settings.owner, *settings.whitelist] if keep_owner and settings.owner else settings.whitelist
+    for key in dict.fromkeys(kept):
+        words += ["--whitelist", nip19.encode_npub(key)]
+    return shlex.join(words)
+
+
+def _check_daemon(
+    ctx: typer.Context, settings: Settings, agents: list[Agent], to: str | None, relays: list[str]
+) -> bool:
+    """Whether a daemon answers on the home's control API. Exit 2, before anything is signed, when it does
+    but does not serve the agent addressed (``--to``, else the one ``send`` addresses by default): it would
+    never answer. Exit 1 when none answers and there is no relay to publish to, saying the daemon is not
+    running."""
+    from tenex_daemon.cli.client import live_status, unserved_reason
+    from tenex_daemon.cli.send import SendError, addressed_agent, send_relays
+
+    try:  # a mistyped --to is bad input, said before any relay is tried
+        target = addressed_agent(agents, to, settings.default_agent_slug)
+    except SendError as exc:
+        if to is not None:
+            fail(str(exc), EXIT_USAGE)
+        target = None  # no agent at all: said where the message would go (`send_message`)
+    live = asyncio.run(live_status(settings))
+    tenexd = _tenexd(ctx)
+    if target is not None:
+        reason = unserved_reason(live, target.slug, target.pubkey)
+        if reason is not None:
+            fail(reason, EXIT_USAGE)
+    if live is None and not send_relays(settings, relays):
+        fail(
+            f"no relay to publish to: the daemon is not running (see `{tenexd} status`), and no relay is "
+            f"configured: pass --relay URL, set relays.urls in config.toml, or start the daemon with "
+            f"`{tenexd} run --embedded-relay`",
+            EXIT_FAILURE,
+        )
+    return live is not None

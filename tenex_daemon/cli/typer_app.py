@@ -15,6 +15,7 @@ Two things it does for every command, in this one place:
 
 from __future__ import annotations
 
+import inspect
 import os
 import select
 import sys
@@ -117,9 +118,24 @@ def plain_params(params: list[Parameter]) -> list[Parameter]:
     return params
 
 
+def one_line_summary(command: TyperCommand | TyperGroup) -> None:
+    """Give ``command`` the first paragraph of its help, on one line, as the summary its group's listing
+    shows: Typer's listing keeps the paragraph's line breaks (a docstring's), which then cut its row
+    mid-sentence ("degraded" / "(the reason is shown)"). A summary given is kept."""
+    if command.short_help is None and command.help:
+        paragraph = inspect.cleandoc(command.help).partition("\f")[0].split("\n\n")[0]
+        command.short_help = " ".join(paragraph.split())
+
+
 class TenexCommand(TyperCommand):
-    """A command whose help shows what a person types (its parameters and its help option), and which says
-    in one line, exit 2, that a file of the home is not this user's to read or write."""
+    """A command whose help shows what a person types (its parameters and its help option), whose summary in
+    its group's listing is one line (:func:`one_line_summary`), and which says in one line, exit 2, that a
+    file of the home is not this user's to read or write."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """A Typer command, its summary made one line."""
+        super().__init__(*args, **kwargs)
+        one_line_summary(self)
 
     def get_params(self, ctx: Context) -> list[Parameter]:
         """The command's parameters, then its help option, shown as a person types them."""
@@ -138,7 +154,12 @@ class TenexCommand(TyperCommand):
 
 
 class TenexGroup(TyperGroup):
-    """A group of commands whose own help shows what a person types."""
+    """A group of commands whose own help shows what a person types, its summary one line."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """A Typer group, its summary made one line."""
+        super().__init__(*args, **kwargs)
+        one_line_summary(self)
 
     def get_params(self, ctx: Context) -> list[Parameter]:
         """The group's parameters, then its help option, shown as a person types them."""

@@ -299,14 +299,15 @@ def test_context_shows_what_an_agent_would_be_sent_without_storing_it(home: Path
     assert "executor" not in shown["agent_states"]
 
 
-def test_context_for_an_unknown_agent_is_not_found(home: Path) -> None:
-    """An agent slug not in the home is not found: exit 1, nothing on stdout, and the error names the agents
-    there are."""
+def test_context_for_an_unknown_agent_is_bad_input(home: Path) -> None:
+    """An agent slug not in the home is bad input, as `send --to nobody` is: exit 2, nothing on stdout, and the
+    error names the agents there are, also before the conversation is looked up (a short id nobody has)."""
     conversation = seed_conversation(home, "Picnic", "Plan a picnic")
 
-    assert tenexd(home, "context", conversation, "--agent", "nobody") == (1, "")
+    assert tenexd(home, "context", conversation, "--agent", "nobody") == (2, "")
     result = CliRunner().invoke(app, ["--home", str(home), "context", conversation, "--agent", "nobody"])
     assert " ".join(result.stderr.split()) == "error: unknown agent 'nobody' (agents: orchestrator, planner, executor)"
+    assert tenexd(home, "context", "ffff", "--agent", "nobody") == (2, "")
 
 
 def test_commands_on_a_home_without_config_fail_clearly(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ vain: a --title on what is not a new kind-11 conversation, a --relay that is no 
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -87,9 +88,19 @@ def test_a_relay_url_that_is_not_a_websocket_one_is_refused_at_once(
     assert (touched.signed, touched.pools) == ([], [])
 
 
+def hinted_command(said: str, after: str) -> list[str]:
+    """The arguments of the `tenexd ...` command an error names in backquotes right after ``after`` (without
+    the leading `tenexd`)."""
+    command = said.split(after + " `", 1)[1].split("`", 1)[0]
+    words = shlex.split(command)
+    assert words[0] == "tenexd", command
+    return words[1:]
+
+
 def test_send_from_a_home_without_keys_says_to_give_the_right_home_or_init(home: Path, tmp_path: Path) -> None:
     """`send` from a folder holding only a config.toml (the wrong --home, or the committed example home) exits
-    2 saying the home has no keys and what to do, not that its owner was given by public key at init."""
+    2 saying the home has no keys and naming an `init --force` that works there (a plain `init` refuses an
+    existing config.toml) and what --force rewrites; once it ran, `send` finds the keys."""
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.toml").write_text((home / "config.toml").read_text(encoding="utf-8"), encoding="utf-8")
@@ -98,7 +109,40 @@ def test_send_from_a_home_without_keys_says_to_give_the_right_home_or_init(home:
 
     assert code == 2
     assert said.startswith(f"error: this home ({bare}) has no keys")
-    assert f"run `tenexd init --home {bare}` first" in said
+    command = hinted_command(said, "make its keys with")
+    assert command == ["--home", str(bare), "init", "--force", "--relay", "ws://127.0.0.1:1"]
+    assert "--force rewrites config.toml as init writes it" in said
+    assert "the key files there are kept" in said
+    assert CliRunner().invoke(app, command, catch_exceptions=False).exit_code == 0
+    assert "no keys" not in tenexd(bare, "send", "hi", "--to", "planner", "--timeout", "0.2")[1]
+
+
+def test_send_from_a_home_whose_owner_was_given_by_public_key_names_an_init_that_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`send` from a home made with `init --owner NPUB` (no owner secret) exits 2 naming an `init --force` that
+    works there (re-running init is refused without --force), keeping its relays and project and the owner's
+    key allowed as whitelisted; once it ran, `send` goes on to the relays with the new owner key."""
+    person = KeyPair.from_seed(78)
+    path = tmp_path / "home"
+    init_home(path, person.pubkey, relays=["ws://127.0.0.1:1"], project_name="picnic")
+
+    code, said = tenexd(path, "send", "hi", "--to", "planner")
+
+    assert code == 2
+    assert said.startswith(f"error: this home has no owner secret ({path / 'keys' / 'owner.key'})")
+    command = hinted_command(said, "have a new owner key made with")
+    assert command == [
+        "--home", str(path), "init", "--force", "--relay", "ws://127.0.0.1:1", "--project", "picnic",
+        "--whitelist", person.npub,
+    ]
+    assert "re-run init without --owner" not in said
+    assert CliRunner().invoke(app, command, catch_exceptions=False).exit_code == 0
+    settings = load_settings(path)
+    assert (settings.owner_key_path.exists(), settings.whitelist, settings.project.name) == (True, [person.pubkey], "picnic")
+    touched = Touched(monkeypatch)
+    assert "owner secret" not in tenexd(path, "send", "hi", "--to", "planner", "--timeout", "0.2")[1]
+    assert touched.pools == [["ws://127.0.0.1:1"]]
 
 
 def test_a_mistyped_agent_is_bad_input_said_before_any_relay_is_tried(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,14 +18,16 @@ from typer.testing import CliRunner
 from tenex_daemon.adapters.nostr.composer import SignedReplyComposer
 from tenex_daemon.adapters.nostr.relay_pool import Filter, PoolSettings, PublishResult, ReceivedEvent
 from tenex_daemon.adapters.nostr.signer import Signer
-from tenex_daemon.app.home import init_home
+from tenex_daemon.app.home import init_home, load_agents, load_project_pubkey
 from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.wiring import build_store
 from tenex_daemon.cli import send as send_module
 from tenex_daemon.cli.main import app
 from tenex_daemon.cli.send import _Answers
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplySpec
+from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.testing import KeyPair, sign_event
 
 RELAY = "ws://relay.test"
@@ -170,23 +173,48 @@ async def test_which_stop_notices_end_the_wait_and_that_an_answer_that_came_stay
     assert (await routed.wait(5), routed.stopped) == (False, other)
 
 
-@pytest.mark.parametrize(
-    ("args", "shows_conversation"),
-    [(["--to", "planner"], True), (["--to", "planner", "--kind", "1"], False)],
-)
+def take_in(home: Path, event: NostrEvent) -> list[NostrEvent]:
+    """Store ``event`` as a new conversation of the home's store, as its daemon takes a message in (from a
+    thread of its own: the caller is inside `send`'s event loop); no answer to deliver."""
+
+    async def go() -> None:
+        settings = load_settings(home)
+        store = build_store(settings)
+        await store.open()
+        try:
+            manager = ConversationManager(store, load_agents(settings), load_project_pubkey(settings))
+            await manager.create_conversation(event)
+        finally:
+            await store.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(go(),))
+    thread.start()
+    thread.join()
+    return []
+
+
+@pytest.mark.parametrize("taken_in", [True, False], ids=["taken-in", "not-taken-in"])
+@pytest.mark.parametrize("args", [["--to", "planner"], ["--to", "planner", "--kind", "1"]], ids=["kind-11", "kind-1"])
 def test_a_wait_in_vain_says_how_to_read_the_answer_later(
-    home: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], shows_conversation: bool
+    home: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], taken_in: bool
 ) -> None:
     """When no answer comes within --timeout, `send` exits 1 saying the answer may still come: the command
-    that shows the conversation by its short id (with the --home given) when the conversation is known (a
-    new kind-11 root: its own id), and a longer --timeout; a top-level kind-1 note, which may have joined
-    an open conversation the home does not hold here, gets only the --timeout advice."""
-    relays = ScriptedRelays(lambda sent: [])
+    that shows the conversation by its short id (with the --home given) when the home holds the message (a
+    new kind-11 root, or a kind-1 note), and a longer --timeout; when the home holds no conversation with it
+    (no daemon took it in), no conversation is named (`conversations show` would find none), and it says so,
+    and that the daemon is not running."""
+    relays = ScriptedRelays(lambda sent: take_in(home, sent) if taken_in else [])
 
     code, _, said = send(home, monkeypatch, relays, "Plan it", *args, "--timeout", "0.3")
 
     sent = relays.published[0]
     said = " ".join(said.split())
     assert code == 1
-    show = f"tenexd --home {home} conversations show {sent.id[:12]}, or " if shows_conversation else ""
+    show = f"tenexd --home {home} conversations show {sent.id[:12]}, or " if taken_in else ""
     assert f"no reply from planner within 0.3 s (the answer may still come: {show}send with a longer --timeout N)" in said
+    if not taken_in:
+        assert "conversations show" not in said
+        assert (
+            "this home holds no conversation with the message: its daemon is not running, see "
+            f"`tenexd --home {home} status`"
+        ) in said
