@@ -280,14 +280,16 @@ class GiftWrapPublisher:
         return forgot
 
     async def _save(self) -> None:
-        """Store the wraps: those waiting for a relay first, oldest first, then the delivered ones, newest
-        first, up to :data:`STORED_WRAPS_BYTES` (those past it stay in memory only, as they would without a
-        store: each save rewrites the whole value)."""
+        """Store the wraps up to :data:`STORED_WRAPS_BYTES` (those past it stay in memory only, as they would
+        without a store: each save rewrites the whole value): those waiting for a relay are kept first,
+        oldest first, then the delivered ones, newest first. They are written delivered first, oldest
+        first, then the waiting ones: read back at a start, that is the order :meth:`keep_only` counts them
+        delivered in, the ones a crash left waiting (and the outbox let go) as the newest."""
         if self._values is None:
             return
         async with self._saving:
             waiting = [rumor_id for rumor_id in self._made if rumor_id not in self._delivered]
-            parts: list[str] = []
+            kept: dict[str, str] = {}
             size = 0
             for rumor_id in [*waiting, *reversed(self._delivered)]:
                 wraps = self._made.get(rumor_id)
@@ -297,11 +299,12 @@ class GiftWrapPublisher:
                     {r: w.to_dict() for r, w in wraps.items()}, separators=(",", ":")
                 )
                 if size + len(part) > STORED_WRAPS_BYTES:
-                    log.debug("gift_wraps_kept_in_memory", left_out=len(self._made) - len(parts))
+                    log.debug("gift_wraps_kept_in_memory", left_out=len(self._made) - len(kept))
                     break
-                parts.append(part)
+                kept[rumor_id] = part
                 size += len(part) + 1
-            await self._values.set_meta(self._key, "{" + ",".join(parts) + "}")
+            order = [*(r for r in self._delivered if r in kept), *(r for r in waiting if r in kept)]
+            await self._values.set_meta(self._key, "{" + ",".join(kept[r] for r in order) + "}")
 
     async def publish(self, event: NostrEvent) -> None:
         """Publish a signed event as it is; a rumor as its gift wraps (raise unless each reached a relay).

@@ -281,6 +281,31 @@ async def test_a_delivered_rumor_published_again_after_a_restart_goes_out_in_the
     assert {w.id for w in again.published[-2:]}.isdisjoint(w.id for w in first.published)
 
 
+async def test_the_answer_a_crash_left_waiting_is_the_newest_delivered_after_a_restart() -> None:
+    """In a home that delivered DELIVERED_WRAPS_KEPT answers before, the one delivered right before a crash (the
+    outbox let it go, its run's journal entry not) counts as the newest delivered after the restart: it keeps
+    its wraps and goes out in them again, while the oldest earlier answer's wraps are the ones let go."""
+    store = MemoryStore()
+    first = RefusingPublisher(down=False)
+    before = GiftWrapPublisher(first, wraps(), store)
+    earlier = [make_rumor(AGENT.pubkey, f"earlier {n}", [["p", PERSON.pubkey]], NOW + n) for n in range(DELIVERED_WRAPS_KEPT)]
+    for each in earlier:
+        await before.publish(each)
+    last = make_rumor(AGENT.pubkey, "delivered before the crash", [["p", PERSON.pubkey]], NOW + 999)
+    await before.publish(last)
+    last_wraps = [w.id for w in first.published[-2:]]
+
+    again = RefusingPublisher(down=False)
+    restarted = GiftWrapPublisher(again, wraps(), store)
+    await restarted.recover()
+    await restarted.keep_only(())
+    await restarted.publish(last)
+    await restarted.publish(earlier[0])
+
+    assert [w.id for w in again.published[:2]] == last_wraps
+    assert {w.id for w in again.published[2:]}.isdisjoint(w.id for w in first.published)
+
+
 class FailingOnce(MemoryStore):
     """A store whose first small-value write fails (the database blinked)."""
 
@@ -299,8 +324,8 @@ async def test_wraps_are_sent_only_once_stored_and_those_waiting_for_a_relay_sto
 ) -> None:
     """A rumor whose wraps could not be stored sends none (the outbox's retry makes and stores them); wraps
     of rumors the outbox no longer holds are kept as a delivered rumor's are; past the byte limit, the wraps
-    of rumors waiting for a relay are stored first, the delivered ones' after them, and what does not fit is
-    kept in memory only."""
+    of rumors waiting for a relay are kept first, the delivered ones' after them, and what does not fit is
+    kept in memory only (written delivered first, oldest first, then the waiting ones)."""
     store = FailingOnce()
     relay = RefusingPublisher(down=False)
     publisher = GiftWrapPublisher(relay, wraps(), store)
@@ -326,7 +351,7 @@ async def test_wraps_are_sent_only_once_stored_and_those_waiting_for_a_relay_sto
     third = make_rumor(AGENT.pubkey, "a third answer", [["p", PERSON.pubkey]], NOW + 2)
     with pytest.raises(GiftWrapError):
         await publisher.publish(third)
-    assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [later.id, third.id, rumor.id]
+    assert list(json.loads(await store.get_meta(WRAPS_KEY) or "{}")) == [rumor.id, later.id, third.id]
 
 
 def test_a_resubscription_looks_further_back_by_its_lookback() -> None:
