@@ -10,7 +10,7 @@ import structlog
 
 from tenex_daemon import MemoryStore
 from tenex_daemon.core.conversation import Conversation
-from tenex_daemon.core.errors import EventRefusedError
+from tenex_daemon.core.errors import EventRefusedError, UnknownAgentError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.services.outbox import OUTBOX_KEY, Outbox, OutboxEntry
 from tenex_daemon.testing.fakes import FakePublisher
@@ -212,6 +212,31 @@ async def test_a_refused_events_notice_that_could_not_be_saved_is_tried_again_no
     assert [e.content for e in publisher.published] == ["the notice"]
     assert tries == [too_long.id, too_long.id]
     assert (outbox.refused, outbox.retries, outbox.delivered) == (1, 1, 1)
+    assert await stored_ids(store) == []
+
+
+async def test_a_refused_events_notice_that_cannot_be_made_leaves_with_it_rather_than_looping(cast: Cast) -> None:
+    """A notice that fails for a reason other than the store (its agent no longer configured) would fail at
+    every try: the refused entry leaves the outbox after one, counted refused, instead of being sent to the
+    relays again forever."""
+    store, publisher = MemoryStore(), FakePublisher(refuse_over=100)
+    root, _ = await saved_reply(store, cast)
+    too_long = cast.alice_says("x" * 500, tags=[["e", root.id]])
+    await store.append_event(root.id, too_long)
+    tries: list[str] = []
+
+    async def on_refused(entry: OutboxEntry, refusal: EventRefusedError) -> NostrEvent | None:
+        tries.append(entry.event.id)
+        raise UnknownAgentError("alice")
+
+    outbox = Outbox(store, publisher, backoff_start_s=0.005, backoff_cap_s=0.01, on_refused=on_refused)
+    await outbox.add(root.id, too_long, agent_slug="alice", trigger_id=root.id)
+    await until(lambda: outbox.depth == 0)
+    await asyncio.sleep(0.05)
+    await outbox.close()
+
+    assert tries == [too_long.id]
+    assert (outbox.refused, outbox.retries, outbox.delivered) == (1, 0, 0)
     assert await stored_ids(store) == []
 
 
