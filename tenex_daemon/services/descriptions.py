@@ -32,7 +32,8 @@ A conversation brought in by an importer (``tenexd migrate``: it holds an import
 one never was on Nostr, and a TENEX one had its descriptions published by the backend that held it then.
 Its description may be made and stored, but no kind 513 goes out for it (an import of many old
 conversations publishes nothing); it is marked published, as an expired task session's is, so no start
-finds it waiting again.
+finds it waiting again. A TENEX one that goes on after its import (a new message) is described and
+published as any conversation is; a SmartHole one never is.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ IDLE_WAIT_MAX_S = 60.0
 """The longest a description waits for agent runs to end before it asks its model anyway."""
 SETTLED_MEMORY = 10_000
 SUMMARIZER = "summarizer"
-IMPORT_RECORDS = ("tenex_import", "smarthole_import")
+TENEX_RECORD = "tenex_import"
+SMARTHOLE_RECORD = "smarthole_import"
+IMPORT_RECORDS = (TENEX_RECORD, SMARTHOLE_RECORD)
 """The ``metadata.extra`` keys under which the importers keep each imported conversation's record
 (tenex_daemon/adapters/storage/tenex_import.py, smarthole_import.py); the record is written at import and
 never removed."""
@@ -132,9 +135,18 @@ def needs_description(conversation: Conversation, exchanges: int, after_exchange
 
 
 def is_imported(conversation: Conversation) -> bool:
-    """Whether an importer brought the conversation in from a file (it holds an import record): its title
-    and summary stay local, no kind 513 is published for it."""
-    return any(key in conversation.metadata.extra for key in IMPORT_RECORDS)
+    """Whether an importer brought the conversation in from a file and it has not gone on since: its title
+    and summary stay local, no kind 513 is published for it. A SmartHole one never goes on as a Nostr
+    conversation (it never was one); a TENEX one that gets a message after its import (its activity later
+    than the record's ``imported_at``) is a conversation on Nostr again, described as any other."""
+    extra = conversation.metadata.extra
+    if SMARTHOLE_RECORD in extra:
+        return True
+    record = extra.get(TENEX_RECORD)
+    if not isinstance(record, dict):
+        return False
+    imported_at = record.get("imported_at")
+    return not isinstance(imported_at, int) or conversation.activity_at <= imported_at
 
 
 def row_has_work(row: ConversationSummary, after_exchanges: int) -> bool:

@@ -377,7 +377,9 @@ class _ConversationImport:
         execution = self._part("executionTime", self.data.get("executionTime") or {}, self._execution_time)
         conversation.execution_time = execution or ExecutionTime()
         notes = [storable_text(note) for note in self.problems]
-        record: dict[str, Any] = {"source": str(self.path), "rejected": rejected, "notes": notes}
+        record: dict[str, Any] = {
+            "source": str(self.path), "imported_at": self.now_ms, "rejected": rejected, "notes": notes,
+        }
         if self.dropped:
             record["dropped"] = dict(self.dropped)
         conversation.metadata.extra[EXTRA_KEY] = storable(record)

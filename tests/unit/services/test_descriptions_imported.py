@@ -182,3 +182,25 @@ async def test_a_titled_tenex_conversation_ended_later_is_never_published(tmp_pa
     assert descriptions_published(rig.publisher) == []
     assert await jobs.recover() == 0
     await jobs.stop()
+
+
+async def test_a_tenex_conversation_that_goes_on_after_its_import_is_published_as_any_other(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """A TENEX conversation was on Nostr: once a person writes in it after its import, it is a live
+    conversation again, and its end is published as a kind 513 (what it held before the import is not)."""
+    rig = build_rig(cast, store=MemoryStore())
+    conversation_id = await tenex(
+        rig, cast, tmp_path, rig.clock.now_ms() // 1000 - 60, archived=False,
+        title="Cholesterol", metadata={"summary": "Asked about diet."},
+    )
+    rig.clock.advance(MINUTE)
+    await rig.manager.add_event(conversation_id, cast.user_says("And exercise?", tags=[["e", conversation_id]]))
+
+    _, jobs = await end_by_sweeper(rig, cast, conversation_id)
+    await jobs.stop()
+
+    published = descriptions_published(rig.publisher)
+    assert published
+    assert published[-1].tag_value("e") == conversation_id
+    assert ["status", "ended"] in published[-1].tags
