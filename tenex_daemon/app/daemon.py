@@ -462,7 +462,7 @@ class Daemon:
         await self._refresh_counts()
         self._spawn(self._status_loop(), "status writer")
         if self.embedded_relay is not None:
-            self._spawn(self.embedded_relay.supervise(), "embedded relay supervisor")
+            self._spawn(self.embedded_relay.supervise(self.pool.retry_now), "embedded relay supervisor")
         self._spawn(self._heartbeat_loop(), "heartbeat")
         self.sweeper = Sweeper(
             pipeline.manager, RetentionPolicy.of(settings.conversations), threads=pipeline.threads,

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,13 @@ RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 """Waits before each restart in a row of failed ones (the last repeats)."""
 STABLE_S = 60.0
 """A relay that ran this long counts as healthy again: the next restart waits the shortest time."""
+
+
+def relay_url(host: str, port: int) -> str:
+    """The websocket URL of a relay listening on ``host`` (an IPv6 address in brackets) and ``port``."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"ws://{host}:{port}"
 
 
 class EmbeddedRelayError(TenexError, RuntimeError):
@@ -77,11 +85,13 @@ class EmbeddedRelay:
         self.failed_restarts = 0
         """How many of :meth:`supervise`'s tries to start it again failed (each is tried again)."""
         self._stopped = False
+        self._log_from = 0
+        """Where the error log stood when the running process started: what it wrote is read from there."""
 
     @property
     def url(self) -> str:
         """The relay's websocket URL."""
-        return f"ws://{self.host}:{self.port}"
+        return relay_url(self.host, self.port)
 
     @property
     def pid(self) -> int | None:
@@ -98,16 +108,24 @@ class EmbeddedRelay:
                 "program (Address already in use); stop it, or give the relay another port "
                 "(relays.embedded_port in config.toml, or TENEX_RELAYS__EMBEDDED_PORT)"
             )
-        self.db_path.mkdir(parents=True, exist_ok=True)
+        self.db_path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.db_path, 0o700)  # the events, private ones' wraps among them: the owner's only
         command = [
             sys.executable, "-m", "tenex_daemon.app.embedded_relay",
             "--path", str(self.db_path), "--host", self.host, "--port", str(self.port),
         ]
         pipe = subprocess.PIPE
-        with open(self.log_path, "ab") as errors:  # noqa: ASYNC230 - opening a local file
+        errors = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.fchmod(errors, 0o600)
+            self._log_from = os.fstat(errors).st_size
+            # a process group of its own: a Ctrl-C meant for the daemon never reaches it, not even while it
+            # imports, before it ignores the stop signals; it stops when the daemon closes its input
             process = await asyncio.to_thread(
-                subprocess.Popen, command, stdin=pipe, stdout=pipe, stderr=errors
+                subprocess.Popen, command, stdin=pipe, stdout=pipe, stderr=errors, process_group=0
             )
+        finally:
+            os.close(errors)
         self._process = process
         assert process.stdout is not None
         try:
@@ -120,7 +138,8 @@ class EmbeddedRelay:
         if line.decode("utf-8", "replace").strip() != READY:
             await asyncio.to_thread(self._end)
             raise EmbeddedRelayError(
-                f"embedded relay on {self.url} failed to start: {_last_lines(process, self.log_path)}"
+                f"embedded relay on {self.url} failed to start: "
+                f"{_last_lines(process, self.log_path, self._log_from)}"
             )
         try:
             await self._wait_listening()
@@ -144,11 +163,14 @@ class EmbeddedRelay:
                 await writer.wait_closed()
             return
 
-    async def supervise(self, poll_s: float = 1.0) -> None:
+    async def supervise(
+        self, on_restarted: Callable[[str], None] | None = None, poll_s: float = 1.0
+    ) -> None:
         """Start the relay again whenever its process exits without :meth:`stop`; runs until
         cancelled (cancel it before calling :meth:`stop`). Restarts in a row wait longer each
         time (``RESTART_BACKOFF_S``); each is logged with the exit status and the relay's last
-        error lines."""
+        error lines, then told to ``on_restarted(url)`` (the daemon's connection to it need not wait
+        out its reconnect backoff)."""
         failures = 0
         started = time.monotonic()
         while True:
@@ -164,7 +186,7 @@ class EmbeddedRelay:
                 url=self.url,
                 pid=process.pid,
                 exit_status=status,
-                last_lines=await asyncio.to_thread(_last_lines, process, self.log_path),
+                last_lines=await asyncio.to_thread(_last_lines, process, self.log_path, self._log_from),
             )
             self._process = None
             _close_pipes(process)
@@ -185,6 +207,8 @@ class EmbeddedRelay:
             self.restarts += 1
             started = time.monotonic()
             log.warning("embedded_relay_restarted", url=self.url, pid=self.pid, restarts=self.restarts)
+            if on_restarted is not None:
+                on_restarted(self.url)
 
     def stop(self) -> None:
         """Stop the relay process (the LMDB files stay); waits for it to exit (blocking: from a
@@ -219,12 +243,15 @@ def _close_pipes(process: subprocess.Popen[bytes]) -> None:
                 pipe.close()
 
 
-def _last_lines(process: subprocess.Popen[bytes], log_path: Path) -> str:
-    """The last lines the failed child wrote to its log (or its exit status)."""
+def _last_lines(process: subprocess.Popen[bytes], log_path: Path, since: int = 0) -> str:
+    """The last lines the failed child wrote to its log past ``since`` (where the log stood when it started:
+    an earlier run's lines are not its), or its exit status."""
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=STOP_TIMEOUT_S)
     try:
-        text = log_path.read_bytes()[-4000:].decode("utf-8", "replace")
+        with log_path.open("rb") as log_file:
+            log_file.seek(max(since, log_path.stat().st_size - 4000))
+            text = log_file.read().decode("utf-8", "replace")
     except OSError:
         text = ""
     lines = [line for line in text.strip().splitlines() if line.strip()]

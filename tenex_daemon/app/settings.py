@@ -166,7 +166,7 @@ class RelaySettings(_Section):
     urls: list[str] = Field(default_factory=list)
     embedded: bool = False
     embedded_host: str = "127.0.0.1"
-    embedded_port: int = Field(default=7777, ge=0, le=65535)
+    embedded_port: int = Field(default=7777, ge=1, le=65535)
     since_window_s: int = Field(default=300, ge=0)
     publish_timeout_s: float = Field(default=10.0, gt=0)
     """How long one publish waits for a relay's answer (a failed one is tried again by the outbox)."""

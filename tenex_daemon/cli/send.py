@@ -36,6 +36,7 @@ from tenex_daemon.adapters.nostr.relay_pool import (
     RelayPool,
 )
 from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.app.embedded_relay import relay_url
 from tenex_daemon.app.settings import Settings
 from tenex_daemon.app.status import read_status
 from tenex_daemon.core.agents import Agent
@@ -92,7 +93,7 @@ def send_relays(settings: Settings, explicit: Sequence[str]) -> list[str]:
         return list(dict.fromkeys(explicit))
     urls = list(settings.relays.urls)
     if settings.relays.embedded:
-        urls.append(f"ws://{settings.relays.embedded_host}:{settings.relays.embedded_port}")
+        urls.append(relay_url(settings.relays.embedded_host, settings.relays.embedded_port))
     report = read_status(settings.status_path, settings.daemon.stale_after_s)
     if report.data is not None and report.state.value == "running":
         embedded = report.data.get("embedded_relay")

@@ -8,15 +8,22 @@ import json
 import os
 import signal
 import socket
+import stat
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from websockets.asyncio.client import connect
 
+from tenex_daemon.adapters.nostr.relay_pool import RelayPool
 from tenex_daemon.adapters.nostr.relay_pool.connection import _no_ack, _quick_ack
 from tenex_daemon.adapters.nostr.signer import Signer
-from tenex_daemon.app.embedded_relay import EmbeddedRelay, EmbeddedRelayError
+from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.app.embedded_relay import EmbeddedRelay, EmbeddedRelayError, _last_lines, relay_url
 
+from .conftest import FAST
 from .harness import LocalRelayServer, free_port, wait_port_closed
 
 pytestmark = pytest.mark.integration
@@ -125,3 +132,67 @@ async def test_a_relay_whose_restart_failed_is_started_again_once_its_port_is_fr
         await asyncio.gather(supervisor, return_exceptions=True)
         await asyncio.to_thread(relay.stop)
     assert relay.pid is None
+
+
+async def test_a_restarted_relay_is_told_so_the_pool_connects_without_waiting_out_its_backoff(
+    tmp_path: Path,
+) -> None:
+    """When supervise() starts a killed relay again it tells ``on_restarted`` the relay's URL, and a pool
+    told so (``retry_now``) connects at once, though its reconnect backoff had 30 s left to wait: before, the
+    daemon stayed cut off from its own relay for up to that long."""
+    relay = EmbeddedRelay(tmp_path / "relay", port=free_port())
+    await relay.start()
+    slow = replace(FAST, backoff_base=30.0, backoff_cap=30.0, stable_after=3600.0)
+    told: list[str] = []
+
+    async with RelayPool([relay.url], store=MemoryStore(), settings=slow) as pool:
+        assert await pool.wait_connected(within=10)
+
+        def restarted(url: str) -> None:
+            told.append(url)
+            pool.retry_now(url)
+
+        supervisor = asyncio.create_task(relay.supervise(restarted, poll_s=0.05))
+        try:
+            killed = relay.pid
+            assert killed is not None
+            os.kill(killed, signal.SIGKILL)
+            async with asyncio.timeout(20):
+                while relay.restarts == 0:  # noqa: ASYNC110 - the supervisor has no event to wait on
+                    await asyncio.sleep(0.05)
+            assert told == [relay.url]
+            assert await pool.wait_connected(within=5)
+        finally:
+            supervisor.cancel()
+            await asyncio.gather(supervisor, return_exceptions=True)
+            await asyncio.to_thread(relay.stop)
+
+
+async def test_the_relays_files_are_the_owners_only_and_its_errors_only_its_own(tmp_path: Path) -> None:
+    """Under a umask that leaves files readable by others, the relay's folder is made 0700 and its error log
+    0600; a relay that fails reports what it wrote itself, not an earlier run's lines left in the log."""
+    folder = tmp_path / "relay"
+    log_path = tmp_path / "relay.log"
+    log_path.write_text("Traceback (most recent call last):\nKeyboardInterrupt\n")
+    old = os.umask(0o022)
+    try:
+        relay = EmbeddedRelay(folder, port=free_port())
+        await relay.start()
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert stat.S_IMODE(relay.log_path.stat().st_mode) == 0o600
+        assert relay.log_path == log_path
+        process = await asyncio.to_thread(subprocess.Popen, [sys.executable, "-c", "raise SystemExit(3)"])
+        assert _last_lines(process, log_path, log_path.stat().st_size) == "exit status 3"
+        assert "KeyboardInterrupt" in _last_lines(process, log_path, 0)
+    finally:
+        await asyncio.to_thread(relay.stop)
+
+
+def test_an_ipv6_host_is_bracketed_in_the_relays_url() -> None:
+    """An IPv6 address is written in brackets in the relay's URL (``ws://::1:7777`` is no URL)."""
+    assert relay_url("::1", 7777) == "ws://[::1]:7777"
+    assert relay_url("127.0.0.1", 7777) == "ws://127.0.0.1:7777"
+    assert relay_url("[::1]", 7777) == "ws://[::1]:7777"

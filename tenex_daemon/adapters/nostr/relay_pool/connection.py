@@ -226,6 +226,8 @@ class RelayConnection:
         """The newest AUTH challenge not answered yet (answered one at a time)."""
         self.answering = False
         self.task: asyncio.Task[None] | None = None
+        self._retry_now = asyncio.Event()
+        """Set to end a reconnect's backoff at once (:meth:`retry_now`: the relay is known to be back)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -268,7 +270,14 @@ class RelayConnection:
             attempt = min(attempt + 1, 30)
             self.state = RelayState.BACKOFF
             self.log.info("relay disconnected", error=self.last_error, retry_in=round(delay, 2))
-            await asyncio.sleep(delay)
+            self._retry_now.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._retry_now.wait(), delay)
+
+    def retry_now(self) -> None:
+        """A relay known to be back (the embedded relay restarted): a reconnect waiting out its backoff
+        connects at once."""
+        self._retry_now.set()
 
     def _closed_for_size(self, exc: ConnectionClosed) -> None:
         """Tell apart the two closes with 1009: websockets closing on a frame the relay sent over our

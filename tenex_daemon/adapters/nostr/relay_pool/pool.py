@@ -138,6 +138,13 @@ class RelayPool:
             relay.task = asyncio.create_task(relay.run(), name=f"relay {spec.url}")
         self._flush_task = asyncio.create_task(self._flush_loop(), name="nostr cursor flush")
 
+    def retry_now(self, url: str) -> None:
+        """The relay at ``url`` is known to be back (the embedded relay restarted): connect to it now rather
+        than at the end of its reconnect backoff."""
+        relay = self._relays.get(url)
+        if relay is not None:
+            relay.retry_now()
+
     def leave_to_relays(self) -> None:
         """The consumer takes no more events (its owner is stopping): those taken in from now on, queued or
         waiting for a retry are left to the relays, which send them again after the next start
