@@ -162,14 +162,21 @@ async def test_adding_the_same_event_again_changes_nothing(cast: Cast, times: in
     await outbox.close()
 
 
-async def test_an_event_every_relay_refuses_for_good_leaves_the_outbox_and_the_person_is_told(cast: Cast) -> None:
-    """A reply every relay refuses for good (over a relay's size limit: ``blocked:``) is not tried again: it
-    leaves the stored outbox, is counted as refused (no retries), and the notice ``on_refused`` gives is
-    added and delivered in its place."""
+async def refused_reply(cast: Cast) -> tuple[MemoryStore, FakePublisher, NostrEvent, NostrEvent]:
+    """A saved conversation and Alice's reply in it that every relay refuses for its size: (store, publisher
+    refusing over 100 characters, root, that reply)."""
     store, publisher = MemoryStore(), FakePublisher(refuse_over=100)
     root, _ = await saved_reply(store, cast)
     too_long = cast.alice_says("x" * 500, tags=[["e", root.id]])
     await store.append_event(root.id, too_long)
+    return store, publisher, root, too_long
+
+
+async def test_an_event_every_relay_refuses_for_good_leaves_the_outbox_and_the_person_is_told(cast: Cast) -> None:
+    """A reply every relay refuses for good (over a relay's size limit: ``blocked:``) is not tried again: it
+    leaves the stored outbox, is counted as refused (no retries), and the notice ``on_refused`` gives is
+    added and delivered in its place."""
+    store, publisher, root, too_long = await refused_reply(cast)
     told: list[tuple[str, tuple[str, ...]]] = []
 
     async def on_refused(entry: OutboxEntry, refusal: EventRefusedError) -> NostrEvent | None:
@@ -192,10 +199,7 @@ async def test_a_refused_events_notice_that_could_not_be_saved_is_tried_again_no
     """When the notice of a reply every relay refused cannot be saved (the store gone for a moment), the entry
     stays in the outbox: after a wait the reply is refused again and its notice saved and delivered, so the
     person is told once the store is back."""
-    store, publisher = MemoryStore(), FakePublisher(refuse_over=100)
-    root, _ = await saved_reply(store, cast)
-    too_long = cast.alice_says("x" * 500, tags=[["e", root.id]])
-    await store.append_event(root.id, too_long)
+    store, publisher, root, too_long = await refused_reply(cast)
     tries: list[str] = []
 
     async def on_refused(entry: OutboxEntry, refusal: EventRefusedError) -> NostrEvent | None:
@@ -219,10 +223,7 @@ async def test_a_refused_events_notice_that_cannot_be_made_leaves_with_it_rather
     """A notice that fails for a reason other than the store (its agent no longer configured) would fail at
     every try: the refused entry leaves the outbox after one, counted refused, instead of being sent to the
     relays again forever."""
-    store, publisher = MemoryStore(), FakePublisher(refuse_over=100)
-    root, _ = await saved_reply(store, cast)
-    too_long = cast.alice_says("x" * 500, tags=[["e", root.id]])
-    await store.append_event(root.id, too_long)
+    store, publisher, root, too_long = await refused_reply(cast)
     tries: list[str] = []
 
     async def on_refused(entry: OutboxEntry, refusal: EventRefusedError) -> NostrEvent | None:

@@ -424,12 +424,9 @@ async def test_a_stop_while_the_orchestrator_routes_a_saved_reply_keeps_the_next
     assert ("bob", STOPPED_COMPLETION) in completions
 
 
-async def test_a_stop_while_a_reply_is_being_saved_keeps_the_agent_routed_after_it_from_running(
-    cast: Cast, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A stop that comes after Alice's answer is in but before her reply reaches history (it is being saved:
-    the stop lets it finish) still stops the agent the orchestrator then routes it to: the record counts her
-    reply as said before the stop, so Bob never runs."""
+def hold_while_saving(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold a run's first reply between "saving" (a stop lets it finish) and its save: return (set when a run
+    is held there, set it to let the run go on)."""
     entered, release = asyncio.Event(), asyncio.Event()
     stop_typing = agent_runner.AgentRunner._stop_typing
 
@@ -440,6 +437,16 @@ async def test_a_stop_while_a_reply_is_being_saved_keeps_the_agent_routed_after_
             await release.wait()
 
     monkeypatch.setattr(agent_runner.AgentRunner, "_stop_typing", staticmethod(held))
+    return entered, release
+
+
+async def test_a_stop_while_a_reply_is_being_saved_keeps_the_agent_routed_after_it_from_running(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop that comes after Alice's answer is in but before her reply reaches history (it is being saved:
+    the stop lets it finish) still stops the agent the orchestrator then routes it to: the record counts her
+    reply as said before the stop, so Bob never runs."""
+    entered, release = hold_while_saving(monkeypatch)
     completes = CompletionResult(text="", tool_calls=(ToolCall("c1", TOOL_COMPLETE, {"summary": "done"}),))
     alice = ScriptedBackend([completes, CompletionResult(text="done")])
     bob = ScriptedBackend([CompletionResult(text="bob ran after the stop")])
@@ -472,16 +479,7 @@ async def test_a_message_written_while_a_stop_waits_for_a_reply_being_saved_is_a
 ) -> None:
     """A person stops Alice while her reply is being saved, then writes again before that reply is in history:
     the new message stands before her reply but came after the stop, so Alice answers it."""
-    entered, release = asyncio.Event(), asyncio.Event()
-    stop_typing = agent_runner.AgentRunner._stop_typing
-
-    async def held(*args: Any) -> None:  # the moment between "saving" and the reply's save
-        await stop_typing(*args)
-        if not release.is_set():
-            entered.set()
-            await release.wait()
-
-    monkeypatch.setattr(agent_runner.AgentRunner, "_stop_typing", staticmethod(held))
+    entered, release = hold_while_saving(monkeypatch)
     alice = ScriptedBackend([CompletionResult(text="the long draft"), CompletionResult(text="the short one")])
     profiles = {"alice": AgentProfile(cast.alice, "", alice)}
     rig = pipeline.build_rig(cast, profiles=profiles, composer=pipeline.real_composer(cast))
