@@ -158,7 +158,7 @@ class ThreadManager:
         shared store a thread this manager handed out adds to the stored one the items added since it was
         loaded (:meth:`_save_shared`)."""
         if self._threads.get(thread.thread_id) is not thread:
-            self._stored_count.pop(thread.thread_id, None)  # not ours: saved whole
+            self._stored_count.pop(thread.thread_id, None)  # not the cached one: its loaded part is unknown
         self._threads[thread.thread_id] = thread
         self._threads.move_to_end(thread.thread_id)
         self.unsaved.add(thread.thread_id)
@@ -180,16 +180,18 @@ class ThreadManager:
 
     async def _save_shared(self, store: SmallValues, thread: ConversationThread) -> None:
         """Under the store's lease on the thread, load it again and append the items added here since it
-        was loaded (``thread`` then holds the result); a thread not handed out here is saved whole."""
+        was loaded (``thread`` then holds the result). Of a thread this manager no longer knows the loaded
+        part of (left out of the cache during its exchange, or not handed out here), the items past what it
+        shares with the stored thread from the start count as added: another daemon's items stay."""
         key = META_PREFIX + thread.thread_id
         count = self._stored_count.get(thread.thread_id)
         async with store.lease(key):
-            saved = thread
-            if count is not None:
-                data = await store.get_meta(key)
-                stored = [] if data is None else ConversationThread.from_json(data).items
-                items = [*stored, *_not_stored(thread.items[count:], stored)]
-                saved = ConversationThread(thread_id=thread.thread_id, items=items, metadata=thread.metadata)
+            data = await store.get_meta(key)
+            stored = [] if data is None else ConversationThread.from_json(data).items
+            if count is None:
+                count = _shared_start(thread.items, stored)
+            items = [*stored, *_not_stored(thread.items[count:], stored)]
+            saved = ConversationThread(thread_id=thread.thread_id, items=items, metadata=thread.metadata)
             await store.set_meta(key, saved.to_json())
         thread.items = saved.items
         self._stored_count[thread.thread_id] = len(saved.items)
@@ -250,6 +252,16 @@ def _not_stored(added: Sequence[Any], stored: Sequence[Any]) -> list[Any]:
     ``event_id``) already stored, which a thread never holds twice."""
     ids = {item.get("event_id") for item in stored if isinstance(item, dict)} - {None}
     return [item for item in added if not (isinstance(item, dict) and item.get("event_id") in ids)]
+
+
+def _shared_start(items: Sequence[Any], stored: Sequence[Any]) -> int:
+    """How many leading ``items`` are the stored thread's own leading items."""
+    count = 0
+    for mine, theirs in zip(items, stored, strict=False):
+        if mine != theirs:
+            break
+        count += 1
+    return count
 
 
 def _idle(lock: asyncio.Lock) -> bool:

@@ -190,6 +190,24 @@ async def test_a_failed_shared_save_keeps_its_items_for_the_next_save_once() -> 
     assert await stored_items(store, "c__alice__bob") == [("alice", "other"), ("alice", "lost?"), ("bob", "next")]
 
 
+async def test_a_thread_left_out_of_the_cache_during_its_exchange_still_adds_to_the_stored_one() -> None:
+    """On a shared store, a thread whose cache entry was dropped while its exchange ran (over max_cached) is
+    saved by adding what it holds past the stored thread's start, so the exchange another daemon stored
+    meanwhile stays."""
+    store = SharedMemoryStore()
+    first, other = ThreadManager(store=store, max_cached=1), ThreadManager(store=store)
+    thread = await first.get_thread("c", "alice", "bob")
+    await first.add_items_and_save(thread, [{"from": "alice", "content": "q1", "event_id": "1"}])
+    await first.get_thread("c", "alice", "carol")  # another exchange meanwhile: this one leaves the cache
+    await first.add_items_and_save(await first.get_thread("c", "alice", "carol"), [{"from": "alice", "content": "x"}])
+    theirs = await other.get_thread("c", "alice", "bob")
+    await other.add_items_and_save(theirs, [{"from": "alice", "content": "q2", "event_id": "2"}])
+
+    await first.add_items_and_save(thread, [{"from": "bob", "content": "a1", "event_id": "3"}])
+
+    assert await stored_items(store, "c__alice__bob") == [("alice", "q1"), ("alice", "q2"), ("bob", "a1")]
+
+
 async def test_a_single_daemon_store_keeps_serving_the_cached_thread() -> None:
     """A store no other daemon shares (not a Peers) is read once per thread: later gets return the cached
     object without reading the store, and saves write the whole thread without a lease."""
