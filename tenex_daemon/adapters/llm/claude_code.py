@@ -13,7 +13,8 @@ session, ``--model`` and ``--append-system-prompt`` (the persona). The stream is
 The session id it reports is returned in :attr:`CompletionResult.session_id`, for the caller to keep per
 agent and tag ``claude-session`` on the reply. Claude Code runs its own tools; the request's tools are not
 passed to it. When resuming, only the messages after the agent's own last reply are sent (Claude Code
-already holds the earlier ones in its session).
+already holds the earlier ones in its session). ``claude`` runs in a process group of its own: a call that
+times out or is cancelled (a stop) kills the group, ``claude`` and the tools it started alike.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +42,8 @@ from tenex_daemon.core.vocabulary import is_session_id
 DEFAULT_COMMAND = "claude"
 DEFAULT_TIMEOUT = 900.0
 STREAM_LINE_LIMIT = 16 * 1024 * 1024
+KILL_WAIT_S = 5.0
+"""How long a killed ``claude`` is waited for (its pipes closed) before the run goes on without it."""
 
 
 def _resumable_session(request: CompletionRequest) -> str | None:
@@ -217,6 +221,7 @@ class ClaudeCodeBackend:
                 cwd=self.cwd,
                 env=None if self.env is None else {**os.environ, **self.env},
                 limit=STREAM_LINE_LIMIT,
+                start_new_session=True,  # a group of its own: a run cut short ends the tools it started too
             )
         except (FileNotFoundError, PermissionError) as exc:
             raise backend_error(
@@ -230,10 +235,12 @@ class ClaudeCodeBackend:
                 BackendErrorKind.TIMEOUT, f"claude-code: no result within {self.timeout:g} s"
             ) from None
         finally:
-            if process.returncode is None:
-                process.kill()
-                with contextlib.suppress(ProcessLookupError):
-                    await process.wait()
+            if process.returncode is None:  # timed out or stopped: claude and every tool it runs
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError, TimeoutError):
+                    # a tool that left the group may still hold the pipes, which wait() waits for
+                    await asyncio.wait_for(process.wait(), KILL_WAIT_S)
 
     async def _converse(
         self, process: asyncio.subprocess.Process, prompt: str, request: CompletionRequest

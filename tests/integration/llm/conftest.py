@@ -21,6 +21,12 @@ mode = os.environ.get("FAKE_CLAUDE_MODE", "ok")
 if mode == "auth":
     print("Invalid API key · Please run /login", file=sys.stderr)
     sys.exit(1)
+if mode == "tool":  # a tool it started, still working (it holds the output too), then claude hangs
+    import subprocess
+    tool = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.environ["FAKE_CLAUDE_TOOL_PID"], "w") as pid_file:
+        pid_file.write(str(tool.pid))
+    time.sleep(60)
 if mode == "hang":
     time.sleep(60)
 session = next((a.split("=", 1)[1] for a in args if a.startswith("--resume=")), "sess-new-1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -113,6 +114,40 @@ async def test_silent_claude_is_a_timeout_and_is_killed(
             )
         )
     assert time.monotonic() - started < 10
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie waiting to be reaped does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+async def test_a_timed_out_claude_ends_with_the_tools_it_started(
+    stand_in: tuple[list[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A claude that times out while a tool it started still works (holding its output): the error comes
+    within the time limit, not when the tool ends, and the tool is ended with it (before, it ran on for good
+    and the run waited for it)."""
+    pid_file = tmp_path / "tool.pid"
+    monkeypatch.setenv("FAKE_CLAUDE_MODE", "tool")
+    monkeypatch.setenv("FAKE_CLAUDE_TOOL_PID", str(pid_file))
+    command, _ = stand_in
+    started = time.monotonic()
+    with pytest.raises(BackendTimeoutError):
+        await ClaudeCodeBackend(command=command, timeout=2.0).complete(
+            CompletionRequest(
+                agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")]
+            )
+        )
+    assert time.monotonic() - started < 6
+    tool = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while alive(tool) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process of another tree
+        await asyncio.sleep(0.05)
+    assert not alive(tool)
 
 
 async def test_missing_command_is_unreachable(tmp_path: Path) -> None:
