@@ -14,7 +14,10 @@ The session id it reports is returned in :attr:`CompletionResult.session_id`, fo
 agent and tag ``claude-session`` on the reply. Claude Code runs its own tools; the request's tools are not
 passed to it. When resuming, only the messages after the agent's own last reply are sent (Claude Code
 already holds the earlier ones in its session). ``claude`` runs in a process group of its own: a call that
-times out or is cancelled (a stop) kills the group, ``claude`` and the tools it started alike.
+times out, fails or is cancelled (a stop) kills the group, ``claude`` and the tools it started alike (one
+that left the group, with ``setsid``, is not found); so does the daemon's forced exit (:func:`kill_running`).
+Once the result line is in, the call waits at most :data:`KILL_WAIT_S` for ``claude`` to exit: a tool it
+left running in the background may keep its output open, and keeps running.
 """
 
 from __future__ import annotations
@@ -43,7 +46,23 @@ DEFAULT_COMMAND = "claude"
 DEFAULT_TIMEOUT = 900.0
 STREAM_LINE_LIMIT = 16 * 1024 * 1024
 KILL_WAIT_S = 5.0
-"""How long a killed ``claude`` is waited for (its pipes closed) before the run goes on without it."""
+"""How long ``claude`` is waited for to exit (its pipes closed) once its answer is in, or once killed."""
+
+_RUNNING_GROUPS: set[int] = set()
+"""The process groups of the ``claude`` calls under way (each ``claude``'s pid is its group's id)."""
+
+
+def _kill_group(group: int) -> None:
+    """SIGKILL a ``claude`` and the tools it started (its process group), if any is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
+
+
+def kill_running() -> None:
+    """Kill every ``claude`` call under way, with its tools (the daemon's forced exit, which runs no
+    cleanup: in their own process groups they would not get the terminal's or the stop's signal)."""
+    for group in list(_RUNNING_GROUPS):
+        _kill_group(group)
 
 
 def _resumable_session(request: CompletionRequest) -> str | None:
@@ -227,17 +246,21 @@ class ClaudeCodeBackend:
             raise backend_error(
                 BackendErrorKind.UNREACHABLE, f"claude-code: cannot run {self.command[0]!r}: {exc}"
             ) from exc
+        _RUNNING_GROUPS.add(process.pid)
+        answered = False
         try:
             async with asyncio.timeout(self.timeout):
-                return await self._converse(process, prompt, request)
+                result = await self._converse(process, prompt, request)
+            answered = True
+            return result
         except TimeoutError:
             raise backend_error(
                 BackendErrorKind.TIMEOUT, f"claude-code: no result within {self.timeout:g} s"
             ) from None
         finally:
-            if process.returncode is None:  # timed out or stopped: claude and every tool it runs
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.pid, signal.SIGKILL)
+            _RUNNING_GROUPS.discard(process.pid)
+            if not answered or process.returncode is None:  # timed out, stopped or failed: its group goes
+                _kill_group(process.pid)  # (claude may have exited already, leaving a tool running)
                 with contextlib.suppress(ProcessLookupError, TimeoutError):
                     # a tool that left the group may still hold the pipes, which wait() waits for
                     await asyncio.wait_for(process.wait(), KILL_WAIT_S)
@@ -259,14 +282,23 @@ class ClaudeCodeBackend:
                 for chunk in parser.feed(raw.decode("utf-8", errors="replace")):
                     if request.on_chunk is not None:
                         await request.on_chunk(chunk)
-            code = await process.wait()
-            stderr = (await stderr_task).decode("utf-8", errors="replace").strip()
+                if parser.final is not None:
+                    break  # the answer is whole: a tool left running may keep the pipe open
+            with contextlib.suppress(TimeoutError):  # wait() may also wait for the pipes a tool holds
+                await asyncio.wait_for(process.wait(), KILL_WAIT_S)
+            code = process.returncode
+            stderr = ""
+            if parser.final is None:  # no answer: what it said on stderr is the error
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(stderr_task), KILL_WAIT_S)
+                if stderr_task.done() and not stderr_task.cancelled():
+                    stderr = stderr_task.result().decode("utf-8", errors="replace").strip()
         finally:
             if not stderr_task.done():
                 stderr_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await stderr_task
         if parser.final is None and code != 0:
-            detail = stderr or f"exit status {code}"
+            detail = stderr or (f"exit status {code}" if code is not None else "no result line")
             raise backend_error(_kind_for_text(detail), f"claude-code: {detail}")
         return parser.result(request)

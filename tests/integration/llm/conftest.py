@@ -29,6 +29,13 @@ if mode == "tool":  # a tool it started, still working (it holds the output too)
     time.sleep(60)
 if mode == "hang":
     time.sleep(60)
+if mode in ("background", "gone"):  # a tool left running in the background, holding the output too
+    import subprocess
+    tool = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.environ["FAKE_CLAUDE_TOOL_PID"], "w") as pid_file:
+        pid_file.write(str(tool.pid))
+    if mode == "gone":  # claude itself ends without its result line
+        sys.exit(0)
 session = next((a.split("=", 1)[1] for a in args if a.startswith("--resume=")), "sess-new-1")
 def emit(event):
     print(json.dumps(event), flush=True)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -143,6 +146,53 @@ async def test_a_timed_out_claude_ends_with_the_tools_it_started(
             )
         )
     assert time.monotonic() - started < 6
+    tool = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while alive(tool) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process of another tree
+        await asyncio.sleep(0.05)
+    assert not alive(tool)
+
+
+async def test_an_answer_is_taken_at_its_result_line_though_a_tool_left_running_holds_the_output(
+    stand_in: tuple[list[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A claude that answers and exits, leaving a tool running in the background that holds its output, gives
+    its answer at once, not at the time limit (before, the call read the output until the limit)."""
+    pid_file = tmp_path / "tool.pid"
+    monkeypatch.setenv("FAKE_CLAUDE_MODE", "background")
+    monkeypatch.setenv("FAKE_CLAUDE_TOOL_PID", str(pid_file))
+    command, _ = stand_in
+    started = time.monotonic()
+    try:
+        result = await ClaudeCodeBackend(command=command, timeout=60.0).complete(
+            CompletionRequest(
+                agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")]
+            )
+        )
+        assert result.text == "Hello from Claude"
+        assert time.monotonic() - started < 10
+    finally:
+        with contextlib.suppress(ProcessLookupError, ValueError, FileNotFoundError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        await asyncio.sleep(0.5)  # the pipes the tool held close: the call's process transport ends
+
+
+async def test_a_claude_gone_without_its_result_takes_the_tools_it_started_with_it(
+    stand_in: tuple[list[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A claude that exits without a result line while a tool it started holds its output: the call fails
+    within its time limit and the tool is ended (before, the tool ran on: the call only killed a claude
+    still running)."""
+    pid_file = tmp_path / "tool.pid"
+    monkeypatch.setenv("FAKE_CLAUDE_MODE", "gone")
+    monkeypatch.setenv("FAKE_CLAUDE_TOOL_PID", str(pid_file))
+    command, _ = stand_in
+    with pytest.raises(BackendTimeoutError):
+        await ClaudeCodeBackend(command=command, timeout=2.0).complete(
+            CompletionRequest(
+                agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")]
+            )
+        )
     tool = int(pid_file.read_text())
     deadline = time.monotonic() + 5
     while alive(tool) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process of another tree

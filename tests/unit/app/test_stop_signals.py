@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from tenex_daemon.adapters.llm import claude_code
 from tenex_daemon.adapters.nostr.relay_pool import RelayPool
 from tenex_daemon.app.daemon import Daemon
 from tenex_daemon.app.home import init_home
@@ -78,7 +79,7 @@ def wait_for_line(process: subprocess.Popen[str], text: str, within: float) -> l
     raise AssertionError(f"no {text!r} in the daemon's output: {''.join(lines)[-2000:]}")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_second_stop_signal_ends_a_stop_that_hangs_at_once(tmp_path: Path, signum: signal.Signals) -> None:
     """A real `tenexd run` process whose graceful stop hangs: the first signal starts the stop and the
     process stays (the stop is waited for); a second one logs ``stop_forced`` and the process exits within
@@ -119,6 +120,25 @@ def test_the_first_signal_asks_for_the_stop_and_any_later_one_forces_the_exit() 
     assert forced_exit_code(signal.SIGTERM) == 143
     forced = [entry for entry in logs if entry["event"] == "stop_forced"]
     assert [(entry["signal"], entry["exit_code"]) for entry in forced] == [("SIGINT", 130)]
+
+
+def test_a_forced_exit_first_ends_the_claude_calls_under_way_with_their_tools() -> None:
+    """A forced exit runs no cleanup, and a claude-code call lives in a process group of its own (a terminal's
+    or a stop's signal does not reach it): the exit kills every such group first, claude and its tools."""
+    tool = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    claude_code._RUNNING_GROUPS.add(tool.pid)
+    exits: list[int] = []
+    try:
+        signals = StopSignals(lambda: None, exit_now=exits.append)
+        signals.handle(signal.SIGHUP)
+        signals.handle(signal.SIGHUP)
+        assert tool.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        claude_code._RUNNING_GROUPS.discard(tool.pid)
+        if tool.poll() is None:
+            tool.kill()
+            tool.wait()
+    assert exits == [128 + signal.SIGHUP]
 
 
 async def test_the_daemon_forces_its_exit_on_a_second_signal_while_its_stop_hangs(
