@@ -304,25 +304,26 @@ class Outbox:
         """Every relay refused the entry's event for good: it leaves the outbox (trying again cannot help),
         and the person is told when ``on_refused`` gives a notice. The notice is saved first, and one write
         of the outbox then holds its entry and no longer the refused one, so a crash between loses neither
-        (it could only refuse the event again and save a second notice). A notice the store could not take
-        (an ``OSError``: a full disk, a database restarting) keeps the entry: returned is that error, and the
-        caller tries the event, then the notice, again after a wait; one that fails otherwise (its agent
-        no longer configured, say) would fail again, and the entry leaves without it."""
+        (it could only refuse the event again and save a second notice). A notice that cannot be made (its
+        agent no longer configured: a ``LookupError``; a ``ValueError`` or ``TypeError``) would fail at every
+        try, and the entry leaves without it; any other failure (the store's: a full disk, a database
+        restarting, a deadlock) keeps the entry: returned is that error, and the caller tries the event,
+        then the notice, again after a wait."""
         notice = None
         if self._on_refused is not None:
             try:
                 notice = await self._on_refused(entry, refusal)
-            except OSError as exc:
+            except (LookupError, ValueError, TypeError):
+                log.exception(
+                    "refusal_notice_failed", event_id=entry.event.id, conversation_id=entry.conversation_id,
+                    action="dropped: the notice cannot be made",
+                )
+            except Exception as exc:
                 log.exception(
                     "refusal_notice_failed", event_id=entry.event.id, conversation_id=entry.conversation_id,
                     action="kept; the event and its notice are tried again after a wait",
                 )
                 return exc
-            except Exception:
-                log.exception(
-                    "refusal_notice_failed", event_id=entry.event.id, conversation_id=entry.conversation_id,
-                    action="dropped: the notice cannot be made",
-                )
         log.error(
             "outbox_entry_refused",
             event_id=entry.event.id,

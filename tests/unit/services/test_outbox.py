@@ -195,17 +195,24 @@ async def test_an_event_every_relay_refuses_for_good_leaves_the_outbox_and_the_p
     assert await stored_ids(store) == []
 
 
-async def test_a_refused_events_notice_that_could_not_be_saved_is_tried_again_not_lost(cast: Cast) -> None:
-    """When the notice of a reply every relay refused cannot be saved (the store gone for a moment), the entry
-    stays in the outbox: after a wait the reply is refused again and its notice saved and delivered, so the
-    person is told once the store is back."""
+class DeadlockDetectedError(Exception):
+    """A database's error that is no OSError and passes (as asyncpg's DeadlockDetectedError, DiskFullError)."""
+
+
+@pytest.mark.parametrize("error", [OSError("database restarting"), DeadlockDetectedError("deadlock detected")])
+async def test_a_refused_events_notice_that_could_not_be_saved_is_tried_again_not_lost(
+    cast: Cast, error: Exception
+) -> None:
+    """When the notice of a reply every relay refused cannot be saved (the store gone for a moment, or a
+    database's passing error that is no OSError), the entry stays in the outbox: after a wait the reply is
+    refused again and its notice saved and delivered, so the person is told once the store is back."""
     store, publisher, root, too_long = await refused_reply(cast)
     tries: list[str] = []
 
     async def on_refused(entry: OutboxEntry, refusal: EventRefusedError) -> NostrEvent | None:
         tries.append(entry.event.id)
         if len(tries) == 1:
-            raise OSError("database restarting")
+            raise error
         return cast.alice_says("the notice", tags=[["e", root.id], ["error", "system"]])
 
     outbox = Outbox(store, publisher, backoff_start_s=0.005, backoff_cap_s=0.01, on_refused=on_refused)
