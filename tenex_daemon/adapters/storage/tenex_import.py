@@ -378,7 +378,9 @@ class _ConversationImport:
         conversation.execution_time = execution or ExecutionTime()
         notes = [storable_text(note) for note in self.problems]
         record: dict[str, Any] = {
-            "source": str(self.path), "imported_at": self.now_ms, "rejected": rejected, "notes": notes,
+            # never before the newest event (one a skewed clock dated after the import is still backlog)
+            "source": str(self.path), "imported_at": max(self.now_ms, activity), "rejected": rejected,
+            "notes": notes,
         }
         if self.dropped:
             record["dropped"] = dict(self.dropped)

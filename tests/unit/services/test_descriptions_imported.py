@@ -204,3 +204,19 @@ async def test_a_tenex_conversation_that_goes_on_after_its_import_is_published_a
     assert published
     assert published[-1].tag_value("e") == conversation_id
     assert ["status", "ended"] in published[-1].tags
+
+
+async def test_a_tenex_backlog_dated_ahead_of_the_importing_clock_stays_local(tmp_path: Path, cast: Cast) -> None:
+    """A TENEX conversation whose events a skewed clock dated an hour after the import (the importer takes
+    times up to a day ahead) is still backlog: ended later, it publishes no kind 513."""
+    rig = build_rig(cast, store=MemoryStore())
+    conversation_id = await tenex(
+        rig, cast, tmp_path, rig.clock.now_ms() // 1000 + 3600, archived=False,
+        title="Cholesterol", metadata={"summary": "Asked about diet."},
+    )
+    rig.clock.advance(3_600_000)
+
+    _, jobs = await end_by_sweeper(rig, cast, conversation_id)
+    await jobs.stop()
+
+    assert descriptions_published(rig.publisher) == []
