@@ -250,7 +250,8 @@ def _last_lines(process: subprocess.Popen[bytes], log_path: Path, since: int = 0
         process.wait(timeout=STOP_TIMEOUT_S)
     try:
         with log_path.open("rb") as log_file:
-            log_file.seek(max(since, log_path.stat().st_size - 4000))
+            size = log_path.stat().st_size  # cut short meanwhile (a copytruncate): read what is there
+            log_file.seek(max(min(since, size), size - 4000))
             text = log_file.read().decode("utf-8", "replace")
     except OSError:
         text = ""
@@ -290,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
-    # Ctrl-C reaches the whole process group and systemd's stop signal the whole cgroup: the
-    # relay stays up while the daemon drains (its replies still go out), and stops after it.
+    # In a process group of its own, a terminal's Ctrl-C does not reach it; a stop signal sent to every
+    # process (kill of the group, systemd's KillMode=control-group) might: the relay stays up while the
+    # daemon drains (its replies still go out), and stops after it, when its standard input closes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     asyncio.run(_serve(args.path, args.host, args.port))
