@@ -128,6 +128,18 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+async def ended_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` (a tool of another process tree) has ended within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process of another tree
+        await asyncio.sleep(0.05)
+    return not alive(pid)
+
+
+HI = CompletionRequest(agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")])
+"""The request of the tests that look at how a call ends, not at what it sends."""
+
+
 async def test_a_timed_out_claude_ends_with_the_tools_it_started(
     stand_in: tuple[list[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -140,17 +152,9 @@ async def test_a_timed_out_claude_ends_with_the_tools_it_started(
     command, _ = stand_in
     started = time.monotonic()
     with pytest.raises(BackendTimeoutError):
-        await ClaudeCodeBackend(command=command, timeout=2.0).complete(
-            CompletionRequest(
-                agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")]
-            )
-        )
+        await ClaudeCodeBackend(command=command, timeout=2.0).complete(HI)
     assert time.monotonic() - started < 6
-    tool = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while alive(tool) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process of another tree
-        await asyncio.sleep(0.05)
-    assert not alive(tool)
+    assert await ended_within(int(pid_file.read_text()), 5)
 
 
 async def test_an_answer_is_taken_at_its_result_line_though_a_tool_left_running_holds_the_output(
@@ -188,16 +192,8 @@ async def test_a_claude_gone_without_its_result_takes_the_tools_it_started_with_
     monkeypatch.setenv("FAKE_CLAUDE_TOOL_PID", str(pid_file))
     command, _ = stand_in
     with pytest.raises(BackendTimeoutError):
-        await ClaudeCodeBackend(command=command, timeout=2.0).complete(
-            CompletionRequest(
-                agent_slug="a", agent_name="A", system_prompt="", messages=[ChatMessage("user", "hi")]
-            )
-        )
-    tool = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while alive(tool) and time.monotonic() < deadline:  # noqa: ASYNC110 - a process of another tree
-        await asyncio.sleep(0.05)
-    assert not alive(tool)
+        await ClaudeCodeBackend(command=command, timeout=2.0).complete(HI)
+    assert await ended_within(int(pid_file.read_text()), 5)
 
 
 async def test_missing_command_is_unreachable(tmp_path: Path) -> None:

@@ -65,6 +65,18 @@ async def test_relay_connections_acknowledge_each_frame_at_once(local_relay: Loc
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK) == 1
 
 
+async def killed_and_restarted(relay: EmbeddedRelay) -> int:
+    """SIGKILL the relay's process and wait (at most 20 s) until its supervisor started it again; return the
+    pid killed."""
+    killed = relay.pid
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)
+    async with asyncio.timeout(20):
+        while relay.restarts == 0:  # noqa: ASYNC110 - the supervisor has no event to wait on
+            await asyncio.sleep(0.05)
+    return killed
+
+
 async def test_a_relay_process_that_dies_is_started_again_with_its_events(tmp_path: Path) -> None:
     """supervise() starts a killed relay again on its port, and the events it stored are still served."""
     relay = EmbeddedRelay(tmp_path / "relay", port=free_port())
@@ -75,12 +87,7 @@ async def test_a_relay_process_that_dies_is_started_again_with_its_events(tmp_pa
         async with connect(relay.url) as ws:
             await ws.send(json.dumps(["EVENT", event.to_dict()]))
             assert json.loads(await asyncio.wait_for(ws.recv(), 10))[:3] == ["OK", event.id, True]
-        killed = relay.pid
-        assert killed is not None
-        os.kill(killed, signal.SIGKILL)
-        async with asyncio.timeout(20):
-            while relay.restarts == 0:  # noqa: ASYNC110 - the supervisor has no event to wait on
-                await asyncio.sleep(0.05)
+        killed = await killed_and_restarted(relay)
         assert relay.pid not in (None, killed)
         async with connect(relay.url) as ws:
             await ws.send(json.dumps(["REQ", "again", {"ids": [event.id]}]))
@@ -154,12 +161,7 @@ async def test_a_restarted_relay_is_told_so_the_pool_connects_without_waiting_ou
 
         supervisor = asyncio.create_task(relay.supervise(restarted, poll_s=0.05))
         try:
-            killed = relay.pid
-            assert killed is not None
-            os.kill(killed, signal.SIGKILL)
-            async with asyncio.timeout(20):
-                while relay.restarts == 0:  # noqa: ASYNC110 - the supervisor has no event to wait on
-                    await asyncio.sleep(0.05)
+            await killed_and_restarted(relay)
             assert told == [relay.url]
             assert await pool.wait_connected(within=5)
         finally:
