@@ -82,7 +82,8 @@ class RunListener(Protocol):
         """``request``'s agent starts working (it held its conversation's slot)."""
 
     def run_ended(self, request: RunRequest) -> None:
-        """``request``'s run is over (answered, failed, stopped or cancelled)."""
+        """``request``'s run is over (answered, dropped after its last try, stopped or cancelled; a try that
+        failed and waits to try again still works on the answer)."""
 
 
 @dataclass(slots=True)
@@ -231,6 +232,10 @@ class RunScheduler:
         self._task_of: dict[str, asyncio.Task[None]] = {}
         self._running: dict[str, _Running] = {}
         """The requests whose run is being carried out now, by key."""
+        self._shown: dict[str, RunRequest] = {}
+        """Key -> the run the listener was told started and not yet ended: from a run's first try until
+        its last (a try that failed and waits to try again still works on the answer), or until a burst
+        takes it."""
         self._stopping: set[str] = set()
         """Requests :meth:`cancel` is stopping."""
         self._dispatching: dict[str, None] = {}
@@ -388,20 +393,25 @@ class RunScheduler:
         a full disk) is tried again after each of ``RUN_RETRY_S``, as recovered (a reply it saved is
         published, not made again), and dropped after the last (``run_dropped``)."""
         key = self._key(request)
-        for attempt, wait_s in enumerate((*RUN_RETRY_S, None), start=1):
-            if await self._attempt(request, attempt):
-                break
-            log_ctx = log.bind(
-                conversation_id=request.conversation_id, event_id=request.trigger_id, agent=request.agent_slug
-            )
-            if wait_s is None:
-                log_ctx.error("run_dropped", attempts=attempt)
-                break
-            # recovered from now on, where a burst taken meanwhile reads it too (its failed try may have
-            # saved a reply: that goes out, none is made again)
-            request = self._recovered(key) or replace(request, recovered=True)
-            log_ctx.warning("run_retry", attempt=attempt, retry_in_s=wait_s)
-            await asyncio.sleep(wait_s)
+        try:
+            for attempt, wait_s in enumerate((*RUN_RETRY_S, None), start=1):
+                if await self._attempt(request, attempt):
+                    break
+                log_ctx = log.bind(
+                    conversation_id=request.conversation_id,
+                    event_id=request.trigger_id,
+                    agent=request.agent_slug,
+                )
+                if wait_s is None:
+                    log_ctx.error("run_dropped", attempts=attempt)
+                    break
+                # recovered from now on, where a burst taken meanwhile reads it too (its failed try may have
+                # saved a reply: that goes out, none is made again)
+                request = self._recovered(key) or replace(request, recovered=True)
+                log_ctx.warning("run_retry", attempt=attempt, retry_in_s=wait_s)
+                await asyncio.sleep(wait_s)
+        finally:  # answered, dropped, stopped or cancelled: the agent no longer works on it
+            self._show(key, None)
         self._pending.pop(key, None)
         self._answered.discard(key)
         self._saved_then_failed.discard(key)
@@ -424,7 +434,9 @@ class RunScheduler:
                     run, covered = self._take_burst(request)
                     running = self._running[self._key(request)] = _Running(covered)
                     token = _CURRENT_RUN.set(running)
-                    self._tell(run, started=True)
+                    self._show(self._key(request), run)
+                    for other in covered:  # shown from now on by this run, until its end
+                        self._show(other, None)
                     try:
                         await self._run(run)
                         self.completed += 1
@@ -445,7 +457,6 @@ class RunScheduler:
                         _CURRENT_RUN.reset(token)
                         self._running.pop(self._key(request), None)
                         running.saved.set()  # over: nobody waits for a reply that will not come
-                        self._tell(run, started=False)
         except asyncio.CancelledError:
             if self._key(request) in self._stopping:
                 log_ctx.info("run_stopped")
@@ -471,6 +482,17 @@ class RunScheduler:
         if not waiting.recovered:
             waiting = self._pending[key] = replace(waiting, recovered=True)
         return waiting
+
+    def _show(self, key: str, run: RunRequest | None) -> None:
+        """Tell the listener that ``key``'s ``run`` started, unless it was told already; with None, that the
+        run shown for ``key`` ended, if one is."""
+        if run is None:
+            shown = self._shown.pop(key, None)
+            if shown is not None:
+                self._tell(shown, started=False)
+        elif key not in self._shown:
+            self._shown[key] = run
+            self._tell(run, started=True)
 
     def _tell(self, run: RunRequest, *, started: bool) -> None:
         """Tell the listener (best effort: a listener's failure never touches the run)."""

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
 
 from tenex_daemon import MemoryStore
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
+from tenex_daemon.services import runs
 from tenex_daemon.services.live_status import LiveStatus
 from tenex_daemon.services.runs import RunRequest
 from tests import pipeline
 from tests.conftest import Cast
+from tests.unit.services.test_run_retries import outbox_fails_once_for
 
 
 class GatedBackend:
@@ -214,3 +219,107 @@ async def test_the_working_status_does_not_wait_for_the_reply_to_be_saved(cast: 
     await rig.settle()
     await live.flush(5)
     assert status.sent[-1] == (root.id, root.id, cast.user.pubkey, ())
+
+
+async def test_a_run_waiting_to_try_again_still_works_and_ends_after_its_last_try(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's first try fails (her reply's outbox write: the store gone for a moment) and waits to try again:
+    the status keeps naming her through the wait, with no idle status between the tries, and names nobody
+    once the second try has answered."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.3, 0.3))
+    backend = GatedBackend()
+    backend.release.set()
+    status = StatusLog()
+    rig = pipeline.build_rig(cast, backend=backend, status=status)
+    live = rig.pipeline.live_status
+    assert live is not None
+    failed = outbox_fails_once_for(rig, "answer 1", monkeypatch)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(failed.wait(), 5)
+    await asyncio.sleep(0.1)
+    await live.flush(5)
+    assert live.working(root.id) == ("alice",)
+
+    await rig.settle()
+    await live.flush(5)
+
+    assert [e.content for e in rig.publisher.published] == ["answer 1"]
+    assert [s[3] for s in status.sent] == [(cast.alice.pubkey,), ()]
+
+
+async def test_a_stop_while_a_run_waits_to_try_again_publishes_idle(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's try fails before saving anything and waits 30 s to try again; the owner's stop then ends her
+    run, and the status names nobody at once."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (30.0, 30.0))
+    backend = GatedBackend()
+    backend.release.set()
+    status = StatusLog()
+    rig = pipeline.build_rig(cast, backend=backend, status=status)
+    live = rig.pipeline.live_status
+    assert live is not None
+    failing = asyncio.Event()
+
+    async def gone(*args: object, **kwargs: object) -> None:
+        failing.set()
+        raise ConnectionResetError("the store went away for a moment")
+
+    monkeypatch.setattr(rig.manager, "append_reply", gone)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(failing.wait(), 5)
+    await asyncio.sleep(0.1)
+    await live.flush(5)
+    assert live.working(root.id) == ("alice",)
+
+    await rig.dispatcher.stop(root.id, None, by="owner")
+    await live.flush(5)
+
+    assert live.working(root.id) == ()
+    assert [s[3] for s in status.sent] == [(cast.alice.pubkey,), ()]
+
+
+async def test_a_burst_that_answers_a_run_waiting_to_try_again_leaves_nobody_working(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's first try fails before saving and waits 30 s to try again; a second message's run answers both
+    in a burst: once it has answered, the status names nobody, without waiting for the first run's turn."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (30.0, 30.0))
+    backend = GatedBackend()
+    backend.release.set()
+    status = StatusLog()
+    rig = pipeline.build_rig(cast, backend=backend, status=status)
+    live = rig.pipeline.live_status
+    assert live is not None
+    append_reply = rig.manager.append_reply
+    failing = asyncio.Event()
+
+    async def gone_once(*args: Any, **kwargs: Any) -> Any:
+        if not failing.is_set():
+            failing.set()
+            raise ConnectionResetError("the store went away for a moment")
+        return await append_reply(*args, **kwargs)
+
+    monkeypatch.setattr(rig.manager, "append_reply", gone_once)
+    root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(failing.wait(), 5)
+    second = cast.user_says(
+        "and the summary", tags=[["E", root.id, "", root.pubkey], ["K", "11"], ["p", cast.alice.pubkey]]
+    )
+    await rig.dispatcher.handle(second)
+    for _ in range(100):
+        if rig.publisher.published:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)
+    await live.flush(5)
+
+    assert [e.content for e in rig.publisher.published] == ["answer 2"]
+    assert live.working(root.id) == ()
+    assert status.sent[-1][3] == ()
+    await rig.dispatcher.stop(root.id, None, by="owner")
