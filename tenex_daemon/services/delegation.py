@@ -301,11 +301,13 @@ class Delegation:
         answer = await self._compose(
             asked, request, result.text, (asker.pubkey,), thread.thread_id, cid, result, error_kind
         )
-        await self._manager.add_event(cid, answer, reopens=False)
-        await self._outbox.add(cid, answer, agent_slug=asked.slug)
+        # the tokens first: a crash after the answer is saved would lose them (a redo takes the saved answer,
+        # nobody asks again), while one before it only counts a call the redo makes again, billed twice too
         used = (result.prompt_tokens or 0, result.completion_tokens or 0)
         if any(used):
             await self._manager.update_agent_state(cid, asked.slug, add_tokens=used)
+        await self._manager.add_event(cid, answer, reopens=False)
+        await self._outbox.add(cid, answer, agent_slug=asked.slug)
         if error_kind is not None:
             log.warning("delegation_failed", conversation_id=cid, asked=asked.slug, error=error_kind)
             raise ToolRefusedError(f"{asked.slug} could not answer ({error_kind}): {result.text}")

@@ -259,3 +259,33 @@ async def test_two_identical_requests_in_one_second_are_one_exchange_in_history_
     assert [(r.content, r.is_error) for r in alice.tool_results()] == [("4", False), ("4", False)]
     assert await delegation_events(rig, root) == [(cast.alice.pubkey, QUESTION), (cast.bob.pubkey, "4")]
     assert await thread_items(rig, root) == [("alice", QUESTION), ("bob", "4")]
+
+
+async def test_a_crash_just_after_bobs_answer_is_saved_keeps_his_tokens_counted_once(cast: Cast) -> None:
+    """The process dies right after Bob's answer is saved in history: his token usage was saved before it, so
+    the redo, which takes the saved answer without asking him again, leaves his tokens counted once."""
+    store, clock = MemoryStore(), FakeClock()
+    bob = ScriptedBackend([text("4")])
+    alice = AskThenCrash(QUESTION)
+    first, root = await start(cast, store, clock, alice, bob)
+    add_event = first.manager.add_event
+    died = asyncio.Event()
+
+    async def die_after_bobs_answer(conversation_id: str, event: NostrEvent, **options: bool) -> bool:
+        added = await add_event(conversation_id, event, **options)
+        if event.pubkey == cast.bob.pubkey:
+            died.set()
+            await asyncio.Event().wait()  # the process is gone: nothing after this write happens
+        return added
+
+    first.manager.add_event = die_after_bobs_answer  # type: ignore[method-assign]
+    await asyncio.wait_for(died.wait(), 5)
+    async with crashed(first):
+        alice_again = ScriptedBackend([ask("c1"), text("Bob says 4.")])
+        restarted = await redo(cast, store, clock, alice_again, bob)
+
+        assert len(bob.requests) == 1
+        conversation = await restarted.manager.get_conversation(root.id)
+        assert conversation is not None
+        bob_state = conversation.agent_states["bob"]
+        assert (bob_state.prompt_tokens, bob_state.completion_tokens) == (10, 5)
