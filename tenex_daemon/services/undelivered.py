@@ -14,7 +14,7 @@ from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import ReplyComposer
 from tenex_daemon.core.text import shortened
-from tenex_daemon.core.vocabulary import TAG_ERROR
+from tenex_daemon.core.vocabulary import TAG_DELEGATION, TAG_ERROR
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.notices import compose_notice, store_notice
 from tenex_daemon.services.outbox import OutboxEntry
@@ -44,8 +44,18 @@ class RefusalNotices:
             return None
         name = self._manager.agents.get(entry.agent_slug).name
         reasons = shortened("; ".join(refusal.reasons) or str(refusal), REASON_CHARS)
-        content = f"{name}'s answer could not be published: the relays refused it ({reasons})."
+        what = self._what(entry.event, name)
+        content = f"{what} could not be published: the relays refused it ({reasons})."
         slug = entry.agent_slug
         notice = compose_notice(self._manager, self._composer, conversation, trigger, slug, content)
         saved = await store_notice(self._manager, conversation.id, notice, kind_of="refusal")
         return notice if saved else None
+
+    def _what(self, event: NostrEvent, name: str) -> str:
+        """What was refused: "<name>'s answer", or for a side of a ``send_message`` exchange "<name>'s
+        message to <the agents it addresses>"."""
+        if event.tag_value(TAG_DELEGATION) is None:
+            return f"{name}'s answer"
+        agents = (self._manager.agents.by_pubkey(pubkey) for pubkey in event.tag_values("p"))
+        to = ", ".join(dict.fromkeys(agent.name for agent in agents if agent is not None)) or "another agent"
+        return f"{name}'s message to {to}"

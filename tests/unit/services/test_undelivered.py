@@ -72,3 +72,33 @@ async def test_the_notice_of_a_refused_last_answer_leaves_the_conversation_ended
     assert conversation is not None
     assert [e.has_tag(TAG_ERROR, "system") for e in conversation.history] == [False, False, True]
     assert (conversation.is_ended, conversation.ended_by, conversation.end_reason) == (True, "alice", "done")
+
+
+async def test_a_refused_send_message_request_is_named_as_a_message_to_the_asked_agent(cast: Cast) -> None:
+    """Alice's send_message question to Bob is over the relays' size limit: the person's notice names it as
+    Alice's message to Bob, not as her answer, while her short answer goes out."""
+    from tenex_daemon.services.agent_runner import AgentProfile
+    from tests.unit.services.test_tool_loop import calls, text
+
+    question = "Q" * 1500
+    alice = ScriptedBackend([calls(("c1", "send_message", {"to": "bob", "message": question})), text("Done.")])
+    profiles = {
+        "alice": AgentProfile(cast.alice, "", alice),
+        "bob": AgentProfile(cast.bob, "", ScriptedBackend([text("4")])),
+        "orchestrator": AgentProfile(cast.orchestrator, "", ScriptedBackend([])),
+    }
+    publisher = FakePublisher(refuse_over=1000)
+    rig = pipeline.build_rig(
+        cast, profiles=profiles, publisher=publisher, composer=pipeline.real_composer(cast)
+    )
+    root = cast.user_says("Alice, ask Bob", kind=11, tags=[["p", cast.alice.pubkey]])
+
+    await rig.dispatcher.handle(root)
+    await rig.settle()
+
+    notices = [e for e in publisher.published if e.has_tag(TAG_ERROR, "system")]
+    assert [n.content for n in notices] == [
+        "Alice's message to Bob could not be published: the relays refused it "
+        "(blocked: event size (1500 chars) exceeds 1000)."
+    ]
+    assert [e.content for e in publisher.published if e.pubkey == cast.alice.pubkey][-1] == "Done."
