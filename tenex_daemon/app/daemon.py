@@ -53,11 +53,11 @@ from tenex_daemon.app.status import (
     DescriptionStatus,
     OutboxStatus,
     RelaysDown,
-    RelayStatus,
     StatusData,
     degraded_reason,
     no_descriptions,
     process_identity,
+    relay_statuses,
     retention_status,
     write_status,
 )
@@ -204,18 +204,7 @@ class Daemon:
         """Return the health snapshot written to the status file and served by the control API."""
         now = time.time()
         pool_health = self.pool.health() if self.pool is not None else None
-        relays: list[RelayStatus] = []
-        if pool_health is not None:
-            for relay in pool_health.relays:
-                relays.append(
-                    RelayStatus(
-                        url=relay.url, state=relay.state.value, read=relay.read, write=relay.write,
-                        connected_since=relay.connected_since, reconnects=relay.reconnects,
-                        last_event_at=relay.last_event_at, events_received=relay.events_received,
-                        rejects=dict(relay.rejects), notices=relay.notices,
-                        authenticated=relay.authenticated, last_error=relay.last_error,
-                    )
-                )
+        embedded = self.embedded_relay
         scheduler = self.pipeline.scheduler if self.pipeline is not None else None
         ignored = dict(self.events_ignored)
         rejected = {**(dict(pool_health.rejects) if pool_health is not None else {}), **ignored}
@@ -227,7 +216,7 @@ class Daemon:
             "updated_at": now,
             "uptime_s": round(now - self.started_at, 3),
             "home": str(self.settings.home),
-            "relays": relays,
+            "relays": relay_statuses(pool_health),
             "conversations": self._conversation_counts,
             "runs_in_flight": scheduler.in_flight if scheduler is not None else 0,
             "runs": {
@@ -252,9 +241,10 @@ class Daemon:
                 pool_health, self._store_error, self._relays_down.seconds(pool_health, now),
                 self._watchdog.stuck_s() if self._watchdog is not None else None,
             ),
-            "embedded_relay": self.embedded_relay.url if self.embedded_relay is not None else None,
-            "embedded_relay_pid": self.embedded_relay.pid if self.embedded_relay is not None else None,
-            "embedded_relay_restarts": self.embedded_relay.restarts if self.embedded_relay is not None else 0,
+            "embedded_relay": embedded.url if embedded is not None else None,
+            "embedded_relay_pid": embedded.pid if embedded is not None else None,
+            "embedded_relay_restarts": embedded.restarts if embedded is not None else 0,
+            "embedded_relay_last_restart_reason": embedded.last_restart_reason if embedded else None,
             "control_socket": str(self.settings.control_socket_path),
             "agents": [AgentEntry(slug=a.slug, name=a.name, pubkey=a.pubkey) for a in self.agents],
             "process": self._process,

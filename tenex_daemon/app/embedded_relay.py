@@ -8,7 +8,9 @@ them; in a process of its own the relay has its own interpreter and can use anot
 
 The child lives as long as its standard input is open: the daemon holds the other end, so the
 relay stops when the daemon stops, however it stops (a SIGKILL included). If the relay process
-dies on its own, :meth:`EmbeddedRelay.supervise` starts it again (same port, same LMDB files).
+dies on its own, :meth:`EmbeddedRelay.supervise` starts it again (same port, same LMDB files); one that
+lives but no longer answers (stopped, deadlocked) is found by a probe every ``PROBE_INTERVAL_S``, killed
+after ``PROBE_FAILURES`` unanswered probes in a row, and started again the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import json
 import os
 import signal
 import socket
@@ -28,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from websockets.asyncio.client import connect
+from websockets.exceptions import WebSocketException
 
 from tenex_daemon.core.errors import TenexError
 
@@ -40,6 +45,22 @@ RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 """Waits before each restart in a row of failed ones (the last repeats)."""
 STABLE_S = 60.0
 """A relay that ran this long counts as healthy again: the next restart waits the shortest time."""
+PROBE_INTERVAL_S = 10.0
+"""How often :meth:`EmbeddedRelay.supervise` asks a running relay whether it answers."""
+PROBE_TIMEOUT_S = 5.0
+"""How long one probe waits for the relay's answer."""
+PROBE_FAILURES = 3
+"""Unanswered probes in a row after which a relay whose process lives is killed and started again (one
+slow moment under load is no hang)."""
+PROBE_SUB = "tenexd-liveness"
+PROBE_REQ = json.dumps(["REQ", PROBE_SUB, {"ids": ["0" * 64], "limit": 1}])
+"""The probe: a REQ for an event that does not exist. Its EOSE comes after the relay looked it up in its
+database, whose calls run on the relay process's own asyncio loop: an answer proves that loop turns, where a
+TCP connection alone would not (the kernel accepts those for a stopped process)."""
+EXITED = "exited"
+UNRESPONSIVE = "unresponsive"
+"""Why a relay was started again (``reason`` in the log, :attr:`EmbeddedRelay.last_restart_reason`): its
+process exited, or it lived but did not answer ``PROBE_FAILURES`` probes in a row (killed with SIGKILL)."""
 
 
 def relay_url(host: str, port: int) -> str:
@@ -73,10 +94,19 @@ def _port_taken(host: str, port: int) -> bool:
 class EmbeddedRelay:
     """A real Nostr relay on ``ws://host:port``, run by the daemon (``tenexd run --embedded-relay``)."""
 
-    def __init__(self, db_path: Path, host: str = "127.0.0.1", port: int = 7777) -> None:
+    def __init__(
+        self, db_path: Path, host: str = "127.0.0.1", port: int = 7777, *,
+        probe_interval_s: float = PROBE_INTERVAL_S, probe_timeout_s: float = PROBE_TIMEOUT_S,
+        probe_failures: int = PROBE_FAILURES,
+    ) -> None:
         self.db_path = db_path
         self.host = host
         self.port = port
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.probe_failures = probe_failures
+        self._next_probe = 0.0
+        self._missed_probes = 0
         self._process: subprocess.Popen[bytes] | None = None
         self.log_path = db_path.parent / f"{db_path.name}.log"
         """Where the relay process's error output goes (read back when it fails to start)."""
@@ -84,6 +114,10 @@ class EmbeddedRelay:
         """How many times :meth:`supervise` started the relay again after it died."""
         self.failed_restarts = 0
         """How many of :meth:`supervise`'s tries to start it again failed (each is tried again)."""
+        self.unresponsive_kills = 0
+        """How many times :meth:`supervise` killed a relay process that lived but did not answer."""
+        self.last_restart_reason: str | None = None
+        """Why :meth:`supervise` last started the relay again (:data:`EXITED` or :data:`UNRESPONSIVE`)."""
         self._stopped = False
         self._log_from = 0
         """Where the error log stood when the running process started: what it wrote is read from there."""
@@ -146,6 +180,8 @@ class EmbeddedRelay:
         except BaseException:
             await asyncio.to_thread(self._end)
             raise
+        self._next_probe = time.monotonic() + self.probe_interval_s
+        self._missed_probes = 0
         log.info("embedded_relay_started", url=self.url, path=str(self.db_path), pid=process.pid)
 
     async def _wait_listening(self, within: float = 10.0) -> None:
@@ -166,11 +202,12 @@ class EmbeddedRelay:
     async def supervise(
         self, on_restarted: Callable[[str], None] | None = None, poll_s: float = 1.0
     ) -> None:
-        """Start the relay again whenever its process exits without :meth:`stop`; runs until
-        cancelled (cancel it before calling :meth:`stop`). Restarts in a row wait longer each
-        time (``RESTART_BACKOFF_S``); each is logged with the exit status and the relay's last
-        error lines, then told to ``on_restarted(url)`` (the daemon's connection to it need not wait
-        out its reconnect backoff)."""
+        """Start the relay again whenever its process exits without :meth:`stop`, or lives but does
+        not answer (:meth:`_unresponsive`: killed first); runs until cancelled (cancel it before
+        calling :meth:`stop`). Restarts in a row wait longer each time (``RESTART_BACKOFF_S``); each
+        is logged with its reason, the exit status and the relay's last error lines, then told to
+        ``on_restarted(url)`` (the daemon's connection to it need not wait out its reconnect backoff).
+        The probes run here, between restarts: never during one."""
         failures = 0
         started = time.monotonic()
         while True:
@@ -179,12 +216,18 @@ class EmbeddedRelay:
             if process is None or self._stopped:
                 return  # stopped on purpose
             status = process.poll()
+            reason = EXITED
             if status is None:
-                continue
+                if not await self._unresponsive(process):
+                    continue
+                reason = UNRESPONSIVE
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    status = await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
             log.error(
                 "embedded_relay_died",
                 url=self.url,
                 pid=process.pid,
+                reason=reason,
                 exit_status=status,
                 last_lines=await asyncio.to_thread(_last_lines, process, self.log_path, self._log_from),
             )
@@ -205,10 +248,56 @@ class EmbeddedRelay:
                     self.failed_restarts += 1
                     log.error("embedded_relay_restart_failed", url=self.url, error=str(exc), attempt=failures)
             self.restarts += 1
+            self.last_restart_reason = reason
             started = time.monotonic()
-            log.warning("embedded_relay_restarted", url=self.url, pid=self.pid, restarts=self.restarts)
+            log.warning(
+                "embedded_relay_restarted", url=self.url, pid=self.pid, reason=reason, restarts=self.restarts
+            )
             if on_restarted is not None:
                 on_restarted(self.url)
+
+    async def _unresponsive(self, process: subprocess.Popen[bytes]) -> bool:
+        """Probe the running relay when a probe is due (every ``probe_interval_s``); once
+        ``probe_failures`` probes in a row went unanswered, kill its process with SIGKILL (a stopped
+        process acts on no other signal) and return True: :meth:`supervise` starts it again."""
+        if time.monotonic() < self._next_probe:
+            return False
+        answered = await self._answers()
+        self._next_probe = time.monotonic() + self.probe_interval_s
+        if answered:
+            self._missed_probes = 0
+            return False
+        self._missed_probes += 1
+        log.warning(
+            "embedded_relay_probe_unanswered", url=self.url, pid=process.pid,
+            missed=self._missed_probes, limit=self.probe_failures, timeout_s=self.probe_timeout_s,
+        )
+        if self._missed_probes < self.probe_failures or self._stopped or process is not self._process:
+            return False
+        log.error(
+            "embedded_relay_unresponsive", url=self.url, pid=process.pid, reason=UNRESPONSIVE,
+            missed=self._missed_probes, note="killed with SIGKILL to start it again",
+        )
+        process.kill()
+        self.unresponsive_kills += 1
+        return True
+
+    async def _answers(self) -> bool:
+        """Whether the relay answers :data:`PROBE_REQ` with its EOSE (or a CLOSED: it answered) within
+        ``probe_timeout_s``: a websocket opened, a lookup in its database, closed again."""
+        answered = False
+        with contextlib.suppress(TimeoutError, OSError, WebSocketException, ValueError):
+            async with asyncio.timeout(self.probe_timeout_s):
+                async with connect(
+                    self.url, open_timeout=None, ping_interval=None, close_timeout=1.0, proxy=None,
+                    compression=None,
+                ) as ws:
+                    await ws.send(PROBE_REQ)
+                    while not answered:
+                        frame = json.loads(await ws.recv())
+                        answered = isinstance(frame, list) and frame[:2] in (["EOSE", PROBE_SUB],
+                                                                             ["CLOSED", PROBE_SUB])
+        return answered
 
     def stop(self) -> None:
         """Stop the relay process (the LMDB files stay); waits for it to exit (blocking: from a

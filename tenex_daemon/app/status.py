@@ -206,7 +206,8 @@ class StatusData(TypedDict):
          "retention": {"sweeps": 12, "last_sweep_at": 1.7e9, "last_duration_s": 0.004, "last": {"ended_idle":
          1, "archived": 0, "deleted": 0, "errors": 0}, "totals": {"ended_idle": 3, ...}},
          "errors": {}, "degraded": null, "embedded_relay": "ws://127.0.0.1:7777", "embedded_relay_pid": 4243,
-         "embedded_relay_restarts": 0, "control_socket": "/srv/tenex/run/control.sock",
+         "embedded_relay_restarts": 0, "embedded_relay_last_restart_reason": null,
+         "control_socket": "/srv/tenex/run/control.sock",
          "agents": [{"slug": "planner", "name": "Planner", "pubkey": "..."}]}
     """
 
@@ -236,12 +237,28 @@ class StatusData(TypedDict):
     """The embedded relay's URL when it runs."""
     embedded_relay_pid: int | None
     embedded_relay_restarts: int
+    embedded_relay_last_restart_reason: str | None
+    """Why the embedded relay was last started again: ``exited`` or ``unresponsive`` (killed); None: never."""
     control_socket: str
     """The control API's Unix socket."""
     agents: list[AgentEntry]
     process: str | None
     """The daemon process's identity beside its pid (:func:`process_identity`): a pid a crashed daemon
     left, taken since by another process, is not taken for the daemon."""
+
+
+def relay_statuses(health: PoolHealth | None) -> list[RelayStatus]:
+    """The relays of the pool's health, as the status document shows them."""
+    return [
+        RelayStatus(
+            url=relay.url, state=relay.state.value, read=relay.read, write=relay.write,
+            connected_since=relay.connected_since, reconnects=relay.reconnects,
+            last_event_at=relay.last_event_at, events_received=relay.events_received,
+            rejects=dict(relay.rejects), notices=relay.notices,
+            authenticated=relay.authenticated, last_error=relay.last_error,
+        )
+        for relay in (health.relays if health is not None else ())
+    ]
 
 
 def process_identity(pid: int) -> str | None:
@@ -287,6 +304,7 @@ def new_status(
         embedded_relay=None,
         embedded_relay_pid=None,
         embedded_relay_restarts=0,
+        embedded_relay_last_restart_reason=None,
         control_socket="",
         agents=[],
         process=process_identity(pid),

@@ -247,6 +247,7 @@ def _print_status_data(data: dict[str, Any]) -> None:
             f"since start ended idle {totals.get('ended_idle', 0)}, archived {totals.get('archived', 0)}, "
             f"deleted {totals.get('deleted', 0)}, errors {totals.get('errors', 0)}"
         )
+    _print_embedded_relay(data)
     listed = data.get("relays")
     relays = [relay for relay in listed if isinstance(relay, dict)] if isinstance(listed, list) else []
     if relays:
@@ -259,6 +260,21 @@ def _print_status_data(data: dict[str, Any]) -> None:
                 s_time(relay.get("last_event_at")),
             )
         out.print(table)
+
+
+def _print_embedded_relay(data: dict[str, Any]) -> None:
+    """Print the embedded relay's line when it runs: its URL, pid, and how often it was started again since
+    the daemon started (with the last time's reason, exited or unresponsive, when the status names it)."""
+    url = data.get("embedded_relay")
+    if not isinstance(url, str) or not url:
+        return
+    restarts = data.get("embedded_relay_restarts")
+    last = data.get("embedded_relay_last_restart_reason")
+    why = f" (last: {last})" if isinstance(last, str) and last and restarts else ""
+    out.print(
+        f"embedded relay: {url}, pid {data.get('embedded_relay_pid') or '-'}; "
+        f"{restarts if isinstance(restarts, int) else 0} restarts since start{why}"
+    )
 
 
 def status(ctx: typer.Context, as_json: JsonOption = False, home: HomeOption = None) -> None:

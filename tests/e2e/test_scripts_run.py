@@ -96,6 +96,7 @@ async def test_scripts_run_serves_a_demo_home_that_answers_tenexd_send(tmp_path:
                 break
             await asyncio.sleep(0.2)
         assert status.get("embedded_relay_restarts") == 1, output(log)
+        assert status.get("embedded_relay_last_restart_reason") == "exited"
         assert status.get("embedded_relay_pid") not in (None, relay_pid)
         lines = await send(home, "And on Sunday?", log)
         assert [line["agent"] for line in lines if "reply" in line] == ["planner"]

@@ -1,0 +1,28 @@
+"""`tenexd status` (without --json) shows the embedded relay and how often it was started again."""
+
+from __future__ import annotations
+
+import pytest
+
+from tenex_daemon.app.status import new_status
+from tenex_daemon.cli.daemon_commands import _print_status_data
+
+
+def test_tenexd_status_prints_the_embedded_relays_restarts(capsys: pytest.CaptureFixture[str]) -> None:
+    """The human status prints the embedded relay's URL, pid and restarts since start (with the last one's
+    reason when the status names it), and no such line for a daemon without an embedded relay."""
+    data = dict(new_status("0.1.0"))
+    data.update(embedded_relay="ws://127.0.0.1:7777", embedded_relay_pid=4243, embedded_relay_restarts=2)
+    _print_status_data(data)
+    restarted = " ".join(capsys.readouterr().out.split())
+    data["embedded_relay_last_restart_reason"] = "unresponsive"
+    _print_status_data(data)
+    with_reason = " ".join(capsys.readouterr().out.split())
+    data.update(embedded_relay=None, embedded_relay_pid=None, embedded_relay_restarts=0)
+    _print_status_data(data)
+    without = " ".join(capsys.readouterr().out.split())
+
+    assert "embedded relay: ws://127.0.0.1:7777, pid 4243; 2 restarts since start" in restarted
+    assert "(last:" not in restarted
+    assert "embedded relay: ws://127.0.0.1:7777, pid 4243; 2 restarts since start (last: unresponsive)" in with_reason
+    assert "embedded relay" not in without
