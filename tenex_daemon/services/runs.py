@@ -316,17 +316,23 @@ class RunScheduler:
         logged); otherwise until it is durable, and raises when it fails (the event is then not
         to be stored: the relays deliver it again).
         """
+        fresh = event_id not in self._dispatching
         self._dispatching[event_id] = None
         self._journal_version += 1
         wanted = self._journal_version
-        if not self._store.commits_in_order:
-            await self._write_journal(wanted)
-            return
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._start_waiters.append((wanted, started))
-        write = self._start_write(wanted)
-        write.add_done_callback(lambda done: _fail_waiter(done, started))
-        await started
+        try:
+            if not self._store.commits_in_order:
+                await self._write_journal(wanted)
+                return
+            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._start_waiters.append((wanted, started))
+            write = self._start_write(wanted)
+            write.add_done_callback(lambda done: _fail_waiter(done, started))
+            await started
+        except BaseException:  # not accepted: a later write must not journal it (a restart would redo it)
+            if fresh:
+                self._dispatching.pop(event_id, None)
+            raise
 
     def dispatched(self, event_id: str, *, at_once: bool = False) -> None:
         """The dispatch of ``event_id`` is over (its runs, if any, are scheduled): its entry

@@ -19,12 +19,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
-from urllib.parse import urlsplit
 
 import asyncpg
 import structlog
 
-from tenex_daemon.adapters.storage.postgres_errors import acquired, unavailable_as_store_error
+from tenex_daemon.adapters.storage.postgres_errors import (
+    PostgresOpenError,
+    acquired,
+    connect_failure,
+    shown_dsn,
+    unavailable_as_store_error,
+)
 from tenex_daemon.adapters.storage.postgres_search import lifecycle_json, search_rows, title_column
 from tenex_daemon.adapters.storage.postgres_sessions import (
     CHECK_TIMEOUT_S,
@@ -52,10 +57,11 @@ from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
     ConversationNotFoundError,
-    TenexError,
 )
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
+
+__all__ = ["MIGRATIONS", "PostgresOpenError", "PostgresStore", "shown_dsn"]
 
 log = structlog.get_logger(__name__)
 
@@ -154,26 +160,6 @@ _LOAD_SQL = """SELECT -1 AS seq, state AS json, archived FROM conversations WHER
 _MIGRATION_LOCK = 0x7465_6E65_7864  # "tenexd": serializes migrations across daemons
 def _event_json(event: NostrEvent) -> str:
     return event.model_dump_json()
-
-
-class PostgresOpenError(TenexError):
-    """The database named by ``storage.dsn`` cannot be reached, or refuses the connection or the schema."""
-
-
-def shown_dsn(dsn: str) -> str:
-    """``dsn`` as it may be shown: a password, in the address or as a parameter (``password``,
-    ``sslpassword``), is ``***``."""
-    parts = urlsplit(dsn)
-    shown = dsn
-    if parts.password is not None:
-        host = parts.netloc.rpartition("@")[2]
-        shown = shown.replace(parts.netloc, f"{parts.username or ''}:***@{host}", 1)
-    if parts.query:
-        names = [pair.partition("=")[0] for pair in parts.query.split("&")]
-        pairs = zip(names, parts.query.split("&"), strict=True)
-        query = "&".join(f"{name}=***" if "password" in name else pair for name, pair in pairs)
-        shown = shown.replace("?" + parts.query, "?" + query, 1)
-    return shown
 
 
 class PostgresStore:
@@ -481,7 +467,12 @@ class PostgresStore:
     async def alive(self, name: str) -> AsyncIterator[None]:
         """Hold ``name``'s advisory lock (a daemon's own name) for the whole block, taking it again on a
         new connection whenever the one holding it breaks (a database restart drops every lock with its
-        connection; a peer believes a free name only after a grace time, see the daemon's takeover)."""
+        connection; a peer believes a free name only after a grace time, see the daemon's takeover).
+
+        A first try that fails raises as :meth:`open` does, naming the database (its password hidden) and
+        the driver's reason (:func:`connect_failure`): :class:`StoreUnavailableError` when the database
+        does not answer, :class:`PostgresOpenError` when it refuses; a lock still held by another session
+        past its wait is ``TimeoutError``."""
         if self._name_pool is None:
             raise RuntimeError("PostgresStore is not open; call open() first")
         async with keeping(lambda first: self._keep_name(name, first), f"postgres name {name}"):
@@ -504,7 +495,7 @@ class PostgresStore:
                 raise
             except Exception as error:  # the connection or the server went away: take the name again
                 if not first.done():
-                    first.set_exception(error)
+                    first.set_exception(connect_failure(error, self.dsn, f"hold the name {name!r}"))
                     return
                 self.names_lost += 1
                 log.warning("postgres_name_lost", name=name, error=repr(error))
@@ -623,7 +614,7 @@ class PostgresStore:
     async def hear(self, channel: str, on_message: Callable[[str], None]) -> AsyncIterator[None]:
         """LISTEN on ``channel`` on a connection of its own (a pool's would stop listening when given
         back) for the whole block, listening again on a new one whenever it breaks (messages told in
-        between are not heard). Raises if the first connection cannot be made."""
+        between are not heard). A first connection that cannot be made raises as in :meth:`alive`."""
         keep = partial(self._keep_listening, channel, on_message)
         async with keeping(keep, f"postgres listen {channel}"):
             yield
@@ -659,7 +650,7 @@ class PostgresStore:
                 raise
             except Exception as error:  # the connection or the server went away: listen again
                 if not first.done():
-                    first.set_exception(error)
+                    first.set_exception(connect_failure(error, self.dsn, f"listen on {channel!r}"))
                     return
                 log.warning("postgres_listening_lost", channel=channel, error=repr(error))
             finally:

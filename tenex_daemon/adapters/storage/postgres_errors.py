@@ -1,16 +1,18 @@
 """Which errors of the PostgreSQL driver say that the database does not answer, and their translation into
 :class:`~tenex_daemon.core.errors.StoreUnavailableError` (what the control API answers 503 for, and the
-logs write in one line)."""
+logs write in one line); what the store says when it cannot connect at all (:class:`PostgresOpenError`,
+:func:`connect_failure`), its dsn shown with the passwords hidden (:func:`shown_dsn`)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 
-from tenex_daemon.core.errors import StoreUnavailableError
+from tenex_daemon.core.errors import StoreUnavailableError, TenexError
 
 UNAVAILABLE = (
     OSError,
@@ -25,8 +27,15 @@ UNAVAILABLE = (
 _LOST_INTERFACE = ("closed", "closing", "released back to the pool")
 """What an interface error says when its connection or pool is gone."""
 _LOST_CLIENT = ("cannot switch to state", "not connected")
-"""What the driver's own protocol error says when its connection cannot be used any more: it failed, or
-a statement cut short (cancelled, timed out) left it in the middle of another operation."""
+"""What the driver's own protocol error says when its connection cannot be used any more: it failed (the
+"failed" state a lost connection leaves), or the server ended the session mid-statement and the next
+statement came before the loss was seen (the state of the one cut off: "another operation (N) is in
+progress"); such a connection is never used again (a pool's reset fails and cuts it, :func:`unlock` cuts
+a lock's), so the call tried again gets another. Two coroutines using one connection at once, a
+programming error, are another error (``InterfaceError``: "cannot perform operation: another operation is
+in progress", not matched: it passes with its traceback); the same words as here come of it only while a
+COPY streams, and this adapter copies nothing and never shares a connection between coroutines (each
+call acquires its own from a pool; a lease's is used by the task holding it, one statement at a time)."""
 
 
 def lost_connection(error: BaseException) -> bool:
@@ -40,6 +49,48 @@ def lost_connection(error: BaseException) -> bool:
     if type(error) is asyncpg.InternalClientError:
         return any(words in text for words in _LOST_CLIENT)
     return False
+
+
+class PostgresOpenError(TenexError):
+    """The database named by ``storage.dsn`` cannot be reached, or refuses the connection or the schema."""
+
+
+def shown_dsn(dsn: str) -> str:
+    """``dsn`` as it may be shown: a password, in the address or as a parameter (``password``,
+    ``sslpassword``), is ``***``."""
+    parts = urlsplit(dsn)
+    shown = dsn
+    if parts.password is not None:
+        host = parts.netloc.rpartition("@")[2]
+        shown = shown.replace(parts.netloc, f"{parts.username or ''}:***@{host}", 1)
+    if parts.query:
+        names = [pair.partition("=")[0] for pair in parts.query.split("&")]
+        pairs = zip(names, parts.query.split("&"), strict=True)
+        query = "&".join(f"{name}=***" if "password" in name else pair for name, pair in pairs)
+        shown = shown.replace("?" + parts.query, "?" + query, 1)
+    return shown
+
+
+def connect_failure(error: BaseException, dsn: str, doing: str) -> BaseException:
+    """What to raise for ``error``, met ``doing`` something (a name held, a channel listened on) on a
+    connection of its own that could not be made or kept at its first try, naming the database (its
+    passwords hidden, :func:`shown_dsn`) and the driver's reason: :class:`StoreUnavailableError` when the
+    database does not answer (refused, reset, starting up, shut down), :class:`PostgresOpenError` when it
+    refuses (no such database, a failed login, a dsn it cannot read). A statement's own timeout and every
+    other error are returned as they are."""
+    if isinstance(error, TimeoutError | TenexError) or not isinstance(error, Exception):
+        return error
+    reason = str(error) or type(error).__name__
+    where = f"cannot {doing}: the PostgreSQL store at {shown_dsn(dsn)}"
+    translated: Exception
+    if isinstance(error, UNAVAILABLE) or lost_connection(error):
+        translated = StoreUnavailableError(f"{where} does not answer: {reason}")
+    elif isinstance(error, asyncpg.PostgresError | ValueError):
+        translated = PostgresOpenError(f"{where} refuses: {reason}")
+    else:
+        return error
+    translated.__cause__ = error
+    return translated
 
 
 @contextmanager

@@ -89,8 +89,10 @@ async def unlock(conn: Any, name: str) -> None:
     keeps the lock until it notices the connection gone: TCP keepalive)."""
     try:
         await conn.execute(UNLEASE_SQL, name, timeout=CHECK_TIMEOUT_S)
-    except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError):
-        # broken, or busy with a statement a cancellation cut short: never given back to the pool so
+    except (asyncpg.InterfaceError, asyncpg.InternalClientError, asyncpg.PostgresConnectionError, OSError):
+        # broken, busy with a statement a cancellation cut short, or its protocol out of step with the
+        # server ("cannot switch to state": a session the server ended mid-statement): never given back
+        # to the pool so, nor its error raised over the block's
         log.info("postgres_unlock_skipped", name=name, reason="connection_broken")
         terminate(conn)
     except TimeoutError:
