@@ -89,14 +89,14 @@ async def unlock(conn: Any, name: str) -> None:
     keeps the lock until it notices the connection gone: TCP keepalive)."""
     try:
         await conn.execute(UNLEASE_SQL, name, timeout=CHECK_TIMEOUT_S)
+    except TimeoutError:  # first: a TimeoutError is an OSError too
+        log.warning("postgres_unlock_skipped", name=name, reason="connection_silent")
+        terminate(conn)
     except (asyncpg.InterfaceError, asyncpg.InternalClientError, asyncpg.PostgresConnectionError, OSError):
         # broken, busy with a statement a cancellation cut short, or its protocol out of step with the
         # server ("cannot switch to state": a session the server ended mid-statement): never given back
         # to the pool so, nor its error raised over the block's
         log.info("postgres_unlock_skipped", name=name, reason="connection_broken")
-        terminate(conn)
-    except TimeoutError:
-        log.warning("postgres_unlock_skipped", name=name, reason="connection_silent")
         terminate(conn)
 
 

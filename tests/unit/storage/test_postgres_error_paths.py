@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncpg
 import pytest
+from structlog.testing import capture_logs
 
 from tenex_daemon.adapters.storage.postgres_errors import PostgresOpenError, connect_failure
 from tenex_daemon.adapters.storage.postgres_sessions import unlock
@@ -97,3 +98,29 @@ async def test_a_lock_on_a_connection_out_of_step_is_let_go_by_cutting_the_conne
     await unlock(conn, "conversation")
 
     assert conn.terminated
+
+
+class _SilentConnection:
+    """A connection whose statements time out; records whether it was cut."""
+
+    def __init__(self) -> None:
+        self.terminated = False
+
+    async def execute(self, *args: object, **kwargs: object) -> None:
+        """Time out, as a server that no longer answers does."""
+        raise TimeoutError
+
+    def terminate(self) -> None:
+        """Record the cut."""
+        self.terminated = True
+
+
+async def test_a_lock_whose_connection_does_not_answer_is_let_go_as_silent_and_cut() -> None:
+    """An unlock that times out is logged as a silent connection (not a broken one: a TimeoutError is an
+    OSError too, and was taken for one) and the connection is cut."""
+    conn = _SilentConnection()
+    with capture_logs() as logs:
+        await unlock(conn, "lease:x")
+
+    assert conn.terminated
+    assert [(e["event"], e["reason"]) for e in logs] == [("postgres_unlock_skipped", "connection_silent")]
