@@ -315,9 +315,13 @@ class AgentRunner:
             return True
         state = conversation.agent_states.get(request.agent_slug)
         shown = state is not None and state.last_processed_index > index
-        if self._shared_store and not request.via_orchestrator and shown:
+        if self._shared_store and not request.via_orchestrator and shown and any(
+            event.pubkey == agent_pubkey for event in conversation.history[index + 1:]
+        ):
             # daemons sharing a database each take in part of a burst: a run of another daemon showed this
-            # message to the agent already, in an answer saved since (docs/CONTEXT.md, "Bursts")
+            # message to the agent already, in an answer saved since (docs/CONTEXT.md, "Bursts"); an index
+            # past it with no answer after it answers nothing (an earlier tenexd saved the index as it built
+            # the context: a run a crash cut short left it so)
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="shown in a later run")
             return True
         if stopped_since(conversation, trigger, request.agent_slug, recovered=request.recovered):

@@ -524,6 +524,32 @@ async def test_with_daemons_sharing_a_store_a_message_shown_in_a_later_answer_is
     ]
 
 
+async def test_with_daemons_sharing_a_store_an_index_past_a_message_with_no_answer_after_it_answers_it(
+    cast: Cast,
+) -> None:
+    """A store written by an earlier tenexd, which saved the agent's last processed index as it built the
+    context, holds the index past a person's message whose run a crash cut short, and no answer after it:
+    on a shared store the redone run answers it (it is not taken as shown in another daemon's later answer)."""
+    backend = ScriptedBackend([text("first answer"), text("the answer at last")])
+    rig = pipeline.build_rig(cast, backend=backend, peers=LeasePeers())
+    root = cast.user_says("Plan it", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    cut_short = cast.user_says("and the budget?", tags=[["E", root.id], ["e", root.id], ["p", cast.alice.pubkey]])
+    assert await rig.manager.add_event(root.id, cut_short)
+    await rig.manager.update_agent_state(root.id, "alice", last_processed_index=3)  # as the earlier build did
+
+    answer = await rig.runner.run(RunRequest(root.id, cut_short.id, "alice", recovered=True))
+    await rig.settle()
+
+    assert answer is not None
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.content for e in conversation.history] == [
+        "Plan it", "first answer", "and the budget?", "the answer at last",
+    ]
+
+
 class HeldModel:
     """An orchestrator model that answers ``text`` once ``release`` is set; ``asked`` is set on the first call."""
 
