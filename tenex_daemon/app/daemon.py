@@ -99,6 +99,7 @@ from tenex_daemon.services.outbox import every_outbox, outbox_key_for
 from tenex_daemon.services.private_messages import AGENT_PRIVATE_COPY, Intake
 from tenex_daemon.services.retention import RetentionPolicy, Sweeper
 from tenex_daemon.services.runs import journal_key_for
+from tenex_daemon.services.upgrade import save_upgraded_conversations
 
 log = structlog.get_logger(__name__)
 
@@ -432,6 +433,7 @@ class Daemon:
         await gift_wraps.recover()
         await pipeline.outbox.recover(self.store.find_event)
         await gift_wraps.keep_only(pipeline.outbox.event_ids())
+        await save_upgraded_conversations(pipeline.manager)  # before any run, sweep or description
         await pipeline.scheduler.recover()
         # stops made through another daemon's CLI or API (daemons sharing a database), from now on
         await self._lifetime.enter_async_context(pipeline.stopper.hearing(pipeline.scheduler))

@@ -17,6 +17,8 @@ from tenex_daemon.core.turns import OrchestratorTurn
 from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_PRIVATE_MESSAGE, TAG_SUBJECT
 
 UNTITLED = "Untitled Conversation"
+ARCHIVED = "archived"
+"""The end reason of an active conversation ended by the owner's archive."""
 TASK_SESSION_EXPIRED = "task_session_expired"
 """``end_reason`` of a task session that expired: the task goes on in its next session."""
 
@@ -127,6 +129,7 @@ class Conversation(BaseModel):
     _event_index: dict[str, int] = PrivateAttr(default_factory=dict)
     _agent_claimants: set[str] = PrivateAttr(default_factory=set)
     _references: dict[str, None] = PrivateAttr(default_factory=dict)
+    _upgraded: bool = PrivateAttr(default=False)
 
     def model_post_init(self, context: Any, /) -> None:
         history, self.history = self.history, []
@@ -248,8 +251,53 @@ class Conversation(BaseModel):
 
     @classmethod
     def from_state(cls, state: dict[str, Any], history: list[NostrEvent]) -> Conversation:
-        """Rebuild a conversation from a snapshot and its event log."""
+        """Rebuild a conversation from a snapshot and its event log; a snapshot an earlier tenexd stored,
+        before the lifecycle's fields (no ``activity_at``), is brought up to date (:attr:`upgraded`)."""
         conversation = cls.model_validate({**state, "history": []})
         for event in history:
             conversation.append(event)
+        if "activity_at" not in state:
+            conversation._upgrade_from_before_lifecycle()
         return conversation
+
+    @property
+    def upgraded(self) -> bool:
+        """Whether it was loaded from a snapshot stored before the lifecycle's fields and brought up to
+        date as it loaded (the caller saves it so; docs/ARCHITECTURE.md, "Conversation lifecycle":
+        Upgrading)."""
+        return self._upgraded
+
+    def upgrade_saved(self) -> None:
+        """Say it is saved as brought up to date (:attr:`upgraded` is False from now on, in copies too). The
+        caller has set :attr:`archived` as stored: one archived then and not ended counts as ended by its
+        owner's archive (the only other archiving there was) at its last activity, as one archived now is."""
+        if self._upgraded and self.archived and self.ended_at is None:
+            self.ended_at, self.ended_by, self.end_reason = self.last_activity, "owner", ARCHIVED
+        self._upgraded = False
+
+    def _upgrade_from_before_lifecycle(self) -> None:
+        """A snapshot stored before the lifecycle's fields: its last activity is its last update (not the
+        first save of today's daemon); an end its agent recorded in ``metadata.extra`` is its end; a title
+        other than "Untitled Conversation" is the person's ``title`` tag (the only title it could have then),
+        never replaced; it counts as described for that activity (no model is asked for a title and summary
+        of a conversation nobody writes in again, nothing published for it: one that goes on is described as
+        any other); an execution session a crash left open is dropped (the daemon no longer opens any)."""
+        self._upgraded = True
+        self.activity_at = self.updated_at or self.created_at
+        extra = self.metadata.extra
+        ended_at = extra.get("ended_at")
+        if self.ended_at is None and isinstance(ended_at, int) and not isinstance(ended_at, bool):
+            by, reason = extra.get("ended_by"), extra.get("end_reason")
+            self.ended_at = ended_at
+            self.ended_by = by if isinstance(by, str) else None
+            self.end_reason = reason if isinstance(reason, str) else None
+            for key in ("ended_at", "ended_by", "end_reason"):
+                extra.pop(key, None)
+        if self.title_source is None and self.title != UNTITLED:
+            self.title_source = TitleSource.TAG
+        if self.described_at is None:
+            self.described_at = self.activity_at
+            self.description_published = True
+        if self.execution_time.is_active:
+            self.execution_time.is_active = False
+            self.execution_time.current_session_start = None

@@ -25,7 +25,7 @@ from tenex_daemon.core.context import (
     is_person_message,
     people_who_wrote,
 )
-from tenex_daemon.core.conversation import UNTITLED, Conversation, TitleSource
+from tenex_daemon.core.conversation import ARCHIVED, UNTITLED, Conversation, TitleSource
 from tenex_daemon.core.errors import (
     ConversationArchivedError,
     ConversationExistsError,
@@ -56,10 +56,6 @@ log = structlog.get_logger(__name__)
 
 LOGGED_TITLE_CHARS = 120
 """The most of a title a log line carries (a person's title tag may be any length)."""
-
-
-ARCHIVED = "archived"
-"""The end reason of an active conversation ended by the owner's archive."""
 
 DEFAULT_TASK_SESSION_TTL_H = 24.0
 HISTORY_VIEW_CACHE_SIZE = 256
@@ -616,9 +612,7 @@ class ConversationManager:
 
     def expires_at(self, conversation: Conversation) -> int | None:
         """When a task session expires (ms since the epoch); None for a conversation that is no task's."""
-        if conversation.task_id is None:
-            return None
-        return conversation.last_activity + self.task_session_ttl_ms
+        return None if conversation.task_id is None else conversation.last_activity + self.task_session_ttl_ms
 
     def on_reply(self, listener: Callable[[str, bool], None]) -> None:
         """Call ``listener(conversation_id, reopened)`` after each agent reply saved here (False) and each
@@ -645,9 +639,7 @@ class ConversationManager:
                 before.restore(conversation)
                 raise
             log.info(
-                "conversation_described",
-                conversation_id=conversation_id,
-                title=conversation.title,
+                "conversation_described", conversation_id=conversation_id, title=conversation.title,
                 source=conversation.title_source,
             )
             return conversation
@@ -740,13 +732,11 @@ class ConversationManager:
     ) -> list[str]:
         """Make every agent of the conversation start fresh; return the slugs reset.
 
-        Each agent's backend session id is forgotten, its phase-transition count cleared
-        and its last processed index set back to 0, as if it had never been built for:
-        its next context shows everything others said in the while-away block. With
-        ``keep_system_message`` the index is set to 1 instead, so the conversation's root
-        (the opening request) counts as already seen and stays only in the history part.
-        History, phase, turns, metadata and token totals are untouched: nothing said is lost.
-        """
+        Each agent's backend session id is forgotten, its phase-transition count cleared and its last
+        processed index set back to 0, as if it had never been built for: its next context shows everything
+        others said in the while-away block. With ``keep_system_message`` the index is set to 1 instead, so
+        the conversation's root (the opening request) counts as already seen and stays only in the history
+        part. History, phase, turns, metadata and token totals are untouched: nothing said is lost."""
         async with self._locked(conversation_id) as conversation:
             if conversation.archived:
                 raise ConversationArchivedError(conversation_id)
@@ -757,13 +747,20 @@ class ConversationManager:
                 state.transitions_seen = 0
             await self._save(conversation)
             slugs = sorted(conversation.agent_states)
-        log.info(
-            "agent_states_reset",
-            conversation_id=conversation_id,
-            agents=slugs,
-            keep_system_message=keep_system_message,
-        )
+        log.info("agent_states_reset", conversation_id=conversation_id, agents=slugs,
+                 keep_system_message=keep_system_message)
         return slugs
+
+    async def save_upgraded(self, conversation_id: str) -> bool:
+        """Save the conversation when an earlier tenexd stored it (brought up to date as it loads,
+        :attr:`~tenex_daemon.core.conversation.Conversation.upgraded`), its dates as they were; return
+        whether it was one."""
+        async with self._locked(conversation_id) as conversation:
+            if not conversation.upgraded:
+                return False
+            conversation.upgrade_saved()  # before the save: a store's cache keeps a copy of what it saves
+            await self._store.save_state(conversation)
+            return True
 
     async def find_conversation_of_event(self, event_id: str) -> str | None:
         """Return the id of the conversation holding ``event_id`` (its root or any event), or None."""
