@@ -13,6 +13,18 @@ from tenex_daemon.core.vocabulary import KIND_COMMENT
 from .codec import ReplyDetails, ThreadRoot, build_agent_reply, root_of, task_thread_root
 from .signer import Signer
 
+REPLY_AHEAD_S = 300
+"""How far past the daemon's clock a reply may be dated to come after its trigger (relays refuse events
+dated far ahead: strfry past 15 minutes, PyPI nostr-relay past an hour)."""
+
+
+def reply_created_at(trigger: NostrEvent, now: float) -> int:
+    """A reply's ``created_at``: now, or just after its trigger when that is dated later (a person's clock
+    ahead of the daemon's, or the daemon's stepped back), at most :data:`REPLY_AHEAD_S` ahead: clients order
+    a thread by date, and show an answer dated before its question above it."""
+    now_s = int(now)
+    return max(now_s, min(trigger.created_at + 1, now_s + REPLY_AHEAD_S))
+
 
 class SignedReplyComposer:
     """Builds an agent's reply with docs/PROTOCOL.md's kind and tags and signs it with the agent's key."""
@@ -23,7 +35,8 @@ class SignedReplyComposer:
         self._project = project
 
     def compose(self, spec: ReplySpec) -> NostrEvent:
-        """Return the signed reply: kind 1 when the conversation's root is a kind 1, else kind 1111.
+        """Return the signed reply: kind 1 when the conversation's root is a kind 1, else kind 1111, dated
+        by :func:`reply_created_at`.
 
         Without a root (not stored) the root is the one the trigger's tags name, else the trigger; in a
         task's session the root is the task (:func:`~.codec.task_thread_root`); when the conversation's
@@ -51,4 +64,5 @@ class SignedReplyComposer:
             delegation=spec.delegation,
         )
         kind, tags = build_agent_reply(spec.trigger, spec.destinations, root=root, details=details)
-        return self._signers[spec.agent_slug].sign(kind, spec.content, tags)
+        signer = self._signers[spec.agent_slug]
+        return signer.sign(kind, spec.content, tags, created_at=reply_created_at(spec.trigger, signer.now()))

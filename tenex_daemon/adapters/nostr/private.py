@@ -49,6 +49,7 @@ from tenex_daemon.core.vocabulary import (
 )
 
 from .codec import private_reply_tags
+from .composer import reply_created_at
 from .signer import Signer
 
 log = structlog.get_logger(__name__)
@@ -200,7 +201,8 @@ class PrivateReplyComposer:
         if spec.root is None or spec.root.kind != KIND_PRIVATE_MESSAGE:
             return self._inner.compose(spec)
         tags = private_reply_tags(spec)
-        return make_rumor(self._pubkeys[spec.agent_slug], spec.content, tags, int(self._clock()))
+        created_at = reply_created_at(spec.trigger, self._clock())
+        return make_rumor(self._pubkeys[spec.agent_slug], spec.content, tags, created_at)
 
 
 class GiftWrapPublisher:

@@ -135,6 +135,10 @@ class Signer:
         secret: bytes = self._key.secret
         return secret.hex()
 
+    def now(self) -> int:
+        """The time an event signed now is dated (Unix seconds)."""
+        return int(time.time())
+
     def sign(
         self,
         kind: int,
@@ -145,7 +149,7 @@ class Signer:
     ) -> NostrEvent:
         """Return a complete, signed event authored by this key."""
         tag_list = [list(tag) for tag in tags]
-        ts = int(time.time()) if created_at is None else created_at
+        ts = self.now() if created_at is None else created_at
         digest = event_id_digest(self._pubkey, ts, kind, tag_list, content)
         return NostrEvent(
             id=digest.hex(), pubkey=self._pubkey, created_at=ts, kind=kind, tags=tag_list,

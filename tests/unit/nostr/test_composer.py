@@ -246,3 +246,39 @@ def test_the_composer_reads_back_the_trigger_of_each_reply_it_makes(
 
     assert read_threading(reply).parent_id == trigger.id, case
     assert read_threading(request).parent_id == trigger.id, case
+
+
+@pytest.mark.parametrize(
+    ("ahead_s", "dated"),
+    [(-600, "now"), (90, "after the question"), (2 * 86_400, "at most 300 s ahead")],
+    ids=["question-in-the-past", "question-90-s-ahead", "question-2-days-ahead"],
+)
+def test_a_reply_is_dated_after_its_question_even_when_the_question_is_dated_ahead(
+    ahead_s: int, dated: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply is dated now, or a second after its question when the question is dated later (a person's
+    clock ahead of the daemon's, or the daemon's stepped back), so a client ordering by date shows it after
+    the question; never more than 300 s ahead of the daemon's clock (relays refuse events dated far ahead)."""
+    now = 1_800_000_000
+    monkeypatch.setattr("tenex_daemon.adapters.nostr.signer.time.time", lambda: now + 0.7)
+    question = sign_event(USER, "when?", kind=11, tags=[["p", AGENT.pubkey]], created_at=now + ahead_s)
+
+    reply = composer().compose(spec(question, question))
+
+    expected = {"now": now, "after the question": now + 91, "at most 300 s ahead": now + 300}[dated]
+    assert reply.created_at == expected
+    assert verify_event(reply)
+
+
+def test_a_private_reply_rumor_is_dated_after_its_question_too() -> None:
+    """A private conversation's reply (a kind-14 rumor) follows the same rule: a second after a question
+    dated 90 s ahead of the daemon's clock."""
+    from tenex_daemon.adapters.nostr.private import PrivateReplyComposer
+
+    now = 1_800_000_000
+    question = sign_event(USER, "when?", kind=14, tags=[["p", AGENT.pubkey]], created_at=now + 90)
+    private = PrivateReplyComposer(composer(), {"agent": AGENT.pubkey}, clock=lambda: now)
+
+    rumor = private.compose(spec(question, question))
+
+    assert (rumor.kind, rumor.created_at) == (14, now + 91)

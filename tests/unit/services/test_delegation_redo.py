@@ -26,10 +26,11 @@ QUESTION = "What is 2+2?"
 
 class SigningTime:
     """The signer's clock (``created_at``): ``step`` seconds later at each signature (0: standing still,
-    so two identical requests are one event id)."""
+    so two identical requests are one event id); it starts after the people's messages are dated (a reply
+    to a message dated later is dated just after it)."""
 
     def __init__(self) -> None:
-        self.now = 1_700_000_000.0
+        self.now = 1_700_100_000.0
         self.step = 1.0
 
     def time(self) -> float:
