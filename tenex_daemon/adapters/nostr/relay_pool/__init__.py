@@ -24,8 +24,9 @@ What it guarantees:
   with ``auth-required:`` makes the pool re-send that ``REQ`` or ``EVENT`` once,
   after authenticating.
 - A publish goes to every writable relay and is done when one answers ``OK true``
-  (``duplicate:`` counts as success); relays that never answer, or answer with an
-  empty id (nostr-relay), time out.
+  (``duplicate:`` counts as success); relays that never answer time out. An ``OK``
+  with an empty id (nostr-relay's refusals) is attributed to its EVENT by deduction
+  (:mod:`.oks`); one that cannot be is counted and logged (``ok_unmatched``).
 - Health (state, connected since, reconnects, last event, rejects by reason) is
   plain data: :meth:`RelayPool.health`.
 - Each frame read is acknowledged at once (Linux ``TCP_QUICKACK``). A relay that writes

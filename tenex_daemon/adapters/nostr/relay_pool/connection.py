@@ -44,6 +44,7 @@ from ..codec import (
     verify_event,
 )
 from ..signer import Signer
+from .oks import MESSAGE_TOO_BIG, RESEND, TOO_LARGE_FOR_RELAY, AwaitedOks, relay_closed_for_size
 from .subscriptions import Subscription, Subscriptions
 from .types import ConnectHandler, Filter, PoolSettings, RelayHealth, RelaySpec, RelayState, Spawn
 
@@ -84,25 +85,11 @@ def backoff_delay(
     return rng(delay / 2, delay)
 
 
-MESSAGE_TOO_BIG = 1009
-"""The websocket close code for a message too big to process (RFC 6455)."""
-
-
 def we_closed_for_size(exc: ConnectionClosed) -> bool:
     """Whether websockets itself closed the connection with 1009, first: a frame this side received was
     over ``max_size``. (A relay's close with 1009 is echoed with 1009 too, but sent after it came.)"""
     return exc.sent is not None and exc.sent.code == MESSAGE_TOO_BIG and not exc.rcvd_then_sent
 
-
-def relay_closed_for_size(exc: ConnectionClosed) -> bool:
-    """Whether the relay closed the connection with 1009, first: a frame this side sent was over its limit."""
-    return exc.rcvd is not None and exc.rcvd.code == MESSAGE_TOO_BIG and exc.rcvd_then_sent is not False
-
-
-TOO_LARGE_FOR_RELAY = "invalid: event too large for this relay (it closed the connection with 1009)"
-"""The refusal a publish gets when the relay closed the connection on its EVENT frame: ``invalid:`` and
-"too large", so a publish every relay refused this way is refused for good
-(:func:`~.types.refused_for_its_size`)."""
 
 CLOSED_FOR_GOOD = ("blocked", "invalid", "restricted", "unsupported")
 """``CLOSED`` prefixes a relay is unlikely to change its mind on soon: the REQ is sent again after a longer
@@ -208,14 +195,16 @@ class RelayConnection:
         self.connected = asyncio.Event()
         self.authenticated = asyncio.Event()
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.pending_ok: dict[str, list[asyncio.Future[OkMessage]]] = {}
+        self.oks = AwaitedOks(spec.url)
+        """The ``OK``\\ s awaited here, and which EVENT an answer without an event id is for."""
+        self.pending_ok = self.oks.waiters
         self.fetches: dict[str, _Fetch] = {}
         self.catching_up: dict[str, _CatchUp] = {}
         """Live subscriptions asked from their cursor whose EOSE has not come yet."""
         self.catch_ups = 0
         """Catch-ups paged so far (their fetch ids are told apart by it)."""
         self.auth_retried_subs: set[str] = set()
-        self.ok_sizes: dict[str, int] = {}
+        self.ok_sizes = self.oks.sizes
         """Per event id a publish awaits an ``OK`` for (:attr:`pending_ok`): the size of its EVENT frame."""
         self.resubscribes: dict[str, tuple[int, float]] = {}
         """Per live subscription the relay ended with ``CLOSED`` on this connection: its REQs sent again
@@ -293,18 +282,13 @@ class RelayConnection:
         still awaiting its ``OK`` here is at least as large as that frame, so over the limit too: its publish
         is answered as refused for its size (:data:`TOO_LARGE_FOR_RELAY`, as an ``OK false`` would). Smaller
         ones are sent again on the next connection, as after any drop (one as large is refused then)."""
-        waiting = [(size, event) for event, size in self.ok_sizes.items() if self.pending_ok.get(event)]
-        if not waiting:
+        refused = self.oks.refuse_largest(TOO_LARGE_FOR_RELAY)
+        if refused is None:
             self.log.warning("relay closed the connection: a frame we sent was over its size limit")
             return
-        size, event_id = max(waiting)
+        event_id, size = refused
         self.log.warning("relay refused an event for its size", event_id=event_id, frame_bytes=size,
                          detail="it closed the connection with 1009 (message too big)")
-        answer = OkMessage(event_id, False, TOO_LARGE_FOR_RELAY)
-        self.ok_sizes.pop(event_id, None)
-        for future in self.pending_ok.pop(event_id, []):
-            if not future.done():
-                future.set_result(answer)
 
     def _skip_oversized(self) -> None:
         """websockets closed the connection on a frame over ``max_message_bytes`` (unread, so its
@@ -343,8 +327,7 @@ class RelayConnection:
     def _on_close(self) -> None:
         self.catching_up.clear()  # their cursors stay held: the reconnect's catch-up asks again from them
         # no OK comes for what was sent on this connection: each waiter also waits on `closed`, set below
-        self.pending_ok.clear()
-        self.ok_sizes.clear()
+        self.oks.closed()
         self.challenge = None
         self.ws = None
         self.connected.clear()
@@ -537,15 +520,8 @@ class RelayConnection:
             self.sink.count_known_copy(message.event, self.url, sub.sub_id)
 
     def _on_ok(self, message: OkMessage) -> None:
-        if not message.event_id:
-            # nostr-relay answers some rejections with an empty id: nothing to match, the
-            # publisher's timeout covers it.
-            self.log.warning("OK without event id", accepted=message.accepted, message=message.message)
-            return
-        self.ok_sizes.pop(message.event_id, None)
-        for future in self.pending_ok.pop(message.event_id, []):
-            if not future.done():
-                future.set_result(message)
+        # one without an event id (nostr-relay's refusals) is attributed when that can be told (.oks)
+        self.oks.answer(message)
 
     def _on_closed(self, message: ClosedMessage) -> None:
         sub_id = message.subscription_id
@@ -632,15 +608,16 @@ class RelayConnection:
         closed = self.closed
         future = self.expect_ok(event.id)
         try:
-            if not await self.send(encode_auth(event)):
+            if not await self._send_owed(event.id, encode_auth(event)):
                 return
             waiters: set[asyncio.Future[Any]] = {future, closed}
             await asyncio.wait(waiters, timeout=self.settings.auth_timeout,
                                return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._forget_ok(event.id, future)
-        if not future.done():
+        if not future.done() or future.result() is RESEND:  # RESEND: its answer could not be told apart
             if not closed.done():
+                self.oks.owed_nothing(event.id)
                 # nostr-relay never answers AUTH with OK: go on as authenticated; a later
                 # auth-required answer shows if it was not.
                 self.log.info("no OK for AUTH; assuming accepted")
@@ -676,19 +653,10 @@ class RelayConnection:
     def expect_ok(self, event_id: str, frame_size: int | None = None) -> asyncio.Future[OkMessage]:
         """Register interest in the relay's ``OK`` for an event id (``frame_size``: its EVENT frame's, for a
         publish). Whoever calls it forgets the future when done waiting (:meth:`_forget_ok`)."""
-        future: asyncio.Future[OkMessage] = asyncio.get_running_loop().create_future()
-        self.pending_ok.setdefault(event_id, []).append(future)
-        if frame_size is not None:
-            self.ok_sizes[event_id] = frame_size
-        return future
+        return self.oks.expect(event_id, frame_size)
 
     def _forget_ok(self, event_id: str, future: asyncio.Future[OkMessage]) -> None:
-        waiting = self.pending_ok.get(event_id)
-        if waiting and future in waiting:
-            waiting.remove(future)
-            if not waiting:
-                del self.pending_ok[event_id]
-                self.ok_sizes.pop(event_id, None)
+        self.oks.forget(event_id, future)
 
     async def wait_connected(self, deadline: float) -> bool:
         """Wait for a connection until the loop-time ``deadline``."""
@@ -713,22 +681,10 @@ class RelayConnection:
         frame = encode_event(event)
         auth_retry_used = False
         while await self.wait_connected(deadline):
-            future = self.expect_ok(event.id, len(frame))
-            closed = self.closed
-            try:
-                sent = await self.send(frame)
-                remaining = deadline - loop.time()
-                if sent and remaining <= 0:
-                    return None
-                # unsent: the connection is closing; its close may still answer (a relay's 1009 refuses
-                # the frame), so wait for it before sending again
-                waiters: set[asyncio.Future[Any]] = {future, closed}
-                wait = remaining if sent else min(max(0.0, remaining), SEND_RETRY_WAIT)
-                done, _ = await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                self._forget_ok(event.id, future)
-            if future.done():
-                answer = future.result()
+            answer = await self._send_event(event.id, frame, deadline)
+            if answer is RESEND:  # its answer could not be told from another's: sent again, one at a time
+                continue
+            if isinstance(answer, OkMessage):
                 if (not answer.accepted and answer.prefix == "auth-required" and not auth_retry_used
                         and self.auth_signer is not None):
                     auth_retry_used = True
@@ -736,12 +692,55 @@ class RelayConnection:
                     if await self.wait_authenticated(max(0.0, remaining)):
                         continue
                 return answer
-            if not sent:
-                await asyncio.sleep(0.05)
-            elif not done:
+            if answer is None:
                 return None
-            # the connection dropped before an answer: wait for the next one and send again
+            # unsent, or the connection dropped before an answer: wait for the next one and send again
         return None
+
+    async def _send_event(self, event_id: str, frame: str, deadline: float) -> OkMessage | bool | None:
+        """Send an EVENT frame once (holding :attr:`.oks.AwaitedOks.turn` when this connection sends one
+        at a time) and wait for its answer: the answer; None: none before the deadline; False: unsent,
+        or the connection closed first."""
+        loop = asyncio.get_running_loop()
+        turn = self.oks.turn if self.oks.one_at_a_time else None
+        if turn is not None:
+            try:
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    await turn.acquire()
+            except TimeoutError:
+                return None
+        future = self.expect_ok(event_id, len(frame))
+        closed = self.closed
+        try:
+            sent = await self._send_owed(event_id, frame)
+            remaining = deadline - loop.time()
+            if sent and remaining <= 0:
+                return None
+            # unsent: the connection is closing; its close may still answer (a relay's 1009 refuses
+            # the frame), so wait for it before sending again
+            waiters: set[asyncio.Future[Any]] = {future, closed}
+            wait = remaining if sent else min(max(0.0, remaining), SEND_RETRY_WAIT)
+            done, _ = await asyncio.wait(waiters, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._forget_ok(event_id, future)
+            if turn is not None:
+                turn.release()
+        if future.done():
+            return future.result()
+        if not sent:
+            await asyncio.sleep(0.05)
+            return False
+        return False if done else None
+
+    async def _send_owed(self, event_id: str, frame: str) -> bool:
+        """Send an EVENT or AUTH frame, counted as owed an ``OK`` on this connection (:mod:`.oks`); return
+        whether it went out."""
+        connection = self.connects
+        self.oks.sending(event_id)
+        sent = await self.send(frame)
+        if not sent and self.connects == connection:
+            self.oks.not_sent(event_id)
+        return sent
 
     async def fetch(self, fetch_id: str, filters: list[Filter], wait_s: float) -> list[NostrEvent]:
         """Run a one-off REQ until EOSE (or CLOSED, or ``wait_s`` seconds); return what came."""

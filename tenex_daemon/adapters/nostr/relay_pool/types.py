@@ -198,14 +198,19 @@ class PublishResult:
 
 REFUSED_FOR_GOOD = ("blocked:", "invalid:")
 """The NIP-01 ``OK false`` prefixes of refusals the relay will not change its mind on for this event."""
-SIZE_WORDS = ("size", "too large", "too long", "too big", "exceeds")
+SIZE_WORDS = (
+    "size", "too large", "too long", "too big", "exceeds", "characters should be enough for anybody",
+)
+"""Words of a refusal for the event's size; the last is PyPI nostr-relay's (``validators.is_not_too_large``:
+``invalid: 280 characters should be enough for anybody``, sent with an empty event id, :mod:`.oks`)."""
 
 
 def refused_for_its_size(message: str) -> bool:
     """Whether a relay's ``OK false`` message refuses the event for its size (``blocked: event size (70998
-    bytes) exceeds maximum allowed size``): signed once, it stays too large. Other ``blocked:`` and
-    ``invalid:`` refusals may pass later (an author the relay's operator lets in again, a clock set
-    right), as ``rate-limited:`` and ``error:`` do: those events are tried again."""
+    bytes) exceeds maximum allowed size``, nostr-relay's ``invalid: 280 characters should be enough for
+    anybody``): signed once, it stays too large. Other ``blocked:`` and ``invalid:`` refusals may pass
+    later (an author the relay's operator lets in again, a clock set right), as ``rate-limited:`` and
+    ``error:`` do: those events are tried again."""
     lowered = message.lower()
     return lowered.startswith(REFUSED_FOR_GOOD) and any(word in lowered for word in SIZE_WORDS)
 

@@ -1,0 +1,278 @@
+"""Which EVENT an ``OK`` without an event id answers (nostr-relay's refusals): attributed by deduction when
+one frame is owed an answer, or once the others were answered by id; answers that cannot be told apart
+make the connection send again, one EVENT at a time (relay_pool/oks.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from websockets.asyncio.server import ServerConnection, serve
+
+from tenex_daemon.adapters.nostr.codec import OkMessage
+from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, RelayPool
+from tenex_daemon.adapters.nostr.relay_pool.oks import RESEND, AwaitedOks
+from tenex_daemon.adapters.nostr.relay_pool.types import refused_for_its_size
+from tenex_daemon.adapters.nostr.signer import Signer
+from tenex_daemon.core.vocabulary import KIND_COMMENT
+
+A, B, C = "aa" * 32, "bb" * 32, "cc" * 32
+TOO_LARGE = "invalid: 280 characters should be enough for anybody"
+"""PyPI nostr-relay's refusal of an event over its size limit, sent with an empty event id."""
+TOO_OLD = "invalid: 1000 is too old"
+
+
+def unnamed(message: str, accepted: bool = False) -> OkMessage:
+    """An ``OK`` without an event id, as nostr-relay sends its refusals."""
+    return OkMessage("", accepted, message)
+
+
+def sent(oks: AwaitedOks, *event_ids: str) -> dict[str, asyncio.Future[OkMessage]]:
+    """Each event's EVENT frame sent on the connection, with a publisher waiting for its answer."""
+    futures = {event_id: oks.expect(event_id, 100) for event_id in event_ids}
+    for event_id in event_ids:
+        oks.sending(event_id)
+    return futures
+
+
+async def test_an_answer_without_id_is_the_only_frame_owed_one() -> None:
+    """With one EVENT awaiting its OK, an OK without an id is that event's refusal, with the relay's words."""
+    oks = AwaitedOks("ws://relay")
+    futures = sent(oks, A)
+    oks.answer(unnamed(TOO_LARGE))
+    assert futures[A].result() == OkMessage(A, False, TOO_LARGE)
+    assert (oks.attributed, oks.unmatched, dict(oks.owed)) == (1, 0, {})
+
+
+async def test_with_several_in_flight_the_answer_waits_until_the_others_are_answered_by_id() -> None:
+    """With three EVENTs awaiting their OK, an OK without an id is given to none until two were answered by
+    id; then it is the third's."""
+    oks = AwaitedOks("ws://relay")
+    futures = sent(oks, A, B, C)
+    oks.answer(unnamed(TOO_LARGE))
+    assert not any(future.done() for future in futures.values())
+    oks.answer(OkMessage(A, True, ""))
+    assert not futures[B].done()
+    assert not futures[C].done()
+    oks.answer(OkMessage(C, False, "duplicate: exists"))
+    assert futures[B].result() == OkMessage(B, False, TOO_LARGE)
+    assert futures[A].result().accepted
+    assert futures[C].result().is_success
+    assert (oks.attributed, oks.unmatched, oks.one_at_a_time) == (1, 0, False)
+
+
+async def test_a_frame_sent_after_the_answer_came_is_never_its_candidate() -> None:
+    """An EVENT sent after an OK without an id came cannot have caused it: once the one sent before is the
+    only candidate left, the answer is that one's, while the later EVENT still waits for its own."""
+    oks = AwaitedOks("ws://relay")
+    first = sent(oks, A, B)
+    oks.answer(unnamed(TOO_LARGE))
+    later = sent(oks, C)
+    oks.answer(OkMessage(B, True, ""))
+    assert first[A].result() == OkMessage(A, False, TOO_LARGE)
+    assert not later[C].done()
+
+
+async def test_as_many_identical_answers_as_frames_owed_are_each_ones() -> None:
+    """Two EVENTs awaiting their OK and two identical OKs without an id: each event gets that refusal."""
+    oks = AwaitedOks("ws://relay")
+    futures = sent(oks, A, B)
+    oks.answer(unnamed(TOO_LARGE))
+    oks.answer(unnamed(TOO_LARGE))
+    assert futures[A].result() == OkMessage(A, False, TOO_LARGE)
+    assert futures[B].result() == OkMessage(B, False, TOO_LARGE)
+    assert (oks.attributed, oks.unmatched, oks.one_at_a_time) == (2, 0, False)
+
+
+async def test_different_answers_that_cannot_be_told_apart_are_sent_again_one_at_a_time() -> None:
+    """Two EVENTs awaiting their OK and two different OKs without an id: neither is guessed; both publishers
+    are told to send again, the connection now sends one at a time, and the two answers count as unmatched."""
+    oks = AwaitedOks("ws://relay")
+    futures = sent(oks, A, B)
+    oks.answer(unnamed(TOO_LARGE))
+    oks.answer(unnamed(TOO_OLD))
+    assert futures[A].result() is RESEND
+    assert futures[B].result() is RESEND
+    assert (oks.one_at_a_time, oks.unmatched, oks.attributed, dict(oks.owed)) == (True, 2, 0, {})
+
+
+async def test_an_answer_without_id_when_no_frame_is_owed_one_is_counted_unmatched() -> None:
+    """An OK without an id while no EVENT was sent (a waiter alone, never sent) resolves nothing and is
+    counted as unmatched."""
+    oks = AwaitedOks("ws://relay")
+    waiting = oks.expect(A, 100)
+    oks.answer(unnamed(TOO_LARGE))
+    assert not waiting.done()
+    assert (oks.unmatched, oks.attributed) == (1, 0)
+
+
+async def test_the_same_event_sent_twice_owes_two_answers() -> None:
+    """An event whose EVENT went out twice on the connection owes two OKs: two OKs without an id are both
+    its own, and another EVENT in flight is not given the second one."""
+    oks = AwaitedOks("ws://relay")
+    futures = sent(oks, A, A, B)
+    oks.answer(unnamed(TOO_LARGE))
+    oks.answer(unnamed(TOO_LARGE))
+    assert not futures[B].done()
+    oks.answer(OkMessage(B, True, ""))
+    assert futures[A].result() == OkMessage(A, False, TOO_LARGE)
+    assert futures[B].result() == OkMessage(B, True, "")
+    assert (oks.attributed, oks.unmatched, dict(oks.owed)) == (2, 0, {})
+
+
+async def test_an_unanswered_auth_stops_being_a_candidate_unless_the_answer_may_be_its_own() -> None:
+    """An AUTH nostr-relay never answers is owed nothing once its wait ends, so a later OK without an id is
+    the only EVENT's; while an OK without an id may be the AUTH's own, the AUTH stays a candidate."""
+    oks = AwaitedOks("ws://relay")
+    oks.sending(C)  # the AUTH
+    oks.owed_nothing(C)
+    futures = sent(oks, A)
+    oks.answer(unnamed(TOO_LARGE))
+    assert futures[A].result() == OkMessage(A, False, TOO_LARGE)
+
+    oks = AwaitedOks("ws://relay")
+    oks.sending(C)
+    futures = sent(oks, A)
+    oks.answer(unnamed("restricted: permission denied"))
+    oks.owed_nothing(C)
+    assert not futures[A].done()
+    assert dict(oks.owed) == {C: 1, A: 1}
+
+
+async def test_a_close_counts_the_answers_still_unattributed() -> None:
+    """Answers without an id still waiting when the connection closes are counted as unmatched, and nothing
+    stays owed or in one-at-a-time mode."""
+    oks = AwaitedOks("ws://relay")
+    sent(oks, A, B)
+    oks.answer(unnamed(TOO_LARGE))
+    oks.closed()
+    assert (oks.unmatched, dict(oks.owed), oks.unnamed, oks.one_at_a_time) == (1, {}, [], False)
+
+
+def test_nostr_relays_size_refusal_is_a_refusal_for_good() -> None:
+    """nostr-relay's words for an event over its size limit count as a refusal for its size (for good),
+    while its other ``invalid:`` refusals do not."""
+    assert refused_for_its_size(TOO_LARGE)
+    assert not refused_for_its_size(TOO_OLD)
+    assert not refused_for_its_size("invalid: Bad signature")
+
+
+# -- through a connection --------------------------------------------------------------------------------
+
+AUTHOR = Signer.generate(label="author")
+SETTINGS = PoolSettings(backoff_base=0.05, backoff_cap=0.2, publish_timeout=5.0)
+
+
+class Relay:
+    """A local websockets relay that refuses ``old`` and ``big`` EVENTs with an empty id and accepts the rest.
+    It holds the first two EVENTs and answers them together; each later one it answers 0.2 s after it came.
+    It records when each EVENT came and when it was answered."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        """The content of each EVENT read, in order."""
+        self.came: list[float] = []
+        self.answered: list[float] = []
+        self.url = ""
+
+    async def serve(self, ws: ServerConnection) -> None:
+        frames: asyncio.Queue[list[Any]] = asyncio.Queue()
+
+        async def read() -> None:
+            while True:
+                frame = json.loads(await ws.recv())
+                if frame[0] == "EVENT":
+                    self.events.append(frame[1]["content"])
+                    self.came.append(time.monotonic())
+                frames.put_nowait(frame)
+
+        tasks = {asyncio.create_task(read()), asyncio.create_task(self._answer(ws, frames))}
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # the connection closed
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _answer(self, ws: ServerConnection, frames: asyncio.Queue[list[Any]]) -> None:
+        held: list[list[Any]] = []
+        while True:
+            frame = await frames.get()
+            if frame[0] == "REQ":
+                await ws.send(json.dumps(["EOSE", frame[1]]))
+            if frame[0] != "EVENT":
+                continue
+            if len(held) < 2:
+                held.append(frame)
+                if len(held) == 2:
+                    for each in held:
+                        await self._send_answer(ws, each)
+                continue
+            await asyncio.sleep(0.2)
+            await self._send_answer(ws, frame)
+
+    async def _send_answer(self, ws: ServerConnection, frame: list[Any]) -> None:
+        content = frame[1]["content"]
+        if content.startswith("big"):
+            answer = ["OK", "", False, TOO_LARGE]
+        elif content.startswith("old"):
+            answer = ["OK", "", False, TOO_OLD]
+        else:
+            answer = ["OK", frame[1]["id"], True, ""]
+        await ws.send(json.dumps(answer))
+        self.answered.append(time.monotonic())
+
+
+@contextlib.asynccontextmanager
+async def running(relay: Relay) -> AsyncIterator[Relay]:
+    async with serve(relay.serve, "127.0.0.1", 0) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        relay.url = f"ws://127.0.0.1:{port}"
+        yield relay
+
+
+async def test_refusals_told_apart_only_by_sending_again_one_at_a_time_reach_each_publisher() -> None:
+    """Two EVENTs in flight refused with empty ids and different words: the pool sends both again one at a
+    time, each refusal reaches its own publisher with the relay's words well before the timeout, and the
+    size refusal counts as refused for good."""
+    async with running(Relay()) as relay, RelayPool([relay.url], settings=SETTINGS) as pool:
+        assert await pool.wait_connected(within=5)
+        started = time.monotonic()
+        big, old = await asyncio.gather(
+            pool.publish(AUTHOR.sign(KIND_COMMENT, "big " * 10), raise_on_failure=False),
+            pool.publish(AUTHOR.sign(KIND_COMMENT, "old news"), raise_on_failure=False),
+        )
+        took = time.monotonic() - started
+        oks = pool._relays[relay.url].oks
+        one_at_a_time, unmatched = oks.one_at_a_time, oks.unmatched
+    assert list(big.rejected.values()) == [TOO_LARGE]
+    assert big.refused_for_good
+    assert list(old.rejected.values()) == [TOO_OLD]
+    assert not old.refused_for_good
+    assert took < SETTINGS.publish_timeout / 2
+    assert sorted(relay.events[2:]) == sorted(relay.events[:2])  # each sent again once
+    assert relay.came[3] >= relay.answered[2]  # the second sent again only once the first was answered
+    assert one_at_a_time
+    assert unmatched == 2
+
+
+async def test_a_refusal_with_empty_id_beside_an_accepted_event_reaches_its_publisher() -> None:
+    """An oversized and a small EVENT in flight together: the small one is accepted by id, so the OK without
+    an id is the other's: refused for good with the relay's words, nothing sent again."""
+    async with running(Relay()) as relay, RelayPool([relay.url], settings=SETTINGS) as pool:
+        assert await pool.wait_connected(within=5)
+        big, small = await asyncio.gather(
+            pool.publish(AUTHOR.sign(KIND_COMMENT, "big " * 10), raise_on_failure=False),
+            pool.publish(AUTHOR.sign(KIND_COMMENT, "small"), raise_on_failure=False),
+        )
+        oks = pool._relays[relay.url].oks
+        counts = (oks.attributed, oks.unmatched, oks.one_at_a_time)
+    assert big.refused_for_good
+    assert list(big.rejected.values()) == [TOO_LARGE]
+    assert small.ok
+    assert len(relay.events) == 2
+    assert counts == (1, 0, False)
