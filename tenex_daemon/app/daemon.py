@@ -143,6 +143,7 @@ class Daemon:
         self.notifier = SystemdNotifier()
         self.state = "starting"
         self.started_at = time.time()
+        self._started = time.monotonic()  # uptime: a wall clock stepped back does not make it negative
         self.last_event_at: float | None = None
         self.events_accepted: Counter[str] = Counter()
         self.events_ignored: Counter[str] = Counter()
@@ -215,7 +216,7 @@ class Daemon:
             "state": self.state,
             "started_at": self.started_at,
             "updated_at": now,
-            "uptime_s": round(now - self.started_at, 3),
+            "uptime_s": round(time.monotonic() - self._started, 3),
             "home": str(self.settings.home),
             "relays": relay_statuses(pool_health),
             "conversations": self._conversation_counts,
@@ -239,7 +240,7 @@ class Daemon:
             "retention": retention_status(self.sweeper),
             "errors": dict(self.errors),
             "degraded": degraded_reason(
-                pool_health, self._store_error, self._relays_down.seconds(pool_health, now),
+                pool_health, self._store_error, self._relays_down.seconds(pool_health, time.monotonic()),
                 self._watchdog.stuck_s() if self._watchdog is not None else None,
             ),
             "embedded_relay": embedded.url if embedded is not None else None,

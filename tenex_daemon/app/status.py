@@ -314,7 +314,7 @@ def new_status(
 def write_status(path: str | os.PathLike[str], data: StatusData) -> None:
     """Write ``data`` as JSON atomically: temp file beside it, fsync, ``os.replace``, fsync the folder.
 
-    ``updated_at`` (and ``uptime_s`` when ``started_at`` is known) are set to now. The
+    ``updated_at`` is set to now (and ``uptime_s``, from ``started_at``, when the data has none). The
     file is created with mode 0600 and its folder with 0700 if missing. Blocking: call
     it from a thread (``asyncio.to_thread``) inside the event loop.
     """
@@ -324,7 +324,7 @@ def write_status(path: str | os.PathLike[str], data: StatusData) -> None:
     now = time.time()
     payload["updated_at"] = now
     started = payload.get("started_at")
-    if isinstance(started, int | float):
+    if isinstance(started, int | float) and not isinstance(payload.get("uptime_s"), int | float):
         payload["uptime_s"] = round(max(0.0, now - float(started)), 3)
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), default=str)
     write_text_atomic(target, text)
@@ -508,7 +508,8 @@ class RelaysDown:
         self._since: float | None = None
 
     def seconds(self, health: PoolHealth | None, now: float) -> float:
-        """How long no relay has been connected as of ``now`` (0 while one is, or before the pool runs)."""
+        """How long no relay has been connected as of ``now`` (0 while one is, or before the pool runs);
+        ``now`` from a monotonic clock (a wall clock stepped back would hide the outage)."""
         if health is None or not health.relays or health.connected:
             self._since = None
             return 0.0
