@@ -78,13 +78,21 @@ class Subscriptions:
         return sub_id in self._closed and sub_id not in self._subs
 
     def filters_for(self, sub: Subscription, url: str) -> list[Filter]:
-        """Return the filters with ``since`` moved up to this relay's cursor minus the window."""
+        """Return the filters with ``since`` moved up to this relay's cursor minus the window. A relay
+        without a cursor of its own (one added to the settings) starts from the oldest cursor the
+        subscription has on the others: not from its whole history, whose old messages would be answered
+        as new. Neither a cursor nor a floor counts past now: one dated ahead (set while the clock ran
+        fast, then stepped back) would leave every message until then unasked."""
+        now = int(time.time())
         cursor = self._cursors.get((sub.sub_id, url))
+        if cursor is None:
+            others = [at for (sub_id, _), at in self._cursors.items() if sub_id == sub.sub_id]
+            cursor = min(others) if others else None
         floor = self._floors.get(url)
         if cursor is None and floor is None:
             return sub.filters
-        since = 0 if cursor is None else max(0, cursor - self._since_window - sub.lookback_s)
-        since = max(since, floor or 0)
+        since = 0 if cursor is None else max(0, min(cursor, now) - self._since_window - sub.lookback_s)
+        since = max(since, min(floor or 0, now))
         return [{**f, "since": max(int(f.get("since", 0)), since)} for f in sub.filters]
 
     def skip_past(self, url: str, moment: float) -> int:
@@ -142,10 +150,15 @@ class Subscriptions:
 
     def advance(self, sub_id: str, url: str, created_at: int) -> None:
         """Move a cursor up to an accepted event's ``created_at`` (never past now; a held one later; a pinned
-        one no further than its oldest pin)."""
+        one no further than its oldest pin). One left ahead of now (the clock stepped back) comes back to
+        now."""
         # An event dated in the future must not push the cursor past now.
-        created_at = min(created_at, int(time.time()))
+        now = int(time.time())
+        created_at = min(created_at, now)
         key = (sub_id, url)
+        if self._cursors.get(key, -1) > now:
+            self._cursors[key] = now
+            self._dirty.add(key)
         if key in self._held_at:
             self._held_at[key] = max(created_at, self._held_at[key])
             return

@@ -1,0 +1,70 @@
+"""Where a subscription asks a relay to start (``since``): never past now, so a clock stepped back leaves no
+message unasked; and from the other relays' cursors for a relay added to the settings, not from its whole
+history (docs/PROTOCOL.md, "Relays")."""
+
+from __future__ import annotations
+
+import pytest
+
+from tenex_daemon.adapters.nostr.relay_pool import subscriptions as module
+from tenex_daemon.adapters.nostr.relay_pool.subscriptions import Subscription, Subscriptions
+from tenex_daemon.adapters.storage.memory import MemoryStore
+
+A, B = "ws://a", "ws://b"
+NOW = 1_800_000_000
+WINDOW = 300
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wall clock reads :data:`NOW`."""
+    monkeypatch.setattr("tenex_daemon.adapters.nostr.relay_pool.subscriptions.time.time", lambda: NOW + 0.5)
+
+
+def since(subs: Subscriptions, sub: Subscription, url: str) -> int | None:
+    """The ``since`` of the subscription's first filter for ``url`` (None: none asked)."""
+    value = subs.filters_for(sub, url)[0].get("since")
+    return None if value is None else int(value)
+
+
+async def test_a_stored_cursor_ahead_of_the_clock_asks_from_now_not_from_the_cursor() -> None:
+    """A cursor stored while the clock ran an hour fast, read after it was stepped back: the relay is asked
+    from now minus the window (before, from the cursor: every message of that hour was never asked for),
+    and the next accepted event brings the cursor back to now."""
+    store = MemoryStore()
+    await store.set_meta(module.cursor_key("live", A), str(NOW + 3_600))
+    subs = Subscriptions(since_window=WINDOW)
+    sub = Subscription("live", [{"kinds": [1]}])
+    await subs.add(sub, [A], store)
+
+    assert since(subs, sub, A) == NOW - WINDOW
+    subs.advance("live", A, NOW - 10)
+    assert subs.cursor("live", A) == NOW
+
+
+async def test_a_relay_added_to_the_settings_starts_from_the_oldest_cursor_of_the_others() -> None:
+    """A relay with no cursor of its own, beside relays the subscription has cursors on, is asked from the
+    oldest of them minus the window (before, from its whole history: a 90-day-old message it alone held was
+    answered as new); a private subscription's lookback applies to it too."""
+    store = MemoryStore()
+    await store.set_meta(module.cursor_key("live", A), str(NOW - 100))
+    await store.set_meta(module.cursor_key("live", "ws://c"), str(NOW - 50))
+    subs = Subscriptions(since_window=WINDOW)
+    live = Subscription("live", [{"kinds": [1]}])
+    wraps = Subscription("wraps", [{"kinds": [1059]}], lookback_s=86_400)
+    await subs.add(live, [A, "ws://c", B], store)
+    await store.set_meta(module.cursor_key("wraps", A), str(NOW - 100))
+    await subs.add(wraps, [A, B], store)
+
+    assert since(subs, live, B) == NOW - 100 - WINDOW
+    assert since(subs, wraps, B) == NOW - 100 - WINDOW - 86_400
+
+
+async def test_a_new_home_without_any_cursor_asks_each_relay_without_since() -> None:
+    """With no cursor on any relay (a new home), the subscription is asked as made: no ``since``."""
+    subs = Subscriptions(since_window=WINDOW)
+    sub = Subscription("live", [{"kinds": [1]}])
+    await subs.add(sub, [A, B], MemoryStore())
+
+    assert since(subs, sub, A) is None
+    assert since(subs, sub, B) is None
