@@ -1,0 +1,56 @@
+"""A start on an empty store beside a home whose own store holds conversations is refused
+(docs/ARCHITECTURE.md, "Durability contract"): ``storage.kind`` switched to PostgreSQL, or ``storage.path``
+pointed at a new folder, without the conversations copied. The empty store knows no event as processed, so
+the daemon would answer again every message the relays still hold, each person getting a second answer."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tenex_daemon.app.settings import Settings, StorageKind
+from tenex_daemon.core.errors import TenexError
+from tenex_daemon.core.ports import Store
+from tenex_daemon.core.search import SearchQuery
+
+_CONVERSATION_FOLDER = re.compile(r"[0-9a-f]{64}")
+
+
+class EmptyStoreError(TenexError):
+    """The configured store holds nothing while the home's filesystem store holds conversations."""
+
+
+def left_in_the_home(settings: Settings) -> int:
+    """How many conversations the home's own filesystem store holds (archived ones too) when the settings
+    name another store; 0 when they name that one."""
+    storage = settings.storage
+    home = settings.home
+    if storage.kind is StorageKind.FILESYSTEM and (
+        storage.path is None or Path(storage.path).resolve() == home.resolve()
+    ):
+        return 0
+    folder = home / "conversations"
+    count = 0
+    for parent in (folder, folder / "archive"):
+        if parent.is_dir():
+            count += sum(1 for entry in parent.iterdir() if _CONVERSATION_FOLDER.fullmatch(entry.name))
+    return count
+
+
+async def refuse_an_empty_store_beside_the_homes(settings: Settings, store: Store) -> None:
+    """Raise :class:`EmptyStoreError` when ``store`` (open) holds no conversation and the home's own
+    filesystem store, not the one the settings name, holds some (:func:`left_in_the_home`)."""
+    held = left_in_the_home(settings)
+    if not held or await store.search(SearchQuery(limit=1)):
+        return
+    storage = settings.storage
+    named = {
+        StorageKind.POSTGRES: "its PostgreSQL database",
+        StorageKind.FILESYSTEM: f"storage.path = {storage.path!r}",
+    }.get(storage.kind, f"storage.kind = {storage.kind.value!r}")
+    raise EmptyStoreError(
+        f"the store config.toml names ({named}) holds no conversation, but {settings.home / 'conversations'} "
+        f"holds {held}: started so, the daemon would answer again every message the relays still hold. "
+        "Take them in first with `tenexd conversations rebuild --all` (what the relays hold, stored as "
+        "processed: nothing is answered twice), or move that folder aside to start anew on purpose"
+    )

@@ -1,0 +1,68 @@
+"""A daemon refuses to start on an empty store while its home's own filesystem store holds conversations
+(``storage.kind`` switched, ``storage.path`` moved, nothing copied): it would answer again every message
+the relays still hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+from tenex_daemon.app.daemon import Daemon
+from tenex_daemon.app.home import init_home
+from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.store_check import EmptyStoreError, refuse_an_empty_store_beside_the_homes
+from tests import pipeline
+from tests.conftest import Cast
+
+
+async def home_with_a_conversation(tmp_path: Path, cast: Cast) -> Path:
+    """An initialised home whose filesystem store holds one conversation."""
+    home = tmp_path / "h"
+    init_home(home, relays=["ws://127.0.0.1:9"])
+    store = FileSystemStore(home)
+    await store.open()
+    rig = pipeline.build_rig(cast, store=store)
+    await rig.manager.create_conversation(cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]]))
+    await store.close()
+    return home
+
+
+async def test_a_store_path_moved_to_an_empty_folder_is_refused_naming_what_the_home_holds(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """``storage.path`` pointing at a new, empty folder while the home holds a conversation: refused with one
+    message naming the setting, the home's folder and its count, and the way out (rebuild, or move it
+    aside); once the new store holds a conversation, or with the home's own store, it starts."""
+    home = await home_with_a_conversation(tmp_path, cast)
+    elsewhere = tmp_path / "elsewhere"
+    settings = load_settings(home, {"TENEX_STORAGE__PATH": f'"{elsewhere}"'})
+    store = FileSystemStore(elsewhere)
+    await store.open()
+    try:
+        with pytest.raises(EmptyStoreError) as refused:
+            await refuse_an_empty_store_beside_the_homes(settings, store)
+        message = str(refused.value)
+        assert f"storage.path = '{elsewhere}'" in message
+        assert f"{home / 'conversations'} holds 1" in message
+        assert "tenexd conversations rebuild --all" in message
+        await refuse_an_empty_store_beside_the_homes(load_settings(home), store)  # the home's own: no check
+        rig = pipeline.build_rig(cast, store=store)
+        await rig.manager.create_conversation(cast.user_says("again", kind=11, tags=[["p", cast.alice.pubkey]]))
+        await refuse_an_empty_store_beside_the_homes(settings, store)  # not empty: it starts
+    finally:
+        await store.close()
+
+
+async def test_a_daemon_switched_to_another_store_kind_stops_at_start_before_reaching_a_relay(
+    tmp_path: Path, cast: Cast
+) -> None:
+    """``storage.kind`` switched (here to the in-memory store) on a home holding a conversation: the
+    daemon's start raises the refusal before it connects to any relay or answers anything."""
+    home = await home_with_a_conversation(tmp_path, cast)
+    daemon = Daemon(load_settings(home, {"TENEX_STORAGE__KIND": '"memory"'}))
+
+    with pytest.raises(EmptyStoreError, match=r"storage\.kind = 'memory'"):
+        await daemon.run()
+    assert daemon.pool is None
