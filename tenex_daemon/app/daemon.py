@@ -98,7 +98,7 @@ from tenex_daemon.services.descriptions import DescriptionJobs
 from tenex_daemon.services.dispatcher import HandleResult, Outcome
 from tenex_daemon.services.outbox import every_outbox, outbox_key_for
 from tenex_daemon.services.private_messages import AGENT_PRIVATE_COPY, Intake
-from tenex_daemon.services.retention import RetentionPolicy, Sweeper
+from tenex_daemon.services.retention import RetentionPolicy, Sweeper, WallClockSteps
 from tenex_daemon.services.runs import journal_key_for
 from tenex_daemon.services.upgrade import save_upgraded_conversations
 
@@ -462,7 +462,7 @@ class Daemon:
         self.sweeper = Sweeper(
             pipeline.manager, RetentionPolicy.of(settings.conversations), threads=pipeline.threads,
             on_sweep=self.metrics.retention_swept, undelivered=pipeline.outbox.holds,
-            busy=pipeline.scheduler.has_runs,
+            busy=pipeline.scheduler.has_runs, clock_steps=WallClockSteps(),
             held_elsewhere=every_outbox(self.store, self._peers, project_signer.pubkey),
         )
         sweep_every_s = settings.conversations.sweep_interval_min * 60

@@ -28,6 +28,12 @@ saved since does not reopen a conversation, but keeps it).
 
 An error on one conversation is logged and counted and the sweep goes on with the next. Each sweep
 is logged (``retention_sweep``, with its counts) and reported to ``on_sweep`` (the daemon's metrics).
+
+A wall clock that jumped forward (set a year ahead by mistake and fixed minutes later) is not time that
+passed: a sweep would end, archive and delete by it, and a deletion is for good. So the sweeps hold off
+(``retention_held``, nothing done) for :data:`STEP_HOLD_S` after the wall clock moved ahead of the time the
+machine counted since the sweep before (:class:`WallClockSteps`; the boot clock counts a suspended machine's
+sleep too, so waking after hours is time that passed, and a sweep acts on it).
 """
 
 from __future__ import annotations
@@ -53,6 +59,40 @@ MS_PER_MINUTE = 60_000
 MS_PER_DAY = 24 * 60 * MS_PER_MINUTE
 DELETE_BATCH = 16
 """Conversations deleted at once (the filesystem store rewrites its index once for them)."""
+
+
+STEP_SLACK_S = 60.0
+"""How far the wall clock may move ahead of the boot clock between two sweeps before it counts as a step."""
+STEP_HOLD_S = 3_600.0
+"""How long (boot clock) the sweeps hold off after a forward step: time for NTP or a person to fix it."""
+
+
+def boot_seconds() -> float:
+    """Seconds since boot, sleep included (Linux ``CLOCK_BOOTTIME``; elsewhere the monotonic clock)."""
+    clock_id = getattr(time, "CLOCK_BOOTTIME", None)
+    return time.clock_gettime(clock_id) if clock_id is not None else time.monotonic()
+
+
+class WallClockSteps:
+    """Tells a forward step of the wall clock from time that passed, at each sweep: see the module
+    docstring."""
+
+    def __init__(self, boot: Callable[[], float] = boot_seconds) -> None:
+        self._boot = boot
+        self._last: tuple[int, float] | None = None
+        self._held_until: float | None = None
+
+    def holding(self, wall_ms: int) -> bool:
+        """Whether the sweep at wall time ``wall_ms`` holds off (a forward step in the last
+        :data:`STEP_HOLD_S`)."""
+        boot = self._boot()
+        if self._last is not None:
+            ahead_s = (wall_ms - self._last[0]) / 1000 - (boot - self._last[1])
+            if ahead_s > STEP_SLACK_S:
+                self._held_until = boot + STEP_HOLD_S
+                log.warning("wall_clock_step", ahead_s=round(ahead_s), retention_held_for_s=STEP_HOLD_S)
+        self._last = (wall_ms, boot)
+        return self._held_until is not None and boot < self._held_until
 
 
 class RetentionSettings(Protocol):
@@ -199,6 +239,7 @@ class Sweeper:
         undelivered: Callable[[str], bool] | None = None,
         busy: Callable[[str], bool] | None = None,
         held_elsewhere: Callable[[], Awaitable[set[str]]] | None = None,
+        clock_steps: WallClockSteps | None = None,
     ) -> None:
         """``undelivered(conversation_id)``: whether an event of it still waits for a relay (the outbox);
         such a conversation is not deleted yet (a reply is never lost to retention).
@@ -214,6 +255,9 @@ class Sweeper:
         self.policy = policy
         self._threads = threads
         self._on_sweep = on_sweep
+        self._clock_steps = clock_steps
+        """The daemon's: sweeps hold off after a forward step of the wall clock (None: never, as when the
+        manager's clock is a test's, moved on by hand)."""
         self.last: SweepReport | None = None
         """The newest sweep's report (None before the first)."""
         self.totals = SweepTotals()
@@ -234,9 +278,12 @@ class Sweeper:
         started = time.monotonic()
         now = self._manager.now_ms()
         counts = _Counts()
-        await self._end_idle(now, counts)
-        await self._archive(now, counts)
-        await self._delete(now, counts)
+        if self._clock_steps is not None and self._clock_steps.holding(now):
+            log.warning("retention_held", reason="wall_clock_step", action="nothing ended, archived, deleted")
+        else:
+            await self._end_idle(now, counts)
+            await self._archive(now, counts)
+            await self._delete(now, counts)
         report = SweepReport(
             started_at=now,
             ended_idle=counts.ended_idle,

@@ -1,0 +1,78 @@
+"""Retention and a wall clock that jumps forward (docs/ARCHITECTURE.md, "Conversation lifecycle"): a step is
+not time that passed, so the daemon's sweeps hold off for an hour after one; a machine waking from sleep
+(the boot clock counts the sleep) is time that passed, and the sweep acts on it."""
+
+from __future__ import annotations
+
+from structlog.testing import capture_logs
+
+from tenex_daemon import MemoryStore
+from tenex_daemon.core.search import SearchQuery
+from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.retention import STEP_HOLD_S, RetentionPolicy, Sweeper, WallClockSteps
+from tenex_daemon.testing import FakeClock
+from tests.conftest import Cast
+
+DAY_MS = 86_400_000
+
+
+class BootClock:
+    """Seconds since boot, moved on by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        """The boot clock's reading."""
+        return self.now
+
+
+async def setting(cast: Cast) -> tuple[ConversationManager, FakeClock, BootClock, Sweeper]:
+    """A manager holding one active and one ended conversation, and a sweeper deleting ended conversations
+    inactive for a year (``delete_after_days``) and ending those idle for 30 minutes, that has swept once."""
+    clock, boot = FakeClock(), BootClock()
+    manager = ConversationManager(
+        MemoryStore(), cast.agents, cast.project.pubkey, clock=clock, owner_pubkey=cast.user.pubkey
+    )
+    await manager.create_conversation(cast.user_says("still talking", kind=11))
+    ended = await manager.create_conversation(cast.user_says("done", kind=11))
+    await manager.end_conversation(ended.id, by="owner")
+    policy = RetentionPolicy(archive_after_days=None, delete_after_days=365, max_retained=1000)
+    sweeper = Sweeper(manager, policy, clock_steps=WallClockSteps(boot=boot))
+    await sweeper.sweep_once()
+    return manager, clock, boot, sweeper
+
+
+async def test_a_clock_set_a_year_ahead_by_mistake_ends_and_deletes_nothing_for_an_hour(cast: Cast) -> None:
+    """The wall clock jumps a year ahead while the machine counts a minute: the sweep ends nothing and deletes
+    nothing (``wall_clock_step``, ``retention_held``), nor does the next one within the hour; once the hour
+    has passed on the boot clock with the wall clock still ahead, the sweep acts by it."""
+    manager, clock, boot, sweeper = await setting(cast)
+    clock.advance(366 * DAY_MS)
+    boot.now += 60
+
+    with capture_logs() as logs:
+        held = await sweeper.sweep_once()
+    clock.advance(300_000)
+    boot.now += 300
+    again = await sweeper.sweep_once()
+
+    assert (held.ended_idle, held.deleted, again.ended_idle, again.deleted) == (0, 0, 0, 0)
+    assert {"wall_clock_step", "retention_held"} <= {entry["event"] for entry in logs}
+    assert len(await manager.store.search(SearchQuery())) == 2
+    clock.advance(int(STEP_HOLD_S * 1000))
+    boot.now += STEP_HOLD_S
+    later = await sweeper.sweep_once()
+    assert (later.ended_idle, later.deleted) == (1, 2)  # both a year idle by it: ended, then deleted
+
+
+async def test_a_machine_waking_after_hours_of_sleep_ends_its_idle_conversations(cast: Cast) -> None:
+    """Eight hours pass on the wall clock and on the boot clock alike (a suspended machine wakes): no step,
+    the sweep ends the conversation idle since."""
+    _, clock, boot, sweeper = await setting(cast)
+    clock.advance(8 * 3_600_000)
+    boot.now += 8 * 3_600
+
+    report = await sweeper.sweep_once()
+
+    assert report.ended_idle == 1
