@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -429,9 +429,47 @@ def load_public_key(path: Path, label: str) -> str:
     return Signer.from_file(path, label=label).pubkey
 
 
+def shared_key(settings: Settings, slug: str, pubkey: str, seen: dict[str, str | None]) -> str | None:
+    """Why agent ``slug``'s key file cannot be used when it holds the key of one ``seen`` before (an agent
+    slug, or None: ``project.key``), in one line naming both files; None when its key is its own, and then it
+    is ``seen``. Two agents with one key, or an agent with the project's, would be one Nostr identity (each
+    taken for the other: ``core.agents.AgentDirectory`` refuses it, the daemon would not start)."""
+    if pubkey not in seen:
+        seen[pubkey] = slug
+        return None
+    other = seen[pubkey]
+    first = settings.project_key_path if other is None else settings.agent_key_path(other)
+    who = f"the project and agent {slug!r}" if other is None else f"agents {other!r} and {slug!r}"
+    return (
+        f"key file {settings.agent_key_path(slug)} holds the same key as {first}: {who} would be one Nostr "
+        "identity; each needs a key of its own: put back the key that belongs in one of these files"
+    )
+
+
+def check_distinct_keys(settings: Settings, agent_keys: Mapping[str, str], project_key: str | None) -> None:
+    """Raise :class:`~tenex_daemon.adapters.nostr.signer.KeyFileError` (:func:`shared_key`'s line) when two
+    of the agents' keys (slug -> public key), or an agent's and the project's, are one key."""
+    seen: dict[str, str | None] = {} if project_key is None else {project_key: None}
+    for slug, pubkey in agent_keys.items():
+        problem = shared_key(settings, slug, pubkey, seen)
+        if problem is not None:
+            raise KeyFileError(problem)
+
+
+def _project_key_if_readable(settings: Settings) -> str | None:
+    """The project's public key, None when ``project.key`` is missing or cannot be used (said elsewhere)."""
+    try:
+        return load_project_pubkey(settings)
+    except KeyFileError:
+        return None
+
+
 def agent_identities(settings: Settings) -> list[tuple[AgentSettings, KeyInfo | None, str | None]]:
-    """Return each configured agent with its identity, or the reason its key file cannot be used."""
+    """Return each configured agent with its identity, or the reason its key file cannot be used: missing,
+    unreadable, or holding the key of an agent listed before it or the project's (:func:`shared_key`)."""
     result: list[tuple[AgentSettings, KeyInfo | None, str | None]] = []
+    project = _project_key_if_readable(settings)
+    seen: dict[str, str | None] = {} if project is None else {project: None}
     for agent in settings.agents:
         path = settings.agent_key_path(agent.slug)
         try:
@@ -439,7 +477,8 @@ def agent_identities(settings: Settings) -> list[tuple[AgentSettings, KeyInfo | 
         except KeyFileError as exc:
             result.append((agent, None, str(exc)))
             continue
-        result.append((agent, info, None))
+        problem = shared_key(settings, agent.slug, info.pubkey, seen)
+        result.append((agent, None, problem) if problem is not None else (agent, info, None))
     return result
 
 
@@ -447,9 +486,10 @@ def load_agents(settings: Settings) -> list[Agent]:
     """Return the configured agents with the public keys of their key files.
 
     Raises :class:`~tenex_daemon.adapters.nostr.signer.KeyFileError` naming a missing or
-    unreadable key file.
+    unreadable key file, or both files when two agents' keys, or an agent's and ``project.key``'s,
+    are one key (:func:`check_distinct_keys`).
     """
-    return [
+    agents = [
         Agent(
             slug=a.slug,
             name=a.name,
@@ -458,6 +498,8 @@ def load_agents(settings: Settings) -> list[Agent]:
         )
         for a in settings.agents
     ]
+    check_distinct_keys(settings, {a.slug: a.pubkey for a in agents}, _project_key_if_readable(settings))
+    return agents
 
 
 def load_project_pubkey(settings: Settings) -> str | None:

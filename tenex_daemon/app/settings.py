@@ -347,6 +347,13 @@ class Settings(_Section):
             raise ValueError("at most one agent may be the orchestrator")
         if self.default_agent is not None and self.default_agent not in slugs:
             raise ValueError(f"default_agent {self.default_agent!r} is not one of the agents")
+        if any(a.orchestrator and a.slug == self.default_agent for a in self.agents):
+            # what nobody addressed would be "routed" to the orchestrator itself, and no agent would answer
+            raise ValueError(
+                f"default_agent = {self.default_agent!r} is the orchestrator (agents.{self.default_agent}."
+                "orchestrator = true): name another agent, or leave default_agent out (the first agent that "
+                "is not the orchestrator)"
+            )
         return self
 
     # --- derived paths ------------------------------------------------------------------
@@ -407,7 +414,8 @@ class Settings(_Section):
 
     @property
     def default_agent_slug(self) -> str | None:
-        """The configured default agent, else the first agent that is not the orchestrator."""
+        """The configured default agent (never the orchestrator: :meth:`_agents_consistent` refuses it), else
+        the first agent that is not the orchestrator."""
         if self.default_agent is not None:
             return self.default_agent
         return next((a.slug for a in self.agents if not a.orchestrator), None)

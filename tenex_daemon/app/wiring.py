@@ -16,6 +16,7 @@ from tenex_daemon.adapters.nostr.metadata_event import ConversationMetadataCompo
 from tenex_daemon.adapters.nostr.private import WRAPS_KEY
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.app.home import check_distinct_keys
 from tenex_daemon.app.settings import AgentSettings, BackendSettings, Settings, SettingsError, StorageKind
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.budget import TokenBudget, TokenCounter, estimate_tokens
@@ -97,11 +98,17 @@ def build_thread_manager(store: Store) -> ThreadManager:
 
 
 def load_signers(settings: Settings) -> tuple[dict[str, Signer], Signer]:
-    """Load every agent's key and the project key from the home (files must be mode 0600)."""
+    """Load every agent's key and the project key from the home (files must be mode 0600).
+
+    Raises :class:`~tenex_daemon.adapters.nostr.signer.KeyFileError` naming a file that cannot be used, or
+    both files when two agents' keys, or an agent's and the project's, are one key (``tenexd run`` exits 2
+    with that line, before anything starts).
+    """
     signers = {
         a.slug: Signer.from_file(settings.agent_key_path(a.slug), label=a.slug) for a in settings.agents
     }
     project = Signer.from_file(settings.project_key_path, label="project")
+    check_distinct_keys(settings, {slug: s.pubkey for slug, s in signers.items()}, project.pubkey)
     return signers, project
 
 

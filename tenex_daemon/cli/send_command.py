@@ -277,10 +277,13 @@ def _unanswered(
 
 
 def _owner_and_agents(settings: Settings) -> tuple[Signer, list[Agent]]:
-    """The owner's signer and the home's agents; exit 2 when the home has no keys, no owner secret, or one
-    that is not the configured owner's (nor whitelisted), each with the command that mends it."""
+    """The owner's signer and the home's agents; exit 2 when the home has no keys, no owner secret, one the
+    daemon would refuse (not the configured owner's, none configured, nor whitelisted: the daemon's own rule,
+    ``is_allowed_author``), or agents' key files that cannot be used, each with what mends it."""
     from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer
     from tenex_daemon.app.home import load_agents
+    from tenex_daemon.core.agents import AgentDirectory
+    from tenex_daemon.core.targeting import is_allowed_author
 
     if not settings.project_key_path.exists():  # no keys at all: not a home init made (or the wrong one)
         fail(
@@ -302,13 +305,27 @@ def _owner_and_agents(settings: Settings) -> tuple[Signer, list[Agent]]:
         agents = load_agents(settings)
     except KeyFileError as exc:
         fail(str(exc), EXIT_USAGE)
-    if settings.owner is not None and owner.pubkey not in (settings.owner, *settings.whitelist):
-        fail(  # the daemon would refuse what it signs (author_not_allowed), and no answer would ever come
-            f"the owner secret in {settings.owner_key_path} is {owner.pubkey}, but the owner in "
-            f"{settings.config_path} is {settings.owner}: put back the key, or the owner, that belongs there",
-            EXIT_USAGE,
-        )
+    if not is_allowed_author(owner.pubkey, AgentDirectory(agents), settings.owner, settings.whitelist):
+        fail(_not_allowed(settings, owner.pubkey), EXIT_USAGE)
     return owner, agents
+
+
+def _not_allowed(settings: Settings, pubkey: str) -> str:
+    """Why ``send`` refuses to sign with ``pubkey``, the key of ``keys/owner.key``: the daemon would refuse
+    what it signs (``author_not_allowed``: neither the owner, nor whitelisted, nor an agent), and no answer
+    would ever come; with how to allow it."""
+    allow = f'add "{pubkey}" to whitelist'
+    if settings.owner is None:
+        return (
+            f"{settings.config_path} sets no owner, and the owner secret in {settings.owner_key_path} "
+            f"({pubkey}) is not in whitelist: the daemon would refuse the message (author_not_allowed); "
+            f'set owner = "{pubkey}" in {settings.config_path}, or {allow}'
+        )
+    return (
+        f"the owner secret in {settings.owner_key_path} is {pubkey}, but the owner in "
+        f"{settings.config_path} is {settings.owner}: put back the key, or the owner, that belongs there "
+        f"(or {allow}: the daemon would refuse the message, author_not_allowed)"
+    )
 
 
 INIT_FORCE_NOTE = (

@@ -241,13 +241,13 @@ def test_top_level_keys_are_set_by_their_own_variable(tmp_path: Path) -> None:
     """TENEX_<KEY> sets a top-level key (TENEX_DEFAULT_AGENT, TENEX_WHITELIST) and TENEX_<SECTION> a whole table."""
     home = write_home(tmp_path)
     env = {
-        "TENEX_DEFAULT_AGENT": "orchestrator",
+        "TENEX_DEFAULT_AGENT": "planner",
         "TENEX_WHITELIST": f'["{"b" * 64}"]',
         "TENEX_DAEMON": "{ hop_limit = 2 }",
         "TENEX_DAEMON__GRACE_PERIOD_S": "3",
     }
     settings = load_settings(home, env)
-    assert settings.default_agent == "orchestrator"
+    assert settings.default_agent == "planner"
     assert settings.whitelist == ["b" * 64]
     assert (settings.daemon.hop_limit, settings.daemon.grace_period_s) == (2, 3.0)
 
