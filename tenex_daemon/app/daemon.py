@@ -346,7 +346,7 @@ class Daemon:
         # anything of this one (its embedded relay, its status file) touches what that daemon holds
         self.store = build_store(settings)
         await self.store.open()
-        await refuse_an_empty_store_beside_the_homes(settings, self.store)  # else all is answered again
+        await refuse_an_empty_store_beside_the_homes(settings, self.store, SUBSCRIPTION_ID)  # no 2nd answers
         settings.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if settings.relays.embedded:
             self.embedded_relay = EmbeddedRelay(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tenex_daemon.adapters.nostr.relay_pool.subscriptions import cursor_key
+from tenex_daemon.app.embedded_relay import relay_url
 from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.ports import Store
@@ -37,11 +39,29 @@ def left_in_the_home(settings: Settings) -> int:
     return count
 
 
-async def refuse_an_empty_store_beside_the_homes(settings: Settings, store: Store) -> None:
-    """Raise :class:`EmptyStoreError` when ``store`` (open) holds no conversation and the home's own
-    filesystem store, not the one the settings name, holds some (:func:`left_in_the_home`)."""
+async def used_before(settings: Settings, store: Store, subscription_id: str) -> bool:
+    """Whether a daemon ran on ``store`` before: it holds a conversation, or a cursor of the daemon's
+    subscription (``subscription_id``) on one of the relays (a store retention emptied keeps its cursors)."""
+    if await store.search(SearchQuery(limit=1)):
+        return True
+    relays = settings.relays
+    urls = list(relays.urls)
+    if relays.embedded:
+        urls.append(relay_url(relays.embedded_host, relays.embedded_port))
+    for url in urls:
+        if await store.get_meta(cursor_key(subscription_id, url)) is not None:
+            return True
+    return False
+
+
+async def refuse_an_empty_store_beside_the_homes(
+    settings: Settings, store: Store, subscription_id: str
+) -> None:
+    """Raise :class:`EmptyStoreError` when ``store`` (open) was never used (:func:`used_before`) and the
+    home's own filesystem store, not the one the settings name, holds conversations
+    (:func:`left_in_the_home`)."""
     held = left_in_the_home(settings)
-    if not held or await store.search(SearchQuery(limit=1)):
+    if not held or await used_before(settings, store, subscription_id):
         return
     storage = settings.storage
     named = {
@@ -49,7 +69,7 @@ async def refuse_an_empty_store_beside_the_homes(settings: Settings, store: Stor
         StorageKind.FILESYSTEM: f"storage.path = {storage.path!r}",
     }.get(storage.kind, f"storage.kind = {storage.kind.value!r}")
     raise EmptyStoreError(
-        f"the store config.toml names ({named}) holds no conversation, but {settings.home / 'conversations'} "
+        f"the store config.toml names ({named}) was never used, but {settings.home / 'conversations'} "
         f"holds {held}: started so, the daemon would answer again every message the relays still hold. "
         "Take them in first with `tenexd conversations rebuild --all` (what the relays hold, stored as "
         "processed: nothing is answered twice), or move that folder aside to start anew on purpose"

@@ -263,36 +263,40 @@ class Conversation(BaseModel):
     @property
     def upgraded(self) -> bool:
         """Whether it was loaded from a snapshot stored before the lifecycle's fields and brought up to
-        date as it loaded (the caller saves it so; docs/ARCHITECTURE.md, "Conversation lifecycle":
-        Upgrading)."""
+        date as it loaded (the caller saves it so, :meth:`upgrade_saved`; docs/ARCHITECTURE.md,
+        "Conversation lifecycle": Upgrading)."""
         return self._upgraded
 
     def upgrade_saved(self) -> None:
         """Say it is saved as brought up to date (:attr:`upgraded` is False from now on, in copies too). The
-        caller has set :attr:`archived` as stored: one archived then and not ended counts as ended by its
-        owner's archive (the only other archiving there was) at its last activity, as one archived now is."""
+        caller has set :attr:`archived` as stored, which says whether it is still ended: the agent's
+        ``end_conversation`` then recorded its end in ``metadata.extra`` and archived it, and a new message
+        restored it (leaving those keys); an archived one is ended by that end, else by its owner's archive
+        (the only other archiving there was) at its last activity, as one archived now is."""
+        extra = self.metadata.extra
         if self._upgraded and self.archived and self.ended_at is None:
-            self.ended_at, self.ended_by, self.end_reason = self.last_activity, "owner", ARCHIVED
+            ended_at, by, reason = extra.get("ended_at"), extra.get("ended_by"), extra.get("end_reason")
+            if isinstance(ended_at, int) and not isinstance(ended_at, bool):
+                self.ended_at = ended_at
+                self.ended_by = by if isinstance(by, str) else None
+                self.end_reason = reason if isinstance(reason, str) else None
+            else:
+                self.ended_at, self.ended_by, self.end_reason = self.last_activity, "owner", ARCHIVED
+        if self._upgraded:
+            for key in ("ended_at", "ended_by", "end_reason"):  # an end of then: recorded, or undone
+                extra.pop(key, None)
         self._upgraded = False
 
     def _upgrade_from_before_lifecycle(self) -> None:
         """A snapshot stored before the lifecycle's fields: its last activity is its last update (not the
-        first save of today's daemon); an end its agent recorded in ``metadata.extra`` is its end; a title
+        first save of today's daemon); an end its agent recorded in ``metadata.extra`` is its end while it
+        is still archived (:meth:`upgrade_saved`, which knows); a title
         other than "Untitled Conversation" is the person's ``title`` tag (the only title it could have then),
         never replaced; it counts as described for that activity (no model is asked for a title and summary
         of a conversation nobody writes in again, nothing published for it: one that goes on is described as
         any other); an execution session a crash left open is dropped (the daemon no longer opens any)."""
         self._upgraded = True
         self.activity_at = self.updated_at or self.created_at
-        extra = self.metadata.extra
-        ended_at = extra.get("ended_at")
-        if self.ended_at is None and isinstance(ended_at, int) and not isinstance(ended_at, bool):
-            by, reason = extra.get("ended_by"), extra.get("end_reason")
-            self.ended_at = ended_at
-            self.ended_by = by if isinstance(by, str) else None
-            self.end_reason = reason if isinstance(reason, str) else None
-            for key in ("ended_at", "ended_by", "end_reason"):
-                extra.pop(key, None)
         if self.title_source is None and self.title != UNTITLED:
             self.title_source = TitleSource.TAG
         if self.described_at is None:

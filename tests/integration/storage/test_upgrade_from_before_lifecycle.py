@@ -13,6 +13,7 @@ import json
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -116,46 +117,59 @@ async def test_an_idle_end_after_the_upgrade_keeps_the_last_activity_of_then(
     assert (row.last_activity, row.ended_at is not None) == (then, True)
 
 
+def before_the_lifecycle(state: dict[str, Any], updated_at: int, ended_at: int) -> str:
+    """``state`` as an earlier tenexd stored it: no lifecycle fields, its agent's end in ``metadata.extra``."""
+    for key in ("activity_at", "ended_at", "ended_by", "end_reason", "summary", "title_source", "described_at",
+                "description_published", "channel", "task_id", "previous_session", "missing_root", "tools_used"):
+        state.pop(key, None)
+    state["updated_at"] = updated_at
+    state["metadata"]["extra"] = {"ended_at": ended_at, "ended_by": "alice", "end_reason": "done"}
+    return json.dumps(state)
+
+
 async def test_a_postgresql_conversation_from_before_the_lifecycle_is_brought_up_to_date_by_its_row(
     postgres_server: PostgresServer, cast: Cast
 ) -> None:
-    """On PostgreSQL, a conversation whose state and row an earlier tenexd wrote (no lifecycle fields: the
-    columns migration 2 added at their defaults; its agent's end in ``metadata.extra``) is found by the pass
-    and saved brought up to date: its row's last activity is its last update then, its end and its title
-    (the person's) are the row's too, and it needs no description."""
+    """On PostgreSQL, conversations whose state and row an earlier tenexd wrote (no lifecycle fields: the
+    columns migration 2 added at their defaults; its agent's end in ``metadata.extra``) are found by the pass
+    and saved brought up to date: the row's last activity is its last update then, its title the person's;
+    one still archived is ended by that end, one a new message restored since (the end's keys left behind)
+    is not ended; neither needs a description."""
     store = PostgresStore(await postgres_server.create_database())
     await store.open()
     try:
         rig = pipeline.build_rig(cast, store=store)
-        root = cast.user_says("Plan a picnic", kind=11, tags=[["title", "Picnic"]])
-        await rig.manager.create_conversation(root)
+        ended = cast.user_says("Plan a picnic", kind=11, tags=[["title", "Picnic"]])
+        reopened = cast.user_says("Plan a party", kind=11, tags=[["title", "Party"]])
+        for root in (ended, reopened):
+            await rig.manager.create_conversation(root)
         conn = await asyncpg.connect(store.dsn)
         try:
-            state = json.loads(await conn.fetchval("SELECT state FROM conversations WHERE id = $1", root.id))
-            for key in ("activity_at", "ended_at", "ended_by", "end_reason", "summary", "title_source",
-                        "described_at", "description_published", "channel", "task_id", "previous_session",
-                        "missing_root", "tools_used"):
-                state.pop(key, None)
-            state["updated_at"] = 1_700_000_000_000
-            state["metadata"]["extra"] = {"ended_at": 1_700_000_000_500, "ended_by": "alice", "end_reason": "done"}
-            await conn.execute(
-                "UPDATE conversations SET state = $2, updated_at = $3, activity_at = 0, ended_at = NULL,"
-                " lifecycle = '{}' WHERE id = $1",
-                root.id, json.dumps(state), 1_700_000_000_000,
-            )
+            for root, archived in ((ended, True), (reopened, False)):
+                state = json.loads(await conn.fetchval("SELECT state FROM conversations WHERE id = $1", root.id))
+                await conn.execute(
+                    "UPDATE conversations SET state = $2, updated_at = $3, activity_at = 0, ended_at = NULL,"
+                    " lifecycle = '{}', archived = $4 WHERE id = $1",
+                    root.id, before_the_lifecycle(state, 1_700_000_000_000, 1_699_999_000_000),
+                    1_700_000_000_000, archived,
+                )
         finally:
             await conn.close()
 
-        assert await save_upgraded_conversations(rig.manager) == 1
+        assert await save_upgraded_conversations(rig.manager) == 2
 
-        [row] = await store.search(SearchQuery())
-        assert (row.last_activity, row.ended_at, row.title_source) == (
-            1_700_000_000_000, 1_700_000_000_500, TitleSource.TAG
+        rows = {row.id: row for row in await store.search(SearchQuery())}
+        assert (rows[ended.id].last_activity, rows[ended.id].ended_at, rows[ended.id].title_source) == (
+            1_700_000_000_000, 1_699_999_000_000, TitleSource.TAG
         )
-        assert not row_has_work(row, after_exchanges=1)
-        conversation = await rig.manager.get_conversation(root.id)
+        assert (rows[reopened.id].last_activity, rows[reopened.id].ended_at) == (1_700_000_000_000, None)
+        assert not any(row_has_work(row, after_exchanges=1) for row in rows.values())
+        conversation = await rig.manager.get_conversation(ended.id)
         assert conversation is not None
         assert (conversation.ended_by, conversation.end_reason, conversation.upgraded) == ("alice", "done", False)
+        still_open = await rig.manager.get_conversation(reopened.id)
+        assert still_open is not None
+        assert (still_open.is_ended, "ended_at" in still_open.metadata.extra) == (False, False)
         assert await save_upgraded_conversations(rig.manager) == 0
     finally:
         await store.close()

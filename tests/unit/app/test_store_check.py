@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
-from tenex_daemon.app.daemon import Daemon
+from tenex_daemon.app.daemon import SUBSCRIPTION_ID, Daemon
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.store_check import EmptyStoreError, refuse_an_empty_store_beside_the_homes
@@ -42,15 +42,15 @@ async def test_a_store_path_moved_to_an_empty_folder_is_refused_naming_what_the_
     await store.open()
     try:
         with pytest.raises(EmptyStoreError) as refused:
-            await refuse_an_empty_store_beside_the_homes(settings, store)
+            await refuse_an_empty_store_beside_the_homes(settings, store, SUBSCRIPTION_ID)
         message = str(refused.value)
         assert f"storage.path = '{elsewhere}'" in message
         assert f"{home / 'conversations'} holds 1" in message
         assert "tenexd conversations rebuild --all" in message
-        await refuse_an_empty_store_beside_the_homes(load_settings(home), store)  # the home's own: no check
+        await refuse_an_empty_store_beside_the_homes(load_settings(home), store, SUBSCRIPTION_ID)  # the home's own: no check
         rig = pipeline.build_rig(cast, store=store)
         await rig.manager.create_conversation(cast.user_says("again", kind=11, tags=[["p", cast.alice.pubkey]]))
-        await refuse_an_empty_store_beside_the_homes(settings, store)  # not empty: it starts
+        await refuse_an_empty_store_beside_the_homes(settings, store, SUBSCRIPTION_ID)  # not empty: it starts
     finally:
         await store.close()
 
@@ -66,3 +66,20 @@ async def test_a_daemon_switched_to_another_store_kind_stops_at_start_before_rea
     with pytest.raises(EmptyStoreError, match=r"storage\.kind = 'memory'"):
         await daemon.run()
     assert daemon.pool is None
+
+
+async def test_a_store_retention_emptied_still_starts_by_its_relay_cursors(tmp_path: Path, cast: Cast) -> None:
+    """A store with no conversation left (retention deleted them all) but a relay cursor of the daemon's
+    subscription is a store used before: it starts, however many conversations the home's folder holds."""
+    from tenex_daemon.adapters.nostr.relay_pool.subscriptions import cursor_key
+
+    home = await home_with_a_conversation(tmp_path, cast)
+    elsewhere = tmp_path / "elsewhere"
+    settings = load_settings(home, {"TENEX_STORAGE__PATH": f'"{elsewhere}"'})
+    store = FileSystemStore(elsewhere)
+    await store.open()
+    try:
+        await store.set_meta(cursor_key(SUBSCRIPTION_ID, settings.relays.urls[0]), "1700000000")
+        await refuse_an_empty_store_beside_the_homes(settings, store, SUBSCRIPTION_ID)
+    finally:
+        await store.close()
