@@ -87,6 +87,17 @@ class RunListener(Protocol):
 
 
 @dataclass(slots=True)
+class _Accepts:
+    """The :meth:`RunScheduler.accept` calls of one event under way."""
+
+    fresh: bool
+    """The event was not being dispatched when the first of them came."""
+    in_flight: int = 0
+    accepted: bool = False
+    """One of them was journaled."""
+
+
+@dataclass(slots=True)
 class _Running:
     """A run being carried out, as :meth:`RunScheduler.cancel` sees it."""
 
@@ -239,6 +250,7 @@ class RunScheduler:
         self._stopping: set[str] = set()
         """Requests :meth:`cancel` is stopping."""
         self._dispatching: dict[str, None] = {}
+        self._accepts: dict[str, _Accepts] = {}
         """Event ids accepted and not yet dispatched (insertion order)."""
         self._redo: list[str] = []
         """Event ids a previous process accepted and did not finish dispatching."""
@@ -316,23 +328,29 @@ class RunScheduler:
         logged); otherwise until it is durable, and raises when it fails (the event is then not
         to be stored: the relays deliver it again).
         """
-        fresh = event_id not in self._dispatching
+        accepting = self._accepts.setdefault(event_id, _Accepts(fresh=event_id not in self._dispatching))
+        accepting.in_flight += 1
         self._dispatching[event_id] = None
         self._journal_version += 1
         wanted = self._journal_version
         try:
             if not self._store.commits_in_order:
                 await self._write_journal(wanted)
-                return
-            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._start_waiters.append((wanted, started))
-            write = self._start_write(wanted)
-            write.add_done_callback(lambda done: _fail_waiter(done, started))
-            await started
-        except BaseException:  # not accepted: a later write must not journal it (a restart would redo it)
-            if fresh:
-                self._dispatching.pop(event_id, None)
-            raise
+            else:
+                started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._start_waiters.append((wanted, started))
+                write = self._start_write(wanted)
+                write.add_done_callback(lambda done: _fail_waiter(done, started))
+                await started
+            accepting.accepted = True
+        finally:
+            accepting.in_flight -= 1
+            if not accepting.in_flight:
+                # none accepted it (the same event may be accepted twice at once: one rumor in two wraps):
+                # a later write must not journal it, or a restart would redo it
+                del self._accepts[event_id]
+                if accepting.fresh and not accepting.accepted:
+                    self._dispatching.pop(event_id, None)
 
     def dispatched(self, event_id: str, *, at_once: bool = False) -> None:
         """The dispatch of ``event_id`` is over (its runs, if any, are scheduled): its entry

@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.adapters.storage.postgres import PostgresStore
 from tenex_daemon.core.errors import StoreUnavailableError
 from tenex_daemon.services.dispatcher import Outcome
@@ -73,7 +74,7 @@ async def _accept_with_its_connection_ended(scheduler: RunScheduler, dsn: str, e
     return await _with_the_journal_write_cut(dsn, scheduler.journal_key, scheduler.accept(event_id))
 
 
-async def _journal(store: PostgresStore, scheduler: RunScheduler) -> list[object]:
+async def _journal(store: PostgresStore | MemoryStore, scheduler: RunScheduler) -> list[object]:
     """The run journal as stored."""
     raw = await store.get_meta(scheduler.journal_key)
     assert raw is not None
@@ -134,3 +135,41 @@ async def test_a_root_handed_over_again_after_its_accept_failed_starts_its_conve
     found = await store.find_event(root.id)
     assert found is not None
     assert found[0] == result.conversation_id
+
+
+class _FirstWriteFails(MemoryStore):
+    """A store whose writes are not in order (as PostgreSQL's) and whose first small-value write fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    @property
+    def commits_in_order(self) -> bool:
+        """Each write waits for itself, as on PostgreSQL."""
+        return False
+
+    async def set_meta(self, key: str, value: str) -> None:
+        """Fail the first write (a database restarting), after a moment; keep the others."""
+        self.writes += 1
+        if self.writes == 1:
+            await asyncio.sleep(0.01)
+            raise OSError("the database is restarting")
+        await super().set_meta(key, value)
+
+
+async def test_an_event_accepted_twice_at_once_stays_journaled_when_only_the_first_write_fails() -> None:
+    """One event accepted twice at once (one rumor in two gift wraps): the first accept's journal write fails,
+    the second's goes through; the second returns (its caller stores the event), so its write holds the
+    event's dispatch (before, the first's failure took the event out before the second's write was made)."""
+    store = _FirstWriteFails()
+    scheduler = RunScheduler(store, _no_run)
+    first = asyncio.create_task(scheduler.accept("event-1"))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(scheduler.accept("event-1"))
+
+    results = await asyncio.gather(first, second, return_exceptions=True)
+
+    assert isinstance(results[0], OSError)
+    assert results[1] is None
+    assert await _journal(store, scheduler) == [{"dispatch": "event-1"}]
