@@ -64,13 +64,14 @@ class Rig:
     """A connection (no socket) whose fetches the capped relay answers, its pool's delivery to a consumer
     that records what it is handed, and the subscription ``live`` with a cursor at ``CURSOR``."""
 
-    def __init__(self, relay: CappedRelay, filters: list[Filter]) -> None:
+    def __init__(self, relay: CappedRelay, filters: list[Filter], cursor_on: str = URL) -> None:
+        """``cursor_on``: the relay the cursor is on (another: this one was added to the settings)."""
         self.relay = relay
         self.handed: list[str] = []
         self.stopping = False
         self.tasks: list[asyncio.Task[Any]] = []
         self.subscriptions = Subscriptions(since_window=0)
-        self.subscriptions.advance("live", URL, CURSOR)
+        self.subscriptions.advance("live", cursor_on, CURSOR)
         self.sub = Subscription("live", filters)
         self.delivery = Delivery(
             PoolSettings(), self.subscriptions.advance, on_event=self.consume, store=MemoryStore(), lane_key=None
@@ -207,3 +208,19 @@ async def test_refused_frames_of_the_first_answer_and_of_pages_take_the_catch_up
     assert rig.connection.rejects["bad_created_at"] == CAP
     assert sorted(rig.handed) == sorted(e.id for e in missed)
     assert not rig.subscriptions.is_held("live", URL)
+
+
+async def test_a_relay_added_to_the_settings_is_caught_up_from_the_others_cursor_page_by_page() -> None:
+    """A relay with no cursor of its own, the subscription's cursor being on another relay: it is asked from
+    that cursor as a catch-up, paged past the relay's cap (all 35 events since it handed over, none older),
+    its cursor held until then (before, its newest event moved its cursor at once and nothing was paged)."""
+    old = stored(11, 3, CURSOR - 100, 1)
+    since = stored(11, 35, CURSOR + 10, 3)
+    rig = Rig(CappedRelay(old + since), [{"kinds": [11]}], cursor_on="ws://other")
+
+    await rig.catch_up()
+    await rig.delivery.stop()
+
+    assert sorted(rig.handed) == sorted(e.id for e in since)
+    assert rig.cursor() == max(e.created_at for e in since)
+    assert rig.relay.pages > 1

@@ -9,6 +9,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection, serve
@@ -122,25 +123,6 @@ async def test_the_same_event_sent_twice_owes_two_answers() -> None:
     assert futures[A].result() == OkMessage(A, False, TOO_LARGE)
     assert futures[B].result() == OkMessage(B, True, "")
     assert (oks.attributed, oks.unmatched, dict(oks.owed)) == (2, 0, {})
-
-
-async def test_an_unanswered_auth_stops_being_a_candidate_unless_the_answer_may_be_its_own() -> None:
-    """An AUTH nostr-relay never answers is owed nothing once its wait ends, so a later OK without an id is
-    the only EVENT's; while an OK without an id may be the AUTH's own, the AUTH stays a candidate."""
-    oks = AwaitedOks("ws://relay")
-    oks.sending(C)  # the AUTH
-    oks.owed_nothing(C)
-    futures = sent(oks, A)
-    oks.answer(unnamed(TOO_LARGE))
-    assert futures[A].result() == OkMessage(A, False, TOO_LARGE)
-
-    oks = AwaitedOks("ws://relay")
-    oks.sending(C)
-    futures = sent(oks, A)
-    oks.answer(unnamed("restricted: permission denied"))
-    oks.owed_nothing(C)
-    assert not futures[A].done()
-    assert dict(oks.owed) == {C: 1, A: 1}
 
 
 async def test_a_close_counts_the_answers_still_unattributed() -> None:
@@ -276,3 +258,47 @@ async def test_a_refusal_with_empty_id_beside_an_accepted_event_reaches_its_publ
     assert small.ok
     assert len(relay.events) == 2
     assert counts == (1, 0, False)
+
+
+class SilentAuthRelay:
+    """A relay that, like nostr-relay with NIP-42 on, challenges each connection and never answers the AUTH,
+    and refuses every EVENT at once with an empty id and its size refusal."""
+
+    def __init__(self) -> None:
+        self.auths = 0
+        self.url = ""
+
+    async def serve(self, ws: ServerConnection) -> None:
+        await ws.send(json.dumps(["AUTH", "challenge"]))
+        async for raw in ws:
+            frame = json.loads(raw)
+            if frame[0] == "AUTH":
+                self.auths += 1
+            elif frame[0] == "REQ":
+                await ws.send(json.dumps(["EOSE", frame[1]]))
+            elif frame[0] == "EVENT":
+                await ws.send(json.dumps(["OK", "", False, TOO_LARGE]))
+
+
+async def test_an_auth_left_unanswered_is_never_a_candidate_of_a_refusal_without_id() -> None:
+    """With an AUTH sent and never answered (nostr-relay), oversized EVENTs refused with empty ids, one while
+    the AUTH's wait runs and one after it, each reach their publisher as refused for good at once (before, the
+    AUTH counted as a candidate of the first answer and stayed owed, and no later answer was told)."""
+    relay = SilentAuthRelay()
+    async with serve(relay.serve, "127.0.0.1", 0) as server:
+        relay.url = f"ws://127.0.0.1:{next(iter(server.sockets)).getsockname()[1]}"
+        auth = replace(SETTINGS, auth_timeout=1.0)
+        async with RelayPool([relay.url], settings=auth, auth_signer=Signer.generate(label="project")) as pool:
+            assert await pool.wait_connected(within=5)
+            started = time.monotonic()
+            during = await pool.publish(AUTHOR.sign(KIND_COMMENT, "big " * 10), raise_on_failure=False)
+            await asyncio.sleep(1.2)  # the AUTH's wait is over, unanswered
+            after = await pool.publish(AUTHOR.sign(KIND_COMMENT, "big " * 11), raise_on_failure=False)
+            took = time.monotonic() - started
+            oks = pool._relays[relay.url].oks
+            counts = (oks.attributed, oks.unmatched)
+    assert relay.auths == 1
+    assert during.refused_for_good
+    assert after.refused_for_good
+    assert took < 1.2 + SETTINGS.publish_timeout / 2
+    assert counts == (2, 0)

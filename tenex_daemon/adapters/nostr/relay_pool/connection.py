@@ -350,12 +350,13 @@ class RelayConnection:
     async def send_req(self, sub: Subscription) -> None:
         """Send (or re-send) a subscription with ``since`` moved to this relay's cursor.
 
-        Asked from a cursor, it is a catch-up: the cursor is held where it is until a catch-up has asked
+        Asked from a cursor (the relay's own, or the others' for a relay added to the settings), it is a
+        catch-up: the cursor is held where it is until a catch-up has asked
         for every stored event the relay has since then (:meth:`_page_back`) and each was handed over for
         good; one cut short (a drop, a timeout, a stop, a crash) leaves it held, so the next catch-up (on
         reconnect, or at the next start) asks again from there."""
         filters = self.subscriptions.filters_for(sub, self.url)
-        if self.subscriptions.cursor(sub.sub_id, self.url) is not None and self.spec.read:
+        if self.subscriptions.starts_from(sub.sub_id, self.url) is not None and self.spec.read:
             self.subscriptions.hold(sub.sub_id, self.url)
             self.catching_up[sub.sub_id] = _CatchUp(filters)
         await self.send(encode_req(sub.sub_id, filters))
@@ -608,16 +609,17 @@ class RelayConnection:
         closed = self.closed
         future = self.expect_ok(event.id)
         try:
-            if not await self._send_owed(event.id, encode_auth(event)):
+            # not owed for an answer without an id (.oks): nostr-relay never answers AUTH, and counted as a
+            # candidate of such answers an AUTH would stop every later one on this connection being told
+            if not await self.send(encode_auth(event)):
                 return
             waiters: set[asyncio.Future[Any]] = {future, closed}
             await asyncio.wait(waiters, timeout=self.settings.auth_timeout,
                                return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._forget_ok(event.id, future)
-        if not future.done() or future.result() is RESEND:  # RESEND: its answer could not be told apart
+        if not future.done():
             if not closed.done():
-                self.oks.owed_nothing(event.id)
                 # nostr-relay never answers AUTH with OK: go on as authenticated; a later
                 # auth-required answer shows if it was not.
                 self.log.info("no OK for AUTH; assuming accepted")

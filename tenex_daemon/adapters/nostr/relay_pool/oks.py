@@ -8,9 +8,9 @@ The codec passes such an answer on with ``event_id == ""`` (any other id that is
 refuses as a malformed frame). It is attributed by deduction, with no assumption about the order a relay
 answers in:
 
-- Each EVENT (and AUTH) frame sent on a connection is *owed* one ``OK`` until one naming its id comes or
-  the connection closes (an AUTH whose wait ended unanswered is owed nothing: nostr-relay never answers
-  AUTH; unless an answer without an id may be its own). An answer without an id was caused by one of the
+- Each EVENT frame sent on a connection is *owed* one ``OK`` until one naming its id comes or the
+  connection closes (an AUTH frame is not: nostr-relay never answers one, and an AUTH owed for good would
+  be a candidate of every later answer without an id). An answer without an id was caused by one of the
   frames owed when it came (its candidates), and that frame gets no other answer, so it stays owed.
 - Once only one of its candidates is still owed, the answer is that frame's: at once when one frame was
   owed (the usual case), else when the others were answered by id.
@@ -156,12 +156,6 @@ class AwaitedOks:
     def not_sent(self, event_id: str) -> None:
         """The frame counted by :meth:`sending` did not go out."""
         self._drop_owed(event_id)
-
-    def owed_nothing(self, event_id: str) -> None:
-        """A frame that gets no ``OK`` (an AUTH nostr-relay left unanswered): no answer is owed for it, unless
-        an answer without an id waiting to be attributed may be its own (it then stays owed)."""
-        if not any(event_id in unnamed.candidates for unnamed in self.unnamed):
-            self._drop_owed(event_id)
 
     def _drop_owed(self, event_id: str) -> bool:
         """One frame of ``event_id`` is owed nothing any more; return whether one was owed."""

@@ -84,16 +84,22 @@ class Subscriptions:
         as new. Neither a cursor nor a floor counts past now: one dated ahead (set while the clock ran
         fast, then stepped back) would leave every message until then unasked."""
         now = int(time.time())
-        cursor = self._cursors.get((sub.sub_id, url))
-        if cursor is None:
-            others = [at for (sub_id, _), at in self._cursors.items() if sub_id == sub.sub_id]
-            cursor = min(others) if others else None
+        cursor = self.starts_from(sub.sub_id, url)
         floor = self._floors.get(url)
         if cursor is None and floor is None:
             return sub.filters
         since = 0 if cursor is None else max(0, min(cursor, now) - self._since_window - sub.lookback_s)
         since = max(since, min(floor or 0, now))
         return [{**f, "since": max(int(f.get("since", 0)), since)} for f in sub.filters]
+
+    def starts_from(self, sub_id: str, url: str) -> int | None:
+        """The cursor a REQ to ``url`` is asked from: the relay's own, else the oldest the subscription has on
+        the others (a relay added to the settings); None for a new home's first subscription."""
+        cursor = self._cursors.get((sub_id, url))
+        if cursor is None:
+            others = [at for (sub, _), at in self._cursors.items() if sub == sub_id]
+            cursor = min(others) if others else None
+        return cursor
 
     def skip_past(self, url: str, moment: float) -> int:
         """Make every later REQ to ``url`` ask ``since`` after ``moment`` (for this run); return it.
