@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import asyncpg
@@ -18,7 +18,6 @@ from tenex_daemon.core.errors import StoreUnavailableError
 from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.runs import RunRequest, RunScheduler
 from tests.conftest import Cast
-from tests.contract.postgres_server import PostgresServer
 from tests.pipeline import build_rig
 
 pytestmark = pytest.mark.integration
@@ -26,18 +25,6 @@ pytestmark = pytest.mark.integration
 
 async def _no_run(request: RunRequest) -> None:
     """A run that does nothing (no run is asked for here)."""
-
-
-@pytest.fixture
-async def store_and_dsn(postgres_server: PostgresServer) -> AsyncIterator[tuple[PostgresStore, str]]:
-    """An open store on a fresh database, and the database's dsn."""
-    dsn = await postgres_server.create_database()
-    store = PostgresStore(dsn)
-    await store.open()
-    try:
-        yield store, dsn
-    finally:
-        await store.close()
 
 
 async def _with_the_journal_write_cut(

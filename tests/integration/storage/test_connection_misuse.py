@@ -5,7 +5,6 @@ connection the server ended is StoreUnavailableError and the call made again wor
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -13,21 +12,8 @@ import pytest
 
 from tenex_daemon.adapters.storage.postgres import PostgresStore
 from tenex_daemon.core.errors import StoreUnavailableError
-from tests.contract.postgres_server import PostgresServer
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def store_and_dsn(postgres_server: PostgresServer) -> AsyncIterator[tuple[PostgresStore, str]]:
-    """An open store on a fresh database, and the database's dsn."""
-    dsn = await postgres_server.create_database()
-    store = PostgresStore(dsn)
-    await store.open()
-    try:
-        yield store, dsn
-    finally:
-        await store.close()
 
 
 async def _two_statements_at_once(store: PostgresStore) -> None:

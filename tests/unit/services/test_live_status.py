@@ -221,19 +221,28 @@ async def test_the_working_status_does_not_wait_for_the_reply_to_be_saved(cast: 
     assert status.sent[-1] == (root.id, root.id, cast.user.pubkey, ())
 
 
-async def test_a_run_waiting_to_try_again_still_works_and_ends_after_its_last_try(
-    cast: Cast, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Alice's first try fails (her reply's outbox write: the store gone for a moment) and waits to try again:
-    the status keeps naming her through the wait, with no idle status between the tries, and names nobody
-    once the second try has answered."""
-    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.3, 0.3))
+def retrying_rig(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch, retry_s: float
+) -> tuple[pipeline.Rig, LiveStatus, StatusLog]:
+    """The pipeline, its live status and the statuses published, with runs tried again after ``retry_s``
+    and a backend that answers at once."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (retry_s, retry_s))
     backend = GatedBackend()
     backend.release.set()
     status = StatusLog()
     rig = pipeline.build_rig(cast, backend=backend, status=status)
     live = rig.pipeline.live_status
     assert live is not None
+    return rig, live, status
+
+
+async def test_a_run_waiting_to_try_again_still_works_and_ends_after_its_last_try(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's first try fails (her reply's outbox write: the store gone for a moment) and waits to try again:
+    the status keeps naming her through the wait, with no idle status between the tries, and names nobody
+    once the second try has answered."""
+    rig, live, status = retrying_rig(cast, monkeypatch, 0.3)
     failed = outbox_fails_once_for(rig, "answer 1", monkeypatch)
     root = cast.user_says("Write the report", kind=11, tags=[["p", cast.alice.pubkey]])
 
@@ -255,13 +264,7 @@ async def test_a_stop_while_a_run_waits_to_try_again_publishes_idle(
 ) -> None:
     """Alice's try fails before saving anything and waits 30 s to try again; the owner's stop then ends her
     run, and the status names nobody at once."""
-    monkeypatch.setattr(runs, "RUN_RETRY_S", (30.0, 30.0))
-    backend = GatedBackend()
-    backend.release.set()
-    status = StatusLog()
-    rig = pipeline.build_rig(cast, backend=backend, status=status)
-    live = rig.pipeline.live_status
-    assert live is not None
+    rig, live, status = retrying_rig(cast, monkeypatch, 30.0)
     failing = asyncio.Event()
 
     async def gone(*args: object, **kwargs: object) -> None:
@@ -288,13 +291,7 @@ async def test_a_burst_that_answers_a_run_waiting_to_try_again_leaves_nobody_wor
 ) -> None:
     """Alice's first try fails before saving and waits 30 s to try again; a second message's run answers both
     in a burst: once it has answered, the status names nobody, without waiting for the first run's turn."""
-    monkeypatch.setattr(runs, "RUN_RETRY_S", (30.0, 30.0))
-    backend = GatedBackend()
-    backend.release.set()
-    status = StatusLog()
-    rig = pipeline.build_rig(cast, backend=backend, status=status)
-    live = rig.pipeline.live_status
-    assert live is not None
+    rig, live, status = retrying_rig(cast, monkeypatch, 30.0)
     append_reply = rig.manager.append_reply
     failing = asyncio.Event()
 
