@@ -39,15 +39,18 @@ sleep too, so waking after hours is time that passed, and a sweep acts on it).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Protocol
 
 import structlog
 
 from tenex_daemon.core.errors import ConversationNotFoundError
+from tenex_daemon.core.ports import SmallValues
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import IDLE, IDLE_TIMEOUT
@@ -63,6 +66,9 @@ DELETE_BATCH = 16
 
 STEP_SLACK_S = 60.0
 """How far the wall clock may move ahead of the boot clock between two sweeps before it counts as a step."""
+STEP_KEY_PREFIX = "retention.clock."
+"""The small value, per boot, of the wall clock less the boot clock at the last sweep
+(:class:`WallClockSteps`)."""
 STEP_HOLD_S = 3_600.0
 """How long (boot clock) the sweeps hold off after a forward step: time for NTP or a person to fix it."""
 
@@ -73,26 +79,70 @@ def boot_seconds() -> float:
     return time.clock_gettime(clock_id) if clock_id is not None else time.monotonic()
 
 
+def boot_id() -> str | None:
+    """This boot's id (Linux ``/proc/sys/kernel/random/boot_id``), None where there is none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
 class WallClockSteps:
     """Tells a forward step of the wall clock from time that passed, at each sweep: see the module
-    docstring."""
+    docstring. The wall clock less the boot clock stays the same while nobody steps it; kept in ``values``
+    (under this boot's id, when it has one), so a daemon restarted on the same boot still compares its first
+    sweep with the sweep before, and a hold under way goes on."""
 
-    def __init__(self, boot: Callable[[], float] = boot_seconds) -> None:
+    def __init__(
+        self,
+        values: SmallValues | None = None,
+        boot: Callable[[], float] = boot_seconds,
+        read_boot_id: Callable[[], str | None] = boot_id,
+    ) -> None:
+        self._values = values
         self._boot = boot
-        self._last: tuple[int, float] | None = None
+        this_boot = read_boot_id()
+        self._key = None if values is None or this_boot is None else f"{STEP_KEY_PREFIX}{this_boot}"
+        self._loaded = False
+        self._offset: float | None = None
+        """The wall clock less the boot clock at the sweep before (seconds)."""
         self._held_until: float | None = None
 
-    def holding(self, wall_ms: int) -> bool:
+    async def holding(self, wall_ms: int) -> bool:
         """Whether the sweep at wall time ``wall_ms`` holds off (a forward step in the last
         :data:`STEP_HOLD_S`)."""
         boot = self._boot()
-        if self._last is not None:
-            ahead_s = (wall_ms - self._last[0]) / 1000 - (boot - self._last[1])
-            if ahead_s > STEP_SLACK_S:
-                self._held_until = boot + STEP_HOLD_S
-                log.warning("wall_clock_step", ahead_s=round(ahead_s), retention_held_for_s=STEP_HOLD_S)
-        self._last = (wall_ms, boot)
+        offset = wall_ms / 1000 - boot
+        if not self._loaded:
+            self._loaded = True
+            await self._load()
+        if self._offset is not None and offset - self._offset > STEP_SLACK_S:
+            self._held_until = boot + STEP_HOLD_S
+            ahead_s = round(offset - self._offset)
+            log.warning("wall_clock_step", ahead_s=ahead_s, retention_held_for_s=STEP_HOLD_S)
+        self._offset = offset
+        await self._save()
         return self._held_until is not None and boot < self._held_until
+
+    async def _load(self) -> None:
+        if self._values is None or self._key is None:
+            return
+        try:
+            stored = json.loads(await self._values.get_meta(self._key) or "{}")
+            self._offset = float(stored["offset"]) if "offset" in stored else None
+            held = stored.get("held_until")
+            self._held_until = float(held) if held is not None else None
+        except (OSError, ValueError, TypeError, AttributeError) as error:
+            log.warning("wall_clock_record_unreadable", key=self._key, error=str(error))
+
+    async def _save(self) -> None:
+        if self._values is None or self._key is None:
+            return
+        try:
+            record = {"offset": self._offset, "held_until": self._held_until}
+            await self._values.set_meta(self._key, json.dumps(record))
+        except Exception as error:  # the sweep goes on; the next one writes it again
+            log.warning("wall_clock_record_not_saved", key=self._key, error=str(error))
 
 
 class RetentionSettings(Protocol):
@@ -278,7 +328,7 @@ class Sweeper:
         started = time.monotonic()
         now = self._manager.now_ms()
         counts = _Counts()
-        if self._clock_steps is not None and self._clock_steps.holding(now):
+        if self._clock_steps is not None and await self._clock_steps.holding(now):
             log.warning("retention_held", reason="wall_clock_step", action="nothing ended, archived, deleted")
         else:
             await self._end_idle(now, counts)

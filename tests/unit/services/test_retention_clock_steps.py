@@ -76,3 +76,21 @@ async def test_a_machine_waking_after_hours_of_sleep_ends_its_idle_conversations
     report = await sweeper.sweep_once()
 
     assert report.ended_idle == 1
+
+
+async def test_a_daemon_restarted_on_the_same_boot_still_sees_a_step_and_a_hold_under_way() -> None:
+    """The wall clock less the boot clock is kept per boot: a new daemon on the same boot compares its first
+    sweep with the last one before (a year's step is seen), and one restarted during the hold keeps holding;
+    on another boot (another id) nothing is compared."""
+    store, boot = MemoryStore(), BootClock()
+    first = WallClockSteps(store, boot=boot, read_boot_id=lambda: "boot-a")
+    assert not await first.holding(1_800_000_000_000)
+
+    boot.now += 60
+    restarted = WallClockSteps(store, boot=boot, read_boot_id=lambda: "boot-a")
+    assert await restarted.holding(1_800_000_000_000 + 366 * DAY_MS)
+    boot.now += 600
+    again = WallClockSteps(store, boot=boot, read_boot_id=lambda: "boot-a")
+    assert await again.holding(1_800_000_000_000 + 366 * DAY_MS + 660_000)
+    other_boot = WallClockSteps(store, boot=BootClock(), read_boot_id=lambda: "boot-b")
+    assert not await other_boot.holding(1_800_000_000_000 + 400 * DAY_MS)
