@@ -602,7 +602,9 @@ class ConversationManager:
 
     def _ended(self, conversation_id: str, by: str, reason: str | None) -> None:
         """Log an end made and tell the listeners (outside the conversation's lock)."""
-        log.info("conversation_ended", conversation_id=conversation_id, by=by, reason=reason)
+        # a code (idle_timeout, archived) is logged, free text (an agent's or the owner's words) is not
+        logged = reason if reason is None or reason.isidentifier() else "(given)"
+        log.info("conversation_ended", conversation_id=conversation_id, by=by, reason=logged)
         for listener in self._on_ended:
             listener(conversation_id)
 

@@ -36,6 +36,17 @@ from tenex_daemon.services.locks import KeyedLock
 
 log = structlog.get_logger(__name__)
 
+PRIVATE_CHANNEL_PREFIX = "dm:"
+"""How a private (NIP-17) conversation's channel key starts: ``dm:<agent slug>:<person's key>``."""
+
+
+def loggable_channel(channel: str) -> str:
+    """A channel key as the logs show it: a private one without its person's key (who talks privately to
+    which agent, and when, stays out of the logs: NIP-17 hides exactly that)."""
+    if channel.startswith(PRIVATE_CHANNEL_PREFIX):
+        return channel.rpartition(":")[0] + ":…"
+    return channel
+
 MS_PER_MINUTE = 60_000
 DEFAULT_IDLE_TIMEOUT_MIN = 30.0
 IDLE = "idle"
@@ -171,7 +182,7 @@ class ConversationLifecycle:
             await store.set_meta(key, conversation.id)
             log.info(
                 "channel_conversation_started",
-                channel=channel,
+                channel=loggable_channel(channel),
                 conversation_id=conversation.id,
                 previous=current_id,
             )

@@ -43,7 +43,12 @@ from tenex_daemon.core.vocabulary import (
     TAG_PUBKEY,
 )
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.lifecycle import ConversationLifecycle, Joined
+from tenex_daemon.services.lifecycle import (
+    PRIVATE_CHANNEL_PREFIX,
+    ConversationLifecycle,
+    Joined,
+    loggable_channel,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -57,7 +62,7 @@ PRIVATE_NOT_ONE_TO_ONE = "private_not_one_to_one"
 """A rumor that p-tags someone besides the agent it was wrapped for (a group message), or nobody."""
 PUBLIC_KINDS = frozenset({KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT, KIND_TASK})
 """The kinds of public conversations (what ``daemon.answer = "private"`` refuses)."""
-CHANNEL_PREFIX = "dm:"
+CHANNEL_PREFIX = PRIVATE_CHANNEL_PREFIX
 
 
 class Opened(Protocol):
@@ -181,7 +186,8 @@ class PrivateConversations:
             return
         channel = agent_channel(agent.slug, root.pubkey)
         if channel != conversation.channel and await self._lifecycle.point_channel(channel, conversation.id):
-            log.info("private_channel_pointed", conversation_id=conversation.id, channel=channel)
+            shown = loggable_channel(channel)
+            log.info("private_channel_pointed", conversation_id=conversation.id, channel=shown)
 
     async def _continued(self, rumor: NostrEvent, channel: str) -> Joined | None:
         """The earlier private conversation of the rumor's author its ``e`` tags reply into, with the rumor
@@ -197,7 +203,8 @@ class PrivateConversations:
             if conversation.archived:
                 await self._manager.restore_conversation(conversation.id)
             added = await self._manager.add_event(conversation.id, rumor)
-            log.info("private_conversation_continued", conversation_id=conversation.id, channel=channel)
+            shown = loggable_channel(channel)
+            log.info("private_conversation_continued", conversation_id=conversation.id, channel=shown)
             return Joined(conversation, created=False, added=added)
         return None
 

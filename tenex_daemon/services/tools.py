@@ -685,11 +685,13 @@ class ToolRegistry:
 
     @staticmethod
     def _error(call: ToolCall, context: ToolContext, message: str) -> ToolResult:
+        # the log takes what failed, not what after its colon quotes the model or an answer (a private
+        # conversation's words: a model's broken arguments, another agent's reply): the model gets it whole
         log.info(
             "tool_call_refused",
             tool=call.name,
             agent=context.agent.slug,
             conversation_id=context.conversation_id,
-            error=message,
+            error=message.split(": ", 1)[0],
         )
         return ToolResult(tool_call_id=call.id, name=call.name, content=f"Error: {message}", is_error=True)

@@ -1,0 +1,68 @@
+"""What the daemon's log lines leave out (docs/ARCHITECTURE.md, "Private conversations"): a person's key
+beside a private conversation, the words of an end's reason, and what a model wrote in broken tool
+arguments."""
+
+from __future__ import annotations
+
+import json
+
+from structlog.testing import capture_logs
+
+from tenex_daemon.core.llm import CompletionResult, ToolCall
+from tenex_daemon.testing.fakes import ScriptedBackend
+from tests import pipeline
+from tests.conftest import Cast
+from tests.unit.services.test_private_messages import admitted, private_rig, wrap
+from tests.unit.services.test_tool_loop import text
+
+
+async def test_the_log_of_a_private_conversation_names_no_person(cast: Cast) -> None:
+    """A private message, its continuation and the channel they take: no log line holds the person's key
+    (before, ``channel_conversation_started`` and ``private_conversation_continued`` did)."""
+    rig, intake = private_rig(cast)
+    with capture_logs() as logs:
+        first = admitted(intake, wrap(cast.user, cast.alice.pubkey, "first", at=1_790_000_000))
+        await rig.dispatcher.handle(first)
+        await rig.quiet()
+        conversation = await rig.manager.get_conversation(first.id)
+        assert conversation is not None
+        answer = conversation.history[-1]
+        reply = admitted(intake, wrap(cast.user, cast.alice.pubkey, "about that",
+                                      tags=[["p", cast.alice.pubkey], ["e", answer.id, "", "reply"]], at=1_790_000_100))
+        await rig.dispatcher.handle(reply)
+        await rig.settle()
+
+    events = {entry["event"] for entry in logs}
+    assert "channel_conversation_started" in events
+    assert all(cast.user.pubkey not in json.dumps(entry, default=str) for entry in logs)
+
+
+async def test_an_end_logs_its_code_but_not_the_words_of_its_reason(cast: Cast) -> None:
+    """An end with an agent's own words logs that a reason was given, not the words (a model paraphrases the
+    topic in them); an idle end logs its code."""
+    rig = pipeline.build_rig(cast)
+    said = await rig.manager.create_conversation(cast.user_says("my private debt", kind=11))
+    idle = await rig.manager.create_conversation(cast.user_says("hello", kind=11))
+    with capture_logs() as logs:
+        await rig.manager.end_conversation(said.id, by="alice", reason="resolved the walrus loan question")
+        await rig.manager.end_conversation(idle.id, by="idle", reason="idle_timeout")
+
+    ends = [(entry["by"], entry["reason"]) for entry in logs if entry["event"] == "conversation_ended"]
+    assert ends == [("alice", "(given)"), ("idle", "idle_timeout")]
+
+
+async def test_a_refused_tool_call_logs_what_failed_not_the_models_words(cast: Cast) -> None:
+    """A tool call whose arguments are not JSON is refused to the model with its text quoted, and logged
+    without it (before, up to 200 characters of whatever the model wrote went into the log)."""
+    backend = ScriptedBackend([
+        CompletionResult(text="", tool_calls=(ToolCall("j1", "complete", {}, invalid_arguments="{the walrus loan"),)),
+        text("Answered plainly."),
+    ])
+    rig = pipeline.build_rig(cast, backend=backend)
+    with capture_logs() as logs:
+        await rig.dispatcher.handle(cast.user_says("hi", kind=11, tags=[["p", cast.alice.pubkey]]))
+        await rig.settle()
+
+    [refused] = [entry for entry in logs if entry["event"] == "tool_call_refused"]
+    assert refused["error"] == "the arguments are not a JSON object"
+    assert "walrus" in backend.tool_results()[0].content
