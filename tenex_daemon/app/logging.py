@@ -85,6 +85,12 @@ def _resolve_level(level: str | int) -> int:
     return value
 
 
+QUIET_LIBRARIES = ("httpx", "httpx2", "httpcore", "httpcore2", "openai", "anthropic", "websockets", "asyncio")
+"""Libraries whose own log lines are kept to warnings and errors: ``httpx`` writes one line per model call
+at info, ``websockets`` some 200,000 a day at debug (every relay connection, the embedded relay's liveness
+probe); the daemon says what matters of them in its own lines."""
+
+
 def configure_logging(
     format: LogFormat | str = "auto",
     level: str | int = "info",
@@ -134,6 +140,8 @@ def configure_logging(
             old.stream.close()
     root.addHandler(handler)
     root.setLevel(numeric_level)
+    for library in QUIET_LIBRARIES:  # their own lines: one per model call at info, a flood at debug
+        logging.getLogger(library).setLevel(max(numeric_level, logging.WARNING))
     structlog.configure(
         processors=[
             structlog.stdlib.filter_by_level,
@@ -147,6 +155,8 @@ def configure_logging(
         cache_logger_on_first_use=False,
     )
     return chosen
+
+
 
 
 def _own_stream(stream: TextIO) -> TextIO | None:

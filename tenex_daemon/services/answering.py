@@ -200,6 +200,11 @@ class AnswerLoop:
             return replace(usage, text=text, extra={}), TOOL_LOOP_ERROR
         except BackendError as exc:
             failed = _redacted(str(exc))  # the reply may be public: no piece of a key or account id in it
+            log.warning(
+                "backend_failed", agent=profile.agent.slug, conversation_id=tools.conversation_id,
+                backend=profile.backend.name, error_kind=exc.kind, error=failed,
+                action="the person is told; check the backend settings (base_url, api_key_env, model)",
+            )
             text = f"I could not answer: the {profile.backend.name} backend failed ({exc.kind}): {failed}"
             # Tokens spent by earlier rounds of this run, and by a summary call of the failed one, were spent.
             return _spent(text, model, prompt_tokens, completion_tokens, budget), exc.kind

@@ -344,7 +344,8 @@ class Sweeper:
         )
         self.last = report
         self.totals.add(report)
-        log.info(
+        did = report.ended_idle or report.archived or report.deleted or report.errors
+        (log.info if did else log.debug)(  # a sweep that did nothing: not a line every 5 minutes for months
             "retention_sweep",
             ended_idle=report.ended_idle,
             archived=report.archived,

@@ -181,3 +181,24 @@ def test_no_line_is_lost_while_a_library_points_stderr_at_dev_null() -> None:
         *(("logged_while_silenced", n) for n in range(20)),
         ("logged_after", None),
     ]
+
+
+def test_libraries_log_only_warnings_even_when_the_daemon_logs_at_debug() -> None:
+    """At debug the daemon's own debug lines come out, a library's (websockets, httpx) do not, while its
+    warnings still do (before, websockets wrote some 200,000 lines a day at debug, httpx one per model call
+    at info)."""
+    from tenex_daemon.app.logging import QUIET_LIBRARIES
+
+    levels = {name: logging.getLogger(name).level for name in QUIET_LIBRARIES}
+    stream = io.StringIO()
+    try:
+        configure_logging("json", "debug", stream=stream)
+        structlog.get_logger("tenex_daemon.test").debug("own_debug")
+        logging.getLogger("websockets.client").debug("= connection is OPEN")
+        logging.getLogger("httpx").info("HTTP Request: POST http://model/v1/chat/completions")
+        logging.getLogger("websockets.client").warning("a library warning")
+        events = [line["event"] for line in lines(stream)]
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+    assert events == ["own_debug", "a library warning"]

@@ -1,6 +1,6 @@
 """What the daemon's log lines leave out (docs/ARCHITECTURE.md, "Private conversations"): a person's key
 beside a private conversation, the words of an end's reason, and what a model wrote in broken tool
-arguments."""
+arguments; and what they say of a backend that fails."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 from structlog.testing import capture_logs
 
-from tenex_daemon.core.llm import CompletionResult, ToolCall
+from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, ToolCall
 from tenex_daemon.testing.fakes import ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
@@ -66,3 +66,26 @@ async def test_a_refused_tool_call_logs_what_failed_not_the_models_words(cast: C
     [refused] = [entry for entry in logs if entry["event"] == "tool_call_refused"]
     assert refused["error"] == "the arguments are not a JSON object"
     assert "walrus" in backend.tool_results()[0].content
+
+
+class FailingBackend:
+    """A backend whose every call fails as an HTTP 401 does."""
+
+    name = "failing"
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Fail."""
+        raise BackendError("auth", "401 Unauthorized: invalid api key")
+
+
+async def test_a_failing_backend_is_logged_with_its_kind_and_what_to_check(cast: Cast) -> None:
+    """A backend that fails (a wrong API key) is one warning in the daemon's log, with the agent, the kind
+    of failure and what to check (before, only the HTTP library's own info line showed it)."""
+    rig = pipeline.build_rig(cast, backend=FailingBackend())
+    with capture_logs() as logs:
+        await rig.dispatcher.handle(cast.user_says("hi", kind=11, tags=[["p", cast.alice.pubkey]]))
+        await rig.settle()
+
+    [failed] = [entry for entry in logs if entry["event"] == "backend_failed"]
+    assert (failed["log_level"], failed["agent"], failed["error_kind"]) == ("warning", "alice", "auth")
+    assert "api_key_env" in failed["action"]

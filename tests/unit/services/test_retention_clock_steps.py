@@ -94,3 +94,18 @@ async def test_a_daemon_restarted_on_the_same_boot_still_sees_a_step_and_a_hold_
     assert await again.holding(1_800_000_000_000 + 366 * DAY_MS + 660_000)
     other_boot = WallClockSteps(store, boot=BootClock(), read_boot_id=lambda: "boot-b")
     assert not await other_boot.holding(1_800_000_000_000 + 400 * DAY_MS)
+
+
+async def test_a_sweep_that_did_nothing_is_logged_at_debug_one_that_did_at_info(cast: Cast) -> None:
+    """A sweep with nothing to do is a debug line (not an info line every five minutes for months); one that
+    ended a conversation is an info line."""
+    _, clock, boot, sweeper = await setting(cast)
+    with capture_logs() as logs:
+        await sweeper.sweep_once()
+        clock.advance(3_600_000)
+        boot.now += 3_600
+        await sweeper.sweep_once()
+
+    assert [(e["log_level"], e["ended_idle"]) for e in logs if e["event"] == "retention_sweep"] == [
+        ("debug", 0), ("info", 1)
+    ]
