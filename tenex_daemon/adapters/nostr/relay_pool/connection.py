@@ -45,6 +45,7 @@ from ..codec import (
 )
 from ..signer import Signer
 from .oks import MESSAGE_TOO_BIG, RESEND, TOO_LARGE_FOR_RELAY, AwaitedOks, relay_closed_for_size
+from .outage import Outage
 from .subscriptions import Subscription, Subscriptions
 from .types import ConnectHandler, Filter, PoolSettings, RelayHealth, RelaySpec, RelayState, Spawn
 
@@ -216,6 +217,7 @@ class RelayConnection:
         self.answering = False
         self.task: asyncio.Task[None] | None = None
         self._retry_now = asyncio.Event()
+        self.outage = Outage(self.log)
         """Set to end a reconnect's backoff at once (:meth:`retry_now`: the relay is known to be back)."""
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -258,7 +260,7 @@ class RelayConnection:
             delay = backoff_delay(attempt, settings.backoff_base, settings.backoff_cap)
             attempt = min(attempt + 1, 30)
             self.state = RelayState.BACKOFF
-            self.log.info("relay disconnected", error=self.last_error, retry_in=round(delay, 2))
+            self.outage.failed(self.last_error, delay)
             self._retry_now.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._retry_now.wait(), delay)
@@ -311,7 +313,7 @@ class RelayConnection:
         self.closed = asyncio.get_running_loop().create_future()
         self.auth_retried_subs.clear()
         self.resubscribes.clear()
-        self.log.info("relay connected", reconnects=self.reconnects)
+        self.log.info("relay connected", reconnects=self.reconnects, **self.outage.ended())
         if self.spec.read:
             for sub in self.subscriptions.live():
                 await self.send_req(sub)

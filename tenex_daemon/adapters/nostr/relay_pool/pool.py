@@ -273,15 +273,18 @@ class RelayPool:
             log.warning("publish failed", event_id=event.id, rejected=rejected, timed_out=timed_out)
         return result
 
-    @staticmethod
-    async def _finish_publish(event_id: str, url: str, task: asyncio.Task[OkMessage | None]) -> None:
+    async def _finish_publish(self, event_id: str, url: str, task: asyncio.Task[OkMessage | None]) -> None:
         try:
             answer = await task
         except asyncio.CancelledError:
             task.cancel()
             raise
         if answer is None:
-            log.info("relay did not answer a publish", relay=url, event_id=event_id)
+            relay = self._relays.get(url)
+            down = relay is not None and relay.state is not RelayState.CONNECTED
+            # a relay that is down says so itself (``relay disconnected``, ``relay still unreachable``): not
+            # one more line for each publish it misses, every 15 s for as long as it is down
+            (log.debug if down else log.info)("relay did not answer a publish", relay=url, event_id=event_id)
         elif not answer.is_success:
             log.info("relay refused a publish", relay=url, event_id=event_id, message=answer.message)
 
