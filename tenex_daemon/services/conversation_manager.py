@@ -640,10 +640,9 @@ class ConversationManager:
             except BaseException:
                 before.restore(conversation)
                 raise
-            log.info(
-                "conversation_described", conversation_id=conversation_id, title=conversation.title,
-                source=conversation.title_source,
-            )
+            shown = None if conversation.private else shortened(conversation.title, LOGGED_TITLE_CHARS)
+            log.info("conversation_described", conversation_id=conversation_id, title=shown,
+                     source=conversation.title_source)
             return conversation
 
     async def description_published(self, conversation_id: str, *, settled_for: int | None = None) -> None:

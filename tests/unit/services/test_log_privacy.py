@@ -89,3 +89,20 @@ async def test_a_failing_backend_is_logged_with_its_kind_and_what_to_check(cast:
     [failed] = [entry for entry in logs if entry["event"] == "backend_failed"]
     assert (failed["log_level"], failed["agent"], failed["error_kind"]) == ("warning", "alice", "auth")
     assert "api_key_env" in failed["action"]
+
+
+async def test_a_description_logs_its_title_shortened_as_a_creation_does(cast: Cast) -> None:
+    """A title made for a conversation is logged cut to 120 characters, as at its creation (before, whole:
+    a fallback title is the first words of the person's message)."""
+    from tenex_daemon.core.conversation import TitleSource
+
+    rig = pipeline.build_rig(cast)
+    conversation = await rig.manager.create_conversation(cast.user_says("hello", kind=11))
+    with capture_logs() as logs:
+        await rig.manager.describe(
+            conversation.id, title="word " * 60, summary="A summary.", source=TitleSource.FALLBACK,
+            for_activity=conversation.activity_at,
+        )
+
+    [described] = [entry for entry in logs if entry["event"] == "conversation_described"]
+    assert len(described["title"]) <= 121
