@@ -18,7 +18,6 @@ Each refusal is logged (``control_request_refused`` with its ``reason``) and cou
 from __future__ import annotations
 
 import hmac
-import time
 from enum import StrEnum
 from typing import Final
 
@@ -58,8 +57,6 @@ class TcpGuard:
         self.bind_host = bind_host
         self._hosts: frozenset[str] = frozenset()
         self._origins: frozenset[str] = frozenset()
-        self._logged: dict[str, tuple[float, int]] = {}
-        """Refusal reason -> (when last logged, monotonic; refusals not logged since)."""
 
     def bind(self, port: int) -> None:
         """Accept the Host names and origins of the server on ``port``."""
@@ -98,29 +95,15 @@ class TcpGuard:
             reason = self.refusal(request)
             if reason is None:
                 return await handler(request)
-            # one line per reason a minute, with how many were not logged: a page hammering the port (a
-            # rebound DNS name, a cross-site form) must not flood the log; the metrics count each
-            now = time.monotonic()
-            last, suppressed = self._logged.get(reason.value, (-LOG_EVERY_S, 0))
-            if now - last >= LOG_EVERY_S:
-                self._logged[reason.value] = (now, 0)
-                log.warning(
-                    "control_request_refused", reason=reason.value, method=request.method, path=request.path,
-                    host=request.headers.get("Host", "")[:200],
-                    origin=request.headers.get("Origin", "")[:200],
-                    suppressed=suppressed,
-                )
-            else:
-                self._logged[reason.value] = (last, suppressed + 1)
+            log.warning(
+                "control_request_refused", reason=reason.value, method=request.method, path=request.path,
+                host=request.headers.get("Host", "")[:200], origin=request.headers.get("Origin", "")[:200],
+            )
             request.app[TARGET_KEY].metrics.control_request_refused(reason.value)
             return _refused(reason)
 
         return guard
 
-
-
-LOG_EVERY_S: Final = 60.0
-"""A refusal reason is logged at most once in this many seconds (with how many were not logged since)."""
 
 _MESSAGES: Final = {
     Refusal.BAD_HOST: "the Host header must name this server (127.0.0.1:PORT or localhost:PORT)",
