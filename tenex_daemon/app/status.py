@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from tenex_daemon.app.files import write_text_atomic
+from tenex_daemon.runtime.boot import boot_id
 
 if TYPE_CHECKING:
     from tenex_daemon.adapters.nostr.relay_pool import PoolHealth
@@ -264,10 +265,12 @@ def relay_statuses(health: PoolHealth | None) -> list[RelayStatus]:
 def process_identity(pid: int) -> str | None:
     """The boot's id and the process's start time (clock ticks since boot) of process ``pid``: unique to
     one process of one boot; None when it cannot be read (no such process, no ``/proc``)."""
+    boot = boot_id()
     try:
         stat_line = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="utf-8").strip()
     except OSError:
+        return None
+    if boot is None:
         return None
     fields = stat_line.rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
     return f"{boot}:{fields[19]}" if len(fields) > 19 else None

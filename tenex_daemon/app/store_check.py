@@ -5,17 +5,15 @@ the daemon would answer again every message the relays still hold, each person g
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from tenex_daemon.adapters.nostr.relay_pool.subscriptions import cursor_key
+from tenex_daemon.adapters.storage.filesystem.layout import ARCHIVE_DIR, Layout
 from tenex_daemon.app.embedded_relay import relay_url
 from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.search import SearchQuery
-
-_CONVERSATION_FOLDER = re.compile(r"[0-9a-f]{64}")
 
 
 class EmptyStoreError(TenexError):
@@ -31,12 +29,8 @@ def left_in_the_home(settings: Settings) -> int:
         storage.path is None or Path(storage.path).resolve() == home.resolve()
     ):
         return 0
-    folder = home / "conversations"
-    count = 0
-    for parent in (folder, folder / "archive"):
-        if parent.is_dir():
-            count += sum(1 for entry in parent.iterdir() if _CONVERSATION_FOLDER.fullmatch(entry.name))
-    return count
+    layout = Layout(home / "conversations")
+    return len(layout.list_folders()) if (layout.root / ARCHIVE_DIR).is_dir() else 0
 
 
 async def used_before(settings: Settings, store: Store, subscription_id: str) -> bool:

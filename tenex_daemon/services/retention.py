@@ -44,7 +44,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
 from typing import Protocol
 
 import structlog
@@ -52,6 +51,7 @@ import structlog
 from tenex_daemon.core.errors import ConversationNotFoundError
 from tenex_daemon.core.ports import SmallValues
 from tenex_daemon.core.search import ConversationSummary, SearchQuery
+from tenex_daemon.runtime.boot import boot_id, boot_seconds
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import IDLE, IDLE_TIMEOUT
 from tenex_daemon.services.threads import ThreadManager
@@ -71,20 +71,6 @@ STEP_KEY_PREFIX = "retention.clock."
 (:class:`WallClockSteps`)."""
 STEP_HOLD_S = 3_600.0
 """How long (boot clock) the sweeps hold off after a forward step: time for NTP or a person to fix it."""
-
-
-def boot_seconds() -> float:
-    """Seconds since boot, sleep included (Linux ``CLOCK_BOOTTIME``; elsewhere the monotonic clock)."""
-    clock_id = getattr(time, "CLOCK_BOOTTIME", None)
-    return time.clock_gettime(clock_id) if clock_id is not None else time.monotonic()
-
-
-def boot_id() -> str | None:
-    """This boot's id (Linux ``/proc/sys/kernel/random/boot_id``), None where there is none."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
-    except OSError:
-        return None
 
 
 class WallClockSteps:

@@ -11,7 +11,7 @@ import pytest
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.app.daemon import SUBSCRIPTION_ID, Daemon
 from tenex_daemon.app.home import init_home
-from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.settings import Settings, load_settings
 from tenex_daemon.app.store_check import EmptyStoreError, refuse_an_empty_store_beside_the_homes
 from tests import pipeline
 from tests.conftest import Cast
@@ -29,6 +29,15 @@ async def home_with_a_conversation(tmp_path: Path, cast: Cast) -> Path:
     return home
 
 
+
+async def store_moved(tmp_path: Path, home: Path) -> tuple[Path, Settings, FileSystemStore]:
+    """``home``'s settings with ``storage.path`` moved to a new, empty folder, and that folder's store, open."""
+    elsewhere = tmp_path / "elsewhere"
+    settings = load_settings(home, {"TENEX_STORAGE__PATH": f'"{elsewhere}"'})
+    store = FileSystemStore(elsewhere)
+    await store.open()
+    return elsewhere, settings, store
+
 async def test_a_store_path_moved_to_an_empty_folder_is_refused_naming_what_the_home_holds(
     tmp_path: Path, cast: Cast
 ) -> None:
@@ -36,10 +45,7 @@ async def test_a_store_path_moved_to_an_empty_folder_is_refused_naming_what_the_
     message naming the setting, the home's folder and its count, and the way out (rebuild, or move it
     aside); once the new store holds a conversation, or with the home's own store, it starts."""
     home = await home_with_a_conversation(tmp_path, cast)
-    elsewhere = tmp_path / "elsewhere"
-    settings = load_settings(home, {"TENEX_STORAGE__PATH": f'"{elsewhere}"'})
-    store = FileSystemStore(elsewhere)
-    await store.open()
+    elsewhere, settings, store = await store_moved(tmp_path, home)
     try:
         with pytest.raises(EmptyStoreError) as refused:
             await refuse_an_empty_store_beside_the_homes(settings, store, SUBSCRIPTION_ID)
@@ -74,10 +80,7 @@ async def test_a_store_retention_emptied_still_starts_by_its_relay_cursors(tmp_p
     from tenex_daemon.adapters.nostr.relay_pool.subscriptions import cursor_key
 
     home = await home_with_a_conversation(tmp_path, cast)
-    elsewhere = tmp_path / "elsewhere"
-    settings = load_settings(home, {"TENEX_STORAGE__PATH": f'"{elsewhere}"'})
-    store = FileSystemStore(elsewhere)
-    await store.open()
+    _, settings, store = await store_moved(tmp_path, home)
     try:
         await store.set_meta(cursor_key(SUBSCRIPTION_ID, settings.relays.urls[0]), "1700000000")
         await refuse_an_empty_store_beside_the_homes(settings, store, SUBSCRIPTION_ID)
