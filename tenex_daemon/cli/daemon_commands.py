@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.table import Table
@@ -140,7 +140,7 @@ def run(
     if not settings.relays.urls and not settings.relays.embedded:
         fail("no relay configured: pass --relay URL or --embedded-relay, or set relays.urls", EXIT_USAGE)
     try:
-        configure_logging(settings.daemon.log_format, settings.daemon.log_level)
+        chosen = configure_logging(settings.daemon.log_format, settings.daemon.log_level)
     except ValueError as exc:
         fail(str(exc), EXIT_USAGE)
     from tenex_daemon.app.daemon import Daemon
@@ -150,9 +150,20 @@ def run(
     except KeyboardInterrupt:
         pass
     except (KeyFileError, ControlSetupError) as exc:  # a key or control file, a path: configuration (exit 2)
-        fail(str(exc), EXIT_USAGE)
+        _fail_run(str(exc), EXIT_USAGE, chosen)
     except (TenexError, OSError) as exc:
-        fail(str(exc), EXIT_FAILURE)
+        _fail_run(str(exc), EXIT_FAILURE, chosen)
+
+
+def _fail_run(message: str, code: int, log_format: str) -> NoReturn:
+    """Exit ``code`` after saying why: with JSON logs, as one more JSON line (``daemon_failed``) on the
+    log's stream, so a log shipper reading it sees why the daemon ended; otherwise as ``error:`` text."""
+    if log_format != "json":
+        fail(message, code)
+    import structlog
+
+    structlog.get_logger(__name__).error("daemon_failed", error=message, exit_code=code)
+    raise typer.Exit(code)
 
 
 def _status_report(ctx: typer.Context) -> tuple[StatusReport, str | None]:

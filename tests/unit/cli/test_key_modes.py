@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from tenex_daemon.adapters.nostr.signer import KeyFileError, Signer, write_key_file
+from tenex_daemon.cli.main import app
 from tests.unit.cli.conftest import tenexd
 
 
@@ -77,3 +80,20 @@ def test_a_key_in_a_folder_open_to_others_is_refused_naming_the_folder(tmp_path:
     assert signer.secret_hex() not in message
     folder.chmod(0o700)
     assert Signer.from_file(path).pubkey == signer.pubkey
+
+
+def test_run_with_json_logs_says_why_it_failed_in_a_json_line(home: Path) -> None:
+    """``tenexd run --log-format json`` refusing a key file too open writes its reason as a JSON log line
+    (``daemon_failed`` with the exit code), not plain ``error:`` text a log shipper cannot parse."""
+    (home / "keys" / "project.key").chmod(0o644)
+
+    args = ["--home", str(home), "run", "--relay", "ws://127.0.0.1:1", "--log-format", "json"]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+
+    code = result.exit_code
+    lines = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]
+    failed = [line for line in lines if line.get("event") == "daemon_failed"]
+    assert code == 2
+    assert [(line["level"], line["exit_code"]) for line in failed] == [("error", 2)]
+    assert "project.key" in failed[0]["error"]
+    assert not [line for line in result.stderr.splitlines() if line.startswith("error:")]
