@@ -62,8 +62,15 @@ class _PoolCollector(Collector):
         reconnects = CounterMetricFamily(
             f"{NAMESPACE}_relay_reconnects", "Reconnections to a relay, by url.", labels=["url"]
         )
+        without_id = CounterMetricFamily(
+            f"{NAMESPACE}_relay_oks_without_id",
+            "Relay answers (OK) naming no event, by url and whether the EVENT they answer was told.",
+            labels=["url", "outcome"],
+        )
         for relay in health.relays:
             reconnects.add_metric([relay.url], relay.reconnects)
+            without_id.add_metric([relay.url, "attributed"], relay.oks_attributed)
+            without_id.add_metric([relay.url, "unmatched"], relay.oks_unmatched)
         duplicates = "Copies of events already taken in or processed (by this daemon or another), dropped."
         errors = "Incoming events whose handling raised (each is retried)."
         retries = "Incoming events handed to the handler again after an error."
@@ -77,6 +84,7 @@ class _PoolCollector(Collector):
             CounterMetricFamily(f"{NAMESPACE}_intake_retries", retries, value=health.retries),
             GaugeMetricFamily(f"{NAMESPACE}_intake_retry_pending", pending, value=health.retrying),
             reconnects,
+            without_id,
         ]
 
 

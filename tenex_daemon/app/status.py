@@ -65,6 +65,10 @@ class RelayStatus(TypedDict):
     notices: int
     authenticated: bool
     last_error: str | None
+    oks_attributed: int
+    """Answers (``OK``) without an event id, attributed to the EVENT they answer, since start."""
+    oks_unmatched: int
+    """Answers without an event id that could not be attributed, since start (logged ``ok_unmatched``)."""
 
 
 class ConversationCounts(TypedDict):
@@ -257,6 +261,7 @@ def relay_statuses(health: PoolHealth | None) -> list[RelayStatus]:
             last_event_at=relay.last_event_at, events_received=relay.events_received,
             rejects=dict(relay.rejects), notices=relay.notices,
             authenticated=relay.authenticated, last_error=relay.last_error,
+            oks_attributed=relay.oks_attributed, oks_unmatched=relay.oks_unmatched,
         )
         for relay in (health.relays if health is not None else ())
     ]

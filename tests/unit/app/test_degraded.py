@@ -24,7 +24,7 @@ from tenex_daemon.app.home import init_home
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.refusals import RefusalLog
 from tenex_daemon.app.settings import load_settings
-from tenex_daemon.app.status import read_status, write_status
+from tenex_daemon.app.status import read_status, relay_statuses, write_status
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import KIND_GIFT_WRAP
@@ -217,12 +217,13 @@ async def test_refused_gift_wraps_are_logged_once_a_minute_per_reason_whatever_t
 
 def test_metrics_show_frame_rejects_duplicates_handler_errors_and_reconnects() -> None:
     """/metrics carries the pool's frame rejections by reason, duplicates, handler errors, retries and
-    each relay's reconnects, read from its health at scrape time."""
+    each relay's reconnects and answers without an event id, read from its health at scrape time."""
     pool = RelayPool(["ws://127.0.0.1:9"], settings=PoolSettings())
     base = pool.health()
     relay = base.relays[0]
+    changed = {"state": relay.state, "reconnects": 3, "oks_attributed": 8, "oks_unmatched": 1}
     health = PoolHealth(
-        (type(relay)(**{**relay.to_dict(), "state": relay.state, "reconnects": 3}),),
+        (type(relay)(**{**relay.to_dict(), **changed}),),
         delivered=5, duplicates=7, consumer_errors=2, queued=0, rejects={"bad_signature": 4},
         retrying=1, retries=6,
     )
@@ -235,6 +236,9 @@ def test_metrics_show_frame_rejects_duplicates_handler_errors_and_reconnects() -
     assert "tenexd_intake_retries_total 6.0" in text
     assert "tenexd_intake_retry_pending 1.0" in text
     assert 'tenexd_relay_reconnects_total{url="ws://127.0.0.1:9"} 3.0' in text
+    assert 'tenexd_relay_oks_without_id_total{outcome="attributed",url="ws://127.0.0.1:9"} 8.0' in text
+    assert 'tenexd_relay_oks_without_id_total{outcome="unmatched",url="ws://127.0.0.1:9"} 1.0' in text
+    assert [(r["oks_attributed"], r["oks_unmatched"]) for r in relay_statuses(health)] == [(8, 1)]
 
 
 class MuteStore(MemoryStore):

@@ -776,5 +776,6 @@ class RelayConnection:
             last_event_at=self.last_event_at, events_received=self.events_received,
             rejects=dict(self.rejects), notices=self.notices,
             authenticated=self.authenticated.is_set(), last_error=self.last_error,
+            oks_attributed=self.oks.attributed, oks_unmatched=self.oks.unmatched,
         )
 

@@ -125,6 +125,10 @@ class RelayHealth:
     notices: int
     authenticated: bool
     last_error: str | None
+    oks_attributed: int = 0
+    """``OK`` answers without an event id attributed to the EVENT they answer, since start (``.oks``)."""
+    oks_unmatched: int = 0
+    """``OK`` answers without an event id that could not be attributed, since start."""
 
     def to_dict(self) -> dict[str, Any]:
         """Return the snapshot as JSON-ready data."""
@@ -134,6 +138,7 @@ class RelayHealth:
             "last_event_at": self.last_event_at, "events_received": self.events_received,
             "rejects": dict(self.rejects), "notices": self.notices,
             "authenticated": self.authenticated, "last_error": self.last_error,
+            "oks_attributed": self.oks_attributed, "oks_unmatched": self.oks_unmatched,
         }
 
 
