@@ -85,6 +85,14 @@ async def test_the_outbox_gives_up_an_event_nostr_relay_refuses_for_its_size(
     assert (outbox.depth, outbox.retries) == (0, 0)
 
 
+async def _published_by(pool: RelayPool, author: str, within_s: float) -> list[NostrEvent]:
+    """The kind-1111 events of ``author`` on the relay, once there is one (or ``within_s`` passed)."""
+    async with asyncio.timeout(within_s):
+        while not (found := await pool.fetch([{"kinds": [KIND_COMMENT], "authors": [author]}])):  # noqa: ASYNC110
+            await asyncio.sleep(0.2)  # the relay is polled: it tells nothing
+    return found
+
+
 class RelayPublisher(FakePublisher):
     """The pipeline's publisher over a real relay pool (typing indicators are only recorded)."""
 
@@ -110,7 +118,8 @@ async def test_the_person_gets_the_notice_when_nostr_relay_refuses_an_answer_for
         root = cast.user_says("Tell me everything", kind=11, tags=[["p", cast.alice.pubkey]])
         await rig.dispatcher.handle(root)
         await rig.settle(timeout_s=30)
-        on_relay = await pool.fetch([{"kinds": [KIND_COMMENT], "authors": [cast.alice.pubkey]}])
+        # the notice goes out through the outbox, after the refusal: on the connection the pool opened anew
+        on_relay = await _published_by(pool, cast.alice.pubkey, within_s=15)
     expected = (
         "Alice's answer could not be published: the relays refused it "
         f"({TOO_LARGE})."
@@ -120,3 +129,21 @@ async def test_the_person_gets_the_notice_when_nostr_relay_refuses_an_answer_for
     assert on_relay[0].tag_values("p") == [cast.user.pubkey]
     outbox = rig.pipeline.outbox
     assert (outbox.refused, outbox.depth, outbox.retries) == (1, 0, 0)
+
+
+async def test_publishes_after_several_refusals_are_answered_at_once_not_slowed_by_nostr_relay(
+    nostr_relay: NostrRelayProcess,
+) -> None:
+    """nostr-relay sleeps before every later frame of a connection after each refusal (2 s, doubling): after
+    four refusals for size, a fifth small event is still accepted well within the publish timeout, as the
+    pool opens a fresh connection after each such refusal."""
+    async with RelayPool([nostr_relay.url], settings=FAST) as pool:
+        assert await pool.wait_connected(within=10)
+        for _ in range(4):
+            with pytest.raises(RefusedForGoodError):
+                await pool.publish(AUTHOR.sign(KIND_COMMENT, OVER_LIMIT))
+        started = time.monotonic()
+        result = await pool.publish(AUTHOR.sign(KIND_COMMENT, "small, after the refusals"))
+        took = time.monotonic() - started
+    assert result.ok
+    assert took < 2.0

@@ -215,6 +215,8 @@ class RelayConnection:
         self.challenge: str | None = None
         """The newest AUTH challenge not answered yet (answered one at a time)."""
         self.answering = False
+        self.renew_for: str | None = None
+        """Why this connection is to be closed after the frame being read and opened again at once."""
         self.task: asyncio.Task[None] | None = None
         self._retry_now = asyncio.Event()
         self.outage = Outage(self.log)
@@ -229,6 +231,7 @@ class RelayConnection:
         while True:
             self.state = RelayState.CONNECTING
             opened_at: float | None = None
+            renewed: str | None = None
             try:
                 async with connect(
                     self.url,
@@ -245,6 +248,13 @@ class RelayConnection:
                     async for raw in ws:
                         ack_now()
                         await self._on_frame(raw)
+                        if self.renew_for is not None and not self.oks.unnamed:  # each attributed first
+                            renewed = self.renew_for
+                            self._on_close(renewing=True)  # nothing more is sent on it
+                            break
+                if renewed is not None:  # closed on purpose: a fresh connection at once
+                    self.log.info("relay_connection_renewed", reason=renewed)
+                    continue
                 self.last_error = "closed by relay"
             except asyncio.CancelledError:
                 self._on_close()
@@ -326,10 +336,11 @@ class RelayConnection:
             except Exception:
                 self.log.exception("connect handler failed")
 
-    def _on_close(self) -> None:
+    def _on_close(self, *, renewing: bool = False) -> None:
         self.catching_up.clear()  # their cursors stay held: the reconnect's catch-up asks again from them
         # no OK comes for what was sent on this connection: each waiter also waits on `closed`, set below
-        self.oks.closed()
+        self.oks.closed(keep_pace=renewing)
+        self.renew_for = None
         self.challenge = None
         self.ws = None
         self.connected.clear()
@@ -525,6 +536,10 @@ class RelayConnection:
     def _on_ok(self, message: OkMessage) -> None:
         # one without an event id (nostr-relay's refusals) is attributed when that can be told (.oks)
         self.oks.answer(message)
+        if not message.event_id and not message.accepted and message.prefix != "auth-required":
+            # nostr-relay then sleeps before every later frame of this connection (2 s, doubling at each
+            # refusal): three refusals and its answers come after a publish's time; a fresh one is not slowed
+            self.renew_for = "a refusal without an event id (nostr-relay slows the connection after it)"
 
     def _on_closed(self, message: ClosedMessage) -> None:
         sub_id = message.subscription_id

@@ -189,15 +189,17 @@ class AwaitedOks:
             self.log.info("ok_without_event_id", attribution="pending", candidates=len(unnamed.candidates),
                           accepted=message.accepted, message=message.message[:300])
 
-    def closed(self) -> None:
-        """The connection closed: nothing more is owed on it; answers still unattributed stay so."""
+    def closed(self, *, keep_pace: bool = False) -> None:
+        """The connection closed: nothing more is owed on it; answers still unattributed stay so.
+        ``keep_pace``: the next connection is to the same relay, opened anew on purpose (nostr-relay's
+        slowing): if this one sent one EVENT at a time, so does that one."""
         for unnamed in self.unnamed:
             self._unmatched(unnamed.answer, "the connection closed first", len(unnamed.candidates))
         self.unnamed.clear()
         self.owed.clear()
         self.waiters.clear()
         self.sizes.clear()
-        self.one_at_a_time = False
+        self.one_at_a_time = self.one_at_a_time and keep_pace
         self.blind = False
 
     def _deduce(self) -> None:
