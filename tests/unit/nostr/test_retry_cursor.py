@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool
-from tenex_daemon.adapters.nostr.relay_pool.subscriptions import Subscriptions
+from tenex_daemon.adapters.nostr.relay_pool.subscriptions import MAX_LEFT, Subscriptions
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.testing import KeyPair, sign_event
 
@@ -115,5 +115,69 @@ async def test_an_event_dropped_from_a_full_retry_set_still_stops_its_cursor_for
         assert sorted(handed) == ["failing too", "later"]
         assert (health.retrying, health.retry_dropped) == (0, 1)
         assert pool.cursor("mentions", URL) == dropped.created_at
+    finally:
+        await pool.stop()
+
+
+def test_a_left_event_handed_over_again_frees_its_cursor_and_past_the_cap_the_oldest_stops_it() -> None:
+    """An event given up on stops its cursor only until a relay's copy of it is handed over (the cursor then
+    moves to the newest event accepted meanwhile); past MAX_LEFT events left, the oldest stops its cursor for
+    the rest of the run, as before."""
+    subs = Subscriptions(since_window=0)
+    subs.advance("s", URL, 100)
+    subs.pin("s", URL, "v", 250)
+    subs.unpin("s", URL, "v", left=True)
+    subs.advance("s", URL, 300)
+    assert subs.cursor("s", URL) == 250
+    subs.handed_over("v")  # a relay sent it again and it went through
+    assert subs.cursor("s", URL) == 300
+    subs.advance("s", URL, 310)
+    assert subs.cursor("s", URL) == 310
+
+    for n in range(MAX_LEFT + 1):
+        subs.pin("s", URL, f"e{n}", 400 + n)
+        subs.unpin("s", URL, f"e{n}", left=True)
+    subs.advance("s", URL, 5_000)
+    for n in range(MAX_LEFT + 1):
+        subs.handed_over(f"e{n}")
+    assert subs.cursor("s", URL) == 400  # e0, past the cap, stops it for the run
+
+
+async def test_an_event_dropped_from_the_retry_set_then_sent_again_lets_its_cursor_move_on() -> None:
+    """An event dropped from a full retry set that a relay sends again once its handler works (a catch-up) is
+    handed over, and its relay's cursor moves on to the newest event taken in: it no longer stays there for
+    the rest of the run, making every reconnect ask again for all that came since."""
+    keys = KeyPair.from_seed(93)
+    now = int(time.time())
+    dropped = sign_event(keys, "dropped", created_at=now - 500)
+    failing_too = sign_event(keys, "failing too", created_at=now - 300)
+    later = sign_event(keys, "later", created_at=now - 10)
+    failing = {dropped.id, failing_too.id}
+    handed: list[str] = []
+
+    async def on_event(received: ReceivedEvent) -> None:
+        if received.event.id in failing:
+            raise RuntimeError("a transient failure")
+        handed.append(received.event.content)
+
+    settings = PoolSettings(retry_base=0.2, retry_cap=0.2, retry_capacity=1)
+    pool = RelayPool([], on_event=on_event, store=MemoryStore(), settings=settings)
+    await pool.start()
+    try:
+        for event in (dropped, failing_too):
+            await pool.intake(event, URL, "mentions")
+        for _ in range(100):
+            if pool.consumer_errors == 2:
+                break
+            await asyncio.sleep(0.01)
+        failing.clear()
+        await pool.intake(later, URL, "mentions")
+        await pool.intake(dropped, URL, "mentions")  # the relay's copy, sent again
+        for _ in range(200):
+            if len(handed) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(handed) == ["dropped", "failing too", "later"]
+        assert pool.cursor("mentions", URL) == later.created_at
     finally:
         await pool.stop()

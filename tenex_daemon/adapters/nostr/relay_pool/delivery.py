@@ -57,6 +57,9 @@ class CursorPins(Protocol):
     def unpin(self, sub_id: str, url: str, event_id: str, *, left: bool = False) -> None:
         """The event no longer waits for a retry (``left``: given up on; the cursor still stops at it)."""
 
+    def handed_over(self, event_id: str) -> None:
+        """The event was handed over for good (a relay's copy of one given up on, the cursor moves on)."""
+
 
 class SeenIds:
     """An LRU set of event ids (in-flight dedupe across relays)."""
@@ -326,13 +329,18 @@ class Delivery:
         self._retry_wake.set()
 
     def _unretry(self, event_id: str, *, left: bool = False) -> None:
-        """The event leaves the retry set: handed over, its cursor is no longer pinned by it; ``left``
-        (dropped from a full set), its cursor still stops at it for the rest of the run (the next start
-        asks)."""
+        """The event leaves the retry set: handed over, its cursor is no longer pinned by it (nor stopped, if
+        it was left before: a relay sent it again); ``left`` (dropped from a full set), its cursor still stops
+        at it until a relay's copy is handed over (or, past ``MAX_LEFT``, for the rest of the run: the next
+        start asks)."""
         entry = self._retry.pop(event_id, None)
-        if entry is not None and self._cursor_pins is not None:
+        if self._cursor_pins is None:
+            return
+        if entry is not None:
             _, url, sub_id, _ = entry[0]
             self._cursor_pins.unpin(sub_id, url, event_id, left=left)
+        if not left:
+            self._cursor_pins.handed_over(event_id)
 
     async def _retry_loop(self) -> None:
         """Hand every failed event whose wait is over to the delivery queue again."""

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from .types import CURSOR_META_PREFIX, Filter, PoolStore
 
+MAX_LEFT = 1_000
+"""Events given up on (dropped from a full retry set) whose relay copy, handed over later, lets their cursor
+move on; past it the oldest stops its cursor for the rest of the run (the next start asks for it again)."""
 
 @dataclass
 class Subscription:
@@ -44,8 +47,14 @@ class Subscriptions:
         A pinned cursor does not pass the oldest (a restart asks for it again); the newest ``created_at``
         accepted meanwhile is in ``_pinned_newest``, where it moves once the last pin goes."""
         self._pinned_newest: dict[tuple[str, str], int] = {}
+        self._left: dict[tuple[str, str], dict[str, int]] = {}
+        """Cursors that pass no event given up on (left to the relays and the next start) until a relay's
+        copy of it is handed over (:meth:`handed_over`): event id -> ``created_at``."""
+        self._left_key: dict[str, tuple[str, str]] = {}
+        """The cursor each event in ``_left`` stops (at most :data:`MAX_LEFT`)."""
         self._left_at: dict[tuple[str, str], int] = {}
-        """Cursors that pass no event given up on this run (left to the next start): the oldest's date."""
+        """Cursors that pass, for the rest of this run, no event left past :data:`MAX_LEFT`: the oldest's
+        date (the next start asks for it again)."""
         self._floors: dict[str, int] = {}
         """Per relay url: a ``since`` no REQ to it goes below (set past a frame too big to read)."""
 
@@ -145,7 +154,7 @@ class Subscriptions:
         if pins is None or created_at is None:
             return
         if left:
-            self._left_at[key] = min(created_at, self._left_at.get(key, created_at))
+            self._leave(key, event_id, created_at)
         if pins:
             newest = self._pinned_newest.get(key, -1)
         else:
@@ -153,6 +162,35 @@ class Subscriptions:
             newest = self._pinned_newest.pop(key, -1)
         if newest >= 0:
             self.advance(sub_id, url, newest)
+
+    def _leave(self, key: tuple[str, str], event_id: str, created_at: int) -> None:
+        self._left.setdefault(key, {})[event_id] = created_at
+        self._left_key[event_id] = key
+        if len(self._left_key) > MAX_LEFT:  # the oldest left stops its cursor for the rest of the run
+            oldest = next(iter(self._left_key))
+            oldest_key = self._left_key.pop(oldest)
+            left = self._left[oldest_key]
+            at = left.pop(oldest)
+            if not left:
+                del self._left[oldest_key]
+            self._left_at[oldest_key] = min(at, self._left_at.get(oldest_key, at))
+
+    def handed_over(self, event_id: str) -> None:
+        """An event was handed over for good: if it was left (:meth:`unpin`), a relay sent it again and the
+        cursor it stopped moves on (to the newest event accepted meanwhile, up to what still stops it)."""
+        key = self._left_key.pop(event_id, None)
+        if key is None:
+            return
+        left = self._left[key]
+        del left[event_id]
+        if not left:
+            del self._left[key]
+        if self._pins.get(key) or key in self._left or key in self._left_at:
+            newest = self._pinned_newest.get(key, -1)
+        else:
+            newest = self._pinned_newest.pop(key, -1)
+        if newest >= 0:
+            self.advance(*key, newest)
 
     def advance(self, sub_id: str, url: str, created_at: int) -> None:
         """Move a cursor up to an accepted event's ``created_at`` (never past now; a held one later; a pinned
@@ -168,9 +206,10 @@ class Subscriptions:
         if key in self._held_at:
             self._held_at[key] = max(created_at, self._held_at[key])
             return
-        pins, left_at = self._pins.get(key), self._left_at.get(key)
-        if pins or left_at is not None:  # most cursors have neither: nothing is built for them
-            ceiling = min([*(pins.values() if pins else ()), *(() if left_at is None else (left_at,))])
+        pins, left, left_at = self._pins.get(key), self._left.get(key), self._left_at.get(key)
+        if pins or left or left_at is not None:  # most cursors have none: nothing is built for them
+            stops = (*(pins.values() if pins else ()), *(left.values() if left else ()))
+            ceiling = min([*stops, *(() if left_at is None else (left_at,))])
             self._pinned_newest[key] = max(created_at, self._pinned_newest.get(key, -1))
             created_at = min(created_at, ceiling)
         if created_at > self._cursors.get(key, -1):
