@@ -432,6 +432,7 @@ class EventDispatcher:
         routed = target.via_orchestrator or (target.agent is not None and target.agent.orchestrator)
         if routed or target.skip is None:
             await self._scheduler.accept(reply.id)
+            self._scheduler.reply_journaled(reply.id)
             self._routing_owed[reply.id] = None
             while len(self._routing_owed) > ROUTING_OWED_KEPT:  # a reply never saved, a run dropped
                 self._routing_owed.popitem(last=False)

@@ -20,17 +20,25 @@ from tenex_daemon.core.ports import Peers, SmallValues
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.runtime.failures import log_failure
 from tenex_daemon.services.locks import KeyedLock
+from tenex_daemon.services.run_journal import (
+    PENDING_RUNS_KEY,
+    RunRequest,
+    forget_journaled,
+    journal_key_for,
+    journaled_request,
+)
 
 log = structlog.get_logger(__name__)
 
-PENDING_RUNS_KEY = "runs.pending"
+__all__ = [
+    "PENDING_RUNS_KEY", "RUN_LEASE_PREFIX", "RunRequest", "RunScheduler", "forget_journaled",
+    "journal_key_for",
+]
+
 RUN_LEASE_PREFIX = "run:"
 """The lease a run holds on its conversation across daemons (the manager's steps use the bare id)."""
 
-
-def journal_key_for(daemon_id: str) -> str:
-    """The run journal's key of one daemon (its project key) in a store daemons share (PostgreSQL)."""
-    return f"{PENDING_RUNS_KEY}.{daemon_id}"
+RunFunction = Callable[[RunRequest], Awaitable[None]]
 
 RUN_RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0, *(60.0,) * 25)
 """Waits before each new try of a run that failed with an error (about 26 minutes in all)."""
@@ -39,40 +47,6 @@ SAVING_WAIT_S = 10.0
 run for the stop to count its reply before routing it."""
 FINISHED_FLUSH_S = 1.0
 """A finished run is dropped from the stored journal within this long (with any write sooner)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RunRequest:
-    """An agent to run for a trigger in a conversation."""
-
-    conversation_id: str
-    trigger_id: str
-    agent_slug: str
-    via_orchestrator: bool = False
-    recovered: bool = False
-    """Redone after a restart: the previous process may have saved its reply already."""
-    burst: tuple[str, ...] = ()
-    """The earlier triggers this run answers together with its own (docs/CONTEXT.md, "Bursts")."""
-
-
-RunFunction = Callable[[RunRequest], Awaitable[None]]
-
-_REQUEST_FIELDS = ("conversation_id", "trigger_id", "agent_slug")
-
-
-def _journaled_request(item: dict[str, Any], key: str) -> RunRequest | None:
-    """The run a journal entry names, recovered; fields it does not know (a journal another version of the
-    daemon wrote) are left out. An entry without a conversation, trigger and agent is logged and skipped:
-    the journal's other entries are still taken in."""
-    if not all(isinstance(item.get(name), str) and item[name] for name in _REQUEST_FIELDS):
-        log.error("run_journal_entry_unreadable", key=key, entry=str(item)[:200])
-        return None
-    burst = item.get("burst", ())
-    return RunRequest(
-        item["conversation_id"], item["trigger_id"], item["agent_slug"],
-        via_orchestrator=item.get("via_orchestrator") is True, recovered=True,
-        burst=tuple(str(t) for t in burst) if isinstance(burst, list | tuple) else (),
-    )
 
 
 class RunListener(Protocol):
@@ -107,6 +81,8 @@ class _Running:
     """Its answer is in and its reply is being saved: a stop lets it finish."""
     saved: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once its reply is in history (:func:`reply_saved`), or the run is over."""
+    routed: list[str] = field(default_factory=list)
+    """The replies it journaled as being dispatched before saving (:meth:`RunScheduler.reply_journaled`)."""
     reply_in: bool = False
     """Its reply is in history (:func:`reply_saved`): a try that fails after it leaves a reply to publish."""
     reply_id: str | None = None
@@ -237,6 +213,9 @@ class RunScheduler:
         self._answered: set[str] = set()
         """Covered requests whose burst run saved its reply: out of the stored journal (a crash does not
         redo them alone: the burst's reply names only its newest trigger), waiting for their own turn."""
+        self._unsaved: dict[str, list[str]] = {}
+        """Per run, the replies its failed tries journaled as being dispatched: once a later try answers,
+        those still journaled were never saved (a saved one is found and routed by that try) and leave."""
         self._saved_then_failed: set[str] = set()
         """Requests whose failed try had its reply saved (or being saved), waiting to try again: a stop lets
         them finish (their retry publishes that reply, it does not make another)."""
@@ -352,6 +331,14 @@ class RunScheduler:
                 if accepting.fresh and not accepting.accepted:
                     self._dispatching.pop(event_id, None)
 
+    @staticmethod
+    def reply_journaled(reply_id: str) -> None:
+        """The calling run journaled its reply as being dispatched (:meth:`accept`) before saving it: should
+        this try fail, and a later one answer, the reply (never saved) leaves the journal then."""
+        running = _CURRENT_RUN.get()
+        if running is not None:
+            running.routed.append(reply_id)
+
     def dispatched(self, event_id: str, *, at_once: bool = False) -> None:
         """The dispatch of ``event_id`` is over (its runs, if any, are scheduled): its entry
         leaves the journal with the next write, or at once with ``at_once``. While shutting down
@@ -437,6 +424,7 @@ class RunScheduler:
         finally:  # answered, dropped, stopped or cancelled: the agent no longer works on it
             self._show(key, None)
         self._pending.pop(key, None)
+        self._unsaved.pop(key, None)  # dropped or cancelled: the next start sorts out what it journaled
         self._answered.discard(key)
         self._saved_then_failed.discard(key)
         if self._flush_task is None:
@@ -464,6 +452,8 @@ class RunScheduler:
                     try:
                         await self._run(run)
                         self.completed += 1
+                        for reply_id in self._unsaved.pop(self._key(request), ()):
+                            self.dispatched(reply_id)  # no-op for one a try found saved and routed
                         if covered:  # answered: out of the stored journal now, not when each turn comes,
                             # but for the one the reply names (a run redone for it finds the reply)
                             named = self._key(run)
@@ -475,6 +465,8 @@ class RunScheduler:
                             self._recovered(other)
                         if running.reply_in:
                             self._saved_then_failed.update((self._key(request), *covered))
+                        if not running.reply_in:  # one in history is routed by the try that finds it
+                            self._unsaved.setdefault(self._key(request), []).extend(running.routed)
                         raise
                     finally:
                         self.running -= 1
@@ -703,7 +695,7 @@ class RunScheduler:
         redo = list(dict.fromkeys(str(item["dispatch"]) for item in entries if "dispatch" in item))
         requests = [
             request for item in entries if "dispatch" not in item
-            if (request := _journaled_request(item, key)) is not None
+            if (request := journaled_request(item, key)) is not None
         ]
         unique = {self._key(r): r for r in requests}
         requests = [r for key, r in unique.items() if key not in self._pending]
@@ -745,39 +737,6 @@ class RunScheduler:
             self._write_journal_soon()  # the runs finished since the last write leave it now
         await self.journaled()
         return cancelled
-
-
-async def forget_journaled(
-    store: SmallValues,
-    conversation_id: str,
-    agent_slug: str | None = None,
-    *,
-    journal_key: str = PENDING_RUNS_KEY,
-) -> list[RunRequest]:
-    """With no daemon running on the journal: remove the runs of ``conversation_id`` (only
-    ``agent_slug``'s when given) from it, so the next start does not redo them; return them."""
-    raw = await store.get_meta(journal_key)
-    try:
-        entries = json.loads(raw) if raw else []
-    except ValueError:
-        return []
-    if not isinstance(entries, list):
-        return []
-
-    def chosen(item: object) -> bool:
-        return (
-            isinstance(item, dict)
-            and "dispatch" not in item
-            and item.get("conversation_id") == conversation_id
-            and (agent_slug is None or item.get("agent_slug") == agent_slug)
-        )
-
-    dropped = [item for item in entries if chosen(item)]
-    if dropped:
-        kept = [item for item in entries if not chosen(item)]
-        await store.set_meta(journal_key, json.dumps(kept, separators=(",", ":")))
-    fields = set(RunRequest.__dataclass_fields__)
-    return [RunRequest(**{k: v for k, v in item.items() if k in fields}) for item in dropped]
 
 
 def _fail_waiter(write: asyncio.Task[None], started: asyncio.Future[None]) -> None:

@@ -13,8 +13,10 @@ import pytest
 import structlog.testing
 
 from tenex_daemon import NostrEvent
+from tenex_daemon.core.llm import CompletionResult, ToolCall
 from tenex_daemon.services import runs
 from tenex_daemon.services.runs import RunRequest
+from tenex_daemon.testing.fakes import ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
 from tests.unit.services.test_bursts import GatedBackend
@@ -271,3 +273,39 @@ async def test_typing_stops_when_a_run_fails_after_its_answer_is_in(
 
     assert rig.publisher.typing_events == [("alice", True), ("alice", False)]
     assert [e.content for e in rig.publisher.published] == ["answer 1"]
+
+
+async def test_a_routed_reply_whose_save_failed_leaves_the_journal_once_a_later_try_answers(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice's reply completing to the orchestrator is journaled as being dispatched, then its save fails
+    (a full disk): once her retry's reply (another event) is saved and routed, the first reply, never stored,
+    is no longer journaled, in memory or in the store (it was kept there until the next start)."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (1.05, 1.05))  # a new second: the retry's reply is another event
+    answer = CompletionResult(text="Done.", tool_calls=(ToolCall("c1", "complete", {}),))
+    rig = pipeline.build_rig(cast, backend=ScriptedBackend([answer]))
+    append = rig.store.append_event
+    failed: list[str] = []
+
+    async def full_once(conversation_id: str, event: NostrEvent, **options: Any) -> Any:
+        if event.pubkey == cast.alice.pubkey and not failed:
+            failed.append(event.id)
+            raise OSError(28, "No space left on device")
+        return await append(conversation_id, event, **options)
+
+    monkeypatch.setattr(rig.store, "append_event", full_once)
+    root = cast.user_says("do it", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet(timeout_s=20)
+    await rig.scheduler.journaled()
+    await asyncio.sleep(runs.FINISHED_FLUSH_S + 0.2)  # the flush of finished entries
+    await rig.scheduler.journaled()
+
+    journal = json.loads(await rig.store.get_meta(rig.scheduler.journal_key) or "[]")
+    alice = [e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]
+    assert len(failed) == 1
+    assert [e.content for e in alice] == ["Done."]
+    assert alice[0].id != failed[0]
+    assert await rig.store.find_event(failed[0]) is None
+    assert failed[0] not in rig.scheduler._dispatching
+    assert {"dispatch": failed[0]} not in journal
