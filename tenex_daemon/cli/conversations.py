@@ -301,7 +301,9 @@ def conversations_stop(
 ) -> None:
     """Stop the agents working on a conversation, as the owner: their running and waiting runs are
     cancelled, nothing half-written is published, and the stop is recorded (without a daemon: the runs
-    a crash left journaled are not redone)."""
+    a crash left journaled are not redone). An agent the home does not have exits 2, as ``context`` does."""
+    if agent is not None:
+        _check_agent(settings_of(ctx), agent)
     cid, result = with_conversation(ctx, conversation_id, lambda access, cid: access.stop(cid, agent))
     stopped = result.get("stopped") or []
     out.print(f"stopped {', '.join(stopped)} in {cid}" if stopped else f"nothing was running in {cid}")

@@ -94,11 +94,12 @@ def test_stop_removes_the_conversations_journaled_runs_and_records_the_stop(home
 
 
 def test_stop_of_an_unknown_conversation_or_agent_fails(home: Path) -> None:
-    """An unknown conversation or agent slug exits 1 and changes nothing."""
+    """An unknown conversation exits 1 (not found), an agent slug the home does not have exits 2 (bad input,
+    as ``context --agent`` and ``send --to`` do), and neither changes anything."""
     first, _ = seed_with_journaled_runs(home)
 
     unknown = tenexd(home, "conversations", "stop", "f" * 64)[0]
     nobody = tenexd(home, "conversations", "stop", first, "--agent", "nobody")[0]
 
-    assert (unknown, nobody) == (1, 1)
+    assert (unknown, nobody) == (1, 2)
     assert len(journal(home)) == 4
