@@ -65,7 +65,7 @@ def init(
 ) -> None:
     """Create a project home: config.toml, keys/ (0700) with one key file (0600) per agent and the project."""
     from tenex_daemon.adapters.nostr.signer import KeyFileError
-    from tenex_daemon.app.home import HomeError, init_home
+    from tenex_daemon.app.home import HomeError, init_home, require_utf8
 
     try:
         result = init_home(
@@ -140,7 +140,7 @@ def run(
     if not settings.relays.urls and not settings.relays.embedded:
         fail("no relay configured: pass --relay URL or --embedded-relay, or set relays.urls", EXIT_USAGE)
     try:
-        chosen = configure_logging(settings.daemon.log_format, settings.daemon.log_level)
+        configure_logging(settings.daemon.log_format, settings.daemon.log_level)
     except ValueError as exc:
         fail(str(exc), EXIT_USAGE)
     from tenex_daemon.app.daemon import Daemon
@@ -150,14 +150,15 @@ def run(
     except KeyboardInterrupt:
         pass
     except (KeyFileError, ControlSetupError) as exc:  # a key or control file, a path: configuration (exit 2)
-        _fail_run(str(exc), EXIT_USAGE, chosen)
+        _fail_run(str(exc), EXIT_USAGE, settings.daemon.log_format)
     except (TenexError, OSError) as exc:
-        _fail_run(str(exc), EXIT_FAILURE, chosen)
+        _fail_run(str(exc), EXIT_FAILURE, settings.daemon.log_format)
 
 
 def _fail_run(message: str, code: int, log_format: str) -> NoReturn:
-    """Exit ``code`` after saying why: with JSON logs, as one more JSON line (``daemon_failed``) on the
-    log's stream, so a log shipper reading it sees why the daemon ended; otherwise as ``error:`` text."""
+    """Exit ``code`` after saying why: with JSON logs asked for (``json``, not ``auto``), as one more JSON
+    line (``daemon_failed``) on the log's stream, so a log shipper reading it sees why the daemon ended;
+    otherwise as ``error:`` text (what a person reads, also from ``auto``'s JSON under systemd)."""
     if log_format != "json":
         fail(message, code)
     import structlog

@@ -10,7 +10,9 @@ Two things it does for every command, in this one place:
 - Its entry point (the ``tenexd`` script calls the app) ends quietly when the reader of its output went
   away, as standard Unix tools do (``tenexd status | head -1``): exit status 0 and nothing on stderr,
   where a broken pipe made it exit 1 (Click's handler, rich's), or, when the output was still buffered
-  at exit, print ``BrokenPipeError`` and exit 120 (the interpreter's last flush).
+  at exit, print ``BrokenPipeError`` and exit 120 (the interpreter's last flush). Output that cannot be
+  written for another reason (``> /dev/full``, a full disk) ends it with one line saying so and exit 1,
+  not a traceback.
 """
 
 from __future__ import annotations
@@ -186,10 +188,16 @@ class TenexTyper(typer.Typer):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the command line (``sys.argv``). When its output's reader went away (stdout a pipe nobody
         reads), a broken pipe ends it with exit 0 and nothing on stderr; a status it set already (a failed
-        command's 1) is kept, and a broken pipe that is not stdout's is left to fail as any error does."""
-        with _StdoutWatch() as stdout:
+        command's 1) is kept, and a broken pipe that is not stdout's is left to fail as any error does.
+        Another failure to write stdout ends it with ``error: cannot write the output: ...`` and exit 1."""
+        with _StdoutWatch() as stdout, _OutputErrors():
             try:
                 result = super().__call__(*args, **kwargs)
+            except OutputError as exc:
+                from tenex_daemon.cli.output import EXIT_FAILURE, err
+
+                err.print(f"error: cannot write the output: {exc.strerror or exc}")
+                _reader_went_away(EXIT_FAILURE)
             except BrokenPipeError:
                 if stdout.reader_gone():
                     _reader_went_away(0)
@@ -204,6 +212,50 @@ class TenexTyper(typer.Typer):
             if not _flushed():
                 _reader_went_away(0)
             return result
+
+
+class OutputError(OSError):
+    """Writing stdout failed, for another reason than its reader going away (a full disk, ``/dev/full``)."""
+
+
+class _Output:
+    """``sys.stdout`` while a command runs: a write or flush that fails, other than with a broken pipe, raises
+    :class:`OutputError` (told apart from the command's own errors); the rest is the stream's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc.errno, exc.strerror) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc.errno, exc.strerror) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class _OutputErrors:
+    """Puts :class:`_Output` in the place of ``sys.stdout`` while a command runs, then the stream back."""
+
+    def __enter__(self) -> None:
+        self._stream = sys.stdout
+        if self._stream is not None:
+            sys.stdout = _Output(self._stream)
+
+    def __exit__(self, *_: object) -> None:
+        if isinstance(sys.stdout, _Output):
+            sys.stdout = self._stream
 
 
 class _StdoutWatch:

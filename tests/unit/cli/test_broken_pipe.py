@@ -171,3 +171,17 @@ def test_a_broken_pipe_that_is_not_stdouts_is_a_failure(monkeypatch: pytest.Monk
         raise BrokenPipeError(32, "Broken pipe")
 
     assert run_app(broken, monkeypatch, reader_open=True) == 1
+
+
+@pytest.mark.parametrize("args", [("version",), ("status", "--json"), ("conversations", "show", "{id}")])
+def test_output_that_cannot_be_written_ends_with_one_line_saying_why_and_exit_1(
+    home: Path, picnic: str, args: tuple[str, ...]
+) -> None:
+    """Output sent to /dev/full (every write fails: no space left on the device) ends the command with exit 1
+    and one line on stderr saying the output could not be written, not a traceback."""
+    command = [sys.executable, "-m", "tenex_daemon.cli.main", "--home", str(home),
+               *(arg.format(id=picnic) for arg in args)]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, timeout=120, check=False)
+
+    assert (done.returncode, done.stderr.decode()) == (1, "error: cannot write the output: No space left on device\n")
