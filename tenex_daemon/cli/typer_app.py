@@ -145,7 +145,13 @@ class TenexCommand(TyperCommand):
 
     def invoke(self, ctx: Context) -> Any:
         """Run the command; a file or folder this user may not read or write (a home made by the user the
-        daemon runs as) is one error line and exit 2 (configuration), not a traceback or a wrong verdict."""
+        daemon runs as) is one error line and exit 2 (configuration), not a traceback or a wrong verdict;
+        so is a text given that is not UTF-8 (a message, a name, a reason), before anything is written."""
+        undecodable = _not_utf8(ctx)
+        if undecodable is not None:
+            from tenex_daemon.cli.output import EXIT_USAGE, fail
+
+            fail(f"{undecodable}: the text is not valid UTF-8 (check the terminal's encoding)", EXIT_USAGE)
         try:
             return super().invoke(ctx)
         except PermissionError as exc:
@@ -153,6 +159,28 @@ class TenexCommand(TyperCommand):
 
             where = f" {exc.filename}" if exc.filename else ""
             fail(f"permission denied:{where} (run tenexd as the user the daemon runs as)", EXIT_USAGE)
+
+
+def _not_utf8(ctx: Context) -> str | None:
+    """How a person gave the first text value of the command that is not UTF-8 (``--name``, ``TEXT``), or
+    None. Python hands the command line's undecodable bytes over as lone surrogates, which every later
+    write (config.toml, an event, a request) refuses; a path may hold such bytes (it is not text)."""
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name or "")
+        texts = value if isinstance(value, list | tuple) else (value,)
+        for text in texts:
+            if isinstance(text, str) and not _encodes(text):
+                flags = [name for name in getattr(param, "opts", ()) if name.startswith("--")]
+                return flags[0] if flags and param.param_type_name == "option" else (param.name or "").upper()
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class TenexGroup(TyperGroup):

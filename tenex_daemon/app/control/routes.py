@@ -139,11 +139,16 @@ async def _json_body(request: web.Request, shape: str = '{"keep_system_message":
     if not request.can_read_body:
         return None
     try:
-        return await request.json()
+        body = await request.json()
+        # JSON may escape half a UTF-16 pair ("\udcff"): text no store or event can hold
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
     except RecursionError:  # nested deeper than the decoder recurses: malformed input, not a fault
         raise ApiError(400, f"the body must be JSON nested less deeply: {shape}") from None
+    except UnicodeEncodeError:
+        raise ApiError(400, f"the body's text must be valid Unicode (no lone surrogate): {shape}") from None
     except (json.JSONDecodeError, UnicodeDecodeError, LookupError):  # LookupError: a charset Python lacks
         raise ApiError(400, f"the body must be JSON: {shape}") from None
+    return body
 
 
 async def _status(request: web.Request) -> web.Response:

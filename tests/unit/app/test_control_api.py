@@ -509,6 +509,22 @@ async def test_end_records_who_and_why_and_refuses_a_second_end(
     assert (await client.post(f"/api/v1/conversations/{'f' * 64}/end")).status == 404
 
 
+async def test_a_body_with_a_lone_surrogate_is_400_and_changes_nothing(
+    client: TestClient[Any, Any], world: World, manager: ConversationManager
+) -> None:
+    """A reason JSON escapes as half a UTF-16 pair ("\\udcff", what a client makes of undecodable bytes)
+    answers 400 saying so, and the conversation is not ended (it was a 500 after a traceback)."""
+    body = b'{"reason": "bad \\udcff"}'
+    headers = {"Content-Type": "application/json"}
+    answer = await client.post(f"/api/v1/conversations/{world.root.id}/end", data=body, headers=headers)
+
+    assert answer.status == 400
+    assert "lone surrogate" in (await answer.json())["error"]
+    conversation = await manager.get_conversation(world.root.id)
+    assert conversation is not None
+    assert not conversation.is_ended
+
+
 async def test_a_store_that_does_not_answer_is_a_503_saying_so(
     client: TestClient[Any, Any], manager: ConversationManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
