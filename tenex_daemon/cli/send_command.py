@@ -268,7 +268,7 @@ def _unanswered(
         return f"{waited} (the answer may still come: {show}, or send with a longer --timeout N)"
     why = (
         "its daemon has not taken it in (is it on the relays the message went to?)" if daemon_up
-        else "its daemon is not running"
+        else _silent_daemon(settings)
     )
     return (
         f"{waited} (the answer may still come: send with a longer --timeout N); this home holds no "
@@ -352,6 +352,19 @@ def _init_again(settings: Settings, *, keep_owner: bool = False) -> str:
     return shlex.join(words)
 
 
+def _silent_daemon(settings: Settings, whose: str = "its") -> str:
+    """Why no daemon answered on the home's control API: ``its daemon is not running``, or, when its status
+    file says its process lives, that it does not answer (stuck, or still starting)."""
+    from tenex_daemon.app.status import Health, read_status
+
+    report = read_status(settings.status_path, settings.daemon.stale_after_s)
+    if report.state is Health.STOPPED:
+        return f"{whose} daemon is not running"
+    pid = report.data.get("pid") if report.data is not None else None
+    process = f" (pid {pid})" if isinstance(pid, int) else ""
+    return f"{whose} daemon{process} does not answer on its control API (stuck, or still starting?)"
+
+
 def _check_daemon(
     ctx: typer.Context, settings: Settings, agents: list[Agent], to: str | None, relays: list[str]
 ) -> bool:
@@ -375,8 +388,9 @@ def _check_daemon(
         if reason is not None:
             fail(reason, EXIT_USAGE)
     if live is None and not send_relays(settings, relays):
+        silent = _silent_daemon(settings, "the")
         fail(
-            f"no relay to publish to: the daemon is not running (see `{tenexd} status`), and no relay is "
+            f"no relay to publish to: {silent} (see `{tenexd} status`), and no relay is "
             f"configured: pass --relay URL, set relays.urls in config.toml, or start the daemon with "
             f"`{tenexd} run --embedded-relay`",
             EXIT_FAILURE,

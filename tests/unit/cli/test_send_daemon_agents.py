@@ -7,6 +7,7 @@ a wait in vain it names a conversation only when the daemon holds the message.""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from tenex_daemon.app.control_api import ControlServer
 from tenex_daemon.app.home import init_home, load_agents, load_project_pubkey
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.status import DaemonState, new_status, write_status
 from tenex_daemon.cli import send as send_module
 from tenex_daemon.cli.client import unserved_reason
 from tenex_daemon.cli.main import app
@@ -135,6 +137,30 @@ def test_send_with_no_relay_and_no_daemon_says_the_daemon_is_not_running(tmp_pat
     assert said.startswith(
         f"error: no relay to publish to: the daemon is not running (see `tenexd --home {path} status`), and no "
         "relay is configured: pass --relay URL"
+    )
+    assert (touched.signed, touched.pools) == ([], [])
+
+
+def test_send_with_no_relay_and_a_daemon_that_does_not_answer_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the home's status file saying its daemon runs (its process lives: stuck, or still starting) and
+    nothing answering on its control API, `send` with no relay exits 1 saying the daemon does not answer,
+    not that it is not running (what `status` contradicts)."""
+    path = tmp_path / "home"
+    init_home(path)
+    settings = load_settings(path)
+    status = new_status("0.0.0", home=str(path))
+    status["state"] = DaemonState.RUNNING.value
+    write_status(settings.status_path, status)
+    touched = Touched(monkeypatch)
+
+    code, said = tenexd(path, "send", "hi")
+
+    assert code == 1
+    assert said.startswith(
+        f"error: no relay to publish to: the daemon (pid {os.getpid()}) does not answer on its control API "
+        f"(stuck, or still starting?) (see `tenexd --home {path} status`)"
     )
     assert (touched.signed, touched.pools) == ([], [])
 
