@@ -8,6 +8,7 @@ written: a new key (0600) and an ``[[agents]]`` entry recording the role and whe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -98,7 +99,7 @@ async def fetch_definition(
     auth_signer: Signer | None = None,
 ) -> AgentDefinition:
     """Ask each relay once (until its EOSE, or ``timeout_s``) and return the verified definition;
-    raise :class:`DefinitionError` when none came, or none passed the checks."""
+    raise :class:`DefinitionError` when no relay could be reached, none came, or none passed the checks."""
     pool = RelayPool(
         relays,
         auth_signer=auth_signer,
@@ -106,7 +107,11 @@ async def fetch_definition(
     )
     await pool.start()
     try:
-        events = await pool.fetch(reference.filters(), timeout=timeout_s)
+        started = time.monotonic()
+        if not await pool.wait_connected(1, timeout_s):  # not "not found": nobody was asked
+            raise DefinitionError(f"no relay answered within {timeout_s:g} s: {', '.join(relays)}")
+        left_s = max(0.1, timeout_s - (time.monotonic() - started))
+        events = await pool.fetch(reference.filters(), timeout=left_s)
         refused = pool.rejects_by_reason()
     finally:
         await pool.stop()
