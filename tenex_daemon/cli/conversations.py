@@ -464,8 +464,8 @@ def context(
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
-    """Print exactly what AGENT would be sent now: its persona (the system message sent first), then
-    the messages; no state changes."""
+    """Print exactly what the agent named by --agent would be sent now: its persona (the system message sent
+    first), then the messages; no state changes."""
     trigger_id = event_id_argument(trigger, "trigger event id") if trigger is not None else None
     _check_agent(settings_of(ctx), agent)
     data: dict[str, Any] = with_conversation(

@@ -58,14 +58,16 @@ def init(
     force: Annotated[bool, typer.Option(help="Rewrite an existing config.toml (keys are kept).")] = False,
     project: Annotated[str, typer.Option(help="Project name.")] = "demo",
     backend: Annotated[
-        str, typer.Option(help="LLM backend of the demo agents: offline, or local (SmolLM2, in-process).")
+        str,
+        typer.Option(help="LLM backend of the demo agents: offline (no model), local (SmolLM2, in-process), "
+                          "or openai, anthropic, claude-code (its options set in config.toml)."),
     ] = "offline",
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
     """Create a project home: config.toml, keys/ (0700) with one key file (0600) per agent and the project."""
     from tenex_daemon.adapters.nostr.signer import KeyFileError
-    from tenex_daemon.app.home import HomeError, init_home, require_utf8
+    from tenex_daemon.app.home import HomeError, init_home
 
     try:
         result = init_home(

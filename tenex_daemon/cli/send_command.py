@@ -21,7 +21,7 @@ from tenex_daemon.cli.invocation import (
     run_async,
     settings_of,
 )
-from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, JsonOption, err, fail, out
+from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, err, fail, out
 from tenex_daemon.cli.references import AccessError, ConversationAccess, resolve_conversation
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE
@@ -160,7 +160,9 @@ def send(
             help="Send a NIP-17 private message (gift-wrapped kind 14) and read the agents' wrapped answers.",
         ),
     ] = False,
-    as_json: JsonOption = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON lines: one per reply as it comes, then a summary.")
+    ] = False,
     home: HomeOption = None,
 ) -> None:
     """Publish TEXT as the owner (keys/owner.key) and print the agents' replies as they arrive.

@@ -127,6 +127,18 @@ def one_line_summary(command: TyperCommand | TyperGroup) -> None:
     if command.short_help is None and command.help:
         paragraph = inspect.cleandoc(command.help).partition("\f")[0].split("\n\n")[0]
         command.short_help = " ".join(paragraph.split())
+    if command.help:
+        command.help = flowing(command.help)
+
+
+def flowing(help_text: str) -> str:
+    """``help_text`` with each paragraph on one line, for the help to wrap at the terminal's width: the help
+    keeps a docstring's line breaks after its first paragraph, cutting lines mid-sentence ("and the" /
+    "settings' error"); a paragraph marked ``\\b`` (kept as written) stays so. A docstring's double
+    backquotes show as single ones."""
+    text, cut, rest = inspect.cleandoc(help_text).partition("\f")
+    paragraphs = [p if p.startswith("\b") else " ".join(p.split()) for p in text.split("\n\n")]
+    return "\n\n".join(paragraphs).replace("``", "`") + cut + rest
 
 
 class TenexCommand(TyperCommand):
