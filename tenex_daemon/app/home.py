@@ -25,7 +25,6 @@ from tenex_daemon.app.settings import (
     AgentSettings,
     BackendSettings,
     Settings,
-    SettingsError,
     first_bad_relay_url,
     load_settings,
 )
@@ -118,6 +117,18 @@ class InitResult:
             "whitelist": list(self.whitelist),
             "relays": list(self.relays),
         }
+
+
+def require_utf8(text: str, what: str) -> None:
+    """Raise :class:`HomeError` when ``text`` cannot be written as UTF-8: it came from bytes that are not
+    UTF-8 (Python hands such bytes of the command line over as lone surrogates), or from an escape of a
+    lone surrogate. ``what`` names it (an option, ``--name``); the text itself is not repeated."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise HomeError(
+            f"{what}: the text is not valid UTF-8 (at character {exc.start + 1}); give it in UTF-8"
+        ) from None
 
 
 def parse_pubkey(text: str) -> str:
@@ -296,6 +307,7 @@ def init_home(
         raise HomeError(bad)
     if backend not in BACKEND_NAMES:
         raise HomeError(f"unknown backend {backend!r} (available: {', '.join(BACKEND_NAMES)})")
+    require_utf8(project_name, "the project name")
     backend_of(backend)  # one that cannot be made without more settings is refused before anything is written
 
     try:
@@ -396,6 +408,10 @@ def add_agent(
         )
     except ValidationError as exc:
         raise invalid_agent(exc) from None
+    texts = (("name", name), ("instructions", instructions), ("role", role), ("source", source))
+    for what, text in texts:  # before anything is written: config.toml is UTF-8
+        if text is not None:
+            require_utf8(text, f"the agent's {what}")
     if any(a.slug == slug for a in settings.agents):
         raise HomeError(f"agent {slug!r} already exists in {settings.config_path}")
     if orchestrator and any(a.orchestrator for a in settings.agents):
@@ -416,12 +432,26 @@ def add_agent(
     try:
         _write_atomic(settings.config_path, config_text + separator + block)
         load_settings(settings.home)  # as it will be read: with the TENEX_ variables (the dsn may be one)
-    except (OSError, SettingsError):
-        _write_atomic(settings.config_path, config_text)
-        key_path.unlink(missing_ok=True)
+    except BaseException:  # whatever went wrong, a refused add leaves the home as it was; its error is raised
+        _roll_back_add(settings.config_path, config_text, key_path)
         raise
     log.info("agent_added", slug=slug, pubkey=signer.pubkey, backend=backend.kind)
     return KeyInfo.of(slug, signer.pubkey, key_path)
+
+
+def _roll_back_add(config_path: Path, config_text: str, key_path: Path) -> None:
+    """Undo an ``agents add`` that failed: put ``config_text`` back in ``config.toml`` when the file no
+    longer holds it, and remove the new key file in any case (a key left behind would refuse the retry).
+    Never raises: the add's own error is the one to report; what could not be undone is logged."""
+    try:
+        if config_path.read_text(encoding="utf-8") != config_text:
+            _write_atomic(config_path, config_text)
+    except (OSError, ValueError) as exc:  # the config unwritable (what failed the add), gone, not UTF-8
+        log.warning("agent_add_config_not_restored", file=str(config_path), error=str(exc))
+    try:
+        key_path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("agent_add_key_not_removed", file=str(key_path), error=str(exc))
 
 
 def load_public_key(path: Path, label: str) -> str:

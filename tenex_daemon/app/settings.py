@@ -7,6 +7,7 @@ set it. Settings are passed through constructors, never read from globals.
 from __future__ import annotations
 
 import os
+import shlex
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -559,7 +560,9 @@ def load_settings(home: str | Path | None = None, env: Mapping[str, str] | None 
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise SettingsError(f"{path}: not found (run `tenexd init --home {root}` first)") from None
+        raise SettingsError(
+            f"{path}: not found (run `tenexd init --home {shlex.quote(str(root))}` first)"
+        ) from None
     except UnicodeDecodeError as exc:
         raise SettingsError(f"{path}: not UTF-8 text (byte {exc.start}): {exc.reason}") from None
     except tomllib.TOMLDecodeError as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -397,9 +398,33 @@ class StatusReport:
         }
 
 
+PID_MAX = 2**31 - 1
+"""The largest process id a system may have (``pid_t`` is a 32-bit signed integer); past it ``os.kill``
+cannot even be asked."""
+
+
+def _pid_of(value: object) -> int | None:
+    """``value`` as a process id: a whole number from 1 to :data:`PID_MAX` (not a boolean, not a float),
+    else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= PID_MAX:
+        return value
+    return None
+
+
+def _timestamp(value: object) -> float | None:
+    """``value`` as seconds since the epoch: a finite number (not a boolean), else None."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:  # a whole number past any float
+        return None
+    return seconds if math.isfinite(seconds) else None
+
+
 def _process_exists(pid: int) -> bool | None:
     """Whether a process with this id exists (None when it cannot be told)."""
-    if pid <= 0:
+    if _pid_of(pid) is None:
         return None
     try:
         os.kill(pid, 0)
@@ -432,20 +457,29 @@ def read_status(
         return StatusReport(
             Health.STOPPED, None, None, f"not running: cannot read {target} ({exc.strerror})", target
         )
+    except UnicodeDecodeError:  # not text the daemon wrote: as any content that is not its JSON
+        raw = ""
     try:
         loaded = json.loads(raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON; a number of too many digits; arrays nested too deep
         loaded = None
     if not isinstance(loaded, dict):
         return StatusReport(Health.STALE, None, None, f"status file {target} is not a JSON object", target)
     data: dict[str, Any] = loaded
-    updated = data.get("updated_at")
-    if not isinstance(updated, int | float):
+    if data.get("pid") is not None and _pid_of(data["pid"]) is None:
+        return StatusReport(
+            Health.STALE, None, None,
+            f"status file {target} is not valid: its pid is not a process id (a whole number from 1 to "
+            f"{PID_MAX})",
+            target,
+        )
+    updated = _timestamp(data.get("updated_at"))
+    if updated is None:
         try:
             updated = target.stat().st_mtime
         except FileNotFoundError:  # removed since it was read (a stop's last write replaces it): as read
             updated = moment
-    age = max(0.0, moment - float(updated))
+    age = max(0.0, moment - updated)
     return _judge(data, age, stale_after_s, target, f"status updated {age:.1f} s ago")
 
 
@@ -466,16 +500,17 @@ FILE_LAG_NOTED_S = 10.0
 def _judge(data: dict[str, Any], age: float, stale_after_s: float, target: Path, when: str) -> StatusReport:
     """Running, stale or stopped, from a status document ``age`` seconds old."""
     pid = data.get("pid")
+    process = _pid_of(pid)
     daemon_state = data.get("state")
     if daemon_state == DaemonState.STOPPED.value:
         return StatusReport(Health.STOPPED, data, age, f"not running: pid {pid} stopped cleanly", target)
-    if isinstance(pid, int) and _process_exists(pid) is False:
+    if process is not None and _process_exists(process) is False:
         return StatusReport(
             Health.STOPPED, data, age,
             f"not running: pid {pid} is gone without writing 'stopped' (killed or crashed)", target,
         )
     recorded = data.get("process")
-    current = process_identity(pid) if isinstance(pid, int) and isinstance(recorded, str) else None
+    current = process_identity(process) if process is not None and isinstance(recorded, str) else None
     if current is not None and current != recorded:
         return StatusReport(
             Health.STOPPED, data, age,
