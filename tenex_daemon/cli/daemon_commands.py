@@ -227,7 +227,7 @@ def _print_status_data(data: dict[str, Any]) -> None:
     uptime = data.get("uptime_s")
     lines = [
         f"version {data.get('version', '?')}, pid {data.get('pid', '?')}, state {data.get('state', '?')}",
-        f"up {duration(float(uptime))}" if isinstance(uptime, int | float) else "",
+        f"up {duration(uptime)}" if isinstance(uptime, int | float) else "",
         f"last event {s_time(data.get('last_event_at'))}",
     ]
     out.print(", ".join(line for line in lines if line))
@@ -241,7 +241,7 @@ def _print_status_data(data: dict[str, Any]) -> None:
     outbox = _mapping(data.get("outbox"))
     if outbox:
         oldest = outbox.get("oldest_age_s")
-        waiting = f" (oldest {duration(float(oldest))})" if isinstance(oldest, int | float) else ""
+        waiting = f" (oldest {duration(oldest)})" if isinstance(oldest, int | float) else ""
         out.print(
             f"outbox: {outbox.get('depth', 0)} waiting for a relay{waiting}; "
             f"{outbox.get('delivered', 0)} delivered, {outbox.get('retries', 0)} retries since start"

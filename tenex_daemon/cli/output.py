@@ -71,8 +71,13 @@ def s_time(seconds: float | None) -> str:
 
 def duration(seconds: float) -> str:
     """A duration in its two largest units: ``2d 3h 4m``, ``3h 4m``, ``4m 5s`` or ``5s``; one that is not a
-    finite number (a status file of another writer's: NaN, Infinity) as written."""
-    if not math.isfinite(seconds):
+    finite number (a status file of another writer's: NaN, Infinity, a whole number past any float) as
+    written."""
+    try:
+        finite = math.isfinite(seconds)
+    except OverflowError:
+        finite = False
+    if not finite:
         return f"{seconds} s"
     total = int(seconds)
     days, rest = divmod(total, 86400)

@@ -234,3 +234,22 @@ def test_status_prints_a_status_file_of_odd_shapes_without_failing(home: Path) -
     assert "conversations 0" in out
     assert "ws://y" in out
     assert code in (0, 1)
+
+
+def test_status_prints_durations_past_any_float_as_written(home: Path) -> None:
+    """An uptime and an outbox age that are whole numbers past any float (another writer's file) are printed
+    as written, not a traceback (OverflowError)."""
+    status_file = home / "run" / "status.json"
+    status_file.parent.mkdir(exist_ok=True)
+    huge = 10**400
+    odd = {
+        "pid": os.getpid(), "updated_at": time.time(), "state": "running", "uptime_s": huge,
+        "outbox": {"depth": 1, "oldest_age_s": huge},
+    }
+    status_file.write_text(json.dumps(odd))
+
+    code, out, said = tenexd(home, "status")
+
+    assert said == ""
+    assert f"up {huge} s" in " ".join(out.split())
+    assert code in (0, 1)
