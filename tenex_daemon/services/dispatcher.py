@@ -149,6 +149,7 @@ class EventDispatcher:
             journal_key=journal_key,
             peers=peers,
             listener=run_listener,
+            agents=[agent.slug for agent in manager.agents],
         )
         self._stopper = stopper
         self._scheduler = self.scheduler

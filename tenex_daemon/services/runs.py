@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -197,8 +197,14 @@ class RunScheduler:
         journal_key: str = PENDING_RUNS_KEY,
         peers: Peers | None = None,
         listener: RunListener | None = None,
+        agents: Collection[str] | None = None,
     ) -> None:
         self._store = store
+        self._agents = None if agents is None else frozenset(agents)
+        """The agents configured (None: any): a journaled run of another waits in the journal (parked)."""
+        self._parked: dict[str, dict[str, Any]] = {}
+        """Journaled runs of agents the configuration no longer has, by key: kept in every journal write, so
+        a start with the agent configured again runs them (``run_parked``)."""
         self._listener = listener
         self.journal_key = journal_key
         self._peers = peers
@@ -278,6 +284,7 @@ class RunScheduler:
             version = self._journal_version
             entries: list[dict[str, object]] = [{"dispatch": event_id} for event_id in self._dispatching]
             entries.extend(asdict(r) for k, r in self._pending.items() if k not in self._answered)
+            entries.extend(entry for key, entry in self._parked.items() if key not in self._pending)
             payload = json.dumps(entries, separators=(",", ":"))
             waiters, self._start_waiters = self._start_waiters, []
             for at, future in waiters:
@@ -555,6 +562,12 @@ class RunScheduler:
             and (agent_slug is None or request.agent_slug == agent_slug)
             and key not in finishing
         ]
+        parked = [  # a stop covers the parked runs too: they leave the journal
+            key for key, entry in self._parked.items() if entry["conversation_id"] == conversation_id
+            and (agent_slug is None or entry["agent_slug"] == agent_slug)
+        ]
+        for key in parked:
+            del self._parked[key]
         tasks = []
         for key, _ in chosen:
             del self._pending[key]
@@ -568,7 +581,7 @@ class RunScheduler:
             await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             self._stopping.difference_update(key for key, _ in chosen)
-        if chosen:
+        if chosen or parked:
             self._write_journal_soon()
             await self.journaled()
         return [request for _, request in chosen]
@@ -698,7 +711,7 @@ class RunScheduler:
             if (request := journaled_request(item, key)) is not None
         ]
         unique = {self._key(r): r for r in requests}
-        requests = [r for key, r in unique.items() if key not in self._pending]
+        requests = [r for key, r in unique.items() if key not in self._pending and not self._park(key, r)]
         for event_id in redo:
             self._dispatching[event_id] = None
         for request in requests:
@@ -706,6 +719,20 @@ class RunScheduler:
             if start:
                 self._spawn(request)
         return redo, requests
+
+    def _park(self, key: str, request: RunRequest) -> bool:
+        """Keep ``request`` in the journal, not run, when its agent is not configured (removed, or renamed);
+        return whether it was parked."""
+        if self._agents is None or request.agent_slug in self._agents:
+            return False
+        if key not in self._parked:
+            log.warning(
+                "run_parked", conversation_id=request.conversation_id, event_id=request.trigger_id,
+                agent=request.agent_slug, note="its agent is not configured: kept in the run journal, "
+                "run at a start with the agent configured again",
+            )
+        self._parked[key] = asdict(request)
+        return True
 
     async def _read_journal(self, key: str) -> list[dict[str, Any]]:
         raw = await self._store.get_meta(key)

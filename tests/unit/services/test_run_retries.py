@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import structlog.testing
 
-from tenex_daemon import NostrEvent
+from tenex_daemon import MemoryStore, NostrEvent
 from tenex_daemon.core.llm import CompletionResult, ToolCall
 from tenex_daemon.services import runs
 from tenex_daemon.services.runs import RunRequest
@@ -192,9 +192,10 @@ async def test_a_journal_entry_another_version_wrote_or_a_broken_one_does_not_dr
     assert [e.content for e in rig.publisher.published] == ["answer 1"]
 
 
-async def test_a_journaled_run_of_an_agent_no_longer_configured_is_dropped_at_once(cast: Cast) -> None:
-    """A run journaled for an agent the configuration no longer has is dropped with its reason logged, not
-    tried again for half an hour (holding its conversation busy meanwhile)."""
+async def test_a_journaled_run_of_an_agent_no_longer_configured_is_parked_not_tried(cast: Cast) -> None:
+    """A run journaled for an agent the configuration no longer has is not run nor tried again (holding its
+    conversation busy for half an hour): it is logged as parked and stays in the journal through later
+    writes, until a stop of its conversation."""
     rig = pipeline.build_rig(cast, backend=numbered())
     root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
     await rig.manager.create_conversation(root)
@@ -203,11 +204,39 @@ async def test_a_journaled_run_of_an_agent_no_longer_configured_is_dropped_at_on
 
     with structlog.testing.capture_logs() as logs:
         await rig.scheduler.recover()
+        other = cast.user_says("to bob", kind=11, tags=[["p", cast.bob.pubkey]])
+        await rig.dispatcher.handle(other)  # a run of its own: the journal is written again
         await rig.settle()
 
+    journal = json.loads(await rig.store.get_meta(runs.PENDING_RUNS_KEY) or "[]")
     assert not rig.scheduler.has_runs(root.id)
-    assert [e["agent"] for e in logs if e["event"] == "run_agent_unknown"] == ["carol"]
-    assert not [e for e in logs if e["event"] == "run_retry"]
+    assert [e["agent"] for e in logs if e["event"] == "run_parked"] == ["carol"]
+    assert not [e for e in logs if e["event"] in ("run_retry", "run_agent_unknown")]
+    assert [(e["conversation_id"], e["agent_slug"]) for e in journal] == [(root.id, "carol")]
+    await rig.scheduler.cancel(root.id)  # a stop of the conversation takes it out too
+    assert json.loads(await rig.store.get_meta(runs.PENDING_RUNS_KEY) or "[]") == []
+
+
+async def test_a_parked_run_is_answered_once_its_agent_is_configured_again(cast: Cast) -> None:
+    """Alice removed from the configuration while a message to her waited in the run journal: the daemon
+    started without her keeps the run; the next one started with her again answers the message, once."""
+    store = MemoryStore()
+    without_alice = [agent for agent in cast.agents if agent.slug != "alice"]
+    first = pipeline.build_rig(cast, backend=numbered(), agents=without_alice, store=store, default_agent="bob")
+    root = cast.user_says("are you there?", kind=11, tags=[["p", cast.alice.pubkey]])
+    await first.manager.create_conversation(root)
+    waiting = {"conversation_id": root.id, "trigger_id": root.id, "agent_slug": "alice"}
+    await store.set_meta(runs.PENDING_RUNS_KEY, json.dumps([waiting]))
+    await first.scheduler.recover()
+    await first.settle()
+    assert first.publisher.published == []
+
+    again = pipeline.build_rig(cast, backend=numbered(), store=store)
+    await again.scheduler.recover()
+    await again.settle()
+
+    alice = [e for e in again.publisher.published if e.pubkey == cast.alice.pubkey]
+    assert [(e.content, e.tag_value("e")) for e in alice] == [("answer 1", root.id)]
 
 
 async def test_runs_taken_over_while_draining_are_journaled_here_and_not_started(cast: Cast) -> None:
