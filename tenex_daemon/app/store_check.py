@@ -5,6 +5,7 @@ the daemon would answer again every message the relays still hold, each person g
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from tenex_daemon.adapters.nostr.relay_pool.subscriptions import cursor_key
@@ -65,6 +66,7 @@ async def refuse_an_empty_store_beside_the_homes(
     raise EmptyStoreError(
         f"the store config.toml names ({named}) was never used, but {settings.home / 'conversations'} "
         f"holds {held}: started so, the daemon would answer again every message the relays still hold. "
-        "Take them in first with `tenexd conversations rebuild --all` (what the relays hold, stored as "
-        "processed: nothing is answered twice), or move that folder aside to start anew on purpose"
+        f"Copy them in first with `tenexd migrate --from-store {shlex.quote(str(settings.home))}` (the whole "
+        "store: nothing is answered twice), or take in what the relays hold with `tenexd conversations "
+        "rebuild --all`, or move that folder aside to start anew on purpose"
     )

@@ -334,17 +334,29 @@ def migrate(
         typer.Option(help="With --from-smarthole: the agent the assistant's messages are attributed to "
                           "(default: the home's default agent)."),
     ] = None,
+    from_store: Annotated[
+        Path | None,
+        typer.Option(
+            "--from-store",
+            help="A filesystem store to copy whole into the store config.toml names (an unused one): the "
+                 "folder holding its conversations/ (the home itself after switching storage.kind).",
+        ),
+    ] = None,
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
     """Import TENEX's TypeScript-era conversations (.tenex/conversations/*.json), or with --from-smarthole a
-    SmartHole data.json, into this home's store; the daemon must be stopped. Exit 1 when a conversation
-    could not be imported."""
+    SmartHole data.json, into this home's store; or with --from-store copy a filesystem store into it
+    whole. The daemon must be stopped. Exit 1 when a conversation could not be imported."""
     settings = settings_of(ctx)
-    if source is not None and smarthole is not None:
-        fail("give one of --from and --from-smarthole", EXIT_USAGE)
+    if sum(given is not None for given in (source, smarthole, from_store)) > 1:
+        fail("give one of --from, --from-smarthole and --from-store", EXIT_USAGE)
     if agent is not None and smarthole is None:
         fail("--agent goes with --from-smarthole", EXIT_USAGE)
+    if from_store is not None:
+        from tenex_daemon.cli.store_copy_command import migrate_store
+
+        migrate_store(settings, from_store, as_json)
     from tenex_daemon.adapters.storage.filesystem import StoreLockedError
     from tenex_daemon.adapters.storage.tenex_import import import_tenex_home
     from tenex_daemon.app.wiring import build_store

@@ -53,6 +53,7 @@ async def test_a_store_path_moved_to_an_empty_folder_is_refused_naming_what_the_
         assert f"storage.path = '{elsewhere}'" in message
         assert f"{home / 'conversations'} holds 1" in message
         assert "tenexd conversations rebuild --all" in message
+        assert f"tenexd migrate --from-store {home}" in message
         await refuse_an_empty_store_beside_the_homes(load_settings(home), store, SUBSCRIPTION_ID)  # the home's own: no check
         rig = pipeline.build_rig(cast, store=store)
         await rig.manager.create_conversation(cast.user_says("again", kind=11, tags=[["p", cast.alice.pubkey]]))

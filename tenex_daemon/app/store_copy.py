@@ -1,0 +1,134 @@
+"""Copy a filesystem store into the home's configured store (``tenexd migrate --from-store``): what an
+operator needs when switching ``storage.kind`` to PostgreSQL (docs/ARCHITECTURE.md, "Scale-out"), or moving
+``storage.path``, without answering again what the old store answered.
+
+Everything is copied: each conversation (its history, its state, archived or not), every event id processed
+(those of deleted conversations and refused events too: they stay answered), and every small value (the
+relays' cursors, channels, delegation threads, the run journal, the outbox). In a store daemons share, the
+values of one daemon's own (its run journal, its outbox and their gift wraps) go under the keys of a
+daemon of the project without an instance name: the first daemon that starts on the database takes them
+over as a dead daemon's (its runs are redone, its outbox published); the old daemon's watchdog value is
+left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from tenex_daemon.adapters.nostr.private import WRAPS_KEY
+from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+from tenex_daemon.adapters.storage.filesystem.contents import processed_ids, value_keys
+from tenex_daemon.adapters.storage.filesystem.layout import Layout
+from tenex_daemon.app.watchdog import WATCHDOG_KEY
+from tenex_daemon.app.wiring import instance_keys, wraps_key_for
+from tenex_daemon.core.errors import TenexError
+from tenex_daemon.core.ports import Store
+from tenex_daemon.core.search import SearchQuery
+from tenex_daemon.services.outbox import OUTBOX_KEY
+from tenex_daemon.services.runs import PENDING_RUNS_KEY
+
+log = structlog.get_logger(__name__)
+
+
+class StoreCopyError(TenexError):
+    """The copy cannot be made (the target holds conversations already, the source is the target)."""
+
+
+@dataclass
+class CopyReport:
+    """What a copy did."""
+
+    conversations: int = 0
+    archived: int = 0
+    events: int = 0
+    """Events of the conversations copied."""
+    processed: int = 0
+    """Event ids processed outside the conversations copied (deleted conversations', refused events')."""
+    values: int = 0
+    renamed: dict[str, str] = field(default_factory=dict)
+    """Values of the old daemon's own, copied under another key (a store daemons share): old -> new."""
+    unreadable: list[str] = field(default_factory=list)
+    """Conversations the source could not read (left there; the copy goes on)."""
+
+
+def shared_keys(project_pubkey: str) -> dict[str, str]:
+    """The keys the old daemon's own values take in a store daemons share: those of a daemon of the project
+    without an instance name, which the first daemon to start takes over."""
+    journal, outbox = instance_keys(project_pubkey, None)
+    return {PENDING_RUNS_KEY: journal, OUTBOX_KEY: outbox, WRAPS_KEY: wraps_key_for(outbox)}
+
+
+async def copy_store(
+    source_home: Path,
+    target: Store,
+    *,
+    renames: dict[str, str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> CopyReport:
+    """Copy the filesystem store of ``source_home`` (the folder holding its ``conversations/``) into
+    ``target`` (open, holding no conversation). ``renames``: keys whose values go under another key
+    (:func:`shared_keys` for a store daemons share). ``progress(done, total)`` is told after each
+    conversation. The source is opened (its lock taken: no daemon may run on it) and closed once first,
+    so its files say everything (:mod:`~tenex_daemon.adapters.storage.filesystem.contents`)."""
+    if await target.search(SearchQuery(limit=1)):
+        raise StoreCopyError(
+            "the store config.toml names holds conversations already: a copy goes into an unused store only"
+        )
+    source = FileSystemStore(source_home, fsync="batch")
+    await source.open()  # replays a journal a crash left, and takes the lock: a daemon on it is refused
+    await source.close()
+    layout = Layout(Path(source_home) / "conversations")
+    report = CopyReport()
+    copied: set[str] = set()
+    await source.open()
+    try:
+        summaries = await source.search(SearchQuery())
+        for done, summary in enumerate(summaries, start=1):
+            conversation = await source.load(summary.id)
+            if conversation is None:
+                report.unreadable.append(summary.id)
+                log.warning("store_copy_unreadable", conversation_id=summary.id)
+            else:
+                await target.create(conversation)
+                if conversation.archived:
+                    await target.set_archived(conversation.id, True)
+                    report.archived += 1
+                copied.add(conversation.id)
+                report.conversations += 1
+                report.events += len(conversation.history)
+            if progress is not None:
+                progress(done, len(summaries))
+        await _copy_values(source, target, layout, renames or {}, report)
+    finally:
+        await source.close()
+    for event_id, conversation_id in processed_ids(layout):
+        if conversation_id not in copied:  # a copied conversation's events are processed with it
+            await target.mark_processed(event_id)
+            report.processed += 1
+    log.info(
+        "store_copied", source=str(source_home), conversations=report.conversations, events=report.events,
+        processed=report.processed, values=report.values, unreadable=len(report.unreadable),
+    )
+    return report
+
+
+async def _copy_values(
+    source: FileSystemStore, target: Store, layout: Layout, renames: dict[str, str], report: CopyReport
+) -> None:
+    """Copy every small value, under its own key unless ``renames`` names another; the old daemon's
+    watchdog value is its own liveness probe, nothing to keep."""
+    for key in value_keys(layout):
+        if key == WATCHDOG_KEY:
+            continue
+        value = await source.get_meta(key)
+        if value is None:
+            continue
+        new_key = renames.get(key, key)
+        if new_key != key:
+            report.renamed[key] = new_key
+        await target.set_meta(new_key, value)
+        report.values += 1

@@ -1,0 +1,92 @@
+"""``tenexd migrate --from-store PATH``: a filesystem store copied into the home's configured store
+(:mod:`tenex_daemon.app.store_copy`), with the daemon stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from tenex_daemon.cli.invocation import run_async
+from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, fail, out, print_json
+from tenex_daemon.cli.references import AccessError
+
+if TYPE_CHECKING:
+    from tenex_daemon.app.settings import Settings
+    from tenex_daemon.app.store_copy import CopyReport
+
+
+def migrate_store(settings: Settings, source: Path, as_json: bool) -> None:
+    """Copy the filesystem store of ``source`` (a home, or a ``storage.path``: the folder holding its
+    ``conversations/``) into the store the settings name; exit 2 when there is none there or it is that
+    same store, 1 when a conversation could not be read (the others are copied)."""
+    from tenex_daemon.app.settings import StorageKind
+
+    if not (source / "conversations").is_dir():
+        fail(f"no filesystem store at {source} (it has no conversations/ folder)", EXIT_USAGE)
+    storage = settings.storage
+    target_home = Path(storage.path) if storage.path else settings.home
+    if storage.kind is StorageKind.FILESYSTEM and target_home.resolve() == source.resolve():
+        fail(f"{source} is the store config.toml names already: set storage.kind or storage.path first",
+             EXIT_USAGE)
+    if storage.kind is StorageKind.MEMORY:
+        fail("storage.kind is memory: a copy into it would be lost at once", EXIT_USAGE)
+    report = run_async(_copy(settings, source))
+    if as_json:
+        print_json(_report_json(report))
+    else:
+        renamed = "".join(f"; {old} now under {new}" for old, new in report.renamed.items())
+        out.print(
+            f"copied {report.conversations} conversation(s) ({report.archived} archived, {report.events} "
+            f"events), {report.processed} other processed event id(s) and {report.values} small value(s) "
+            f"from {source}{renamed}"
+        )
+        for conversation_id in report.unreadable:
+            out.print(f"not copied (unreadable, left in {source}): {conversation_id}")
+    raise typer.Exit(EXIT_FAILURE if report.unreadable else 0)
+
+
+async def _copy(settings: Settings, source: Path) -> CopyReport:
+    from tenex_daemon.adapters.storage.filesystem import StoreLockedError
+    from tenex_daemon.app.daemon import SUBSCRIPTION_ID
+    from tenex_daemon.app.home import load_project_pubkey
+    from tenex_daemon.app.settings import StorageKind
+    from tenex_daemon.app.store_check import used_before
+    from tenex_daemon.app.store_copy import copy_store, shared_keys
+    from tenex_daemon.app.wiring import build_store
+    from tenex_daemon.cli.client import live_status
+
+    if await live_status(settings) is not None:  # a database the daemon shares has no lock to tell it
+        raise AccessError("the daemon is running (stop the daemon before migrating)", 503)
+    renames: dict[str, str] = {}
+    if settings.storage.kind is StorageKind.POSTGRES:  # the old daemon's own values: for another to take
+        project = load_project_pubkey(settings)
+        if project is None:
+            raise AccessError(f"this home has no project key ({settings.project_key_path})", 400)
+        renames = shared_keys(project)
+    target = build_store(settings)
+    try:
+        await target.open()
+    except StoreLockedError as exc:
+        raise AccessError(f"{exc} (stop the daemon before migrating)", 503) from None
+    try:
+        if await used_before(settings, target, SUBSCRIPTION_ID):
+            raise AccessError(
+                "the store config.toml names was used already (it holds conversations or relay cursors): "
+                "a copy goes into an unused store only", 400,
+            )
+        try:
+            return await copy_store(source, target, renames=renames)
+        except StoreLockedError as exc:
+            raise AccessError(f"{exc} (stop the daemon running on {source} first)", 503) from None
+    finally:
+        await target.close()
+
+
+def _report_json(report: CopyReport) -> dict[str, Any]:
+    return {
+        "conversations": report.conversations, "archived": report.archived, "events": report.events,
+        "processed": report.processed, "values": report.values, "renamed": dict(report.renamed),
+        "unreadable": list(report.unreadable),
+    }

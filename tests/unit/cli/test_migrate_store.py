@@ -1,0 +1,135 @@
+"""``tenexd migrate --from-store``: a filesystem store copied whole into the store config.toml names (here a
+filesystem store moved with ``storage.path``; tests/integration/storage/test_store_copy.py copies into
+PostgreSQL): conversations with their state and archive, every processed id (a deleted conversation's too),
+every small value; the daemon's start check then finds the store used, and nothing is answered twice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+from tenex_daemon.app.daemon import SUBSCRIPTION_ID
+from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.store_check import left_in_the_home, used_before
+from tenex_daemon.app.store_copy import StoreCopyError, copy_store
+from tenex_daemon.core.ports import Store
+from tenex_daemon.core.search import SearchQuery
+from tests.unit.cli.conftest import tenexd
+from tests.unit.cli.test_cli import seed_conversation
+
+CURSOR = "relay.cursor:tenexd-mentions:ws://127.0.0.1:1"
+
+
+def seed(home: Path) -> dict[str, str]:
+    """Three conversations in ``home``'s own store: one archived, one deleted (its ids stay processed); an id
+    processed without a conversation; a relay cursor and a run journal. Return their ids by name."""
+    kept = seed_conversation(home, "Kept", "first", "second")
+    archived = seed_conversation(home, "Archived", "old news")
+    deleted = seed_conversation(home, "Deleted", "gone")
+
+    async def go() -> None:
+        store = FileSystemStore(home)
+        await store.open()
+        try:
+            await store.set_archived(archived, True)
+            assert await store.delete(deleted)
+            await store.mark_processed("ab" * 32)
+            await store.set_meta(CURSOR, "1700000000")
+            await store.set_meta("runs.pending", json.dumps([{"dispatch": "cd" * 32}]))
+            await store.set_meta("watchdog.store", "1")
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+    return {"kept": kept, "archived": archived, "deleted": deleted}
+
+
+async def assert_copied(store: Store, ids: dict[str, str], journal_key: str) -> None:
+    """``store`` holds what :func:`seed` made, copied: the two kept conversations (one archived, with its
+    title and history), the deleted one's and the lone processed id, the cursor, the run journal under
+    ``journal_key``, and no watchdog value."""
+    rows = {row.id: row for row in await store.search(SearchQuery())}
+    assert set(rows) == {ids["kept"], ids["archived"]}
+    assert (rows[ids["kept"]].title, rows[ids["kept"]].archived) == ("Kept", False)
+    assert rows[ids["archived"]].archived
+    kept = await store.load(ids["kept"])
+    assert kept is not None
+    assert [e.content for e in kept.history] == ["first", "second"]
+    for event_id in (ids["deleted"], "ab" * 32, kept.history[1].id):
+        assert await store.is_processed(event_id)
+    assert await store.get_meta(CURSOR) == "1700000000"
+    assert await store.get_meta(journal_key) == json.dumps([{"dispatch": "cd" * 32}])
+    assert await store.get_meta("watchdog.store") is None
+
+
+def moved(home: Path, tmp_path: Path) -> Path:
+    """Point the home's settings at a new, empty filesystem store (``storage.path``); return its folder."""
+    target = tmp_path / "new-store"
+    target.mkdir()
+    config = home / "config.toml"
+    config.write_text(config.read_text().replace("[storage]\n", f'[storage]\npath = "{target}"\n', 1))
+    return target
+
+
+def test_migrate_from_store_copies_everything_and_the_start_check_passes(home: Path, tmp_path: Path) -> None:
+    """The copy holds each conversation (history, title, archive), the deleted one's and the lone processed
+    id, the cursor and the run journal (under its own key: a filesystem store is one daemon's), not the old
+    watchdog value; the daemon's start check finds the new store used, so it starts and answers nothing
+    again."""
+    ids = seed(home)
+    target = moved(home, tmp_path)
+    settings = load_settings(home)
+    assert left_in_the_home(settings) == 2
+
+    code, out = tenexd(home, "migrate", "--from-store", str(home), "--json")
+
+    assert code == 0, out
+    report = json.loads(out)
+    assert (report["conversations"], report["archived"], report["renamed"], report["unreadable"]) == (2, 1, {}, [])
+    assert report["processed"] == 2  # the deleted conversation's root and the lone id
+
+    async def check() -> None:
+        store = FileSystemStore(target)
+        await store.open()
+        try:
+            await assert_copied(store, ids, "runs.pending")
+            assert await used_before(settings, store, SUBSCRIPTION_ID)
+        finally:
+            await store.close()
+
+    asyncio.run(check())
+
+
+def test_migrate_from_store_refuses_a_used_store_a_missing_one_and_the_same_one(home: Path, tmp_path: Path) -> None:
+    """A second copy into the now used store exits 1 (nothing copied twice), a folder with no store exits 2,
+    and the store config.toml names itself exits 2."""
+    seed(home)
+    moved(home, tmp_path)
+    assert tenexd(home, "migrate", "--from-store", str(home))[0] == 0
+
+    again, _ = tenexd(home, "migrate", "--from-store", str(home))
+    missing, _ = tenexd(home, "migrate", "--from-store", str(tmp_path / "nothing"))
+    itself, _ = tenexd(home, "migrate", "--from-store", str(tmp_path / "new-store"))
+
+    assert (again, missing, itself) == (2, 2, 2)
+
+
+def test_copy_store_refuses_a_target_holding_conversations(home: Path, tmp_path: Path) -> None:
+    """copy_store itself refuses a target that holds a conversation, whoever calls it."""
+    seed_conversation(home, "Old", "hello")
+    target = FileSystemStore(moved(home, tmp_path))
+
+    async def twice() -> None:
+        await target.open()
+        try:
+            await copy_store(home, target)
+            with pytest.raises(StoreCopyError, match="holds conversations already"):
+                await copy_store(home, target)
+        finally:
+            await target.close()
+
+    asyncio.run(twice())
