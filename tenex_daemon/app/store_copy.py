@@ -132,3 +132,6 @@ async def _copy_values(
             report.renamed[key] = new_key
         await target.set_meta(new_key, value)
         report.values += 1
+    journal = renames.get(PENDING_RUNS_KEY)
+    if report.renamed and journal is not None and PENDING_RUNS_KEY not in report.renamed:
+        await target.set_meta(journal, "[]")  # daemons look for a dead one's run journal, then its outbox

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.daemon import SUBSCRIPTION_ID
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.store_check import left_in_the_home, used_before
-from tenex_daemon.app.store_copy import StoreCopyError, copy_store
+from tenex_daemon.app.store_copy import StoreCopyError, copy_store, shared_keys
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.search import SearchQuery
 from tests.unit.cli.conftest import tenexd
@@ -133,3 +134,32 @@ def test_copy_store_refuses_a_target_holding_conversations(home: Path, tmp_path:
             await target.close()
 
     asyncio.run(twice())
+
+
+def test_an_outbox_copied_into_a_shared_store_comes_with_a_run_journal_to_be_found_by(home: Path) -> None:
+    """Into a store daemons share, an old outbox and its gift wraps go under a project daemon's keys, and a
+    run journal is written under its key when the old store had none: the daemons look for a dead one's run
+    journal, then take its outbox over with it."""
+    project = "ee" * 32
+
+    async def go() -> MemoryStore:
+        store = FileSystemStore(home)
+        await store.open()
+        try:
+            await store.set_meta("outbox.pending", "[1]")
+            await store.set_meta("outbox.wraps", "[2]")
+        finally:
+            await store.close()
+        target = MemoryStore()
+        await target.open()
+        report = await copy_store(home, target, renames=shared_keys(project))
+        assert report.renamed == {"outbox.pending": f"outbox.pending.{project}", "outbox.wraps": f"outbox.wraps.{project}"}
+        return target
+
+    target = asyncio.run(go())
+
+    async def values() -> tuple[str | None, ...]:
+        keys = (f"outbox.pending.{project}", f"outbox.wraps.{project}", f"runs.pending.{project}", "outbox.pending")
+        return tuple([await target.get_meta(key) for key in keys])
+
+    assert asyncio.run(values()) == ("[1]", "[2]", "[]", None)
