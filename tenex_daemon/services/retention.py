@@ -44,7 +44,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -66,9 +66,19 @@ DELETE_BATCH = 16
 
 STEP_SLACK_S = 60.0
 """How far the wall clock may move ahead of the boot clock between two sweeps before it counts as a step."""
+STEP_KEY = "retention.clock"
+"""The small value holding each boot's record (by boot id; :class:`WallClockSteps`): the wall clock less the
+boot clock at its last sweep, the hold under way, and when (wall clock) it was saved. A boot that stopped
+sweeping has its record dropped (:data:`STEP_RECORD_KEEP_S`): a value per boot, never removed, was one more
+for good at every boot. A record per boot, not one in all: machines sharing a database each keep theirs."""
 STEP_KEY_PREFIX = "retention.clock."
-"""The small value, per boot, of the wall clock less the boot clock at the last sweep
-(:class:`WallClockSteps`)."""
+"""Where a daemon before :data:`STEP_KEY` kept a boot's record (``retention.clock.<boot id>``): read when
+:data:`STEP_KEY` has none for this boot (a daemon upgraded on the same boot). Such values are left, as
+small values cannot be removed; none is written any more."""
+STEP_RECORD_KEEP_S = 7 * 86_400.0
+"""How long (wall clock) another boot's record is kept after its last sweep: past it that boot is gone (or
+its daemon stopped for a week, which then compares nothing at its first sweep, as on a new boot). None is
+dropped while this boot's sweeps hold off: a wall clock set ahead tells no boot gone."""
 STEP_HOLD_S = 3_600.0
 """How long (boot clock) the sweeps hold off after a forward step: time for NTP or a person to fix it."""
 
@@ -76,8 +86,8 @@ STEP_HOLD_S = 3_600.0
 class WallClockSteps:
     """Tells a forward step of the wall clock from time that passed, at each sweep: see the module
     docstring. The wall clock less the boot clock stays the same while nobody steps it; kept in ``values``
-    (under this boot's id, when it has one), so a daemon restarted on the same boot still compares its first
-    sweep with the sweep before, and a hold under way goes on."""
+    (under this boot's id in :data:`STEP_KEY`, when it has one), so a daemon restarted on the same boot still
+    compares its first sweep with the sweep before, and a hold under way goes on."""
 
     def __init__(
         self,
@@ -87,8 +97,7 @@ class WallClockSteps:
     ) -> None:
         self._values = values
         self._boot = boot
-        this_boot = read_boot_id()
-        self._key = None if values is None or this_boot is None else f"{STEP_KEY_PREFIX}{this_boot}"
+        self._boot_id = None if values is None else read_boot_id()
         self._loaded = False
         self._offset: float | None = None
         """The wall clock less the boot clock at the sweep before (seconds)."""
@@ -107,28 +116,56 @@ class WallClockSteps:
             ahead_s = round(offset - self._offset)
             log.warning("wall_clock_step", ahead_s=ahead_s, retention_held_for_s=STEP_HOLD_S)
         self._offset = offset
-        await self._save()
-        return self._held_until is not None and boot < self._held_until
+        held = self._held_until is not None and boot < self._held_until
+        await self._save(wall_ms / 1000, drop_gone=not held)
+        return held
 
     async def _load(self) -> None:
-        if self._values is None or self._key is None:
+        if self._values is None or self._boot_id is None:
             return
         try:
-            stored = json.loads(await self._values.get_meta(self._key) or "{}")
+            stored = (await _step_records(self._values)).get(self._boot_id)
+            if stored is None:  # kept the old way, by a daemon before this one on this boot
+                stored = json.loads(await self._values.get_meta(f"{STEP_KEY_PREFIX}{self._boot_id}") or "{}")
             self._offset = float(stored["offset"]) if "offset" in stored else None
             held = stored.get("held_until")
             self._held_until = float(held) if held is not None else None
         except (OSError, ValueError, TypeError, AttributeError) as error:
-            log.warning("wall_clock_record_unreadable", key=self._key, error=str(error))
+            log.warning("wall_clock_record_unreadable", key=STEP_KEY, error=str(error))
 
-    async def _save(self) -> None:
-        if self._values is None or self._key is None:
+    async def _save(self, wall_s: float, *, drop_gone: bool) -> None:
+        if self._values is None or self._boot_id is None:
             return
         try:
-            record = {"offset": self._offset, "held_until": self._held_until}
-            await self._values.set_meta(self._key, json.dumps(record))
+            try:  # read again: other machines sharing the store keep their records in it too
+                records = await _step_records(self._values)
+            except ValueError as error:  # written again with this boot's record alone
+                log.warning("wall_clock_record_unreadable", key=STEP_KEY, error=str(error))
+                records = {}
+            kept = {
+                other: record
+                for other, record in records.items()
+                if other != self._boot_id and not (drop_gone and _gone(record, wall_s))
+            }
+            kept[self._boot_id] = {"offset": self._offset, "held_until": self._held_until, "saved": wall_s}
+            await self._values.set_meta(STEP_KEY, json.dumps(kept))
         except Exception as error:  # the sweep goes on; the next one writes it again
-            log.warning("wall_clock_record_not_saved", key=self._key, error=str(error))
+            log.warning("wall_clock_record_not_saved", key=STEP_KEY, error=str(error))
+
+
+async def _step_records(values: SmallValues) -> dict[str, Any]:
+    """Every boot's record in :data:`STEP_KEY` (none yet: empty)."""
+    records = json.loads(await values.get_meta(STEP_KEY) or "{}")
+    if not isinstance(records, dict):
+        raise ValueError(f"{STEP_KEY} holds no JSON object")
+    return records
+
+
+def _gone(record: object, wall_s: float) -> bool:
+    """Whether a boot's record was last saved over :data:`STEP_RECORD_KEEP_S` before ``wall_s`` (or is not
+    one). One saved later than ``wall_s`` is kept: the wall clock behind tells no boot gone."""
+    saved = record.get("saved") if isinstance(record, dict) else None
+    return not isinstance(saved, int | float) or wall_s - saved > STEP_RECORD_KEEP_S
 
 
 class RetentionSettings(Protocol):

@@ -16,8 +16,11 @@ passed to it. When resuming, only the messages after the agent's own last reply 
 already holds the earlier ones in its session). ``claude`` runs in a process group of its own: a call that
 times out, fails or is cancelled (a stop) kills the group, ``claude`` and the tools it started alike (one
 that left the group, with ``setsid``, is not found); so does the daemon's forced exit (:func:`kill_running`).
-Once the result line is in, the call waits at most :data:`KILL_WAIT_S` for ``claude`` to exit: a tool it
-left running in the background may keep its output open, and keeps running.
+Once the result line is in, the call waits at most :data:`KILL_WAIT_S` for ``claude`` to exit. A tool it
+left running in the background that still holds its output (stdout or stderr) then is killed with the group,
+and the call's pipes are closed: its output is nobody's any more (no later call can read it, and once the
+pipes are closed its next write fails), and pipes left open would cost the daemon two file descriptors a
+call for as long as the tool ran. A background tool that does not hold the output keeps running.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ def _kill_group(group: int) -> None:
     """SIGKILL a ``claude`` and the tools it started (its process group), if any is left."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(group, signal.SIGKILL)
+
+
+def _output_held(transport: asyncio.SubprocessTransport) -> bool:
+    """Whether ``claude`` still runs, or its output pipes are still open (a tool it started holds them)."""
+    pipes = (transport.get_pipe_transport(fd) for fd in (1, 2))
+    return transport.get_returncode() is None or any(p is not None and not p.is_closing() for p in pipes)
 
 
 def kill_running() -> None:
@@ -231,21 +240,24 @@ class ClaudeCodeBackend:
     async def complete(self, request: CompletionRequest) -> CompletionResult:
         """Run ``claude`` once; stream assistant text into ``request.on_chunk`` when it is set."""
         prompt = build_prompt(request.messages, resuming=_resumable_session(request) is not None)
+        loop = asyncio.get_running_loop()
         try:
-            process = await asyncio.create_subprocess_exec(
+            # asyncio.create_subprocess_exec, keeping the transport: the call closes it when it ends
+            transport, protocol = await loop.subprocess_exec(
+                lambda: asyncio.subprocess.SubprocessStreamProtocol(limit=STREAM_LINE_LIMIT, loop=loop),
                 *self.arguments(request),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 cwd=self.cwd,
                 env=None if self.env is None else {**os.environ, **self.env},
-                limit=STREAM_LINE_LIMIT,
                 start_new_session=True,  # a group of its own: a run cut short ends the tools it started too
             )
         except (FileNotFoundError, PermissionError) as exc:
             raise backend_error(
                 BackendErrorKind.UNREACHABLE, f"claude-code: cannot run {self.command[0]!r}: {exc}"
             ) from exc
+        process = asyncio.subprocess.Process(transport, protocol, loop)
         _RUNNING_GROUPS.add(process.pid)
         answered = False
         try:
@@ -259,11 +271,15 @@ class ClaudeCodeBackend:
             ) from None
         finally:
             _RUNNING_GROUPS.discard(process.pid)
-            if not answered or process.returncode is None:  # timed out, stopped or failed: its group goes
-                _kill_group(process.pid)  # (claude may have exited already, leaving a tool running)
-                with contextlib.suppress(ProcessLookupError, TimeoutError):
-                    # a tool that left the group may still hold the pipes, which wait() waits for
-                    await asyncio.wait_for(process.wait(), KILL_WAIT_S)
+            try:
+                # timed out, stopped or failed, or answered while a tool holds the output: the group goes
+                if not answered or _output_held(transport):
+                    _kill_group(process.pid)  # (claude may have exited already, leaving a tool running)
+                    with contextlib.suppress(ProcessLookupError, TimeoutError):
+                        # a tool that left the group may still hold the pipes, which wait() waits for
+                        await asyncio.wait_for(process.wait(), KILL_WAIT_S)
+            finally:
+                transport.close()  # the pipes such a tool holds still are closed on it
 
     async def _converse(
         self, process: asyncio.subprocess.Process, prompt: str, request: CompletionRequest

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tenex_daemon.adapters.llm import claude_code
 from tenex_daemon.adapters.llm.claude_code import ClaudeCodeBackend
 from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.llm import (
@@ -179,6 +180,41 @@ async def test_an_answer_is_taken_at_its_result_line_though_a_tool_left_running_
         with contextlib.suppress(ProcessLookupError, ValueError, FileNotFoundError):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
         await asyncio.sleep(0.5)  # the pipes the tool held close: the call's process transport ends
+
+
+def open_fds() -> int:
+    """How many file descriptors this process holds."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_calls_whose_claude_left_a_tool_holding_its_output_leave_no_pipe_nor_tool_behind(
+    stand_in: tuple[list[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Three calls whose claude answers and exits, each leaving a tool in the background that holds its
+    output: once each answer is in, the tool is ended with its group and the pipes closed (before, each
+    call left two pipes and its process transport open for as long as the tool ran, and the tool running:
+    a daemon doing this every day ran out of file descriptors within months)."""
+    pid_file = tmp_path / "tool.pid"
+    monkeypatch.setenv("FAKE_CLAUDE_MODE", "background")
+    monkeypatch.setenv("FAKE_CLAUDE_TOOL_PID", str(pid_file))
+    monkeypatch.setattr(claude_code, "KILL_WAIT_S", 0.5)  # the grace for claude to exit, waited per call
+    command, _ = stand_in
+    backend = ClaudeCodeBackend(command=command, timeout=60.0)
+    tools: list[int] = []
+    before = open_fds()
+    try:
+        for _ in range(3):
+            assert (await backend.complete(HI)).text == "Hello from Claude"
+            tools.append(int(pid_file.read_text()))
+        await asyncio.sleep(0.1)  # the pipes closed are let go at the event loop's next turn
+
+        assert open_fds() <= before
+        assert [await ended_within(tool, 5) for tool in tools] == [True, True, True]
+    finally:
+        for tool in tools:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(tool, signal.SIGKILL)
+        await asyncio.sleep(0.5)  # the pipes the tools held close: the calls' transports end
 
 
 async def test_a_claude_gone_without_its_result_takes_the_tools_it_started_with_it(

@@ -4,12 +4,21 @@ not time that passed, so the daemon's sweeps hold off for an hour after one; a m
 
 from __future__ import annotations
 
+import json
+
 from structlog.testing import capture_logs
 
 from tenex_daemon import MemoryStore
 from tenex_daemon.core.search import SearchQuery
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.retention import STEP_HOLD_S, RetentionPolicy, Sweeper, WallClockSteps
+from tenex_daemon.services.retention import (
+    STEP_HOLD_S,
+    STEP_KEY,
+    STEP_KEY_PREFIX,
+    RetentionPolicy,
+    Sweeper,
+    WallClockSteps,
+)
 from tenex_daemon.testing import FakeClock
 from tests.conftest import Cast
 
@@ -109,3 +118,44 @@ async def test_a_sweep_that_did_nothing_is_logged_at_debug_one_that_did_at_info(
     assert [(e["log_level"], e["ended_idle"]) for e in logs if e["event"] == "retention_sweep"] == [
         ("debug", 0), ("info", 1)
     ]
+
+
+async def test_the_records_of_boots_gone_are_dropped_where_one_per_boot_was_kept_for_good() -> None:
+    """Three boots a week apart each sweep: the wall clock less the boot clock is kept in one small value
+    (``retention.clock``) holding only the boots that swept in the last week, here the last one; before, each
+    boot left a ``retention.clock.<boot id>`` value that nothing removed (one more a boot, for good)."""
+    store = MemoryStore()
+    wall_ms = 1_800_000_000_000
+    for boot in ("boot-a", "boot-b", "boot-c"):
+        assert not await WallClockSteps(store, boot=BootClock(), read_boot_id=lambda b=boot: b).holding(wall_ms)
+        wall_ms += 8 * DAY_MS
+
+    assert [await store.get_meta(f"{STEP_KEY_PREFIX}{boot}") for boot in ("boot-a", "boot-b")] == [None, None]
+    records = json.loads(await store.get_meta(STEP_KEY) or "{}")
+    assert list(records) == ["boot-c"]
+
+
+async def test_machines_sharing_a_store_each_keep_their_record_in_the_one_value() -> None:
+    """Two machines (two boots at once) sweeping into one store (a shared database): each keeps its record
+    beside the other's, so a daemon restarted on either still sees a step; the step of one (a year ahead)
+    does not make it drop the other's record as a week old."""
+    store, boot = MemoryStore(), BootClock()
+    wall_ms = 1_800_000_000_000
+    for name in ("boot-a", "boot-b"):
+        assert not await WallClockSteps(store, boot=boot, read_boot_id=lambda n=name: n).holding(wall_ms)
+
+    boot.now += 60
+    for name in ("boot-a", "boot-b"):
+        restarted = WallClockSteps(store, boot=boot, read_boot_id=lambda n=name: n)
+        assert await restarted.holding(wall_ms + 60_000 + 366 * DAY_MS)
+
+
+async def test_a_daemon_upgraded_on_the_same_boot_reads_the_record_its_predecessor_kept_per_boot() -> None:
+    """A record kept the old way (``retention.clock.<boot id>``) by a daemon before on this boot is read when the
+    one value has none for it: a step since is still seen."""
+    store, boot = MemoryStore(), BootClock()
+    offset = 1_800_000_000 - boot.now
+    await store.set_meta(f"{STEP_KEY_PREFIX}boot-a", json.dumps({"offset": offset, "held_until": None}))
+
+    upgraded = WallClockSteps(store, boot=boot, read_boot_id=lambda: "boot-a")
+    assert await upgraded.holding(1_800_000_000_000 + 366 * DAY_MS)
