@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import structlog
 
 from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import PartialTextPublisher, Publisher, ReplyComposer, ReplySpec
@@ -217,6 +218,9 @@ class AgentRunner:
         if conversation is None or index is None:
             log.error("run_trigger_missing", conversation_id=cid, event_id=request.trigger_id)
             return None
+        if conversation.archived:  # archived since the run was asked for: its answer could not be saved
+            log.info("run_abandoned", conversation_id=cid, event_id=request.trigger_id, reason="archived")
+            return None
         request, index = _newest_last(request, conversation, index)
         trigger = conversation.history[index]
         if await self._done_already(request, conversation, index, profile.agent.pubkey, routing):
@@ -374,6 +378,8 @@ class AgentRunner:
         """A run that ends without a saved reply still worked: its time is counted (best effort)."""
         try:
             await self._manager.add_run_time(conversation_id, started_ms)
+        except (ConversationNotFoundError, ConversationArchivedError):
+            pass  # deleted or archived meanwhile: no time to count there (the run says why it ends)
         except Exception:
             log.exception("run_time_not_saved", conversation_id=conversation_id)
 

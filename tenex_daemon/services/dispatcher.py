@@ -14,7 +14,11 @@ import structlog
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.classify import Classification, EventClass, EventClassifier
 from tenex_daemon.core.conversation import Conversation
-from tenex_daemon.core.errors import ConversationExistsError
+from tenex_daemon.core.errors import (
+    ConversationArchivedError,
+    ConversationExistsError,
+    ConversationNotFoundError,
+)
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase, PhaseRules
 from tenex_daemon.core.ports import EventFetcher, Peers
@@ -553,6 +557,11 @@ class EventDispatcher:
         for attempt, wait_s in enumerate(DISPATCH_RETRY_S, start=1):
             try:
                 return await self._target(conversation_id, event, recovered=attempt > 1)
+            except (ConversationNotFoundError, ConversationArchivedError) as gone:  # the owner's doing: final
+                reason = "conversation_deleted" if isinstance(gone, LookupError) else "conversation_archived"
+                log.info("dispatch_abandoned", event_id=event.id, conversation_id=conversation_id,
+                         reason=reason)
+                return HandleResult(Outcome.STORED, reason, conversation_id)
             except Exception:
                 log.warning(
                     "dispatch_retry", event_id=event.id, conversation_id=conversation_id,
@@ -570,7 +579,8 @@ class EventDispatcher:
         if target.skip is not None and not routed:
             return HandleResult(Outcome.STORED, target.skip.value, conversation_id)
         conversation = await self._manager.get_conversation(conversation_id)
-        assert conversation is not None
+        if conversation is None:  # deleted since the event was stored (the owner's delete, retention)
+            raise ConversationNotFoundError(conversation_id)
         author = directory.by_pubkey(event.pubkey)
         completion = routed and event.has_tag(TAG_TOOL, TOOL_COMPLETE)
         if author is not None and not completion:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
 from tenex_daemon.core.ports import Peers, SmallValues
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.runtime.failures import log_failure
@@ -490,6 +491,13 @@ class RunScheduler:
             self.failed += 1
             log_ctx.warning("run_failed", attempt=attempt, error=str(error))
             return False
+        except (ConversationNotFoundError, ConversationArchivedError) as gone:
+            # deleted or archived meanwhile (the owner's doing, or retention's): no try could save an answer;
+            # what the run journaled as being dispatched goes too
+            log_ctx.info("run_abandoned", reason=str(gone))
+            for reply_id in self._unsaved.pop(self._key(request), ()):
+                self.dispatched(reply_id)
+            return True
         except Exception:
             self.failed += 1
             log_ctx.exception("run_failed", attempt=attempt)
