@@ -36,6 +36,7 @@ current one when the channel has none (a home restored from the relays).
 from __future__ import annotations
 
 import heapq
+import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -575,18 +576,24 @@ class Rebuilder:
         return conversation
 
     async def _append(self, conversation: Conversation, events: Sequence[NostrEvent]) -> int:
-        """Append ``events`` in order; return how many were new to the store. An archived
-        conversation is restored for the merge and archived again."""
+        """Append ``events`` in order; return how many were new to the store. An archived conversation (so
+        ended) is restored for the merge and archived again while it is still ended: a message that came
+        meanwhile reopened it, and it stays restored, as a new message restores an archived conversation
+        (archived again, it would leave that message unanswered and its run unable to save)."""
         if not events:
             return 0
+        # ended_before past any activity: the one condition left is "still ended" (checked in the archive's
+        # step); one archived without an end (a store before the lifecycle) is archived again as it was
+        still_ended = sys.maxsize if conversation.is_ended else None
         archived = conversation.archived and await self._manager.restore_conversation(conversation.id)
         added = 0
         try:
             for event in events:
                 added += await self._manager.add_event(conversation.id, event, backfill=True)
         finally:
-            if archived:
-                await self._manager.archive_conversation(conversation.id)
+            manager, cid = self._manager, conversation.id
+            if archived and not await manager.archive_conversation(cid, ended_before=still_ended):
+                log.info("rebuild_left_restored", conversation_id=cid, reason="reopened during the merge")
         return added
 
 

@@ -381,6 +381,34 @@ async def test_an_archived_conversation_gets_its_events_and_stays_archived(
     assert [e.id for e in conversation.history] == [e.id for e in thread.allowed]
 
 
+async def test_an_archived_conversation_a_message_reopens_during_the_merge_stays_restored(
+    manager: ConversationManager, thread: Thread, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner archived the conversation; while a rebuild merges what the relays kept, the person writes
+    in it again (restored for the merge, the message reopens it, as any new message restores it): the merge
+    leaves it restored and active, not archived again over that message (whose run could then never save
+    its answer)."""
+    await manager.create_conversation(thread.root)
+    await manager.archive_conversation(thread.root.id, ending_by="owner")
+    again = _reply(cast, cast.user_says, thread.root, thread.root, "Picking this up again", cast.alice.pubkey)
+    merge = manager.add_event
+    came: list[bool] = []
+
+    async def a_message_comes_first(conversation_id: str, event: NostrEvent, **options: Any) -> bool:
+        if options.get("backfill") and not came:
+            came.append(await merge(conversation_id, again))  # the person's, live, during the merge
+        return await merge(conversation_id, event, **options)
+
+    monkeypatch.setattr(manager, "add_event", a_message_comes_first)
+    await _rebuilder(manager, FakeRelays(thread.allowed)).rebuild(RebuildRequest(thread.root.id))
+
+    conversation = await manager.get_conversation(thread.root.id)
+    assert conversation is not None
+    assert came == [True]
+    assert (conversation.archived, conversation.is_ended) == (False, False)
+    assert conversation.contains_event(again.id)
+
+
 async def test_events_older_than_the_end_leave_an_ended_conversation_ended(
     manager: ConversationManager, thread: Thread, clock: FakeClock
 ) -> None:
