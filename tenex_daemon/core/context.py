@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
 from tenex_daemon.core.agents import Agent, AgentDirectory, AuthorRole, claims_agent
-from tenex_daemon.core.conversation import Conversation
+from tenex_daemon.core.conversation import AgentState, Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.nip19 import encode_npub
 from tenex_daemon.core.references import find_event_references, inline_entities
@@ -38,6 +38,10 @@ class ChatMessage(NamedTuple):
     content: str
 
 
+_NEVER_BUILT_FOR = AgentState()
+"""The state of an agent never built for in a conversation (read, never changed)."""
+
+
 @dataclass(frozen=True, slots=True)
 class AgentContext:
     """What :func:`build_agent_messages` returns: the messages and the state to persist."""
@@ -58,6 +62,8 @@ class AgentContext:
     in_order: int | None = None
     """How many leading ``messages`` stand for history in its own order, when a burst put messages saved
     after the trigger behind them (None: all of the history messages)."""
+    resets: int = 0
+    """The agent state's :attr:`~tenex_daemon.core.conversation.AgentState.resets` when it was built."""
 
     @property
     def history_end(self) -> int:
@@ -199,8 +205,8 @@ def build_agent_messages(
     resolved = resolved_entities or {}
     history = conversation.history
     history_length = len(history)
-    state = conversation.agent_states.get(agent.slug)
-    last_processed = state.last_processed_index if state is not None else 0
+    state = conversation.agent_states.get(agent.slug, _NEVER_BUILT_FOR)
+    last_processed = state.last_processed_index
     own_key = agent.pubkey
     trigger_id = trigger.id
     trigger_index = conversation.index_of(trigger_id)
@@ -248,7 +254,7 @@ def build_agent_messages(
             label = labels[pubkey] = sender(pubkey).label + ":\n"
         extend((label, text(content) if resolved else content, "\n\n"))
     if away_parts:
-        seen = state.transitions_seen if state is not None else 0
+        seen = state.transitions_seen
         summary = _handoff_summary_since(conversation, seen)
         head = WHILE_AWAY_HEADER + previous_context_line(summary) if summary else WHILE_AWAY_HEADER
         append(ChatMessage("system", head + "".join(away_parts) + WHILE_AWAY_FOOTER))
@@ -259,7 +265,7 @@ def build_agent_messages(
     append(_trigger_message(trigger, agent, sender(trigger.pubkey), text(trigger.content)))
 
     # 5. The state to persist.
-    session_id = _session_for(trigger, state.session_id if state is not None else None, directory)
+    session_id = _session_for(trigger, state.session_id, directory)
     tail = 3 if away_parts else 1  # block, marker and trigger; or the trigger alone
     return AgentContext(
         messages,
@@ -267,9 +273,10 @@ def build_agent_messages(
         max(history_length, last_processed),
         len(conversation.phase_transitions),
         protected=tuple(range(len(messages) - tail, len(messages))),
-        summary=state.summary if state is not None else None,
-        summary_covers=state.summary_covers if state is not None else 0,
+        summary=state.summary,
+        summary_covers=state.summary_covers,
         in_order=in_order,
+        resets=state.resets,
     )
 
 

@@ -49,6 +49,9 @@ class AgentState(BaseModel):
     """The ``summarize`` budget's summary of the agent's older history messages (extended, never redone)."""
     summary_covers: int = 0
     """How many of the agent's leading history messages ``summary`` stands for."""
+    resets: int = 0
+    """Times the owner reset this state (``reset_agent_states``): a run built before the last one saves no
+    index, session or transitions over it when its reply is saved."""
 
 
 class ReferencedArticle(BaseModel):

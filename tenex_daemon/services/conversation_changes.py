@@ -135,7 +135,10 @@ class RunRecord:
 
 
 def record_context(state: AgentState, context: AgentContext) -> None:
-    """What the agent has now been shown: its last processed index, session and phase transitions."""
+    """What the agent has now been shown: its last processed index, session and phase transitions; nothing
+    when its state was reset since the context was built (the reset stands: it starts fresh)."""
+    if state.resets != context.resets:
+        return
     state.last_processed_index = context.last_processed_index
     state.session_id = context.session_id
     state.transitions_seen = context.transitions_seen

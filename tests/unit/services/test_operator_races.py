@@ -11,7 +11,7 @@ import structlog.testing
 
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.events import NostrEvent
-from tenex_daemon.core.llm import CompletionResult, ToolCall
+from tenex_daemon.core.llm import CompletionRequest, CompletionResult, ToolCall
 from tenex_daemon.core.vocabulary import TOOL_COMPLETE
 from tenex_daemon.services.agent_runner import AgentProfile
 from tenex_daemon.services.orchestrator import RoutingDecision
@@ -120,3 +120,51 @@ async def test_a_conversation_deleted_while_a_completion_is_routed_is_not_dispat
     assert await rig.store.get_meta(PENDING_RUNS_KEY) == "[]"
     assert not [e["event"] for e in logs if e["event"] in RETRIED]
     assert [e["reason"] for e in logs if e["event"] == "dispatch_abandoned"] == ["conversation_deleted"]
+
+
+class SessionBackend:
+    """Answers "answer N" to its Nth call with session ``session-N``; the second call waits for ``release``."""
+
+    name = "sessions"
+
+    def __init__(self) -> None:
+        self.requests: list[CompletionRequest] = []
+        self.asked_second = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Answer, holding the second call until released."""
+        self.requests.append(request)
+        number = len(self.requests)
+        if number == 2:
+            self.asked_second.set()
+            await self.release.wait()
+        return CompletionResult(text=f"answer {number}", model="sessions", session_id=f"session-{number}")
+
+
+async def test_a_reset_while_the_agent_answers_stands_when_that_answer_is_saved(cast: Cast) -> None:
+    """The owner resets the agents while Alice answers a second message: saving that answer keeps the reset
+    (no index, session or transitions written back over it), so her next run starts a fresh session, where
+    it used to continue the session from before the reset."""
+    backend = SessionBackend()
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("secret plan A", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    await rig.dispatcher.handle(cast.user_says("second", tags=thread))
+    await asyncio.wait_for(backend.asked_second.wait(), 5)
+
+    assert await rig.manager.reset_agent_states(root.id) == ["alice"]
+    backend.release.set()
+    await rig.quiet()
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    state = conversation.agent_states["alice"]
+    after_the_save = (state.last_processed_index, state.session_id, state.resets)
+    await rig.dispatcher.handle(cast.user_says("third", tags=thread))
+    await rig.quiet()
+
+    assert after_the_save == (0, None, 1)
+    assert [request.session_id for request in backend.requests] == [None, "session-1", None]
+    assert [e.content for e in rig.publisher.published] == ["answer 1", "answer 2", "answer 3"]
