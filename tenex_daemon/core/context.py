@@ -5,6 +5,7 @@ The exact strings here are part of the contract; clients and prompts depend on t
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
@@ -108,6 +109,23 @@ def person_label(pubkey: str, name: str | None = None) -> str:
     if not shown:
         return encode_npub(pubkey)[:SHORT_NPUB_CHARS] + "…"
     return shown if len(shown) <= PERSON_NAME_MAX_CHARS else shown[: PERSON_NAME_MAX_CHARS - 1] + "…"
+
+
+def distinct_names(names: Mapping[str, str]) -> dict[str, str]:
+    """``names`` (people's profile names by public key) with a name two or more of them share followed by
+    each one's short npub, ``Sam (npub10xlxvlhe…)``, so the model still tells them apart (and nobody passes
+    for another by taking their name); the name is cut to leave room for it (docs/CONTEXT.md step 1)."""
+    shown = {pubkey: " ".join(name.split()) for pubkey, name in names.items()}
+    counts = Counter(name.casefold() for name in shown.values() if name)
+    distinct: dict[str, str] = {}
+    for pubkey, name in shown.items():
+        if counts[name.casefold()] < 2:
+            distinct[pubkey] = name
+            continue
+        suffix = f" ({encode_npub(pubkey)[:SHORT_NPUB_CHARS]}…)"
+        room = PERSON_NAME_MAX_CHARS - len(suffix)
+        distinct[pubkey] = (name if len(name) <= room else name[: room - 1] + "…") + suffix
+    return distinct
 
 
 def people_who_wrote(

@@ -22,6 +22,7 @@ from tenex_daemon.core.context import (
     build_agent_messages,
     build_routing_context,
     conversation_event_references,
+    distinct_names,
     is_person_message,
     people_who_wrote,
 )
@@ -795,4 +796,4 @@ class ConversationManager:
         if self._names is None:
             return {}
         people = people_who_wrote(conv, last, self.agents, view)
-        return await self._names.names(people) if len(people) > 1 else {}
+        return distinct_names(await self._names.names(people)) if len(people) > 1 else {}

@@ -12,6 +12,7 @@ from tenex_daemon.core.context import (
     USER_LABEL,
     ChatMessage,
     build_agent_messages,
+    distinct_names,
     person_label,
 )
 from tenex_daemon.core.conversation import Conversation
@@ -165,3 +166,46 @@ async def test_the_run_labels_people_by_their_profile_names(cast: Cast) -> None:
     assert shown[0] == f"[{person_label(cast.user.pubkey)}]: Plan my trip"
     assert shown[-1] == "[Carol]: Lisbon, please"
     assert asked == [{cast.user.pubkey, cast.other_user.pubkey}]  # asked only once two people wrote
+
+
+def test_a_name_two_people_share_is_followed_by_each_ones_short_npub() -> None:
+    """Two people whose profiles give the same name (any case, any spacing) are labelled ``<name> (<short
+    npub>…)``, each their own, cut to the label's length; a name nobody shares stays as it is."""
+    sam, other_sam, carol = "ab" * 32, "cd" * 32, "ef" * 32
+    long = "Samantha " + "x" * 40
+
+    shown = distinct_names({sam: "Sam", other_sam: " sam ", carol: "Carol"})
+    long_shown = distinct_names({sam: long, other_sam: long})
+
+    assert shown == {
+        sam: f"Sam ({encode_npub(sam)[:13]}…)", other_sam: f"sam ({encode_npub(other_sam)[:13]}…)", carol: "Carol",
+    }
+    assert long_shown[sam].endswith(f"… ({encode_npub(sam)[:13]}…)")
+    assert len(long_shown[sam]) == 40
+    assert person_label(sam, long_shown[sam]) == long_shown[sam]
+
+
+async def test_the_run_tells_apart_two_people_of_one_profile_name(cast: Cast) -> None:
+    """Through the production pipeline, two people both named "Sam" in their profiles are shown to the agent
+    as two labels (it saw "[Sam]" for both, and anyone could pass for another by taking their name)."""
+
+    class Names:
+        async def names(self, pubkeys: Collection[str]) -> dict[str, str]:
+            return dict.fromkeys(pubkeys, "Sam")
+
+    backend = ScriptedBackend([text("Hi both."), text("Noted.")])
+    rig = pipeline.build_rig(
+        cast, backend=backend, names=Names(), whitelist=[cast.other_user.pubkey], whitelist_may_join=True
+    )
+    root = cast.user_says("Plan my trip", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    guest = cast.factory.event(
+        cast.other_user, "Lisbon, please", tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]]
+    )
+    await rig.dispatcher.handle(guest)
+    await rig.settle()
+
+    shown = [m.content for m in backend.requests[-1].messages]
+    assert shown[0] == f"[Sam ({encode_npub(cast.user.pubkey)[:13]}…)]: Plan my trip"
+    assert shown[-1] == f"[Sam ({encode_npub(cast.other_user.pubkey)[:13]}…)]: Lisbon, please"
