@@ -19,7 +19,7 @@ def test_written_status_reads_back_as_running_and_healthy(tmp_path: Path) -> Non
     relay = RelayStatus(
         url="ws://127.0.0.1:7777", state="connected", read=True, write=True, connected_since=None,
         reconnects=0, last_event_at=None, events_received=0, rejects={}, notices=0,
-        authenticated=False, last_error=None,
+        authenticated=False, last_error=None, oks_attributed=0, oks_unmatched=0,
     )
     data["relays"] = [relay]
     write_status(path, data)

@@ -5,6 +5,7 @@ not time that passed, so the daemon's sweeps hold off for an hour after one; a m
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from structlog.testing import capture_logs
 
@@ -120,6 +121,11 @@ async def test_a_sweep_that_did_nothing_is_logged_at_debug_one_that_did_at_info(
     ]
 
 
+def boot_id(name: str) -> Callable[[], str | None]:
+    """A reading of the boot id that always gives ``name`` (one machine's boot)."""
+    return lambda: name
+
+
 async def test_the_records_of_boots_gone_are_dropped_where_one_per_boot_was_kept_for_good() -> None:
     """Three boots a week apart each sweep: the wall clock less the boot clock is kept in one small value
     (``retention.clock``) holding only the boots that swept in the last week, here the last one; before, each
@@ -127,7 +133,7 @@ async def test_the_records_of_boots_gone_are_dropped_where_one_per_boot_was_kept
     store = MemoryStore()
     wall_ms = 1_800_000_000_000
     for boot in ("boot-a", "boot-b", "boot-c"):
-        assert not await WallClockSteps(store, boot=BootClock(), read_boot_id=lambda b=boot: b).holding(wall_ms)
+        assert not await WallClockSteps(store, boot=BootClock(), read_boot_id=boot_id(boot)).holding(wall_ms)
         wall_ms += 8 * DAY_MS
 
     assert [await store.get_meta(f"{STEP_KEY_PREFIX}{boot}") for boot in ("boot-a", "boot-b")] == [None, None]
@@ -142,11 +148,11 @@ async def test_machines_sharing_a_store_each_keep_their_record_in_the_one_value(
     store, boot = MemoryStore(), BootClock()
     wall_ms = 1_800_000_000_000
     for name in ("boot-a", "boot-b"):
-        assert not await WallClockSteps(store, boot=boot, read_boot_id=lambda n=name: n).holding(wall_ms)
+        assert not await WallClockSteps(store, boot=boot, read_boot_id=boot_id(name)).holding(wall_ms)
 
     boot.now += 60
     for name in ("boot-a", "boot-b"):
-        restarted = WallClockSteps(store, boot=boot, read_boot_id=lambda n=name: n)
+        restarted = WallClockSteps(store, boot=boot, read_boot_id=boot_id(name))
         assert await restarted.holding(wall_ms + 60_000 + 366 * DAY_MS)
 
 
