@@ -35,8 +35,15 @@ _HANDLER_MARK = "_tenexd_handler"
 _OWN_STREAM_MARK = "_tenexd_own_stream"
 
 
+_PRIVATE_CHANNEL = re.compile(r"(dm:[^:\s]+:)[0-9a-fA-F]{64}")
+"""A private conversation's channel (``dm:<agent>:<person's key>``): the person's key is cut, as
+``loggable_channel`` cuts it, wherever one reaches a log line (a pointer's key, a lease's name)."""
+
+
 def _scrub_text(text: str) -> str:
-    return _NSEC.sub("nsec1" + REDACTED, text) if "nsec1" in text.lower() else text
+    if "nsec1" in text.lower():
+        text = _NSEC.sub("nsec1" + REDACTED, text)
+    return _PRIVATE_CHANNEL.sub(r"\1…", text) if "dm:" in text else text
 
 
 def _redact(name: str, value: Any) -> Any:

@@ -131,7 +131,10 @@ class ConversationLifecycle:
             if current is not None and current.created_at > conversation.created_at:
                 return
             await store.set_meta(key, conversation.id)
-        log.warning("conversation_pointer_repaired", key=key, conversation_id=conversation.id, was=current_id)
+        channel = conversation.channel
+        shown = key if channel is None else channel_meta_key(loggable_channel(channel))  # no person's key
+        log.warning("conversation_pointer_repaired", key=shown, conversation_id=conversation.id,
+                    was=current_id)
 
     async def adopt_channel(self, conversation: Conversation) -> bool:
         """A conversation a rebuild brought back becomes its channel's current one when the channel has none,
@@ -148,7 +151,8 @@ class ConversationLifecycle:
             if current_id is not None and await self._manager.get_conversation(current_id) is not None:
                 return False
             await store.set_meta(key, conversation.id)
-        log.info("channel_conversation_adopted", channel_key=key, conversation_id=conversation.id)
+        channel = loggable_channel(conversation.channel)
+        log.info("channel_conversation_adopted", channel=channel, conversation_id=conversation.id)
         return True
 
     # --- kind-1 channels ------------------------------------------------------------------

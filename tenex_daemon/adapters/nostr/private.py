@@ -161,7 +161,9 @@ class GiftWraps:
             wrapped = nip59_make_gift_wrap(keys, PublicKey.parse(recipient), unsigned)
             return NostrEvent.model_validate_json(wrapped.as_json())
         except Exception as exc:  # NostrSdkError: a malformed recipient key...
-            raise GiftWrapError(f"rumor {rumor.id} cannot be wrapped for {recipient}: {exc}") from None
+            # whom for stays out of the message: it is logged, and quoted in the notice to the person
+            whose = "its author's own copy" if recipient == rumor.pubkey else "its recipient"
+            raise GiftWrapError(f"rumor {rumor.id} cannot be wrapped for {whose}: {exc}") from None
 
 
 def _refused(wrap: NostrEvent, reason: WrapRefusal, error: str) -> WrapRefusal:
@@ -341,8 +343,8 @@ class GiftWrapPublisher:
                 continue
             try:
                 await self._inner.publish(wrap)  # one a relay accepted before a crash: it answers duplicate
-            except Exception as exc:
-                failed.append(f"{recipient[:12]}: {exc}")
+            except Exception as exc:  # named by role: a person's key stays out of the logs
+                failed.append(f"{'own copy' if recipient == event.pubkey else 'recipient'}: {exc}")
                 if isinstance(exc, EventRefusedError):
                     refused.append(exc)
                 continue

@@ -4,14 +4,20 @@ arguments; and what they say of a backend that fails."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from structlog.testing import capture_logs
 
+from tenex_daemon.adapters.nostr.private import GiftWrapPublisher, GiftWraps
+from tenex_daemon.app.logging import redact_secrets
 from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, ToolCall
-from tenex_daemon.testing.fakes import ScriptedBackend
+from tenex_daemon.services.lifecycle import channel_meta_key
+from tenex_daemon.services.private_messages import agent_channel
+from tenex_daemon.testing.fakes import FakePublisher, ScriptedBackend, signers_for
 from tests import pipeline
 from tests.conftest import Cast
+from tests.pipeline import cast_keys
 from tests.unit.services.test_private_messages import admitted, private_rig, wrap
 from tests.unit.services.test_tool_loop import text
 
@@ -106,3 +112,69 @@ async def test_a_description_logs_its_title_shortened_as_a_creation_does(cast: C
 
     [described] = [entry for entry in logs if entry["event"] == "conversation_described"]
     assert len(described["title"]) <= 121
+
+
+def _naming(logs: list[dict[str, object]], needle: str) -> list[str]:
+    """The log lines, as the daemon writes them (its redaction applied), that hold ``needle``."""
+    written = [json.dumps(redact_secrets(None, "info", dict(entry)), default=str, ensure_ascii=False) for entry in logs]
+    return [line for line in written if needle in line]
+
+
+async def test_a_private_channel_repaired_or_adopted_is_logged_without_the_persons_key(cast: Cast) -> None:
+    """The pointer a crash left unwritten, repaired at the restart's dispatch, and a channel a rebuild adopts
+    are logged as ``dm:alice:…``: neither line names the person (both logged the whole channel key)."""
+    rig, intake = private_rig(cast)
+    rumor = admitted(intake, wrap(cast.user, cast.alice.pubkey, "secret question"))
+    channel = agent_channel("alice", cast.user.pubkey)
+    conversation = await rig.manager.create_conversation(rumor, exclusive=True, channel=channel)
+    with capture_logs() as logs:
+        await rig.dispatcher.stored_dispatches([rumor.id])  # the crash came before the pointer was written
+        await rig.store.set_meta(channel_meta_key(channel), "f" * 64)  # a home restored: its current one gone
+        assert await rig.pipeline.lifecycle.adopt_channel(conversation)
+
+    assert {entry["event"] for entry in logs} >= {"conversation_pointer_repaired", "channel_conversation_adopted"}
+    assert _naming(logs, cast.user.pubkey) == []
+    assert _naming(logs, "dm:alice:…")
+
+
+def test_the_logs_cut_a_persons_key_from_any_private_channel_they_are_given() -> None:
+    """Whatever field holds a private channel's key (a lease's name, a pointer's key), the daemon's redaction
+    writes it as ``dm:<agent>:…``; other channels and event ids stay as they are."""
+    person = "79be667ef9dcbbac55a06295ce870b07029bfcdb2dce28d959f2815b16f81798"
+    line = redact_secrets(None, "info", {
+        "event": "postgres_unlock_skipped", "name": f"channel.dm:alice:{person}", "event_id": person,
+        "note": f"lease dm:bob:{person} and kind1:alice:{person}",
+    })
+
+    assert line["name"] == "channel.dm:alice:…"
+    assert line["note"] == f"lease dm:bob:… and kind1:alice:{person}"
+    assert line["event_id"] == person
+
+
+async def test_gift_wraps_not_delivered_or_not_made_are_logged_naming_no_person(cast: Cast) -> None:
+    """Relays down (the outbox retrying a private answer) and an answer too long to gift-wrap: their errors,
+    logged and quoted in the notice, name the wrap's recipient by role, not by key (the first 12 characters
+    of the person's key, and the whole key, were logged)."""
+    inner = FakePublisher(fail=True)
+    rig, intake = private_rig(cast, publisher=GiftWrapPublisher(inner, GiftWraps(signers_for(cast_keys(cast)))))
+    with capture_logs() as down:
+        await rig.dispatcher.handle(admitted(intake, wrap(cast.user, cast.alice.pubkey, "hello")))
+        await rig.quiet()
+        await asyncio.sleep(1.2)  # the outbox's first retry
+    inner.fail = False
+    rig.pipeline.outbox.wake()
+    await rig.settle()
+    long = ScriptedBackend([CompletionResult(text="x" * 70_000, model="m")])
+    wraps = GiftWrapPublisher(FakePublisher(), GiftWraps(signers_for(cast_keys(cast))))
+    rig, intake = private_rig(cast, publisher=wraps, backend=long)
+    with capture_logs() as too_long:
+        await rig.dispatcher.handle(admitted(intake, wrap(cast.user, cast.alice.pubkey, "write a lot")))
+        await rig.settle()
+
+    retries = [str(entry["error"]) for entry in down if entry["event"] == "outbox_retry"]
+    refused = [str(entry["error"]) for entry in too_long if entry["event"] == "outbox_entry_refused"]
+    assert retries
+    assert "recipient: " in retries[0]
+    assert refused
+    assert "cannot be wrapped for its recipient" in refused[0]
+    assert _naming(down + too_long, cast.user.pubkey[:12]) == []
