@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import MutableMapping, Sequence
+from typing import Any
 
 from structlog.testing import capture_logs
 
@@ -114,7 +116,7 @@ async def test_a_description_logs_its_title_shortened_as_a_creation_does(cast: C
     assert len(described["title"]) <= 121
 
 
-def _naming(logs: list[dict[str, object]], needle: str) -> list[str]:
+def _naming(logs: Sequence[MutableMapping[str, Any]], needle: str) -> list[str]:
     """The log lines, as the daemon writes them (its redaction applied), that hold ``needle``."""
     written = [json.dumps(redact_secrets(None, "info", dict(entry)), default=str, ensure_ascii=False) for entry in logs]
     return [line for line in written if needle in line]
