@@ -18,7 +18,21 @@ from tenex_daemon.core.search import SearchQuery
 
 
 class EmptyStoreError(TenexError):
-    """The configured store holds nothing while the home's filesystem store holds conversations."""
+    """The configured store holds nothing while the home's filesystem store holds conversations (or is a
+    copy of it cut short)."""
+
+
+COPY_KEY = "migrate.from_store"
+"""The small value ``tenexd migrate --from-store`` writes in its target before anything else, ``copying
+<source>``, then ``copied <source>`` once whole: a copy cut short (Ctrl-C, the database gone) is taken up
+again by the same command (what it copied already is skipped), a daemon refuses to start on it meanwhile,
+and a whole copy is not made twice."""
+COPYING = "copying "
+
+
+def copying_mark(source_home: Path) -> str:
+    """What :data:`COPY_KEY` holds while a copy from ``source_home`` is under way (or was cut short)."""
+    return f"{COPYING}{Path(source_home).resolve()}"
 
 
 def left_in_the_home(settings: Settings) -> int:
@@ -54,7 +68,14 @@ async def refuse_an_empty_store_beside_the_homes(
 ) -> None:
     """Raise :class:`EmptyStoreError` when ``store`` (open) was never used (:func:`used_before`) and the
     home's own filesystem store, not the one the settings name, holds conversations
-    (:func:`left_in_the_home`)."""
+    (:func:`left_in_the_home`), or when it is a copy cut short (:data:`COPY_KEY`)."""
+    mark = await store.get_meta(COPY_KEY)
+    if mark is not None and mark.startswith(COPYING):
+        source = shlex.quote(mark.removeprefix(COPYING))
+        raise EmptyStoreError(
+            f"the store config.toml names is a copy cut short ({mark}): started on it, the daemon would "
+            f"answer again what was not copied yet; finish it with `tenexd migrate --from-store {source}`"
+        )
     held = left_in_the_home(settings)
     if not held or await used_before(settings, store, subscription_id):
         return

@@ -23,9 +23,10 @@ from tenex_daemon.adapters.nostr.private import WRAPS_KEY
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.adapters.storage.filesystem.contents import processed_ids, value_keys
 from tenex_daemon.adapters.storage.filesystem.layout import Layout
+from tenex_daemon.app.store_check import COPY_KEY, COPYING, copying_mark
 from tenex_daemon.app.watchdog import WATCHDOG_KEY
 from tenex_daemon.app.wiring import instance_keys, wraps_key_for
-from tenex_daemon.core.errors import TenexError
+from tenex_daemon.core.errors import ConversationExistsError, TenexError
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.search import SearchQuery
 from tenex_daemon.services.outbox import OUTBOX_KEY
@@ -53,6 +54,8 @@ class CopyReport:
     """Values of the old daemon's own, copied under another key (a store daemons share): old -> new."""
     unreadable: list[str] = field(default_factory=list)
     """Conversations the source could not read (left there; the copy goes on)."""
+    present: int = 0
+    """Conversations a copy cut short had copied already (taken up again: they count in ``conversations``)."""
 
 
 def shared_keys(project_pubkey: str) -> dict[str, str]:
@@ -74,10 +77,16 @@ async def copy_store(
     (:func:`shared_keys` for a store daemons share). ``progress(done, total)`` is told after each
     conversation. The source is opened (its lock taken: no daemon may run on it) and closed once first,
     so its files say everything (:mod:`~tenex_daemon.adapters.storage.filesystem.contents`)."""
-    if await target.search(SearchQuery(limit=1)):
+    copying = copying_mark(source_home)
+    mark = await target.get_meta(COPY_KEY)
+    resuming = mark == copying
+    if mark is not None and not resuming:
+        raise StoreCopyError(f"the store config.toml names was made by a copy already ({mark})")
+    if not resuming and await target.search(SearchQuery(limit=1)):
         raise StoreCopyError(
             "the store config.toml names holds conversations already: a copy goes into an unused store only"
         )
+    await target.set_meta(COPY_KEY, copying)
     source = FileSystemStore(source_home, fsync="batch")
     await source.open()  # replays a journal a crash left, and takes the lock: a daemon on it is refused
     await source.close()
@@ -93,7 +102,12 @@ async def copy_store(
                 report.unreadable.append(summary.id)
                 log.warning("store_copy_unreadable", conversation_id=summary.id)
             else:
-                await target.create(conversation)
+                try:
+                    await target.create(conversation)
+                except ConversationExistsError:
+                    if not resuming:
+                        raise
+                    report.present += 1  # copied (whole: a create is one write) before the copy was cut short
                 if conversation.archived:
                     await target.set_archived(conversation.id, True)
                     report.archived += 1
@@ -109,6 +123,7 @@ async def copy_store(
         if conversation_id not in copied:  # a copied conversation's events are processed with it
             await target.mark_processed(event_id)
             report.processed += 1
+    await target.set_meta(COPY_KEY, "copied " + copying.removeprefix(COPYING))
     log.info(
         "store_copied", source=str(source_home), conversations=report.conversations, events=report.events,
         processed=report.processed, values=report.values, unreadable=len(report.unreadable),

@@ -52,7 +52,7 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
     from tenex_daemon.app.daemon import SUBSCRIPTION_ID
     from tenex_daemon.app.home import load_project_pubkey
     from tenex_daemon.app.settings import StorageKind
-    from tenex_daemon.app.store_check import used_before
+    from tenex_daemon.app.store_check import COPY_KEY, copying_mark, used_before
     from tenex_daemon.app.store_copy import copy_store, shared_keys
     from tenex_daemon.app.wiring import build_store
     from tenex_daemon.cli.client import live_status
@@ -71,7 +71,8 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
     except StoreLockedError as exc:
         raise AccessError(f"{exc} (stop the daemon before migrating)", 503) from None
     try:
-        if await used_before(settings, target, SUBSCRIPTION_ID):
+        taking_up = await target.get_meta(COPY_KEY) == copying_mark(source)  # a copy cut short, again
+        if not taking_up and await used_before(settings, target, SUBSCRIPTION_ID):
             raise AccessError(
                 "the store config.toml names was used already (it holds conversations or relay cursors): "
                 "a copy goes into an unused store only", 400,

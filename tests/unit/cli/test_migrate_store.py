@@ -15,8 +15,14 @@ from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.daemon import SUBSCRIPTION_ID
 from tenex_daemon.app.settings import load_settings
-from tenex_daemon.app.store_check import left_in_the_home, used_before
+from tenex_daemon.app.store_check import (
+    EmptyStoreError,
+    left_in_the_home,
+    refuse_an_empty_store_beside_the_homes,
+    used_before,
+)
 from tenex_daemon.app.store_copy import StoreCopyError, copy_store, shared_keys
+from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.search import SearchQuery
 from tests.unit.cli.conftest import tenexd
@@ -119,21 +125,81 @@ def test_migrate_from_store_refuses_a_used_store_a_missing_one_and_the_same_one(
     assert (again, missing, itself) == (2, 2, 2)
 
 
-def test_copy_store_refuses_a_target_holding_conversations(home: Path, tmp_path: Path) -> None:
-    """copy_store itself refuses a target that holds a conversation, whoever calls it."""
+def test_copy_store_refuses_a_target_holding_conversations_or_copied_already(home: Path, tmp_path: Path) -> None:
+    """copy_store itself refuses, whoever calls it, a target that holds a conversation of its own, and one a
+    copy filled whole already (nothing is copied twice)."""
     seed_conversation(home, "Old", "hello")
-    target = FileSystemStore(moved(home, tmp_path))
+    target_home = moved(home, tmp_path)
+    seed_conversation(home, "The new store's own", "hi")  # the settings name the new store now
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
 
-    async def twice() -> None:
+    async def go() -> None:
+        target = FileSystemStore(target_home)
         await target.open()
         try:
-            await copy_store(home, target)
             with pytest.raises(StoreCopyError, match="holds conversations already"):
                 await copy_store(home, target)
         finally:
             await target.close()
+        fresh = FileSystemStore(elsewhere)
+        await fresh.open()
+        try:
+            await copy_store(home, fresh)
+            with pytest.raises(StoreCopyError, match="made by a copy already"):
+                await copy_store(home, fresh)
+        finally:
+            await fresh.close()
 
-    asyncio.run(twice())
+    asyncio.run(go())
+
+
+def test_a_copy_cut_short_is_refused_a_start_and_taken_up_again_by_the_same_command(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy whose database went away after its first conversation: the daemon's start check refuses the
+    store, naming the command that finishes it; that command run again skips what was copied and copies the
+    rest, and the store then starts."""
+    ids = seed(home)
+    moved(home, tmp_path)
+    settings = load_settings(home)
+    target = FileSystemStore(tmp_path / "new-store")
+    create = target.create
+    made: list[str] = []
+
+    async def gone_after_one(conversation: Conversation) -> None:
+        if made:
+            raise OSError("the database went away")
+        made.append(conversation.id)
+        await create(conversation)
+
+    async def cut_short() -> None:
+        await target.open()
+        try:
+            monkeypatch.setattr(target, "create", gone_after_one)
+            with pytest.raises(OSError, match="went away"):
+                await copy_store(home, target)
+            with pytest.raises(EmptyStoreError, match="tenexd migrate --from-store"):
+                await refuse_an_empty_store_beside_the_homes(settings, target, SUBSCRIPTION_ID)
+        finally:
+            monkeypatch.undo()
+            await target.close()
+
+    asyncio.run(cut_short())
+    code, out = tenexd(home, "migrate", "--from-store", str(home), "--json")
+
+    async def started() -> None:
+        store = FileSystemStore(tmp_path / "new-store")
+        await store.open()
+        try:
+            await assert_copied(store, ids, "runs.pending")
+            await refuse_an_empty_store_beside_the_homes(settings, store, SUBSCRIPTION_ID)
+        finally:
+            await store.close()
+
+    assert code == 0, out
+    assert json.loads(out)["conversations"] == 2
+    asyncio.run(started())
 
 
 def test_an_outbox_copied_into_a_shared_store_comes_with_a_run_journal_to_be_found_by(home: Path) -> None:
