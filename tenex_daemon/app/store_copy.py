@@ -135,9 +135,10 @@ async def _copy_values(
     source: FileSystemStore, target: Store, layout: Layout, renames: dict[str, str], report: CopyReport
 ) -> None:
     """Copy every small value, under its own key unless ``renames`` names another; the old daemon's
-    watchdog value is its own liveness probe, nothing to keep."""
+    watchdog value is its own liveness probe, nothing to keep, and the mark of a copy that made the source
+    is not this copy's."""
     for key in value_keys(layout):
-        if key == WATCHDOG_KEY:
+        if key in (WATCHDOG_KEY, COPY_KEY):
             continue
         value = await source.get_meta(key)
         if value is None:
