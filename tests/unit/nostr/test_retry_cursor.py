@@ -181,3 +181,19 @@ async def test_an_event_dropped_from_the_retry_set_then_sent_again_lets_its_curs
         assert pool.cursor("mentions", URL) == later.created_at
     finally:
         await pool.stop()
+
+
+def test_an_event_left_through_two_relays_frees_both_cursors_once_handed_over() -> None:
+    """An event whose copies from two relays were each given up on stops both relays' cursors; once a copy is
+    handed over, both move on (the second relay's leave replaced the first's, whose cursor stayed frozen)."""
+    subs = Subscriptions(since_window=0)
+    for url in (URL, "ws://other"):
+        subs.advance("s", url, 100)
+        subs.pin("s", url, "v", 150)
+        subs.unpin("s", url, "v", left=True)
+        subs.advance("s", url, 300)
+    assert (subs.cursor("s", URL), subs.cursor("s", "ws://other")) == (150, 150)
+
+    subs.handed_over("v")
+
+    assert (subs.cursor("s", URL), subs.cursor("s", "ws://other")) == (300, 300)

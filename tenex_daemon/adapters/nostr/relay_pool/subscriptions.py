@@ -50,8 +50,9 @@ class Subscriptions:
         self._left: dict[tuple[str, str], dict[str, int]] = {}
         """Cursors that pass no event given up on (left to the relays and the next start) until a relay's
         copy of it is handed over (:meth:`handed_over`): event id -> ``created_at``."""
-        self._left_key: dict[str, tuple[str, str]] = {}
-        """The cursor each event in ``_left`` stops (at most :data:`MAX_LEFT`)."""
+        self._left_key: dict[str, set[tuple[str, str]]] = {}
+        """The cursors each event in ``_left`` stops (its copies from several relays may each have been left;
+        at most :data:`MAX_LEFT` events)."""
         self._left_at: dict[tuple[str, str], int] = {}
         """Cursors that pass, for the rest of this run, no event left past :data:`MAX_LEFT`: the oldest's
         date (the next start asks for it again)."""
@@ -165,32 +166,32 @@ class Subscriptions:
 
     def _leave(self, key: tuple[str, str], event_id: str, created_at: int) -> None:
         self._left.setdefault(key, {})[event_id] = created_at
-        self._left_key[event_id] = key
-        if len(self._left_key) > MAX_LEFT:  # the oldest left stops its cursor for the rest of the run
+        self._left_key.setdefault(event_id, set()).add(key)
+        if len(self._left_key) > MAX_LEFT:  # the oldest left stops its cursors for the rest of the run
             oldest = next(iter(self._left_key))
-            oldest_key = self._left_key.pop(oldest)
-            left = self._left[oldest_key]
-            at = left.pop(oldest)
-            if not left:
-                del self._left[oldest_key]
-            self._left_at[oldest_key] = min(at, self._left_at.get(oldest_key, at))
+            for oldest_key in self._left_key.pop(oldest):
+                at = self._unleave(oldest_key, oldest)
+                self._left_at[oldest_key] = min(at, self._left_at.get(oldest_key, at))
 
-    def handed_over(self, event_id: str) -> None:
-        """An event was handed over for good: if it was left (:meth:`unpin`), a relay sent it again and the
-        cursor it stopped moves on (to the newest event accepted meanwhile, up to what still stops it)."""
-        key = self._left_key.pop(event_id, None)
-        if key is None:
-            return
+    def _unleave(self, key: tuple[str, str], event_id: str) -> int:
+        """Take ``event_id`` out of ``key``'s left events; return its ``created_at``."""
         left = self._left[key]
-        del left[event_id]
+        at = left.pop(event_id)
         if not left:
             del self._left[key]
-        if self._pins.get(key) or key in self._left or key in self._left_at:
-            newest = self._pinned_newest.get(key, -1)
-        else:
-            newest = self._pinned_newest.pop(key, -1)
-        if newest >= 0:
-            self.advance(*key, newest)
+        return at
+
+    def handed_over(self, event_id: str) -> None:
+        """An event was handed over for good: if it was left (:meth:`unpin`), a relay sent it again and each
+        cursor it stopped moves on (to the newest event accepted meanwhile, up to what still stops it)."""
+        for key in self._left_key.pop(event_id, ()):
+            self._unleave(key, event_id)
+            if self._pins.get(key) or key in self._left or key in self._left_at:
+                newest = self._pinned_newest.get(key, -1)
+            else:
+                newest = self._pinned_newest.pop(key, -1)
+            if newest >= 0:
+                self.advance(*key, newest)
 
     def advance(self, sub_id: str, url: str, created_at: int) -> None:
         """Move a cursor up to an accepted event's ``created_at`` (never past now; a held one later; a pinned
