@@ -173,11 +173,17 @@ class TenexCommand(TyperCommand):
             fail(f"permission denied:{where} (run tenexd as the user the daemon runs as)", EXIT_USAGE)
 
 
+PATH_PARAMS: Final = frozenset({"home"})
+"""Parameters that are paths typed as text (``--home``): a Linux path may hold any bytes."""
+
+
 def _not_utf8(ctx: Context) -> str | None:
     """How a person gave the first text value of the command that is not UTF-8 (``--name``, ``TEXT``), or
     None. Python hands the command line's undecodable bytes over as lone surrogates, which every later
     write (config.toml, an event, a request) refuses; a path may hold such bytes (it is not text)."""
     for param in ctx.command.params:
+        if param.name in PATH_PARAMS:
+            continue
         value = ctx.params.get(param.name or "")
         texts = value if isinstance(value, list | tuple) else (value,)
         for text in texts:

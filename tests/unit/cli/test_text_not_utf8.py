@@ -47,3 +47,14 @@ def test_a_path_with_bytes_that_are_not_utf8_is_not_refused_as_text(home: Path, 
     code, _ = tenexd(home, "conversations", "export", "f" * 64, "-o", str(target))
 
     assert code == 1  # no such conversation: the path itself was taken
+
+
+def test_a_home_whose_path_is_not_utf8_is_taken_after_the_command_too(tmp_path: Path) -> None:
+    """``--home`` is a path, which may hold any bytes: given after the command, as before it, such a home is
+    made and read (the text check refused it there)."""
+    path = tmp_path / "caf\udce9"
+
+    result = CliRunner().invoke(app, ["init", "--home", str(path)], catch_exceptions=False)
+
+    assert result.exit_code == 0, result.output
+    assert (path / "config.toml").is_file()
