@@ -5,6 +5,9 @@ the daemon, a position inside the serialized event)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,10 +54,11 @@ def test_a_path_with_bytes_that_are_not_utf8_is_not_refused_as_text(home: Path, 
 
 def test_a_home_whose_path_is_not_utf8_is_taken_after_the_command_too(tmp_path: Path) -> None:
     """``--home`` is a path, which may hold any bytes: given after the command, as before it, such a home is
-    made and read (the text check refused it there)."""
-    path = tmp_path / "caf\udce9"
+    made (the text check refused it there). Run as a person runs it, the bytes on the command line."""
+    path = os.fsencode(tmp_path) + b"/caf\xe9"
+    command = [os.fsencode(sys.executable), b"-m", b"tenex_daemon.cli.main", b"init", b"--home", path]
 
-    result = CliRunner().invoke(app, ["init", "--home", str(path)], catch_exceptions=False)
+    done = subprocess.run(command, capture_output=True, timeout=120, check=False)
 
-    assert result.exit_code == 0, result.output
-    assert (path / "config.toml").is_file()
+    assert done.returncode == 0, done.stderr
+    assert os.path.isfile(path + b"/config.toml")
