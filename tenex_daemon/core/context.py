@@ -64,7 +64,8 @@ class AgentContext:
     """How many leading ``messages`` stand for history in its own order, when a burst put messages saved
     after the trigger behind them (None: all of the history messages)."""
     resets: int = 0
-    """The agent state's :attr:`~tenex_daemon.core.conversation.AgentState.resets` when it was built."""
+    """The conversation's :attr:`~tenex_daemon.core.conversation.Conversation.agent_resets` when it was
+    built."""
 
     @property
     def history_end(self) -> int:
@@ -294,7 +295,7 @@ def build_agent_messages(
         summary=state.summary,
         summary_covers=state.summary_covers,
         in_order=in_order,
-        resets=state.resets,
+        resets=conversation.agent_resets,
     )
 
 

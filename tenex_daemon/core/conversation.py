@@ -49,9 +49,6 @@ class AgentState(BaseModel):
     """The ``summarize`` budget's summary of the agent's older history messages (extended, never redone)."""
     summary_covers: int = 0
     """How many of the agent's leading history messages ``summary`` stands for."""
-    resets: int = 0
-    """Times the owner reset this state (``reset_agent_states``): a run built before the last one saves no
-    index, session or transitions over it when its reply is saved."""
 
 
 class ReferencedArticle(BaseModel):
@@ -128,6 +125,9 @@ class Conversation(BaseModel):
     tools_used: dict[str, list[str]] = Field(default_factory=dict)
     """The tools an agent called for each of its replies (reply event id -> tool names, in call order);
     replies that called none are not listed."""
+    agent_resets: int = 0
+    """Times the owner reset the agents' states (``reset_agent_states``): a run built before the last one
+    (its agent's first run too, whose state did not exist yet) saves no index, session or transitions."""
 
     _event_index: dict[str, int] = PrivateAttr(default_factory=dict)
     _agent_claimants: set[str] = PrivateAttr(default_factory=set)

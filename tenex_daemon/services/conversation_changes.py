@@ -134,14 +134,16 @@ class RunRecord:
 
 
 
-def record_context(state: AgentState, context: AgentContext) -> None:
+def record_context(state: AgentState, context: AgentContext, resets: int | None = None) -> bool:
     """What the agent has now been shown: its last processed index, session and phase transitions; nothing
-    when its state was reset since the context was built (the reset stands: it starts fresh)."""
-    if state.resets != context.resets:
-        return
+    when the agents were reset since the context was built (``resets``: the conversation's count now; the
+    reset stands, the agent starts fresh). Returns whether it was recorded."""
+    if resets is not None and resets != context.resets:
+        return False
     state.last_processed_index = context.last_processed_index
     state.session_id = context.session_id
     state.transitions_seen = context.transitions_seen
+    return True
 
 
 def record_run(state: AgentState, session_id: str | None, add_tokens: tuple[int, int] | None) -> None:

@@ -332,8 +332,8 @@ class ConversationManager:
             kept = StateBeforeReply.of(conversation, agent.slug)
             conversation.execution_time = with_run
             state = conversation.agent_state(agent.slug)
-            record_context(state, run.context)
-            record_run(state, run.session_id if state.resets == run.context.resets else None, run.add_tokens)
+            fresh = record_context(state, run.context, conversation.agent_resets)  # no reset since its build
+            record_run(state, run.session_id if fresh else None, run.add_tokens)
             turn = conversation.open_turn()
             completes = reply.has_tag(TAG_TOOL, TOOL_COMPLETE)
             if turn is not None and completes and turn.answered_by(reply):
@@ -747,7 +747,7 @@ class ConversationManager:
                 state.last_processed_index = start
                 state.session_id = None
                 state.transitions_seen = 0
-                state.resets += 1  # a run under way saves no context over this
+            conversation.agent_resets += 1  # a run under way saves no context over this
             await self._save(conversation)
             slugs = sorted(conversation.agent_states)
         log.info("agent_states_reset", conversation_id=conversation_id, agents=slugs,

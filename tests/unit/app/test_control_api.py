@@ -244,7 +244,7 @@ async def test_reset_clears_agent_states_and_keeps_history(
     data = await get_json(client, f"/api/v1/conversations/{world.root.id}")
     assert data["agent_states"]["alice"] == {
         "last_processed_index": 0, "session_id": None, "transitions_seen": 0, "prompt_tokens": 0, "completion_tokens": 0,
-        "summary": None, "summary_covers": 0, "resets": 1,
+        "summary": None, "summary_covers": 0,
     }
     assert len(data["history"]) == 3
     response = await client.post(f"/api/v1/conversations/{world.root.id}/reset", json={"keep_system_message": True})

@@ -123,11 +123,13 @@ async def test_a_conversation_deleted_while_a_completion_is_routed_is_not_dispat
 
 
 class SessionBackend:
-    """Answers "answer N" to its Nth call with session ``session-N``; the second call waits for ``release``."""
+    """Answers "answer N" to its Nth call with session ``session-N``; call number ``held`` (the second by
+    default) waits for ``release``."""
 
     name = "sessions"
 
-    def __init__(self) -> None:
+    def __init__(self, held: int = 2) -> None:
+        self.held = held
         self.requests: list[CompletionRequest] = []
         self.asked_second = asyncio.Event()
         self.release = asyncio.Event()
@@ -136,7 +138,7 @@ class SessionBackend:
         """Answer, holding the second call until released."""
         self.requests.append(request)
         number = len(self.requests)
-        if number == 2:
+        if number == self.held:
             self.asked_second.set()
             await self.release.wait()
         return CompletionResult(text=f"answer {number}", model="sessions", session_id=f"session-{number}")
@@ -161,10 +163,35 @@ async def test_a_reset_while_the_agent_answers_stands_when_that_answer_is_saved(
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
     state = conversation.agent_states["alice"]
-    after_the_save = (state.last_processed_index, state.session_id, state.resets)
+    after_the_save = (state.last_processed_index, state.session_id, conversation.agent_resets)
     await rig.dispatcher.handle(cast.user_says("third", tags=thread))
     await rig.quiet()
 
     assert after_the_save == (0, None, 1)
     assert [request.session_id for request in backend.requests] == [None, "session-1", None]
     assert [e.content for e in rig.publisher.published] == ["answer 1", "answer 2", "answer 3"]
+
+
+async def test_a_reset_during_an_agents_first_run_stands_too(cast: Cast) -> None:
+    """The owner resets the agents while Alice answers her first message in the conversation (she has no
+    state yet, so the reset names nobody): saving that answer keeps the reset all the same, and her next run
+    starts a fresh session."""
+    backend = SessionBackend(held=1)
+    rig = pipeline.build_rig(cast, backend=backend)
+    root = cast.user_says("secret plan A", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked_second.wait(), 5)
+
+    assert await rig.manager.reset_agent_states(root.id) == []
+    backend.release.set()
+    await rig.quiet()
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    state = conversation.agent_states["alice"]
+    after_the_save = (state.last_processed_index, state.session_id)
+    await rig.dispatcher.handle(cast.user_says("second", tags=thread))
+    await rig.quiet()
+
+    assert after_the_save == (0, None)
+    assert [request.session_id for request in backend.requests] == [None, None]
