@@ -6,7 +6,7 @@ The exact strings here are part of the contract; clients and prompts depend on t
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
@@ -112,21 +112,32 @@ def person_label(pubkey: str, name: str | None = None) -> str:
     return shown if len(shown) <= PERSON_NAME_MAX_CHARS else shown[: PERSON_NAME_MAX_CHARS - 1] + "…"
 
 
-def distinct_names(names: Mapping[str, str]) -> dict[str, str]:
-    """``names`` (people's profile names by public key) with a name two or more of them share followed by
-    each one's short npub, ``Sam (npub10xlxvlhe…)``, so the model still tells them apart (and nobody passes
-    for another by taking their name); the name is cut to leave room for it (docs/CONTEXT.md step 1)."""
-    shown = {pubkey: " ".join(name.split()) for pubkey, name in names.items()}
-    counts = Counter(name.casefold() for name in shown.values() if name)
-    distinct: dict[str, str] = {}
-    for pubkey, name in shown.items():
-        if counts[name.casefold()] < 2:
-            distinct[pubkey] = name
-            continue
-        suffix = f" ({encode_npub(pubkey)[:SHORT_NPUB_CHARS]}…)"
-        room = PERSON_NAME_MAX_CHARS - len(suffix)
-        distinct[pubkey] = (name if len(name) <= room else name[: room - 1] + "…") + suffix
-    return distinct
+def distinct_names(people: Collection[str], names: Mapping[str, str]) -> dict[str, str]:
+    """The label of each of ``people`` when several write (:func:`person_label`: the profile name ``names``
+    gives, else the short npub), with each label two or more of them would show alike (any case) followed by
+    each one's short npub, ``Sam (npub10xlxvlhe…)``, the name cut to leave room: the model still tells them
+    apart, and nobody passes for another by taking their name, or the label it is shown with (docs/CONTEXT.md
+    step 1). Labels are compared as shown, after the cut."""
+    plain = {pubkey: person_label(pubkey, names.get(pubkey)) for pubkey in people}
+    marked: set[str] = set()
+    while True:
+        labels = {pubkey: _marked(pubkey, names.get(pubkey)) if pubkey in marked else plain[pubkey]
+                  for pubkey in people}
+        counts = Counter(label.casefold() for label in labels.values())
+        alike = {pubkey for pubkey, label in labels.items() if counts[label.casefold()] > 1} - marked
+        if not alike:
+            return labels
+        marked |= alike
+
+
+def _marked(pubkey: str, name: str | None) -> str:
+    """``name`` followed by the person's short npub, cut to a label's length (:func:`distinct_names`)."""
+    short = encode_npub(pubkey)[:SHORT_NPUB_CHARS] + "…"
+    shown = " ".join(name.split()) if name else ""
+    if not shown:
+        return short
+    room = PERSON_NAME_MAX_CHARS - len(short) - 3
+    return f"{shown if len(shown) <= room else shown[: room - 1] + '…'} ({short})"
 
 
 def people_who_wrote(

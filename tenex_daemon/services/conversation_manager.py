@@ -796,4 +796,4 @@ class ConversationManager:
         if self._names is None:
             return {}
         people = people_who_wrote(conv, last, self.agents, view)
-        return distinct_names(await self._names.names(people)) if len(people) > 1 else {}
+        return distinct_names(people, await self._names.names(people)) if len(people) > 1 else {}

@@ -168,20 +168,29 @@ async def test_the_run_labels_people_by_their_profile_names(cast: Cast) -> None:
     assert asked == [{cast.user.pubkey, cast.other_user.pubkey}]  # asked only once two people wrote
 
 
-def test_a_name_two_people_share_is_followed_by_each_ones_short_npub() -> None:
+def test_a_label_two_people_would_share_is_followed_by_each_ones_short_npub() -> None:
     """Two people whose profiles give the same name (any case, any spacing) are labelled ``<name> (<short
-    npub>…)``, each their own, cut to the label's length; a name nobody shares stays as it is."""
-    sam, other_sam, carol = "ab" * 32, "cd" * 32, "ef" * 32
-    long = "Samantha " + "x" * 40
+    npub>…)``, each their own, cut to the label's 40 characters; so are two whose long names are alike only
+    up to the cut, and one who takes another's label as their name; a name nobody shares, and a person
+    without one (the short npub), stay as they are."""
+    sam, other_sam, carol, nameless, spoof = "ab" * 32, "cd" * 32, "ef" * 32, "12" * 32, "34" * 32
+    long_a, long_b = "Robert the Accountant of Example Corp " + "Ltd", "Robert the Accountant of Example Corp " + "LLC"
 
-    shown = distinct_names({sam: "Sam", other_sam: " sam ", carol: "Carol"})
-    long_shown = distinct_names({sam: long, other_sam: long})
+    def short(pubkey: str) -> str:
+        return encode_npub(pubkey)[:13] + "…"
+
+    shown = distinct_names([sam, other_sam, carol, nameless], {sam: "Sam", other_sam: " sam ", carol: "Carol"})
+    long_shown = distinct_names([sam, other_sam], {sam: long_a, other_sam: long_b})
+    taken = distinct_names([sam, other_sam, spoof], {sam: "Sam", other_sam: "Sam", spoof: f"Sam ({short(sam)})"})
 
     assert shown == {
-        sam: f"Sam ({encode_npub(sam)[:13]}…)", other_sam: f"sam ({encode_npub(other_sam)[:13]}…)", carol: "Carol",
+        sam: f"Sam ({short(sam)})", other_sam: f"sam ({short(other_sam)})", carol: "Carol",
+        nameless: short(nameless),
     }
-    assert long_shown[sam].endswith(f"… ({encode_npub(sam)[:13]}…)")
-    assert len(long_shown[sam]) == 40
+    assert long_shown[sam] != long_shown[other_sam]
+    assert all(len(label) <= 40 and label.endswith(f"({short(key)})") for key, label in long_shown.items())
+    assert len(set(taken.values())) == 3
+    assert taken[sam] == f"Sam ({short(sam)})"
     assert person_label(sam, long_shown[sam]) == long_shown[sam]
 
 
