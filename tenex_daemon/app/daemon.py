@@ -762,9 +762,9 @@ class Daemon:
         return None
 
     async def _write_status_and_gauges(self) -> None:
-        """Write the status file and refresh the gauges /metrics reads (an error is counted and logged)."""
+        """Refresh the gauges /metrics reads, then write the status file (an error is counted and logged):
+        a write that fails (a full disk) leaves the gauges true, for the alerts that matter then."""
         try:
-            await self._write_status()
             if self.pool is not None:
                 for relay in self.pool.health().relays:
                     self.metrics.set_relay_connected(relay.url, relay.state.value == "connected")
@@ -774,6 +774,7 @@ class Daemon:
                 self.metrics.set_outbox(outbox.depth, outbox.oldest_age_s(), outbox.refused)
             if (jobs := self.descriptions) is not None:
                 self.metrics.set_descriptions_pending(jobs.queued + jobs.unpublished)
+            await self._write_status()
         except Exception as exc:  # a full disk: one line each time, no traceback (status says degraded)
             self.errors["status"] += 1
             log_failure(log, "status_write_failed", exc, brief=(OSError,))

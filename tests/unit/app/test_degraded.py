@@ -402,3 +402,23 @@ async def test_an_accepted_event_that_runs_no_agent_is_counted_with_its_reason(t
         assert b'tenexd_events_ran_nobody_total{reason="addressed_elsewhere"} 1.0' in text
         assert b'tenexd_events_ran_nobody_total{reason="delegation"} 1.0' in text
         assert text.count(b"tenexd_events_ran_nobody_total{") == 2
+
+
+async def test_the_metrics_gauges_stay_true_while_the_status_file_cannot_be_written(
+    tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the status file's write failing (a full disk), /metrics still shows the relay as not connected
+    (the gauges were refreshed after the write, so a failed write froze them at their last values)."""
+    init_home(tmp_path / "h", owner=cast.user.pubkey, relays=["ws://127.0.0.1:9"])
+    daemon = Daemon(load_settings(tmp_path / "h"))
+    daemon.pool = RelayPool(["ws://127.0.0.1:9"], settings=PoolSettings())  # never started: not connected
+    daemon.metrics.set_relay_connected("ws://127.0.0.1:9", True)  # what the last good refresh showed
+
+    async def full_disk() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(daemon, "_write_status", full_disk)
+    await daemon._write_status_and_gauges()
+
+    assert daemon.errors["status"] == 1
+    assert 'tenexd_relay_connected{url="ws://127.0.0.1:9"} 0.0' in daemon.metrics.render().decode()
