@@ -225,6 +225,7 @@ class Daemon:
             "runs": {
                 "completed": scheduler.completed if scheduler is not None else 0,
                 "failed": scheduler.failed if scheduler is not None else 0,
+                "with_error": dict(self._observer.error_replies),
             },
             "last_event_at": self.last_event_at,
             "events": {

@@ -3,7 +3,7 @@ for the status document."""
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.status import LatencySummary
@@ -25,6 +25,9 @@ class MetricsObserver:
         """Trigger id -> when the pool took it in (bounded: the newest RECEIVED_MEMORY)."""
         self.reply_latencies: deque[float] = deque(maxlen=LATENCY_MEMORY)
         """Seconds from trigger taken in to reply sent, newest last."""
+        self.error_replies: Counter[str] = Counter()
+        """Runs whose backend failed (a wrong key, a provider down), answered with an error reply, by the
+        failure's kind, since start."""
 
     def event_received(self, event_id: str, received_at: float) -> None:
         """Remember when an event that may trigger runs arrived."""
@@ -47,6 +50,7 @@ class MetricsObserver:
         """Record a run's latency and failure kind."""
         self._metrics.observe_agent_run(request.agent_slug, seconds)
         if error is not None:
+            self.error_replies[error] += 1
             self._metrics.agent_run_error(request.agent_slug, error)
 
     def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:

@@ -93,10 +93,15 @@ class EventCounts(TypedDict):
 
 
 class RunCounts(TypedDict):
-    """Agent runs finished since start."""
+    """Agent runs since start."""
 
     completed: int
+    """Runs that ended with a reply saved (an error reply included: ``with_error``)."""
     failed: int
+    """Tries that failed with an error (a store gone for a moment), each tried again (up to 31 a run)."""
+    with_error: dict[str, int]
+    """Of ``completed``, those whose backend failed (a wrong key, a provider down), answered with an error
+    reply, by the failure's kind."""
 
 
 class LatencySummary(TypedDict):
@@ -202,7 +207,8 @@ class StatusData(TypedDict):
         {"version": "0.1.0", "pid": 4242, "state": "running", "started_at": 1.7e9, "updated_at": 1.7e9,
          "uptime_s": 12.5, "home": "/srv/tenex", "relays": [{"url": "ws://127.0.0.1:7777",
          "state": "connected", "reconnects": 0, ...}], "conversations": {"total": 3, "archived": 0,
-         "by_phase": {"chat": 2, "plan": 1}}, "runs_in_flight": 1, "runs": {"completed": 9, "failed": 0},
+         "by_phase": {"chat": 2, "plan": 1}}, "runs_in_flight": 1,
+         "runs": {"completed": 9, "failed": 0, "with_error": {}},
          "last_event_at": 1.7e9, "events": {"accepted": 10, "rejected": {"author_not_allowed": 2},
          "duplicates": 4, "own_copies": 2}, "replies": 7,
          "reply_latency": {"count": 7, "p50_ms": 8.1, "p99_ms": 20.3},
@@ -300,7 +306,7 @@ def new_status(
         relays=[],
         conversations=ConversationCounts(total=0, archived=0, by_phase={}),
         runs_in_flight=0,
-        runs=RunCounts(completed=0, failed=0),
+        runs=RunCounts(completed=0, failed=0, with_error={}),
         last_event_at=None,
         events=EventCounts(accepted=0, rejected={}, duplicates=0, own_copies=0),
         replies=0,

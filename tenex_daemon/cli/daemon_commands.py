@@ -232,11 +232,17 @@ def _print_status_data(data: dict[str, Any]) -> None:
     ]
     out.print(", ".join(line for line in lines if line))
     conversations, events = _mapping(data.get("conversations")), _mapping(data.get("events"))
+    runs = _mapping(data.get("runs"))
     out.print(
         f"conversations {conversations.get('total', 0)}{_breakdown(conversations.get('by_phase'))}; "
         f"runs in flight {data.get('runs_in_flight', 0)}; replies {data.get('replies', 0)}; "
         f"events accepted {events.get('accepted', 0)}, rejected {_tally(events.get('rejected'))}; "
         f"errors {_tally(data.get('errors'))}"
+    )
+    # a backend failing answers each run with an error reply: said here, not only in /metrics
+    out.print(
+        f"runs completed {runs.get('completed', 0)}, answered with an error "
+        f"{_tally(runs.get('with_error'))}; tries failed {runs.get('failed', 0)} (each tried again)"
     )
     outbox = _mapping(data.get("outbox"))
     if outbox:

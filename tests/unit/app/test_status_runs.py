@@ -1,0 +1,51 @@
+"""What `tenexd status` says of runs: a backend that fails every run (a wrong key, a provider down) answers
+each with an error reply, which counted as a run completed while status said nothing of it (only /metrics
+had it); and the human output showed no run counts at all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tenex_daemon.app.metrics import Metrics
+from tenex_daemon.app.run_observer import MetricsObserver
+from tenex_daemon.app.settings import load_settings
+from tenex_daemon.app.status import DaemonState, new_status, write_status
+from tests import pipeline
+from tests.conftest import Cast
+from tests.unit.cli.conftest import home, tenexd
+
+__all__ = ["home"]
+from tests.unit.services.test_log_privacy import FailingBackend
+
+
+async def test_runs_a_failing_backend_answered_with_an_error_reply_are_counted_by_kind(cast: Cast) -> None:
+    """Two messages to an agent whose backend answers 401: the daemon's run observer (what status reads)
+    counts two runs answered with an error, of kind ``auth``."""
+    observer = MetricsObserver(Metrics())
+    rig = pipeline.build_rig(cast, backend=FailingBackend(), observer=observer)
+    for text in ("hi", "hello?"):
+        await rig.dispatcher.handle(cast.user_says(text, kind=11, tags=[["p", cast.alice.pubkey]]))
+    await rig.settle()
+
+    assert dict(observer.error_replies) == {"auth": 2}
+    assert rig.scheduler.completed == 2
+
+
+def test_the_human_status_shows_runs_completed_answered_with_an_error_and_tries_failed(home: Path) -> None:
+    """`tenexd status` prints the runs completed, those answered with an error reply by kind, and the tries
+    that failed, as its --json has them."""
+    settings = load_settings(home)
+    status = new_status("0.0.0", home=str(home))
+    status["state"] = DaemonState.RUNNING.value
+    status["runs"] = {"completed": 5, "failed": 1, "with_error": {"auth": 3}}
+    write_status(settings.status_path, status)
+
+    code, out = tenexd(home, "status")
+    _, as_json = tenexd(home, "status", "--json")
+
+    assert code == 0
+    assert "runs completed 5, answered with an error 3 (auth 3); tries failed 1 (each tried again)" in " ".join(
+        out.split()
+    )
+    assert json.loads(as_json)["status"]["runs"]["with_error"] == {"auth": 3}
