@@ -335,10 +335,8 @@ class Outbox:
         self._entries.pop(entry.event.id, None)
         self.refused += 1
         self._version += 1
-        if notice is not None:  # its write covers the removal too
-            await self.add(
-                entry.conversation_id, notice, agent_slug=entry.agent_slug, trigger_id=entry.trigger_id
-            )
+        if notice is not None:  # its write covers the removal too; without a trigger it is no reply published
+            await self.add(entry.conversation_id, notice, agent_slug=entry.agent_slug)
         else:
             self._write_soon()
         return None

@@ -442,10 +442,9 @@ class Stopper:
         async def save() -> bool:
             return await store_notice(self._manager, conversation_id, notice, kind_of="stop")
 
-        # no run journal covers a notice: its outbox entry holds it until it is saved (a crash loses neither)
-        saved = await self._outbox.add_saving(
-            conversation_id, notice, save, agent_slug=author, trigger_id=trigger.id
-        )
+        # no run journal covers a notice: its outbox entry holds it until it is saved (a crash loses neither);
+        # no trigger: a notice is no reply, nor its wait a reply's latency (the person's wait before the stop)
+        saved = await self._outbox.add_saving(conversation_id, notice, save, agent_slug=author)
         return notice if saved else None
 
 

@@ -4,6 +4,7 @@ had it); and the human output showed no run counts at all."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tests.conftest import Cast
 from tests.unit.cli.conftest import home, tenexd
 
 __all__ = ["home"]
+from tests.unit.services.test_bursts import GatedBackend
 from tests.unit.services.test_log_privacy import FailingBackend
 
 
@@ -49,3 +51,23 @@ def test_the_human_status_shows_runs_completed_answered_with_an_error_and_tries_
         out.split()
     )
     assert json.loads(as_json)["status"]["runs"]["with_error"] == {"auth": 3}
+
+
+async def test_a_stop_notice_is_no_reply_published_nor_a_reply_latency(cast: Cast) -> None:
+    """A run stopped while its model answers: the notice "Stopped: Alice." goes out, but the replies counted
+    and the reply latencies (what status and /metrics show) hold nothing for it (it counted as a reply, and
+    the person's wait before the stop as its latency)."""
+    observer = MetricsObserver(Metrics())
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend, observer=observer)
+    root = cast.user_says("take your time", kind=11, tags=[["p", cast.alice.pubkey]])
+    observer.event_received(root.id, 1.0)
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+
+    report = await rig.dispatcher.stop(root.id, None, by="owner")
+    await rig.settle()
+
+    assert report.notice is not None
+    assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]
+    assert (observer.replies, list(observer.reply_latencies)) == (0, [])
