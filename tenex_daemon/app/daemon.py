@@ -193,6 +193,7 @@ class Daemon:
         self.wrap_refusal_log = RefusalLog()
         """Refused gift wraps, logged once a minute per reason: each comes from a one-time key."""
         self.metrics.watch_pool(lambda: self.pool.health() if self.pool is not None else None)
+        self.metrics.watch_runs(lambda: self.pipeline.scheduler.failed if self.pipeline is not None else 0)
 
     # --- the ControlTarget protocol -------------------------------------------------------
 

@@ -88,6 +88,23 @@ class _PoolCollector(Collector):
         ]
 
 
+class _RunsCollector(Collector):
+    """The run scheduler's tries that failed with an error (a store gone for a moment, a lease lost), read at
+    each scrape: no run outcome /metrics counts otherwise (``agent_run_errors`` counts error replies)."""
+
+    def __init__(self, source: Callable[[], int]) -> None:
+        self._source = source
+
+    def describe(self) -> Iterable[Metric]:
+        """Nothing described up front."""
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        """The count since start."""
+        failed = "Agent run tries that failed with an error (each tried again, up to 31 a run)."
+        return [CounterMetricFamily(f"{NAMESPACE}_run_tries_failed", failed, value=self._source())]
+
+
 class Metrics:
     """The daemon's counters, histogram and gauges; nothing global (a registry per instance)."""
 
@@ -266,6 +283,10 @@ class Metrics:
         """Set every relay's gauge from (url, connected) pairs."""
         for url, connected in states:
             self.set_relay_connected(url, connected)
+
+    def watch_runs(self, failed: Callable[[], int]) -> None:
+        """Export the run tries that failed, read from ``failed`` at each scrape."""
+        self.registry.register(_RunsCollector(failed))
 
     def watch_pool(self, source: Callable[[], PoolHealth | None]) -> None:
         """Export the relay pool's counters, read from ``source`` (its health; None before it exists)."""

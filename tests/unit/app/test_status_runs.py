@@ -71,3 +71,14 @@ async def test_a_stop_notice_is_no_reply_published_nor_a_reply_latency(cast: Cas
     assert report.notice is not None
     assert [e.content for e in rig.publisher.published] == ["Stopped: Alice."]
     assert (observer.replies, list(observer.reply_latencies)) == (0, [])
+
+
+def test_metrics_count_the_run_tries_that_failed() -> None:
+    """/metrics carries the run tries that failed with an error, read at each scrape (a store gone for a
+    moment showed in status only)."""
+    metrics = Metrics()
+    failed = [0]
+    metrics.watch_runs(lambda: failed[0])
+    failed[0] = 3
+
+    assert "tenexd_run_tries_failed_total 3.0" in metrics.render().decode()
