@@ -4,11 +4,15 @@ asks the relay for it again (the retry set is in memory only)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool
 from tenex_daemon.adapters.nostr.relay_pool.subscriptions import MAX_LEFT, Subscriptions
 from tenex_daemon.adapters.storage.memory import MemoryStore
+from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.testing import KeyPair, sign_event
 
 URL = "ws://relay"
@@ -79,10 +83,31 @@ async def test_the_cursor_waits_for_an_event_whose_handler_failed_until_its_retr
         await pool.stop()
 
 
-async def test_an_event_dropped_from_a_full_retry_set_still_stops_its_cursor_for_the_run() -> None:
-    """An event dropped from a full retry set is left to the next start: its relay's cursor does not pass
-    it for the rest of the run, though later events go through and no retry waits for it."""
-    keys = KeyPair.from_seed(92)
+@dataclass
+class Dropped:
+    """A pool whose retry set holds one event: ``dropped`` (failed first) was dropped from it when
+    ``failing_too`` failed; ``later`` is not taken in yet. ``failing``: the ids its handler still fails on;
+    ``handed``: the contents handed over."""
+
+    pool: RelayPool
+    dropped: NostrEvent
+    failing_too: NostrEvent
+    later: NostrEvent
+    failing: set[str]
+    handed: list[str]
+
+    async def handed_over(self, count: int) -> None:
+        """Wait (up to 2 s) until ``count`` events were handed over."""
+        for _ in range(200):
+            if len(self.handed) == count:
+                return
+            await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def dropped_from_a_full_retry_set(seed: int) -> AsyncIterator[Dropped]:
+    """A started pool (a retry set of one) after an event was dropped from its full retry set; stopped after."""
+    keys = KeyPair.from_seed(seed)
     now = int(time.time())
     dropped = sign_event(keys, "dropped", created_at=now - 500)
     failing_too = sign_event(keys, "failing too", created_at=now - 300)
@@ -105,18 +130,22 @@ async def test_an_event_dropped_from_a_full_retry_set_still_stops_its_cursor_for
             if pool.consumer_errors == 2:  # the second failure dropped the first from the set
                 break
             await asyncio.sleep(0.01)
-        failing.discard(failing_too.id)
-        await pool.intake(later, URL, "mentions")
-        for _ in range(200):
-            if len(handed) == 2:
-                break
-            await asyncio.sleep(0.01)
-        health = pool.health()
-        assert sorted(handed) == ["failing too", "later"]
-        assert (health.retrying, health.retry_dropped) == (0, 1)
-        assert pool.cursor("mentions", URL) == dropped.created_at
+        yield Dropped(pool, dropped, failing_too, later, failing, handed)
     finally:
         await pool.stop()
+
+
+async def test_an_event_dropped_from_a_full_retry_set_still_stops_its_cursor_for_the_run() -> None:
+    """An event dropped from a full retry set is left to the next start: its relay's cursor does not pass
+    it for the rest of the run, though later events go through and no retry waits for it."""
+    async with dropped_from_a_full_retry_set(92) as rig:
+        rig.failing.discard(rig.failing_too.id)
+        await rig.pool.intake(rig.later, URL, "mentions")
+        await rig.handed_over(2)
+        health = rig.pool.health()
+        assert sorted(rig.handed) == ["failing too", "later"]
+        assert (health.retrying, health.retry_dropped) == (0, 1)
+        assert rig.pool.cursor("mentions", URL) == rig.dropped.created_at
 
 
 def test_a_left_event_handed_over_again_frees_its_cursor_and_past_the_cap_the_oldest_stops_it() -> None:
@@ -147,40 +176,13 @@ async def test_an_event_dropped_from_the_retry_set_then_sent_again_lets_its_curs
     """An event dropped from a full retry set that a relay sends again once its handler works (a catch-up) is
     handed over, and its relay's cursor moves on to the newest event taken in: it no longer stays there for
     the rest of the run, making every reconnect ask again for all that came since."""
-    keys = KeyPair.from_seed(93)
-    now = int(time.time())
-    dropped = sign_event(keys, "dropped", created_at=now - 500)
-    failing_too = sign_event(keys, "failing too", created_at=now - 300)
-    later = sign_event(keys, "later", created_at=now - 10)
-    failing = {dropped.id, failing_too.id}
-    handed: list[str] = []
-
-    async def on_event(received: ReceivedEvent) -> None:
-        if received.event.id in failing:
-            raise RuntimeError("a transient failure")
-        handed.append(received.event.content)
-
-    settings = PoolSettings(retry_base=0.2, retry_cap=0.2, retry_capacity=1)
-    pool = RelayPool([], on_event=on_event, store=MemoryStore(), settings=settings)
-    await pool.start()
-    try:
-        for event in (dropped, failing_too):
-            await pool.intake(event, URL, "mentions")
-        for _ in range(100):
-            if pool.consumer_errors == 2:
-                break
-            await asyncio.sleep(0.01)
-        failing.clear()
-        await pool.intake(later, URL, "mentions")
-        await pool.intake(dropped, URL, "mentions")  # the relay's copy, sent again
-        for _ in range(200):
-            if len(handed) == 3:
-                break
-            await asyncio.sleep(0.01)
-        assert sorted(handed) == ["dropped", "failing too", "later"]
-        assert pool.cursor("mentions", URL) == later.created_at
-    finally:
-        await pool.stop()
+    async with dropped_from_a_full_retry_set(93) as rig:
+        rig.failing.clear()
+        await rig.pool.intake(rig.later, URL, "mentions")
+        await rig.pool.intake(rig.dropped, URL, "mentions")  # the relay's copy, sent again
+        await rig.handed_over(3)
+        assert sorted(rig.handed) == ["dropped", "failing too", "later"]
+        assert rig.pool.cursor("mentions", URL) == rig.later.created_at
 
 
 def test_an_event_left_through_two_relays_frees_both_cursors_once_handed_over() -> None:
