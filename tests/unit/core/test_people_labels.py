@@ -17,6 +17,7 @@ from tenex_daemon.core.context import (
 )
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.nip19 import encode_npub
+from tenex_daemon.core.ports import ProfileNames
 from tenex_daemon.testing.fakes import ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
@@ -139,6 +140,24 @@ def test_a_person_is_labelled_by_profile_name_on_one_line_and_cut() -> None:
     assert person_label(pubkey, " \n ") == person_label(pubkey)
 
 
+async def shown_once_a_guest_writes(cast: Cast, names: ProfileNames) -> list[str]:
+    """Through the production pipeline (profile names from ``names``): the person writes to Alice, who
+    answers; a whitelisted guest writes in the thread; return what Alice's backend was sent for the guest."""
+    backend = ScriptedBackend([text("Hi both."), text("Noted.")])
+    rig = pipeline.build_rig(
+        cast, backend=backend, names=names, whitelist=[cast.other_user.pubkey], whitelist_may_join=True
+    )
+    root = cast.user_says("Plan my trip", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    guest = cast.factory.event(
+        cast.other_user, "Lisbon, please", tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]]
+    )
+    await rig.dispatcher.handle(guest)
+    await rig.settle()
+    return [m.content for m in backend.requests[-1].messages]
+
+
 async def test_the_run_labels_people_by_their_profile_names(cast: Cast) -> None:
     """Through the production pipeline, with two people in the conversation, the agent is shown each
     person's profile name where one is known ("[Carol]: ...") and the short npub for the other."""
@@ -149,20 +168,7 @@ async def test_the_run_labels_people_by_their_profile_names(cast: Cast) -> None:
             asked.append(set(pubkeys))
             return {pubkey: "Carol" for pubkey in pubkeys if pubkey == cast.other_user.pubkey}
 
-    backend = ScriptedBackend([text("Hi both."), text("Noted.")])
-    rig = pipeline.build_rig(
-        cast, backend=backend, names=Names(), whitelist=[cast.other_user.pubkey], whitelist_may_join=True
-    )
-    root = cast.user_says("Plan my trip", kind=11, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(root)
-    await rig.quiet()
-    guest = cast.factory.event(
-        cast.other_user, "Lisbon, please", tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]]
-    )
-    await rig.dispatcher.handle(guest)
-    await rig.settle()
-
-    shown = [m.content for m in backend.requests[-1].messages]
+    shown = await shown_once_a_guest_writes(cast, Names())
     assert shown[0] == f"[{person_label(cast.user.pubkey)}]: Plan my trip"
     assert shown[-1] == "[Carol]: Lisbon, please"
     assert asked == [{cast.user.pubkey, cast.other_user.pubkey}]  # asked only once two people wrote
@@ -202,19 +208,6 @@ async def test_the_run_tells_apart_two_people_of_one_profile_name(cast: Cast) ->
         async def names(self, pubkeys: Collection[str]) -> dict[str, str]:
             return dict.fromkeys(pubkeys, "Sam")
 
-    backend = ScriptedBackend([text("Hi both."), text("Noted.")])
-    rig = pipeline.build_rig(
-        cast, backend=backend, names=Names(), whitelist=[cast.other_user.pubkey], whitelist_may_join=True
-    )
-    root = cast.user_says("Plan my trip", kind=11, tags=[["p", cast.alice.pubkey]])
-    await rig.dispatcher.handle(root)
-    await rig.quiet()
-    guest = cast.factory.event(
-        cast.other_user, "Lisbon, please", tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]]
-    )
-    await rig.dispatcher.handle(guest)
-    await rig.settle()
-
-    shown = [m.content for m in backend.requests[-1].messages]
+    shown = await shown_once_a_guest_writes(cast, Names())
     assert shown[0] == f"[Sam ({encode_npub(cast.user.pubkey)[:13]}…)]: Plan my trip"
     assert shown[-1] == f"[Sam ({encode_npub(cast.other_user.pubkey)[:13]}…)]: Lisbon, please"
