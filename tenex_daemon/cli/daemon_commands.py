@@ -25,7 +25,6 @@ from tenex_daemon.cli.output import (
     print_json,
     s_time,
 )
-from tenex_daemon.cli.references import AccessError
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import TenexError
 
@@ -363,19 +362,11 @@ def migrate(
         from tenex_daemon.cli.store_copy_command import migrate_store
 
         migrate_store(settings, from_store, as_json)
-    from tenex_daemon.adapters.storage.filesystem import StoreLockedError
     from tenex_daemon.adapters.storage.tenex_import import import_tenex_home
-    from tenex_daemon.app.wiring import build_store
-    from tenex_daemon.cli.client import live_status
+    from tenex_daemon.cli.store_copy_command import open_stopped_store
 
     async def go() -> ImportReport:
-        if await live_status(settings) is not None:  # a database the daemon shares has no lock to tell it
-            raise AccessError("the daemon is running (stop the daemon before migrating)", 503)
-        store = build_store(settings)
-        try:
-            await store.open()
-        except StoreLockedError as exc:
-            raise AccessError(f"{exc} (stop the daemon before migrating)", 503) from None
+        store = await open_stopped_store(settings)
         try:
             if smarthole is not None:  # its signers only once the import may go ahead
                 identities = _smarthole_identities(settings, agent)

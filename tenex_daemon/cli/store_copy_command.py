@@ -15,6 +15,7 @@ from tenex_daemon.cli.references import AccessError
 if TYPE_CHECKING:
     from tenex_daemon.app.settings import Settings
     from tenex_daemon.app.store_copy import CopyReport
+    from tenex_daemon.core.ports import Store
 
 
 def migrate_store(settings: Settings, source: Path, as_json: bool) -> None:
@@ -54,23 +55,15 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
     from tenex_daemon.app.settings import StorageKind
     from tenex_daemon.app.store_check import COPY_KEY, copying_mark, used_before
     from tenex_daemon.app.store_copy import copy_store, shared_keys
-    from tenex_daemon.app.wiring import build_store
-    from tenex_daemon.cli.client import live_status
 
-    if await live_status(settings) is not None:  # a database the daemon shares has no lock to tell it
-        raise AccessError("the daemon is running (stop the daemon before migrating)", 503)
-    renames: dict[str, str] = {}
-    if settings.storage.kind is StorageKind.POSTGRES:  # the old daemon's own values: for another to take
-        project = load_project_pubkey(settings)
-        if project is None:
-            raise AccessError(f"this home has no project key ({settings.project_key_path})", 400)
-        renames = shared_keys(project)
-    target = build_store(settings)
+    target = await open_stopped_store(settings)
     try:
-        await target.open()
-    except StoreLockedError as exc:
-        raise AccessError(f"{exc} (stop the daemon before migrating)", 503) from None
-    try:
+        renames: dict[str, str] = {}
+        if settings.storage.kind is StorageKind.POSTGRES:  # the old daemon's own values: for another to take
+            project = load_project_pubkey(settings)
+            if project is None:
+                raise AccessError(f"this home has no project key ({settings.project_key_path})", 400)
+            renames = shared_keys(project)
         taking_up = await target.get_meta(COPY_KEY) == copying_mark(source)  # a copy cut short, again
         if not taking_up and await used_before(settings, target, SUBSCRIPTION_ID):
             raise AccessError(
@@ -83,6 +76,23 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
             raise AccessError(f"{exc} (stop the daemon running on {source} first)", 503) from None
     finally:
         await target.close()
+
+
+async def open_stopped_store(settings: Settings) -> Store:
+    """The store the settings name, open, for a migration: refused (503) while the home's daemon runs, on a
+    database it shares too (no lock tells it there: its control API does)."""
+    from tenex_daemon.adapters.storage.filesystem import StoreLockedError
+    from tenex_daemon.app.wiring import build_store
+    from tenex_daemon.cli.client import live_status
+
+    if await live_status(settings) is not None:
+        raise AccessError("the daemon is running (stop the daemon before migrating)", 503)
+    store = build_store(settings)
+    try:
+        await store.open()
+    except StoreLockedError as exc:
+        raise AccessError(f"{exc} (stop the daemon before migrating)", 503) from None
+    return store
 
 
 def _report_json(report: CopyReport) -> dict[str, Any]:
