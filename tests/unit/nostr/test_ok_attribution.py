@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
 
 from tenex_daemon.adapters.nostr.codec import OkMessage
 from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, RelayPool
@@ -303,3 +304,44 @@ async def test_an_auth_left_unanswered_is_never_a_candidate_of_a_refusal_without
     assert after.refused_for_good
     assert took < 1.2 + SETTINGS.publish_timeout / 2
     assert counts == (2, 0)
+
+
+class RefusingRelay:
+    """A write-restricted relay, as nostr-relay answers an author it does not allow: every EVENT refused at
+    once with an empty id. It records when each connection opened."""
+
+    def __init__(self) -> None:
+        self.opened: list[float] = []
+        self.url = ""
+
+    async def serve(self, ws: ServerConnection) -> None:
+        self.opened.append(time.monotonic())
+        with contextlib.suppress(ConnectionClosed):  # the pool renews it: closed while an answer is sent
+            async for raw in ws:
+                frame = json.loads(raw)
+                if frame[0] == "REQ":
+                    await ws.send(json.dumps(["EOSE", frame[1]]))
+                elif frame[0] == "EVENT":
+                    await ws.send(json.dumps(["OK", "", False, "blocked: pubkey not allowed"]))
+
+
+async def test_a_relay_refusing_everything_is_not_reconnected_to_at_once_for_each_refusal() -> None:
+    """Each refusal without an event id renews the connection, but only the first at once: renewals in a
+    row wait a growing backoff, so a relay refusing all we send is not reconnected to per event."""
+    relay = RefusingRelay()
+    async with serve(relay.serve, "127.0.0.1", 0) as server:
+        relay.url = f"ws://127.0.0.1:{next(iter(server.sockets)).getsockname()[1]}"
+        paced = replace(SETTINGS, backoff_base=0.4, backoff_cap=0.8)
+        async with RelayPool([relay.url], settings=paced) as pool:
+            assert await pool.wait_connected(within=5)
+            refused_at = []
+            for n in range(3):
+                result = await pool.publish(AUTHOR.sign(KIND_COMMENT, f"note {n}"), raise_on_failure=False)
+                assert not result.ok
+                refused_at.append(time.monotonic())
+                assert await pool.wait_connected(within=5)
+    gaps = [opened - refused for opened, refused in zip(relay.opened[1:], refused_at, strict=False)]
+    assert len(relay.opened) == 4  # one connection renewed per refusal
+    assert gaps[0] < 0.2  # the first renewal at once
+    assert gaps[1] >= 0.2  # the next ones after half a backoff or more (0.4 s, then 0.8 s)
+    assert gaps[2] >= 0.4

@@ -35,8 +35,9 @@ What it guarantees:
   ``OK`` followed by an event, or two events in a row).
 """
 
-from .connection import RelayConnection, backoff_delay
+from .connection import RelayConnection
 from .delivery import SeenIds
+from .outage import backoff_delay
 from .pool import RelayPool
 from .resolver import RelayEventResolver
 from .types import (

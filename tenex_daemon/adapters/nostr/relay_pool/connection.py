@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import socket
 import time
 from collections import Counter
@@ -45,7 +44,7 @@ from ..codec import (
 )
 from ..signer import Signer
 from .oks import MESSAGE_TOO_BIG, RESEND, TOO_LARGE_FOR_RELAY, AwaitedOks, relay_closed_for_size
-from .outage import Outage
+from .outage import Outage, Renewals, backoff_delay
 from .subscriptions import Subscription, Subscriptions
 from .types import ConnectHandler, Filter, PoolSettings, RelayHealth, RelaySpec, RelayState, Spawn
 
@@ -72,18 +71,6 @@ def _quick_ack(ws: ClientConnection) -> Callable[[], None]:
 
 def _no_ack() -> None:
     return None
-
-
-def backoff_delay(
-    attempt: int, base: float, cap: float, rng: Callable[[float, float], float] = random.uniform
-) -> float:
-    """Return the wait before reconnect ``attempt`` (0-based): ``base * 2**attempt`` capped, jittered.
-
-    The jitter draws from the upper half (``[d/2, d]``) so relays that dropped
-    together do not reconnect in lockstep, while the wait still grows.
-    """
-    delay = min(cap, base * (2 ** min(attempt, 60)))
-    return rng(delay / 2, delay)
 
 
 def we_closed_for_size(exc: ConnectionClosed) -> bool:
@@ -228,6 +215,7 @@ class RelayConnection:
         """Connect, read, and reconnect with backoff until cancelled."""
         settings = self.settings
         attempt = 0
+        renewals = Renewals(settings)
         while True:
             self.state = RelayState.CONNECTING
             opened_at: float | None = None
@@ -252,8 +240,12 @@ class RelayConnection:
                             renewed = self.renew_for
                             self._on_close(renewing=True)  # nothing more is sent on it
                             break
-                if renewed is not None:  # closed on purpose: a fresh connection at once
-                    self.log.info("relay_connection_renewed", reason=renewed)
+                if renewed is not None:  # closed on purpose: a fresh connection, at once the first time
+                    pause = renewals.pause()
+                    self.log.info("relay_connection_renewed", reason=renewed, pause_s=round(pause, 3))
+                    if pause:  # renewing at every refusal would reconnect (and subscribe again) per event
+                        self.state = RelayState.BACKOFF
+                        await self._pause(pause)
                     continue
                 self.last_error = "closed by relay"
             except asyncio.CancelledError:
@@ -271,9 +263,13 @@ class RelayConnection:
             attempt = min(attempt + 1, 30)
             self.state = RelayState.BACKOFF
             self.outage.failed(self.last_error, delay)
-            self._retry_now.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._retry_now.wait(), delay)
+            await self._pause(delay)
+
+    async def _pause(self, delay: float) -> None:
+        """Wait ``delay`` seconds before connecting again, or less if :meth:`retry_now` is called."""
+        self._retry_now.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._retry_now.wait(), delay)
 
     def retry_now(self) -> None:
         """A relay known to be back (the embedded relay restarted): a reconnect waiting out its backoff
