@@ -173,8 +173,11 @@ async def _get(request: web.Request) -> web.Response:
 
 async def _delete(request: web.Request) -> web.Response:
     conversation_id = _conversation_id(request)
-    if not await _target(request).manager.delete_conversation(conversation_id):
+    target = _target(request)
+    if not await target.manager.delete_conversation(conversation_id):
         raise ConversationNotFoundError(conversation_id)
+    if isinstance(target, PipelineTarget) and target.pipeline is not None:  # as retention does
+        target.pipeline.threads.forget_conversation(conversation_id)  # a later save would store them again
     return _json({"id": conversation_id, "deleted": True})
 
 

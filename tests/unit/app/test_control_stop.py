@@ -133,3 +133,17 @@ async def test_the_owners_archive_stops_the_conversations_runs_first(running: Ru
     assert conversation.archived
     assert [e.content for e in conversation.history[1:]] == ["Stopped: Alice."]
     assert [s["agents"] for s in conversation.metadata.extra[STOPS_KEY]] == [["alice"]]
+
+
+async def test_delete_forgets_the_conversations_agent_threads_held_in_memory(running: Running, cast: Cast) -> None:
+    """DELETE drops the conversation's cached agent-to-agent threads too (as retention's deletion does):
+    what was said in a deleted conversation is not kept in memory, nor saved again by a later write."""
+    threads = running.rig.pipeline.threads
+    thread = await threads.get_thread(running.root_id, "alice", "bob")
+    await threads.add_items_and_save(thread, [{"role": "user", "content": "between us"}])
+    await running.client.post(f"/api/v1/conversations/{running.root_id}/stop")
+
+    response = await running.client.delete(f"/api/v1/conversations/{running.root_id}")
+
+    assert response.status == 200
+    assert thread.thread_id not in threads.cached()
