@@ -396,7 +396,9 @@ class AgentRunner:
     ) -> NostrEvent:
         """Compose, journal (when routed on) and save the reply with what the run changed: one write."""
         cid = request.conversation_id
-        complete = effects.complete and error_kind is None
+        # a routed agent that could not answer completes its part with the error: the orchestrator's open
+        # turn would wait for it for ever (docs/ARCHITECTURE.md, "Orchestrator turns")
+        complete = effects.complete if error_kind is None else request.via_orchestrator
         orchestrator = self._manager.agents.orchestrator
 
         async def compose(conversation: Conversation, net_time_seconds: int) -> NostrEvent:

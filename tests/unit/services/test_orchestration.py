@@ -42,7 +42,7 @@ from tenex_daemon.services.orchestrator import (
 from tenex_daemon.services.routing_limits import ROUTING_LIMITS_KEY, RoutingLimits
 from tenex_daemon.services.runs import RunScheduler
 from tenex_daemon.testing import FakeClock
-from tenex_daemon.testing.fakes import FakePublisher, ScriptedBackend, TargetingLog
+from tenex_daemon.testing.fakes import FailingBackend, FakePublisher, ScriptedBackend, TargetingLog
 from tests import pipeline
 from tests.conftest import Cast
 from tests.unit.services.test_tool_loop import calls, text
@@ -126,7 +126,7 @@ def make_rig(
     cast: Cast,
     orchestrator_backend: Any,
     *,
-    alice: ScriptedBackend | None = None,
+    alice: LLMBackend | None = None,
     bob: ScriptedBackend | None = None,
     turn_limit: int = 10,
     default_agent: str = "alice",
@@ -909,3 +909,25 @@ async def test_a_completion_whose_run_failed_after_saving_it_is_routed_when_the_
     assert failed
     assert len(bob.requests) == 1
     assert rig.after_reply[-1].reason == RoutingStop.END.value
+
+
+async def test_a_routed_agent_that_fails_completes_its_part_with_the_error(cast: Cast) -> None:
+    """A routed agent whose backend fails answers with its error as its completion: the turn closes on the
+    other agent's completion and is routed again with the error in it, instead of waiting for ever."""
+    model = answers('{"agents": ["alice", "bob"], "phase": "execute", "reason": "both"}',
+                    '{"agents": ["END"], "reason": "alice is down"}')
+    rig = make_rig(cast, model, alice=FailingBackend(), bob=completes("bob built it"))
+    root = cast.user_says("Build and test", kind=11)
+
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    [turn] = conversation.orchestrator_turns
+    assert turn.is_completed
+    failed = next(c for c in turn.completions if c.agent == "alice")
+    assert failed.message.startswith("I could not answer: the failing backend failed (rate_limit)")
+    assert len(model.requests) == 2  # the closed turn was routed again: the orchestrator ended it
+    second = routing_contexts(model)[1]
+    assert "rate_limit" in json.dumps(second["routing_history"])
