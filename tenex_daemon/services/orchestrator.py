@@ -207,8 +207,8 @@ def orchestrator_system_prompt(
         "You are sent the routing context as JSON: user_request (the conversation's first message), "
         "latest_user_message (the newest message the user wrote, up to the event being routed), "
         "routing_history (the finished turns: phase, agents, their completions, reason) and "
-        "current_routing (the open turn, or null). The conversation is in the phase of the newest turn "
-        "(chat before the first).\n\n"
+        "current_routing (the open turn, or null). The phase the conversation is in now is said last (an "
+        "agent may have moved it since the newest turn began).\n\n"
         "Answer with exactly one JSON object and nothing else:\n"
         '{"agents": ["<slug>", ...], "phase": "<phase or null>", "reason": "<why>"}\n'
         "agents: one or more slugs from the list above; phase: the phase the agents work in (null keeps "
@@ -217,6 +217,16 @@ def orchestrator_system_prompt(
         '{"agents": ["END"], "reason": "<why>"}'
     )
     return f"{prompt}\n\n{instructions}" if instructions else prompt
+
+
+CURRENT_PHASE: Final = "The conversation is in the {phase} phase now."
+"""The last line of the orchestrator's system prompt, per request: the routing context's turns say the phase
+each began in, and an agent's ``switch_phase`` moves it within a turn."""
+
+
+def with_current_phase(system_prompt: str, phase: Phase) -> str:
+    """The orchestrator's system prompt for one routing request: the conversation's phase ends it."""
+    return f"{system_prompt}\n\n{CURRENT_PHASE.format(phase=phase.value)}"
 
 
 END_REFUSED: Final = (
@@ -289,7 +299,8 @@ class LLMOrchestrator:
 
     @property
     def system_prompt(self) -> str:
-        """What the model is told before the routing context."""
+        """What the model is told before the routing context (each request ends it with the conversation's
+        phase: :func:`with_current_phase`)."""
         return self._system_prompt
 
     @property
@@ -304,8 +315,9 @@ class LLMOrchestrator:
         # a person's message must be answered; an agent's (ours, a foreign one, the project's) may end routing
         from_user = is_person_message(conversation, self._manager.agents, trigger)
         context = await self._manager.build_orchestrator_routing_context(cid, trigger)
+        system_prompt = with_current_phase(self._system_prompt, conversation.phase)
         if self._budget is not None:
-            fitted = fit_routing_context(context, self._system_prompt, self._budget)
+            fitted = fit_routing_context(context, system_prompt, self._budget)
             if fitted is not context:
                 left_out = len(context["routing_history"]) - len(fitted["routing_history"])
                 log.info("routing_context_truncated", conversation_id=cid, turns_left_out=left_out)
@@ -314,7 +326,7 @@ class LLMOrchestrator:
         error = ""
         for attempt in (1, 2):
             try:
-                text = await self._ask(cid, messages)
+                text = await self._ask(cid, system_prompt, messages)
             except Exception as exc:
                 kind = exc.kind.value if isinstance(exc, BackendError) else type(exc).__name__
                 log.warning(
@@ -349,12 +361,12 @@ class LLMOrchestrator:
             return None
         return RoutingDecision((self._default,), f"default agent (orchestrator answer invalid: {error})")
 
-    async def _ask(self, conversation_id: str, messages: Sequence[LLMMessage]) -> str:
+    async def _ask(self, conversation_id: str, system_prompt: str, messages: Sequence[LLMMessage]) -> str:
         result = await self._backend.complete(
             CompletionRequest(
                 agent_slug=self._agent.slug,
                 agent_name=self._agent.name,
-                system_prompt=self._system_prompt,
+                system_prompt=system_prompt,
                 messages=tuple(messages),
                 model=self._model,
                 temperature=self._temperature,

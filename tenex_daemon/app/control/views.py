@@ -18,6 +18,7 @@ from tenex_daemon.core.routing_budget import fit_routing_context
 from tenex_daemon.core.search import ConversationSummary
 from tenex_daemon.core.vocabulary import KIND_TASK
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.orchestrator import with_current_phase
 from tenex_daemon.services.persona import PersonaSpec, build_persona
 from tenex_daemon.services.token_budget import preview_fit
 
@@ -179,6 +180,7 @@ async def _routing_preview(
     turns left out)."""
     if routing_prompt is None:
         raise ApiError(409, f"{agent_slug} routes by rules here (no model): it is sent nothing")
+    routing_prompt = with_current_phase(routing_prompt, conversation.phase)
     whole = await manager.build_orchestrator_routing_context(conversation.id, trigger)
     routing = whole if budget is None else fit_routing_context(whole, routing_prompt, budget)
     content = json.dumps(routing, ensure_ascii=False)

@@ -15,7 +15,9 @@ from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.wiring import build_store, routing_system_prompt
 from tenex_daemon.cli.main import app
 from tenex_daemon.core.conversation import TitleSource
+from tenex_daemon.core.phases import Phase
 from tenex_daemon.services.conversation_manager import ConversationManager
+from tenex_daemon.services.orchestrator import with_current_phase
 from tenex_daemon.testing import EventFactory, FakeClock
 from tests.unit.cli.conftest import USER, tenexd
 
@@ -120,7 +122,9 @@ def test_context_for_the_orchestrator_is_its_routing_request(home: Path) -> None
 
     assert code == 0, out
     shown = json.loads(out)
-    assert shown["persona"] == routing_system_prompt(load_settings(home))
+    prompt = routing_system_prompt(load_settings(home))
+    assert prompt is not None
+    assert shown["persona"] == with_current_phase(prompt, Phase.CHAT)
     assert "planner" in shown["persona"]
     [message] = shown["messages"]
     assert message["role"] == "user"

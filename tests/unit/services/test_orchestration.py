@@ -931,3 +931,23 @@ async def test_a_routed_agent_that_fails_completes_its_part_with_the_error(cast:
     assert len(model.requests) == 2  # the closed turn was routed again: the orchestrator ended it
     second = routing_contexts(model)[1]
     assert "rate_limit" in json.dumps(second["routing_history"])
+
+
+async def test_the_orchestrator_is_told_the_phase_an_agent_moved_the_conversation_to(cast: Cast) -> None:
+    """An agent's `switch_phase` within a turn moves the conversation past the phase its turn began in: the
+    next routing request's system prompt ends with the phase it is in now, so the model judges its moves
+    from it (each request told the phase of that moment)."""
+    model = answers('{"agents": ["alice"], "phase": "execute", "reason": "build"}',
+                    '{"agents": ["END"], "reason": "done"}')
+    switch: dict[str, object] = {"phase": "verification", "reason": "built, now verify", "summary": "built"}
+    alice = ScriptedBackend([calls(("s", "switch_phase", switch)), calls(("c", "complete", {"summary": "built"}))])
+    rig = make_rig(cast, model, alice=alice)
+    root = cast.user_says("Build it", kind=11)
+
+    await rig.dispatcher.handle(root)
+    await settle(rig)
+
+    first, second = (request.system_prompt for request in model.requests)
+    assert first.endswith("\n\nThe conversation is in the chat phase now.")
+    assert second.endswith("\n\nThe conversation is in the verification phase now.")
+    assert routing_contexts(model)[1]["routing_history"][0]["phase"] == "execute"  # where its turn began
