@@ -111,7 +111,11 @@ class PhaseRules:
         return cls({p: BUILT_IN_PHASES for p in BUILT_IN_PHASES})
 
     def allowed_from(self, phase: Phase) -> frozenset[Phase]:
-        """Return the phases reachable from ``phase`` (not counting a same-phase handoff)."""
+        """Return the phases reachable from ``phase`` (not counting a same-phase handoff). From a phase the
+        rules do not name (a conversation stored before the table changed, or imported) every phase of the
+        project is: the table says nothing of it, and it must not hold the conversation for good."""
+        if phase not in self.phases:
+            return frozenset(self.phases)
         return self._allowed.get(phase, frozenset())
 
     def is_allowed(self, from_phase: Phase, to_phase: Phase) -> bool:

@@ -279,3 +279,24 @@ async def test_a_project_adds_phases_of_its_own(cast: Cast, clock: FakeClock) ->
     assert Phase("chat") is Phase.CHAT  # the built-in ones compare by identity, as enum members did
     with pytest.raises(ValueError, match="not a phase name"):
         Phase("Review!")
+
+
+async def test_a_conversation_in_a_phase_the_table_no_longer_names_may_move_to_any_of_its_phases(
+    cast: Cast, clock: FakeClock
+) -> None:
+    """A conversation left in a phase the project's table dropped (stored before the table changed) is not
+    held there for good: it may move to any phase the table names, back to chat included."""
+    from tenex_daemon import MemoryStore
+
+    store = MemoryStore()
+    before = ConversationManager(store, cast.agents, phase_rules=PhaseRules(), clock=clock)
+    cid = (await before.create_conversation(cast.user_says("hi", kind=11))).id
+    await before.update_phase(cid, "plan", "a plan first", "alice")
+    rules = PhaseRules({"chat": ["execute"], "execute": ["chat"]})
+    after = ConversationManager(store, cast.agents, phase_rules=rules, clock=clock)
+
+    assert rules.allowed_from(Phase.PLAN) == {Phase.CHAT, Phase.EXECUTE}
+    transition = await after.update_phase(cid, "execute", "the project has no plan phase now", "alice")
+    assert (transition.from_phase, transition.to_phase) == (Phase.PLAN, Phase.EXECUTE)
+    with pytest.raises(PhaseTransitionError):
+        await after.update_phase(cid, "plan", "gone from the table", "alice")
