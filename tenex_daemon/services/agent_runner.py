@@ -191,14 +191,14 @@ class AgentRunner:
         return (*profile.tools, SEND_MESSAGE)
 
     def _delegating(
-        self, profile: AgentProfile, cid: str, trigger: NostrEvent
+        self, profile: AgentProfile, cid: str, trigger: NostrEvent, burst: tuple[str, ...]
     ) -> tuple[AgentProfile, RunDelegator | None]:
         """The profile offered ``send_message`` too, and the run's delegator, when the agent may delegate."""
         delegation = self._delegation
         if delegation is None or not delegation.can_delegate(profile.agent):
             return profile, None
         tools = profile.tools if SEND_MESSAGE in profile.tools else (*profile.tools, SEND_MESSAGE)
-        return replace(profile, tools=tools), delegation.for_run(profile.agent, cid, trigger)
+        return replace(profile, tools=tools), delegation.for_run(profile.agent, cid, trigger, burst)
 
     async def run(self, request: RunRequest, routing: ReplyRouting | None = None) -> NostrEvent | None:
         """Run one agent for one trigger; return the reply event (None when the trigger is gone).
@@ -243,7 +243,7 @@ class AgentRunner:
             # a run's trigger goes last: what was saved after it while it waited (the agent's own answer
             # to an earlier message, others of a burst) is shown too (docs/CONTEXT.md, "Bursts")
             context = await self._manager.build_agent_messages(cid, slug, trigger, persist=False, burst=True)
-            offered, delegator = self._delegating(profile, cid, trigger)
+            offered, delegator = self._delegating(profile, cid, trigger, request.burst)
             tool_context = ToolContext(
                 self._manager,
                 cid,

@@ -180,9 +180,12 @@ class Delegation:
         """Whether ``send_message`` is offered to ``asker``: not the orchestrator, and someone to ask."""
         return not asker.orchestrator and bool(self.askable(asker))
 
-    def for_run(self, asker: Agent, conversation_id: str, trigger: NostrEvent) -> RunDelegator:
-        """The delegator of one run of ``asker`` answering ``trigger``."""
-        return RunDelegator(self, asker, conversation_id, trigger)
+    def for_run(
+        self, asker: Agent, conversation_id: str, trigger: NostrEvent, burst: tuple[str, ...] = ()
+    ) -> RunDelegator:
+        """The delegator of one run of ``asker`` answering ``trigger`` (and the earlier messages of its
+        ``burst``, ids)."""
+        return RunDelegator(self, asker, conversation_id, trigger, burst)
 
     def _target(self, asker: Agent, slug: str) -> AgentProfile:
         """The profile of the agent asked; refuse oneself, the orchestrator and unknown
@@ -202,7 +205,7 @@ class Delegation:
 
     async def exchange(
         self, asker: Agent, cid: str, trigger: NostrEvent, to: str, message: str,
-        served: set[str] | None = None,
+        served: set[str] | None = None, burst: tuple[str, ...] = (),
     ) -> str:
         """Carry out one request and answer (see the module docstring); return the answer. An agent a stop
         named after this run's trigger came is not asked again in this run (the asker's model may try).
@@ -211,7 +214,9 @@ class Delegation:
         redone after a crash, or tried again after an error) that no call of this run took yet, the same
         message to the same agent, is taken instead of a new one: its saved answer is returned, nobody is
         asked and nothing is saved again; without a saved answer the agent is asked and only its answer is
-        saved. A call refused before anyone is asked raises :class:`NotAskedError`."""
+        saved. An earlier try may have answered another message of the run's ``burst`` (ids: a retry takes in
+        the messages that came meanwhile, the newest its trigger): its requests count too. A call refused
+        before anyone is asked raises :class:`NotAskedError`."""
         served = set() if served is None else served
         target = self._target(asker, to)
         asked = target.agent
@@ -225,7 +230,10 @@ class Delegation:
                 thread = await self._threads.get_thread(cid, asker.slug, asked.slug)
             except ThreadPersistenceError as exc:
                 raise NotAskedError(f"your thread with {asked.slug} could not be read: {exc}") from None
-            request, answer = await self._request(asker, asked, trigger, message, thread_id, cid, served)
+            answering = (trigger.id, *burst)
+            request, answer = await self._request(
+                asker, asked, trigger, answering, message, thread_id, cid, served
+            )
             if answer is None:
                 answer = await self._ask(target, asker, request, thread, trigger, cid)
             else:
@@ -243,8 +251,8 @@ class Delegation:
             return answer.content
 
     async def _request(
-        self, asker: Agent, asked: Agent, trigger: NostrEvent, message: str, thread_id: str, cid: str,
-        served: set[str],
+        self, asker: Agent, asked: Agent, trigger: NostrEvent, answering: tuple[str, ...], message: str,
+        thread_id: str, cid: str, served: set[str],
     ) -> tuple[NostrEvent, NostrEvent | None]:
         """The call's request and its saved answer, if any: an earlier try's request no call of this run took
         yet (see :meth:`exchange`), else a new one, saved; a new request identical to one saved (the same
@@ -252,7 +260,7 @@ class Delegation:
         conversation = await self._manager.get_conversation(cid)
         if conversation is None:
             raise NotAskedError("the conversation is gone")
-        request = _earlier_request(conversation, trigger, asker.pubkey, thread_id, message, served)
+        request = _earlier_request(conversation, answering, asker.pubkey, thread_id, message, served)
         if request is None:
             request = await self._compose(asker, trigger, message, (asked.pubkey,), thread_id, cid)
             if await self._manager.add_event(cid, request, reopens=False):
@@ -354,18 +362,18 @@ class Delegation:
 
 
 def _earlier_request(
-    conversation: Conversation, trigger: NostrEvent, asker: str, thread_id: str, message: str,
+    conversation: Conversation, answering: tuple[str, ...], asker: str, thread_id: str, message: str,
     served: set[str],
 ) -> NostrEvent | None:
-    """The first request of ``asker`` (a public key) answering ``trigger`` in the thread with ``message``
-    that no call of this run took (``served``), saved since the asker's last reply to ``trigger`` (an
-    earlier, finished run's exchanges are never taken)."""
-    start = conversation.index_of(trigger.id)
-    if start is None:
+    """The first request of ``asker`` (a public key) answering one of the run's messages (``answering``: its
+    trigger and burst) in the thread with ``message`` that no call of this run took (``served``), saved since
+    the asker's last reply to one of them (an earlier, finished run's exchanges are never taken)."""
+    indexes = [i for i in map(conversation.index_of, answering) if i is not None]
+    if not indexes:
         return None
     found: list[NostrEvent] = []
-    for event in conversation.history[start + 1 :]:
-        if event.pubkey != asker or read_threading(event).parent_id != trigger.id:
+    for event in conversation.history[min(indexes) + 1 :]:
+        if event.pubkey != asker or read_threading(event).parent_id not in answering:
             continue
         delegation = event.tag_value(TAG_DELEGATION)
         if delegation is None:  # the asker's reply: a finished run
@@ -399,17 +407,19 @@ class RunDelegator:
     """The :class:`~tenex_daemon.services.tools.Delegator` of one agent's run."""
 
     def __init__(
-        self, delegation: Delegation, asker: Agent, conversation_id: str, trigger: NostrEvent
+        self, delegation: Delegation, asker: Agent, conversation_id: str, trigger: NostrEvent,
+        burst: tuple[str, ...] = (),
     ) -> None:
         self._delegation = delegation
         self._asker = asker
         self._conversation_id = conversation_id
         self._trigger = trigger
+        self._burst = burst
         self._served: set[str] = set()
         """The requests this run's calls took (made, or taken from an earlier try of the run)."""
 
     async def send(self, to: str, message: str) -> str:
         """Ask the agent ``to`` and return its answer (refusals raise ToolRefusedError)."""
         return await self._delegation.exchange(
-            self._asker, self._conversation_id, self._trigger, to, message, self._served
+            self._asker, self._conversation_id, self._trigger, to, message, self._served, self._burst
         )

@@ -8,12 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
 from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.core.agents import AgentDirectory
 from tenex_daemon.core.budget import BudgetStrategy, TokenBudget
 from tenex_daemon.core.context import ChatMessage
+from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
     BackendError,
@@ -24,7 +27,8 @@ from tenex_daemon.core.llm import (
 )
 from tenex_daemon.core.ports import RunStatus, Store
 from tenex_daemon.core.targeting import SkipReason, agent_chain_length, choose_target
-from tenex_daemon.core.vocabulary import KIND_STOP
+from tenex_daemon.core.vocabulary import KIND_STOP, TAG_DELEGATION
+from tenex_daemon.services import runs
 from tenex_daemon.services.agent_runner import AgentProfile, AgentRunner
 from tenex_daemon.services.delegation import DELEGATED_TOOLS
 from tenex_daemon.services.dispatcher import EventDispatcher, Outcome
@@ -628,3 +632,50 @@ async def test_an_exchange_during_a_run_does_not_reopen_a_conversation_the_owner
     assert [e.content for e in conversation.history if e.has_tag("delegation")] == ["2+2?", "4"]
     assert conversation.is_ended
     assert conversation.ended_by == "owner"
+
+
+class FailsAlicesReplyOnce(MemoryStore):
+    """A store that fails the first save of a reply of Alice's (not a delegation's side) as a full disk does."""
+
+    def __init__(self, alice: str) -> None:
+        super().__init__()
+        self.alice = alice
+        self.failed = asyncio.Event()
+
+    async def append_event(
+        self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
+    ) -> bool:
+        """Fail once for Alice's reply."""
+        if event.pubkey == self.alice and event.tag_value(TAG_DELEGATION) is None and not self.failed.is_set():
+            self.failed.set()
+            raise OSError("No space left on device")
+        return await super().append_event(conversation_id, event, state=state)
+
+
+async def test_a_run_retried_with_a_message_that_came_meanwhile_does_not_ask_bob_again(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alice asked Bob, then her reply failed to save; the person wrote again before the retry, which takes
+    that message in (a burst: its trigger is the newer message). Asking Bob the same, the retry gets his
+    saved answer: Bob is asked once, and the exchange is once in history and in the pair's thread."""
+    monkeypatch.setattr(runs, "RUN_RETRY_S", (0.5,))
+    store = FailsAlicesReplyOnce(cast.alice.pubkey)
+    alice = ScriptedBackend([ask("c1", "bob", "What is 2+2?"), text("It is 4."),
+                             ask("c2", "bob", "What is 2+2?"), text("It is 4. Hi!")])
+    rig = make_rig(cast, alice, ScriptedBackend([text("4"), text("4 again")]), store=store)
+    root = cast.user_says("Alice, find out 2+2 from Bob.", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(store.failed.wait(), 5)
+    later = cast.user_says("Also, hi.", tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]])
+
+    await rig.dispatcher.handle(later)
+    await settle(rig)
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    exchange = [e.content for e in conversation.history if e.tag_value(TAG_DELEGATION) is not None]
+    thread = await rig.threads.get_thread(root.id, "alice", "bob")
+    assert len(rig.bob.requests) == 1
+    assert exchange == ["What is 2+2?", "4"]
+    assert [item["content"] for item in thread.items] == ["What is 2+2?", "4"]
+    assert conversation.history[-1].content == "It is 4. Hi!"
