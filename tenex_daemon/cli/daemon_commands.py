@@ -129,7 +129,7 @@ def run(
         typer.Option("--embedded-relay", help="Run a relay (a child process) beside the daemon."),
     ] = False,
     log_format: Annotated[str | None, typer.Option(help="auto | json | console.")] = None,
-    log_level: Annotated[str | None, typer.Option(help="debug | info | warning | error.")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug | info | warning | error | critical.")] = None,
     home: HomeOption = None,
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT (what systemd runs)."""
@@ -137,13 +137,17 @@ def run(
     from tenex_daemon.app.control.errors import ControlSetupError
     from tenex_daemon.app.logging import configure_logging
 
-    settings = _run_settings(settings_of(ctx), relay, embedded_relay, log_format, log_level)
-    if not settings.relays.urls and not settings.relays.embedded:
-        fail("no relay configured: pass --relay URL or --embedded-relay, or set relays.urls", EXIT_USAGE)
+    settings = _run_settings(_run_settings_of(ctx, log_format), relay, embedded_relay, log_format, log_level)
+    chosen = settings.daemon.log_format
     try:
-        configure_logging(settings.daemon.log_format, settings.daemon.log_level)
+        configure_logging(chosen, settings.daemon.log_level)
     except ValueError as exc:
-        fail(str(exc), EXIT_USAGE)
+        if chosen == "json":  # the level is wrong: the reason still goes out as the JSON asked for
+            configure_logging("json")
+        _fail_run(str(exc), EXIT_USAGE, chosen)
+    if not settings.relays.urls and not settings.relays.embedded:
+        no_relay = "no relay configured: pass --relay URL or --embedded-relay, or set relays.urls"
+        _fail_run(no_relay, EXIT_USAGE, chosen)
     from tenex_daemon.app.daemon import Daemon
 
     try:
@@ -154,6 +158,21 @@ def run(
         _fail_run(str(exc), EXIT_USAGE, settings.daemon.log_format)
     except (TenexError, OSError) as exc:
         _fail_run(str(exc), EXIT_FAILURE, settings.daemon.log_format)
+
+
+def _run_settings_of(ctx: typer.Context, log_format: str | None) -> Settings:
+    """The home's settings; refused, exit 2 saying why (as a JSON line when ``--log-format json``)."""
+    from tenex_daemon.app.settings import SettingsError, load_settings
+
+    try:
+        return load_settings(home_of(ctx))
+    except SettingsError as exc:
+        if log_format != "json":
+            fail(str(exc), EXIT_USAGE)
+        from tenex_daemon.app.logging import configure_logging
+
+        configure_logging("json")
+        _fail_run(str(exc), EXIT_USAGE, "json")
 
 
 def _fail_run(message: str, code: int, log_format: str) -> NoReturn:

@@ -97,3 +97,39 @@ def test_run_with_json_logs_says_why_it_failed_in_a_json_line(home: Path) -> Non
     assert [(line["level"], line["exit_code"]) for line in failed] == [("error", 2)]
     assert "project.key" in failed[0]["error"]
     assert not [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["run", "--log-format", "json"], "no relay configured"),
+        (["run", "--relay", "ws://127.0.0.1:1", "--log-format", "json", "--log-level", "loud"], "log level"),
+    ],
+)
+def test_run_with_json_logs_refused_before_starting_says_why_in_a_json_line(
+    home: Path, args: list[str], why: str
+) -> None:
+    """A start refused before the daemon starts (no relay, a bad log level) with ``--log-format json``
+    still says why in one JSON line (``daemon_failed``), exit 2."""
+    config = home / "config.toml"
+    config.write_text(config.read_text().replace('urls = ["ws://127.0.0.1:1"]', "urls = []"))
+    result = CliRunner().invoke(app, ["--home", str(home), *args], catch_exceptions=False)
+
+    lines = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2
+    assert [line["event"] for line in lines] == ["daemon_failed"]
+    assert why in lines[0]["error"]
+
+
+def test_run_with_json_logs_and_settings_refused_says_why_in_a_json_line(home: Path) -> None:
+    """Settings refused (a config.toml that does not parse) with ``--log-format json``: one JSON line
+    ``daemon_failed`` naming the file, exit 2."""
+    (home / "config.toml").write_text("[daemon\n")
+
+    args = ["--home", str(home), "run", "--log-format", "json"]
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+
+    lines = [json.loads(line) for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2
+    assert [line["event"] for line in lines] == ["daemon_failed"]
+    assert "config.toml" in lines[0]["error"]
