@@ -8,7 +8,8 @@ refuses ``\\u0000``, which an event may hold (nothing queries inside the JSON), 
 NUL character itself, so the ``title`` column holds the title with NUL replaced (the exact one is in the
 state and, when it differs, in the ``lifecycle`` JSON). ``lease`` takes a session-level advisory lock on a
 dedicated connection, so two daemons never work on one conversation at once. Numbered migrations
-are applied on :meth:`PostgresStore.open` under an advisory lock.
+are applied on :meth:`PostgresStore.open` under an advisory lock; a schema newer than this tenexd knows
+(a newer tenexd migrated the database) is refused.
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ class PostgresStore:
 
     async def open(self) -> None:
         """Connect and apply pending migrations; raise :class:`PostgresOpenError` (saying which database,
-        its password hidden, and why) when the database cannot be reached or refuses."""
+        its password hidden, and why) when the database cannot be reached or refuses, or its schema is newer
+        than this tenexd knows."""
         if self._pool is not None:
             return
         try:
@@ -222,8 +224,9 @@ class PostgresStore:
             self._lease_pool = await self._new_pool(0, self.lease_pool_size)
             self._name_pool = await self._new_pool(0, self.name_pool_size)
             applied = await self.migrate()
-        except (OSError, ValueError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            # ValueError: a dsn asyncpg cannot read (a port that is no number)
+        except (OSError, ValueError, asyncpg.PostgresError, asyncpg.InterfaceError, PostgresOpenError) as exc:
+            # ValueError: a dsn asyncpg cannot read (a port that is no number); PostgresOpenError: a schema
+            # newer than this tenexd knows
             await self.close()
             reason = str(exc) or type(exc).__name__
             where = shown_dsn(self.dsn)
@@ -238,7 +241,9 @@ class PostgresStore:
         )
 
     async def migrate(self) -> list[int]:
-        """Apply every migration not yet in ``schema_migrations``; return the versions applied."""
+        """Apply every migration not yet in ``schema_migrations``; return the versions applied. A schema
+        newer than :data:`MIGRATIONS` knows (a newer tenexd migrated the database) is refused,
+        :class:`PostgresOpenError`, and nothing is applied."""
         applied: list[int] = []
         async with self._connection() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
@@ -249,6 +254,12 @@ class PostgresStore:
                        applied_at timestamptz NOT NULL DEFAULT now())"""
             )
             done = {row["version"] for row in await conn.fetch("SELECT version FROM schema_migrations")}
+            newest, known = max(done, default=0), MIGRATIONS[-1][0]
+            if newest > known:  # a newer tenexd's tables: this one would misread them, or undo its writes
+                raise PostgresOpenError(
+                    f"the database's schema (version {newest}) is newer than this tenexd knows ({known}): "
+                    "upgrade tenexd"
+                )
             for version, description, sql in MIGRATIONS:
                 if version in done:
                     continue

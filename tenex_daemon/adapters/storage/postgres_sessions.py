@@ -14,6 +14,8 @@ from typing import Any
 import asyncpg
 import structlog
 
+from tenex_daemon.adapters.storage.postgres_errors import UNAVAILABLE
+
 log = structlog.get_logger(__name__)
 
 LEASE_SQL = "SELECT pg_advisory_lock(hashtextextended($1, 0))"
@@ -92,11 +94,15 @@ async def unlock(conn: Any, name: str) -> None:
     except TimeoutError:  # first: a TimeoutError is an OSError too
         log.warning("postgres_unlock_skipped", name=name, reason="connection_silent")
         terminate(conn)
-    except (asyncpg.InterfaceError, asyncpg.InternalClientError, asyncpg.PostgresConnectionError, OSError):
-        # broken, busy with a statement a cancellation cut short, or its protocol out of step with the
-        # server ("cannot switch to state": a session the server ended mid-statement): never given back
-        # to the pool so, nor its error raised over the block's
+    except (*UNAVAILABLE, asyncpg.InterfaceError, asyncpg.InternalClientError):
+        # broken, busy with a statement a cancellation cut short, its session ended by the server as the
+        # statement ran (AdminShutdownError: a restart, pg_terminate_backend), or its protocol out of step
+        # with the server ("cannot switch to state": a session the server ended mid-statement): never
+        # given back to the pool so, nor its error raised over the block's
         log.info("postgres_unlock_skipped", name=name, reason="connection_broken")
+        terminate(conn)
+    except asyncpg.PostgresError as error:  # refused (the statement cancelled): cut, so the lock ends too
+        log.warning("postgres_unlock_skipped", name=name, reason="refused", error=repr(error))
         terminate(conn)
 
 

@@ -124,3 +124,54 @@ async def test_a_lock_whose_connection_does_not_answer_is_let_go_as_silent_and_c
 
     assert conn.terminated
     assert [(e["event"], e["reason"]) for e in logs] == [("postgres_unlock_skipped", "connection_silent")]
+
+
+def test_a_first_connection_refused_for_too_many_connections_is_a_store_unavailable_error() -> None:
+    """A server with no connection left (class 53) is StoreUnavailableError saying so, naming the database
+    (its password hidden) and the server's reason (before: PostgresOpenError, as a failed login is)."""
+    error = asyncpg.TooManyConnectionsError("sorry, too many clients already")
+
+    failure = connect_failure(error, DSN, "hold the name 'd1'")
+
+    assert isinstance(failure, StoreUnavailableError)
+    assert str(failure) == (
+        "cannot hold the name 'd1': the PostgreSQL store at postgresql://u:***@db.example:6543/tenex "
+        "has too many connections: sorry, too many clients already"
+    )
+    assert failure.__cause__ is error
+
+
+class _Refusing:
+    """A connection whose statements fail as ``error``; records whether it was cut."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.terminated = False
+
+    async def execute(self, *args: object, **kwargs: object) -> str:
+        """Fail as ``error``."""
+        raise self.error
+
+    def terminate(self) -> None:
+        """Record the cut."""
+        self.terminated = True
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        asyncpg.AdminShutdownError("terminating connection due to administrator command"),
+        asyncpg.QueryCanceledError("canceling statement due to user request"),
+    ],
+)
+async def test_a_lock_whose_unlock_the_server_ends_or_cancels_is_let_go_by_cutting_the_connection(
+    error: Exception,
+) -> None:
+    """unlock() whose statement the server answers by ending the session (a restart) or cancelling it cuts
+    the connection (its session, and the lock, end with it) and raises nothing over the lease's block
+    (before: the driver's error)."""
+    conn = _Refusing(error)
+
+    await unlock(conn, "conversation")
+
+    assert conn.terminated

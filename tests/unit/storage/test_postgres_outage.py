@@ -167,3 +167,67 @@ def test_an_outage_is_logged_in_one_line_and_a_defect_with_its_traceback() -> No
 
     assert [(e["log_level"], "exc_info" in e) for e in logs] == [("warning", False), ("error", True)]
     assert logs[0]["error"] == "the store does not answer: down"
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (asyncpg.DiskFullError('could not extend file "base/1/2": No space left on device'), "is out of disk space"),
+        (asyncpg.TooManyConnectionsError("sorry, too many clients already"), "has too many connections"),
+        (asyncpg.OutOfMemoryError("out of memory"), "is out of resources"),
+        (asyncpg.ConfigurationLimitExceededError("temporary file size exceeds temp_file_limit"), "is out of resources"),
+    ],
+)
+async def test_a_database_out_of_space_memory_or_connections_is_a_store_unavailable_error(
+    error: BaseException, said: str
+) -> None:
+    """A database out of disk space, memory or connections (class 53) makes the store's call raise
+    StoreUnavailableError saying which and the server's reason (before: asyncpg's own error, a 500)."""
+    store = PostgresStore("postgresql://u@127.0.0.1:1/db")
+    store._pool = DownPool(error)  # type: ignore[assignment]
+
+    with pytest.raises(StoreUnavailableError) as caught:
+        await store.set_meta("outbox.pending", "[]")
+
+    assert str(caught.value) == f"the PostgreSQL store {said}: {error}"
+    assert caught.value.__cause__ is error
+
+
+class UnreturnablePool(LeasePool):
+    """A lease or name pool whose connections fail as asyncpg does when given back after the server ended
+    their session (the reset cannot run); records whether the connection was cut."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.terminated = 0
+
+    async def release(self, conn: object) -> None:
+        """Fail the reset, as asyncpg does on a session the server has just ended."""
+        self.released += 1
+        raise asyncpg.InternalClientError("cannot switch to state 15; another operation (2) is in progress")
+
+    def terminate(self) -> None:
+        """Cut the connection."""
+        self.terminated += 1
+
+
+async def test_a_lease_whose_connection_cannot_be_given_back_raises_nothing_over_its_block() -> None:
+    """A lease and a run lease whose connection's reset fails when given back end as their block did: a
+    block that finished raises nothing, a block's StoreUnavailableError is raised as it is (before:
+    asyncpg's InternalClientError replaced both); each connection is cut and a warning logged."""
+    store = PostgresStore("postgresql://u@127.0.0.1:1/db")
+    pool = UnreturnablePool()
+    store._lease_pool = store._name_pool = pool  # type: ignore[assignment]
+
+    with capture_logs() as logs:
+        async with store.lease("conversation"):
+            pass
+        async with store.try_take("run lease") as taken:
+            assert taken
+        with pytest.raises(StoreUnavailableError, match="the block's own"):
+            async with store.lease("conversation"):
+                raise StoreUnavailableError("the block's own")
+
+    assert (pool.released, pool.terminated) == (3, 3)
+    failures = [(e["event"], e["log_level"]) for e in logs if e["event"] == "postgres_release_failed"]
+    assert failures == [("postgres_release_failed", "warning")] * 3
