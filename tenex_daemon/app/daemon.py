@@ -318,7 +318,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self.signals.install(loop)
         try:
-            starting = self._background.spawn(keep_starting(self.notifier), "start timeout extension")
+            extending = keep_starting(self.notifier, until=self._stop_requested)
+            starting = self._background.spawn(extending, "start timeout extension")
             try:
                 await self._start()
             finally:

@@ -10,6 +10,7 @@ Without ``NOTIFY_SOCKET`` (not under systemd) every call is a no-op. A path star
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -119,17 +120,23 @@ async def keep_starting(
     by_s: float = START_EXTEND_BY_S,
     for_s: float = START_EXTEND_FOR_S,
     clock: Callable[[], float] = time.monotonic,
+    until: asyncio.Event | None = None,
 ) -> None:
     """While the daemon starts, ask systemd for more time every ``every_s`` (``by_s`` each), for ``for_s`` in
     all: a start that takes longer than ``TimeoutStartSec`` (the store's recovery of a large home, a
     database's migrations) is not killed and restarted into the same long start again and again. Cancel
-    it once the start is over. Nothing without systemd. ``every_s``: :data:`START_EXTEND_EVERY_S` unless
-    given."""
+    it once the start is over; it ends by itself once ``until`` is set (a stop asked for while starting:
+    systemd applies an extension sent then to the stop's timeout). Nothing without systemd. ``every_s``:
+    :data:`START_EXTEND_EVERY_S` unless given."""
     if not notifier.enabled:
         return
     every = START_EXTEND_EVERY_S if every_s is None else every_s
+    stopping = asyncio.Event() if until is None else until
     started = clock()
-    while clock() - started < for_s:
+    while clock() - started < for_s and not stopping.is_set():
         notifier.extend_timeout(by_s)
-        await asyncio.sleep(every)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), every)
+    if stopping.is_set():
+        return
     log.warning("start_not_extended", after_s=for_s, note="the start is left to systemd's TimeoutStartSec")

@@ -134,6 +134,7 @@ def run(
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT (what systemd runs)."""
     from tenex_daemon.adapters.nostr.signer import KeyFileError
+    from tenex_daemon.adapters.storage.filesystem.store_format import StoreFormatError
     from tenex_daemon.app.control.errors import ControlSetupError
     from tenex_daemon.app.logging import configure_logging
 
@@ -154,7 +155,9 @@ def run(
         asyncio.run(Daemon(settings).run())
     except KeyboardInterrupt:
         pass
-    except (KeyFileError, ControlSetupError) as exc:  # a key or control file, a path: configuration (exit 2)
+    except (KeyFileError, ControlSetupError, StoreFormatError) as exc:
+        # a key or control file, a path: configuration; a newer tenexd's store: not this one's to run (exit 2,
+        # which systemd's unit does not restart on)
         _fail_run(str(exc), EXIT_USAGE, settings.daemon.log_format)
     except (TenexError, OSError) as exc:
         _fail_run(str(exc), EXIT_FAILURE, settings.daemon.log_format)

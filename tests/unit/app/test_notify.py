@@ -127,6 +127,27 @@ async def test_a_start_asks_for_more_time_until_cancelled_or_its_bound(
     await asyncio.wait_for(keep_starting(quiet, every_s=0.01), 1)  # without systemd: returns at once
 
 
+async def test_a_stop_asked_for_while_starting_ends_the_asking_for_more_time(
+    listener: tuple[socket.socket, str],
+) -> None:
+    """A stop asked for while the daemon starts ends the asking at once: systemd applies an extension sent
+    after SIGTERM to the stop's timeout, which would let a stuck stop outlast TimeoutStopSec."""
+    sock, path = listener
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": path})
+    stopping = asyncio.Event()
+    task = asyncio.create_task(keep_starting(notifier, every_s=0.05, by_s=2.0, until=stopping))
+    await asyncio.sleep(0.01)
+    assert receive(sock) == "EXTEND_TIMEOUT_USEC=2000000"
+
+    stopping.set()
+
+    await asyncio.wait_for(task, 1)
+    sock.setblocking(False)
+    await asyncio.sleep(0.1)  # two more would have come by now
+    with pytest.raises(BlockingIOError):
+        sock.recv(4096)
+
+
 async def test_the_daemon_asks_for_more_time_while_it_starts(
     listener: tuple[socket.socket, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

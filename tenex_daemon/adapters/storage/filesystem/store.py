@@ -47,6 +47,7 @@ from tenex_daemon.adapters.storage.filesystem.ops import Op
 from tenex_daemon.adapters.storage.filesystem.processed import DEFAULT_MAX_IDS, ProcessedIds, bucket_line
 from tenex_daemon.adapters.storage.filesystem.recovery import recover
 from tenex_daemon.adapters.storage.filesystem.repairs import RecoveryAction, move_to_corrupt
+from tenex_daemon.adapters.storage.filesystem.store_format import check_store_format
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.erasure import value_owner
 from tenex_daemon.core.errors import (
@@ -160,6 +161,7 @@ class FileSystemStore:
             return
         self._lock_fd = await asyncio.to_thread(lock_home, self.root)
         try:
+            await asyncio.to_thread(check_store_format, self.root)  # a newer tenexd's store is not recovered
             result = await asyncio.to_thread(recover, self._layout)
         except PermissionError as exc:  # a file or folder of the home this process may not read
             await asyncio.to_thread(self._unlock)
