@@ -37,10 +37,25 @@ DEFAULT_MAX_TOOL_ROUNDS = 8
 """How many times one run may ask its backend before an answer without tool calls is required."""
 TOOL_LOOP_ERROR = "tool_loop"
 """The error kind of a run stopped because its backend kept calling tools."""
-CREDENTIAL = re.compile(r"\b(?:sk|rk|org|proj|key|sess)-(?:(?=[\w*.…-]*[\d*…])[\w*.…-]{3,}[\w*…]|[\w-]{16,})")
+KEY_PREFIXES = (
+    "sk", "rk", "org", "proj", "key", "sess", "gsk", "xai", "hf", "pplx", "nvapi", "csk", "r8",
+    "ghp", "gho", "ghu", "ghs", "github_pat", "glpat",
+)
+"""How providers' keys and account ids begin (OpenAI, Anthropic's ``sk-ant-``, Groq, xAI, Hugging Face,
+Perplexity, NVIDIA, Cerebras, Replicate, GitHub, GitLab), before a ``-`` or ``_``."""
+_SECRET = r"[\w.~+/=*…-]{8,}"
+"""A token's characters: base64, URL-safe base64, masked ones (``*``, ``…``)."""
+CREDENTIAL = re.compile(
+    rf"\b(?:{'|'.join(KEY_PREFIXES)})[-_](?:(?=[\w*.…-]*[\d*…])[\w*.…-]{{3,}}[\w*…]|[\w-]{{16,}})"
+    r"|\bAIza[\w-]{30,}"  # Google's
+    rf"|(?P<label>(?i:\bbearer\s+|\b(?:x-)?api[-_]?key[\"']?\s*[:=]\s*[\"']?))(?=[\w.~+/=*…-]*[\d*…]){_SECRET}"
+)
 """What a provider's error text may show of a key or an account, left out of the error reply: OpenAI's 401
-names the key masked (``sk-proj-abc…wxyz``), a 429 the ``org-…`` id. It holds a digit, ``*`` or ``…``,
-or is 16 characters long, so ``key-value`` is no key."""
+names the key masked (``sk-proj-abc…wxyz``), a 429 the ``org-…`` id, a server may echo the header it was
+sent (``Bearer <token>``) or ``api_key=<token>``. A prefixed one holds a digit, ``*`` or ``…``, or is 16
+characters long, so ``key-value`` is no key; a token after ``Bearer`` or ``api_key:`` holds a digit,
+``*`` or ``…`` and is 8 characters long at least, so ``the bearer of`` is no token. (A backend leaves out
+its own key, whatever its shape, before: this catches what the server shows of others and of masked ones.)"""
 EMPTY_ANSWER = "empty_answer"
 """The error kind of a backend's final answer with nothing in it (an unexplained refusal, a filter)."""
 CUT_AT_LENGTH = ("length", "max_tokens")
@@ -48,6 +63,11 @@ CUT_AT_LENGTH = ("length", "max_tokens")
 Anthropic's)."""
 CUT_NOTE = "\n\n[Cut off: this answer reached the model's length limit.]"
 """Added to an answer cut off at the length limit, so a reader knows it is not whole."""
+CUT_BY_FILTER = ("content_filter", "refusal")
+"""The finish reasons of an answer the provider's filter stopped (OpenAI's and compatible servers',
+Anthropic's streaming classifier's): what came before is published, said to be cut."""
+FILTER_NOTE = "\n\n[Cut off: the provider's content filter stopped this answer.]"
+"""Added to an answer the provider's content filter stopped, so a reader knows it is not whole."""
 DEFAULT_TOOLS = ("complete", "switch_phase", "end_conversation", "get_conversation")
 
 log = structlog.get_logger(__name__)
@@ -176,8 +196,9 @@ class AnswerLoop:
                         name = profile.backend.name
                         text = f"I could not answer: the {name} backend gave an empty answer{ended}."
                         return replace(usage, text=text, finish_reason=result.finish_reason), EMPTY_ANSWER
-                    if result.finish_reason in CUT_AT_LENGTH:
-                        result = replace(result, text=result.text.rstrip() + CUT_NOTE)
+                    note = _cut_note(result.finish_reason)
+                    if note:
+                        result = replace(result, text=result.text.rstrip() + note)
                     if len(messages) == len(context.messages):
                         return result, None  # no tool was called: the backend's answer as it is
                     return replace(usage, text=result.text, finish_reason=result.finish_reason), None
@@ -199,7 +220,7 @@ class AnswerLoop:
             )
             return replace(usage, text=text, extra={}), TOOL_LOOP_ERROR
         except BackendError as exc:
-            failed = _redacted(str(exc))  # the reply may be public: no piece of a key or account id in it
+            failed = redacted(str(exc))  # the reply may be public: no piece of a key or account id in it
             log.warning(
                 "backend_failed", agent=profile.agent.slug, conversation_id=tools.conversation_id,
                 backend=profile.backend.name, error_kind=exc.kind, error=failed,
@@ -354,6 +375,22 @@ def _spent(
     )
 
 
-def _redacted(text: str) -> str:
-    """``text`` with what looks like a piece of a key or an account id replaced (:data:`CREDENTIAL`)."""
-    return CREDENTIAL.sub("<redacted>", text)
+def _cut_note(finish_reason: str | None) -> str:
+    """The note said after an answer that ended so: cut at the length limit, or by the provider's filter."""
+    if finish_reason in CUT_AT_LENGTH:
+        return CUT_NOTE
+    if finish_reason in CUT_BY_FILTER:
+        return FILTER_NOTE
+    return ""
+
+
+def _masked(match: re.Match[str]) -> str:
+    label = match.group("label")
+    return f"{label}<redacted>" if label else "<redacted>"
+
+
+def redacted(text: str) -> str:
+    """``text`` with what looks like a piece of a key or an account id replaced (:data:`CREDENTIAL`); a
+    token's label (``Bearer``, ``api_key=``) is kept. For what may be published or logged of a provider's
+    error (an agent's error reply, the orchestrator's log)."""
+    return CREDENTIAL.sub(_masked, text)

@@ -27,6 +27,7 @@ from tenex_daemon.core.llm import BackendError, CompletionRequest, LLMBackend, L
 from tenex_daemon.core.phases import BUILT_IN_PHASES, Phase, PhaseRules
 from tenex_daemon.core.routing_budget import fit_routing_context
 from tenex_daemon.core.targeting import mentioned_agent
+from tenex_daemon.services.answering import redacted
 from tenex_daemon.services.conversation_manager import ConversationManager
 
 log = structlog.get_logger(__name__)
@@ -334,7 +335,7 @@ class LLMOrchestrator:
                     conversation_id=cid,
                     backend=self._backend.name,
                     error=kind,
-                    detail=str(exc),
+                    detail=redacted(str(exc)),  # as an agent's error reply: no piece of a key in the log
                     action="rule-based routing",
                 )
                 return await self._fallback.route(conversation, trigger)

@@ -9,12 +9,16 @@ assistant turn that called the tools.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
+from tenex_daemon.adapters.llm.answers import AnswerSize, capped, token_count
 from tenex_daemon.adapters.llm.errors import (
     MissingExtraError,
-    map_sdk_error,
-    streamed_answer,
+    answer_within,
+    failure,
+    malformed_answer,
+    note_refusal,
     unfinished_stream,
 )
 from tenex_daemon.adapters.llm.keys import resolve_api_key
@@ -76,17 +80,55 @@ def to_anthropic_messages(request: CompletionRequest) -> list[dict[str, Any]]:
     return turns
 
 
-def _tool_calls(content: Any) -> tuple[ToolCall, ...]:
+CUT = "max_tokens"
+"""The stop reason of an answer cut at :data:`~tenex_daemon.adapters.llm.answers.MAX_ANSWER_BYTES`."""
+
+
+def _string(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _tool_calls(content: list[Any]) -> tuple[ToolCall, ...]:
     calls: list[ToolCall] = []
-    for block in content:
+    for i, block in enumerate(content):
         if getattr(block, "type", None) == "tool_use":
-            arguments = block.input if isinstance(block.input, dict) else {}
-            calls.append(ToolCall(id=block.id, name=block.name, arguments=arguments))
+            arguments = getattr(block, "input", None)
+            calls.append(
+                ToolCall(
+                    id=_string(getattr(block, "id", None)) or f"call_{i}",
+                    name=_string(getattr(block, "name", None)),
+                    arguments=arguments if isinstance(arguments, dict) else {},
+                )
+            )
     return tuple(calls)
 
 
-def _text(content: Any) -> str:
-    return "".join(block.text for block in content if getattr(block, "type", None) == "text")
+def _text(content: list[Any]) -> str:
+    return "".join(
+        _string(getattr(block, "text", None)) for block in content if getattr(block, "type", None) == "text"
+    )
+
+
+def read_message(message: Any, request: CompletionRequest, model: str, backend: str) -> CompletionResult:
+    """The result of a Messages-API answer (``model``: the one asked for, when the answer names none); a
+    :func:`malformed_answer` error for one that holds no content (a proxy's HTTP 200 with an error, an HTML
+    page); a usage count that is no number is left out, never the answer with it."""
+    content = getattr(message, "content", None)
+    if isinstance(message, str | bytes) or not isinstance(content, list):
+        why = "it is no JSON object" if not hasattr(message, "content") else "it holds no content list"
+        raise malformed_answer(backend, why, message)
+    text, cut = capped(_text(content))
+    usage = getattr(message, "usage", None)
+    stop_reason = getattr(message, "stop_reason", None)
+    return CompletionResult(
+        text=text,
+        model=_string(getattr(message, "model", None)) or model,
+        session_id=request.session_id,
+        prompt_tokens=token_count(getattr(usage, "input_tokens", None)),
+        completion_tokens=token_count(getattr(usage, "output_tokens", None)),
+        tool_calls=_tool_calls(content),
+        finish_reason=CUT if cut else stop_reason if isinstance(stop_reason, str) else None,
+    )
 
 
 class AnthropicBackend:
@@ -118,8 +160,16 @@ class AnthropicBackend:
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.timeout = timeout
+        self.max_retries = max_retries
+        self._secrets = (key,)
+        """Left out of every error's text (a server may echo the key it was sent)."""
         self._client = anthropic.AsyncAnthropic(
-            api_key=key, base_url=base_url, timeout=timeout, max_retries=max_retries
+            api_key=key,
+            base_url=base_url,
+            timeout=timeout,
+            max_retries=max_retries,
+            # the SDK's own client, with a hook that notes the HTTP errors it tries again after
+            http_client=anthropic.DefaultAsyncHttpxClient(event_hooks={"response": [note_refusal]}),
         )
 
     async def aclose(self) -> None:
@@ -146,33 +196,44 @@ class AnthropicBackend:
                 kwargs["tool_choice"] = {"type": "tool", "name": request.tool_choice}
         return kwargs
 
-    async def _streamed(self, request: CompletionRequest, kwargs: dict[str, Any]) -> Any:
+    async def _streamed(self, request: CompletionRequest, kwargs: dict[str, Any]) -> CompletionResult:
         assert request.on_chunk is not None
+        size = AnswerSize()
+        kept: list[str] = []
         async with self._client.messages.stream(**kwargs) as stream:
             async for text in stream.text_stream:
-                await request.on_chunk(text)
+                piece = size.take(text)
+                if piece:
+                    kept.append(piece)
+                    await request.on_chunk(piece)
+                if size.full:  # the rest is not read: it could not be published
+                    snapshot = stream.current_message_snapshot
+                    so_far = read_message(snapshot, request, kwargs["model"], self.name)
+                    return replace(so_far, text="".join(kept), finish_reason=CUT)
             message = await stream.get_final_message()
         if message.stop_reason is None:  # the stream was closed before its message_stop
             raise unfinished_stream(self.name)
-        return message
+        return read_message(message, request, kwargs["model"], self.name)
+
+    async def _once(self, request: CompletionRequest, kwargs: dict[str, Any]) -> CompletionResult:
+        message = await self._client.messages.create(**kwargs)
+        return read_message(message, request, kwargs["model"], self.name)
 
     async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Send the request; stream into ``request.on_chunk`` when it is set."""
+        """Send the request; stream into ``request.on_chunk`` when it is set.
+
+        The SDK's timeout bounds each read only, so the whole call is bounded too: a streamed answer must
+        be whole within the timeout, one that does not stream within ``timeout * (max_retries + 1)`` (the
+        timeout once for each try the SDK makes).
+        """
         kwargs = self._arguments(request)
         try:
             if request.on_chunk is None:
-                message = await self._client.messages.create(**kwargs)
-            else:
-                message = await streamed_answer(self.timeout, self.name, self._streamed(request, kwargs))
-        except anthropic.AnthropicError as exc:
-            raise map_sdk_error(exc, anthropic, self.name) from exc
-        usage = message.usage
-        return CompletionResult(
-            text=_text(message.content),
-            model=message.model or kwargs["model"],
-            session_id=request.session_id,
-            prompt_tokens=usage.input_tokens if usage is not None else None,
-            completion_tokens=usage.output_tokens if usage is not None else None,
-            tool_calls=_tool_calls(message.content),
-            finish_reason=message.stop_reason,
-        )
+                seconds = self.timeout * (self.max_retries + 1)
+                return await answer_within(seconds, self.name, self._once(request, kwargs))
+            return await answer_within(self.timeout, self.name, self._streamed(request, kwargs))
+        except Exception as exc:
+            error = failure(exc, self.name, anthropic, anthropic.AnthropicError, self._secrets)
+            if error is exc:
+                raise
+            raise error from exc

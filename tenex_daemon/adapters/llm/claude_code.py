@@ -33,8 +33,11 @@ import signal
 from collections.abc import Sequence
 from typing import Any
 
+from tenex_daemon.adapters.llm.answers import AnswerSize, capped, token_count
+from tenex_daemon.adapters.llm.errors import ERROR_DETAIL_CHARS, cleaned, trimmed, without_secrets
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
+    BackendError,
     BackendErrorKind,
     CompletionRequest,
     CompletionResult,
@@ -50,6 +53,13 @@ DEFAULT_TIMEOUT = 900.0
 STREAM_LINE_LIMIT = 16 * 1024 * 1024
 KILL_WAIT_S = 5.0
 """How long ``claude`` is waited for to exit (its pipes closed) once its answer is in, or once killed."""
+STDERR_KEPT_BYTES = 4 * ERROR_DETAIL_CHARS
+"""How much of the end of ``claude``'s stderr is kept (it may write megabytes there): its last words are the
+error when it fails, trimmed to :data:`~tenex_daemon.adapters.llm.errors.ERROR_DETAIL_CHARS` characters."""
+CUT = "length"
+"""The finish reason of an answer cut at :data:`~tenex_daemon.adapters.llm.answers.MAX_ANSWER_BYTES`."""
+KEY_VARIABLES = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN")
+"""The environment variables ``claude`` reads its credentials from: left out of its errors."""
 
 _RUNNING_GROUPS: set[int] = set()
 """The process groups of the ``claude`` calls under way (each ``claude``'s pid is its group's id)."""
@@ -107,6 +117,35 @@ def build_prompt(messages: Sequence[LLMMessage], *, resuming: bool) -> str:
     return "\n\n".join(_render(m) for m in selected if _render(m))
 
 
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _names_a_secret(variable: str) -> bool:
+    """Whether an environment variable's name says it holds a credential."""
+    return any(word in variable.upper() for word in ("KEY", "TOKEN", "SECRET", "PASSWORD"))
+
+
+async def _line(stdout: asyncio.StreamReader) -> bytes:
+    """The next line of ``claude``'s output (b"" at its end); a line over :data:`STREAM_LINE_LIMIT` is an
+    error (asyncio's reader refuses it)."""
+    try:
+        return await stdout.readline()
+    except ValueError:  # the reader's LimitOverrunError, as readline raises it
+        raise backend_error(
+            BackendErrorKind.OTHER,
+            f"claude-code: a line of its output is over {STREAM_LINE_LIMIT // 2**20} MiB, the most read",
+        ) from None
+
+
+async def _tail(stream: asyncio.StreamReader, keep: int = STDERR_KEPT_BYTES) -> bytes:
+    """All ``stream`` says, keeping its last ``keep`` bytes only."""
+    kept = b""
+    while chunk := await stream.read(64 * 1024):
+        kept = (kept + chunk)[-keep:]
+    return kept
+
+
 def _kind_for_text(text: str) -> BackendErrorKind:
     lowered = text.lower()
     if mentions_context_too_long(text):
@@ -129,6 +168,9 @@ class StreamParser:
         self.assistant_text: list[str] = []
         self.partial_text: list[str] = []
         self.final: dict[str, Any] | None = None
+        self.streamed = AnswerSize()
+        """What of the streamed text fits an answer's size limit (the rest is neither streamed nor kept)."""
+        self._assistant_size = AnswerSize()
 
     def feed(self, line: str) -> list[str]:
         """Read one line; return the text chunks it carries (none for bookkeeping lines)."""
@@ -147,28 +189,36 @@ class StreamParser:
         if kind == "system" and isinstance(event.get("model"), str):
             self.model = event["model"]
         elif kind == "stream_event":
-            delta = (event.get("event") or {}).get("delta") or {}
-            text = delta.get("text") if isinstance(delta, dict) else None
+            text = _dict(_dict(event.get("event")).get("delta")).get("text")
             if isinstance(text, str) and text:
-                self.partial_text.append(text)
-                return [text]
+                kept = self.streamed.take(text)
+                self.partial_text.append(kept)
+                return [kept] if kept else []
         elif kind == "assistant":
-            message = event.get("message") or {}
-            self.model = message.get("model") or self.model
-            texts = [
-                block.get("text", "")
-                for block in message.get("content") or []
-                if isinstance(block, dict) and block.get("type") == "text" and block.get("text")
-            ]
-            self.assistant_text.extend(texts)
-            if not self.partial_text:
-                return texts
+            return self._assistant(_dict(event.get("message")))
         elif kind == "result":
             self.final = event
         return []
 
+    def _assistant(self, message: dict[str, Any]) -> list[str]:
+        """Read an assistant turn; return its text chunks when no partial deltas stream the text."""
+        model = message.get("model")
+        self.model = model if isinstance(model, str) and model else self.model
+        content = message.get("content")
+        texts = [
+            block["text"]
+            for block in (content if isinstance(content, list) else ())
+            if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)
+        ]
+        self.assistant_text.extend(kept for text in texts if (kept := self._assistant_size.take(text)))
+        if self.partial_text:
+            return []
+        return [kept for text in texts if (kept := self.streamed.take(text))]
+
     def result(self, request: CompletionRequest) -> CompletionResult:
-        """The run's answer, or the :class:`BackendError` its result line reports."""
+        """The run's answer, or the :class:`BackendError` its result line reports. A usage count that is no
+        number is left out, never the answer with it; an answer over the size limit is cut (finish reason
+        ``length``)."""
         final = self.final
         if final is None:
             raise backend_error(BackendErrorKind.OTHER, "claude-code: the stream ended without a result line")
@@ -176,24 +226,25 @@ class StreamParser:
         if not isinstance(text, str):
             text = "\n\n".join(self.assistant_text)
         if final.get("is_error") or str(final.get("subtype", "success")) != "success":
-            detail = text or str(final.get("subtype"))
+            detail = trimmed(text or str(final.get("subtype")))
             raise backend_error(_kind_for_text(detail), f"claude-code: {detail}")
-        usage = final.get("usage") or {}
-        prompt = usage.get("input_tokens")
-        if isinstance(prompt, int):
-            prompt += int(usage.get("cache_read_input_tokens") or 0)
-            prompt += int(usage.get("cache_creation_input_tokens") or 0)
-        completion = usage.get("output_tokens")
+        usage = _dict(final.get("usage"))
+        prompt = token_count(usage.get("input_tokens"))
+        if prompt is not None:
+            prompt += token_count(usage.get("cache_read_input_tokens")) or 0
+            prompt += token_count(usage.get("cache_creation_input_tokens")) or 0
         extra: dict[str, str] = {}
         if final.get("total_cost_usd") is not None:
             extra["cost_usd"] = str(final["total_cost_usd"])
+        text, cut = capped(text)
         return CompletionResult(
             text=text,
             model=self.model or request.model,
             session_id=self.session_id or _resumable_session(request),
-            prompt_tokens=prompt if isinstance(prompt, int) else None,
-            completion_tokens=completion if isinstance(completion, int) else None,
+            prompt_tokens=prompt,
+            completion_tokens=token_count(usage.get("output_tokens")),
             extra=extra,
+            finish_reason=CUT if cut else None,
         )
 
 
@@ -220,6 +271,12 @@ class ClaudeCodeBackend:
         self.partial_messages = partial_messages
         self.extra_args = list(extra_args)
         self.env = env
+
+    def _secrets(self) -> list[str]:
+        """The credentials ``claude`` is run with (:data:`KEY_VARIABLES`, and the ``env`` option's variables
+        whose name says so): a command that echoes one in its error does not publish it."""
+        variables = {name: os.environ.get(name, "") for name in KEY_VARIABLES} | dict(self.env or {})
+        return [value for name, value in variables.items() if _names_a_secret(name)]
 
     def arguments(self, request: CompletionRequest) -> list[str]:
         """The command line for one call."""
@@ -269,6 +326,11 @@ class ClaudeCodeBackend:
             raise backend_error(
                 BackendErrorKind.TIMEOUT, f"claude-code: no result within {self.timeout:g} s"
             ) from None
+        except BackendError as exc:
+            clean = cleaned(exc, self._secrets())
+            if clean is exc:
+                raise
+            raise clean from exc
         finally:
             _RUNNING_GROUPS.discard(process.pid)
             try:
@@ -287,14 +349,14 @@ class ClaudeCodeBackend:
         assert process.stdin is not None
         assert process.stdout is not None
         assert process.stderr is not None
-        stderr_task = asyncio.ensure_future(process.stderr.read())
+        stderr_task = asyncio.ensure_future(_tail(process.stderr))
         try:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 process.stdin.write(prompt.encode("utf-8"))
                 await process.stdin.drain()
                 process.stdin.close()
             parser = StreamParser()
-            async for raw in process.stdout:
+            while raw := await _line(process.stdout):
                 for chunk in parser.feed(raw.decode("utf-8", errors="replace")):
                     if request.on_chunk is not None:
                         await request.on_chunk(chunk)
@@ -308,7 +370,9 @@ class ClaudeCodeBackend:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(stderr_task), KILL_WAIT_S)
                 if stderr_task.done() and not stderr_task.cancelled():
-                    stderr = stderr_task.result().decode("utf-8", errors="replace").strip()
+                    said = stderr_task.result().decode("utf-8", errors="replace").strip()
+                    # its last words, without a key (replaced before the cut: no piece of one is left)
+                    stderr = trimmed(without_secrets(said, self._secrets()), tail=True)
         finally:
             if not stderr_task.done():
                 stderr_task.cancel()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import json
+from collections.abc import Awaitable, Iterable
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tenex_daemon.core.llm import (
@@ -15,6 +18,16 @@ from tenex_daemon.core.llm import (
 )
 
 T = TypeVar("T")
+
+ERROR_DETAIL_CHARS = 1024
+"""How much of a provider's or a command's own words an error keeps: a 2 MB error body or 5 MB of stderr is
+no error reply (the head of a message is kept, the tail of a command's stderr, where its last words are)."""
+ERROR_TEXT_CHARS = ERROR_DETAIL_CHARS + 256
+"""The most an error's whole text holds: the detail and what frames it (``openai: HTTP 500: ...``)."""
+MIN_SECRET_CHARS = 8
+"""A backend's key shorter than this is not looked for in error text (``no-key``, a test's ``k``)."""
+REDACTED = "<redacted>"
+"""What stands for a key left out of an error's text (the error reply's redaction writes the same)."""
 
 
 class MissingExtraError(BackendUnavailableError, ImportError):
@@ -48,7 +61,11 @@ def kind_for_status(status: int, message: str) -> BackendErrorKind:
 
 
 def _retry_after(exc: Any) -> float | None:
-    response = getattr(exc, "response", None)
+    return _retry_after_of(getattr(exc, "response", None))
+
+
+def _retry_after_of(response: Any) -> float | None:
+    """The seconds an HTTP answer's ``Retry-After`` asks to wait, when it says."""
     headers = getattr(response, "headers", None)
     if headers is None:
         return None
@@ -69,6 +86,25 @@ def _provider_message(exc: Any) -> str:
         if isinstance(body.get("message"), str):
             return str(body["message"])
     return str(exc) or type(exc).__name__
+
+
+def trimmed(text: str, limit: int = ERROR_DETAIL_CHARS, *, tail: bool = False) -> str:
+    """``text`` cut to ``limit`` characters, saying so: its head (and how many characters were left out), or
+    its ``tail`` (what came before it may have been dropped already, uncounted)."""
+    if len(text) <= limit:
+        return text
+    if tail:
+        return f"[earlier text left out] {text[-limit:]}"
+    return f"{text[:limit]} [{len(text) - limit} more characters left out]"
+
+
+def without_secrets(text: str, secrets: Iterable[str | None]) -> str:
+    """``text`` with each of ``secrets`` (a backend's own key) replaced, whatever its shape: a server that
+    echoes the key it was sent (``invalid credentials: Bearer <key>``) does not publish it."""
+    for secret in secrets:
+        if secret and len(secret) >= MIN_SECRET_CHARS and secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
 
 
 def map_sdk_error(exc: Exception, sdk: Any, backend: str) -> BackendError:
@@ -96,6 +132,63 @@ def map_sdk_error(exc: Exception, sdk: Any, backend: str) -> BackendError:
     return backend_error(BackendErrorKind.OTHER, f"{backend}: {type(exc).__name__}: {exc}")
 
 
+def _error_said(answer: Any) -> tuple[str, int | None] | None:
+    """The provider's error message (and its numeric code) in an answer that carries one instead of a
+    completion (a proxy's HTTP 200 with ``{"error": {...}}``), else None."""
+    error = answer.get("error") if isinstance(answer, dict) else getattr(answer, "error", None)
+    if isinstance(error, str) and error.strip():
+        return error, None
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return None
+    code = error.get("code")
+    return error["message"], code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def malformed_answer(backend: str, what: str, answer: Any = None) -> BackendError:
+    """The error for an answer that is no completion (``what`` says why): the provider's own error message
+    when it carries one (of the kind its numeric code names, if any), else the kind OTHER."""
+    said = _error_said(answer)
+    kind = BackendErrorKind.OTHER
+    if said is not None:
+        message, code = said
+        if code is not None and 400 <= code < 600:
+            kind = kind_for_status(code, message)
+        elif mentions_context_too_long(message):
+            kind = BackendErrorKind.CONTEXT_TOO_LONG
+        return backend_error(kind, f"{backend}: malformed answer: {what}; the provider said: {message}")
+    if isinstance(answer, str | bytes) and answer.strip():
+        head = answer[: 4 * ERROR_TEXT_CHARS]  # (:func:`cleaned` trims the error's text further)
+        what = f"{what}: {head if isinstance(head, str) else head.decode('utf-8', errors='replace')!r}"
+    return backend_error(kind, f"{backend}: malformed answer: {what}")
+
+
+def failure(
+    exc: Exception, backend: str, sdk: Any, sdk_error: type[Exception], secrets: Iterable[str | None] = ()
+) -> Exception:
+    """What ``exc``, out of a call to an SDK backend, is raised as: a BackendError (the SDK's errors and an
+    answer that is not JSON or not UTF-8 mapped to one) whose text is trimmed to :data:`ERROR_TEXT_CHARS`
+    and holds none of ``secrets`` (:func:`cleaned`); any other exception is returned as it is."""
+    if isinstance(exc, BackendError):
+        error = exc
+    elif isinstance(exc, sdk_error):
+        error = map_sdk_error(exc, sdk, backend)
+    elif isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):
+        error = malformed_answer(backend, f"{type(exc).__name__}: {exc}")
+    else:
+        return exc
+    return cleaned(error, secrets)
+
+
+def cleaned(error: BackendError, secrets: Iterable[str | None] = ()) -> BackendError:
+    """``error`` with none of ``secrets`` in its text, trimmed to :data:`ERROR_TEXT_CHARS` (the secrets
+    are replaced first, so no piece of one is left at the cut); ``error`` itself when that changes nothing."""
+    text = str(error)
+    tidy = trimmed(without_secrets(text, secrets), ERROR_TEXT_CHARS)
+    if tidy == text:
+        return error
+    return backend_error(error.kind, tidy, retry_after=error.retry_after, status=error.status)
+
+
 def _broken_stream(exc: Exception, backend: str) -> BackendError | None:
     """A failure of the HTTP library under an SDK while an answer streams (the connection cut mid-way: it
     comes out of the iteration unwrapped), as a BackendError; None for anything else."""
@@ -115,14 +208,67 @@ def unfinished_stream(backend: str) -> BackendError:
     )
 
 
-async def streamed_answer(seconds: float, backend: str, call: Awaitable[T]) -> T:
-    """Await ``call`` (a streamed answer): a TIMEOUT BackendError when it is not whole within ``seconds``
-    (the SDKs' timeout bounds each read, so a stream that keeps trickling never ends by itself), an
-    UNREACHABLE one when the stream broke off; the SDK's own errors pass as they are."""
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """An HTTP error answer the SDK tried again after: its status, its words, the wait it asked for."""
+
+    status: int
+    message: str
+    retry_after: float | None
+
+    def error(self, backend: str, seconds: float) -> BackendError:
+        """The error to report when the call's time ran out while the SDK was trying again."""
+        return backend_error(
+            kind_for_status(self.status, self.message),
+            f"{backend}: HTTP {self.status}: {self.message} (still so when the timeout option's "
+            f"{seconds:g} s were spent)",
+            retry_after=self.retry_after,
+            status=self.status,
+        )
+
+
+_REFUSALS: ContextVar[list[_Refusal] | None] = ContextVar("tenex_llm_refusals", default=None)
+"""The HTTP error answers of the call under way in this task (:func:`answer_within` sets it)."""
+
+
+def _message_in_body(body: bytes, status: int) -> str:
+    """The provider's error message in an error answer's body (its JSON ``error.message``), else the body."""
+    text = body.decode("utf-8", errors="replace").strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    said = _error_said(parsed)
+    if said is None and isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
+        said = (parsed["message"], None)
+    return said[0] if said is not None else text or f"Error code: {status}"
+
+
+async def note_refusal(response: Any) -> None:
+    """An HTTP client's response hook: remember an error answer (4xx, 5xx) of the call under way, so a call
+    whose time runs out while the SDK waits to try again (a 429's Retry-After) reports that answer, not a
+    timeout. Its body is read here (the SDK reads it too)."""
+    refusals = _REFUSALS.get()
+    status = int(getattr(response, "status_code", 0))
+    if refusals is None or status < 400:
+        return
+    body = await response.aread()
+    refusals.append(_Refusal(status, _message_in_body(body, status), _retry_after_of(response)))
+
+
+async def answer_within(seconds: float, backend: str, call: Awaitable[T]) -> T:
+    """Await ``call`` (one answer, with the SDK's tries again): a TIMEOUT BackendError when it is not whole
+    within ``seconds`` (the SDKs' timeout bounds each read, so a server that keeps trickling never ends by
+    itself), or, when the SDK was trying again after an HTTP error answer (:func:`note_refusal`), that
+    answer's error; an UNREACHABLE one when a stream broke off; the SDK's own errors pass as they are."""
+    refusals: list[_Refusal] = []
+    token = _REFUSALS.set(refusals)
     try:
         async with asyncio.timeout(seconds):
             return await call
     except TimeoutError:
+        if refusals:
+            raise refusals[-1].error(backend, seconds) from None
         raise backend_error(
             BackendErrorKind.TIMEOUT, f"{backend}: no whole answer within {seconds:g} s (the timeout option)"
         ) from None
@@ -131,3 +277,5 @@ async def streamed_answer(seconds: float, backend: str, call: Awaitable[T]) -> T
         if broken is None:
             raise
         raise broken from exc
+    finally:
+        _REFUSALS.reset(token)

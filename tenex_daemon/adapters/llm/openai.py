@@ -11,20 +11,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from tenex_daemon.adapters.llm.errors import (
-    MissingExtraError,
-    map_sdk_error,
-    streamed_answer,
-    unfinished_stream,
-)
+from tenex_daemon.adapters.llm.errors import MissingExtraError, answer_within, failure, note_refusal
 from tenex_daemon.adapters.llm.keys import resolve_api_key
-from tenex_daemon.adapters.llm.openai_format import (
-    openai_tool_choice,
-    parse_tool_call,
-    to_openai_messages,
-    to_openai_tools,
-)
-from tenex_daemon.core.llm import BackendAuthError, CompletionRequest, CompletionResult, ToolCall
+from tenex_daemon.adapters.llm.openai_answer import StreamFold, read_completion
+from tenex_daemon.adapters.llm.openai_format import openai_tool_choice, to_openai_messages, to_openai_tools
+from tenex_daemon.core.llm import BackendAuthError, CompletionRequest, CompletionResult
 
 try:
     import openai
@@ -70,9 +61,17 @@ class OpenAIBackend:
         self.max_tokens = max_tokens
         self.stream_usage = stream_usage
         self.timeout = timeout
+        self.max_retries = max_retries
         self.extra_body = dict(extra_body or {})
+        self._secrets = (key,)
+        """Left out of every error's text (a server may echo the key it was sent)."""
         self._client = openai.AsyncOpenAI(
-            api_key=key, base_url=base_url, timeout=timeout, max_retries=max_retries
+            api_key=key,
+            base_url=base_url,
+            timeout=timeout,
+            max_retries=max_retries,
+            # the SDK's own client, with a hook that notes the HTTP errors it tries again after
+            http_client=openai.DefaultAsyncHttpxClient(event_hooks={"response": [note_refusal]}),
         )
 
     async def aclose(self) -> None:
@@ -100,34 +99,27 @@ class OpenAIBackend:
         return kwargs
 
     async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Send the request; stream into ``request.on_chunk`` when it is set."""
+        """Send the request; stream into ``request.on_chunk`` when it is set.
+
+        The SDK's timeout bounds each read only, so the whole call is bounded too: a streamed answer must
+        be whole within the timeout, one that does not stream within ``timeout * (max_retries + 1)`` (the
+        timeout once for each try the SDK makes).
+        """
         kwargs = self._arguments(request)
         try:
             if request.on_chunk is None:
-                return await self._complete_once(request, kwargs)
-            return await streamed_answer(self.timeout, self.name, self._complete_streamed(request, kwargs))
-        except openai.OpenAIError as exc:
-            raise map_sdk_error(exc, openai, self.name) from exc
+                seconds = self.timeout * (self.max_retries + 1)
+                return await answer_within(seconds, self.name, self._complete_once(request, kwargs))
+            return await answer_within(self.timeout, self.name, self._complete_streamed(request, kwargs))
+        except Exception as exc:
+            error = failure(exc, self.name, openai, openai.OpenAIError, self._secrets)
+            if error is exc:
+                raise
+            raise error from exc
 
     async def _complete_once(self, request: CompletionRequest, kwargs: dict[str, Any]) -> CompletionResult:
         response = await self._client.chat.completions.create(**kwargs)
-        choice = response.choices[0]
-        message = choice.message
-        calls = tuple(
-            parse_tool_call(call.id, call.function.name, call.function.arguments, i)
-            for i, call in enumerate(message.tool_calls or ())
-            if getattr(call, "function", None) is not None
-        )
-        usage = response.usage
-        return CompletionResult(
-            text=message.content or getattr(message, "refusal", None) or "",  # a refusal is its answer
-            model=response.model or kwargs["model"],
-            session_id=request.session_id,
-            prompt_tokens=usage.prompt_tokens if usage is not None else None,
-            completion_tokens=usage.completion_tokens if usage is not None else None,
-            tool_calls=calls,
-            finish_reason=choice.finish_reason,
-        )
+        return read_completion(response, request, kwargs["model"], self.name)
 
     async def _complete_streamed(
         self, request: CompletionRequest, kwargs: dict[str, Any]
@@ -136,54 +128,11 @@ class OpenAIBackend:
         if self.stream_usage:
             kwargs["stream_options"] = {"include_usage": True}
         stream = await self._client.chat.completions.create(stream=True, **kwargs)
-        text: list[str] = []
-        calls: dict[int, dict[str, str]] = {}
-        model: str | None = None
-        finish_reason: str | None = None
-        prompt_tokens: int | None = None
-        completion_tokens: int | None = None
+        fold = StreamFold()
         async for chunk in stream:
-            model = chunk.model or model
-            if chunk.usage is not None:
-                prompt_tokens = chunk.usage.prompt_tokens
-                completion_tokens = chunk.usage.completion_tokens
-            for choice in chunk.choices:
-                finish_reason = choice.finish_reason or finish_reason
-                delta = choice.delta
-                said = delta.content or getattr(delta, "refusal", None)  # a refusal streams as its answer
-                if said:
-                    text.append(said)
-                    await request.on_chunk(said)
-                for call in delta.tool_calls or ():
-                    slot = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
-                    if call.id:
-                        slot["id"] = call.id
-                    if call.function is not None:
-                        slot["name"] += call.function.name or ""
-                        slot["arguments"] += call.function.arguments or ""
-        if finish_reason is None:  # the stream was closed before its last chunk
-            raise unfinished_stream(self.name)
-        tool_calls: tuple[ToolCall, ...] = tuple(
-            parse_tool_call(slot["id"] or None, slot["name"], slot["arguments"], index)
-            for index, slot in sorted(calls.items())
-        )
-        answer = "".join(text)
-        extra: dict[str, str] = {}
-        if prompt_tokens is None or completion_tokens is None:
-            # Some servers (llama.cpp's Python server among them) send no usage when streaming:
-            # count characters/4, the project's rule when no tokenizer is known, and say so.
-            prompt_chars = sum(len(str(m.get("content") or "")) for m in kwargs["messages"])
-            answer_chars = len(answer) + sum(len(s["arguments"]) for s in calls.values())
-            prompt_tokens = (prompt_chars + 3) // 4
-            completion_tokens = (answer_chars + 3) // 4
-            extra["usage"] = "estimated"
-        return CompletionResult(
-            text=answer,
-            model=model or kwargs["model"],
-            session_id=request.session_id,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            tool_calls=tool_calls,
-            finish_reason=finish_reason,
-            extra=extra,
-        )
+            for piece in fold.feed(chunk):
+                await request.on_chunk(piece)
+            if fold.full:  # the rest is not read: it could not be published
+                await stream.close()
+                break
+        return fold.result(request, kwargs, self.name)
