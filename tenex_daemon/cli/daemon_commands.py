@@ -26,7 +26,7 @@ from tenex_daemon.cli.output import (
     s_time,
 )
 from tenex_daemon.core import nip19
-from tenex_daemon.core.errors import TenexError
+from tenex_daemon.core.errors import StoreTooNewError, TenexError
 
 if TYPE_CHECKING:
     from tenex_daemon.adapters.storage.smarthole_import import SmartHoleIdentities, SmartHoleImportReport
@@ -134,7 +134,6 @@ def run(
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT (what systemd runs)."""
     from tenex_daemon.adapters.nostr.signer import KeyFileError
-    from tenex_daemon.adapters.storage.filesystem.store_format import StoreFormatError
     from tenex_daemon.app.control.errors import ControlSetupError
     from tenex_daemon.app.logging import configure_logging
 
@@ -155,7 +154,7 @@ def run(
         asyncio.run(Daemon(settings).run())
     except KeyboardInterrupt:
         pass
-    except (KeyFileError, ControlSetupError, StoreFormatError) as exc:
+    except (KeyFileError, ControlSetupError, StoreTooNewError) as exc:
         # a key or control file, a path: configuration; a newer tenexd's store: not this one's to run (exit 2,
         # which systemd's unit does not restart on)
         _fail_run(str(exc), EXIT_USAGE, settings.daemon.log_format)

@@ -91,3 +91,8 @@ class StoreUnavailableError(TenexError, OSError):
 
     logged_briefly = True
     """Logged as one line, without its traceback (``tenex_daemon.runtime.failures``)."""
+
+
+class StoreTooNewError(TenexError):
+    """The store was written by a newer tenexd (a filesystem store's format, a database's schema): this one
+    refuses it rather than drop what it does not know (docs/ARCHITECTURE.md, "Durability contract")."""

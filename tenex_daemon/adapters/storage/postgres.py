@@ -26,6 +26,7 @@ import structlog
 
 from tenex_daemon.adapters.storage.postgres_errors import (
     PostgresOpenError,
+    SchemaTooNewError,
     acquired,
     connect_failure,
     shown_dsn,
@@ -210,7 +211,7 @@ class PostgresStore:
             if held is not None:
                 yield held
                 return
-            async with self.pool.acquire() as conn:
+            async with acquired(self.pool) as conn:  # a connection that cannot be reset is cut, not raised
                 yield conn
 
     async def open(self) -> None:
@@ -230,7 +231,8 @@ class PostgresStore:
             await self.close()
             reason = str(exc) or type(exc).__name__
             where = shown_dsn(self.dsn)
-            raise PostgresOpenError(f"cannot open the PostgreSQL store at {where}: {reason}") from exc
+            error = SchemaTooNewError if isinstance(exc, SchemaTooNewError) else PostgresOpenError
+            raise error(f"cannot open the PostgreSQL store at {where}: {reason}") from exc
         log.info("postgres_store_opened", migrations_applied=applied)
 
     async def _new_pool(self, min_size: int, max_size: int) -> Any:
@@ -256,7 +258,7 @@ class PostgresStore:
             done = {row["version"] for row in await conn.fetch("SELECT version FROM schema_migrations")}
             newest, known = max(done, default=0), MIGRATIONS[-1][0]
             if newest > known:  # a newer tenexd's tables: this one would misread them, or undo its writes
-                raise PostgresOpenError(
+                raise SchemaTooNewError(
                     f"the database's schema (version {newest}) is newer than this tenexd knows ({known}): "
                     "upgrade tenexd"
                 )

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import asyncpg
 import structlog
 
-from tenex_daemon.core.errors import StoreUnavailableError, TenexError
+from tenex_daemon.core.errors import StoreTooNewError, StoreUnavailableError, TenexError
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +83,10 @@ def lost_connection(error: BaseException) -> bool:
 
 class PostgresOpenError(TenexError):
     """The database named by ``storage.dsn`` cannot be reached, or refuses the connection or the schema."""
+
+
+class SchemaTooNewError(PostgresOpenError, StoreTooNewError):
+    """The database's schema was migrated by a newer tenexd (:meth:`PostgresStore.migrate`)."""
 
 
 def shown_dsn(dsn: str) -> str:

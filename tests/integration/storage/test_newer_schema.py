@@ -7,6 +7,7 @@ import asyncpg
 import pytest
 
 from tenex_daemon.adapters.storage.postgres import MIGRATIONS, PostgresOpenError, PostgresStore
+from tenex_daemon.core.errors import StoreTooNewError
 from tests.contract.postgres_server import PostgresServer
 
 pytestmark = pytest.mark.integration
@@ -17,7 +18,8 @@ async def test_a_database_migrated_by_a_newer_tenexd_is_refused_at_open_and_left
 ) -> None:
     """open() on a database whose schema_migrations holds a version past the last of MIGRATIONS raises
     PostgresOpenError naming the database and both versions and saying to upgrade tenexd (before: it opened
-    silently), closes its pools, and leaves schema_migrations unchanged."""
+    silently), a StoreTooNewError (``tenexd run`` exits 2 on it: not restarted by systemd), closes its pools,
+    and leaves schema_migrations unchanged."""
     dsn = await postgres_server.create_database()
     first = PostgresStore(dsn)
     await first.open()
@@ -41,5 +43,6 @@ async def test_a_database_migrated_by_a_newer_tenexd_is_refused_at_open_and_left
         f"cannot open the PostgreSQL store at {dsn}: the database's schema (version {known + 1}) is newer "
         f"than this tenexd knows ({known}): upgrade tenexd"
     )
+    assert isinstance(caught.value, StoreTooNewError)
     assert (store._pool, store._lease_pool, store._name_pool) == (None, None, None)
     assert after == before

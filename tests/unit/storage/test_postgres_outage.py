@@ -3,8 +3,7 @@ OSError), with the driver's reason, for what the control API answers 503 and the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Generator
-from contextlib import asynccontextmanager
+from collections.abc import Generator
 from typing import Any
 
 import asyncpg
@@ -23,11 +22,9 @@ class DownPool:
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
-    @asynccontextmanager
-    async def acquire(self) -> AsyncIterator[object]:
+    async def acquire(self) -> object:
         """Fail as the database does."""
         raise self.error
-        yield  # pragma: no cover
 
 
 @pytest.mark.parametrize(

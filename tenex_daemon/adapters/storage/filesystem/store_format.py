@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tenex_daemon.adapters.storage.atomic import replace_file
 from tenex_daemon.adapters.storage.filesystem.lock import StoreOpenError
+from tenex_daemon.core.errors import StoreTooNewError
 
 STORE_FORMAT = 2
 """This tenexd's format. 1 (no file): the stores of the tenexds before the file. 2: the first with it
@@ -19,7 +20,7 @@ tenexd would drop on saving."""
 FORMAT_NAME = ".format"
 
 
-class StoreFormatError(StoreOpenError):
+class StoreFormatError(StoreOpenError, StoreTooNewError):
     """The store was written by a newer tenexd (or its format file cannot be read as one)."""
 
 
