@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +20,7 @@ from tenex_daemon.adapters.nostr.relay_pool import (
     SeenIds,
     backoff_delay,
 )
+from tenex_daemon.adapters.nostr.relay_pool.outage import Renewals
 from tenex_daemon.core.errors import EventRefusedError
 from tenex_daemon.testing import KeyPair, sign_event
 
@@ -180,3 +182,25 @@ def test_a_publish_is_refused_for_good_only_when_every_relay_refused_it_for_its_
         PublishResult("e1"),
     ):
         assert not isinstance(PublishError.of(passing), EventRefusedError)
+
+
+OUTAGE = "tenex_daemon.adapters.nostr.relay_pool.outage"
+
+
+def test_renewals_in_a_row_wait_longer_up_to_the_cap_and_never_start_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay refusing right after each reconnect: the pauses grow to the backoff cap and stay there (a
+    pause longer than stable_after is no stable connection: the streak goes on), and start over only once
+    a connection stayed up stable_after seconds."""
+    now = [0.0]
+    monkeypatch.setattr(f"{OUTAGE}.time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(f"{OUTAGE}.backoff_delay", lambda a, base, cap: backoff_delay(a, base, cap, rng=max))
+    renewals = Renewals(PoolSettings(backoff_base=0.5, backoff_cap=30.0, stable_after=10.0))
+    pauses = []
+    for _ in range(10):
+        pause = renewals.pause()
+        pauses.append(pause)
+        now[0] += pause + 0.1  # renewed again 0.1 s after the new connection opened
+
+    now[0] += 10.0
+    assert pauses == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+    assert renewals.pause() == 0.0

@@ -75,10 +75,12 @@ class Renewals:
         self._last = -math.inf
 
     def pause(self) -> float:
-        """A connection is renewed now: the seconds to wait before opening the next."""
+        """A connection is renewed now: the seconds to wait before opening the next. The streak ends only
+        once a connection stayed ``stable_after`` seconds after its pause without being renewed."""
         settings, now = self._settings, time.monotonic()
         self._streak = self._streak + 1 if now - self._last < settings.stable_after else 0
-        self._last = now
-        if not self._streak:
-            return 0.0
-        return backoff_delay(self._streak - 1, settings.backoff_base, settings.backoff_cap)
+        pause = 0.0
+        if self._streak:
+            pause = backoff_delay(self._streak - 1, settings.backoff_base, settings.backoff_cap)
+        self._last = now + pause  # when the next connection opens: a long pause is no stable connection
+        return pause
