@@ -37,25 +37,34 @@ DEFAULT_MAX_TOOL_ROUNDS = 8
 """How many times one run may ask its backend before an answer without tool calls is required."""
 TOOL_LOOP_ERROR = "tool_loop"
 """The error kind of a run stopped because its backend kept calling tools."""
-KEY_PREFIXES = (
-    "sk", "rk", "org", "proj", "key", "sess", "gsk", "xai", "hf", "pplx", "nvapi", "csk", "r8",
-    "ghp", "gho", "ghu", "ghs", "github_pat", "glpat",
+KEY_PREFIXES = ("sk", "rk", "org", "proj", "key", "sess")
+"""How OpenAI's and Anthropic's keys and account ids begin (``sk-proj-``, ``sk-ant-``, ``org-``), before a
+``-``: a piece of one is taken as a key when it holds a digit, ``*`` or ``…`` (masked), or is 16
+characters long, so ``key-value`` is none."""
+OTHER_KEY_PREFIXES = (
+    "sk", "rk", "gsk", "xai", "hf", "pplx", "nvapi", "csk", "r8", "ghp", "gho", "ghu", "ghs", "github_pat",
+    "glpat",
 )
-"""How providers' keys and account ids begin (OpenAI, Anthropic's ``sk-ant-``, Groq, xAI, Hugging Face,
-Perplexity, NVIDIA, Cerebras, Replicate, GitHub, GitLab), before a ``-`` or ``_``."""
-_SECRET = r"[\w.~+/=*…-]{8,}"
-"""A token's characters: base64, URL-safe base64, masked ones (``*``, ``…``)."""
+"""How other providers' keys begin (Groq, xAI, Hugging Face, Perplexity, NVIDIA, Cerebras, Replicate,
+GitHub, GitLab; Stripe-like ``sk_``), before a ``-`` or ``_``: taken as a key only when 16 characters long
+at least and holding a digit, ``*`` or ``…``, so a code name (``hf_hub_download``, ``sess_id_123``) or a
+model's (``pplx-70b-online``) is none."""
+_TOKEN = r"[\w.~+=*…-]"
+"""A token's characters after ``Bearer`` or ``api_key=``: base64, URL-safe base64, masked ones (a ``/``
+ends it: what follows in a URL is kept)."""
 CREDENTIAL = re.compile(
-    rf"\b(?:{'|'.join(KEY_PREFIXES)})[-_](?:(?=[\w*.…-]*[\d*…])[\w*.…-]{{3,}}[\w*…]|[\w-]{{16,}})"
+    rf"\b(?:{'|'.join(KEY_PREFIXES)})-(?:(?=[\w*.…-]*[\d*…])[\w*.…-]{{3,}}[\w*…]|[\w-]{{16,}})"
+    rf"|\b(?:{'|'.join(OTHER_KEY_PREFIXES)})[-_](?=[\w*.…-]*[\d*…])[\w*.…-]{{15,}}[\w*…]"
     r"|\bAIza[\w-]{30,}"  # Google's
-    rf"|(?P<label>(?i:\bbearer\s+|\b(?:x-)?api[-_]?key[\"']?\s*[:=]\s*[\"']?))(?=[\w.~+/=*…-]*[\d*…]){_SECRET}"
+    rf"|(?P<label>(?i:\bbearer\s+|\b(?:x-)?api[-_]?key[\"']?\s*[:=]\s*[\"']?))"
+    rf"(?={_TOKEN}*[\d*…])(?={_TOKEN}*[A-Za-z]){_TOKEN}{{8,}}"
 )
 """What a provider's error text may show of a key or an account, left out of the error reply: OpenAI's 401
 names the key masked (``sk-proj-abc…wxyz``), a 429 the ``org-…`` id, a server may echo the header it was
-sent (``Bearer <token>``) or ``api_key=<token>``. A prefixed one holds a digit, ``*`` or ``…``, or is 16
-characters long, so ``key-value`` is no key; a token after ``Bearer`` or ``api_key:`` holds a digit,
-``*`` or ``…`` and is 8 characters long at least, so ``the bearer of`` is no token. (A backend leaves out
-its own key, whatever its shape, before: this catches what the server shows of others and of masked ones.)"""
+sent (``Bearer <token>``) or ``api_key=<token>``. A token after ``Bearer`` or ``api_key:`` holds a letter
+and a digit, ``*`` or ``…`` and is 8 characters long at least, so ``the bearer of`` or ``bearer 12345678``
+is none. (A backend leaves out its own key, whatever its shape, before: this catches what the server shows
+of others and of masked ones.)"""
 EMPTY_ANSWER = "empty_answer"
 """The error kind of a backend's final answer with nothing in it (an unexplained refusal, a filter)."""
 CUT_AT_LENGTH = ("length", "max_tokens")

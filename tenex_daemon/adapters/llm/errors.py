@@ -247,13 +247,20 @@ def _message_in_body(body: bytes, status: int) -> str:
 async def note_refusal(response: Any) -> None:
     """An HTTP client's response hook: remember an error answer (4xx, 5xx) of the call under way, so a call
     whose time runs out while the SDK waits to try again (a 429's Retry-After) reports that answer, not a
-    timeout. Its body is read here (the SDK reads it too)."""
+    timeout; an answer that is no error forgets them (the SDK's try again got through). Its body is read
+    here (httpx keeps it for the SDK); one that cannot be read leaves the status alone to say it."""
     refusals = _REFUSALS.get()
     status = int(getattr(response, "status_code", 0))
-    if refusals is None or status < 400:
+    if refusals is None:
         return
-    body = await response.aread()
-    refusals.append(_Refusal(status, _message_in_body(body, status), _retry_after_of(response)))
+    if status < 400:  # answered: a time that runs out later is the answer's own (a stream too slow)
+        refusals.clear()
+        return
+    try:
+        message = _message_in_body(await response.aread(), status)
+    except Exception:  # a body cut short, a broken encoding: the status still says what happened
+        message = f"Error code: {status}"
+    refusals.append(_Refusal(status, message, _retry_after_of(response)))
 
 
 async def answer_within(seconds: float, backend: str, call: Awaitable[T]) -> T:

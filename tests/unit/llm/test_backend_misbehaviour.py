@@ -397,3 +397,25 @@ async def test_a_streamed_429_whose_waits_outlast_the_timeout_is_a_rate_limit(pr
     assert (caught.value.status, caught.value.retry_after) == (429, 1.0)
     assert f"{sdk}: HTTP 429: slow down" in str(caught.value)
     assert len(provider.hits) >= 2
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+async def test_a_429_tried_again_with_success_then_too_slow_an_answer_is_a_timeout(
+    provider: Provider, sdk: str
+) -> None:
+    """A 429 the SDK tries again after, answered then but too slowly (a body trickling past the deadline),
+    is a timeout: the refusal was over once the try again got through."""
+    refused = json_answer({"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}, 429,
+                          {"Retry-After": "0"})
+    slow = trickle(whole(sdk), gap_s=0.1, count=100)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await (refused if len(provider.hits) == 1 else slow)(request)
+
+    provider.handle = handle
+
+    with pytest.raises(BackendError) as caught:
+        await backend_for(sdk, provider, timeout=0.5, max_retries=1).complete(request())
+
+    assert len(provider.hits) == 2
+    assert caught.value.kind == "timeout"

@@ -62,6 +62,7 @@ async def test_keys_of_other_providers_shapes_are_redacted(cast: Cast, key: str)
         ("bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOjF9.abc", "bearer <redacted>"),
         ('header x-api-key: "abcd1234efgh"', 'header x-api-key: "<redacted>"'),
         ("query api_key=abcd1234efgh&x=1", "query api_key=<redacted>&x=1"),
+        ("GET /v1?api_key=abc12345/models", "GET /v1?api_key=<redacted>/models"),
     ],
 )
 async def test_a_token_after_bearer_or_api_key_is_redacted_and_its_label_kept(
@@ -83,10 +84,18 @@ async def test_a_token_after_bearer_or_api_key_is_redacted_and_its_label_kept(
         "org-wide quota",
         "Bearer realm=api",
         "api_key=missing",
+        "unknown argument key_name_2",
+        "sess_id_123 is not set",
+        "hf_hub_download_v2 failed",
+        "model pplx-70b-online not found",
+        "bearer 12345678",
+        "model gpt-4o-2024-08-06 overloaded",
+        "event " + "ab" * 32 + " by npub1sn0wdenkukak0d9dfczzeacvhkrgz92ak56egt7vdgzn8pv2wfqqhrjdv9",
     ],
 )
 async def test_ordinary_words_are_not_redacted(cast: Cast, said: str) -> None:
-    """Words that merely look like a key's beginning (no digit, short) are kept in the error reply."""
+    """Words that merely look like a key's beginning (no digit, short; a code or model name, a number, an
+    event id or npub) are kept in the error reply."""
     assert await published(cast, said) == said
 
 
