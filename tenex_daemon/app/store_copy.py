@@ -86,10 +86,12 @@ async def copy_store(
         raise StoreCopyError(
             "the store config.toml names holds conversations already: a copy goes into an unused store only"
         )
-    await target.set_meta(COPY_KEY, copying)
     source = FileSystemStore(source_home, fsync="batch")
-    await source.open()  # replays a journal a crash left, and takes the lock: a daemon on it is refused
+    # first, before the target is marked: a source refused (a daemon on it, a newer tenexd's) leaves the
+    # target as it was, unmarked; opening replays a journal a crash left
+    await source.open()
     await source.close()
+    await target.set_meta(COPY_KEY, copying)
     layout = Layout(Path(source_home) / "conversations")
     report = CopyReport()
     copied: set[str] = set()

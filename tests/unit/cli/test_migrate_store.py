@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+from tenex_daemon.adapters.storage.filesystem.store_format import FORMAT_NAME, STORE_FORMAT, StoreFormatError
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.daemon import SUBSCRIPTION_ID
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.store_check import (
+    COPY_KEY,
     EmptyStoreError,
     left_in_the_home,
     refuse_an_empty_store_beside_the_homes,
@@ -229,3 +231,24 @@ def test_an_outbox_copied_into_a_shared_store_comes_with_a_run_journal_to_be_fou
         return tuple([await target.get_meta(key) for key in keys])
 
     assert asyncio.run(values()) == ("[1]", "[2]", "[]", None)
+
+
+def test_a_source_refused_leaves_the_target_unmarked(home: Path, tmp_path: Path) -> None:
+    """A source store refused when the copy opens it (here one a newer tenexd wrote) leaves the target as it
+    was: not marked as a copy under way, so a daemon may still start on it."""
+    seed_conversation(home, "Old", "hello")
+    (home / "conversations" / FORMAT_NAME).write_text(f"{STORE_FORMAT + 1}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    async def go() -> str | None:
+        target = FileSystemStore(elsewhere)
+        await target.open()
+        try:
+            with pytest.raises(StoreFormatError):
+                await copy_store(home, target)
+            return await target.get_meta(COPY_KEY)
+        finally:
+            await target.close()
+
+    assert asyncio.run(go()) is None
