@@ -13,6 +13,7 @@ from tenex_daemon.core.vocabulary import (
 )
 
 from .codec import metadata_tags
+from .dating import NewestLast
 from .signer import Signer
 
 
@@ -24,8 +25,11 @@ class ConversationMetadataComposer:
         ``a`` tag, a home without an owner)."""
         self._signer = project_signer
         self._project = project
+        self._dates = NewestLast()
 
     def compose(self, conversation_id: str, title: str, summary: str, *, ended: bool) -> NostrEvent:
-        """Return the signed kind-513 event for the conversation rooted at ``conversation_id``."""
+        """Return the signed kind-513 event for the conversation rooted at ``conversation_id``, dated at
+        least a second after the one before it (an end right after a description: clients keep the newest)."""
         tags = metadata_tags(conversation_id, title, summary, ended=ended, project=self._project)
-        return self._signer.sign(KIND_CONVERSATION_METADATA, "", tags)
+        created_at = self._dates.date(conversation_id, self._signer.now())
+        return self._signer.sign(KIND_CONVERSATION_METADATA, "", tags, created_at=created_at)

@@ -9,7 +9,6 @@ the project key. The content is empty: everything is in the tags.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.vocabulary import (
@@ -17,11 +16,9 @@ from tenex_daemon.core.vocabulary import (
 )
 
 from .codec import status_tags
+from .dating import NewestLast
 from .publisher import EventPublishing
 from .signer import Signer
-
-REMEMBERED_ROOTS = 1024
-"""Conversations whose last status time is remembered (so a newer status never looks older)."""
 
 
 class StatusEventPublisher:
@@ -44,17 +41,11 @@ class StatusEventPublisher:
         self._signer = project_signer
         self._project = project
         self._timeout = publish_timeout_s
-        self._last: OrderedDict[str, int] = OrderedDict()
+        self._dates = NewestLast()
 
     def compose(self, root_id: str, person: str | None, agents: tuple[str, ...]) -> NostrEvent:
         """Return the signed status event of the conversation rooted at ``root_id``."""
-        created_at = int(time.time())
-        last = self._last.pop(root_id, None)
-        if last is not None:
-            created_at = max(created_at, last + 1)
-        self._last[root_id] = created_at
-        while len(self._last) > REMEMBERED_ROOTS:
-            self._last.popitem(last=False)
+        created_at = self._dates.date(root_id, int(time.time()))
         tags = status_tags(root_id, person, agents, self._project)
         return self._signer.sign(KIND_OPERATIONS_STATUS, "", tags, created_at=created_at)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
+from tenex_daemon.adapters.nostr.metadata_event import ConversationMetadataComposer
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.nostr.status_events import StatusEventPublisher
 from tenex_daemon.core.classify import EventClass
@@ -62,6 +63,21 @@ async def test_an_idle_status_has_no_p_tag_and_is_dated_after_the_one_before() -
     busy, idle = (event for event, _ in pool.events)
     assert idle.tags == [["e", ROOT]]
     assert idle.created_at > busy.created_at
+
+
+def test_a_conversations_metadata_signed_in_one_second_is_dated_newest_last() -> None:
+    """A conversation's kind-513 "ended" signed in the same second as its "active" one is dated later (clients
+    keep the newest 513: a tie they break by id showed an ended conversation as active); another
+    conversation's is dated by the clock alone."""
+    composer = ConversationMetadataComposer(Signer.from_text(PROJECT.secret), None)
+
+    active = composer.compose(ROOT, "A title", "A summary.", ended=False)
+    ended = composer.compose(ROOT, "A title", "A summary.", ended=True)
+    other = composer.compose("b" * 64, "Other", "", ended=False)
+
+    assert ended.created_at > active.created_at
+    assert other.created_at <= active.created_at + 1
+    assert ended.has_valid_id()
 
 
 def test_a_stop_request_is_classified_as_a_stop_of_the_conversation_it_names() -> None:
