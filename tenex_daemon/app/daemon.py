@@ -42,6 +42,7 @@ from tenex_daemon.adapters.nostr.relay_pool import (
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.nostr.status_events import StatusEventPublisher
 from tenex_daemon.app.embedded_relay import EmbeddedRelay
+from tenex_daemon.app.intake_filters import intake_filters
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.notify import SystemdNotifier, keep_starting
 from tenex_daemon.app.refusals import RefusalLog
@@ -84,12 +85,8 @@ from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import PeerMessages, Peers, Store
 from tenex_daemon.core.targeting import SkipReason
 from tenex_daemon.core.vocabulary import (
-    KIND_COMMENT,
-    KIND_CONVERSATION_ROOT,
     KIND_GIFT_WRAP,
-    KIND_NOTE,
     KIND_STOP,
-    KIND_TASK,
 )
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.runtime.failures import log_failure
@@ -117,7 +114,6 @@ PRIVATE_SUBSCRIPTION_ID = "tenexd-private"
 """Gift wraps (kind 1059) p-tagging an agent: private messages (NIP-17)."""
 WRAP_LOOKBACK_S = 2 * 24 * 3600
 """A gift wrap is dated up to two days in the past (NIP-59): a re-subscription asks that much further back."""
-INCOMING_KINDS = [KIND_NOTE, KIND_CONVERSATION_ROOT, KIND_COMMENT, KIND_TASK]
 
 
 class InstanceNameTakenError(TenexError):
@@ -448,7 +444,7 @@ class Daemon:
         # a crash came mid-dispatch: events never stored are left to the relays (before the
         # subscription delivers them again), the others are dispatched again once it runs
         redo = await pipeline.dispatcher.stored_dispatches(pipeline.scheduler.dispatches_to_redo())
-        await self.pool.subscribe(SUBSCRIPTION_ID, self._filters(pubkeys))
+        await self.pool.subscribe(SUBSCRIPTION_ID, intake_filters(self.settings, pubkeys))
         if answer.private:
             wrapped = [{"kinds": [KIND_GIFT_WRAP], "#p": [a.pubkey for a in self.agents]}]
             await self.pool.subscribe(PRIVATE_SUBSCRIPTION_ID, wrapped, lookback_s=WRAP_LOOKBACK_S)
@@ -474,19 +470,6 @@ class Daemon:
         probe = store_probe(self.store, self.instance if self._peers is not None else None)
         self._watchdog = Watchdog(self.notifier, probe, ping=interval is not None)
         self._spawn(self._watchdog.run(interval / 2 if interval else PROBE_EVERY_S), "store watchdog")
-
-    def _filters(self, pubkeys: list[str]) -> list[dict[str, Any]]:
-        """What the daemon subscribes to: events p-tagging its agents or its project key, and stop
-        requests (kind 24134) from the people who may stop runs, or p-tagging an agent (a stranger's is
-        then counted as refused)."""
-        people = [p for p in (self.settings.owner, *self.settings.whitelist) if p]
-        filters: list[dict[str, Any]] = [
-            {"kinds": INCOMING_KINDS, "#p": pubkeys},
-            {"kinds": [KIND_STOP], "#p": pubkeys},
-        ]
-        if people:
-            filters.append({"kinds": [KIND_STOP], "authors": sorted(set(people))})
-        return filters
 
     async def _announce(self, signers: dict[str, Signer]) -> None:
         """Publish each agent's profile (kind 0) and, when private messages are answered, its relay list

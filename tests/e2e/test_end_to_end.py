@@ -98,6 +98,26 @@ async def test_agent_replies_within_5s_with_the_protocol_tags(
     assert int(net_time[1]) >= 0
 
 
+async def test_a_thread_addressed_to_the_project_by_its_a_tag_alone_is_routed_and_answered(
+    relay: LocalRelayServer, home: Home, daemon: DaemonProcess
+) -> None:
+    """A kind-11 naming no agent, only the project by its ``a`` tag (as TENEX clients start a conversation),
+    reaches the daemon and is routed by the orchestrator: an agent answers it (it was never received)."""
+    project = load_settings(home.path, {}).project.d_tag
+    agents = [a.pubkey for a in home.init.agents]
+    answer = await converse(
+        relay,
+        home.owner_secret,
+        {"kind": 11, "content": "Plan a picnic", "tags": [["a", f"31933:{home.owner}:{project}"]]},
+        agents,
+    )
+
+    assert len(answer["replies"]) == 1, daemon.log_tail()
+    reply = answer["replies"][0]
+    assert tag(reply, "E") == ["E", answer["published"]["id"], "", home.owner]
+    assert [t for t in reply["tags"] if t[0] == "p"] == [["p", home.owner]]
+
+
 async def test_second_agent_mid_conversation_sees_the_context_md_view(
     relay: LocalRelayServer, home: Home, daemon: DaemonProcess
 ) -> None:
