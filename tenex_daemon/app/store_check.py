@@ -8,7 +8,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from tenex_daemon.adapters.nostr.relay_pool.subscriptions import cursor_key
+from tenex_daemon.adapters.nostr.relay_pool.subscriptions import ANY_RELAY, cursor_key
 from tenex_daemon.adapters.storage.filesystem.layout import ARCHIVE_DIR, Layout
 from tenex_daemon.app.embedded_relay import relay_url
 from tenex_daemon.app.settings import Settings, StorageKind
@@ -57,7 +57,7 @@ async def used_before(settings: Settings, store: Store, subscription_id: str) ->
     urls = list(relays.urls)
     if relays.embedded:
         urls.append(relay_url(relays.embedded_host, relays.embedded_port))
-    for url in urls:
+    for url in (*urls, ANY_RELAY):  # the cursor no relay is named by: the relays replaced since
         if await store.get_meta(cursor_key(subscription_id, url)) is not None:
             return True
     return False

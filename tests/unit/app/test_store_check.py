@@ -87,3 +87,18 @@ async def test_a_store_retention_emptied_still_starts_by_its_relay_cursors(tmp_p
         await refuse_an_empty_store_beside_the_homes(settings, store, SUBSCRIPTION_ID)
     finally:
         await store.close()
+
+
+async def test_a_store_whose_relays_were_all_replaced_still_counts_as_used(tmp_path: Path, cast: Cast) -> None:
+    """A store holding no conversation and no cursor on the relays the settings name now, but the cursor its
+    subscription had on the relays it was asked of before (every relay replaced since), is a store used
+    before: it starts."""
+    from tenex_daemon.adapters.nostr.relay_pool.subscriptions import ANY_RELAY, cursor_key
+
+    home = await home_with_a_conversation(tmp_path, cast)
+    _, settings, store = await store_moved(tmp_path, home)
+    try:
+        await store.set_meta(cursor_key(SUBSCRIPTION_ID, ANY_RELAY), "1700000000")
+        await refuse_an_empty_store_beside_the_homes(settings, store, SUBSCRIPTION_ID)
+    finally:
+        await store.close()

@@ -68,3 +68,21 @@ async def test_a_new_home_without_any_cursor_asks_each_relay_without_since() -> 
 
     assert since(subs, sub, A) is None
     assert since(subs, sub, B) is None
+
+
+async def test_every_relay_replaced_starts_from_the_cursor_the_subscription_had_on_the_old_ones() -> None:
+    """A daemon whose relays were all replaced in the settings asks the new ones from the oldest cursor it had
+    on the old ones (kept at each flush under no relay's name), minus the window: before, it asked them for
+    their whole history, and a days-old message only a new relay held was answered as new."""
+    store = MemoryStore()
+    before = Subscriptions(since_window=WINDOW)
+    live = Subscription("live", [{"kinds": [1]}])
+    await before.add(live, [A, "ws://c"], store)
+    before.advance("live", A, NOW - 100)
+    before.advance("live", "ws://c", NOW - 50)
+    await before.flush(store)
+
+    after = Subscriptions(since_window=WINDOW)
+    await after.add(live, [B], store)
+
+    assert since(after, live, B) == NOW - 100 - WINDOW

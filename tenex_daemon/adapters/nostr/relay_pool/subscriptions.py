@@ -24,8 +24,15 @@ class Subscription:
 
 
 def cursor_key(sub_id: str, url: str) -> str:
-    """The store meta key of a subscription's cursor on a relay."""
+    """The store meta key of a subscription's cursor on a relay (:data:`ANY_RELAY`: on the relays it had)."""
     return f"{CURSOR_META_PREFIX}:{sub_id}:{url}"
+
+
+ANY_RELAY = "*"
+"""The "url" of a subscription's cursor that no relay is named by: the oldest of its relays' cursors, kept
+at each flush, where the subscription starts from when none of the relays it is asked of now has a cursor
+(every relay of the settings replaced): not from their whole history, whose old messages would be answered
+as new."""
 
 
 class Subscriptions:
@@ -58,6 +65,9 @@ class Subscriptions:
         date (the next start asks for it again)."""
         self._floors: dict[str, int] = {}
         """Per relay url: a ``since`` no REQ to it goes below (set past a frame too big to read)."""
+        self._formerly: dict[str, int] = {}
+        """Per subscription none of whose relays has a cursor: the one it had on its relays before
+        (:data:`ANY_RELAY`)."""
 
     def get(self, sub_id: str) -> Subscription | None:
         """The live subscription with this id, or None."""
@@ -75,6 +85,10 @@ class Subscriptions:
                 if stored is not None and stored.isdigit():
                     key = (sub.sub_id, url)
                     self._cursors[key] = max(self._cursors.get(key, 0), int(stored))
+            if not any(sub_id == sub.sub_id for sub_id, _ in self._cursors):
+                formerly = await store.get_meta(cursor_key(sub.sub_id, ANY_RELAY))
+                if formerly is not None and formerly.isdigit():
+                    self._formerly[sub.sub_id] = int(formerly)
         self._subs[sub.sub_id] = sub
 
     def remove(self, sub_id: str) -> bool:
@@ -104,11 +118,12 @@ class Subscriptions:
 
     def starts_from(self, sub_id: str, url: str) -> int | None:
         """The cursor a REQ to ``url`` is asked from: the relay's own, else the oldest the subscription has on
-        the others (a relay added to the settings); None for a new home's first subscription."""
+        the others (a relay added to the settings), else the one it had on the relays it was asked of before
+        (every relay replaced, :data:`ANY_RELAY`); None for a new home's first subscription."""
         cursor = self._cursors.get((sub_id, url))
         if cursor is None:
             others = [at for (sub, _), at in self._cursors.items() if sub == sub_id]
-            cursor = min(others) if others else None
+            cursor = min(others) if others else self._formerly.get(sub_id)
         return cursor
 
     def skip_past(self, url: str, moment: float) -> int:
@@ -225,3 +240,6 @@ class Subscriptions:
         dirty, self._dirty = self._dirty, set()
         for sub_id, url in dirty:
             await store.set_meta(cursor_key(sub_id, url), str(self._cursors[(sub_id, url)]))
+        for sub_id in {sub_id for sub_id, _ in dirty}:  # where it starts should its relays all be replaced
+            oldest = min(at for (sub, _), at in self._cursors.items() if sub == sub_id)
+            await store.set_meta(cursor_key(sub_id, ANY_RELAY), str(oldest))
