@@ -54,7 +54,10 @@ class SystemdNotifier:
         message = "\n".join(lines).encode("utf-8")
         try:
             if self._socket is None:
-                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                # never blocking: it is sent from the event loop, and a receiver that stops reading (a full
+                # queue: 10 datagrams) would otherwise freeze the whole daemon, its stop included
+                kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+                self._socket = socket.socket(socket.AF_UNIX, kind)
             self._socket.sendto(message, self._address)
         except OSError as exc:
             log.warning("sd_notify_failed", error=f"{type(exc).__name__}: {exc}", message=lines[0][:40])

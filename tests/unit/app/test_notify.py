@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,6 +95,20 @@ def test_a_missing_socket_is_logged_not_raised(tmp_path: Path) -> None:
     """Sending to a socket that does not exist returns False instead of raising."""
     notifier = SystemdNotifier({"NOTIFY_SOCKET": str(tmp_path / "gone.sock")})
     assert not notifier.watchdog()
+
+
+def test_a_receiver_that_stops_reading_never_blocks_a_notification(listener: tuple[socket.socket, str]) -> None:
+    """With the receiver's queue full (it stopped reading), a notification is lost and logged at once, never
+    waited on: it is sent from the event loop, and a blocking send froze the whole daemon, its stop too."""
+    _, path = listener
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": path})
+    started = time.monotonic()
+
+    sent = [notifier.watchdog() for _ in range(200)]
+
+    assert time.monotonic() - started < 1
+    assert sent[0]
+    assert not sent[-1]
 
 
 async def test_a_start_asks_for_more_time_until_cancelled_or_its_bound(
