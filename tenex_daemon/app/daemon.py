@@ -44,7 +44,14 @@ from tenex_daemon.adapters.nostr.status_events import StatusEventPublisher
 from tenex_daemon.app.embedded_relay import EmbeddedRelay
 from tenex_daemon.app.intake_filters import intake_filters
 from tenex_daemon.app.metrics import Metrics
-from tenex_daemon.app.notify import SystemdNotifier, keep_starting
+from tenex_daemon.app.notify import (
+    READY_WITHIN_S,
+    STOPPING_WITHIN_S,
+    SystemdNotifier,
+    keep_starting,
+    ready_lines,
+    stopping_lines,
+)
 from tenex_daemon.app.refusals import RefusalLog
 from tenex_daemon.app.run_observer import MetricsObserver
 from tenex_daemon.app.settings import Settings, StorageKind
@@ -326,7 +333,7 @@ class Daemon:
             self.state = "running"
             self._ready.set()
             await self._write_status()
-            self.notifier.ready()
+            await self.notifier.heard(*ready_lines(), within_s=READY_WITHIN_S)
             self.notifier.status(f"serving {len(self.agents)} agents on {len(self.relay_urls)} relays")
             log.info("daemon_ready", relays=self.relay_urls, agents=[a.slug for a in self.agents])
             await self._stop_requested.wait()
@@ -498,7 +505,7 @@ class Daemon:
         if self.pool is not None:  # events taken in from now on are the relays' to send again
             self.pool.leave_to_relays()
         self.state = "stopping"
-        self.notifier.stopping()
+        await self.notifier.heard(*stopping_lines(), within_s=STOPPING_WITHIN_S)
         lines = log.info if self._store_opened else log.debug  # a start refused says so itself
         lines("daemon_stopping")
         if self.pool is not None:

@@ -4,7 +4,9 @@
 ``WATCHDOG=1`` at least twice per ``WatchdogSec``, ``STOPPING=1`` when shutting down, and
 ``EXTEND_TIMEOUT_USEC=`` while a start lasts (:func:`keep_starting`).
 Without ``NOTIFY_SOCKET`` (not under systemd) every call is a no-op. A path starting with
-``@`` names an abstract socket. Sending never raises: a lost notification is logged.
+``@`` names an abstract socket. Sending never raises nor blocks: a lost notification is logged; the
+two that must not be lost (``READY=1``, ``STOPPING=1``: :meth:`SystemdNotifier.heard`) are sent again
+while the receiver's queue is full.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ START_EXTEND_BY_S = 30.0
 """How much more time each ask is for: a start whose event loop stops turning is cut that long after."""
 START_EXTEND_FOR_S = 1800.0
 """How long in all a start keeps asking; past it, ``TimeoutStartSec`` decides (a start stuck for good)."""
+RESEND_EVERY_S = 0.1
+"""How often a notification that must not be lost is sent again while the receiver's queue is full."""
+READY_WITHIN_S = 30.0
+"""How long ``READY=1`` is tried (``TimeoutStartSec`` is 60 s in the shipped unit)."""
+STOPPING_WITHIN_S = 2.0
+"""How long ``STOPPING=1`` is tried before the stop goes on without it."""
 
 
 class SystemdNotifier:
@@ -48,28 +56,46 @@ class SystemdNotifier:
         return self._address is not None
 
     def notify(self, *lines: str) -> bool:
-        """Send ``KEY=VALUE`` lines in one datagram; return whether it was sent."""
+        """Send ``KEY=VALUE`` lines in one datagram; return whether it was sent (a receiver whose queue is
+        full: lost, and logged)."""
         if self._address is None:
             return False
-        message = "\n".join(lines).encode("utf-8")
+        error = self._send(lines)
+        if error is not None:
+            log.warning("sd_notify_failed", error=f"{type(error).__name__}: {error}", message=lines[0][:40])
+        return error is None
+
+    async def heard(self, *lines: str, within_s: float) -> bool:
+        """Send lines that must not be lost (``READY=1``: systemd would kill a start it never hears of; the
+        daemon's ``STOPPING=1``), again every :data:`RESEND_EVERY_S` while the receiver's queue is full, for
+        ``within_s`` at most; return whether they were sent."""
+        if self._address is None:
+            return False
+        deadline = time.monotonic() + within_s
+        # polled: nothing tells when an unconnected datagram socket's receiver has room again
+        while isinstance(error := self._send(lines), BlockingIOError) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(RESEND_EVERY_S)
+        if error is not None:
+            log.warning("sd_notify_failed", error=f"{type(error).__name__}: {error}", message=lines[0][:40])
+        return error is None
+
+    def _send(self, lines: tuple[str, ...]) -> OSError | None:
+        assert self._address is not None
         try:
             if self._socket is None:
-                # never blocking: it is sent from the event loop, and a receiver that stops reading (a full
-                # queue: 10 datagrams) would otherwise freeze the whole daemon, its stop included
+                # never blocking: it is sent from the event loop, and a receiver that stops reading (its
+                # queue full: max_dgram_qlen, 10 by default, 512 under systemd) would otherwise freeze the
+                # whole daemon, its stop included
                 kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
                 self._socket = socket.socket(socket.AF_UNIX, kind)
-            self._socket.sendto(message, self._address)
+            self._socket.sendto("\n".join(lines).encode("utf-8"), self._address)
         except OSError as exc:
-            log.warning("sd_notify_failed", error=f"{type(exc).__name__}: {exc}", message=lines[0][:40])
-            return False
-        return True
+            return exc
+        return None
 
     def ready(self, status: str | None = None) -> bool:
         """Tell systemd the daemon is ready (``READY=1``), optionally with a status line."""
-        lines = ["READY=1"]
-        if status is not None:
-            lines.append(_status_line(status))
-        return self.notify(*lines)
+        return self.notify(*ready_lines(status))
 
     def status(self, text: str) -> bool:
         """Set the one-line status shown by ``systemctl status`` (``STATUS=``)."""
@@ -81,10 +107,7 @@ class SystemdNotifier:
 
     def stopping(self, status: str | None = None) -> bool:
         """Tell systemd the daemon is shutting down (``STOPPING=1``)."""
-        lines = ["STOPPING=1"]
-        if status is not None:
-            lines.append(_status_line(status))
-        return self.notify(*lines)
+        return self.notify(*stopping_lines(status))
 
     def extend_timeout(self, seconds: float) -> bool:
         """Ask for more time to start or stop (``EXTEND_TIMEOUT_USEC=``)."""
@@ -114,6 +137,16 @@ class SystemdNotifier:
 
 def _status_line(text: str) -> str:
     return "STATUS=" + " ".join(text.splitlines())
+
+
+def ready_lines(status: str | None = None) -> tuple[str, ...]:
+    """``READY=1``, with a status line when given."""
+    return ("READY=1",) if status is None else ("READY=1", _status_line(status))
+
+
+def stopping_lines(status: str | None = None) -> tuple[str, ...]:
+    """``STOPPING=1``, with a status line when given."""
+    return ("STOPPING=1",) if status is None else ("STOPPING=1", _status_line(status))
 
 
 async def keep_starting(

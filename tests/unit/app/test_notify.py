@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -109,6 +110,29 @@ def test_a_receiver_that_stops_reading_never_blocks_a_notification(listener: tup
     assert time.monotonic() - started < 1
     assert sent[0]
     assert not sent[-1]
+
+
+async def test_ready_is_sent_again_until_the_receiver_has_room(listener: tuple[socket.socket, str]) -> None:
+    """READY=1 (systemd kills a start it never hears of) is sent again while the receiver's queue is full,
+    without blocking the event loop, and arrives once the receiver reads; given up on only after its time."""
+    sock, path = listener
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": path})
+    while notifier.watchdog():  # the receiver stopped reading: its queue fills
+        pass
+    task = asyncio.create_task(notifier.heard("READY=1", within_s=5))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+
+    received = [receive(sock)]  # room for one
+    assert await asyncio.wait_for(task, 2)
+    sock.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            received.append(receive(sock))
+    assert received[-1] == "READY=1"
+    while notifier.watchdog():
+        pass
+    assert not await notifier.heard("STOPPING=1", within_s=0.2)
 
 
 async def test_a_start_asks_for_more_time_until_cancelled_or_its_bound(
