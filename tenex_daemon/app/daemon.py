@@ -42,7 +42,7 @@ from tenex_daemon.adapters.nostr.relay_pool import (
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.nostr.status_events import StatusEventPublisher
 from tenex_daemon.app.embedded_relay import EmbeddedRelay
-from tenex_daemon.app.intake_filters import intake_filters
+from tenex_daemon.app.intake_filters import addressed_since, intake_filters
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.notify import (
     READY_WITHIN_S,
@@ -451,7 +451,8 @@ class Daemon:
         # a crash came mid-dispatch: events never stored are left to the relays (before the
         # subscription delivers them again), the others are dispatched again once it runs
         redo = await pipeline.dispatcher.stored_dispatches(pipeline.scheduler.dispatches_to_redo())
-        await self.pool.subscribe(SUBSCRIPTION_ID, intake_filters(self.settings, pubkeys))
+        filters = intake_filters(self.settings, pubkeys, await addressed_since(self.store))
+        await self.pool.subscribe(SUBSCRIPTION_ID, filters)
         if answer.private:
             wrapped = [{"kinds": [KIND_GIFT_WRAP], "#p": [a.pubkey for a in self.agents]}]
             await self.pool.subscribe(PRIVATE_SUBSCRIPTION_ID, wrapped, lookback_s=WRAP_LOOKBACK_S)

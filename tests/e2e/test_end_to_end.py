@@ -8,9 +8,11 @@ import time
 from typing import Any
 
 import pytest
+import websockets
 
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.status import read_status
+from tenex_daemon.testing import KeyPair, sign_event
 from tests.e2e.harness import DaemonProcess, Home, node_client, run_cli
 from tests.integration.nostr.harness import LocalRelayServer
 
@@ -116,6 +118,32 @@ async def test_a_thread_addressed_to_the_project_by_its_a_tag_alone_is_routed_an
     reply = answer["replies"][0]
     assert tag(reply, "E") == ["E", answer["published"]["id"], "", home.owner]
     assert [t for t in reply["tags"] if t[0] == "p"] == [["p", home.owner]]
+
+
+async def test_what_was_addressed_to_the_project_before_the_first_start_is_not_answered(
+    relay: LocalRelayServer, home: Home
+) -> None:
+    """A thread the owner addressed to the project by its ``a`` tag 20 days before the daemon first ran (a
+    home made for a project people wrote to for months) is not answered as new; one written since is."""
+    project = f"31933:{home.owner}:{load_settings(home.path, {}).project.d_tag}"
+    old = sign_event(KeyPair(home.owner_secret, home.owner), "An old thread", kind=11, tags=[["a", project]],
+                     created_at=int(time.time()) - 20 * 86_400)
+    async with websockets.connect(relay.url) as ws:
+        await ws.send(json.dumps(["EVENT", old.model_dump()]))
+        assert json.loads(await ws.recv())[2] is True
+    agents = [a.pubkey for a in home.init.agents]
+    daemon = DaemonProcess(home)
+    await daemon.start()
+    try:
+        new = await converse(relay, home.owner_secret, {"kind": 11, "content": "A new one", "tags": [["a", project]]},
+                             agents)
+        answered_old = await node_client({"op": "query", "relay": relay.url, "filters": [{"#E": [old.id]}]})
+    finally:
+        await daemon.stop()
+        daemon.kill()
+
+    assert len(new["replies"]) == 1, daemon.log_tail()
+    assert answered_old["events"] == []
 
 
 async def test_second_agent_mid_conversation_sees_the_context_md_view(
