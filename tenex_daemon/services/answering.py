@@ -49,15 +49,17 @@ OTHER_KEY_PREFIXES = (
 GitHub, GitLab; Stripe-like ``sk_``), before a ``-`` or ``_``: taken as a key only when 16 characters long
 at least and holding a digit, ``*`` or ``…``, so a code name (``hf_hub_download``, ``sess_id_123``) or a
 model's (``pplx-70b-online``) is none."""
-_TOKEN = r"[\w.~+=*…-]"
-"""A token's characters after ``Bearer`` or ``api_key=``: base64, URL-safe base64, masked ones (a ``/``
-ends it: what follows in a URL is kept)."""
+_TOKEN = r"[\w.~+/=*…-]"
+"""A bearer token's characters: base64 (``/`` included, RFC 6750), URL-safe base64, masked ones."""
+_KEY_VALUE = r"[\w.~+=*…-]"
+"""An ``api_key=`` value's characters: as a token's, but a ``/`` ends it (what follows in a URL is kept)."""
 CREDENTIAL = re.compile(
     rf"\b(?:{'|'.join(KEY_PREFIXES)})-(?:(?=[\w*.…-]*[\d*…])[\w*.…-]{{3,}}[\w*…]|[\w-]{{16,}})"
     rf"|\b(?:{'|'.join(OTHER_KEY_PREFIXES)})[-_](?=[\w*.…-]*[\d*…])[\w*.…-]{{15,}}[\w*…]"
     r"|\bAIza[\w-]{30,}"  # Google's
-    rf"|(?P<label>(?i:\bbearer\s+|\b(?:x-)?api[-_]?key[\"']?\s*[:=]\s*[\"']?))"
-    rf"(?={_TOKEN}*[\d*…])(?={_TOKEN}*[A-Za-z]){_TOKEN}{{8,}}"
+    rf"|(?P<bearer>(?i:\bbearer\s+))(?={_TOKEN}*[\d*…])(?={_TOKEN}*[A-Za-z]){_TOKEN}{{8,}}"
+    rf"|(?P<label>(?i:\b(?:x-)?api[-_]?key[\"']?\s*[:=]\s*[\"']?))"
+    rf"(?={_KEY_VALUE}*[\d*…])(?={_KEY_VALUE}*[A-Za-z]){_KEY_VALUE}{{8,}}"
 )
 """What a provider's error text may show of a key or an account, left out of the error reply: OpenAI's 401
 names the key masked (``sk-proj-abc…wxyz``), a 429 the ``org-…`` id, a server may echo the header it was
@@ -394,7 +396,7 @@ def _cut_note(finish_reason: str | None) -> str:
 
 
 def _masked(match: re.Match[str]) -> str:
-    label = match.group("label")
+    label = match.group("bearer") or match.group("label")
     return f"{label}<redacted>" if label else "<redacted>"
 
 

@@ -63,6 +63,8 @@ async def test_keys_of_other_providers_shapes_are_redacted(cast: Cast, key: str)
         ('header x-api-key: "abcd1234efgh"', 'header x-api-key: "<redacted>"'),
         ("query api_key=abcd1234efgh&x=1", "query api_key=<redacted>&x=1"),
         ("GET /v1?api_key=abc12345/models", "GET /v1?api_key=<redacted>/models"),
+        ("Bearer abcdefgh/ijkl5678mnop", "Bearer <redacted>"),
+        ("Bearer wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY rejected", "Bearer <redacted> rejected"),
     ],
 )
 async def test_a_token_after_bearer_or_api_key_is_redacted_and_its_label_kept(
