@@ -86,3 +86,30 @@ async def test_every_relay_replaced_starts_from_the_cursor_the_subscription_had_
     await after.add(live, [B], store)
 
     assert since(after, live, B) == NOW - 100 - WINDOW
+
+
+async def test_with_every_relay_replaced_a_new_relay_with_a_cursor_hides_nothing_from_the_others() -> None:
+    """Every relay replaced: once one new relay has a cursor (it answered first), another new one still starts
+    from the cursor the subscription had on the old relays, not from the first one's fresh cursor."""
+    store = MemoryStore()
+    await store.set_meta(module.cursor_key("live", module.ANY_RELAY), str(NOW - 100))
+    subs = Subscriptions(since_window=WINDOW)
+    live = Subscription("live", [{"kinds": [1]}])
+    await subs.add(live, [B, "ws://c"], store)
+
+    subs.advance("live", B, NOW - 10)
+
+    assert since(subs, live, "ws://c") == NOW - 100 - WINDOW
+
+
+async def test_a_home_from_before_the_key_keeps_it_at_the_first_subscription() -> None:
+    """A home whose relays have cursors but no cursor under no relay's name (kept before the key existed)
+    keeps it when the subscription is added, not only once an event moves a cursor: a home upgraded, then
+    quiet, then given new relays does not ask them for their whole history."""
+    store = MemoryStore()
+    await store.set_meta(module.cursor_key("live", A), str(NOW - 100))
+    await store.set_meta(module.cursor_key("live", "ws://c"), str(NOW - 50))
+
+    await Subscriptions(since_window=WINDOW).add(Subscription("live", [{"kinds": [1]}]), [A, "ws://c"], store)
+
+    assert await store.get_meta(module.cursor_key("live", module.ANY_RELAY)) == str(NOW - 100)

@@ -85,10 +85,12 @@ class Subscriptions:
                 if stored is not None and stored.isdigit():
                     key = (sub.sub_id, url)
                     self._cursors[key] = max(self._cursors.get(key, 0), int(stored))
-            if not any(sub_id == sub.sub_id for sub_id, _ in self._cursors):
-                formerly = await store.get_meta(cursor_key(sub.sub_id, ANY_RELAY))
-                if formerly is not None and formerly.isdigit():
-                    self._formerly[sub.sub_id] = int(formerly)
+            loaded = [at for (sub_id, _), at in self._cursors.items() if sub_id == sub.sub_id]
+            formerly = await store.get_meta(cursor_key(sub.sub_id, ANY_RELAY))
+            if not loaded and formerly is not None and formerly.isdigit():
+                self._formerly[sub.sub_id] = int(formerly)
+            elif loaded and formerly is None:  # a home from before the key: kept now, not at a first event
+                await store.set_meta(cursor_key(sub.sub_id, ANY_RELAY), str(min(loaded)))
         self._subs[sub.sub_id] = sub
 
     def remove(self, sub_id: str) -> bool:
@@ -123,7 +125,8 @@ class Subscriptions:
         cursor = self._cursors.get((sub_id, url))
         if cursor is None:
             others = [at for (sub, _), at in self._cursors.items() if sub == sub_id]
-            cursor = min(others) if others else self._formerly.get(sub_id)
+            formerly = self._formerly.get(sub_id)  # a new relay that has a cursor now must not hide it
+            cursor = min([*others, *(() if formerly is None else (formerly,))], default=None)
         return cursor
 
     def skip_past(self, url: str, moment: float) -> int:
