@@ -228,3 +228,18 @@ async def test_a_lease_whose_connection_cannot_be_given_back_raises_nothing_over
     assert (pool.released, pool.terminated) == (3, 3)
     failures = [(e["event"], e["log_level"]) for e in logs if e["event"] == "postgres_release_failed"]
     assert failures == [("postgres_release_failed", "warning")] * 3
+
+
+async def test_a_query_whose_connection_cannot_be_given_back_answers_as_it_did() -> None:
+    """A query (a small value read) whose connection's reset fails when given back answers what it read: the
+    connection is cut and a warning logged (before: asyncpg's InternalClientError replaced its answer)."""
+    store = PostgresStore("postgresql://u@127.0.0.1:1/db")
+    pool = UnreturnablePool()
+    store._pool = pool  # type: ignore[assignment]
+
+    with capture_logs() as logs:
+        answer = await store.get_meta("outbox.pending")
+
+    assert answer == "True"  # what the fake connection answered, as text
+    assert (pool.released, pool.terminated) == (1, 1)
+    assert [e["event"] for e in logs if e["event"] == "postgres_release_failed"] == ["postgres_release_failed"]
