@@ -15,10 +15,9 @@ from typing import Any
 from tenex_daemon.adapters.llm.answers import AnswerSize, capped, token_count
 from tenex_daemon.adapters.llm.errors import (
     MissingExtraError,
-    answer_within,
-    failure,
     malformed_answer,
     note_refusal,
+    sdk_answer,
     unfinished_stream,
 )
 from tenex_daemon.adapters.llm.keys import resolve_api_key
@@ -220,20 +219,12 @@ class AnthropicBackend:
         return read_message(message, request, kwargs["model"], self.name)
 
     async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Send the request; stream into ``request.on_chunk`` when it is set.
-
-        The SDK's timeout bounds each read only, so the whole call is bounded too: a streamed answer must
-        be whole within the timeout, one that does not stream within ``timeout * (max_retries + 1)`` (the
-        timeout once for each try the SDK makes).
-        """
+        """Send the request; stream into ``request.on_chunk`` when it is set; bounded whole
+        (:func:`~tenex_daemon.adapters.llm.errors.sdk_answer`)."""
         kwargs = self._arguments(request)
-        try:
-            if request.on_chunk is None:
-                seconds = self.timeout * (self.max_retries + 1)
-                return await answer_within(seconds, self.name, self._once(request, kwargs))
-            return await answer_within(self.timeout, self.name, self._streamed(request, kwargs))
-        except Exception as exc:
-            error = failure(exc, self.name, anthropic, anthropic.AnthropicError, self._secrets)
-            if error is exc:
-                raise
-            raise error from exc
+        streamed = request.on_chunk is not None
+        call = self._streamed(request, kwargs) if streamed else self._once(request, kwargs)
+        return await sdk_answer(
+            call, streamed=streamed, read_timeout=self.timeout, max_retries=self.max_retries,
+            backend=self.name, sdk=anthropic, sdk_error=anthropic.AnthropicError, secrets=self._secrets,
+        )

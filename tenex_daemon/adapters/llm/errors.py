@@ -286,3 +286,28 @@ async def answer_within(seconds: float, backend: str, call: Awaitable[T]) -> T:
         raise broken from exc
     finally:
         _REFUSALS.reset(token)
+
+
+async def sdk_answer(
+    call: Awaitable[T],
+    *,
+    streamed: bool,
+    read_timeout: float,
+    max_retries: int,
+    backend: str,
+    sdk: Any,
+    sdk_error: type[Exception],
+    secrets: Iterable[str | None] = (),
+) -> T:
+    """Await one answer of an SDK backend (``openai``, ``anthropic``): bounded whole, a streamed one by
+    ``read_timeout`` (the SDK's, which bounds each read only), one that does not stream by
+    ``read_timeout * (max_retries + 1)`` (once for each try the SDK makes); its failures raised as
+    :func:`failure` says."""
+    seconds = read_timeout if streamed else read_timeout * (max_retries + 1)
+    try:
+        return await answer_within(seconds, backend, call)
+    except Exception as exc:
+        error = failure(exc, backend, sdk, sdk_error, secrets)
+        if error is exc:
+            raise
+        raise error from exc

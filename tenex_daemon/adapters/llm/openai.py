@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from tenex_daemon.adapters.llm.errors import MissingExtraError, answer_within, failure, note_refusal
+from tenex_daemon.adapters.llm.errors import MissingExtraError, note_refusal, sdk_answer
 from tenex_daemon.adapters.llm.keys import resolve_api_key
 from tenex_daemon.adapters.llm.openai_answer import StreamFold, read_completion
 from tenex_daemon.adapters.llm.openai_format import openai_tool_choice, to_openai_messages, to_openai_tools
@@ -99,23 +99,15 @@ class OpenAIBackend:
         return kwargs
 
     async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Send the request; stream into ``request.on_chunk`` when it is set.
-
-        The SDK's timeout bounds each read only, so the whole call is bounded too: a streamed answer must
-        be whole within the timeout, one that does not stream within ``timeout * (max_retries + 1)`` (the
-        timeout once for each try the SDK makes).
-        """
+        """Send the request; stream into ``request.on_chunk`` when it is set; bounded whole
+        (:func:`~tenex_daemon.adapters.llm.errors.sdk_answer`)."""
         kwargs = self._arguments(request)
-        try:
-            if request.on_chunk is None:
-                seconds = self.timeout * (self.max_retries + 1)
-                return await answer_within(seconds, self.name, self._complete_once(request, kwargs))
-            return await answer_within(self.timeout, self.name, self._complete_streamed(request, kwargs))
-        except Exception as exc:
-            error = failure(exc, self.name, openai, openai.OpenAIError, self._secrets)
-            if error is exc:
-                raise
-            raise error from exc
+        streamed = request.on_chunk is not None
+        call = self._complete_streamed(request, kwargs) if streamed else self._complete_once(request, kwargs)
+        return await sdk_answer(
+            call, streamed=streamed, read_timeout=self.timeout, max_retries=self.max_retries,
+            backend=self.name, sdk=openai, sdk_error=openai.OpenAIError, secrets=self._secrets,
+        )
 
     async def _complete_once(self, request: CompletionRequest, kwargs: dict[str, Any]) -> CompletionResult:
         response = await self._client.chat.completions.create(**kwargs)
