@@ -6,7 +6,7 @@ The exact strings here are part of the contract; clients and prompts depend on t
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
@@ -223,7 +223,8 @@ def build_agent_messages(
     answers to an earlier message of its burst, or to the message its previous run answered) or was
     already shown (by a run for a later message that went first: before its last processed index), and
     the trigger comes last. Other events saved after the trigger stay out of step 1 (they came after it;
-    the while-away block shows them, as it does without ``burst``).
+    the while-away block shows them, as it does without ``burst``, up to a person's later message, which
+    ends the history the run answers: :func:`_seen_until`).
 
     ``names``: people's profile names by pubkey, labelling them when several people write (else the
     short npub). Pure with respect to the conversation: it is not changed. The caller persists the
@@ -268,11 +269,13 @@ def build_agent_messages(
         messages.extend(_history_messages(later, sender, text if resolved else None))
     append = messages.append
 
-    # 2. The while-away block: what others said since the agent was last built for.
+    # 2. The while-away block: what others said since the agent was last built for, up to a person's
+    # message that came after the trigger (it gets a run of its own, after this one's reply).
+    seen_until = _seen_until(history, trigger_index, last_processed, sender)
     labels: dict[str, str] = {}
     away_parts: list[str] = []
     extend = away_parts.extend
-    for event in history[last_processed:]:
+    for event in history[last_processed:seen_until]:
         content = event.content
         if not content:
             continue
@@ -300,7 +303,7 @@ def build_agent_messages(
     return AgentContext(
         messages,
         session_id,
-        max(history_length, last_processed),
+        max(seen_until, last_processed),
         len(conversation.phase_transitions),
         protected=tuple(range(len(messages) - tail, len(messages))),
         summary=state.summary,
@@ -308,6 +311,26 @@ def build_agent_messages(
         in_order=in_order,
         resets=conversation.agent_resets,
     )
+
+
+def _seen_until(
+    history: Sequence[NostrEvent],
+    trigger_index: int | None,
+    last_processed: int,
+    sender: Callable[[str], _Sender],
+) -> int:
+    """Where the history a run answers ends: before the first person's message saved after the trigger
+    that the agent was not shown yet (docs/CONTEXT.md, "Bursts": a message that arrives while the run is
+    working gets the next run). Such a message came while the run was taking its turn; in the block it
+    would stand before the trigger as "the most recent user message" and be answered twice. The whole
+    history when the trigger is not stored."""
+    if trigger_index is None:
+        return len(history)
+    for index in range(max(trigger_index + 1, last_processed), len(history)):
+        event = history[index]
+        if event.content and sender(event.pubkey).role == "user":
+            return index
+    return len(history)
 
 
 def _fingerprint(

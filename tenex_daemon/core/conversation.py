@@ -213,6 +213,21 @@ class Conversation(BaseModel):
             return self.orchestrator_turns[-1]
         return None
 
+    def count_completion(self, agent_slug: str, event: NostrEvent, now: int) -> OrchestratorTurn | None:
+        """Count ``event``, a completion by ``agent_slug``, once, in the turn whose trigger it answers: the
+        open turn (which it may close), else a turn a newer one superseded while the agent worked (a
+        message routed meanwhile), which stays closed but shows the agent's result in the orchestrator's
+        routing history. Returns that superseded turn (a failed save takes the completion back out of it:
+        ``turn.completions.pop()``), None otherwise."""
+        turn = self.open_turn()
+        if turn is not None and turn.answered_by(event):
+            turn.add_completion(agent_slug, event.content, now)
+            return None
+        for turn in reversed(self.orchestrator_turns):
+            if turn.trigger_id is not None and turn.is_completed and turn.answered_by(event):
+                return turn if turn.add_late_completion(agent_slug, event.content, now) else None
+        return None
+
     @property
     def private(self) -> bool:
         """Whether it is a NIP-17 private conversation (its root a kind-14 rumor): its history is stored

@@ -5,7 +5,7 @@ Pure functions over an event, the agent directory and the conversation's history
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -165,3 +165,19 @@ def reply_person(conversation: Conversation, trigger: NostrEvent, directory: Age
             return event.pubkey
     root = conversation.root
     return root.pubkey if root is not None else trigger.pubkey
+
+
+def burst_people(
+    conversation: Conversation, trigger: NostrEvent, burst: Iterable[str], directory: AgentDirectory
+) -> list[str]:
+    """The people an agent's reply answering a burst goes to (docs/CONTEXT.md, "Bursts"): the
+    :func:`reply_person` of ``trigger``, then each other person who wrote one of its ``burst`` messages
+    (ids), once each, in history order: every message of it counts as answered, so each author is told."""
+    people = [reply_person(conversation, trigger, directory)]
+    indexes = sorted(index for index in map(conversation.index_of, burst) if index is not None)
+    for index in indexes:
+        author = conversation.history[index].pubkey
+        is_person = directory.role_of(author, conversation.claims_agent(author)) is AuthorRole.USER
+        if is_person and author not in people:
+            people.append(author)
+    return people

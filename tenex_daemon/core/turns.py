@@ -58,6 +58,14 @@ class OrchestratorTurn(BaseModel):
             self.is_completed = True
         return True
 
+    def add_late_completion(self, agent: str, message: str, timestamp: int) -> bool:
+        """Record ``agent``'s completion in this turn after a newer turn superseded it (it stays closed):
+        the orchestrator's routing history shows what the agent did. False for a repeat or a stranger."""
+        if agent not in self.agents or self.has_completed(agent):
+            return False
+        self.completions.append(Completion(agent=agent, message=message, timestamp=timestamp))
+        return True
+
     def routing_entry(self) -> dict[str, Any]:
         """Return the turn as a routing entry of the orchestrator's JSON context."""
         return {

@@ -17,7 +17,7 @@ from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionResult
 from tenex_daemon.core.ports import PartialTextPublisher, Publisher, ReplyComposer, ReplySpec
 from tenex_daemon.core.stops import STOPPED_COMPLETION, stopped_since
-from tenex_daemon.core.targeting import reply_person
+from tenex_daemon.core.targeting import burst_people, reply_person
 from tenex_daemon.core.thread_tags import read_threading
 from tenex_daemon.core.vocabulary import TAG_DELEGATION
 from tenex_daemon.runtime.background import BackgroundTasks
@@ -275,7 +275,7 @@ class AgentRunner:
             end_reason=effects.end_reason,
         )
         try:
-            reply = await self._save_reply(
+            reply, made = await self._save_reply(
                 request, profile, trigger, result, record, error_kind, effects, routing
             )
             reply_saved(reply.id)  # a stop that let it finish counts it as said before the stop
@@ -288,7 +288,9 @@ class AgentRunner:
                 self._send(self._typing(slug, thread, active=False), "typing stop")
         if self._observer is not None:
             self._observer.run_finished(request, time.perf_counter() - started, error_kind)
-        if routing is not None and not effects.end_conversation:
+        if routing is not None and not made:  # another daemon's answer: routed if it never was
+            await routing.saved_reply_found(cid, reply)
+        elif routing is not None and not effects.end_conversation:
             # An ended conversation is read-only: nobody is targeted by its last reply.
             await stops_recorded(SAVING_WAIT_S)  # a stop that let this run finish counts its reply first
             await routing.after_reply(cid, reply)
@@ -393,16 +395,29 @@ class AgentRunner:
         error_kind: str | None,
         effects: RunEffects,
         routing: ReplyRouting | None,
-    ) -> NostrEvent:
-        """Compose, journal (when routed on) and save the reply with what the run changed: one write."""
+    ) -> tuple[NostrEvent, bool]:
+        """Compose, journal (when routed on) and save the reply with what the run changed: one write. The
+        reply, and whether this run made it: with daemons sharing a database, one that took this run's
+        lease over while the model worked (it thought this daemon dead) may have answered the trigger
+        since; its answer, found under the conversation's lease, is kept instead (nothing is saved)."""
         cid = request.conversation_id
+        found: list[NostrEvent] = []
         # a routed agent that could not answer completes its part with the error: the orchestrator's open
         # turn would wait for it for ever (docs/ARCHITECTURE.md, "Orchestrator turns")
         complete = effects.complete if error_kind is None else request.via_orchestrator
         orchestrator = self._manager.agents.orchestrator
 
         async def compose(conversation: Conversation, net_time_seconds: int) -> NostrEvent:
-            destinations = [user_destination(conversation, trigger, self._manager)]
+            index = conversation.index_of(trigger.id) if self._shared_store else None
+            history = conversation.history
+            saved = None if index is None else self._answer_to(history, index, profile.agent.pubkey)
+            if saved is not None:  # the store takes it for the duplicate it is: the run changes nothing
+                log.warning("run_answered_elsewhere", conversation_id=cid, event_id=trigger.id, by=saved.id)
+                found.append(saved)
+                return saved
+            # a burst's reply answers each of its messages: their people are told (docs/CONTEXT.md, "Bursts")
+            burst = () if conversation.private else request.burst
+            destinations = burst_people(conversation, trigger, burst, self._manager.agents)
             # a private completion p-tags the person only: NIP-17 clients make a chat of the p-tags, and
             # the orchestrator is told by its completion tag (docs/PROTOCOL.md, "Private conversations")
             to_orchestrator = complete and not conversation.private
@@ -433,7 +448,8 @@ class AgentRunner:
             return reply
 
         # A reply tagged ["tool", "complete"] is counted as the open turn's completion here, once.
-        return await self._manager.append_reply(cid, compose, record)
+        reply = await self._manager.append_reply(cid, compose, record)
+        return reply, not found
 
     @staticmethod
     async def _stop_typing(

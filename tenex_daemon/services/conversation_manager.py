@@ -236,9 +236,8 @@ class ConversationManager:
             agent = self.agents.by_pubkey(event.pubkey)
             turn = conversation.open_turn()
             kept_turn = None if turn is None else turn.model_copy(deep=True)
-            done = event.has_tag(TAG_TOOL, TOOL_COMPLETE) and turn is not None and turn.answered_by(event)
-            if agent is not None and turn is not None and done:
-                turn.add_completion(agent.slug, event.content, now)
+            completes = agent is not None and event.has_tag(TAG_TOOL, TOOL_COMPLETE)
+            late = conversation.count_completion(agent.slug, event, now) if agent and completes else None
             appended = False
             try:  # a store of the port before it said whether the event was new returns None: new
                 answer = await self._store.append_event(conversation_id, event, state=conversation)
@@ -248,6 +247,8 @@ class ConversationManager:
                     before.restore(conversation)
                     if kept_turn is not None:
                         conversation.orchestrator_turns[-1] = kept_turn
+                    if late is not None:
+                        late.completions.pop()
             if not appended:
                 return False
             conversation.append(event)
@@ -317,9 +318,9 @@ class ConversationManager:
         """Save an agent run's reply and what the run changed, in one durable write (under the conversation's
         lock, loaded once): ``compose`` builds the signed reply from it and the working time with this run
         (seconds; it may journal the reply first); the agent's last processed index, session, transitions
-        seen, token usage, the run's working time and its end of the conversation (``end_conversation``) go
-        with the reply. A reply tagged ``["tool", "complete"]`` completes the agent's part of the open turn;
-        nothing changes (in memory either) when composing or saving fails."""
+        seen, token usage, working time and end of the conversation go with it. A reply tagged ``["tool",
+        "complete"]`` is counted in its turn (:meth:`Conversation.count_completion`); nothing changes (in
+        memory either) when composing or saving fails."""
         agent = self.agents.get(run.agent_slug)
         async with self._locked(conversation_id) as conversation:
             if conversation.archived:
@@ -334,10 +335,8 @@ class ConversationManager:
             state = conversation.agent_state(agent.slug)
             fresh = record_context(state, run.context, conversation.agent_resets)  # no reset since its build
             record_run(state, run.session_id if fresh else None, run.add_tokens)
-            turn = conversation.open_turn()
             completes = reply.has_tag(TAG_TOOL, TOOL_COMPLETE)
-            if turn is not None and completes and turn.answered_by(reply):
-                turn.add_completion(agent.slug, reply.content, now)
+            late = conversation.count_completion(agent.slug, reply, now) if completes else None
             conversation.updated_at = now
             kept_activity = conversation.activity_at
             conversation.activity_at = now
@@ -353,6 +352,8 @@ class ConversationManager:
                     if ended is not None:
                         ended.restore(conversation)
                     kept.restore(conversation, agent.slug)
+                    if late is not None:
+                        late.completions.pop()
                     conversation.activity_at = kept_activity
                     conversation.tools_used.pop(reply.id, None)
             if not saved:

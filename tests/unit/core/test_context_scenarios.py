@@ -183,6 +183,41 @@ async def test_trigger_not_in_history_walks_all_history_and_appears_once(
     assert context.messages == msgs(("user", "One"), ("assistant", "Two"), ("user", "Three (not stored)"))
 
 
+async def test_a_persons_message_after_the_trigger_ends_the_history_the_run_answers(
+    manager: ConversationManager, cast: Cast
+) -> None:
+    """What was saved after the trigger before the build: another agent's answer is in the block, a
+    person's later message is not (nor what came after it), and the last processed index stops before it,
+    so the run for that message shows it as its trigger, once."""
+    u1 = cast.user_says("Question one", kind=11)
+    cid = await start(manager, u1)
+    b1 = cast.bob_says("Bob answers one")
+    u2 = cast.user_says("Question two")
+    b2 = cast.bob_says("Bob answers two")
+    for event in (b1, u2, b2):
+        await manager.add_event(cid, event)
+
+    first = await manager.build_agent_messages(cid, "alice", u1)
+    await manager.add_event(cid, cast.alice_says("Alice answers one"))
+    second = await manager.build_agent_messages(cid, "alice", u2, burst=True)
+
+    assert first.messages == msgs(
+        ("system", BLOCK_HEAD + "💬 Bob:\nBob answers one\n\n" + BLOCK_TAIL),
+        ("system", NEW_INTERACTION),
+        ("user", "Question one"),
+    )
+    assert first.last_processed_index == 2
+    assert second.messages == msgs(
+        ("user", "Question one"),
+        ("system", "[Bob]: Bob answers one"),
+        ("assistant", "Alice answers one"),
+        ("system", BLOCK_HEAD + "💬 Bob:\nBob answers two\n\n" + BLOCK_TAIL),
+        ("system", NEW_INTERACTION),
+        ("user", "Question two"),
+    )
+    assert second.last_processed_index == 5
+
+
 async def test_empty_events_are_skipped_everywhere(manager: ConversationManager, cast: Cast) -> None:
     """Events with empty content appear neither in history nor in the while-away block."""
     u1 = cast.user_says("Hi", kind=11)

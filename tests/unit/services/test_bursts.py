@@ -9,6 +9,7 @@ import pytest
 from tenex_daemon.core.context import NEW_INTERACTION
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
+from tenex_daemon.core.nip19 import bech32_encode
 from tenex_daemon.services.runs import RunRequest
 from tests import pipeline
 from tests.conftest import Cast
@@ -101,8 +102,8 @@ async def alice_busy(cast: Cast, backend: GatedBackend) -> tuple[pipeline.Rig, N
 
 async def test_a_message_that_came_after_the_trigger_is_never_shown_before_it(cast: Cast) -> None:
     """A run whose trigger waited shows, after the history before its trigger, only the agent's own later
-    answers: a person's later message (here a direct one, behind a routed trigger) is in the while-away
-    block alone, never in the history before the trigger, which comes last."""
+    answers: a person's later message (here a direct one, behind a routed trigger) is not shown at all
+    (it gets the next run, which shows both answers before it), never before the trigger, which comes last."""
     backend = GatedBackend()
     rig, _, thread = await alice_busy(cast, backend)
     routed = cast.user_says("second, to whoever", tags=thread)
@@ -114,10 +115,15 @@ async def test_a_message_that_came_after_the_trigger_is_never_shown_before_it(ca
     await rig.settle()
 
     second_run = [(m.role, m.content) for m in backend.requests[1].messages]
-    assert second_run[:2] == [("user", "first"), ("assistant", "answer 1")]
-    assert "third, to alice" in second_run[2][1]  # the while-away block
-    assert second_run[3:] == [("system", NEW_INTERACTION), ("user", "second, to whoever")]
-    assert [(m.role, m.content) for m in backend.requests[2].messages][-1] == ("user", "third, to alice")
+    assert second_run == [("user", "first"), ("assistant", "answer 1"), ("user", "second, to whoever")]
+    third_run = [(m.role, m.content) for m in backend.requests[2].messages]
+    assert third_run == [
+        ("user", "first"),
+        ("user", "second, to whoever"),
+        ("assistant", "answer 1"),
+        ("assistant", "answer 2"),
+        ("user", "third, to alice"),
+    ]
 
 
 async def test_the_scheduler_runs_the_newest_waiting_request_once_for_a_burst(cast: Cast) -> None:
@@ -278,3 +284,71 @@ async def test_a_burst_run_answers_the_newest_message_whatever_order_its_request
     assert reply.tag_value("e") == later.id
     shown = [(m.role, m.content) for m in backend.requests[0].messages]
     assert (shown[0], shown[-1]) == (("user", "first"), ("user", "second"))
+
+
+class HeldResolver:
+    """Resolves no reference; the first lookup waits until released (a relay slow to answer)."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def resolve(self, entity: object) -> NostrEvent | None:
+        """Find nothing, after ``release``."""
+        self.asked.set()
+        await self.release.wait()
+        return None
+
+
+async def test_a_message_that_arrives_while_the_run_builds_its_context_waits_for_the_next_run(
+    cast: Cast,
+) -> None:
+    """A person's second message saved while the run for the first is still building its context (here
+    resolving a reference) is not shown to that run (its first call is exactly the first message), and
+    the next run answers it, shown the first answer: one answer per message, in order."""
+    backend = GatedBackend()
+    backend.release.set()
+    resolver = HeldResolver()
+    rig = pipeline.build_rig(cast, backend=backend, resolver=resolver)
+    note = "nostr:" + bech32_encode("note", bytes.fromhex("ab" * 32))
+    root = cast.user_says(f"first, see {note}", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(resolver.asked.wait(), 5)
+    second = cast.user_says("second", tags=thread)
+    await rig.dispatcher.handle(second)
+
+    resolver.release.set()
+    await rig.settle()
+
+    calls = [[(m.role, m.content) for m in request.messages] for request in backend.requests]
+    assert calls == [
+        [("user", root.content)],
+        [("user", root.content), ("assistant", "answer 1"), ("user", "second")],
+    ]
+    replies = rig.publisher.published
+    assert [(r.content, r.tag_value("e")) for r in replies] == [("answer 1", root.id), ("answer 2", second.id)]
+
+
+async def test_a_burst_from_two_people_is_addressed_to_both(cast: Cast) -> None:
+    """Two people writing to a busy agent are answered by one run: its reply p-tags each of them (the
+    newest message's author first), since it counts as the answer to both messages."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(
+        cast, backend=backend, whitelist=[cast.other_user.pubkey], whitelist_may_join=True,
+        composer=pipeline.real_composer(cast),
+    )
+    root = cast.user_says("first", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    await rig.dispatcher.handle(cast.user_says("question one", tags=thread))
+    second = cast.factory.event(cast.other_user, "question two", tags=thread)
+    await rig.dispatcher.handle(second)
+
+    backend.release.set()
+    await rig.settle()
+
+    last = rig.publisher.published[-1]
+    assert (last.content, last.tag_value("e")) == ("answer 2", second.id)
+    assert [tag[1] for tag in last.tags if tag[0] == "p"] == [cast.other_user.pubkey, cast.user.pubkey]

@@ -708,6 +708,55 @@ async def test_a_late_completion_does_not_close_the_turn_that_superseded_its_own
     newest = conversation.orchestrator_turns[-1]
     assert [(c.agent, c.message) for c in newest.completions] == [("alice", "second done")]
     assert newest.is_completed
+    superseded = conversation.orchestrator_turns[0]  # the late one is kept where it belongs, shown in history
+    assert [(c.agent, c.message) for c in superseded.completions] == [("alice", "first done")]
+
+
+class HeldCompleter:
+    """An agent backend calling `complete` with "<n>: done" at its n-th run; its first run waits for
+    ``release``; a tool result gets a plain answer."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.asked = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Complete (the first run once released), or answer after the tool's result."""
+        if request.messages and not isinstance(request.messages[-1], ChatMessage):
+            return CompletionResult(text="ok", model="held")
+        self.runs += 1
+        if self.runs == 1:
+            self.asked.set()
+            await self.release.wait()
+        return calls((f"c{self.runs}", "complete", {"summary": f"{self.runs}: done"}))
+
+
+async def test_an_agents_completion_of_a_turn_superseded_while_it_worked_reaches_the_orchestrator(
+    cast: Cast,
+) -> None:
+    """The person writes again while the routed agent works: the newer message's turn supersedes the
+    first, and the agent's completion of the first, saved later, is shown in that turn's routing history
+    when the orchestrator decides next (not lost, not counted in the newer turn)."""
+    alice = HeldCompleter()
+    orchestrator = ScriptedBackend(
+        [text('{"agents": ["alice"], "reason": "one"}'), text('{"agents": ["bob"], "reason": "two"}')]
+        + [text('{"agents": ["END"], "reason": "done"}')] * 2
+    )
+    rig = make_rig(cast, orchestrator, alice=alice)
+    root = cast.user_says("task one", kind=11)
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(alice.asked.wait(), 5)
+    await rig.dispatcher.handle(cast.user_says("task two", tags=[*thread(root), ["e", root.id]]))
+
+    alice.release.set()
+    await settle(rig)
+
+    third = routing_contexts(orchestrator)[2]
+    shown = [(t["agents"], [c["message"] for c in t["completions"]]) for t in third["routing_history"]]
+    assert shown == [(["alice"], ["1: done"]), (["bob"], ["done"])]
 
 
 async def test_in_a_kind_1_thread_a_reply_to_a_later_message_does_not_close_the_roots_turn(cast: Cast) -> None:

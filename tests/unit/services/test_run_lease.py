@@ -9,6 +9,9 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcon
 
 from tenex_daemon import MemoryStore
 from tenex_daemon.services.runs import RUN_LEASE_PREFIX, RunRequest, RunScheduler, saving_reply
+from tests import pipeline
+from tests.conftest import Cast
+from tests.unit.services.test_bursts import GatedBackend
 
 
 class LeasePeers:
@@ -127,3 +130,26 @@ async def test_a_stop_that_comes_with_a_lost_lease_still_stops_the_run() -> None
     assert [r.trigger_id for r in stopped] == ["t1"]
     assert calls == [("t1", False)]
     assert (scheduler.failed, scheduler.completed) == (0, 0)
+
+
+async def test_an_answer_another_daemon_saved_while_the_model_worked_is_kept_not_doubled(cast: Cast) -> None:
+    """With daemons sharing a database, another daemon that took this run over while the model worked
+    (a partition it took for this daemon's death, its lease then given back) saved its answer to the
+    trigger: the run, finding it under the conversation's lease, saves nothing, and publishes that one."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend, peers=LeasePeers())
+    root = cast.user_says("Plan it", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", root.pubkey]]
+    elsewhere = cast.alice_says("the other daemon's answer", tags=thread)
+    await rig.manager.add_event(root.id, elsewhere)
+
+    backend.release.set()
+    await rig.settle()
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert [e.content for e in conversation.history] == ["Plan it", "the other daemon's answer"]
+    alice = [e.id for e in rig.publisher.published if e.pubkey == cast.alice.pubkey]
+    assert alice == [elsewhere.id]
