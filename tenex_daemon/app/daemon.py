@@ -469,7 +469,7 @@ class Daemon:
         self.sweeper = Sweeper(
             pipeline.manager, RetentionPolicy.of(settings.conversations), threads=pipeline.threads,
             on_sweep=self.metrics.retention_swept, undelivered=pipeline.outbox.holds,
-            busy=pipeline.scheduler.has_runs, clock_steps=WallClockSteps(self.store),
+            busy=pipeline.scheduler.holds, clock_steps=WallClockSteps(self.store),
             held_elsewhere=every_outbox(self.store, self._peers, project_signer.pubkey),
         )
         sweep_every_s = settings.conversations.sweep_interval_min * 60

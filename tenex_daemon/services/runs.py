@@ -271,6 +271,14 @@ class RunScheduler:
             conversation_id in self._redoing_in.values()
         )
 
+    def holds(self, conversation_id: str) -> bool:
+        """Whether a run of the conversation is to come: :meth:`has_runs`, or one parked until its agent is
+        configured again. Retention leaves such a conversation alone (it would end, archive or delete
+        what that run is to answer); joining a channel's or task's open conversation does not wait for it."""
+        return self.has_runs(conversation_id) or any(
+            entry["conversation_id"] == conversation_id for entry in self._parked.values()
+        )
+
     def redoing(self, event_id: str, conversation_id: str) -> None:
         """A dispatch a previous process left (:meth:`dispatches_to_redo`) is of a stored event of
         ``conversation_id``: the conversation counts as busy (:meth:`has_runs`) until the dispatch is over,

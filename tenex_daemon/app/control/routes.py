@@ -192,7 +192,7 @@ async def _archive(request: web.Request) -> web.Response:
     conversation_id = _conversation_id(request)
     target = _target(request)
     pipeline = target.pipeline if isinstance(target, PipelineTarget) else None
-    if pipeline is not None and pipeline.scheduler.has_runs(conversation_id):  # answers it could not save
+    if pipeline is not None and pipeline.scheduler.holds(conversation_id):  # answers it could not save
         await pipeline.dispatcher.stop(conversation_id, None, by="owner")
     if not await target.manager.archive_conversation(conversation_id, ending_by="owner"):
         raise ApiError(409, f"conversation {conversation_id} is archived already")

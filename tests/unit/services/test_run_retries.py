@@ -15,7 +15,9 @@ import structlog.testing
 from tenex_daemon import MemoryStore, NostrEvent
 from tenex_daemon.core.llm import CompletionResult, ToolCall
 from tenex_daemon.services import runs
+from tenex_daemon.services.retention import RetentionPolicy, Sweeper
 from tenex_daemon.services.runs import RunRequest
+from tenex_daemon.testing import FakeClock
 from tenex_daemon.testing.fakes import ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
@@ -210,6 +212,7 @@ async def test_a_journaled_run_of_an_agent_no_longer_configured_is_parked_not_tr
 
     journal = json.loads(await rig.store.get_meta(runs.PENDING_RUNS_KEY) or "[]")
     assert not rig.scheduler.has_runs(root.id)
+    assert rig.scheduler.holds(root.id)  # a run is to come: retention leaves the conversation alone
     assert [e["agent"] for e in logs if e["event"] == "run_parked"] == ["carol"]
     assert not [e for e in logs if e["event"] in ("run_retry", "run_agent_unknown")]
     assert [(e["conversation_id"], e["agent_slug"]) for e in journal] == [(root.id, "carol")]
@@ -235,6 +238,39 @@ async def test_a_parked_run_is_answered_once_its_agent_is_configured_again(cast:
     await again.scheduler.recover()
     await again.settle()
 
+    alice = [e for e in again.publisher.published if e.pubkey == cast.alice.pubkey]
+    assert [(e.content, e.tag_value("e")) for e in alice] == [("answer 1", root.id)]
+
+
+async def test_retention_leaves_the_conversation_of_a_parked_run_alone(cast: Cast) -> None:
+    """A conversation whose run waits parked (its agent not configured at this start) is the oldest, yet a
+    sweep over the retention limit neither ends nor deletes it: once the agent is configured again, the
+    person's message is answered."""
+    store, clock = MemoryStore(), FakeClock()
+    without_alice = [agent for agent in cast.agents if agent.slug != "alice"]
+    first = pipeline.build_rig(
+        cast, backend=numbered(), agents=without_alice, store=store, default_agent="bob", clock=clock
+    )
+    root = cast.user_says("are you there?", kind=11, tags=[["p", cast.alice.pubkey]])
+    await first.manager.create_conversation(root)
+    waiting = {"conversation_id": root.id, "trigger_id": root.id, "agent_slug": "alice"}
+    await store.set_meta(runs.PENDING_RUNS_KEY, json.dumps([waiting]))
+    await first.scheduler.recover()
+    for number in range(3):
+        clock.advance(60_000)
+        await first.manager.create_conversation(cast.user_says(f"other {number}", kind=11))
+    clock.advance(2 * 3600_000)
+    sweeper = Sweeper(first.manager, RetentionPolicy(max_retained=2), busy=first.scheduler.holds)
+
+    swept = await sweeper.sweep_once()
+
+    kept = await first.manager.get_conversation(root.id)
+    assert kept is not None
+    assert kept.ended_at is None
+    assert swept.deleted == 2  # the two oldest of the others
+    again = pipeline.build_rig(cast, backend=numbered(), store=store, clock=clock)
+    await again.scheduler.recover()
+    await again.settle()
     alice = [e for e in again.publisher.published if e.pubkey == cast.alice.pubkey]
     assert [(e.content, e.tag_value("e")) for e in alice] == [("answer 1", root.id)]
 
