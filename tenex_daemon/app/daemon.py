@@ -516,7 +516,9 @@ class Daemon:
         if self.descriptions is not None:
             await self.descriptions.stop()  # what is left is found in the store at next start
         if self.pipeline is not None:
-            cancelled = await self.pipeline.scheduler.drain(self.settings.daemon.grace_period_s)
+            # a stop asked while starting waits for no run the start began (they stay journaled)
+            grace_s = self.settings.daemon.grace_period_s if self._ready.is_set() else 0.0
+            cancelled = await self.pipeline.scheduler.drain(grace_s)
             if cancelled:
                 log.warning("runs_cancelled_at_shutdown", count=cancelled, note="redone at next start")
             if self.pipeline.live_status is not None:
