@@ -1,20 +1,51 @@
 """A start on an empty store beside a home whose own store holds conversations is refused
 (docs/ARCHITECTURE.md, "Durability contract"): ``storage.kind`` switched to PostgreSQL, or ``storage.path``
 pointed at a new folder, without the conversations copied. The empty store knows no event as processed, so
-the daemon would answer again every message the relays still hold, each person getting a second answer."""
+the daemon would answer again every message the relays still hold, each person getting a second answer.
+Before that, the store is opened (:func:`open_when_free`) waiting a moment for a command reading the home."""
 
 from __future__ import annotations
 
+import asyncio
 import shlex
 from pathlib import Path
 
+import structlog
+
 from tenex_daemon.adapters.nostr.relay_pool.subscriptions import ANY_RELAY, cursor_key
 from tenex_daemon.adapters.storage.filesystem.layout import ARCHIVE_DIR, Layout
+from tenex_daemon.adapters.storage.filesystem.lock import StoreLockedError
 from tenex_daemon.app.embedded_relay import relay_url
 from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.search import SearchQuery
+
+log = structlog.get_logger(__name__)
+
+LOCK_WAIT_S = 3.0
+"""How long a starting daemon waits for a home's lock another process holds before it is refused."""
+
+
+async def open_when_free(store: Store, wait_s: float = LOCK_WAIT_S) -> None:
+    """Open ``store``, waiting up to ``wait_s`` while another process holds the home's lock: a tenexd
+    command reading the home while no daemon answered it (`tenexd conversations list` just before
+    `scripts/run`) holds it for a moment, and the daemon's start was refused for it. A daemon holding it
+    is still refused (:class:`StoreLockedError`), after the wait."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    told = False
+    while True:
+        try:
+            await store.open()
+            return
+        except StoreLockedError as exc:
+            if loop.time() >= deadline:
+                raise
+            if not told:
+                log.info("store_lock_waiting", holder=exc.pid, wait_s=wait_s)
+                told = True
+            await asyncio.sleep(0.2)
 
 
 class EmptyStoreError(TenexError):

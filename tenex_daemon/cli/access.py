@@ -160,8 +160,8 @@ async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
         await store.open()
     except StoreLockedError as exc:
         raise AccessError(
-            f"{exc}; its control socket {settings.control_socket_path} does not answer "
-            "(is the daemon stuck? see `tenexd status`)",
+            f"{exc}; its control socket {settings.control_socket_path} does not answer (a daemon starting "
+            "opens it once its relays answer: try again in a moment; if it lasts, see `tenexd status`)",
             503,
         ) from None
     except OSError as exc:  # a storage path that is a file, or not this user's to read
