@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import structlog
 from pydantic import ValidationError
@@ -229,7 +230,7 @@ def _agent_block(agent: DemoAgent | AgentSettings, backend: str | BackendSetting
         lines += [f"{key} = {toml_string(value)}" for key, value in recorded if value]
     lines += ["", "[agents.backend]"]
     if isinstance(backend, str):
-        backend = BackendSettings(kind=backend)
+        backend = backend_of(backend)
     if agent.orchestrator and backend.kind == "local":
         # The bundled 135M model cannot produce routing decisions; the rules route instead.
         lines += [
@@ -374,10 +375,16 @@ def invalid_agent(error: ValidationError) -> HomeError:
     return HomeError("invalid agent: " + "; ".join(problems))
 
 
+DEFAULT_MODELS: Final = {"openai": "gpt-4o-mini"}
+"""The model a backend that needs one is written with by ``init`` and ``agents add --backend`` (the README's
+example); config.toml's ``model`` changes it."""
+
+
 def backend_of(kind: str) -> BackendSettings:
-    """The backend settings of ``kind`` alone; HomeError when it needs more (the openai backend, a model)."""
+    """The backend settings of ``kind`` (with its :data:`DEFAULT_MODELS` model); HomeError when it needs
+    more."""
     try:
-        return BackendSettings(kind=kind)
+        return BackendSettings(kind=kind, model=DEFAULT_MODELS.get(kind))
     except ValidationError as exc:
         problems = "; ".join(str(error["msg"]).removeprefix("Value error, ") for error in exc.errors())
         raise HomeError(f"backend {kind!r}: {problems}; write its settings into config.toml") from None

@@ -61,12 +61,13 @@ def test_unknown_backend_at_init_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "h" / "config.toml").exists()
 
 
-def test_a_backend_that_needs_more_settings_at_init_is_refused(tmp_path: Path) -> None:
-    """init with the openai backend (it needs a model) says so in one HomeError and writes nothing, no key
-    file either."""
-    with pytest.raises(HomeError, match="backend 'openai': the openai backend needs a model name"):
-        init_home(tmp_path / "h", backend="openai")
-    assert not (tmp_path / "h").exists()
+def test_init_with_the_openai_backend_writes_the_readmes_model(tmp_path: Path) -> None:
+    """init with the openai backend, which `tenexd init --help` offers (it needs a model), writes the
+    README's `gpt-4o-mini` for every agent, and the settings load."""
+    init_home(tmp_path / "h", backend="openai")
+
+    settings = load_settings(tmp_path / "h", {})
+    assert {(a.backend.kind, a.backend.model) for a in settings.agents} == {("openai", "gpt-4o-mini")}
 
 
 def test_the_claude_backends_have_their_models_window_and_an_openai_one_without_it_is_named(
