@@ -195,7 +195,7 @@ class Metrics:
             namespace=NAMESPACE, registry=self.registry,
         )
         self.control_requests_refused = Counter(
-            "control_requests_refused", "Control API requests on the TCP port refused, by reason.",
+            "control_requests_refused", "Control API requests (or connections) on the TCP port refused.",
             ["reason"], namespace=NAMESPACE, registry=self.registry,
         )
 
@@ -216,7 +216,8 @@ class Metrics:
         self.events_own_copies.inc()
 
     def control_request_refused(self, reason: str) -> None:
-        """Count a control API request refused for ``reason`` (bad_host, cross_origin, no/bad_token)."""
+        """Count a control API request refused for ``reason`` (bad_host, cross_origin, no/bad_token), or a
+        connection closed as it came (too_many_connections)."""
         self.control_requests_refused.labels(reason=reason).inc()
 
     def reply_published(self, agent: str) -> None:

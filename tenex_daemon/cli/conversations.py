@@ -23,7 +23,17 @@ from tenex_daemon.cli.invocation import (
     with_access,
     with_conversation,
 )
-from tenex_daemon.cli.output import EXIT_USAGE, JsonOption, err, fail, ms_time, out, print_json, s_time
+from tenex_daemon.cli.output import (
+    EXIT_USAGE,
+    JsonOption,
+    err,
+    fail,
+    ms_time,
+    out,
+    print_json,
+    printable,
+    s_time,
+)
 from tenex_daemon.cli.references import AccessError
 from tenex_daemon.cli.typer_app import TenexTyper
 from tenex_daemon.core import nip19
@@ -69,7 +79,7 @@ def _names(settings: Settings) -> dict[str, str]:
 
 
 def _author(pubkey: str, names: dict[str, str]) -> str:
-    return names.get(pubkey) or nip19.encode_npub(pubkey)[:16] + "…"
+    return printable(names.get(pubkey) or nip19.encode_npub(pubkey)[:16] + "…")
 
 
 SHOWN_ID_DIGITS = 12
@@ -79,6 +89,8 @@ SHOWN_TITLE_CHARS = 80
 
 
 def _conversation_table(rows: list[dict[str, Any]], title: str) -> Table:
+    """The listing's table; what the store holds is shown with its control characters escaped
+    (:func:`~tenex_daemon.cli.output.printable`): a title is a person's or a model's."""
     from tenex_daemon.core.text import shortened
 
     table = Table(title=title)
@@ -87,8 +99,8 @@ def _conversation_table(rows: list[dict[str, Any]], title: str) -> Table:
     for row in rows:
         status = "ended" if row.get("ended_at") is not None else "active"
         table.add_row(
-            str(row["id"])[:SHOWN_ID_DIGITS], shortened(str(row["title"]), SHOWN_TITLE_CHARS),
-            str(row["phase"]), str(row["event_count"]), str(row["agent_count"]),
+            printable(row["id"])[:SHOWN_ID_DIGITS], shortened(printable(row["title"]), SHOWN_TITLE_CHARS),
+            printable(row["phase"]), str(row["event_count"]), str(row["agent_count"]),
             ms_time(row.get("updated_at")),
             f"{status}, archived" if row.get("archived") else status,
         )
@@ -190,7 +202,7 @@ def _print_history(history: list[dict[str, Any]], names: dict[str, str]) -> None
     for index, event in enumerate(history):
         table.add_row(
             str(index), s_time(event["created_at"]), _author(event["pubkey"], names), str(event["kind"]),
-            Text(event["content"]),
+            Text(printable(event["content"])),
         )
     out.print(table)
 
@@ -201,7 +213,8 @@ def _print_agent_states(agent_states: dict[str, Any]) -> None:
         table.add_column(column)
     for slug, state in sorted(agent_states.items()):
         used = f"{state.get('prompt_tokens', 0):,} + {state.get('completion_tokens', 0):,}"
-        table.add_row(slug, str(state["last_processed_index"]), str(state.get("session_id") or "-"), used)
+        session = printable(state.get("session_id") or "-")
+        table.add_row(printable(slug), str(state["last_processed_index"]), session, used)
     out.print(table)
 
 
@@ -211,8 +224,8 @@ def _print_transitions(transitions: list[dict[str, Any]]) -> None:
         table.add_column(column, overflow="fold")
     for t in transitions:
         table.add_row(
-            ms_time(t.get("timestamp")), str(t.get("from_phase")), str(t.get("to_phase")),
-            str(t.get("agent_slug")), str(t.get("reason") or t.get("message") or ""),
+            ms_time(t.get("timestamp")), printable(t.get("from_phase")), printable(t.get("to_phase")),
+            printable(t.get("agent_slug")), printable(t.get("reason") or t.get("message") or ""),
         )
     out.print(table)
 
@@ -230,9 +243,9 @@ def conversations_show(
         print_json(data)
         return
     names = _names(settings_of(ctx))
-    out.print(Text(str(data["title"]), style="bold"))
+    out.print(Text(printable(data["title"]), style="bold"))
     out.print(
-        f"id {data['id']}\nphase {data['phase']}, {len(data['history'])} events, "
+        f"id {printable(data['id'])}\nphase {printable(data['phase'])}, {len(data['history'])} events, "
         f"created {ms_time(data.get('created_at'))}, updated {ms_time(data.get('updated_at'))}, "
         f"execution {data.get('execution_seconds', 0)} s{', archived' if data.get('archived') else ''}"
         + (", private (NIP-17: gift-wrapped, never published in the clear)" if data.get("private") else "")
@@ -250,20 +263,22 @@ def conversations_show(
 
 def _print_lifecycle(data: dict[str, Any]) -> None:
     """The conversation's life: ended (when, by whom, why) or active, where its title came from, its
-    summary, its task session."""
+    summary, its task session (their control characters escaped: a reason or a summary may be a model's)."""
     if data.get("ended_at") is not None:
-        why = f": {data['end_reason']}" if data.get("end_reason") else ""
-        out.print(f"ended {ms_time(data['ended_at'])} by {data.get('ended_by')}{why}")
+        why = f": {printable(data['end_reason'])}" if data.get("end_reason") else ""
+        out.print(f"ended {ms_time(data['ended_at'])} by {printable(data.get('ended_by'))}{why}")
     else:
         out.print(f"active, last activity {ms_time(data.get('activity_at'))}")
     if data.get("title_source"):
-        out.print(f"title source: {data['title_source']}")
+        out.print(f"title source: {printable(data['title_source'])}")
     if data.get("description"):
-        out.print(Text(f"summary: {data['description']}", style="italic"))
+        out.print(Text(f"summary: {printable(data['description'])}", style="italic"))
     if data.get("task_id"):
-        previous = f", follows session {data['previous_session']}" if data.get("previous_session") else ""
+        previous = (
+            f", follows session {printable(data['previous_session'])}" if data.get("previous_session") else ""
+        )
         out.print(
-            f"task {data['task_id']}: session expires {ms_time(data.get('expires_at'))}, "
+            f"task {printable(data['task_id'])}: session expires {ms_time(data.get('expires_at'))}, "
             f"{data.get('token_count', 0):,} tokens{previous}"
         )
 
@@ -306,7 +321,8 @@ def conversations_stop(
         _check_agent(settings_of(ctx), agent)
     cid, result = with_conversation(ctx, conversation_id, lambda access, cid: access.stop(cid, agent))
     stopped = result.get("stopped") or []
-    out.print(f"stopped {', '.join(stopped)} in {cid}" if stopped else f"nothing was running in {cid}")
+    shown = printable(", ".join(stopped))
+    out.print(f"stopped {shown} in {cid}" if stopped else f"nothing was running in {cid}")
 
 
 @conversations_app.command("restore")
@@ -476,10 +492,10 @@ def context(
         return
     _print_message("--- [persona] system ---", data["persona"])
     for index, message in enumerate(data["messages"]):
-        _print_message(f"--- [{index}] {message['role']} ---", message["content"])
+        _print_message(f"--- [{index}] {printable(message['role'])} ---", message["content"])
     out.print(Text(
-        f"--- {len(data['messages'])} message(s) for {agent}; trigger {data['trigger']}; "
-        f"session {data['session_id'] or '-'} ---", style="dim",
+        f"--- {len(data['messages'])} message(s) for {agent}; trigger {printable(data['trigger'])}; "
+        f"session {printable(data['session_id'] or '-')} ---", style="dim",
     ))
     budget = data.get("budget")
     if budget:
@@ -508,9 +524,10 @@ def _check_agent(settings: Settings, slug: str) -> None:
 
 
 def _print_message(heading: str, content: str) -> None:
-    """Print a heading, then the content as it is (no markup, no wrapping) and a line break."""
+    """Print a heading, then the content as it is (no markup, no wrapping, its control characters but line
+    feed and tab escaped: a person's or a model's words) and a line break."""
     out.print(Text(heading, style="bold cyan"))
     sys.stdout.flush()
     out.file.flush()
-    sys.stdout.write(content + "\n")
+    sys.stdout.write(printable(content) + "\n")
     sys.stdout.flush()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from datetime import UTC, datetime
 from typing import Annotated, Any, Final, NoReturn
@@ -37,10 +38,25 @@ err = Console(stderr=True, soft_wrap=True, markup=False, emoji=False, width=_con
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
+_CONTROL_CHARACTERS: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(value: object) -> str:
+    """``value`` as text safe to print on a terminal: each C0 and C1 control character but line feed and tab
+    (ESC among them) written as a visible escape, ``\\x1b``.
+
+    Titles, summaries, reasons and messages come from people and models: an escape sequence in them would
+    reach the operator's terminal (Rich drops only a few control characters) and set its title, write its
+    clipboard (OSC 52) or move the cursor over what was printed. An escape rather than U+FFFD shows which
+    character was there. ``--json`` needs none of this: JSON escapes them.
+    """
+    return _CONTROL_CHARACTERS.sub(lambda match: f"\\x{ord(match.group()):02x}", str(value))
+
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
-    """Print ``error: message`` on stderr and exit with ``code``."""
-    err.print(Text(f"error: {message}", style="bold red"))
+    """Print ``error: message`` on stderr (its control characters shown, as it may quote the daemon or a
+    relay) and exit with ``code``."""
+    err.print(Text(f"error: {printable(message)}", style="bold red"))
     raise typer.Exit(code)
 
 

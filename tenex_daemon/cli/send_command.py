@@ -21,7 +21,7 @@ from tenex_daemon.cli.invocation import (
     run_async,
     settings_of,
 )
-from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, err, fail, out
+from tenex_daemon.cli.output import EXIT_FAILURE, EXIT_USAGE, err, fail, out, printable
 from tenex_daemon.cli.references import AccessError, ConversationAccess, resolve_conversation
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE
@@ -44,8 +44,8 @@ def _reply_printer(agents: list[Agent], as_json: bool) -> Callable[[Agent, Nostr
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
             return
-        out.print(Text(f"[{names.get(event.pubkey, agent.slug)}] ", style="bold green"), end="")
-        out.print(Text(event.content))
+        out.print(Text(f"[{printable(names.get(event.pubkey, agent.slug))}] ", style="bold green"), end="")
+        out.print(Text(printable(event.content)))  # a model's text: no escape sequence reaches the terminal
 
     return show
 

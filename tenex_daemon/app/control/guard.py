@@ -11,13 +11,17 @@ local user and, through a browser, by every web page. So on TCP:
   read from a 0600 file in the home (``run/control.token``), created at the daemon's start when
   missing and kept across restarts (:mod:`~tenex_daemon.app.control.token`); the CLI reads the same file.
 
-Each refusal is logged (``control_request_refused`` with its ``reason``) and counted
-(``tenexd_control_requests_refused_total{reason}``).
+Each refusal is counted (``tenexd_control_requests_refused_total{reason}``) and logged
+(``control_request_refused`` with its ``reason``), the first :data:`LOGGED_PER_INTERVAL` of a reason in
+each :data:`REFUSAL_LOG_INTERVAL_S` seconds only (:class:`RefusalLog`): refusals cost a client nothing, and
+logging each one let anyone on the host write hundreds of megabytes of log in seconds.
 """
 
 from __future__ import annotations
 
 import hmac
+import time
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Final
 
@@ -30,6 +34,13 @@ from tenex_daemon.app.control.routes import TARGET_KEY, Handler
 log = structlog.get_logger(__name__)
 
 _SAME_SITE_FETCHES: Final = frozenset({"same-origin", "none"})
+LOGGED_CHARS: Final = 200
+"""How much of a refused request's path, Host and Origin is logged (they are the client's, of any length)."""
+REFUSAL_LOG_INTERVAL_S: Final = 10.0
+"""The interval in which a refusal's reason is logged :data:`LOGGED_PER_INTERVAL` times at most."""
+LOGGED_PER_INTERVAL: Final = 5
+"""How many refusals of a reason are logged in an interval: a client misconfigured once shows in the log
+as it is, a flood costs five lines a reason."""
 
 
 class Refusal(StrEnum):
@@ -39,6 +50,45 @@ class Refusal(StrEnum):
     CROSS_ORIGIN = "cross_origin"
     NO_TOKEN = "no_token"
     BAD_TOKEN = "bad_token"
+
+
+class RefusalLog:
+    """Logs ``event`` for the first ``per_interval`` refusals of a reason in each ``interval_s`` seconds;
+    the next line of a reason says how many of its refusals were not logged before it (``not_logged``).
+
+    A refused client can repeat itself thousands of times a second at no cost: one warning each filled the
+    disk (30,000 refusals of an 8,000-character path in 10 s wrote 255 MB). The metrics count every one.
+    """
+
+    def __init__(
+        self,
+        event: str,
+        interval_s: float = REFUSAL_LOG_INTERVAL_S,
+        per_interval: int = LOGGED_PER_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Log under the name ``event``; ``clock`` (seconds, monotonic) is the test's to set."""
+        self.event = event
+        self.interval_s = interval_s
+        self.per_interval = per_interval
+        self._clock = clock
+        self._interval_ends: dict[str, float] = {}
+        self._logged: dict[str, int] = {}
+        self._not_logged: dict[str, int] = {}
+
+    def __call__(self, reason: str, **fields: object) -> None:
+        """Log a refusal for ``reason`` with ``fields``, or count it for the next line when its interval
+        logged ``per_interval`` already."""
+        now = self._clock()
+        if now >= self._interval_ends.get(reason, now):
+            self._interval_ends[reason] = now + self.interval_s
+            self._logged[reason] = 0
+        if self._logged[reason] >= self.per_interval:
+            self._not_logged[reason] = self._not_logged.get(reason, 0) + 1
+            return
+        self._logged[reason] += 1
+        not_logged = self._not_logged.pop(reason, 0)
+        log.warning(self.event, reason=reason, **fields, **({"not_logged": not_logged} if not_logged else {}))
 
 
 def _host_literal(host: str) -> str:
@@ -57,6 +107,7 @@ class TcpGuard:
         self.bind_host = bind_host
         self._hosts: frozenset[str] = frozenset()
         self._origins: frozenset[str] = frozenset()
+        self.log_refusal = RefusalLog("control_request_refused")
 
     def bind(self, port: int) -> None:
         """Accept the Host names and origins of the server on ``port``."""
@@ -95,11 +146,12 @@ class TcpGuard:
             reason = self.refusal(request)
             if reason is None:
                 return await handler(request)
-            log.warning(
-                "control_request_refused", reason=reason.value, method=request.method, path=request.path,
-                host=request.headers.get("Host", "")[:200], origin=request.headers.get("Origin", "")[:200],
-            )
             request.app[TARGET_KEY].metrics.control_request_refused(reason.value)
+            self.log_refusal(
+                reason.value, method=request.method[:LOGGED_CHARS], path=request.path[:LOGGED_CHARS],
+                host=request.headers.get("Host", "")[:LOGGED_CHARS],
+                origin=request.headers.get("Origin", "")[:LOGGED_CHARS],
+            )
             return _refused(reason)
 
         return guard

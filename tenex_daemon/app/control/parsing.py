@@ -78,10 +78,12 @@ def _parse_id_prefix(value: str) -> str:
 
 
 def _parse_limit(raw: str) -> int:
-    # isdecimal, not isdigit: a superscript ("²") is a digit that int() cannot read (it raised: a 500)
-    if not raw.isdecimal() or not 1 <= int(raw) <= MAX_LIMIT:
-        raise ApiError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, got {raw!r}")
-    return int(raw)
+    # isdecimal, not isdigit: a superscript ("²") is a digit that int() cannot read (it raised: a 500); the
+    # length before int(), which refuses more than 4,300 digits, leading zeros included (a 500 too)
+    digits = raw.lstrip("0")
+    if not raw.isdecimal() or len(digits) > len(str(MAX_LIMIT)) or not 1 <= int(digits or "0") <= MAX_LIMIT:
+        raise ApiError(400, f"limit must be an integer from 1 to {MAX_LIMIT}, got {raw[:80]!r}")
+    return int(digits)
 
 
 def parse_search(query: Mapping[str, str], phases: Sequence[Phase] = BUILT_IN_PHASES) -> dict[str, Any]:

@@ -9,6 +9,7 @@ origin) first (:mod:`tenex_daemon.app.control.guard`).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
@@ -148,6 +149,9 @@ async def _json_body(request: web.Request, shape: str = '{"keep_system_message":
         raise ApiError(400, f"the body's text must be valid Unicode (no lone surrogate): {shape}") from None
     except (json.JSONDecodeError, UnicodeDecodeError, LookupError):  # LookupError: a charset Python lacks
         raise ApiError(400, f"the body must be JSON: {shape}") from None
+    except ValueError:  # an integer of more digits than Python reads (sys.get_int_max_str_digits)
+        digits = sys.get_int_max_str_digits()
+        raise ApiError(400, f"the body's numbers must have at most {digits} digits: {shape}") from None
     return body
 
 

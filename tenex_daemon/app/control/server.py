@@ -7,16 +7,23 @@ mode is its protection, so it asks for none of these.
 A stale socket file (nobody answers on it) is replaced; one a process still answers on is
 refused with :class:`ControlSocketInUseError`. The socket file is removed on stop only when it
 is still the one this server bound.
+
+Every local user reaches the TCP port, and the token is read only once a whole request came: so a
+connection that sends no request is closed after :data:`IDLE_CONNECTION_S`, and beyond
+:data:`TCP_CONNECTIONS_MAX` open at once a new one is closed as soon as it is accepted. Idle connections
+held by the thousand used up the daemon's file descriptors (its socket, its store, its relays failed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import os
 import secrets
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -24,7 +31,7 @@ import structlog
 from aiohttp import web
 
 from tenex_daemon.app.control.errors import ControlSetupError, ControlSocketInUseError
-from tenex_daemon.app.control.guard import TcpGuard
+from tenex_daemon.app.control.guard import RefusalLog, TcpGuard
 from tenex_daemon.app.control.routes import ControlTarget, create_app
 from tenex_daemon.app.control.token import TOKEN_BYTES, load_or_create_token, read_token
 
@@ -71,6 +78,42 @@ REQUESTS_AT_STOP_S = 5.0
 cancels them: aiohttp's 60 s, twice, outlasted systemd's stop timeout."""
 
 
+IDLE_CONNECTION_S = 5.0
+"""How long a connection may wait for its (next) request, counted from its opening and then from each answer,
+before the server closes it: aiohttp's keep-alive timeout, whose 3,630 s default let a connection that never
+completes a request stay open an hour (bytes received without a whole request do not restart it)."""
+TCP_CONNECTIONS_MAX = 64
+"""How many connections the TCP port holds open at once; the next is closed as soon as it is accepted (and
+counted as refused, ``too_many_connections``). The CLI uses one at a time; the socket is not limited."""
+TOO_MANY_CONNECTIONS = "too_many_connections"
+
+
+class _CappedConnection(asyncio.Protocol):
+    """A connection accepted on the TCP port: handed to aiohttp's ``server`` while it holds fewer than
+    ``cap`` connections, else closed at once.
+
+    The count is read when the connection is made, not in the protocol factory: the event loop calls the
+    factory for a whole batch of accepted connections before any of them is made (and counted by aiohttp),
+    so a burst would pass a cap checked there.
+    """
+
+    def __init__(self, server: web.Server, cap: int, refused: Callable[[], None]) -> None:
+        """Hand over to ``server`` below ``cap`` connections; call ``refused`` for each one closed."""
+        self._server = server
+        self._cap = cap
+        self._refused = refused
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Close ``transport`` when the server holds ``cap`` connections, else give it to a handler."""
+        if len(self._server.connections) >= self._cap:
+            transport.close()
+            self._refused()
+            return
+        handler = self._server()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+
+
 class ControlServer:
     """Serves :func:`create_app` on a Unix socket (mode 0600) and, optionally, loopback TCP.
 
@@ -103,6 +146,8 @@ class ControlServer:
         self.token: str | None = None
         """The token TCP asks for, once started (None without TCP)."""
         self._runners: list[web.AppRunner] = []
+        self._tcp_listener: asyncio.Server | None = None
+        self._log_refusal = RefusalLog("control_connection_refused")
         self._socket_inode: tuple[int, int] | None = None
 
     def check(self) -> None:
@@ -142,7 +187,8 @@ class ControlServer:
 
     async def _runner_for(self, app: web.Application) -> web.AppRunner:
         runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, shutdown_timeout=REQUESTS_AT_STOP_S
+            app, access_log=None, handle_signals=False, shutdown_timeout=REQUESTS_AT_STOP_S,
+            keepalive_timeout=IDLE_CONNECTION_S,
         )
         await runner.setup()
         self._runners.append(runner)
@@ -150,20 +196,29 @@ class ControlServer:
 
     async def _start_tcp(self, port: int) -> None:
         """Serve the guarded application on ``tcp_host:port`` (the guard passes nothing before it knows
-        the port)."""
+        the port), at most :data:`TCP_CONNECTIONS_MAX` connections at once."""
         if self.token_path is not None:
             self.token = load_or_create_token(self.token_path)
         else:
             self.token = secrets.token_urlsafe(TOKEN_BYTES)
         guard = TcpGuard(self.token, self.tcp_host)
         runner = await self._runner_for(create_app(self.target, guard=guard.middleware()))
-        await web.TCPSite(runner, self.tcp_host, port, reuse_address=True).start()
-        for address in runner.addresses:
-            if isinstance(address, tuple):
-                self.tcp_address = (str(address[0]), int(address[1]))
+        server = runner.server
+        assert server is not None  # set up by _runner_for
+        self._tcp_listener = await asyncio.get_running_loop().create_server(
+            lambda: _CappedConnection(server, TCP_CONNECTIONS_MAX, self._connection_refused),
+            self.tcp_host, port, reuse_address=True,
+        )
+        for sock in self._tcp_listener.sockets:
+            address = sock.getsockname()
+            self.tcp_address = (str(address[0]), int(address[1]))
         if self.tcp_address is None:
             raise OSError(f"the control API's TCP port {self.tcp_host}:{port} reported no address")
         guard.bind(self.tcp_address[1])
+
+    def _connection_refused(self) -> None:
+        self.target.metrics.control_request_refused(TOO_MANY_CONNECTIONS)
+        self._log_refusal(TOO_MANY_CONNECTIONS, limit=TCP_CONNECTIONS_MAX)
 
     def _bind_unix(self, path: Path) -> socket.socket:
         _check_socket_path(path)
@@ -197,6 +252,9 @@ class ControlServer:
 
     async def stop(self) -> None:
         """Stop serving and remove the socket file. Safe to call twice."""
+        listener, self._tcp_listener = self._tcp_listener, None
+        if listener is not None:  # no new connection while the open ones are closed
+            listener.close()
         runners, self._runners = self._runners, []
         for runner in reversed(runners):
             await runner.cleanup()
