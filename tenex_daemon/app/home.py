@@ -376,8 +376,8 @@ def invalid_agent(error: ValidationError) -> HomeError:
 
 
 DEFAULT_MODELS: Final = {"openai": "gpt-4o-mini"}
-"""The model a backend that needs one is written with by ``init`` and ``agents add --backend`` (the README's
-example); config.toml's ``model`` changes it."""
+"""The model a backend that needs one is written with by ``init --backend`` and :func:`add_agent` (the
+README's example); config.toml's ``model`` changes it."""
 
 
 def backend_of(kind: str) -> BackendSettings:

@@ -15,6 +15,7 @@ from tenex_daemon.core.conversation import AgentState, Conversation
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.nip19 import encode_npub
 from tenex_daemon.core.references import find_event_references, inline_entities
+from tenex_daemon.core.thread_tags import read_threading
 from tenex_daemon.core.vocabulary import TAG_SESSION, is_session_id
 
 WHILE_AWAY_HEADER: Final = "=== MESSAGES WHILE YOU WERE AWAY ===\n\n"
@@ -50,7 +51,8 @@ class AgentContext:
     messages: list[ChatMessage]
     session_id: str | None
     last_processed_index: int
-    """The agent's LPI after this build (history length at the start of the call)."""
+    """The agent's LPI after this build: the end of the history the run answers (the history's length at
+    the start of the call, unless a person's message saved after the trigger ends it sooner)."""
     transitions_seen: int = 0
     """Phase transitions the agent has now been told about."""
     protected: tuple[int, ...] = ()
@@ -258,11 +260,14 @@ def build_agent_messages(
     fingerprint = _fingerprint(conversation, agent, directory, people, names, resolved)
     messages = _history_prefix(history, stop, view, fingerprint, sender, text if resolved else None)
     in_order: int | None = None
+    # where the history this run answers ends: a person's later message is the next run's (step 2)
+    end = _seen_until(history, trigger_index, last_processed, sender)
     if burst and trigger_index is not None:  # the trigger goes last: what the agent saw or said since first
-        later = [
+        later = [  # past the end, only its words answering what is before it (the rest are the next run's)
             event
             for index, event in enumerate(history[trigger_index + 1 :], trigger_index + 1)
-            if event.pubkey == own_key or index < last_processed
+            if index < last_processed
+            or (event.pubkey == own_key and (index < end or _answers_before(conversation, event, end)))
         ]
         if later:
             in_order = len(messages)
@@ -271,11 +276,10 @@ def build_agent_messages(
 
     # 2. The while-away block: what others said since the agent was last built for, up to a person's
     # message that came after the trigger (it gets a run of its own, after this one's reply).
-    seen_until = _seen_until(history, trigger_index, last_processed, sender)
     labels: dict[str, str] = {}
     away_parts: list[str] = []
     extend = away_parts.extend
-    for event in history[last_processed:seen_until]:
+    for event in history[last_processed:end]:
         content = event.content
         if not content:
             continue
@@ -303,7 +307,7 @@ def build_agent_messages(
     return AgentContext(
         messages,
         session_id,
-        max(seen_until, last_processed),
+        max(end, last_processed),
         len(conversation.phase_transitions),
         protected=tuple(range(len(messages) - tail, len(messages))),
         summary=state.summary,
@@ -331,6 +335,13 @@ def _seen_until(
         if event.content and sender(event.pubkey).role == "user":
             return index
     return len(history)
+
+
+def _answers_before(conversation: Conversation, event: NostrEvent, end: int) -> bool:
+    """Whether ``event`` replies to an event of history before ``end`` (its threading tags' parent)."""
+    parent = read_threading(event).parent_id
+    index = None if parent is None else conversation.index_of(parent)
+    return index is not None and index < end
 
 
 def _fingerprint(

@@ -279,7 +279,8 @@ class AgentRunner:
                 request, profile, trigger, result, record, error_kind, effects, routing
             )
             reply_saved(reply.id)  # a stop that let it finish counts it as said before the stop
-            await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
+            if made or not private:  # another daemon's private answer goes out in its wraps, from its outbox
+                await self.outbox.add(cid, reply, agent_slug=slug, trigger_id=request.trigger_id)
         except BaseException:
             await self._count_run_time(cid, started_ms)
             raise
@@ -315,7 +316,9 @@ class AgentRunner:
             # Redone after a crash that came between the reply and the run's end: the reply is
             # saved, maybe never published. It goes out again (relays keep one copy per id).
             log.info("run_skipped", conversation_id=cid, event_id=trigger.id, reason="already answered")
-            await self.outbox.add(cid, saved, agent_slug=request.agent_slug, trigger_id=trigger.id)
+            # not a private answer another daemon saved: new gift wraps of it would reach the person twice
+            if request.recovered or not conversation.private:
+                await self.outbox.add(cid, saved, agent_slug=request.agent_slug, trigger_id=trigger.id)
             if routing is not None:  # tried again after an error that came after the save: route it now
                 await routing.saved_reply_found(cid, saved)
             return True

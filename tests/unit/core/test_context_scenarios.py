@@ -218,6 +218,27 @@ async def test_a_persons_message_after_the_trigger_ends_the_history_the_run_answ
     assert second.last_processed_index == 5
 
 
+async def test_the_agents_own_words_past_the_end_of_the_runs_history_wait_for_the_next_run(
+    manager: ConversationManager, cast: Cast
+) -> None:
+    """A run for an older message, built late: what the agent said after a person's later message (its
+    answer to another agent's question that came after it) is not shown without that question; both wait
+    for the run that answers the later message."""
+    u1 = cast.user_says("Question for Alice", kind=11)
+    cid = await start(manager, u1)
+    for event in (
+        cast.user_says("Question for Bob"),
+        cast.bob_says("Alice, what is X?"),
+        cast.alice_says("X is 42"),
+    ):
+        await manager.add_event(cid, event)
+
+    context = await manager.build_agent_messages(cid, "alice", u1, persist=False, burst=True)
+
+    assert context.messages == msgs(("user", "Question for Alice"))
+    assert context.last_processed_index == 1
+
+
 async def test_empty_events_are_skipped_everywhere(manager: ConversationManager, cast: Cast) -> None:
     """Events with empty content appear neither in history nor in the while-away block."""
     u1 = cast.user_says("Hi", kind=11)

@@ -46,6 +46,7 @@ from tenex_daemon.testing import KeyPair, make_agent
 from tenex_daemon.testing.fakes import PlainComposer, ScriptedBackend, signers_for
 from tests.conftest import Cast
 from tests.pipeline import Rig, build_rig, cast_keys
+from tests.unit.services.test_run_lease import LeasePeers
 from tests.unit.services.test_stopping import GatedBackend
 from tests.unit.services.test_tool_loop import calls
 from tests.unit.services.test_tool_loop import text as says
@@ -571,3 +572,25 @@ async def test_a_private_message_replying_into_a_public_conversation_never_joins
     assert private.private
     assert not [e for e in rig.publisher.published if "my secret" in e.content and e.sig]
     await rig.settle()
+
+
+async def test_a_private_answer_another_daemon_saved_meanwhile_is_not_sent_again_from_here(cast: Cast) -> None:
+    """With daemons sharing a database, another daemon answered the private message while this one's model
+    worked: this run keeps that answer and hands nothing to its outbox (its own gift wraps of the same
+    rumor would reach the person a second time; the other daemon's outbox sends its own)."""
+    backend = GatedBackend()
+    rig, intake = private_rig(cast, backend=backend, peers=LeasePeers())
+    rumor = admitted(intake, wrap(cast.user, cast.alice.pubkey, "What is the launch date?"))
+    await rig.dispatcher.handle(rumor)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    tags = [["p", cast.user.pubkey], ["e", rumor.id, "", "reply"]]
+    elsewhere = make_rumor(cast.alice.pubkey, "Monday (the other daemon)", tags, rumor.created_at + 1)
+    await rig.manager.add_event(rumor.id, elsewhere)
+
+    backend.release.set()
+    await rig.settle()
+
+    conversation = await rig.manager.get_conversation(rumor.id)
+    assert conversation is not None
+    assert [e.content for e in conversation.history] == ["What is the launch date?", "Monday (the other daemon)"]
+    assert [e for e in rig.publisher.published if e.pubkey == cast.alice.pubkey] == []

@@ -19,7 +19,7 @@ class StoreLockedError(TenexError):
         holder = f"process {pid}" if pid is not None else "another process"
         super().__init__(
             f"the conversation store at {path} is in use by {holder}; "
-            "stop that daemon or use another home"
+            "stop that daemon (or let that tenexd command end) or use another home"
         )
         self.path = path
         self.pid = pid
