@@ -216,6 +216,9 @@ class ReplySpec:
     """The thread root the conversation's first event (a reply) names when no relay gave it and that
     reply started the conversation (:attr:`Conversation.missing_root`): the reply takes the root that
     first event names, so it shows in that thread."""
+    after: int = 0
+    """The newest ``created_at`` of the other events the reply answers or follows (a burst's messages, its
+    run's ``send_message`` exchange): it is dated after them too, as after its trigger."""
 
 
 class ReplyComposer(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -94,6 +94,18 @@ def user_destination(conversation: Conversation, trigger: NostrEvent, manager: C
     """Return the person a reply goes to: the trigger's author if a user, else the newest user in history
     (:func:`~tenex_daemon.core.targeting.reply_person`)."""
     return reply_person(conversation, trigger, manager.agents)
+
+
+def _newest_answered(conversation: Conversation, trigger: NostrEvent, burst: Iterable[str]) -> int:
+    """The newest ``created_at`` of what a reply to ``trigger`` answers or follows besides it: the other
+    messages of its ``burst`` and the ``send_message`` exchanges saved after it (its run's). The reply is
+    dated after them (a person's clock ahead, an asked agent's answer dated a second after the question)."""
+    history = conversation.history
+    dates = [history[index].created_at for index in map(conversation.index_of, burst) if index is not None]
+    start = conversation.index_of(trigger.id)
+    if start is not None:
+        dates += [e.created_at for e in history[start + 1 :] if e.tag_value(TAG_DELEGATION) is not None]
+    return max(dates, default=0)
 
 
 class AgentRunner:
@@ -433,6 +445,7 @@ class AgentRunner:
                 task_id=conversation.task_id,
                 missing_root=conversation.missing_root,
                 subject=conversation.subject(),
+                after=_newest_answered(conversation, trigger, request.burst),
                 content=result.text,
                 destinations=tuple(destinations),
                 phase=conversation.phase.value,

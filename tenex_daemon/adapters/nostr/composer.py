@@ -18,12 +18,13 @@ REPLY_AHEAD_S = 300
 dated far ahead: strfry past 15 minutes, PyPI nostr-relay past an hour)."""
 
 
-def reply_created_at(trigger: NostrEvent, now: float) -> int:
-    """A reply's ``created_at``: now, or just after its trigger when that is dated later (a person's clock
-    ahead of the daemon's, or the daemon's stepped back), at most :data:`REPLY_AHEAD_S` ahead: clients order
-    a thread by date, and show an answer dated before its question above it."""
+def reply_created_at(trigger: NostrEvent, now: float, after: int = 0) -> int:
+    """A reply's ``created_at``: now, or just after its trigger (or ``after``, the newest date of the other
+    events it answers: a burst's messages, its run's ``send_message`` exchange) when that is dated later (a
+    person's clock ahead of the daemon's, or the daemon's stepped back), at most :data:`REPLY_AHEAD_S` ahead:
+    clients order a thread by date, and show an answer dated before its question above it."""
     now_s = int(now)
-    return max(now_s, min(trigger.created_at + 1, now_s + REPLY_AHEAD_S))
+    return max(now_s, min(max(trigger.created_at, after) + 1, now_s + REPLY_AHEAD_S))
 
 
 class SignedReplyComposer:
@@ -65,4 +66,5 @@ class SignedReplyComposer:
         )
         kind, tags = build_agent_reply(spec.trigger, spec.destinations, root=root, details=details)
         signer = self._signers[spec.agent_slug]
-        return signer.sign(kind, spec.content, tags, created_at=reply_created_at(spec.trigger, signer.now()))
+        created_at = reply_created_at(spec.trigger, signer.now(), spec.after)
+        return signer.sign(kind, spec.content, tags, created_at=created_at)

@@ -203,7 +203,7 @@ class PrivateReplyComposer:
         if spec.root is None or spec.root.kind != KIND_PRIVATE_MESSAGE:
             return self._inner.compose(spec)
         tags = private_reply_tags(spec)
-        created_at = reply_created_at(spec.trigger, self._clock())
+        created_at = reply_created_at(spec.trigger, self._clock(), spec.after)
         return make_rumor(self._pubkeys[spec.agent_slug], spec.content, tags, created_at)
 
 

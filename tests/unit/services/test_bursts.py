@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -11,6 +12,7 @@ from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.core.nip19 import bech32_encode
 from tenex_daemon.services.runs import RunRequest
+from tenex_daemon.testing import sign_event
 from tests import pipeline
 from tests.conftest import Cast
 
@@ -352,3 +354,27 @@ async def test_a_burst_from_two_people_is_addressed_to_both(cast: Cast) -> None:
     last = rig.publisher.published[-1]
     assert (last.content, last.tag_value("e")) == ("answer 2", second.id)
     assert [tag[1] for tag in last.tags if tag[0] == "p"] == [cast.other_user.pubkey, cast.user.pubkey]
+
+
+async def test_a_bursts_reply_is_dated_after_every_message_it_answers(cast: Cast) -> None:
+    """A burst whose earlier message is dated ahead of its trigger (the person's phone three minutes fast,
+    then the laptop): its reply is dated after that message too, as a reply to it alone would be, so
+    clients sorting by date show the answer below both questions."""
+    backend = GatedBackend()
+    rig = pipeline.build_rig(cast, backend=backend, composer=pipeline.real_composer(cast))
+    now = int(time.time())
+    root = sign_event(cast.user, "first", kind=11, tags=[["p", cast.alice.pubkey]], created_at=now - 60)
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["e", root.id], ["p", cast.alice.pubkey]]
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(backend.asked.wait(), 5)
+    phone = sign_event(cast.user, "from the phone", tags=thread, created_at=now + 180)
+    laptop = sign_event(cast.user, "from the laptop", tags=thread, created_at=now + 1)
+    await rig.dispatcher.handle(phone)
+    await rig.dispatcher.handle(laptop)
+
+    backend.release.set()
+    await rig.settle()
+
+    last = rig.publisher.published[-1]
+    assert last.tag_value("e") == laptop.id
+    assert last.created_at > phone.created_at
