@@ -255,7 +255,11 @@ def summarized_until(window: Window, history_end: int) -> int:
 
 def summary_request(previous: str | None, messages: Sequence[LLMMessage]) -> str:
     """The text sent to the summary call: the previous summary, if any, and only the new messages."""
-    lines = [_transcript_line(m) for m in messages]
+    return summary_request_of_lines(previous, [transcript_line(m) for m in messages])
+
+
+def summary_request_of_lines(previous: str | None, lines: Sequence[str]) -> str:
+    """:func:`summary_request` of messages already written as :func:`transcript_line` s."""
     parts = []
     if previous:
         parts.append(f"The summary so far:\n{previous}")
@@ -265,7 +269,8 @@ def summary_request(previous: str | None, messages: Sequence[LLMMessage]) -> str
     return "\n\n".join(parts)
 
 
-def _transcript_line(message: LLMMessage) -> str:
+def transcript_line(message: LLMMessage) -> str:
+    """``message`` as one line of the transcript a summary call is sent (``role: text``)."""
     if isinstance(message, AssistantToolCalls):
         calls = ", ".join(
             f"{call.name}({json.dumps(dict(call.arguments), ensure_ascii=False)})"

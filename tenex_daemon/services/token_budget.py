@@ -9,7 +9,7 @@ stored one, never redoing it) and stores it; when that call fails the run falls 
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -25,8 +25,9 @@ from tenex_daemon.core.budget import (
     render,
     summarized_until,
     summary_message,
-    summary_request,
+    summary_request_of_lines,
     total_tokens,
+    transcript_line,
 )
 from tenex_daemon.core.context import AgentContext, ChatMessage
 from tenex_daemon.core.llm import BackendError, CompletionRequest, LLMBackend, LLMMessage
@@ -114,9 +115,19 @@ class RunBudget:
         window = _summary_window(self.persona, messages, context.protected, budget, self.summary, self.covers)
         until = summarized_until(window, context.summarizable_end)
         if until > self.covers:
-            newly = [messages[i] for i in window.dropped if self.covers <= i < until]
+            newly = [(i, messages[i]) for i in window.dropped if self.covers <= i < until]
             try:
-                extended = await self._summarize(newly, budget)
+                async for lines, covers in self._in_parts(newly, until, budget):
+                    extended = await self._summarize(lines, budget)
+                    await self.save_summary(extended, covers)  # a part done is kept, whatever comes next
+                    log.info(
+                        "summary_extended",
+                        agent=self.agent_slug,
+                        conversation_id=self.conversation_id,
+                        covers=covers,
+                        new_messages=len(lines),
+                    )
+                    self.summary, self.covers = extended, covers
             except Exception as exc:
                 self.fell_back = True
                 log.warning(
@@ -126,27 +137,49 @@ class RunBudget:
                     error=f"{type(exc).__name__}: {exc}",
                 )
                 return None
-            await self.save_summary(extended, until)
-            log.info(
-                "summary_extended",
-                agent=self.agent_slug,
-                conversation_id=self.conversation_id,
-                covers=until,
-                new_messages=len(newly),
-            )
-            self.summary, self.covers = extended, until
         self._kept_middle = window.kept_middle
         self._summary_sent = self.summary is not None and self.covers > 0
         return render(messages, window, self.summary, self.covers)
 
-    async def _summarize(self, newly: Sequence[LLMMessage], budget: TokenBudget) -> str:
-        """Ask the agent's backend for the previous summary extended with ``newly``."""
+    async def _in_parts(
+        self, newly: Sequence[tuple[int, LLMMessage]], until: int, budget: TokenBudget
+    ) -> AsyncIterator[tuple[list[str], int]]:
+        """``newly`` (history indexes and messages) as transcript lines, in parts whose messages, with the
+        summary so far, fit the budget as an agent's messages must (counted as they are: their text; the
+        short summarizer prompt and the summary's room, a fifth of the budget, fit the rest of the model's
+        window), each with how many history messages the summary covers once it is extended with that part
+        (``until`` for the last). A message longer than a part may hold is cut to it. One part in all, as
+        before, unless the messages cut at once outgrow the budget (a pasted log, a window lowered, a long
+        history switched to ``summarize``): one request of them all was refused at every run, for good."""
+        count = budget.count
+        lines: list[str] = []
+        used = 0
+        for position, (index, message) in enumerate(newly):
+            space = budget.limit - count(self.summary or "")
+            tokens = message_tokens(message, count)
+            if lines and used + tokens > space:
+                yield lines, index  # the summary now covers the history before this message
+                lines, used = [], 0
+                space = budget.limit - count(self.summary or "")
+            if space <= 0:
+                raise BackendError(message=f"no room in the budget to extend {self.agent_slug}'s summary")
+            line = transcript_line(message)
+            if tokens > space:  # alone, with the prompt and the request's headings beside it
+                fits = space - count(SUMMARIZER_PROMPT) - count(summary_request_of_lines(self.summary, [""]))
+                line, tokens = cut_to_tokens(line, max(fits, 1), count), space
+            lines.append(line)
+            used += tokens
+            if position == len(newly) - 1:
+                yield lines, until
+
+    async def _summarize(self, lines: Sequence[str], budget: TokenBudget) -> str:
+        """Ask the agent's backend for the previous summary extended with ``lines`` (transcript lines)."""
         result = await self.backend.complete(
             CompletionRequest(
                 agent_slug=self.agent_slug,
                 agent_name=self.agent_name,
                 system_prompt=SUMMARIZER_PROMPT,
-                messages=(ChatMessage("user", summary_request(self.summary, newly)),),
+                messages=(ChatMessage("user", summary_request_of_lines(self.summary, lines)),),
                 model=self.model,
                 max_tokens=budget.summary_tokens,
             )

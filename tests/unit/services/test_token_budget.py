@@ -463,3 +463,50 @@ async def test_a_stored_summary_reaching_past_a_bursts_history_in_order_is_not_u
     assert fitting.fell_back
     assert not [m for m in sent if isinstance(m, ChatMessage) and m.content.startswith("Previous conversation summary")]
     assert sent[-1] == messages[-1]
+
+
+@dataclass
+class WindowedBackend:
+    """A provider with a window of ``window`` tokens (characters/4): a longer request, its answer's room
+    included, is refused as too long; summaries are "SUMMARY"."""
+
+    window: int
+    name: str = "windowed"
+    summary_sizes: list[int] = field(default_factory=list)
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Refuse what does not fit the window; else answer."""
+        tokens = total_tokens(request.system_prompt, request.messages, estimate_tokens) + (request.max_tokens or 0)
+        if request.system_prompt == SUMMARIZER_PROMPT:
+            self.summary_sizes.append(tokens)
+        if tokens > self.window:
+            raise ContextTooLongError(message=f"prompt is too long: {tokens} > {self.window}")
+        summary = request.system_prompt == SUMMARIZER_PROMPT
+        return CompletionResult(text="SUMMARY" if summary else "ok", prompt_tokens=tokens, completion_tokens=1)
+
+
+async def test_a_cut_longer_than_the_window_is_summarized_in_parts_that_fit_it(cast: Cast) -> None:
+    """A pasted log longer than the model's whole window among the messages cut: the summary is made in
+    parts, the log cut to fit one, each request within the window, and stored, so the next run asks for no
+    summary again (one request of it all was refused at every run, for good)."""
+    backend = WindowedBackend(window=1000)
+    budget = TokenBudget.of_window(1000, strategy=BudgetStrategy.SUMMARIZE)
+    profiles = {a.slug: AgentProfile(a, INSTRUCTIONS, backend, budget=budget) for a in cast.agents}
+    base = pipeline.build_rig(cast, profiles=profiles, composer=pipeline.real_composer(cast))
+    rig = Rig(base.manager, base.runner, RecordingBackend(), profiles["alice"].system_prompt)
+    root = await conversation(rig, cast, 2)
+    await rig.manager.add_event(root.id, cast.user_says("LOG " + "x" * 4800))  # 1,200 tokens
+    await more(rig, cast, root, 5, start=2)
+    await trigger_alice(rig, cast, root)
+
+    reply = await run(rig, root)
+
+    assert reply.content == "ok"
+    assert len(backend.summary_sizes) >= 2
+    assert max(backend.summary_sizes) <= 1000
+    state = (await rig.manager.get_conversation(root.id)).agent_states["alice"]  # type: ignore[union-attr]
+    assert state.summary == "SUMMARY"
+    asked = len(backend.summary_sizes)
+    await trigger_alice(rig, cast, root, "again")
+    await run(rig, root)
+    assert len(backend.summary_sizes) == asked
