@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from tenex_daemon import __version__
+from tenex_daemon.adapters.llm.claude_code import end_leftover_calls
 from tenex_daemon.adapters.nostr.announcements import (
     AgentCapabilities,
     dm_relays_event,
@@ -354,6 +355,7 @@ class Daemon:
         await open_when_free(self.store)  # a tenexd command may be reading the home a moment
         await refuse_an_empty_store_beside_the_homes(settings, self.store, SUBSCRIPTION_ID)  # no 2nd answers
         settings.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        end_leftover_calls(settings.run_dir)  # claude-code calls a daemon killed outright left
         if settings.relays.embedded:
             self.embedded_relay = EmbeddedRelay(
                 settings.embedded_relay_path, settings.relays.embedded_host, settings.relays.embedded_port

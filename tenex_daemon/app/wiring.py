@@ -149,6 +149,9 @@ def build_backend(
             api_key_file=key_file,
             temperature=backend.temperature,
             options=backend.options,
+            home=settings.home,  # claude-code: kept out of the home's keys and conversations
+            run_dir=settings.run_dir,
+            store_path=settings.conversations_path,
         )
     except (UnknownBackendError, BackendError, ImportError) as exc:
         raise SettingsError(f"{where}: {exc}") from None

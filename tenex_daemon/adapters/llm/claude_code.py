@@ -2,7 +2,9 @@
 
 Each call runs ``claude -p --output-format stream-json --verbose`` with the prompt on standard input,
 ``--resume=<session>`` (one argument, a well-formed id only) when the agent already has a Claude Code
-session, ``--model`` and ``--append-system-prompt`` (the persona). The stream is one JSON object per line:
+session, ``--model`` and ``--append-system-prompt`` (the persona; one over :data:`PERSONA_ARG_BYTES` goes in a
+file, ``--append-system-prompt-file``: Linux refuses an argument over 128 KiB). The stream is one JSON object
+per line:
 
 - ``{"type": "system", "subtype": "init", "session_id": ...}`` first;
 - ``{"type": "assistant", "message": {"content": [{"type": "text", "text": ...}, ...]}}`` per turn;
@@ -13,13 +15,25 @@ session, ``--model`` and ``--append-system-prompt`` (the persona). The stream is
 The session id it reports is returned in :attr:`CompletionResult.session_id`, for the caller to keep per
 agent and tag ``claude-session`` on the reply. Claude Code runs its own tools; the request's tools are not
 passed to it. When resuming, only the messages after the agent's own last reply are sent (Claude Code
-already holds the earlier ones in its session). ``claude`` runs in a process group of its own: a call that
-times out, fails or is cancelled (a stop) kills the group, ``claude`` and the tools it started alike (one
-that left the group, with ``setsid``, is not found); so does the daemon's forced exit (:func:`kill_running`).
-Once the result line is in, the call waits at most :data:`KILL_WAIT_S` for ``claude`` to exit. A tool it
-left running in the background that still holds its output (stdout or stderr) then is killed with the group,
-and the call's pipes are closed: its output is nobody's any more (no later call can read it, and once the
-pipes are closed its next write fails), and pipes left open would cost the daemon two file descriptors a
+already holds the earlier ones in its session); a session it no longer has (``No conversation found``: its
+transcripts are cleaned after a while, and kept per working folder) is started anew once, with every message.
+
+Given the daemon's home, ``claude`` is kept away from what the home holds for the daemon alone (Claude Code's
+file tools read without asking): deny rules (``--disallowedTools``, which hold in every permission mode) for
+its key files, conversations, run folder, embedded relay and ``config.toml``, and, unless ``cwd`` says
+otherwise, a working folder of the agent's own, ``<home>/workspace/<agent>`` (0700), rather than the daemon's
+(the home itself under systemd). Its environment is the daemon's without what other parts of the daemon hold
+(:func:`child_environment`: the ``TENEX_`` settings, the database's password, other providers' keys). A shell
+(Bash) it is allowed is not held by the deny rules: it can read whatever the daemon's user can.
+
+``claude`` runs in a process group of its own: a call that times out, fails or is cancelled (a stop) kills
+the group, ``claude`` and the tools it started alike (one that left the group, with ``setsid``, is not found);
+so does the daemon's forced exit (:func:`kill_running`), and, for a daemon killed outright (SIGKILL, out of
+memory) outside systemd, its next start (:func:`end_leftover_calls`, from the calls recorded in the run
+folder). Once the result line is in, the call waits at most :data:`KILL_WAIT_S` for ``claude`` to exit. A tool
+it left running in the background that still holds its output (stdout or stderr) then is killed with the
+group, and the call's pipes are closed: its output is nobody's any more (no later call can read it, and once
+the pipes are closed its next write fails), and pipes left open would cost the daemon two file descriptors a
 call for as long as the tool ran. A background tool that does not hold the output keeps running.
 """
 
@@ -27,11 +41,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
+import re
 import signal
-from collections.abc import Sequence
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
+
+import structlog
 
 from tenex_daemon.adapters.llm.answers import AnswerSize, capped, token_count
 from tenex_daemon.adapters.llm.errors import ERROR_DETAIL_CHARS, cleaned, trimmed, without_secrets
@@ -60,6 +82,32 @@ CUT = "length"
 """The finish reason of an answer cut at :data:`~tenex_daemon.adapters.llm.answers.MAX_ANSWER_BYTES`."""
 KEY_VARIABLES = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "CLAUDE_CODE_OAUTH_TOKEN")
 """The environment variables ``claude`` reads its credentials from: left out of its errors."""
+PERSONA_ARG_BYTES = 100 * 1024
+"""The largest persona passed as an argument (``--append-system-prompt``); a larger one goes in a file. Linux
+refuses any one argument over 128 KiB (MAX_ARG_STRLEN: the call failed with E2BIG)."""
+WORKSPACE_DIR = "workspace"
+"""The home's folder of the agents' working folders (``<home>/workspace/<agent>``), used when no ``cwd`` is
+configured: inside the home, so the systemd unit's ``ReadWritePaths`` allow it, outside what is denied."""
+CALLS_DIR = "claude-code"
+"""The run folder's folder of the calls under way, one record each (:func:`end_leftover_calls`)."""
+CALL_MARKER = "TENEXD_CLAUDE_CALL"
+"""The environment variable each ``claude`` is given its call's random mark in: the tools it starts inherit
+it, so a process that holds it is known to be one of that call's, never a process that took a reused pid."""
+SESSION_GONE = "no conversation found"
+"""What ``claude --resume`` says (lower-cased) of a session it does not have: started anew, once."""
+KEPT_PREFIXES = ("ANTHROPIC_", "CLAUDE_")
+"""The variables Claude Code itself reads, never withheld from it (``ANTHROPIC_API_KEY`` ends in _API_KEY)."""
+WITHHELD_PREFIXES = ("TENEX_", "PG")
+"""The daemon's own settings (``TENEX_STORAGE__DSN`` holds the database's password) and libpq's variables
+(``PGPASSWORD``, ``PGPASSFILE``, ``PGUSER``...): withheld from ``claude``."""
+WITHHELD_NAMES = frozenset({"DATABASE_URL"})
+"""The database's URL (and password) as other tools name it: withheld from ``claude``."""
+WITHHELD_SUFFIXES = ("_API_KEY",)
+"""Other providers' keys (``OPENAI_API_KEY``...): other agents' backends read them, ``claude`` does not."""
+_SLUG_UNSAFE = re.compile(r"[^a-z0-9_-]")
+_GLOB = re.compile(r"([\\*?\[\]])")
+
+log = structlog.get_logger(__name__)
 
 _RUNNING_GROUPS: set[int] = set()
 """The process groups of the ``claude`` calls under way (each ``claude``'s pid is its group's id)."""
@@ -82,6 +130,129 @@ def kill_running() -> None:
     cleanup: in their own process groups they would not get the terminal's or the stop's signal)."""
     for group in list(_RUNNING_GROUPS):
         _kill_group(group)
+
+
+def _withheld(variable: str) -> bool:
+    """Whether the daemon's environment variable ``variable`` is withheld from ``claude``."""
+    if variable.startswith(KEPT_PREFIXES):
+        return False
+    return (
+        variable.startswith(WITHHELD_PREFIXES)
+        or variable in WITHHELD_NAMES
+        or variable.endswith(WITHHELD_SUFFIXES)
+    )
+
+
+def child_environment(environ: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment ``claude`` runs with: ``environ`` (the daemon's) without what other parts of the daemon
+    hold and Claude Code never reads, then the ``env`` option's variables (``extra``) on top.
+
+    Withheld: every ``TENEX_`` variable (settings: the database's DSN with its password), libpq's ``PG...``
+    ones and ``DATABASE_URL``, and the keys of other providers (names ending in ``_API_KEY``) an agent's shell
+    or a prompt injection could otherwise print. Kept: ``ANTHROPIC_*`` and ``CLAUDE_*``, ``PATH``, ``HOME``,
+    locale, proxies, and the cloud's (``AWS_*``, ``GOOGLE_*``, ``CLOUD_ML_*``: Bedrock, Vertex). The ``env``
+    option may give back what is withheld: it names what this agent's ``claude`` is to have.
+    """
+    return {name: value for name, value in environ.items() if not _withheld(name)} | dict(extra or {})
+
+
+def _rule_path(path: str) -> str:
+    """``path`` (absolute) in a Claude Code permission rule: ``//`` starts an absolute path (one ``/`` is the
+    settings file's folder), and the pattern characters of gitignore's syntax it holds are escaped."""
+    return "/" + _GLOB.sub(r"\\\1", path)
+
+
+def deny_rules(home: Path, run_dir: Path | None = None, store_path: Path | None = None) -> list[str]:
+    """The ``--disallowedTools`` rules that keep Claude Code's file tools out of what ``home`` holds for the
+    daemon alone: its keys (``keys/``: the agents', the project's, the owner's), conversations (the store,
+    ``conversations/`` or ``store_path``: private ones too), run folder (the control token), embedded relay
+    and ``config.toml``. ``Read`` rules hold for the tools that read (Read, Grep, Glob, LS), ``Edit`` ones for
+    those that write; a folder's rules name it and all under it, under its path as given and as resolved."""
+    folders = [home / "keys", home / "conversations", run_dir or home / "run", home / "relay"]
+    if store_path is not None:
+        folders.append(store_path)
+    places = [(folder, True) for folder in folders] + [(home / "config.toml", False)]
+    patterns: list[str] = []
+    for place, folder in places:
+        for path in dict.fromkeys((os.path.abspath(place), os.path.realpath(place))):
+            escaped = _rule_path(path)
+            patterns += [escaped, f"{escaped}/**"] if folder else [escaped]
+    return [f"{tool}({pattern})" for pattern in dict.fromkeys(patterns) for tool in ("Read", "Edit")]
+
+
+def _workspace_name(agent_slug: str) -> str:
+    """The agent's working folder's name: its slug, any character a folder name should not hold replaced."""
+    return _SLUG_UNSAFE.sub("_", agent_slug.lower())[:64] or "_"
+
+
+def _processes() -> Iterator[int]:
+    """The pids of the processes now running (none where there is no ``/proc``)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                yield int(entry.name)
+
+
+def _group_of(pid: int) -> int | None:
+    """Process ``pid``'s process group, None when it is gone (or a zombie, which nothing can end further)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[2]) if fields[0] not in ("Z", "X") else None
+
+
+def _marked(pid: int, mark: str) -> bool:
+    """Whether process ``pid`` runs with the call's mark (:data:`CALL_MARKER`) in its environment."""
+    try:
+        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:  # gone, or another user's
+        return False
+    return f"{CALL_MARKER}={mark}".encode() in environment
+
+
+def _group_is_the_calls(group: int, mark: str) -> bool:
+    """Whether process group ``group`` is that of the call with ``mark``: one of its processes holds the mark.
+    A group's id is the pid of the process that made it, which is not given to another process while any of
+    the group lives; a group of a process that took the pid since holds no process with the mark."""
+    if _group_of(group) == group and _marked(group, mark):
+        return True
+    return any(_group_of(pid) == group and _marked(pid, mark) for pid in _processes())
+
+
+def end_leftover_calls(run_dir: Path) -> list[int]:
+    """End the ``claude`` calls a daemon killed outright left running (their process groups), from the records
+    of :data:`CALLS_DIR` in ``run_dir``, and remove the records; return the groups ended.
+
+    The daemon calls it as it starts (its home is its own by then), before any run is recovered: a run redone
+    would have a second ``claude`` working on the session. A group is ended only when one of its processes
+    still holds the call's mark, never a process that took one of its pids since. Under systemd a daemon
+    killed ends with its whole control group; this is for a daemon run otherwise.
+    """
+    folder = run_dir / CALLS_DIR
+    try:
+        records = sorted(folder.glob("*.json"))
+    except OSError:
+        return []
+    ended: list[int] = []
+    for record in records:
+        try:
+            fields = json.loads(record.read_text())
+            group, mark = int(fields["group"]), str(fields["mark"])
+        except (OSError, ValueError, KeyError, TypeError):
+            group, mark = 0, ""
+        if group > 1 and mark and _group_is_the_calls(group, mark):
+            _kill_group(group)
+            ended.append(group)
+            log.warning("claude_left_running_ended", group=group, record=str(record))
+        with contextlib.suppress(OSError):
+            record.unlink()
+    return ended
+
+
+def _session_gone(error: BackendError) -> bool:
+    """Whether a failed call says the session it resumed is not there (``No conversation found``)."""
+    return SESSION_GONE in str(error).lower()
 
 
 def _resumable_session(request: CompletionRequest) -> str | None:
@@ -249,7 +420,14 @@ class StreamParser:
 
 
 class ClaudeCodeBackend:
-    """Runs one ``claude`` process per call and resumes the agent's session."""
+    """Runs one ``claude`` process per call and resumes the agent's session.
+
+    ``home`` (the daemon's home; ``run_dir`` its run folder, ``store_path`` its store's conversations when
+    not in the home) keeps ``claude`` out of what the home holds for the daemon alone (:func:`deny_rules`),
+    gives each agent a working folder of its own when ``cwd`` is not set and records the calls under way for
+    the next start (:func:`end_leftover_calls`); without it (a backend made outside a daemon) there are no
+    deny rules, ``claude`` works in the current folder and nothing is recorded.
+    """
 
     name = "claude-code"
 
@@ -263,6 +441,9 @@ class ClaudeCodeBackend:
         partial_messages: bool = False,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        home: str | os.PathLike[str] | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
+        store_path: str | os.PathLike[str] | None = None,
     ) -> None:
         self.command = [command] if isinstance(command, str) else list(command)
         self.model = model
@@ -271,6 +452,15 @@ class ClaudeCodeBackend:
         self.partial_messages = partial_messages
         self.extra_args = list(extra_args)
         self.env = env
+        self.home = None if home is None else Path(home)
+        self.run_dir = None if home is None else Path(run_dir) if run_dir is not None else Path(home) / "run"
+        self.denied = (
+            []
+            if self.home is None
+            else deny_rules(self.home, self.run_dir, None if store_path is None else Path(store_path))
+        )
+        """The deny rules passed on each call (``--disallowedTools=<rule>``, one argument each: an operator's
+        own ``--disallowedTools`` in ``extra_args`` adds to them, as a repeated option's values do)."""
 
     def _secrets(self) -> list[str]:
         """The credentials ``claude`` is run with (:data:`KEY_VARIABLES`, and the ``env`` option's variables
@@ -278,8 +468,8 @@ class ClaudeCodeBackend:
         variables = {name: os.environ.get(name, "") for name in KEY_VARIABLES} | dict(self.env or {})
         return [value for name, value in variables.items() if _names_a_secret(name)]
 
-    def arguments(self, request: CompletionRequest) -> list[str]:
-        """The command line for one call."""
+    def arguments(self, request: CompletionRequest, persona_file: str | None = None) -> list[str]:
+        """The command line for one call; the persona is read from ``persona_file`` when it is given."""
         args = [*self.command, "-p", "--output-format", "stream-json", "--verbose"]
         if self.partial_messages:
             args.append("--include-partial-messages")
@@ -290,32 +480,135 @@ class ClaudeCodeBackend:
         model = request.model or self.model
         if model:
             args += ["--model", model]
-        if request.system_prompt:
+        if persona_file is not None:
+            args += ["--append-system-prompt-file", persona_file]
+        elif request.system_prompt:
             args += ["--append-system-prompt", request.system_prompt]
+        # joined to the option: a rule can never be taken for the value of an operator's option that follows
+        args += [f"--disallowedTools={rule}" for rule in self.denied]
         return args + self.extra_args
 
     async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Run ``claude`` once; stream assistant text into ``request.on_chunk`` when it is set."""
+        """Run ``claude``; stream assistant text into ``request.on_chunk`` when it is set.
+
+        A session to resume that ``claude`` no longer has (its transcripts are cleaned after a while, and kept
+        per working folder: another ``cwd``, a home moved) would fail every later call of the agent in that
+        conversation the same: the call is made once more as a first one, every message sent, and the new
+        session's id is returned, to replace the stored one.
+        """
+        try:
+            return await self._call(request)
+        except BackendError as exc:
+            if _resumable_session(request) is None or not _session_gone(exc):
+                raise
+            log.warning("claude_session_not_found", agent=request.agent_slug, session=request.session_id)
+        return await self._call(replace(request, session_id=None))
+
+    def _working_folder(self, request: CompletionRequest) -> str | os.PathLike[str] | None:
+        """Where ``claude`` runs: ``cwd`` when set; else, given the home, the agent's own working folder
+        (made 0700), never the daemon's folder, which is the home itself under systemd."""
+        if self.cwd is not None or self.home is None:
+            return self.cwd
+        folder = self.home / WORKSPACE_DIR / _workspace_name(request.agent_slug)
+        try:
+            folder.parent.mkdir(mode=0o700, exist_ok=True)
+            folder.mkdir(mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise backend_error(
+                BackendErrorKind.UNAVAILABLE, f"claude-code: cannot make its working folder {folder}: {exc}"
+            ) from exc
+        return folder
+
+    def _persona_file(self, request: CompletionRequest) -> str | None:
+        """A file holding the persona (0600, in the run folder when there is one), when it is over
+        :data:`PERSONA_ARG_BYTES`; the caller removes it."""
+        size = len(request.system_prompt.encode("utf-8"))
+        if size <= PERSONA_ARG_BYTES:
+            return None
+        folder = self.run_dir if self.run_dir is not None and self.run_dir.is_dir() else None
+        path = None
+        try:
+            descriptor, path = tempfile.mkstemp(prefix="claude-persona-", suffix=".md", dir=folder)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+                file.write(request.system_prompt)
+        except OSError as exc:
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            message = f"claude-code: cannot write the persona ({size} bytes) to a file: {exc}"
+            raise backend_error(BackendErrorKind.OTHER, message) from exc
+        return path
+
+    def _record(self, group: int, mark: str) -> Path | None:
+        """Record a call under way in the run folder (:func:`end_leftover_calls`); a record that cannot be
+        written is logged, never the call's failure."""
+        if self.run_dir is None:
+            return None
+        record = self.run_dir / CALLS_DIR / f"{group}.json"
+        try:
+            record.parent.mkdir(mode=0o700, exist_ok=True)
+            record.write_text(json.dumps({"group": group, "mark": mark}))
+        except OSError as exc:
+            log.warning("claude_call_not_recorded", group=group, error=str(exc))
+            return None
+        return record
+
+    async def _call(self, request: CompletionRequest) -> CompletionResult:
+        """Run ``claude`` once."""
         prompt = build_prompt(request.messages, resuming=_resumable_session(request) is not None)
+        cwd = self._working_folder(request)
+        persona_file = self._persona_file(request)
+        try:
+            return await self._run(request, prompt, self.arguments(request, persona_file), cwd)
+        finally:
+            if persona_file is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(persona_file)
+
+    def _too_long(self, request: CompletionRequest, args: Sequence[str]) -> BackendError:
+        """The error of a command line the system refused as too long (E2BIG), saying what was long."""
+        sizes = [len(os.fsencode(arg)) + 1 for arg in args]
+        persona = len(request.system_prompt.encode("utf-8"))
+        return backend_error(
+            BackendErrorKind.BAD_REQUEST,
+            f"claude-code: the system refused its command line as too long (E2BIG): {len(args)} arguments, "
+            f"{sum(sizes)} bytes, the longest {max(sizes) - 1} bytes (Linux takes 128 KiB an argument); "
+            f"the persona is {persona} bytes, the options' arguments (extra_args) {len(self.extra_args)}",
+        )
+
+    async def _run(
+        self,
+        request: CompletionRequest,
+        prompt: str,
+        args: Sequence[str],
+        cwd: str | os.PathLike[str] | None,
+    ) -> CompletionResult:
+        """Run ``claude`` with ``args`` in ``cwd``, ``prompt`` on its standard input."""
+        mark = uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         try:
             # asyncio.create_subprocess_exec, keeping the transport: the call closes it when it ends
             transport, protocol = await loop.subprocess_exec(
                 lambda: asyncio.subprocess.SubprocessStreamProtocol(limit=STREAM_LINE_LIMIT, loop=loop),
-                *self.arguments(request),
+                *args,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                cwd=self.cwd,
-                env=None if self.env is None else {**os.environ, **self.env},
+                cwd=cwd,
+                env=child_environment(os.environ, self.env) | {CALL_MARKER: mark},
                 start_new_session=True,  # a group of its own: a run cut short ends the tools it started too
             )
         except (FileNotFoundError, PermissionError) as exc:
             raise backend_error(
                 BackendErrorKind.UNREACHABLE, f"claude-code: cannot run {self.command[0]!r}: {exc}"
             ) from exc
+        except OSError as exc:
+            if exc.errno != errno.E2BIG:
+                raise
+            raise self._too_long(request, args) from None
         process = asyncio.subprocess.Process(transport, protocol, loop)
         _RUNNING_GROUPS.add(process.pid)
+        record = self._record(process.pid, mark)
         answered = False
         try:
             async with asyncio.timeout(self.timeout):
@@ -342,6 +635,9 @@ class ClaudeCodeBackend:
                         await asyncio.wait_for(process.wait(), KILL_WAIT_S)
             finally:
                 transport.close()  # the pipes such a tool holds still are closed on it
+                if record is not None:
+                    with contextlib.suppress(OSError):
+                        record.unlink()
 
     async def _converse(
         self, process: asyncio.subprocess.Process, prompt: str, request: CompletionRequest

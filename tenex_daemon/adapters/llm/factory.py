@@ -7,6 +7,7 @@ agents configured with that backend (and the error names the extra to install).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from tenex_daemon.core.llm import LLMBackend
@@ -27,6 +28,9 @@ def make_backend(
     api_key_file: str | None = None,
     temperature: float | None = None,
     options: Mapping[str, Any] | None = None,
+    home: Path | None = None,
+    run_dir: Path | None = None,
+    store_path: Path | None = None,
 ) -> LLMBackend:
     """Build the backend named ``kind``; ``options`` are passed on as that backend's keyword arguments.
 
@@ -35,6 +39,10 @@ def make_backend(
     ``stream_usage``, ``extra_body``; anthropic ``timeout``, ``max_retries``, ``max_tokens``; claude-code
     ``command``, ``timeout``, ``cwd``, ``partial_messages``, ``extra_args``, ``env``; local ``n_ctx``,
     ``n_threads``, ``max_tokens``, ``chat_format``, ``repeat_penalty``.
+
+    ``home`` (the daemon's home), ``run_dir`` (its run folder) and ``store_path`` (its store's conversations)
+    matter to claude-code only, which runs a command that must be kept out of them (the keys, the
+    conversations) and records its processes in the run folder; the daemon passes them.
     """
     extra = dict(options or {})
     if kind == "offline":
@@ -69,7 +77,7 @@ def make_backend(
     if kind == "claude-code":
         from tenex_daemon.adapters.llm.claude_code import ClaudeCodeBackend
 
-        return ClaudeCodeBackend(model=model, **extra)
+        return ClaudeCodeBackend(model=model, home=home, run_dir=run_dir, store_path=store_path, **extra)
     if kind == "local":
         from tenex_daemon.adapters.llm.local import LocalBackend
 

@@ -1,5 +1,5 @@
 """A stop asked for while the daemon starts (Ctrl-C just after `scripts/run`): the runs the start takes
-up again are not waited for (docs/ARCHITECTURE.md, "Shutdown")."""
+up again are not waited for (README, "The daemon")."""
 
 from __future__ import annotations
 
