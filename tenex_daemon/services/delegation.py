@@ -11,8 +11,12 @@ one agent's run (the asker and the event it answers), giving the run's
    :data:`DELEGATED_TOOLS` and never ``send_message``;
 3. its answer is saved and published the same way (signed by it, replying to the
    request, p-tagging the asker), its token usage added to its totals;
-4. the thread gets the request and the answer as one pair and is saved; the answer is
-   the tool's result.
+4. the thread gets the request and the answer as one pair and is saved (unless the conversation was
+   deleted meanwhile: :meth:`Delegation._save_to_thread`); the answer is the tool's result.
+
+Before the asked agent's context is built, the thread gets the exchanges saved in history under its id
+that it lacks (:func:`_lost_pairs`): a process that died between saving an answer and saving the thread,
+or a conversation rebuilt from its events, leaves both sides in history and the thread without them.
 
 A failed answer (its backend failed) is still saved and published, as an error reply,
 so the request is never left unanswered in the conversation; the thread is not
@@ -30,7 +34,9 @@ same second): then the second call gets the first one's answer, so history and t
 
 While the asked agent answers, it counts as working in the conversation (its live status, told
 the ``listener``), and a stop naming it (:meth:`Delegation.stop_answers`) cancels its answer: nothing
-of it is saved or published, and the asker's tool call is refused with "<slug> was stopped".
+of it is saved or published, and the asker's tool call is refused with "<slug> was stopped". A stop that
+lands before its answer can be cancelled (while the request is saved) is read once the answer is
+registered, before the asked agent runs: the call is refused as one asking a stopped agent.
 """
 
 from __future__ import annotations
@@ -145,12 +151,27 @@ class Delegation:
         return [each.request for each in found]
 
     async def _answer_stoppably(
-        self, asked: Agent, cid: str, trigger: NostrEvent, run: Callable[[], Awaitable[Answered]]
+        self, asker: Agent, asked: Agent, cid: str, trigger: NostrEvent,
+        run: Callable[[], Awaitable[Answered]],
     ) -> Answered:
         """Run the asked agent's answer as a task a stop can cancel (:meth:`stop_answers`); a stop refuses
-        the asker's tool call, a cancellation of the asker's own run goes on up."""
-        answering = _Answering(RunRequest(cid, trigger.id, asked.slug), asyncio.ensure_future(run()))
+        the asker's tool call, a cancellation of the asker's own run goes on up.
+
+        A stop records itself, then cancels what it finds: one recorded after :meth:`exchange` checked
+        and before the answer was registered here (while the request was saved) found nothing to cancel,
+        so the stops are read again once it is registered (a placeholder a stop meanwhile cancels), and
+        the asked agent starts only then."""
+        placeholder: asyncio.Future[Answered] = asyncio.get_running_loop().create_future()
+        answering = _Answering(RunRequest(cid, trigger.id, asked.slug), placeholder)
         self._answering.append(answering)
+        try:
+            await self._refuse_if_stopped(asker, asked, cid, trigger)
+            if answering.stopped:  # by a stop recorded after the stops were read
+                raise _refused_stopped(cid, asker, asked)
+        except BaseException:
+            self._answering.remove(answering)
+            raise
+        answering.task = asyncio.ensure_future(run())
         if self._listener is not None:
             self._listener.run_started(answering.request)
         try:
@@ -220,19 +241,24 @@ class Delegation:
         served = set() if served is None else served
         target = self._target(asker, to)
         asked = target.agent
-        conversation = await self._manager.get_conversation(cid)
-        if conversation is not None and stopped_since(conversation, trigger, asked.slug, recovered=False):
-            log.info("delegation_refused_stopped", conversation_id=cid, asker=asker.slug, asked=asked.slug)
-            raise NotAskedError(f"{asked.slug} was stopped (a person stopped it): ask it nothing more now")
+        await self._refuse_if_stopped(asker, asked, cid, trigger)
         thread_id = self._threads.key(cid, asker.slug, asked.slug)
         async with self._locks.hold(thread_id):
             try:
                 thread = await self._threads.get_thread(cid, asker.slug, asked.slug)
             except ThreadPersistenceError as exc:
                 raise NotAskedError(f"your thread with {asked.slug} could not be read: {exc}") from None
+            conversation = await self._manager.get_conversation(cid)
+            if conversation is None:
+                raise NotAskedError("the conversation is gone")
+            # in memory until this exchange saves the thread; lost with it, they are found again next time
+            recovered = _lost_pairs(conversation, thread, asker, asked)
+            if recovered:
+                thread.add_items(recovered)
+                log.info("delegation_thread_recovered", thread_id=thread_id, items=len(recovered))
             answering = (trigger.id, *burst)
             request, answer = await self._request(
-                asker, asked, trigger, answering, message, thread_id, cid, served
+                asker, asked, trigger, answering, message, thread_id, cid, conversation, served
             )
             if answer is None:
                 answer = await self._ask(target, asker, request, thread, trigger, cid)
@@ -240,26 +266,48 @@ class Delegation:
                 log.info("delegation_reused", conversation_id=cid, asker=asker.slug, asked=asked.slug)
                 if answer.has_tag(TAG_ERROR, ERROR_SYSTEM):
                     raise ToolRefusedError(f"{asked.slug} could not answer: {answer.content}")
+            pair = []
             if not any(isinstance(i, dict) and i.get("event_id") == request.id for i in thread.items):
                 pair = [_item(asker, asked, request), _item(asked, asker, answer)]
-                try:
-                    await self._threads.add_items_and_save(thread, pair)
-                except ThreadPersistenceError as exc:
-                    # The pair stays in the cached thread and is saved with the next exchange.
-                    log.error("delegation_thread_not_saved", thread_id=thread_id, error=str(exc))
+            if pair or recovered:
+                await self._save_to_thread(cid, thread, pair)
             log.info("delegation_answered", conversation_id=cid, asker=asker.slug, asked=asked.slug)
             return answer.content
 
+    async def _refuse_if_stopped(self, asker: Agent, asked: Agent, cid: str, trigger: NostrEvent) -> None:
+        """Refuse (:class:`NotAskedError`) to ask an agent a stop named after the asking run's trigger."""
+        conversation = await self._manager.get_conversation(cid)
+        if conversation is not None and stopped_since(conversation, trigger, asked.slug, recovered=False):
+            raise _refused_stopped(cid, asker, asked)
+
+    async def _save_to_thread(
+        self, cid: str, thread: ConversationThread, items: list[dict[str, Any]]
+    ) -> None:
+        """Add ``items`` to the thread and save it, unless the conversation was deleted meanwhile: its
+        deletion erased its stored threads, and saving would store the exchange's text again, belonging to
+        no conversation. The stored conversation is read just before, under the thread's lock, so every
+        deletion counts: the API's, retention's, another daemon's sharing the store (which forgets nothing
+        here: this daemon's cached threads of it go now). The read and the save are not one step: on a
+        store whose writes wait (PostgreSQL's), a deletion landing between them still leaves the thread
+        stored. A failed save keeps the items in the cached thread, saved with the next exchange (and found
+        again in history if lost)."""
+        if await self._manager.get_conversation(cid) is None:
+            self._threads.forget_conversation(cid)
+            log.info("delegation_thread_not_saved", thread_id=thread.thread_id, reason="deleted")
+            return
+        try:
+            await self._threads.add_items_and_save(thread, items)
+        except ThreadPersistenceError as exc:
+            log.error("delegation_thread_not_saved", thread_id=thread.thread_id, error=str(exc))
+
     async def _request(
         self, asker: Agent, asked: Agent, trigger: NostrEvent, answering: tuple[str, ...], message: str,
-        thread_id: str, cid: str, served: set[str],
+        thread_id: str, cid: str, conversation: Conversation, served: set[str],
     ) -> tuple[NostrEvent, NostrEvent | None]:
         """The call's request and its saved answer, if any: an earlier try's request no call of this run took
-        yet (see :meth:`exchange`), else a new one, saved; a new request identical to one saved (the same
-        message in the same second: the same event id) is that one."""
-        conversation = await self._manager.get_conversation(cid)
-        if conversation is None:
-            raise NotAskedError("the conversation is gone")
+        yet (see :meth:`exchange`; ``conversation`` as loaded under the thread's lock), else a new one, saved;
+        a new request identical to one saved (the same message in the same second: the same event id) is
+        that one."""
         request = _earlier_request(conversation, answering, asker.pubkey, thread_id, message, served)
         if request is None:
             request = await self._compose(asker, trigger, message, (asked.pubkey,), thread_id, cid)
@@ -268,9 +316,10 @@ class Delegation:
                 served.add(request.id)
                 log.info("delegation_asked", conversation_id=cid, asker=asker.slug, asked=asked.slug)
                 return request, None
-            conversation = await self._manager.get_conversation(cid)
-            if conversation is None:
+            saved = await self._manager.get_conversation(cid)
+            if saved is None:
                 raise NotAskedError("the conversation is gone")
+            conversation = saved
         served.add(request.id)
         return request, _saved_answer(conversation, request, asked.pubkey, thread_id)
 
@@ -304,7 +353,7 @@ class Delegation:
             list_recent=target.list_recent,
         )
         result, error_kind = await self._answer_stoppably(
-            asked, cid, trigger, lambda: self._answer(profile, context, tool_context)
+            asker, asked, cid, trigger, lambda: self._answer(profile, context, tool_context)
         )
         answer = await self._compose(
             asked, request, result.text, (asker.pubkey,), thread.thread_id, cid, result, error_kind
@@ -396,6 +445,42 @@ def _saved_answer(
         ):
             return event
     return None
+
+
+def _refused_stopped(cid: str, asker: Agent, asked: Agent) -> NotAskedError:
+    """The refusal of a call asking an agent a person stopped (logged): it is not asked."""
+    log.info("delegation_refused_stopped", conversation_id=cid, asker=asker.slug, asked=asked.slug)
+    return NotAskedError(f"{asked.slug} was stopped (a person stopped it): ask it nothing more now")
+
+
+def _lost_pairs(
+    conversation: Conversation, thread: ConversationThread, asker: Agent, asked: Agent
+) -> list[dict[str, Any]]:
+    """The items of the exchanges saved in history under the thread that it lacks, in history order: each
+    request (by either agent of the pair) with its answer, the first reply of the other agent to it (as
+    :func:`_saved_answer` finds it). A request without one (stopped, being answered) or whose answer is an
+    error (a failed answer never enters the thread) gives none."""
+    held = {item.get("event_id") for item in thread.items if isinstance(item, dict)} - {None}
+    sides = {asker.pubkey: (asker, asked), asked.pubkey: (asked, asker)}
+    requests: dict[str, NostrEvent] = {}
+    answers: dict[str, NostrEvent] = {}
+    for event in conversation.history:
+        if event.tag_value(TAG_DELEGATION) != thread.thread_id or event.pubkey not in sides:
+            continue
+        parent = read_threading(event).parent_id
+        request = requests.get(parent) if parent is not None else None
+        if request is None:
+            requests[event.id] = event
+        elif event.pubkey != request.pubkey:
+            answers.setdefault(request.id, event)
+    items: list[dict[str, Any]] = []
+    for request in requests.values():
+        answer = answers.get(request.id)
+        if request.id in held or answer is None or answer.has_tag(TAG_ERROR, ERROR_SYSTEM):
+            continue
+        author, other = sides[request.pubkey]
+        items += [_item(author, other, request), _item(other, author, answer)]
+    return items
 
 
 def _item(author: Agent, other: Agent, event: NostrEvent) -> dict[str, Any]:

@@ -11,8 +11,8 @@ import pytest
 
 from tenex_daemon import MemoryStore, NostrEvent
 from tenex_daemon.adapters.nostr import signer
-from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
-from tenex_daemon.core.vocabulary import TAG_DELEGATION
+from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, LLMBackend
+from tenex_daemon.core.vocabulary import KIND_STOP, TAG_DELEGATION
 from tenex_daemon.services.agent_runner import AgentProfile
 from tenex_daemon.services.tools import SEND_MESSAGE
 from tenex_daemon.testing import FakeClock
@@ -290,3 +290,91 @@ async def test_a_crash_just_after_bobs_answer_is_saved_keeps_his_tokens_counted_
         assert conversation is not None
         bob_state = conversation.agent_states["bob"]
         assert (bob_state.prompt_tokens, bob_state.completion_tokens) == (10, 5)
+
+
+async def test_an_exchange_a_crash_kept_out_of_the_thread_is_in_the_next_ones_context(cast: Cast) -> None:
+    """The process dies after Bob's answer is saved and before the pair's thread is; the redo of Alice's run,
+    shown his answer, replies without asking again; a later exchange shows Bob the lost one first, and the
+    stored thread holds both, in order."""
+    store, clock = MemoryStore(), FakeClock()
+    alice = AskThenCrash(QUESTION)
+    first, root = await start(cast, store, clock, alice, ScriptedBackend([text("4")]))
+    add_event = first.manager.add_event
+    died = asyncio.Event()
+
+    async def die_after_bobs_answer(conversation_id: str, event: NostrEvent, **options: bool) -> bool:
+        added = await add_event(conversation_id, event, **options)
+        if event.pubkey == cast.bob.pubkey:
+            died.set()
+            await asyncio.Event().wait()  # the process is gone: the thread is never saved
+        return added
+
+    first.manager.add_event = die_after_bobs_answer  # type: ignore[method-assign]
+    await asyncio.wait_for(died.wait(), 5)
+    async with crashed(first):
+        await redo(cast, store, clock, ScriptedBackend([text("Bob says 4.")]), ScriptedBackend([]))
+    clock.advance(1_000)
+    bob = ScriptedBackend([text("6")])
+    alice_later = ScriptedBackend([ask("c2", "And 3+3?"), text("6")])
+    later = pipeline.build_rig(
+        cast, profiles=profiles(cast, alice_later, bob), store=store, clock=clock,
+        composer=pipeline.real_composer(cast),
+    )
+    again = cast.user_says("Now 3+3.", tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]])
+    await later.dispatcher.handle(again)
+    await later.settle()
+
+    [request] = bob.requests
+    assert [(m.role, m.content) for m in request.messages] == [
+        ("user", QUESTION), ("assistant", "4"), ("user", "And 3+3?")
+    ]
+    assert await thread_items(later, root) == [
+        ("alice", QUESTION), ("bob", "4"), ("alice", "And 3+3?"), ("bob", "6")
+    ]
+
+
+class FailsThenHolds:
+    """Bob: his first answer fails (the backend's error), his second hangs until a stop cancels it, later
+    ones say ``6``."""
+
+    name = "fails-then-holds"
+
+    def __init__(self) -> None:
+        self.requests: list[CompletionRequest] = []
+        self.holding = asyncio.Event()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Fail, then hang, then answer."""
+        self.requests.append(request)
+        if len(self.requests) == 1:
+            raise BackendError("rate_limit", "429 Too Many Requests")
+        if len(self.requests) == 2:
+            self.holding.set()
+            await asyncio.Event().wait()
+        return text("6")
+
+
+async def test_a_failed_or_stopped_exchange_is_not_taken_into_the_thread(cast: Cast) -> None:
+    """A request whose answer failed (an error reply saved) and one whose answer a stop cancelled (none
+    saved) stay out of the thread: the next exchange, in a later run, shows Bob only its own request."""
+    bob = FailsThenHolds()
+    alice = ScriptedBackend(
+        [ask("c1", "Fails?"), ask("c2", "Hangs?"), text("Without Bob."), ask("c3", "And 3+3?"), text("6")]
+    )
+    rig = pipeline.build_rig(cast, profiles=profiles(cast, alice, bob), composer=pipeline.real_composer(cast))
+    root = cast.user_says("Alice, ask Bob.", kind=11, tags=[["p", cast.alice.pubkey]])
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(bob.holding.wait(), 5)
+    await rig.dispatcher.handle(
+        cast.factory.event(cast.user, "", kind=KIND_STOP, tags=[["e", root.id], ["p", cast.bob.pubkey]])
+    )
+    await rig.quiet()
+    await rig.dispatcher.handle(
+        cast.user_says("Try again.", tags=[["E", root.id, "", root.pubkey], ["p", cast.alice.pubkey]])
+    )
+    await rig.settle()
+
+    assert len(bob.requests) == 3
+    assert [m.content for m in bob.requests[-1].messages] == ["And 3+3?"]
+    assert [content for _, content in await delegation_events(rig, root)][-2:] == ["And 3+3?", "6"]
+    assert await thread_items(rig, root) == [("alice", "And 3+3?"), ("bob", "6")]
