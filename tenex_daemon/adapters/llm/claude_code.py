@@ -90,6 +90,8 @@ WORKSPACE_DIR = "workspace"
 configured: inside the home, so the systemd unit's ``ReadWritePaths`` allow it, outside what is denied."""
 CALLS_DIR = "claude-code"
 """The run folder's folder of the calls under way, one record each (:func:`end_leftover_calls`)."""
+PERSONA_PREFIX = "claude-persona-"
+"""The name's start of a persona file (:meth:`ClaudeCodeBackend._persona_file`), in :data:`CALLS_DIR`."""
 CALL_MARKER = "TENEXD_CLAUDE_CALL"
 """The environment variable each ``claude`` is given its call's random mark in: the tools it starts inherit
 it, so a process that holds it is known to be one of that call's, never a process that took a reused pid."""
@@ -222,7 +224,8 @@ def _group_is_the_calls(group: int, mark: str) -> bool:
 
 def end_leftover_calls(run_dir: Path) -> list[int]:
     """End the ``claude`` calls a daemon killed outright left running (their process groups), from the records
-    of :data:`CALLS_DIR` in ``run_dir``, and remove the records; return the groups ended.
+    of :data:`CALLS_DIR` in ``run_dir``, and remove the records and the calls' persona files (they hold the
+    person's recent conversations' summaries: a deletion would leave them behind); return the groups ended.
 
     The daemon calls it as it starts (its home is its own by then), before any run is recovered: a run redone
     would have a second ``claude`` working on the session. A group is ended only when one of its processes
@@ -247,6 +250,9 @@ def end_leftover_calls(run_dir: Path) -> list[int]:
             log.warning("claude_left_running_ended", group=group, record=str(record))
         with contextlib.suppress(OSError):
             record.unlink()
+    for persona in folder.glob(f"{PERSONA_PREFIX}*"):  # no call is under way yet: each is a killed call's
+        with contextlib.suppress(OSError):
+            persona.unlink()
     return ended
 
 
@@ -525,10 +531,12 @@ class ClaudeCodeBackend:
         size = len(request.system_prompt.encode("utf-8"))
         if size <= PERSONA_ARG_BYTES:
             return None
-        folder = self.run_dir if self.run_dir is not None and self.run_dir.is_dir() else None
+        folder = None if self.run_dir is None or not self.run_dir.is_dir() else self.run_dir / CALLS_DIR
         path = None
         try:
-            descriptor, path = tempfile.mkstemp(prefix="claude-persona-", suffix=".md", dir=folder)
+            if folder is not None:  # beside the calls' records: a daemon killed outright leaves it there
+                folder.mkdir(mode=0o700, exist_ok=True)
+            descriptor, path = tempfile.mkstemp(prefix=PERSONA_PREFIX, suffix=".md", dir=folder)
             with os.fdopen(descriptor, "w", encoding="utf-8") as file:
                 file.write(request.system_prompt)
         except OSError as exc:

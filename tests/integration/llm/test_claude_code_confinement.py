@@ -270,7 +270,21 @@ async def test_a_persona_over_an_arguments_limit_is_passed_in_a_file(
     assert call["persona"] == persona
     assert call["longest"] < 128 * 1024
     assert "--append-system-prompt" not in call["args"]
-    assert list((home / "run").glob("claude-persona-*")) == []
+    assert list((home / "run").rglob("claude-persona-*")) == []
+
+
+def test_a_persona_file_a_killed_call_left_is_removed_at_the_next_start(tmp_path: Path) -> None:
+    """The persona file of a call whose daemon was killed outright (it holds the person's recent
+    conversations' summaries) is removed by the next start's :func:`end_leftover_calls` (before, one file
+    stayed in the run folder per killed call, for good, whatever was deleted since)."""
+    calls_dir = a_home(tmp_path) / "run" / CALLS_DIR
+    calls_dir.mkdir(parents=True)
+    left = calls_dir / "claude-persona-k1ll3d.md"
+    left.write_text("## Recent conversations\n- a summary")
+
+    assert end_leftover_calls(calls_dir.parent) == []
+
+    assert not left.exists()
 
 
 async def test_a_command_line_the_system_refuses_as_too_long_is_a_backend_error(

@@ -219,3 +219,23 @@ async def test_deletions_made_together_leave_the_index_whole(tmp_path: Path, cas
         await store.close()
         await store.open()
     await store.close()
+
+
+@pytest.mark.parametrize("fsync", ["always", "batch"])
+async def test_deleting_conversations_leaves_no_name_of_their_small_values_in_memory(
+    tmp_path: Path, cast: Cast, fsync: str
+) -> None:
+    """The names of a deleted conversation's small values (its delegation threads) leave the store's memory
+    with their files: a daemon making threads for months held one name per thread it ever made."""
+    store = FileSystemStore(tmp_path / "home", fsync=fsync)  # type: ignore[arg-type]
+    await store.open()
+    try:
+        before = len(store._meta_files)
+        for number in range(20):
+            conversation = await new_conversation(store, cast, f"talk {number}")
+            await store.set_meta(f"thread:{conversation.id}__alice__bob", '{"items": []}')
+            await store.delete(conversation.id)
+        await wait_for(lambda: len(store._meta_files) == before)
+        assert await store.get_meta(f"thread:{conversation.id}__alice__bob") is None
+    finally:
+        await store.close()

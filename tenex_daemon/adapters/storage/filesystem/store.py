@@ -493,9 +493,11 @@ class FileSystemStore:
         A failure is logged: the deletion stands, and the next compaction and checkpoint (at the latest
         the store's close) erase what is left."""
         try:
-            leftovers = [self._meta_path(key) for key in values]
-            leftovers += await asyncio.to_thread(corrupt_copies, self.corrupt_dir, conversation_id)
+            erased = [self._meta_path(key) for key in values]
+            leftovers = erased + await asyncio.to_thread(corrupt_copies, self.corrupt_dir, conversation_id)
             await asyncio.to_thread(remove_leftovers, leftovers)
+            # and their names, each held in memory until a restart (unless saved again since)
+            self._meta_files.difference_update(path.name for path in erased if not path.exists())
             await self._erasure.request()
         except Exception:
             log.exception("delete_traces_left", conversation_id=conversation_id)
