@@ -151,7 +151,8 @@ async def test_a_summary_the_run_would_extend_is_counted_and_shown_as_truncated(
     """Without a stored summary the run first summarizes the cut (a backend call a preview does not make):
     the preview counts those messages in ``to_summarize`` and shows them as truncated."""
     backend = ScriptedBackend([text("They talked."), text("Done.")])
-    rig, trigger, conversation = await budgeted(cast, backend, TokenBudget(200, BudgetStrategy.SUMMARIZE))
+    # a cut within the budget: summarized in one call (a larger one would be in parts)
+    rig, trigger, conversation = await budgeted(cast, backend, TokenBudget(600, BudgetStrategy.SUMMARIZE))
 
     shown = await preview(Target(rig.manager, rig.pipeline), conversation)
     assert await rig.runner.run(RunRequest(conversation, trigger.id, "alice")) is not None
@@ -170,7 +171,8 @@ async def test_a_stored_summary_the_run_extends_is_shown_with_the_rest_truncated
     one truncation note for the messages the run first adds to it (``to_summarize``); the run sends the
     extended summary there instead, and everything after the cut is the same."""
     backend = ScriptedBackend([text("They talked more."), text("Done.")])
-    rig, trigger, conversation = await budgeted(cast, backend, TokenBudget(200, BudgetStrategy.SUMMARIZE))
+    # a cut within the budget: summarized in one call (a larger one would be in parts)
+    rig, trigger, conversation = await budgeted(cast, backend, TokenBudget(600, BudgetStrategy.SUMMARIZE))
     await rig.manager.update_agent_state(conversation, "alice", summary=("They talked.", 5))
 
     shown = await preview(Target(rig.manager, rig.pipeline), conversation)
