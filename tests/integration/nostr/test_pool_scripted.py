@@ -82,7 +82,7 @@ async def test_bad_frames_are_counted_and_the_connection_keeps_working() -> None
 
 async def test_resubscribe_after_reconnect_uses_persisted_cursor_minus_window() -> None:
     """After the relay drops the connection, the REQ is re-sent with since = last created_at - window."""
-    created = int(time.time()) - 100
+    created = int(time.time()) - FAST.slow_clock_allowance - 100  # older: asked from it, not capped
     first = AUTHOR.sign(KIND_COMMENT, "one", created_at=created)
 
     async def script(fake: FakeRelay, ws: ServerConnection) -> None:
@@ -210,12 +210,13 @@ async def test_a_slow_consumer_does_not_block_ok_handling() -> None:
 
 async def test_consumer_error_is_logged_and_the_event_is_not_marked_processed() -> None:
     """When the handler raises, the pool goes on, and the event id stays unprocessed for a retry."""
-    events = [AUTHOR.sign(KIND_COMMENT, f"n{i}") for i in range(2)]
+    events = [AUTHOR.sign(KIND_COMMENT, f"n{i}", created_at=int(time.time()) - 2 + i) for i in range(2)]
 
     async def script(fake: FakeRelay, ws: ServerConnection) -> None:
         req = await fake.recv(ws)
         for event in events:
             await ws.send(event_frame(req[1], event))
+        await ws.send(json.dumps(["EOSE", req[1]]))  # stored events are taken in at EOSE
         await ws.wait_closed()
 
     seen: list[str] = []

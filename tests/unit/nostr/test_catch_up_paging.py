@@ -102,7 +102,7 @@ class Rig:
             await self.delivery.intake(event, URL, "live")
         for event_id, created_at in first.refused:
             self.connection._note_refused("live", event_id, created_at)
-        self.connection._end_of_stored("live")
+        await self.connection._end_of_stored("live")
         await asyncio.gather(*self.tasks)
 
     def cursor(self) -> int | None:

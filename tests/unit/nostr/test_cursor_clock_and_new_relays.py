@@ -113,3 +113,33 @@ async def test_a_home_from_before_the_key_keeps_it_at_the_first_subscription() -
     await Subscriptions(since_window=WINDOW).add(Subscription("live", [{"kinds": [1]}]), [A, "ws://c"], store)
 
     assert await store.get_meta(module.cursor_key("live", module.ANY_RELAY)) == str(NOW - 100)
+
+
+async def test_a_recent_cursor_asks_from_the_slow_clock_allowance_before_now_so_late_dated_live_events_pass() -> None:
+    """A cursor ten seconds old asks from now minus the window and the slow-clock allowance, not from the
+    cursor minus the window: relays apply ``since`` to live events too, and a message dated ten minutes ago,
+    sent after the REQ, was dropped; an older cursor is asked from as before."""
+    store = MemoryStore()
+    await store.set_meta(module.cursor_key("live", A), str(NOW - 10))
+    await store.set_meta(module.cursor_key("live", B), str(NOW - 7_200))
+    subs = Subscriptions(since_window=WINDOW, slow_clock_allowance=3_600)
+    sub = Subscription("live", [{"kinds": [1]}])
+    await subs.add(sub, [A, B], store)
+
+    assert since(subs, sub, A) == NOW - WINDOW - 3_600
+    assert since(subs, sub, B) == NOW - 7_200 - WINDOW
+
+
+async def test_a_filters_own_since_ahead_of_the_clock_asks_from_now() -> None:
+    """A filter's own ``since`` dated an hour ahead (kept by a first start whose clock ran fast) is asked as now,
+    with a cursor or without one (before, as it was: nothing the relay got until then was heard)."""
+    ahead = Subscription("live", [{"kinds": [1], "since": NOW + 3_600}])
+    without = Subscriptions(since_window=WINDOW)
+    await without.add(ahead, [A], MemoryStore())
+    store = MemoryStore()
+    await store.set_meta(module.cursor_key("live", A), str(NOW - 100))
+    with_cursor = Subscriptions(since_window=WINDOW)
+    await with_cursor.add(ahead, [A], store)
+
+    assert since(without, ahead, A) == NOW
+    assert since(with_cursor, ahead, A) == NOW

@@ -111,7 +111,7 @@ async def test_a_relay_closing_with_1009_on_our_event_refuses_it_for_good_withou
     ):
         await pool.subscribe("mentions", [{"kinds": [KIND_COMMENT]}])
         assert await pool.wait_connected(within=5)
-        cursor = int(time.time()) - 50
+        cursor = int(time.time()) - FAST.slow_clock_allowance - 50  # older: asked from it, not capped
         pool._subscriptions.advance("mentions", relay.url, cursor)
         outbox = Outbox(store, PoolPublisher(pool, {}, {}, publish_timeout_s=5.0), on_refused=on_refused)
         await outbox.add("conv", AUTHOR.sign(KIND_COMMENT, "x" * (100 * 1024)), agent_slug="a")

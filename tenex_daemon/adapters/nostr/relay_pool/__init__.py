@@ -1,6 +1,7 @@
 """The relay pool: several Nostr relays over ``websockets``, one reader task per relay.
 
-Its parts: :mod:`.connection` (one relay's socket, auth, backoff), :mod:`.delivery` (the intake
+Its parts: :mod:`.connection` (one relay's socket, auth, backoff), :mod:`.stored` (a subscription's
+stored events, held to be taken in oldest first), :mod:`.delivery` (the intake
 queue, deduplication and delivery lanes), :mod:`.subscriptions` (live subscriptions and their
 cursors), :mod:`.resolver` (finding referenced events), :mod:`.types` (settings and health data)
 and :mod:`.pool` (the pool that ties them together).
@@ -11,12 +12,16 @@ What it guarantees:
   publishers wait on, so a publish can never deadlock the socket loop.
 - Each relay reconnects with capped, jittered exponential backoff; subscriptions
   are re-sent with ``since`` = the last accepted ``created_at`` from that relay
-  minus a safety window. The cursor is kept in the store (``set_meta``), so a
-  restarted daemon asks only for what it may have missed.
+  minus a safety window (never later than now minus the window and
+  ``slow_clock_allowance``: relays apply ``since`` to live events too). The cursor
+  is kept in the store (``set_meta``), so a restarted daemon asks only for what it
+  may have missed.
 - Each event reaches the consumer once: an in-memory LRU drops copies from other
   relays while the first is in flight, and the store's processed set
   (``is_processed``) drops anything handled before a restart. After the consumer
   returns, the id is marked processed.
+- A subscription's stored events (before its EOSE, and its catch-up's pages), which
+  relays send newest first, are taken in oldest first; live events as they come.
 - Delivery is in arrival order, one event at a time, unless ``delivery_lanes`` > 1
   and a ``lane_key`` is given: then events with different keys (a daemon uses the
   conversation) are delivered concurrently and events with the same key in order.

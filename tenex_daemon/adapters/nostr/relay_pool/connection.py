@@ -14,9 +14,9 @@ import contextlib
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from websockets.asyncio.client import ClientConnection, connect
@@ -45,6 +45,7 @@ from ..codec import (
 from ..signer import Signer
 from .oks import MESSAGE_TOO_BIG, RESEND, TOO_LARGE_FOR_RELAY, AwaitedOks, relay_closed_for_size
 from .outage import Outage, Renewals, backoff_delay
+from .stored import CATCH_UP_PAGES, CatchUp, EventSink, Paged, StoredBatch, StoredEvents
 from .subscriptions import Subscription, Subscriptions
 from .types import ConnectHandler, Filter, PoolSettings, RelayHealth, RelaySpec, RelayState, Spawn
 
@@ -85,52 +86,8 @@ wait (:data:`CLOSED_FOR_GOOD_FACTOR` times the reconnect backoff)."""
 CLOSED_FOR_GOOD_FACTOR = 10
 
 
-class EventSink(Protocol):
-    """Where a connection hands the events of live subscriptions (the pool's delivery)."""
-
-    @property
-    def seen(self) -> Container[str]:
-        """Ids of events already verified and taken in: their copies skip the signature check."""
-
-    async def intake(self, event: NostrEvent, url: str, sub_id: str) -> None:
-        """Take a validated event in."""
-
-    def count_known_copy(self, event: NostrEvent, url: str, sub_id: str) -> None:
-        """Count a relay's copy of an event already taken in."""
-
-    async def settled(self) -> bool:
-        """Wait until every event taken in so far has reached the consumer; return whether each was handed
-        over for good (none left to the relays, none waiting to be tried again)."""
-
-
 SEND_RETRY_WAIT = 1.0
 """Seconds a publish whose frame could not be sent waits for its connection's close before sending again."""
-
-CATCH_UP_PAGES = 10_000
-"""Pages one filter of a catch-up asks for at most (a relay that ignores ``since``): past it, the catch-up
-counts as cut short."""
-
-
-@dataclass
-class _CatchUp:
-    """A live subscription asked of a relay from its cursor: when the relay sent any stored event before
-    EOSE, each filter is then asked again a page at a time (``until``), since a relay sends a capped number
-    per REQ, newest first."""
-
-    filters: list[Filter]
-    got_events: bool = False
-
-
-@dataclass
-class _Paged:
-    """A catch-up's paging: its number (its fetch ids are told apart by it), the connection it started on,
-    and the pages asked and events handed over so far."""
-
-    number: int
-    generation: int
-    pages: int = 0
-    taken: int = 0
-
 
 @dataclass
 class _Fetch:
@@ -187,8 +144,12 @@ class RelayConnection:
         """The ``OK``\\ s awaited here, and which EVENT an answer without an event id is for."""
         self.pending_ok = self.oks.waiters
         self.fetches: dict[str, _Fetch] = {}
-        self.catching_up: dict[str, _CatchUp] = {}
+        self.catching_up: dict[str, CatchUp] = {}
         """Live subscriptions asked from their cursor whose EOSE has not come yet."""
+        self.stored = StoredEvents(spec.url, settings, sink=sink, subscriptions=subscriptions, spawn=spawn,
+                                   log=self.log)
+        """Per live subscription whose REQ's EOSE has not come yet: its stored events so far (:mod:`.stored`:
+        taken in oldest first)."""
         self.catch_ups = 0
         """Catch-ups paged so far (their fetch ids are told apart by it)."""
         self.auth_retried_subs: set[str] = set()
@@ -249,7 +210,7 @@ class RelayConnection:
                     continue
                 self.last_error = "closed by relay"
             except asyncio.CancelledError:
-                self._on_close()
+                self._on_close(stopping=True)
                 self.state = RelayState.STOPPED
                 raise
             except (OSError, WebSocketException, TimeoutError) as exc:
@@ -332,7 +293,8 @@ class RelayConnection:
             except Exception:
                 self.log.exception("connect handler failed")
 
-    def _on_close(self, *, renewing: bool = False) -> None:
+    def _on_close(self, *, renewing: bool = False, stopping: bool = False) -> None:
+        self.stored.closed(self.catching_up, stopping=stopping)
         self.catching_up.clear()  # their cursors stay held: the reconnect's catch-up asks again from them
         # no OK comes for what was sent on this connection: each waiter also waits on `closed`, set below
         self.oks.closed(keep_pace=renewing)
@@ -367,8 +329,10 @@ class RelayConnection:
         filters = self.subscriptions.filters_for(sub, self.url)
         if self.subscriptions.starts_from(sub.sub_id, self.url) is not None and self.spec.read:
             self.subscriptions.hold(sub.sub_id, self.url)
-            self.catching_up[sub.sub_id] = _CatchUp(filters)
-        await self.send(encode_req(sub.sub_id, filters))
+            self.catching_up[sub.sub_id] = CatchUp(filters)
+        self.stored.begin(sub.sub_id)  # before the REQ: its first events may be read before send returns
+        if not await self.send(encode_req(sub.sub_id, filters)):
+            self.stored.unfinished(sub.sub_id, held=sub.sub_id in self.catching_up)
 
     def _caught(self, sub_id: str) -> None:
         """Note a stored event of a catch-up under way."""
@@ -376,42 +340,50 @@ class RelayConnection:
         if catch_up is not None:
             catch_up.got_events = True
 
-    def _end_of_stored(self, sub_id: str) -> None:
-        """EOSE of a live subscription: a catch-up that got events pages through each filter; one that got
+    async def _end_of_stored(self, sub_id: str) -> None:
+        """EOSE of a live subscription: its stored events are taken in, oldest first. A catch-up that got
+        events pages through each filter first (its first answer is taken in with its pages); one that got
         none is over (the cursor moves to the newest event handed over meanwhile)."""
+        batch = self.stored.end(sub_id) or self.stored.batch()
         catch_up = self.catching_up.pop(sub_id, None)
-        if catch_up is None:
-            return
-        if catch_up.got_events:
+        if catch_up is not None and catch_up.got_events:
             self.catch_ups += 1
-            self.spawn(self._page_back(sub_id, catch_up, self.catch_ups), f"catch-up {self.url}")
-        else:
+            self.spawn(self._page_back(sub_id, catch_up, self.catch_ups, batch), f"catch-up {self.url}")
+            return
+        await self.stored.take_in(sub_id, batch)
+        if catch_up is not None:
             self.subscriptions.release(sub_id, self.url)
 
-    async def _page_back(self, sub_id: str, catch_up: _CatchUp, number: int) -> None:
-        """Page each filter of a catch-up (:meth:`_page_filter`). Once every filter is done and every event
-        was handed over for good, the cursor moves; a catch-up cut short (no EOSE, a reconnect meanwhile, the
-        subscription closed, the page limit, events left or waiting for a retry) leaves it held."""
-        paged = _Paged(number, self.connects)
+    async def _page_back(self, sub_id: str, catch_up: CatchUp, number: int, batch: StoredBatch) -> None:
+        """Page each filter of a catch-up (:meth:`_page_filter`) into ``batch``, which holds its first answer,
+        then take the batch in. Once every filter is done and every event was handed over for good, the
+        cursor moves; a catch-up cut short (no EOSE, a reconnect meanwhile, the subscription closed, the page
+        limit, events left or waiting for a retry) leaves it held."""
+        paged = Paged(number, self.connects)
         done = True
         for flt in catch_up.filters:
-            filter_done = await self._page_filter(sub_id, flt, paged)
+            filter_done = await self._page_filter(sub_id, flt, paged, batch)
             if filter_done is None:  # its cursor stays held: the next catch-up asks again
+                # a reconnect's catch-up asks for what came again, in order; on the same connection (a page
+                # that timed out) none asks again soon: what came is taken in
+                if self.connects == paged.generation:
+                    await self.stored.take_in(sub_id, batch)
                 pages, taken = paged.pages, paged.taken
                 self.log.info("catch_up_cut_short", subscription=sub_id, pages=pages, events=taken)
                 return
             done = done and filter_done
+        await self.stored.take_in(sub_id, batch)
         complete = await self.sink.settled() and done
         if complete:
             self.subscriptions.release(sub_id, self.url)
         pages, taken = paged.pages, paged.taken
         self.log.info("catch_up_paged", subscription=sub_id, pages=pages, events=taken, complete=complete)
 
-    async def _page_filter(self, sub_id: str, flt: Filter, paged: _Paged) -> bool | None:
+    async def _page_filter(self, sub_id: str, flt: Filter, paged: Paged, batch: StoredBatch) -> bool | None:
         """Ask one filter for its stored events a page at a time, newest first (``until`` = the oldest second
-        of the page before), until a page brings none the one before did not; hand over those not taken in
-        yet as the live subscription's. True: done; False: the page limit (a relay that does not keep to
-        ``since``); None: cut short (no EOSE, a reconnect meanwhile, the subscription closed)."""
+        of the page before), until a page brings none the one before did not; hold those not taken in yet in
+        ``batch``, as the live subscription's. True: done; False: the page limit (a relay that does not keep
+        to ``since``); None: cut short (no EOSE, a reconnect meanwhile, the subscription closed)."""
         until: int | None = None
         previous: set[str] = set()
         for _ in range(CATCH_UP_PAGES):
@@ -431,10 +403,10 @@ class RelayConnection:
             if all(event_id in previous for event_id, _ in dated):
                 return True
             for event in page.events:
-                if event.id not in previous and event.id not in self.sink.seen:  # seen: taken in already
-                    self.events_received += 1
+                if event.id not in previous and event.id not in self.sink.seen and event.id not in batch:
+                    self.events_received += 1  # seen: taken in already; in the batch: held already
                     paged.taken += 1
-                    await self.sink.intake(event, self.url, sub_id)
+                    await self.stored.hold(sub_id, batch, event)
             previous = {event_id for event_id, _ in dated}
             oldest = min(created_at for _, created_at in dated)
             if until is not None and oldest >= until:  # a page all dated one second: until cannot go past
@@ -471,7 +443,7 @@ class RelayConnection:
             if fetch is not None and fetch.done is not None and not fetch.done.done():
                 fetch.done.set_result("eose")
             elif fetch is None:
-                self._end_of_stored(message.subscription_id)
+                await self._end_of_stored(message.subscription_id)
         elif isinstance(message, ClosedMessage):
             self._on_closed(message)
         elif isinstance(message, AuthMessage):
@@ -502,7 +474,11 @@ class RelayConnection:
         sub = self._live_subscription(message.subscription_id, message.event.id)
         if sub is not None:
             self._caught(sub.sub_id)
-            await self.sink.intake(message.event, self.url, sub.sub_id)
+            batch = self.stored.get(sub.sub_id)
+            if batch is None:  # live: after EOSE
+                await self.sink.intake(message.event, self.url, sub.sub_id)
+            else:
+                await self.stored.hold(sub.sub_id, batch, message.event)
 
     def _live_subscription(self, sub_id: str, event_id: str) -> Subscription | None:
         """The live subscription an event came on (counted as received), or None (rejected as unknown)."""
@@ -527,7 +503,11 @@ class RelayConnection:
         sub = self._live_subscription(message.subscription_id, message.event.id)
         if sub is not None:
             self._caught(sub.sub_id)
-            self.sink.count_known_copy(message.event, self.url, sub.sub_id)
+            batch = self.stored.get(sub.sub_id)
+            if batch is None:
+                self.sink.count_known_copy(message.event, self.url, sub.sub_id)
+            else:  # counted with the batch: its cursor does not pass the events held before it
+                await self.stored.hold(sub.sub_id, batch, message.event, known=True)
 
     def _on_ok(self, message: OkMessage) -> None:
         # one without an event id (nostr-relay's refusals) is attributed when that can be told (.oks)
@@ -551,7 +531,8 @@ class RelayConnection:
         sub = self.subscriptions.get(sub_id)
         if sub is None:
             return
-        self.catching_up.pop(sub_id, None)  # its cursor stays held: the REQ sent again catches up from it
+        held = self.catching_up.pop(sub_id, None) is not None  # its cursor stays held: the REQ sent again
+        self.stored.unfinished(sub_id, held=held)  # catches up from it
         if auth_required and sub_id not in self.auth_retried_subs:
             self.auth_retried_subs.add(sub_id)
             self.log.info("subscription needs auth; re-sending after AUTH", subscription=sub_id)

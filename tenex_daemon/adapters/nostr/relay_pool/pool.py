@@ -82,7 +82,9 @@ class RelayPool:
         if self.settings.delivery_lanes < 1:
             raise ValueError("delivery_lanes must be at least 1")
         self.key_cache = PublicKeyCache()
-        self._subscriptions = Subscriptions(self.settings.since_window)
+        self._subscriptions = Subscriptions(
+            self.settings.since_window, slow_clock_allowance=self.settings.slow_clock_allowance
+        )
         self._delivery = Delivery(
             self.settings, self._subscriptions.advance, on_event=on_event, store=store, lane_key=lane_key,
             cursor_pins=self._subscriptions,

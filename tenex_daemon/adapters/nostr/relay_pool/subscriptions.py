@@ -38,9 +38,11 @@ as new."""
 class Subscriptions:
     """Live subscriptions by id, and their cursors per relay (moved up as events are accepted)."""
 
-    def __init__(self, since_window: int) -> None:
-        """``since_window``: seconds subtracted from a cursor when (re)subscribing."""
+    def __init__(self, since_window: int, *, slow_clock_allowance: int = 0) -> None:
+        """``since_window``: seconds subtracted from a cursor when (re)subscribing; ``slow_clock_allowance``:
+        seconds further back that a (re)subscription's ``since`` is at most from now (:meth:`filters_for`)."""
         self._since_window = since_window
+        self._slow_clock_allowance = slow_clock_allowance
         self._subs: dict[str, Subscription] = {}
         self._closed: set[str] = set()
         """Ids of subscriptions closed by this pool (the daemon's few, named by it: not a growing set)."""
@@ -107,16 +109,30 @@ class Subscriptions:
         """Return the filters with ``since`` moved up to this relay's cursor minus the window. A relay
         without a cursor of its own (one added to the settings) starts from the oldest cursor the
         subscription has on the others: not from its whole history, whose old messages would be answered
-        as new. Neither a cursor nor a floor counts past now: one dated ahead (set while the clock ran
-        fast, then stepped back) would leave every message until then unasked."""
+        as new. No ``since`` counts past now, neither a cursor, a floor nor a filter's own: one dated ahead
+        (set while the clock ran fast, then stepped back) would leave every message until then unasked.
+
+        Nor does one from a cursor come closer to now than the window and the slow-clock allowance: relays
+        apply ``since`` to live events too, so a message dated before it (its sender's clock running more
+        than the window slow), sent after the REQ, was never heard: the relay dropped it, and the REQs after
+        it ask from newer cursors. The stored events of that allowance are asked again each time (the
+        dedupe of stored ids drops them)."""
         now = int(time.time())
         cursor = self.starts_from(sub.sub_id, url)
         floor = self._floors.get(url)
-        if cursor is None and floor is None:
-            return sub.filters
-        since = 0 if cursor is None else max(0, min(cursor, now) - self._since_window - sub.lookback_s)
+        since = 0
+        if cursor is not None:
+            since = max(0, min(cursor, now) - self._since_window - sub.lookback_s)
+            since = min(since, max(0, now - self._since_window - self._slow_clock_allowance))
         since = max(since, min(floor or 0, now))
-        return [{**f, "since": max(int(f.get("since", 0)), since)} for f in sub.filters]
+        asked: list[Filter] = []
+        for flt in sub.filters:
+            own = flt.get("since")
+            if cursor is None and floor is None and own is None:
+                asked.append(flt)
+            else:
+                asked.append({**flt, "since": max(min(int(own or 0), now), since)})
+        return asked
 
     def starts_from(self, sub_id: str, url: str) -> int | None:
         """The cursor a REQ to ``url`` is asked from: the relay's own, else the oldest the subscription has on

@@ -73,6 +73,10 @@ class PoolSettings:
     """A connection that stayed up this long resets the backoff."""
     since_window: int = 120
     """Seconds subtracted from the cursor when (re)subscribing; dedupe absorbs the overlap."""
+    slow_clock_allowance: int = 3_600
+    """Seconds before ``since_window`` a (re)subscription's ``since`` is at most (before now): relays apply
+    ``since`` to live events too, so a message from a clock running that slow, sent after the REQ, is
+    still heard."""
     publish_timeout: float = 10.0
     fetch_timeout: float = 5.0
     auth_timeout: float = 5.0
