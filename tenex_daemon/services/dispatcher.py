@@ -30,6 +30,7 @@ from tenex_daemon.core.targeting import (
     may_join,
 )
 from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE, KIND_TASK, TAG_TOOL, TOOL_COMPLETE
+from tenex_daemon.runtime.lanes import outside_lane
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import ConversationLifecycle, adopted_root_key, task_meta_key
 from tenex_daemon.services.locks import KeyedLock
@@ -386,7 +387,8 @@ class EventDispatcher:
         as when the task itself came first. Without the root, the choice is made under a lock and the store's
         lease on the root (two daemons sharing a database, each with a reply of the thread, start one
         conversation): the one another reply started meanwhile is returned (None: it was deleted since)."""
-        root = await self._fetcher.fetch_event(root_id) if self._fetcher is not None else None
+        async with outside_lane():  # the relays' answer (up to their timeout): the lane is lent meanwhile
+            root = await self._fetcher.fetch_event(root_id) if self._fetcher is not None else None
         if root is not None and root.id == root_id and root.has_valid_id():
             log.info("conversation_root_fetched", conversation_id=root_id)
             task_id = root_id if root.kind == KIND_TASK else None
@@ -664,7 +666,8 @@ class EventDispatcher:
                 limit=self._limits.turn_limit,
             )
             return HandleResult(Outcome.STORED, stop.value, cid)
-        decision = await self._orchestrator.route(conversation, event)
+        async with outside_lane():  # a model's answer: other people's events are taken in meanwhile
+            decision = await self._orchestrator.route(conversation, event)
         if decision is None:
             await self._save_limits(cid, stored)  # a user message's reset
             return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, cid)

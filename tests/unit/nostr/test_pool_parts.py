@@ -204,3 +204,64 @@ def test_renewals_in_a_row_wait_longer_up_to_the_cap_and_never_start_over(monkey
     now[0] += 10.0
     assert pauses == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
     assert renewals.pause() == 0.0
+
+
+async def test_a_lane_waiting_outside_lends_its_slot_and_keeps_its_order() -> None:
+    """With every lane taken by an event waiting on a model (inside ``outside_lane``), another key's event is
+    taken in meanwhile; a waiting key's later event still comes after it; a task a handler started (a run
+    that routes later) lends nothing of the lane, and the slots add up again once all is done."""
+    from tenex_daemon.runtime.lanes import outside_lane
+
+    keys = KeyPair.from_seed(78)
+    model = asyncio.Event()
+    hold = asyncio.Event()
+    seen: list[str] = []
+    started: list[asyncio.Task[None]] = []
+
+    async def later_run() -> None:
+        async with outside_lane():  # not the lane's task: lends nothing
+            seen.append("run")
+
+    async def on_event(received: ReceivedEvent) -> None:
+        content = received.event.content
+        if content.endswith(":1") and content[0] in "ab":
+            started.append(asyncio.create_task(later_run()))
+            async with outside_lane():
+                await model.wait()
+        if content[0] in "gh":  # holding its lane
+            await hold.wait()
+        seen.append(content)
+
+    pool = RelayPool([], on_event=on_event, settings=PoolSettings(delivery_lanes=2),
+                     lane_key=lambda event: event.content.split(":")[0])
+    await pool.start()
+    try:
+        for n, text in enumerate(["a:1", "b:1", "a:2", "c:1"]):
+            await pool.intake(sign_event(keys, text, created_at=1_700_000_000 + n), "ws://relay", "sub")
+        for _ in range(200):
+            if "c:1" in seen:
+                break
+            await asyncio.sleep(0.01)
+        assert seen == ["run", "run", "c:1"]  # both lanes were lent while "a" and "b" waited on a model
+        model.set()
+        for _ in range(200):
+            if len(seen) == 6:
+                break
+            await asyncio.sleep(0.01)
+        assert [s for s in seen if s.startswith("a")] == ["a:1", "a:2"]
+        assert sorted(seen[3:]) == ["a:1", "a:2", "b:1"]
+        for n, text in enumerate(["g:1", "h:1", "i:1"]):  # two slots again, not more: "i" waits for one
+            await pool.intake(sign_event(keys, text, created_at=1_700_000_010 + n), "ws://relay", "sub")
+        await asyncio.sleep(0.3)
+        assert len(seen) == 6
+        hold.set()
+        for _ in range(200):
+            if len(seen) == 9:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        hold.set()
+        await pool.stop()
+        await asyncio.gather(*started)
+    assert sorted(seen[6:]) == ["g:1", "h:1", "i:1"]
+    assert pool.delivered == 7

@@ -29,13 +29,14 @@ import contextlib
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import structlog
 
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.runtime.background import BackgroundTasks
+from tenex_daemon.runtime.lanes import lend_with
 
 from .types import EventHandler, LaneKey, PoolSettings, PoolStore, ReceivedEvent, Remember
 
@@ -243,6 +244,20 @@ class Delivery:
 
         async def drain_key(key: str) -> None:
             backlog = backlogs[key]
+            holding = [True]
+
+            @contextlib.asynccontextmanager
+            async def lent() -> AsyncIterator[None]:
+                """The lane's slot, given back while its event waits on a model or the relays."""
+                free_lanes.release()
+                holding[0] = False
+                try:
+                    yield
+                finally:
+                    await free_lanes.acquire()
+                    holding[0] = True
+
+            lend_with(lent)
             try:
                 while backlog:
                     try:
@@ -251,7 +266,8 @@ class Delivery:
                         held.release()
             finally:
                 del backlogs[key]
-                free_lanes.release()
+                if holding[0]:
+                    free_lanes.release()
 
         while True:
             item = await queue.get()
