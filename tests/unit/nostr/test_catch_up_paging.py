@@ -11,7 +11,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from tenex_daemon.adapters.nostr.codec import PublicKeyCache
+from tenex_daemon.adapters.nostr.codec import EventMessage, PublicKeyCache
 from tenex_daemon.adapters.nostr.relay_pool.connection import RelayConnection, _Fetch
 from tenex_daemon.adapters.nostr.relay_pool.delivery import Delivery
 from tenex_daemon.adapters.nostr.relay_pool.subscriptions import Subscription, Subscriptions
@@ -224,3 +224,26 @@ async def test_a_relay_added_to_the_settings_is_caught_up_from_the_others_cursor
     assert sorted(rig.handed) == sorted(e.id for e in since)
     assert rig.cursor() == max(e.created_at for e in since)
     assert rig.relay.pages > 1
+
+
+async def test_a_live_event_that_comes_while_the_catch_up_pages_is_taken_in_after_the_stored_ones() -> None:
+    """A person writes right after the reconnect, while the catch-up still pages through what was written
+    during the outage: the new message is taken in after every older one (it was taken in first, and the
+    older ones, answered after it, stood as the newest)."""
+    older = stored(11, 25, CURSOR + 10, 1)
+    relay = CappedRelay(older)
+    rig = Rig(relay, [{"kinds": [11]}])
+    live = sign_event(PERSON, "written after the reconnect", kind=11, created_at=CURSOR + 100)
+    paging = relay.fetch
+
+    async def fetch_then_a_live_event(fetch_id: str, filters: list[Filter], wait_s: float) -> _Fetch:
+        if relay.pages == 1:  # the catch-up's first page is asked: the live event comes meanwhile
+            await rig.connection._on_event(EventMessage("live", live))
+        return await paging(fetch_id, filters, wait_s)
+
+    rig.connection._fetch = fetch_then_a_live_event  # type: ignore[method-assign]
+    await rig.catch_up()
+    await rig.delivery.stop()
+
+    assert rig.handed[-1] == live.id
+    assert sorted(rig.handed[:-1]) == sorted(e.id for e in older)

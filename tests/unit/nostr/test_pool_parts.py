@@ -265,3 +265,52 @@ async def test_a_lane_waiting_outside_lends_its_slot_and_keeps_its_order() -> No
         await asyncio.gather(*started)
     assert sorted(seen[6:]) == ["g:1", "h:1", "i:1"]
     assert pool.delivered == 7
+
+
+async def test_a_lender_holding_a_lock_the_other_lanes_wait_for_takes_its_slot_back_at_once() -> None:
+    """Three events of one conversation in distinct lanes (kind-1 notes of one channel), two lanes: the first
+    holds the conversation's routing lock and lends its slot while its model answers; the other two take the
+    lanes and wait for the lock. The first takes its slot back beyond the bound rather than wait for one of
+    theirs (intake froze for good), all three are handled, and the bound holds again after."""
+    from tenex_daemon.runtime.lanes import outside_lane
+
+    keys = KeyPair.from_seed(79)
+    routing = asyncio.Lock()
+    seen: list[str] = []
+    hold = asyncio.Event()
+
+    async def on_event(received: ReceivedEvent) -> None:
+        content = received.event.content
+        if content.startswith("note"):
+            async with routing:
+                async with outside_lane():
+                    await asyncio.sleep(0.2)  # the orchestrator's model
+                seen.append(content)
+        else:
+            await hold.wait()  # holding its lane
+            seen.append(content)
+
+    pool = RelayPool([], on_event=on_event, settings=PoolSettings(delivery_lanes=2),
+                     lane_key=lambda event: event.content)
+    await pool.start()
+    try:
+        for n, text in enumerate(["note 1", "note 2", "note 3"]):
+            await pool.intake(sign_event(keys, text, created_at=1_700_000_000 + n), "ws://relay", "sub")
+        for _ in range(300):
+            if len(seen) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(seen) == ["note 1", "note 2", "note 3"]
+        for n, text in enumerate(["x", "y", "z"]):  # two slots again, not more: "z" waits for one
+            await pool.intake(sign_event(keys, text, created_at=1_700_000_010 + n), "ws://relay", "sub")
+        await asyncio.sleep(0.3)
+        assert len(seen) == 3
+        hold.set()
+        for _ in range(300):
+            if len(seen) == 6:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        hold.set()
+        await pool.stop()
+    assert sorted(seen[3:]) == ["x", "y", "z"]

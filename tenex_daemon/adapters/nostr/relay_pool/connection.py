@@ -344,17 +344,27 @@ class RelayConnection:
         """EOSE of a live subscription: its stored events are taken in, oldest first. A catch-up that got
         events pages through each filter first (its first answer is taken in with its pages); one that got
         none is over (the cursor moves to the newest event handed over meanwhile)."""
-        batch = self.stored.end(sub_id) or self.stored.batch()
         catch_up = self.catching_up.pop(sub_id, None)
-        if catch_up is not None and catch_up.got_events:
+        if catch_up is not None and catch_up.got_events:  # live events wait in the batch for the pages too
             self.catch_ups += 1
+            batch = self.stored.keep(sub_id)
             self.spawn(self._page_back(sub_id, catch_up, self.catch_ups, batch), f"catch-up {self.url}")
             return
+        batch = self.stored.end(sub_id) or self.stored.batch()
         await self.stored.take_in(sub_id, batch)
         if catch_up is not None:
             self.subscriptions.release(sub_id, self.url)
 
     async def _page_back(self, sub_id: str, catch_up: CatchUp, number: int, batch: StoredBatch) -> None:
+        """:meth:`_page_all`; however it ends, what comes for the subscription is live again after it."""
+        try:
+            await self._page_all(sub_id, catch_up, number, batch)
+        finally:
+            if self.stored.get(sub_id) is batch:  # an end not foreseen: nothing is held for ever
+                self.stored.release(sub_id, batch)
+                self.spawn(self.stored.take_in(sub_id, batch), f"stored events {self.url}")
+
+    async def _page_all(self, sub_id: str, catch_up: CatchUp, number: int, batch: StoredBatch) -> None:
         """Page each filter of a catch-up (:meth:`_page_filter`) into ``batch``, which holds its first answer,
         then take the batch in. Once every filter is done and every event was handed over for good, the
         cursor moves; a catch-up cut short (no EOSE, a reconnect meanwhile, the subscription closed, the page
@@ -366,12 +376,14 @@ class RelayConnection:
             if filter_done is None:  # its cursor stays held: the next catch-up asks again
                 # a reconnect's catch-up asks for what came again, in order; on the same connection (a page
                 # that timed out) none asks again soon: what came is taken in
+                self.stored.release(sub_id, batch)
                 if self.connects == paged.generation:
                     await self.stored.take_in(sub_id, batch)
                 pages, taken = paged.pages, paged.taken
                 self.log.info("catch_up_cut_short", subscription=sub_id, pages=pages, events=taken)
                 return
             done = done and filter_done
+        self.stored.release(sub_id, batch)  # from here what comes is live
         await self.stored.take_in(sub_id, batch)
         complete = await self.sink.settled() and done
         if complete:

@@ -240,6 +240,7 @@ class Delivery:
         """
         backlogs: dict[str, collections.deque[_Intake]] = {}
         free_lanes = asyncio.Semaphore(lanes)
+        overdrawn = [0]  # slots lenders took back beyond ``lanes`` (none free): the next lanes to end repay
         held = asyncio.Semaphore(self._settings.intake_queue_size)  # bounds the backlogs
 
         async def drain_key(key: str) -> None:
@@ -248,13 +249,19 @@ class Delivery:
 
             @contextlib.asynccontextmanager
             async def lent() -> AsyncIterator[None]:
-                """The lane's slot, given back while its event waits on a model or the relays."""
+                """The lane's slot, given back while its event waits on a model or the relays. Taken back at
+                once, beyond the bound when none is free: the lender may hold a lock (its conversation's
+                routing) that the events now in every lane wait for, and waiting for one of their slots
+                froze intake for good."""
                 free_lanes.release()
                 holding[0] = False
                 try:
                     yield
                 finally:
-                    await free_lanes.acquire()
+                    if free_lanes.locked():
+                        overdrawn[0] += 1
+                    else:
+                        await free_lanes.acquire()  # free: returns at once
                     holding[0] = True
 
             lend_with(lent)
@@ -266,7 +273,9 @@ class Delivery:
                         held.release()
             finally:
                 del backlogs[key]
-                if holding[0]:
+                if holding[0] and overdrawn[0]:
+                    overdrawn[0] -= 1
+                elif holding[0]:
                     free_lanes.release()
 
         while True:

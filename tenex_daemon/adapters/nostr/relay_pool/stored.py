@@ -163,6 +163,18 @@ class StoredEvents:
             batch.arm(None)
         return batch
 
+    def keep(self, sub_id: str) -> StoredBatch:
+        """The subscription's EOSE came, and its catch-up pages on: its batch stays (no deadline now), so
+        what comes live meanwhile is held too, and taken in after the older pages, not before them."""
+        batch = self._batches.setdefault(sub_id, self.batch())
+        batch.arm(None)
+        return batch
+
+    def release(self, sub_id: str, batch: StoredBatch) -> None:
+        """The catch-up that kept ``batch`` (:meth:`keep`) is over: what comes for ``sub_id`` is live now."""
+        if self._batches.get(sub_id) is batch:
+            del self._batches[sub_id]
+
     async def hold(self, sub_id: str, batch: StoredBatch, event: NostrEvent, *, known: bool = False) -> None:
         """Hold a stored event of ``sub_id`` in ``batch``; a full batch is taken in at once."""
         if batch.add(event, known=known):
