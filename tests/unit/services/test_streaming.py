@@ -147,7 +147,7 @@ async def test_summary_calls_publish_no_partials(cast: Cast) -> None:
     backend = SummaryAwareBackend()
     publisher = FakePublisher()
     partials = RecordingPartials(publisher)
-    budget = TokenBudget(300, BudgetStrategy.SUMMARIZE)
+    budget = TokenBudget(600, BudgetStrategy.SUMMARIZE)  # a cut within it: one summary call
     profiles = {a.slug: AgentProfile(a, "", backend, budget=budget) for a in cast.agents}
     rig = pipeline.build_rig(
         cast,
