@@ -26,6 +26,7 @@ from tenex_daemon.services.agent_runner import AgentProfile
 from tenex_daemon.services.runs import RunRequest
 from tests import pipeline
 from tests.conftest import Cast
+from tests.integration.llm.test_claude_code import alive
 
 pytestmark = [pytest.mark.integration]
 
@@ -301,15 +302,6 @@ async def test_a_command_line_the_system_refuses_as_too_long_is_a_backend_error(
     assert caught.value.kind == "bad_request"
     assert "too long (E2BIG)" in str(caught.value)
     assert "the longest 200000 bytes" in str(caught.value)
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie waiting to be reaped does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def ended_within(pid: int, seconds: float) -> bool:

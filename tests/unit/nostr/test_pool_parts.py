@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -206,6 +207,13 @@ def test_renewals_in_a_row_wait_longer_up_to_the_cap_and_never_start_over(monkey
     assert renewals.pause() == 0.0
 
 
+async def until(condition: Callable[[], bool], within: float = 3.0) -> None:
+    """Wait until ``condition()`` holds, at most ``within`` seconds (the caller's assertions say what failed)."""
+    deadline = asyncio.get_running_loop().time() + within
+    while not condition() and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110 - polled state
+        await asyncio.sleep(0.01)
+
+
 async def test_a_lane_waiting_outside_lends_its_slot_and_keeps_its_order() -> None:
     """With every lane taken by an event waiting on a model (inside ``outside_lane``), another key's event is
     taken in meanwhile; a waiting key's later event still comes after it; a task a handler started (a run
@@ -238,16 +246,10 @@ async def test_a_lane_waiting_outside_lends_its_slot_and_keeps_its_order() -> No
     try:
         for n, text in enumerate(["a:1", "b:1", "a:2", "c:1"]):
             await pool.intake(sign_event(keys, text, created_at=1_700_000_000 + n), "ws://relay", "sub")
-        for _ in range(200):
-            if "c:1" in seen:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: "c:1" in seen)
         assert seen == ["run", "run", "c:1"]  # both lanes were lent while "a" and "b" waited on a model
         model.set()
-        for _ in range(200):
-            if len(seen) == 6:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(seen) == 6)
         assert [s for s in seen if s.startswith("a")] == ["a:1", "a:2"]
         assert sorted(seen[3:]) == ["a:1", "a:2", "b:1"]
         for n, text in enumerate(["g:1", "h:1", "i:1"]):  # two slots again, not more: "i" waits for one
@@ -255,10 +257,7 @@ async def test_a_lane_waiting_outside_lends_its_slot_and_keeps_its_order() -> No
         await asyncio.sleep(0.3)
         assert len(seen) == 6
         hold.set()
-        for _ in range(200):
-            if len(seen) == 9:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(seen) == 9)
     finally:
         hold.set()
         await pool.stop()
@@ -296,20 +295,14 @@ async def test_a_lender_holding_a_lock_the_other_lanes_wait_for_takes_its_slot_b
     try:
         for n, text in enumerate(["note 1", "note 2", "note 3"]):
             await pool.intake(sign_event(keys, text, created_at=1_700_000_000 + n), "ws://relay", "sub")
-        for _ in range(300):
-            if len(seen) == 3:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(seen) == 3)
         assert sorted(seen) == ["note 1", "note 2", "note 3"]
         for n, text in enumerate(["x", "y", "z"]):  # two slots again, not more: "z" waits for one
             await pool.intake(sign_event(keys, text, created_at=1_700_000_010 + n), "ws://relay", "sub")
         await asyncio.sleep(0.3)
         assert len(seen) == 3
         hold.set()
-        for _ in range(300):
-            if len(seen) == 6:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(seen) == 6)
     finally:
         hold.set()
         await pool.stop()

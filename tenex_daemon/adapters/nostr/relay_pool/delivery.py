@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import math
 import time
 from collections import OrderedDict
@@ -243,28 +244,27 @@ class Delivery:
         overdrawn = [0]  # slots lenders took back beyond ``lanes`` (none free): the next lanes to end repay
         held = asyncio.Semaphore(self._settings.intake_queue_size)  # bounds the backlogs
 
+        @contextlib.asynccontextmanager
+        async def lent(holding: list[bool]) -> AsyncIterator[None]:
+            """A lane's slot (``holding[0]``: whether the lane has it), given back while its event waits on a
+            model or the relays. Taken back at once, beyond the bound when none is free: the lender may hold
+            a lock (its conversation's routing) that the events now in every lane wait for, and waiting for
+            one of their slots froze intake for good."""
+            free_lanes.release()
+            holding[0] = False
+            try:
+                yield
+            finally:
+                if free_lanes.locked():
+                    overdrawn[0] += 1
+                else:
+                    await free_lanes.acquire()  # free: returns at once
+                holding[0] = True
+
         async def drain_key(key: str) -> None:
             backlog = backlogs[key]
             holding = [True]
-
-            @contextlib.asynccontextmanager
-            async def lent() -> AsyncIterator[None]:
-                """The lane's slot, given back while its event waits on a model or the relays. Taken back at
-                once, beyond the bound when none is free: the lender may hold a lock (its conversation's
-                routing) that the events now in every lane wait for, and waiting for one of their slots
-                froze intake for good."""
-                free_lanes.release()
-                holding[0] = False
-                try:
-                    yield
-                finally:
-                    if free_lanes.locked():
-                        overdrawn[0] += 1
-                    else:
-                        await free_lanes.acquire()  # free: returns at once
-                    holding[0] = True
-
-            lend_with(lent)
+            lend_with(functools.partial(lent, holding))  # defined once, not per lane: lanes come per event
             try:
                 while backlog:
                     try:
