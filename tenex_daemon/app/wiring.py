@@ -152,11 +152,20 @@ def build_backend(
             home=settings.home,  # claude-code: kept out of the home's keys and conversations
             run_dir=settings.run_dir,
             store_path=settings.conversations_path,
+            withheld_keys=key_variables(settings),
         )
     except (UnknownBackendError, BackendError, ImportError) as exc:
         raise SettingsError(f"{where}: {exc}") from None
     except TypeError as exc:  # an option the backend does not take
         raise SettingsError(f"{where}.options: {exc}") from None
+
+
+def key_variables(settings: Settings) -> frozenset[str]:
+    """The environment variables the daemon's backends are configured to read their keys from
+    (``api_key_env``): a claude-code agent's ``claude`` is not given them (an agent's shell, or a prompt
+    injection, could print another provider's key whatever its variable is named)."""
+    backends = [agent.backend for agent in settings.agents] + [settings.conversations.summarizer]
+    return frozenset(b.api_key_env for b in backends if b is not None and b.api_key_env)
 
 
 def build_summarizer(settings: Settings) -> LLMBackend | None:

@@ -48,7 +48,7 @@ import re
 import signal
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,8 @@ WITHHELD_NAMES = frozenset({"DATABASE_URL"})
 """The database's URL (and password) as other tools name it: withheld from ``claude``."""
 WITHHELD_SUFFIXES = ("_API_KEY",)
 """Other providers' keys (``OPENAI_API_KEY``...): other agents' backends read them, ``claude`` does not."""
+CLAUDE_KEYS = frozenset({"ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"})
+"""The keys ``claude`` itself reads: given to it though another backend names them (``api_key_env``)."""
 _SLUG_UNSAFE = re.compile(r"[^a-z0-9_-]")
 _GLOB = re.compile(r"([\\*?\[\]])")
 
@@ -145,17 +147,23 @@ def _withheld(variable: str) -> bool:
     )
 
 
-def child_environment(environ: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def child_environment(
+    environ: Mapping[str, str], extra: Mapping[str, str] | None = None, keys: Collection[str] = ()
+) -> dict[str, str]:
     """The environment ``claude`` runs with: ``environ`` (the daemon's) without what other parts of the daemon
     hold and Claude Code never reads, then the ``env`` option's variables (``extra``) on top.
 
     Withheld: every ``TENEX_`` variable (settings: the database's DSN with its password), libpq's ``PG...``
-    ones and ``DATABASE_URL``, and the keys of other providers (names ending in ``_API_KEY``) an agent's shell
-    or a prompt injection could otherwise print. Kept: ``ANTHROPIC_*`` and ``CLAUDE_*``, ``PATH``, ``HOME``,
-    locale, proxies, and the cloud's (``AWS_*``, ``GOOGLE_*``, ``CLOUD_ML_*``: Bedrock, Vertex). The ``env``
-    option may give back what is withheld: it names what this agent's ``claude`` is to have.
+    ones and ``DATABASE_URL``, the keys of other providers (names ending in ``_API_KEY``) an agent's shell
+    or a prompt injection could otherwise print, and ``keys``: the variables the daemon's backends are
+    configured to read their keys from (``api_key_env``, whatever their names), but for :data:`CLAUDE_KEYS`.
+    Kept: ``ANTHROPIC_*`` and ``CLAUDE_*``, ``PATH``, ``HOME``, locale, proxies, and the cloud's (``AWS_*``,
+    ``GOOGLE_*``, ``CLOUD_ML_*``: Bedrock, Vertex). The ``env`` option may give back what is withheld: it
+    names what this agent's ``claude`` is to have.
     """
-    return {name: value for name, value in environ.items() if not _withheld(name)} | dict(extra or {})
+    configured = frozenset(keys) - CLAUDE_KEYS
+    kept = {name: value for name, value in environ.items() if not _withheld(name) and name not in configured}
+    return kept | dict(extra or {})
 
 
 def _rule_path(path: str) -> str:
@@ -450,6 +458,7 @@ class ClaudeCodeBackend:
         home: str | os.PathLike[str] | None = None,
         run_dir: str | os.PathLike[str] | None = None,
         store_path: str | os.PathLike[str] | None = None,
+        withheld_keys: Collection[str] = (),
     ) -> None:
         self.command = [command] if isinstance(command, str) else list(command)
         self.model = model
@@ -458,6 +467,8 @@ class ClaudeCodeBackend:
         self.partial_messages = partial_messages
         self.extra_args = list(extra_args)
         self.env = env
+        self.withheld_keys = frozenset(withheld_keys)
+        """The variables other backends of the daemon read their keys from (``api_key_env``): withheld."""
         self.home = None if home is None else Path(home)
         self.run_dir = None if home is None else Path(run_dir) if run_dir is not None else Path(home) / "run"
         self.denied = (
@@ -603,7 +614,7 @@ class ClaudeCodeBackend:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 cwd=cwd,
-                env=child_environment(os.environ, self.env) | {CALL_MARKER: mark},
+                env=child_environment(os.environ, self.env, self.withheld_keys) | {CALL_MARKER: mark},
                 start_new_session=True,  # a group of its own: a run cut short ends the tools it started too
             )
         except (FileNotFoundError, PermissionError) as exc:

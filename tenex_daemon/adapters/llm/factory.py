@@ -6,7 +6,7 @@ agents configured with that backend (and the error names the extra to install).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ def make_backend(
     home: Path | None = None,
     run_dir: Path | None = None,
     store_path: Path | None = None,
+    withheld_keys: Collection[str] = (),
 ) -> LLMBackend:
     """Build the backend named ``kind``; ``options`` are passed on as that backend's keyword arguments.
 
@@ -42,7 +43,9 @@ def make_backend(
 
     ``home`` (the daemon's home), ``run_dir`` (its run folder) and ``store_path`` (its store's conversations)
     matter to claude-code only, which runs a command that must be kept out of them (the keys, the
-    conversations) and records its processes in the run folder; the daemon passes them.
+    conversations) and records its processes in the run folder; the daemon passes them. ``withheld_keys``
+    (claude-code too): the variables the daemon's backends read their keys from (``api_key_env``), kept
+    out of ``claude``'s environment.
     """
     extra = dict(options or {})
     if kind == "offline":
@@ -77,7 +80,14 @@ def make_backend(
     if kind == "claude-code":
         from tenex_daemon.adapters.llm.claude_code import ClaudeCodeBackend
 
-        return ClaudeCodeBackend(model=model, home=home, run_dir=run_dir, store_path=store_path, **extra)
+        return ClaudeCodeBackend(
+            model=model,
+            home=home,
+            run_dir=run_dir,
+            store_path=store_path,
+            withheld_keys=withheld_keys,
+            **extra,
+        )
     if kind == "local":
         from tenex_daemon.adapters.llm.local import LocalBackend
 

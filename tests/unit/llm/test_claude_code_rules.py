@@ -9,7 +9,7 @@ import pytest
 
 from tenex_daemon.adapters.llm.claude_code import ClaudeCodeBackend, child_environment, deny_rules
 from tenex_daemon.app.home import init_home
-from tenex_daemon.app.settings import BackendSettings, load_settings
+from tenex_daemon.app.settings import AgentSettings, BackendSettings, load_settings
 from tenex_daemon.app.wiring import build_backend
 from tenex_daemon.core.llm import CompletionRequest
 
@@ -78,6 +78,42 @@ def test_the_env_option_comes_on_top_of_what_is_withheld() -> None:
     environment = child_environment({"PGHOST": "db", "OPENAI_API_KEY": "sk"}, {"OPENAI_API_KEY": "given"})
 
     assert environment == {"OPENAI_API_KEY": "given"}
+
+
+def test_the_variables_other_backends_read_their_keys_from_are_withheld_whatever_their_names() -> None:
+    """A key variable another backend is configured with (``api_key_env``), not ending in ``_API_KEY``, is
+    withheld from claude; the ``env`` option still gives it back, and claude's own key is never withheld."""
+    environ = {"GROQ_TOKEN": "gsk", "ANTHROPIC_API_KEY": "sk-ant", "PATH": "/usr/bin"}
+
+    assert child_environment(environ, keys=["GROQ_TOKEN", "ANTHROPIC_API_KEY"]) == {
+        "ANTHROPIC_API_KEY": "sk-ant",
+        "PATH": "/usr/bin",
+    }
+    assert child_environment(environ, {"GROQ_TOKEN": "given"}, ["GROQ_TOKEN"])["GROQ_TOKEN"] == "given"
+
+
+def test_the_daemon_tells_claude_code_backends_every_configured_key_variable(tmp_path: Path) -> None:
+    """The daemon builds a claude-code backend knowing the key variables of every agent's backend and of the
+    summarizer, and its calls' environment leaves them out."""
+    init_home(tmp_path / "h")
+    loaded = load_settings(tmp_path / "h", {})
+    coder = AgentSettings(
+        slug="coder", name="Coder", backend=BackendSettings(kind="openai", model="m", api_key_env="GROQ_TOKEN")
+    )
+    summarizer = BackendSettings(kind="openai", model="m", api_key_env="SUMMARY_SECRET")
+    settings = loaded.model_copy(
+        update={
+            "agents": [*loaded.agents, coder],
+            "conversations": loaded.conversations.model_copy(update={"summarizer": summarizer}),
+        }
+    )
+
+    backend = build_backend("planner", BackendSettings(kind="claude-code"), settings)
+
+    assert isinstance(backend, ClaudeCodeBackend)
+    assert backend.withheld_keys == {"GROQ_TOKEN", "SUMMARY_SECRET"}
+    environment = child_environment({"GROQ_TOKEN": "g", "SUMMARY_SECRET": "s"}, backend.env, backend.withheld_keys)
+    assert environment == {}
 
 
 def test_the_daemon_builds_claude_code_backends_with_its_home(tmp_path: Path) -> None:
