@@ -28,6 +28,7 @@ from tenex_daemon.core.targeting import (
     choose_target,
     is_allowed_author,
     may_join,
+    reply_person,
 )
 from tenex_daemon.core.vocabulary import KIND_PRIVATE_MESSAGE, KIND_TASK, TAG_TOOL, TOOL_COMPLETE
 from tenex_daemon.runtime.lanes import outside_lane
@@ -602,7 +603,8 @@ class EventDispatcher:
                 return HandleResult(Outcome.STORED, target.skip.value, conversation_id)
             return await self._route(conversation, event, author, recovered)
         assert target.agent is not None
-        request = RunRequest(conversation_id, event.id, target.agent.slug, recovered=recovered)
+        person = reply_person(conversation, event, directory)
+        request = RunRequest(conversation_id, event.id, target.agent.slug, recovered=recovered, person=person)
         await self._scheduler.submit(request)
         return HandleResult(Outcome.SCHEDULED, None, conversation_id, (target.agent.slug,))
 
@@ -630,8 +632,11 @@ class EventDispatcher:
         if turn is None:
             return None
         agents = tuple(a for a in turn.agents if not turn.has_completed(a))
+        person = reply_person(conversation, event, self._manager.agents)
         for slug in agents:
-            request = RunRequest(conversation.id, event.id, slug, via_orchestrator=True, recovered=True)
+            request = RunRequest(
+                conversation.id, event.id, slug, via_orchestrator=True, recovered=True, person=person
+            )
             await self._scheduler.submit(request)
         if not agents:
             return HandleResult(Outcome.STORED, "turn completed", conversation.id)
@@ -707,8 +712,10 @@ class EventDispatcher:
             trigger_id=event.id,
             extra={ROUTING_LIMITS_KEY: self._limits.snapshot(cid)},
         )
+        person = reply_person(conversation, event, self._manager.agents)
         for slug in decision.agents:
-            await self._scheduler.submit(RunRequest(cid, event.id, slug, via_orchestrator=True))
+            request = RunRequest(cid, event.id, slug, via_orchestrator=True, person=person)
+            await self._scheduler.submit(request)
         return HandleResult(Outcome.SCHEDULED, reason, cid, decision.agents)
 
     async def _save_limits(self, conversation_id: str, stored: dict[str, Any]) -> None:

@@ -5,7 +5,7 @@ The journal itself is written by :class:`~tenex_daemon.services.runs.RunSchedule
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -34,6 +34,9 @@ class RunRequest:
     """Redone after a restart: the previous process may have saved its reply already."""
     burst: tuple[str, ...] = ()
     """The earlier triggers this run answers together with its own (docs/CONTEXT.md, "Bursts")."""
+    person: str = field(default="", compare=False)
+    """Whom the run answers (the reply's person; "" unknown): the runs' places are shared fairly between
+    people (:class:`~tenex_daemon.runtime.fair_slots.FairSlots`)."""
 
 
 _REQUEST_FIELDS = ("conversation_id", "trigger_id", "agent_slug")
@@ -51,6 +54,7 @@ def journaled_request(item: dict[str, Any], key: str) -> RunRequest | None:
         item["conversation_id"], item["trigger_id"], item["agent_slug"],
         via_orchestrator=item.get("via_orchestrator") is True, recovered=True,
         burst=tuple(str(t) for t in burst) if isinstance(burst, list | tuple) else (),
+        person=person if isinstance(person := item.get("person"), str) else "",
     )
 
 

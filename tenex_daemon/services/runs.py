@@ -20,6 +20,7 @@ from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotF
 from tenex_daemon.core.ports import Peers, SmallValues
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.runtime.failures import log_failure
+from tenex_daemon.runtime.fair_slots import FairSlots
 from tenex_daemon.services.locks import KeyedLock
 from tenex_daemon.services.run_journal import (
     PENDING_RUNS_KEY,
@@ -183,7 +184,9 @@ class RunScheduler:
     :meth:`drain`): it needs no write of its own, because a recovered run whose agent
     already replied to its trigger is skipped. Journal writes are coalesced: a change waits
     for the write in flight, then one write covers every change made meanwhile. At most
-    ``max_concurrent`` runs execute at once.
+    ``max_concurrent`` runs execute at once; a place that comes free goes to a waiting run of the person
+    holding the fewest (:class:`~tenex_daemon.runtime.fair_slots.FairSlots`), first come first served
+    among equals.
 
     ``journal_key`` names the journal: daemons sharing one store (PostgreSQL) each need their
     own (:func:`journal_key_for`).
@@ -210,7 +213,8 @@ class RunScheduler:
         self.journal_key = journal_key
         self._peers = peers
         self._run = run
-        self._semaphore = asyncio.Semaphore(max_concurrent)
+        self._slots = FairSlots(max_concurrent)
+        """The runs' places, shared fairly between the people they answer (a flood waits behind others)."""
         self._conversation_locks = KeyedLock()
         self._tasks = BackgroundTasks("run scheduler")
         """The runs scheduled and not finished (each logs its own failure)."""
@@ -616,7 +620,7 @@ class RunScheduler:
         that finishes) and fails with :class:`RunLeaseLostError`, so it is tried again, as recovered,
         once the lease is free; a stop or a shutdown cancelling it at the same time still wins."""
         if self._peers is None:
-            async with self._semaphore:
+            async with self._slots.hold(request.person):
                 yield
             return
         delay = 0.05
@@ -624,7 +628,7 @@ class RunScheduler:
             loss = _LeaseLoss()
             name = f"{RUN_LEASE_PREFIX}{request.conversation_id}"
             lease = self._peers.try_take(name, on_lost=partial(self._lease_lost, request, loss))
-            async with self._semaphore, lease as taken:
+            async with self._slots.hold(request.person), lease as taken:
                 if taken:
                     try:
                         yield
