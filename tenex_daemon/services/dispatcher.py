@@ -22,6 +22,7 @@ from tenex_daemon.core.errors import (
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.phases import Phase, PhaseRules
 from tenex_daemon.core.ports import EventFetcher, Peers
+from tenex_daemon.core.stops import STOPPED_COMPLETION
 from tenex_daemon.core.targeting import (
     SkipReason,
     agent_chain_length,
@@ -659,6 +660,9 @@ class EventDispatcher:
                 # A person addressed this agent directly: its completion answers them.
                 log.info("completion_not_routed", conversation_id=cid, agent=author.slug)
                 return HandleResult(Outcome.STORED, RoutingStop.NOT_ROUTED.value, cid)
+            if any(c.message == STOPPED_COMPLETION for c in conversation.orchestrator_turns[-1].completions):
+                log.info("completion_after_stop_not_routed", conversation_id=cid, agent=author.slug)
+                return HandleResult(Outcome.STORED, RoutingStop.STOPPED.value, cid)
             if self._limits.ended(cid):
                 return HandleResult(Outcome.STORED, RoutingStop.ENDED.value, cid)
         stop = self._limits.check_turn_limit(cid)

@@ -835,3 +835,70 @@ async def test_a_stops_notice_a_crash_left_unsaved_is_saved_and_published_at_the
     conversation = await restarted.manager.get_conversation(root.id)
     assert conversation is not None
     assert [e.id for e in conversation.history] == [root.id, notice.id]
+
+
+
+class RoutesBothOnce:
+    """An orchestrator that routes the person's message to two agents, in the order given, and counts every
+    routing after."""
+
+    def __init__(self, agents: tuple[str, str]) -> None:
+        self.agents = agents
+        self.routings = 0
+
+    async def route(self, conversation: Conversation, trigger: NostrEvent) -> RoutingDecision:
+        """Both agents first; Alice alone for anything later (which a stopped turn never asks for)."""
+        self.routings += 1
+        return RoutingDecision(self.agents if self.routings == 1 else ("alice",), "both")
+
+
+class SlowCompletion:
+    """Bob: completes once released (a model that takes a while)."""
+
+    name = "slow-completion"
+
+    def __init__(self, released: bool) -> None:
+        self.requests = 0
+        self.release = asyncio.Event()
+        if released:
+            self.release.set()
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Wait for the release, then complete."""
+        self.requests += 1
+        await self.release.wait()
+        return CompletionResult(text="", tool_calls=(ToolCall("c1", TOOL_COMPLETE, {"summary": "ok"}),))
+
+
+@pytest.mark.parametrize("bob_first", [False, True])
+async def test_a_turn_a_stop_closed_routes_nothing_whether_the_stop_or_the_others_completion_came_first(
+    cast: Cast, bob_first: bool
+) -> None:
+    """The orchestrator routes to Alice and Bob (they run one after the other); the person stops Alice while
+    she thinks. Whether Bob completed before the stop or completes after it, the turn closes and nothing
+    more is routed (the orchestrator is asked once): a stop hands the conversation back to the person.
+    Bob's completion is still saved and published."""
+    alice, bob = GatedBackend(), SlowCompletion(released=bob_first)
+    routing = RoutesBothOnce(("bob", "alice") if bob_first else ("alice", "bob"))
+    profiles = {"alice": AgentProfile(cast.alice, "", alice), "bob": AgentProfile(cast.bob, "", bob)}
+    composer = pipeline.real_composer(cast)  # a completion reaches the orchestrator by its tags
+    rig = pipeline.build_rig(cast, profiles=profiles, composer=composer, orchestrator=lambda m: routing, hop_limit=6)
+    root = cast.user_says("Build it", kind=11)  # nobody p-tagged: the orchestrator routes it
+    await rig.dispatcher.handle(root)
+    await asyncio.wait_for(alice.asked.wait(), 5)
+
+    await rig.dispatcher.handle(stop_request(cast, cast.user, root, [cast.alice.pubkey]))
+    bob.release.set()  # after the stop: Bob's completion closes the turn
+    await rig.quiet()
+    await rig.settle()
+
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert bob.requests == 1
+    assert routing.routings == 1
+    assert conversation.open_turn() is None
+    assert len(conversation.orchestrator_turns) == 1
+    completions = {c.agent: c.message for c in conversation.orchestrator_turns[0].completions}
+    assert completions["alice"] == STOPPED_COMPLETION
+    assert completions["bob"] == "ok"
+    assert cast.bob.pubkey in {e.pubkey for e in rig.publisher.published}
