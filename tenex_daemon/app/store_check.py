@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+from datetime import UTC, datetime
 from pathlib import Path
 
 import structlog
@@ -60,6 +61,19 @@ again by the same command (what it copied already is skipped), a daemon refuses 
 and a whole copy is not made twice."""
 COPYING = "copying "
 
+COPIED_AWAY_KEY = "migrate.copied_away"
+"""The small value ``tenexd migrate --from-store`` writes in the store it copied from, once the copy is
+whole (when, and into which store): a daemon refuses to start on that old store, which lacks all the copy
+gained since (settings switched back, the copy's answers would be given again), until ``tenexd migrate
+--reopen`` lifts it (:func:`reopened`)."""
+COPIED_AWAY = "into "
+REOPENED = "reopened "
+
+
+def reopened(mark: str) -> str:
+    """What :data:`COPIED_AWAY_KEY` holds once ``tenexd migrate --reopen`` lifted ``mark``: no refusal."""
+    return f"{REOPENED}{datetime.now(UTC).isoformat(timespec='seconds')} (copied {mark})"
+
 
 def copying_mark(source_home: Path) -> str:
     """What :data:`COPY_KEY` holds while a copy from ``source_home`` is under way (or was cut short)."""
@@ -99,7 +113,16 @@ async def refuse_an_empty_store_beside_the_homes(
 ) -> None:
     """Raise :class:`EmptyStoreError` when ``store`` (open) was never used (:func:`used_before`) and the
     home's own filesystem store, not the one the settings name, holds conversations
-    (:func:`left_in_the_home`), or when it is a copy cut short (:data:`COPY_KEY`)."""
+    (:func:`left_in_the_home`), when it is a copy cut short (:data:`COPY_KEY`), or when it was copied into
+    another store since (:data:`COPIED_AWAY_KEY`)."""
+    away = await store.get_meta(COPIED_AWAY_KEY)
+    if away is not None and away.startswith(COPIED_AWAY):
+        raise EmptyStoreError(
+            f"the store config.toml names was copied into another ({away}) by `tenexd migrate --from-store`: "
+            "it lacks every conversation and answer since, and started on it the daemon would answer again "
+            "what the relays still hold. Point config.toml at the copy again; to start on this store anyway "
+            "(what the copy gained stays there), run `tenexd migrate --reopen`"
+        )
     mark = await store.get_meta(COPY_KEY)
     if mark is not None and mark.startswith(COPYING):
         source = shlex.quote(mark.removeprefix(COPYING))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import structlog
@@ -23,7 +24,7 @@ from tenex_daemon.adapters.nostr.private import WRAPS_KEY
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.adapters.storage.filesystem.contents import processed_ids, value_keys
 from tenex_daemon.adapters.storage.filesystem.layout import Layout
-from tenex_daemon.app.store_check import COPY_KEY, COPYING, copying_mark
+from tenex_daemon.app.store_check import COPIED_AWAY, COPIED_AWAY_KEY, COPY_KEY, COPYING, copying_mark
 from tenex_daemon.app.watchdog import WATCHDOG_KEY
 from tenex_daemon.app.wiring import instance_keys, wraps_key_for
 from tenex_daemon.core.errors import ConversationExistsError, TenexError
@@ -48,7 +49,8 @@ class CopyReport:
     events: int = 0
     """Events of the conversations copied."""
     processed: int = 0
-    """Event ids processed outside the conversations copied (deleted conversations', refused events')."""
+    """Event ids processed that no copied conversation holds (deleted conversations', refused events', events
+    the source salvaged out of a damaged log)."""
     values: int = 0
     renamed: dict[str, str] = field(default_factory=dict)
     """Values of the old daemon's own, copied under another key (a store daemons share): old -> new."""
@@ -71,12 +73,14 @@ async def copy_store(
     *,
     renames: dict[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    target_name: str = "another store",
 ) -> CopyReport:
     """Copy the filesystem store of ``source_home`` (the folder holding its ``conversations/``) into
     ``target`` (open, holding no conversation). ``renames``: keys whose values go under another key
     (:func:`shared_keys` for a store daemons share). ``progress(done, total)`` is told after each
     conversation. The source is opened (its lock taken: no daemon may run on it) and closed once first,
-    so its files say everything (:mod:`~tenex_daemon.adapters.storage.filesystem.contents`)."""
+    so its files say everything (:mod:`~tenex_daemon.adapters.storage.filesystem.contents`). Once the copy
+    is whole, the source is marked copied away (:data:`COPIED_AWAY_KEY`, into ``target_name``)."""
     copying = copying_mark(source_home)
     mark = await target.get_meta(COPY_KEY)
     resuming = mark == copying
@@ -95,6 +99,7 @@ async def copy_store(
     layout = Layout(Path(source_home) / "conversations")
     report = CopyReport()
     copied: set[str] = set()
+    """The ids of the events copied with their conversations."""
     await source.open()
     try:
         summaries = await source.search(SearchQuery())
@@ -104,6 +109,8 @@ async def copy_store(
                 report.unreadable.append(summary.id)
                 log.warning("store_copy_unreadable", conversation_id=summary.id)
             else:
+                if conversation.upgraded:  # stored by an earlier tenexd: its end, recorded then, kept so
+                    conversation.upgrade_saved()  # (the target's rows look up to date: no later pass would)
                 try:
                     await target.create(conversation)
                 except ConversationExistsError:
@@ -113,7 +120,7 @@ async def copy_store(
                 if conversation.archived:
                     await target.set_archived(conversation.id, True)
                     report.archived += 1
-                copied.add(conversation.id)
+                copied.update(event.id for event in conversation.history)
                 report.conversations += 1
                 report.events += len(conversation.history)
             if progress is not None:
@@ -121,10 +128,21 @@ async def copy_store(
         await _copy_values(source, target, layout, renames or {}, report)
     finally:
         await source.close()
-    for event_id, conversation_id in processed_ids(layout):
-        if conversation_id not in copied:  # a copied conversation's events are processed with it
+    for event_id, _ in processed_ids(layout):
+        # a copied event is processed with its conversation; every other id still counts, one of a copied
+        # conversation too: an event the source salvaged out of a damaged log is answered there already
+        if event_id not in copied:
             await target.mark_processed(event_id)
             report.processed += 1
+    # the old store says so first: a daemon started on it again (settings switched back) would lack all
+    # since; a crash before the target is marked copied leaves a copy cut short, finished by the command again
+    source = FileSystemStore(source_home, fsync="batch")
+    await source.open()
+    try:
+        when = datetime.now(UTC).isoformat(timespec="seconds")
+        await source.set_meta(COPIED_AWAY_KEY, f"{COPIED_AWAY}{target_name}, {when}")
+    finally:
+        await source.close()
     await target.set_meta(COPY_KEY, "copied " + copying.removeprefix(COPYING))
     log.info(
         "store_copied", source=str(source_home), conversations=report.conversations, events=report.events,
@@ -137,10 +155,10 @@ async def _copy_values(
     source: FileSystemStore, target: Store, layout: Layout, renames: dict[str, str], report: CopyReport
 ) -> None:
     """Copy every small value, under its own key unless ``renames`` names another; the old daemon's
-    watchdog value is its own liveness probe, nothing to keep, and the mark of a copy that made the source
-    is not this copy's."""
+    watchdog value is its own liveness probe, nothing to keep, and the marks of a copy that made the source,
+    or of one made from it before, are not this copy's."""
     for key in value_keys(layout):
-        if key in (WATCHDOG_KEY, COPY_KEY):
+        if key in (WATCHDOG_KEY, COPY_KEY, COPIED_AWAY_KEY):
             continue
         value = await source.get_meta(key)
         if value is None:

@@ -368,15 +368,28 @@ def migrate(
                  "folder holding its conversations/ (the home itself after switching storage.kind).",
         ),
     ] = None,
+    reopen: Annotated[
+        bool,
+        typer.Option(
+            "--reopen",
+            help="Let a daemon start again on the store config.toml names though --from-store copied it into "
+                 "another (what the copy gained since is not in it).",
+        ),
+    ] = False,
     as_json: JsonOption = False,
     home: HomeOption = None,
 ) -> None:
     """Import TENEX's TypeScript-era conversations (.tenex/conversations/*.json), or with --from-smarthole a
     SmartHole data.json, into this home's store; or with --from-store copy a filesystem store into it
-    whole. The daemon must be stopped. Exit 1 when a conversation could not be imported."""
+    whole (the old store is marked: a daemon refuses it until --reopen). The daemon must be stopped. Exit 1
+    when a conversation could not be imported."""
     settings = settings_of(ctx)
-    if sum(given is not None for given in (source, smarthole, from_store)) > 1:
-        fail("give one of --from, --from-smarthole and --from-store", EXIT_USAGE)
+    if sum(given is not None for given in (source, smarthole, from_store)) + reopen > 1:
+        fail("give one of --from, --from-smarthole, --from-store and --reopen", EXIT_USAGE)
+    if reopen:
+        from tenex_daemon.cli.store_copy_command import reopen_store
+
+        reopen_store(settings)
     if agent is not None and smarthole is None:
         fail("--agent goes with --from-smarthole", EXIT_USAGE)
     if from_store is not None:

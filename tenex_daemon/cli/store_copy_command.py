@@ -71,11 +71,35 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
                 "a copy goes into an unused store only", 400,
             )
         try:
-            return await copy_store(source, target, renames=renames)
+            return await copy_store(source, target, renames=renames, target_name=_named(settings))
         except StoreLockedError as exc:
             raise AccessError(f"{exc} (stop the daemon running on {source} first)", 503) from None
     finally:
         await target.close()
+
+
+def reopen_store(settings: Settings) -> None:
+    """Lift the mark ``--from-store`` left on the store it copied from (the one the settings name now), so a
+    daemon starts on it again; exit 2 when it has none."""
+    from tenex_daemon.app.store_check import COPIED_AWAY, COPIED_AWAY_KEY, reopened
+
+    async def go() -> str | None:
+        store = await open_stopped_store(settings)
+        try:
+            mark = await store.get_meta(COPIED_AWAY_KEY)
+            if mark is None or not mark.startswith(COPIED_AWAY):
+                return None
+            await store.set_meta(COPIED_AWAY_KEY, reopened(mark))
+            return mark
+        finally:
+            await store.close()
+
+    mark = run_async(go())
+    if mark is None:
+        fail("the store config.toml names was not copied into another: nothing to reopen", EXIT_USAGE)
+    out.print(f"reopened: a daemon starts on this store again (it was copied {mark}; what the copy gained "
+              "since is not in it)")
+    raise typer.Exit(0)
 
 
 async def open_stopped_store(settings: Settings) -> Store:
@@ -93,6 +117,17 @@ async def open_stopped_store(settings: Settings) -> Store:
     except StoreLockedError as exc:
         raise AccessError(f"{exc} (stop the daemon before migrating)", 503) from None
     return store
+
+
+def _named(settings: Settings) -> str:
+    """The store the settings name, as the old store's mark says it (a database by its kind only: its DSN
+    may hold a password)."""
+    from tenex_daemon.app.settings import StorageKind
+
+    storage = settings.storage
+    if storage.kind is StorageKind.POSTGRES:
+        return "a PostgreSQL database (storage.kind = postgres)"
+    return f"the filesystem store at {Path(storage.path) if storage.path else settings.home}"
 
 
 def _report_json(report: CopyReport) -> dict[str, Any]:

@@ -153,7 +153,7 @@ def test_migrate_from_smarthole_refuses_bad_input(home: Path, tmp_path: Path) ->
     assert "no SmartHole data found" in err
     code, _, err = tenexd(home, "migrate", "--from", str(tmp_path), "--from-smarthole", str(other))
     assert code == 2
-    assert "one of --from, --from-smarthole and --from-store" in err
+    assert "one of --from, --from-smarthole, --from-store and --reopen" in err
     code, _, err = tenexd(home, "migrate", "--from-smarthole", str(data_file(tmp_path)), "--agent", "nobody")
     assert code == 2
     assert "'nobody'" in err

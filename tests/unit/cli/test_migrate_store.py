@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from tenex_daemon.app.store_check import (
     used_before,
 )
 from tenex_daemon.app.store_copy import StoreCopyError, copy_store, shared_keys
+from tenex_daemon.app.wiring import build_store
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.search import SearchQuery
@@ -252,3 +254,82 @@ def test_a_source_refused_leaves_the_target_unmarked(home: Path, tmp_path: Path)
             await target.close()
 
     assert asyncio.run(go()) is None
+
+
+BEFORE_LIFECYCLE = Path(__file__).resolve().parents[2] / "fixtures" / "before_lifecycle"
+ENDED_BY_THE_PLANNER = "91db9507e251f0cbccf990b7db4451b059c03fca21d1e4ded65b1960213d7e93"
+
+
+async def test_a_store_an_earlier_tenexd_wrote_is_copied_brought_up_to_date_with_its_ends_kept(
+    tmp_path: Path,
+) -> None:
+    """A store written before the lifecycle's fields, copied before today's daemon ever ran on it: the
+    planner's end (who, when, why) is in the copy as recorded then and counts as an end, and the old
+    keys are gone from ``extra``. Its rows look up to date in the target, so no later pass would mend it
+    (the copy lost the end, and the first sweep then ended it anew as idle)."""
+    source = tmp_path / "old"
+    shutil.copytree(BEFORE_LIFECYCLE / "conversations", source / "conversations")
+    target = MemoryStore()
+
+    await copy_store(source, target)
+
+    ending = await target.load(ENDED_BY_THE_PLANNER)
+    assert ending is not None
+    assert (ending.ended_at, ending.ended_by, ending.end_reason) == (1796031727244, "planner", "user said done")
+    assert "ended_by" not in ending.metadata.extra
+    assert ENDED_BY_THE_PLANNER in {row.id for row in await target.search(SearchQuery(ended=True))}
+
+
+def test_an_event_the_source_salvaged_out_of_a_damaged_log_stays_processed_in_the_copy(home: Path) -> None:
+    """An event whose log line fails its checksum leaves the source's history (the log is salvaged) but
+    stays processed there; the copy marks it processed too, so the relays' copy of it is not answered
+    again."""
+    ids = seed(home)
+    log = next((home / "conversations").rglob(f"{ids['kept']}/events.log"))
+    lines = log.read_bytes().split(b"\n")
+    damaged = next(i for i, line in enumerate(lines) if b'"content":"second"' in line)
+    victim = json.loads(lines[damaged].split(b" ", 1)[1])  # a line: its checksum, a space, the event
+    lines[damaged] = lines[damaged].replace(b'"content":"second"', b'"content":"secone"', 1)
+    log.write_bytes(b"\n".join(lines))
+    target = MemoryStore()
+
+    async def copy_and_read() -> tuple[Conversation | None, bool]:
+        await copy_store(home, target)
+        return await target.load(ids["kept"]), await target.is_processed(victim["id"])
+
+    kept, processed = asyncio.run(copy_and_read())
+    assert kept is not None
+    assert [e.content for e in kept.history] == ["first"]
+    assert processed
+
+
+def test_the_old_store_is_refused_a_daemon_after_the_copy_until_the_operator_reopens_it(
+    home: Path, tmp_path: Path
+) -> None:
+    """Once copied away, the old store is marked: config.toml pointed back at it, the daemon's start check
+    refuses it (it lacks all the copy gained since), naming the copy and `tenexd migrate --reopen`, which lifts
+    the mark (once: again it exits 2); the copy itself is not marked."""
+    seed(home)
+    config = home / "config.toml"
+    before = config.read_text()
+    target = moved(home, tmp_path)
+    assert tenexd(home, "migrate", "--from-store", str(home))[0] == 0
+
+    async def start_check() -> None:
+        settings = load_settings(home)
+        store = build_store(settings)
+        await store.open()
+        try:
+            await refuse_an_empty_store_beside_the_homes(settings, store, SUBSCRIPTION_ID)
+        finally:
+            await store.close()
+
+    asyncio.run(start_check())  # the copy, which config.toml names, starts
+    config.write_text(before)  # switched back to the old store
+    with pytest.raises(EmptyStoreError, match=f"copied into another.*{target}.*tenexd migrate --reopen"):
+        asyncio.run(start_check())
+
+    code, out = tenexd(home, "migrate", "--reopen")
+    assert code == 0, out
+    asyncio.run(start_check())
+    assert tenexd(home, "migrate", "--reopen")[0] == 2
