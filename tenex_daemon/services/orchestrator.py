@@ -355,15 +355,21 @@ class LLMOrchestrator:
                 told = f"{END_REFUSED}; their message: {_quote(trigger.content)}"
             log.info("orchestrator_answer_invalid", conversation_id=cid, attempt=attempt, error=error)
             messages += [ChatMessage("assistant", text), ChatMessage("user", ANSWER_AGAIN.format(error=told))]
+        if from_user:  # as the rules route it: an @mention the person wrote, else the default agent
+            ruled = await self._fallback.route(conversation, trigger)
+            agents: tuple[str, ...] = () if ruled is None else ruled.agents
+        else:
+            ruled, agents = None, () if self._default is None else (self._default,)
         log.warning(
             "orchestrator_answer_rejected",
             conversation_id=cid,
             error=error,
-            action="default agent" if self._default else "no agent",
+            action=f"routed to {', '.join(agents)}" if agents else "no agent",
         )
-        if self._default is None:
+        if not agents:
             return None
-        return RoutingDecision((self._default,), f"default agent (orchestrator answer invalid: {error})")
+        how = ruled.reason if ruled is not None else "default agent"
+        return RoutingDecision(agents, f"{how} (orchestrator answer invalid: {error})")
 
     async def _ask(self, conversation_id: str, system_prompt: str, messages: Sequence[LLMMessage]) -> str:
         result = await self._backend.complete(

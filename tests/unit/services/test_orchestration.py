@@ -466,6 +466,21 @@ async def test_invalid_answers_are_retried_once_then_the_default_agent_is_used(c
     await settle(rig)
 
 
+async def test_after_two_invalid_answers_a_persons_mention_is_honoured_as_the_rules_route_it(cast: Cast) -> None:
+    """A person's message naming ``@alice`` that the model twice answers invalidly goes to Alice, as the
+    rule-based router routes it, not to the default agent."""
+    model = answers("Bob should do it.", "Still Bob.")
+    rig = make_rig(cast, model, alice=replies("here"), bob=replies("on it"), default_agent="bob")
+    root = cast.user_says("@alice what is 2+2?", kind=11)
+
+    result = await rig.dispatcher.handle(root)
+
+    assert (result.outcome, result.agents) == (Outcome.SCHEDULED, ("alice",))
+    assert result.reason is not None
+    assert result.reason.startswith("mentioned @alice (orchestrator answer invalid")
+    await settle(rig)
+
+
 async def test_an_unknown_slug_is_fed_back_and_counts_as_the_retry(cast: Cast) -> None:
     """A decision naming an unknown agent is fed back with the real slugs; the corrected answer is used."""
     model = answers('{"agents": ["carol"], "reason": "x"}', '{"agents": ["bob"], "reason": "bob reviews"}')
