@@ -42,6 +42,7 @@ from tenex_daemon.app.status import read_status
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.core.thread_tags import read_threading
 from tenex_daemon.core.vocabulary import (
     ERROR_SYSTEM,
     KIND_COMMENT,
@@ -237,25 +238,57 @@ def compose_message(
 @dataclass
 class ReplyWatch:
     """Which agent events answer the message sent: one naming it (an ``e``/``E`` tag), or one in its
-    thread (naming the root) that is not older than it and is not the parent replied to (a relay
-    returns the thread's earlier answers too: the subscription reaches back a few seconds)."""
+    thread (naming the root) that is not older than it, is not the parent replied to (a relay returns the
+    thread's earlier answers too: the subscription reaches back a few seconds), and replies to the root,
+    to the message sent or to another answer (a routed agent's to a completion). One replying to another
+    message, a person's earlier one, answers that one, not this: asked twice in a row, the first answer
+    was taken for the second's."""
 
     sent: NostrEvent | None = None
     root_id: str = ""
     parent_id: str | None = None
+    taken: set[str] = field(default_factory=set)
+    """The answers taken so far (ids)."""
+    held: list[NostrEvent] = field(default_factory=list)
+    """Events replying to a message not known yet: an answer that comes later may be it (events come in
+    any order)."""
 
     def ids(self) -> list[str]:
         """The ids an answer may name in an ``e`` tag: the root, and the message sent."""
         return list(dict.fromkeys([self.root_id, *([self.sent.id] if self.sent is not None else [])]))
 
-    def answers(self, event: NostrEvent) -> bool:
-        """Whether ``event`` (by an agent) answers the message sent."""
+    def take(self, event: NostrEvent) -> list[NostrEvent]:
+        """The answers ``event`` (by an agent) brings: itself when it answers the message sent, and the
+        events held back that reply to it (or to one of them)."""
+        if event.id in self.taken:
+            return []
+        verdict = self._answers(event)
+        if verdict is None:
+            self.held.append(event)
+        if not verdict:
+            return []
+        taken = [event]
+        self.taken.add(event.id)
+        while found := [e for e in self.held if read_threading(e).parent_id in self.taken]:
+            for answer in found:
+                self.held.remove(answer)
+                self.taken.add(answer.id)
+            taken += found
+        return taken
+
+    def _answers(self, event: NostrEvent) -> bool | None:
+        """Whether ``event`` answers the message sent; None while the message it replies to is unknown."""
         sent = self.sent
         if sent is None or event.id == self.parent_id:
             return False
         if refers_to_root(event, sent.id):
             return True
-        return refers_to_root(event, self.root_id) and event.created_at >= sent.created_at
+        if not refers_to_root(event, self.root_id) or event.created_at < sent.created_at:
+            return False
+        parent = read_threading(event).parent_id
+        if parent is None or parent in (self.root_id, sent.id) or parent in self.taken:
+            return True
+        return None
 
 
 def _relays_to_use(settings: Settings, agents: Sequence[Agent], explicit: Sequence[str]) -> list[str]:
@@ -390,8 +423,9 @@ async def send_message(
     async def handle(received: ReceivedEvent) -> None:
         event = received.event
         agent = by_key.get(event.pubkey)
-        if agent is not None and watch.answers(event):
-            answers.add(agent, event)
+        if agent is not None:
+            for answer in watch.take(event):
+                answers.add(by_key[answer.pubkey], answer)
 
     async with _connected_pool(urls, handle, pool_settings, timeout) as pool:
         since = int(time.time()) - 5

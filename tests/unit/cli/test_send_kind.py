@@ -14,6 +14,7 @@ from tenex_daemon.app.settings import Settings, load_settings
 from tenex_daemon.cli.main import app
 from tenex_daemon.cli.send import ReplyWatch, SendError, _Answers, check_kind, compose_message, message_kind
 from tenex_daemon.core.agents import Agent
+from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.testing import KeyPair, sign_event
 
 
@@ -119,9 +120,33 @@ def test_only_answers_to_the_message_sent_end_the_wait() -> None:
     chained = sign_event(agent, "b", kind=1, tags=[["e", root.id, "", "root"]], created_at=1011)
     older = sign_event(agent, "c", kind=1, tags=[["e", root.id, "", "root"]], created_at=1005)
 
-    assert [watch.answers(e) for e in (answer, chained, parent, older)] == [True, True, False, False]
+    assert [bool(watch.take(e)) for e in (answer, chained, parent, older)] == [True, True, False, False]
     assert watch.ids() == [root.id, sent.id]
-    assert not ReplyWatch().answers(answer)
+    assert not ReplyWatch().take(answer)
+
+
+def test_an_answer_to_the_persons_earlier_message_is_not_taken_for_the_answer_to_this_one() -> None:
+    """Asked twice in a row, the answer to the first (replying to it, and newer than the second) does not
+    answer the second; the second's answer does, and so does a routed agent's answer to that answer's
+    completion, even when it comes first."""
+    person, agent, other = KeyPair.from_seed(73), KeyPair.from_seed(74), KeyPair.from_seed(75)
+    root = sign_event(person, "Capital of France?", kind=11, created_at=1000)
+
+    def reply(keys: KeyPair, content: str, parent: str, at: int) -> NostrEvent:
+        return sign_event(keys, content, kind=1111, tags=[["E", root.id, "", root.pubkey], ["e", parent]],
+                          created_at=at)
+
+    germany = reply(person, "And of Germany?", root.id, 1010)
+    spain = reply(person, "And of Spain?", root.id, 1011)
+    watch = ReplyWatch(spain, root.id, None)
+    berlin = reply(agent, "Berlin.", germany.id, 1012)
+    madrid = reply(agent, "Madrid.", spain.id, 1013)
+    checked = reply(other, "Checked: Madrid.", madrid.id, 1014)
+
+    assert watch.take(berlin) == []
+    assert watch.take(checked) == []  # held: it replies to an answer not seen yet
+    assert watch.take(madrid) == [madrid, checked]
+    assert watch.take(madrid) == []
 
 
 async def test_addressing_the_orchestrator_waits_for_the_agent_it_routes_to_as_the_default_does() -> None:
