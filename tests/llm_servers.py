@@ -74,6 +74,9 @@ def llama_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -
                 "2",
                 "--n_ctx",
                 "2048",
+                # one request no longer cuts another's streamed answer short: they wait their turn
+                "--interrupt_requests",
+                "False",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

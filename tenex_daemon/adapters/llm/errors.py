@@ -204,7 +204,8 @@ def unfinished_stream(backend: str) -> BackendError:
     return backend_error(
         BackendErrorKind.UNREACHABLE,
         f"{backend}: the answer's stream ended before the model finished it (no finish reason came: the "
-        "connection was closed mid-answer, or the server sends none)",
+        "connection was closed mid-answer, the server sends none, or it cut this answer for another "
+        "request, as llama.cpp's server does unless started with --interrupt_requests False)",
     )
 
 
