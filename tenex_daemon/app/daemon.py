@@ -85,6 +85,7 @@ from tenex_daemon.app.wiring import (
     build_store,
     instance_keys,
     load_signers,
+    routing_fallbacks,
     wraps_key_for,
 )
 from tenex_daemon.core.agents import Agent
@@ -198,6 +199,7 @@ class Daemon:
         """Refused gift wraps, logged once a minute per reason: each comes from a one-time key."""
         self.metrics.watch_pool(lambda: self.pool.health() if self.pool is not None else None)
         self.metrics.watch_runs(lambda: self.pipeline.scheduler.failed if self.pipeline is not None else 0)
+        self.metrics.watch_routing(lambda: routing_fallbacks(self.pipeline))
 
     # --- the ControlTarget protocol -------------------------------------------------------
 
@@ -246,6 +248,7 @@ class Daemon:
             "descriptions": self._descriptions_status(),
             "retention": retention_status(self.sweeper),
             "errors": dict(self.errors),
+            "routing_fallbacks": dict(routing_fallbacks(self.pipeline)),
             "degraded": degraded_reason(
                 pool_health, self._store_error, self._relays_down.seconds(pool_health, time.monotonic()),
                 self._watchdog.stuck_s() if self._watchdog is not None else None,

@@ -8,7 +8,8 @@ answers come back, not refused), ``tenexd_replies_published_total{agent}``,
 ``tenexd_runs_in_flight`` and ``tenexd_relay_connected{url}`` (gauges), ``tenexd_descriptions_total{source}``
 and ``tenexd_descriptions_pending`` (conversations' titles and summaries),
 ``tenexd_retention_sweeps_total``, ``tenexd_retention_conversations_total{action}`` (``ended_idle``,
-``archived``, ``deleted``) and ``tenexd_retention_errors_total`` (the retention sweeper).
+``archived``, ``deleted``) and ``tenexd_retention_errors_total`` (the retention sweeper), and
+``tenexd_routing_fallbacks_total{reason}`` (routings the orchestrator's model did not decide).
 The relay pool's own counters are read from its health at scrape time (:meth:`Metrics.watch_pool`):
 ``tenexd_frames_rejected_total{reason}``, ``tenexd_events_duplicate_total``,
 ``tenexd_intake_handler_errors_total``, ``tenexd_intake_retries_total``, ``tenexd_intake_retry_pending``
@@ -18,7 +19,7 @@ and ``tenexd_relay_reconnects_total{url}``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -103,6 +104,29 @@ class _RunsCollector(Collector):
         """The count since start."""
         failed = "Agent run tries that failed with an error (each tried again, up to 31 a run)."
         return [CounterMetricFamily(f"{NAMESPACE}_run_tries_failed", failed, value=self._source())]
+
+
+class _RoutingCollector(Collector):
+    """The routings the orchestrator's model did not decide, by why, read at each scrape."""
+
+    def __init__(self, source: Callable[[], Mapping[str, int]]) -> None:
+        self._source = source
+
+    def describe(self) -> Iterable[Metric]:
+        """Nothing described up front."""
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        """The counts since start, by reason."""
+        family = CounterMetricFamily(
+            f"{NAMESPACE}_routing_fallbacks",
+            "Routings the orchestrator's model did not decide (invalid_answer: two invalid answers; "
+            "backend_failed: its call failed), routed by the rules or to the default agent instead.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._source().items()):
+            family.add_metric([reason], count)
+        return [family]
 
 
 class Metrics:
@@ -288,6 +312,10 @@ class Metrics:
     def watch_runs(self, failed: Callable[[], int]) -> None:
         """Export the run tries that failed, read from ``failed`` at each scrape."""
         self.registry.register(_RunsCollector(failed))
+
+    def watch_routing(self, source: Callable[[], Mapping[str, int]]) -> None:
+        """Export the routings the orchestrator's model did not decide (``source``, read at each scrape)."""
+        self.registry.register(_RoutingCollector(source))
 
     def watch_pool(self, source: Callable[[], PoolHealth | None]) -> None:
         """Export the relay pool's counters, read from ``source`` (its health; None before it exists)."""

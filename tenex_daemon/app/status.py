@@ -217,7 +217,8 @@ class StatusData(TypedDict):
          "retries": 0, "refused": 0},
          "retention": {"sweeps": 12, "last_sweep_at": 1.7e9, "last_duration_s": 0.004, "last": {"ended_idle":
          1, "archived": 0, "deleted": 0, "errors": 0}, "totals": {"ended_idle": 3, ...}},
-         "errors": {}, "degraded": null, "embedded_relay": "ws://127.0.0.1:7777", "embedded_relay_pid": 4243,
+         "errors": {}, "routing_fallbacks": {"invalid_answer": 1}, "degraded": null,
+         "embedded_relay": "ws://127.0.0.1:7777", "embedded_relay_pid": 4243,
          "embedded_relay_restarts": 0, "embedded_relay_last_restart_reason": null,
          "control_socket": "/srv/tenex/run/control.sock",
          "agents": [{"slug": "planner", "name": "Planner", "pubkey": "..."}]}
@@ -243,6 +244,10 @@ class StatusData(TypedDict):
     descriptions: DescriptionStatus
     retention: RetentionStatus
     errors: dict[str, int]
+    routing_fallbacks: dict[str, int]
+    """Routings the orchestrator's model did not decide, by why: ``invalid_answer`` (two invalid answers: a
+    person's message routed by the rules, a completion to the default agent), ``backend_failed`` (routed
+    by the rules); empty when no model routes."""
     degraded: str | None
     """Why the daemon serves but is not healthy (incoming events it could not store, retried), or None."""
     embedded_relay: str | None
@@ -315,6 +320,7 @@ def new_status(
         descriptions=no_descriptions(),
         retention=retention_status(None),
         errors={},
+        routing_fallbacks={},
         degraded=None,
         embedded_relay=None,
         embedded_relay_pid=None,

@@ -168,6 +168,13 @@ def key_variables(settings: Settings) -> frozenset[str]:
     return frozenset(b.api_key_env for b in backends if b is not None and b.api_key_env)
 
 
+def routing_fallbacks(pipeline: Pipeline | None) -> Mapping[str, int]:
+    """The routings the pipeline's orchestrator's model did not decide, by why (none when no model routes:
+    :attr:`~tenex_daemon.services.orchestrator.LLMOrchestrator.fallbacks`)."""
+    orchestrator = pipeline.orchestrator if pipeline is not None else None
+    return orchestrator.fallbacks if isinstance(orchestrator, LLMOrchestrator) else {}
+
+
 def build_summarizer(settings: Settings) -> LLMBackend | None:
     """Return the backend that writes conversations' titles and summaries (``[conversations.summarizer]``),
     or None: each conversation's first agent's own backend writes them."""

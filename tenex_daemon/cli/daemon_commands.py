@@ -264,6 +264,9 @@ def _print_status_data(data: dict[str, Any]) -> None:
         f"runs completed {runs.get('completed', 0)}, answered with an error "
         f"{_tally(runs.get('with_error'))}; tries failed {runs.get('failed', 0)} (each tried again)"
     )
+    fallbacks = _numbers(data.get("routing_fallbacks"))
+    if fallbacks:  # the orchestrator's model did not decide: routed by the rules or to the default agent
+        out.print(f"routing without the model's decision {_tally(fallbacks)}")
     outbox = _mapping(data.get("outbox"))
     if outbox:
         oldest = outbox.get("oldest_age_s")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -53,6 +54,12 @@ class RoutingDecision:
     def end(cls, reason: str) -> RoutingDecision:
         """The decision that finishes routing."""
         return cls((END,), reason)
+
+
+INVALID_ANSWER = "invalid_answer"
+"""A routing the model answered invalidly twice (:attr:`LLMOrchestrator.fallbacks`)."""
+BACKEND_FAILED = "backend_failed"
+"""A routing whose model call failed: the rules routed it (:attr:`LLMOrchestrator.fallbacks`)."""
 
 
 class RoutingStop(StrEnum):
@@ -288,6 +295,9 @@ class LLMOrchestrator:
         self._manager = manager
         self._backend = backend
         self._fallback = fallback
+        self.fallbacks: Counter[str] = Counter()
+        """Routings that did without the model's decision, by why (``invalid_answer``: two invalid answers;
+        ``backend_failed``): the daemon's status and /metrics show them."""
         self._agent = orchestrator
         self._default = default_agent
         routable = [a for a in directory if not a.orchestrator]
@@ -341,6 +351,7 @@ class LLMOrchestrator:
                     detail=redacted(str(exc)),  # as an agent's error reply: no piece of a key in the log
                     action="rule-based routing",
                 )
+                self.fallbacks[BACKEND_FAILED] += 1
                 return await self._fallback.route(conversation, trigger)
             try:
                 decision = parse_routing_answer(text, self._known, self._phases)
@@ -355,6 +366,7 @@ class LLMOrchestrator:
                 told = f"{END_REFUSED}; their message: {_quote(trigger.content)}"
             log.info("orchestrator_answer_invalid", conversation_id=cid, attempt=attempt, error=error)
             messages += [ChatMessage("assistant", text), ChatMessage("user", ANSWER_AGAIN.format(error=told))]
+        self.fallbacks[INVALID_ANSWER] += 1
         if from_user:  # as the rules route it: an @mention the person wrote, else the default agent
             ruled = await self._fallback.route(conversation, trigger)
             agents: tuple[str, ...] = () if ruled is None else ruled.agents

@@ -135,6 +135,21 @@ def test_metrics_render_every_family_in_text_format() -> None:
     assert metrics.content_type.startswith("text/plain")
 
 
+def test_routing_fallbacks_are_read_at_each_scrape_by_reason() -> None:
+    """The routings the orchestrator's model did not decide are exported by reason, as counted when the
+    scrape comes."""
+    metrics = Metrics()
+    counts = {"invalid_answer": 2}
+    metrics.watch_routing(lambda: counts)
+    first = metrics.render().decode()
+    counts["backend_failed"] = 1
+    second = metrics.render().decode()
+
+    assert 'tenexd_routing_fallbacks_total{reason="invalid_answer"} 2.0' in first
+    assert 'reason="backend_failed"' not in first
+    assert 'tenexd_routing_fallbacks_total{reason="backend_failed"} 1.0' in second
+
+
 def test_agent_run_context_times_counts_in_flight_and_errors() -> None:
     """agent_run() is in flight while inside, observes the duration and counts an escaping error."""
     metrics = Metrics()

@@ -1,4 +1,5 @@
-"""`tenexd status` (without --json) shows the embedded relay and how often it was started again."""
+"""`tenexd status` (without --json) shows the embedded relay and how often it was started again, and the
+routings the orchestrator's model did not decide."""
 
 from __future__ import annotations
 
@@ -26,3 +27,19 @@ def test_tenexd_status_prints_the_embedded_relays_restarts(capsys: pytest.Captur
     assert "(last:" not in restarted
     assert "embedded relay: ws://127.0.0.1:7777, pid 4243; 2 restarts since start (last: unresponsive)" in with_reason
     assert "embedded relay" not in without
+
+
+def test_tenexd_status_prints_the_routings_the_model_did_not_decide(capsys: pytest.CaptureFixture[str]) -> None:
+    """The human status says how many routings went without the orchestrator's model's decision, by why, and
+    says nothing of it when there were none."""
+    data = dict(new_status("0.1.0"))
+    _print_status_data(data)
+    none = " ".join(capsys.readouterr().out.split())
+    data["routing_fallbacks"] = {"invalid_answer": 7, "backend_failed": 1}
+    _print_status_data(data)
+    some = " ".join(capsys.readouterr().out.split())
+
+    assert "routing without" not in none
+    assert "routing without the model's decision 8 (" in some
+    assert "invalid_answer 7" in some
+    assert "backend_failed 1" in some

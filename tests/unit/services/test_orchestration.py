@@ -12,6 +12,7 @@ import pytest
 from tenex_daemon import ConversationManager, MemoryStore, NostrEvent
 from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.adapters.nostr.codec import ReplyDetails, build_agent_reply
+from tenex_daemon.app.wiring import routing_fallbacks
 from tenex_daemon.core.budget import TokenBudget
 from tenex_daemon.core.context import ChatMessage
 from tenex_daemon.core.conversation import Conversation
@@ -468,7 +469,7 @@ async def test_invalid_answers_are_retried_once_then_the_default_agent_is_used(c
 
 async def test_after_two_invalid_answers_a_persons_mention_is_honoured_as_the_rules_route_it(cast: Cast) -> None:
     """A person's message naming ``@alice`` that the model twice answers invalidly goes to Alice, as the
-    rule-based router routes it, not to the default agent."""
+    rule-based router routes it, not to the default agent; the fallback is counted."""
     model = answers("Bob should do it.", "Still Bob.")
     rig = make_rig(cast, model, alice=replies("here"), bob=replies("on it"), default_agent="bob")
     root = cast.user_says("@alice what is 2+2?", kind=11)
@@ -478,6 +479,7 @@ async def test_after_two_invalid_answers_a_persons_mention_is_honoured_as_the_ru
     assert (result.outcome, result.agents) == (Outcome.SCHEDULED, ("alice",))
     assert result.reason is not None
     assert result.reason.startswith("mentioned @alice (orchestrator answer invalid")
+    assert routing_fallbacks(rig.base.pipeline) == {"invalid_answer": 1}
     await settle(rig)
 
 
@@ -505,12 +507,14 @@ async def test_an_unknown_slug_is_fed_back_and_counts_as_the_retry(cast: Cast) -
 
 
 async def test_a_backend_failure_falls_back_to_rule_based_routing(cast: Cast) -> None:
-    """When the orchestrator's backend fails, the rule-based route is used (an @mention, else the default)."""
+    """When the orchestrator's backend fails, the rule-based route is used (an @mention, else the default),
+    and the fallback is counted for the status and /metrics."""
     rig = make_rig(cast, BrokenBackend())
 
     result = await rig.dispatcher.handle(cast.user_says("Please @bob look", kind=11))
 
     assert (result.outcome, result.agents, result.reason) == (Outcome.SCHEDULED, ("bob",), "mentioned @bob")
+    assert routing_fallbacks(rig.base.pipeline) == {"backend_failed": 1}
     await settle(rig)
 
 
