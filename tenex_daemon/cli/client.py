@@ -29,6 +29,14 @@ PROBE_TIMEOUT_S = 3.0
 REBUILD_TIMEOUT_S = 600.0
 
 
+OLDER_DAEMON_SAYS = ("unknown parameter(s)", "404: Not Found")
+"""How a control API that does not know what this command asks begins its refusal (a parameter, a route)."""
+OLDER_DAEMON = (
+    "the daemon running is older than this tenexd: restart it to run the version installed, "
+    "e.g. `systemctl restart tenexd`"
+)
+
+
 class ApiAccess:
     """Conversation access through a running daemon's control API."""
 
@@ -58,8 +66,10 @@ class ApiAccess:
         except json.JSONDecodeError:
             data = {"error": text[:300]}
         if status >= 400:
-            detail = data.get("error") if isinstance(data, dict) else None
-            raise AccessError(str(detail or f"HTTP {status}"), status)
+            detail = str((data.get("error") if isinstance(data, dict) else None) or f"HTTP {status}")
+            if status in (400, 404) and detail.startswith(OLDER_DAEMON_SAYS):
+                detail += f" ({OLDER_DAEMON})"
+            raise AccessError(detail, status)
         if not isinstance(data, dict):
             raise AccessError("the control API answered something other than a JSON object", 502)
         return data
