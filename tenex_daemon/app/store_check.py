@@ -118,7 +118,7 @@ async def refuse_an_empty_store_beside_the_homes(
     away = await store.get_meta(COPIED_AWAY_KEY)
     if away is not None and away.startswith(COPIED_AWAY):
         raise EmptyStoreError(
-            f"the store config.toml names was copied into another ({away}) by `tenexd migrate --from-store`: "
+            f"the store config.toml names was copied {away} by `tenexd migrate --from-store`: "
             "it lacks every conversation and answer since, and started on it the daemon would answer again "
             "what the relays still hold. Point config.toml at the copy again; to start on this store anyway "
             "(what the copy gained stays there), run `tenexd migrate --reopen`"

@@ -94,7 +94,16 @@ async def copy_store(
     # first, before the target is marked: a source refused (a daemon on it, a newer tenexd's) leaves the
     # target as it was, unmarked; opening replays a journal a crash left
     await source.open()
-    await source.close()
+    try:
+        away = await source.get_meta(COPIED_AWAY_KEY)
+    finally:
+        await source.close()
+    if away is not None and away.startswith(COPIED_AWAY) and not resuming:
+        raise StoreCopyError(
+            f"{source_home} was copied {away} already: the daemon has run on that copy since, and a copy of "
+            "this old store would lack all it gained. Copy from that copy's folder instead, or run `tenexd "
+            "migrate --reopen` with config.toml naming this old store first, to copy it as it is"
+        )
     await target.set_meta(COPY_KEY, copying)
     layout = Layout(Path(source_home) / "conversations")
     report = CopyReport()

@@ -389,12 +389,12 @@ def migrate(
     settings = settings_of(ctx)
     if sum(given is not None for given in (source, smarthole, from_store)) + reopen > 1:
         fail("give one of --from, --from-smarthole, --from-store and --reopen", EXIT_USAGE)
+    if agent is not None and smarthole is None:
+        fail("--agent goes with --from-smarthole", EXIT_USAGE)
     if reopen:
         from tenex_daemon.cli.store_copy_command import reopen_store
 
-        reopen_store(settings)
-    if agent is not None and smarthole is None:
-        fail("--agent goes with --from-smarthole", EXIT_USAGE)
+        reopen_store(settings, as_json)
     if from_store is not None:
         from tenex_daemon.cli.store_copy_command import migrate_store
 

@@ -78,7 +78,7 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
         await target.close()
 
 
-def reopen_store(settings: Settings) -> None:
+def reopen_store(settings: Settings, as_json: bool = False) -> None:
     """Lift the mark ``--from-store`` left on the store it copied from (the one the settings name now), so a
     daemon starts on it again; exit 2 when it has none."""
     from tenex_daemon.app.store_check import COPIED_AWAY, COPIED_AWAY_KEY, reopened
@@ -97,8 +97,11 @@ def reopen_store(settings: Settings) -> None:
     mark = run_async(go())
     if mark is None:
         fail("the store config.toml names was not copied into another: nothing to reopen", EXIT_USAGE)
-    out.print(f"reopened: a daemon starts on this store again (it was copied {mark}; what the copy gained "
-              "since is not in it)")
+    if as_json:
+        print_json({"reopened": True, "copied": mark})
+    else:
+        out.print(f"reopened: a daemon starts on this store again (it was copied {mark}; what the copy "
+                  "gained since is not in it)")
     raise typer.Exit(0)
 
 
@@ -127,7 +130,7 @@ def _named(settings: Settings) -> str:
     storage = settings.storage
     if storage.kind is StorageKind.POSTGRES:
         return "a PostgreSQL database (storage.kind = postgres)"
-    return f"the filesystem store at {Path(storage.path) if storage.path else settings.home}"
+    return f"the filesystem store at {Path(storage.path).resolve() if storage.path else settings.home}"
 
 
 def _report_json(report: CopyReport) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.store_check import (
     COPY_KEY,
     EmptyStoreError,
+    copying_mark,
     left_in_the_home,
     refuse_an_empty_store_beside_the_homes,
     used_before,
@@ -326,10 +327,45 @@ def test_the_old_store_is_refused_a_daemon_after_the_copy_until_the_operator_reo
 
     asyncio.run(start_check())  # the copy, which config.toml names, starts
     config.write_text(before)  # switched back to the old store
-    with pytest.raises(EmptyStoreError, match=f"copied into another.*{target}.*tenexd migrate --reopen"):
+    with pytest.raises(EmptyStoreError, match=f"was copied into the filesystem store at {target}.*tenexd migrate --reopen"):
         asyncio.run(start_check())
 
     code, out = tenexd(home, "migrate", "--reopen")
     assert code == 0, out
     asyncio.run(start_check())
     assert tenexd(home, "migrate", "--reopen")[0] == 2
+
+
+def test_a_store_copied_away_is_not_copied_again_unless_reopened_but_a_copy_cut_short_is_finished(
+    home: Path, tmp_path: Path
+) -> None:
+    """Copied into one store, the old store is refused as the source of another copy (the daemon ran on the
+    first copy since: a second would lack all it gained), naming the first; a copy cut short after the old
+    store was marked is still finished by the command again; `--reopen --json` says what it lifted."""
+    seed(home)
+    moved(home, tmp_path)
+    assert tenexd(home, "migrate", "--from-store", str(home))[0] == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    async def copy_into(folder: Path, *, cut_short: bool = False) -> None:
+        target = FileSystemStore(folder)
+        await target.open()
+        try:
+            if cut_short:
+                await target.set_meta(COPY_KEY, copying_mark(home))
+            await copy_store(home, target)
+        finally:
+            await target.close()
+
+    with pytest.raises(StoreCopyError, match=f"was copied into the filesystem store at {tmp_path / 'new-store'}"):
+        asyncio.run(copy_into(elsewhere))
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    asyncio.run(copy_into(resumed, cut_short=True))  # the old store marked, this copy not yet whole
+
+    config = home / "config.toml"
+    config.write_text(config.read_text().replace(f'path = "{tmp_path / "new-store"}"\n', ""))
+    code, out = tenexd(home, "migrate", "--reopen", "--json")
+    assert code == 0, out
+    assert json.loads(out)["copied"].startswith("into ")
