@@ -172,6 +172,17 @@ class RelaySettings(_Section):
     publish_timeout_s: float = Field(default=10.0, gt=0)
     """How long one publish waits for a relay's answer (a failed one is tried again by the outbox)."""
 
+    @field_validator("embedded_port", mode="before")
+    @classmethod
+    def _no_chosen_port(cls, port: object) -> object:
+        """Port 0 (any free port) was accepted once: say why it is not, not only pydantic's bound."""
+        if port == 0 and not isinstance(port, bool):
+            raise ValueError(
+                "0 (a port the system picks) is not accepted: the clients and `tenexd send` must know the "
+                "embedded relay's port; choose one, e.g. 7777"
+            )
+        return port
+
     @field_validator("urls")
     @classmethod
     def _ws_urls(cls, urls: list[str]) -> list[str]:

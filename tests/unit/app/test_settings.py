@@ -80,6 +80,18 @@ def test_invalid_value_error_names_the_key_and_the_file(tmp_path: Path) -> None:
     assert str(home.resolve() / "config.toml") in str(caught.value)
 
 
+def test_an_embedded_port_of_0_once_accepted_is_refused_saying_why(tmp_path: Path) -> None:
+    """``embedded_port = 0``, which earlier versions took, is refused with why and what to choose, not only
+    with the bound."""
+    config = CONFIG.format(owner=OWNER).replace("[relays]\n", "[relays]\nembedded_port = 0\n")
+    home = write_home(tmp_path, config)
+    with pytest.raises(SettingsError) as caught:
+        load_settings(home, {})
+    assert "relays.embedded_port" in str(caught.value)
+    assert "0 (a port the system picks) is not accepted" in str(caught.value)
+    assert "e.g. 7777" in str(caught.value)
+
+
 def test_an_agents_refused_setting_is_named_by_its_slug(tmp_path: Path) -> None:
     """A bad value in an agent's settings is named by the agent's slug (``agents.planner.backend``), not by its
     place in the file; the file is named as for any bad value."""
