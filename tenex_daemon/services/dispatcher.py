@@ -46,7 +46,7 @@ from tenex_daemon.services.runs import (
     RunRequest,
     RunScheduler,
 )
-from tenex_daemon.services.stopping import Stopper, StopReport
+from tenex_daemon.services.stopping import Routing, Stopper, StopReport
 
 log = structlog.get_logger(__name__)
 
@@ -624,7 +624,10 @@ class EventDispatcher:
                 resumed = await self._resume_turn(current, event)
                 if resumed is not None:
                     return resumed
-            return await self._route_locked(current, event, author)
+            if self._stopper is None:
+                return await self._route_locked(current, event, author, Routing(event.id))
+            with self._stopper.routing(conversation.id, event.id) as routing:
+                return await self._route_locked(current, event, author, routing)
 
     async def _resume_turn(self, conversation: Conversation, event: NostrEvent) -> HandleResult | None:
         """A recovered event whose routing had started its turn: run the turn's agents that have
@@ -644,7 +647,7 @@ class EventDispatcher:
         return HandleResult(Outcome.SCHEDULED, "turn resumed", conversation.id, agents)
 
     async def _route_locked(
-        self, conversation: Conversation, event: NostrEvent, author: Agent | None
+        self, conversation: Conversation, event: NostrEvent, author: Agent | None, routing: Routing
     ) -> HandleResult:
         cid = conversation.id
         stored = self._limits.load(conversation)
@@ -680,6 +683,9 @@ class EventDispatcher:
         if decision is None:
             await self._save_limits(cid, stored)  # a user message's reset
             return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, cid)
+        if routing.stopped:  # a stop came while the orchestrator decided: nobody is run
+            await self._save_limits(cid, stored)
+            return HandleResult(Outcome.STORED, RoutingStop.STOPPED.value, cid)
         # compared as it will run: a phase move the rules refuse keeps the turn in the current phase
         stop = self._limits.record(cid, _as_run(decision, conversation.phase, self._manager.phase_rules))
         if stop is not None:

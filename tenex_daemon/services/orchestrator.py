@@ -78,8 +78,9 @@ class RoutingStop(StrEnum):
     NOT_ROUTED = "not_routed"
     """A completion by an agent no turn routed to (the person addressed it): it goes back to them."""
     STOPPED = "turn_stopped"
-    """The turn this completion closed had an agent stopped: a stop hands the conversation back to the
-    person, whose next message routes again (whichever came first, the stop or the others' completions)."""
+    """A stop came while the orchestrator decided (nobody is run), or the turn this completion closed had an
+    agent stopped: a stop hands the conversation back to the person, whose next message routes again
+    (whichever came first, the stop or the others' completions)."""
 
 
 class Orchestrator(Protocol):

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -146,6 +146,14 @@ class _Answers:
             self.all_in.set()
 
 
+@dataclass
+class Routing:
+    """A routing under way (:meth:`Stopper.routing`): its trigger, and whether a stop stopped it."""
+
+    trigger_id: str
+    stopped: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class StopReport:
     """What a stop did: the conversation, the agents whose runs it stopped, and the notice it published."""
@@ -205,6 +213,33 @@ class Stopper:
         """Stop id -> what the other daemons answered, while this daemon waits."""
         self._tasks = BackgroundTasks("peer stops")
         self._closed = False
+        self._routings: dict[str, Routing] = {}
+        """The routings under way (the orchestrator deciding), by conversation: a stop stops them too."""
+
+    @contextlib.contextmanager
+    def routing(self, conversation_id: str, trigger_id: str) -> Iterator[Routing]:
+        """A routing of ``trigger_id`` under way in the conversation (the dispatcher's, one at a time per
+        conversation): a stop of every agent, or of the orchestrator, meanwhile stops it (:attr:`Routing.
+        stopped`: the dispatcher then starts no turn) and counts it as the orchestrator's run it stopped."""
+        routing = self._routings[conversation_id] = Routing(trigger_id)
+        try:
+            yield routing
+        finally:
+            if self._routings.get(conversation_id) is routing:
+                del self._routings[conversation_id]
+
+    def _stop_routing(self, conversation_id: str, agents: Sequence[str] | None) -> list[RunRequest]:
+        """The routing under way in the conversation, stopped when the stop names every agent or the
+        orchestrator, as the orchestrator's run (none otherwise)."""
+        routing = self._routings.get(conversation_id)
+        orchestrator = self._manager.agents.orchestrator
+        if routing is None or routing.stopped or orchestrator is None:
+            return []
+        if agents is not None and orchestrator.slug not in agents:
+            return []
+        routing.stopped = True
+        log.info("routing_stopped_by_stop", conversation_id=conversation_id, trigger=routing.trigger_id)
+        return [RunRequest(conversation_id, routing.trigger_id, orchestrator.slug)]
 
     def may_stop(self, pubkey: str) -> bool:
         """Whether ``pubkey`` may stop runs: the owner or a whitelisted person, never an agent."""
@@ -279,7 +314,7 @@ class Stopper:
             # recorded before any run is cancelled: a run a dead daemon left, taken over meanwhile, reads
             # the stop before it starts, or is among the runs cancelled here
             recorded = await _record(self._manager, conversation_id, by, ((), named), request, stop_id)
-            stopped: list[RunRequest] = []
+            stopped: list[RunRequest] = self._stop_routing(conversation_id, named)
             for slug in agents if agents is not None else (None,):
                 stopped.extend(await scheduler.cancel(conversation_id, slug))
                 if self._answers_given is not None:  # an answer to another agent, inside its run

@@ -396,8 +396,8 @@ async def test_a_stop_while_the_orchestrator_routes_a_saved_reply_keeps_the_next
     cast: Cast,
 ) -> None:
     """A stop that comes after Alice's completion is saved, while the orchestrator is still deciding who works
-    next, stops the agent it then routes to: Bob never runs and nothing of his is saved or published, and the
-    orchestrator's turn counts him as stopped rather than waiting for him."""
+    next, stops that routing: Bob never runs, nothing of his is saved or published, and no turn is started
+    for him (none waits for him)."""
     completes = CompletionResult(text="", tool_calls=(ToolCall("c1", TOOL_COMPLETE, {"summary": "done"}),))
     alice = ScriptedBackend([completes, CompletionResult(text="done")])
     bob = ScriptedBackend([CompletionResult(text="bob ran after the stop")])
@@ -420,8 +420,8 @@ async def test_a_stop_while_the_orchestrator_routes_a_saved_reply_keeps_the_next
     assert cast.bob.pubkey not in {e.pubkey for e in conversation.history}
     assert cast.bob.pubkey not in {e.pubkey for e in rig.publisher.published}
     assert conversation.open_turn() is None
-    completions = [(c.agent, c.message) for c in conversation.orchestrator_turns[-1].completions]
-    assert ("bob", STOPPED_COMPLETION) in completions
+    assert all("bob" not in turn.agents for turn in conversation.orchestrator_turns)  # the routing stopped
+    assert len(conversation.orchestrator_turns) == 1
 
 
 def hold_while_saving(monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
@@ -902,3 +902,46 @@ async def test_a_turn_a_stop_closed_routes_nothing_whether_the_stop_or_the_other
     assert completions["alice"] == STOPPED_COMPLETION
     assert completions["bob"] == "ok"
     assert cast.bob.pubkey in {e.pubkey for e in rig.publisher.published}
+
+
+class DecidesSlowly:
+    """An orchestrator whose first routing waits until released (a model thinking), then sends Alice."""
+
+    def __init__(self) -> None:
+        self.deciding = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def route(self, conversation: Conversation, trigger: NostrEvent) -> RoutingDecision:
+        """Wait for the release, then route to Alice."""
+        self.deciding.set()
+        await self.release.wait()
+        return RoutingDecision(("alice",), "alice")
+
+
+async def test_a_stop_while_the_orchestrator_decides_stops_the_routing_and_says_so(cast: Cast) -> None:
+    """A stop that comes while the orchestrator decides where a message goes reports the orchestrator
+    stopped and publishes the notice (it said nothing was running, and the message then went unanswered
+    without a word); the decision, once made, starts no turn and runs nobody."""
+    alice = ScriptedBackend([CompletionResult(text="alice ran after the stop")])
+    routing = DecidesSlowly()
+    rig = pipeline.build_rig(
+        cast, backend=alice, composer=pipeline.real_composer(cast), orchestrator=lambda m: routing
+    )
+    root = cast.user_says("Build it", kind=11)  # nobody p-tagged: the orchestrator routes it
+    handling = asyncio.create_task(rig.dispatcher.handle(root))
+    await asyncio.wait_for(routing.deciding.wait(), 5)
+
+    stop = await rig.dispatcher.handle(stop_request(cast, cast.user, root))
+    routing.release.set()
+    routed = await handling
+    await rig.settle()
+
+    assert (stop.reason, stop.agents) == ("stopped", ("orchestrator",))
+    assert routed.reason == "turn_stopped"
+    assert alice.requests == []
+    notices = [e for e in rig.publisher.published if e.content.startswith("Stopped")]
+    assert len(notices) == 1
+    assert notices[0].pubkey == cast.orchestrator.pubkey
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    assert conversation.orchestrator_turns == []
