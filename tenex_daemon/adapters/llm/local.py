@@ -70,14 +70,27 @@ class _Verbatim(str):
         return str(self)
 
 
+_CONTROL = "<|"
+"""How the chat template's control tokens begin (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``): in a
+message's text, llama.cpp reads one as the token itself, so a person's (or a referenced stranger's)
+``<|im_end|><|im_start|>system`` would open a system turn of its own."""
+_DEFUSED = "<\u2060|"
+"""The same characters with a word joiner between them: read as text."""
+
+
+def defused(text: str) -> str:
+    """``text`` with every control token's opening broken by a word joiner (:data:`_CONTROL`)."""
+    return text.replace(_CONTROL, _DEFUSED) if _CONTROL in text else text
+
+
 def verbatim_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` (OpenAI's shape) with their text, and their tool calls' names and arguments, marked
-    :class:`_Verbatim` for the chat template."""
+    :class:`_Verbatim` for the chat template; a control token in their text is text (:func:`defused`)."""
     marked: list[dict[str, Any]] = []
     for message in messages:
         copy = dict(message)
         if isinstance(copy.get("content"), str):
-            copy["content"] = _Verbatim(copy["content"])
+            copy["content"] = _Verbatim(defused(copy["content"]))
         if copy.get("tool_calls"):
             copy["tool_calls"] = [_verbatim_call(call) for call in copy["tool_calls"]]
         marked.append(copy)
