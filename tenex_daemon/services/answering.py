@@ -20,6 +20,7 @@ from tenex_daemon.core.context import AgentContext
 from tenex_daemon.core.llm import (
     AssistantToolCalls,
     BackendError,
+    BackendErrorKind,
     CompletionRequest,
     CompletionResult,
     ContextTooLongError,
@@ -235,7 +236,7 @@ class AnswerLoop:
             log.warning(
                 "backend_failed", agent=profile.agent.slug, conversation_id=tools.conversation_id,
                 backend=profile.backend.name, error_kind=exc.kind, error=failed,
-                action="the person is told; check the backend settings (base_url, api_key_env, model)",
+                action=f"the person is told; {_ADVICE.get(exc.kind, _CHECK_SETTINGS)}",
             )
             text = f"I could not answer: the {profile.backend.name} backend failed ({exc.kind}): {failed}"
             # Tokens spent by earlier rounds of this run, and by a summary call of the failed one, were spent.
@@ -363,6 +364,18 @@ class PartialStreamer:
         """Wait for a partial still being published (so it goes out before the final reply)."""
         if self._publishing is not None:
             await asyncio.gather(self._publishing, return_exceptions=True)
+
+
+_CHECK_SETTINGS = "check the backend settings (base_url, api_key_env, model)"
+_ADVICE = {
+    BackendErrorKind.CONTEXT_TOO_LONG: (
+        "the message and persona outgrow the model's window even with the middle of history cut: set the "
+        "agent's backend.context_window to the model's real window, or use a model with a larger one"
+    ),
+    BackendErrorKind.RATE_LIMIT: "the provider limits the calls: wait, or raise the account's limits",
+    BackendErrorKind.TIMEOUT: "the model took too long: raise options.timeout, or use a faster model",
+}
+"""What the operator can do, by the kind of a backend's failure (settings are checked otherwise)."""
 
 
 def _add(total: int | None, more: int | None) -> int | None:

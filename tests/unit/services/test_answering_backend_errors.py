@@ -136,3 +136,38 @@ async def test_the_orchestrators_log_of_a_failed_backend_shows_no_piece_of_a_key
     assert failed
     assert all("SECRETabc" not in str(entry) for entry in failed)
     assert failed[0]["detail"] == "openai: HTTP 401: invalid credentials: Bearer <redacted>"
+
+
+class FailingAs:
+    """An agent's backend that fails with one kind of error."""
+
+    name = "openai"
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Fail so."""
+        raise BackendError(self.kind, f"openai: failed as {self.kind}")
+
+
+@pytest.mark.parametrize(
+    ("kind", "advice"),
+    [
+        ("context_too_long", "backend.context_window"),
+        ("rate_limit", "limits the calls"),
+        ("timeout", "options.timeout"),
+        ("auth", "check the backend settings (base_url, api_key_env, model)"),
+    ],
+)
+async def test_the_operator_is_told_what_to_do_by_the_kind_of_failure(cast: Cast, kind: str, advice: str) -> None:
+    """The log of a backend's failure says what the operator can do for that kind of failure: the model's
+    window for a context too long, not the settings' base_url and key, which are checked otherwise."""
+    base = pipeline.build_rig(cast, backend=FailingAs(kind), composer=pipeline.real_composer(cast))
+    root = cast.user_says("Hello Alice", kind=11, tags=[["p", cast.alice.pubkey]])
+    await base.manager.create_conversation(root)
+    with capture_logs() as logs:
+        await base.runner.run(RunRequest(root.id, root.id, "alice"), RecordingRouting())
+
+    [failed] = [entry for entry in logs if entry["event"] == "backend_failed"]
+    assert advice in failed["action"]
