@@ -153,6 +153,7 @@ def build_backend(
             run_dir=settings.run_dir,
             store_path=settings.conversations_path,
             withheld_keys=key_variables(settings),
+            withheld_files=key_files(settings),
         )
     except (UnknownBackendError, BackendError, ImportError) as exc:
         raise SettingsError(f"{where}: {exc}") from None
@@ -173,6 +174,14 @@ def routing_fallbacks(pipeline: Pipeline | None) -> Mapping[str, int]:
     :attr:`~tenex_daemon.services.orchestrator.LLMOrchestrator.fallbacks`)."""
     orchestrator = pipeline.orchestrator if pipeline is not None else None
     return orchestrator.fallbacks if isinstance(orchestrator, LLMOrchestrator) else {}
+
+
+def key_files(settings: Settings) -> frozenset[Path]:
+    """The key files the daemon's backends are configured with (``api_key_file``; relative ones in the home):
+    a claude-code agent's file tools are denied them (one outside ``keys/`` is not covered otherwise)."""
+    backends = [agent.backend for agent in settings.agents] + [settings.conversations.summarizer]
+    files = (Path(b.api_key_file).expanduser() for b in backends if b is not None and b.api_key_file)
+    return frozenset(file if file.is_absolute() else settings.home / file for file in files)
 
 
 def build_summarizer(settings: Settings) -> LLMBackend | None:

@@ -172,16 +172,20 @@ def _rule_path(path: str) -> str:
     return "/" + _GLOB.sub(r"\\\1", path)
 
 
-def deny_rules(home: Path, run_dir: Path | None = None, store_path: Path | None = None) -> list[str]:
+def deny_rules(
+    home: Path, run_dir: Path | None = None, store_path: Path | None = None, files: Collection[Path] = ()
+) -> list[str]:
     """The ``--disallowedTools`` rules that keep Claude Code's file tools out of what ``home`` holds for the
     daemon alone: its keys (``keys/``: the agents', the project's, the owner's), conversations (the store,
     ``conversations/`` or ``store_path``: private ones too), run folder (the control token), embedded relay
-    and ``config.toml``. ``Read`` rules hold for the tools that read (Read, Grep, Glob, LS), ``Edit`` ones for
+    and ``config.toml``, and ``files`` (the backends' key files kept elsewhere). ``Read`` rules hold for the
+    tools that read (Read, Grep, Glob, LS), ``Edit`` ones for
     those that write; a folder's rules name it and all under it, under its path as given and as resolved."""
     folders = [home / "keys", home / "conversations", run_dir or home / "run", home / "relay"]
     if store_path is not None:
         folders.append(store_path)
-    places = [(folder, True) for folder in folders] + [(home / "config.toml", False)]
+    places = [(folder, True) for folder in folders]
+    places += [(file, False) for file in (home / "config.toml", *files)]
     patterns: list[str] = []
     for place, folder in places:
         for path in dict.fromkeys((os.path.abspath(place), os.path.realpath(place))):
@@ -459,6 +463,7 @@ class ClaudeCodeBackend:
         run_dir: str | os.PathLike[str] | None = None,
         store_path: str | os.PathLike[str] | None = None,
         withheld_keys: Collection[str] = (),
+        withheld_files: Collection[str | os.PathLike[str]] = (),
     ) -> None:
         self.command = [command] if isinstance(command, str) else list(command)
         self.model = model
@@ -474,7 +479,12 @@ class ClaudeCodeBackend:
         self.denied = (
             []
             if self.home is None
-            else deny_rules(self.home, self.run_dir, None if store_path is None else Path(store_path))
+            else deny_rules(
+                self.home,
+                self.run_dir,
+                None if store_path is None else Path(store_path),
+                [Path(file) for file in withheld_files],
+            )
         )
         """The deny rules passed on each call (``--disallowedTools=<rule>``, one argument each: an operator's
         own ``--disallowedTools`` in ``extra_args`` adds to them, as a repeated option's values do)."""

@@ -32,6 +32,7 @@ def make_backend(
     run_dir: Path | None = None,
     store_path: Path | None = None,
     withheld_keys: Collection[str] = (),
+    withheld_files: Collection[Path] = (),
 ) -> LLMBackend:
     """Build the backend named ``kind``; ``options`` are passed on as that backend's keyword arguments.
 
@@ -44,8 +45,8 @@ def make_backend(
     ``home`` (the daemon's home), ``run_dir`` (its run folder) and ``store_path`` (its store's conversations)
     matter to claude-code only, which runs a command that must be kept out of them (the keys, the
     conversations) and records its processes in the run folder; the daemon passes them. ``withheld_keys``
-    (claude-code too): the variables the daemon's backends read their keys from (``api_key_env``), kept
-    out of ``claude``'s environment.
+    and ``withheld_files`` (claude-code too): the variables and files the daemon's backends read their keys
+    from (``api_key_env``, ``api_key_file``), kept out of ``claude``'s environment and file tools.
     """
     extra = dict(options or {})
     if kind == "offline":
@@ -86,6 +87,7 @@ def make_backend(
             run_dir=run_dir,
             store_path=store_path,
             withheld_keys=withheld_keys,
+            withheld_files=withheld_files,
             **extra,
         )
     if kind == "local":

@@ -116,6 +116,31 @@ def test_the_daemon_tells_claude_code_backends_every_configured_key_variable(tmp
     assert environment == {}
 
 
+def test_the_daemon_denies_claude_code_the_key_files_other_backends_read(tmp_path: Path) -> None:
+    """A key file another backend is configured with (``api_key_file``) outside ``keys/`` is denied to a
+    claude-code agent's file tools, an absolute path as given and a relative one in the home."""
+    init_home(tmp_path / "h")
+    loaded = load_settings(tmp_path / "h", {})
+    coder = AgentSettings(
+        slug="coder", name="Coder",
+        backend=BackendSettings(kind="openai", model="m", api_key_file="/srv/secrets/openai.key"),
+    )
+    summarizer = BackendSettings(kind="openai", model="m", api_key_file="secrets/summary.key")
+    settings = loaded.model_copy(
+        update={
+            "agents": [*loaded.agents, coder],
+            "conversations": loaded.conversations.model_copy(update={"summarizer": summarizer}),
+        }
+    )
+
+    backend = build_backend("planner", BackendSettings(kind="claude-code"), settings)
+
+    assert isinstance(backend, ClaudeCodeBackend)
+    assert "Read(//srv/secrets/openai.key)" in backend.denied
+    assert f"Read(/{settings.home}/secrets/summary.key)" in backend.denied
+    assert f"Edit(/{settings.home}/secrets/summary.key)" in backend.denied
+
+
 def test_the_daemon_builds_claude_code_backends_with_its_home(tmp_path: Path) -> None:
     """An agent's claude-code backend is built knowing the home, its run folder and its store, so its
     ``claude`` is denied them and works in the agent's own folder."""
