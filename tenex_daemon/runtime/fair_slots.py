@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter, deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from types import TracebackType
 
 
 class FairSlots:
@@ -42,14 +41,9 @@ class FairSlots:
         """The places ``party`` holds now."""
         return self._held[party]
 
-    @asynccontextmanager
-    async def hold(self, party: str) -> AsyncIterator[None]:
+    def hold(self, party: str) -> _Held:
         """Hold a place for the block, as ``party`` (waiting for one when all are held)."""
-        await self._acquire(party)
-        try:
-            yield
-        finally:
-            self._release(party)
+        return _Held(self, party)
 
     async def _acquire(self, party: str) -> None:
         if self._in_use < self._size and not self._waiting:
@@ -112,3 +106,25 @@ class FairSlots:
                 continue
             self._take(party)
             granted.set_result(None)
+
+
+class _Held:
+    """A place held for an ``async with`` block (a plain context manager: one is taken per agent run)."""
+
+    __slots__ = ("_party", "_slots")
+
+    def __init__(self, slots: FairSlots, party: str) -> None:
+        self._slots = slots
+        self._party = party
+
+    async def __aenter__(self) -> None:
+        slots = self._slots
+        if slots._in_use < slots._size and not slots._waiting:
+            slots._take(self._party)
+        else:
+            await slots._acquire(self._party)
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self._slots._release(self._party)
