@@ -679,13 +679,13 @@ class EventDispatcher:
             )
             return HandleResult(Outcome.STORED, stop.value, cid)
         async with outside_lane():  # a model's answer: other people's events are taken in meanwhile
-            decision = await self._orchestrator.route(conversation, event)
-        if decision is None:
-            await self._save_limits(cid, stored)  # a user message's reset
-            return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, cid)
+            decision = await routing.unless_stopped(self._orchestrator.route(conversation, event))
         if routing.stopped:  # a stop came while the orchestrator decided: nobody is run
             await self._save_limits(cid, stored)
             return HandleResult(Outcome.STORED, RoutingStop.STOPPED.value, cid)
+        if decision is None:
+            await self._save_limits(cid, stored)  # a user message's reset
+            return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, cid)
         # compared as it will run: a phase move the rules refuse keeps the turn in the current phase
         stop = self._limits.record(cid, _as_run(decision, conversation.phase, self._manager.phase_rules))
         if stop is not None:

@@ -30,11 +30,11 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Awaitable, Collection, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -60,6 +60,7 @@ from tenex_daemon.services.runs import (
     forget_journaled,
 )
 
+T = TypeVar("T")
 log = structlog.get_logger(__name__)
 
 STOP_NOT_ALLOWED = "stop_not_allowed"
@@ -151,7 +152,31 @@ class Routing:
     """A routing under way (:meth:`Stopper.routing`): its trigger, and whether a stop stopped it."""
 
     trigger_id: str
-    stopped: bool = False
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop stopped it."""
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Stop it: :meth:`unless_stopped` gives up waiting."""
+        self._stop.set()
+
+    async def unless_stopped(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result; None once a stop stops the routing first (``work`` is cancelled: a model's call
+        for a decision nobody will carry out, which the conversation's next message would wait behind)."""
+        task = asyncio.ensure_future(work)
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        return None if task.cancelled() else task.result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,8 +244,8 @@ class Stopper:
     @contextlib.contextmanager
     def routing(self, conversation_id: str, trigger_id: str) -> Iterator[Routing]:
         """A routing of ``trigger_id`` under way in the conversation (the dispatcher's, one at a time per
-        conversation): a stop of every agent, or of the orchestrator, meanwhile stops it (:attr:`Routing.
-        stopped`: the dispatcher then starts no turn) and counts it as the orchestrator's run it stopped."""
+        conversation): a stop meanwhile, whichever agents it names, stops it (:attr:`Routing.stopped`: the
+        dispatcher gives up the decision and starts no turn) and counts it as the orchestrator's run."""
         routing = self._routings[conversation_id] = Routing(trigger_id)
         try:
             yield routing
@@ -228,16 +253,15 @@ class Stopper:
             if self._routings.get(conversation_id) is routing:
                 del self._routings[conversation_id]
 
-    def _stop_routing(self, conversation_id: str, agents: Sequence[str] | None) -> list[RunRequest]:
-        """The routing under way in the conversation, stopped when the stop names every agent or the
-        orchestrator, as the orchestrator's run (none otherwise)."""
+    def _stop_routing(self, conversation_id: str) -> list[RunRequest]:
+        """The routing under way in the conversation, stopped, as the orchestrator's run (none when there is
+        none): whichever agents a stop names, the orchestrator may be about to run them, and a run skipped
+        for the stop after the decision would leave the message unanswered without a word."""
         routing = self._routings.get(conversation_id)
         orchestrator = self._manager.agents.orchestrator
         if routing is None or routing.stopped or orchestrator is None:
             return []
-        if agents is not None and orchestrator.slug not in agents:
-            return []
-        routing.stopped = True
+        routing.stop()
         log.info("routing_stopped_by_stop", conversation_id=conversation_id, trigger=routing.trigger_id)
         return [RunRequest(conversation_id, routing.trigger_id, orchestrator.slug)]
 
@@ -314,7 +338,7 @@ class Stopper:
             # recorded before any run is cancelled: a run a dead daemon left, taken over meanwhile, reads
             # the stop before it starts, or is among the runs cancelled here
             recorded = await _record(self._manager, conversation_id, by, ((), named), request, stop_id)
-            stopped: list[RunRequest] = self._stop_routing(conversation_id, named)
+            stopped: list[RunRequest] = self._stop_routing(conversation_id)
             for slug in agents if agents is not None else (None,):
                 stopped.extend(await scheduler.cancel(conversation_id, slug))
                 if self._answers_given is not None:  # an answer to another agent, inside its run
