@@ -71,7 +71,7 @@ from tenex_daemon.app.status import (
     write_status,
 )
 from tenex_daemon.app.stop_signals import StopSignals
-from tenex_daemon.app.store_check import open_when_free, refuse_an_empty_store_beside_the_homes
+from tenex_daemon.app.store_check import check_the_store, open_when_free
 from tenex_daemon.app.watchdog import PROBE_EVERY_S, Watchdog, store_probe, watchdog_key
 from tenex_daemon.app.wiring import (
     Pipeline,
@@ -356,7 +356,7 @@ class Daemon:
         # anything of this one (its embedded relay, its status file) touches what that daemon holds
         self.store = build_store(settings)
         await open_when_free(self.store)  # a tenexd command may be reading the home a moment
-        await refuse_an_empty_store_beside_the_homes(settings, self.store, SUBSCRIPTION_ID)  # no 2nd answers
+        await check_the_store(settings, self.store, SUBSCRIPTION_ID, project_signer.pubkey)  # no 2nd answers
         settings.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         end_leftover_calls(settings.run_dir)  # claude-code calls a daemon killed outright left
         if settings.relays.embedded:

@@ -75,6 +75,31 @@ def reopened(mark: str) -> str:
     return f"{REOPENED}{datetime.now(UTC).isoformat(timespec='seconds')} (copied {mark})"
 
 
+PROJECT_MARK_KEY = "store.project"
+"""The project a store serves (its key's public key), written by the first daemon to start on it. One
+store, one project: conversations, processed ids, cursors and channels carry no project, so two projects
+on one PostgreSQL database answered each other's notes with the other's history, read each other's
+conversations through an agent's tool, and swept each other's conversations."""
+
+
+class StoreOfAnotherProjectError(TenexError):
+    """The store config.toml names serves another project."""
+
+
+async def claim_for_project(store: Store, project_pubkey: str) -> None:
+    """Mark ``store`` (open) as ``project_pubkey``'s when it is nobody's yet; raise
+    :class:`StoreOfAnotherProjectError` when it is another project's (:data:`PROJECT_MARK_KEY`)."""
+    mark = await store.get_meta(PROJECT_MARK_KEY)
+    if mark is None:
+        await store.set_meta(PROJECT_MARK_KEY, project_pubkey)
+    elif mark != project_pubkey:
+        raise StoreOfAnotherProjectError(
+            f"the store config.toml names serves another project (project key {mark[:16]}…, this home's is "
+            f"{project_pubkey[:16]}…): one store serves one project. Give this project a database of its "
+            "own (storage.dsn), or a storage.path of its own"
+        )
+
+
 def copying_mark(source_home: Path) -> str:
     """What :data:`COPY_KEY` holds while a copy from ``source_home`` is under way (or was cut short)."""
     return f"{COPYING}{Path(source_home).resolve()}"
@@ -145,3 +170,11 @@ async def refuse_an_empty_store_beside_the_homes(
         "store: nothing is answered twice), or take in what the relays hold with `tenexd conversations "
         "rebuild --all`, or move that folder aside to start anew on purpose"
     )
+
+
+async def check_the_store(settings: Settings, store: Store, subscription_id: str, project: str) -> None:
+    """What a daemon checks of its store (open) before it serves: that it serves this project
+    (:func:`claim_for_project`) and that starting on it answers nothing again
+    (:func:`refuse_an_empty_store_beside_the_homes`); ``project``: this home's project key's public key."""
+    await claim_for_project(store, project)
+    await refuse_an_empty_store_beside_the_homes(settings, store, subscription_id)

@@ -24,7 +24,14 @@ from tenex_daemon.adapters.nostr.private import WRAPS_KEY
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 from tenex_daemon.adapters.storage.filesystem.contents import processed_ids, value_keys
 from tenex_daemon.adapters.storage.filesystem.layout import Layout
-from tenex_daemon.app.store_check import COPIED_AWAY, COPIED_AWAY_KEY, COPY_KEY, COPYING, copying_mark
+from tenex_daemon.app.store_check import (
+    COPIED_AWAY,
+    COPIED_AWAY_KEY,
+    COPY_KEY,
+    COPYING,
+    PROJECT_MARK_KEY,
+    copying_mark,
+)
 from tenex_daemon.app.watchdog import WATCHDOG_KEY
 from tenex_daemon.app.wiring import instance_keys, wraps_key_for
 from tenex_daemon.core.errors import ConversationExistsError, TenexError
@@ -167,7 +174,7 @@ async def _copy_values(
     watchdog value is its own liveness probe, nothing to keep, and the marks of a copy that made the source,
     or of one made from it before, are not this copy's."""
     for key in value_keys(layout):
-        if key in (WATCHDOG_KEY, COPY_KEY, COPIED_AWAY_KEY):
+        if key in (WATCHDOG_KEY, COPY_KEY, COPIED_AWAY_KEY, PROJECT_MARK_KEY):
             continue
         value = await source.get_meta(key)
         if value is None:

@@ -53,16 +53,26 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
     from tenex_daemon.app.daemon import SUBSCRIPTION_ID
     from tenex_daemon.app.home import load_project_pubkey
     from tenex_daemon.app.settings import StorageKind
-    from tenex_daemon.app.store_check import COPY_KEY, copying_mark, used_before
+    from tenex_daemon.app.store_check import (
+        COPY_KEY,
+        StoreOfAnotherProjectError,
+        claim_for_project,
+        copying_mark,
+        used_before,
+    )
     from tenex_daemon.app.store_copy import copy_store, shared_keys
 
     target = await open_stopped_store(settings)
     try:
         renames: dict[str, str] = {}
+        project = load_project_pubkey(settings)
+        if project is None:
+            raise AccessError(f"this home has no project key ({settings.project_key_path})", 400)
+        try:
+            await claim_for_project(target, project)  # never into another project's store
+        except StoreOfAnotherProjectError as exc:
+            raise AccessError(str(exc), 400) from None
         if settings.storage.kind is StorageKind.POSTGRES:  # the old daemon's own values: for another to take
-            project = load_project_pubkey(settings)
-            if project is None:
-                raise AccessError(f"this home has no project key ({settings.project_key_path})", 400)
             renames = shared_keys(project)
         taking_up = await target.get_meta(COPY_KEY) == copying_mark(source)  # a copy cut short, again
         if not taking_up and await used_before(settings, target, SUBSCRIPTION_ID):

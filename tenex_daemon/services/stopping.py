@@ -82,8 +82,8 @@ ANSWER_TELL_S = 5.0
 
 
 def stop_channel(project_pubkey: str | None) -> str:
-    """The channel one project's daemons tell each other stops on (a database may hold several projects;
-    a channel name holds at most 63 bytes)."""
+    """The channel one project's daemons tell each other stops on (a database serves one project, but the
+    server may hold other projects' databases; a channel name holds at most 63 bytes)."""
     return f"{STOP_CHANNEL_PREFIX}{(project_pubkey or '')[:16]}"
 
 
