@@ -239,14 +239,17 @@ def compose_message(
 class ReplyWatch:
     """Which agent events answer the message sent: one naming it (an ``e``/``E`` tag), or one in its
     thread (naming the root) that is not older than it, is not the parent replied to (a relay returns the
-    thread's earlier answers too: the subscription reaches back a few seconds), and replies to the root,
-    to the message sent or to another answer (a routed agent's to a completion). One replying to another
-    message, a person's earlier one, answers that one, not this: asked twice in a row, the first answer
-    was taken for the second's."""
+    thread's earlier answers too: the subscription reaches back a few seconds), and replies to the message
+    sent, to another answer (a routed agent's to a completion) or to a root an agent wrote. One replying to
+    another message, a person's earlier one or their root, answers that one, not this: asked twice in a
+    row, the first answer was taken for the second's."""
 
     sent: NostrEvent | None = None
     root_id: str = ""
     parent_id: str | None = None
+    root_by_agent: bool = False
+    """Whether an agent wrote the thread's root: a reply to it may answer the message sent then; to a
+    person's root (their first message) it answers that one."""
     taken: set[str] = field(default_factory=set)
     """The answers taken so far (ids)."""
     held: list[NostrEvent] = field(default_factory=list)
@@ -286,8 +289,10 @@ class ReplyWatch:
         if not refers_to_root(event, self.root_id) or event.created_at < sent.created_at:
             return False
         parent = read_threading(event).parent_id
-        if parent is None or parent in (self.root_id, sent.id) or parent in self.taken:
+        if parent is None or parent == sent.id or parent in self.taken:
             return True
+        if parent == self.root_id:
+            return self.root_by_agent or None  # a person's root: the answer to it, unless an answer of ours
         return None
 
 
@@ -440,6 +445,9 @@ async def send_message(
             settings, owner, text, target, set(by_key), parent=parent, kind=kind, title=title
         )
         watch.sent, watch.root_id, watch.parent_id = event, root_id, reply_to
+        if parent is not None:
+            root_author = parent.pubkey if parent.id == root_id else read_threading(parent).root_author
+            watch.root_by_agent = root_author in by_key
         authors = sorted(by_key)
         await pool.subscribe(
             "tenexd-send",

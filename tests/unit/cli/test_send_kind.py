@@ -108,7 +108,8 @@ def test_a_kind_that_does_not_fit_is_a_usage_error(home: Path, args: list[str], 
 
 def test_only_answers_to_the_message_sent_end_the_wait() -> None:
     """An agent event naming the message sent answers it, whatever its time; one naming only the thread's
-    root answers it when not older than the message; the parent replied to and older thread events do not."""
+    root answers it when not older than the message and the root is an agent's (a person's root: it
+    answers that first message); the parent replied to and older thread events do not."""
     person, agent = KeyPair.from_seed(73), KeyPair.from_seed(74)
     root = sign_event(person, "root", kind=1, created_at=1000)
     parent = sign_event(agent, "first answer", kind=1, tags=[["e", root.id, "", "root"]], created_at=1010)
@@ -120,15 +121,17 @@ def test_only_answers_to_the_message_sent_end_the_wait() -> None:
     chained = sign_event(agent, "b", kind=1, tags=[["e", root.id, "", "root"]], created_at=1011)
     older = sign_event(agent, "c", kind=1, tags=[["e", root.id, "", "root"]], created_at=1005)
 
-    assert [bool(watch.take(e)) for e in (answer, chained, parent, older)] == [True, True, False, False]
+    assert [bool(watch.take(e)) for e in (answer, chained, parent, older)] == [True, False, False, False]
     assert watch.ids() == [root.id, sent.id]
     assert not ReplyWatch().take(answer)
+    by_agent = ReplyWatch(sent, root.id, parent.id, root_by_agent=True)
+    assert [bool(by_agent.take(e)) for e in (answer, chained, parent, older)] == [True, True, False, False]
 
 
 def test_an_answer_to_the_persons_earlier_message_is_not_taken_for_the_answer_to_this_one() -> None:
-    """Asked twice in a row, the answer to the first (replying to it, and newer than the second) does not
-    answer the second; the second's answer does, and so does a routed agent's answer to that answer's
-    completion, even when it comes first."""
+    """Asked several times in a row, a late answer to the first (the person's root) or to the second does
+    not answer the third, though newer than it; the third's answer does, and so does a routed agent's
+    answer to that answer's completion, even when it comes first."""
     person, agent, other = KeyPair.from_seed(73), KeyPair.from_seed(74), KeyPair.from_seed(75)
     root = sign_event(person, "Capital of France?", kind=11, created_at=1000)
 
@@ -139,10 +142,12 @@ def test_an_answer_to_the_persons_earlier_message_is_not_taken_for_the_answer_to
     germany = reply(person, "And of Germany?", root.id, 1010)
     spain = reply(person, "And of Spain?", root.id, 1011)
     watch = ReplyWatch(spain, root.id, None)
+    paris = reply(agent, "Paris.", root.id, 1012)  # late, to the person's root
     berlin = reply(agent, "Berlin.", germany.id, 1012)
     madrid = reply(agent, "Madrid.", spain.id, 1013)
     checked = reply(other, "Checked: Madrid.", madrid.id, 1014)
 
+    assert watch.take(paris) == []
     assert watch.take(berlin) == []
     assert watch.take(checked) == []  # held: it replies to an answer not seen yet
     assert watch.take(madrid) == [madrid, checked]
