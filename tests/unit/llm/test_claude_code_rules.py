@@ -9,7 +9,7 @@ import pytest
 
 from tenex_daemon.adapters.llm.claude_code import ClaudeCodeBackend, child_environment, deny_rules
 from tenex_daemon.app.home import init_home
-from tenex_daemon.app.settings import AgentSettings, BackendSettings, load_settings
+from tenex_daemon.app.settings import AgentSettings, BackendSettings, Settings, load_settings
 from tenex_daemon.app.wiring import build_backend
 from tenex_daemon.core.llm import CompletionRequest
 
@@ -92,20 +92,25 @@ def test_the_variables_other_backends_read_their_keys_from_are_withheld_whatever
     assert child_environment(environ, {"GROQ_TOKEN": "given"}, ["GROQ_TOKEN"])["GROQ_TOKEN"] == "given"
 
 
+def with_other_backends(tmp_path: Path, coder: BackendSettings, summarizer: BackendSettings) -> Settings:
+    """A home's settings with one more agent (``coder``) on ``coder``'s backend and a summarizer."""
+    init_home(tmp_path / "h")
+    loaded = load_settings(tmp_path / "h", {})
+    return loaded.model_copy(
+        update={
+            "agents": [*loaded.agents, AgentSettings(slug="coder", name="Coder", backend=coder)],
+            "conversations": loaded.conversations.model_copy(update={"summarizer": summarizer}),
+        }
+    )
+
+
 def test_the_daemon_tells_claude_code_backends_every_configured_key_variable(tmp_path: Path) -> None:
     """The daemon builds a claude-code backend knowing the key variables of every agent's backend and of the
     summarizer, and its calls' environment leaves them out."""
-    init_home(tmp_path / "h")
-    loaded = load_settings(tmp_path / "h", {})
-    coder = AgentSettings(
-        slug="coder", name="Coder", backend=BackendSettings(kind="openai", model="m", api_key_env="GROQ_TOKEN")
-    )
-    summarizer = BackendSettings(kind="openai", model="m", api_key_env="SUMMARY_SECRET")
-    settings = loaded.model_copy(
-        update={
-            "agents": [*loaded.agents, coder],
-            "conversations": loaded.conversations.model_copy(update={"summarizer": summarizer}),
-        }
+    settings = with_other_backends(
+        tmp_path,
+        BackendSettings(kind="openai", model="m", api_key_env="GROQ_TOKEN"),
+        BackendSettings(kind="openai", model="m", api_key_env="SUMMARY_SECRET"),
     )
 
     backend = build_backend("planner", BackendSettings(kind="claude-code"), settings)
@@ -119,18 +124,10 @@ def test_the_daemon_tells_claude_code_backends_every_configured_key_variable(tmp
 def test_the_daemon_denies_claude_code_the_key_files_other_backends_read(tmp_path: Path) -> None:
     """A key file another backend is configured with (``api_key_file``) outside ``keys/`` is denied to a
     claude-code agent's file tools, an absolute path as given and a relative one in the home."""
-    init_home(tmp_path / "h")
-    loaded = load_settings(tmp_path / "h", {})
-    coder = AgentSettings(
-        slug="coder", name="Coder",
-        backend=BackendSettings(kind="openai", model="m", api_key_file="/srv/secrets/openai.key"),
-    )
-    summarizer = BackendSettings(kind="openai", model="m", api_key_file="secrets/summary.key")
-    settings = loaded.model_copy(
-        update={
-            "agents": [*loaded.agents, coder],
-            "conversations": loaded.conversations.model_copy(update={"summarizer": summarizer}),
-        }
+    settings = with_other_backends(
+        tmp_path,
+        BackendSettings(kind="openai", model="m", api_key_file="/srv/secrets/openai.key"),
+        BackendSettings(kind="openai", model="m", api_key_file="secrets/summary.key"),
     )
 
     backend = build_backend("planner", BackendSettings(kind="claude-code"), settings)
