@@ -86,18 +86,31 @@ class StoreOfAnotherProjectError(TenexError):
     """The store config.toml names serves another project."""
 
 
-async def claim_for_project(store: Store, project_pubkey: str) -> None:
-    """Mark ``store`` (open) as ``project_pubkey``'s when it is nobody's yet; raise
-    :class:`StoreOfAnotherProjectError` when it is another project's (:data:`PROJECT_MARK_KEY`)."""
+async def refuse_another_projects(store: Store, project_pubkey: str) -> None:
+    """Raise :class:`StoreOfAnotherProjectError` when ``store`` (open) is marked another project's
+    (:data:`PROJECT_MARK_KEY`); write nothing."""
     mark = await store.get_meta(PROJECT_MARK_KEY)
-    if mark is None:
-        await store.set_meta(PROJECT_MARK_KEY, project_pubkey)
-    elif mark != project_pubkey:
+    if mark is not None and mark != project_pubkey:
         raise StoreOfAnotherProjectError(
             f"the store config.toml names serves another project (project key {mark[:16]}…, this home's is "
             f"{project_pubkey[:16]}…): one store serves one project. Give this project a database of its "
-            "own (storage.dsn), or a storage.path of its own"
+            "own (storage.dsn), or a storage.path of its own; if this home's project key was made anew "
+            "(keys/project.key replaced), `tenexd migrate --reopen` makes the store this key's"
         )
+
+
+async def claim_for_project(store: Store, project_pubkey: str) -> None:
+    """Mark ``store`` (open) as ``project_pubkey``'s when it is nobody's yet; raise
+    :class:`StoreOfAnotherProjectError` when it is another project's (:data:`PROJECT_MARK_KEY`)."""
+    await refuse_another_projects(store, project_pubkey)
+    if await store.get_meta(PROJECT_MARK_KEY) is None:
+        await store.set_meta(PROJECT_MARK_KEY, project_pubkey)
+
+
+def may_be_shared(settings: Settings) -> bool:
+    """Whether the store the settings name could serve another home too (a database, or a ``storage.path``):
+    the home's own ``conversations/`` is its project's by where it lies, and is never marked."""
+    return settings.storage.kind is StorageKind.POSTGRES or bool(settings.storage.path)
 
 
 def copying_mark(source_home: Path) -> str:
@@ -173,8 +186,9 @@ async def refuse_an_empty_store_beside_the_homes(
 
 
 async def check_the_store(settings: Settings, store: Store, subscription_id: str, project: str) -> None:
-    """What a daemon checks of its store (open) before it serves: that it serves this project
-    (:func:`claim_for_project`) and that starting on it answers nothing again
-    (:func:`refuse_an_empty_store_beside_the_homes`); ``project``: this home's project key's public key."""
-    await claim_for_project(store, project)
+    """What a daemon checks of its store (open) before it serves: that it serves this project when another
+    home could share it (:func:`claim_for_project`, :func:`may_be_shared`), and that starting on it answers
+    nothing again (:func:`refuse_an_empty_store_beside_the_homes`); ``project``: this home's project key."""
+    if may_be_shared(settings):
+        await claim_for_project(store, project)
     await refuse_an_empty_store_beside_the_homes(settings, store, subscription_id)

@@ -58,6 +58,7 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
         StoreOfAnotherProjectError,
         claim_for_project,
         copying_mark,
+        refuse_another_projects,
         used_before,
     )
     from tenex_daemon.app.store_copy import copy_store, shared_keys
@@ -69,7 +70,7 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
         if project is None:
             raise AccessError(f"this home has no project key ({settings.project_key_path})", 400)
         try:
-            await claim_for_project(target, project)  # never into another project's store
+            await refuse_another_projects(target, project)  # never into another project's store
         except StoreOfAnotherProjectError as exc:
             raise AccessError(str(exc), 400) from None
         if settings.storage.kind is StorageKind.POSTGRES:  # the old daemon's own values: for another to take
@@ -80,6 +81,7 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
                 "the store config.toml names was used already (it holds conversations or relay cursors): "
                 "a copy goes into an unused store only", 400,
             )
+        await claim_for_project(target, project)  # every check passed: the store is this project's now
         try:
             return await copy_store(source, target, renames=renames, target_name=_named(settings))
         except StoreLockedError as exc:
@@ -89,29 +91,41 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
 
 
 def reopen_store(settings: Settings, as_json: bool = False) -> None:
-    """Lift the mark ``--from-store`` left on the store it copied from (the one the settings name now), so a
-    daemon starts on it again; exit 2 when it has none."""
-    from tenex_daemon.app.store_check import COPIED_AWAY, COPIED_AWAY_KEY, reopened
+    """Let a daemon of this home start on the store the settings name: lift the mark ``--from-store`` left
+    on it when it copied it into another, and make it this home's project key's when another key's mark
+    is on it (the project key made anew); exit 2 when there is neither."""
+    from tenex_daemon.app.home import load_project_pubkey
+    from tenex_daemon.app.store_check import COPIED_AWAY, COPIED_AWAY_KEY, PROJECT_MARK_KEY, reopened
 
-    async def go() -> str | None:
+    project = load_project_pubkey(settings)
+
+    async def go() -> tuple[str | None, str | None]:
         store = await open_stopped_store(settings)
         try:
             mark = await store.get_meta(COPIED_AWAY_KEY)
-            if mark is None or not mark.startswith(COPIED_AWAY):
-                return None
-            await store.set_meta(COPIED_AWAY_KEY, reopened(mark))
-            return mark
+            copied = mark if mark is not None and mark.startswith(COPIED_AWAY) else None
+            if copied is not None:
+                await store.set_meta(COPIED_AWAY_KEY, reopened(copied))
+            owner = await store.get_meta(PROJECT_MARK_KEY)
+            if project is None or owner is None or owner == project:
+                return copied, None
+            await store.set_meta(PROJECT_MARK_KEY, project)  # a project key made anew: the store is its now
+            return copied, owner
         finally:
             await store.close()
 
-    mark = run_async(go())
-    if mark is None:
-        fail("the store config.toml names was not copied into another: nothing to reopen", EXIT_USAGE)
+    copied, other = run_async(go())
+    if copied is None and other is None:
+        fail("the store config.toml names was neither copied into another nor another project key's: "
+             "nothing to reopen", EXIT_USAGE)
     if as_json:
-        print_json({"reopened": True, "copied": mark})
+        print_json({"reopened": True, "copied": copied, "previous_project": other})
     else:
-        out.print(f"reopened: a daemon starts on this store again (it was copied {mark}; what the copy "
-                  "gained since is not in it)")
+        if copied is not None:
+            out.print(f"reopened: a daemon starts on this store again (it was copied {copied}; what the "
+                      "copy gained since is not in it)")
+        if other is not None:
+            out.print(f"reopened: the store is this home's project key's now (it was {other[:16]}…'s)")
     raise typer.Exit(0)
 
 

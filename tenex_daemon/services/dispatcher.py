@@ -683,6 +683,7 @@ class EventDispatcher:
         if routing.stopped:  # a stop came while the orchestrator decided: nobody is run
             await self._save_limits(cid, stored)
             return HandleResult(Outcome.STORED, RoutingStop.STOPPED.value, cid)
+        routing.decided = () if decision is None or decision.is_end else decision.agents  # (no await since)
         if decision is None:
             await self._save_limits(cid, stored)  # a user message's reset
             return HandleResult(Outcome.STORED, SkipReason.NO_AGENT.value, cid)

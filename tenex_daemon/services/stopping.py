@@ -153,6 +153,9 @@ class Routing:
 
     trigger_id: str
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    decided: tuple[str, ...] | None = None
+    """The agents the decision runs, once made (set with no await after the last look at :attr:`stopped`):
+    a stop then no longer stops the routing, it names those agents it stops (their runs skip its trigger)."""
 
     @property
     def stopped(self) -> bool:
@@ -174,9 +177,10 @@ class Routing:
             stopped.cancel()
             if not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        return None if task.cancelled() else task.result()
+                await asyncio.wait((task,))  # a cancellation of the caller's own still goes on up
+        if task.cancelled() or (self.stopped and task.exception() is not None):
+            return None
+        return task.result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,14 +257,19 @@ class Stopper:
             if self._routings.get(conversation_id) is routing:
                 del self._routings[conversation_id]
 
-    def _stop_routing(self, conversation_id: str) -> list[RunRequest]:
+    def _stop_routing(self, conversation_id: str, agents: Sequence[str] | None) -> list[RunRequest]:
         """The routing under way in the conversation, stopped, as the orchestrator's run (none when there is
-        none): whichever agents a stop names, the orchestrator may be about to run them, and a run skipped
-        for the stop after the decision would leave the message unanswered without a word."""
+        none): whichever ``agents`` a stop names, the orchestrator may be about to run them, and a run skipped
+        for the stop after the decision would leave the message unanswered without a word. Once decided,
+        the routing goes on; the agents it runs that the stop names are returned, stopped (their runs skip
+        its trigger)."""
         routing = self._routings.get(conversation_id)
         orchestrator = self._manager.agents.orchestrator
         if routing is None or routing.stopped or orchestrator is None:
             return []
+        if routing.decided is not None:  # decided: its agents' runs skip the trigger; the report names them
+            return [RunRequest(conversation_id, routing.trigger_id, slug) for slug in routing.decided
+                    if agents is None or slug in agents]
         routing.stop()
         log.info("routing_stopped_by_stop", conversation_id=conversation_id, trigger=routing.trigger_id)
         return [RunRequest(conversation_id, routing.trigger_id, orchestrator.slug)]
@@ -338,7 +347,7 @@ class Stopper:
             # recorded before any run is cancelled: a run a dead daemon left, taken over meanwhile, reads
             # the stop before it starts, or is among the runs cancelled here
             recorded = await _record(self._manager, conversation_id, by, ((), named), request, stop_id)
-            stopped: list[RunRequest] = self._stop_routing(conversation_id)
+            stopped: list[RunRequest] = self._stop_routing(conversation_id, named)
             for slug in agents if agents is not None else (None,):
                 stopped.extend(await scheduler.cancel(conversation_id, slug))
                 if self._answers_given is not None:  # an answer to another agent, inside its run

@@ -99,7 +99,7 @@ def verbatim_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _verbatim_call(call: dict[str, Any]) -> dict[str, Any]:
     function = {
-        key: _Verbatim(value) if isinstance(value, str) else value
+        key: _Verbatim(defused(value)) if isinstance(value, str) else value
         for key, value in (call.get("function") or {}).items()
     }
     return {**call, "function": function}

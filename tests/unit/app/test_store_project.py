@@ -22,6 +22,7 @@ from tenex_daemon.app.store_check import (
     claim_for_project,
 )
 from tenex_daemon.cli.main import app
+from tenex_daemon.core.search import SearchQuery
 from tests.unit.cli.test_cli import seed_conversation
 
 A, B = "a" * 64, "b" * 64
@@ -43,18 +44,7 @@ async def test_a_store_is_claimed_by_the_first_project_and_refused_to_another() 
 def test_a_daemon_of_another_project_and_a_copy_into_its_store_are_refused(tmp_path: Path) -> None:
     """Home B pointed at home A's store (storage.path) is refused by the daemon's start check, and a copy of
     B's store into it is refused (exit 2) before anything is copied."""
-    init_home(tmp_path / "a")
-    init_home(tmp_path / "b")
-    seed_conversation(tmp_path / "b", "B's own", "hello")
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    for home in ("a", "b"):
-        config = tmp_path / home / "config.toml"
-        config.write_text(config.read_text().replace("[storage]\n", f'[storage]\npath = "{shared}"\n', 1))
-    settings_a, settings_b = load_settings(tmp_path / "a"), load_settings(tmp_path / "b")
-    project_a, project_b = load_project_pubkey(settings_a), load_project_pubkey(settings_b)
-    assert project_a is not None
-    assert project_b is not None
+    settings_a, project_a, settings_b, project_b, shared = shared_homes(tmp_path)
 
     async def start_check(settings: Settings, project: str) -> None:
         store = FileSystemStore(shared)
@@ -70,3 +60,92 @@ def test_a_daemon_of_another_project_and_a_copy_into_its_store_are_refused(tmp_p
     result = CliRunner().invoke(app, ["--home", str(tmp_path / "b"), "migrate", "--from-store", str(tmp_path / "b")])
     assert result.exit_code == 2
     assert "serves another project" in result.stderr
+    assert asyncio.run(titles_in(shared)) == []  # nothing of b's was copied
+
+
+def shared_homes(tmp_path: Path) -> tuple[Settings, str, Settings, str, Path]:
+    """Homes a and b (b with a conversation of its own) whose config.toml both name one storage.path."""
+    init_home(tmp_path / "a")
+    init_home(tmp_path / "b")
+    seed_conversation(tmp_path / "b", "B's own", "hello")
+    shared = tmp_path / "shared"
+    shared.mkdir(exist_ok=True)
+    for home in ("a", "b"):
+        config = tmp_path / home / "config.toml"
+        config.write_text(config.read_text().replace("[storage]\n", f'[storage]\npath = "{shared}"\n', 1))
+    settings_a, settings_b = load_settings(tmp_path / "a"), load_settings(tmp_path / "b")
+    project_a, project_b = load_project_pubkey(settings_a), load_project_pubkey(settings_b)
+    assert project_a is not None
+    assert project_b is not None
+    return settings_a, project_a, settings_b, project_b, shared
+
+
+async def titles_in(folder: Path) -> list[str]:
+    """The titles of the conversations the filesystem store in ``folder`` holds."""
+    store = FileSystemStore(folder)
+    await store.open()
+    try:
+        return [row.title for row in await store.search(SearchQuery())]
+    finally:
+        await store.close()
+
+
+async def mark_of(folder: Path) -> str | None:
+    """The project mark of the filesystem store in ``folder``."""
+    store = FileSystemStore(folder)
+    await store.open()
+    try:
+        return await store.get_meta(PROJECT_MARK_KEY)
+    finally:
+        await store.close()
+
+
+def test_a_copy_refused_for_another_reason_leaves_the_store_unmarked(tmp_path: Path) -> None:
+    """A store another home used, not marked yet (written before the mark existed), into which home b's copy
+    is refused as used already, is left unmarked (its own project's daemon would then be refused on it)."""
+    *_, shared = shared_homes(tmp_path)
+    seed_conversation(tmp_path / "a", "A's own", "hi")  # a's config names the shared store: it is used
+
+    result = CliRunner().invoke(app, ["--home", str(tmp_path / "b"), "migrate", "--from-store", str(tmp_path / "b")])
+
+    assert result.exit_code == 2
+    assert "used already" in result.stderr
+    assert asyncio.run(mark_of(shared)) is None
+
+
+def test_a_project_key_made_anew_is_refused_until_reopen_makes_the_store_its(tmp_path: Path) -> None:
+    """A shared store marked by the project key a home had is refused once the key is made anew, the
+    message naming `tenexd migrate --reopen`, which makes the store the new key's; the home's own store
+    (no storage.path) is never marked."""
+    settings_a, project_a, _, _, shared = shared_homes(tmp_path)
+
+    async def start_check(settings: Settings, project: str, folder: Path) -> None:
+        store = FileSystemStore(folder)
+        await store.open()
+        try:
+            await check_the_store(settings, store, SUBSCRIPTION_ID, project)
+        finally:
+            await store.close()
+
+    asyncio.run(start_check(settings_a, project_a, shared))
+    with pytest.raises(StoreOfAnotherProjectError, match="tenexd migrate --reopen"):
+        asyncio.run(start_check(settings_a, B, shared))
+    (tmp_path / "a" / "keys" / "project.key").unlink()
+    assert CliRunner().invoke(app, ["--home", str(tmp_path / "a"), "init", "--force"]).exit_code == 0
+    config = tmp_path / "a" / "config.toml"  # init wrote it anew: storage.path again
+    if str(shared) not in config.read_text():
+        config.write_text(config.read_text().replace("[storage]\n", f'[storage]\npath = "{shared}"\n', 1))
+    renewed = load_project_pubkey(load_settings(tmp_path / "a"))
+    assert renewed is not None
+    with pytest.raises(StoreOfAnotherProjectError):
+        asyncio.run(start_check(load_settings(tmp_path / "a"), renewed, shared))
+
+    result = CliRunner().invoke(app, ["--home", str(tmp_path / "a"), "migrate", "--reopen"])
+
+    assert result.exit_code == 0, result.output
+    assert asyncio.run(mark_of(shared)) == renewed
+    own = tmp_path / "own"
+    init_home(own)
+    own_settings = load_settings(own)
+    asyncio.run(start_check(own_settings, A, own))
+    assert asyncio.run(mark_of(own)) is None

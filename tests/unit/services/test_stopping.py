@@ -27,6 +27,7 @@ from tenex_daemon.services.stopping import (
     PEER_ANSWER_WAIT_S,
     PeerOp,
     PeerStop,
+    Routing,
     StopReport,
     stop_channel,
     stop_without_daemon,
@@ -957,3 +958,89 @@ async def test_a_stop_while_the_orchestrator_decides_stops_the_routing_and_says_
     conversation = await rig.manager.get_conversation(root.id)
     assert conversation is not None
     assert conversation.orchestrator_turns == []
+
+
+class RoutesToAlice:
+    """An orchestrator that sends Alice at once."""
+
+    async def route(self, conversation: Conversation, trigger: NostrEvent) -> RoutingDecision:
+        """Alice."""
+        return RoutingDecision(("alice",), "alice")
+
+
+@pytest.mark.parametrize(("named", "alice_runs"), [("bob", True), ("alice", False)])
+async def test_a_stop_after_the_decision_stops_only_the_agents_it_names_of_those_decided(
+    cast: Cast, named: str, alice_runs: bool
+) -> None:
+    """A stop that lands once the orchestrator decided on Alice, while her turn is being saved, no longer
+    stops the routing: naming Bob it stops nothing (no notice; Alice answers), naming Alice it reports her
+    stopped with its notice, and her run skips the message."""
+    alice = ScriptedBackend([CompletionResult(text="alice answered")])
+    rig = pipeline.build_rig(
+        cast, backend=alice, composer=pipeline.real_composer(cast), orchestrator=lambda m: RoutesToAlice()
+    )
+    gate, inside = asyncio.Event(), asyncio.Event()
+    start_turn = rig.manager.start_orchestrator_turn
+
+    async def slow_turn(*args: Any, **options: Any) -> Any:
+        inside.set()
+        await gate.wait()
+        return await start_turn(*args, **options)
+
+    rig.manager.start_orchestrator_turn = slow_turn  # type: ignore[method-assign]
+    root = cast.user_says("Build it", kind=11)
+    handling = asyncio.create_task(rig.dispatcher.handle(root))
+    await asyncio.wait_for(inside.wait(), 5)
+    who = cast.bob if named == "bob" else cast.alice
+    stop = await rig.dispatcher.handle(stop_request(cast, cast.user, root, [who.pubkey]))
+    gate.set()
+    await asyncio.wait_for(handling, 5)
+    await rig.settle()
+
+    notices = [e.content for e in rig.publisher.published if e.content.startswith("Stopped")]
+    if alice_runs:
+        assert stop.agents == ()
+        assert notices == []
+        assert len(alice.requests) == 1
+    else:
+        assert stop.agents == ("alice",)
+        assert notices == ["Stopped: Alice."]
+        assert alice.requests == []
+
+
+async def test_a_routings_wait_gives_up_at_a_stop_and_never_swallows_its_callers_cancellation() -> None:
+    """``unless_stopped``: a stop first gives None and cancels the work; the work's result or error comes
+    back otherwise; the caller cancelled (a shutdown) while the stopped work winds down is still cancelled."""
+
+    async def slow(winding_down: float = 0.0) -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(winding_down)  # a model call being killed and reaped
+            raise
+        return "late"
+
+    async def fails() -> str:
+        raise RuntimeError("backend down")
+
+    stopped = Routing("t")
+    waiting = asyncio.create_task(stopped.unless_stopped(slow()))
+    await asyncio.sleep(0)
+    stopped.stop()
+    assert await waiting is None
+
+    async def quick() -> str:
+        return "decided"
+
+    assert await Routing("t").unless_stopped(quick()) == "decided"
+    with pytest.raises(RuntimeError, match="backend down"):
+        await Routing("t").unless_stopped(fails())
+
+    routing = Routing("t")
+    caller = asyncio.create_task(routing.unless_stopped(slow(winding_down=0.05)))
+    await asyncio.sleep(0)
+    routing.stop()
+    await asyncio.sleep(0.01)  # the work winds down
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
