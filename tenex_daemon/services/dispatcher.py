@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Protocol
@@ -618,15 +619,19 @@ class EventDispatcher:
         arrive together are routed one after the other, each on the conversation as the
         other left it.
         """
-        async with self._routing.hold(conversation.id):
-            current = await self._manager.get_conversation(conversation.id) or conversation
-            if recovered:
-                resumed = await self._resume_turn(current, event)
-                if resumed is not None:
-                    return resumed
-            if self._stopper is None:
-                return await self._route_locked(current, event, author, Routing(event.id))
-            with self._stopper.routing(conversation.id, event.id) as routing:
+        # asked for before its turn comes: a stop meanwhile stops it too (it would skip the runs decided)
+        asked = nullcontext(Routing(event.id)) if self._stopper is None else self._stopper.routing(
+            conversation.id, event.id
+        )
+        with asked as routing:
+            async with self._routing.hold(conversation.id):
+                current = await self._manager.get_conversation(conversation.id) or conversation
+                if recovered:
+                    resumed = await self._resume_turn(current, event)
+                    if resumed is not None:
+                        return resumed
+                if routing.stopped:  # stopped while it waited for its turn
+                    return HandleResult(Outcome.STORED, RoutingStop.STOPPED.value, conversation.id)
                 return await self._route_locked(current, event, author, routing)
 
     async def _resume_turn(self, conversation: Conversation, event: NostrEvent) -> HandleResult | None:

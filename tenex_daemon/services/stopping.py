@@ -242,37 +242,47 @@ class Stopper:
         """Stop id -> what the other daemons answered, while this daemon waits."""
         self._tasks = BackgroundTasks("peer stops")
         self._closed = False
-        self._routings: dict[str, Routing] = {}
+        self._routings: dict[str, list[Routing]] = {}
         """The routings under way (the orchestrator deciding), by conversation: a stop stops them too."""
 
     @contextlib.contextmanager
     def routing(self, conversation_id: str, trigger_id: str) -> Iterator[Routing]:
-        """A routing of ``trigger_id`` under way in the conversation (the dispatcher's, one at a time per
-        conversation): a stop meanwhile, whichever agents it names, stops it (:attr:`Routing.stopped`: the
-        dispatcher gives up the decision and starts no turn) and counts it as the orchestrator's run."""
-        routing = self._routings[conversation_id] = Routing(trigger_id)
+        """A routing of ``trigger_id`` asked for in the conversation (the dispatcher's: they go one at a time
+        per conversation, and one waiting for its turn counts too): a stop meanwhile, whichever agents it
+        names, stops it (:attr:`Routing.stopped`: the dispatcher gives up the decision and starts no turn)
+        and counts it as the orchestrator's run."""
+        routing = Routing(trigger_id)
+        self._routings.setdefault(conversation_id, []).append(routing)
         try:
             yield routing
         finally:
-            if self._routings.get(conversation_id) is routing:
-                del self._routings[conversation_id]
+            waiting = self._routings.get(conversation_id, [])
+            if routing in waiting:
+                waiting.remove(routing)
+            if not waiting:
+                self._routings.pop(conversation_id, None)
 
     def _stop_routing(self, conversation_id: str, agents: Sequence[str] | None) -> list[RunRequest]:
-        """The routing under way in the conversation, stopped, as the orchestrator's run (none when there is
-        none): whichever ``agents`` a stop names, the orchestrator may be about to run them, and a run skipped
-        for the stop after the decision would leave the message unanswered without a word. Once decided,
-        the routing goes on; the agents it runs that the stop names are returned, stopped (their runs skip
-        its trigger)."""
-        routing = self._routings.get(conversation_id)
+        """The routings under way or waiting in the conversation, stopped, as the orchestrator's runs (none
+        when there is none): whichever ``agents`` a stop names, the orchestrator may be about to run them,
+        and a run skipped for the stop after the decision would leave the message unanswered without a
+        word. One decided goes on; the agents it runs that the stop names are returned, stopped (their runs
+        skip its trigger)."""
         orchestrator = self._manager.agents.orchestrator
-        if routing is None or routing.stopped or orchestrator is None:
+        if orchestrator is None:
             return []
-        if routing.decided is not None:  # decided: its agents' runs skip the trigger; the report names them
-            return [RunRequest(conversation_id, routing.trigger_id, slug) for slug in routing.decided
-                    if agents is None or slug in agents]
-        routing.stop()
-        log.info("routing_stopped_by_stop", conversation_id=conversation_id, trigger=routing.trigger_id)
-        return [RunRequest(conversation_id, routing.trigger_id, orchestrator.slug)]
+        stopped: list[RunRequest] = []
+        for routing in list(self._routings.get(conversation_id, ())):
+            if routing.stopped:
+                continue
+            if routing.decided is not None:  # its agents' runs skip the trigger: the report names them
+                named = [slug for slug in routing.decided if agents is None or slug in agents]
+                stopped += [RunRequest(conversation_id, routing.trigger_id, slug) for slug in named]
+                continue
+            routing.stop()
+            log.info("routing_stopped_by_stop", conversation_id=conversation_id, trigger=routing.trigger_id)
+            stopped.append(RunRequest(conversation_id, routing.trigger_id, orchestrator.slug))
+        return stopped
 
     def may_stop(self, pubkey: str) -> bool:
         """Whether ``pubkey`` may stop runs: the owner or a whitelisted person, never an agent."""

@@ -1044,3 +1044,35 @@ async def test_a_routings_wait_gives_up_at_a_stop_and_never_swallows_its_callers
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller
+
+
+async def test_a_stop_also_stops_a_routing_waiting_for_its_turn(cast: Cast) -> None:
+    """A second message of the conversation waits for the first's routing; a stop meanwhile stops both: the
+    orchestrator is asked once (then cancelled), and neither message runs anybody."""
+    alice = ScriptedBackend([CompletionResult(text="alice ran after the stop")])
+    routing = DecidesSlowly()
+    asked: list[str] = []
+    decide = routing.route
+
+    async def counting(conversation: Conversation, trigger: NostrEvent) -> RoutingDecision:
+        asked.append(trigger.content)
+        return await decide(conversation, trigger)
+
+    routing.route = counting  # type: ignore[method-assign]
+    rig = pipeline.build_rig(
+        cast, backend=alice, composer=pipeline.real_composer(cast), orchestrator=lambda m: routing
+    )
+    root = cast.user_says("Build it", kind=11)
+    first = asyncio.create_task(rig.dispatcher.handle(root))
+    await asyncio.wait_for(routing.deciding.wait(), 5)
+    second = asyncio.create_task(rig.dispatcher.handle(cast.user_says("And test it", tags=thread_of(root))))
+    await asyncio.sleep(0.05)  # stored, waiting for the first's routing
+
+    stop = await rig.dispatcher.handle(stop_request(cast, cast.user, root))
+    results = await asyncio.wait_for(asyncio.gather(first, second), 5)
+    await rig.settle()
+
+    assert stop.agents == ("orchestrator",)
+    assert [r.reason for r in results] == ["turn_stopped", "turn_stopped"]
+    assert asked == ["Build it"]
+    assert alice.requests == []
