@@ -176,7 +176,7 @@ class RelaySettings(_Section):
     @classmethod
     def _no_chosen_port(cls, port: object) -> object:
         """Port 0 (any free port) was accepted once: say why it is not, not only pydantic's bound."""
-        if port == 0 and not isinstance(port, bool):
+        if (port == 0 and not isinstance(port, bool)) or (isinstance(port, str) and port.strip() == "0"):
             raise ValueError(
                 "0 (a port the system picks) is not accepted: the clients and `tenexd send` must know the "
                 "embedded relay's port; choose one, e.g. 7777"

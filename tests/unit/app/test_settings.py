@@ -90,6 +90,9 @@ def test_an_embedded_port_of_0_once_accepted_is_refused_saying_why(tmp_path: Pat
     assert "relays.embedded_port" in str(caught.value)
     assert "0 (a port the system picks) is not accepted" in str(caught.value)
     assert "e.g. 7777" in str(caught.value)
+    (tmp_path / "env").mkdir()
+    with pytest.raises(SettingsError, match=r"0 \(a port the system picks\) is not accepted"):
+        load_settings(write_home(tmp_path / "env"), {"TENEX_RELAYS__EMBEDDED_PORT": '"0"'})
 
 
 def test_an_agents_refused_setting_is_named_by_its_slug(tmp_path: Path) -> None:
