@@ -98,6 +98,7 @@ from tenex_daemon.core.vocabulary import (
     KIND_STOP,
 )
 from tenex_daemon.runtime.background import BackgroundTasks
+from tenex_daemon.runtime.code_id import code_id
 from tenex_daemon.runtime.failures import log_failure
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.descriptions import DescriptionJobs
@@ -220,6 +221,7 @@ class Daemon:
         rejected = {**(dict(pool_health.rejects) if pool_health is not None else {}), **ignored}
         return StatusData({
             "version": __version__,
+            "code": code_id(),
             "pid": os.getpid(),
             "state": self.state,
             "started_at": self.started_at,

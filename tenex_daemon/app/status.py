@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from tenex_daemon.app.files import write_text_atomic
 from tenex_daemon.runtime.boot import boot_id
+from tenex_daemon.runtime.code_id import code_id
 
 if TYPE_CHECKING:
     from tenex_daemon.adapters.nostr.relay_pool import PoolHealth
@@ -204,7 +205,8 @@ class StatusData(TypedDict):
 
     Times are Unix seconds (float); the daemon fills every key. Example::
 
-        {"version": "0.1.0", "pid": 4242, "state": "running", "started_at": 1.7e9, "updated_at": 1.7e9,
+        {"version": "0.1.0", "code": "3f2a9c41d07e", "pid": 4242, "state": "running", "started_at": 1.7e9,
+         "updated_at": 1.7e9,
          "uptime_s": 12.5, "home": "/srv/tenex", "relays": [{"url": "ws://127.0.0.1:7777",
          "state": "connected", "reconnects": 0, ...}], "conversations": {"total": 3, "archived": 0,
          "by_phase": {"chat": 2, "plan": 1}}, "runs_in_flight": 1,
@@ -225,6 +227,9 @@ class StatusData(TypedDict):
     """
 
     version: str
+    code: str
+    """The digest of the daemon's source files when it started (:func:`tenex_daemon.runtime.code_id.code_id`):
+    ``tenexd status`` says when it differs from the code installed (a restart is due)."""
     pid: int
     state: str
     """A :class:`DaemonState` value."""
@@ -302,6 +307,7 @@ def new_status(
     pid = os.getpid() if pid is None else pid
     return StatusData(
         version=version,
+        code=code_id(),
         pid=pid,
         state=DaemonState.STARTING.value,
         started_at=start,

@@ -27,6 +27,7 @@ from tenex_daemon.cli.output import (
 )
 from tenex_daemon.core import nip19
 from tenex_daemon.core.errors import StoreTooNewError, TenexError
+from tenex_daemon.runtime.code_id import code_id
 
 if TYPE_CHECKING:
     from tenex_daemon.adapters.storage.smarthole_import import SmartHoleIdentities, SmartHoleImportReport
@@ -251,6 +252,10 @@ def _print_status_data(data: dict[str, Any]) -> None:
         f"last event {s_time(data.get('last_event_at'))}",
     ]
     out.print(", ".join(line for line in lines if line))
+    code = data.get("code")
+    if isinstance(code, str) and code != code_id() and data.get("state") in ("starting", "running"):
+        out.print(f"code {code}: the daemon runs other code than this tenexd ({code_id()}), installed since "
+                  "it started: restart it to run the version installed, e.g. `systemctl restart tenexd`")
     conversations, events = _mapping(data.get("conversations")), _mapping(data.get("events"))
     runs = _mapping(data.get("runs"))
     out.print(

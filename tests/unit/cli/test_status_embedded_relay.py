@@ -3,10 +3,13 @@ routings the orchestrator's model did not decide."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tenex_daemon.app.status import new_status
 from tenex_daemon.cli.daemon_commands import _print_status_data
+from tenex_daemon.runtime.code_id import code_id, digest_of
 
 
 def test_tenexd_status_prints_the_embedded_relays_restarts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -43,3 +46,29 @@ def test_tenexd_status_prints_the_routings_the_model_did_not_decide(capsys: pyte
     assert "routing without the model's decision 8 (" in some
     assert "invalid_answer 7" in some
     assert "backend_failed 1" in some
+
+
+def test_tenexd_status_says_when_the_daemon_runs_other_code_than_installed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A running daemon whose code digest differs from this tenexd's (installed since it started) is told to be
+    restarted; the same digest, or a daemon that stopped, says nothing of it. The digest follows the files."""
+    data = dict(new_status("0.1.0"))
+    data["state"] = "running"
+    _print_status_data(data)
+    same = " ".join(capsys.readouterr().out.split())
+    data["code"] = "000000000000"
+    _print_status_data(data)
+    other = " ".join(capsys.readouterr().out.split())
+    data["state"] = "stopped"
+    _print_status_data(data)
+    stopped = " ".join(capsys.readouterr().out.split())
+
+    assert "restart it" not in same
+    assert f"code 000000000000: the daemon runs other code than this tenexd ({code_id()})" in other
+    assert "restart it" not in stopped
+    (tmp_path / "a.py").write_text("x = 1\n")
+    first = digest_of(tmp_path)
+    assert digest_of(tmp_path) == first
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert digest_of(tmp_path) != first
