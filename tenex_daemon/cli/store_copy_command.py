@@ -96,6 +96,8 @@ def reopen_store(settings: Settings, as_json: bool = False) -> None:
     is on it (the project key made anew); exit 2 when there is neither."""
     from tenex_daemon.app.home import load_project_pubkey
     from tenex_daemon.app.store_check import COPIED_AWAY, COPIED_AWAY_KEY, PROJECT_MARK_KEY, reopened
+    from tenex_daemon.core.ports import PeerMessages
+    from tenex_daemon.services.stopping import stop_channel
 
     project = load_project_pubkey(settings)
 
@@ -109,6 +111,11 @@ def reopen_store(settings: Settings, as_json: bool = False) -> None:
             owner = await store.get_meta(PROJECT_MARK_KEY)
             if project is None or owner is None or owner == project:
                 return copied, None
+            if isinstance(store, PeerMessages) and await store.hearers(stop_channel(owner)):
+                raise AccessError(
+                    f"daemons of the project {owner[:16]}… run on this store now: it is theirs, not a key of "
+                    "this home made anew (give this project a database of its own)", 409,
+                )
             await store.set_meta(PROJECT_MARK_KEY, project)  # a project key made anew: the store is its now
             return copied, owner
         finally:

@@ -624,6 +624,8 @@ class EventDispatcher:
             conversation.id, event.id
         )
         with asked as routing:
+            if recovered:  # a turn it started already stands decided: a stop reports those of its agents
+                routing.decided = _resumed_agents(conversation, event)
             async with self._routing.hold(conversation.id):
                 current = await self._manager.get_conversation(conversation.id) or conversation
                 if recovered:
@@ -637,10 +639,9 @@ class EventDispatcher:
     async def _resume_turn(self, conversation: Conversation, event: NostrEvent) -> HandleResult | None:
         """A recovered event whose routing had started its turn: run the turn's agents that have
         not completed (as recovered runs); None when no turn came from this event."""
-        turn = next((t for t in reversed(conversation.orchestrator_turns) if t.trigger_id == event.id), None)
-        if turn is None:
+        agents = _resumed_agents(conversation, event)
+        if agents is None:
             return None
-        agents = tuple(a for a in turn.agents if not turn.has_completed(a))
         person = reply_person(conversation, event, self._manager.agents)
         for slug in agents:
             request = RunRequest(
@@ -774,6 +775,12 @@ def _as_run(decision: RoutingDecision, current: Phase, rules: PhaseRules) -> Rou
         except ValueError:  # not a phase name
             pass
     return replace(decision, phase=current.value)
+
+
+def _resumed_agents(conversation: Conversation, event: NostrEvent) -> tuple[str, ...] | None:
+    """The agents of the turn ``event`` started that have not completed (None: it started none)."""
+    turn = next((t for t in reversed(conversation.orchestrator_turns) if t.trigger_id == event.id), None)
+    return None if turn is None else tuple(a for a in turn.agents if not turn.has_completed(a))
 
 
 def _closed_by(conversation: Conversation, agent_slug: str, completion: NostrEvent) -> bool:

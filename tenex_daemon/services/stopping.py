@@ -262,18 +262,25 @@ class Stopper:
             if not waiting:
                 self._routings.pop(conversation_id, None)
 
-    def _stop_routing(self, conversation_id: str, agents: Sequence[str] | None) -> list[RunRequest]:
+    def _stop_routing(
+        self,
+        conversation_id: str,
+        agents: Sequence[str] | None,
+        conversation: Conversation | None = None,
+        held: object = None,
+    ) -> list[RunRequest]:
         """The routings under way or waiting in the conversation, stopped, as the orchestrator's runs (none
         when there is none): whichever ``agents`` a stop names, the orchestrator may be about to run them,
         and a run skipped for the stop after the decision would leave the message unanswered without a
         word. One decided goes on; the agents it runs that the stop names are returned, stopped (their runs
-        skip its trigger)."""
+        skip its trigger). A routing of a message the stop did not come after (not among the ``held`` first
+        messages of ``conversation`` when the stop was recorded) is left alone: the person wrote after it."""
         orchestrator = self._manager.agents.orchestrator
         if orchestrator is None:
             return []
         stopped: list[RunRequest] = []
         for routing in list(self._routings.get(conversation_id, ())):
-            if routing.stopped:
+            if routing.stopped or not _came_before_stop(routing.trigger_id, conversation, held):
                 continue
             if routing.decided is not None:  # its agents' runs skip the trigger: the report names them
                 named = [slug for slug in routing.decided if agents is None or slug in agents]
@@ -357,7 +364,9 @@ class Stopper:
             # recorded before any run is cancelled: a run a dead daemon left, taken over meanwhile, reads
             # the stop before it starts, or is among the runs cancelled here
             recorded = await _record(self._manager, conversation_id, by, ((), named), request, stop_id)
-            stopped: list[RunRequest] = self._stop_routing(conversation_id, named)
+            current = await self._manager.get_conversation(conversation_id)
+            held = recorded.get("history") if recorded is not None else None
+            stopped: list[RunRequest] = self._stop_routing(conversation_id, named, current, held)
             for slug in agents if agents is not None else (None,):
                 stopped.extend(await scheduler.cancel(conversation_id, slug))
                 if self._answers_given is not None:  # an answer to another agent, inside its run
@@ -649,6 +658,15 @@ async def _update_record(
     except ConversationNotFoundError:
         return False
     return True
+
+
+def _came_before_stop(trigger_id: str, conversation: Conversation | None, held: object) -> bool:
+    """Whether ``trigger_id`` stands among the ``held`` first messages of ``conversation`` (the stop came
+    after it); True when either is unknown."""
+    if conversation is None or not isinstance(held, int) or isinstance(held, bool):
+        return True
+    index = conversation.index_of(trigger_id)
+    return index is not None and index < held
 
 
 def _newest_trigger(conversation: Conversation, stopped: list[RunRequest]) -> NostrEvent | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1076,3 +1076,83 @@ async def test_a_stop_also_stops_a_routing_waiting_for_its_turn(cast: Cast) -> N
     assert [r.reason for r in results] == ["turn_stopped", "turn_stopped"]
     assert asked == ["Build it"]
     assert alice.requests == []
+
+
+class RoutesNobody:
+    """An orchestrator that routes nothing (the test starts the turn itself)."""
+
+    async def route(self, conversation: Conversation, trigger: NostrEvent) -> None:
+        """Nobody."""
+        return None
+
+
+async def test_a_stop_before_a_redone_routing_resumes_its_turn_reports_only_the_turns_agents_it_names(
+    cast: Cast,
+) -> None:
+    """A routing redone after a crash, whose turn (Alice) was started, waits for the conversation's routing
+    lock when a stop naming Bob comes: it is decided already, so the stop stops nothing, no notice says the
+    orchestrator stopped, and Alice answers."""
+    alice = ScriptedBackend([CompletionResult(text="alice answered")])
+    rig = pipeline.build_rig(
+        cast, backend=alice, composer=pipeline.real_composer(cast), orchestrator=lambda m: RoutesNobody()
+    )
+    root = cast.user_says("Build it", kind=11)
+    await rig.dispatcher.handle(root)
+    conversation = await rig.manager.get_conversation(root.id)
+    assert conversation is not None
+    await rig.manager.start_orchestrator_turn(root.id, conversation.phase, ("alice",), "r", trigger_id=root.id)
+    release, held = asyncio.Event(), asyncio.Event()
+
+    async def hold_the_routing_lock() -> None:
+        async with rig.dispatcher._routing.hold(root.id):
+            held.set()
+            await release.wait()
+
+    holder = asyncio.create_task(hold_the_routing_lock())
+    await held.wait()
+    redo = asyncio.create_task(rig.dispatcher._target(root.id, root, recovered=True))
+    await asyncio.sleep(0.05)  # registered, waiting for the lock
+    stop = await rig.dispatcher.handle(stop_request(cast, cast.user, root, [cast.bob.pubkey]))
+    release.set()
+    result = await asyncio.wait_for(redo, 5)
+    await holder
+    await rig.settle()
+
+    assert stop.agents == ()
+    assert result.reason == "turn resumed"
+    assert [e.content for e in rig.publisher.published if e.content.startswith("Stopped")] == []
+    assert len(alice.requests) == 1
+
+
+async def test_a_message_written_after_the_stop_was_recorded_is_routed(cast: Cast) -> None:
+    """A person's message stored after a stop recorded how many messages it came after (while the record is
+    written) is not stopped with the earlier ones: its routing goes on and Alice answers it."""
+    alice = ScriptedBackend([CompletionResult(text="alice answered")])
+    routing = DecidesSlowly()
+    rig = pipeline.build_rig(
+        cast, backend=alice, composer=pipeline.real_composer(cast), orchestrator=lambda m: routing
+    )
+    root = cast.user_says("Build it", kind=11)
+    first = asyncio.create_task(rig.dispatcher.handle(root))
+    await asyncio.wait_for(routing.deciding.wait(), 5)
+    record, writing = rig.manager.update_extra, asyncio.Event()
+
+    async def slow_record(conversation_id: str, key: str, update: Callable[[Any], Any]) -> None:
+        if key == STOPS_KEY and not writing.is_set():
+            writing.set()
+            await asyncio.sleep(0.2)  # the record's write, a database round trip, stretched
+        await record(conversation_id, key, update)
+
+    rig.manager.update_extra = slow_record  # type: ignore[method-assign]
+    stop = asyncio.create_task(rig.dispatcher.stop(root.id, None, by="owner"))
+    await writing.wait()
+    later = cast.user_says("Now do this instead", tags=thread_of(root))
+    second = asyncio.create_task(rig.dispatcher.handle(later))
+    report = await stop
+    routing.release.set()
+    results = await asyncio.wait_for(asyncio.gather(first, second), 5)
+    await rig.settle()
+
+    assert report.agents == ("orchestrator",)  # the first message's routing
+    assert [r.reason for r in results] == ["turn_stopped", "alice"]
+    assert len(alice.requests) == 1
