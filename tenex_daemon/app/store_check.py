@@ -102,9 +102,10 @@ async def refuse_another_projects(store: Store, project_pubkey: str) -> None:
 async def claim_for_project(store: Store, project_pubkey: str) -> None:
     """Mark ``store`` (open) as ``project_pubkey``'s when it is nobody's yet; raise
     :class:`StoreOfAnotherProjectError` when it is another project's (:data:`PROJECT_MARK_KEY`)."""
-    await refuse_another_projects(store, project_pubkey)
-    if await store.get_meta(PROJECT_MARK_KEY) is None:
-        await store.set_meta(PROJECT_MARK_KEY, project_pubkey)
+    async with store.lease(PROJECT_MARK_KEY):  # two projects' first daemons at once: one marks it
+        await refuse_another_projects(store, project_pubkey)
+        if await store.get_meta(PROJECT_MARK_KEY) is None:
+            await store.set_meta(PROJECT_MARK_KEY, project_pubkey)
 
 
 def may_be_shared(settings: Settings) -> bool:

@@ -30,6 +30,7 @@ from tenex_daemon.app.store_check import (
     COPY_KEY,
     COPYING,
     PROJECT_MARK_KEY,
+    claim_for_project,
     copying_mark,
 )
 from tenex_daemon.app.watchdog import WATCHDOG_KEY
@@ -81,13 +82,16 @@ async def copy_store(
     renames: dict[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
     target_name: str = "another store",
+    project: str | None = None,
 ) -> CopyReport:
     """Copy the filesystem store of ``source_home`` (the folder holding its ``conversations/``) into
     ``target`` (open, holding no conversation). ``renames``: keys whose values go under another key
     (:func:`shared_keys` for a store daemons share). ``progress(done, total)`` is told after each
     conversation. The source is opened (its lock taken: no daemon may run on it) and closed once first,
     so its files say everything (:mod:`~tenex_daemon.adapters.storage.filesystem.contents`). Once the copy
-    is whole, the source is marked copied away (:data:`COPIED_AWAY_KEY`, into ``target_name``)."""
+    is whole, the source is marked copied away (:data:`COPIED_AWAY_KEY`, into ``target_name``). Given
+    ``project`` (this home's project key), a source another project marked (:data:`PROJECT_MARK_KEY`, a
+    ``storage.path`` of its) is refused, and the target is marked this project's once every check passed."""
     copying = copying_mark(source_home)
     mark = await target.get_meta(COPY_KEY)
     resuming = mark == copying
@@ -103,14 +107,22 @@ async def copy_store(
     await source.open()
     try:
         away = await source.get_meta(COPIED_AWAY_KEY)
+        owner = await source.get_meta(PROJECT_MARK_KEY)
     finally:
         await source.close()
+    if project is not None and owner is not None and owner != project and not resuming:
+        raise StoreCopyError(
+            f"{source_home} serves another project (project key {owner[:16]}…, this home's is "
+            f"{project[:16]}…): its conversations are not this project's to copy"
+        )
     if away is not None and away.startswith(COPIED_AWAY) and not resuming:
         raise StoreCopyError(
             f"{source_home} was copied {away} already: the daemon has run on that copy since, and a copy of "
             "this old store would lack all it gained. Copy from that copy's folder instead, or run `tenexd "
             "migrate --reopen` with config.toml naming this old store first, to copy it as it is"
         )
+    if project is not None:  # every check passed: the target is this project's now
+        await claim_for_project(target, project)
     await target.set_meta(COPY_KEY, copying)
     layout = Layout(Path(source_home) / "conversations")
     report = CopyReport()

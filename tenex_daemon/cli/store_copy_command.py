@@ -56,7 +56,6 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
     from tenex_daemon.app.store_check import (
         COPY_KEY,
         StoreOfAnotherProjectError,
-        claim_for_project,
         copying_mark,
         refuse_another_projects,
         used_before,
@@ -81,9 +80,10 @@ async def _copy(settings: Settings, source: Path) -> CopyReport:
                 "the store config.toml names was used already (it holds conversations or relay cursors): "
                 "a copy goes into an unused store only", 400,
             )
-        await claim_for_project(target, project)  # every check passed: the store is this project's now
         try:
-            return await copy_store(source, target, renames=renames, target_name=_named(settings))
+            return await copy_store(
+                source, target, renames=renames, target_name=_named(settings), project=project
+            )
         except StoreLockedError as exc:
             raise AccessError(f"{exc} (stop the daemon running on {source} first)", 503) from None
     finally:

@@ -149,3 +149,32 @@ def test_a_project_key_made_anew_is_refused_until_reopen_makes_the_store_its(tmp
     own_settings = load_settings(own)
     asyncio.run(start_check(own_settings, A, own))
     assert asyncio.run(mark_of(own)) is None
+
+
+def test_a_store_another_project_marked_is_not_copied_and_the_target_stays_unmarked(tmp_path: Path) -> None:
+    """A ``storage.path`` store marked by home a's project, given to home b's ``migrate --from-store``, is refused
+    (its conversations are a's), and b's new store is left unmarked and empty."""
+    _, project_a, _, _, shared = shared_homes(tmp_path)
+    seed_conversation(tmp_path / "a", "A's own", "hi")  # in the shared store, which a's daemon marks
+    asyncio.run(claim_on(shared, project_a))
+    config = tmp_path / "b" / "config.toml"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    config.write_text(config.read_text().replace(f'path = "{shared}"', f'path = "{fresh}"'))
+
+    result = CliRunner().invoke(app, ["--home", str(tmp_path / "b"), "migrate", "--from-store", str(shared)])
+
+    assert result.exit_code == 2
+    assert "serves another project" in result.stderr
+    assert asyncio.run(mark_of(fresh)) is None
+    assert asyncio.run(titles_in(fresh)) == []
+
+
+async def claim_on(folder: Path, project: str) -> None:
+    """Mark the filesystem store in ``folder`` as ``project``'s."""
+    store = FileSystemStore(folder)
+    await store.open()
+    try:
+        await claim_for_project(store, project)
+    finally:
+        await store.close()
