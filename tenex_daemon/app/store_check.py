@@ -86,9 +86,9 @@ class StoreOfAnotherProjectError(TenexError):
     """The store config.toml names serves another project."""
 
 
-async def refuse_another_projects(store: Store, project_pubkey: str) -> None:
+async def refuse_another_projects(store: Store, project_pubkey: str) -> str | None:
     """Raise :class:`StoreOfAnotherProjectError` when ``store`` (open) is marked another project's
-    (:data:`PROJECT_MARK_KEY`); write nothing."""
+    (:data:`PROJECT_MARK_KEY`); write nothing. Return the mark (None: nobody's yet)."""
     mark = await store.get_meta(PROJECT_MARK_KEY)
     if mark is not None and mark != project_pubkey:
         raise StoreOfAnotherProjectError(
@@ -97,14 +97,14 @@ async def refuse_another_projects(store: Store, project_pubkey: str) -> None:
             "own (storage.dsn), or a storage.path of its own; if this home's project key was made anew "
             "(keys/project.key replaced), `tenexd migrate --reopen` makes the store this key's"
         )
+    return mark
 
 
 async def claim_for_project(store: Store, project_pubkey: str) -> None:
     """Mark ``store`` (open) as ``project_pubkey``'s when it is nobody's yet; raise
     :class:`StoreOfAnotherProjectError` when it is another project's (:data:`PROJECT_MARK_KEY`)."""
     async with store.lease(PROJECT_MARK_KEY):  # two projects' first daemons at once: one marks it
-        await refuse_another_projects(store, project_pubkey)
-        if await store.get_meta(PROJECT_MARK_KEY) is None:
+        if await refuse_another_projects(store, project_pubkey) is None:
             await store.set_meta(PROJECT_MARK_KEY, project_pubkey)
 
 

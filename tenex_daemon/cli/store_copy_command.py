@@ -96,9 +96,6 @@ def reopen_store(settings: Settings, as_json: bool = False) -> None:
     is on it (the project key made anew); exit 2 when there is neither."""
     from tenex_daemon.app.home import load_project_pubkey
     from tenex_daemon.app.store_check import COPIED_AWAY, COPIED_AWAY_KEY, PROJECT_MARK_KEY, reopened
-    from tenex_daemon.core.ports import PeerMessages
-    from tenex_daemon.services.stopping import stop_channel
-
     project = load_project_pubkey(settings)
 
     async def go() -> tuple[str | None, str | None]:
@@ -106,18 +103,18 @@ def reopen_store(settings: Settings, as_json: bool = False) -> None:
         try:
             mark = await store.get_meta(COPIED_AWAY_KEY)
             copied = mark if mark is not None and mark.startswith(COPIED_AWAY) else None
+            owner = await store.get_meta(PROJECT_MARK_KEY)
+            other = owner if project is not None and owner is not None and owner != project else None
+            if other is not None and await _served_now(store, other):
+                raise AccessError(  # refused before anything is written: the store stays as it was
+                    f"daemons of the project {other[:16]}… run on this store now: it is theirs, not a key "
+                    "of this home made anew (give this project a database of its own)", 409,
+                )
             if copied is not None:
                 await store.set_meta(COPIED_AWAY_KEY, reopened(copied))
-            owner = await store.get_meta(PROJECT_MARK_KEY)
-            if project is None or owner is None or owner == project:
-                return copied, None
-            if isinstance(store, PeerMessages) and await store.hearers(stop_channel(owner)):
-                raise AccessError(
-                    f"daemons of the project {owner[:16]}… run on this store now: it is theirs, not a key of "
-                    "this home made anew (give this project a database of its own)", 409,
-                )
-            await store.set_meta(PROJECT_MARK_KEY, project)  # a project key made anew: the store is its now
-            return copied, owner
+            if other is not None and project is not None:  # a project key made anew: the store is its now
+                await store.set_meta(PROJECT_MARK_KEY, project)
+            return copied, other
         finally:
             await store.close()
 
@@ -151,6 +148,14 @@ async def open_stopped_store(settings: Settings) -> Store:
     except StoreLockedError as exc:
         raise AccessError(f"{exc} (stop the daemon before migrating)", 503) from None
     return store
+
+
+async def _served_now(store: Store, project: str) -> bool:
+    """Whether daemons of ``project`` run on ``store`` now (a database they share: they hear its stops)."""
+    from tenex_daemon.core.ports import PeerMessages
+    from tenex_daemon.services.stopping import stop_channel
+
+    return isinstance(store, PeerMessages) and await store.hearers(stop_channel(project)) > 0
 
 
 def _named(settings: Settings) -> str:

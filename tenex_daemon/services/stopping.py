@@ -266,8 +266,8 @@ class Stopper:
         self,
         conversation_id: str,
         agents: Sequence[str] | None,
-        conversation: Conversation | None = None,
-        held: object = None,
+        conversation: Conversation | None,
+        held: object,
     ) -> list[RunRequest]:
         """The routings under way or waiting in the conversation, stopped, as the orchestrator's runs (none
         when there is none): whichever ``agents`` a stop names, the orchestrator may be about to run them,
@@ -364,7 +364,10 @@ class Stopper:
             # recorded before any run is cancelled: a run a dead daemon left, taken over meanwhile, reads
             # the stop before it starts, or is among the runs cancelled here
             recorded = await _record(self._manager, conversation_id, by, ((), named), request, stop_id)
-            current = await self._manager.get_conversation(conversation_id)
+            # read only when a routing is asked for (without this await none can be asked for meanwhile; with
+            # it, ``held`` tells one asked for since apart)
+            asked = self._routings.get(conversation_id)
+            current = await self._manager.get_conversation(conversation_id) if asked else None
             held = recorded.get("history") if recorded is not None else None
             stopped: list[RunRequest] = self._stop_routing(conversation_id, named, current, held)
             for slug in agents if agents is not None else (None,):
