@@ -15,7 +15,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES
 from tenex_daemon.app.home_dir import resolve_home
@@ -144,7 +152,8 @@ class StorageSettings(_Section):
     kind: StorageKind = StorageKind.FILESYSTEM
     path: str | None = None
     """Home of the filesystem store: its conversations (and its lock) are kept in
-    ``<path>/conversations``; default: the daemon's home (``<home>/conversations``)."""
+    ``<path>/conversations``; default: the daemon's home (``<home>/conversations``). Relative: to the home
+    (:meth:`Settings._paths_in_home`)."""
     fsync: Literal["always", "batch"] = "batch"
     dsn: str | None = None
     """PostgreSQL DSN when kind = postgres: a ``postgresql://`` (or ``postgres://``) URI."""
@@ -203,7 +212,7 @@ class ControlSettings(_Section):
     """The local HTTP control API."""
 
     socket: str | None = None
-    """Unix socket path; default ``<home>/run/control.sock``."""
+    """Unix socket path; default ``<home>/run/control.sock``. Relative: to the home."""
     tcp_port: int | None = Field(default=None, ge=1, le=65535)
     """Optional loopback TCP port (127.0.0.1 only). It asks for ``Authorization: Bearer <token>``, the
     token in ``<home>/run/control.token`` (0600, made at start when missing), and refuses other Host
@@ -349,6 +358,22 @@ class Settings(_Section):
             _check_hex_key(value)
         return values
 
+    @field_validator("storage", "control")
+    @classmethod
+    def _paths_in_home(
+        cls, section: StorageSettings | ControlSettings, info: ValidationInfo
+    ) -> StorageSettings | ControlSettings:
+        """A relative ``storage.path`` or ``control.socket`` is taken relative to the home, as a relative
+        ``api_key_file`` is, whatever folder the daemon or a command starts in (``~`` is the user's home)."""
+        home = info.data.get("home")
+        if home is None:  # the home itself was refused
+            return section
+        if isinstance(section, StorageSettings) and section.path:
+            section.path = str(_in_home(home, section.path, "path"))
+        if isinstance(section, ControlSettings) and section.socket:
+            section.socket = str(_in_home(home, section.socket, "socket"))
+        return section
+
     @model_validator(mode="after")
     def _agents_consistent(self) -> Settings:
         slugs = [a.slug for a in self.agents]
@@ -431,6 +456,33 @@ class Settings(_Section):
         if self.default_agent is not None:
             return self.default_agent
         return next((a.slug for a in self.agents if not a.orchestrator), None)
+
+
+def _in_home(home: Path, value: str, key: str) -> Path:
+    """``value`` (``key`` in its section, from config.toml or a ``TENEX_`` variable) made absolute: ``~``
+    expanded, a relative path joined to ``home``. A relative ``storage.path`` whose store is found only
+    under the current folder (where versions before this one looked) is refused, naming both: the daemon
+    would start on an empty store and answer again what the relays hold."""
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError:  # "~" with no user's home known
+        raise ValueError(f"{key} {value!r}: '~' cannot be expanded here; write the full path") from None
+    if path.is_absolute():
+        return path
+    in_home = home / path
+    if key == "path":
+        try:
+            earlier = Path.cwd() / path
+        except OSError:  # the current folder was removed
+            earlier = in_home
+        found = (earlier / "conversations").is_dir() and not (in_home / "conversations").is_dir()
+        if earlier.resolve() != in_home.resolve() and found:
+            raise ValueError(
+                f"{key} {value!r} is taken relative to the home ({in_home}), where no store is; the store is "
+                f"at {earlier} (relative to the current folder, where tenexd looked before): write that full "
+                "path in config.toml"
+            )
+    return in_home
 
 
 def _check_hex_key(value: str) -> None:
@@ -588,7 +640,7 @@ def load_settings(home: str | Path | None = None, env: Mapping[str, str] | None 
     except ValidationError as exc:
         problems: dict[str, list[str]] = {}
         for error in exc.errors():
-            problem = f"{_where(error['loc'], data)}: {error['msg']}"
+            problem = f"{_where(error['loc'], data)}: {str(error['msg']).removeprefix('Value error, ')}"
             problems.setdefault(_source(error["loc"], overrides, path), []).append(problem)
         raise SettingsError(
             "; ".join(f"{source}: {'; '.join(found)}" for source, found in problems.items())

@@ -101,7 +101,7 @@ def test_an_agents_refused_setting_is_named_by_its_slug(tmp_path: Path) -> None:
     home = write_home(tmp_path, CONFIG.format(owner=OWNER) + '[agents.backend]\nkind = "nope"\n')
     with pytest.raises(SettingsError) as caught:
         load_settings(home, {})
-    assert f"{home.resolve() / 'config.toml'}: agents.planner.backend: Value error, unknown backend 'nope'" in str(
+    assert f"{home.resolve() / 'config.toml'}: agents.planner.backend: unknown backend 'nope'" in str(
         caught.value
     )
 
@@ -285,3 +285,37 @@ def test_error_about_the_whole_settings_names_the_variables_that_took_part(tmp_p
         load_settings(home, {"TENEX_DEFAULT_AGENT": "nobody"})
     assert str(caught.value).startswith(f"{home.resolve() / 'config.toml'} with environment TENEX_DEFAULT_AGENT: ")
     assert "'nobody' is not one of the agents" in str(caught.value)
+
+
+def test_relative_store_and_socket_paths_are_taken_relative_to_the_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative storage.path and control.socket mean the same folder whatever folder tenexd starts in."""
+    home = write_home(tmp_path, CONFIG.format(owner=OWNER) + '[storage]\npath = "data"\n'
+                      '[control]\nsocket = "sockets/c.sock"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    settings = load_settings(home, {})
+    assert settings.conversations_path == home.resolve() / "data" / "conversations"
+    assert settings.control_socket_path == home.resolve() / "sockets" / "c.sock"
+    from_env = load_settings(home, {"TENEX_STORAGE__PATH": '"other"'})
+    assert from_env.conversations_path == home.resolve() / "other" / "conversations"
+
+
+def test_a_relative_store_path_whose_store_is_under_the_current_folder_is_refused_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where earlier versions found the store (the current folder's), a start is refused rather than made on
+    an empty store in the home, and the message names both folders."""
+    home = write_home(tmp_path, CONFIG.format(owner=OWNER) + '[storage]\npath = "data"\n')
+    cwd = tmp_path / "cwd"
+    (cwd / "data" / "conversations").mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    with pytest.raises(SettingsError) as refused:
+        load_settings(home, {})
+    message = str(refused.value)
+    assert str(home.resolve() / "data") in message
+    assert str(cwd / "data") in message
+    (home / "data" / "conversations").mkdir(parents=True)  # the store copied into the home: taken
+    assert load_settings(home, {}).conversations_path == home.resolve() / "data" / "conversations"
