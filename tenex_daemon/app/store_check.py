@@ -108,6 +108,15 @@ async def claim_for_project(store: Store, project_pubkey: str) -> None:
             await store.set_meta(PROJECT_MARK_KEY, project_pubkey)
 
 
+async def serves_this_project(settings: Settings, store: Store, project_pubkey: str | None) -> None:
+    """What a command run without the daemon checks of the store it opened (writing nothing): a store another
+    home could share (:func:`may_be_shared`) marked another project's is refused
+    (:class:`StoreOfAnotherProjectError`): listed, changed or imported into, it would mix the projects. A home
+    without a project key yet (its daemon makes one) is nobody's project."""
+    if project_pubkey is not None and may_be_shared(settings):
+        await refuse_another_projects(store, project_pubkey)
+
+
 def may_be_shared(settings: Settings) -> bool:
     """Whether the store the settings name could serve another home too (a database, or a ``storage.path``):
     the home's own ``conversations/`` is its project's by where it lies, and is never marked."""

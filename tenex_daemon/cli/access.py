@@ -17,6 +17,7 @@ from tenex_daemon.app.control.views import conversation_json, preview_context, s
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.personas import persona_specs
 from tenex_daemon.app.settings import Settings, StorageKind
+from tenex_daemon.app.store_check import serves_this_project
 from tenex_daemon.app.wiring import build_store, routing_system_prompt
 from tenex_daemon.cli.client import ApiAccess, daemon_session
 from tenex_daemon.cli.references import AccessError, ConversationAccess
@@ -167,6 +168,7 @@ async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
     except OSError as exc:  # a storage path that is a file, or not this user's to read
         raise AccessError(f"cannot open the store: {exc}", 400) from None
     try:
+        await serves_this_project(settings, store, project)
         manager = ConversationManager(
             store,
             agents,

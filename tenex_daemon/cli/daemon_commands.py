@@ -405,11 +405,14 @@ def migrate(
 
         migrate_store(settings, from_store, as_json)
     from tenex_daemon.adapters.storage.tenex_import import import_tenex_home
+    from tenex_daemon.app.home import load_project_pubkey
+    from tenex_daemon.app.store_check import serves_this_project
     from tenex_daemon.cli.store_copy_command import open_stopped_store
 
     async def go() -> ImportReport:
         store = await open_stopped_store(settings)
         try:
+            await serves_this_project(settings, store, load_project_pubkey(settings))
             if smarthole is not None:  # its signers only once the import may go ahead
                 identities = _smarthole_identities(settings, agent)
                 return await _import_smarthole(smarthole, store, identities, settings)

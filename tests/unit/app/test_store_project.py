@@ -178,3 +178,26 @@ async def claim_on(folder: Path, project: str) -> None:
         await claim_for_project(store, project)
     finally:
         await store.close()
+
+
+def test_commands_run_without_a_daemon_refuse_a_store_another_project_marked(tmp_path: Path) -> None:
+    """With no daemon answering, home b's `conversations list` and `migrate --from` on the store home a's
+    project marked are refused (exit 2), so b neither reads a's conversations nor imports into a's store;
+    home a lists its own."""
+    _, project_a, _, _, shared = shared_homes(tmp_path)
+    seed_conversation(tmp_path / "a", "A's own", "hi")
+    asyncio.run(claim_on(shared, project_a))
+    tenex_export = tmp_path / "project" / ".tenex" / "conversations"
+    tenex_export.mkdir(parents=True)
+
+    listed = CliRunner().invoke(app, ["--home", str(tmp_path / "b"), "conversations", "list"])
+    imported = CliRunner().invoke(app, ["--home", str(tmp_path / "b"), "migrate", "--from", str(tmp_path / "project")])
+
+    assert listed.exit_code == 2
+    assert "serves another project" in listed.stderr
+    assert "A's own" not in listed.output
+    assert imported.exit_code == 2
+    assert "serves another project" in imported.stderr
+    own = CliRunner().invoke(app, ["--home", str(tmp_path / "a"), "conversations", "list"])
+    assert own.exit_code == 0, own.output
+    assert "A's own" in own.output
