@@ -15,7 +15,7 @@ import uuid
 from collections import Counter
 from collections.abc import Coroutine
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -59,12 +59,11 @@ from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.app.status import (
     AgentEntry,
     ConversationCounts,
-    DescriptionStatus,
-    OutboxStatus,
     RelaysDown,
     StatusData,
     degraded_reason,
-    no_descriptions,
+    descriptions_status,
+    outbox_status,
     process_identity,
     relay_statuses,
     retention_status,
@@ -110,6 +109,7 @@ from tenex_daemon.services.runs import journal_key_for
 from tenex_daemon.services.upgrade import save_upgraded_conversations
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 REDISPATCH_RETRY_S = (1.0, 10.0, 60.0)
 """Waits before each retry of a dispatch interrupted by a crash that fails again."""
@@ -246,8 +246,8 @@ class Daemon:
             },
             "replies": self._observer.replies,
             "reply_latency": self._observer.latency_summary(),
-            "outbox": self._outbox_status(now),
-            "descriptions": self._descriptions_status(),
+            "outbox": outbox_status(self.pipeline.outbox if self.pipeline is not None else None, now),
+            "descriptions": descriptions_status(self.descriptions),
             "retention": retention_status(self.sweeper),
             "errors": dict(self.errors),
             "routing_fallbacks": dict(routing_fallbacks(self.pipeline)),
@@ -263,33 +263,6 @@ class Daemon:
             "agents": [AgentEntry(slug=a.slug, name=a.name, pubkey=a.pubkey) for a in self.agents],
             "process": self._process,
         })
-
-    def _outbox_status(self, now: float) -> OutboxStatus:
-        outbox = self.pipeline.outbox if self.pipeline is not None else None
-        if outbox is None:
-            return OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0, refused=0)
-        age = outbox.oldest_age_s(now)
-        return OutboxStatus(
-            depth=outbox.depth,
-            oldest_age_s=None if age is None else round(age, 3),
-            delivered=outbox.delivered,
-            retries=outbox.retries,
-            refused=outbox.refused,
-        )
-
-    def _descriptions_status(self) -> DescriptionStatus:
-        jobs = self.descriptions
-        if jobs is None:
-            return no_descriptions()
-        return DescriptionStatus(
-            queued=jobs.queued,
-            described=sum(jobs.described.values()),
-            fallbacks=jobs.described["fallback"],
-            unpublished=jobs.unpublished,
-            published=jobs.published,
-            retries=jobs.retries,
-            refused=jobs.refused,
-        )
 
     def reply_latencies(self) -> list[float]:
         """Seconds from each recent trigger taken in to its reply sent (oldest first, the newest 1,000)."""
@@ -439,9 +412,13 @@ class Daemon:
         )
 
         await self.pool.start()
-        if not await self.pool.wait_connected(count=1, within=10.0):
+        # the waits on the relays give way to a stop (SIGTERM with the relays down took up to 15 s)
+        connected = await self._unless_stopped(self.pool.wait_connected(count=1, within=10.0))
+        if connected is False:
             log.warning("no_relay_connected_yet", relays=self.relay_urls)
-        await self._announce(signers)
+        await self._unless_stopped(self._announce(signers))
+        if self._stop_requested is not None and self._stop_requested.is_set():
+            return  # nothing taken up yet: every journaled run and outbox entry waits for the next start
         pubkeys = [a.pubkey for a in self.agents] + [project_signer.pubkey]
         pipeline = self.pipeline
         # the outbox first: a recovered run that publishes a saved reply again adds to it; before it the
@@ -485,6 +462,20 @@ class Daemon:
         probe = store_probe(self.store, self.instance if self._peers is not None else None)
         self._watchdog = Watchdog(self.notifier, probe, ping=interval is not None)
         self._spawn(self._watchdog.run(interval / 2 if interval else PROBE_EVERY_S), "store watchdog")
+
+    async def _unless_stopped(self, step: Coroutine[Any, Any, T]) -> T | None:
+        """``step``'s result, or None (``step`` cancelled) once a stop is asked for first."""
+        stop = self._stop_requested
+        if stop is None:
+            return await step
+        if stop.is_set():
+            step.close()
+            return None
+        async with asyncio.TaskGroup() as group:
+            task, stopped = group.create_task(step), group.create_task(stop.wait())
+            await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+            (stopped if task.done() else task).cancel()
+        return task.result() if not task.cancelled() else None
 
     async def _announce(self, signers: dict[str, Signer]) -> None:
         """Publish each agent's profile (kind 0) and, when private messages are answered, its relay list

@@ -27,6 +27,8 @@ from tenex_daemon.runtime.code_id import code_id
 
 if TYPE_CHECKING:
     from tenex_daemon.adapters.nostr.relay_pool import PoolHealth
+    from tenex_daemon.services.descriptions import DescriptionJobs
+    from tenex_daemon.services.outbox import Outbox
     from tenex_daemon.services.retention import Sweeper, SweepReport, SweepTotals
 
 
@@ -147,6 +149,35 @@ def no_descriptions() -> DescriptionStatus:
     """The descriptions' counters before the service runs: every one at zero."""
     return DescriptionStatus(
         queued=0, described=0, fallbacks=0, unpublished=0, published=0, retries=0, refused=0
+    )
+
+
+def outbox_status(outbox: Outbox | None, now: float) -> OutboxStatus:
+    """The outbox's part of the status (zeros before the daemon built it)."""
+    if outbox is None:
+        return OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0, refused=0)
+    age = outbox.oldest_age_s(now)
+    return OutboxStatus(
+        depth=outbox.depth,
+        oldest_age_s=None if age is None else round(age, 3),
+        delivered=outbox.delivered,
+        retries=outbox.retries,
+        refused=outbox.refused,
+    )
+
+
+def descriptions_status(jobs: DescriptionJobs | None) -> DescriptionStatus:
+    """The titles' and summaries' part of the status (zeros before the service runs)."""
+    if jobs is None:
+        return no_descriptions()
+    return DescriptionStatus(
+        queued=jobs.queued,
+        described=sum(jobs.described.values()),
+        fallbacks=jobs.described["fallback"],
+        unpublished=jobs.unpublished,
+        published=jobs.published,
+        retries=jobs.retries,
+        refused=jobs.refused,
     )
 
 

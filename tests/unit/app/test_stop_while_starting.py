@@ -18,7 +18,8 @@ from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.wiring import build_store
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.runs import PENDING_RUNS_KEY
+from tenex_daemon.services.run_journal import RunRequest
+from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler
 from tenex_daemon.testing import EventFactory, KeyPair
 
 
@@ -53,39 +54,70 @@ async def journaled(home: Path) -> list[dict[str, str]]:
 async def test_a_stop_asked_while_starting_does_not_wait_for_the_runs_the_start_took_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Stopped while its relays were still connecting, a daemon whose start then took up a journaled run
-    (its model slow) stops at once, not after the 30 s grace period, and the run stays journaled for the
-    next start."""
-    relays_held = asyncio.Event()
+    """Stopped while starting, just after its start took up a journaled run (its model slow), a daemon stops
+    at once, not after the 30 s grace period, and the run stays journaled for the next start."""
     asked = asyncio.Event()
+    daemons: list[Daemon] = []
+    recover = RunScheduler.recover
 
-    async def slow_relay(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
-        await relays_held.wait()
+    async def connected(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
         return True
 
     async def no_announcement(self: Daemon, signers: object) -> None:
         return None
+
+    async def recover_then_stop(self: RunScheduler) -> list[RunRequest]:
+        taken = await recover(self)
+        daemons[0].request_stop()  # the start goes on to its end: the stop is seen once it has
+        return taken
 
     async def slow_model(self: OfflineBackend, request: CompletionRequest) -> CompletionResult:
         asked.set()
         await asyncio.Event().wait()
         raise AssertionError("never answers")
 
-    monkeypatch.setattr(RelayPool, "wait_connected", slow_relay)
+    monkeypatch.setattr(RelayPool, "wait_connected", connected)
     monkeypatch.setattr(Daemon, "_announce", no_announcement)
+    monkeypatch.setattr(RunScheduler, "recover", recover_then_stop)
     monkeypatch.setattr(OfflineBackend, "complete", slow_model)
     home = tmp_path / "h"
     init_home(home, relays=["ws://127.0.0.1:1"])
     conversation_id = await journal_a_run(home)
-    daemon = Daemon(load_settings(home, {"TENEX_DAEMON__GRACE_PERIOD_S": "30"}))
-    running = asyncio.create_task(daemon.run())
-    await asyncio.sleep(0.5)  # starting: waiting for its relays
-
-    daemon.request_stop()
-    relays_held.set()
+    daemons.append(Daemon(load_settings(home, {"TENEX_DAEMON__GRACE_PERIOD_S": "30"})))
     started = time.monotonic()
-    await asyncio.wait_for(asyncio.shield(running), 20)
+
+    await asyncio.wait_for(daemons[0].run(), 20)
 
     assert asked.is_set()  # the start took the run up before it saw the stop
     assert time.monotonic() - started < 10
+    assert [e["conversation_id"] for e in await journaled(home) if "agent_slug" in e] == [conversation_id]
+
+
+async def test_a_stop_while_the_relays_do_not_answer_ends_the_start_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM to a daemon starting while no relay answers ends it in well under a second: the start's wait for
+    a relay (10 s) and its announcements (5 s) give way to the stop (it took up to 15 s), and the journaled run
+    is taken up by nobody, left for the next start."""
+    asked = asyncio.Event()
+
+    async def model(self: OfflineBackend, request: CompletionRequest) -> CompletionResult:
+        asked.set()
+        raise AssertionError("no run starts")
+
+    monkeypatch.setattr(OfflineBackend, "complete", model)
+    home = tmp_path / "h"
+    init_home(home, relays=["ws://127.0.0.1:1"])  # nothing listens there
+    conversation_id = await journal_a_run(home)
+    daemon = Daemon(load_settings(home, {}))
+    running = asyncio.create_task(daemon.run())
+    await asyncio.sleep(1.0)  # starting: waiting for a relay
+
+    daemon.request_stop()
+    stopped = time.monotonic()
+    await asyncio.wait_for(running, 20)
+
+    assert time.monotonic() - stopped < 2
+    assert not asked.is_set()
+    assert daemon.state == "stopped"
     assert [e["conversation_id"] for e in await journaled(home) if "agent_slug" in e] == [conversation_id]
