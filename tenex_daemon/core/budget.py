@@ -213,7 +213,7 @@ def render(
     """
     dropped = set(window.dropped)
     summarized = [i for i in window.dropped if i < covered] if summary is not None else []
-    truncated = [i for i in window.dropped if i not in summarized]
+    truncated = [i for i in window.dropped if i >= covered] if summarized else list(window.dropped)
     summary_at = summarized[0] if summarized else -1
     notes: dict[int, int] = {}  # first index of each run of truncated messages -> its length
     start = previous = -2
