@@ -107,7 +107,9 @@ def read_threading(event: NostrEvent) -> Threading:
     NIP-22: ``E``/``K``/``P`` name the root, ``e``/``k``/``p`` the parent (a reply
     straight to the root may omit ``e``). NIP-10 marked: ``e`` with ``root`` /
     ``reply`` markers (a lone ``root`` is also the parent; of several ``reply`` markers the last
-    one, as NDK writes a reply to a reply: the parent's marked tags copied, then its own). NIP-10
+    one, as NDK writes a reply to a reply: the parent's marked tags copied, then its own; a marker
+    missing beside unmarked tags is filled positionally: the first unmarked is the root, the last the
+    parent). NIP-10
     positional: the first ``e`` is the root and the last the parent; ``mention`` tags are
     skipped. Ids that are not 64 hex characters are ignored.
     """
@@ -137,9 +139,13 @@ def _nip10_threading(tags: list[list[str]]) -> Threading:
     e_tags = [t for t in tags if len(t) > 1 and t[0] == TAG_EVENT and is_hex(t[1], 64)]
     marked_root = next((t for t in e_tags if _marker(t) == MARKER_ROOT), None)
     marked_reply = next((t for t in reversed(e_tags) if _marker(t) == MARKER_REPLY), None)
-    root = marked_root or marked_reply
-    parent = marked_reply or marked_root
-    if root is not None and parent is not None:
+    unmarked = [t for t in e_tags if _marker(t) not in (MARKER_ROOT, MARKER_REPLY, MARKER_MENTION)]
+    # a marker missing beside the other is filled positionally (as nostr-tools reads it): an unmarked root
+    # beside a marked reply, a marked root beside an unmarked parent
+    marked = marked_root or marked_reply
+    if marked is not None:
+        root = marked_root or (unmarked[0] if unmarked else marked)
+        parent = marked_reply or (unmarked[-1] if unmarked else marked)
         return Threading(
             ThreadStyle.NIP10_MARKED, root[1], None, _nip10_author(root),
             parent[1], None, _nip10_author(parent),

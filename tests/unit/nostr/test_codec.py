@@ -273,6 +273,19 @@ def test_nip10_positional_threading() -> None:
     assert (single.root_id, single.parent_id) == (ROOT_ID, ROOT_ID)
 
 
+def test_nip10_a_missing_marker_beside_unmarked_tags_is_filled_positionally() -> None:
+    """Mixed NIP-10 tags read as nostr-tools reads them: an unmarked root beside a marked reply is the root
+    (it was taken for the parent's thread: the conversation split at the parent), and an unmarked tag beside
+    a lone marked root is the parent."""
+    unmarked_root = read_threading(sign_event(USER, "x", kind=1, tags=[
+        ["e", ROOT_ID, "wss://relay.example"], ["e", PARENT_ID, "", "reply"]]))
+    unmarked_parent = read_threading(sign_event(USER, "x", kind=1, tags=[
+        ["e", ROOT_ID, "", "root"], ["e", "c3" * 32, "", "mention"], ["e", PARENT_ID]]))
+
+    assert (unmarked_root.root_id, unmarked_root.parent_id) == (ROOT_ID, PARENT_ID)
+    assert (unmarked_parent.root_id, unmarked_parent.parent_id) == (ROOT_ID, PARENT_ID)
+
+
 def test_event_without_thread_tags_is_a_root() -> None:
     """A kind-11 event with no e/E tags (and junk e-tags) is its own conversation."""
     event = sign_event(USER, "new", kind=11, tags=[["e", "not-an-id"], ["E"], ["p", AGENT.pubkey]])
