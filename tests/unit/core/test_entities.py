@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from tenex_daemon import ConversationManager, MemoryStore
 from tenex_daemon.core import nip19
-from tenex_daemon.core.references import find_event_references
+from tenex_daemon.core.references import (
+    MAX_INLINED_CHARS_PER_MESSAGE,
+    MAX_REFERENCES_PER_MESSAGE,
+    find_event_references,
+)
 from tenex_daemon.testing import FakeClock, FakeResolver
 from tests.conftest import Cast
 
@@ -115,3 +119,34 @@ async def test_references_in_history_and_block_are_inlined_everywhere(
     inlined = f'read <nostr-event entity="{uri}">SPEC</nostr-event>'
     assert context.messages[0].content == inlined
     assert f"🟢 USER:\n{inlined}\n\n" in context.messages[1].content
+
+
+async def test_one_message_inlines_at_most_its_share_of_referenced_content(
+    manager: ConversationManager, cast: Cast, resolver: FakeResolver
+) -> None:
+    """A message repeating one reference to a 64 KiB note 100 times is given that note inline only while
+    256 KiB of content fits (4 times), the later occurrences as written: it built 6.4 MB, and a large message
+    of such repeats hundreds of megabytes."""
+    big = "x" * 65_536
+    referenced = cast.factory.event(cast.other_user, big, kind=1)
+    resolver.add(referenced)
+    uri = "nostr:" + nip19.encode_note(referenced.id)
+    root = cast.user_says(" ".join([uri] * 100), kind=11)
+    cid = (await manager.create_conversation(root)).id
+
+    context = await manager.build_agent_messages(cid, "alice", root)
+
+    shown = context.messages[0].content
+    assert shown.count(big) == MAX_INLINED_CHARS_PER_MESSAGE // len(big) == 4
+    assert shown.count(uri) == 100  # each occurrence is there, inline (in its element) or as written
+    assert len(shown) < 300_000
+
+
+def test_at_most_32_distinct_references_of_one_message_are_resolved() -> None:
+    """Of a message naming 40 distinct notes, the first 32 are looked up (each one a relay request)."""
+    uris = ["nostr:" + nip19.encode_note(f"{n:02x}" * 32) for n in range(40)]
+
+    found = find_event_references(" ".join(uris + uris))
+
+    assert found == uris[:MAX_REFERENCES_PER_MESSAGE]
+    assert MAX_REFERENCES_PER_MESSAGE == 32
