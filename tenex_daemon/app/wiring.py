@@ -85,6 +85,7 @@ def build_store(settings: Settings) -> Store:
             settings.storage.dsn,
             lease_pool_size=daemon.intake_lanes + 4,
             name_pool_size=daemon.max_concurrent_runs + 2,
+            cache_size=settings.storage.cache_size,
         )
     from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 

@@ -278,6 +278,20 @@ class Conversation(BaseModel):
             conversation._upgrade_from_before_lifecycle()
         return conversation
 
+    @classmethod
+    def from_state_continuing(cls, state: dict[str, Any], previous: Conversation) -> Conversation:
+        """Rebuild a conversation from a snapshot whose history is ``previous``'s (copied with what is derived
+        from it, not appended again event by event): a store's cached copy whose state another writer
+        replaced."""
+        conversation = cls.model_validate({**state, "history": []})
+        conversation.history = list(previous.history)
+        conversation._event_index = dict(previous._event_index)
+        conversation._agent_claimants = set(previous._agent_claimants)
+        conversation._references = dict(previous._references)
+        if "activity_at" not in state:
+            conversation._upgrade_from_before_lifecycle()
+        return conversation
+
     @property
     def upgraded(self) -> bool:
         """Whether it was loaded from a snapshot stored before the lifecycle's fields and brought up to

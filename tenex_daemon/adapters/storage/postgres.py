@@ -24,6 +24,7 @@ from typing import Any
 import asyncpg
 import structlog
 
+from tenex_daemon.adapters.storage.postgres_cache import LOAD_SQL, ConversationCache
 from tenex_daemon.adapters.storage.postgres_errors import (
     PostgresOpenError,
     SchemaTooNewError,
@@ -153,11 +154,6 @@ def _key_prefix(prefix: str) -> tuple[str, list[str]]:
     return 'key COLLATE "C" >= $1 AND key COLLATE "C" < $2 AND starts_with(key, $1)', [prefix, past]
 
 
-_LOAD_SQL = """SELECT -1 AS seq, state AS json, archived FROM conversations WHERE id = $1
-                UNION ALL
-               SELECT seq, body, NULL FROM events WHERE conversation_id = $1
-                ORDER BY seq"""
-"""A conversation's state row (``seq`` -1) and then its events in order, read together."""
 
 _MIGRATION_LOCK = 0x7465_6E65_7864  # "tenexd": serializes migrations across daemons
 def _event_json(event: NostrEvent) -> str:
@@ -178,9 +174,11 @@ class PostgresStore:
     """
 
     def __init__(
-        self, dsn: str, *, pool_size: int = 10, lease_pool_size: int = 20, name_pool_size: int = 10
+        self, dsn: str, *, pool_size: int = 10, lease_pool_size: int = 20, name_pool_size: int = 10,
+        cache_size: int = 256,
     ) -> None:
         self.dsn = dsn
+        self._cache = ConversationCache(cache_size)
         self.pool_size = pool_size
         self.lease_pool_size = lease_pool_size
         self.name_pool_size = name_pool_size
@@ -289,6 +287,7 @@ class PostgresStore:
         it writes: a create and an append (or two creates) of the same events wait for each other, never
         in a circle."""
         summary = ConversationSummary.of(conversation)
+        state_text = json.dumps(conversation.state_dict())
         async with self._connection() as conn, conn.transaction():
             try:
                 await conn.execute(
@@ -297,7 +296,7 @@ class PostgresStore:
                        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)""",
                     conversation.id, title_column(summary.title), summary.phase.value, summary.created_at,
                     summary.updated_at, summary.event_count, summary.agent_count, summary.archived,
-                    summary.participants, json.dumps(conversation.state_dict()),
+                    summary.participants, state_text,
                     summary.activity_at, summary.ended_at, lifecycle_json(summary),
                 )
             except asyncpg.UniqueViolationError:
@@ -312,18 +311,20 @@ class PostgresStore:
                        VALUES ($1, $2, $3, $4)""",
                     [(e.id, conversation.id, i, _event_json(e)) for i, e in enumerate(conversation.history)],
                 )
+        self._cache.keep(conversation, state_text)
 
     async def load(self, conversation_id: str) -> Conversation | None:
         """Read the state row and the events in order in one statement, so from one snapshot: a delete or
-        an append another daemon commits meanwhile is seen whole or not at all."""
-        async with self._connection() as conn:
-            rows = await conn.fetch(_LOAD_SQL, conversation_id)
-        if not rows or rows[0]["seq"] != -1:
-            return None
-        history = [NostrEvent.model_validate_json(r["json"]) for r in rows[1:]]
-        conversation = Conversation.from_state(json.loads(rows[0]["json"]), history)
-        conversation.archived = rows[0]["archived"]
-        return conversation
+        an append another daemon commits meanwhile is seen whole or not at all. Of a conversation loaded
+        or saved here before, only the events past those held are read (the live object held, as the
+        filesystem store's cache holds it: :class:`ConversationCache`)."""
+        for first_seq in (self._cache.first_seq(conversation_id), 0):
+            async with self._connection() as conn:
+                rows = await conn.fetch(LOAD_SQL, conversation_id, first_seq)
+            conversation = self._cache.loaded(conversation_id, first_seq, rows)
+            if conversation is not None or not rows or rows[0]["seq"] != -1:
+                return conversation
+        return None  # unreachable: a read from 0 gives the conversation, or nothing
 
     async def append_event(
         self, conversation_id: str, event: NostrEvent, *, state: Conversation | None = None
@@ -331,6 +332,22 @@ class PostgresStore:
         """Insert the event (committed, so durable, when this returns True). A known id changes nothing,
         ``state`` included (False): another daemon may have taken it in since the caller looked. With
         ``state``, the conversation's state is replaced in the same transaction."""
+        try:
+            saved = await self._append_event(conversation_id, event, state)
+        except BaseException:
+            self._cache.drop(conversation_id)
+            raise
+        if saved is None:
+            return False
+        if state is not None and saved:
+            self._cache.keep(state, saved)
+        return True
+
+    async def _append_event(
+        self, conversation_id: str, event: NostrEvent, state: Conversation | None
+    ) -> str | None:
+        """:meth:`append_event`'s transaction: None for a known id, else the state text saved ("" without
+        ``state``)."""
         async with self._connection(conversation_id) as conn, conn.transaction():
             fresh = await conn.fetchval(
                 "INSERT INTO processed_events (event_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING true",
@@ -343,9 +360,8 @@ class PostgresStore:
                     raise ConversationNotFoundError(conversation_id)
                 if archived:
                     raise ConversationArchivedError(conversation_id)
-                return False
-            if state is not None:
-                await _save_state_on(conn, state)
+                return None
+            saved = "" if state is None else await _save_state_on(conn, state)
             row = await conn.fetchrow(
                 """UPDATE conversations
                       SET event_count = event_count + 1,
@@ -363,12 +379,17 @@ class PostgresStore:
                 "INSERT INTO events (event_id, conversation_id, seq, body) VALUES ($1, $2, $3, $4)",
                 event.id, conversation_id, row["event_count"] - 1, _event_json(event),
             )
-        return True
+        return saved
 
     async def save_state(self, conversation: Conversation) -> None:
         """Replace the state JSON and the index columns derived from it."""
-        async with self._connection(conversation.id) as conn:
-            await _save_state_on(conn, conversation)
+        try:
+            async with self._connection(conversation.id) as conn:
+                saved = await _save_state_on(conn, conversation)
+        except BaseException:
+            self._cache.drop(conversation.id)
+            raise
+        self._cache.keep(conversation, saved)
 
     async def set_archived(self, conversation_id: str, archived: bool) -> None:
         """Set the archived flag."""
@@ -377,7 +398,9 @@ class PostgresStore:
                 "UPDATE conversations SET archived = $2 WHERE id = $1", conversation_id, archived
             )
         if status.endswith(" 0"):
+            self._cache.drop(conversation_id)
             raise ConversationNotFoundError(conversation_id)
+        self._cache.archived(conversation_id, archived)
 
     async def delete(self, conversation_id: str) -> bool:
         """Delete the conversation, its events (the rows cascade) and the small values that belong to
@@ -387,6 +410,7 @@ class PostgresStore:
         The rows are gone for every query at once; their bytes stay in the table files as dead tuples
         until (auto)vacuum reclaims them, and in the write-ahead log and backups as PostgreSQL keeps them.
         """
+        self._cache.drop(conversation_id)
         async with self._connection(conversation_id) as conn, conn.transaction():
             status = await conn.execute("DELETE FROM conversations WHERE id = $1", conversation_id)
             for prefix in owned_value_prefixes(conversation_id):
@@ -684,16 +708,19 @@ class PostgresStore:
             await conn.execute("DELETE FROM meta WHERE key = $1", key)
 
 
-async def _save_state_on(conn: Any, conversation: Conversation) -> None:
-    """Replace a conversation's state JSON and the index columns derived from it, on ``conn``."""
+async def _save_state_on(conn: Any, conversation: Conversation) -> str:
+    """Replace a conversation's state JSON and the index columns derived from it, on ``conn``; return the
+    JSON."""
     summary = ConversationSummary.of(conversation)
+    state_text = json.dumps(conversation.state_dict())
     status = await conn.execute(
         """UPDATE conversations SET title = $2, phase = $3, created_at = $4, updated_at = $5,
                   agent_count = $6, state = $7, activity_at = $8, ended_at = $9, lifecycle = $10
             WHERE id = $1""",
         conversation.id, title_column(summary.title), summary.phase.value, summary.created_at,
-        summary.updated_at, summary.agent_count, json.dumps(conversation.state_dict()),
+        summary.updated_at, summary.agent_count, state_text,
         summary.activity_at, summary.ended_at, lifecycle_json(summary),
     )
     if status.endswith(" 0"):
         raise ConversationNotFoundError(conversation.id)
+    return state_text
