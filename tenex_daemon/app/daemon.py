@@ -21,12 +21,7 @@ import structlog
 
 from tenex_daemon import __version__
 from tenex_daemon.adapters.llm.claude_code import end_leftover_calls
-from tenex_daemon.adapters.nostr.announcements import (
-    AgentCapabilities,
-    dm_relays_event,
-    heartbeat_event,
-    profile_event,
-)
+from tenex_daemon.adapters.nostr.announcements import AgentCapabilities, announce, heartbeat_event
 from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
 from tenex_daemon.adapters.nostr.codec import Limits
 from tenex_daemon.adapters.nostr.composer import SignedReplyComposer
@@ -411,14 +406,8 @@ class Daemon:
             on_described=self.metrics.description_made,
         )
 
-        await self.pool.start()
-        # the waits on the relays give way to a stop (SIGTERM with the relays down took up to 15 s)
-        connected = await self._unless_stopped(self.pool.wait_connected(count=1, within=10.0))
-        if connected is False:
-            log.warning("no_relay_connected_yet", relays=self.relay_urls)
-        await self._unless_stopped(self._announce(signers))
-        if self._stop_requested is not None and self._stop_requested.is_set():
-            return  # nothing taken up yet: every journaled run and outbox entry waits for the next start
+        if not await self._reach_relays(signers):
+            return  # stopped: nothing taken up yet (journaled runs, the outbox: the next start's)
         pubkeys = [a.pubkey for a in self.agents] + [project_signer.pubkey]
         pipeline = self.pipeline
         # the outbox first: a recovered run that publishes a saved reply again adds to it; before it the
@@ -463,6 +452,17 @@ class Daemon:
         self._watchdog = Watchdog(self.notifier, probe, ping=interval is not None)
         self._spawn(self._watchdog.run(interval / 2 if interval else PROBE_EVERY_S), "store watchdog")
 
+    async def _reach_relays(self, signers: dict[str, Signer]) -> bool:
+        """Connect to the relays and announce the agents; False once a stop is asked for meanwhile: the waits
+        on the relays give way to it (SIGTERM with the relays down took up to 15 s)."""
+        assert self.pool is not None
+        await self.pool.start()
+        connected = await self._unless_stopped(self.pool.wait_connected(count=1, within=10.0))
+        if connected is False:
+            log.warning("no_relay_connected_yet", relays=self.relay_urls)
+        await self._unless_stopped(self._announce(signers))
+        return self._stop_requested is None or not self._stop_requested.is_set()
+
     async def _unless_stopped(self, step: Coroutine[Any, Any, T]) -> T | None:
         """``step``'s result, or None (``step`` cancelled) once a stop is asked for first."""
         stop = self._stop_requested
@@ -478,26 +478,12 @@ class Daemon:
         return task.result() if not task.cancelled() else None
 
     async def _announce(self, signers: dict[str, Signer]) -> None:
-        """Publish each agent's profile (kind 0) and, when private messages are answered, its relay list
-        (kind 10050: this daemon's relays, where NIP-17 clients send it private messages), all at once;
-        failures are logged, never fatal."""
-        pool = self.pool
-        assert pool is not None
-        by_slug = {a.slug: a for a in self.settings.agents}
-        announced: list[tuple[str, NostrEvent]] = []
-        for agent in self.agents:
-            signer = signers[agent.slug]
-            about = by_slug[agent.slug].instructions
-            announced.append((agent.slug, profile_event(signer, agent, about, self.settings.owner)))
-            if self.settings.daemon.answer.private:
-                announced.append((agent.slug, dm_relays_event(signer, self.relay_urls)))
-
-        async def publish(slug: str, event: NostrEvent) -> None:
-            result = await pool.publish(event, timeout=5.0, raise_on_failure=False)
-            if not result.ok:
-                log.warning("announcement_not_published", agent=slug, kind=event.kind)
-
-        await asyncio.gather(*(publish(slug, event) for slug, event in announced))
+        """Each agent's profile, and its relay list when private messages are answered (:func:`announce`)."""
+        assert self.pool is not None
+        about = {a.slug: a.instructions for a in self.settings.agents}
+        dm_relays = self.relay_urls if self.settings.daemon.answer.private else None
+        agents = [(agent, signers[agent.slug], about[agent.slug]) for agent in self.agents]
+        await announce(self.pool, agents, self.settings.owner, dm_relays)
 
     async def _shutdown(self, control: Any) -> None:
         self._stopping = True

@@ -9,9 +9,13 @@ private messages (docs/PROTOCOL.md).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
 
 from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.events import NostrEvent
@@ -23,6 +27,14 @@ from tenex_daemon.core.vocabulary import (
 
 from .codec import capability_tags, dm_relay_tags, heartbeat_tags, profile_tags
 from .signer import Signer
+
+if TYPE_CHECKING:
+    from .relay_pool import RelayPool
+
+log = structlog.get_logger(__name__)
+
+ANNOUNCE_TIMEOUT_S = 5.0
+"""How long the start waits for the relays to take the agents' announcements."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +54,27 @@ def profile_event(signer: Signer, agent: Agent, about: str, owner: str | None = 
 def dm_relays_event(signer: Signer, relays: Iterable[str]) -> NostrEvent:
     """Return an agent's kind-10050 relay list (NIP-17): the relays its private messages are read from."""
     return signer.sign(KIND_DM_RELAYS, "", dm_relay_tags(relays))
+
+
+async def announce(
+    pool: RelayPool, agents: Sequence[tuple[Agent, Signer, str]], owner: str | None,
+    dm_relays: Sequence[str] | None,
+) -> None:
+    """Publish each agent's (agent, signer, about) profile (kind 0) and, with ``dm_relays`` (private
+    messages are answered), its relay list (kind 10050: the daemon's relays, where NIP-17 clients send it
+    private messages), all at once; failures are logged, never fatal."""
+    announced: list[tuple[str, NostrEvent]] = []
+    for agent, signer, about in agents:
+        announced.append((agent.slug, profile_event(signer, agent, about, owner)))
+        if dm_relays is not None:
+            announced.append((agent.slug, dm_relays_event(signer, dm_relays)))
+
+    async def publish(slug: str, event: NostrEvent) -> None:
+        result = await pool.publish(event, timeout=ANNOUNCE_TIMEOUT_S, raise_on_failure=False)
+        if not result.ok:
+            log.warning("announcement_not_published", agent=slug, kind=event.kind)
+
+    await asyncio.gather(*(publish(slug, event) for slug, event in announced))
 
 
 def heartbeat_event(
