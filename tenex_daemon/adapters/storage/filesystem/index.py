@@ -218,9 +218,14 @@ def _forget_synced(synced: dict[str, tuple[int, int]], record: dict[str, Any]) -
         del synced[conversation_id]
 
 
-def _write_snapshot(layout: Layout, data: bytes, generation: int) -> None:
+def _write_snapshot(layout: Layout, rows: list[dict[str, Any]], generation: int) -> None:
     """Replace the snapshot, then remove every log older than it (a deleted conversation's title
-    and summary are in no index file once this returns)."""
+    and summary are in no index file once this returns). Run in a thread: encoding a large home's rows
+    took the event loop for about as long as building them."""
+    data = json.dumps(
+        {"format": INDEX_FORMAT, "generation": generation, "entries": rows},
+        separators=(",", ":"), ensure_ascii=False,
+    ).encode("utf-8")
     replace_file(layout.snapshot, data)
     for path in layout.index_dir.glob("log.*"):
         suffix = path.name.split(".", 1)[1]
@@ -381,11 +386,7 @@ class Index:
                 log.warning("index_snapshot_withheld", generation=generation, why=why)
                 return
             await self._derived.sync_written()
-            data = json.dumps(
-                {"format": INDEX_FORMAT, "generation": generation, "entries": rows},
-                separators=(",", ":"), ensure_ascii=False,
-            ).encode("utf-8")
-            await asyncio.to_thread(_write_snapshot, self.layout, data, generation)
+            await asyncio.to_thread(_write_snapshot, self.layout, rows, generation)
 
     async def wait_compacted(self) -> None:
         """Wait for a compaction started by the log's growth, if one runs."""
