@@ -135,6 +135,7 @@ def run(
 ) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT (what systemd runs)."""
     from tenex_daemon.adapters.nostr.signer import KeyFileError
+    from tenex_daemon.adapters.storage.filesystem.lock import StoreOpenError
     from tenex_daemon.app.control.errors import ControlSetupError
     from tenex_daemon.app.logging import configure_logging
 
@@ -155,9 +156,9 @@ def run(
         asyncio.run(Daemon(settings).run())
     except KeyboardInterrupt:
         pass
-    except (KeyFileError, ControlSetupError, StoreTooNewError) as exc:
-        # a key or control file, a path: configuration; a newer tenexd's store: not this one's to run (exit 2,
-        # which systemd's unit does not restart on)
+    except (KeyFileError, ControlSetupError, StoreTooNewError, StoreOpenError) as exc:
+        # a key or control file, a path: configuration; a newer tenexd's store: not this one's to run; a store
+        # this user may not read or write (exit 2, which systemd's unit does not restart on)
         _fail_run(str(exc), EXIT_USAGE, settings.daemon.log_format)
     except (TenexError, OSError) as exc:
         _fail_run(str(exc), EXIT_FAILURE, settings.daemon.log_format)

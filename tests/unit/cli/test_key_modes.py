@@ -133,3 +133,24 @@ def test_run_with_json_logs_and_settings_refused_says_why_in_a_json_line(home: P
     assert result.exit_code == 2
     assert [line["event"] for line in lines] == ["daemon_failed"]
     assert "config.toml" in lines[0]["error"]
+
+
+def test_run_on_a_store_this_user_may_not_open_exits_2_saying_what_to_check(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversation store restored as another user's (its lock file this user may not open) makes ``tenexd
+    run`` exit 2, which systemd's unit does not restart on, saying which file and what to check: it exited 1
+    with a bare "[Errno 13] Permission denied" and systemd restarted it every 5 s for good."""
+    from tenex_daemon.adapters.storage.filesystem import store as store_module
+
+    lock = home / "conversations" / ".lock"
+
+    def denied(root: Path) -> int:
+        raise PermissionError(13, "Permission denied", str(lock))
+
+    monkeypatch.setattr(store_module, "lock_home", denied)
+
+    result = CliRunner().invoke(app, ["--home", str(home), "run", "--relay", "ws://127.0.0.1:1"])
+
+    assert result.exit_code == 2
+    assert f"{lock} cannot be read or written by this user (check its owner and mode)" in result.stderr

@@ -155,21 +155,27 @@ class FileSystemStore:
 
     # --- open / close --------------------------------------------------------------------------
 
+    def _not_this_users(self, exc: PermissionError) -> StoreOpenError:
+        where = exc.filename if exc.filename else self.root
+        return StoreOpenError(
+            f"cannot open the conversation store in {self.root}: {where} cannot be read or written by this "
+            "user (check its owner and mode)"
+        )
+
     async def open(self) -> None:
         """Take the home's lock, read the index (never the logs), check it and repair it."""
         if self._opened:
             return
-        self._lock_fd = await asyncio.to_thread(lock_home, self.root)
+        try:
+            self._lock_fd = await asyncio.to_thread(lock_home, self.root)
+        except PermissionError as exc:  # its lock file (a home restored as another user's, say)
+            raise self._not_this_users(exc) from exc
         try:
             await asyncio.to_thread(check_store_format, self.root)  # a newer tenexd's store is not recovered
             result = await asyncio.to_thread(recover, self._layout)
         except PermissionError as exc:  # a file or folder of the home this process may not read
             await asyncio.to_thread(self._unlock)
-            where = exc.filename if exc.filename else self.root
-            raise StoreOpenError(
-                f"cannot open the conversation store in {self.root}: {where} cannot be read or written by "
-                "this user (check its owner and mode)"
-            ) from exc
+            raise self._not_this_users(exc) from exc
         except BaseException:
             await asyncio.to_thread(self._unlock)
             raise
