@@ -60,9 +60,12 @@ class ConversationCache:
             conversation = Conversation.from_state(json.loads(state_text), history)
         else:
             kept = held.conversation.history
-            same = len(kept) > first_seq and bool(events) and events[0]["seq"] == first_seq
+            # the rows continue the history held (same event at first_seq) and reach at least its end: a read
+            # older than what another load of this daemon took in since is not mixed with it (its state and
+            # that newer history), nor is a conversation deleted and made anew, or cut: read whole
+            same = first_seq < len(kept) <= first_seq + len(events) and events[0]["seq"] == first_seq
             if not same or events[0]["event_id"] != kept[first_seq].id:
-                self.drop(conversation_id)  # deleted and made anew, or cut: read it whole
+                self.drop(conversation_id)
                 return None
             conversation = held.conversation
             if state_text != held.state_text:  # another daemon saved its state

@@ -4,6 +4,7 @@ and still sees whatever another daemon sharing the database wrote since."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import asyncpg
@@ -111,6 +112,49 @@ async def test_a_load_from_what_the_store_holds_sees_another_daemons_writes(
         assert remade.title == "made anew"
         assert [e.id for e in remade.history] == [e.id for e in again.history]
         assert not remade.contains_event(reply.id)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_load_answered_late_is_not_mixed_with_the_newer_history_another_load_took_in(
+    postgres_server: PostgresServer, cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two loads of one conversation in one daemon overlap while daemon B renames it with a reply: the load
+    whose (older) answer is handled last returns the conversation of one moment (the old title without the
+    reply, or both of B's changes: it reads it again), never B's reply with the old title (a state that never
+    was, which it returned); the next load has both of B's changes."""
+    a, b = await two_daemons(await postgres_server.create_database())
+    try:
+        conversation = await conversation_of(a, cast, 1)
+        fetch = asyncpg.connection.Connection.fetch
+        late = [True]
+
+        async def answered_late(self: Any, query: str, *args: Any, **kwargs: Any) -> Any:
+            answer = await fetch(self, query, *args, **kwargs)
+            if query == LOAD_SQL and late and late.pop():
+                await asyncio.sleep(0.5)  # the first load's answer is handled after the second's
+            return answer
+
+        monkeypatch.setattr(asyncpg.connection.Connection, "fetch", answered_late)
+        older = asyncio.create_task(a.load(conversation.id))
+        await asyncio.sleep(0.1)
+        live = await b.load(conversation.id)
+        assert live is not None
+        live.title = "renamed by B"
+        reply = cast.bob_says("B's reply", tags=[["e", conversation.id]])
+        assert await b.append_event(conversation.id, reply, state=live)
+        newer = await a.load(conversation.id)
+
+        seen = await older
+
+        assert newer is not None
+        assert (newer.title, newer.contains_event(reply.id)) == ("renamed by B", True)
+        assert seen is not None
+        assert (seen.title, seen.contains_event(reply.id)) in {("long", False), ("renamed by B", True)}
+        again = await a.load(conversation.id)
+        assert again is not None
+        assert (again.title, again.contains_event(reply.id)) == ("renamed by B", True)
     finally:
         await a.close()
         await b.close()
