@@ -15,15 +15,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tenex_daemon.adapters.llm.factory import BACKEND_NAMES
 from tenex_daemon.app.home_dir import resolve_home
@@ -153,7 +145,7 @@ class StorageSettings(_Section):
     path: str | None = None
     """Home of the filesystem store: its conversations (and its lock) are kept in
     ``<path>/conversations``; default: the daemon's home (``<home>/conversations``). Relative: to the home
-    (:meth:`Settings._paths_in_home`)."""
+    (:func:`load_settings` makes it absolute)."""
     fsync: Literal["always", "batch"] = "batch"
     dsn: str | None = None
     """PostgreSQL DSN when kind = postgres: a ``postgresql://`` (or ``postgres://``) URI."""
@@ -358,22 +350,6 @@ class Settings(_Section):
             _check_hex_key(value)
         return values
 
-    @field_validator("storage", "control")
-    @classmethod
-    def _paths_in_home(
-        cls, section: StorageSettings | ControlSettings, info: ValidationInfo
-    ) -> StorageSettings | ControlSettings:
-        """A relative ``storage.path`` or ``control.socket`` is taken relative to the home, as a relative
-        ``api_key_file`` is, whatever folder the daemon or a command starts in (``~`` is the user's home)."""
-        home = info.data.get("home")
-        if home is None:  # the home itself was refused
-            return section
-        if isinstance(section, StorageSettings) and section.path:
-            section.path = str(_in_home(home, section.path, "path"))
-        if isinstance(section, ControlSettings) and section.socket:
-            section.socket = str(_in_home(home, section.socket, "socket"))
-        return section
-
     @model_validator(mode="after")
     def _agents_consistent(self) -> Settings:
         slugs = [a.slug for a in self.agents]
@@ -459,14 +435,14 @@ class Settings(_Section):
 
 
 def _in_home(home: Path, value: str, key: str) -> Path:
-    """``value`` (``key`` in its section, from config.toml or a ``TENEX_`` variable) made absolute: ``~``
-    expanded, a relative path joined to ``home``. A relative ``storage.path`` whose store is found only
+    """``value`` (``key`` in its section: ``path`` is the store's) made absolute: ``~`` expanded, a relative
+    path joined to ``home``. A relative ``storage.path`` whose store is found only
     under the current folder (where versions before this one looked) is refused, naming both: the daemon
     would start on an empty store and answer again what the relays hold."""
     try:
         path = Path(value).expanduser()
     except RuntimeError:  # "~" with no user's home known
-        raise ValueError(f"{key} {value!r}: '~' cannot be expanded here; write the full path") from None
+        raise ValueError(f"{value!r}: '~' cannot be expanded here; write the full path") from None
     if path.is_absolute():
         return path
     in_home = home / path
@@ -475,14 +451,37 @@ def _in_home(home: Path, value: str, key: str) -> Path:
             earlier = Path.cwd() / path
         except OSError:  # the current folder was removed
             earlier = in_home
-        found = (earlier / "conversations").is_dir() and not (in_home / "conversations").is_dir()
-        if earlier.resolve() != in_home.resolve() and found:
+        if earlier.resolve() != in_home.resolve() and _a_store_in(earlier) and not _a_store_in(in_home):
             raise ValueError(
-                f"{key} {value!r} is taken relative to the home ({in_home}), where no store is; the store is "
-                f"at {earlier} (relative to the current folder, where tenexd looked before): write that full "
-                "path in config.toml"
+                f"{value!r} is taken relative to the home ({in_home}), where no store is; the store is at "
+                f"{earlier} (relative to the current folder, where tenexd looked before): give that full path"
             )
     return in_home
+
+
+def _a_store_in(folder: Path) -> bool:
+    """Whether ``folder`` holds a filesystem store's ``conversations/`` (one this user may not look into:
+    no)."""
+    try:
+        return (folder / "conversations").is_dir()
+    except OSError:
+        return False
+
+
+def _paths_in_home(data: dict[str, Any], root: Path, overrides: list[_Override], config: Path) -> None:
+    """Make a relative ``storage.path`` or ``control.socket`` absolute, relative to the home ``root``, as a
+    relative ``api_key_file`` is, whatever folder the daemon or a command starts in (``~``: the user's home);
+    refused (:class:`SettingsError`) naming where the value came from."""
+    for section, key in (("storage", "path"), ("control", "socket")):
+        table = data.get(section)
+        value = table.get(key) if isinstance(table, dict) else None
+        if not isinstance(table, dict) or not isinstance(value, str) or not value:
+            continue
+        try:
+            table[key] = str(_in_home(root, value, key))
+        except ValueError as exc:
+            source = _source((section, key), overrides, config)
+            raise SettingsError(f"{source}: {section}.{key}: {exc}") from None
 
 
 def _check_hex_key(value: str) -> None:
@@ -635,6 +634,7 @@ def load_settings(home: str | Path | None = None, env: Mapping[str, str] | None 
     overrides = _env_overrides(environment)
     data = _apply(data, overrides)
     data["home"] = root
+    _paths_in_home(data, root, overrides, path)
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -307,7 +308,8 @@ def test_a_relative_store_path_whose_store_is_under_the_current_folder_is_refuse
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where earlier versions found the store (the current folder's), a start is refused rather than made on
-    an empty store in the home, and the message names both folders."""
+    an empty store in the home, the message naming both folders and where the value came from (the file, or
+    its variable); a current folder this user may not look into is no store."""
     home = write_home(tmp_path, CONFIG.format(owner=OWNER) + '[storage]\npath = "data"\n')
     cwd = tmp_path / "cwd"
     (cwd / "data" / "conversations").mkdir(parents=True)
@@ -315,7 +317,26 @@ def test_a_relative_store_path_whose_store_is_under_the_current_folder_is_refuse
     with pytest.raises(SettingsError) as refused:
         load_settings(home, {})
     message = str(refused.value)
+    assert message.startswith(f"{home.resolve() / 'config.toml'}: storage.path: 'data' is taken relative to the home")
     assert str(home.resolve() / "data") in message
     assert str(cwd / "data") in message
+    with pytest.raises(SettingsError, match=r"^environment TENEX_STORAGE__PATH: storage\.path: 'data'"):
+        load_settings(home, {"TENEX_STORAGE__PATH": '"data"', "TENEX_STORAGE__FSYNC": '"always"'})
+    # a folder this user may not look into holds no store for it (EACCES was a traceback of every command)
+    monkeypatch.setattr(Path, "is_dir", _denied_is_dir(Path.is_dir, cwd / "data" / "conversations"))
+    assert load_settings(home, {}).conversations_path == home.resolve() / "data" / "conversations"
+    monkeypatch.undo()
+    monkeypatch.chdir(cwd)
     (home / "data" / "conversations").mkdir(parents=True)  # the store copied into the home: taken
     assert load_settings(home, {}).conversations_path == home.resolve() / "data" / "conversations"
+
+
+def _denied_is_dir(is_dir: Callable[[Path], bool], denied: Path) -> Callable[[Path], bool]:
+    """``Path.is_dir`` raising EACCES for ``denied`` (as for a user who may not look into its folder)."""
+
+    def checked(path: Path) -> bool:
+        if path == denied:
+            raise PermissionError(13, "Permission denied", str(path))
+        return is_dir(path)
+
+    return checked
