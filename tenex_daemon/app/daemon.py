@@ -65,7 +65,7 @@ from tenex_daemon.app.status import (
     write_status,
 )
 from tenex_daemon.app.stop_signals import StopSignals
-from tenex_daemon.app.store_check import check_the_store, open_when_free
+from tenex_daemon.app.store_check import check_the_store, open_when_free, refuse_a_store_behind
 from tenex_daemon.app.watchdog import PROBE_EVERY_S, Watchdog, store_probe, watchdog_key
 from tenex_daemon.app.wiring import (
     Pipeline,
@@ -105,6 +105,9 @@ from tenex_daemon.services.upgrade import save_upgraded_conversations
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+
+BEHIND_CHECK_WAIT_S = 2.0
+"""How long the start waits for the relays' answer to whether the store is behind them."""
 
 REDISPATCH_RETRY_S = (1.0, 10.0, 60.0)
 """Waits before each retry of a dispatch interrupted by a crash that fails again."""
@@ -460,6 +463,11 @@ class Daemon:
         connected = await self._unless_stopped(self.pool.wait_connected(count=1, within=10.0))
         if connected is False:
             log.warning("no_relay_connected_yet", relays=self.relay_urls)
+        if connected and self.store is not None:  # a home restored from a backup: refused before answering
+            fetch = partial(self.pool.fetch, timeout=BEHIND_CHECK_WAIT_S)
+            agents, window = [a.pubkey for a in self.agents], self.settings.relays.since_window_s
+            behind = refuse_a_store_behind(self.store, fetch, agents, SUBSCRIPTION_ID, window)
+            await self._unless_stopped(behind)
         await self._unless_stopped(self._announce(signers))
         return self._stop_requested is None or not self._stop_requested.is_set()
 
@@ -471,11 +479,16 @@ class Daemon:
         if stop.is_set():
             step.close()
             return None
-        async with asyncio.TaskGroup() as group:
-            task, stopped = group.create_task(step), group.create_task(stop.wait())
+        task, stopped = asyncio.ensure_future(step), asyncio.ensure_future(stop.wait())
+        try:
             await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
-            (stopped if task.done() else task).cancel()
-        return task.result() if not task.cancelled() else None
+        finally:
+            for waited in (task, stopped):
+                if not waited.done():
+                    waited.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await waited
+        return None if task.cancelled() else task.result()  # its error raised as it is
 
     async def _announce(self, signers: dict[str, Signer]) -> None:
         """Each agent's profile, and its relay list when private messages are answered (:func:`announce`)."""

@@ -8,21 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 import structlog
 
+from tenex_daemon.adapters.nostr.relay_pool import Filter
 from tenex_daemon.adapters.nostr.relay_pool.subscriptions import ANY_RELAY, cursor_key
 from tenex_daemon.adapters.storage.filesystem.layout import ARCHIVE_DIR, Layout
 from tenex_daemon.adapters.storage.filesystem.lock import StoreLockedError
 from tenex_daemon.app.embedded_relay import relay_url
 from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.core.errors import TenexError
+from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import Store
 from tenex_daemon.core.search import SearchQuery
+from tenex_daemon.core.vocabulary import KIND_COMMENT, KIND_NOTE
 
 log = structlog.get_logger(__name__)
+
+RelayFetch = Callable[[Sequence[Filter]], Awaitable[list[NostrEvent]]]
+"""Ask the relays once (the relay pool's ``fetch``)."""
 
 LOCK_WAIT_S = 3.0
 """How long a starting daemon waits for a home's lock another process holds before it is refused."""
@@ -202,3 +209,42 @@ async def check_the_store(settings: Settings, store: Store, subscription_id: str
     if may_be_shared(settings):
         await claim_for_project(store, project)
     await refuse_an_empty_store_beside_the_homes(settings, store, subscription_id)
+
+
+class StoreBehindRelaysError(TenexError):
+    """The relays hold answers of this home's agents that the store does not know: a home restored from a
+    backup (or copied while its daemon ran), where the daemon would answer again what was answered since."""
+
+
+BEHIND_CHECK_LIMIT = 20
+"""How many of the agents' newest replies the start asks the relays for (:func:`refuse_a_store_behind`)."""
+
+
+async def refuse_a_store_behind(
+    store: Store, fetch: RelayFetch, agent_pubkeys: Sequence[str], subscription_id: str, window_s: int
+) -> None:
+    """Raise :class:`StoreBehindRelaysError` when a reply of one of ``agent_pubkeys`` (kinds 1 and 1111),
+    written since the store's oldest relay cursor (minus ``window_s``), is on the relays but not processed in
+    the store. Every reply is saved before it is published, so the store of a home that ran on is never
+    behind; a store that never subscribed (no cursor) is not checked, nor are the agents' events from before
+    it (another tenexd's, a TENEX backend's with the same keys)."""
+    cursor = await store.get_meta(cursor_key(subscription_id, ANY_RELAY))
+    if cursor is None or not cursor.isdigit():
+        return
+    since = max(int(cursor) - window_s, 0)
+    wanted: Filter = {
+        "authors": list(agent_pubkeys), "kinds": [KIND_NOTE, KIND_COMMENT], "since": since,
+        "limit": BEHIND_CHECK_LIMIT,
+    }
+    unknown = [event for event in await fetch([wanted]) if not await store.is_processed(event.id)]
+    if not unknown:
+        return
+    newest = max(unknown, key=lambda event: event.created_at)
+    when = datetime.fromtimestamp(newest.created_at, UTC).isoformat(timespec="seconds")
+    raise StoreBehindRelaysError(
+        f"the store is behind the relays: they hold {len(unknown)} replies of this home's agents it does not "
+        f"know (the newest {newest.id[:16]}… of {when}), so started on it the daemon would answer those "
+        "messages again. Was the home restored from a backup, or copied while its daemon ran? Take in what "
+        "the relays hold first with `tenexd conversations rebuild --all` (nothing is answered twice then), "
+        "then start it"
+    )

@@ -4,15 +4,25 @@ the relays still hold."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from tenex_daemon.adapters.nostr.relay_pool import Filter
+from tenex_daemon.adapters.nostr.relay_pool.subscriptions import ANY_RELAY, cursor_key
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.daemon import SUBSCRIPTION_ID, Daemon
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.settings import Settings, load_settings
-from tenex_daemon.app.store_check import EmptyStoreError, refuse_an_empty_store_beside_the_homes
+from tenex_daemon.app.store_check import (
+    EmptyStoreError,
+    StoreBehindRelaysError,
+    refuse_a_store_behind,
+    refuse_an_empty_store_beside_the_homes,
+)
+from tenex_daemon.core.events import NostrEvent
 from tests import pipeline
 from tests.conftest import Cast
 
@@ -102,3 +112,30 @@ async def test_a_store_whose_relays_were_all_replaced_still_counts_as_used(tmp_p
         await refuse_an_empty_store_beside_the_homes(settings, store, SUBSCRIPTION_ID)
     finally:
         await store.close()
+
+
+async def test_the_behind_check_asks_for_the_agents_replies_since_the_cursor_and_refuses_unknown_ones(
+    cast: Cast,
+) -> None:
+    """A store that never subscribed is not checked (no relay asked); with a cursor, the relays are asked for
+    the agents' replies since it (minus the window), and one the store has not processed is refused, naming
+    the rebuild; processed ones pass."""
+    store = MemoryStore()
+    asked: list[list[Filter]] = []
+    reply = cast.alice_says("an answer given after the backup")
+    answers: list[NostrEvent] = [reply]
+
+    async def fetch(filters: Sequence[Filter]) -> list[NostrEvent]:
+        asked.append(list(filters))
+        return answers
+
+    await refuse_a_store_behind(store, fetch, [cast.alice.pubkey], SUBSCRIPTION_ID, 300)
+    assert asked == []
+    await store.set_meta(cursor_key(SUBSCRIPTION_ID, ANY_RELAY), "1700000000")
+
+    with pytest.raises(StoreBehindRelaysError, match=r"they hold 1 replies .*`tenexd conversations rebuild --all`"):
+        await refuse_a_store_behind(store, fetch, [cast.alice.pubkey], SUBSCRIPTION_ID, 300)
+
+    assert asked[0] == [{"authors": [cast.alice.pubkey], "kinds": [1, 1111], "since": 1_699_999_700, "limit": 20}]
+    await store.mark_processed(reply.id)
+    await refuse_a_store_behind(store, fetch, [cast.alice.pubkey], SUBSCRIPTION_ID, 300)
