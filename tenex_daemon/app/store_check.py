@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -88,6 +89,10 @@ store, one project: conversations, processed ids, cursors and channels carry no 
 on one PostgreSQL database answered each other's notes with the other's history, read each other's
 conversations through an agent's tool, and swept each other's conversations."""
 
+
+FIRST_START_KEY = "store.first_start"
+"""When a daemon first started on the store, before any relay cursor (Unix seconds): the agents' replies from
+before are not the store's to know (:func:`refuse_a_store_behind`)."""
 
 class StoreOfAnotherProjectError(TenexError):
     """The store config.toml names serves another project."""
@@ -209,6 +214,15 @@ async def check_the_store(settings: Settings, store: Store, subscription_id: str
     if may_be_shared(settings):
         await claim_for_project(store, project)
     await refuse_an_empty_store_beside_the_homes(settings, store, subscription_id)
+    await note_the_first_start(store, subscription_id)
+
+
+async def note_the_first_start(store: Store, subscription_id: str) -> None:
+    """Write :data:`FIRST_START_KEY` (now) in a store no daemon subscribed from yet (a new one, or one started
+    anew beside an old one): the agents' replies from before it are not its to know."""
+    first = await store.get_meta(FIRST_START_KEY)
+    if first is None and await store.get_meta(cursor_key(subscription_id, ANY_RELAY)) is None:
+        await store.set_meta(FIRST_START_KEY, str(int(time.time())))
 
 
 class StoreBehindRelaysError(TenexError):
@@ -227,11 +241,13 @@ async def refuse_a_store_behind(
     written since the store's oldest relay cursor (minus ``window_s``), is on the relays but not processed in
     the store. Every reply is saved before it is published, so the store of a home that ran on is never
     behind; a store that never subscribed (no cursor) is not checked, nor are the agents' events from before
-    it (another tenexd's, a TENEX backend's with the same keys)."""
+    its cursor or its first start (:data:`FIRST_START_KEY`: a store started anew beside an old one, another
+    tenexd's, a TENEX backend's with the same keys)."""
     cursor = await store.get_meta(cursor_key(subscription_id, ANY_RELAY))
+    first = await store.get_meta(FIRST_START_KEY)
     if cursor is None or not cursor.isdigit():
         return
-    since = max(int(cursor) - window_s, 0)
+    since = max(int(cursor) - window_s, int(first) if first is not None and first.isdigit() else 0)
     wanted: Filter = {
         "authors": list(agent_pubkeys), "kinds": [KIND_NOTE, KIND_COMMENT], "since": since,
         "limit": BEHIND_CHECK_LIMIT,

@@ -17,8 +17,10 @@ from tenex_daemon.app.daemon import SUBSCRIPTION_ID, Daemon
 from tenex_daemon.app.home import init_home
 from tenex_daemon.app.settings import Settings, load_settings
 from tenex_daemon.app.store_check import (
+    FIRST_START_KEY,
     EmptyStoreError,
     StoreBehindRelaysError,
+    check_the_store,
     refuse_a_store_behind,
     refuse_an_empty_store_beside_the_homes,
 )
@@ -139,3 +141,30 @@ async def test_the_behind_check_asks_for_the_agents_replies_since_the_cursor_and
     assert asked[0] == [{"authors": [cast.alice.pubkey], "kinds": [1, 1111], "since": 1_699_999_700, "limit": 20}]
     await store.mark_processed(reply.id)
     await refuse_a_store_behind(store, fetch, [cast.alice.pubkey], SUBSCRIPTION_ID, 300)
+
+
+async def test_the_behind_check_leaves_out_the_agents_replies_from_before_the_stores_first_start(
+    cast: Cast, tmp_path: Path
+) -> None:
+    """A store started anew (the old one's folder moved aside) notes its first start, and the relays are
+    asked only for the agents' replies since then, not for those the old store answered before it: its second
+    start was refused for them."""
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {})
+    store = MemoryStore()
+    asked: list[list[Filter]] = []
+
+    async def fetch(filters: Sequence[Filter]) -> list[NostrEvent]:
+        asked.append(list(filters))
+        return []
+
+    await check_the_store(settings, store, SUBSCRIPTION_ID, "ab" * 32)
+    first = await store.get_meta(FIRST_START_KEY)
+    assert first is not None
+    await store.set_meta(cursor_key(SUBSCRIPTION_ID, ANY_RELAY), str(int(first) + 10))  # within the window
+    await check_the_store(settings, store, SUBSCRIPTION_ID, "ab" * 32)  # noted once
+
+    await refuse_a_store_behind(store, fetch, [cast.alice.pubkey], SUBSCRIPTION_ID, 300)
+
+    assert await store.get_meta(FIRST_START_KEY) == first
+    assert asked[0][0]["since"] == int(first)
