@@ -718,7 +718,8 @@ class Daemon:
             try:
                 await asyncio.shield(write)
             except asyncio.CancelledError:  # the thread writes on: the next write waits for it all the same
-                await write
+                with contextlib.suppress(Exception):  # its failure must not take the cancellation's place
+                    await write
                 raise
 
     async def _status_loop(self) -> None:

@@ -162,3 +162,30 @@ async def test_a_start_longer_than_the_stale_limit_reads_as_starting(
         go_on.set()
         daemon.request_stop()
         await asyncio.wait_for(running, 30)
+
+
+async def test_a_status_write_failing_as_its_writer_is_cancelled_lets_the_cancellation_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The status writer cancelled (the daemon stopping) while its write is in flight, the write then failing
+    (no file descriptor left, a full disk): the writer ends cancelled. Its failure took the cancellation's
+    place, was counted as a failed write, and the writer went on: the stop waited for it for ever."""
+    init_home(tmp_path / "h", relays=["ws://127.0.0.1:9"])
+    daemon = Daemon(load_settings(tmp_path / "h", {}))
+    writing, release = threading.Event(), threading.Event()
+
+    def failing(path: Path, data: StatusData) -> None:
+        writing.set()
+        release.wait(10)
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(daemon_module, "write_status", failing)
+    writer = asyncio.create_task(daemon._write_status_and_gauges())
+    assert await asyncio.to_thread(writing.wait, 10)
+    writer.cancel()
+    await asyncio.sleep(0.05)
+    release.set()
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(writer, 5)
+    assert writer.cancelled()
