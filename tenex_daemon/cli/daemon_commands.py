@@ -163,6 +163,15 @@ def run(
         _fail_run(str(exc), EXIT_USAGE, settings.daemon.log_format)
     except (TenexError, OSError) as exc:
         _fail_run(str(exc), EXIT_FAILURE, settings.daemon.log_format)
+    except RuntimeError as exc:
+        if "can't start new thread" not in str(exc):
+            raise
+        limit = (
+            "the system refused the daemon a new thread: a process or thread limit (ulimit -u, "
+            "systemd's TasksMax or LimitNPROC) is too low for it: raise it, then start it again (nothing "
+            "accepted is lost)"
+        )
+        _fail_run(limit, EXIT_FAILURE, settings.daemon.log_format)
 
 
 def _run_settings_of(ctx: typer.Context, log_format: str | None) -> Settings:

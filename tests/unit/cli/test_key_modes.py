@@ -154,3 +154,22 @@ def test_run_on_a_store_this_user_may_not_open_exits_2_saying_what_to_check(
 
     assert result.exit_code == 2
     assert f"{lock} cannot be read or written by this user (check its owner and mode)" in result.stderr
+
+
+def test_run_refused_a_thread_by_the_system_says_which_limit_in_one_line(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon the system refuses a new thread (a process or thread limit) exits 1 with one line naming the
+    limits to raise: it printed a Python traceback."""
+    from tenex_daemon.app.daemon import Daemon
+
+    async def refused(self: Daemon) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(Daemon, "run", refused)
+
+    result = CliRunner().invoke(app, ["--home", str(home), "run", "--relay", "ws://127.0.0.1:1"])
+
+    assert result.exit_code == 1
+    assert "a process or thread limit (ulimit -u, systemd's TasksMax or LimitNPROC)" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -168,6 +168,9 @@ class DerivedLines:
         except OSError:
             self.poisoned = True
             raise
+        except BaseException:  # no thread to fsync on (a process or thread limit), or cancelled: asked again
+            self._written |= written
+            raise
 
     async def stop(self) -> None:
         """Write what is left at once and wait for the writing task (the store is closing)."""

@@ -436,7 +436,7 @@ class Journal:
             for parent in {p.parent for p in synced} | folders | {self.root, self.root / ARCHIVE_DIR}:
                 with contextlib.suppress(FileNotFoundError):
                     fsync_dir(parent)
-        except OSError as exc:
+        except BaseException as exc:  # an OSError, or no thread to fsync on (a process or thread limit)
             self._dirty |= dirty  # the journal keeps covering them
             if isinstance(exc, FsyncError):
                 self.poisoned = True
