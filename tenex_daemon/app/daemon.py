@@ -94,6 +94,7 @@ from tenex_daemon.core.vocabulary import (
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.runtime.code_id import code_id
 from tenex_daemon.runtime.failures import log_failure
+from tenex_daemon.runtime.loop_errors import LoopErrors
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.descriptions import DescriptionJobs
 from tenex_daemon.services.dispatcher import HandleResult, Outcome
@@ -296,6 +297,7 @@ class Daemon:
         control.check()  # a control file or path it cannot start with: said before anything starts
         self._stop_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
+        loop.set_exception_handler(LoopErrors())  # a repeating OSError of asyncio's own: once a minute
         self.signals.install(loop)
         try:
             extending = keep_starting(self.notifier, until=self._stop_requested)
