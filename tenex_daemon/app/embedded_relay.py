@@ -70,6 +70,13 @@ def relay_url(host: str, port: int) -> str:
     return f"ws://{host}:{port}"
 
 
+VMEM_HINT = (
+    " (its LMDB database reserves a large address space, not memory: a virtual memory limit, ulimit -v or "
+    "systemd's LimitAS, refuses it; leave that limit unset)"
+)
+"""Said after the relay's own error when it could not map its database."""
+
+
 class EmbeddedRelayError(TenexError, RuntimeError):
     """The embedded relay could not be started (the command line says so in one line, as for any
     :class:`TenexError`)."""
@@ -149,17 +156,23 @@ class EmbeddedRelay:
             "--path", str(self.db_path), "--host", self.host, "--port", str(self.port),
         ]
         pipe = subprocess.PIPE
-        errors = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            os.fchmod(errors, 0o600)
-            self._log_from = os.fstat(errors).st_size
-            # a process group of its own: a Ctrl-C meant for the daemon never reaches it, not even while it
-            # imports, before it ignores the stop signals; it stops when the daemon closes its input
-            process = await asyncio.to_thread(
-                subprocess.Popen, command, stdin=pipe, stdout=pipe, stderr=errors, process_group=0
-            )
-        finally:
-            os.close(errors)
+            errors = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.fchmod(errors, 0o600)
+                self._log_from = os.fstat(errors).st_size
+                # a process group of its own: a Ctrl-C meant for the daemon never reaches it, not even while
+                # it imports, before it ignores the stop signals; it stops when the daemon closes its input
+                process = await asyncio.to_thread(
+                    subprocess.Popen, command, stdin=pipe, stdout=pipe, stderr=errors, process_group=0
+                )
+            finally:
+                os.close(errors)
+        except OSError as exc:  # out of file descriptors or processes: said in one line, with what to check
+            raise EmbeddedRelayError(
+                f"embedded relay on {self.url} failed to start: its process could not be made "
+                f"({exc.strerror or exc}): check the open-file and process limits (ulimit -n, ulimit -u)"
+            ) from None
         self._process = process
         assert process.stdout is not None
         try:
@@ -171,10 +184,9 @@ class EmbeddedRelay:
             ) from None
         if line.decode("utf-8", "replace").strip() != READY:
             await asyncio.to_thread(self._end)
-            raise EmbeddedRelayError(
-                f"embedded relay on {self.url} failed to start: "
-                f"{_last_lines(process, self.log_path, self._log_from)}"
-            )
+            said = _last_lines(process, self.log_path, self._log_from)
+            hint = VMEM_HINT if "Cannot allocate memory" in said else ""
+            raise EmbeddedRelayError(f"embedded relay on {self.url} failed to start: {said}{hint}")
         try:
             await self._wait_listening()
         except BaseException:

@@ -198,3 +198,19 @@ def test_an_ipv6_host_is_bracketed_in_the_relays_url() -> None:
     assert relay_url("::1", 7777) == "ws://[::1]:7777"
     assert relay_url("127.0.0.1", 7777) == "ws://127.0.0.1:7777"
     assert relay_url("[::1]", 7777) == "ws://[::1]:7777"
+
+
+async def test_a_relay_process_the_system_refuses_is_one_line_naming_the_limits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of file descriptors (or processes), the relay's start says so in one EmbeddedRelayError naming the
+    limits to check: it was a bare "[Errno 24] Too many open files"."""
+
+    def refused(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(subprocess, "Popen", refused)
+    relay = EmbeddedRelay(tmp_path / "relay", "127.0.0.1", free_port())
+
+    with pytest.raises(EmbeddedRelayError, match=r"could not be made \(Too many open files\): check the open-file"):
+        await relay.start()
