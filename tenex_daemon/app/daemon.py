@@ -91,7 +91,7 @@ from tenex_daemon.core.vocabulary import (
     KIND_GIFT_WRAP,
     KIND_STOP,
 )
-from tenex_daemon.runtime.background import BackgroundTasks
+from tenex_daemon.runtime.background import BackgroundTasks, unless_set
 from tenex_daemon.runtime.code_id import code_id
 from tenex_daemon.runtime.failures import log_failure
 from tenex_daemon.runtime.loop_errors import LoopErrors
@@ -475,22 +475,7 @@ class Daemon:
 
     async def _unless_stopped(self, step: Coroutine[Any, Any, T]) -> T | None:
         """``step``'s result, or None (``step`` cancelled) once a stop is asked for first."""
-        stop = self._stop_requested
-        if stop is None:
-            return await step
-        if stop.is_set():
-            step.close()
-            return None
-        task, stopped = asyncio.ensure_future(step), asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waited in (task, stopped):
-                if not waited.done():
-                    waited.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await waited
-        return None if task.cancelled() else task.result()  # its error raised as it is
+        return await step if self._stop_requested is None else await unless_set(self._stop_requested, step)
 
     async def _announce(self, signers: dict[str, Signer]) -> None:
         """Each agent's profile, and its relay list when private messages are answered (:func:`announce`)."""
@@ -536,15 +521,17 @@ class Daemon:
                 await self.pool.stop()
             await self._lifetime.aclose()
         finally:
-            if self.store is not None:
-                await self.store.close()
-            if self.embedded_relay is not None:
-                await asyncio.to_thread(self.embedded_relay.stop)
-            self.state = "stopped"
-            if self._store_opened:  # one refused the home (its store or name in use) never writes its status
-                with contextlib.suppress(OSError):
-                    await self._write_status()
-            lines("daemon_stopped")
+            try:
+                if self.store is not None:
+                    await self.store.close()
+            finally:  # a store that fails to close (a full disk) still lets the relay child stop
+                if self.embedded_relay is not None:
+                    await asyncio.to_thread(self.embedded_relay.stop)
+                self.state = "stopped"
+                if self._store_opened:  # one refused the home (store or name in use) never writes its status
+                    with contextlib.suppress(OSError):
+                        await self._write_status()
+                lines("daemon_stopped")
 
     # --- events ---------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ cancel them on stop (no orphan tasks, docs/STYLE.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -78,3 +79,21 @@ class BackgroundTasks:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         return len(tasks)
+
+
+async def unless_set(event: asyncio.Event, step: Coroutine[Any, Any, T]) -> T | None:
+    """``step``'s result, or None once ``event`` is set first (``step`` then cancelled, and waited for); an
+    error of ``step`` is raised as it is."""
+    if event.is_set():
+        step.close()
+        return None
+    task, happened = asyncio.ensure_future(step), asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((task, happened), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waited in (task, happened):
+            if not waited.done():
+                waited.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waited
+    return None if task.cancelled() else task.result()

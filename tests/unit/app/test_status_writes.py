@@ -137,6 +137,42 @@ async def test_a_shutdown_step_that_fails_still_closes_the_store(tmp_path: Path,
     await store.close()
 
 
+async def test_a_store_that_fails_to_close_still_lets_the_relay_child_stop_and_says_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's close failing at the stop (a full disk) still stops the embedded relay's process and writes
+    the stopped status, then raises: both were skipped."""
+    from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+    from tenex_daemon.app.embedded_relay import EmbeddedRelay
+
+    init_home(tmp_path / "h", relays=["ws://127.0.0.1:1"])
+    settings = load_settings(tmp_path / "h", {})
+    stopped: list[str] = []
+    close = FileSystemStore.close
+
+    async def no_relay(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
+        return False
+
+    async def full_disk(self: FileSystemStore) -> None:
+        await close(self)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RelayPool, "wait_connected", no_relay)
+    monkeypatch.setattr(FileSystemStore, "close", full_disk)
+    monkeypatch.setattr(EmbeddedRelay, "stop", lambda self: stopped.append(self.url))
+    daemon = Daemon(settings)
+    running = asyncio.create_task(daemon.run())
+    await asyncio.wait_for(daemon.wait_ready(), 30)
+    daemon.embedded_relay = EmbeddedRelay(tmp_path / "relay", "127.0.0.1", 9)  # as if it had started one
+    daemon.request_stop()
+
+    with pytest.raises(OSError, match="No space left"):
+        await asyncio.wait_for(running, 30)
+
+    assert stopped == ["ws://127.0.0.1:9"]
+    assert json.loads(settings.status_path.read_text())["state"] == "stopped"
+
+
 async def test_a_start_longer_than_the_stale_limit_reads_as_starting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
