@@ -468,7 +468,9 @@ class Daemon:
         if connected and self.store is not None:  # a home restored from a backup: refused before answering
             fetch = partial(self.pool.fetch, timeout=BEHIND_CHECK_WAIT_S)
             agents, window = [a.pubkey for a in self.agents], self.settings.relays.since_window_s
-            behind = refuse_a_store_behind(self.store, fetch, agents, SUBSCRIPTION_ID, window)
+            behind = refuse_a_store_behind(
+                self.store, fetch, agents, SUBSCRIPTION_ID, window, urls=self.relay_urls
+            )
             await self._unless_stopped(behind)
         await self._unless_stopped(self._announce(signers))
         return self._stop_requested is None or not self._stop_requested.is_set()

@@ -70,6 +70,10 @@ def relay_url(host: str, port: int) -> str:
     return f"ws://{host}:{port}"
 
 
+LIMITS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
+"""The errors of a process that could not be made which a limit of the system explains."""
+LIMITS_HINT = ": check the open-file and process limits (ulimit -n, ulimit -u)"
+
 VMEM_HINT = (
     " (its LMDB database reserves a large address space, not memory: a virtual memory limit, ulimit -v or "
     "systemd's LimitAS, refuses it; leave that limit unset)"
@@ -158,21 +162,23 @@ class EmbeddedRelay:
         pipe = subprocess.PIPE
         try:
             errors = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            try:
-                os.fchmod(errors, 0o600)
-                self._log_from = os.fstat(errors).st_size
-                # a process group of its own: a Ctrl-C meant for the daemon never reaches it, not even while
-                # it imports, before it ignores the stop signals; it stops when the daemon closes its input
-                process = await asyncio.to_thread(
-                    subprocess.Popen, command, stdin=pipe, stdout=pipe, stderr=errors, process_group=0
-                )
-            finally:
-                os.close(errors)
+        except OSError as exc:
+            raise EmbeddedRelayError(f"embedded relay on {self.url} failed to start: {exc}") from None
+        try:
+            os.fchmod(errors, 0o600)
+            self._log_from = os.fstat(errors).st_size
+            # a process group of its own: a Ctrl-C meant for the daemon never reaches it, not even while it
+            # imports, before it ignores the stop signals; it stops when the daemon closes its input
+            process = await asyncio.to_thread(
+                subprocess.Popen, command, stdin=pipe, stdout=pipe, stderr=errors, process_group=0
+            )
         except OSError as exc:  # out of file descriptors or processes: said in one line, with what to check
+            limits = LIMITS_HINT if exc.errno in LIMITS else ""
             raise EmbeddedRelayError(
-                f"embedded relay on {self.url} failed to start: its process could not be made "
-                f"({exc.strerror or exc}): check the open-file and process limits (ulimit -n, ulimit -u)"
+                f"embedded relay on {self.url} failed to start: its process could not be made ({exc}){limits}"
             ) from None
+        finally:
+            os.close(errors)
         self._process = process
         assert process.stdout is not None
         try:

@@ -158,14 +158,27 @@ async def used_before(settings: Settings, store: Store, subscription_id: str) ->
     subscription (``subscription_id``) on one of the relays (a store retention emptied keeps its cursors)."""
     if await store.search(SearchQuery(limit=1)):
         return True
+    return bool(await cursors(store, subscription_id, relay_urls(settings)))
+
+
+def relay_urls(settings: Settings) -> list[str]:
+    """The relays the settings name, the embedded one included."""
     relays = settings.relays
     urls = list(relays.urls)
     if relays.embedded:
         urls.append(relay_url(relays.embedded_host, relays.embedded_port))
-    for url in (*urls, ANY_RELAY):  # the cursor no relay is named by: the relays replaced since
-        if await store.get_meta(cursor_key(subscription_id, url)) is not None:
-            return True
-    return False
+    return urls
+
+
+async def cursors(store: Store, subscription_id: str, urls: Sequence[str]) -> list[int]:
+    """The stored cursors (Unix seconds) of the daemon's subscription on ``urls``, and the one no relay is
+    named by (:data:`ANY_RELAY`: the relays replaced since; a home from before it has the relays' own)."""
+    found = []
+    for url in (*urls, ANY_RELAY):
+        value = await store.get_meta(cursor_key(subscription_id, url))
+        if value is not None:
+            found.append(int(value) if value.isdigit() else 0)
+    return found
 
 
 async def refuse_an_empty_store_beside_the_homes(
@@ -214,14 +227,13 @@ async def check_the_store(settings: Settings, store: Store, subscription_id: str
     if may_be_shared(settings):
         await claim_for_project(store, project)
     await refuse_an_empty_store_beside_the_homes(settings, store, subscription_id)
-    await note_the_first_start(store, subscription_id)
+    await note_the_first_start(store, subscription_id, relay_urls(settings))
 
 
-async def note_the_first_start(store: Store, subscription_id: str) -> None:
+async def note_the_first_start(store: Store, subscription_id: str, urls: Sequence[str]) -> None:
     """Write :data:`FIRST_START_KEY` (now) in a store no daemon subscribed from yet (a new one, or one started
-    anew beside an old one): the agents' replies from before it are not its to know."""
-    first = await store.get_meta(FIRST_START_KEY)
-    if first is None and await store.get_meta(cursor_key(subscription_id, ANY_RELAY)) is None:
+    anew beside an old one; ``urls``: the relays): the agents' replies from before it are not its to know."""
+    if await store.get_meta(FIRST_START_KEY) is None and not await cursors(store, subscription_id, urls):
         await store.set_meta(FIRST_START_KEY, str(int(time.time())))
 
 
@@ -235,24 +247,28 @@ BEHIND_CHECK_LIMIT = 20
 
 
 async def refuse_a_store_behind(
-    store: Store, fetch: RelayFetch, agent_pubkeys: Sequence[str], subscription_id: str, window_s: int
+    store: Store, fetch: RelayFetch, agent_pubkeys: Sequence[str], subscription_id: str, window_s: int,
+    urls: Sequence[str] = (),
 ) -> None:
     """Raise :class:`StoreBehindRelaysError` when a reply of one of ``agent_pubkeys`` (kinds 1 and 1111),
     written since the store's oldest relay cursor (minus ``window_s``), is on the relays but not processed in
     the store. Every reply is saved before it is published, so the store of a home that ran on is never
     behind; a store that never subscribed (no cursor) is not checked, nor are the agents' events from before
     its cursor or its first start (:data:`FIRST_START_KEY`: a store started anew beside an old one, another
-    tenexd's, a TENEX backend's with the same keys)."""
-    cursor = await store.get_meta(cursor_key(subscription_id, ANY_RELAY))
-    first = await store.get_meta(FIRST_START_KEY)
-    if cursor is None or not cursor.isdigit():
+    tenexd's, a TENEX backend's with the same keys). ``urls``: the relays, whose own cursors a home from
+    before the relay-independent one has. What the relays answer is checked against the request too (a relay
+    may ignore ``since``, or read an empty author list as any author's): no agents, nothing to check."""
+    found = await cursors(store, subscription_id, urls)
+    if not found or not agent_pubkeys:
         return
-    since = max(int(cursor) - window_s, int(first) if first is not None and first.isdigit() else 0)
-    wanted: Filter = {
-        "authors": list(agent_pubkeys), "kinds": [KIND_NOTE, KIND_COMMENT], "since": since,
-        "limit": BEHIND_CHECK_LIMIT,
-    }
-    unknown = [event for event in await fetch([wanted]) if not await store.is_processed(event.id)]
+    first = await store.get_meta(FIRST_START_KEY)
+    since = max(min(found) - window_s, int(first) if first is not None and first.isdigit() else 0)
+    kinds = [KIND_NOTE, KIND_COMMENT]
+    authors = set(agent_pubkeys)
+    wanted: Filter = {"authors": sorted(authors), "kinds": kinds, "since": since, "limit": BEHIND_CHECK_LIMIT}
+    answered = await fetch([wanted])
+    asked = [e for e in answered if e.pubkey in authors and e.kind in kinds and e.created_at >= since]
+    unknown = [event for event in asked if not await store.is_processed(event.id)]
     if not unknown:
         return
     newest = max(unknown, key=lambda event: event.created_at)

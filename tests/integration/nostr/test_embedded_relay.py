@@ -212,5 +212,5 @@ async def test_a_relay_process_the_system_refuses_is_one_line_naming_the_limits(
     monkeypatch.setattr(subprocess, "Popen", refused)
     relay = EmbeddedRelay(tmp_path / "relay", "127.0.0.1", free_port())
 
-    with pytest.raises(EmbeddedRelayError, match=r"could not be made \(Too many open files\): check the open-file"):
+    with pytest.raises(EmbeddedRelayError, match=r"could not be made \(\[Errno 24\] Too many open files\): check the"):
         await relay.start()

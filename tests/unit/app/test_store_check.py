@@ -21,10 +21,12 @@ from tenex_daemon.app.store_check import (
     EmptyStoreError,
     StoreBehindRelaysError,
     check_the_store,
+    note_the_first_start,
     refuse_a_store_behind,
     refuse_an_empty_store_beside_the_homes,
 )
 from tenex_daemon.core.events import NostrEvent
+from tenex_daemon.testing import sign_event
 from tests import pipeline
 from tests.conftest import Cast
 
@@ -168,3 +170,30 @@ async def test_the_behind_check_leaves_out_the_agents_replies_from_before_the_st
 
     assert await store.get_meta(FIRST_START_KEY) == first
     assert asked[0][0]["since"] == int(first)
+
+
+async def test_the_behind_check_believes_only_what_it_asked_for_and_reads_a_relays_own_cursor(
+    cast: Cast,
+) -> None:
+    """A relay answering with a stranger's note, or an agent's reply older than asked for (it ignored the
+    author list or ``since``), refuses nothing; with no agents nothing is asked (a home of no agents was
+    refused for any stranger's note); a home from before the relay-independent cursor is checked from its
+    relays' own cursors, and no first start is noted over them."""
+    store = MemoryStore()
+    url = "ws://relay.example"
+    await store.set_meta(cursor_key(SUBSCRIPTION_ID, url), "1800000000")
+    await note_the_first_start(store, SUBSCRIPTION_ID, [url])
+    stranger = cast.user_says("a stranger's note", kind=1)
+    old = sign_event(cast.alice_keys, "an old reply", kind=1111, created_at=1_700_000_000)
+    asked: list[list[Filter]] = []
+
+    async def careless(filters: Sequence[Filter]) -> list[NostrEvent]:
+        asked.append(list(filters))
+        return [stranger, old]
+
+    await refuse_a_store_behind(store, careless, [], SUBSCRIPTION_ID, 300, urls=[url])
+    assert asked == []
+    await refuse_a_store_behind(store, careless, [cast.alice.pubkey], SUBSCRIPTION_ID, 300, urls=[url])
+
+    assert asked[0][0]["since"] == 1_800_000_000 - 300
+    assert await store.get_meta(FIRST_START_KEY) is None
