@@ -297,6 +297,7 @@ class Daemon:
         control.check()  # a control file or path it cannot start with: said before anything starts
         self._stop_requested = asyncio.Event()
         loop = asyncio.get_running_loop()
+        handler = loop.get_exception_handler()
         loop.set_exception_handler(LoopErrors())  # a repeating OSError of asyncio's own: once a minute
         self.signals.install(loop)
         try:
@@ -319,6 +320,7 @@ class Daemon:
         finally:
             await self._shutdown(control)
             self.signals.remove(loop)
+            loop.set_exception_handler(handler)
 
     async def _start(self) -> None:
         settings = self.settings

@@ -94,6 +94,7 @@ FIRST_START_KEY = "store.first_start"
 """When a daemon first started on the store, before any relay cursor (Unix seconds): the agents' replies from
 before are not the store's to know (:func:`refuse_a_store_behind`)."""
 
+
 class StoreOfAnotherProjectError(TenexError):
     """The store config.toml names serves another project."""
 
