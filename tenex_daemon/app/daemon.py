@@ -318,9 +318,11 @@ class Daemon:
             log.info("daemon_ready", relays=self.relay_urls, agents=[a.slug for a in self.agents])
             await self._stop_requested.wait()
         finally:
-            await self._shutdown(control)
-            self.signals.remove(loop)
-            loop.set_exception_handler(handler)
+            try:
+                await self._shutdown(control)
+            finally:  # a shutdown that fails (a store that cannot close) gives the loop its handlers back too
+                self.signals.remove(loop)
+                loop.set_exception_handler(handler)
 
     async def _start(self) -> None:
         settings = self.settings

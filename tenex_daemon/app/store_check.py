@@ -159,7 +159,7 @@ async def used_before(settings: Settings, store: Store, subscription_id: str) ->
     subscription (``subscription_id``) on one of the relays (a store retention emptied keeps its cursors)."""
     if await store.search(SearchQuery(limit=1)):
         return True
-    return bool(await cursors(store, subscription_id, relay_urls(settings)))
+    return bool(await _cursor_values(store, subscription_id, relay_urls(settings)))
 
 
 def relay_urls(settings: Settings) -> list[str]:
@@ -171,15 +171,20 @@ def relay_urls(settings: Settings) -> list[str]:
     return urls
 
 
-async def cursors(store: Store, subscription_id: str, urls: Sequence[str]) -> list[int]:
-    """The stored cursors (Unix seconds) of the daemon's subscription on ``urls``, and the one no relay is
-    named by (:data:`ANY_RELAY`: the relays replaced since; a home from before it has the relays' own)."""
+async def _cursor_values(store: Store, subscription_id: str, urls: Sequence[str]) -> list[str]:
+    """The stored cursors of the daemon's subscription on ``urls``, and the one no relay is named by
+    (:data:`ANY_RELAY`: the relays replaced since; a home from before it has the relays' own), as stored."""
     found = []
     for url in (*urls, ANY_RELAY):
         value = await store.get_meta(cursor_key(subscription_id, url))
         if value is not None:
-            found.append(int(value) if value.isdigit() else 0)
+            found.append(value)
     return found
+
+
+async def cursors(store: Store, subscription_id: str, urls: Sequence[str]) -> list[int]:
+    """:func:`_cursor_values` read as Unix seconds (one that is not a number is left out)."""
+    return [int(value) for value in await _cursor_values(store, subscription_id, urls) if value.isdecimal()]
 
 
 async def refuse_an_empty_store_beside_the_homes(
@@ -234,7 +239,8 @@ async def check_the_store(settings: Settings, store: Store, subscription_id: str
 async def note_the_first_start(store: Store, subscription_id: str, urls: Sequence[str]) -> None:
     """Write :data:`FIRST_START_KEY` (now) in a store no daemon subscribed from yet (a new one, or one started
     anew beside an old one; ``urls``: the relays): the agents' replies from before it are not its to know."""
-    if await store.get_meta(FIRST_START_KEY) is None and not await cursors(store, subscription_id, urls):
+    subscribed = await _cursor_values(store, subscription_id, urls)
+    if not subscribed and await store.get_meta(FIRST_START_KEY) is None:
         await store.set_meta(FIRST_START_KEY, str(int(time.time())))
 
 
@@ -263,7 +269,7 @@ async def refuse_a_store_behind(
     if not found or not agent_pubkeys:
         return
     first = await store.get_meta(FIRST_START_KEY)
-    since = max(min(found) - window_s, int(first) if first is not None and first.isdigit() else 0)
+    since = max(min(found) - window_s, int(first) if first is not None and first.isdecimal() else 0)
     kinds = [KIND_NOTE, KIND_COMMENT]
     authors = set(agent_pubkeys)
     wanted: Filter = {"authors": sorted(authors), "kinds": kinds, "since": since, "limit": BEHIND_CHECK_LIMIT}

@@ -140,8 +140,8 @@ async def test_a_shutdown_step_that_fails_still_closes_the_store(tmp_path: Path,
 async def test_a_store_that_fails_to_close_still_lets_the_relay_child_stop_and_says_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The store's close failing at the stop (a full disk) still stops the embedded relay's process and writes
-    the stopped status, then raises: both were skipped."""
+    """The store's close failing at the stop (a full disk) still stops the embedded relay's process, writes
+    the stopped status and gives the loop its exception handler back, then raises: all were skipped."""
     from tenex_daemon.adapters.storage.filesystem import FileSystemStore
     from tenex_daemon.app.embedded_relay import EmbeddedRelay
 
@@ -160,6 +160,8 @@ async def test_a_store_that_fails_to_close_still_lets_the_relay_child_stop_and_s
     monkeypatch.setattr(RelayPool, "wait_connected", no_relay)
     monkeypatch.setattr(FileSystemStore, "close", full_disk)
     monkeypatch.setattr(EmbeddedRelay, "stop", lambda self: stopped.append(self.url))
+    loop = asyncio.get_running_loop()
+    mine = loop.get_exception_handler()
     daemon = Daemon(settings)
     running = asyncio.create_task(daemon.run())
     await asyncio.wait_for(daemon.wait_ready(), 30)
@@ -171,6 +173,7 @@ async def test_a_store_that_fails_to_close_still_lets_the_relay_child_stop_and_s
 
     assert stopped == ["ws://127.0.0.1:9"]
     assert json.loads(settings.status_path.read_text())["state"] == "stopped"
+    assert loop.get_exception_handler() is mine  # the loop has its own handler back, the shutdown failing
 
 
 async def test_a_start_longer_than_the_stale_limit_reads_as_starting(

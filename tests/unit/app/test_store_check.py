@@ -176,9 +176,9 @@ async def test_the_behind_check_believes_only_what_it_asked_for_and_reads_a_rela
     cast: Cast,
 ) -> None:
     """A relay answering with a stranger's note, or an agent's reply older than asked for (it ignored the
-    author list or ``since``), refuses nothing; with no agents nothing is asked (a home of no agents was
-    refused for any stranger's note); a home from before the relay-independent cursor is checked from its
-    relays' own cursors, and no first start is noted over them."""
+    author list or ``since``), refuses nothing; with no agents, or a damaged cursor only, nothing is asked (a
+    home of no agents was refused for any stranger's note); a home from before the relay-independent cursor
+    is checked from its relays' own cursors, and no first start is noted over them."""
     store = MemoryStore()
     url = "ws://relay.example"
     await store.set_meta(cursor_key(SUBSCRIPTION_ID, url), "1800000000")
@@ -193,6 +193,10 @@ async def test_the_behind_check_believes_only_what_it_asked_for_and_reads_a_rela
 
     await refuse_a_store_behind(store, careless, [], SUBSCRIPTION_ID, 300, urls=[url])
     assert asked == []
+    damaged = MemoryStore()
+    await damaged.set_meta(cursor_key(SUBSCRIPTION_ID, url), "not a time")
+    await refuse_a_store_behind(damaged, careless, [cast.alice.pubkey], SUBSCRIPTION_ID, 300, urls=[url])
+    assert asked == []  # a damaged cursor is no cursor: not asked from the beginning of time
     await refuse_a_store_behind(store, careless, [cast.alice.pubkey], SUBSCRIPTION_ID, 300, urls=[url])
 
     assert asked[0][0]["since"] == 1_800_000_000 - 300
