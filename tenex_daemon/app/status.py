@@ -487,9 +487,10 @@ def _process_exists(pid: int) -> bool | None:
 
 
 def read_status(
-    path: str | os.PathLike[str], stale_after_s: float, *, now: float | None = None
+    path: str | os.PathLike[str], stale_after_s: float, *, now: float | None = None, home: Path | None = None
 ) -> StatusReport:
-    """Read the status file and judge it: running, stale or stopped (see :class:`Health`).
+    """Read the status file and judge it: running, stale or stopped (see :class:`Health`); with ``home``, a
+    file another home's daemon wrote (this home a copy of that one) reads as stopped.
 
     Never raises for a missing, unreadable or malformed file: that is a report too; but a file this user may
     not read raises PermissionError: who may not read it cannot tell whether the daemon runs.
@@ -529,7 +530,7 @@ def read_status(
         except FileNotFoundError:  # removed since it was read (a stop's last write replaces it): as read
             updated = moment
     age = max(0.0, moment - updated)
-    return _judge(data, age, stale_after_s, target, f"status updated {age:.1f} s ago")
+    return _judge(data, age, stale_after_s, target, f"status updated {age:.1f} s ago", home)
 
 
 def live_report(data: dict[str, Any], path: str | os.PathLike[str], file_age_s: float | None) -> StatusReport:
@@ -546,13 +547,35 @@ FILE_LAG_NOTED_S = 10.0
 """A status file older than this while the daemon answers live is pointed out (its writes fail)."""
 
 
-def _judge(data: dict[str, Any], age: float, stale_after_s: float, target: Path, when: str) -> StatusReport:
-    """Running, stale or stopped, from a status document ``age`` seconds old."""
+def _same_folder(one: Path, other: Path) -> bool:
+    """Whether two paths name one folder (one that is gone, or no path, is not the other)."""
+    if one == other:
+        return True
+    try:
+        return os.path.samefile(one, other)
+    except (OSError, ValueError):
+        return False
+
+
+def _judge(
+    data: dict[str, Any], age: float, stale_after_s: float, target: Path, when: str, home: Path | None = None
+) -> StatusReport:
+    """Running, stale or stopped, from a status document ``age`` seconds old (of ``home``'s daemon)."""
     pid = data.get("pid")
     process = _pid_of(pid)
     daemon_state = data.get("state")
     if daemon_state == DaemonState.STOPPED.value:
         return StatusReport(Health.STOPPED, data, age, f"not running: pid {pid} stopped cleanly", target)
+    written_for = data.get("home")
+    if home is not None and isinstance(written_for, str) and written_for and not _same_folder(
+        Path(written_for), home
+    ):
+        return StatusReport(
+            Health.STOPPED, data, age,
+            f"not running here: the status file is the daemon's of {written_for} (pid {pid}), not of this "
+            f"home ({home}): is this home a copy of that one?",
+            target,
+        )
     if process is not None and _process_exists(process) is False:
         return StatusReport(
             Health.STOPPED, data, age,
@@ -575,7 +598,8 @@ def _judge(data: dict[str, Any], age: float, stale_after_s: float, target: Path,
         return StatusReport(
             Health.STALE, data, age,
             f"stale: pid {pid} last updated its status {age:.0f} s ago (limit {stale_after_s:g} s); "
-            "the daemon may be stuck",
+            "the daemon may be stuck, or unable to write it (a full disk, no file descriptor left: see its "
+            "log)",
             target,
         )
     degraded = data.get("degraded")

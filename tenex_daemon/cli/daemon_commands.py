@@ -216,8 +216,8 @@ def _status_report(ctx: typer.Context) -> tuple[StatusReport, str | None]:
         fallback = home / "run" / "status.json"
         if not (home / CONFIG_FILE).exists() and not fallback.exists():
             fail(str(exc), EXIT_USAGE)
-        return read_status(fallback, DEFAULT_STALE_S), str(exc)
-    report = read_status(settings.status_path, settings.daemon.stale_after_s)
+        return read_status(fallback, DEFAULT_STALE_S, home=home), str(exc)
+    report = read_status(settings.status_path, settings.daemon.stale_after_s, home=settings.home)
     if report.state is Health.STOPPED:
         return report, None
     # its process lives: what it answers now is truer than a file whose writes may fail (a full disk)

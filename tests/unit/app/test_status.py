@@ -196,3 +196,21 @@ def test_a_start_longer_than_the_stale_limit_reads_as_starting_while_its_process
     running["state"] = "running"
     write_status(path, running)
     assert read_status(path, stale_after_s=30, now=time.time() + 120).state is Health.STALE
+
+
+def test_a_status_file_copied_with_its_home_is_not_taken_for_this_homes_daemon(tmp_path: Path) -> None:
+    """A home copied while its daemon ran holds that daemon's status file, naming the original home and a
+    live pid: `tenexd status` on the copy said running (the original's relays and counts); it says no
+    daemon runs here, naming the home the file is of."""
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    data = new_status("0.1.0", home=str(original))
+    data["state"] = "running"
+    write_status(original / "run" / "status.json", data)
+    write_status(copy / "run" / "status.json", data)
+
+    in_copy = read_status(copy / "run" / "status.json", stale_after_s=30, home=copy)
+    in_original = read_status(original / "run" / "status.json", stale_after_s=30, home=original)
+
+    assert in_copy.state is Health.STOPPED
+    assert in_copy.reason.startswith(f"not running here: the status file is the daemon's of {original}")
+    assert in_original.state is Health.RUNNING

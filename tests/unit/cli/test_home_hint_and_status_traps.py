@@ -48,3 +48,22 @@ def test_status_on_a_status_file_not_utf8_or_with_a_huge_pid_says_so(
     assert result.stdout.strip() == f"tenexd: status file {status_path} {reason}" + (
         " (a whole number from 1 to 2147483647)" if "pid" in reason else ""
     )
+
+
+def test_status_of_a_home_copied_while_its_daemon_ran_says_no_daemon_runs_there(tmp_path: Path) -> None:
+    """`tenexd status` on a copy of a home whose daemon still runs (its status file copied, naming the
+    original home and a live pid) exits 1 saying no daemon runs here: it said running, with the original's
+    figures."""
+    from tenex_daemon.app.home import init_home
+    from tenex_daemon.app.status import new_status, write_status
+
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    init_home(copy, relays=["ws://127.0.0.1:1"])
+    data = new_status("0.1.0", home=str(original))
+    data["state"] = "running"
+    write_status(copy / "run" / "status.json", data)
+
+    result = CliRunner().invoke(app, ["--home", str(copy), "status"])
+
+    assert result.exit_code == 1
+    assert f"not running here: the status file is the daemon's of {original}" in result.output
