@@ -467,8 +467,8 @@ class Daemon:
         assert self.pool is not None
         await self.pool.start()
         connected = await self._unless_stopped(self.pool.wait_connected(count=1, within=10.0))
-        if connected is False:
-            log.warning("no_relay_connected_yet", relays=self.relay_urls)
+        if connected is False:  # nor is it known whether the store is behind them (a home restored)
+            log.warning("no_relay_connected_yet", relays=self.relay_urls, store_behind_checked=False)
         if connected and self.store is not None:  # a home restored from a backup: refused before answering
             fetch = partial(self.pool.fetch, timeout=BEHIND_CHECK_WAIT_S)
             agents, window = [a.pubkey for a in self.agents], self.settings.relays.since_window_s

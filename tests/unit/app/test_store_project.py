@@ -24,6 +24,7 @@ from tenex_daemon.app.store_check import (
 from tenex_daemon.cli.main import app
 from tenex_daemon.core.search import SearchQuery
 from tests.unit.cli.test_cli import seed_conversation
+from tests.unit.cli.test_migrate_smarthole import data_file
 
 A, B = "a" * 64, "b" * 64
 
@@ -181,9 +182,9 @@ async def claim_on(folder: Path, project: str) -> None:
 
 
 def test_commands_run_without_a_daemon_refuse_a_store_another_project_marked(tmp_path: Path) -> None:
-    """With no daemon answering, home b's `conversations list` and `migrate --from` on the store home a's
-    project marked are refused (exit 2), so b neither reads a's conversations nor imports into a's store;
-    home a lists its own."""
+    """With no daemon answering, home b's `conversations list`, `migrate --from` and `--from-smarthole` on the
+    store home a's project marked are refused (exit 2), so b neither reads a's conversations nor imports into
+    a's store (it holds a's conversation only); home a lists its own."""
     _, project_a, _, _, shared = shared_homes(tmp_path)
     seed_conversation(tmp_path / "a", "A's own", "hi")
     asyncio.run(claim_on(shared, project_a))
@@ -192,12 +193,17 @@ def test_commands_run_without_a_daemon_refuse_a_store_another_project_marked(tmp
 
     listed = CliRunner().invoke(app, ["--home", str(tmp_path / "b"), "conversations", "list"])
     imported = CliRunner().invoke(app, ["--home", str(tmp_path / "b"), "migrate", "--from", str(tmp_path / "project")])
+    smarthole = data_file(tmp_path)
+    from_smarthole = CliRunner().invoke(app, ["--home", str(tmp_path / "b"), "migrate", "--from-smarthole", str(smarthole)])
 
     assert listed.exit_code == 2
     assert "serves another project" in listed.stderr
     assert "A's own" not in listed.output
     assert imported.exit_code == 2
     assert "serves another project" in imported.stderr
+    assert from_smarthole.exit_code == 2
+    assert "serves another project" in from_smarthole.stderr
+    assert asyncio.run(titles_in(shared)) == ["A's own"]  # nothing of b's imported into a's store
     own = CliRunner().invoke(app, ["--home", str(tmp_path / "a"), "conversations", "list"])
     assert own.exit_code == 0, own.output
     assert "A's own" in own.output
