@@ -434,29 +434,28 @@ class Settings(_Section):
         return next((a.slug for a in self.agents if not a.orchestrator), None)
 
 
-def _in_home(home: Path, value: str, key: str) -> Path:
-    """``value`` (``key`` in its section: ``path`` is the store's) made absolute: ``~`` expanded, a relative
-    path joined to ``home``. A relative ``storage.path`` whose store is found only
-    under the current folder (where versions before this one looked) is refused, naming both: the daemon
-    would start on an empty store and answer again what the relays hold."""
+def _in_home(home: Path, value: str) -> Path:
+    """``value`` made absolute: ``~`` expanded, a relative path joined to ``home``."""
     try:
         path = Path(value).expanduser()
     except RuntimeError:  # "~" with no user's home known
         raise ValueError(f"{value!r}: '~' cannot be expanded here; write the full path") from None
-    if path.is_absolute():
-        return path
-    in_home = home / path
-    if key == "path":
-        try:
-            earlier = Path.cwd() / path
-        except OSError:  # the current folder was removed
-            earlier = in_home
-        if earlier.resolve() != in_home.resolve() and _a_store_in(earlier) and not _a_store_in(in_home):
-            raise ValueError(
-                f"{value!r} is taken relative to the home ({in_home}), where no store is; the store is at "
-                f"{earlier} (relative to the current folder, where tenexd looked before): give that full path"
-            )
-    return in_home
+    return path if path.is_absolute() else home / path
+
+
+def _store_left_behind(value: str, in_home: Path) -> None:
+    """Refuse a relative ``storage.path`` (``value``, now ``in_home``) whose store is found only under the
+    current folder, where versions before this one looked, naming both: the daemon would start on an empty
+    store and answer again what the relays hold. An absolute one is the same path either way."""
+    try:
+        earlier = Path.cwd() / Path(value).expanduser()
+    except OSError:  # the current folder was removed
+        return
+    if earlier.resolve() != in_home.resolve() and _a_store_in(earlier) and not _a_store_in(in_home):
+        raise ValueError(
+            f"{value!r} is taken relative to the home ({in_home}), where no store is; the store is at "
+            f"{earlier} (relative to the current folder, where tenexd looked before): give that full path"
+        )
 
 
 def _a_store_in(folder: Path) -> bool:
@@ -478,7 +477,10 @@ def _paths_in_home(data: dict[str, Any], root: Path, overrides: list[_Override],
         if not isinstance(table, dict) or not isinstance(value, str) or not value:
             continue
         try:
-            table[key] = str(_in_home(root, value, key))
+            path = _in_home(root, value)
+            if section == "storage":
+                _store_left_behind(value, path)
+            table[key] = str(path)
         except ValueError as exc:
             source = _source((section, key), overrides, config)
             raise SettingsError(f"{source}: {section}.{key}: {exc}") from None

@@ -23,7 +23,7 @@ def find_event_references(text: str) -> list[str]:
     """
     if "nostr:" not in text:
         return []
-    found: dict[str, None] = {}
+    found: list[str] = []
     seen: set[str] = set()
     for match in nip19.NOSTR_URI_PATTERN.finditer(text):
         uri = match.group(0)
@@ -35,10 +35,10 @@ def find_event_references(text: str) -> list[str]:
         except nip19.Nip19Error:
             continue
         if entity.is_event_reference:
-            found[uri] = None
+            found.append(uri)
             if len(found) == MAX_REFERENCES_PER_MESSAGE:
                 break
-    return list(found)
+    return found
 
 
 def inline_entity(uri: str, content: str) -> str:

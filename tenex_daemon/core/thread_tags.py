@@ -150,9 +150,6 @@ def _nip10_threading(tags: list[list[str]]) -> Threading:
             ThreadStyle.NIP10_MARKED, root[1], None, _nip10_author(root),
             parent[1], None, _nip10_author(parent),
         )
-    positional = [t for t in e_tags if _marker(t) != MARKER_MENTION]
-    if not positional:
+    if not unmarked:  # no marker at all: the tags but mentions, by position
         return Threading(ThreadStyle.NONE)
-    return Threading(
-        ThreadStyle.NIP10_POSITIONAL, positional[0][1], None, None, positional[-1][1], None, None
-    )
+    return Threading(ThreadStyle.NIP10_POSITIONAL, unmarked[0][1], None, None, unmarked[-1][1], None, None)

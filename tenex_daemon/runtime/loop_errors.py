@@ -44,8 +44,9 @@ class LoopErrors:
         self._written.pop(message, None)
         self._written[message] = now
         while len(self._written) > KEPT_MESSAGES:
-            self._held.pop(next(iter(self._written)), None)
-            del self._written[next(iter(self._written))]
+            oldest = next(iter(self._written))
+            del self._written[oldest]
+            self._held.pop(oldest, None)
         if repeats:
             log.warning("event_loop_error_repeated", message=message, times=repeats, within_s=self._every_s)
         loop.default_exception_handler(context)

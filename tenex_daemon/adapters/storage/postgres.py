@@ -339,7 +339,7 @@ class PostgresStore:
             raise
         if saved is None:
             return False
-        if state is not None and saved:
+        if state is not None:
             self._cache.keep(state, saved)
         return True
 

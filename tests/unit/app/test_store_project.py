@@ -47,21 +47,24 @@ def test_a_daemon_of_another_project_and_a_copy_into_its_store_are_refused(tmp_p
     B's store into it is refused (exit 2) before anything is copied."""
     settings_a, project_a, settings_b, project_b, shared = shared_homes(tmp_path)
 
-    async def start_check(settings: Settings, project: str) -> None:
-        store = FileSystemStore(shared)
-        await store.open()
-        try:
-            await check_the_store(settings, store, SUBSCRIPTION_ID, project)
-        finally:
-            await store.close()
-
-    asyncio.run(start_check(settings_a, project_a))  # A's daemon starts: the store is A's
+    asyncio.run(start_check(settings_a, project_a, shared))  # A's daemon starts: the store is A's
     with pytest.raises(StoreOfAnotherProjectError):
-        asyncio.run(start_check(settings_b, project_b))
+        asyncio.run(start_check(settings_b, project_b, shared))
     result = CliRunner().invoke(app, ["--home", str(tmp_path / "b"), "migrate", "--from-store", str(tmp_path / "b")])
     assert result.exit_code == 2
     assert "serves another project" in result.stderr
     assert asyncio.run(titles_in(shared)) == []  # nothing of b's was copied
+
+
+async def start_check(settings: Settings, project: str, folder: Path) -> None:
+    """What a daemon of ``settings`` (its project key ``project``) checks of the filesystem store in ``folder``
+    at its start."""
+    store = FileSystemStore(folder)
+    await store.open()
+    try:
+        await check_the_store(settings, store, SUBSCRIPTION_ID, project)
+    finally:
+        await store.close()
 
 
 def shared_homes(tmp_path: Path) -> tuple[Settings, str, Settings, str, Path]:
@@ -119,14 +122,6 @@ def test_a_project_key_made_anew_is_refused_until_reopen_makes_the_store_its(tmp
     message naming `tenexd migrate --reopen`, which makes the store the new key's; the home's own store
     (no storage.path) is never marked."""
     settings_a, project_a, _, _, shared = shared_homes(tmp_path)
-
-    async def start_check(settings: Settings, project: str, folder: Path) -> None:
-        store = FileSystemStore(folder)
-        await store.open()
-        try:
-            await check_the_store(settings, store, SUBSCRIPTION_ID, project)
-        finally:
-            await store.close()
 
     asyncio.run(start_check(settings_a, project_a, shared))
     with pytest.raises(StoreOfAnotherProjectError, match="tenexd migrate --reopen"):
