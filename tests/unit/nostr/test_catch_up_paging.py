@@ -210,6 +210,42 @@ async def test_refused_frames_of_the_first_answer_and_of_pages_take_the_catch_up
     assert not rig.subscriptions.is_held("live", URL)
 
 
+async def test_more_events_in_one_second_than_a_page_holds_do_not_hide_the_older_ones() -> None:
+    """Anyone may publish, all dated one second, more events p-tagging an agent than the relay sends at once:
+    the catch-up still pages past that second, and the 25 messages written before it are handed over (before,
+    the page of that second came back unchanged, the catch-up counted itself complete and the cursor moved
+    past them for good)."""
+    older = stored(11, 25, CURSOR + 10, 2)
+    flood = stored(11, CAP + 5, CURSOR + 500, CAP + 5)
+    rig = Rig(CappedRelay(older + flood), [{"kinds": [11]}])
+
+    await rig.catch_up()
+    await rig.delivery.stop()
+
+    assert set(rig.handed) >= {e.id for e in older}
+    assert len(set(rig.handed) & {e.id for e in flood}) >= CAP
+    assert rig.cursor() == CURSOR + 500
+
+
+async def test_a_relay_that_ignores_until_ends_the_catch_up_once_it_repeats_its_page() -> None:
+    """A relay that answers every page with its newest events whatever ``until`` says: the catch-up ends at
+    the first page it has seen already (it does not step back one second a page up to the page limit)."""
+    relay = CappedRelay(stored(11, 35, CURSOR + 10, 3))
+    newest_whatever = relay.fetch
+
+    async def ignoring_until(fetch_id: str, filters: list[Filter], wait_s: float) -> _Fetch:
+        return await newest_whatever(fetch_id, [{k: v for k, v in filters[0].items() if k != "until"}], wait_s)
+
+    rig = Rig(relay, [{"kinds": [11]}])
+    rig.connection._fetch = ignoring_until  # type: ignore[method-assign]
+
+    await rig.catch_up()
+    await rig.delivery.stop()
+
+    assert relay.pages <= 4
+    assert not rig.subscriptions.is_held("live", URL)
+
+
 async def test_a_relay_added_to_the_settings_is_caught_up_from_the_others_cursor_page_by_page() -> None:
     """A relay with no cursor of its own, the subscription's cursor being on another relay: it is asked from
     that cursor as a catch-up, paged past the relay's cap (all 35 events since it handed over, none older),

@@ -393,9 +393,10 @@ class RelayConnection:
 
     async def _page_filter(self, sub_id: str, flt: Filter, paged: Paged, batch: StoredBatch) -> bool | None:
         """Ask one filter for its stored events a page at a time, newest first (``until`` = the oldest second
-        of the page before), until a page brings none the one before did not; hold those not taken in yet in
-        ``batch``, as the live subscription's. True: done; False: the page limit (a relay that does not keep
-        to ``since``); None: cut short (no EOSE, a reconnect meanwhile, the subscription closed)."""
+        of the page before, or the second before it when a page is all of that second), until a page brings
+        nothing new; hold those not taken in yet in ``batch``, as the live subscription's. True: done; False:
+        the page limit (a relay that does not keep to ``since``); None: cut short (no EOSE, a reconnect
+        meanwhile, the subscription closed)."""
         until: int | None = None
         previous: set[str] = set()
         for _ in range(CATCH_UP_PAGES):
@@ -412,8 +413,9 @@ class RelayConnection:
             # refused events count as the page's too: a page of nothing but them (a flood of events
             # dated far ahead, say) must not end the paging before the events behind it
             dated = [(event.id, event.created_at) for event in page.events] + page.refused
-            if all(event_id in previous for event_id, _ in dated):
+            if not dated:
                 return True
+            fresh = any(event_id not in previous for event_id, _ in dated)
             for event in page.events:
                 if event.id not in previous and event.id not in self.sink.seen and event.id not in batch:
                     self.events_received += 1  # seen: taken in already; in the batch: held already
@@ -421,10 +423,18 @@ class RelayConnection:
                     await self.stored.hold(sub_id, batch, event)
             previous = {event_id for event_id, _ in dated}
             oldest = min(created_at for _, created_at in dated)
-            if until is not None and oldest >= until:  # a page all dated one second: until cannot go past
-                self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(dated))
-                return True
-            until = oldest
+            if until is None or oldest < until:
+                if not fresh:
+                    return True
+                until = oldest
+            elif max(created_at for _, created_at in dated) > until:
+                return True  # a relay that does not keep to until: it has nothing older to give
+            else:
+                # a page all dated one second: the relay may keep more of it than one answer holds, and until
+                # cannot go past it; the seconds before are asked next (the rest of that second is lost)
+                if fresh:
+                    self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(dated))
+                until -= 1
         return False
 
     # -- reading ---------------------------------------------------------------------------
