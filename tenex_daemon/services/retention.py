@@ -33,7 +33,10 @@ A wall clock that jumped forward (set a year ahead by mistake and fixed minutes 
 passed: a sweep would end, archive and delete by it, and a deletion is for good. So the sweeps hold off
 (``retention_held``, nothing done) for :data:`STEP_HOLD_S` after the wall clock moved ahead of the time the
 machine counted since the sweep before (:class:`WallClockSteps`; the boot clock counts a suspended machine's
-sleep too, so waking after hours is time that passed, and a sweep acts on it).
+sleep too, so waking after hours is time that passed, and a sweep acts on it). A boot's first sweep has no
+sweep of its own to compare with, and a machine may boot with its wall clock wrong until NTP sets it: when the
+wall clock is over :data:`STEP_HOLD_S` past the last sweep any boot recorded, the sweeps hold off as after a
+step (a long downtime delays retention by that hour; a clock booted a year ahead deletes nothing).
 """
 
 from __future__ import annotations
@@ -110,7 +113,13 @@ class WallClockSteps:
         offset = wall_ms / 1000 - boot
         if not self._loaded:
             self._loaded = True
-            await self._load()
+            last_sweep = await self._load()
+            if self._offset is None and last_sweep is not None and wall_ms / 1000 - last_sweep > STEP_HOLD_S:
+                self._held_until = boot + STEP_HOLD_S
+                since_s = round(wall_ms / 1000 - last_sweep)
+                log.warning(
+                    "wall_clock_unchecked", since_last_sweep_s=since_s, retention_held_for_s=STEP_HOLD_S
+                )
         if self._offset is not None and offset - self._offset > STEP_SLACK_S:
             self._held_until = boot + STEP_HOLD_S
             ahead_s = round(offset - self._offset)
@@ -120,11 +129,14 @@ class WallClockSteps:
         await self._save(wall_ms / 1000, drop_gone=not held)
         return held
 
-    async def _load(self) -> None:
+    async def _load(self) -> float | None:
+        """Take in this boot's record; return when (wall clock) any boot's record was last saved (None: no
+        record, or none readable)."""
         if self._values is None or self._boot_id is None:
-            return
+            return None
         try:
-            stored = (await _step_records(self._values)).get(self._boot_id)
+            records = await _step_records(self._values)
+            stored = records.get(self._boot_id)
             if stored is None:  # kept the old way, by a daemon before this one on this boot
                 stored = json.loads(await self._values.get_meta(f"{STEP_KEY_PREFIX}{self._boot_id}") or "{}")
             self._offset = float(stored["offset"]) if "offset" in stored else None
@@ -132,6 +144,9 @@ class WallClockSteps:
             self._held_until = float(held) if held is not None else None
         except (OSError, ValueError, TypeError, AttributeError) as error:
             log.warning("wall_clock_record_unreadable", key=STEP_KEY, error=str(error))
+            return None
+        saved = (record.get("saved") for record in records.values() if isinstance(record, dict))
+        return max((at for at in saved if isinstance(at, int | float)), default=None)
 
     async def _save(self, wall_s: float, *, drop_gone: bool) -> None:
         if self._values is None or self._boot_id is None:

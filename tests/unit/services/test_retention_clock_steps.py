@@ -91,7 +91,7 @@ async def test_a_machine_waking_after_hours_of_sleep_ends_its_idle_conversations
 async def test_a_daemon_restarted_on_the_same_boot_still_sees_a_step_and_a_hold_under_way() -> None:
     """The wall clock less the boot clock is kept per boot: a new daemon on the same boot compares its first
     sweep with the last one before (a year's step is seen), and one restarted during the hold keeps holding;
-    on another boot (another id) nothing is compared."""
+    on another boot (another id) the wall clock a year past every boot's last sweep holds too (below)."""
     store, boot = MemoryStore(), BootClock()
     first = WallClockSteps(store, boot=boot, read_boot_id=lambda: "boot-a")
     assert not await first.holding(1_800_000_000_000)
@@ -103,7 +103,46 @@ async def test_a_daemon_restarted_on_the_same_boot_still_sees_a_step_and_a_hold_
     again = WallClockSteps(store, boot=boot, read_boot_id=lambda: "boot-a")
     assert await again.holding(1_800_000_000_000 + 366 * DAY_MS + 660_000)
     other_boot = WallClockSteps(store, boot=BootClock(), read_boot_id=lambda: "boot-b")
-    assert not await other_boot.holding(1_800_000_000_000 + 400 * DAY_MS)
+    assert await other_boot.holding(1_800_000_000_000 + 400 * DAY_MS)
+
+
+async def test_a_machine_booted_with_its_clock_a_year_ahead_deletes_nothing_at_its_first_sweep(cast: Cast) -> None:
+    """The machine reboots five minutes after the last sweep, its wall clock a year ahead until NTP sets it:
+    the new boot's first sweep has no sweep of its own to compare, but the wall clock is far past the last
+    sweep any boot recorded, so it holds (``wall_clock_unchecked``) and ends, archives and deletes nothing
+    (before, it deleted both conversations); NTP sets the clock back, and once the hour is over the sweeps act by
+    the right clock (the active conversation an hour idle is ended; nothing is deleted)."""
+    clock, store = FakeClock(), MemoryStore()
+    manager = ConversationManager(store, cast.agents, cast.project.pubkey, clock=clock, owner_pubkey=cast.user.pubkey)
+    await manager.create_conversation(cast.user_says("still talking", kind=11))
+    ended = await manager.create_conversation(cast.user_says("done", kind=11))
+    await manager.end_conversation(ended.id, by="owner")
+    policy = RetentionPolicy(archive_after_days=30, delete_after_days=180, max_retained=1000)
+    first_boot = Sweeper(manager, policy, clock_steps=WallClockSteps(store, boot=BootClock(), read_boot_id=boot_id("a")))
+    await first_boot.sweep_once()
+
+    clock.advance(300_000 + 365 * DAY_MS)
+    boot = BootClock()
+    second_boot = Sweeper(manager, policy, clock_steps=WallClockSteps(store, boot=boot, read_boot_id=boot_id("b")))
+    with capture_logs() as logs:
+        report = await second_boot.sweep_once()
+
+    assert (report.ended_idle, report.archived, report.deleted) == (0, 0, 0)
+    assert "wall_clock_unchecked" in {entry["event"] for entry in logs}
+    clock.advance(-365 * DAY_MS + int(STEP_HOLD_S * 1000))
+    boot.now += STEP_HOLD_S
+    set_back = await second_boot.sweep_once()
+    assert (set_back.ended_idle, set_back.deleted, len(await store.search(SearchQuery()))) == (1, 0, 2)
+
+
+async def test_a_boot_minutes_after_the_last_sweep_sweeps_at_once() -> None:
+    """A reboot that took minutes: the new boot's wall clock is close to the last sweep recorded, so its first
+    sweep acts (no hold after every restart)."""
+    store = MemoryStore()
+    assert not await WallClockSteps(store, boot=BootClock(), read_boot_id=boot_id("a")).holding(1_800_000_000_000)
+
+    rebooted = WallClockSteps(store, boot=BootClock(), read_boot_id=boot_id("b"))
+    assert not await rebooted.holding(1_800_000_000_000 + 600_000)
 
 
 async def test_a_sweep_that_did_nothing_is_logged_at_debug_one_that_did_at_info(cast: Cast) -> None:
@@ -127,13 +166,18 @@ def boot_id(name: str) -> Callable[[], str | None]:
 
 
 async def test_the_records_of_boots_gone_are_dropped_where_one_per_boot_was_kept_for_good() -> None:
-    """Three boots a week apart each sweep: the wall clock less the boot clock is kept in one small value
-    (``retention.clock``) holding only the boots that swept in the last week, here the last one; before, each
-    boot left a ``retention.clock.<boot id>`` value that nothing removed (one more a boot, for good)."""
+    """Three boots a week apart each sweep (a first sweep that holds, a week after the last, then one an hour
+    later): the wall clock less the boot clock is kept in one small value (``retention.clock``) holding only the
+    boots that swept in the last week, here the last one; before, each boot left a
+    ``retention.clock.<boot id>`` value that nothing removed (one more a boot, for good)."""
     store = MemoryStore()
     wall_ms = 1_800_000_000_000
     for boot in ("boot-a", "boot-b", "boot-c"):
-        assert not await WallClockSteps(store, boot=BootClock(), read_boot_id=boot_id(boot)).holding(wall_ms)
+        clock = BootClock()
+        steps = WallClockSteps(store, boot=clock, read_boot_id=boot_id(boot))
+        await steps.holding(wall_ms)
+        clock.now += STEP_HOLD_S
+        assert not await steps.holding(wall_ms + int(STEP_HOLD_S * 1000))
         wall_ms += 8 * DAY_MS
 
     assert [await store.get_meta(f"{STEP_KEY_PREFIX}{boot}") for boot in ("boot-a", "boot-b")] == [None, None]
