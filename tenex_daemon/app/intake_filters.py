@@ -24,11 +24,13 @@ tag (Unix seconds)."""
 async def addressed_since(store: Store) -> int:
     """When the daemon first asked its relays for what is addressed to the project by its ``a`` tag: now, the
     first time (kept). It is never asked for from before: a home made for a project people wrote to for
-    months (or one upgraded to ask for it) would otherwise answer every such message as new."""
+    months (or one upgraded to ask for it) would otherwise answer every such message as new. One kept ahead of
+    now (a first start while the clock ran fast) is kept as now: it would keep every such message from being
+    asked again after a downtime until that time came."""
     stored = await store.get_meta(ADDRESSED_SINCE_KEY)
-    if stored is not None and stored.isdigit():
-        return int(stored)
     now = int(time.time())
+    if stored is not None and stored.isdigit() and int(stored) <= now:
+        return int(stored)
     await store.set_meta(ADDRESSED_SINCE_KEY, str(now))
     return now
 

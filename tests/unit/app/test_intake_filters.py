@@ -40,3 +40,18 @@ async def test_what_is_addressed_to_the_project_is_asked_for_from_the_first_aski
     assert addressed["authors"] == sorted([OWNER, FRIEND])
     assert addressed["since"] == 1_800_000_000
     assert {"kinds": [1, 11, 1111, 1934], "#p": ["aa" * 32]} in filters
+
+
+async def test_a_first_asking_dated_ahead_by_a_fast_clock_is_taken_back_to_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The home's first start ran with the clock 30 days fast; the clock was set right: the next start asks
+    from now, and keeps it (before, the value stayed 30 days ahead, and every REQ's ``since`` was now: messages
+    addressed to the project during each downtime in those 30 days were never asked for)."""
+    store = MemoryStore()
+    monkeypatch.setattr("tenex_daemon.app.intake_filters.time.time", lambda: 1_800_000_000.5 + 30 * 86_400)
+    await addressed_since(store)
+    monkeypatch.setattr("tenex_daemon.app.intake_filters.time.time", lambda: 1_800_000_000.5)
+
+    since = await addressed_since(store)
+
+    assert since == 1_800_000_000
+    assert await store.get_meta(ADDRESSED_SINCE_KEY) == "1800000000"
