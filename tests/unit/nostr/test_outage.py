@@ -59,3 +59,35 @@ async def test_a_publish_a_relay_that_is_down_misses_is_a_debug_line() -> None:
     assert result.accepted_by == (up,)
     missed = [entry["log_level"] for entry in logs if entry["event"] == "relay did not answer a publish"]
     assert missed == ["debug"]
+
+
+async def test_an_unforeseen_error_while_connecting_is_logged_and_the_relay_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first connect fails with an error the connection does not expect (a TypeError, as an older
+    websockets raises for ``proxy=``): it is logged with its traceback, the relay is tried again and reached
+    (before, the relay's task died without a line, and the daemon reported itself healthy, never connected)."""
+    from websockets.asyncio.client import connect as real_connect
+
+    from tenex_daemon.adapters.nostr.relay_pool import connection
+
+    tries: list[str] = []
+
+    def connect_failing_once(url: str, **options: object) -> object:
+        tries.append(url)
+        if len(tries) == 1:
+            raise TypeError("connect() got an unexpected keyword argument 'proxy'")
+        return real_connect(url, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(connection, "connect", connect_failing_once)
+    settings = PoolSettings(backoff_base=0.05, backoff_cap=0.1)
+    async with serve(accept_everything, "127.0.0.1", 0) as server:
+        url = f"ws://127.0.0.1:{next(iter(server.sockets)).getsockname()[1]}"
+        with capture_logs() as logs:
+            async with RelayPool([url], settings=settings) as pool:
+                connected = await pool.wait_connected(count=1, within=5)
+
+    assert connected
+    assert len(tries) >= 2
+    [failed] = [entry for entry in logs if entry["event"] == "relay_connection_failed"]
+    assert failed["log_level"] == "error"

@@ -217,6 +217,9 @@ class RelayConnection:
                 self.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 if isinstance(exc, ConnectionClosed):
                     self._closed_for_size(exc)
+            except Exception as exc:  # a bug, or a library that changed: said, and the relay tried again
+                self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                self.log.exception("relay_connection_failed")
             self._on_close()
             if opened_at is not None and time.monotonic() - opened_at >= settings.stable_after:
                 attempt = 0
