@@ -138,6 +138,7 @@ def run(
     from tenex_daemon.adapters.storage.filesystem.lock import StoreOpenError
     from tenex_daemon.app.control.errors import ControlSetupError
     from tenex_daemon.app.logging import configure_logging
+    from tenex_daemon.app.settings import SettingsError
     from tenex_daemon.app.store_check import StoreBehindRelaysError
 
     settings = _run_settings(_run_settings_of(ctx, log_format), relay, embedded_relay, log_format, log_level)
@@ -157,8 +158,12 @@ def run(
         asyncio.run(Daemon(settings).run())
     except KeyboardInterrupt:
         pass
-    except (KeyFileError, ControlSetupError, StoreTooNewError, StoreOpenError, StoreBehindRelaysError) as exc:
-        # a key or control file, a path: configuration; a newer tenexd's store: not this one's to run; a store
+    except (
+        SettingsError, KeyFileError, ControlSetupError, StoreTooNewError, StoreOpenError,
+        StoreBehindRelaysError,
+    ) as exc:
+        # a backend the settings name that cannot be made (its extra not installed, its model file missing), a
+        # key or control file, a path: configuration; a newer tenexd's store: not this one's to run; a store
         # this user may not read or write, or one behind the relays (exit 2: systemd's unit does not restart)
         _fail_run(str(exc), EXIT_USAGE, settings.daemon.log_format)
     except (TenexError, OSError) as exc:

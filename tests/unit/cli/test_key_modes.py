@@ -156,6 +156,26 @@ def test_run_on_a_store_this_user_may_not_open_exits_2_saying_what_to_check(
     assert f"{lock} cannot be read or written by this user (check its owner and mode)" in result.stderr
 
 
+def test_run_whose_backend_needs_an_extra_not_installed_exits_2_naming_it(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent's backend whose optional package is not installed makes ``tenexd run`` exit 2 (a configuration
+    problem: systemd's unit does not restart on it), naming the setting and the extra to install: it exited 1,
+    and systemd restarted it every 5 s for good."""
+    from tenex_daemon.adapters.llm.errors import MissingExtraError
+
+    def not_installed(kind: str, **options: object) -> object:
+        raise MissingExtraError("openai", "openai", "openai")
+
+    monkeypatch.setattr("tenex_daemon.app.wiring.make_backend", not_installed)
+
+    result = CliRunner().invoke(app, ["--home", str(home), "run", "--relay", "ws://127.0.0.1:1"])
+
+    assert result.exit_code == 2
+    assert "agents.orchestrator.backend: the openai backend needs the Python package 'openai'" in result.stderr
+    assert "pip install 'tenexd[openai]'" in result.stderr
+
+
 def test_run_refused_a_thread_by_the_system_says_which_limit_in_one_line(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
