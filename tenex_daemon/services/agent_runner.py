@@ -276,11 +276,15 @@ class AgentRunner:
         saving_reply()  # from here a stop lets the run finish: its reply goes out whole
         await self._stop_typing(streamer, typing, typing_started)
         used = (result.prompt_tokens or 0, result.completion_tokens or 0)
+        if error_kind is not None:
+            # the session never took in the message that failed, and a resumed session is sent only what
+            # follows the agent's last reply, this error reply: the next call starts one, given everything
+            context = replace(context, session_id=None)
         record = RunRecord(
             slug,
             context,
             started_ms,
-            session_id=result.session_id,
+            session_id=result.session_id if error_kind is None else None,
             add_tokens=used if any(used) else None,
             tools_used=tuple(effects.tools_used),
             ends=effects.end_conversation,

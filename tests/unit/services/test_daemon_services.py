@@ -11,7 +11,7 @@ from tenex_daemon.adapters.llm.offline import OfflineBackend
 from tenex_daemon.adapters.nostr.classifier import classify_event, conversation_lane
 from tenex_daemon.core.agents import AgentDirectory
 from tenex_daemon.core.conversation import Conversation
-from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
+from tenex_daemon.core.llm import BackendError, CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.core.targeting import SkipReason, agent_chain_length, choose_target, mentioned_agent
 from tenex_daemon.services import dispatcher as dispatcher_module
 from tenex_daemon.services.dispatcher import Outcome
@@ -239,6 +239,47 @@ async def test_backend_failure_becomes_an_error_reply(cast: Cast) -> None:
     assert conversation is not None
     assert len(conversation.history) == 2
     assert not conversation.execution_time.is_active
+
+
+class SessionThenFailure:
+    """A backend with sessions (as claude-code): answers with session ``sess-1``, fails once (429), then answers
+    again; records what each call was given."""
+
+    name = "sessions"
+
+    def __init__(self) -> None:
+        self.requests: list[CompletionRequest] = []
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """The first and third calls answer; the second fails."""
+        self.requests.append(request)
+        if len(self.requests) == 2:
+            raise BackendError("rate_limit", "429 Too Many Requests")
+        return CompletionResult(text=f"answer {len(self.requests)}", session_id="sess-1")
+
+
+async def test_a_run_that_failed_leaves_the_agent_without_its_session(cast: Cast) -> None:
+    """After an error reply the next call starts a session with the whole context, the message that failed
+    in it: resumed, the session would be sent only what follows the agent's last reply (the error reply), and
+    the failed message would never reach it (before, the next call resumed ``sess-1``)."""
+    backend = SessionThenFailure()
+    rig = pipeline.build_rig(cast, backend=backend, composer=pipeline.real_composer(cast))
+    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["p", cast.alice.pubkey]]
+
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    await rig.dispatcher.handle(cast.user_says("my budget is 40 euros", tags=thread))
+    await rig.quiet()
+    await rig.dispatcher.handle(cast.user_says("what was my budget?", tags=thread))
+    await rig.quiet()
+
+    first, failed, after = backend.requests
+    assert (first.session_id, failed.session_id, after.session_id) == (None, "sess-1", None)
+    assert any("my budget is 40 euros" in str(m.content) for m in after.messages)
+    assert rig.publisher.published[1].has_tag("error", "system")
+    sessions = [[t[1] for t in reply.tags if t[0] == "claude-session"] for reply in rig.publisher.published]
+    assert sessions == [["sess-1"], [], ["sess-1"]]
 
 
 async def test_unpublished_reply_is_still_saved(cast: Cast) -> None:
