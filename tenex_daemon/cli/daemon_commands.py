@@ -139,7 +139,11 @@ def run(
     from tenex_daemon.app.control.errors import ControlSetupError
     from tenex_daemon.app.logging import configure_logging
     from tenex_daemon.app.settings import SettingsError
-    from tenex_daemon.app.store_check import StoreBehindRelaysError
+    from tenex_daemon.app.store_check import (
+        EmptyStoreError,
+        StoreBehindRelaysError,
+        StoreOfAnotherProjectError,
+    )
 
     settings = _run_settings(_run_settings_of(ctx, log_format), relay, embedded_relay, log_format, log_level)
     chosen = settings.daemon.log_format
@@ -160,11 +164,12 @@ def run(
         pass
     except (
         SettingsError, KeyFileError, ControlSetupError, StoreTooNewError, StoreOpenError,
-        StoreBehindRelaysError,
+        StoreBehindRelaysError, StoreOfAnotherProjectError, EmptyStoreError,
     ) as exc:
         # a backend the settings name that cannot be made (its extra not installed, its model file missing), a
         # key or control file, a path: configuration; a newer tenexd's store: not this one's to run; a store
-        # this user may not read or write, or one behind the relays (exit 2: systemd's unit does not restart)
+        # this user may not read or write, one behind the relays, another project's, or one never used beside
+        # the home's (exit 2: systemd's unit does not restart on it)
         _fail_run(str(exc), EXIT_USAGE, settings.daemon.log_format)
     except (TenexError, OSError) as exc:
         _fail_run(str(exc), EXIT_FAILURE, settings.daemon.log_format)

@@ -178,7 +178,7 @@ def test_an_empty_home_is_refused_and_the_current_folder_left_alone(
 
 def test_a_store_that_cannot_be_opened_is_one_error_line(home: Path, tmp_path: Path) -> None:
     """`conversations list` whose storage path is a file exits 2 with one line saying the store cannot be
-    opened, not a traceback."""
+    opened and why (its folder is a file: check storage.path), not a traceback."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     config = home / "config.toml"
@@ -187,7 +187,9 @@ def test_a_store_that_cannot_be_opened_is_one_error_line(home: Path, tmp_path: P
     code, out, said = tenexd(home, "conversations", "list")
 
     assert (code, out) == (2, "")
-    assert said.startswith("error: cannot open the store:")
+    assert said.startswith("error: cannot open the conversation store in ")
+    assert said.endswith("that folder, or one above it, is a file (check storage.path)")
+    assert "\n" not in said
 
 
 def test_a_home_this_user_may_not_read_is_one_error_line_not_a_verdict(

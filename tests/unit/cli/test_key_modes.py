@@ -176,6 +176,44 @@ def test_run_whose_backend_needs_an_extra_not_installed_exits_2_naming_it(
     assert "pip install 'tenexd[openai]'" in result.stderr
 
 
+@pytest.mark.parametrize("refusal", ["StoreOfAnotherProjectError", "EmptyStoreError"])
+def test_run_on_a_store_of_another_project_or_one_never_used_beside_the_homes_exits_2(
+    home: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
+) -> None:
+    """The start checks' refusals of the store config.toml names (another project's; one never used while the
+    home's own holds conversations, or a copy cut short) exit 2, which systemd's unit does not restart on:
+    they exited 1, and systemd started the daemon again every 5 s for good."""
+    from tenex_daemon.app import store_check
+    from tenex_daemon.app.daemon import Daemon
+
+    error = getattr(store_check, refusal)
+
+    async def refused(self: Daemon) -> None:
+        raise error("the store config.toml names serves another project")
+
+    monkeypatch.setattr(Daemon, "run", refused)
+
+    result = CliRunner().invoke(app, ["--home", str(home), "run", "--relay", "ws://127.0.0.1:1"])
+
+    assert result.exit_code == 2
+    assert "serves another project" in result.stderr
+
+
+def test_run_with_a_storage_path_naming_a_file_exits_2_saying_so(home: Path, tmp_path: Path) -> None:
+    """``storage.path`` naming a file: exit 2 with a line saying the store's folder is a file and to check
+    ``storage.path`` (it exited 1 with a bare "[Errno 20] Not a directory")."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    config = home / "config.toml"
+    config.write_text(config.read_text().replace("[storage]\n", f'[storage]\npath = "{afile}"\n', 1))
+
+    result = CliRunner().invoke(app, ["--home", str(home), "run", "--relay", "ws://127.0.0.1:1"])
+
+    assert result.exit_code == 2
+    assert "that folder, or one above it, is a file (check storage.path)" in result.stderr
+    assert "Errno" not in result.stderr
+
+
 def test_run_refused_a_thread_by_the_system_says_which_limit_in_one_line(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -170,6 +170,11 @@ class FileSystemStore:
             self._lock_fd = await asyncio.to_thread(lock_home, self.root)
         except PermissionError as exc:  # its lock file (a home restored as another user's, say)
             raise self._not_this_users(exc) from exc
+        except (NotADirectoryError, FileExistsError) as exc:  # storage.path naming a file, or a file in it
+            raise StoreOpenError(
+                f"cannot open the conversation store in {self.root}: that folder, or one above it, is a file "
+                "(check storage.path)"
+            ) from exc
         try:
             await asyncio.to_thread(check_store_format, self.root)  # a newer tenexd's store is not recovered
             result = await asyncio.to_thread(recover, self._layout)
