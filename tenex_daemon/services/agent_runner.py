@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from tenex_daemon.core.context import AgentContext
 from tenex_daemon.core.conversation import Conversation
 from tenex_daemon.core.errors import ConversationArchivedError, ConversationNotFoundError
 from tenex_daemon.core.events import NostrEvent
@@ -275,21 +276,7 @@ class AgentRunner:
             raise
         saving_reply()  # from here a stop lets the run finish: its reply goes out whole
         await self._stop_typing(streamer, typing, typing_started)
-        used = (result.prompt_tokens or 0, result.completion_tokens or 0)
-        if error_kind is not None:
-            # the session never took in the message that failed, and a resumed session is sent only what
-            # follows the agent's last reply, this error reply: the next call starts one, given everything
-            context = replace(context, session_id=None)
-        record = RunRecord(
-            slug,
-            context,
-            started_ms,
-            session_id=result.session_id if error_kind is None else None,
-            add_tokens=used if any(used) else None,
-            tools_used=tuple(effects.tools_used),
-            ends=effects.end_conversation,
-            end_reason=effects.end_reason,
-        )
+        record = _run_record(slug, context, started_ms, result, effects, failed=error_kind is not None)
         try:
             reply, made = await self._save_reply(
                 request, profile, trigger, result, record, error_kind, effects, routing
@@ -505,6 +492,31 @@ class AgentRunner:
             await self._publisher.typing(agent_slug, conversation_id, active)
         except Exception as exc:
             log.info("typing_not_published", agent=agent_slug, error=str(exc))
+
+
+def _run_record(
+    slug: str,
+    context: AgentContext,
+    started_ms: int,
+    result: CompletionResult,
+    effects: RunEffects,
+    *,
+    failed: bool,
+) -> RunRecord:
+    """What a run changes besides its reply. One that failed (its reply an error reply) forgets the agent's
+    session: the session never took in the message that failed, and a resumed session is sent only what
+    follows the agent's last reply, then the error reply; the next call starts a session with everything."""
+    used = (result.prompt_tokens or 0, result.completion_tokens or 0)
+    return RunRecord(
+        slug,
+        replace(context, session_id=None) if failed else context,
+        started_ms,
+        session_id=None if failed else result.session_id,
+        add_tokens=used if any(used) else None,
+        tools_used=tuple(effects.tools_used),
+        ends=effects.end_conversation,
+        end_reason=effects.end_reason,
+    )
 
 
 def _newest_last(request: RunRequest, conversation: Conversation, index: int) -> tuple[RunRequest, int]:
