@@ -147,8 +147,7 @@ def test_a_1009_is_ours_only_when_we_closed_first() -> None:
     it first, the relay (a frame we sent was too big) when it came first and we echoed it."""
     from websockets.frames import Close
 
-    from tenex_daemon.adapters.nostr.relay_pool.connection import we_closed_for_size
-    from tenex_daemon.adapters.nostr.relay_pool.oks import relay_closed_for_size
+    from tenex_daemon.adapters.nostr.relay_pool.oks import relay_closed_for_size, we_closed_for_size
 
     too_big, normal = Close(1009, "too big"), Close(1000, "")
     ours = [ConnectionClosed(None, too_big), ConnectionClosed(too_big, too_big, False)]

@@ -43,8 +43,9 @@ from ..codec import (
     verify_event,
 )
 from ..signer import Signer
-from .oks import MESSAGE_TOO_BIG, RESEND, TOO_LARGE_FOR_RELAY, AwaitedOks, relay_closed_for_size
+from .oks import RESEND, TOO_LARGE_FOR_RELAY, AwaitedOks, relay_closed_for_size, we_closed_for_size
 from .outage import Outage, Renewals, backoff_delay
+from .rejects import RejectLog
 from .stored import CATCH_UP_PAGES, CatchUp, EventSink, Paged, StoredBatch, StoredEvents
 from .subscriptions import Subscription, Subscriptions
 from .types import ConnectHandler, Filter, PoolSettings, RelayHealth, RelaySpec, RelayState, Spawn
@@ -72,12 +73,6 @@ def _quick_ack(ws: ClientConnection) -> Callable[[], None]:
 
 def _no_ack() -> None:
     return None
-
-
-def we_closed_for_size(exc: ConnectionClosed) -> bool:
-    """Whether websockets itself closed the connection with 1009, first: a frame this side received was
-    over ``max_size``. (A relay's close with 1009 is echoed with 1009 too, but sent after it came.)"""
-    return exc.sent is not None and exc.sent.code == MESSAGE_TOO_BIG and not exc.rcvd_then_sent
 
 
 CLOSED_FOR_GOOD = ("blocked", "invalid", "restricted", "unsupported")
@@ -135,6 +130,7 @@ class RelayConnection:
         self.last_event_at: float | None = None
         self.events_received = 0
         self.rejects: Counter[str] = Counter()
+        self.reject_log = RejectLog(self.log)
         self.notices = 0
         self.last_error: str | None = None
         self.connected = asyncio.Event()
@@ -452,9 +448,9 @@ class RelayConnection:
             self.log.exception("relay frame handling failed")
 
     def reject(self, reason: RejectReason, detail: str, event_id: str | None = None) -> None:
-        """Count and log a refused frame."""
+        """Count a refused frame, and log it (a flood of them in part: :class:`RejectLog`)."""
         self.rejects[reason.value] += 1
-        self.log.warning("frame rejected", reason=reason.value, detail=detail[:200], event_id=event_id)
+        self.reject_log.said(reason.value, detail, event_id)
 
     async def _dispatch(self, message: EventMessage | Rejection | object) -> None:
         if isinstance(message, EventMessage):

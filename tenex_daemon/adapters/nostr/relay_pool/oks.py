@@ -51,6 +51,12 @@ def relay_closed_for_size(exc: ConnectionClosed) -> bool:
     return exc.rcvd is not None and exc.rcvd.code == MESSAGE_TOO_BIG and exc.rcvd_then_sent is not False
 
 
+def we_closed_for_size(exc: ConnectionClosed) -> bool:
+    """Whether websockets itself closed the connection with 1009, first: a frame this side received was
+    over ``max_size``. (A relay's close with 1009 is echoed with 1009 too, but sent after it came.)"""
+    return exc.sent is not None and exc.sent.code == MESSAGE_TOO_BIG and not exc.rcvd_then_sent
+
+
 RESEND: Final = OkMessage("", False, "resend: the relay's answer could not be told apart from another's")
 """Given (by identity) to a publisher whose frame got an answer that could not be told apart from another
 frame's: it sends its event again, one at a time."""
