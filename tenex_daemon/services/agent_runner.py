@@ -276,7 +276,8 @@ class AgentRunner:
             raise
         saving_reply()  # from here a stop lets the run finish: its reply goes out whole
         await self._stop_typing(streamer, typing, typing_started)
-        record = _run_record(slug, context, started_ms, result, effects, failed=error_kind is not None)
+        failed = error_kind is not None and result.session_id is None  # an empty answer's session took it in
+        record = _run_record(slug, context, started_ms, result, effects, failed=failed)
         try:
             reply, made = await self._save_reply(
                 request, profile, trigger, result, record, error_kind, effects, routing
@@ -503,9 +504,10 @@ def _run_record(
     *,
     failed: bool,
 ) -> RunRecord:
-    """What a run changes besides its reply. One that failed (its reply an error reply) forgets the agent's
-    session: the session never took in the message that failed, and a resumed session is sent only what
-    follows the agent's last reply, then the error reply; the next call starts a session with everything."""
+    """What a run changes besides its reply. One that failed with no session of its own (its reply an error
+    reply) forgets the agent's session: the session never took in the message that failed, and a resumed
+    session is sent only what follows the agent's last reply, then the error reply; the next call starts a
+    session with everything."""
     used = (result.prompt_tokens or 0, result.completion_tokens or 0)
     return RunRecord(
         slug,

@@ -18,7 +18,7 @@ from tenex_daemon.services.dispatcher import Outcome
 from tenex_daemon.services.orchestrator import RuleBasedOrchestrator
 from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunRequest, RunScheduler
 from tenex_daemon.testing import make_agent
-from tenex_daemon.testing.fakes import FailingBackend
+from tenex_daemon.testing.fakes import FailingBackend, ScriptedBackend
 from tests import pipeline
 from tests.conftest import Cast
 
@@ -280,6 +280,24 @@ async def test_a_run_that_failed_leaves_the_agent_without_its_session(cast: Cast
     assert rig.publisher.published[1].has_tag("error", "system")
     sessions = [[t[1] for t in reply.tags if t[0] == "claude-session"] for reply in rig.publisher.published]
     assert sessions == [["sess-1"], [], ["sess-1"]]
+
+
+async def test_an_empty_answer_in_the_session_keeps_it(cast: Cast) -> None:
+    """An answer with no text (an error reply) that the backend gave in its session ``sess-2``: that session
+    took the message in, so it is kept, as the error reply's ``claude-session`` tag says."""
+    backend = ScriptedBackend([CompletionResult(text="", session_id="sess-2"), CompletionResult(text="ok")])
+    rig = pipeline.build_rig(cast, backend=backend, composer=pipeline.real_composer(cast))
+    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["p", cast.alice.pubkey]]
+
+    await rig.dispatcher.handle(root)
+    await rig.quiet()
+    await rig.dispatcher.handle(cast.user_says("are you there?", tags=thread))
+    await rig.quiet()
+
+    assert rig.publisher.published[0].has_tag("error", "system")
+    assert rig.publisher.published[0].tag_value("claude-session") == "sess-2"
+    assert backend.requests[-1].session_id == "sess-2"
 
 
 async def test_unpublished_reply_is_still_saved(cast: Cast) -> None:
