@@ -29,6 +29,7 @@ from tenex_daemon.services.run_journal import (
     journal_key_for,
     journaled_request,
 )
+from tenex_daemon.services.run_lease import LeaseLoss, RunLeaseLostError
 
 log = structlog.get_logger(__name__)
 
@@ -95,37 +96,6 @@ class _Running:
 
 
 _CURRENT_RUN: ContextVar[_Running | None] = ContextVar("tenexd_current_run", default=None)
-
-
-class RunLeaseLostError(RuntimeError):
-    """Another daemon took a running run's conversation lease after a database restart: the run was
-    cancelled, to be tried again once the lease is free."""
-
-    def __init__(self, conversation_id: str) -> None:
-        super().__init__(f"the run lease of conversation {conversation_id} was taken by another daemon")
-
-
-class _LeaseLoss:
-    """A run's lease lost to another daemon: the task running the run is cancelled, and the
-    cancellation becomes :class:`RunLeaseLostError`."""
-
-    def __init__(self) -> None:
-        self._task = asyncio.current_task()
-        self.cancelled_run = False
-
-    def cancel_run(self) -> None:
-        """Cancel the run (its slot's block raises RunLeaseLostError in place of the cancellation)."""
-        if self._task is not None:
-            self.cancelled_run = True
-            self._task.cancel()
-
-    def only_cancellation(self) -> bool:
-        """Take back this cancellation of the run, once it has ended the run's block; return whether it
-        was the only one (no stop or shutdown asked the task to cancel too)."""
-        if not self.cancelled_run or self._task is None:
-            return False
-        self.cancelled_run = False
-        return self._task.uncancel() == 0
 
 
 def saving_reply() -> None:
@@ -601,6 +571,10 @@ class RunScheduler:
             await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             self._stopping.difference_update(key for key, _ in chosen)
+            for key, _ in chosen:  # a stopped run's reply is never saved: what it journaled goes
+                for reply_id in self._unsaved.pop(key, ()):
+                    self.dispatched(reply_id)
+                self._answered.discard(key)
         if chosen or parked:
             self._write_journal_soon()
             await self.journaled()
@@ -625,7 +599,7 @@ class RunScheduler:
             return
         delay = 0.05
         while True:
-            loss = _LeaseLoss()
+            loss = LeaseLoss()
             name = f"{RUN_LEASE_PREFIX}{request.conversation_id}"
             lease = self._peers.try_take(name, on_lost=partial(self._lease_lost, request, loss))
             async with self._slots.hold(request.person), lease as taken:
@@ -643,7 +617,7 @@ class RunScheduler:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    def _lease_lost(self, request: RunRequest, loss: _LeaseLoss) -> None:
+    def _lease_lost(self, request: RunRequest, loss: LeaseLoss) -> None:
         """Another daemon took the running ``request``'s lease: cancel the run, to be tried again, unless
         its reply is being saved (it finishes) or a stop cancels it already."""
         key = self._key(request)

@@ -355,6 +355,32 @@ async def test_the_scheduler_cancels_a_burst_with_the_run_that_answers_it(agent:
     assert scheduler.in_flight == 0
 
 
+async def test_a_stopped_run_leaves_nothing_behind_in_the_scheduler() -> None:
+    """A hundred runs stopped while running, one of them after journaling its reply as being dispatched:
+    the scheduler keeps nothing of them (before, one entry per stop stayed for good, a few hundred bytes each
+    for months), and the journaled reply's entry leaves the stored journal."""
+    started = asyncio.Event()
+
+    async def run(request: RunRequest) -> None:
+        if request.trigger_id == "t0":
+            await scheduler.accept("reply-of-t0")
+            RunScheduler.reply_journaled("reply-of-t0")
+        started.set()
+        await asyncio.Event().wait()
+
+    store = MemoryStore()
+    scheduler = RunScheduler(store, run)
+    for n in range(100):
+        started.clear()
+        await scheduler.submit(RunRequest(f"c{n}", f"t{n}", "alice"))
+        await started.wait()
+        assert [r.trigger_id for r in await scheduler.cancel(f"c{n}")] == [f"t{n}"]
+    await scheduler.drain(1.0)
+
+    assert scheduler._unsaved == {}
+    assert "reply-of-t0" not in (await store.get_meta(PENDING_RUNS_KEY) or "")
+
+
 async def test_a_stopped_routed_agent_no_longer_holds_the_orchestrators_turn_open(cast: Cast) -> None:
     """When the agent the orchestrator routed a message to is stopped, its turn counts the agent as done
     ("Stopped before answering."), so no turn stays open waiting for an answer that will not come."""
