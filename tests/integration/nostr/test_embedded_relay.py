@@ -18,7 +18,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from tenex_daemon.adapters.nostr.relay_pool import RelayPool
-from tenex_daemon.adapters.nostr.relay_pool.connection import _no_ack, _quick_ack
+from tenex_daemon.adapters.nostr.relay_pool.quick_ack import no_ack, quick_ack
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.embedded_relay import EmbeddedRelay, EmbeddedRelayError, _last_lines, relay_url
@@ -57,8 +57,8 @@ async def test_embedded_relay_serves_stops_and_refuses_a_taken_port(tmp_path: Pa
 async def test_relay_connections_acknowledge_each_frame_at_once(local_relay: LocalRelayServer) -> None:
     """On Linux a relay connection gets a hook that sets TCP_QUICKACK (re-set after every frame read)."""
     async with connect(local_relay.url) as ws:
-        ack = _quick_ack(ws)
-        assert (ack is not _no_ack) == hasattr(socket, "TCP_QUICKACK")
+        ack = quick_ack(ws)
+        assert (ack is not no_ack) == hasattr(socket, "TCP_QUICKACK")
         ack()
         sock = ws.transport.get_extra_info("socket")
         if hasattr(socket, "TCP_QUICKACK"):

@@ -36,6 +36,8 @@ class CappedRelay:
         """(id, created_at) of stored events the connection refuses (they match every filter)."""
         self.answer = True
         self.pages = 0
+        self.until_excluded = False
+        """Read ``until`` as "before" (the PyPI nostr-relay does; NIP-01's is "at or before")."""
 
     async def fetch(self, fetch_id: str, filters: list[Filter], wait_s: float) -> _Fetch:
         """One page: the newest CAP events matching the (one) filter, refused ones among them."""
@@ -43,7 +45,8 @@ class CappedRelay:
         self.pages += 1
 
         def within(created_at: int) -> bool:
-            return bool(flt.get("since", 0) <= created_at <= flt.get("until", 10**10))
+            until = flt.get("until", 10**10) - (1 if self.until_excluded else 0)
+            return bool(flt.get("since", 0) <= created_at <= until)
 
         matching: list[tuple[int, str, NostrEvent | None]] = [
             (e.created_at, e.id, e) for e in self.events if e.kind in flt["kinds"] and within(e.created_at)
@@ -225,6 +228,22 @@ async def test_more_events_in_one_second_than_a_page_holds_do_not_hide_the_older
     assert set(rig.handed) >= {e.id for e in older}
     assert len(set(rig.handed) & {e.id for e in flood}) >= CAP
     assert rig.cursor() == CURSOR + 500
+
+
+async def test_a_relay_that_reads_until_as_before_still_hands_over_every_event() -> None:
+    """A relay that takes ``until`` as "before" (the PyPI nostr-relay): the page after a page cut in the middle
+    of a second would skip the rest of that second; the connection sees that the page before's own events at
+    ``until`` did not come, and asks with ``until`` one later from then on: all 35 events are handed over
+    (before, 30)."""
+    relay = CappedRelay(stored(11, 35, CURSOR + 10, 3))
+    relay.until_excluded = True
+    rig = Rig(relay, [{"kinds": [11]}])
+
+    await rig.catch_up()
+    await rig.delivery.stop()
+
+    assert sorted(set(rig.handed)) == sorted(e.id for e in relay.events)
+    assert not rig.subscriptions.is_held("live", URL)
 
 
 async def test_a_relay_that_ignores_until_ends_the_catch_up_once_it_repeats_its_page() -> None:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,34 +43,13 @@ from ..codec import (
 from ..signer import Signer
 from .oks import RESEND, TOO_LARGE_FOR_RELAY, AwaitedOks, relay_closed_for_size, we_closed_for_size
 from .outage import Outage, Renewals, backoff_delay
+from .quick_ack import quick_ack
 from .rejects import RejectLog
 from .stored import CATCH_UP_PAGES, CatchUp, EventSink, Paged, StoredBatch, StoredEvents
 from .subscriptions import Subscription, Subscriptions
 from .types import ConnectHandler, Filter, PoolSettings, RelayHealth, RelaySpec, RelayState, Spawn
 
 log = structlog.get_logger(__name__)
-
-
-def _quick_ack(ws: ClientConnection) -> Callable[[], None]:
-    """Return a call that acknowledges what the connection's socket received so far, at once.
-
-    Linux only (``TCP_QUICKACK``; elsewhere, or for a socket that refuses it, a no-op). Made
-    per connection: the option is not sticky, so it is set again after every frame read.
-    """
-    option = getattr(socket, "TCP_QUICKACK", None)
-    sock = ws.transport.get_extra_info("socket") if ws.transport is not None else None
-    if option is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return _no_ack
-
-    def ack() -> None:
-        with contextlib.suppress(OSError):  # closed meanwhile: the read loop sees it next
-            sock.setsockopt(socket.IPPROTO_TCP, option, 1)
-
-    return ack
-
-
-def _no_ack() -> None:
-    return None
 
 
 CLOSED_FOR_GOOD = ("blocked", "invalid", "restricted", "unsupported")
@@ -189,7 +166,7 @@ class RelayConnection:
                 ) as ws:
                     opened_at = time.monotonic()
                     await self._on_open(ws)
-                    ack_now = _quick_ack(ws)
+                    ack_now = quick_ack(ws)
                     async for raw in ws:
                         ack_now()
                         await self._on_frame(raw)
@@ -397,12 +374,14 @@ class RelayConnection:
         the page limit (a relay that does not keep to ``since``); None: cut short (no EOSE, a reconnect
         meanwhile, the subscription closed)."""
         until: int | None = None
+        from_page = False  # until is the page before's oldest second: its events there match it again
+        shift = 0  # 1 once the relay reads until as "before" (nostr-relay; NIP-01's is "at or before")
         previous: set[str] = set()
         for _ in range(CATCH_UP_PAGES):
             if self.connects != paged.generation or self.subscriptions.get(sub_id) is None:
                 return None  # the reconnect's own catch-up asks again; a closed subscription wants nothing
             paged.pages += 1
-            asked = {**flt, "until": until} if until is not None else flt
+            asked = {**flt, "until": until + shift} if until is not None else flt
             fetch_id = f"fetch-catch-up-{paged.number}-{paged.pages}"
             page = await self._fetch(fetch_id, [asked], self.settings.fetch_timeout)
             if page.done is None or not page.done.done() or page.done.result() != "eose":
@@ -412,6 +391,9 @@ class RelayConnection:
             # refused events count as the page's too: a page of nothing but them (a flood of events
             # dated far ahead, say) must not end the paging before the events behind it
             dated = [(event.id, event.created_at) for event in page.events] + page.refused
+            if from_page and not shift and all(created_at != until for _, created_at in dated):
+                shift = 1  # the rest of that second would be skipped: asked again, until read as "before"
+                continue
             if not dated:
                 return True
             fresh = any(event_id not in previous for event_id, _ in dated)
@@ -425,7 +407,7 @@ class RelayConnection:
             if until is None or oldest < until:
                 if not fresh:
                     return True
-                until = oldest
+                until, from_page = oldest, True
             elif max(created_at for _, created_at in dated) > until:
                 return True  # a relay that does not keep to until: it has nothing older to give
             else:
@@ -433,7 +415,7 @@ class RelayConnection:
                 # cannot go past it; the seconds before are asked next (the rest of that second is lost)
                 if fresh:
                     self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(dated))
-                until -= 1
+                until, from_page = until - 1, False
         return False
 
     # -- reading ---------------------------------------------------------------------------
