@@ -335,7 +335,7 @@ class Daemon:
         # anything of this one (its embedded relay, its status file) touches what that daemon holds
         self.store = build_store(settings)
         await open_when_free(self.store)  # a tenexd command may be reading the home a moment
-        await check_the_store(settings, self.store, SUBSCRIPTION_ID, project_signer.pubkey)  # no 2nd answers
+        await check_the_store(settings, self.store, SUBSCRIPTION_ID, project_signer.pubkey, self.agents)
         settings.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         end_leftover_calls(settings.run_dir)  # claude-code calls a daemon killed outright left
         if settings.relays.embedded:

@@ -7,6 +7,7 @@ Before that, the store is opened (:func:`open_when_free`) waiting a moment for a
 from __future__ import annotations
 
 import asyncio
+import json
 import shlex
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -21,6 +22,7 @@ from tenex_daemon.adapters.storage.filesystem.layout import ARCHIVE_DIR, Layout
 from tenex_daemon.adapters.storage.filesystem.lock import StoreLockedError
 from tenex_daemon.app.embedded_relay import relay_url
 from tenex_daemon.app.settings import Settings, StorageKind
+from tenex_daemon.core.agents import Agent
 from tenex_daemon.core.errors import TenexError
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.core.ports import Store
@@ -226,14 +228,47 @@ async def refuse_an_empty_store_beside_the_homes(
     )
 
 
-async def check_the_store(settings: Settings, store: Store, subscription_id: str, project: str) -> None:
+async def check_the_store(
+    settings: Settings, store: Store, subscription_id: str, project: str, agents: Sequence[Agent] = ()
+) -> None:
     """What a daemon checks of its store (open) before it serves: that it serves this project when another
     home could share it (:func:`claim_for_project`, :func:`may_be_shared`), and that starting on it answers
-    nothing again (:func:`refuse_an_empty_store_beside_the_homes`); ``project``: this home's project key."""
+    nothing again (:func:`refuse_an_empty_store_beside_the_homes`); ``project``: this home's project key.
+    An agent whose key changed since is told (:func:`note_agent_keys`)."""
     if may_be_shared(settings):
         await claim_for_project(store, project)
     await refuse_an_empty_store_beside_the_homes(settings, store, subscription_id)
     await note_the_first_start(store, subscription_id, relay_urls(settings))
+    await note_agent_keys(store, agents)
+
+
+AGENT_KEYS_KEY = "agents.keys"
+"""Each agent's public key when a daemon last started on the store (slug -> hex key), agents removed since
+included: an agent whose key file was replaced, or a new agent given a removed one's slug, is told."""
+
+
+async def note_agent_keys(store: Store, agents: Sequence[Agent]) -> list[str]:
+    """Warn (``agent_key_changed``) of each agent whose key is not the one it had when a daemon last started
+    on the store, and keep the keys; return those agents' slugs. What is stored per agent is kept by slug: the
+    agent with the new key takes over its conversations' states (their sessions, what it was shown), and
+    replies p-tagging the old key are no longer heard."""
+    raw = await store.get_meta(AGENT_KEYS_KEY)
+    try:
+        before = json.loads(raw) if raw else {}
+    except ValueError:
+        before = {}
+    before = before if isinstance(before, dict) else {}
+    keys = {agent.slug: agent.pubkey for agent in agents}
+    changed = [slug for slug, key in keys.items() if isinstance(was := before.get(slug), str) and was != key]
+    for slug in changed:
+        log.warning(
+            "agent_key_changed", agent=slug, was=before[slug][:16], now=keys[slug][:16],
+            note="messages p-tagging the old key are not heard; the agent keeps the old key's conversation "
+            "states (its sessions among them)",
+        )
+    if any(before.get(slug) != key for slug, key in keys.items()):
+        await store.set_meta(AGENT_KEYS_KEY, json.dumps({**before, **keys}, sort_keys=True))
+    return changed
 
 
 async def note_the_first_start(store: Store, subscription_id: str, urls: Sequence[str]) -> None:

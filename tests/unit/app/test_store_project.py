@@ -8,6 +8,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 from typer.testing import CliRunner
 
 from tenex_daemon.adapters.storage.filesystem import FileSystemStore
@@ -20,9 +21,11 @@ from tenex_daemon.app.store_check import (
     StoreOfAnotherProjectError,
     check_the_store,
     claim_for_project,
+    note_agent_keys,
 )
 from tenex_daemon.cli.main import app
 from tenex_daemon.core.search import SearchQuery
+from tenex_daemon.testing import make_agent
 from tests.unit.cli.test_cli import seed_conversation
 from tests.unit.cli.test_migrate_smarthole import data_file
 
@@ -202,3 +205,24 @@ def test_commands_run_without_a_daemon_refuse_a_store_another_project_marked(tmp
     own = CliRunner().invoke(app, ["--home", str(tmp_path / "a"), "conversations", "list"])
     assert own.exit_code == 0, own.output
     assert "A's own" in own.output
+
+
+async def test_an_agent_whose_key_changed_since_the_last_start_is_told() -> None:
+    """An agent's key file replaced (or a new agent given a removed one's slug) between two starts: the start
+    warns (``agent_key_changed``, naming the agent and both keys' beginnings) once, and keeps the removed
+    agents' keys, so one added back later with another key is told too (before, nothing was said: the old
+    key's conversations went on with the new key, and replies p-tagging the old one were never heard)."""
+    store = MemoryStore()
+    planner, executor = make_agent("planner", "Planner", 1)[0], make_agent("executor", "Executor", 2)[0]
+    rotated = make_agent("planner", "Planner", 3)[0]
+    new_executor = make_agent("executor", "Other", 4)[0]
+
+    first = await note_agent_keys(store, [planner, executor])
+    with capture_logs() as logs:
+        rotated_start = await note_agent_keys(store, [rotated])  # the executor removed
+        again = await note_agent_keys(store, [rotated])
+        readded = await note_agent_keys(store, [rotated, new_executor])
+
+    assert (first, rotated_start, again, readded) == ([], ["planner"], [], ["executor"])
+    [told, _] = [entry for entry in logs if entry["event"] == "agent_key_changed"]
+    assert (told["agent"], told["was"], told["now"]) == ("planner", planner.pubkey[:16], rotated.pubkey[:16])
