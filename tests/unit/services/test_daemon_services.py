@@ -258,21 +258,25 @@ class SessionThenFailure:
         return CompletionResult(text=f"answer {len(self.requests)}", session_id="sess-1")
 
 
+async def talk_to_alice(cast: Cast, backend: LLMBackend, first: str, *then: str) -> Rig:
+    """The production pipeline with the real composer: a person's thread to alice (``first``), then each of
+    ``then`` in it, each answered before the next."""
+    rig = pipeline.build_rig(cast, backend=backend, composer=pipeline.real_composer(cast))
+    root = cast.user_says(first, kind=11, tags=[["p", cast.alice.pubkey]])
+    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["p", cast.alice.pubkey]]
+    for event in (root, *(cast.user_says(text, tags=thread) for text in then)):
+        await rig.dispatcher.handle(event)
+        await rig.quiet()
+    return rig
+
+
 async def test_a_run_that_failed_leaves_the_agent_without_its_session(cast: Cast) -> None:
     """After an error reply the next call starts a session with the whole context, the message that failed
     in it: resumed, the session would be sent only what follows the agent's last reply (the error reply), and
     the failed message would never reach it (before, the next call resumed ``sess-1``)."""
     backend = SessionThenFailure()
-    rig = pipeline.build_rig(cast, backend=backend, composer=pipeline.real_composer(cast))
-    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
-    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["p", cast.alice.pubkey]]
 
-    await rig.dispatcher.handle(root)
-    await rig.quiet()
-    await rig.dispatcher.handle(cast.user_says("my budget is 40 euros", tags=thread))
-    await rig.quiet()
-    await rig.dispatcher.handle(cast.user_says("what was my budget?", tags=thread))
-    await rig.quiet()
+    rig = await talk_to_alice(cast, backend, "hello", "my budget is 40 euros", "what was my budget?")
 
     first, failed, after = backend.requests
     assert (first.session_id, failed.session_id, after.session_id) == (None, "sess-1", None)
@@ -286,14 +290,8 @@ async def test_an_empty_answer_in_the_session_keeps_it(cast: Cast) -> None:
     """An answer with no text (an error reply) that the backend gave in its session ``sess-2``: that session
     took the message in, so it is kept, as the error reply's ``claude-session`` tag says."""
     backend = ScriptedBackend([CompletionResult(text="", session_id="sess-2"), CompletionResult(text="ok")])
-    rig = pipeline.build_rig(cast, backend=backend, composer=pipeline.real_composer(cast))
-    root = cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]])
-    thread = [["E", root.id, "", root.pubkey], ["K", "11"], ["p", cast.alice.pubkey]]
 
-    await rig.dispatcher.handle(root)
-    await rig.quiet()
-    await rig.dispatcher.handle(cast.user_says("are you there?", tags=thread))
-    await rig.quiet()
+    rig = await talk_to_alice(cast, backend, "hello", "are you there?")
 
     assert rig.publisher.published[0].has_tag("error", "system")
     assert rig.publisher.published[0].tag_value("claude-session") == "sess-2"
