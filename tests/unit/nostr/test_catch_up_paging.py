@@ -246,6 +246,34 @@ async def test_a_relay_that_reads_until_as_before_still_hands_over_every_event()
     assert not rig.subscriptions.is_held("live", URL)
 
 
+async def test_an_event_deleted_between_two_pages_does_not_cut_the_catch_up_short() -> None:
+    """On a relay that keeps to NIP-01, the one event at the first page's oldest second is deleted (NIP-09)
+    before the next page: that page, without it, looks like a relay reading ``until`` as "before", and ``until``
+    is asked one later from then on; every other event is still handed over (before the fix of that reading,
+    a page reaching into the second after ``until`` ended the catch-up, 5 events short)."""
+    t = CURSOR + 10
+    seconds = {t + 4: 9, t + 3: 1, t + 2: 6, t + 1: 6, t: 3}
+    events = [sign_event(PERSON, f"{at}/{n}", kind=11, created_at=at) for at, k in seconds.items() for n in range(k)]
+    relay = CappedRelay(events)
+    [deleted] = [e for e in events if e.created_at == t + 3]
+    paging = relay.fetch
+
+    async def deleting_before_the_second_page(fetch_id: str, filters: list[Filter], wait_s: float) -> _Fetch:
+        if relay.pages == 2:  # the first answer and the first page came
+            relay.events.remove(deleted)
+        return await paging(fetch_id, filters, wait_s)
+
+    rig = Rig(relay, [{"kinds": [11]}])
+    rig.connection._fetch = deleting_before_the_second_page  # type: ignore[method-assign]
+    relay.fetch = deleting_before_the_second_page  # type: ignore[method-assign]
+
+    await rig.catch_up()
+    await rig.delivery.stop()
+
+    assert set(rig.handed) >= {e.id for e in events if e is not deleted}
+    assert not rig.subscriptions.is_held("live", URL)
+
+
 async def test_a_relay_that_ignores_until_ends_the_catch_up_once_it_repeats_its_page() -> None:
     """A relay that answers every page with its newest events whatever ``until`` says: the catch-up ends at
     the first page it has seen already (it does not step back one second a page up to the page limit)."""

@@ -408,7 +408,7 @@ class RelayConnection:
                 if not fresh:
                     return True
                 until, from_page = oldest, True
-            elif max(created_at for _, created_at in dated) > until:
+            elif max(created_at for _, created_at in dated) > until + shift:
                 return True  # a relay that does not keep to until: it has nothing older to give
             else:
                 # a page all dated one second: the relay may keep more of it than one answer holds, and until
