@@ -65,7 +65,7 @@ from tenex_daemon.app.status import (
     write_status,
 )
 from tenex_daemon.app.stop_signals import StopSignals
-from tenex_daemon.app.store_check import check_the_store, cursors, open_when_free, refuse_a_store_behind
+from tenex_daemon.app.store_check import check_the_store, open_when_free, refuse_a_store_behind
 from tenex_daemon.app.watchdog import PROBE_EVERY_S, Watchdog, store_probe, watchdog_key
 from tenex_daemon.app.wiring import (
     Pipeline,
@@ -433,9 +433,7 @@ class Daemon:
         # a crash came mid-dispatch: events never stored are left to the relays (before the
         # subscription delivers them again), the others are dispatched again once it runs
         redo = await pipeline.dispatcher.stored_dispatches(pipeline.scheduler.dispatches_to_redo())
-        found = await cursors(self.store, SUBSCRIPTION_ID, self.relay_urls)  # an a-tag since ahead of now
-        since = await addressed_since(self.store, found, self.settings.relays.since_window_s)
-        filters = intake_filters(self.settings, pubkeys, since)
+        filters = intake_filters(self.settings, pubkeys, await addressed_since(self.store))
         await self.pool.subscribe(SUBSCRIPTION_ID, filters)
         if answer.private:
             wrapped = [{"kinds": [KIND_GIFT_WRAP], "#p": [a.pubkey for a in self.agents]}]

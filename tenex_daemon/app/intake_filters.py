@@ -8,7 +8,6 @@ then counted as refused)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from tenex_daemon.adapters.nostr.codec import project_address
@@ -22,21 +21,20 @@ ADDRESSED_SINCE_KEY = "intake.project_address_since"
 tag (Unix seconds)."""
 
 
-async def addressed_since(store: Store, cursors: Sequence[int] = (), window_s: int = 0) -> int:
+async def addressed_since(store: Store) -> int:
     """When the daemon first asked its relays for what is addressed to the project by its ``a`` tag: now, the
     first time (kept). It is never asked for from before: a home made for a project people wrote to for
     months (or one upgraded to ask for it) would otherwise answer every such message as new. One kept ahead of
     now (a first start while the clock ran fast) would keep every such message from being asked again after a
-    downtime until that time came: it is kept as where the subscription's stored ``cursors`` ask from (their
-    oldest less ``window_s``: the downtime before this start included), or as now when that is later or no
-    cursor is stored."""
+    downtime until that time came: it is kept as now instead. (Not as where the subscription's cursors ask
+    from: those may be months old, from before the first asking; the downtime just before this start is not
+    asked for by that filter.)"""
     stored = await store.get_meta(ADDRESSED_SINCE_KEY)
     now = int(time.time())
     if stored is not None and stored.isdigit() and int(stored) <= now:
         return int(stored)
-    since = now if stored is None else max(0, min([now, *(cursor - window_s for cursor in cursors)]))
-    await store.set_meta(ADDRESSED_SINCE_KEY, str(since))
-    return since
+    await store.set_meta(ADDRESSED_SINCE_KEY, str(now))
+    return now
 
 
 def intake_filters(settings: Settings, pubkeys: list[str], since: int) -> list[dict[str, Any]]:
