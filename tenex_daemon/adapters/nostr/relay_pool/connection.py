@@ -61,6 +61,20 @@ CLOSED_FOR_GOOD_FACTOR = 10
 SEND_RETRY_WAIT = 1.0
 """Seconds a publish whose frame could not be sent waits for its connection's close before sending again."""
 
+def _next_page(until: int | None, shift: int, dates: list[int], *, fresh: bool) -> tuple[int, bool] | None:
+    """Where a catch-up's next page ends after a page of events dated ``dates`` (asked with ``until`` plus
+    ``shift``; ``fresh``: it brought events the page before did not): (its ``until``, whether that is this
+    page's oldest second), or None when the filter is done (nothing new, or a relay that does not keep to
+    ``until``: it has nothing older to give). A page all dated one second: the relay may keep more of it than
+    one answer holds, and ``until`` cannot go past it; the seconds before are asked next."""
+    oldest = min(dates)
+    if until is None or oldest < until:
+        return (oldest, True) if fresh else None
+    if max(dates) > until + shift:
+        return None
+    return until - 1, False
+
+
 @dataclass
 class _Fetch:
     """A one-off REQ in progress: what came so far, and its end (EOSE or CLOSED)."""
@@ -403,19 +417,12 @@ class RelayConnection:
                     paged.taken += 1
                     await self.stored.hold(sub_id, batch, event)
             previous = {event_id for event_id, _ in dated}
-            oldest = min(created_at for _, created_at in dated)
-            if until is None or oldest < until:
-                if not fresh:
-                    return True
-                until, from_page = oldest, True
-            elif max(created_at for _, created_at in dated) > until + shift:
-                return True  # a relay that does not keep to until: it has nothing older to give
-            else:
-                # a page all dated one second: the relay may keep more of it than one answer holds, and until
-                # cannot go past it; the seconds before are asked next (the rest of that second is lost)
-                if fresh:
-                    self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(dated))
-                until, from_page = until - 1, False
+            step = _next_page(until, shift, [created_at for _, created_at in dated], fresh=fresh)
+            if step is None:
+                return True
+            if not step[1] and fresh:  # the rest of that second, past what one answer holds, is lost
+                self.log.warning("catch_up_stuck", subscription=sub_id, second=until, n=len(dated))
+            until, from_page = step
         return False
 
     # -- reading ---------------------------------------------------------------------------
