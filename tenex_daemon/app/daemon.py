@@ -195,8 +195,9 @@ class Daemon:
         self.intake: Intake | None = None
         """Gift wraps opened, the answer setting applied, before the dispatcher (once started)."""
         self.stranger_log = RefusalLog()
-        self.wrap_refusal_log = RefusalLog()
-        """Refused gift wraps, logged once a minute per reason: each comes from a one-time key."""
+        self.intake_refusal_log = RefusalLog()
+        """What the intake refused (gift wraps, and what daemon.answer excludes), logged once a minute per
+        reason: each wrap comes from a one-time key."""
         self.metrics.watch_pool(lambda: self.pool.health() if self.pool is not None else None)
         self.metrics.watch_runs(lambda: self.pipeline.scheduler.failed if self.pipeline is not None else 0)
         self.metrics.watch_routing(lambda: routing_fallbacks(self.pipeline))
@@ -560,15 +561,17 @@ class Daemon:
             self.metrics.own_copy()
             return Remember.IN_MEMORY
         if isinstance(admitted, str):  # a wrap that does not open, or what daemon.answer excludes
-            remember = self._count(received.event, HandleResult(Outcome.IGNORED, admitted))
-            if received.event.kind != KIND_GIFT_WRAP:
+            refused = received.event
+            if refused.kind != KIND_GIFT_WRAP and not self.pipeline.dispatcher.allows(refused.pubkey):
+                admitted = SkipReason.AUTHOR_NOT_ALLOWED.value  # a stranger's first: no disk for strangers
+            remember = self._count(refused, HandleResult(Outcome.IGNORED, admitted))
+            if admitted == SkipReason.AUTHOR_NOT_ALLOWED.value:
                 return remember
             # A refused wrap is signed by a one-time key the allow-list cannot judge: anyone can send them,
-            # so, like a stranger's event, it is deduplicated in memory only (no disk for strangers) and
-            # logged at most once a minute (per reason: one-time keys make per-author limits useless).
-            wrap = received.event
-            self.wrap_refusal_log.refused(wrap.id, wrap.pubkey, wrap.kind, admitted, key=admitted)
-            return Remember.IN_MEMORY
+            # so, like a stranger's event, it is deduplicated in memory only (no disk for strangers). Each
+            # reason is logged at most once a minute (one-time keys make per-author limits useless).
+            self.intake_refusal_log.refused(refused.id, refused.pubkey, refused.kind, admitted, key=admitted)
+            return Remember.IN_MEMORY if refused.kind == KIND_GIFT_WRAP else remember
         event = admitted  # a gift wrap's rumor in its place
         self._observer.event_received(event.id, received.received_at)
         structlog.contextvars.bind_contextvars(event_id=event.id)

@@ -191,10 +191,13 @@ class EventDispatcher:
         """One scheduled run; its reply comes back to :meth:`before_reply_saved` and :meth:`after_reply`."""
         await self._runs.run(request, self)
 
+    def allows(self, author: str) -> bool:
+        """Whether ``author`` may trigger agents: the owner, a whitelisted key or one of our agents."""
+        return is_allowed_author(author, self._manager.agents, self._owner, self._whitelist)
+
     async def handle(self, event: NostrEvent) -> HandleResult:
         """Classify ``event`` once and run its handler."""
-        directory = self._manager.agents
-        if not is_allowed_author(event.pubkey, directory, self._owner, self._whitelist):
+        if not self.allows(event.pubkey):
             return HandleResult(Outcome.IGNORED, SkipReason.AUTHOR_NOT_ALLOWED.value)
         classification = self._classify(event)
         if classification.kind in (EventClass.IGNORED, EventClass.STOP):  # nothing stored: no journal entry

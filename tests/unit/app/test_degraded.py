@@ -142,6 +142,34 @@ async def test_a_strangers_event_is_not_written_to_the_processed_ledger(tmp_path
     assert not await store.is_processed(stranger.id)
 
 
+async def test_a_strangers_event_the_intake_refuses_is_refused_as_a_strangers(tmp_path: Path, cast: Cast) -> None:
+    """A stranger's kind 14 in the clear, and a stranger's mention when agents answer private messages only,
+    are counted as ``author_not_allowed`` and cost no disk, as any stranger's event; the owner's kind 14 in
+    the clear is refused for what it is, with a log line."""
+    store = FlakyStore()
+    strangers = [
+        cast.factory.event(cast.other_user, "in the clear", kind=14, tags=[["p", cast.alice.pubkey]]),
+        cast.factory.event(cast.other_user, "a mention", kind=1111, tags=[["p", cast.alice.pubkey]]),
+    ]
+    owners = cast.factory.event(cast.user, "in the clear too", kind=14, tags=[["p", cast.alice.pubkey]])
+    async with daemon_with_pool(tmp_path, cast, store) as daemon:
+        assert daemon.pool is not None
+        assert daemon.pipeline is not None
+        daemon.intake = Intake(None, daemon.pipeline.manager.agents, public=False)
+        with capture_logs() as logs:
+            for event in [*strangers, owners]:
+                await daemon.pool.intake(event, "ws://relay", "tenexd-mentions")
+            assert await wait_until(lambda: sum(daemon.events_ignored.values()) == 3)
+    assert daemon.events_ignored == {"author_not_allowed": 2, "private_message_in_the_clear": 1}
+    assert not await store.is_processed(strangers[0].id)
+    assert not await store.is_processed(strangers[1].id)
+    refused = [(entry["reason"], entry["author"]) for entry in logs if entry["event"] == "event_refused"]
+    assert refused == [
+        ("author_not_allowed", cast.other_user.pubkey),
+        ("private_message_in_the_clear", cast.user.pubkey),
+    ]
+
+
 async def _refused_across_a_minute(
     daemon: Daemon, events: list[NostrEvent], subscription: str, reason: str, refusal_log: RefusalLog
 ) -> list[MutableMapping[str, Any]]:
@@ -207,7 +235,9 @@ async def test_refused_gift_wraps_are_logged_once_a_minute_per_reason_whatever_t
     async with daemon_with_pool(tmp_path, cast, store) as daemon:
         assert daemon.pipeline is not None
         daemon.intake = Intake(GiftWraps(signers_for(cast_keys(cast))), daemon.pipeline.manager.agents)
-        logs = await _refused_across_a_minute(daemon, wraps, "tenexd-wraps", "wrap_unreadable", daemon.wrap_refusal_log)
+        logs = await _refused_across_a_minute(
+            daemon, wraps, "tenexd-wraps", "wrap_unreadable", daemon.intake_refusal_log
+        )
     lines = [entry for entry in logs if entry["event"] == "event_refused"]
     assert [entry["reason"] for entry in lines] == ["wrap_unreadable"] * 2
     assert [entry["suppressed"] for entry in lines] == [0, 4]
