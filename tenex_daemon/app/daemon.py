@@ -53,6 +53,7 @@ from tenex_daemon.app.run_observer import MetricsObserver
 from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.app.status import (
     AgentEntry,
+    Backlog,
     ConversationCounts,
     RelaysDown,
     StatusData,
@@ -219,6 +220,7 @@ class Daemon:
         scheduler = self.pipeline.scheduler if self.pipeline is not None else None
         ignored = dict(self.events_ignored)
         rejected = {**(dict(pool_health.rejects) if pool_health is not None else {}), **ignored}
+        outbox = outbox_status(self.pipeline.outbox if self.pipeline is not None else None, now)
         return StatusData({
             "version": __version__,
             "code": code_id(),
@@ -246,7 +248,7 @@ class Daemon:
             },
             "replies": self._observer.replies,
             "reply_latency": self._observer.latency_summary(),
-            "outbox": outbox_status(self.pipeline.outbox if self.pipeline is not None else None, now),
+            "outbox": outbox,
             "descriptions": descriptions_status(self.descriptions),
             "retention": retention_status(self.sweeper),
             "errors": dict(self.errors),
@@ -254,6 +256,9 @@ class Daemon:
             "degraded": degraded_reason(
                 pool_health, self._store_error, self._relays_down.seconds(pool_health, time.monotonic()),
                 self._watchdog.stuck_s() if self._watchdog is not None else None,
+                Backlog(
+                    outbox["oldest_age_s"], self.settings.daemon.outbox_warn_after_s, self._observer.failing
+                ),
             ),
             "embedded_relay": embedded.url if embedded is not None else None,
             "embedded_relay_pid": embedded.pid if embedded is not None else None,

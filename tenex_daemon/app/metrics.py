@@ -13,7 +13,7 @@ and ``tenexd_descriptions_pending`` (conversations' titles and summaries),
 The relay pool's own counters are read from its health at scrape time (:meth:`Metrics.watch_pool`):
 ``tenexd_frames_rejected_total{reason}``, ``tenexd_events_duplicate_total``,
 ``tenexd_intake_handler_errors_total``, ``tenexd_intake_retries_total``, ``tenexd_intake_retry_pending``
-and ``tenexd_relay_reconnects_total{url}``.
+``tenexd_relay_reconnects_total{url}`` and ``tenexd_relay_subscriptions_closed_total{url}``.
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ class _PoolCollector(Collector):
         reconnects = CounterMetricFamily(
             f"{NAMESPACE}_relay_reconnects", "Reconnections to a relay, by url.", labels=["url"]
         )
+        closed = CounterMetricFamily(
+            f"{NAMESPACE}_relay_subscriptions_closed",
+            "Live subscriptions a relay ended (CLOSED) while connected, by url; each is sent again.",
+            labels=["url"],
+        )
         without_id = CounterMetricFamily(
             f"{NAMESPACE}_relay_oks_without_id",
             "Relay answers (OK) naming no event, by url and whether the EVENT they answer was told.",
@@ -70,6 +75,7 @@ class _PoolCollector(Collector):
         )
         for relay in health.relays:
             reconnects.add_metric([relay.url], relay.reconnects)
+            closed.add_metric([relay.url], relay.subscriptions_closed)
             without_id.add_metric([relay.url, "attributed"], relay.oks_attributed)
             without_id.add_metric([relay.url, "unmatched"], relay.oks_unmatched)
         duplicates = "Copies of events already taken in or processed (by this daemon or another), dropped."
@@ -85,6 +91,7 @@ class _PoolCollector(Collector):
             CounterMetricFamily(f"{NAMESPACE}_intake_retries", retries, value=health.retries),
             GaugeMetricFamily(f"{NAMESPACE}_intake_retry_pending", pending, value=health.retrying),
             reconnects,
+            closed,
             without_id,
         ]
 

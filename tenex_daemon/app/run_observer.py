@@ -28,6 +28,9 @@ class MetricsObserver:
         self.error_replies: Counter[str] = Counter()
         """Runs whose backend failed (a wrong key, a provider down), answered with an error reply, by the
         failure's kind, since start."""
+        self.failing: dict[str, tuple[int, str]] = {}
+        """Agent slug -> (its runs in a row, newest last, that ended in an error reply; the newest one's
+        failure kind): an agent whose every run fails is one the operator must mend."""
 
     def event_received(self, event_id: str, received_at: float) -> None:
         """Remember when an event that may trigger runs arrived."""
@@ -49,9 +52,13 @@ class MetricsObserver:
     def run_finished(self, request: RunRequest, seconds: float, error: str | None) -> None:
         """Record a run's latency and failure kind."""
         self._metrics.observe_agent_run(request.agent_slug, seconds)
-        if error is not None:
-            self.error_replies[error] += 1
-            self._metrics.agent_run_error(request.agent_slug, error)
+        if error is None:
+            self.failing.pop(request.agent_slug, None)
+            return
+        self.error_replies[error] += 1
+        self._metrics.agent_run_error(request.agent_slug, error)
+        in_a_row, _ = self.failing.get(request.agent_slug, (0, error))
+        self.failing[request.agent_slug] = (in_a_row + 1, error)
 
     def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:
         """Count a published reply and record how long after its trigger arrived it was sent."""

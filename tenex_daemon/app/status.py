@@ -16,7 +16,8 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -73,6 +74,18 @@ class RelayStatus(TypedDict):
     """Answers (``OK``) without an event id, attributed to the EVENT they answer, since start."""
     oks_unmatched: int
     """Answers without an event id that could not be attributed, since start (logged ``ok_unmatched``)."""
+    subscriptions_closed: int
+    """Live subscriptions the relay ended (``CLOSED``) while connected, since start; each is sent again."""
+    unserved: dict[str, UnservedSubscription]
+    """Per live subscription the relay ended and has not served since (no EOSE, no event)."""
+
+
+class UnservedSubscription(TypedDict):
+    """A live subscription a relay ended and has not served since."""
+
+    for_s: float
+    message: str
+    """The relay's ``CLOSED`` message (``restricted: ...``)."""
 
 
 class ConversationCounts(TypedDict):
@@ -310,6 +323,11 @@ def relay_statuses(health: PoolHealth | None) -> list[RelayStatus]:
             rejects=dict(relay.rejects), notices=relay.notices,
             authenticated=relay.authenticated, last_error=relay.last_error,
             oks_attributed=relay.oks_attributed, oks_unmatched=relay.oks_unmatched,
+            subscriptions_closed=relay.subscriptions_closed,
+            unserved={
+                sub: UnservedSubscription(for_s=for_s, message=why)
+                for sub, (for_s, why) in relay.unserved.items()
+            },
         )
         for relay in (health.relays if health is not None else ())
     ]
@@ -634,13 +652,32 @@ class RelaysDown:
         return now - self._since
 
 
+FAILING_RUNS_DEGRADED = 3
+"""Runs of one agent in a row ending in an error reply (its backend failing) after which the daemon says it
+is degraded: every person it hears is answered with an error."""
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What waits on the daemon's way out, for :func:`degraded_reason`."""
+
+    outbox_oldest_s: float | None = None
+    """How long the oldest signed event in the outbox has waited for a relay to take it (None: none waits)."""
+    outbox_limit_s: float = float("inf")
+    """Past this wait the outbox is stuck (``daemon.outbox_warn_after_s``)."""
+    failing: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+    """Agent slug -> (runs in a row ending in an error reply, the newest one's failure kind)."""
+
+
 def degraded_reason(
     pool_health: PoolHealth | None, store_error: str | None, relays_down_s: float,
-    store_stuck_s: float | None = None,
+    store_stuck_s: float | None = None, backlog: Backlog | None = None,
 ) -> str | None:
     """Why the daemon is degraded (its store does not answer; a write to it has waited ``store_stuck_s``,
     long enough to call it stuck; incoming events it failed to handle, retried; no relay connected for
-    :data:`RELAYS_DOWN_DEGRADED_S` or more), or None."""
+    :data:`RELAYS_DOWN_DEGRADED_S` or more; what it signed waits past ``daemon.outbox_warn_after_s`` for a
+    relay to take it; an agent's last :data:`FAILING_RUNS_DEGRADED` runs or more each ended in an error
+    reply), or None."""
     reasons = []
     if store_error is not None:
         reasons.append(f"store: not answering ({store_error})")
@@ -651,8 +688,43 @@ def degraded_reason(
             f"intake: {pool_health.retrying} incoming events failed to be handled and are retried "
             f"with backoff (last error: {pool_health.last_consumer_error})"
         )
+    if pool_health is not None:
+        reasons.extend(_unserved_reasons(pool_health))
     if pool_health is not None and relays_down_s >= RELAYS_DOWN_DEGRADED_S:
         errors = sorted({r.last_error for r in pool_health.relays if r.last_error})
         last = f" (last error: {errors[0]})" if errors else ""
         reasons.append(f"relays: none connected for {int(relays_down_s)} s{last}")
+    if backlog is not None:
+        reasons.extend(_backlog_reasons(backlog))
     return "; ".join(reasons) or None
+
+
+def _backlog_reasons(backlog: Backlog) -> list[str]:
+    reasons = []
+    if backlog.outbox_oldest_s is not None and backlog.outbox_oldest_s >= backlog.outbox_limit_s:
+        reasons.append(
+            f"outbox: a signed event has waited {int(backlog.outbox_oldest_s)} s for a relay to take it "
+            "(relays refusing or not answering?)"
+        )
+    for slug, (in_a_row, kind) in sorted(backlog.failing.items()):
+        if in_a_row >= FAILING_RUNS_DEGRADED:
+            reasons.append(f"agent {slug}: its last {in_a_row} runs ended in an error reply ({kind})")
+    return reasons
+
+
+def _unserved_reasons(health: PoolHealth) -> list[str]:
+    """A live subscription every reading relay ended and has not served for :data:`RELAYS_DOWN_DEGRADED_S`:
+    the daemon, connected, hears nothing of what it asks for there."""
+    readers = [relay for relay in health.relays if relay.read]
+    if not readers:
+        return []
+    refused = set.intersection(*(set(relay.unserved) for relay in readers))
+    reasons = []
+    for sub in sorted(refused):
+        for_s = min(relay.unserved[sub][0] for relay in readers)
+        if for_s >= RELAYS_DOWN_DEGRADED_S:
+            message = readers[0].unserved[sub][1]
+            reasons.append(
+                f"relays: subscription {sub} refused by every relay for {int(for_s)} s ({message})"
+            )
+    return reasons

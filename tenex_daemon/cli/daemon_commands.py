@@ -321,12 +321,14 @@ def _print_status_data(data: dict[str, Any]) -> None:
     relays = [relay for relay in listed if isinstance(relay, dict)] if isinstance(listed, list) else []
     if relays:
         table = Table(title="Relays")
-        for column in ("url", "state", "reconnects", "last event"):
+        for column in ("url", "state", "reconnects", "last event", "subscriptions refused"):
             table.add_column(column, overflow="fold")
         for relay in relays:
+            unserved = _mapping(relay.get("unserved"))
             table.add_row(
                 str(relay.get("url")), str(relay.get("state")), str(relay.get("reconnects", "-")),
                 s_time(relay.get("last_event_at")),
+                ", ".join(f"{sub} ({_mapping(why).get('message')})" for sub, why in unserved.items()) or "-",
             )
         out.print(table)
 

@@ -19,7 +19,8 @@ def test_written_status_reads_back_as_running_and_healthy(tmp_path: Path) -> Non
     relay = RelayStatus(
         url="ws://127.0.0.1:7777", state="connected", read=True, write=True, connected_since=None,
         reconnects=0, last_event_at=None, events_received=0, rejects={}, notices=0,
-        authenticated=False, last_error=None, oks_attributed=0, oks_unmatched=0,
+        authenticated=False, last_error=None, oks_attributed=0, oks_unmatched=0, subscriptions_closed=1,
+        unserved={"tenexd-mentions": {"for_s": 12.5, "message": "restricted: members only"}},
     )
     data["relays"] = [relay]
     write_status(path, data)
@@ -150,6 +151,55 @@ def test_no_relay_connected_for_a_minute_is_degraded() -> None:
     assert reason == "relays: none connected for 61 s (last error: ConnectionRefusedError: Connect call failed)"
     assert down.seconds(pool(RelayState.CONNECTED), 1062.0) == 0.0
     assert degraded_reason(pool(RelayState.CONNECTED), None, 0.0) is None
+
+
+def test_an_outbox_stuck_past_its_warning_and_an_agent_whose_runs_all_fail_are_degraded() -> None:
+    """A signed event waiting past ``daemon.outbox_warn_after_s`` for a relay to take it (relays refusing or
+    silent: the replies reach nobody), and an agent whose last three runs each ended in an error reply (its
+    backend failing), make the daemon degraded with the reason; a shorter wait, two failures in a row, or a
+    run since that answered, do not."""
+    from tenex_daemon.app.metrics import Metrics
+    from tenex_daemon.app.run_observer import MetricsObserver
+    from tenex_daemon.app.status import Backlog, degraded_reason
+    from tenex_daemon.services.runs import RunRequest
+
+    assert degraded_reason(None, None, 0.0, backlog=Backlog(299.0, 300.0)) is None
+    assert degraded_reason(None, None, 0.0, backlog=Backlog(301.5, 300.0)) == (
+        "outbox: a signed event has waited 301 s for a relay to take it (relays refusing or not answering?)"
+    )
+    observer = MetricsObserver(Metrics())
+    request = RunRequest("c" * 64, "e" * 64, "alice")
+    for _ in range(2):
+        observer.run_finished(request, 0.1, "unreachable")
+    assert degraded_reason(None, None, 0.0, backlog=Backlog(failing=observer.failing)) is None
+    observer.run_finished(request, 0.1, "unreachable")
+    assert degraded_reason(None, None, 0.0, backlog=Backlog(failing=observer.failing)) == (
+        "agent alice: its last 3 runs ended in an error reply (unreachable)"
+    )
+    observer.run_finished(request, 0.1, None)
+    assert degraded_reason(None, None, 0.0, backlog=Backlog(failing=observer.failing)) is None
+
+
+def test_a_subscription_every_relay_refuses_for_a_minute_is_degraded() -> None:
+    """A relay connected but ending the daemon's subscription (``CLOSED restricted:``) hears nothing for it:
+    degraded once every reading relay has left the subscription unserved for a minute, not while one of them
+    serves it, nor before the minute."""
+    from tenex_daemon.adapters.nostr.relay_pool import PoolHealth, RelayHealth, RelayState
+    from tenex_daemon.app.status import degraded_reason
+
+    def relay(url: str, unserved: dict[str, tuple[float, str]]) -> RelayHealth:
+        return RelayHealth(url, RelayState.CONNECTED, True, True, None, 0, None, 0, {}, 0, False, None,
+                           subscriptions_closed=len(unserved), unserved=unserved)
+
+    refused = {"tenexd-mentions": (75.0, "restricted: members only")}
+    one = PoolHealth((relay("ws://a", refused),), 0, 0, 0, 0, {})
+    assert degraded_reason(one, None, 0.0) == (
+        "relays: subscription tenexd-mentions refused by every relay for 75 s (restricted: members only)"
+    )
+    served_by_another = PoolHealth((relay("ws://a", refused), relay("ws://b", {})), 0, 0, 0, 0, {})
+    assert degraded_reason(served_by_another, None, 0.0) is None
+    young = PoolHealth((relay("ws://a", {"tenexd-mentions": (59.0, "restricted: members only")}),), 0, 0, 0, 0, {})
+    assert degraded_reason(young, None, 0.0) is None
 
 
 def test_a_pid_another_process_took_since_is_not_taken_for_the_daemon(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from tenex_daemon.adapters.nostr.publisher import PoolPublisher
-from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool
+from tenex_daemon.adapters.nostr.relay_pool import PoolSettings, ReceivedEvent, RelayPool, RelayState
 from tenex_daemon.adapters.nostr.signer import Signer
 from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.core.errors import EventRefusedError
@@ -187,10 +187,12 @@ async def test_a_live_subscription_the_relay_closed_is_sent_again_on_the_same_co
     async with running(relay), RelayPool([relay.url], settings=FAST, on_event=on_event) as pool:
         await pool.subscribe("mentions", [{"kinds": [KIND_COMMENT]}])
         assert await until(lambda: bool(received), within=5)
-        reconnects = pool.health().relays[0].reconnects
+        health = pool.health().relays[0]
     assert [r.event.content for r in received] == ["after the resubscribe"]
     assert len(relay.sent("REQ", "mentions")) == 2
-    assert reconnects == 0
+    assert health.reconnects == 0
+    assert health.subscriptions_closed == 1
+    assert health.unserved == {}  # served again: not counted as refused any more
     assert relay.connections == 1
 
 
@@ -219,6 +221,22 @@ async def test_a_subscription_closed_again_and_again_is_sent_again_with_backoff_
     assert 3 <= len(transient) <= 15  # waits of 0.025-0.05 s, doubling up to 0.1-0.2 s
     assert len(refused) >= 2
     assert refused[1] - refused[0] >= 0.25  # the first wait after ``blocked:`` is 0.25-0.5 s
+
+
+async def test_a_subscription_the_relay_keeps_refusing_shows_as_unserved_in_its_health() -> None:
+    """A relay that ends every REQ with ``restricted:`` leaves the subscription unserved, with the relay's
+    message and for how long, and each ``CLOSED`` counted: what ``tenexd status`` degrades on."""
+    relay = ScriptedRelay(close_every_req, message="restricted: members only")
+    async with running(relay), RelayPool([relay.url], settings=FAST) as pool:
+        await pool.subscribe("mentions", [{"kinds": [KIND_COMMENT]}])
+        assert await until(lambda: bool(pool.health().relays[0].unserved), within=5)
+        await asyncio.sleep(0.3)
+        health = pool.health().relays[0]
+    for_s, message = health.unserved["mentions"]
+    assert message == "restricted: members only"
+    assert for_s >= 0.3
+    assert health.subscriptions_closed >= 1
+    assert health.state is RelayState.CONNECTED
 
 
 async def auth_required_until_third_req(relay: ScriptedRelay, ws: ServerConnection, n: int) -> None:

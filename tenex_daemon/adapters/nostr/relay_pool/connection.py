@@ -44,18 +44,13 @@ from ..signer import Signer
 from .oks import RESEND, TOO_LARGE_FOR_RELAY, AwaitedOks, relay_closed_for_size, we_closed_for_size
 from .outage import Outage, Renewals, backoff_delay
 from .quick_ack import quick_ack
+from .refused import ClosedSubscriptions
 from .rejects import RejectLog
 from .stored import CATCH_UP_PAGES, CatchUp, EventSink, Paged, StoredBatch, StoredEvents
 from .subscriptions import Subscription, Subscriptions
 from .types import ConnectHandler, Filter, PoolSettings, RelayHealth, RelaySpec, RelayState, Spawn
 
 log = structlog.get_logger(__name__)
-
-
-CLOSED_FOR_GOOD = ("blocked", "invalid", "restricted", "unsupported")
-"""``CLOSED`` prefixes a relay is unlikely to change its mind on soon: the REQ is sent again after a longer
-wait (:data:`CLOSED_FOR_GOOD_FACTOR` times the reconnect backoff)."""
-CLOSED_FOR_GOOD_FACTOR = 10
 
 
 SEND_RETRY_WAIT = 1.0
@@ -142,11 +137,8 @@ class RelayConnection:
         self.auth_retried_subs: set[str] = set()
         self.ok_sizes = self.oks.sizes
         """Per event id a publish awaits an ``OK`` for (:attr:`pending_ok`): the size of its EVENT frame."""
-        self.resubscribes: dict[str, tuple[int, float]] = {}
-        """Per live subscription the relay ended with ``CLOSED`` on this connection: its REQs sent again
-        since, and when the last was (monotonic): the backoff grows unless the subscription stays up."""
-        self.resubscribing: set[tuple[str, int]] = set()
-        """(subscription id, connection number) of each REQ waiting out its backoff to be sent again."""
+        self.refused = ClosedSubscriptions(settings, self.log, spawn, spec.url)
+        """The live subscriptions the relay ended (``CLOSED``): sent after a backoff again; those unserved."""
         self.challenge: str | None = None
         """The newest AUTH challenge not answered yet (answered one at a time)."""
         self.answering = False
@@ -269,7 +261,7 @@ class RelayConnection:
         self.connected_since = time.time()
         self.closed = asyncio.get_running_loop().create_future()
         self.auth_retried_subs.clear()
-        self.resubscribes.clear()
+        self.refused.resubscribes.clear()
         self.log.info("relay connected", reconnects=self.reconnects, **self.outage.ended())
         if self.spec.read:
             for sub in self.subscriptions.live():
@@ -334,6 +326,7 @@ class RelayConnection:
         """EOSE of a live subscription: its stored events are taken in, oldest first. A catch-up that got
         events pages through each filter first (its first answer is taken in with its pages); one that got
         none is over (the cursor moves to the newest event handed over meanwhile)."""
+        self.refused.served(sub_id)
         catch_up = self.catching_up.pop(sub_id, None)
         if catch_up is not None and catch_up.got_events:  # live events wait in the batch for the pages too
             self.catch_ups += 1
@@ -499,6 +492,7 @@ class RelayConnection:
             return None
         self.events_received += 1
         self.last_event_at = time.time()
+        self.refused.served(sub_id)
         return sub
 
     async def _on_known_event(self, message: KnownEventMessage) -> None:
@@ -548,42 +542,15 @@ class RelayConnection:
             self.log.info("subscription needs auth; re-sending after AUTH", subscription=sub_id)
             self.spawn(self._resend_req_after_auth(sub), f"resubscribe {self.url}")
         else:
-            self._resubscribe_later(sub_id, message.prefix, message.message)
+            self.refused.closed(sub_id, message.prefix, message.message, self.connects, self._resubscribe)
 
-    def _resubscribe_later(self, sub_id: str, prefix: str, reason: str) -> None:
-        """The relay ended a live subscription while the connection stays up: send its REQ again (from its
-        cursor, as a reconnect does) after a backoff that grows with each ``CLOSED`` on this connection,
-        unless the subscription stayed up ``stable_after`` seconds; longer for refusals unlikely to change
-        soon (:data:`CLOSED_FOR_GOOD`)."""
-        waiting = (sub_id, self.connects)
-        if waiting in self.resubscribing:
-            return
-        settings = self.settings
-        attempt, last = self.resubscribes.get(sub_id, (0, 0.0))
-        now = time.monotonic()
-        if now - last >= settings.stable_after:
-            attempt = 0
-        self.resubscribes[sub_id] = (attempt + 1, now)
-        base, cap = settings.backoff_base, settings.backoff_cap
-        if prefix in CLOSED_FOR_GOOD:
-            base, cap = base * CLOSED_FOR_GOOD_FACTOR, cap * CLOSED_FOR_GOOD_FACTOR
-        delay = backoff_delay(attempt, base, cap)
-        self.log.warning("subscription closed by relay; re-sending it later", subscription=sub_id,
-                         message=reason[:300], retry_in=round(delay, 2))
-        self.resubscribing.add(waiting)
-        self.spawn(self._resubscribe(waiting, delay), f"resubscribe {self.url}")
-
-    async def _resubscribe(self, waiting: tuple[str, int], delay: float) -> None:
+    async def _resubscribe(self, sub_id: str, generation: int, delay: float) -> None:
         """Send a live subscription's REQ again after ``delay``, unless a reconnect sent it meanwhile (or it
-        was closed). ``waiting``: its id and the connection number it was ended on."""
-        sub_id, generation = waiting
-        try:
-            await asyncio.sleep(delay)
-            sub = self.subscriptions.get(sub_id)
-            if sub is not None and self.connects == generation and self.ws is not None:
-                await self.send_req(sub)
-        finally:
-            self.resubscribing.discard(waiting)
+        was closed); ``generation``: the connection number it was ended on."""
+        await asyncio.sleep(delay)
+        sub = self.subscriptions.get(sub_id)
+        if sub is not None and self.connects == generation and self.ws is not None:
+            await self.send_req(sub)
 
     # -- auth ------------------------------------------------------------------------------
 
@@ -648,7 +615,8 @@ class RelayConnection:
         if await self.wait_authenticated(self.settings.auth_timeout):
             await self.send_req(sub)
         else:
-            self._resubscribe_later(sub.sub_id, "auth-required", "not authenticated")
+            unheard = "auth-required: not authenticated"
+            self.refused.closed(sub.sub_id, "auth-required", unheard, self.connects, self._resubscribe)
 
     async def _resend_after_auth(self, frame: str) -> None:
         if await self.wait_authenticated(self.settings.auth_timeout):
@@ -779,5 +747,6 @@ class RelayConnection:
             rejects=dict(self.rejects), notices=self.notices,
             authenticated=self.authenticated.is_set(), last_error=self.last_error,
             oks_attributed=self.oks.attributed, oks_unmatched=self.oks.unmatched,
+            subscriptions_closed=self.refused.total, unserved=self.refused.unserved_s(),
         )
 

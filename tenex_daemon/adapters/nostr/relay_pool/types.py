@@ -133,6 +133,11 @@ class RelayHealth:
     """``OK`` answers without an event id attributed to the EVENT they answer, since start (``.oks``)."""
     oks_unmatched: int = 0
     """``OK`` answers without an event id that could not be attributed, since start."""
+    subscriptions_closed: int = 0
+    """Live subscriptions the relay ended (``CLOSED``) while connected, since start (each is sent again)."""
+    unserved: dict[str, tuple[float, str]] = field(default_factory=dict)
+    """Per live subscription the relay ended and has not served since (no EOSE, no event): for how many
+    seconds, and the relay's message."""
 
     def to_dict(self) -> dict[str, Any]:
         """Return the snapshot as JSON-ready data."""
@@ -143,6 +148,8 @@ class RelayHealth:
             "rejects": dict(self.rejects), "notices": self.notices,
             "authenticated": self.authenticated, "last_error": self.last_error,
             "oks_attributed": self.oks_attributed, "oks_unmatched": self.oks_unmatched,
+            "subscriptions_closed": self.subscriptions_closed,
+            "unserved": {sub: {"for_s": s, "message": why} for sub, (s, why) in self.unserved.items()},
         }
 
 
