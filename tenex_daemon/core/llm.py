@@ -210,6 +210,8 @@ _CONTEXT_TOO_LONG_MARKERS = (
     "prompt is too long",
     "exceeds the context",
     "exceed context",
+    "available context size",  # llama.cpp's server: "the request exceeds the available context size"
+    "exceed_context_size",  # its error type
     "reduce the length",
     "input is too long",
 )

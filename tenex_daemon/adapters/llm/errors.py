@@ -124,12 +124,15 @@ def map_sdk_error(exc: Exception, sdk: Any, backend: str) -> BackendError:
         message = _provider_message(exc)
         code = getattr(exc, "code", None)
         kind = kind_for_status(status, message)
-        if code == "context_length_exceeded":
-            kind = BackendErrorKind.CONTEXT_TOO_LONG
+        if code == "context_length_exceeded" or getattr(exc, "type", None) == "exceed_context_size_error":
+            kind = BackendErrorKind.CONTEXT_TOO_LONG  # OpenAI's code; llama.cpp's server's type
         return backend_error(
             kind, f"{backend}: HTTP {status}: {message}", retry_after=_retry_after(exc), status=status
         )
-    return backend_error(BackendErrorKind.OTHER, f"{backend}: {type(exc).__name__}: {exc}")
+    # an error without a status: one a stream sent in place of its next piece (the answer was under way)
+    said = f"{backend}: {type(exc).__name__}: {exc}"
+    kind = BackendErrorKind.CONTEXT_TOO_LONG if mentions_context_too_long(said) else BackendErrorKind.OTHER
+    return backend_error(kind, said)
 
 
 def _error_said(answer: Any) -> tuple[str, int | None] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -112,6 +113,45 @@ async def test_http_errors_map_to_kinds(
     assert info.value.kind == kind
     assert info.value.status == status
     assert info.value.retry_after == 7.0
+
+
+LLAMA_SERVER_TOO_LONG = [
+    "the request exceeds the available context size, try increasing it",
+    "request (5000 tokens) exceeds the available context size (2048 tokens), try increasing it",
+]
+"""llama.cpp's server's texts for a prompt over its context (older builds, newer builds)."""
+
+
+@pytest.mark.parametrize("message", LLAMA_SERVER_TOO_LONG)
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_llama_servers_context_overflow_is_context_too_long(
+    scripted_server: ScriptedServer, message: str, *, streamed: bool
+) -> None:
+    """llama.cpp's server refuses a prompt over its context with HTTP 400, a numeric code and its own type
+    (``exceed_context_size_error``): a context-too-long error, so the history is shortened and tried again,
+    not a bad request the conversation then repeats at every message."""
+    body = {"error": {"code": 400, "message": message, "type": "exceed_context_size_error"}}
+    scripted_server.replies[OPENAI_PATH] = Reply(400, body)
+
+    async def on_chunk(text: str) -> None:
+        pass
+
+    request = replace(REQUEST, on_chunk=on_chunk) if streamed else REQUEST
+    with pytest.raises(ContextTooLongError):
+        await openai_backend(scripted_server.base_url).complete(request)
+
+
+async def test_a_context_error_sent_inside_a_stream_is_context_too_long(scripted_server: ScriptedServer) -> None:
+    """A stream that answers 200 and then sends an error event about the context length (a proxy's, or a
+    server's once the prompt is read) is a context-too-long error too, not an unknown one."""
+    error = {"error": {"message": "This model's maximum context length is 8192 tokens", "type": "invalid_request"}}
+    scripted_server.replies[OPENAI_PATH] = Reply(events=[(None, error)])
+
+    async def on_chunk(text: str) -> None:
+        pass
+
+    with pytest.raises(ContextTooLongError):
+        await openai_backend(scripted_server.base_url).complete(replace(REQUEST, on_chunk=on_chunk))
 
 
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])

@@ -72,6 +72,7 @@ def test_subclasses_default_their_kind() -> None:
         (400, "This model's maximum context length is 4096 tokens", "context_too_long"),
         (400, "Requested tokens (5000) exceed context window of 2048", "context_too_long"),
         (400, "prompt is too long: 210000 tokens > 200000 maximum", "context_too_long"),
+        (400, "the request exceeds the available context size, try increasing it", "context_too_long"),
         (413, "request too large", "context_too_long"),
         (400, "unknown field", "bad_request"),
         (503, "unavailable", "unreachable"),
