@@ -62,6 +62,7 @@ def test_health_of_an_unstarted_pool_is_json_ready() -> None:
         "url": "ws://127.0.0.1:2", "state": "idle", "read": True, "write": False, "connected_since": None,
         "reconnects": 0, "last_event_at": None, "events_received": 0, "rejects": {}, "notices": 0,
         "authenticated": False, "last_error": None, "oks_attributed": 0, "oks_unmatched": 0,
+        "subscriptions_closed": 0, "unserved": {},
     }
 
 
