@@ -65,6 +65,8 @@ async def test_keys_of_other_providers_shapes_are_redacted(cast: Cast, key: str)
         ("GET /v1?api_key=abc12345/models", "GET /v1?api_key=<redacted>/models"),
         ("Bearer abcdefgh/ijkl5678mnop", "Bearer <redacted>"),
         ("Bearer wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY rejected", "Bearer <redacted> rejected"),
+        ("token Bearer abcdefghijklmnopqrstuvwx and", "token Bearer <redacted> and"),  # no digit, long
+        ("api_key=zzzzyyyyxxxxwwwwvvvv", "api_key=<redacted>"),
     ],
 )
 async def test_a_token_after_bearer_or_api_key_is_redacted_and_its_label_kept(
