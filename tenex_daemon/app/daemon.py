@@ -200,7 +200,10 @@ class Daemon:
         """What the intake refused (gift wraps, and what daemon.answer excludes), logged once a minute per
         reason: each wrap comes from a one-time key."""
         self.metrics.watch_pool(lambda: self.pool.health() if self.pool is not None else None)
-        self.metrics.watch_runs(lambda: self.pipeline.scheduler.failed if self.pipeline is not None else 0)
+        self.metrics.watch_runs(
+            lambda: self.pipeline.scheduler.failed if self.pipeline is not None else 0,
+            lambda: self.pipeline.scheduler.dropped if self.pipeline is not None else 0,
+        )
         self.metrics.watch_routing(lambda: routing_fallbacks(self.pipeline))
 
     # --- the ControlTarget protocol -------------------------------------------------------
@@ -236,6 +239,7 @@ class Daemon:
             "runs": {
                 "completed": scheduler.completed if scheduler is not None else 0,
                 "failed": scheduler.failed if scheduler is not None else 0,
+                "dropped": scheduler.dropped if scheduler is not None else 0,
                 "with_error": dict(self._observer.error_replies),
             },
             "last_event_at": self.last_event_at,
@@ -245,6 +249,7 @@ class Daemon:
                 "duplicates": (pool_health.duplicates if pool_health is not None else 0)
                 + self.metrics.handled_duplicates,
                 "own_copies": self.own_copies,
+                "retry_dropped": pool_health.retry_dropped if pool_health is not None else 0,
             },
             "replies": self._observer.replies,
             "reply_latency": self._observer.latency_summary(),

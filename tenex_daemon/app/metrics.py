@@ -12,7 +12,8 @@ and ``tenexd_descriptions_pending`` (conversations' titles and summaries),
 ``tenexd_routing_fallbacks_total{reason}`` (routings the orchestrator's model did not decide).
 The relay pool's own counters are read from its health at scrape time (:meth:`Metrics.watch_pool`):
 ``tenexd_frames_rejected_total{reason}``, ``tenexd_events_duplicate_total``,
-``tenexd_intake_handler_errors_total``, ``tenexd_intake_retries_total``, ``tenexd_intake_retry_pending``
+``tenexd_intake_handler_errors_total``, ``tenexd_intake_retries_total``, ``tenexd_intake_retry_pending``,
+``tenexd_intake_retry_dropped_total``
 ``tenexd_relay_reconnects_total{url}`` and ``tenexd_relay_subscriptions_closed_total{url}``.
 """
 
@@ -29,10 +30,11 @@ from prometheus_client.registry import Collector
 
 from tenex_daemon.adapters.nostr.relay_pool import PoolHealth
 from tenex_daemon.core.targeting import SkipReason
+from tenex_daemon.services.orchestrator import RoutingStop
 from tenex_daemon.services.retention import SweepReport
 
 NAMESPACE = "tenexd"
-_RAN_NOBODY = frozenset(reason.value for reason in SkipReason)
+_RAN_NOBODY = frozenset(reason.value for reason in (*SkipReason, *RoutingStop))
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 RUN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -82,6 +84,7 @@ class _PoolCollector(Collector):
         errors = "Incoming events whose handling raised (each is retried)."
         retries = "Incoming events handed to the handler again after an error."
         pending = "Incoming events waiting for another try after an error."
+        dropped = "Incoming events dropped from a full retry set (left to the relays and the next start)."
         return [
             rejected,
             CounterMetricFamily(
@@ -90,6 +93,7 @@ class _PoolCollector(Collector):
             CounterMetricFamily(f"{NAMESPACE}_intake_handler_errors", errors, value=health.consumer_errors),
             CounterMetricFamily(f"{NAMESPACE}_intake_retries", retries, value=health.retries),
             GaugeMetricFamily(f"{NAMESPACE}_intake_retry_pending", pending, value=health.retrying),
+            CounterMetricFamily(f"{NAMESPACE}_intake_retry_dropped", dropped, value=health.retry_dropped),
             reconnects,
             closed,
             without_id,
@@ -100,17 +104,22 @@ class _RunsCollector(Collector):
     """The run scheduler's tries that failed with an error (a store gone for a moment, a lease lost), read at
     each scrape: no run outcome /metrics counts otherwise (``agent_run_errors`` counts error replies)."""
 
-    def __init__(self, source: Callable[[], int]) -> None:
-        self._source = source
+    def __init__(self, failed: Callable[[], int], dropped: Callable[[], int]) -> None:
+        self._failed = failed
+        self._dropped = dropped
 
     def describe(self) -> Iterable[Metric]:
         """Nothing described up front."""
         return []
 
     def collect(self) -> Iterable[Metric]:
-        """The count since start."""
+        """The counts since start."""
         failed = "Agent run tries that failed with an error (each tried again, up to 31 a run)."
-        return [CounterMetricFamily(f"{NAMESPACE}_run_tries_failed", failed, value=self._source())]
+        dropped = "Agent runs given up after their last try failed (a person left unanswered)."
+        return [
+            CounterMetricFamily(f"{NAMESPACE}_run_tries_failed", failed, value=self._failed()),
+            CounterMetricFamily(f"{NAMESPACE}_runs_dropped", dropped, value=self._dropped()),
+        ]
 
 
 class _RoutingCollector(Collector):
@@ -229,11 +238,16 @@ class Metrics:
             "control_requests_refused", "Control API requests (or connections) on the TCP port refused.",
             ["reason"], namespace=NAMESPACE, registry=self.registry,
         )
+        self.control_errors = Counter(
+            "control_errors", "Control API requests answered with an error, by HTTP status.",
+            ["status"], namespace=NAMESPACE, registry=self.registry,
+        )
 
     def event_accepted(self, kind: int, reason: str | None = None, *, stored: bool = False) -> None:
         """Count an accepted incoming event of this kind. ``stored``: it was only stored, for ``reason``,
-        counted by it too when it is one of :class:`SkipReason` (it ran no agent: docs/PROTOCOL.md's rule 5
-        and the targeting rules)."""
+        counted by it too when it is one of :class:`SkipReason` or :class:`RoutingStop` (it ran no agent:
+        docs/PROTOCOL.md's rule 5, the targeting rules, and the orchestrator's stops: a routing loop cut off
+        by the turn limit is a number to alert on)."""
         self.events_accepted.labels(kind=str(kind)).inc()
         if stored and reason in _RAN_NOBODY:
             self.events_ran_nobody.labels(reason=reason).inc()
@@ -250,6 +264,10 @@ class Metrics:
         """Count a control API request refused for ``reason`` (bad_host, cross_origin, no/bad_token), or a
         connection closed as it came (too_many_connections)."""
         self.control_requests_refused.labels(reason=reason).inc()
+
+    def control_error(self, status: int) -> None:
+        """Count a control API request answered with an error of HTTP ``status``."""
+        self.control_errors.labels(status=str(status)).inc()
 
     def reply_published(self, agent: str) -> None:
         """Count a reply published by ``agent``."""
@@ -316,9 +334,10 @@ class Metrics:
         for url, connected in states:
             self.set_relay_connected(url, connected)
 
-    def watch_runs(self, failed: Callable[[], int]) -> None:
-        """Export the run tries that failed, read from ``failed`` at each scrape."""
-        self.registry.register(_RunsCollector(failed))
+    def watch_runs(self, failed: Callable[[], int], dropped: Callable[[], int] = lambda: 0) -> None:
+        """Export the run tries that failed and the runs given up, read from ``failed`` and ``dropped`` at
+        each scrape."""
+        self.registry.register(_RunsCollector(failed, dropped))
 
     def watch_routing(self, source: Callable[[], Mapping[str, int]]) -> None:
         """Export the routings the orchestrator's model did not decide (``source``, read at each scrape)."""

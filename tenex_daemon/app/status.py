@@ -106,6 +106,9 @@ class EventCounts(TypedDict):
     own_copies: int
     """Gift wraps whose rumor one of the project's agents wrote (its answers come back: stored already):
     neither taken in nor refused."""
+    retry_dropped: int
+    """Incoming events whose handling failed, dropped from the full retry set (left to the relays and the
+    next start), since start."""
 
 
 class RunCounts(TypedDict):
@@ -115,6 +118,8 @@ class RunCounts(TypedDict):
     """Runs that ended with a reply saved (an error reply included: ``with_error``)."""
     failed: int
     """Tries that failed with an error (a store gone for a moment), each tried again (up to 31 a run)."""
+    dropped: int
+    """Runs given up after their last try failed (``run_dropped``): a person left unanswered."""
     with_error: dict[str, int]
     """Of ``completed``, those whose backend failed (a wrong key, a provider down), answered with an error
     reply, by the failure's kind."""
@@ -254,7 +259,7 @@ class StatusData(TypedDict):
          "uptime_s": 12.5, "home": "/srv/tenex", "relays": [{"url": "ws://127.0.0.1:7777",
          "state": "connected", "reconnects": 0, ...}], "conversations": {"total": 3, "archived": 0,
          "by_phase": {"chat": 2, "plan": 1}}, "runs_in_flight": 1,
-         "runs": {"completed": 9, "failed": 0, "with_error": {}},
+         "runs": {"completed": 9, "failed": 0, "dropped": 0, "with_error": {}},
          "last_event_at": 1.7e9, "events": {"accepted": 10, "rejected": {"author_not_allowed": 2},
          "duplicates": 4, "own_copies": 2}, "replies": 7,
          "reply_latency": {"count": 7, "p50_ms": 8.1, "p99_ms": 20.3},
@@ -366,9 +371,9 @@ def new_status(
         relays=[],
         conversations=ConversationCounts(total=0, archived=0, by_phase={}),
         runs_in_flight=0,
-        runs=RunCounts(completed=0, failed=0, with_error={}),
+        runs=RunCounts(completed=0, failed=0, dropped=0, with_error={}),
         last_event_at=None,
-        events=EventCounts(accepted=0, rejected={}, duplicates=0, own_copies=0),
+        events=EventCounts(accepted=0, rejected={}, duplicates=0, own_copies=0, retry_dropped=0),
         replies=0,
         reply_latency=LatencySummary(count=0, p50_ms=None, p99_ms=None),
         outbox=OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0, refused=0),

@@ -288,7 +288,8 @@ def _print_status_data(data: dict[str, Any]) -> None:
     # a backend failing answers each run with an error reply: said here, not only in /metrics
     out.print(
         f"runs completed {runs.get('completed', 0)}, answered with an error "
-        f"{_tally(runs.get('with_error'))}; tries failed {runs.get('failed', 0)} (each tried again)"
+        f"{_tally(runs.get('with_error'))}; tries failed {runs.get('failed', 0)} (each tried again), "
+        f"runs given up {runs.get('dropped', 0)}"
     )
     fallbacks = _numbers(data.get("routing_fallbacks"))
     if fallbacks:  # the orchestrator's model did not decide: routed by the rules or to the default agent

@@ -228,6 +228,8 @@ class RunScheduler:
         self.running = 0
         self.completed = 0
         self.failed = 0
+        self.dropped = 0
+        """Runs given up after their last try (``run_dropped``): a person left unanswered."""
 
     @staticmethod
     def _key(request: RunRequest) -> str:
@@ -404,6 +406,7 @@ class RunScheduler:
                     agent=request.agent_slug,
                 )
                 if wait_s is None:
+                    self.dropped += 1
                     log_ctx.error("run_dropped", attempts=attempt)
                     break
                 # recovered from now on, where a burst taken meanwhile reads it too (its failed try may have

@@ -30,6 +30,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from tenex_daemon.app.control.routes import TARGET_KEY, Handler
+from tenex_daemon.runtime.log_budget import LineBudget
 
 log = structlog.get_logger(__name__)
 
@@ -69,25 +70,14 @@ class RefusalLog:
     ) -> None:
         """Log under the name ``event``; ``clock`` (seconds, monotonic) is the test's to set."""
         self.event = event
-        self.interval_s = interval_s
-        self.per_interval = per_interval
-        self._clock = clock
-        self._interval_ends: dict[str, float] = {}
-        self._logged: dict[str, int] = {}
-        self._not_logged: dict[str, int] = {}
+        self._budget = LineBudget(per_interval, interval_s, clock)
 
     def __call__(self, reason: str, **fields: object) -> None:
         """Log a refusal for ``reason`` with ``fields``, or count it for the next line when its interval
         logged ``per_interval`` already."""
-        now = self._clock()
-        if now >= self._interval_ends.get(reason, now):
-            self._interval_ends[reason] = now + self.interval_s
-            self._logged[reason] = 0
-        if self._logged[reason] >= self.per_interval:
-            self._not_logged[reason] = self._not_logged.get(reason, 0) + 1
+        not_logged = self._budget.take(reason)
+        if not_logged is None:
             return
-        self._logged[reason] += 1
-        not_logged = self._not_logged.pop(reason, 0)
         log.warning(self.event, reason=reason, **fields, **({"not_logged": not_logged} if not_logged else {}))
 
 

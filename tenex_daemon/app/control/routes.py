@@ -39,6 +39,7 @@ from tenex_daemon.core.errors import (
     StoreUnavailableError,
     UnknownAgentError,
 )
+from tenex_daemon.runtime.log_budget import LineBudget
 from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.services.lifecycle import ConversationLifecycle, task_meta_key
 from tenex_daemon.services.orchestrator import LLMOrchestrator
@@ -92,6 +93,10 @@ class PipelineTarget(Protocol):
 
 
 TARGET_KEY: Final[web.AppKey[ControlTarget]] = web.AppKey("target")
+FAILED_LINES_KEY: Final[web.AppKey[LineBudget]] = web.AppKey("failed_lines")
+FAILED_LINES: Final = 5
+"""Requests answered with an error logged per status per :data:`FAILED_EVERY_S`; every one is counted."""
+FAILED_EVERY_S: Final = 10.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -106,25 +111,33 @@ def _error(status: int, message: str) -> web.Response:
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer every error as JSON ``{"error": ...}``."""
+    """Answer every error as JSON ``{"error": ...}``; each is counted by its status
+    (``tenexd_control_errors_total{status}``) and logged (``control_request_failed``), at most
+    :data:`FAILED_LINES` lines per status per :data:`FAILED_EVERY_S` (a client repeats itself at no cost)."""
     try:
         return await handler(request)
     except ApiError as exc:
-        return _error(exc.status, exc.message)
+        status, message = exc.status, exc.message
     except (ConversationNotFoundError, UnknownAgentError) as exc:
-        return _error(404, str(exc))
+        status, message = 404, str(exc)
     except ConversationArchivedError as exc:
-        return _error(409, str(exc))
+        status, message = 409, str(exc)
     except StoreUnavailableError as exc:  # the database is down: try again once it answers
         log.warning("control_api_store_unavailable", method=request.method, path=request.path, error=str(exc))
-        return _error(503, str(exc))
+        status, message = 503, str(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error(exc.status, exc.reason)
+        status, message = exc.status, exc.reason
     except Exception:
         log.exception("control_api_error", method=request.method, path=request.path)
-        return _error(500, "internal error (see the daemon's log)")
+        status, message = 500, "internal error (see the daemon's log)"
+    _target(request).metrics.control_error(status)
+    not_logged = request.app[FAILED_LINES_KEY].take(str(status))
+    if not_logged is not None:
+        log.info("control_request_failed", status=status, method=request.method, path=request.path[:200],
+                 error=message[:200], **({"not_logged": not_logged} if not_logged else {}))
+    return _error(status, message)
 
 
 def _target(request: web.Request) -> ControlTarget:
@@ -295,6 +308,7 @@ def create_app(target: ControlTarget, *, guard: Middleware | None = None) -> web
     middlewares = [_errors] if guard is None else [guard, _errors]
     app = web.Application(middlewares=middlewares, client_max_size=paths.MAX_BODY_BYTES)
     app[TARGET_KEY] = target
+    app[FAILED_LINES_KEY] = LineBudget(FAILED_LINES, FAILED_EVERY_S)
     app.router.add_get(paths.OPENAPI, _openapi)
     app.router.add_get(paths.STATUS, _status)
     app.router.add_get(paths.CONVERSATIONS, _list)

@@ -407,6 +407,29 @@ async def test_metrics_endpoint_serves_prometheus_text(client: TestClient[Any, A
     assert 'tenexd_events_accepted_total{kind="11"} 1.0' in await response.text()
 
 
+async def test_requests_answered_with_an_error_are_counted_by_status_and_logged_rationed(
+    client: TestClient[Any, Any], target: FakeTarget
+) -> None:
+    """A request answered with an error (a malformed id, a body that is not JSON, a path that does not exist)
+    is counted by its status in ``tenexd_control_errors_total`` and logged (``control_request_failed``) with
+    its status and why; a client repeating a bad request logs five lines per status in ten seconds, every one
+    counted."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        for _ in range(8):
+            assert (await client.get("/api/v1/conversations/not-an-id")).status == 400
+        assert (await client.post("/api/v1/conversations/rebuild", data=b"{not json")).status == 400
+        assert (await client.get("/api/v1/no/such/path")).status == 404
+    text = target.metrics.render().decode()
+    assert 'tenexd_control_errors_total{status="400"} 9.0' in text
+    assert 'tenexd_control_errors_total{status="404"} 1.0' in text
+    failed = [entry for entry in logs if entry["event"] == "control_request_failed"]
+    assert [entry["status"] for entry in failed] == [400] * 5 + [404]
+    assert failed[0]["path"] == "/api/v1/conversations/not-an-id"
+    assert failed[0]["error"]
+
+
 async def test_unix_socket_is_0600_and_serves_the_api(tmp_path: Path, target: FakeTarget) -> None:
     """ControlServer binds a 0600 socket, answers over it, refuses a second server and removes it on stop."""
     path = tmp_path / "run" / "control.sock"

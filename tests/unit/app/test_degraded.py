@@ -434,6 +434,17 @@ async def test_an_accepted_event_that_runs_no_agent_is_counted_with_its_reason(t
         assert text.count(b"tenexd_events_ran_nobody_total{") == 2
 
 
+def test_an_event_the_orchestrator_ran_nobody_for_is_counted_with_its_stop() -> None:
+    """A completion stored while the orchestrator's routing stopped (the turn limit, a repeated decision)
+    counts in ``tenexd_events_ran_nobody_total`` by that stop: a routing loop cut off is a number to alert on."""
+    metrics = Metrics()
+    metrics.event_accepted(1111, "turn_limit", stored=True)
+    metrics.event_accepted(1111, "repeated_decision", stored=True)
+    text = metrics.render()
+    assert b'tenexd_events_ran_nobody_total{reason="turn_limit"} 1.0' in text
+    assert b'tenexd_events_ran_nobody_total{reason="repeated_decision"} 1.0' in text
+
+
 async def test_the_metrics_gauges_stay_true_while_the_status_file_cannot_be_written(
     tmp_path: Path, cast: Cast, monkeypatch: pytest.MonkeyPatch
 ) -> None:

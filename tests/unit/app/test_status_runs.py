@@ -8,10 +8,13 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
+
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.run_observer import MetricsObserver
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.status import DaemonState, new_status, write_status
+from tenex_daemon.services import runs as runs_module
 from tests import pipeline
 from tests.conftest import Cast
 from tests.unit.cli.conftest import home, tenexd
@@ -34,21 +37,44 @@ async def test_runs_a_failing_backend_answered_with_an_error_reply_are_counted_b
     assert rig.scheduler.completed == 2
 
 
+async def test_a_run_given_up_after_its_last_try_is_counted_apart_from_its_tries(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose every try fails (the store gone) is given up after its last: counted as one run dropped
+    (status ``runs.dropped``, ``tenexd_runs_dropped_total``) beside its two failed tries, so a person left
+    unanswered is told apart from failures that recovered."""
+    monkeypatch.setattr(runs_module, "RUN_RETRY_S", (0.01,))
+    metrics = Metrics()
+    rig = pipeline.build_rig(cast)
+    metrics.watch_runs(lambda: rig.scheduler.failed, lambda: rig.scheduler.dropped)
+
+    async def failing(*_: object, **__: object) -> None:
+        raise ConnectionResetError("the store went away")
+
+    monkeypatch.setattr(rig.manager, "append_reply", failing)
+    await rig.dispatcher.handle(cast.user_says("hello", kind=11, tags=[["p", cast.alice.pubkey]]))
+    await rig.settle()
+
+    assert (rig.scheduler.failed, rig.scheduler.dropped) == (2, 1)
+    assert b"tenexd_runs_dropped_total 1.0" in metrics.render()
+
+
 def test_the_human_status_shows_runs_completed_answered_with_an_error_and_tries_failed(home: Path) -> None:
-    """`tenexd status` prints the runs completed, those answered with an error reply by kind, and the tries
-    that failed, as its --json has them."""
+    """`tenexd status` prints the runs completed, those answered with an error reply by kind, the tries
+    that failed and the runs given up, as its --json has them."""
     settings = load_settings(home)
     status = new_status("0.0.0", home=str(home))
     status["state"] = DaemonState.RUNNING.value
-    status["runs"] = {"completed": 5, "failed": 1, "with_error": {"auth": 3}}
+    status["runs"] = {"completed": 5, "failed": 1, "dropped": 1, "with_error": {"auth": 3}}
     write_status(settings.status_path, status)
 
     code, out = tenexd(home, "status")
     _, as_json = tenexd(home, "status", "--json")
 
     assert code == 0
-    assert "runs completed 5, answered with an error 3 (auth 3); tries failed 1 (each tried again)" in " ".join(
-        out.split()
+    assert (
+        "runs completed 5, answered with an error 3 (auth 3); tries failed 1 (each tried again), runs given up 1"
+        in " ".join(out.split())
     )
     assert json.loads(as_json)["status"]["runs"]["with_error"] == {"auth": 3}
 

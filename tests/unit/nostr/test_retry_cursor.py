@@ -199,3 +199,39 @@ def test_an_event_left_through_two_relays_frees_both_cursors_once_handed_over() 
     subs.handed_over("v")
 
     assert (subs.cursor("s", URL), subs.cursor("s", "ws://other")) == (300, 300)
+
+
+async def test_a_handler_failing_on_every_event_logs_a_bounded_number_of_lines_and_counts_every_failure() -> None:
+    """A handler that fails on every event (a full disk) logs at most 20 tracebacks a minute per error type,
+    and at most 20 drops from the full retry set, however many events come: every failure and every drop is
+    still counted, and the drops are exported in /metrics (``tenexd_intake_retry_dropped_total``)."""
+    from structlog.testing import capture_logs
+
+    from tenex_daemon.app.metrics import Metrics
+
+    async def on_event(received: ReceivedEvent) -> None:
+        raise OSError(28, "No space left on device")
+
+    keys = KeyPair.from_seed(93)
+    events = [sign_event(keys, f"message {n}") for n in range(60)]
+    settings = PoolSettings(retry_base=60.0, retry_cap=60.0, retry_capacity=10)
+    pool = RelayPool([], on_event=on_event, store=MemoryStore(), settings=settings)
+    metrics = Metrics()
+    metrics.watch_pool(pool.health)
+    await pool.start()
+    try:
+        with capture_logs() as logs:
+            for event in events:
+                await pool.intake(event, URL, "mentions")
+            for _ in range(300):
+                if pool.consumer_errors == len(events):
+                    break
+                await asyncio.sleep(0.01)
+        health = pool.health()
+    finally:
+        await pool.stop()
+    said = [entry["event"] for entry in logs]
+    assert (health.consumer_errors, health.retry_dropped) == (60, 50)
+    assert said.count("event handler failed") == 20
+    assert said.count("event dropped from the retry set") == 20
+    assert b"tenexd_intake_retry_dropped_total 50.0" in metrics.render()

@@ -38,10 +38,17 @@ import structlog
 from tenex_daemon.core.events import NostrEvent
 from tenex_daemon.runtime.background import BackgroundTasks
 from tenex_daemon.runtime.lanes import lend_with
+from tenex_daemon.runtime.log_budget import LineBudget
 
 from .types import EventHandler, LaneKey, PoolSettings, PoolStore, ReceivedEvent, Remember
 
 log = structlog.get_logger(__name__)
+
+FAILURE_LINES = 20
+"""Handler failures logged (with their traceback) per error type per :data:`FAILURE_EVERY_S`; the next line
+after a window that ran out says how many were not logged (``not_logged``); every one is counted
+(``consumer_errors``: ``tenexd_intake_handler_errors_total``)."""
+FAILURE_EVERY_S = 60.0
 
 _Intake = tuple[NostrEvent, str, str, float]
 """An event waiting for the consumer: the event, its relay, its subscription, when it was taken in."""
@@ -116,6 +123,9 @@ class Delivery:
         self.retries = 0
         """Consumer calls made again for events whose earlier call raised."""
         self.retry_dropped = 0
+        self._failure_lines = LineBudget(FAILURE_LINES, FAILURE_EVERY_S)
+        """Handler failures logged with their traceback, per error type: a store failing for every event (a
+        full disk) costs that many lines a minute, not one per event and retry."""
         self.left = 0
         """Events left to the relays after :meth:`leave_to_relays` (not handed over, marked or retried)."""
         self._leaving = False
@@ -325,7 +335,12 @@ class Delivery:
             self.consumer_errors += 1
             self.seen.discard(event.id)  # a copy from another relay may go through before the retry
             self._keep_for_retry((event, url, sub_id, received_at), exc)
-            log.exception("event handler failed", event_id=event.id, kind=event.kind, retrying=self.retrying)
+            not_logged = self._failure_lines.take(type(exc).__name__)
+            if not_logged is not None:
+                more = {"not_logged": not_logged} if not_logged else {}
+                log.exception(
+                    "event handler failed", event_id=event.id, kind=event.kind, retrying=self.retrying, **more
+                )
             return
         self._unretry(event.id)
         self.delivered += 1
@@ -349,8 +364,10 @@ class Delivery:
             dropped = next(iter(self._retry))
             self._unretry(dropped, left=True)
             self.retry_dropped += 1
-            log.warning("event dropped from the retry set", event_id=dropped, reason="retry_set_full",
-                        note="left to the relays and the next start")
+            not_logged = self._failure_lines.take("retry_set_full")
+            if not_logged is not None:
+                log.warning("event dropped from the retry set", event_id=dropped, reason="retry_set_full",
+                            note="left to the relays and the next start", not_logged=not_logged)
         self._retry_wake.set()
 
     def _unretry(self, event_id: str, *, left: bool = False) -> None:

@@ -3,10 +3,11 @@ send anything, as fast as it likes (20,000 forged events wrote 7 MB of warnings 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
+
+from tenex_daemon.runtime.log_budget import LineBudget
 
 REJECT_LINES = 200
 """Lines logged per reason per :data:`REJECT_EVERY_S` on one connection: each refusal of a small attack
@@ -28,22 +29,12 @@ class RejectLog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log = log
-        self._lines = lines
-        self._every_s = every_s
-        self._clock = clock
-        self._windows: dict[str, tuple[float, int, int]] = {}
-        """Reason (a bounded set) -> (when its window began, lines logged in it, refusals not logged since the
-        last line)."""
+        self._budget = LineBudget(lines, every_s, clock)
 
     def said(self, reason: str, detail: str, event_id: str | None) -> None:
         """Log one refused frame, unless its reason's lines for this window are spent."""
-        now = self._clock()
-        started, logged, unlogged = self._windows.get(reason, (-math.inf, 0, 0))
-        if now - started >= self._every_s:
-            started, logged = now, 0
-        if logged >= self._lines:
-            self._windows[reason] = (started, logged, unlogged + 1)
+        unlogged = self._budget.take(reason)
+        if unlogged is None:
             return
-        self._windows[reason] = (started, logged + 1, 0)
         more = {"not_logged": unlogged} if unlogged else {}
         self._log.warning("frame rejected", reason=reason, detail=detail[:200], event_id=event_id, **more)
