@@ -262,7 +262,8 @@ class Daemon:
                 pool_health, self._store_error, self._relays_down.seconds(pool_health, time.monotonic()),
                 self._watchdog.stuck_s() if self._watchdog is not None else None,
                 Backlog(
-                    outbox["oldest_age_s"], self.settings.daemon.outbox_warn_after_s, self._observer.failing
+                    outbox["oldest_age_s"], self.settings.daemon.outbox_warn_after_s, self._observer.failing,
+                    time.monotonic(),
                 ),
             ),
             "embedded_relay": embedded.url if embedded is not None else None,

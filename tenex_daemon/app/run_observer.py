@@ -3,12 +3,19 @@ for the status document."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict, deque
 
 from tenex_daemon.app.metrics import Metrics
 from tenex_daemon.app.status import LatencySummary
+from tenex_daemon.core.llm import BackendErrorKind
 from tenex_daemon.services.runs import RunRequest
 
+BACKEND_FAILURES = frozenset(
+    kind.value for kind in BackendErrorKind if kind is not BackendErrorKind.CONTEXT_TOO_LONG
+)
+"""Error replies that say the agent's backend fails (a wrong key, a provider down or refusing): not a message
+too long for the model (``context_too_long``), an empty answer or a model calling tools without end."""
 RECEIVED_MEMORY = 10_000
 """Arrival times kept for reply latency (triggers older than the newest 10,000 are not timed)."""
 LATENCY_MEMORY = 1_000
@@ -28,9 +35,10 @@ class MetricsObserver:
         self.error_replies: Counter[str] = Counter()
         """Runs whose backend failed (a wrong key, a provider down), answered with an error reply, by the
         failure's kind, since start."""
-        self.failing: dict[str, tuple[int, str]] = {}
-        """Agent slug -> (its runs in a row, newest last, that ended in an error reply; the newest one's
-        failure kind): an agent whose every run fails is one the operator must mend."""
+        self.failing: dict[str, tuple[int, str, float]] = {}
+        """Agent slug -> (its runs in a row, newest last, that ended in an error reply of its backend; the
+        newest one's failure kind; when it ended, monotonic): an agent whose every run fails is one the
+        operator must mend."""
 
     def event_received(self, event_id: str, received_at: float) -> None:
         """Remember when an event that may trigger runs arrived."""
@@ -57,8 +65,10 @@ class MetricsObserver:
             return
         self.error_replies[error] += 1
         self._metrics.agent_run_error(request.agent_slug, error)
-        in_a_row, _ = self.failing.get(request.agent_slug, (0, error))
-        self.failing[request.agent_slug] = (in_a_row + 1, error)
+        if error not in BACKEND_FAILURES:  # the message or the model's doing, not a backend to mend
+            return
+        in_a_row, _, _ = self.failing.get(request.agent_slug, (0, error, 0.0))
+        self.failing[request.agent_slug] = (in_a_row + 1, error, time.monotonic())
 
     def reply_published(self, agent_slug: str, trigger_id: str, sent_at: float) -> None:
         """Count a published reply and record how long after its trigger arrived it was sent."""

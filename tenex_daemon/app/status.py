@@ -660,6 +660,9 @@ class RelaysDown:
 FAILING_RUNS_DEGRADED = 3
 """Runs of one agent in a row ending in an error reply (its backend failing) after which the daemon says it
 is degraded: every person it hears is answered with an error."""
+FAILING_RECENT_S = 900.0
+"""Seconds after an agent's last failed run for which its failures in a row still make the daemon degraded:
+an agent nobody wrote to since a provider's outage is not reported for ever (its next run tells)."""
 
 
 @dataclass(frozen=True)
@@ -670,8 +673,11 @@ class Backlog:
     """How long the oldest signed event in the outbox has waited for a relay to take it (None: none waits)."""
     outbox_limit_s: float = float("inf")
     """Past this wait the outbox is stuck (``daemon.outbox_warn_after_s``)."""
-    failing: Mapping[str, tuple[int, str]] = field(default_factory=dict)
-    """Agent slug -> (runs in a row ending in an error reply, the newest one's failure kind)."""
+    failing: Mapping[str, tuple[int, str, float]] = field(default_factory=dict)
+    """Agent slug -> (runs in a row ending in an error reply of its backend, the newest one's failure kind,
+    when it ended: monotonic)."""
+    now: float = 0.0
+    """The monotonic clock's reading, for the age of ``failing``'s newest failures."""
 
 
 def degraded_reason(
@@ -682,7 +688,7 @@ def degraded_reason(
     long enough to call it stuck; incoming events it failed to handle, retried; no relay connected for
     :data:`RELAYS_DOWN_DEGRADED_S` or more; what it signed waits past ``daemon.outbox_warn_after_s`` for a
     relay to take it; an agent's last :data:`FAILING_RUNS_DEGRADED` runs or more each ended in an error
-    reply), or None."""
+    reply of its backend, the newest within :data:`FAILING_RECENT_S`), or None."""
     reasons = []
     if store_error is not None:
         reasons.append(f"store: not answering ({store_error})")
@@ -711,16 +717,17 @@ def _backlog_reasons(backlog: Backlog) -> list[str]:
             f"outbox: a signed event has waited {int(backlog.outbox_oldest_s)} s for a relay to take it "
             "(relays refusing or not answering?)"
         )
-    for slug, (in_a_row, kind) in sorted(backlog.failing.items()):
-        if in_a_row >= FAILING_RUNS_DEGRADED:
+    for slug, (in_a_row, kind, at) in sorted(backlog.failing.items()):
+        if in_a_row >= FAILING_RUNS_DEGRADED and backlog.now - at < FAILING_RECENT_S:
             reasons.append(f"agent {slug}: its last {in_a_row} runs ended in an error reply ({kind})")
     return reasons
 
 
 def _unserved_reasons(health: PoolHealth) -> list[str]:
-    """A live subscription every reading relay ended and has not served for :data:`RELAYS_DOWN_DEGRADED_S`:
-    the daemon, connected, hears nothing of what it asks for there."""
-    readers = [relay for relay in health.relays if relay.read]
+    """A live subscription every connected reading relay ended and has not served for
+    :data:`RELAYS_DOWN_DEGRADED_S`: the daemon, connected, hears nothing of what it asks for there (relays
+    down are not asked: with none connected, "none connected" says it)."""
+    readers = [relay for relay in health.relays if relay.read and relay.state == "connected"]
     if not readers:
         return []
     refused = set.intersection(*(set(relay.unserved) for relay in readers))
@@ -730,6 +737,6 @@ def _unserved_reasons(health: PoolHealth) -> list[str]:
         if for_s >= RELAYS_DOWN_DEGRADED_S:
             message = readers[0].unserved[sub][1]
             reasons.append(
-                f"relays: subscription {sub} refused by every relay for {int(for_s)} s ({message})"
+                f"relays: subscription {sub} refused by every connected relay for {int(for_s)} s ({message})"
             )
     return reasons

@@ -54,21 +54,25 @@ _TOKEN = r"[\w.~+/=*…-]"
 """A bearer token's characters: base64 (``/`` included, RFC 6750), URL-safe base64, masked ones."""
 _KEY_VALUE = r"[\w.~+=*…-]"
 """An ``api_key=`` value's characters: as a token's, but a ``/`` ends it (what follows in a URL is kept)."""
+_LETTERS = r"(?:(?=[A-Za-z]*[a-z])(?=[A-Za-z]*[A-Z])[A-Za-z]{16,}|[A-Za-z]{24,})(?![\w.~+/=*…-])"
+"""A token of letters alone: 16 or more of both cases, or 24 or more of one (no word is that long), and
+nothing of a token's after them (``header_is_missing``, ``authentication/authorization`` are words)."""
 CREDENTIAL = re.compile(
     rf"\b(?:{'|'.join(KEY_PREFIXES)})-(?:(?=[\w*.…-]*[\d*…])[\w*.…-]{{3,}}[\w*…]|[\w-]{{16,}})"
     rf"|\b(?:{'|'.join(OTHER_KEY_PREFIXES)})[-_](?=[\w*.…-]*[\d*…])[\w*.…-]{{15,}}[\w*…]"
     r"|\bAIza[\w-]{30,}"  # Google's
     rf"|(?P<bearer>(?i:\bbearer\s+))"
-    rf"(?={_TOKEN}*[A-Za-z])(?:(?={_TOKEN}*[\d*…]){_TOKEN}{{8,}}|{_TOKEN}{{16,}})"
+    rf"(?:(?={_TOKEN}*[\d*…])(?={_TOKEN}*[A-Za-z]){_TOKEN}{{8,}}|{_LETTERS})"
     rf"|(?P<label>(?i:\b(?:x-)?api[-_]?key[\"']?\s*[:=]\s*[\"']?))"
-    rf"(?={_KEY_VALUE}*[A-Za-z])(?:(?={_KEY_VALUE}*[\d*…]){_KEY_VALUE}{{8,}}|{_KEY_VALUE}{{16,}})"
+    rf"(?:(?={_KEY_VALUE}*[\d*…])(?={_KEY_VALUE}*[A-Za-z]){_KEY_VALUE}{{8,}}|{_LETTERS})"
 )
 """What a provider's error text may show of a key or an account, left out of the error reply: OpenAI's 401
 names the key masked (``sk-proj-abc…wxyz``), a 429 the ``org-…`` id, a server may echo the header it was
 sent (``Bearer <token>``) or ``api_key=<token>``. A token after ``Bearer`` or ``api_key:`` holds a letter
-and is 16 characters long at least, or 8 with a digit, ``*`` or ``…``, so ``the bearer of`` or
-``bearer 12345678`` is none. (A backend leaves out its own key, whatever its shape, before: this catches
-what the server shows of others and of masked ones.)"""
+and a digit, ``*`` or ``…`` and is 8 characters long at least, or is letters alone (:data:`_LETTERS`), so
+``the bearer of``, ``bearer 12345678`` or ``Bearer authentication/authorization`` is none. (A backend leaves
+out its own key, whatever its shape, before: this catches what the server shows of others and of masked
+ones.)"""
 EMPTY_ANSWER = "empty_answer"
 """The error kind of a backend's final answer with nothing in it (an unexplained refusal, a filter)."""
 CUT_AT_LENGTH = ("length", "max_tokens")

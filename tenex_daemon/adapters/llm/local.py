@@ -135,11 +135,13 @@ class _LoadedModel:
 _MODELS: dict[_ModelKey, _LoadedModel] = {}
 _MODELS_LOCK = threading.Lock()
 _THREADS: dict[_ModelKey, ThreadPoolExecutor] = {}
+_THREADS_LOCK = threading.Lock()
+"""Apart from :data:`_MODELS_LOCK`, which a model's load holds for seconds: the event loop takes this one."""
 
 
 def _thread(key: _ModelKey) -> ThreadPoolExecutor:
     """The one thread that runs the model's generations, one after the other."""
-    with _MODELS_LOCK:
+    with _THREADS_LOCK:
         thread = _THREADS.get(key)
         if thread is None:
             thread = _THREADS[key] = ThreadPoolExecutor(1, thread_name_prefix="tenexd-local-model")

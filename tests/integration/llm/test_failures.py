@@ -118,8 +118,10 @@ async def test_http_errors_map_to_kinds(
 LLAMA_SERVER_TOO_LONG = [
     "the request exceeds the available context size, try increasing it",
     "request (5000 tokens) exceeds the available context size (2048 tokens), try increasing it",
+    "request refused",
 ]
-"""llama.cpp's server's texts for a prompt over its context (older builds, newer builds)."""
+"""llama.cpp's server's texts for a prompt over its context (older builds, newer builds), and a wording of no
+build, which its error type alone tells."""
 
 
 @pytest.mark.parametrize("message", LLAMA_SERVER_TOO_LONG)

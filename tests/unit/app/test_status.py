@@ -155,12 +155,12 @@ def test_no_relay_connected_for_a_minute_is_degraded() -> None:
 
 def test_an_outbox_stuck_past_its_warning_and_an_agent_whose_runs_all_fail_are_degraded() -> None:
     """A signed event waiting past ``daemon.outbox_warn_after_s`` for a relay to take it (relays refusing or
-    silent: the replies reach nobody), and an agent whose last three runs each ended in an error reply (its
-    backend failing), make the daemon degraded with the reason; a shorter wait, two failures in a row, or a
-    run since that answered, do not."""
+    silent: the replies reach nobody), and an agent whose last three runs each ended in an error reply of its
+    backend, the newest within 15 minutes, make the daemon degraded with the reason; a shorter wait, two
+    failures in a row, older ones, a run since that answered, or messages too long for the model, do not."""
     from tenex_daemon.app.metrics import Metrics
     from tenex_daemon.app.run_observer import MetricsObserver
-    from tenex_daemon.app.status import Backlog, degraded_reason
+    from tenex_daemon.app.status import FAILING_RECENT_S, Backlog, degraded_reason
     from tenex_daemon.services.runs import RunRequest
 
     assert degraded_reason(None, None, 0.0, backlog=Backlog(299.0, 300.0)) is None
@@ -169,33 +169,41 @@ def test_an_outbox_stuck_past_its_warning_and_an_agent_whose_runs_all_fail_are_d
     )
     observer = MetricsObserver(Metrics())
     request = RunRequest("c" * 64, "e" * 64, "alice")
+
+    def failing(after_s: float = 0.0) -> str | None:
+        return degraded_reason(None, None, 0.0, backlog=Backlog(failing=observer.failing, now=time.monotonic() + after_s))
+
     for _ in range(2):
         observer.run_finished(request, 0.1, "unreachable")
-    assert degraded_reason(None, None, 0.0, backlog=Backlog(failing=observer.failing)) is None
+    assert failing() is None
     observer.run_finished(request, 0.1, "unreachable")
-    assert degraded_reason(None, None, 0.0, backlog=Backlog(failing=observer.failing)) == (
-        "agent alice: its last 3 runs ended in an error reply (unreachable)"
-    )
+    assert failing() == "agent alice: its last 3 runs ended in an error reply (unreachable)"
+    assert failing(after_s=FAILING_RECENT_S) is None  # nobody wrote to it since: its next run will tell
     observer.run_finished(request, 0.1, None)
-    assert degraded_reason(None, None, 0.0, backlog=Backlog(failing=observer.failing)) is None
+    assert failing() is None
+    for _ in range(3):  # a person's messages too long for the model: no backend to mend
+        observer.run_finished(request, 0.1, "context_too_long")
+    assert failing() is None
 
 
 def test_a_subscription_every_relay_refuses_for_a_minute_is_degraded() -> None:
     """A relay connected but ending the daemon's subscription (``CLOSED restricted:``) hears nothing for it:
-    degraded once every reading relay has left the subscription unserved for a minute, not while one of them
-    serves it, nor before the minute."""
+    degraded once every connected reading relay has left the subscription unserved for a minute (a relay down
+    beside it serves nothing either), not while one of them serves it, nor before the minute."""
     from tenex_daemon.adapters.nostr.relay_pool import PoolHealth, RelayHealth, RelayState
     from tenex_daemon.app.status import degraded_reason
 
-    def relay(url: str, unserved: dict[str, tuple[float, str]]) -> RelayHealth:
-        return RelayHealth(url, RelayState.CONNECTED, True, True, None, 0, None, 0, {}, 0, False, None,
+    def relay(url: str, unserved: dict[str, tuple[float, str]], state: RelayState = RelayState.CONNECTED) -> RelayHealth:
+        return RelayHealth(url, state, True, True, None, 0, None, 0, {}, 0, False, None,
                            subscriptions_closed=len(unserved), unserved=unserved)
 
     refused = {"tenexd-mentions": (75.0, "restricted: members only")}
     one = PoolHealth((relay("ws://a", refused),), 0, 0, 0, 0, {})
     assert degraded_reason(one, None, 0.0) == (
-        "relays: subscription tenexd-mentions refused by every relay for 75 s (restricted: members only)"
+        "relays: subscription tenexd-mentions refused by every connected relay for 75 s (restricted: members only)"
     )
+    beside_one_down = PoolHealth((relay("ws://a", refused), relay("ws://b", {}, RelayState.BACKOFF)), 0, 0, 0, 0, {})
+    assert degraded_reason(beside_one_down, None, 0.0) == degraded_reason(one, None, 0.0)
     served_by_another = PoolHealth((relay("ws://a", refused), relay("ws://b", {})), 0, 0, 0, 0, {})
     assert degraded_reason(served_by_another, None, 0.0) is None
     young = PoolHealth((relay("ws://a", {"tenexd-mentions": (59.0, "restricted: members only")}),), 0, 0, 0, 0, {})

@@ -77,3 +77,28 @@ async def test_a_call_stopped_while_it_waits_for_the_model_never_runs(monkeypatc
     answers = await asyncio.wait_for(asyncio.gather(first, third), 10)
     assert [answer.text for answer in answers] == ["answered one", "answered three"]
     assert model.started == ["one", "three"]
+
+
+def test_the_models_thread_is_found_while_another_model_loads() -> None:
+    """A model's load holds the models' lock for seconds: finding a model's thread (on the event loop, at each
+    call) does not wait for it, so a call to one agent never freezes the loop while another's model loads."""
+    from tenex_daemon.adapters.llm import local
+
+    loading, loaded = threading.Event(), threading.Event()
+
+    def load() -> None:
+        with local._MODELS_LOCK:
+            loading.set()
+            loaded.wait(10)
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    loading.wait(10)
+    try:
+        found = threading.Thread(target=local._thread, args=(LocalBackend()._key,), daemon=True)
+        found.start()
+        found.join(5)
+        assert not found.is_alive()
+    finally:
+        loaded.set()
+        loader.join(10)

@@ -65,8 +65,8 @@ async def test_keys_of_other_providers_shapes_are_redacted(cast: Cast, key: str)
         ("GET /v1?api_key=abc12345/models", "GET /v1?api_key=<redacted>/models"),
         ("Bearer abcdefgh/ijkl5678mnop", "Bearer <redacted>"),
         ("Bearer wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY rejected", "Bearer <redacted> rejected"),
-        ("token Bearer abcdefghijklmnopqrstuvwx and", "token Bearer <redacted> and"),  # no digit, long
-        ("api_key=zzzzyyyyxxxxwwwwvvvv", "api_key=<redacted>"),
+        ("token Bearer abcdefghijklmnopqrstuvwx and", "token Bearer <redacted> and"),  # letters alone, long
+        ("api_key=ZzzzYyyyXxxxWwwwVvvv", "api_key=<redacted>"),  # letters of both cases
     ],
 )
 async def test_a_token_after_bearer_or_api_key_is_redacted_and_its_label_kept(
@@ -93,6 +93,11 @@ async def test_a_token_after_bearer_or_api_key_is_redacted_and_its_label_kept(
         "hf_hub_download_v2 failed",
         "model pplx-70b-online not found",
         "bearer 12345678",
+        "expected Bearer authentication/authorization header",
+        "Bearer error=invalid_token,error_description=expired",
+        "Invalid api_key: please_check_your_configuration",
+        "x-api-key: header_is_missing_or_invalid",
+        "Expected bearer misconfiguration.",
         "model gpt-4o-2024-08-06 overloaded",
         "event " + "ab" * 32 + " by npub1sn0wdenkukak0d9dfczzeacvhkrgz92ak56egt7vdgzn8pv2wfqqhrjdv9",
     ],
