@@ -13,8 +13,8 @@ and ``tenexd_descriptions_pending`` (conversations' titles and summaries),
 The relay pool's own counters are read from its health at scrape time (:meth:`Metrics.watch_pool`):
 ``tenexd_frames_rejected_total{reason}``, ``tenexd_events_duplicate_total``,
 ``tenexd_intake_handler_errors_total``, ``tenexd_intake_retries_total``, ``tenexd_intake_retry_pending``,
-``tenexd_intake_retry_dropped_total``
-``tenexd_relay_reconnects_total{url}`` and ``tenexd_relay_subscriptions_closed_total{url}``.
+``tenexd_intake_retry_dropped_total``, ``tenexd_relay_reconnects_total{url}`` and
+``tenexd_relay_subscriptions_closed_total{url}``.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class RelayConnection:
         self.auth_retried_subs: set[str] = set()
         self.ok_sizes = self.oks.sizes
         """Per event id a publish awaits an ``OK`` for (:attr:`pending_ok`): the size of its EVENT frame."""
-        self.refused = ClosedSubscriptions(settings, self.log, spawn, spec.url)
+        self.refused = ClosedSubscriptions(settings, self.log, spawn, spec.url, self._resubscribe)
         """The live subscriptions the relay ended (``CLOSED``): sent after a backoff again; those unserved."""
         self.challenge: str | None = None
         """The newest AUTH challenge not answered yet (answered one at a time)."""
@@ -261,7 +261,7 @@ class RelayConnection:
         self.connected_since = time.time()
         self.closed = asyncio.get_running_loop().create_future()
         self.auth_retried_subs.clear()
-        self.refused.resubscribes.clear()
+        self.refused.reconnected()
         self.log.info("relay connected", reconnects=self.reconnects, **self.outage.ended())
         if self.spec.read:
             for sub in self.subscriptions.live():
@@ -542,7 +542,7 @@ class RelayConnection:
             self.log.info("subscription needs auth; re-sending after AUTH", subscription=sub_id)
             self.spawn(self._resend_req_after_auth(sub), f"resubscribe {self.url}")
         else:
-            self.refused.closed(sub_id, message.prefix, message.message, self.connects, self._resubscribe)
+            self.refused.closed(sub_id, message.prefix, message.message, self.connects)
 
     async def _resubscribe(self, sub_id: str, generation: int, delay: float) -> None:
         """Send a live subscription's REQ again after ``delay``, unless a reconnect sent it meanwhile (or it
@@ -616,7 +616,7 @@ class RelayConnection:
             await self.send_req(sub)
         else:
             unheard = "auth-required: not authenticated"
-            self.refused.closed(sub.sub_id, "auth-required", unheard, self.connects, self._resubscribe)
+            self.refused.closed(sub.sub_id, "auth-required", unheard, self.connects)
 
     async def _resend_after_auth(self, frame: str) -> None:
         if await self.wait_authenticated(self.settings.auth_timeout):

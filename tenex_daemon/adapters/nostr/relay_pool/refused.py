@@ -24,13 +24,14 @@ class ClosedSubscriptions:
     """One connection's subscriptions the relay ended: their REQs' backoff, and which still go unserved."""
 
     def __init__(
-        self, settings: PoolSettings, log: Any, spawn: Spawn, url: str,
+        self, settings: PoolSettings, log: Any, spawn: Spawn, url: str, resend: Resend,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
         self._log = log
         self._spawn = spawn
         self._url = url
+        self._resend_req = resend
         self._clock = clock
         self.resubscribes: dict[str, tuple[int, float]] = {}
         """Per live subscription the relay ended with ``CLOSED`` on this connection: its REQs sent again
@@ -43,7 +44,11 @@ class ClosedSubscriptions:
         self.total = 0
         """``CLOSED`` answers to live subscriptions, since start."""
 
-    def closed(self, sub_id: str, prefix: str, reason: str, connection: int, resend: Resend) -> None:
+    def reconnected(self) -> None:
+        """A new connection: the backoff of REQs sent again starts over."""
+        self.resubscribes.clear()
+
+    def closed(self, sub_id: str, prefix: str, reason: str, connection: int) -> None:
         """The relay ended a live subscription while the connection stays up: send its REQ again (from its
         cursor, as a reconnect does) after a backoff that grows with each ``CLOSED`` on this connection,
         unless the subscription stayed up ``stable_after`` seconds; longer for refusals unlikely to change
@@ -67,11 +72,11 @@ class ClosedSubscriptions:
         self._log.warning("subscription closed by relay; re-sending it later", subscription=sub_id,
                           message=reason[:300], retry_in=round(delay, 2))
         self.resubscribing.add(waiting)
-        self._spawn(self._resend(waiting, delay, resend), f"resubscribe {self._url}")
+        self._spawn(self._resend(waiting, delay), f"resubscribe {self._url}")
 
-    async def _resend(self, waiting: tuple[str, int], delay: float, resend: Resend) -> None:
+    async def _resend(self, waiting: tuple[str, int], delay: float) -> None:
         try:
-            await resend(*waiting, delay)
+            await self._resend_req(*waiting, delay)
         finally:
             self.resubscribing.discard(waiting)
 
