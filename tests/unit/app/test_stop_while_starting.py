@@ -18,8 +18,8 @@ from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.wiring import build_store
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult
 from tenex_daemon.services.conversation_manager import ConversationManager
-from tenex_daemon.services.run_journal import RunRequest
-from tenex_daemon.services.runs import PENDING_RUNS_KEY, RunScheduler
+from tenex_daemon.services.descriptions import DescriptionJobs
+from tenex_daemon.services.runs import PENDING_RUNS_KEY
 from tenex_daemon.testing import EventFactory, KeyPair
 
 
@@ -58,7 +58,8 @@ async def test_a_stop_asked_while_starting_does_not_wait_for_the_runs_the_start_
     at once, not after the 30 s grace period, and the run stays journaled for the next start."""
     asked = asyncio.Event()
     daemons: list[Daemon] = []
-    recover = RunScheduler.recover
+    stopped: list[float] = []
+    recover_descriptions = DescriptionJobs.recover
 
     async def connected(self: RelayPool, count: int = 1, within: float = 10.0) -> bool:
         return True
@@ -66,10 +67,13 @@ async def test_a_stop_asked_while_starting_does_not_wait_for_the_runs_the_start_
     async def no_announcement(self: Daemon, signers: object) -> None:
         return None
 
-    async def recover_then_stop(self: RunScheduler) -> list[RunRequest]:
-        taken = await recover(self)
+    async def stop_once_asked(self: DescriptionJobs) -> int:
+        # the start holds here, after it took the journaled run up, until that run's model is asked: a stop
+        # asked before the run got that far (a loaded machine) would not prove the run is not waited for
+        await asyncio.wait_for(asked.wait(), 15)
         daemons[0].request_stop()  # the start goes on to its end: the stop is seen once it has
-        return taken
+        stopped.append(time.monotonic())
+        return await recover_descriptions(self)
 
     async def slow_model(self: OfflineBackend, request: CompletionRequest) -> CompletionResult:
         asked.set()
@@ -78,18 +82,17 @@ async def test_a_stop_asked_while_starting_does_not_wait_for_the_runs_the_start_
 
     monkeypatch.setattr(RelayPool, "wait_connected", connected)
     monkeypatch.setattr(Daemon, "_announce", no_announcement)
-    monkeypatch.setattr(RunScheduler, "recover", recover_then_stop)
+    monkeypatch.setattr(DescriptionJobs, "recover", stop_once_asked)
     monkeypatch.setattr(OfflineBackend, "complete", slow_model)
     home = tmp_path / "h"
     init_home(home, relays=["ws://127.0.0.1:1"])
     conversation_id = await journal_a_run(home)
     daemons.append(Daemon(load_settings(home, {"TENEX_DAEMON__GRACE_PERIOD_S": "30"})))
-    started = time.monotonic()
 
-    await asyncio.wait_for(daemons[0].run(), 20)
+    await asyncio.wait_for(daemons[0].run(), 30)
 
     assert asked.is_set()  # the start took the run up before it saw the stop
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - stopped[0] < 10
     assert [e["conversation_id"] for e in await journaled(home) if "agent_slug" in e] == [conversation_id]
 
 
