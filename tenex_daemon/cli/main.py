@@ -31,9 +31,20 @@ app = TenexTyper(
 )
 
 
+def print_version(asked: bool) -> None:
+    """``tenexd --version``: the version, as ``tenexd version`` prints it, and nothing else run."""
+    if asked:
+        daemon_commands.version()
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     home: Annotated[str | None, typer.Option("--home", help=HOME_HELP)] = None,
+    version: Annotated[
+        bool,
+        typer.Option("--version", help="Print the version and exit.", callback=print_version, is_eager=True),
+    ] = False,
 ) -> None:
     """tenexd: the conversation brain of a team of AI agents on Nostr."""
     # `home` is read from the context by the commands (invocation.home_of), with theirs first.

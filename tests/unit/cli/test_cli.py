@@ -14,6 +14,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from tenex_daemon import __version__
 from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.settings import load_settings
 from tenex_daemon.app.status import DaemonState, new_status, write_status
@@ -505,3 +506,17 @@ def test_a_listing_shortens_a_long_title_and_json_keeps_it_whole(home: Path) -> 
     rows = json.loads(tenexd(home, "conversations", "list", "--json")[1])
     assert [r["title"] for r in (rows["conversations"] if isinstance(rows, dict) else rows)] == [title.strip()]
     assert tenexd_json(home, "conversations", "show", cid)["title"] == title.strip()
+
+
+def test_version_option_prints_what_the_version_command_prints_and_runs_nothing_else(tmp_path: Path) -> None:
+    """`tenexd --version` prints the version `tenexd version` prints and exits 0, even before a command it
+    then does not run (no home is made)."""
+    runner = CliRunner()
+    command = runner.invoke(app, ["version"], catch_exceptions=False)
+    option = runner.invoke(app, ["--version"], catch_exceptions=False)
+    before_init = runner.invoke(app, ["--version", "init", "--home", str(tmp_path / "h")], catch_exceptions=False)
+
+    assert (option.exit_code, option.output) == (0, command.output)
+    assert option.output.strip() == __version__
+    assert (before_init.exit_code, before_init.output) == (0, command.output)
+    assert not (tmp_path / "h").exists()
