@@ -89,8 +89,30 @@ def build_store(settings: Settings) -> Store:
         )
     from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 
-    home = Path(settings.storage.path) if settings.storage.path else settings.home
-    return FileSystemStore(home, fsync=settings.storage.fsync, cache_size=settings.storage.cache_size)
+    return FileSystemStore(
+        filesystem_store_home(settings), fsync=settings.storage.fsync, cache_size=settings.storage.cache_size
+    )
+
+
+def filesystem_store_home(settings: Settings) -> Path:
+    """The folder whose ``conversations/`` a filesystem store keeps: ``storage.path``, else the home."""
+    return Path(settings.storage.path) if settings.storage.path else settings.home
+
+
+def store_to_read(settings: Settings) -> bool:
+    """Whether a command that only reads should open the configured store: false only for a filesystem
+    store whose ``conversations/`` folder is not there yet, under folders (no daemon ran on it, or
+    ``storage.path`` names another folder), as opening would create it. A file in the way, or a folder
+    this user may not look in, is left to opening, which says so."""
+    if settings.storage.kind is not StorageKind.FILESYSTEM:
+        return True
+    root = place = filesystem_store_home(settings) / "conversations"
+    try:
+        while not place.exists():
+            place = place.parent
+        return place == root or not place.is_dir()
+    except OSError:
+        return True
 
 
 def build_thread_manager(store: Store) -> ThreadManager:

@@ -11,6 +11,7 @@ from typing import Any
 
 from tenex_daemon.adapters.nostr.signer import KeyFileError
 from tenex_daemon.adapters.storage.filesystem import StoreLockedError
+from tenex_daemon.adapters.storage.memory import MemoryStore
 from tenex_daemon.app.control.errors import ApiError
 from tenex_daemon.app.control.parsing import parse_search
 from tenex_daemon.app.control.views import conversation_json, preview_context, summary_json
@@ -18,7 +19,7 @@ from tenex_daemon.app.home import load_agents, load_project_pubkey
 from tenex_daemon.app.personas import persona_specs
 from tenex_daemon.app.settings import Settings, StorageKind
 from tenex_daemon.app.store_check import serves_this_project
-from tenex_daemon.app.wiring import build_store, routing_system_prompt
+from tenex_daemon.app.wiring import build_store, routing_system_prompt, store_to_read
 from tenex_daemon.cli.client import ApiAccess, daemon_session
 from tenex_daemon.cli.references import AccessError, ConversationAccess
 from tenex_daemon.core.errors import (
@@ -141,8 +142,11 @@ async def _mapped(awaitable: Any) -> Any:
 
 
 @asynccontextmanager
-async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
-    """Yield access through the daemon's control API if it answers, else through the store itself."""
+async def open_access(settings: Settings, create: bool = False) -> AsyncIterator[ConversationAccess]:
+    """Yield access through the daemon's control API if it answers, else through the store itself. A
+    filesystem store not made yet is read as an empty one and left unmade unless ``create`` (a command that
+    writes conversations): ``conversations list`` in a new home, or with a mistyped ``storage.path``,
+    leaves no empty store behind."""
     daemon = await daemon_session(settings)
     if daemon is not None:
         session, base_url = daemon
@@ -156,7 +160,7 @@ async def open_access(settings: Settings) -> AsyncIterator[ConversationAccess]:
         project = load_project_pubkey(settings)
     except KeyFileError as exc:
         raise AccessError(str(exc), 400) from None
-    store = build_store(settings)
+    store = build_store(settings) if create or store_to_read(settings) else MemoryStore()
     try:
         await store.open()
     except StoreLockedError as exc:

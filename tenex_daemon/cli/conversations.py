@@ -394,7 +394,7 @@ async def _rebuild(settings: Settings, request: RebuildRequest, progress: Progre
         if progress is not None and task is not None:
             progress.update(task, description="merging conversations", completed=done, total=total)
 
-    async with open_access(settings) as access:
+    async with open_access(settings, create=True) as access:
         if isinstance(access, ApiAccess):
             return await access.rebuild(_rebuild_body(request))
         assert isinstance(access, LocalAccess)

@@ -520,3 +520,14 @@ def test_version_option_prints_what_the_version_command_prints_and_runs_nothing_
     assert option.output.strip() == __version__
     assert (before_init.exit_code, before_init.output) == (0, command.output)
     assert not (tmp_path / "h").exists()
+
+
+def test_reading_a_home_no_daemon_ran_in_lists_nothing_and_creates_no_store(home: Path) -> None:
+    """In a home whose daemon never ran, `conversations list`, `search` and `show` answer as for an empty store
+    (an empty list, exit 0; not found, exit 1) and leave no `conversations/` folder behind."""
+    listed = tenexd_json(home, "conversations", "list")
+    searched = tenexd_json(home, "conversations", "search", "x")
+    shown, _ = tenexd(home, "conversations", "show", "abcd")
+
+    assert (listed, searched, shown) == ([], [], 1)
+    assert not (home / "conversations").exists()
