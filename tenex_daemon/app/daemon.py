@@ -241,6 +241,7 @@ class Daemon:
                 "failed": scheduler.failed if scheduler is not None else 0,
                 "dropped": scheduler.dropped if scheduler is not None else 0,
                 "with_error": dict(self._observer.error_replies),
+                "parked": scheduler.parked if scheduler is not None else {},
             },
             "last_event_at": self.last_event_at,
             "events": {

@@ -123,6 +123,9 @@ class RunCounts(TypedDict):
     with_error: dict[str, int]
     """Of ``completed``, those whose backend failed (a wrong key, a provider down), answered with an error
     reply, by the failure's kind."""
+    parked: dict[str, int]
+    """Runs a journal holds for an agent not configured (removed or renamed), by its slug: kept, run at a
+    start with the agent configured again (``run_parked``)."""
 
 
 class LatencySummary(TypedDict):
@@ -259,7 +262,7 @@ class StatusData(TypedDict):
          "uptime_s": 12.5, "home": "/srv/tenex", "relays": [{"url": "ws://127.0.0.1:7777",
          "state": "connected", "reconnects": 0, ...}], "conversations": {"total": 3, "archived": 0,
          "by_phase": {"chat": 2, "plan": 1}}, "runs_in_flight": 1,
-         "runs": {"completed": 9, "failed": 0, "dropped": 0, "with_error": {}},
+         "runs": {"completed": 9, "failed": 0, "dropped": 0, "with_error": {}, "parked": {}},
          "last_event_at": 1.7e9, "events": {"accepted": 10, "rejected": {"author_not_allowed": 2},
          "duplicates": 4, "own_copies": 2}, "replies": 7,
          "reply_latency": {"count": 7, "p50_ms": 8.1, "p99_ms": 20.3},
@@ -371,7 +374,7 @@ def new_status(
         relays=[],
         conversations=ConversationCounts(total=0, archived=0, by_phase={}),
         runs_in_flight=0,
-        runs=RunCounts(completed=0, failed=0, dropped=0, with_error={}),
+        runs=RunCounts(completed=0, failed=0, dropped=0, with_error={}, parked={}),
         last_event_at=None,
         events=EventCounts(accepted=0, rejected={}, duplicates=0, own_copies=0, retry_dropped=0),
         replies=0,

@@ -291,6 +291,9 @@ def _print_status_data(data: dict[str, Any]) -> None:
         f"{_tally(runs.get('with_error'))}; tries failed {runs.get('failed', 0)} (each tried again), "
         f"runs given up {runs.get('dropped', 0)}"
     )
+    parked = _numbers(runs.get("parked"))
+    if parked:  # messages unanswered until their agent is configured again
+        out.print(f"runs kept for agents not configured {_tally(parked)}: run once they are configured again")
     fallbacks = _numbers(data.get("routing_fallbacks"))
     if fallbacks:  # the orchestrator's model did not decide: routed by the rules or to the default agent
         out.print(f"routing without the model's decision {_tally(fallbacks)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, replace
@@ -254,6 +255,11 @@ class RunScheduler:
         return self.has_runs(conversation_id) or any(
             entry["conversation_id"] == conversation_id for entry in self._parked.values()
         )
+
+    @property
+    def parked(self) -> dict[str, int]:
+        """The runs kept in the journal because their agent is not configured, by agent slug."""
+        return dict(Counter(str(entry["agent_slug"]) for entry in self._parked.values()))
 
     def redoing(self, event_id: str, conversation_id: str) -> None:
         """A dispatch a previous process left (:meth:`dispatches_to_redo`) is of a stored event of

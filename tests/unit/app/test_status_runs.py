@@ -65,7 +65,7 @@ def test_the_human_status_shows_runs_completed_answered_with_an_error_and_tries_
     settings = load_settings(home)
     status = new_status("0.0.0", home=str(home))
     status["state"] = DaemonState.RUNNING.value
-    status["runs"] = {"completed": 5, "failed": 1, "dropped": 1, "with_error": {"auth": 3}}
+    status["runs"] = {"completed": 5, "failed": 1, "dropped": 1, "with_error": {"auth": 3}, "parked": {}}
     write_status(settings.status_path, status)
 
     code, out = tenexd(home, "status")
@@ -77,6 +77,24 @@ def test_the_human_status_shows_runs_completed_answered_with_an_error_and_tries_
         in " ".join(out.split())
     )
     assert json.loads(as_json)["status"]["runs"]["with_error"] == {"auth": 3}
+
+
+def test_the_human_status_shows_runs_kept_for_agents_not_configured(home: Path) -> None:
+    """Runs a journal holds for an agent no longer configured (parked: its messages unanswered) show in
+    `tenexd status` by agent, not only in the log; with none parked the line is left out."""
+    settings = load_settings(home)
+    status = new_status("0.0.0", home=str(home))
+    status["state"] = DaemonState.RUNNING.value
+    write_status(settings.status_path, status)
+    _, without = tenexd(home, "status")
+    status["runs"]["parked"] = {"carol": 2}
+    write_status(settings.status_path, status)
+
+    code, out = tenexd(home, "status")
+
+    assert code == 0
+    assert "runs kept for agents not configured 2 (carol 2)" in " ".join(out.split())
+    assert "agents not configured" not in without
 
 
 async def test_a_stop_notice_is_no_reply_published_nor_a_reply_latency(cast: Cast) -> None:

@@ -216,8 +216,10 @@ async def test_a_journaled_run_of_an_agent_no_longer_configured_is_parked_not_tr
     assert [e["agent"] for e in logs if e["event"] == "run_parked"] == ["carol"]
     assert not [e for e in logs if e["event"] in ("run_retry", "run_agent_unknown")]
     assert [(e["conversation_id"], e["agent_slug"]) for e in journal] == [(root.id, "carol")]
+    assert rig.scheduler.parked == {"carol": 1}  # what status shows
     await rig.scheduler.cancel(root.id)  # a stop of the conversation takes it out too
     assert json.loads(await rig.store.get_meta(runs.PENDING_RUNS_KEY) or "[]") == []
+    assert rig.scheduler.parked == {}
 
 
 async def test_a_parked_run_is_answered_once_its_agent_is_configured_again(cast: Cast) -> None:
