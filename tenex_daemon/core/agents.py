@@ -58,6 +58,20 @@ class AgentDirectory:
         self.project_pubkey = project_pubkey
         self.owner_pubkey = owner_pubkey
 
+    @classmethod
+    def of(
+        cls, agents: Iterable[Agent] | AgentDirectory, project_pubkey: str | None, owner_pubkey: str | None
+    ) -> AgentDirectory:
+        """``agents`` as a directory: a directory itself (the project's and owner's keys set on it when
+        given), or a new one."""
+        if not isinstance(agents, AgentDirectory):
+            return cls(agents, project_pubkey, owner_pubkey)
+        if project_pubkey is not None:
+            agents.project_pubkey = project_pubkey
+        if owner_pubkey is not None:
+            agents.owner_pubkey = owner_pubkey
+        return agents
+
     def __iter__(self) -> Iterator[Agent]:
         return iter(self._by_slug.values())
 

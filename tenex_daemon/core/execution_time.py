@@ -45,10 +45,10 @@ class ExecutionTime(BaseModel):
         self.last_updated = now_ms
         return added
 
-    def add_run(self, started_ms: int, now_ms: int) -> int:
-        """Add the working time of one run that started at ``started_ms`` and ends now (rounded half
-        up to seconds, as :meth:`stop`); return the seconds added. A live session is left as it is."""
-        added = _round_half_up_seconds(now_ms - started_ms)
+    def add_run(self, duration_ms: int, now_ms: int) -> int:
+        """Add the working time of one run that lasted ``duration_ms`` and ends now (rounded half up to
+        seconds, as :meth:`stop`); return the seconds added. A live session is left as it is."""
+        added = _round_half_up_seconds(duration_ms)
         self.total_seconds += added
         self.last_updated = max(self.last_updated, now_ms)
         return added

@@ -170,10 +170,14 @@ class ProfileNames(Protocol):
 
 
 class Clock(Protocol):
-    """Wall-clock time in milliseconds since the epoch."""
+    """Wall-clock time in milliseconds since the epoch, and a clock for durations."""
 
     def now_ms(self) -> int:
         """Return the current time in milliseconds."""
+
+    def monotonic_ms(self) -> int:
+        """Return milliseconds on a clock no step of the wall clock moves (its origin is arbitrary): what a
+        duration within one process is measured on."""
 
 
 class SystemClock:
@@ -182,6 +186,10 @@ class SystemClock:
     def now_ms(self) -> int:
         """Return ``time.time()`` in milliseconds."""
         return time.time_ns() // 1_000_000
+
+    def monotonic_ms(self) -> int:
+        """Return ``time.monotonic()`` in milliseconds."""
+        return time.monotonic_ns() // 1_000_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -250,7 +250,7 @@ class AgentRunner:
             interval = self._partial_interval
             streamer = PartialStreamer(profile.backend, self._partials, interval, slug, thread, trigger.id)
             profile = replace(profile, backend=streamer)
-        started_ms = self._manager.now_ms()
+        started_ms = self._manager.run_clock_ms()
         try:
             # nothing is stored before the reply: what the agent saw is saved with it, in one write
             # a run's trigger goes last: what was saved after it while it waited (the agent's own answer

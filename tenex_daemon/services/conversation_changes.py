@@ -121,7 +121,8 @@ class RunRecord:
     context: AgentContext
     """The context the agent answered from (its last processed index, session, transitions seen)."""
     started_ms: int
-    """When the run started (its working time counts until the reply is saved)."""
+    """When the run started, on :meth:`ConversationManager.run_clock_ms` (its working time counts until the
+    reply is saved)."""
     session_id: str | None = None
     """The backend's new session, if it reported one (None keeps the context's)."""
     add_tokens: tuple[int, int] | None = None

@@ -87,14 +87,7 @@ class ConversationManager:
         task_session_ttl_h: float = DEFAULT_TASK_SESSION_TTL_H,
     ) -> None:
         self._store = store
-        if isinstance(agents, AgentDirectory):
-            self.agents = agents
-            if project_pubkey is not None:
-                self.agents.project_pubkey = project_pubkey
-            if owner_pubkey is not None:
-                self.agents.owner_pubkey = owner_pubkey
-        else:
-            self.agents = AgentDirectory(agents, project_pubkey, owner_pubkey)
+        self.agents = AgentDirectory.of(agents, project_pubkey, owner_pubkey)
         self._references = References(resolver, resolve_timeout)
         self._names = names
         """People's profile names (none: people are labelled by short npub)."""
@@ -327,7 +320,7 @@ class ConversationManager:
                 raise ConversationArchivedError(conversation_id)
             now = self._clock.now_ms()
             with_run = conversation.execution_time.model_copy()
-            with_run.add_run(run.started_ms, now)
+            with_run.add_run(self._clock.monotonic_ms() - run.started_ms, now)
             reply = await compose(conversation, with_run.total(now))
             reply.require_valid_id()
             kept = StateBeforeReply.of(conversation, agent.slug)
@@ -366,14 +359,18 @@ class ConversationManager:
         return reply
 
     async def add_run_time(self, conversation_id: str, started_ms: int) -> None:
-        """Count a run that ended without a reply (it failed) in the conversation's working time."""
+        """Count a run that ended without a reply (it failed; ``started_ms``: :meth:`run_clock_ms`)."""
         async with self._locked(conversation_id) as conversation:
-            conversation.execution_time.add_run(started_ms, self._clock.now_ms())
+            conversation.execution_time.add_run(self._clock.monotonic_ms() - started_ms, self._clock.now_ms())
             await self._save(conversation)
 
     def now_ms(self) -> int:
-        """The manager's clock (a run's start is taken from it)."""
+        """The manager's wall clock."""
         return self._clock.now_ms()
+
+    def run_clock_ms(self) -> int:
+        """A run's start (:attr:`RunRecord.started_ms`), on a clock no step of the wall clock moves."""
+        return self._clock.monotonic_ms()
 
     def _history_view(self, conversation_id: str, agent_slug: str) -> HistoryView:
         """Return the memo of this agent's history messages (bounded LRU)."""

@@ -95,13 +95,24 @@ class FakeClock:
 
     def __init__(self, now_ms: int = 1_700_000_000_000) -> None:
         self.now = now_ms
+        self.monotonic = 0
+        """The duration clock's reading: moved by :meth:`advance`, not by :meth:`step`."""
 
     def now_ms(self) -> int:
         """Return the current fake time."""
         return self.now
 
+    def monotonic_ms(self) -> int:
+        """Return the fake duration clock's reading."""
+        return self.monotonic
+
     def advance(self, milliseconds: int) -> None:
-        """Move the clock forward."""
+        """Move the clock forward: time passes."""
+        self.now += milliseconds
+        self.monotonic += milliseconds
+
+    def step(self, milliseconds: int) -> None:
+        """Set the wall clock by ``milliseconds`` (back when negative), as NTP does: no time passes."""
         self.now += milliseconds
 
 

@@ -54,6 +54,40 @@ async def test_a_45_minute_run_adds_2700_seconds(cast: Cast) -> None:
     assert [e.pubkey for e in conversation.history] == [cast.user.pubkey, cast.alice.pubkey]
 
 
+class SteppedClockModel:
+    """A model that takes two minutes to answer, while the wall clock is set by ``step_ms``."""
+
+    name = "stepped"
+
+    def __init__(self, clock: FakeClock, step_ms: int) -> None:
+        self.clock = clock
+        self.step_ms = step_ms
+
+    async def complete(self, request: CompletionRequest) -> CompletionResult:
+        """Two minutes pass; the wall clock is set meanwhile; then answer."""
+        self.clock.advance(MINUTE_MS)
+        self.clock.step(self.step_ms)
+        self.clock.advance(MINUTE_MS)
+        return CompletionResult(text="Done.", model="stepped")
+
+
+async def test_a_wall_clock_set_during_a_run_neither_adds_nor_takes_off_working_time(cast: Cast) -> None:
+    """Two-minute runs during which the wall clock is set a day ahead, then an hour back (NTP, a person),
+    add 120 s each: a run's time is measured on the monotonic clock, not the wall clock."""
+    store, clock = MemoryStore(), FakeClock()
+    ahead = rig_with(cast, SteppedClockModel(clock, 24 * 60 * MINUTE_MS), store, clock)
+    root = cast.user_says("Think", kind=11, tags=[["p", cast.alice.pubkey]])
+    await ahead.dispatcher.handle(root)
+    await ahead.settle()
+    after_ahead = await ahead.manager.execution_seconds(root.id)
+    back = rig_with(cast, SteppedClockModel(clock, -60 * MINUTE_MS), store, clock)
+    await back.dispatcher.handle(cast.user_says("Again", kind=1111, tags=[["E", root.id], ["p", cast.alice.pubkey]]))
+    await back.settle()
+
+    assert after_ahead == 120
+    assert await back.manager.execution_seconds(root.id) == 240
+
+
 async def test_a_crashed_run_redone_after_a_restart_counts_only_the_redone_run(cast: Cast) -> None:
     """A run cut off by a crash counts nothing; after a restart 20 minutes later (within the stale window)
     the redone 1-minute run adds 60 s: neither the lost run nor the downtime is counted."""
