@@ -2,11 +2,11 @@
 
 The daemon rewrites ``<home>/run/status.json`` every few seconds (atomically: temp
 file, fsync, ``os.replace``). The reader never talks to the daemon, so it works when
-the daemon is stuck: a file whose ``updated_at`` is older than ``stale_after_s`` is
-*stale*, except one in state ``starting`` whose process is still the one that wrote it (its
-identity checked): a start writes the file as it begins and again once it serves, however long
-it takes. A missing file, a file the daemon marked ``stopped``, or one whose process is
-gone means *stopped*.
+the daemon is stuck: a file older than ``stale_after_s`` is *stale* (its age read on the boot
+clock when it was written in this boot, so a wall clock set meanwhile changes nothing), except
+one in state ``starting`` whose process is still the one that wrote it (its identity checked): a
+start writes the file as it begins and again once it serves, however long it takes. A missing
+file, a file the daemon marked ``stopped``, or one whose process is gone means *stopped*.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from tenex_daemon.app.files import write_text_atomic
-from tenex_daemon.runtime.boot import boot_id
+from tenex_daemon.runtime.boot import boot_id, boot_seconds
 from tenex_daemon.runtime.code_id import code_id
 
 if TYPE_CHECKING:
@@ -319,6 +319,11 @@ class StatusData(TypedDict):
     process: str | None
     """The daemon process's identity beside its pid (:func:`process_identity`): a pid a crashed daemon
     left, taken since by another process, is not taken for the daemon."""
+    boot_id: NotRequired[str | None]
+    """The machine's boot when the file was written (:func:`write_status` adds it; the API's has none)."""
+    updated_boot_s: NotRequired[float]
+    """When the file was written, on that boot's clock (seconds since boot): its age, read in the same boot,
+    is what no step of the wall clock (NTP, a person) moves."""
 
 
 def relay_statuses(health: PoolHealth | None) -> list[RelayStatus]:
@@ -398,7 +403,8 @@ def new_status(
 def write_status(path: str | os.PathLike[str], data: StatusData) -> None:
     """Write ``data`` as JSON atomically: temp file beside it, fsync, ``os.replace``, fsync the folder.
 
-    ``updated_at`` is set to now (and ``uptime_s``, from ``started_at``, when the data has none). The
+    ``updated_at`` is set to now, ``boot_id`` and ``updated_boot_s`` to this boot's (and ``uptime_s``, from
+    ``started_at``, when the data has none). The
     file is created with mode 0600 and its folder with 0700 if missing. Blocking: call
     it from a thread (``asyncio.to_thread``) inside the event loop.
     """
@@ -407,6 +413,7 @@ def write_status(path: str | os.PathLike[str], data: StatusData) -> None:
     payload: dict[str, Any] = dict(data)
     now = time.time()
     payload["updated_at"] = now
+    payload["boot_id"], payload["updated_boot_s"] = boot_id(), round(boot_seconds(), 3)
     started = payload.get("started_at")
     if isinstance(started, int | float) and not isinstance(payload.get("uptime_s"), int | float):
         payload["uptime_s"] = round(max(0.0, now - float(started)), 3)
@@ -516,7 +523,8 @@ def read_status(
     path: str | os.PathLike[str], stale_after_s: float, *, now: float | None = None, home: Path | None = None
 ) -> StatusReport:
     """Read the status file and judge it: running, stale or stopped (see :class:`Health`); with ``home``, a
-    file another home's daemon wrote (this home a copy of that one) reads as stopped.
+    file another home's daemon wrote (this home a copy of that one) reads as stopped. Its age is read on the
+    boot clock when it was written in this boot, else on the wall clock (``now``, when given: the caller's).
 
     Never raises for a missing, unreadable or malformed file: that is a report too; but a file this user may
     not read raises PermissionError: who may not read it cannot tell whether the daemon runs.
@@ -556,7 +564,21 @@ def read_status(
         except FileNotFoundError:  # removed since it was read (a stop's last write replaces it): as read
             updated = moment
     age = max(0.0, moment - updated)
+    if now is None:
+        age = _boot_age(data, age)
     return _judge(data, age, stale_after_s, target, f"status updated {age:.1f} s ago", home)
+
+
+def _boot_age(data: Mapping[str, Any], wall_age: float) -> float:
+    """The seconds since a status file was written, on the boot clock when it was written in this boot (a
+    wall clock set since, forward or back, changes nothing); else ``wall_age``."""
+    written = data.get("updated_boot_s")
+    if not isinstance(written, int | float) or isinstance(written, bool) or not math.isfinite(written):
+        return wall_age
+    boot = data.get("boot_id")
+    if not isinstance(boot, str) or boot != boot_id():
+        return wall_age
+    return max(0.0, boot_seconds() - float(written))
 
 
 def live_report(data: dict[str, Any], path: str | os.PathLike[str], file_age_s: float | None) -> StatusReport:

@@ -272,3 +272,48 @@ def test_a_status_file_copied_with_its_home_is_not_taken_for_this_homes_daemon(t
     assert in_copy.state is Health.STOPPED
     assert in_copy.reason.startswith(f"not running here: the status file is the daemon's of {original}")
     assert in_original.state is Health.RUNNING
+
+
+def _written_then_clock_set(path: Path, wall_step_s: float, boot_age_s: float, boot: str | None = None) -> None:
+    """A running daemon's status file, written ``boot_age_s`` ago on the boot clock, read after the wall
+    clock was set by ``wall_step_s`` (its ``updated_at`` moved back by as much, as a reader sees it)."""
+    data = new_status("0.1.0")
+    data["state"] = "running"
+    write_status(path, data)
+    written = json.loads(path.read_text())
+    written["updated_at"] -= wall_step_s + boot_age_s
+    written["updated_boot_s"] -= boot_age_s
+    if boot is not None:
+        written["boot_id"] = boot
+    path.write_text(json.dumps(written))
+
+
+def test_a_wall_clock_set_since_the_status_was_written_does_not_change_its_age(tmp_path: Path) -> None:
+    """The status file carries its boot and the boot clock's reading: a file written 2 s ago reads as fresh
+    though the wall clock was set an hour ahead since (it read as stale, exit 1), and one written 100 s ago
+    reads as stale though the wall clock was set two minutes back (it read as fresh: a stuck daemon hidden)."""
+    fresh, stuck = tmp_path / "fresh.json", tmp_path / "stuck.json"
+    _written_then_clock_set(fresh, wall_step_s=3600, boot_age_s=2)
+    _written_then_clock_set(stuck, wall_step_s=-120, boot_age_s=100)
+
+    fresh_report, stuck_report = read_status(fresh, 30), read_status(stuck, 30)
+
+    assert fresh_report.state is Health.RUNNING
+    assert fresh_report.age_s is not None
+    assert 2 <= fresh_report.age_s < 10
+    assert stuck_report.state is Health.STALE
+    assert stuck_report.age_s is not None
+    assert stuck_report.age_s >= 100
+
+
+def test_a_status_file_of_another_boot_is_aged_on_the_wall_clock(tmp_path: Path) -> None:
+    """A boot clock reading is only compared within its boot: a file another boot wrote (the machine
+    restarted since) is judged by its ``updated_at``, as a file without the boot fields is."""
+    path = tmp_path / "status.json"
+    _written_then_clock_set(path, wall_step_s=3600, boot_age_s=2, boot="another-boot")
+
+    report = read_status(path, 30)
+
+    assert report.state is Health.STALE
+    assert report.age_s is not None
+    assert report.age_s >= 3600
