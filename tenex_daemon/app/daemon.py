@@ -223,7 +223,7 @@ class Daemon:
         scheduler = self.pipeline.scheduler if self.pipeline is not None else None
         ignored = dict(self.events_ignored)
         rejected = {**(dict(pool_health.rejects) if pool_health is not None else {}), **ignored}
-        outbox = outbox_status(self.pipeline.outbox if self.pipeline is not None else None, now)
+        outbox = outbox_status(self.pipeline.outbox if self.pipeline is not None else None)
         return StatusData({
             "version": __version__,
             "code": code_id(),

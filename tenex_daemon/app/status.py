@@ -173,11 +173,11 @@ def no_descriptions() -> DescriptionStatus:
     )
 
 
-def outbox_status(outbox: Outbox | None, now: float) -> OutboxStatus:
+def outbox_status(outbox: Outbox | None) -> OutboxStatus:
     """The outbox's part of the status (zeros before the daemon built it)."""
     if outbox is None:
         return OutboxStatus(depth=0, oldest_age_s=None, delivered=0, retries=0, refused=0)
-    age = outbox.oldest_age_s(now)
+    age = outbox.oldest_age_s()
     return OutboxStatus(
         depth=outbox.depth,
         oldest_age_s=None if age is None else round(age, 3),

@@ -93,6 +93,18 @@ class OutboxEntry:
     unsaved: bool = False
     """Stored before its event is saved in its conversation (:meth:`Outbox.add_saving`): the stored form
     holds the event, and it is delivered only once saved."""
+    held_since: float = -1.0
+    """:attr:`first_at` on the monotonic clock (one recovered: its age then taken back from that clock's
+    reading), so its age in this process is what no step of the wall clock moves."""
+
+    def __post_init__(self) -> None:
+        if self.held_since < 0:
+            self.held_since = time.monotonic() - max(0.0, time.time() - self.first_at)
+
+    def age_s(self) -> float:
+        """Seconds since it was first added (across restarts; steps of the wall clock in this process
+        left out)."""
+        return max(0.0, time.monotonic() - self.held_since)
 
     def record(self) -> dict[str, object]:
         """The stored form (the event itself is in its conversation, or in ``e`` until it is saved there)."""
@@ -179,12 +191,12 @@ class Outbox:
         """Events waiting for a relay."""
         return len(self._entries)
 
-    def oldest_age_s(self, now: float | None = None) -> float | None:
-        """Seconds since the oldest waiting event was added, or None when none waits."""
+    def oldest_age_s(self) -> float | None:
+        """Seconds since the oldest waiting event was added (:meth:`OutboxEntry.age_s`), or None when none
+        waits."""
         if not self._entries:
             return None
-        oldest = min(entry.first_at for entry in self._entries.values())
-        return max(0.0, (time.time() if now is None else now) - oldest)
+        return max(entry.age_s() for entry in self._entries.values())
 
     # --- adding and delivering ------------------------------------------------------------------
 
@@ -342,14 +354,14 @@ class Outbox:
         return None
 
     def _warn_if_old(self, entry: OutboxEntry) -> None:
-        if entry.warned or time.time() - entry.first_at < self._warn_after:
+        if entry.warned or entry.age_s() < self._warn_after:
             return
         entry.warned = True
         log.warning(
             "outbox_entry_old",
             event_id=entry.event.id,
             conversation_id=entry.conversation_id,
-            age_s=round(time.time() - entry.first_at, 1),
+            age_s=round(entry.age_s(), 1),
             attempts=entry.attempts,
             error=entry.last_error,
             action="kept; tried again with backoff and on every relay (re)connect",

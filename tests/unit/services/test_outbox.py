@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 import structlog
@@ -145,6 +146,33 @@ async def test_an_old_entry_is_logged_once_and_kept(cast: Cast) -> None:
     assert outbox.depth == 1
     await outbox.close()
     assert await stored_ids(store) == [reply.id]
+
+
+async def test_a_waiting_entrys_age_counts_time_passed_not_steps_of_the_wall_clock(
+    cast: Cast, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry's age (status's oldest age, the degraded check, ``outbox_entry_old``) is time that passed: a
+    wall clock set an hour ahead after it was added leaves it young (it read as an hour old: degraded); one
+    read back at a restart keeps the age it had (its stored first time)."""
+    store, publisher = MemoryStore(), FakePublisher()
+    root, reply = await saved_reply(store, cast)
+    publisher.fail = True
+    first = Outbox(store, publisher, backoff_start_s=30.0)
+    await first.add(root.id, reply, agent_slug="alice", trigger_id=root.id)
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 3600)  # the clock set an hour ahead
+    stepped = first.oldest_age_s()
+    await first.close()
+    monkeypatch.setattr(time, "time", lambda: wall() + 120)  # restarted two minutes later (set right again)
+    second = Outbox(store, publisher, backoff_start_s=30.0)
+    await second.recover(store.find_event)
+
+    assert stepped is not None
+    assert stepped < 60
+    recovered = second.oldest_age_s()
+    assert recovered is not None
+    assert 120 <= recovered < 180
+    await second.close()
 
 
 @pytest.mark.parametrize("times", [1, 2])
