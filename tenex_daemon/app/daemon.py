@@ -63,6 +63,7 @@ from tenex_daemon.app.status import (
     process_identity,
     relay_statuses,
     retention_status,
+    run_counts,
     write_status,
 )
 from tenex_daemon.app.stop_signals import StopSignals
@@ -236,13 +237,7 @@ class Daemon:
             "relays": relay_statuses(pool_health),
             "conversations": self._conversation_counts,
             "runs_in_flight": scheduler.in_flight if scheduler is not None else 0,
-            "runs": {
-                "completed": scheduler.completed if scheduler is not None else 0,
-                "failed": scheduler.failed if scheduler is not None else 0,
-                "dropped": scheduler.dropped if scheduler is not None else 0,
-                "with_error": dict(self._observer.error_replies),
-                "parked": scheduler.parked if scheduler is not None else {},
-            },
+            "runs": run_counts(scheduler, self._observer.error_replies),
             "last_event_at": self.last_event_at,
             "events": {
                 "accepted": sum(self.events_accepted.values()),

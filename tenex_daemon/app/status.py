@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from tenex_daemon.services.descriptions import DescriptionJobs
     from tenex_daemon.services.outbox import Outbox
     from tenex_daemon.services.retention import Sweeper, SweepReport, SweepTotals
+    from tenex_daemon.services.runs import RunScheduler
 
 
 class DaemonState(StrEnum):
@@ -184,6 +185,16 @@ def outbox_status(outbox: Outbox | None) -> OutboxStatus:
         delivered=outbox.delivered,
         retries=outbox.retries,
         refused=outbox.refused,
+    )
+
+
+def run_counts(scheduler: RunScheduler | None, error_replies: Mapping[str, int]) -> RunCounts:
+    """The runs' part of the status (zeros before the daemon built its scheduler)."""
+    if scheduler is None:
+        return RunCounts(completed=0, failed=0, dropped=0, with_error=dict(error_replies), parked={})
+    return RunCounts(
+        completed=scheduler.completed, failed=scheduler.failed, dropped=scheduler.dropped,
+        with_error=dict(error_replies), parked=scheduler.parked,
     )
 
 
