@@ -4,6 +4,8 @@ builds the same way (:func:`build_pipeline`)."""
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -89,30 +91,31 @@ def build_store(settings: Settings) -> Store:
         )
     from tenex_daemon.adapters.storage.filesystem import FileSystemStore
 
-    return FileSystemStore(
-        filesystem_store_home(settings), fsync=settings.storage.fsync, cache_size=settings.storage.cache_size
-    )
-
-
-def filesystem_store_home(settings: Settings) -> Path:
-    """The folder whose ``conversations/`` a filesystem store keeps: ``storage.path``, else the home."""
-    return Path(settings.storage.path) if settings.storage.path else settings.home
+    storage = settings.storage
+    folder = settings.conversations_path.parent
+    return FileSystemStore(folder, fsync=storage.fsync, cache_size=storage.cache_size)
 
 
 def store_to_read(settings: Settings) -> bool:
     """Whether a command that only reads should open the configured store: false only for a filesystem
     store whose ``conversations/`` folder is not there yet, under folders (no daemon ran on it, or
-    ``storage.path`` names another folder), as opening would create it. A file in the way, or a folder
-    this user may not look in, is left to opening, which says so."""
+    ``storage.path`` names another folder), as opening would create it. Anything else in the way (a file,
+    a link to nothing: an unmounted disk, a folder this user may not look in) is left to opening, which
+    says so."""
     if settings.storage.kind is not StorageKind.FILESYSTEM:
         return True
-    root = place = filesystem_store_home(settings) / "conversations"
-    try:
-        while not place.exists():
+    root = place = settings.conversations_path
+    while True:
+        try:
+            found = place.stat()
+        except FileNotFoundError:
+            if os.path.islink(place) or place.parent == place:
+                return True
             place = place.parent
-        return place == root or not place.is_dir()
-    except OSError:
-        return True
+            continue
+        except OSError:
+            return True
+        return place == root or not stat.S_ISDIR(found.st_mode)
 
 
 def build_thread_manager(store: Store) -> ThreadManager:

@@ -93,6 +93,8 @@ class ConversationManager:
         """People's profile names (none: people are labelled by short npub)."""
         self.phase_rules = phase_rules or PhaseRules()
         self._clock: Clock = clock or SystemClock()
+        # a clock of before monotonic_ms (now_ms alone): runs are timed on the system's monotonic clock
+        self._run_clock = getattr(self._clock, "monotonic_ms", None) or SystemClock().monotonic_ms
         self._locks = KeyedLock()
         self._views: OrderedDict[tuple[str, str], HistoryView] = OrderedDict()
         self._on_ended: list[Callable[[str], None]] = []
@@ -320,7 +322,7 @@ class ConversationManager:
                 raise ConversationArchivedError(conversation_id)
             now = self._clock.now_ms()
             with_run = conversation.execution_time.model_copy()
-            with_run.add_run(self._clock.monotonic_ms() - run.started_ms, now)
+            with_run.add_run(self._run_clock() - run.started_ms, now)
             reply = await compose(conversation, with_run.total(now))
             reply.require_valid_id()
             kept = StateBeforeReply.of(conversation, agent.slug)
@@ -361,7 +363,7 @@ class ConversationManager:
     async def add_run_time(self, conversation_id: str, started_ms: int) -> None:
         """Count a run that ended without a reply (it failed; ``started_ms``: :meth:`run_clock_ms`)."""
         async with self._locked(conversation_id) as conversation:
-            conversation.execution_time.add_run(self._clock.monotonic_ms() - started_ms, self._clock.now_ms())
+            conversation.execution_time.add_run(self._run_clock() - started_ms, self._clock.now_ms())
             await self._save(conversation)
 
     def now_ms(self) -> int:
@@ -370,7 +372,7 @@ class ConversationManager:
 
     def run_clock_ms(self) -> int:
         """A run's start (:attr:`RunRecord.started_ms`), on a clock no step of the wall clock moves."""
-        return self._clock.monotonic_ms()
+        return self._run_clock()
 
     def _history_view(self, conversation_id: str, agent_slug: str) -> HistoryView:
         """Return the memo of this agent's history messages (bounded LRU)."""

@@ -93,13 +93,12 @@ class OutboxEntry:
     unsaved: bool = False
     """Stored before its event is saved in its conversation (:meth:`Outbox.add_saving`): the stored form
     holds the event, and it is delivered only once saved."""
-    held_since: float = -1.0
+    held_since: float = field(init=False)
     """:attr:`first_at` on the monotonic clock (one recovered: its age then taken back from that clock's
     reading), so its age in this process is what no step of the wall clock moves."""
 
     def __post_init__(self) -> None:
-        if self.held_since < 0:
-            self.held_since = time.monotonic() - max(0.0, time.time() - self.first_at)
+        self.held_since = time.monotonic() - max(0.0, time.time() - self.first_at)
 
     def age_s(self) -> float:
         """Seconds since it was first added (across restarts; steps of the wall clock in this process

@@ -531,3 +531,17 @@ def test_reading_a_home_no_daemon_ran_in_lists_nothing_and_creates_no_store(home
 
     assert (listed, searched, shown) == ([], [], 1)
     assert not (home / "conversations").exists()
+
+
+def test_a_storage_path_linking_to_nothing_is_an_error_not_an_empty_store(home: Path, tmp_path: Path) -> None:
+    """`storage.path` a link to a folder that is not there (a disk not mounted) makes `conversations list`
+    exit 2 saying the store cannot be opened, as before: only a store not made yet reads as empty."""
+    link = tmp_path / "mounted"
+    link.symlink_to(tmp_path / "not-mounted")
+    config = home / "config.toml"
+    config.write_text(config.read_text().replace("[storage]", f'[storage]\npath = "{link}"', 1))
+
+    code, _ = tenexd(home, "conversations", "list")
+
+    assert code == 2
+    assert not (tmp_path / "not-mounted").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -45,3 +46,28 @@ def test_without_daemon_or_relays_it_says_where_to_set_them(home: Path) -> None:
 
     assert code == 2
     assert "relays.urls" in output
+
+
+def test_a_rebuild_in_a_home_no_daemon_ran_in_merges_into_its_store(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rebuild in a home without a store yet (a lost home remade: the README's restore) merges into the
+    home's filesystem store, made for it, not into an empty store read in its place (the reading commands'):
+    what it merged is there for the daemon."""
+    from tenex_daemon.adapters.storage.filesystem import FileSystemStore
+    from tenex_daemon.app import rebuild as rebuild_module
+    from tenex_daemon.app.rebuild import RebuildReport
+
+    merged_into: list[object] = []
+
+    async def fake_rebuild(settings: object, manager: Any, request: object, progress: object) -> RebuildReport:
+        merged_into.append(manager.store)
+        return RebuildReport()
+
+    monkeypatch.setattr(rebuild_module, "rebuild_from_relays", fake_rebuild)
+
+    code, output = tenexd(home, "conversations", "rebuild", "--all")
+
+    assert code == 0, output
+    assert [type(store) for store in merged_into] == [FileSystemStore]
+    assert (home / "conversations").is_dir()

@@ -10,6 +10,7 @@ import contextlib
 from tenex_daemon import MemoryStore
 from tenex_daemon.core.llm import CompletionRequest, CompletionResult, LLMBackend
 from tenex_daemon.services.agent_runner import AgentProfile
+from tenex_daemon.services.conversation_manager import ConversationManager
 from tenex_daemon.testing import FakeClock
 from tenex_daemon.testing.fakes import StuckBackend
 from tests import pipeline
@@ -116,3 +117,23 @@ async def test_a_crashed_run_redone_after_a_restart_counts_only_the_redone_run(c
         for task in zombies:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+class WallOnlyClock:
+    """A library user's clock from before ``Clock.monotonic_ms``: the wall clock alone."""
+
+    def now_ms(self) -> int:
+        """The wall clock in milliseconds."""
+        return 1_700_000_000_000
+
+
+async def test_a_clock_without_a_monotonic_reading_still_times_runs(cast: Cast) -> None:
+    """A manager given a clock with ``now_ms`` alone (written before the monotonic reading existed) times a
+    run that failed on the system's monotonic clock instead of failing: its time is counted (0 s here)."""
+    manager = ConversationManager(MemoryStore(), cast.agents, cast.project.pubkey, clock=WallOnlyClock())  # type: ignore[arg-type]
+    root = cast.user_says("Think", kind=11, tags=[["p", cast.alice.pubkey]])
+    await manager.create_conversation(root)
+
+    await manager.add_run_time(root.id, manager.run_clock_ms())
+
+    assert await manager.execution_seconds(root.id) == 0
