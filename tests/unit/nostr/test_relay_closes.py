@@ -204,22 +204,31 @@ async def close_every_req(relay: ScriptedRelay, ws: ServerConnection, n: int) ->
             await ws.send(json.dumps(["CLOSED", frame[1], relay.message]))
 
 
-async def _reqs_read_at(message: str, seconds: float) -> list[float]:
-    """When a relay that ends every REQ with ``message`` read each REQ, over ``seconds``."""
+async def _reqs_read_at(message: str, count: int, *, watched_s: float = 0.0) -> list[float]:
+    """When a relay that ends every REQ with ``message`` read each REQ: watched until it read ``count`` of
+    them (within 10 s) and ``watched_s`` seconds passed since the first."""
     relay = ScriptedRelay(close_every_req, message=message)
+
+    def reqs() -> list[float]:
+        return [at for frame, at in zip(relay.frames, relay.read_at, strict=True) if frame[0] == "REQ"]
+
     async with running(relay), RelayPool([relay.url], settings=FAST) as pool:
         await pool.subscribe("mentions", [{"kinds": [KIND_COMMENT]}])
-        await asyncio.sleep(seconds)
-    return [at for frame, at in zip(relay.frames, relay.read_at, strict=True) if frame[0] == "REQ"]
+        assert await until(lambda: len(reqs()) >= count, within=10)
+        await asyncio.sleep(max(0.0, reqs()[0] + watched_s - time.monotonic()))
+    return reqs()
 
 
 async def test_a_subscription_closed_again_and_again_is_sent_again_with_backoff_longer_when_refused() -> None:
     """A relay that ends every REQ gets it again with a growing backoff (no hot loop, nor given up); after a
-    refusal unlikely to change (``blocked:``) the wait is ten times longer."""
-    transient = await _reqs_read_at("error: try again", 1.2)
-    refused = await _reqs_read_at("blocked: not for you", 0.8)
-    assert 3 <= len(transient) <= 15  # waits of 0.025-0.05 s, doubling up to 0.1-0.2 s
-    assert len(refused) >= 2
+    refusal unlikely to change (``blocked:``) the wait is ten times longer. The waits are read off the
+    relay's own clock, so a slow machine only lengthens them."""
+    transient = await _reqs_read_at("error: try again", 3, watched_s=1.0)
+    refused = await _reqs_read_at("blocked: not for you", 2)
+    # waits of 0.025-0.05 s, then 0.05-0.1 s, doubling up to 0.1-0.2 s: at most 12 REQs in the first second
+    assert len([at for at in transient if at - transient[0] <= 1.0]) <= 12
+    assert transient[1] - transient[0] >= 0.025
+    assert transient[2] - transient[1] >= 0.05  # it grew
     assert refused[1] - refused[0] >= 0.25  # the first wait after ``blocked:`` is 0.25-0.5 s
 
 
