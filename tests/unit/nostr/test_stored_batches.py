@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
 from websockets.asyncio.client import ClientConnection
@@ -101,6 +101,15 @@ class Wire:
         return self.subscriptions.cursor("live", URL)
 
 
+async def until(check: Callable[[], bool], within: float) -> None:
+    """Poll ``check`` until it holds or ``within`` seconds passed."""
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.02)
+
+
 def messages(count: int, start: int) -> list[NostrEvent]:
     """``count`` messages of the person, a second apart from ``start`` on, oldest first."""
     return [sign_event(PERSON, f"message {n}", kind=11, created_at=start + n) for n in range(count)]
@@ -144,21 +153,24 @@ async def test_a_closed_before_eose_takes_a_first_subscriptions_stored_events_in
 
 async def test_a_relay_that_never_sends_eose_is_heard_after_the_fetch_timeout_and_then_as_events_come() -> None:
     """No EOSE comes: the events held are taken in (oldest first) once ``fetch_timeout`` has passed since the
-    REQ, and the next one goes in as it comes."""
+    REQ, not before, and the next one goes in as it comes."""
     one, two, three = messages(3, int(time.time()) - 30)
-    wire = Wire([], settings=PoolSettings(fetch_timeout=0.2))
+    fetch_timeout = 2.0
+    wire = Wire([], settings=PoolSettings(fetch_timeout=fetch_timeout))
 
+    sent_at = time.monotonic()
     await wire.subscribe()
     await wire.events(two, one)
-    await asyncio.sleep(0.1)
     await wire.delivery.settled()
     early = list(wire.handed)
-    await asyncio.sleep(0.3)
+    await until(lambda: len(wire.handed) >= 2, within=fetch_timeout + 5)
+    taken_in_after = time.monotonic() - sent_at
     await wire.settle()
     await wire.events(three)
     await wire.delivery.settled()
 
     assert early == []
+    assert taken_in_after >= fetch_timeout - 0.01  # asyncio may run a timer a hair early
     assert wire.handed == [one.id, two.id, three.id]
 
 
