@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,16 @@ class Clock:
 async def turn() -> None:
     for _ in range(3):
         await asyncio.sleep(0)
+
+
+async def until(check: Callable[[], bool], within: float = 10.0) -> bool:
+    """Poll ``check`` until it holds or ``within`` seconds passed; return whether it held."""
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
 
 
 async def test_pings_stop_while_a_write_waits_too_long_and_go_on_once_it_ends() -> None:
@@ -146,16 +158,18 @@ async def test_a_stuck_store_shows_as_degraded_in_the_status_without_systemd(
     monkeypatch.setattr(daemon_module, "PROBE_EVERY_S", 0.1)
     daemon = offline_daemon(tmp_path, monkeypatch)
     daemon.notifier = SystemdNotifier({})
+
+    def store_named() -> bool:
+        return "store: a write has waited" in (daemon.status()["degraded"] or "")
+
     dead_disk = threading.Event()
     running = asyncio.create_task(daemon.run())
     try:
         await asyncio.wait_for(daemon.wait_ready(), 30)
-        commit_thread().submit(dead_disk.wait, 30)  # every commit waits behind it from now on
-        await asyncio.sleep(1.0)
-        assert "store: a write has waited" in (daemon.status()["degraded"] or "")
+        commit_thread().submit(dead_disk.wait, 60)  # every commit waits behind it from now on
+        assert await until(store_named)
         dead_disk.set()
-        await asyncio.sleep(0.5)
-        assert daemon.status()["degraded"] is None
+        assert await until(lambda: not store_named())
     finally:
         dead_disk.set()
         daemon.request_stop()
@@ -187,29 +201,45 @@ async def test_the_daemon_stops_pinging_while_its_store_commit_hangs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The daemon under systemd's watchdog, its filesystem store's commit thread hung (an fsync on a dead
-    disk): the event loop turns, yet the pings stop once the watchdog's write waited past the bound, and go
-    on when the thread does."""
+    disk): the event loop turns, yet the pings stop once the watchdog's write waited past the bound (no ping
+    in the rounds after its status says so), and go on when the thread does."""
     monkeypatch.setattr(watchdog_module, "STORE_STUCK_AFTER_S", 0.5)
+    rounds = 0
+    beat = Watchdog.beat
+
+    def counted_beat(self: Watchdog) -> bool:
+        nonlocal rounds
+        rounds += 1
+        return beat(self)
+
+    monkeypatch.setattr(Watchdog, "beat", counted_beat)
     daemon = offline_daemon(tmp_path, monkeypatch)
     path = str(tmp_path / "notify.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(path)
     listener.setblocking(False)
     daemon.notifier = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"})  # a ping each 0.1 s
+    received = 0
+
+    def pinged(count: int) -> bool:
+        nonlocal received
+        received += pings(listener)
+        return received >= count
+
     dead_disk = threading.Event()
     running = asyncio.create_task(daemon.run())
     try:
         await asyncio.wait_for(daemon.wait_ready(), 30)
-        await asyncio.sleep(0.5)
-        assert pings(listener) >= 2
-        commit_thread().submit(dead_disk.wait, 30)  # every commit waits behind it from now on
-        await asyncio.sleep(1.0)  # the bound passes
-        pings(listener)
-        await asyncio.sleep(0.6)
+        assert await until(lambda: pinged(2))
+        commit_thread().submit(dead_disk.wait, 60)  # every commit waits behind it from now on
+        assert await until(lambda: "store: a write has waited" in (daemon.status()["degraded"] or ""))
+        pings(listener)  # those sent before the bound passed
+        since = rounds
+        assert await until(lambda: rounds >= since + 3)  # three rounds of the watchdog after it
         assert pings(listener) == 0
         dead_disk.set()
-        await asyncio.sleep(0.6)
-        assert pings(listener) >= 2
+        received = 0
+        assert await until(lambda: pinged(2))
         assert daemon.store is not None
         assert (await daemon.store.get_meta(WATCHDOG_KEY) or "").isdigit()  # what it writes
     finally:
