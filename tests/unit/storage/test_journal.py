@@ -11,7 +11,7 @@ import asyncio
 import errno
 import os
 import shutil
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -633,22 +633,27 @@ async def test_a_load_racing_an_append_never_caches_a_history_without_it(
     store._cache.clear()  # the next load reads the folder
     real_write, real_scan = journal.Journal.write, scan_folder
     reads = [0]
+    in_fsync, log_read, acknowledged = threading.Event(), threading.Event(), threading.Event()
 
     def slow_write(self: journal.Journal, *args: Any, **kwargs: Any) -> None:
-        time.sleep(0.2)  # a slow journal fsync
+        in_fsync.set()
+        assert log_read.wait(10)  # a slow journal fsync: it ends once the load read the log
         real_write(self, *args, **kwargs)
 
     def slow_scan(*args: Any, **kwargs: Any) -> Any:
         reads[0] += 1
         scanned = real_scan(*args, **kwargs)
-        time.sleep(0.4)  # a long log being parsed
+        if reads[0] == 1:
+            log_read.set()
+            assert acknowledged.wait(10)  # a long log being parsed while the append is acknowledged
         return scanned
 
     monkeypatch.setattr(journal.Journal, "write", slow_write)
     monkeypatch.setattr(store_module, "scan_folder", slow_scan)
     second = cast.alice_says("acknowledged while the log was read")
     appending = asyncio.create_task(store.append_event(conversation.id, second))
-    await asyncio.sleep(0.05)  # the group is in its journal fsync
+    appending.add_done_callback(lambda _: acknowledged.set())
+    assert await asyncio.to_thread(in_fsync.wait, 10)  # the group is in its journal fsync
     loaded = await store.load(conversation.id)
     await appending
     again = await store.load(conversation.id)
