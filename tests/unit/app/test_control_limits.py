@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from tenex_daemon.app.control import server as control_server
 from tenex_daemon.app.control.guard import LOGGED_CHARS, LOGGED_PER_INTERVAL, RefusalLog
 from tenex_daemon.app.control_api import ControlServer, create_app
 from tests.conftest import Cast
-from tests.unit.app.test_control_security import FakeTarget, base, bearer, call
+from tests.unit.app.test_control_security import FakeTarget, base, call
 
 HUGE_NUMBER = "1" * 5000
 """More digits than Python 3.11 reads into an int (4,300 by default)."""
@@ -64,6 +65,31 @@ async def socket_status(server: ControlServer) -> int:
         return response.status
 
 
+def refused_connections(server: ControlServer) -> float:
+    """The metric's count of the TCP connections closed for being past the cap."""
+    line = 'tenexd_control_requests_refused_total{reason="too_many_connections"} '
+    found = [text for text in server.target.metrics.render().decode().splitlines() if text.startswith(line)]
+    return float(found[0][len(line):]) if found else 0.0
+
+
+def tcp_status(server: ControlServer) -> int | None:
+    """The status of ``GET /api/v1/status`` with the token on one new TCP connection; None when the server
+    closed it unanswered (as it does past the cap). Blocking: run it off the server's event loop."""
+    assert server.tcp_address is not None
+    host, port = server.tcp_address
+    request = (
+        f"GET /api/v1/status HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {server.token}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    with socket.create_connection(server.tcp_address, timeout=5) as sock:
+        try:
+            sock.sendall(request.encode())
+            head = sock.recv(64)
+        except (ConnectionResetError, BrokenPipeError):
+            return None
+    return int(head.split()[1]) if head else None
+
+
 async def test_connections_past_the_cap_are_closed_and_the_owner_is_still_answered(
     manager: ConversationManager, tmp_path: Path, held: list[socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -71,6 +97,12 @@ async def test_connections_past_the_cap_are_closed_and_the_owner_is_still_answer
     and counted, and the owner is still answered on the socket and, once some close, on TCP."""
     monkeypatch.setattr(control_server, "IDLE_CONNECTION_S", 60)  # none is closed for being idle here
     cap, extra = control_server.TCP_CONNECTIONS_MAX, 8
+    closed: set[int] = set()
+
+    def count_closed() -> int:
+        closed.update(i for i, sock in enumerate(held) if i not in closed and closed_by_server(sock))
+        return len(closed)
+
     async with ControlServer(FakeTarget(manager), tmp_path / "control.sock", tcp_port=0) as server:
         assert server.tcp_address is not None
         for index in range(cap + extra):
@@ -78,17 +110,23 @@ async def test_connections_past_the_cap_are_closed_and_the_owner_is_still_answer
             if index % 2:  # half send a request they never finish
                 sock.sendall(b"GET /api/v1/status HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             held.append(sock)
-        await asyncio.sleep(0.5)
+        deadline = time.monotonic() + 5
+        while count_closed() < extra and time.monotonic() < deadline:  # noqa: ASYNC110 - polling sockets
+            await asyncio.sleep(0.02)
 
-        assert sum(closed_by_server(sock) for sock in held) == extra
+        assert count_closed() == extra
+        assert refused_connections(server) == extra
         assert await socket_status(server) == 200
+        assert count_closed() == extra  # and no more, after the server went on
         for sock in held[:extra]:
             sock.close()
-        await asyncio.sleep(0.2)
-        assert (await call("GET", f"{base(server)}/api/v1/status", bearer(server)))[0] == 200
-        metrics = server.target.metrics.render().decode()
-
-    assert f'tenexd_control_requests_refused_total{{reason="too_many_connections"}} {extra}.0' in metrics
+        refused_again = 0  # tries on TCP before the server saw those close (each refused, and counted)
+        deadline = time.monotonic() + 5
+        while (status := await asyncio.to_thread(tcp_status, server)) is None and time.monotonic() < deadline:
+            refused_again += 1
+            await asyncio.sleep(0.05)
+        assert status == 200
+        assert refused_connections(server) == extra + refused_again
 
 
 async def test_a_connection_that_sends_no_whole_request_is_closed(
