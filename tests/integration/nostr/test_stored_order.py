@@ -113,4 +113,4 @@ async def test_a_message_from_a_clock_ten_minutes_slow_is_heard_right_after_a_re
         await asyncio.sleep(0.5)  # the REQ is read and answered (EOSE): what comes next is live
         slow = message("from a phone whose clock is 10 min slow", int(time.time()) - 600)
         await publish_directly(real_relay.url, [slow])
-        assert await collector.wait_for(lambda c: slow.id in c.ids, within=3)
+        assert await collector.wait_for(lambda c: slow.id in c.ids, within=30)  # a relay lagging under load
