@@ -80,12 +80,13 @@ def build_store(settings: Settings) -> Store:
         assert settings.storage.dsn is not None  # the settings refuse postgres without one
         from tenex_daemon.adapters.storage.postgres import PostgresStore
 
-        # leases held around another: a channel's or task's, one per intake lane at most (a pool larger
-        # than that never runs out for good); names: a run lease per run, the daemon's own, a takeover's
+        # leases held around another: a channel's or task's, one per intake lane and one per run at most
+        # (a run's private answer points its channel: docs/ARCHITECTURE.md, "Lock order"), so a pool
+        # larger than that never runs out for good; names: a run lease per run, the daemon's own, a takeover's
         daemon = settings.daemon
         return PostgresStore(
             settings.storage.dsn,
-            lease_pool_size=daemon.intake_lanes + 4,
+            lease_pool_size=daemon.intake_lanes + daemon.max_concurrent_runs + 4,
             name_pool_size=daemon.max_concurrent_runs + 2,
             cache_size=settings.storage.cache_size,
         )

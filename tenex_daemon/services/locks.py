@@ -16,7 +16,8 @@ further down this list, so no two tasks ever wait on each other:
 4. ``ConversationLifecycle``'s per-channel or per-task lock, with the store's lease on the same key
    (``channel.<key>``, ``task.<id>``), taken when a person's kind-1 note or a task's event picks its
    conversation, and the dispatcher's per-root lock with the lease on ``adopted_root.<id>``, taken when a
-   reply whose root is missing starts its thread's conversation; nothing but the manager's steps (5, 6) is
+   reply whose root is missing starts its thread's conversation, and by a run whose private answer points
+   its channel to the conversation (and a start's redispatch); nothing but the manager's steps (5, 6) is
    taken under them. The dispatcher's
    per-conversation routing lock (one orchestrator decision at a time), taken
    when an event or a saved reply is routed, inside a run for replies.
@@ -26,8 +27,9 @@ further down this list, so no two tasks ever wait on each other:
 
 On PostgreSQL each held lease or name is a connection, so the pools follow this order too: names (a run
 lease, a daemon's own) come from a pool of their own, with a place for each run under the cap, and the
-leases of 4 and 6 from another, larger than the intake lanes (4 is the only lease held around another,
-by one intake lane at most each), so a task holding a connection never waits for good on its own pool.
+leases of 4 and 6 from another, larger than the intake lanes and runs together (4 is the only lease held
+around another, by one intake lane or run at most each), so a task holding a connection never waits for
+good on its own pool.
 
 ``RunScheduler``'s journal lock is a leaf: it is held only around one store write of the journal
 and nothing is taken under it but the store's own internal locks.

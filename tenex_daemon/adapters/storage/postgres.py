@@ -170,7 +170,7 @@ class PostgresStore:
     conversation's run lease, held across a whole run) another (``name_pool_size``). A held name
     then never starves the leases taken under it, nor a held lease the queries made under it.
     A lease pool larger than the number of leases ever held around another (a channel's or a task's,
-    taken by intake: one per intake lane) never runs out for good.
+    taken by intake and by runs: one per intake lane and one per run) never runs out for good.
     """
 
     def __init__(

@@ -251,3 +251,24 @@ def test_the_local_counter_uses_the_loaded_models_tokenizer(
     monkeypatch.setitem(local_module._MODELS, local._key, local_module._LoadedModel(ByteVocabulary()))
 
     assert local.count_tokens("héllo") == 6
+
+
+def test_a_postgres_lease_pool_has_a_place_for_every_lane_and_run_that_may_hold_a_lease_around_another(
+    tmp_path: Path,
+) -> None:
+    """On PostgreSQL a channel's or task's lease is held around a conversation's step by an intake lane or
+    by a run (its private answer points its channel): with no more connections than lanes plus four, eight
+    runs and a lane holding one each left none for the steps they waited on, and every write stopped for
+    good. The lease pool has a place for each lane and each run, and more."""
+    from tenex_daemon.adapters.storage.postgres import PostgresStore
+
+    init_home(tmp_path / "h")
+    settings = load_settings(tmp_path / "h", {
+        "TENEX_STORAGE__KIND": "postgres", "TENEX_STORAGE__DSN": "postgresql://localhost/tenex",
+        "TENEX_DAEMON__INTAKE_LANES": "3", "TENEX_DAEMON__MAX_CONCURRENT_RUNS": "8",
+    })
+
+    store = build_store(settings)
+
+    assert isinstance(store, PostgresStore)
+    assert store.lease_pool_size > 3 + 8
